@@ -1,0 +1,196 @@
+"""`MeshStrategy`: the one Lightning strategy for every layout, on one named N-D device mesh.
+
+Lightning's `ModelParallelStrategy` stops at a 2-D (data, tensor) mesh and leaves parallelism to the
+user's ``configure_model``. `MeshStrategy` builds the full (pp, dp_replicate, dp_shard, cp, tp) mesh,
+applies the technique plugins in a fixed order, and owns the parts of the optimizer step that a
+parallelism may replace (`forward_backward`, `grad_norm`, `after_optimizer_step`) and the
+checkpoint format (DCP, resharded on load).
+
+Subclass it, override one method, and select the subclass with ``strategy._target_=my_pkg.MyStrategy``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from torch import nn
+from typing_extensions import override
+
+from strategies import checkpoint as ckpt
+from strategies.fsdp import FSDP
+from strategies.grad_norm import clip_grads_, global_grad_norm
+from strategies.launch import ForkLauncher, HydraJobLauncher
+from strategies.parallel_dims import ParallelDims
+
+
+class MeshStrategy(ModelParallelStrategy):
+    """Builds the device mesh, parallelizes the model and runs the parallel parts of a step.
+
+    Args:
+        dp_replicate, dp_shard, cp, tp, pp: degrees (see `ParallelDims`); -1 fills the world.
+        fsdp: the FSDP2 plugin; used when dp_shard or dp_replicate > 1.
+        timeout_s: process-group timeout in seconds.
+        launcher: "subprocess" (the CLI: one child per rank per Hydra job) or "fork" (tests).
+    """
+
+    def __init__(
+        self,
+        dp_replicate: int = 1,
+        dp_shard: int = -1,
+        cp: int = 1,
+        tp: int = 1,
+        pp: int = 1,
+        *,
+        fsdp: FSDP | None = None,
+        timeout_s: float = 1800.0,
+        launcher: str = "subprocess",
+    ) -> None:
+        super().__init__(timeout=timedelta(seconds=timeout_s))
+        if launcher not in ("subprocess", "fork"):
+            raise ValueError(f"strategy.launcher={launcher!r} is unknown; use subprocess or fork")
+        self.dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp)
+        self.fsdp = fsdp or FSDP()
+        self.launcher_kind = launcher
+
+    # ------------------------------------------------------------------------------ processes
+    @override
+    def _configure_launcher(self) -> None:
+        if self.cluster_environment.creates_processes_externally:
+            return
+        if self.launcher_kind == "fork":
+            self._launcher = ForkLauncher(self)
+        else:
+            from hydra.core.hydra_config import HydraConfig
+
+            # Outside a Hydra job (a user's own script) Lightning's launcher re-runs argv as usual.
+            cls = HydraJobLauncher if HydraConfig.initialized() else _SubprocessScriptLauncher
+            self._launcher = cls(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        self._setup_distributed()  # ModelParallelStrategy's helper: process group + ranks (Lightning minor pinned)
+        self.dims = self.dims.resolve(self.world_size)
+        self._device_mesh = self.dims.build_mesh(self.root_device.type)
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        # Every pp, cp and tp rank of one data-parallel replica must see the same rows.
+        dp_mesh = self.device_mesh["dp"]
+        return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
+
+    def group(self, axis: str) -> dist.ProcessGroup:
+        """Process group of one mesh axis or flattened view ("dp", "dp_cp", "pp", ...)."""
+        return self.device_mesh[axis].get_group()
+
+    # ------------------------------------------------------------------------------ model
+    def parallelize(self, model: nn.Module) -> None:
+        """Applies the parallelisms to ``model`` in place, in a fixed order.
+
+        Order (later techniques wrap what earlier ones produced): pipeline split first (each rank
+        keeps its stage), then tensor parallel (DTensor-shards the Linear weights), then context
+        parallel attention, then activation checkpointing and compile (they wrap the TP'd blocks),
+        and FSDP last, so it shards whatever parameters the others left, on the dp axes only.
+        This core applies FSDP; the other plugins insert themselves at their place in this order.
+        """
+        if self.dims.dp > 1:
+            if self.dims.dp_replicate > 1:
+                dp_mesh = self.device_mesh["dp_replicate", "dp_shard"]
+            else:
+                dp_mesh = self.device_mesh["dp_shard"]
+            self.fsdp.apply(model, dp_mesh)
+
+    # ------------------------------------------------------------------------------ the step
+    def forward_backward(
+        self,
+        model: nn.Module,
+        micro_batches: Sequence[dict[str, torch.Tensor]],
+        loss_fn: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor],
+        backward: Callable[[torch.Tensor], None],
+    ) -> torch.Tensor:
+        """Forward and backward of every micro-batch of one optimizer step.
+
+        Args:
+            micro_batches: this rank's micro-batches, each a dict of [b, s] tensors.
+            loss_fn: returns the micro-batch loss, already divided by the step's global
+                supervised-token count (so the micro-batch losses of all ranks add up to the mean).
+            backward: the Task's ``manual_backward``.
+
+        Returns:
+            0-dim tensor: the sum of this rank's micro-batch losses (detached).
+        """
+        total = torch.zeros((), device=self.root_device)
+        last = len(micro_batches) - 1
+        for i, micro_batch in enumerate(micro_batches):
+            if hasattr(model, "set_requires_gradient_sync"):
+                # Reduce gradients once per step, after the last micro-batch, not once per micro-batch.
+                model.set_requires_gradient_sync(i == last)
+            loss = loss_fn(model, micro_batch)
+            backward(loss)
+            total += loss.detach()
+        return total
+
+    def grad_norm(self, parameters: Sequence[nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
+        """Global gradient norm over all shards, replicas and stages; equal on every rank."""
+        stage_groups = [self.group("pp")] if self.dims.pp > 1 else []
+        return global_grad_norm(parameters, norm_type=norm_type, stage_groups=stage_groups)
+
+    def clip_grads(self, parameters: Sequence[nn.Parameter], *, max_norm: float, total_norm: torch.Tensor) -> None:
+        clip_grads_(parameters, max_norm=max_norm, total_norm=total_norm)
+
+    def after_optimizer_step(self, model: nn.Module, step: int) -> None:
+        """Hook after each optimizer step (local-SGD outer steps live here). No-op by default."""
+
+    def all_reduce_sum(self, tensor: torch.Tensor, axis: str = "dp_cp") -> torch.Tensor:
+        """In-place SUM over one mesh axis (a no-op on a single rank); returns ``tensor``."""
+        if self.device_mesh[axis].size() > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group(axis))
+        return tensor
+
+    # ------------------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # gathered by DCP in save_checkpoint, once
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return {}  # gathered by DCP in save_checkpoint, once
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError("MeshStrategy.save_checkpoint does not take storage_options")
+        path = Path(self.broadcast(str(filepath)))
+        checkpoint.pop("state_dict", None)
+        checkpoint.pop("optimizer_states", None)
+        ckpt.save(path, model=self.lightning_module.model, optimizers=self._unwrapped_optimizers(), meta=checkpoint)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        return ckpt.load(path, model=self.lightning_module.model, optimizers=self._unwrapped_optimizers())
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            import shutil
+
+            shutil.rmtree(filepath, ignore_errors=True)
+
+    def _unwrapped_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [getattr(opt, "_optimizer", opt) for opt in self.optimizers]
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+

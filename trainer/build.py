@@ -1,0 +1,93 @@
+"""The one place that instantiates objects from a validated config (STYLE rule 8)."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from hydra.utils import get_class, instantiate
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from strategies.mesh import MeshStrategy
+from trainer.data.module import TextDataModule
+from trainer.task import Task
+
+
+def build_data(cfg: DictConfig) -> TextDataModule:
+    return instantiate(cfg.data, global_batch_size=cfg.train.global_batch_size, _convert_="all")
+
+
+def build_model(cfg: DictConfig, *, vocab_size: int) -> nn.Module:
+    """The model, initialised from ``cfg.seed`` (same weights at any world size)."""
+    torch.manual_seed(cfg.seed)
+    return instantiate(cfg.model, vocab_size=cfg.model.get("vocab_size") or vocab_size)
+
+
+def build_task(cfg: DictConfig, model: nn.Module, *, seq_len: int) -> Task:
+    return Task(
+        model=model,
+        objective=instantiate(cfg.objective),
+        optimizer=instantiate(cfg.optim, _convert_="all"),
+        scheduler=instantiate(cfg.scheduler) if cfg.scheduler is not None else None,
+        micro_batch_size=cfg.train.micro_batch_size,
+        max_grad_norm=cfg.train.max_grad_norm,
+        no_decay=tuple(cfg.train.no_decay),
+        eval_every=cfg.train.eval_every,
+        flops_per_token=model.flops_per_token(seq_len) if hasattr(model, "flops_per_token") else 0.0,
+    )
+
+
+def build_strategy(cfg: DictConfig, *, launcher: str = "subprocess") -> MeshStrategy:
+    return instantiate(cfg.strategy, launcher=launcher)
+
+
+def _with_dir(node: DictConfig, run_dir: Path, key: str, value: Any) -> Any:
+    """Instantiates ``node``, passing ``key=value`` when its target takes that argument."""
+    target = get_class(node._target_) if "_target_" in node else None
+    params = inspect.signature(target).parameters if target is not None else {}
+    return instantiate(node, **({key: str(value)} if key in params and node.get(key) is None else {}))
+
+
+def build_callbacks(cfg: DictConfig, run_dir: Path) -> list[L.Callback]:
+    callbacks = []
+    for name, node in (cfg.callbacks or {}).items():
+        if node is None or (name == "progress" and not cfg.trainer.enable_progress_bar):
+            continue
+        dirpath = run_dir / "checkpoints" if name == "checkpoint" else run_dir
+        callbacks.append(_with_dir(node, run_dir, "dirpath", dirpath))
+    return callbacks
+
+
+def build_loggers(cfg: DictConfig, run_dir: Path) -> list[Any]:
+    return [_with_dir(node, run_dir, "save_dir", run_dir) for node in (cfg.logger or {}).values() if node is not None]
+
+
+def build_trainer(cfg: DictConfig, run_dir: Path, *, launcher: str = "subprocess") -> L.Trainer:
+    trainer_cfg = OmegaConf.to_container(cfg.trainer)
+    return L.Trainer(
+        **trainer_cfg,
+        strategy=build_strategy(cfg, launcher=launcher),
+        callbacks=build_callbacks(cfg, run_dir),
+        logger=build_loggers(cfg, run_dir) or False,
+        default_root_dir=str(run_dir),
+        max_epochs=-1,  # max_steps ends the run
+        use_distributed_sampler=False,  # the global-batch sampler slices by dp rank itself
+        enable_checkpointing=False,  # PeriodicCheckpoint saves DCP directories
+        limit_val_batches=0,  # the Task evaluates at its own steps (step 0 included)
+        num_sanity_val_steps=0,
+        enable_model_summary=False,
+    )
+
+
+def build_run(cfg: DictConfig, run_dir: Path, *, launcher: str = "subprocess") -> tuple[L.Trainer, Task, TextDataModule]:
+    """Data (prepared), model, task and trainer of one run."""
+    data = build_data(cfg)
+    prepared = data.prepare()
+    model = build_model(cfg, vocab_size=prepared.tokenizer.vocab_size)
+    task = build_task(cfg, model, seq_len=data.seq_len)
+    trainer = build_trainer(cfg, run_dir, launcher=launcher)
+    return trainer, task, data

@@ -1,0 +1,48 @@
+"""``loss.png``: training and validation loss against optimizer steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+from typing_extensions import override
+
+
+def plot_losses(history: list[dict[str, float]], path: Path, title: str = "") -> None:
+    """Writes a PNG of train loss (per step) and validation loss (per evaluation) from a Task history."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [(h["step"], h["loss"]) for h in history if "loss" in h]
+    val = [(h["step"], h["val_loss"]) for h in history if "val_loss" in h]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    if train:
+        ax.plot(*zip(*train), label="train", linewidth=1.0)
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation", markersize=3)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+class LossPlot(L.Callback):
+    """Writes ``<dirpath>/loss.png`` at the end of training (rank 0).
+
+    Args:
+        dirpath: the run directory (the trainer sets it).
+    """
+
+    def __init__(self, dirpath: str | None = None) -> None:
+        self.dirpath = Path(dirpath) if dirpath else None
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.is_global_zero and self.dirpath is not None:
+            plot_losses(pl_module.history, self.dirpath / "loss.png", title=self.dirpath.name)

@@ -1,0 +1,66 @@
+"""``summary.json``: the headline figures of a run, for scripts (DESIGN section 1)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from typing_extensions import override
+
+
+def headline(history: list[dict[str, float]], *, tokens_seen: int, wall_time_s: float, steps: int) -> dict[str, Any]:
+    """First and final validation loss, tokens seen, wall time and tokens/s of a run's history."""
+    val = [h["val_loss"] for h in history if "val_loss" in h]
+    train = [h["loss"] for h in history if "loss" in h]
+    return {
+        "steps": steps,
+        "first_val_loss": val[0] if val else None,
+        "final_val_loss": val[-1] if val else None,
+        "final_train_loss": train[-1] if train else None,
+        "tokens_seen": tokens_seen,
+        "wall_time_s": round(wall_time_s, 3),
+        "tokens_per_s": round(tokens_seen / wall_time_s, 1) if wall_time_s > 0 else None,
+    }
+
+
+class Summary(L.Callback):
+    """Writes ``<dirpath>/summary.json`` at the end of training (rank 0); wall time survives resumes.
+
+    Args:
+        dirpath: the run directory (the trainer sets it).
+    """
+
+    def __init__(self, dirpath: str | None = None) -> None:
+        self.dirpath = Path(dirpath) if dirpath else None
+        self.wall_time_s = 0.0
+        self._since = 0.0
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._since = time.perf_counter()
+
+    def _elapsed(self) -> float:
+        return self.wall_time_s + (time.perf_counter() - self._since)
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.is_global_zero or self.dirpath is None:
+            return
+        summary = headline(
+            pl_module.history, tokens_seen=pl_module.tokens_seen, wall_time_s=self._elapsed(), steps=trainer.global_step
+        )
+        tmp = self.dirpath / "summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        os.replace(tmp, self.dirpath / "summary.json")
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"wall_time_s": self._elapsed() if self._since else self.wall_time_s}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.wall_time_s = state_dict["wall_time_s"]

@@ -1,0 +1,294 @@
+"""The root config schema and `validate(cfg)`: every problem at once, each naming its fix.
+
+Pluggable objects are ``_target_`` + kwargs nodes whose class signature is their schema; the
+run-wide fields are the dataclasses below. `validate` never mutates the composed config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import inspect
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from strategies.parallel_dims import LayoutError, ParallelDims
+
+
+class ConfigError(ValueError):
+    """An invalid configuration. ``problems`` holds one message per problem."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+@dataclass
+class TrainConfig:
+    """How one run trains, independent of the parallel layout.
+
+    Attributes:
+        global_batch_size: rows per optimizer step over all data-parallel ranks.
+        micro_batch_size: rows per forward/backward on one rank; grad_accum =
+            global_batch_size / (micro_batch_size x dp).
+        max_grad_norm: clip the global gradient norm to this (0 or null: no clipping).
+        no_decay: substrings of parameter names that get no weight decay.
+        eval_every: evaluate every this many steps (plus step 0 and the last step; 0: only those).
+    """
+
+    global_batch_size: int = 16
+    micro_batch_size: int = 16
+    max_grad_norm: float | None = 1.0
+    no_decay: list[str] = field(default_factory=lambda: ["tok_embeddings", "norm", "bias"])
+    eval_every: int = 50
+
+
+@dataclass
+class TrainerConfig:
+    """The Lightning ``Trainer`` arguments plait exposes (others are set by plait itself)."""
+
+    accelerator: str = "auto"
+    devices: int = 1
+    num_nodes: int = 1
+    precision: str = "32-true"
+    max_steps: int = 300
+    log_every_n_steps: int = 10
+    limit_train_batches: float | int | None = None
+    enable_progress_bar: bool = True
+    deterministic: bool | str = False
+
+
+@dataclass
+class RunConfig:
+    """Root of every recipe.
+
+    Attributes:
+        recipe: the recipe's name (names the default run directory).
+        run_dir: where this run writes config, checkpoints, logs and summary.
+        seed: global seed (model init, data split and shuffle).
+        resume: "last" (newest checkpoint of run_dir), or a checkpoint / run directory path.
+        objective, model, data, optim, scheduler, strategy: ``_target_`` nodes.
+        logger: named ``_target_`` nodes of Lightning loggers.
+        callbacks: named ``_target_`` nodes of Lightning callbacks.
+    """
+
+    recipe: str = "pretrain"
+    run_dir: str = "runs/pretrain"
+    seed: int = 0
+    resume: str | None = None
+    objective: Any = None
+    model: Any = None
+    data: Any = None
+    optim: Any = None
+    scheduler: Any = None
+    strategy: Any = None
+    logger: Any = None
+    callbacks: Any = None
+    train: TrainConfig = field(default_factory=TrainConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+# Arguments the trainer passes itself when it builds each object (not set in YAML).
+INJECTED = {
+    "model": {"vocab_size"},
+    "data": {"global_batch_size"},
+    "optim": {"params"},
+    "scheduler": {"optimizer", "total_steps", "last_epoch"},
+    "strategy": {"launcher"},
+}
+TARGET_NODES = ("objective", "model", "data", "optim", "scheduler", "strategy")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Checks a composed config before anything is launched or written.
+
+    Raises:
+        ConfigError: listing every problem found, each with the override that fixes it.
+    """
+    problems: list[str] = []
+    _check_dataclass(cfg, RunConfig, "", problems)
+    for name in TARGET_NODES:
+        if name in cfg and cfg[name] is not None:
+            _check_target(cfg[name], name, problems, injected=INJECTED.get(name, set()))
+    if "strategy" in cfg and isinstance(cfg.strategy, DictConfig) and isinstance(cfg.strategy.get("fsdp"), DictConfig):
+        _check_target(cfg.strategy.fsdp, "strategy.fsdp", problems)
+    for group in ("logger", "callbacks"):
+        node = cfg.get(group)
+        if isinstance(node, DictConfig):
+            for key, sub in node.items():
+                if sub is not None:
+                    _check_target(sub, f"{group}.{key}", problems, injected={"save_dir", "dirpath"})
+    if not problems:
+        _check_semantics(cfg, problems)
+    if problems:
+        raise ConfigError(problems)
+
+
+def _close(name: str, options: list[str]) -> str:
+    match = difflib.get_close_matches(name, options, n=1)
+    return f" (did you mean {match[0]}?)" if match else ""
+
+
+def _check_dataclass(node: Any, schema: type, prefix: str, problems: list[str]) -> None:
+    if not isinstance(node, DictConfig):
+        problems.append(f"{prefix or 'the config'} must be a mapping, got {type(node).__name__}")
+        return
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    for key in node.keys():
+        if key not in fields and key != "hydra":
+            problems.append(f"unknown key {prefix}{key}{_close(str(key), list(fields))}; valid keys: {', '.join(fields)}")
+    hints = typing.get_type_hints(schema)
+    for name, f in fields.items():
+        if name not in node:
+            continue
+        value = OmegaConf.select(node, name, throw_on_missing=False)
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            _check_dataclass(node[name], hint, f"{prefix}{name}.", problems)
+        elif not _type_ok(value, hint):
+            problems.append(f"{prefix}{name}={value!r} must be {_type_name(hint)}")
+
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    if hint is Any or hint is inspect.Parameter.empty:
+        return True
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, arg) for arg in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if origin in (list, tuple, typing.Sequence) or hint in (list, tuple):
+        return isinstance(value, (list, tuple, ListConfig))
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    return True  # objects and other annotations are checked by their constructors
+
+
+def _type_name(hint: Any) -> str:
+    args = typing.get_args(hint)
+    if args:
+        return " or ".join(_type_name(a) for a in args)
+    return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))
+
+
+def _import(path: str) -> Any:
+    module, _, attr = path.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _check_target(node: Any, where: str, problems: list[str], injected: set[str] = frozenset()) -> None:
+    if not isinstance(node, DictConfig) or "_target_" not in node:
+        problems.append(f"{where} must be a mapping with a _target_ (a class or function path)")
+        return
+    try:
+        target = _import(node._target_)
+    except (ImportError, AttributeError, ValueError) as err:
+        problems.append(f"{where}._target_={node._target_} cannot be imported ({err}); check the module path")
+        return
+    signature = inspect.signature(target)
+    params = {n: p for n, p in signature.parameters.items() if p.kind not in (p.VAR_POSITIONAL,)}
+    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    names = [n for n, p in params.items() if p.kind is not p.VAR_KEYWORD]
+    hints = _hints(target)
+    for key in node.keys():
+        if str(key).startswith("_") and str(key).endswith("_"):
+            continue
+        if key not in params:
+            if not takes_kwargs:
+                problems.append(f"unknown key {where}.{key}{_close(str(key), names)}; {node._target_} takes: {', '.join(names)}")
+            continue
+        value = OmegaConf.select(node, str(key), throw_on_missing=False)
+        if isinstance(value, (DictConfig, ListConfig)) or value is None and key in injected:
+            continue
+        hint = hints.get(str(key), inspect.Parameter.empty)
+        if not _type_ok(value, hint):
+            problems.append(f"{where}.{key}={value!r} must be {_type_name(hint)}")
+    partial = bool(node.get("_partial_", False))
+    for name, p in params.items():
+        required = p.default is p.empty and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+        if required and name not in node and name not in injected and not (partial and p.kind is p.POSITIONAL_OR_KEYWORD):
+            problems.append(f"{where}.{name} is required by {node._target_}; set {where}.{name}=...")
+
+
+def _hints(target: Any) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(target.__init__ if inspect.isclass(target) else target)
+    except Exception:  # noqa: BLE001 - annotations that do not resolve are simply not type-checked
+        return {}
+
+
+def world_size(cfg: DictConfig) -> int:
+    return int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
+
+
+def _check_semantics(cfg: DictConfig, problems: list[str]) -> None:
+    train, trainer = cfg.train, cfg.trainer
+    if trainer.max_steps <= 0:
+        problems.append(f"trainer.max_steps={trainer.max_steps} must be positive")
+    if trainer.devices < 1 or trainer.num_nodes < 1:
+        problems.append("trainer.devices and trainer.num_nodes must be >= 1")
+        return
+    for name in ("global_batch_size", "micro_batch_size"):
+        if train[name] <= 0:
+            problems.append(f"train.{name}={train[name]} must be positive")
+    if train.eval_every < 0:
+        problems.append(f"train.eval_every={train.eval_every} must be >= 0")
+    limit = trainer.limit_train_batches
+    if limit is not None and (limit <= 0 or (isinstance(limit, float) and limit > 1.0)):
+        problems.append(
+            f"trainer.limit_train_batches={limit} leaves no training batches; use a fraction in (0, 1] or a positive count"
+        )
+    dims = None
+    if cfg.strategy is not None and "dp_shard" in cfg.strategy:
+        try:
+            dims = ParallelDims(**{k: cfg.strategy[k] for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")}).resolve(
+                world_size(cfg)
+            )
+        except LayoutError as err:
+            problems.extend(str(err).splitlines())
+    if dims is not None and train.global_batch_size > 0 and train.micro_batch_size > 0:
+        per_rank, rest = divmod(train.global_batch_size, dims.dp)
+        if rest or per_rank % train.micro_batch_size:
+            problems.append(
+                f"train.global_batch_size={train.global_batch_size} must be a multiple of "
+                f"train.micro_batch_size={train.micro_batch_size} x dp={dims.dp}; e.g. "
+                f"train.global_batch_size={train.micro_batch_size * dims.dp * max(1, per_rank // train.micro_batch_size)}"
+            )
+    model, data = cfg.model, cfg.data
+    if model is not None and data is not None and "seq_len" in data and "max_seq_len" in model:
+        if data.seq_len > model.max_seq_len:
+            problems.append(
+                f"data.seq_len={data.seq_len} exceeds model.max_seq_len={model.max_seq_len}; lower data.seq_len or "
+                f"raise model.max_seq_len"
+            )
+        if data.seq_len <= 0:
+            problems.append(f"data.seq_len={data.seq_len} must be positive")
+    if dims is not None and model is not None and "n_heads" in model:
+        problems.extend(
+            dims.check_model(
+                n_layers=model.n_layers,
+                n_heads=model.n_heads,
+                n_kv_heads=model.get("n_kv_heads") or model.n_heads,
+                seq_len=data.seq_len if data is not None and "seq_len" in data else 0,
+            )
+        )
+    if data is not None and data.get("path"):
+        paths = [data.path] if isinstance(data.path, str) else list(data.path)
+        for path in paths:
+            if not Path(os.path.expanduser(path)).exists():
+                problems.append(f"data.path={path} does not exist; point data.path at a .txt/.jsonl file or a directory")
+    if data is not None and data.get("tokenizer") and not Path(os.path.expanduser(data.tokenizer)).is_file():
+        problems.append(f"data.tokenizer={data.tokenizer} is not a file; give a tokenizer.json or null to train one")

@@ -1,0 +1,79 @@
+"""``plait generate ckpt=... prompt="..."``: sample a continuation from a checkpoint (top-k, temperature)."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from torch import nn
+
+from strategies.checkpoint import load_model_weights
+from trainer.callbacks.checkpoint import resolve_checkpoint
+from trainer.data.tokenizer import Tokenizer
+
+
+@torch.no_grad()
+def sample(
+    model: nn.Module, prompt_ids: list[int], *, max_new_tokens: int, temperature: float, top_k: int | None, max_seq_len: int
+) -> list[int]:
+    """Autoregressive sampling without a KV cache (the context is re-run each token; fine for small models).
+
+    Args:
+        prompt_ids: token ids of the prompt (at least one).
+        temperature: softmax temperature; 0 means greedy.
+        top_k: sample among the k most likely tokens (None or 0: all).
+        max_seq_len: context window; older tokens are dropped.
+
+    Returns:
+        The generated ids (without the prompt).
+    """
+    ids = torch.tensor([prompt_ids], dtype=torch.long)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        logits = model(ids[:, -max_seq_len:])[0, -1].float()
+        if temperature <= 0:
+            next_id = int(logits.argmax())
+        else:
+            logits = logits / temperature
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            next_id = int(torch.multinomial(torch.softmax(logits, -1), 1))
+        out.append(next_id)
+        ids = torch.cat([ids, torch.tensor([[next_id]])], dim=1)
+    return out
+
+
+def main(argv: list[str]) -> None:
+    from hydra import compose, initialize_config_dir
+
+    from trainer.cli import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("generate", overrides=argv)
+    ckpt = resolve_checkpoint(cfg.ckpt)
+    if ckpt is None:
+        print(f"plait: error: ckpt={cfg.ckpt} names no checkpoint; give a run directory or a step_* checkpoint", file=sys.stderr)
+        raise SystemExit(2)
+    run_dir = ckpt.parent.parent
+    run_cfg = OmegaConf.load(run_dir / "config.yaml")
+    tokenizer = Tokenizer.from_file(str(run_dir / "tokenizer.json"))
+    model = instantiate(run_cfg.model, vocab_size=run_cfg.model.get("vocab_size") or tokenizer.vocab_size)
+    load_model_weights(ckpt, model)
+    model.eval()
+    torch.manual_seed(cfg.seed)
+    prompt_ids = tokenizer.encode(cfg.prompt) or [tokenizer.eos_id]
+    new_ids = sample(
+        model,
+        prompt_ids,
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        max_seq_len=model.max_seq_len,
+    )
+    print(cfg.prompt + tokenizer.decode(new_ids))
+
+
+

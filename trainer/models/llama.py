@@ -1,0 +1,408 @@
+"""A Llama-style decoder-only transformer, in one file.
+
+The architecture follows the Llama family:
+
+- Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language Models"
+  (pre-norm RMSNorm, SwiGLU MLP, rotary embeddings, no biases).
+- Touvron et al. 2023, "Llama 2: Open Foundation and Fine-Tuned Chat Models"
+  (grouped-query attention in the larger models).
+- Llama Team 2024, "The Llama 3 Herd of Models" (GQA everywhere, rope_theta
+  500000, attention masked to stay within each document of a packed sequence).
+
+and the papers behind its parts:
+
+- Su et al. 2021, "RoFormer: Enhanced Transformer with Rotary Position
+  Embedding" (RoPE).
+- Ainslie et al. 2023, "GQA: Training Generalized Multi-Query Transformer
+  Models from Multi-Head Checkpoints".
+- Shazeer 2020, "GLU Variants Improve Transformer" (SwiGLU).
+- Zhang & Sennrich 2019, "Root Mean Square Layer Normalization" (RMSNorm).
+
+Shape suffixes on variable names: B batch, T sequence length, D model dim,
+H query heads, K key/value heads, E head dim, F ffn dim, V vocabulary.
+
+RoPE uses the "half-split" layout (the first half of each head's features is
+rotated against the second half, as in GPT-NeoX and Hugging Face Llama
+checkpoints), not the interleaved-pairs layout of Meta's reference code. A
+checkpoint in Meta's original layout needs its wq/wk rows permuted to load.
+
+Module names (the FQNs other code relies on):
+``tok_embeddings``, ``layers.<i>.attention_norm``, ``layers.<i>.attention.{wq,wk,wv,wo}``,
+``layers.<i>.ffn_norm``, ``layers.<i>.feed_forward.{w1,w2,w3}``, ``norm``, ``output``.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from typing_extensions import override
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm with a learned scale and no bias.
+
+    Computed in float32 and cast back to the input dtype.
+
+    Shapes: input ``[..., dim]`` -> output ``[..., dim]``.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (x32 * self.weight.float()).to(x.dtype)
+
+
+def rope_tables(
+    head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 cos/sin tables for RoPE, each ``[max_seq_len, head_dim // 2]``.
+
+    Frequency ``i`` is ``theta ** (-2i / head_dim)``; row ``p`` holds the angles
+    ``p * freq``.
+    """
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
+    angles_tf = torch.outer(positions, inv_freq)
+    return angles_tf.cos(), angles_tf.sin()
+
+
+def apply_rope(x_bthe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[B, T, heads, E]`` by the angles in ``cos``/``sin``.
+
+    ``cos``/``sin`` are ``[B, T, 1, E/2]`` or ``[1, T, 1, E/2]`` (float32). The
+    rotation is done in float32 and the result cast back to ``x``'s dtype.
+    """
+    x = x_bthe.float()
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return rotated.to(x_bthe.dtype)
+
+
+def block_causal_mask(document_ids_bt: torch.Tensor) -> torch.Tensor:
+    """Boolean SDPA mask ``[B, 1, T, T]``: True where query t may attend key s.
+
+    Token t attends s iff ``s <= t`` and ``document_ids[s] == document_ids[t]``.
+    """
+    T = document_ids_bt.shape[-1]
+    causal_tt = torch.ones(T, T, dtype=torch.bool, device=document_ids_bt.device).tril()
+    same_doc_btt = document_ids_bt[:, :, None] == document_ids_bt[:, None, :]
+    return (same_doc_btt & causal_tt)[:, None, :, :]
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with RoPE, through SDPA.
+
+    Each of the ``n_kv_heads`` key/value heads serves ``n_heads // n_kv_heads``
+    consecutive query heads (kv head j serves query heads j*r .. j*r + r - 1).
+    """
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = dim // n_heads
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+
+    def forward(
+        self, x_btd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask_b1tt: torch.Tensor | None
+    ) -> torch.Tensor:
+        B, T, _ = x_btd.shape
+        q_bthe = self.wq(x_btd).view(B, T, self.n_heads, self.head_dim)
+        k_btke = self.wk(x_btd).view(B, T, self.n_kv_heads, self.head_dim)
+        v_btke = self.wv(x_btd).view(B, T, self.n_kv_heads, self.head_dim)
+        q_bthe = apply_rope(q_bthe, cos, sin)
+        k_btke = apply_rope(k_btke, cos, sin)
+
+        # GQA: repeat each kv head for the query heads it serves (same order
+        # as repeat_interleave and as SDPA's enable_gqa).
+        rep = self.n_heads // self.n_kv_heads
+        if rep > 1:
+            k_btke = k_btke.repeat_interleave(rep, dim=2)
+            v_btke = v_btke.repeat_interleave(rep, dim=2)
+
+        q_bhte, k_bhte, v_bhte = (t.transpose(1, 2) for t in (q_bthe, k_btke, v_btke))
+        if mask_b1tt is None:
+            out_bhte = F.scaled_dot_product_attention(q_bhte, k_bhte, v_bhte, is_causal=True)
+        else:
+            out_bhte = F.scaled_dot_product_attention(q_bhte, k_bhte, v_bhte, attn_mask=mask_b1tt)
+        out_btd = out_bhte.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+        return self.wo(out_btd)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: ``w2(silu(w1(x)) * w3(x))``, no biases."""
+
+    def __init__(self, dim: int, ffn_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(dim, ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(ffn_dim, dim, bias=False)  # down
+
+    def forward(self, x_btd: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x_btd)) * self.w3(x_btd))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``h = x + attn(norm(x)); out = h + ffn(norm(h))``."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, ffn_dim: int, norm_eps: float) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(dim, norm_eps)
+        self.attention = Attention(dim, n_heads, n_kv_heads)
+        self.ffn_norm = RMSNorm(dim, norm_eps)
+        self.feed_forward = FeedForward(dim, ffn_dim)
+
+    def forward(
+        self, x_btd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask_b1tt: torch.Tensor | None
+    ) -> torch.Tensor:
+        h_btd = x_btd + self.attention(self.attention_norm(x_btd), cos, sin, mask_b1tt)
+        return h_btd + self.feed_forward(self.ffn_norm(h_btd))
+
+
+def llama_ffn_dim(dim: int, multiple_of: int = 64) -> int:
+    """The Llama hidden size rule: ``int(8 * dim / 3)`` rounded up to ``multiple_of``.
+
+    SwiGLU has three matrices instead of two, so 2/3 of the usual ``4 * dim``
+    keeps the parameter count of a plain 4x MLP.
+    """
+    hidden = int(8 * dim / 3)
+    return multiple_of * math.ceil(hidden / multiple_of)
+
+
+class Llama(nn.Module):
+    """Llama-style decoder-only transformer.
+
+    Args:
+        vocab_size: number of token ids (embedding rows and logits).
+        dim: model width D.
+        n_layers: number of transformer blocks.
+        n_heads: query heads H; ``dim`` must be divisible by it and the head
+            dim ``dim // n_heads`` must be even (RoPE rotates feature pairs).
+        n_kv_heads: key/value heads K (GQA); None means ``n_heads`` (plain
+            multi-head attention). ``n_heads`` must be divisible by it.
+        ffn_dim: SwiGLU hidden size; None means the Llama rule
+            ``int(8 * dim / 3)`` rounded up to a multiple of 64.
+        max_seq_len: length of the precomputed RoPE table; positions must be
+            below it.
+        rope_theta: RoPE base (10000 in Llama 1/2, 500000 in Llama 3).
+        norm_eps: RMSNorm epsilon.
+        tie_embeddings: if True, ``output.weight`` is ``tok_embeddings.weight``.
+        init_std: std of the normal init of embeddings and linear weights.
+
+    Raises:
+        ValueError: if a size is not positive or the head counts do not divide.
+
+    Pipeline stages may set ``tok_embeddings``, ``norm`` or ``output`` to None
+    and delete entries of ``layers``; ``forward`` then takes and/or returns
+    hidden states ``[B, T, D]``.
+    """
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        dim: int,
+        n_layers: int,
+        n_heads: int,
+        n_kv_heads: int | None = None,
+        ffn_dim: int | None = None,
+        max_seq_len: int = 2048,
+        rope_theta: float = 10000.0,
+        norm_eps: float = 1e-5,
+        tie_embeddings: bool = False,
+        init_std: float = 0.02,
+    ) -> None:
+        super().__init__()
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        ffn_dim = llama_ffn_dim(dim) if ffn_dim is None else ffn_dim
+        for name, value in [
+            ("vocab_size", vocab_size), ("dim", dim), ("n_layers", n_layers), ("n_heads", n_heads),
+            ("n_kv_heads", n_kv_heads), ("ffn_dim", ffn_dim), ("max_seq_len", max_seq_len),
+        ]:  # fmt: skip
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name, value in [("rope_theta", rope_theta), ("norm_eps", norm_eps), ("init_std", init_std)]:
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
+        if dim % n_heads != 0:
+            raise ValueError(
+                f"dim ({dim}) must be divisible by n_heads ({n_heads}); change dim or n_heads"
+            )
+        if (dim // n_heads) % 2 != 0:
+            raise ValueError(
+                f"head dim dim/n_heads ({dim}/{n_heads} = {dim // n_heads}) must be even for RoPE; "
+                "change dim or n_heads"
+            )
+        if n_heads % n_kv_heads != 0:
+            raise ValueError(
+                f"n_heads ({n_heads}) must be divisible by n_kv_heads ({n_kv_heads}); "
+                "pick n_kv_heads among the divisors of n_heads"
+            )
+
+        self.vocab_size = vocab_size
+        self.dim = dim
+        self.n_layers = n_layers
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = dim // n_heads
+        self.ffn_dim = ffn_dim
+        self.max_seq_len = max_seq_len
+        self.rope_theta = rope_theta
+        self.norm_eps = norm_eps
+        self.tie_embeddings = tie_embeddings
+        self.init_std = init_std
+
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(vocab_size, dim)
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(dim, n_heads, n_kv_heads, ffn_dim, norm_eps) for i in range(n_layers)}
+        )
+        self.norm: RMSNorm | None = RMSNorm(dim, norm_eps)
+        self.output: nn.Linear | None = nn.Linear(dim, vocab_size, bias=False)
+        if tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+        # Not saved in checkpoints (persistent=False): rebuilt by init_weights
+        # and whenever a cast would otherwise leave them in low precision.
+        cos, sin = rope_tables(self.head_dim, max_seq_len, rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialize all parameters and the RoPE tables in place.
+
+        Embedding and linear weights ~ N(0, init_std); the residual output
+        projections (``wo``, ``w2``) use ``init_std / sqrt(2 * n_layers)`` as in
+        GPT-2 (Radford et al. 2019), so the residual stream's variance does not
+        grow with depth. RMSNorm weights are set to 1. Deterministic given
+        torch's RNG state. Safe on a model built on the meta device and then
+        moved with ``to_empty``; skips modules that are None.
+        """
+        device = self.rope_cos.device
+        cos, sin = rope_tables(self.head_dim, self.max_seq_len, self.rope_theta, device=device)
+        self.rope_cos, self.rope_sin = cos, sin
+
+        residual_std = self.init_std / math.sqrt(2 * self.n_layers)
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=self.init_std)
+        for layer in self.layers.values():
+            for name, module in layer.named_modules():
+                if isinstance(module, nn.Linear):
+                    is_residual_out = name.endswith(("wo", "w2"))
+                    std = residual_std if is_residual_out else self.init_std
+                    nn.init.normal_(module.weight, mean=0.0, std=std)
+                elif isinstance(module, RMSNorm):
+                    nn.init.ones_(module.weight)
+        if self.norm is not None:
+            nn.init.ones_(self.norm.weight)
+        tied = self.tok_embeddings is not None and self.output is not None and (
+            self.output.weight is self.tok_embeddings.weight
+        )
+        if self.output is not None and not tied:
+            nn.init.normal_(self.output.weight, mean=0.0, std=self.init_std)
+
+    @override
+    def _apply(self, fn, recurse=True):
+        # model.to(bfloat16) / .half() would cast the RoPE tables too, and a
+        # bf16 cos/sin table is badly off at large positions. Rebuild them in
+        # float32 on the new device instead.
+        super()._apply(fn, recurse)
+        if self.rope_cos.dtype != torch.float32:
+            cos, sin = rope_tables(self.head_dim, self.max_seq_len, self.rope_theta, device=self.rope_cos.device)
+            self.rope_cos, self.rope_sin = cos, sin
+        return self
+
+    def forward(
+        self,
+        input_ids_bt: torch.Tensor,
+        *,
+        position_ids_bt: torch.Tensor | None = None,
+        document_ids_bt: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run the model.
+
+        Args:
+            input_ids_bt: token ids ``[B, T]`` (int); or, when
+                ``tok_embeddings`` is None (a later pipeline stage), hidden
+                states ``[B, T, D]``.
+            position_ids_bt: RoPE positions ``[B, T]`` (int), each in
+                ``[0, max_seq_len)``; None means ``arange(T)`` for every row.
+                For packed sequences, restart at 0 in each document.
+            document_ids_bt: document index of each token ``[B, T]`` (int).
+                Attention is then block-diagonal causal: token t attends s iff
+                ``s <= t`` and ``doc[s] == doc[t]``. None means plain causal
+                attention (the fast ``is_causal=True`` path).
+
+        Returns:
+            Logits ``[B, T, V]`` in the activation dtype; or hidden states
+            ``[B, T, D]`` when ``output`` is None (an earlier pipeline stage;
+            ``norm`` is skipped too when it is None).
+
+        Raises:
+            ValueError: if T exceeds ``max_seq_len`` or the position/document
+                ids do not have shape ``[B, T]``.
+        """
+        h_btd = self.tok_embeddings(input_ids_bt) if self.tok_embeddings is not None else input_ids_bt
+        B, T = h_btd.shape[0], h_btd.shape[1]
+        if T > self.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds max_seq_len {self.max_seq_len}; raise max_seq_len")
+        for name, ids in [("position_ids_bt", position_ids_bt), ("document_ids_bt", document_ids_bt)]:
+            if ids is not None and tuple(ids.shape) != (B, T):
+                raise ValueError(f"{name} must have shape [B, T] = {[B, T]}, got {list(ids.shape)}")
+
+        if position_ids_bt is None:
+            cos, sin = self.rope_cos[:T][None, :, None, :], self.rope_sin[:T][None, :, None, :]
+        else:
+            cos, sin = self.rope_cos[position_ids_bt][:, :, None, :], self.rope_sin[position_ids_bt][:, :, None, :]
+        mask_b1tt = None if document_ids_bt is None else block_causal_mask(document_ids_bt)
+
+        for layer in self.layers.values():
+            h_btd = layer(h_btd, cos, sin, mask_b1tt)
+        if self.norm is not None:
+            h_btd = self.norm(h_btd)
+        return self.output(h_btd) if self.output is not None else h_btd
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Number of parameters present in this module (tied weights counted once).
+
+        With ``exclude_embeddings``, the input embedding table is left out
+        (when embeddings are tied this also leaves out ``output.weight``, the
+        same tensor).
+        """
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings and self.tok_embeddings is not None:
+            n -= self.tok_embeddings.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Estimated training FLOPs per token (forward + backward) of the full model.
+
+        ``6 * N + 12 * n_layers * dim * seq_len`` (Kaplan et al. 2020;
+        PaLM, Chowdhery et al. 2022, appendix B; as used by Chinchilla). N
+        counts the weights of every matmul: the attention and MLP projections
+        of all ``n_layers`` blocks plus the output projection (counted even
+        when tied), but not the embedding lookup or the norms. The second term
+        is the attention score and value matmuls, without the causal halving.
+        Computed from the config, so it is the same on every pipeline stage.
+
+        Raises:
+            ValueError: if ``seq_len`` is not positive.
+        """
+        if seq_len <= 0:
+            raise ValueError(f"seq_len must be positive, got {seq_len}")
+        q_dim, kv_dim = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        attn = self.dim * q_dim + 2 * self.dim * kv_dim + q_dim * self.dim
+        mlp = 3 * self.dim * self.ffn_dim
+        n_matmul = self.n_layers * (attn + mlp) + self.dim * self.vocab_size
+        return float(6 * n_matmul + 12 * self.n_layers * self.dim * seq_len)

@@ -1,0 +1,117 @@
+"""Optimizer parameter groups and learning-rate schedules.
+
+Weight decay applies only to matmul weights: embeddings, norm gains and biases go into a group
+with weight_decay=0 (case C16; Loshchilov and Hutter 2019 "Decoupled Weight Decay Regularization";
+the Llama and GPT-3 recipes). Schedules step once per *optimizer* step (case C06).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+
+DEFAULT_NO_DECAY = ("tok_embeddings", "norm", "bias")
+
+
+def param_groups(
+    model: nn.Module, *, weight_decay: float, no_decay: Sequence[str] = DEFAULT_NO_DECAY
+) -> list[dict]:
+    """Splits trainable parameters into a decayed and a non-decayed group.
+
+    A parameter is decayed iff it has at least 2 dims and no entry of ``no_decay`` is a substring
+    of its name. Tied parameters appear once.
+
+    Returns:
+        ``[{"params": decayed, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]``,
+        empty groups omitted.
+    """
+    decay, rest = [], []
+    for name, param in model.named_parameters():  # named_parameters() yields a tied tensor once
+        if not param.requires_grad:
+            continue
+        if param.ndim >= 2 and not any(pattern in name for pattern in no_decay):
+            decay.append(param)
+        else:
+            rest.append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(
+    model: nn.Module,
+    optimizer: Callable[..., torch.optim.Optimizer],
+    *,
+    weight_decay: float,
+    no_decay: Sequence[str] = DEFAULT_NO_DECAY,
+) -> torch.optim.Optimizer:
+    """``optimizer`` is a partial (Hydra ``_partial_: true``) taking param groups and the other kwargs."""
+    return optimizer(param_groups(model, weight_decay=weight_decay, no_decay=no_decay))
+
+
+def lr_factor(step: int, *, warmup_steps: int, total_steps: int, decay: str, min_lr_ratio: float) -> float:
+    """Multiplier of the peak LR after ``step`` optimizer steps.
+
+    Linear warmup from 0 (``step/warmup_steps``), then "cosine", "linear" or "constant" decay to
+    ``min_lr_ratio`` at ``total_steps``.
+    """
+    if step < warmup_steps:
+        return step / warmup_steps
+    if decay == "constant" or total_steps <= warmup_steps:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+    if decay == "cosine":
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    elif decay == "linear":
+        shape = 1.0 - progress
+    else:
+        raise ValueError(f"scheduler.decay={decay!r} is unknown; use cosine, linear or constant")
+    return min_lr_ratio + (1.0 - min_lr_ratio) * shape
+
+
+class WarmupDecayLR(LRScheduler):
+    """Warmup then cosine/linear/constant decay, as a stateful scheduler (checkpointed by Lightning).
+
+    Args:
+        optimizer: the wrapped optimizer; each group's ``initial_lr`` is its peak LR.
+        total_steps: optimizer steps of the whole run (the trainer passes ``trainer.max_steps``).
+        warmup_steps: steps of linear warmup from 0.
+        decay: "cosine", "linear" or "constant".
+        min_lr_ratio: final LR as a fraction of the peak.
+
+    Raises:
+        ValueError: unknown decay, negative steps or a ratio outside [0, 1].
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        total_steps: int,
+        warmup_steps: int = 0,
+        decay: str = "cosine",
+        min_lr_ratio: float = 0.1,
+        last_epoch: int = -1,
+    ) -> None:
+        if decay not in ("cosine", "linear", "constant"):
+            raise ValueError(f"scheduler.decay={decay!r} is unknown; use cosine, linear or constant")
+        if warmup_steps < 0 or total_steps < 0:
+            raise ValueError("scheduler.warmup_steps and the trainer's max_steps must be >= 0")
+        if not 0.0 <= min_lr_ratio <= 1.0:
+            raise ValueError(f"scheduler.min_lr_ratio={min_lr_ratio} must be in [0, 1]")
+        self.total_steps, self.warmup_steps = total_steps, warmup_steps
+        self.decay, self.min_lr_ratio = decay, min_lr_ratio
+        super().__init__(optimizer, last_epoch)
+
+    def get_lr(self) -> list[float]:
+        factor = lr_factor(
+            self.last_epoch,
+            warmup_steps=self.warmup_steps,
+            total_steps=self.total_steps,
+            decay=self.decay,
+            min_lr_ratio=self.min_lr_ratio,
+        )
+        return [group["initial_lr"] * factor for group in self.optimizer.param_groups]

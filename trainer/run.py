@@ -1,0 +1,71 @@
+"""One training run inside a Hydra job: check, prepare data, build, write the run directory, fit."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from strategies.checkpoint import CheckpointError
+from strategies.launch import LAUNCH_ENV
+from trainer.callbacks.checkpoint import resolve_checkpoint
+from trainer.config import ConfigError, validate
+from trainer.data.module import DataError
+
+
+def _is_launching_rank() -> bool:
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0 and os.environ.get("NODE_RANK", "0") == "0"
+
+
+def check_run_dir(cfg: DictConfig, run_dir: Path | None = None) -> Path | None:
+    """The checkpoint to resume from (None for a fresh start).
+
+    Raises:
+        ConfigError: a fresh start into a run directory that already has checkpoints, or a
+            ``resume`` that names no checkpoint.
+    """
+    run_dir = Path(run_dir if run_dir is not None else cfg.run_dir)
+    if cfg.resume is None:
+        if resolve_checkpoint(run_dir / "checkpoints") is not None:
+            raise ConfigError(
+                [f"run_dir={run_dir} already holds checkpoints; continue it with resume=last, or choose a new run_dir"]
+            )
+        return None
+    found = resolve_checkpoint(run_dir if cfg.resume == "last" else cfg.resume)
+    if found is None:
+        where = f"run_dir={run_dir}" if cfg.resume == "last" else f"resume={cfg.resume}"
+        raise ConfigError([f"{where} holds no complete checkpoint; drop resume to start fresh, or point it at a run"])
+    return found
+
+
+def run(cfg: DictConfig) -> None:
+    """Trains the composed config ``cfg`` in the current Hydra job's output directory."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from trainer.build import build_run
+
+    run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
+    launching = _is_launching_rank()
+    fresh_dir = not any(run_dir.iterdir())
+    try:
+        validate(cfg)
+        ckpt_path = check_run_dir(cfg, run_dir)
+        trainer, task, data = build_run(cfg, run_dir)
+    except (ConfigError, DataError, CheckpointError) as err:
+        if launching and fresh_dir and run_dir.is_dir() and not any(run_dir.iterdir()):
+            run_dir.rmdir()  # a failed start leaves nothing behind
+        print(f"plait: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if launching:
+        if not (run_dir / "config.yaml").exists():
+            OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+        data.tokenizer.save(str(run_dir / "tokenizer.json"))
+    trainer.fit(task, datamodule=data, ckpt_path=str(ckpt_path) if ckpt_path else None)
+    if trainer.is_global_zero:
+        summary = run_dir / "summary.json"
+        print(f"plait: run directory {run_dir}" + (f"\n{summary.read_text()}" if summary.exists() else ""))
+    # The next job of a --multirun sweep must launch its own processes again.
+    for key in LAUNCH_ENV if launching else ():
+        os.environ.pop(key, None)

@@ -1,0 +1,193 @@
+"""`Task`: the LightningModule that owns the whole optimizer step (DESIGN section 4).
+
+One optimizer step, in order:
+
+1. Split this rank's rows of the global batch into micro-batches.
+2. Count supervised tokens over all micro-batches and all dp x cp ranks *before* the first
+   backward (one all-reduce). Each micro-batch loss = its summed token loss / that global count,
+   so gradient accumulation and data parallelism equal one big batch (cases C01, C02, C03, C05).
+3. Forward/backward of every micro-batch: ``strategy.forward_backward`` (pipeline parallelism
+   replaces it with its schedule).
+4. Global gradient norm over all shards, replicas and stages; clip; optimizer step; the LR
+   scheduler steps once per optimizer step (cases C06, C13, C14).
+5. ``strategy.after_optimizer_step`` (local-SGD outer steps), data position, metrics.
+
+Lightning still runs the loop, callbacks, loggers, checkpoint triggers and launchers; automatic
+optimization is off because its closure scales losses by a fixed ``1/accumulate_grad_batches``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from typing_extensions import override
+
+from trainer.optim import DEFAULT_NO_DECAY, build_optimizer
+
+
+def split_micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
+    """Splits a dict of [rows, ...] tensors into micro-batches of ``micro_batch_size`` rows (the last may be smaller)."""
+    rows = next(iter(batch.values())).shape[0]
+    return [{k: v[i : i + micro_batch_size] for k, v in batch.items()} for i in range(0, rows, micro_batch_size)]
+
+
+class Task(L.LightningModule):
+    """Trains ``model`` on ``objective`` with one owner of the optimizer step.
+
+    Args:
+        model: the network (parallelized in place by the strategy in ``configure_model``).
+        objective: has ``num_tokens(batch)`` and ``loss_sum(model, batch)`` (see trainer.tasks).
+        optimizer: partial taking parameter groups (Hydra ``_partial_: true``).
+        scheduler: partial taking the optimizer and ``total_steps``; None for a constant LR.
+        micro_batch_size: rows per forward/backward on each dp rank.
+        max_grad_norm: clip the global gradient norm to this; None or 0 disables clipping.
+        weight_decay: decay of matmul weights; embeddings, norms and biases get 0 (case C16).
+        no_decay: substrings of parameter names that get no weight decay.
+        eval_every: evaluate every this many optimizer steps, at step 0 and at the last step
+            (0: only at the last step).
+        flops_per_token: training FLOPs per token of the model, for throughput reporting.
+    """
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        objective: Any,
+        optimizer: Callable[..., torch.optim.Optimizer],
+        scheduler: Callable[..., torch.optim.lr_scheduler.LRScheduler] | None,
+        micro_batch_size: int,
+        max_grad_norm: float | None = 1.0,
+        weight_decay: float = 0.1,
+        no_decay: tuple[str, ...] = DEFAULT_NO_DECAY,
+        eval_every: int = 0,
+        flops_per_token: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.model = model
+        self.objective = objective
+        self.optimizer_fn, self.scheduler_fn = optimizer, scheduler
+        self.micro_batch_size = micro_batch_size
+        self.max_grad_norm = max_grad_norm
+        self.weight_decay, self.no_decay = weight_decay, tuple(no_decay)
+        self.eval_every = eval_every
+        self.flops_per_token = flops_per_token
+        # Run state, saved in checkpoints (on_save_checkpoint).
+        self.tokens_seen = 0
+        self.history: list[dict[str, float]] = []
+        self.last_step_tokens = 0
+        self._last_val_loss: float | None = None
+
+    # ------------------------------------------------------------------------------ setup
+    @override
+    def configure_model(self) -> None:
+        # Models declare their structure; the strategy applies the layout (DESIGN section 3).
+        self.trainer.strategy.parallelize(self.model)
+
+    @override
+    def configure_optimizers(self) -> Any:
+        optimizer = build_optimizer(self.model, self.optimizer_fn, weight_decay=self.weight_decay, no_decay=self.no_decay)
+        if self.scheduler_fn is None:
+            return optimizer
+        scheduler = self.scheduler_fn(optimizer, total_steps=self.trainer.max_steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ------------------------------------------------------------------------------ the step
+    @override
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        strategy = self.trainer.strategy
+        optimizer = self.optimizers()
+        micro_batches = split_micro_batches(batch, self.micro_batch_size)
+
+        num_tokens = torch.stack([self.objective.num_tokens(mb) for mb in micro_batches]).sum()
+        num_tokens = strategy.all_reduce_sum(num_tokens.to(self.device), "dp_cp")
+        # A step without supervised tokens contributes exactly 0 gradient, never 0/0 = NaN.
+        denominator = num_tokens.clamp(min=1.0)
+
+        def loss_fn(model: nn.Module, micro_batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            return self.objective.loss_sum(model, micro_batch) / denominator
+
+        local_loss = strategy.forward_backward(self.model, micro_batches, loss_fn, self.manual_backward)
+        loss = strategy.all_reduce_sum(local_loss, "dp_cp")
+
+        parameters = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = strategy.grad_norm(parameters)
+        if self.max_grad_norm:
+            strategy.clip_grads(parameters, max_norm=self.max_grad_norm, total_norm=grad_norm)
+        lr = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:
+            scheduler.step()
+        strategy.after_optimizer_step(self.model, self.global_step)
+
+        self.trainer.train_dataloader.mark_trained()
+        dp = strategy.device_mesh["dp"].size()
+        self.last_step_tokens = batch["input_ids"].numel() * dp
+        self.tokens_seen += self.last_step_tokens
+        self._log_step(loss, grad_norm, lr, num_tokens)
+
+    def _log_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, num_tokens: torch.Tensor) -> None:
+        # Every value is already global and equal on all ranks: no sync_dist (which would also
+        # deadlock under pipeline parallelism, where every rank must log the same keys).
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/grad_norm", grad_norm)
+        self.log("train/lr", lr)
+        self.log("train/supervised_tokens", num_tokens)
+        self.log("train/tokens_seen", float(self.tokens_seen))
+        if self._last_val_loss is not None:
+            self.log("val/loss", self._last_val_loss, prog_bar=True, logger=False)
+        self.history.append(
+            {"step": self.global_step, "loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr}
+        )
+
+    # ------------------------------------------------------------------------------ evaluation
+    @override
+    def on_train_start(self) -> None:
+        if self.global_step == 0 and not any("val_loss" in h for h in self.history):
+            self.evaluate()
+
+    @override
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = self.global_step
+        if step == self.trainer.max_steps or (self.eval_every and step % self.eval_every == 0):
+            self.evaluate()
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Token-weighted validation loss over the held-out rows on all dp ranks; logs val/loss and val/ppl."""
+        strategy = self.trainer.strategy
+        loader = self.trainer.datamodule.eval_dataloader()
+        was_training = self.model.training
+        self.model.eval()
+        totals = torch.zeros(2, device=self.device)
+        with self.trainer.precision_plugin.forward_context():
+            for batch in loader:
+                batch = {k: v.to(self.device) for k, v in batch.items()}
+                totals[0] += self.objective.loss_sum(self.model, batch)
+                totals[1] += self.objective.num_tokens(batch)
+        strategy.all_reduce_sum(totals, "dp_cp")
+        self.model.train(was_training)
+        val_loss = (totals[0] / totals[1].clamp(min=1.0)).item()
+        # Straight to the loggers: Lightning's self.log cannot log per step from on_train_start.
+        for logger in self.loggers:
+            logger.log_metrics({"val/loss": val_loss, "val/ppl": math.exp(min(val_loss, 50.0))}, step=self.global_step)
+        self._last_val_loss = val_loss
+        self.history.append({"step": self.global_step, "val_loss": val_loss})
+        return val_loss
+
+    # ------------------------------------------------------------------------------ state
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["plait"] = {"tokens_seen": self.tokens_seen, "history": list(self.history)}
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint["plait"]
+        self.tokens_seen, self.history = state["tokens_seen"], list(state["history"])

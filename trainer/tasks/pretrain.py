@@ -1,0 +1,41 @@
+"""Causal language-modelling objective: summed next-token cross-entropy over supervised tokens.
+
+Labels are pre-shifted by the data pipeline (``labels[t]`` is the target of position t, -100 where
+there is none), so nothing here shifts again (case C21).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_INDEX = -100
+
+
+def token_loss_sum(logits_btv: torch.Tensor, labels_bt: torch.Tensor) -> torch.Tensor:
+    """Sum of per-token cross-entropy (nats) over positions whose label is not -100; fp32, 0-dim.
+
+    A batch without supervised tokens gives exactly 0 (never 0/0).
+    """
+    return F.cross_entropy(
+        logits_btv.flatten(0, 1).float(), labels_bt.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+class CausalLM:
+    """The pretraining objective. The Task divides `loss_sum` by the step's global `num_tokens`.
+
+    Batches are dicts with ``input_ids``, ``labels``, ``position_ids``, ``document_ids`` ([b, s] int64).
+    """
+
+    def num_tokens(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Supervised tokens in ``batch`` (0-dim fp32)."""
+        return (batch["labels"] != IGNORE_INDEX).sum().float()
+
+    def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Summed token loss of ``batch`` under ``model`` (0-dim fp32)."""
+        logits = model(
+            batch["input_ids"], position_ids_bt=batch.get("position_ids"), document_ids_bt=batch.get("document_ids")
+        )
+        return token_loss_sum(logits, batch["labels"])
