@@ -13,8 +13,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from typing import Any
 
+import torch
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
@@ -62,10 +64,16 @@ class HydraJobLauncher(_SubprocessScriptLauncher):
 
 
 class ForkLauncher(_MultiProcessingLauncher):
-    """Forks the ranks (tests). Rank 0 sends back ``trainer.lightning_module.history`` only."""
+    """Forks the ranks (tests). Rank 0 sends back ``trainer.lightning_module.history`` only.
+
+    The history goes through a file, not the result queue: Lightning joins the workers before it
+    reads the queue, so anything larger than a pipe buffer would deadlock.
+    """
 
     def __init__(self, strategy: Any) -> None:
         super().__init__(strategy, start_method="fork")
+        handle, self._history_file = tempfile.mkstemp(prefix="plait-history-", suffix=".pt")
+        os.close(handle)
 
     @override
     def _collect_rank_zero_results(self, trainer: Any, results: Any) -> _WorkerOutput | None:
@@ -76,10 +84,11 @@ class ForkLauncher(_MultiProcessingLauncher):
     @override
     def get_extra_results(self, trainer: Any) -> dict[str, Any]:
         extra = super().get_extra_results(trainer)
-        extra["history"] = list(getattr(trainer.lightning_module, "history", []))
+        torch.save(list(getattr(trainer.lightning_module, "history", [])), self._history_file)
         return extra
 
     @override
     def update_main_process_results(self, trainer: Any, extra: dict[str, Any]) -> None:
         super().update_main_process_results(trainer, extra)
-        trainer.lightning_module.history = extra["history"]
+        trainer.lightning_module.history = torch.load(self._history_file, weights_only=False)
+        os.unlink(self._history_file)

@@ -1,0 +1,83 @@
+"""Helpers shared by the tests: compose a recipe, fit in-process or in forked gloo ranks."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+from torch.distributed.tensor import DTensor
+
+from strategies.launch import LAUNCH_ENV
+from trainer.build import build_run
+from trainer.cli import CONF_DIR, RECIPES_DIR
+from trainer.task import Task
+
+# A model and run small enough for a 2-core machine: 2 blocks of width 64, 64-token rows.
+TINY = (
+    "model=nano",
+    "data.seq_len=64",
+    "data.eval_rows=8",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=4",
+    "train.eval_every=0",
+    "trainer.max_steps=3",
+    "trainer.log_every_n_steps=1",
+    "trainer.enable_progress_bar=false",
+    "strategy.timeout_s=120",
+    "logger=none",
+    "~callbacks.plots",
+)
+
+
+def compose_config(overrides: Sequence[str] = (), recipe: str = "pretrain", tiny: bool = True) -> DictConfig:
+    """The composed recipe, with the TINY overrides first when ``tiny``."""
+    search = f"hydra.searchpath=['file://{CONF_DIR}','file://{RECIPES_DIR}']"
+    with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base="1.3"):
+        return compose(recipe, overrides=[*(TINY if tiny else ()), *overrides, search])
+
+
+def fit(cfg: DictConfig, run_dir: Path, *, ckpt_path: str | None = None) -> tuple[L.Trainer, Task]:
+    """Builds and fits ``cfg`` in forked ranks (one fork even for devices=1).
+
+    Forking keeps the pytest process free of process groups and gloo threads, which would make
+    later forks hang. Afterwards ``task.history`` holds rank 0's history.
+    """
+    trainer, task, data = build_run(cfg, Path(run_dir), launcher="fork")
+    try:
+        trainer.fit(task, datamodule=data, ckpt_path=ckpt_path)
+    finally:
+        for key in LAUNCH_ENV:  # the next fit in this process must not look "launched externally"
+            os.environ.pop(key, None)
+    return trainer, task
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class GradRecorder(L.Callback):
+    """Appends ``{"step": k, "grads": {name: full gradient}}`` to the Task's history before each
+    optimizer step (after clipping). Add with ``+callbacks.grads._target_=harness.GradRecorder``."""
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
+        grads = {n: full(p.grad).detach().clone() for n, p in pl_module.model.named_parameters() if p.grad is not None}
+        pl_module.history.append({"step": trainer.global_step + 1, "grads": grads})
+
+
+class ParamRecorder(L.Callback):
+    """Appends ``{"params": {name: full parameter}}`` at the end of training.
+    Add with ``+callbacks.params._target_=harness.ParamRecorder``."""
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+        params = {n: full(p.data).detach().clone() for n, p in pl_module.model.named_parameters()}
+        pl_module.history.append({"params": params})
+
+
+def losses(history: list[dict[str, Any]]) -> list[float]:
+    return [h["loss"] for h in history if "loss" in h]
