@@ -36,6 +36,8 @@ def child_command(local_rank: int) -> list[str]:
             selection += [arg] if "=" in arg else [arg, argv[i + 1]]
     run_dir = hydra_cfg.runtime.output_dir
     overrides = [o for o in hydra_cfg.overrides.task if not o.startswith(("run_dir=", "hydra."))]
+    # Hydra files hydra.* overrides apart from the task's; the child needs the conf/ search path.
+    overrides += [o for o in hydra_cfg.overrides.hydra if o.startswith("hydra.searchpath=")]
     main = sys.modules["__main__"]
     spec = getattr(main, "__spec__", None)
     exe = [sys.executable, "-m", spec.name] if spec is not None else [sys.executable, os.path.abspath(sys.argv[0])]

@@ -9,13 +9,12 @@ from typing import Any
 
 import lightning as L
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 from torch.distributed.tensor import DTensor
 
 from strategies.launch import LAUNCH_ENV
 from trainer.build import build_run
-from trainer.cli import CONF_DIR, RECIPES_DIR
+from trainer.cli import compose
 from trainer.task import Task
 
 # A model and run small enough for a 2-core machine: 2 blocks of width 64, 64-token rows.
@@ -37,9 +36,7 @@ TINY = (
 
 def compose_config(overrides: Sequence[str] = (), recipe: str = "pretrain", tiny: bool = True) -> DictConfig:
     """The composed recipe, with the TINY overrides first when ``tiny``."""
-    search = f"hydra.searchpath=['file://{CONF_DIR}','file://{RECIPES_DIR}']"
-    with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base="1.3"):
-        return compose(recipe, overrides=[*(TINY if tiny else ()), *overrides, search])
+    return compose(recipe, [*(TINY if tiny else ()), *overrides])
 
 
 def fit(cfg: DictConfig, run_dir: Path, *, ckpt_path: str | None = None) -> tuple[L.Trainer, Task]:

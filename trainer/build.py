@@ -13,6 +13,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from strategies.mesh import MeshStrategy
+from trainer.config import micro_batch_size
 from trainer.data.module import TextDataModule
 from trainer.task import Task
 
@@ -33,7 +34,7 @@ def build_task(cfg: DictConfig, model: nn.Module, *, seq_len: int) -> Task:
         objective=instantiate(cfg.objective),
         optimizer=instantiate(cfg.optim, _convert_="all"),
         scheduler=instantiate(cfg.scheduler) if cfg.scheduler is not None else None,
-        micro_batch_size=cfg.train.micro_batch_size,
+        micro_batch_size=micro_batch_size(cfg),
         max_grad_norm=cfg.train.max_grad_norm,
         no_decay=tuple(cfg.train.no_decay),
         eval_every=cfg.train.eval_every,

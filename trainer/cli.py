@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from importlib.resources import files
 from pathlib import Path
 
@@ -73,6 +74,29 @@ def to_hydra_argv(argv: list[str]) -> list[str]:
         config = ["--config-path", str(RECIPES_DIR), "--config-name", recipe]
     search = f"hydra.searchpath=['file://{CONF_DIR}','file://{RECIPES_DIR}']"
     return config + rest + [search]
+
+
+def compose(recipe: str = "pretrain", overrides: Sequence[str] = ()) -> DictConfig:
+    """The config the CLI would compose for ``plait RECIPE overrides``, without starting a Hydra job.
+
+    For scripts and tests that build and fit in-process (``trainer.build.build_run``). The config
+    is not validated (``trainer.config.validate`` does that).
+
+    Args:
+        recipe: a bundled recipe name or the path of a recipe .yaml file.
+        overrides: Hydra overrides, e.g. ``["model=nano", "trainer.max_steps=10"]``.
+
+    Raises:
+        SystemExit: RECIPE is neither a bundled recipe nor an existing YAML file.
+        hydra.errors.HydraException: an override does not apply.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    argv = to_hydra_argv([recipe, *overrides])
+    config_dir, config_name = argv[argv.index("--config-path") + 1], argv[argv.index("--config-name") + 1]
+    with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
+        return hydra_compose(config_name, overrides=argv[argv.index("--config-name") + 2 :])
 
 
 def _fail(message: str, code: int = 2) -> None:

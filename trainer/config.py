@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from strategies.parallel_dims import LayoutError, ParallelDims
@@ -37,14 +38,14 @@ class TrainConfig:
     Attributes:
         global_batch_size: rows per optimizer step over all data-parallel ranks.
         micro_batch_size: rows per forward/backward on one rank; grad_accum =
-            global_batch_size / (micro_batch_size x dp).
+            global_batch_size / (micro_batch_size x dp). null: all of the rank's rows at once.
         max_grad_norm: clip the global gradient norm to this (0 or null: no clipping).
         no_decay: substrings of parameter names that get no weight decay.
         eval_every: evaluate every this many steps (plus step 0 and the last step; 0: only those).
     """
 
     global_batch_size: int = 16
-    micro_batch_size: int = 16
+    micro_batch_size: int | None = None
     max_grad_norm: float | None = 1.0
     no_decay: list[str] = field(default_factory=lambda: ["tok_embeddings", "norm", "bias"])
     eval_every: int = 50
@@ -174,6 +175,8 @@ def _type_ok(value: Any, hint: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if hint is str:
         return isinstance(value, str)
+    if hint is torch.Tensor:
+        return False  # a YAML value is never a tensor (e.g. AdamW's lr: float | Tensor)
     return True  # objects and other annotations are checked by their constructors
 
 
@@ -234,6 +237,17 @@ def world_size(cfg: DictConfig) -> int:
     return int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
 
 
+def data_parallel_degree(cfg: DictConfig) -> int:
+    """dp = dp_replicate x dp_shard of the validated config's layout."""
+    degrees = {k: cfg.strategy[k] for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")}
+    return ParallelDims(**degrees).resolve(world_size(cfg)).dp
+
+
+def micro_batch_size(cfg: DictConfig) -> int:
+    """Rows per forward/backward on one rank (train.micro_batch_size, or all of the rank's rows)."""
+    return cfg.train.micro_batch_size or cfg.train.global_batch_size // data_parallel_degree(cfg)
+
+
 def _check_semantics(cfg: DictConfig, problems: list[str]) -> None:
     train, trainer = cfg.train, cfg.trainer
     if trainer.max_steps <= 0:
@@ -242,7 +256,7 @@ def _check_semantics(cfg: DictConfig, problems: list[str]) -> None:
         problems.append("trainer.devices and trainer.num_nodes must be >= 1")
         return
     for name in ("global_batch_size", "micro_batch_size"):
-        if train[name] <= 0:
+        if train[name] is not None and train[name] <= 0:
             problems.append(f"train.{name}={train[name]} must be positive")
     if train.eval_every < 0:
         problems.append(f"train.eval_every={train.eval_every} must be >= 0")
@@ -259,13 +273,14 @@ def _check_semantics(cfg: DictConfig, problems: list[str]) -> None:
             )
         except LayoutError as err:
             problems.extend(str(err).splitlines())
-    if dims is not None and train.global_batch_size > 0 and train.micro_batch_size > 0:
+    if dims is not None and train.global_batch_size > 0:
+        micro = train.micro_batch_size or max(1, train.global_batch_size // dims.dp)
         per_rank, rest = divmod(train.global_batch_size, dims.dp)
-        if rest or per_rank % train.micro_batch_size:
+        if micro > 0 and (rest or per_rank % micro):
             problems.append(
                 f"train.global_batch_size={train.global_batch_size} must be a multiple of "
-                f"train.micro_batch_size={train.micro_batch_size} x dp={dims.dp}; e.g. "
-                f"train.global_batch_size={train.micro_batch_size * dims.dp * max(1, per_rank // train.micro_batch_size)}"
+                f"train.micro_batch_size={micro} x dp={dims.dp}; e.g. "
+                f"train.global_batch_size={micro * dims.dp * max(1, per_rank // micro)}"
             )
     model, data = cfg.model, cfg.data
     if model is not None and data is not None and "seq_len" in data and "max_seq_len" in model:
