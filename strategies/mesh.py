@@ -21,6 +21,7 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from strategies import checkpoint as ckpt
@@ -58,6 +59,7 @@ class MeshStrategy(ModelParallelStrategy):
         self.dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp)
         self.fsdp = fsdp or FSDP()
         self.launcher_kind = launcher
+        self._mesh_views: dict[str, DeviceMesh] = {}
 
     # ------------------------------------------------------------------------------ processes
     @override
@@ -77,19 +79,23 @@ class MeshStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         self._setup_distributed()  # ModelParallelStrategy's helper: process group + ranks (Lightning minor pinned)
         self.dims = self.dims.resolve(self.world_size)
-        self._device_mesh = self.dims.build_mesh(self.root_device.type)
+        self._device_mesh, self._mesh_views = self.dims.build_mesh(self.root_device.type)
         self.lightning_module._device_mesh = self._device_mesh
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, int]:
         # Every pp, cp and tp rank of one data-parallel replica must see the same rows.
-        dp_mesh = self.device_mesh["dp"]
+        dp_mesh = self.submesh("dp")
         return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
+
+    def submesh(self, axis: str) -> "DeviceMesh":
+        """One mesh axis ("pp", "tp", ...) or flattened view ("dp", "dp_cp")."""
+        return self._mesh_views[axis] if axis in self._mesh_views else self.device_mesh[axis]
 
     def group(self, axis: str) -> dist.ProcessGroup:
         """Process group of one mesh axis or flattened view ("dp", "dp_cp", "pp", ...)."""
-        return self.device_mesh[axis].get_group()
+        return self.submesh(axis).get_group()
 
     # ------------------------------------------------------------------------------ model
     def parallelize(self, model: nn.Module) -> None:
@@ -151,7 +157,7 @@ class MeshStrategy(ModelParallelStrategy):
 
     def all_reduce_sum(self, tensor: torch.Tensor, axis: str = "dp_cp") -> torch.Tensor:
         """In-place SUM over one mesh axis (a no-op on a single rank); returns ``tensor``."""
-        if self.device_mesh[axis].size() > 1:
+        if self.submesh(axis).size() > 1:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group(axis))
         return tensor
 

@@ -9,7 +9,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 # Outermost to innermost. Inner axes hold the ranks that talk most (TP, then CP), so on a real
 # cluster they land inside one node when ranks are numbered node by node.
@@ -111,19 +114,24 @@ class ParallelDims:
     def world_size(self) -> int:
         return self.pp * self.dp * self.cp * self.tp
 
-    def build_mesh(self, device_type: str) -> "torch.distributed.device_mesh.DeviceMesh":
-        """Builds the named N-D mesh over the default process group, with flattened views.
+    def build_mesh(self, device_type: str) -> tuple["DeviceMesh", dict[str, "DeviceMesh"]]:
+        """Builds the named N-D mesh over the default process group, and its flattened views.
 
         Views: ``dp`` (dp_replicate x dp_shard: batch slicing, gradient sums) and ``dp_cp``
         (dp x cp: the ranks whose supervised tokens are counted together for the loss).
+        ``DeviceMesh._flatten`` is private but is what torchtitan uses; torch keeps no public
+        equivalent in 2.13, and the returned views are kept rather than sliced from the root again
+        (slicing flattened axes from the root is deprecated).
         """
         from torch.distributed.device_mesh import init_device_mesh
 
         sizes = tuple(getattr(self, axis) for axis in MESH_AXES)
         mesh = init_device_mesh(device_type, sizes, mesh_dim_names=MESH_AXES)
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-        return mesh
+        views = {
+            "dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
+            "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+        }
+        return mesh, views
 
 
 def _fmt(degrees: dict[str, int]) -> str:

@@ -128,8 +128,7 @@ class Task(L.LightningModule):
         strategy.after_optimizer_step(self.model, self.global_step)
 
         self.trainer.train_dataloader.mark_trained()
-        dp = strategy.device_mesh["dp"].size()
-        self.last_step_tokens = batch["input_ids"].numel() * dp
+        self.last_step_tokens = batch["input_ids"].numel() * strategy.dims.dp
         self.tokens_seen += self.last_step_tokens
         self._log_step(loss, grad_norm, lr, num_tokens)
 
