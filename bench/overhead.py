@@ -1,26 +1,39 @@
 """Overhead of plait over a hand-written PyTorch loop: the ratio of their training tokens/s.
 
 Both sides train the same model (same class, same init seed) on the same packed rows in the same
-order, for the same steps, in this one process, interleaved: plait, loop, plait, loop, ... The
-headline is the median over ``--repeats`` of plait tokens/s / loop tokens/s (1.0 = no overhead).
+order, for the same steps, in this one process. The headline is the median over ``--repeats`` of
+plait tokens/s / loop tokens/s (1.0 = no overhead; below 1.0 = plait is slower).
 
-What is timed, on both sides: the wall-clock from the end of warm-up step ``--warmup`` to the end
-of the last step. That window holds, per step, fetching and collating the batch from the loader,
-forward, backward, gradient-norm clipping, the AdamW step, the LR-scheduler step, and everything
-else the side does between steps (for plait: Lightning's loop and hooks, callbacks, logging and the
-progress bar). It excludes data preparation (tokenize and pack; cached), model and optimizer
-construction, plait's evaluation at step 0 and at the last step, and the end-of-run writes
-(``train.eval_every=0``; the checkpoint and loss-plot callbacks, which only act at the end of a
-run this short, are left out to keep the bench quick).
+Interleaving (``--interleave``), because the machine may be shared and its speed drifts:
 
-Before timing counts, the script checks that both sides computed the same losses (they should be
-bitwise equal), so the two are doing the same work.
+- ``steps`` (default): one plait run that also drives the hand-written loop, one loop step just
+  before each plait step, so both sides see the same load within a second. Each side's time is
+  its own steps only: the loop step is timed and taken out of plait's time. (plait's progress
+  bar counts the loop's steps in its tok/s then; the bench does not use that figure.)
+- ``runs``: whole runs in turn, plait, loop, plait, loop, ... Simpler, but a change of load
+  between two runs (tens of seconds on a shared machine) shows up as "overhead".
+
+What is timed, on both sides: every step after the first ``--warmup`` steps, end to end. For the
+loop, a step is: fetch and collate the batch from the DataLoader, forward, token-sum
+cross-entropy / supervised-token count, backward, clip_grad_norm_, AdamW step, zero_grad, LR
+scheduler step. For plait, a step is the time from the end of one step to the end of the next:
+the same work plus everything plait and Lightning do between and around it (the loop, hooks,
+callbacks, logging, the progress bar). Not timed: data preparation (tokenize and pack, cached),
+building the model and trainer, plait's evaluation at step 0 and at the last step
+(``train.eval_every=0`` still evaluates there), and the end-of-run writes. The checkpoint and
+loss-plot callbacks only act at the end of a run this short, so they are left out to keep the
+bench quick.
+
+Before any ratio counts, the script checks that both sides computed the same losses (they are
+bitwise equal on CPU), so the two are doing the same work. On a GPU both sides synchronize at the
+end of every step, so host time that would overlap with the next step's kernels counts in full:
+an upper bound on the overhead there.
 
 Invocations::
 
-    OMP_NUM_THREADS=2 python bench/overhead.py                       # CPU, tiny model, ~5 minutes on 2 cores
-    python bench/overhead.py --model nano --seq-len 64 --steps 60   # overhead-dominated small steps
-    python bench/overhead.py --steps 200 --warmup 10                # on one GPU (picked automatically)
+    OMP_NUM_THREADS=2 python bench/overhead.py                      # CPU, tiny model, ~4 minutes on 2 idle cores
+    python bench/overhead.py --model nano --seq-len 64 --steps 100 # small steps: overhead shows most
+    python bench/overhead.py --steps 200 --warmup 10               # one GPU (accelerator=auto picks it)
 
 The last line is ``RESULT overhead_ratio=<x> ...``.
 """
@@ -34,6 +47,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +59,7 @@ os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
 import lightning as L  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 from torch.optim.lr_scheduler import LambdaLR  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
@@ -61,22 +76,21 @@ LOSS_TOLERANCE = 1e-5
 
 @dataclass
 class Side:
-    """One timed run: per-step end times and losses."""
+    """One side of one repeat: seconds of each step (1..N) and each step's loss."""
 
-    step_ends: list[float]  # perf_counter at the end of each step, steps 1..N
+    step_s: list[float]
     losses: list[float]
     tokens_per_step: int
     warmup: int
 
     @property
     def tokens_per_s(self) -> float:
-        seconds = self.step_ends[-1] - self.step_ends[self.warmup - 1]
-        return self.tokens_per_step * (len(self.step_ends) - self.warmup) / seconds
+        timed = self.step_s[self.warmup :]
+        return self.tokens_per_step * len(timed) / sum(timed)
 
     @property
     def median_step_s(self) -> float:
-        ends = self.step_ends[self.warmup - 1 :]
-        return statistics.median(b - a for a, b in zip(ends, ends[1:]))
+        return statistics.median(self.step_s[self.warmup :])
 
 
 def _sync(device: torch.device) -> None:
@@ -84,22 +98,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-class StepClock(L.Callback):
-    """Records the wall-clock at the end of every training step (added to plait's callbacks by config).
-
-    Callbacks run before the Task's own ``on_train_batch_end`` (where evaluation happens), so the
-    last step's end time excludes the final evaluation.
-    """
-
-    def __init__(self) -> None:
-        self.step_ends: list[float] = []
-
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        _sync(pl_module.device)
-        self.step_ends.append(time.perf_counter())
-
-
 def overrides(args: argparse.Namespace) -> list[str]:
+    """The pretrain recipe at the bench's size, without evaluation and end-of-run files."""
     return [
         f"model={args.model}",
         f"model.max_seq_len={args.seq_len}",
@@ -115,85 +115,153 @@ def overrides(args: argparse.Namespace) -> list[str]:
     ]
 
 
-def run_plait(args: argparse.Namespace) -> Side:
-    """Fits the pretrain recipe in this process (devices=1: no child process, no FSDP)."""
+class HandLoop:
+    """The same training written by hand: no Lightning, no callbacks, no logging."""
+
+    def __init__(self, cfg: DictConfig, *, steps: int, device: torch.device) -> None:
+        prepared = build_data(cfg).prepare()  # the cached rows plait trains on
+        self.device = device
+        self.model = build_model(cfg, vocab_size=prepared.tokenizer.vocab_size).to(device)  # seeded init
+        self.model.train()
+        self.max_grad_norm = cfg.train.max_grad_norm
+
+        # AdamW; matmul weights decay, embeddings, norms and biases do not (plait's param groups).
+        decay, rest = [], []
+        for name, param in self.model.named_parameters():
+            is_matmul = param.ndim >= 2 and not any(pattern in name for pattern in cfg.train.no_decay)
+            (decay if is_matmul else rest).append(param)
+        groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+        self.optimizer = torch.optim.AdamW(
+            [g for g in groups if g["params"]], lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps
+        )
+        sched = cfg.scheduler
+        schedule = dict(warmup_steps=sched.warmup_steps, decay=sched.decay, min_lr_ratio=sched.min_lr_ratio)
+        self.scheduler = LambdaLR(self.optimizer, lambda step: lr_factor(step, total_steps=steps, **schedule))
+        sampler = GlobalBatchSampler(
+            len(prepared.train),
+            global_batch_size=cfg.train.global_batch_size,
+            shuffle=cfg.data.shuffle,
+            seed=cfg.data.seed,
+            drop_last=cfg.data.drop_last,
+        )
+        self.batches = iter(DataLoader(prepared.train, batch_sampler=sampler))
+        self.losses: list[torch.Tensor] = []
+
+    def step(self) -> None:
+        batch = {k: v.to(self.device) for k, v in next(self.batches).items()}
+        labels = batch["labels"]
+        num_tokens = (labels != IGNORE_INDEX).sum().float().clamp(min=1.0)
+        logits = self.model(
+            batch["input_ids"], position_ids_bt=batch["position_ids"], document_ids_bt=batch["document_ids"]
+        )
+        loss_sum = F.cross_entropy(
+            logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        loss = loss_sum / num_tokens
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.losses.append(loss.detach())  # no .item() here: no device sync inside the loop
+
+
+class StepClock(L.Callback):
+    """Times plait's steps end to end; added to plait's callbacks through the config.
+
+    A step runs from the end of the previous one (the first: from its batch start) to its
+    ``on_train_batch_end``. Callbacks run before the Task's own ``on_train_batch_end``, where
+    evaluation happens, so the final evaluation is not in the last step; the Task's hook of every
+    earlier step is in the next step. With ``alongside`` set, one hand-loop step runs at the start
+    of each plait step; its time is recorded separately and taken out of plait's step.
+    """
+
+    def __init__(self) -> None:
+        self.alongside: Callable[[], None] | None = None
+        self.step_s: list[float] = []
+        self.alongside_s: list[float] = []
+        self._since: float | None = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if self._since is None:
+            _sync(pl_module.device)
+            self._since = time.perf_counter()
+        if self.alongside is not None:
+            _sync(pl_module.device)
+            start = time.perf_counter()
+            self.alongside()
+            _sync(pl_module.device)
+            elapsed = time.perf_counter() - start
+            self.alongside_s.append(elapsed)
+            self._since += elapsed
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        _sync(pl_module.device)
+        now = time.perf_counter()
+        self.step_s.append(now - self._since)
+        self._since = now
+
+
+def run_plait(args: argparse.Namespace, *, alongside: HandLoop | None = None) -> tuple[Side, list[float]]:
+    """Fits the pretrain recipe in this process (devices=1: no child process, and no FSDP at world 1).
+
+    Returns plait's side and the seconds of each ``alongside`` step (empty without one).
+    """
     cfg = compose("pretrain", [*overrides(args), "+callbacks.clock._target_=__main__.StepClock"])
     validate(cfg)
     with tempfile.TemporaryDirectory(prefix="plait-overhead-") as run_dir:
         trainer, task, data = build_run(cfg, Path(run_dir))
+        clock = next(c for c in trainer.callbacks if isinstance(c, StepClock))
+        clock.alongside = alongside.step if alongside is not None else None
         try:
             trainer.fit(task, datamodule=data)
         finally:
             for key in LAUNCH_ENV:  # the next fit in this process must not look "launched externally"
                 os.environ.pop(key, None)
-    clock = next(c for c in trainer.callbacks if isinstance(c, StepClock))
     losses = [h["loss"] for h in task.history if "loss" in h]
-    return Side(clock.step_ends, losses, args.batch * args.seq_len, args.warmup)
+    return Side(clock.step_s, losses, args.batch * args.seq_len, args.warmup), clock.alongside_s
 
 
 def run_loop(args: argparse.Namespace, device: torch.device) -> Side:
-    """The same training, written by hand: no Lightning, no callbacks, no logging."""
-    cfg = compose("pretrain", overrides(args))
-    prepared = build_data(cfg).prepare()  # the cached rows plait trains on
-    model = build_model(cfg, vocab_size=prepared.tokenizer.vocab_size).to(device)  # seeded init
-    model.train()
-
-    # AdamW; matmul weights decay, embeddings/norms/biases do not (plait's param groups).
-    no_decay = tuple(cfg.train.no_decay)
-    decay, rest = [], []
-    for name, param in model.named_parameters():
-        is_matmul = param.ndim >= 2 and not any(pattern in name for pattern in no_decay)
-        (decay if is_matmul else rest).append(param)
-    groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": rest, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps
-    )
-    sched = cfg.scheduler
-    scheduler = LambdaLR(
-        optimizer,
-        lambda step: lr_factor(
-            step, warmup_steps=sched.warmup_steps, total_steps=args.steps, decay=sched.decay, min_lr_ratio=sched.min_lr_ratio
-        ),
-    )
-
-    sampler = GlobalBatchSampler(
-        len(prepared.train),
-        global_batch_size=args.batch,
-        shuffle=cfg.data.shuffle,
-        seed=cfg.data.seed,
-        drop_last=cfg.data.drop_last,
-    )
-    loader = DataLoader(prepared.train, batch_sampler=sampler)
-
-    losses, step_ends = [], []
-    for step, batch in enumerate(loader, start=1):
-        batch = {k: v.to(device) for k, v in batch.items()}
-        labels = batch["labels"]
-        num_tokens = (labels != IGNORE_INDEX).sum().float().clamp(min=1.0)
-        logits = model(batch["input_ids"], position_ids_bt=batch["position_ids"], document_ids_bt=batch["document_ids"])
-        loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-        loss = loss_sum / num_tokens
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        losses.append(loss.detach())
+    loop = HandLoop(compose("pretrain", overrides(args)), steps=args.steps, device=device)
+    step_s = []
+    _sync(device)
+    since = time.perf_counter()
+    for _ in range(args.steps):
+        loop.step()
         _sync(device)
-        step_ends.append(time.perf_counter())
-        if step == args.steps:
-            break
-    return Side(step_ends, [x.item() for x in losses], args.batch * args.seq_len, args.warmup)
+        now = time.perf_counter()
+        step_s.append(now - since)
+        since = now
+    return Side(step_s, [x.item() for x in loop.losses], args.batch * args.seq_len, args.warmup)
+
+
+def run_interleaved(args: argparse.Namespace, device: torch.device) -> tuple[Side, Side]:
+    loop = HandLoop(compose("pretrain", overrides(args)), steps=args.steps, device=device)
+    plait, loop_step_s = run_plait(args, alongside=loop)
+    return plait, Side(loop_step_s, [x.item() for x in loop.losses], plait.tokens_per_step, args.warmup)
+
+
+def check_same_work(plait: Side, loop: Side, args: argparse.Namespace) -> float:
+    """Max |loss difference| over all steps; exits if the first ``--check-steps`` differ."""
+    if len(plait.losses) != args.steps or len(loop.losses) != args.steps:
+        sys.exit(f"overhead: expected {args.steps} losses per side, got {len(plait.losses)} and {len(loop.losses)}")
+    diffs = [abs(a - b) for a, b in zip(plait.losses, loop.losses)]
+    first = max(diffs[: args.check_steps])
+    if first > LOSS_TOLERANCE:
+        sys.exit(f"overhead: losses differ by {first:.3g} in the first {args.check_steps} steps: not the same work")
+    return max(diffs)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=12, help="optimizer steps per run")
-    parser.add_argument("--warmup", type=int, default=2, help="first steps of each run left out of the timing")
+    parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
+    parser.add_argument("--warmup", type=int, default=3, help="first steps of each run left out of the timing")
     parser.add_argument("--model", default="tiny", help="conf/model preset")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per row")
     parser.add_argument("--batch", type=int, default=16, help="rows per step (global = micro batch)")
-    parser.add_argument("--repeats", type=int, default=3, help="plait/loop pairs, interleaved")
+    parser.add_argument("--repeats", type=int, default=3, help="repeats; the median ratio is reported")
+    parser.add_argument("--interleave", choices=("steps", "runs"), default="steps", help="see the module docstring")
     parser.add_argument("--check-steps", type=int, default=5, help="first steps whose losses must match")
     args = parser.parse_args(argv)
     if not 1 <= args.warmup < args.steps:
@@ -204,41 +272,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # what accelerator=auto picks
-    ratios, plait_tps, loop_tps, plait_step, loop_step, max_diff = [], [], [], [], [], 0.0
+    rows = []
     for repeat in range(1, args.repeats + 1):
         gc.collect()
-        plait = run_plait(args)
-        gc.collect()
-        loop = run_loop(args, device)
-        diffs = [abs(a - b) for a, b in zip(plait.losses, loop.losses)]
-        if len(plait.losses) != args.steps or len(loop.losses) != args.steps:
-            sys.exit(f"overhead: expected {args.steps} losses per side, got {len(plait.losses)} and {len(loop.losses)}")
-        checked = max(diffs[: args.check_steps])
-        if checked > LOSS_TOLERANCE:
-            sys.exit(f"overhead: losses differ by {checked:.3g} in the first {args.check_steps} steps; not the same work")
-        max_diff = max(max_diff, max(diffs))
-        ratios.append(plait.tokens_per_s / loop.tokens_per_s)
-        plait_tps.append(plait.tokens_per_s)
-        loop_tps.append(loop.tokens_per_s)
-        plait_step.append(plait.median_step_s)
-        loop_step.append(loop.median_step_s)
+        if args.interleave == "steps":
+            plait, loop = run_interleaved(args, device)
+        else:
+            plait, _ = run_plait(args)
+            gc.collect()
+            loop = run_loop(args, device)
+        row = {
+            "ratio": plait.tokens_per_s / loop.tokens_per_s,
+            "plait": plait.tokens_per_s,
+            "loop": loop.tokens_per_s,
+            "median_step_ratio": loop.median_step_s / plait.median_step_s,
+            "loss_diff": check_same_work(plait, loop, args),
+        }
+        rows.append(row)
         print(
-            f"overhead: repeat {repeat}/{args.repeats}: plait {plait.tokens_per_s:.1f} tok/s "
-            f"(median step {plait.median_step_s * 1e3:.1f} ms), loop {loop.tokens_per_s:.1f} tok/s "
-            f"(median step {loop.median_step_s * 1e3:.1f} ms), ratio {ratios[-1]:.4f}, "
-            f"max |loss diff| {max(diffs):.3g}",
+            f"overhead: repeat {repeat}/{args.repeats}: plait {row['plait']:.1f} tok/s "
+            f"(median step {plait.median_step_s * 1e3:.1f} ms), loop {row['loop']:.1f} tok/s "
+            f"(median step {loop.median_step_s * 1e3:.1f} ms), ratio {row['ratio']:.4f}, "
+            f"median-step ratio {row['median_step_ratio']:.4f}, max |loss diff| {row['loss_diff']:.3g}",
             flush=True,
         )
-    median_step_ratio = statistics.median(loop_s / plait_s for plait_s, loop_s in zip(plait_step, loop_step))
+
+    def median(key: str) -> float:
+        return statistics.median(r[key] for r in rows)
+
     print(
-        f"overhead: {args.model} seq_len={args.seq_len} batch={args.batch} steps={args.steps} "
-        f"(timed {args.steps - args.warmup}) device={device.type} threads={torch.get_num_threads()} "
-        f"ratios={','.join(f'{r:.4f}' for r in ratios)}"
+        f"overhead: model={args.model} seq_len={args.seq_len} batch={args.batch} steps={args.steps} "
+        f"(timed: {args.steps - args.warmup} after {args.warmup} warm-up) interleave={args.interleave} "
+        f"device={device.type} threads={torch.get_num_threads()} torch={torch.__version__} "
+        f"lightning={L.__version__} ratios={','.join(format(r['ratio'], '.4f') for r in rows)}"
     )
     print(
-        f"RESULT overhead_ratio={statistics.median(ratios):.4f} "
-        f"plait_tokens_per_s={statistics.median(plait_tps):.1f} loop_tokens_per_s={statistics.median(loop_tps):.1f} "
-        f"median_step_ratio={median_step_ratio:.4f} max_loss_diff={max_diff:.3g} repeats={args.repeats}"
+        f"RESULT overhead_ratio={median('ratio'):.4f} plait_tokens_per_s={median('plait'):.1f} "
+        f"loop_tokens_per_s={median('loop'):.1f} median_step_ratio={median('median_step_ratio'):.4f} "
+        f"max_loss_diff={max(r['loss_diff'] for r in rows):.3g} interleave={args.interleave} repeats={args.repeats}"
     )
 
 

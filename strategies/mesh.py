@@ -25,10 +25,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from strategies import checkpoint as ckpt
+from strategies.activation_checkpoint import ActivationCheckpoint
+from strategies.compile import Compile
 from strategies.fsdp import FSDP
 from strategies.grad_norm import clip_grads_, global_grad_norm
 from strategies.launch import ForkLauncher, HydraJobLauncher
-from strategies.parallel_dims import ParallelDims
+from strategies.parallel_dims import LayoutError, ParallelDims
 
 
 class MeshStrategy(ModelParallelStrategy):
@@ -37,9 +39,20 @@ class MeshStrategy(ModelParallelStrategy):
     Args:
         dp_replicate, dp_shard, cp, tp, pp: degrees (see `ParallelDims`); -1 fills the world.
         fsdp: the FSDP2 plugin; used when dp_shard or dp_replicate > 1.
+        activation_checkpoint: the activation-checkpointing plugin (default: off).
+        compile: the per-block ``torch.compile`` plugin (default: off).
         timeout_s: process-group timeout in seconds.
         launcher: "subprocess" (the CLI: one child per rank per Hydra job) or "fork" (tests).
+
+    Raises:
+        LayoutError: a degree > 1 on an axis whose technique this class does not apply.
     """
+
+    # Mesh axes whose parallelism `parallelize` applies. A degree > 1 on any other axis would
+    # build the mesh but run the whole model on each of its ranks: duplicated work and, for cp,
+    # wrong gradients (each row's tokens counted cp times). A subclass that applies an axis
+    # (or the plugin that implements it) adds it here.
+    supported_axes: tuple[str, ...] = ("dp_replicate", "dp_shard")
 
     def __init__(
         self,
@@ -50,6 +63,8 @@ class MeshStrategy(ModelParallelStrategy):
         pp: int = 1,
         *,
         fsdp: FSDP | None = None,
+        activation_checkpoint: ActivationCheckpoint | None = None,
+        compile: Compile | None = None,  # noqa: A002 - the config key users type
         timeout_s: float = 1800.0,
         launcher: str = "subprocess",
     ) -> None:
@@ -57,9 +72,24 @@ class MeshStrategy(ModelParallelStrategy):
         if launcher not in ("subprocess", "fork"):
             raise ValueError(f"strategy.launcher={launcher!r} is unknown; use subprocess or fork")
         self.dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp)
+        problems = self.unsupported_degrees(self.dims)
+        if problems:
+            raise LayoutError("\n".join(problems))
         self.fsdp = fsdp or FSDP()
+        self.activation_checkpoint = activation_checkpoint or ActivationCheckpoint()
+        self.compile_plugin = compile or Compile()
         self.launcher_kind = launcher
         self._mesh_views: dict[str, DeviceMesh] = {}
+
+    @classmethod
+    def unsupported_degrees(cls, dims: ParallelDims) -> list[str]:
+        """Problems (naming the fix) of degrees on axes this strategy does not parallelize; [] if none."""
+        return [
+            f"strategy.{axis}={getattr(dims, axis)}: {cls.__name__} does not apply {axis} parallelism yet; "
+            f"use strategy.{axis}=1"
+            for axis in ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+            if axis not in cls.supported_axes and getattr(dims, axis) != 1
+        ]
 
     # ------------------------------------------------------------------------------ processes
     @override
@@ -103,16 +133,24 @@ class MeshStrategy(ModelParallelStrategy):
 
         Order (later techniques wrap what earlier ones produced): pipeline split first (each rank
         keeps its stage), then tensor parallel (DTensor-shards the Linear weights), then context
-        parallel attention, then activation checkpointing and compile (they wrap the TP'd blocks),
-        and FSDP last, so it shards whatever parameters the others left, on the dp axes only.
-        This core applies FSDP; the other plugins insert themselves at their place in this order.
+        parallel attention. Activation checkpointing next, so the recomputed forward is the
+        TP/CP one. Compile after it, so each compiled block graph contains the checkpoint
+        (and the recomputation is compiled too). FSDP last: it shards whatever parameters the
+        others left, on the dp axes only. Its per-block hooks stay outside the checkpointed
+        function (the recomputation uses the parameters FSDP gathered for the backward instead
+        of running the hooks again) and dynamo runs them eagerly around the compiled graph.
         """
+        # Tensor and context parallelism (and the pipeline split before them) insert themselves here.
+        self.activation_checkpoint.apply(model)
+        self.compile_plugin.apply(model)
         if self.dims.dp > 1:
-            if self.dims.dp_replicate > 1:
-                dp_mesh = self.device_mesh["dp_replicate", "dp_shard"]
-            else:
-                dp_mesh = self.device_mesh["dp_shard"]
-            self.fsdp.apply(model, dp_mesh)
+            self.fsdp.apply(model, self.dp_mesh())
+
+    def dp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP shards over: (dp_replicate, dp_shard) for HSDP, else dp_shard."""
+        if self.dims.dp_replicate > 1:
+            return self.device_mesh["dp_replicate", "dp_shard"]
+        return self.device_mesh["dp_shard"]
 
     # ------------------------------------------------------------------------------ the step
     def forward_backward(

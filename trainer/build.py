@@ -36,6 +36,8 @@ def build_task(cfg: DictConfig, model: nn.Module, *, seq_len: int) -> Task:
         scheduler=instantiate(cfg.scheduler) if cfg.scheduler is not None else None,
         micro_batch_size=micro_batch_size(cfg),
         max_grad_norm=cfg.train.max_grad_norm,
+        # The param groups override the optimizer's own weight_decay: pass the configured one (C16).
+        weight_decay=cfg.optim.weight_decay,
         no_decay=tuple(cfg.train.no_decay),
         eval_every=cfg.train.eval_every,
         flops_per_token=model.flops_per_token(seq_len) if hasattr(model, "flops_per_token") else 0.0,

@@ -130,21 +130,44 @@ def preflight(argv: list[str]) -> None:
         try:
             cfg = compose(config_name, overrides=overrides)
         except (HydraException, OmegaConfBaseException) as err:
-            # Report every bad override, not just the first one Hydra stops at.
+            # Report every bad override, not just the first one Hydra stops at, then validate the rest.
             searchpath = [o for o in overrides if o.startswith("hydra.searchpath")]
+            bad = []
             for override in overrides:
                 if override in searchpath:
                     continue
                 try:
                     compose(config_name, overrides=searchpath + [override])
                 except (HydraException, OmegaConfBaseException) as one:
+                    bad.append(override)
                     problems.append(f"{override}: {_message(one)}")
-            _fail("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems or [_message(err)]))
+            try:
+                cfg = compose(config_name, overrides=[o for o in overrides if o not in bad])
+            except (HydraException, OmegaConfBaseException):  # overrides that only clash together
+                _fail("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems or [_message(err)]))
+            problems = [p + _did_you_mean(cfg, o) for p, o in zip(problems, bad)] or [_message(err)]
     try:
         validate(cfg)
         check_run_dir(cfg)
     except ConfigError as err:
-        _fail(str(err))
+        problems += err.problems
+    if problems:
+        _fail("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _did_you_mean(cfg: DictConfig, override: str) -> str:
+    """`` (unknown key; did you mean train.micro_batch_size?)`` for an override of a key ``cfg`` lacks."""
+    import difflib
+
+    from omegaconf import OmegaConf
+
+    key = override.split("=", 1)[0].lstrip("+~")
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    if not isinstance(node, DictConfig) or leaf in node:
+        return ""
+    match = difflib.get_close_matches(leaf, [str(k) for k in node], n=1)
+    return f" (unknown key; did you mean {parent + '.' if parent else ''}{match[0]}?)" if match else " (unknown key)"
 
 
 def _message(err: BaseException) -> str:

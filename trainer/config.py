@@ -6,6 +6,7 @@ run-wide fields are the dataclasses below. `validate` never mutates the composed
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import importlib
@@ -118,8 +119,10 @@ def validate(cfg: DictConfig) -> None:
     for name in TARGET_NODES:
         if name in cfg and cfg[name] is not None:
             _check_target(cfg[name], name, problems, injected=INJECTED.get(name, set()))
-    if "strategy" in cfg and isinstance(cfg.strategy, DictConfig) and isinstance(cfg.strategy.get("fsdp"), DictConfig):
-        _check_target(cfg.strategy.fsdp, "strategy.fsdp", problems)
+    if "strategy" in cfg and isinstance(cfg.strategy, DictConfig):
+        for key, plugin in cfg.strategy.items():  # fsdp, activation_checkpoint, compile, ...
+            if isinstance(plugin, DictConfig) and "_target_" in plugin:
+                _check_target(plugin, f"strategy.{key}", problems)
     for group in ("logger", "callbacks"):
         node = cfg.get(group)
         if isinstance(node, DictConfig):
@@ -128,8 +131,40 @@ def validate(cfg: DictConfig) -> None:
                     _check_target(sub, f"{group}.{key}", problems, injected={"save_dir", "dirpath"})
     if not problems:
         _check_semantics(cfg, problems)
+    else:
+        # Every problem at once: check the semantics too, with mistyped run-wide fields at their
+        # defaults (and no message about those fields, which are already reported).
+        replaced: list[str] = []
+        semantic: list[str] = []
+        try:
+            _check_semantics(_well_typed(cfg, replaced), semantic)
+        except Exception:  # noqa: BLE001 - a broken object node (already reported) stops these checks
+            pass
+        problems += [p for p in semantic if not any(f"{name}=" in p for name in replaced)]
     if problems:
         raise ConfigError(problems)
+
+
+def _well_typed(cfg: DictConfig, replaced: list[str]) -> DictConfig:
+    """A copy of ``cfg`` whose run-wide fields that fail their type hold their defaults; their
+    dotted names are appended to ``replaced``."""
+    cfg = copy.deepcopy(cfg)
+
+    def fix(node: Any, schema: type, prefix: str) -> None:
+        if not isinstance(node, DictConfig):
+            return
+        hints = typing.get_type_hints(schema)
+        for f in dataclasses.fields(schema):
+            if f.name not in node:
+                continue
+            if dataclasses.is_dataclass(hints[f.name]):
+                fix(node[f.name], hints[f.name], f"{prefix}{f.name}.")
+            elif not _type_ok(OmegaConf.select(node, f.name, throw_on_missing=False), hints[f.name]):
+                node[f.name] = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+                replaced.append(f"{prefix}{f.name}")
+
+    fix(cfg, RunConfig, "")
+    return cfg
 
 
 def _close(name: str, options: list[str]) -> str:
@@ -163,6 +198,8 @@ def _type_ok(value: Any, hint: Any) -> bool:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         return any(_type_ok(value, arg) for arg in typing.get_args(hint))
+    if origin is typing.Literal:
+        return value in typing.get_args(hint)
     if hint is type(None):
         return value is None
     if origin in (list, tuple, typing.Sequence) or hint in (list, tuple):
@@ -182,6 +219,8 @@ def _type_ok(value: Any, hint: Any) -> bool:
 
 def _type_name(hint: Any) -> str:
     args = typing.get_args(hint)
+    if typing.get_origin(hint) is typing.Literal:
+        return "one of " + ", ".join(map(str, args))
     if args:
         return " or ".join(_type_name(a) for a in args)
     return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))
@@ -273,6 +312,9 @@ def _check_semantics(cfg: DictConfig, problems: list[str]) -> None:
             )
         except LayoutError as err:
             problems.extend(str(err).splitlines())
+        strategy_cls = _import(cfg.strategy._target_)
+        if dims is not None and hasattr(strategy_cls, "unsupported_degrees"):
+            problems.extend(strategy_cls.unsupported_degrees(dims))
     if dims is not None and train.global_batch_size > 0:
         micro = train.micro_batch_size or max(1, train.global_batch_size // dims.dp)
         per_rank, rest = divmod(train.global_batch_size, dims.dp)

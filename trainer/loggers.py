@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 
+import lightning as L
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from typing_extensions import override
@@ -38,3 +39,15 @@ class RunCSVLogger(CSVLogger):
             self._fs.makedirs(self.root_dir, exist_ok=True)
             self._experiment = _AppendingWriter(log_dir=self.log_dir)
         return self._experiment
+
+
+def is_logging_step(trainer: L.Trainer) -> bool:
+    """Whether Lightning writes this step's logged metrics to the loggers.
+
+    Lightning's own rule (every ``trainer.log_every_n_steps`` steps, and when the run is stopping),
+    for hooks that run after the optimizer step, when ``trainer.global_step`` already counts it.
+    Each ``self.log`` costs about a millisecond of Python, so values that only the loggers read
+    are logged on these steps alone.
+    """
+    every = trainer.log_every_n_steps
+    return (every > 0 and trainer.global_step % every == 0) or trainer.should_stop

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -12,7 +13,7 @@ from strategies.checkpoint import CheckpointError
 from strategies.launch import LAUNCH_ENV
 from trainer.callbacks.checkpoint import resolve_checkpoint
 from trainer.config import ConfigError, validate
-from trainer.data.module import DataError
+from trainer.data.module import DataError, TextDataModule
 
 
 def _is_launching_rank() -> bool:
@@ -40,6 +41,25 @@ def check_run_dir(cfg: DictConfig, run_dir: Path | None = None) -> Path | None:
     return found
 
 
+def check_train_batches(cfg: DictConfig, data: TextDataModule) -> None:
+    """Rejects a fractional ``trainer.limit_train_batches`` that leaves no batch of an epoch.
+
+    Lightning takes ``int(batches x limit)`` batches per epoch; 0 would be a run that trains
+    nothing, so it is a configuration error, found once the data says how many batches there are
+    (case C30).
+
+    Raises:
+        DataError: the limit rounds the epoch down to zero batches.
+    """
+    limit, num_batches = cfg.trainer.limit_train_batches, data.steps_per_epoch()
+    if isinstance(limit, float) and int(num_batches * limit) < 1:
+        raise DataError(
+            f"trainer.limit_train_batches={limit} of {num_batches} training batches per epoch leaves no batch "
+            f"(int({num_batches} x {limit}) = 0); raise it to at least "
+            f"{math.ceil(10_000 / max(num_batches, 1)) / 10_000:g}, give a batch count, or drop it"
+        )
+
+
 def run(cfg: DictConfig) -> None:
     """Trains the composed config ``cfg`` in the current Hydra job's output directory."""
     from hydra.core.hydra_config import HydraConfig
@@ -53,6 +73,7 @@ def run(cfg: DictConfig) -> None:
         validate(cfg)
         ckpt_path = check_run_dir(cfg, run_dir)
         trainer, task, data = build_run(cfg, run_dir)
+        check_train_batches(cfg, data)
     except (ConfigError, DataError, CheckpointError) as err:
         if launching and fresh_dir and run_dir.is_dir() and not any(run_dir.iterdir()):
             run_dir.rmdir()  # a failed start leaves nothing behind

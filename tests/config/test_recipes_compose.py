@@ -2,27 +2,41 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from omegaconf import OmegaConf
 from harness import compose_config
 
 from trainer.cli import CONF_DIR, bundled_recipes
-from trainer.config import validate
+from trainer.config import ConfigError, validate
 
 STRATEGIES = sorted(p.stem for p in (CONF_DIR / "strategy").glob("*.yaml"))
 RECIPES = sorted(bundled_recipes())
 
 
 def test_there_is_something_to_compose() -> None:
-    assert "pretrain" in RECIPES and {"ddp", "fsdp"} <= set(STRATEGIES)
+    assert "pretrain" in RECIPES and {"ddp", "fsdp", "hsdp", "nd"} <= set(STRATEGIES)
 
 
-@pytest.mark.parametrize("devices", [1, 2])
+@pytest.mark.parametrize("devices", [1, 2, 4])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_x_strategy_validates(recipe: str, strategy: str, devices: int) -> None:
     cfg = compose_config([f"strategy={strategy}", f"trainer.devices={devices}"], recipe=recipe, tiny=False)
-    validate(cfg)
+    fixed = math.prod(d for axis in ("dp_replicate", "dp_shard", "cp", "tp", "pp") if (d := cfg.strategy[axis]) != -1)
+    if devices % fixed:  # a preset with fixed degrees (hsdp: dp_shard=2) needs a multiple of them
+        with pytest.raises(ConfigError, match="trainer.devices"):
+            validate(cfg)
+    else:
+        validate(cfg)
+
+
+def test_every_preset_starts_with_a_comment_and_has_every_plugin() -> None:
+    for preset in sorted((CONF_DIR / "strategy").glob("*.yaml")):
+        assert preset.read_text().startswith("# "), preset.name
+        node = OmegaConf.load(preset)
+        assert {"fsdp", "activation_checkpoint", "compile"} <= set(node), preset.name
 
 
 @pytest.mark.parametrize("group", sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and not p.name.startswith("_")))
@@ -32,4 +46,6 @@ def test_every_group_option_validates_in_the_default_recipe(group: str) -> None:
         if group == "model":  # the default seq_len may exceed a small model's context
             max_seq_len = OmegaConf.load(option).max_seq_len
             overrides.append(f"data.seq_len={min(256, max_seq_len)}")
+        if group == "strategy":  # hsdp fixes dp_shard=2: a world of 4 fits every preset
+            overrides.append("trainer.devices=4")
         validate(compose_config(overrides, tiny=False))

@@ -2,12 +2,33 @@
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
+import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
 from typing_extensions import override
 
 
 class StepProgressBar(TQDMProgressBar):
-    """Lightning's bar, sized ``min(batches left in the epoch, trainer.max_steps - global_step)``."""
+    """Lightning's bar, sized ``min(batches left in the epoch, trainer.max_steps - global_step)``
+    and redrawn at most every ``refresh_interval_s`` seconds.
+
+    Args:
+        refresh_interval_s: least seconds between two redraws of the training bar (0: every step,
+            as Lightning does). A redraw reads every logged metric and writes to the terminal,
+            a few milliseconds: a large share of a short step. The last step is always drawn.
+
+    Raises:
+        ValueError: a negative ``refresh_interval_s``.
+    """
+
+    def __init__(self, refresh_interval_s: float = 0.5) -> None:
+        if refresh_interval_s < 0:
+            raise ValueError("callbacks.progress.refresh_interval_s must be >= 0")
+        super().__init__()
+        self.refresh_interval_s = refresh_interval_s
+        self._last_refresh = float("-inf")
 
     @property
     @override
@@ -18,3 +39,13 @@ class StepProgressBar(TQDMProgressBar):
             return total
         done_in_epoch = self.trainer.fit_loop.epoch_loop.batch_progress.current.ready
         return min(total, done_in_epoch + max_steps - self.trainer.global_step)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        now = time.monotonic()
+        if now - self._last_refresh < self.refresh_interval_s and batch_idx + 1 != self.train_progress_bar.total:
+            return
+        self._last_refresh = now
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)

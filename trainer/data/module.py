@@ -119,7 +119,10 @@ class TextDataModule(L.LightningDataModule):
         try:
             documents = corpus.load_files(self.paths, text_key=self.text_key) if self.paths else corpus.load_bundled(self.sources)
         except (FileNotFoundError, ValueError) as err:
-            raise DataError(f"data: {err}") from None
+            if not self.paths:
+                raise DataError(f"data.sources={self.sources}: {err}") from None
+            fix = "fix the file, or point data.path at .txt/.jsonl files with text (null: the bundled corpus)"
+            raise DataError(f"data.path={self.paths}: {err}; {fix}") from None
         if not documents:
             raise DataError("data: no documents found; set data.path=<file or dir> or data.sources=[shakespeare,kjv]")
         return documents

@@ -51,8 +51,15 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.start = 0  # first global batch of the next iteration; set when resuming mid-epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Called by Lightning at the start of every epoch."""
+        """Called by Lightning at the start of every epoch (through `sampler`)."""
         self.epoch = epoch
+
+    @property
+    def sampler(self) -> GlobalBatchSampler:
+        # Lightning sets the epoch on ``loader.sampler`` and ``loader.batch_sampler.sampler`` only
+        # (lightning.fabric.utilities.data._set_sampler_epoch). A batch sampler without an inner
+        # sampler must stand there itself, or every epoch repeats the first epoch's order.
+        return self
 
     def num_batches(self) -> int:
         """Global batches in one epoch."""
@@ -101,5 +108,11 @@ class StatefulLoader(DataLoader):
         return {"epoch": self.global_sampler.epoch, "trained": self.trained}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.global_sampler.set_epoch(state["epoch"])
-        self.global_sampler.start = self.trained = state["trained"]
+        epoch, trained = state["epoch"], state["trained"]
+        if trained >= self.global_sampler.num_batches():
+            # Saved after the last batch of an epoch: resume at the start of the next one. An empty
+            # rest of the epoch would make the loader's length 0, and Lightning ends the fit on a
+            # zero-length loader ("No training batches") instead of starting the next epoch (C09).
+            epoch, trained = epoch + 1, 0
+        self.global_sampler.set_epoch(epoch)
+        self.global_sampler.start = self.trained = trained

@@ -1,0 +1,91 @@
+"""Activation checkpointing per transformer block: keep only block inputs, recompute the rest.
+
+Source: Chen et al. 2016, "Training Deep Nets with Sublinear Memory Cost"; the non-reentrant
+``torch.utils.checkpoint.checkpoint``. Each chosen block's ``forward`` runs under checkpoint, so
+its activations are freed after the forward and recomputed in the backward, trading about one
+extra block forward for the activation memory of the block.
+
+The block is not wrapped in another module (as ``checkpoint_wrapper`` does): parameter names,
+``state_dict`` keys and the optimizer's flattened state stay exactly as without checkpointing, so a
+checkpoint saved with activation checkpointing on loads with it off and the other way round, and
+name-based settings (``train.no_decay``) see the same names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Literal, get_args
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+Mode = Literal["none", "full", "every_k"]
+MODES: tuple[str, ...] = get_args(Mode)
+
+
+def _checkpointed_forward(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    # The class's forward runs under checkpoint; module hooks (FSDP's unshard/reshard) stay
+    # outside it, so the recomputation in backward does not run them a second time.
+    # Non-reentrant: works with keyword arguments, inputs that need no grad, FSDP2 and compile.
+    return checkpoint(type(block).forward, block, *args, use_reentrant=False, **kwargs)
+
+
+def _check(mode: str, every_k: int) -> None:
+    if mode not in MODES:
+        raise ValueError(f"strategy.activation_checkpoint.mode={mode!r} is unknown; use one of {', '.join(MODES)}")
+    if every_k < 1:
+        raise ValueError(f"strategy.activation_checkpoint.every_k={every_k} must be >= 1")
+
+
+def is_checkpointed(block: nn.Module) -> bool:
+    """True if `apply_activation_checkpointing` has made ``block`` run under checkpoint."""
+    forward = block.__dict__.get("forward")
+    return isinstance(forward, partial) and forward.func is _checkpointed_forward
+
+
+def apply_activation_checkpointing(model: nn.Module, *, mode: Mode, every_k: int = 1) -> list[str]:
+    """Runs the forward of the blocks in ``model.layers`` under activation checkpointing, in place.
+
+    Args:
+        model: a module with an ``nn.ModuleDict``/``ModuleList`` named ``layers``.
+        mode: "none" (nothing), "full" (every block) or "every_k" (blocks 0, k, 2k, ...; the
+            others keep their activations and are not recomputed: less memory saved, less time lost).
+        every_k: the k of "every_k"; ignored by the other modes.
+
+    Returns:
+        The names (keys in ``model.layers``) of the checkpointed blocks.
+
+    Raises:
+        ValueError: an unknown mode or ``every_k < 1``.
+    """
+    _check(mode, every_k)
+    if mode == "none":
+        return []
+    step = every_k if mode == "every_k" else 1
+    chosen = list(model.layers.named_children())[::step]
+    for _, block in chosen:
+        if not is_checkpointed(block):
+            # An instance attribute shadows the class's forward and nn.Module.__call__ calls it.
+            # A partial (not a closure) so that deepcopy and pickle rebind it to the copied block.
+            block.forward = partial(_checkpointed_forward, block)
+    return [name for name, _ in chosen]
+
+
+@dataclass
+class ActivationCheckpoint:
+    """The activation-checkpointing plugin: settings of `apply_activation_checkpointing`.
+
+    Args:
+        mode: "none", "full" (every block) or "every_k" (every k-th block, from the first).
+        every_k: k for mode "every_k".
+    """
+
+    mode: Mode = "none"
+    every_k: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self.mode, self.every_k)  # at build time, before any process starts
+
+    def apply(self, model: nn.Module) -> list[str]:
+        return apply_activation_checkpointing(model, mode=self.mode, every_k=self.every_k)

@@ -1,0 +1,47 @@
+"""MeshStrategy refuses degrees on axes it does not parallelize, before any process starts."""
+
+from __future__ import annotations
+
+import pytest
+from harness import compose_config
+
+from strategies.activation_checkpoint import ActivationCheckpoint
+from strategies.compile import Compile
+from strategies.mesh import MeshStrategy
+from strategies.parallel_dims import LayoutError
+from trainer.config import ConfigError, validate
+
+
+def test_unapplied_axes_are_refused_with_the_fix() -> None:
+    message = "strategy.cp=2: MeshStrategy does not apply cp parallelism yet; use strategy.cp=1"
+    with pytest.raises(LayoutError, match=message):
+        MeshStrategy(dp_shard=1, cp=2)
+    MeshStrategy(dp_replicate=2, dp_shard=-1)  # the data-parallel axes are applied
+
+
+def test_a_subclass_that_applies_an_axis_may_use_it() -> None:
+    class WithTP(MeshStrategy):
+        supported_axes = (*MeshStrategy.supported_axes, "tp")
+
+    assert WithTP(dp_shard=-1, tp=2).dims.tp == 2
+
+
+def test_validate_reports_unapplied_axes() -> None:
+    with pytest.raises(ConfigError) as err:
+        validate(compose_config(["strategy=nd", "strategy.pp=2", "trainer.devices=2"]))
+    assert "strategy.pp=2: MeshStrategy does not apply pp parallelism yet; use strategy.pp=1" in err.value.problems
+
+
+def test_plugins_default_to_off() -> None:
+    strategy = MeshStrategy()
+    assert strategy.activation_checkpoint == ActivationCheckpoint(mode="none")
+    assert strategy.compile_plugin == Compile(enabled=False)
+
+
+def test_validate_checks_every_plugin_node_before_launch() -> None:
+    with pytest.raises(ConfigError) as err:
+        validate(compose_config(["strategy.activation_checkpoint.mode=selective", "strategy.compile.enabled=maybe"]))
+    assert err.value.problems == [
+        "strategy.activation_checkpoint.mode='selective' must be one of none, full, every_k",
+        "strategy.compile.enabled='maybe' must be bool",
+    ]
