@@ -31,7 +31,7 @@ an upper bound on the overhead there.
 
 Invocations::
 
-    OMP_NUM_THREADS=2 python bench/overhead.py                      # CPU, tiny model, ~4 minutes on 2 idle cores
+    OMP_NUM_THREADS=2 python bench/overhead.py                      # CPU, tiny model: ~2.5 minutes on 2 idle cores
     python bench/overhead.py --model nano --seq-len 64 --steps 100 # small steps: overhead shows most
     python bench/overhead.py --steps 200 --warmup 10               # one GPU (accelerator=auto picks it)
 
@@ -255,7 +255,7 @@ def check_same_work(plait: Side, loop: Side, args: argparse.Namespace) -> float:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="first steps of each run left out of the timing")
     parser.add_argument("--model", default="tiny", help="conf/model preset")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per row")
