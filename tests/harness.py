@@ -115,7 +115,7 @@ def plait(
 
 def train_rows(run_dir: Path) -> dict[int, dict[str, str]]:
     """metrics.csv rows with a train loss, by their ``step`` column; the last row wins (a resumed
-    run appends the steps it repeats). Row k holds optimizer step k + 1."""
+    run appends the steps it repeats). Row k holds optimizer step k (row 0: validation before training)."""
     with open(Path(run_dir) / "metrics.csv", newline="") as file:
         return {int(row["step"]): row for row in csv.DictReader(file) if row.get("train/loss")}
 

@@ -88,6 +88,8 @@ def build_trainer(cfg: DictConfig, run_dir: Path, *, launcher: str = "subprocess
 
 def build_run(cfg: DictConfig, run_dir: Path, *, launcher: str = "subprocess") -> tuple[L.Trainer, Task, TextDataModule]:
     """Data (prepared), model, task and trainer of one run."""
+    # Python, NumPy and torch RNGs of every rank (Lightning re-seeds each process from PL_GLOBAL_SEED).
+    L.seed_everything(cfg.seed, verbose=False)
     data = build_data(cfg)
     prepared = data.prepare()
     model = build_model(cfg, vocab_size=prepared.tokenizer.vocab_size)

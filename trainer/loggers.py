@@ -42,12 +42,10 @@ class RunCSVLogger(CSVLogger):
 
 
 def is_logging_step(trainer: L.Trainer) -> bool:
-    """Whether Lightning writes this step's logged metrics to the loggers.
+    """Whether the current optimizer step writes a row to the loggers.
 
-    Lightning's own rule (every ``trainer.log_every_n_steps`` steps, and when the run is stopping),
-    for hooks that run after the optimizer step, when ``trainer.global_step`` already counts it.
-    Each ``self.log`` costs about a millisecond of Python, so values that only the loggers read
-    are logged on these steps alone.
+    Every ``trainer.log_every_n_steps`` optimizer steps, and the last step of the run. For hooks
+    that run after the optimizer step, when ``trainer.global_step`` already counts it.
     """
-    every = trainer.log_every_n_steps
-    return (every > 0 and trainer.global_step % every == 0) or trainer.should_stop
+    step, every = trainer.global_step, trainer.log_every_n_steps
+    return (every > 0 and step % every == 0) or step == trainer.max_steps

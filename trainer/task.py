@@ -83,6 +83,7 @@ class Task(L.LightningModule):
         self.history: list[dict[str, float]] = []
         self.last_step_tokens = 0
         self._new_val_loss: float | None = None  # for the progress bar, after each evaluation
+        self._row: dict[str, float] = {}  # the loggers' row of the current step (see `record`)
 
     # ------------------------------------------------------------------------------ setup
     @override
@@ -136,37 +137,64 @@ class Task(L.LightningModule):
     def _log_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, num_tokens: torch.Tensor) -> None:
         # Every value is already global and equal on all ranks: no sync_dist (which would also
         # deadlock under pipeline parallelism, where every rank must log the same keys).
-        # The progress bar reads the loss every step; the other values only the loggers read, so
-        # they are logged on logging steps alone (each self.log costs ~1 ms of Python).
-        self.log("train/loss", loss, prog_bar=True)
-        if is_logging_step(self.trainer):
-            self.log("train/grad_norm", grad_norm)
-            self.log("train/lr", lr)
-            self.log("train/supervised_tokens", num_tokens)
-            self.log("train/tokens_seen", float(self.tokens_seen))
+        self.log("train/loss", loss, prog_bar=True, logger=False)  # progress bar and callback_metrics
         if self._new_val_loss is not None:
-            # Logged once per evaluation: the bar keeps showing a value until it is logged again.
+            # Once per evaluation: the bar keeps showing a value until it is logged again.
             self.log("val/loss", self._new_val_loss, prog_bar=True, logger=False)
             self._new_val_loss = None
-        self.history.append(
-            {"step": self.global_step, "loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr}
-        )
+        loss_value, grad_norm_value = loss.item(), grad_norm.item()
+        if is_logging_step(self.trainer):
+            self.record(
+                {
+                    "train/loss": loss_value,
+                    "train/grad_norm": grad_norm_value,
+                    "train/lr": lr,
+                    "train/supervised_tokens": num_tokens.item(),
+                    "train/tokens_seen": float(self.tokens_seen),
+                }
+            )
+        self.history.append({"step": self.global_step, "loss": loss_value, "grad_norm": grad_norm_value, "lr": lr})
+
+    # ------------------------------------------------------------------------------ logging
+    def record(self, metrics: dict[str, float]) -> None:
+        """Adds values to the loggers' row of the current optimizer step.
+
+        The row is written once, at the end of the step, with ``step`` = optimizer steps done: the
+        train loss of step k, the validation loss after step k and the throughput of step k share
+        row k, and the validation loss before training is row 0. (Lightning's own ``self.log``
+        rows count from 0 for the first step and cannot be written from ``on_train_start``.)
+        """
+        self._row.update(metrics)
+
+    def _write_row(self) -> None:
+        if self._row:
+            row = {**self._row, "epoch": float(self.current_epoch)}
+            for logger in self.loggers:
+                logger.log_metrics(row, step=self.global_step)
+                logger.save()
+            self._row = {}
 
     # ------------------------------------------------------------------------------ evaluation
     @override
     def on_train_start(self) -> None:
         if self.global_step == 0 and not any("val_loss" in h for h in self.history):
             self.evaluate()
+        self._write_row()
 
     @override
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # Runs after the callbacks' on_train_batch_end (throughput has recorded its values).
         step = self.global_step
         if step == self.trainer.max_steps or (self.eval_every and step % self.eval_every == 0):
             self.evaluate()
+        self._write_row()
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Token-weighted validation loss over the held-out rows on all dp ranks; logs val/loss and val/ppl."""
+    def evaluate(self) -> float | None:
+        """Token-weighted validation loss over the held-out rows of all dp ranks (None without any).
+
+        Records val/loss and val/ppl in the current step's row.
+        """
         strategy = self.trainer.strategy
         loader = self.trainer.datamodule.eval_dataloader()
         was_training = self.model.training
@@ -179,10 +207,10 @@ class Task(L.LightningModule):
                 totals[1] += self.objective.num_tokens(batch)
         strategy.all_reduce_sum(totals, "dp_cp")
         self.model.train(was_training)
-        val_loss = (totals[0] / totals[1].clamp(min=1.0)).item()
-        # Straight to the loggers: Lightning's self.log cannot log per step from on_train_start.
-        for logger in self.loggers:
-            logger.log_metrics({"val/loss": val_loss, "val/ppl": math.exp(min(val_loss, 50.0))}, step=self.global_step)
+        if totals[1].item() == 0:
+            return None  # no validation data (data.val_fraction=0): no figure, rather than 0.0
+        val_loss = (totals[0] / totals[1]).item()
+        self.record({"val/loss": val_loss, "val/ppl": math.exp(min(val_loss, 50.0))})
         self._new_val_loss = val_loss
         self.history.append({"step": self.global_step, "val_loss": val_loss})
         return val_loss

@@ -67,9 +67,9 @@ def test_pretrain_writes_every_artifact(pretrain_run: tuple[Path, str]) -> None:
 
     # metrics.csv: one finite train loss per step, validation at step 0 and the last step.
     train = train_rows(run_dir)
-    assert sorted(train) == [0, 1, 2, 3]
+    assert sorted(train) == [1, 2, 3, 4]
     assert all(math.isfinite(float(r["train/loss"])) for r in train.values())
-    assert float(train[3]["train/tokens_seen"]) == 4 * TOKENS_PER_STEP
+    assert float(train[4]["train/tokens_seen"]) == 4 * TOKENS_PER_STEP
     val = _val_rows(run_dir)
     assert sorted(val) == [0, 4]
 
@@ -123,7 +123,7 @@ def test_user_recipe_file_extends_the_bundled_one(tmp_path: Path) -> None:
     assert cfg.recipe == "short" and cfg.trainer.max_steps == 2
     assert cfg.model.dim == 64 and cfg.optim.lr == 3.0e-3  # the rest comes from the bundled recipe + overrides
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2
-    assert sorted(train_rows(run_dir)) == [0, 1]
+    assert sorted(train_rows(run_dir)) == [1, 2]
     assert str(run_dir) in result.stdout
 
 
@@ -152,10 +152,10 @@ def test_two_processes_train_one_run(tmp_path: Path, pretrain_run: tuple[Path, s
     assert sorted(p.name for p in (step / "rng").iterdir()) == ["rank_00000.pt", "rank_00001.pt"]
     # The two ranks together train the same global batches as one process (same losses, same tokens).
     single, double = train_rows(pretrain_run[0]), train_rows(run_dir)
-    assert sorted(double) == sorted(single) == [0, 1, 2, 3]
+    assert sorted(double) == sorted(single) == [1, 2, 3, 4]
     for step_index in single:
         assert float(double[step_index]["train/loss"]) == pytest.approx(float(single[step_index]["train/loss"]), rel=1e-5)
-    assert float(double[3]["train/tokens_seen"]) == 4 * TOKENS_PER_STEP
+    assert float(double[4]["train/tokens_seen"]) == 4 * TOKENS_PER_STEP
     assert json.loads((run_dir / "summary.json").read_text())["tokens_seen"] == 4 * TOKENS_PER_STEP
 
 

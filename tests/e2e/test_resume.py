@@ -85,13 +85,13 @@ def _assert_resumed_bit_exact(run_dir: Path, straight: Path) -> None:
     result = plait(*RUN, f"run_dir={run_dir}", "resume=last")
     _ok(result)
     reference, resumed = train_rows(straight), train_rows(run_dir)
-    # Row k holds optimizer step k+1: steps N+1..2N are rows N..2N-1.
-    for row in range(N, 2 * N):
+    # Row k holds optimizer step k.
+    for row in range(N + 1, 2 * N + 1):
         for key in ("train/loss", "train/grad_norm", "train/lr"):
             assert resumed[row][key] == reference[row][key], (row, key, resumed[row][key], reference[row][key])
     # It really resumed: steps 1..N were trained once (by the killed run), not again from scratch.
     with open(run_dir / "metrics.csv", newline="") as file:
-        first_steps = [row for row in csv.DictReader(file) if row["step"] == "0" and row["train/loss"]]
+        first_steps = [row for row in csv.DictReader(file) if row["step"] == "1" and row["train/loss"]]
     assert len(first_steps) == 1, first_steps
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 2 * N

@@ -49,11 +49,12 @@ class Throughput(L.Callback):
         if not is_logging_step(trainer):
             return  # a windowed figure: logging it on logging steps only saves ~1 ms per key per step
         tokens_per_s = sum(self._tokens) / max(sum(self._times), 1e-9)
-        pl_module.log("perf/tokens_per_s", tokens_per_s, prog_bar=True)
+        pl_module.log("perf/tokens_per_s", tokens_per_s, prog_bar=True, logger=False)
         tflops = tokens_per_s * pl_module.flops_per_token / 1e12
-        pl_module.log("perf/tflops", tflops)
+        metrics = {"perf/tokens_per_s": tokens_per_s, "perf/tflops": tflops}
         if self.peak_tflops:
-            pl_module.log("perf/mfu", tflops / (self.peak_tflops * trainer.world_size))
+            metrics["perf/mfu"] = tflops / (self.peak_tflops * trainer.world_size)
+        pl_module.record(metrics)
 
     @override
     def state_dict(self) -> dict[str, Any]:
