@@ -21,20 +21,18 @@ from trainer.cli import compose
 from trainer.task import Task
 
 # A model and run small enough for a 2-core machine: 2 blocks of width 64, 64-token rows.
-TINY = (
+_SMALL = (
     "model=nano",
     "data.seq_len=64",
     "data.eval_rows=8",
     "train.global_batch_size=8",
     "train.micro_batch_size=4",
     "train.eval_every=0",
-    "trainer.max_steps=3",
     "trainer.log_every_n_steps=1",
     "trainer.enable_progress_bar=false",
     "strategy.timeout_s=120",
-    "logger=none",
-    "~callbacks.plots",
 )
+TINY = (*_SMALL, "trainer.max_steps=3", "logger=none", "~callbacks.plots")
 
 
 def compose_config(overrides: Sequence[str] = (), recipe: str = "pretrain", tiny: bool = True) -> DictConfig:
@@ -84,18 +82,7 @@ def losses(history: list[dict[str, Any]]) -> list[float]:
 
 
 # The CLI's tiny settings: like TINY, but the run directory keeps its csv logger and loss plot.
-CLI_TINY = (
-    "model=nano",
-    "data.seq_len=64",
-    "data.eval_rows=8",
-    "train.global_batch_size=8",
-    "train.micro_batch_size=4",
-    "train.eval_every=0",
-    "trainer.max_steps=4",
-    "trainer.enable_progress_bar=false",
-    "trainer.log_every_n_steps=1",
-    "strategy.timeout_s=120",
-)
+CLI_TINY = (*_SMALL, "trainer.max_steps=4")
 
 
 def plait(
