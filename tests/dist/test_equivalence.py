@@ -48,10 +48,8 @@ LAYOUTS = {
     "ga4_x_micro2": ["train.micro_batch_size=2"],
     "ddp2": ["strategy=ddp", "trainer.devices=2", "train.micro_batch_size=4"],
     "fsdp2_ga2": ["strategy=fsdp", "trainer.devices=2", "train.micro_batch_size=2"],
-    "hsdp2x2_ga2": [
-        "strategy=fsdp", "strategy.dp_replicate=2", "strategy.dp_shard=2", "trainer.devices=4",
-        "train.micro_batch_size=1",
-    ],
+    "fsdp4": ["strategy=fsdp", "trainer.devices=4", "train.micro_batch_size=2"],
+    "hsdp2x2_ga2": ["strategy=hsdp", "trainer.devices=4", "train.micro_batch_size=1"],
 }
 
 
