@@ -162,7 +162,7 @@ def main() -> None:
             print(f"| {n} | {name} | {sum(worst.values()):,} | {worst['params']:,} | {worst['grads']:,} | "
                   f"{worst['optim']:,} | {ratio / n:.4f} | {ratio:.4f} |")  # fmt: skip
     print()
-    print("RESULT " + " ".join(f"fsdp_bytes_ratio_n{n}={r:.4f}" for n, r in ratios.items()))
+    print("RESULT " + " ".join(f"fsdp_bytes_ratio_n{n}={r:.6f}" for n, r in ratios.items()))
 
 
 if __name__ == "__main__":

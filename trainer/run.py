@@ -17,7 +17,13 @@ from trainer.data.module import DataError, TextDataModule
 
 
 def _is_launching_rank() -> bool:
-    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0 and os.environ.get("NODE_RANK", "0") == "0"
+    """Whether this process is global rank 0: the one that writes the run directory's files.
+
+    Before Lightning sets up the ranks, a process's rank is in the launcher's variables: torchrun's
+    ``RANK``, SLURM's ``SLURM_PROCID`` (srun starts every task, on every node, before Lightning
+    sets ``RANK``), or ``LOCAL_RANK``/``NODE_RANK`` of a child plait started itself.
+    """
+    return all(os.environ.get(key, "0") == "0" for key in ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK"))
 
 
 def check_run_dir(cfg: DictConfig, run_dir: Path | None = None) -> Path | None:
