@@ -16,7 +16,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -59,7 +59,8 @@ class TrainerConfig:
     accelerator: str = "auto"
     devices: int = 1
     num_nodes: int = 1
-    precision: str = "32-true"
+    # The precisions Lightning's ModelParallelStrategy accepts.
+    precision: Literal["32-true", "bf16-mixed", "bf16-true", "16-true"] = "32-true"
     max_steps: int = 300
     log_every_n_steps: int = 10
     limit_train_batches: float | int | None = None

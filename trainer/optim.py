@@ -106,6 +106,16 @@ class WarmupDecayLR(LRScheduler):
         self.decay, self.min_lr_ratio = decay, min_lr_ratio
         super().__init__(optimizer, last_epoch)
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restores the position (``last_epoch``) but keeps this run's schedule settings.
+
+        A resumed run may extend ``trainer.max_steps`` or change the warmup/decay: the saved
+        settings must not override the ones the run was started with now.
+        """
+        settings = {k: getattr(self, k) for k in ("total_steps", "warmup_steps", "decay", "min_lr_ratio")}
+        super().load_state_dict(state_dict)
+        self.__dict__.update(settings)
+
     def get_lr(self) -> list[float]:
         factor = lr_factor(
             self.last_epoch,

@@ -81,13 +81,14 @@ def run(cfg: DictConfig) -> None:
         trainer, task, data = build_run(cfg, run_dir)
         check_train_batches(cfg, data)
     except (ConfigError, DataError, CheckpointError) as err:
-        if launching and fresh_dir and run_dir.is_dir() and not any(run_dir.iterdir()):
-            run_dir.rmdir()  # a failed start leaves nothing behind
         print(f"plait: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    finally:
+        if launching and fresh_dir and run_dir.is_dir() and not any(run_dir.iterdir()):
+            run_dir.rmdir()  # a failed start leaves nothing behind, whatever failed
     if launching:
-        if not (run_dir / "config.yaml").exists():
-            OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+        # The config this run (or this resumed part of it) trains with; generate builds from it.
+        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
         data.tokenizer.save(str(run_dir / "tokenizer.json"))
     trainer.fit(task, datamodule=data, ckpt_path=str(ckpt_path) if ckpt_path else None)
     if trainer.is_global_zero:

@@ -66,3 +66,17 @@ def test_param_groups_split_by_rank_and_name() -> None:
     assert rest["weight_decay"] == 0.0 and decayed["weight_decay"] == 0.1
     (only,) = param_groups(model, weight_decay=0.1, no_decay=("proj", "tok_embeddings", "norm"))
     assert only["weight_decay"] == 0.0
+
+
+def test_resume_keeps_the_new_schedule_settings() -> None:
+    """Extending trainer.max_steps on resume continues the decay to the new end, not the saved one."""
+    param = nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([param], lr=1.0)
+    short = WarmupDecayLR(opt, total_steps=10, warmup_steps=0, decay="linear", min_lr_ratio=0.0)
+    for _ in range(5):
+        opt.step()
+        short.step()
+    longer = WarmupDecayLR(torch.optim.SGD([param], lr=1.0), total_steps=20, warmup_steps=0, decay="linear", min_lr_ratio=0.0)
+    longer.load_state_dict(short.state_dict())
+    assert longer.total_steps == 20 and longer.last_epoch == 5
+    assert longer.get_lr()[0] == pytest.approx(0.75)

@@ -98,7 +98,8 @@ class TextDataModule(L.LightningDataModule):
             texts=[d.text for d in train_docs],
             vocab_size=self.vocab_size,
             cache_dir=self.cache_dir,
-            corpus_fingerprint=fingerprint,
+            # Keyed by the documents it is trained on: another seed or val_fraction is another split.
+            corpus_fingerprint=_fingerprint([d.source + "\0" + d.title + "\0" + d.text for d in train_docs]),
         )
         key = _fingerprint([fingerprint, tokenizer.fingerprint, str(self.seq_len), str(self.val_fraction), str(self.seed)])
         cache_file = self.cache_dir / f"rows-{key}.pt"
@@ -171,7 +172,13 @@ class TextDataModule(L.LightningDataModule):
         return StatefulLoader(prepared.train, sampler)
 
     def eval_dataloader(self) -> DataLoader:
-        """This dp rank's share of the first ``eval_rows`` validation rows (same rows at any world size)."""
+        """This dp rank's share of the first ``eval_rows`` validation rows.
+
+        The rows are trimmed to a multiple of dp (every rank must run the same number of forward
+        passes under FSDP), so with ``min(eval_rows, validation rows)`` not divisible by dp the
+        last few rows are not evaluated; keep ``data.eval_rows`` a multiple of the dp degree to
+        compare validation losses across world sizes.
+        """
         prepared = self.prepare()
         dp = self.trainer.strategy.distributed_sampler_kwargs if self.trainer else {"num_replicas": 1, "rank": 0}
         num_rows = min(self.eval_rows, len(prepared.val))
