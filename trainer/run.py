@@ -80,12 +80,13 @@ def run(cfg: DictConfig) -> None:
         ckpt_path = check_run_dir(cfg, run_dir)
         trainer, task, data = build_run(cfg, run_dir)
         check_train_batches(cfg, data)
-    except (ConfigError, DataError, CheckpointError) as err:
-        print(f"plait: error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
-    finally:
+    except BaseException as err:
         if launching and fresh_dir and run_dir.is_dir() and not any(run_dir.iterdir()):
             run_dir.rmdir()  # a failed start leaves nothing behind, whatever failed
+        if isinstance(err, (ConfigError, DataError, CheckpointError)):
+            print(f"plait: error: {err}", file=sys.stderr)
+            raise SystemExit(2) from None
+        raise
     if launching:
         # The config this run (or this resumed part of it) trains with; generate builds from it.
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
