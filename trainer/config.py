@@ -319,7 +319,12 @@ def _check_semantics(cfg: DictConfig, problems: list[str]) -> None:
     if dims is not None and train.global_batch_size > 0:
         micro = train.micro_batch_size or max(1, train.global_batch_size // dims.dp)
         per_rank, rest = divmod(train.global_batch_size, dims.dp)
-        if micro > 0 and (rest or per_rank % micro):
+        if train.micro_batch_size is None and rest:
+            problems.append(
+                f"train.global_batch_size={train.global_batch_size} must be a multiple of dp={dims.dp}; e.g. "
+                f"train.global_batch_size={dims.dp * max(1, per_rank)}"
+            )
+        elif micro > 0 and (rest or per_rank % micro):
             problems.append(
                 f"train.global_batch_size={train.global_batch_size} must be a multiple of "
                 f"train.micro_batch_size={micro} x dp={dims.dp}; e.g. "

@@ -51,8 +51,19 @@ def main(argv: list[str]) -> None:
 
     from trainer.cli import CONF_DIR
 
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("generate", overrides=argv)
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose("generate", overrides=argv)
+    except (HydraException, OmegaConfBaseException) as err:
+        cause = err.__cause__ or err
+        print(
+            f"plait: error: {cause}\n(a value with a comma or space needs inner quotes: prompt=\"'To be, or not'\")",
+            file=sys.stderr,
+        )
+        raise SystemExit(2) from None
     ckpt = resolve_checkpoint(cfg.ckpt)
     if ckpt is None:
         print(f"plait: error: ckpt={cfg.ckpt} names no checkpoint; give a run directory or a step_* checkpoint", file=sys.stderr)
