@@ -25,19 +25,13 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import os
-import queue
-import tempfile
-import traceback
 from collections.abc import Iterable
-from datetime import timedelta
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from strategies.fsdp import apply_fsdp
+from strategies.gloo import run_gloo_ranks
 from trainer.models.llama import Llama
 
 
@@ -82,47 +76,7 @@ def one_step(model_kwargs: dict, layout: str, world_size: int) -> dict[str, int]
 
 def run_ranks(world_size: int, model_kwargs: dict, layout: str, timeout_s: float = 120.0) -> list[dict[str, int]]:
     """``one_step`` in ``world_size`` forked gloo ranks; the byte counts by rank."""
-    ctx = mp.get_context("fork")
-    results = ctx.Queue()
-    init_file = tempfile.NamedTemporaryFile(prefix="plait-bench-", delete=False).name
-
-    def worker(rank: int) -> None:
-        code = 0
-        try:
-            dist.init_process_group(
-                "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                timeout=timedelta(seconds=timeout_s),
-            )  # fmt: skip
-            results.put((rank, True, one_step(model_kwargs, layout, world_size)))
-        except BaseException:  # noqa: BLE001 - reported to the parent
-            results.put((rank, False, traceback.format_exc()))
-            code = 1
-        finally:
-            results.close()
-            results.join_thread()
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            os._exit(code)  # gloo can abort at interpreter exit; the result is already sent
-
-    procs = [ctx.Process(target=worker, args=(rank,)) for rank in range(world_size)]
-    for proc in procs:
-        proc.start()
-    by_rank: dict[int, dict[str, int]] = {}
-    try:
-        for _ in range(world_size):
-            rank, ok, value = results.get(timeout=timeout_s)
-            if not ok:
-                raise RuntimeError(f"{layout} rank {rank} failed:\n{value}")
-            by_rank[rank] = value
-    except queue.Empty:
-        raise RuntimeError(f"{layout}: ranks {sorted(set(range(world_size)) - set(by_rank))} timed out") from None
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-        Path(init_file).unlink(missing_ok=True)
-    return [by_rank[r] for r in range(world_size)]
+    return run_gloo_ranks(world_size, lambda rank: one_step(model_kwargs, layout, world_size), timeout_s=timeout_s)
 
 
 def main() -> None:
