@@ -27,6 +27,17 @@ from trainer.data.module import PreparedData, TextDataModule
 from trainer.data.packing import IGNORE_INDEX, PackedRows
 
 
+# One SGD step at its full LR, unclipped, recording the gradients: updates stay exactly lr x grad.
+ONE_SGD_STEP = (
+    "train.max_grad_norm=0",
+    "optim=sgd",
+    "scheduler=constant",
+    "scheduler.warmup_steps=0",
+    "trainer.max_steps=1",
+    "+callbacks.grads._target_=harness.GradRecorder",
+)
+
+
 def logit_gap(ce: float) -> float:
     """The logit of class 1 (class 0 at 0) that gives label 0 the cross-entropy ``ce``."""
     return math.log(math.expm1(ce))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from controlled import TableLM, data_overrides, row, rows_from, table_overrides, token_ce
+from controlled import ONE_SGD_STEP, TableLM, data_overrides, row, rows_from, table_overrides, token_ce
 from harness import compose_config, fit, losses
 from trainer.data.packing import IGNORE_INDEX
 
@@ -38,12 +38,7 @@ def _fit(tmp_path, micro_batch_size: int):
             "data.shuffle=false",
             "train.global_batch_size=2",
             f"train.micro_batch_size={micro_batch_size}",
-            "train.max_grad_norm=0",
-            "optim=sgd",
-            "scheduler=constant",
-            "scheduler.warmup_steps=0",
-            "trainer.max_steps=1",
-            "+callbacks.grads._target_=harness.GradRecorder",
+            *ONE_SGD_STEP,
         ]
     )
     _, task = fit(cfg, tmp_path / f"micro{micro_batch_size}")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from controlled import TableLM, data_overrides, row, rows_from, table_overrides, token_ce
+from controlled import ONE_SGD_STEP, TableLM, data_overrides, row, rows_from, table_overrides, token_ce
 from harness import compose_config, fit, losses
 from trainer.data.packing import IGNORE_INDEX
 
@@ -47,12 +47,7 @@ def _fit(tmp_path, layout: str) -> dict:
             *data_overrides("test_c02_dp_token_weighting.rows", seq_len=SEQ_LEN),
             "data.shuffle=false",
             "train.global_batch_size=4",
-            "train.max_grad_norm=0",
-            "optim=sgd",
-            "scheduler=constant",
-            "scheduler.warmup_steps=0",
-            "trainer.max_steps=1",
-            "+callbacks.grads._target_=harness.GradRecorder",
+            *ONE_SGD_STEP,
             "+callbacks.params._target_=harness.ParamRecorder",
             *LAYOUTS[layout],
         ]
