@@ -1,22 +1,10 @@
 """A Llama-style decoder-only transformer, in one file.
 
-The architecture follows the Llama family:
-
-- Touvron et al. 2023, "LLaMA: Open and Efficient Foundation Language Models"
-  (pre-norm RMSNorm, SwiGLU MLP, rotary embeddings, no biases).
-- Touvron et al. 2023, "Llama 2: Open Foundation and Fine-Tuned Chat Models"
-  (grouped-query attention in the larger models).
-- Llama Team 2024, "The Llama 3 Herd of Models" (GQA everywhere, rope_theta
-  500000, attention masked to stay within each document of a packed sequence).
-
-and the papers behind its parts:
-
-- Su et al. 2021, "RoFormer: Enhanced Transformer with Rotary Position
-  Embedding" (RoPE).
-- Ainslie et al. 2023, "GQA: Training Generalized Multi-Query Transformer
-  Models from Multi-Head Checkpoints".
-- Shazeer 2020, "GLU Variants Improve Transformer" (SwiGLU).
-- Zhang & Sennrich 2019, "Root Mean Square Layer Normalization" (RMSNorm).
+Sources: Touvron et al. 2023, "LLaMA" (pre-norm RMSNorm, SwiGLU, RoPE, no biases) and "Llama 2"
+(grouped-query attention); Llama Team 2024, "The Llama 3 Herd of Models" (GQA everywhere,
+rope_theta 500000, attention kept within each document of a packed sequence); Su et al. 2021,
+"RoFormer" (RoPE); Ainslie et al. 2023, "GQA"; Shazeer 2020, "GLU Variants Improve Transformer"
+(SwiGLU); Zhang & Sennrich 2019, "Root Mean Square Layer Normalization".
 
 Shape suffixes on variable names: B batch, T sequence length, D model dim,
 H query heads, K key/value heads, E head dim, F ffn dim, V vocabulary.
