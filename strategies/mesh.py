@@ -11,7 +11,8 @@ Subclass it, override one method, and select the subclass with ``strategy._targe
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -153,6 +154,23 @@ class MeshStrategy(ModelParallelStrategy):
         return self.device_mesh["dp_shard"]
 
     # ------------------------------------------------------------------------------ the step
+    def shard_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's part of its dp rows, before the step counts tokens (context parallelism
+        keeps a slice of the sequence dimension). Identity by default."""
+        return batch
+
+    @contextmanager
+    def loss_context(self) -> Iterator[None]:
+        """Context for the loss and its backward (tensor parallelism's loss parallel). None by default."""
+        yield
+
+    def eval_loss_sum(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], loss_sum: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
+    ) -> torch.Tensor:
+        """Summed token loss of one (sharded) evaluation batch on this rank, without gradients."""
+        with self.loss_context():
+            return loss_sum(model, batch)
+
     def forward_backward(
         self,
         model: nn.Module,
@@ -177,8 +195,9 @@ class MeshStrategy(ModelParallelStrategy):
             if hasattr(model, "set_requires_gradient_sync"):
                 # Reduce gradients once per step, after the last micro-batch, not once per micro-batch.
                 model.set_requires_gradient_sync(i == last)
-            loss = loss_fn(model, micro_batch)
-            backward(loss)
+            with self.loss_context():  # loss parallel needs its context in forward and backward
+                loss = loss_fn(model, micro_batch)
+                backward(loss)
             total += loss.detach()
         return total
 

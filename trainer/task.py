@@ -104,6 +104,8 @@ class Task(L.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         strategy = self.trainer.strategy
         optimizer = self.optimizers()
+        step_tokens = batch["input_ids"].numel() * strategy.dims.dp  # before a cp rank keeps its slice
+        batch = strategy.shard_batch(batch)
         micro_batches = split_micro_batches(batch, self.micro_batch_size)
 
         num_tokens = torch.stack([self.objective.num_tokens(mb) for mb in micro_batches]).sum()
@@ -130,7 +132,7 @@ class Task(L.LightningModule):
         strategy.after_optimizer_step(self.model, self.global_step)
 
         self.trainer.train_dataloader.mark_trained()
-        self.last_step_tokens = batch["input_ids"].numel() * strategy.dims.dp
+        self.last_step_tokens = step_tokens
         self.tokens_seen += self.last_step_tokens
         self._log_step(loss, grad_norm, lr, num_tokens)
 
@@ -202,8 +204,8 @@ class Task(L.LightningModule):
         totals = torch.zeros(2, device=self.device)
         with self.trainer.precision_plugin.forward_context():
             for batch in loader:
-                batch = {k: v.to(self.device) for k, v in batch.items()}
-                totals[0] += self.objective.loss_sum(self.model, batch)
+                batch = strategy.shard_batch({k: v.to(self.device) for k, v in batch.items()})
+                totals[0] += strategy.eval_loss_sum(self.model, batch, self.objective.loss_sum)
                 totals[1] += self.objective.num_tokens(batch)
         strategy.all_reduce_sum(totals, "dp_cp")
         self.model.train(was_training)

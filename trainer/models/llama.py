@@ -104,15 +104,16 @@ class Attention(nn.Module):
         self, x_btd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask_b1tt: torch.Tensor | None
     ) -> torch.Tensor:
         B, T, _ = x_btd.shape
-        q_bthe = self.wq(x_btd).view(B, T, self.n_heads, self.head_dim)
-        k_btke = self.wk(x_btd).view(B, T, self.n_kv_heads, self.head_dim)
-        v_btke = self.wv(x_btd).view(B, T, self.n_kv_heads, self.head_dim)
+        # -1 heads: under tensor parallelism each rank holds n_heads/tp and n_kv_heads/tp of them.
+        q_bthe = self.wq(x_btd).view(B, T, -1, self.head_dim)
+        k_btke = self.wk(x_btd).view(B, T, -1, self.head_dim)
+        v_btke = self.wv(x_btd).view(B, T, -1, self.head_dim)
         q_bthe = apply_rope(q_bthe, cos, sin)
         k_btke = apply_rope(k_btke, cos, sin)
 
         # GQA: repeat each kv head for the query heads it serves (same order
         # as repeat_interleave and as SDPA's enable_gqa).
-        rep = self.n_heads // self.n_kv_heads
+        rep = q_bthe.shape[2] // k_btke.shape[2]
         if rep > 1:
             k_btke = k_btke.repeat_interleave(rep, dim=2)
             v_btke = v_btke.repeat_interleave(rep, dim=2)
@@ -122,7 +123,7 @@ class Attention(nn.Module):
             out_bhte = F.scaled_dot_product_attention(q_bhte, k_bhte, v_bhte, is_causal=True)
         else:
             out_bhte = F.scaled_dot_product_attention(q_bhte, k_bhte, v_bhte, attn_mask=mask_b1tt)
-        out_btd = out_bhte.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+        out_btd = out_bhte.transpose(1, 2).reshape(B, T, -1)
         return self.wo(out_btd)
 
 
