@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 from typing_extensions import override
 
+from trainer.models.attention import Attention, block_causal_mask, rope_tables
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm with a learned scale and no bias.
@@ -44,87 +46,6 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return (x32 * self.weight.float()).to(x.dtype)
-
-
-def rope_tables(
-    head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 cos/sin tables for RoPE, each ``[max_seq_len, head_dim // 2]``.
-
-    Frequency ``i`` is ``theta ** (-2i / head_dim)``; row ``p`` holds the angles
-    ``p * freq``.
-    """
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
-    angles_tf = torch.outer(positions, inv_freq)
-    return angles_tf.cos(), angles_tf.sin()
-
-
-def apply_rope(x_bthe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[B, T, heads, E]`` by the angles in ``cos``/``sin``.
-
-    ``cos``/``sin`` are ``[B, T, 1, E/2]`` or ``[1, T, 1, E/2]`` (float32). The
-    rotation is done in float32 and the result cast back to ``x``'s dtype.
-    """
-    x = x_bthe.float()
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return rotated.to(x_bthe.dtype)
-
-
-def block_causal_mask(document_ids_bt: torch.Tensor) -> torch.Tensor:
-    """Boolean SDPA mask ``[B, 1, T, T]``: True where query t may attend key s.
-
-    Token t attends s iff ``s <= t`` and ``document_ids[s] == document_ids[t]``.
-    """
-    T = document_ids_bt.shape[-1]
-    causal_tt = torch.ones(T, T, dtype=torch.bool, device=document_ids_bt.device).tril()
-    same_doc_btt = document_ids_bt[:, :, None] == document_ids_bt[:, None, :]
-    return (same_doc_btt & causal_tt)[:, None, :, :]
-
-
-class Attention(nn.Module):
-    """Grouped-query self-attention with RoPE, through SDPA.
-
-    Each of the ``n_kv_heads`` key/value heads serves ``n_heads // n_kv_heads``
-    consecutive query heads (kv head j serves query heads j*r .. j*r + r - 1).
-    """
-
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
-        super().__init__()
-        self.n_heads = n_heads
-        self.n_kv_heads = n_kv_heads
-        self.head_dim = dim // n_heads
-        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
-
-    def forward(
-        self, x_btd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask_b1tt: torch.Tensor | None
-    ) -> torch.Tensor:
-        B, T, _ = x_btd.shape
-        # -1 heads: under tensor parallelism each rank holds n_heads/tp and n_kv_heads/tp of them.
-        q_bthe = self.wq(x_btd).view(B, T, -1, self.head_dim)
-        k_btke = self.wk(x_btd).view(B, T, -1, self.head_dim)
-        v_btke = self.wv(x_btd).view(B, T, -1, self.head_dim)
-        q_bthe = apply_rope(q_bthe, cos, sin)
-        k_btke = apply_rope(k_btke, cos, sin)
-
-        # GQA: repeat each kv head for the query heads it serves (same order
-        # as repeat_interleave and as SDPA's enable_gqa).
-        rep = q_bthe.shape[2] // k_btke.shape[2]
-        if rep > 1:
-            k_btke = k_btke.repeat_interleave(rep, dim=2)
-            v_btke = v_btke.repeat_interleave(rep, dim=2)
-
-        q_bhte, k_bhte, v_bhte = (t.transpose(1, 2) for t in (q_bthe, k_btke, v_btke))
-        if mask_b1tt is None:
-            out_bhte = F.scaled_dot_product_attention(q_bhte, k_bhte, v_bhte, is_causal=True)
-        else:
-            out_bhte = F.scaled_dot_product_attention(q_bhte, k_bhte, v_bhte, attn_mask=mask_b1tt)
-        out_btd = out_bhte.transpose(1, 2).reshape(B, T, -1)
-        return self.wo(out_btd)
 
 
 class FeedForward(nn.Module):
