@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import implicit_replication
 
 
 @torch.no_grad()
@@ -35,14 +36,16 @@ def global_grad_norm(
     Returns:
         0-dim fp32 tensor on the gradients' device (0 when there are no gradients).
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
+    norms = []
+    for grads in _grads_by_layout(parameters).values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type)
+        norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float())
+    if not norms:
         total = torch.zeros(())
+    elif norm_type == float("inf"):
+        total = torch.stack(norms).max()
     else:
-        total = torch.nn.utils.get_total_norm(grads, norm_type=norm_type)
-        if isinstance(total, DTensor):
-            total = total.full_tensor()
-    total = total.float()
+        total = torch.stack(norms).pow(norm_type).sum().pow(1.0 / norm_type)
     for group in stage_groups:
         if norm_type == float("inf"):
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
@@ -56,6 +59,25 @@ def global_grad_norm(
 @torch.no_grad()
 def clip_grads_(parameters: Sequence[torch.nn.Parameter], *, max_norm: float, total_norm: torch.Tensor) -> None:
     """Scales all gradients by ``min(1, max_norm / total_norm)`` (the same coefficient on every rank)."""
-    with_grad = [p for p in parameters if p.grad is not None]
-    if with_grad:
-        torch.nn.utils.clip_grads_with_norm_(with_grad, max_norm, total_norm)
+    clip_coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+    for grads in _grads_by_layout(parameters).values():
+        if any(isinstance(g, DTensor) for g in grads):
+            with implicit_replication():  # the 0-dim coefficient is the same on every rank
+                torch._foreach_mul_(grads, clip_coef.to(grads[0].device))
+        else:
+            torch._foreach_mul_(grads, clip_coef.to(grads[0].device))
+
+
+def _grads_by_layout(parameters: Iterable[torch.nn.Parameter]) -> dict[object, list[torch.Tensor]]:
+    """Gradients grouped by (mesh, placements); plain tensors under the key None.
+
+    DTensor ops need one mesh and layout per call: with tensor parallelism some weights are
+    sharded, some replicated, and some are plain tensors.
+    """
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            g = p.grad
+            key = (g.device_mesh, g.placements) if isinstance(g, DTensor) else None
+            groups.setdefault(key, []).append(g)
+    return groups

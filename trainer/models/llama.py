@@ -263,8 +263,14 @@ class Llama(nn.Module):
             ValueError: if T exceeds ``max_seq_len`` or the position/document
                 ids do not have shape ``[B, T]``.
         """
-        h_btd = self.tok_embeddings(input_ids_bt) if self.tok_embeddings is not None else input_ids_bt
-        B, T = h_btd.shape[0], h_btd.shape[1]
+        # [B, T] of the full sequence: under sequence parallelism the hidden states between blocks
+        # are [B, T/tp, D] per rank, while ids, RoPE tables and masks cover the whole sequence.
+        B, T = input_ids_bt.shape[0], input_ids_bt.shape[1]
+        if self.tok_embeddings is not None:
+            input_ids_bt = self.tok_embeddings(input_ids_bt)
+        elif position_ids_bt is not None:
+            T = position_ids_bt.shape[1]
+        h_btd = input_ids_bt
         if T > self.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len {self.max_seq_len}; raise max_seq_len")
         for name, ids in [("position_ids_bt", position_ids_bt), ("document_ids_bt", document_ids_bt)]:
@@ -282,6 +288,51 @@ class Llama(nn.Module):
         if self.norm is not None:
             h_btd = self.norm(h_btd)
         return self.output(h_btd) if self.output is not None else h_btd
+
+    def tp_plan(self, *, sequence_parallel: bool = True, loss_parallel: bool = True) -> dict:
+        """Megatron tensor-parallel plan: module-name pattern -> DTensor ``ParallelStyle``.
+
+        q/k/v and gate/up (w1/w3) projections column-wise (each rank holds n_heads/tp query heads,
+        n_kv_heads/tp kv heads and ffn_dim/tp features), output and down projections (wo/w2)
+        row-wise, the token embedding row-wise (vocabulary rows) and the LM head column-wise.
+        With ``sequence_parallel`` the norms and residual stream are sharded on T between blocks
+        ([B, T/tp, D] per rank) and gathered at the input of attention and feed-forward. With
+        ``loss_parallel`` the logits stay sharded by vocabulary ([B, T, V/tp] DTensor) for the
+        cross-entropy under ``torch.distributed.tensor.parallel.loss_parallel``.
+        """
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
+        )  # fmt: skip
+
+        seq = Shard(1) if sequence_parallel else Replicate()
+        logits = Shard(-1) if loss_parallel else Replicate()
+        plan: dict = {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+            "output": ColwiseParallel(input_layouts=seq, output_layouts=logits, use_local_output=not loss_parallel),
+            "layers.*.attention.wq": ColwiseParallel(),
+            "layers.*.attention.wk": ColwiseParallel(),
+            "layers.*.attention.wv": ColwiseParallel(),
+            "layers.*.attention.wo": RowwiseParallel(output_layouts=seq),
+            "layers.*.feed_forward.w1": ColwiseParallel(),
+            "layers.*.feed_forward.w3": ColwiseParallel(),
+            "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        }
+        if sequence_parallel:
+            gather = {"input_layouts": (Shard(1),), "desired_input_layouts": (Replicate(),), "use_local_output": True}
+            # attention(x, cos, sin, mask): only x is sequence-sharded.
+            attention_inputs = {**gather, "input_layouts": (Shard(1), None, None, None),
+                                "desired_input_layouts": (Replicate(), None, None, None)}  # fmt: skip
+            plan.update({
+                "norm": SequenceParallel(),
+                "layers.*.attention_norm": SequenceParallel(),
+                "layers.*.ffn_norm": SequenceParallel(),
+                "layers.*.attention": PrepareModuleInput(**attention_inputs),
+                "layers.*.feed_forward": PrepareModuleInput(**gather),
+            })  # fmt: skip
+        # Pipeline stages drop some of these modules: plan only those present.
+        present = {"tok_embeddings": self.tok_embeddings, "output": self.output, "norm": self.norm}
+        return {k: v for k, v in plan.items() if present.get(k, True) is not None}
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Number of parameters present in this module (tied weights counted once).

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 IGNORE_INDEX = -100
 
@@ -16,11 +17,14 @@ IGNORE_INDEX = -100
 def token_loss_sum(logits_btv: torch.Tensor, labels_bt: torch.Tensor) -> torch.Tensor:
     """Sum of per-token cross-entropy (nats) over positions whose label is not -100; fp32, 0-dim.
 
-    A batch without supervised tokens gives exactly 0 (never 0/0).
+    A batch without supervised tokens gives exactly 0 (never 0/0). ``logits_btv`` may be a DTensor
+    sharded on V (call it inside ``loss_parallel()`` then); the result is a plain tensor.
     """
-    return F.cross_entropy(
+    loss = F.cross_entropy(
         logits_btv.flatten(0, 1).float(), labels_bt.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
+    # Vocabulary-sharded logits (tensor parallelism's loss parallel) give a replicated DTensor.
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 class CausalLM:

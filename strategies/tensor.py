@@ -1,0 +1,127 @@
+"""Tensor parallelism on the ``tp`` mesh axis, with sequence parallel and loss parallel.
+
+Sources: Shoeybi et al. 2019, "Megatron-LM" (column-wise then row-wise linear pairs: one
+all-reduce per pair in forward and one in backward); Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models" (sequence parallelism: the norms and the residual stream
+stay sharded on the sequence dimension between blocks, each all-reduce becomes an all-gather before
+and a reduce-scatter after the pair). Built on DTensor's public ``parallelize_module`` and
+``loss_parallel``.
+
+The model declares its plan (``model.tp_plan(sequence_parallel=..., loss_parallel=...)``, a dict
+from module-name patterns to DTensor ``ParallelStyle`` objects); the plugin applies it. To change
+the plan, subclass `TensorParallel`, override `plan`, and select the subclass with
+``strategy.tensor_parallel._target_=my_pkg.MyTensorParallel``.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
+
+from strategies.parallel_dims import LayoutError, divisors
+
+
+def tp_divisibility_problems(
+    tp: int, *, n_heads: int, n_kv_heads: int, vocab_size: int | None = None, ffn_dim: int | None = None
+) -> list[str]:
+    """Problems (each naming the fix) of a tensor-parallel degree for a model's sizes; [] if it fits.
+
+    Column-wise q/k/v projections shard whole heads, so tp must divide ``n_heads`` and
+    ``n_kv_heads`` (case C18: otherwise attention fails later with a reshape error). The
+    vocabulary (row-wise embedding, column-wise LM head, loss parallel) and the SwiGLU width must
+    split evenly too.
+    """
+    problems = []
+    if tp <= 1:
+        return problems
+    if n_heads % tp or n_kv_heads % tp:
+        valid = [d for d in divisors(n_heads) if n_kv_heads % d == 0]
+        problems.append(
+            f"strategy.tp={tp} must divide n_heads={n_heads} and n_kv_heads={n_kv_heads} (tensor parallelism "
+            f"shards whole attention heads); valid tp: {', '.join(map(str, valid))}"
+        )
+    if vocab_size is not None and vocab_size % tp:
+        padded = -(-vocab_size // tp) * tp
+        problems.append(
+            f"strategy.tp={tp} must divide the vocabulary size {vocab_size} (the embedding and the LM head are "
+            f"sharded by vocabulary rows); pad it with model.vocab_size={padded}"
+        )
+    if ffn_dim is not None and ffn_dim % tp:
+        problems.append(
+            f"strategy.tp={tp} must divide ffn_dim={ffn_dim}; use model.ffn_dim={-(-ffn_dim // tp) * tp}"
+        )
+    return problems
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> None:
+    """Applies ``plan`` to ``model`` in place over ``tp_mesh`` (1-D).
+
+    Weights become DTensors sharded on ``tp_mesh``; a plan key may use ``*`` for one name level
+    (``layers.*.attention.wq``). Input and output embeddings tied before stay tied: both are
+    sharded by vocabulary rows (``Shard(0)``), so the LM head is pointed back at the sharded
+    embedding weight.
+
+    Raises:
+        LayoutError: if ``tp_mesh`` is not 1-D.
+    """
+    if tp_mesh.ndim != 1:
+        raise LayoutError(f"tensor parallelism needs a 1-D mesh, got {tp_mesh.ndim}-D")
+    embedding, output = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
+    tied = embedding is not None and output is not None and output.weight is embedding.weight
+    parallelize_module(model, tp_mesh, plan)
+    if tied:
+        model.output.weight = model.tok_embeddings.weight
+
+
+@dataclass
+class TensorParallel:
+    """The tensor-parallel plugin: Megatron column/row-wise linear pairs over the ``tp`` axis.
+
+    Args:
+        sequence_parallel: keep norms and the residual stream sharded on the sequence dimension
+            (activation memory / tp; all-gather + reduce-scatter instead of all-reduce).
+        loss_parallel: compute the cross-entropy on vocabulary-sharded logits ([B, T, V/tp] per
+            rank) without gathering them.
+
+    Raises:
+        LayoutError: from `apply`, when the model's sizes do not split over the tp degree.
+    """
+
+    sequence_parallel: bool = True
+    loss_parallel: bool = True
+
+    def plan(self, model: nn.Module) -> dict[str, ParallelStyle]:
+        """The module-name -> ``ParallelStyle`` plan for ``model``; override to change it."""
+        if not hasattr(model, "tp_plan"):
+            raise LayoutError(
+                f"{type(model).__name__} declares no tensor-parallel plan (a tp_plan method); use strategy.tp=1 "
+                "or subclass strategies.tensor.TensorParallel and override plan()"
+            )
+        return model.tp_plan(sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel)
+
+    def apply(self, model: nn.Module, tp_mesh: DeviceMesh) -> None:
+        """Checks the sizes and shards ``model`` over ``tp_mesh`` in place.
+
+        Raises:
+            LayoutError: listing the sizes that tp does not divide, with valid degrees.
+        """
+        sizes = {name: getattr(model, name, None) for name in ("n_heads", "n_kv_heads", "vocab_size", "ffn_dim")}
+        if sizes["n_heads"] is not None:
+            problems = tp_divisibility_problems(
+                tp_mesh.size(),
+                n_heads=sizes["n_heads"],
+                n_kv_heads=sizes["n_kv_heads"] or sizes["n_heads"],
+                vocab_size=sizes["vocab_size"],
+                ffn_dim=sizes["ffn_dim"],
+            )
+            if problems:
+                raise LayoutError("\n".join(problems))
+        apply_tensor_parallel(model, tp_mesh, self.plan(model))
+
+    def loss_context(self) -> AbstractContextManager[None]:
+        """``loss_parallel()`` when enabled (the loss and its backward must run inside it)."""
+        return loss_parallel() if self.loss_parallel else nullcontext()
