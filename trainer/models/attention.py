@@ -6,6 +6,8 @@ Sources: Su et al. 2021, "RoFormer" (RoPE); Ainslie et al. 2023, "GQA"; Llama Te
 Shape suffixes: B batch, T sequence length, D model dim, H query heads, K key/value heads, E head dim.
 """
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -48,8 +50,41 @@ def block_causal_mask(document_ids_bt: torch.Tensor) -> torch.Tensor:
     return (same_doc_btt & causal_tt)[:, None, :, :]
 
 
+class SDPAttention:
+    """The one-process attention core: grouped-query attention through SDPA on the whole sequence.
+
+    Context parallelism swaps in another core with the same two calls (`Llama.set_attention_core`,
+    `strategies.context.ContextParallelAttention`).
+    """
+
+    def mask(self, document_ids_bt: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:
+        """Built once per model forward: the block-causal mask ``[B, 1, T, T]``, or None (plain causal)."""
+        return None if document_ids_bt is None else block_causal_mask(document_ids_bt)
+
+    def __call__(
+        self, q_bthe: torch.Tensor, k_btke: torch.Tensor, v_btke: torch.Tensor, mask_b1tt: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``[B, T, H, E]`` queries and ``[B, T, K, E]`` keys/values (after RoPE) -> ``[B, T, H, E]``."""
+        # GQA: repeat each kv head for the query heads it serves (same order
+        # as repeat_interleave and as SDPA's enable_gqa).
+        rep = q_bthe.shape[2] // k_btke.shape[2]
+        if rep > 1:
+            k_btke = k_btke.repeat_interleave(rep, dim=2)
+            v_btke = v_btke.repeat_interleave(rep, dim=2)
+
+        q_bhte, k_bhte, v_bhte = (t.transpose(1, 2) for t in (q_bthe, k_btke, v_btke))
+        if mask_b1tt is None:
+            out_bhte = F.scaled_dot_product_attention(q_bhte, k_bhte, v_bhte, is_causal=True)
+        else:
+            out_bhte = F.scaled_dot_product_attention(q_bhte, k_bhte, v_bhte, attn_mask=mask_b1tt)
+        return out_bhte.transpose(1, 2)
+
+
+SDPA = SDPAttention()
+
+
 class Attention(nn.Module):
-    """Grouped-query self-attention with RoPE, through SDPA.
+    """Grouped-query self-attention with RoPE; the attention itself is ``self.core`` (SDPA by default).
 
     Each of the ``n_kv_heads`` key/value heads serves ``n_heads // n_kv_heads``
     consecutive query heads (kv head j serves query heads j*r .. j*r + r - 1).
@@ -64,10 +99,11 @@ class Attention(nn.Module):
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        # The attention computation proper (q, k, v -> output); context parallelism replaces it.
+        self.core: Any = SDPA
 
-    def forward(
-        self, x_btd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask_b1tt: torch.Tensor | None
-    ) -> torch.Tensor:
+    def forward(self, x_btd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any) -> torch.Tensor:
+        """``x`` ``[B, T, D]`` -> ``[B, T, D]``; ``mask`` is what ``self.core.mask`` built for this forward."""
         B, T, _ = x_btd.shape
         # -1 heads: under tensor parallelism each rank holds n_heads/tp and n_kv_heads/tp of them.
         q_bthe = self.wq(x_btd).view(B, T, -1, self.head_dim)
@@ -76,17 +112,5 @@ class Attention(nn.Module):
         q_bthe = apply_rope(q_bthe, cos, sin)
         k_btke = apply_rope(k_btke, cos, sin)
 
-        # GQA: repeat each kv head for the query heads it serves (same order
-        # as repeat_interleave and as SDPA's enable_gqa).
-        rep = q_bthe.shape[2] // k_btke.shape[2]
-        if rep > 1:
-            k_btke = k_btke.repeat_interleave(rep, dim=2)
-            v_btke = v_btke.repeat_interleave(rep, dim=2)
-
-        q_bhte, k_bhte, v_bhte = (t.transpose(1, 2) for t in (q_bthe, k_btke, v_btke))
-        if mask_b1tt is None:
-            out_bhte = F.scaled_dot_product_attention(q_bhte, k_bhte, v_bhte, is_causal=True)
-        else:
-            out_bhte = F.scaled_dot_product_attention(q_bhte, k_bhte, v_bhte, attn_mask=mask_b1tt)
-        out_btd = out_bhte.transpose(1, 2).reshape(B, T, -1)
+        out_btd = self.core(q_bthe, k_btke, v_btke, mask).reshape(B, T, -1)
         return self.wo(out_btd)

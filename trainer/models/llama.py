@@ -20,13 +20,14 @@ Module names (the FQNs other code relies on):
 """
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from typing_extensions import override
 
-from trainer.models.attention import Attention, block_causal_mask, rope_tables
+from trainer.models.attention import SDPA, Attention, rope_tables
 
 
 class RMSNorm(nn.Module):
@@ -175,6 +176,7 @@ class Llama(nn.Module):
         self.layers = nn.ModuleDict(
             {str(i): TransformerBlock(dim, n_heads, n_kv_heads, ffn_dim, norm_eps) for i in range(n_layers)}
         )
+        self.attention_core: Any = SDPA  # see set_attention_core
         self.norm: RMSNorm | None = RMSNorm(dim, norm_eps)
         self.output: nn.Linear | None = nn.Linear(dim, vocab_size, bias=False)
         if tie_embeddings:
@@ -239,6 +241,7 @@ class Llama(nn.Module):
         *,
         position_ids_bt: torch.Tensor | None = None,
         document_ids_bt: torch.Tensor | None = None,
+        return_hidden: bool = False,
     ) -> torch.Tensor:
         """Run the model.
 
@@ -253,6 +256,8 @@ class Llama(nn.Module):
                 Attention is then block-diagonal causal: token t attends s iff
                 ``s <= t`` and ``doc[s] == doc[t]``. None means plain causal
                 attention (the fast ``is_causal=True`` path).
+            return_hidden: return the final-norm hidden states ``[B, T, D]``
+                instead of logits (a chunked loss applies ``output`` itself).
 
         Returns:
             Logits ``[B, T, V]`` in the activation dtype; or hidden states
@@ -281,13 +286,24 @@ class Llama(nn.Module):
             cos, sin = self.rope_cos[:T][None, :, None, :], self.rope_sin[:T][None, :, None, :]
         else:
             cos, sin = self.rope_cos[position_ids_bt][:, :, None, :], self.rope_sin[position_ids_bt][:, :, None, :]
-        mask_b1tt = None if document_ids_bt is None else block_causal_mask(document_ids_bt)
+        # Built once for all layers: SDPA's block-causal mask, or what context parallelism needs.
+        mask = self.attention_core.mask(document_ids_bt, T)
 
         for layer in self.layers.values():
-            h_btd = layer(h_btd, cos, sin, mask_b1tt)
+            h_btd = layer(h_btd, cos, sin, mask)
         if self.norm is not None:
             h_btd = self.norm(h_btd)
-        return self.output(h_btd) if self.output is not None else h_btd
+        return self.output(h_btd) if self.output is not None and not return_hidden else h_btd
+
+    def set_attention_core(self, core: Any) -> None:
+        """Swaps the attention computation of every block (context parallelism does).
+
+        ``core.mask(document_ids_bt, T)`` runs once per forward; ``core(q, k, v, mask)`` in each
+        block (see `trainer.models.attention.SDPAttention`).
+        """
+        self.attention_core = core
+        for layer in self.layers.values():
+            layer.attention.core = core
 
     def tp_plan(self, *, sequence_parallel: bool = True, loss_parallel: bool = True) -> dict:
         """Megatron tensor-parallel plan: module-name pattern -> DTensor ``ParallelStyle``.

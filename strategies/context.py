@@ -1,0 +1,325 @@
+"""Context parallelism on the ``cp`` mesh axis: ring, Ulysses and hybrid (head x context) attention.
+
+Sources: Liu et al. 2023, "Ring Attention" (k/v blocks around a ring, see `ring_attention`);
+Jacobs et al. 2023, "DeepSpeed Ulysses" (all-to-all from sequence sharding to head sharding around
+attention, and back); Gu et al. 2024, "LoongTrain" (2-D head x context parallelism: Ulysses inside
+a group of ranks, ring attention across groups); the zigzag load balancing of causal attention
+(each rank holds one chunk from the head and the mirrored chunk from the tail of the sequence;
+Brandon et al. 2023, "Striped Attention", discuss the imbalance).
+
+Every cp rank keeps ``T/cp`` tokens of each row (`shard_batch`, before the step counts supervised
+tokens: the Task sums the counts over dp x cp, so a shard without supervised tokens adds exactly 0,
+case C03). Between attentions nothing needs the other shards: embeddings, norms, MLP and the loss
+are per token. Attention is replaced per module by `ContextParallelAttention`, which knows the
+global position and document id of every token, so packed rows stay block-diagonal causal when a
+document straddles shards. Parameters are the same on every cp rank; FSDP shards them over
+dp_shard x cp and sums their gradients there (`MeshStrategy.dp_mesh`).
+
+Modes (``strategy.cp_mode``): ``ring`` (ring over all cp ranks), ``ulysses`` (all-to-all over all cp
+ranks; needs heads and kv heads per tp rank divisible by cp) and ``hybrid`` (``ulysses_degree``
+ranks per head group, ``cp / ulysses_degree`` groups in a ring). Rank ``c`` of a cp group has ring
+index ``c // ulysses_degree`` and Ulysses index ``c % ulysses_degree`` (head groups inside, where
+links are fastest on a real cluster).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from strategies.parallel_dims import divisors
+from strategies.ring_attention import Ring, RingMasks, ring_attention
+
+CPMode = Literal["ring", "ulysses", "hybrid"]
+CP_MODES: tuple[str, ...] = get_args(CPMode)
+
+
+# ---------------------------------------------------------------------------------- sharding
+def shard_positions(seq_len: int, cp: int, rank: int, *, load_balance: bool = True) -> torch.Tensor:
+    """Positions (``[seq_len / cp]`` int64) of the tokens that cp rank ``rank`` keeps, in memory order.
+
+    With ``load_balance`` the sequence is cut into ``2 * cp`` chunks and rank r keeps chunks r and
+    ``2cp - 1 - r``: every rank then has the same causal work. Without it, rank r keeps the r-th
+    contiguous ``seq_len / cp`` tokens.
+
+    Raises:
+        ValueError: ``seq_len`` not divisible by ``2 * cp`` (``cp`` without ``load_balance``).
+    """
+    parts = 2 * cp if load_balance else cp
+    if seq_len % parts:
+        raise ValueError(f"sequence length {seq_len} is not divisible by {parts} (context parallelism, cp={cp})")
+    c = seq_len // parts
+    if not load_balance:
+        return torch.arange(rank * c, (rank + 1) * c)
+    tail = 2 * cp - 1 - rank
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange(tail * c, (tail + 1) * c)])
+
+
+def shard_batch(
+    batch: dict[str, torch.Tensor], *, cp: int, rank: int, load_balance: bool = True
+) -> dict[str, torch.Tensor]:
+    """This cp rank's tokens of every ``[B, T]`` tensor in ``batch`` (input ids, labels, positions, documents).
+
+    Labels are pre-shifted by the data pipeline, so sharding them with the inputs keeps each
+    target with its position. Missing ``position_ids`` are filled with ``arange(T)`` first (the
+    model would otherwise number the shard's tokens from 0). Other entries pass unchanged.
+    """
+    seq_len = batch["input_ids"].shape[1]
+    if "position_ids" not in batch:
+        batch = {**batch, "position_ids": torch.arange(seq_len, device=batch["input_ids"].device).expand_as(batch["input_ids"])}
+    index = shard_positions(seq_len, cp, rank, load_balance=load_balance).to(batch["input_ids"].device)
+    return {k: v[:, index] if v.dim() >= 2 and v.shape[1] == seq_len else v for k, v in batch.items()}
+
+
+def causal_work(document_ids_t: torch.Tensor, cp: int, *, load_balance: bool) -> list[int]:
+    """Query-key pairs each cp rank's queries attend (block-diagonal causal) in one row ``[T]``.
+
+    The attention FLOPs of a rank are proportional to its count; ``max / mean`` is the imbalance.
+    """
+    seq_len = document_ids_t.shape[0]
+    pos = torch.arange(seq_len)
+    work = []
+    for rank in range(cp):
+        q = shard_positions(seq_len, cp, rank, load_balance=load_balance)
+        allowed = (pos[None, :] <= q[:, None]) & (document_ids_t[None, :] == document_ids_t[q][:, None])
+        work.append(int(allowed.sum()))
+    return work
+
+
+# ---------------------------------------------------------------------------------- process groups
+@dataclass(frozen=True)
+class CPLayout:
+    """This rank's context-parallel groups.
+
+    Args:
+        cp: ranks in the cp group; ``index``: this rank's place in it.
+        cp_group: the whole cp group (gathers document ids).
+        ulysses_degree: ranks of one head group; ``ulysses_group`` their group (None if 1).
+        ring: the ring across head groups (one member when ``cp == ulysses_degree``).
+    """
+
+    cp: int
+    index: int
+    cp_group: dist.ProcessGroup
+    ulysses_degree: int
+    ulysses_group: dist.ProcessGroup | None
+    ring: Ring
+
+
+def build_cp_layout(cp_ranks: list[list[int]], *, ulysses_degree: int) -> CPLayout:
+    """Creates the cp, Ulysses and ring groups of every cp group; returns this rank's.
+
+    Args:
+        cp_ranks: the global ranks of every cp group of the mesh, each in cp order. Every rank
+            must pass the same lists: ``new_group`` is collective over the default group.
+        ulysses_degree: ranks per head group; divides the cp degree.
+
+    Raises:
+        ValueError: ``ulysses_degree`` does not divide the cp degree, or this rank is in no group.
+    """
+    me = dist.get_rank()
+    cp = len(cp_ranks[0])
+    if cp % ulysses_degree:
+        raise ValueError(f"ulysses_degree={ulysses_degree} does not divide cp={cp}")
+    mine: dict = {}
+    for ranks in cp_ranks:
+        group = dist.new_group(ranks)
+        rings = [ranks[j::ulysses_degree] for j in range(ulysses_degree)]
+        heads = [ranks[i : i + ulysses_degree] for i in range(0, cp, ulysses_degree)]
+        ring_groups = [dist.new_group(r) if len(r) > 1 else None for r in rings]
+        head_groups = [dist.new_group(h) if len(h) > 1 else None for h in heads]
+        if me in ranks:
+            index = ranks.index(me)
+            ring_ranks = rings[index % ulysses_degree]
+            mine = {
+                "cp": cp, "index": index, "cp_group": group, "ulysses_degree": ulysses_degree,
+                "ulysses_group": head_groups[index // ulysses_degree],
+                "ring": Ring(ring_groups[index % ulysses_degree], tuple(ring_ranks), ring_ranks.index(me)),
+            }  # fmt: skip
+    if not mine:
+        raise ValueError(f"rank {me} is in none of the cp groups {cp_ranks}")
+    return CPLayout(**mine)
+
+
+# ---------------------------------------------------------------------------------- Ulysses
+class _AllToAll(torch.autograd.Function):
+    """``out[j]`` = rank j's ``x[me]`` along dim 0; its own adjoint (equal splits), so backward is the same op."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # noqa: ANN001
+        ctx.group = group
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: ANN001
+        grad = grad.contiguous()  # empty_like would copy a non-contiguous grad's strides
+        out = torch.empty_like(grad)
+        dist.all_to_all_single(out, grad, group=ctx.group)
+        return out, None
+
+
+def seq_to_heads(x_bthe: torch.Tensor, group: dist.ProcessGroup, degree: int) -> torch.Tensor:
+    """``[B, T, H, E]`` (this rank's tokens, all heads) -> ``[B, degree * T, H / degree, E]``
+    (the tokens of all ``degree`` ranks in rank order, this rank's head group)."""
+    B, T, H, E = x_bthe.shape
+    x = x_bthe.reshape(B, T, degree, H // degree, E).permute(2, 0, 1, 3, 4)
+    x = _AllToAll.apply(x.contiguous(), group)  # [degree (source rank), B, T, H/degree, E]
+    return x.permute(1, 0, 2, 3, 4).reshape(B, degree * T, H // degree, E)
+
+
+def heads_to_seq(x_bthe: torch.Tensor, group: dist.ProcessGroup, degree: int) -> torch.Tensor:
+    """The inverse of `seq_to_heads`: ``[B, degree * T, h, E]`` -> ``[B, T, degree * h, E]``."""
+    B, TT, h, E = x_bthe.shape
+    x = x_bthe.reshape(B, degree, TT // degree, h, E).permute(1, 0, 2, 3, 4)
+    x = _AllToAll.apply(x.contiguous(), group)  # [degree (source head group), B, T, h, E]
+    return x.permute(1, 2, 0, 3, 4).reshape(B, TT // degree, degree * h, E)
+
+
+# ---------------------------------------------------------------------------------- the attention core
+class ContextParallelAttention:
+    """The attention core of every `Attention` module under context parallelism.
+
+    ``mask`` runs once per model forward and gathers the document ids of the whole row over the
+    cp group; ``__call__`` runs in each layer: Ulysses all-to-all (if any), ring attention over
+    the head groups, all-to-all back.
+
+    Args:
+        layout: this rank's groups (`build_cp_layout`).
+        load_balance: the sharding `shard_batch` used (zigzag or contiguous).
+        kv_chunk: keys per score block in `ring_attention` (0: whole blocks).
+    """
+
+    def __init__(self, layout: CPLayout, *, load_balance: bool = True, kv_chunk: int = 0) -> None:
+        self.layout, self.load_balance, self.kv_chunk = layout, load_balance, kv_chunk
+
+    def mask(self, document_ids_bt: torch.Tensor | None, seq_len: int) -> RingMasks:
+        """Positions and document ids of the queries and keys each layer's ring step sees.
+
+        Args:
+            document_ids_bt: this rank's ``[B, T/cp]`` document ids, or None (plain causal rows).
+            seq_len: this rank's token count ``T/cp``.
+        """
+        lay = self.layout
+        device = document_ids_bt.device if document_ids_bt is not None else None
+        pos = [shard_positions(seq_len * lay.cp, lay.cp, c, load_balance=self.load_balance).to(device) for c in range(lay.cp)]
+        docs = None
+        if document_ids_bt is not None:
+            docs = [torch.empty_like(document_ids_bt) for _ in range(lay.cp)]
+            dist.all_gather(docs, document_ids_bt.contiguous(), group=lay.cp_group)
+        u = lay.ulysses_degree
+        # A head group holds the tokens of its u ranks, concatenated in rank order (seq_to_heads).
+        group_pos = tuple(torch.cat(pos[i : i + u]) for i in range(0, lay.cp, u))
+        group_docs = None if docs is None else tuple(torch.cat(docs[i : i + u], dim=1) for i in range(0, lay.cp, u))
+        me = lay.index // u
+        return RingMasks(group_pos[me], None if group_docs is None else group_docs[me], group_pos, group_docs)
+
+    def __call__(
+        self, q_bthe: torch.Tensor, k_btke: torch.Tensor, v_btke: torch.Tensor, masks: RingMasks
+    ) -> torch.Tensor:
+        """``[B, T/cp, H, E]`` queries and ``[B, T/cp, K, E]`` keys/values (after RoPE) -> ``[B, T/cp, H, E]``."""
+        lay, u = self.layout, self.layout.ulysses_degree
+        if u > 1:
+            H, K = q_bthe.shape[2], k_btke.shape[2]
+            if H % u or K % u:
+                raise ValueError(f"Ulysses degree {u} must divide the local query heads {H} and kv heads {K}")
+            q_bthe, k_btke, v_btke = (seq_to_heads(t, lay.ulysses_group, u) for t in (q_bthe, k_btke, v_btke))
+        B, T, H, E = q_bthe.shape
+        K = k_btke.shape[2]
+        q_bkrqe = q_bthe.view(B, T, K, H // K, E).permute(0, 2, 3, 1, 4)
+        out = ring_attention(
+            q_bkrqe, k_btke.transpose(1, 2), v_btke.transpose(1, 2), ring=lay.ring, masks=masks, kv_chunk=self.kv_chunk
+        )
+        out_bthe = out.permute(0, 3, 1, 2, 4).reshape(B, T, H, E)
+        return heads_to_seq(out_bthe, lay.ulysses_group, u) if u > 1 else out_bthe
+
+
+def apply_context_parallel(model: nn.Module, *, layout: CPLayout, load_balance: bool = True, kv_chunk: int = 0) -> None:
+    """Makes every attention module of ``model`` context-parallel, in place.
+
+    ``model`` must offer ``set_attention_core`` (`trainer.models.llama.Llama`); a model without
+    attention (a per-token test model) is left unchanged: per-token layers need no change under CP.
+    """
+    if hasattr(model, "set_attention_core"):
+        model.set_attention_core(ContextParallelAttention(layout, load_balance=load_balance, kv_chunk=kv_chunk))
+
+
+# ---------------------------------------------------------------------------------- config
+def ulysses_degree_for(mode: str, cp: int, ulysses_degree: int) -> int:
+    """Ranks per head group: 1 for ring, cp for ulysses, ``ulysses_degree`` for hybrid."""
+    return {"ring": 1, "ulysses": cp}.get(mode, ulysses_degree)
+
+
+def context_parallel_problems(
+    *, mode: str, cp: int, tp: int, ulysses_degree: int, n_heads: int, n_kv_heads: int
+) -> list[str]:
+    """Problems (each naming the fix) of a context-parallel layout for a model; [] if it fits."""
+    if cp <= 1:
+        return []
+    if mode not in CP_MODES:
+        return [f"strategy.cp_mode={mode!r} is unknown; use one of {', '.join(CP_MODES)}"]
+    problems = []
+    u = ulysses_degree_for(mode, cp, ulysses_degree)
+    if mode == "hybrid" and not (1 < u < cp and cp % u == 0):
+        valid = [d for d in divisors(cp) if 1 < d < cp]
+        problems.append(
+            f"strategy.context_parallel.ulysses_degree={u} must divide cp={cp} and lie strictly between 1 and cp "
+            f"for cp_mode=hybrid; valid: {', '.join(map(str, valid)) or 'none (use cp_mode=ring or ulysses)'}"
+        )
+    heads, kv_heads = n_heads // max(tp, 1), n_kv_heads // max(tp, 1)
+    if u > 1 and (heads % u or kv_heads % u):
+        valid = [d for d in divisors(cp) if heads % d == 0 and kv_heads % d == 0]
+        name = "strategy.cp" if mode == "ulysses" else "strategy.context_parallel.ulysses_degree"
+        problems.append(
+            f"{name}={u}: Ulysses splits the {heads} query heads and {kv_heads} kv heads per tp rank "
+            f"(n_heads={n_heads}, n_kv_heads={n_kv_heads}, tp={tp}) evenly; valid Ulysses degrees: "
+            f"{', '.join(map(str, valid))} (or use strategy.cp_mode=ring)"
+        )
+    return problems
+
+
+@dataclass
+class ContextParallel:
+    """The context-parallel plugin: settings of `apply_context_parallel` and `shard_batch`.
+
+    The mode is ``strategy.cp_mode`` (a `MeshStrategy` argument); the degree is ``strategy.cp``.
+
+    Args:
+        ulysses_degree: ranks per head group in ``hybrid`` mode (ignored by ring and ulysses).
+        load_balance: zigzag sharding (even causal work per rank) instead of contiguous shards.
+        kv_chunk: keys per score block in ring attention (0: whole blocks); lowers peak memory.
+        activation_offload: keep the tensors saved for backward in CPU memory
+            (``torch.autograd.graph.save_on_cpu``, per block); for accelerators, a copy on CPU runs.
+    """
+
+    ulysses_degree: int = 2
+    load_balance: bool = True
+    kv_chunk: int = 0
+    activation_offload: bool = False
+
+    def __post_init__(self) -> None:
+        if self.ulysses_degree < 1 or self.kv_chunk < 0:
+            raise ValueError(
+                "strategy.context_parallel.ulysses_degree must be >= 1 and kv_chunk >= 0, got "
+                f"{self.ulysses_degree} and {self.kv_chunk}"
+            )
+
+    def apply(self, model: nn.Module, *, mode: str, cp_ranks: list[list[int]]) -> None:
+        """Context-parallel attention over the cp groups ``cp_ranks`` (skipped when cp is 1), then offload."""
+        cp = len(cp_ranks[0])
+        if cp > 1:
+            layout = build_cp_layout(cp_ranks, ulysses_degree=ulysses_degree_for(mode, cp, self.ulysses_degree))
+            apply_context_parallel(model, layout=layout, load_balance=self.load_balance, kv_chunk=self.kv_chunk)
+        if self.activation_offload:
+            from strategies.activation_offload import apply_activation_offload
+
+            apply_activation_offload(model)
+
+    def shard_batch(self, batch: dict[str, torch.Tensor], *, cp: int, rank: int) -> dict[str, torch.Tensor]:
+        return shard_batch(batch, cp=cp, rank=rank, load_balance=self.load_balance)
