@@ -32,6 +32,7 @@ from strategies.fsdp import FSDP
 from strategies.grad_norm import clip_grads_, global_grad_norm
 from strategies.launch import ForkLauncher, HydraJobLauncher
 from strategies.parallel_dims import LayoutError, ParallelDims
+from strategies.pipeline import PipelineParallel, PPSchedule
 
 
 class MeshStrategy(ModelParallelStrategy):
@@ -42,6 +43,9 @@ class MeshStrategy(ModelParallelStrategy):
         fsdp: the FSDP2 plugin; used when dp_shard or dp_replicate > 1.
         activation_checkpoint: the activation-checkpointing plugin (default: off).
         compile: the per-block ``torch.compile`` plugin (default: off).
+        pp_schedule: the pipeline schedule when pp > 1: GPipe, 1F1B, Interleaved1F1B,
+            InterleavedZeroBubble, ZBV or DualPipeV.
+        pipeline: the pipeline plugin (stage split, stages per rank, micro-batches per schedule step).
         timeout_s: process-group timeout in seconds.
         launcher: "subprocess" (the CLI: one child per rank per Hydra job) or "fork" (tests).
 
@@ -53,7 +57,7 @@ class MeshStrategy(ModelParallelStrategy):
     # build the mesh but run the whole model on each of its ranks: duplicated work and, for cp,
     # wrong gradients (each row's tokens counted cp times). A subclass that applies an axis
     # (or the plugin that implements it) adds it here.
-    supported_axes: tuple[str, ...] = ("dp_replicate", "dp_shard")
+    supported_axes: tuple[str, ...] = ("dp_replicate", "dp_shard", "pp")
 
     def __init__(
         self,
@@ -66,6 +70,8 @@ class MeshStrategy(ModelParallelStrategy):
         fsdp: FSDP | None = None,
         activation_checkpoint: ActivationCheckpoint | None = None,
         compile: Compile | None = None,  # noqa: A002 - the config key users type
+        pp_schedule: PPSchedule = "1F1B",
+        pipeline: PipelineParallel | None = None,
         timeout_s: float = 1800.0,
         launcher: str = "subprocess",
     ) -> None:
@@ -79,6 +85,8 @@ class MeshStrategy(ModelParallelStrategy):
         self.fsdp = fsdp or FSDP()
         self.activation_checkpoint = activation_checkpoint or ActivationCheckpoint()
         self.compile_plugin = compile or Compile()
+        self.pp_schedule = pp_schedule
+        self.pipeline = pipeline or PipelineParallel()
         self.launcher_kind = launcher
         self._mesh_views: dict[str, DeviceMesh] = {}
 
@@ -141,11 +149,18 @@ class MeshStrategy(ModelParallelStrategy):
         function (the recomputation uses the parameters FSDP gathered for the backward instead
         of running the hooks again) and dynamo runs them eagerly around the compiled graph.
         """
-        # Tensor and context parallelism (and the pipeline split before them) insert themselves here.
+        stage_modules = [model]
+        if self.dims.pp > 1:
+            # This rank keeps its stages only; the other plugins then work on fewer layers.
+            stage_modules = self.pipeline.split(
+                model, pp_mesh=self.submesh("pp"), schedule=self.pp_schedule, device=self.root_device
+            )
+        # Tensor and context parallelism insert themselves here.
         self.activation_checkpoint.apply(model)
         self.compile_plugin.apply(model)
         if self.dims.dp > 1:
-            self.fsdp.apply(model, self.dp_mesh())
+            for module in stage_modules:  # each pipeline stage is its own FSDP root
+                self.fsdp.apply(module, self.dp_mesh())
 
     def dp_mesh(self) -> DeviceMesh:
         """The mesh FSDP shards over: (dp_replicate, dp_shard) for HSDP, else dp_shard."""
@@ -167,7 +182,12 @@ class MeshStrategy(ModelParallelStrategy):
     def eval_loss_sum(
         self, model: nn.Module, batch: dict[str, torch.Tensor], loss_sum: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
     ) -> torch.Tensor:
-        """Summed token loss of one (sharded) evaluation batch on this rank, without gradients."""
+        """Summed token loss of one (sharded) evaluation batch on this rank, without gradients.
+
+        With pp > 1 a forward through the stages; every pp rank returns the batch's loss."""
+        if self.dims.pp > 1:
+            with self.loss_context():
+                return self.pipeline.eval_loss_sum(batch, loss_sum)
         with self.loss_context():
             return loss_sum(model, batch)
 
@@ -187,8 +207,12 @@ class MeshStrategy(ModelParallelStrategy):
             backward: the Task's ``manual_backward``.
 
         Returns:
-            0-dim tensor: the sum of this rank's micro-batch losses (detached).
+            0-dim tensor: the sum of this rank's micro-batch losses (detached). With pp > 1 the
+            pipeline schedule runs them (``backward`` unused) and every pp rank returns the sum.
         """
+        if self.dims.pp > 1:
+            with self.loss_context():
+                return self.pipeline.forward_backward(micro_batches, loss_fn)
         total = torch.zeros((), device=self.root_device)
         last = len(micro_batches) - 1
         for i, micro_batch in enumerate(micro_batches):

@@ -348,6 +348,8 @@ def _check_semantics(cfg: DictConfig, problems: list[str]) -> None:
                 seq_len=data.seq_len if data is not None and "seq_len" in data else 0,
             )
         )
+    if dims is not None and dims.pp > 1 and model is not None and "n_layers" in model:
+        _check_pipeline(cfg, dims, problems)
     if data is not None and data.get("path"):
         paths = [data.path] if isinstance(data.path, str) else list(data.path)
         for path in paths:
@@ -355,3 +357,33 @@ def _check_semantics(cfg: DictConfig, problems: list[str]) -> None:
                 problems.append(f"data.path={path} does not exist; point data.path at a .txt/.jsonl file or a directory")
     if data is not None and data.get("tokenizer") and not Path(os.path.expanduser(data.tokenizer)).is_file():
         problems.append(f"data.tokenizer={data.tokenizer} is not a file; give a tokenizer.json or null to train one")
+
+
+def _check_pipeline(cfg: DictConfig, dims: ParallelDims, problems: list[str]) -> None:
+    """Pipeline layout against the model's layers and the step's micro-batches (strategies.pipeline)."""
+    from strategies.pipeline import SCHEDULES, check_pipeline
+
+    if "pp_schedule" not in cfg.strategy or not isinstance(cfg.strategy.get("pipeline"), DictConfig):
+        return  # a strategy without these settings checks its pipeline when it builds it
+    if cfg.strategy.pp_schedule not in SCHEDULES:
+        return  # reported by the type check of strategy.pp_schedule
+    train, pipeline = cfg.train, cfg.strategy.pipeline
+    micro = train.micro_batch_size or max(1, train.global_batch_size // dims.dp)
+    per_rank = train.global_batch_size // dims.dp
+    problems.extend(
+        check_pipeline(
+            pp=dims.pp,
+            schedule=cfg.strategy.pp_schedule,
+            stages_per_rank=pipeline.get("stages_per_rank"),
+            split_points=pipeline.get("split_points"),
+            num_microbatches=pipeline.get("num_microbatches"),
+            microbatches_per_step=per_rank // micro if micro > 0 and per_rank % micro == 0 and per_rank else None,
+            n_layers=cfg.model.n_layers,
+            tie_embeddings=bool(cfg.model.get("tie_embeddings")),
+        )
+    )
+    if cfg.data is not None and cfg.data.get("drop_last") is False:
+        problems.append(
+            "data.drop_last=false gives a last, partial global batch, which does not fill the pipeline's "
+            "micro-batches; use data.drop_last=true with strategy.pp > 1"
+        )

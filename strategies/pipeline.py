@@ -1,0 +1,409 @@
+"""Pipeline parallelism: the model split into stages over the pp axis, run by a torch schedule.
+
+Sources: Huang et al. 2019, "GPipe"; Narayanan et al. 2021, "Efficient Large-Scale Language Model
+Training on GPU Clusters Using Megatron-LM" (1F1B, interleaved 1F1B); Qi et al. 2024, "Zero
+Bubble Pipeline Parallelism" (InterleavedZeroBubble, ZBV); DeepSeek-AI 2024, "DeepSeek-V3
+Technical Report" (DualPipe, here its V form DualPipeV). The schedules are those of
+``torch.distributed.pipelining``.
+
+Every rank builds the whole model and keeps the layers of its stages: ``layers`` is a ModuleDict
+keyed by the global layer index, so parameter names are the same at every pp degree and a DCP
+checkpoint reshards across them. With several stages per rank (interleaved and V schedules) each
+stage is a *view*: a module of the model's class that shares the rank's submodules, so the rank's
+model still holds every parameter once under its usual name.
+
+Numerics (DESIGN section 4): the schedule's loss of a micro-batch is the Task's loss (summed token
+loss / the step's global supervised-token count) and gradients are not rescaled
+(``scale_grads=False``), so the gradients equal those without pipelining. ``position_ids`` and
+``document_ids`` go to every stage as keyword arguments (each rank of a data-parallel replica
+holds the same rows).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import schedules as torch_schedules
+
+PPSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBV", "DualPipeV"]
+SCHEDULES: tuple[str, ...] = get_args(PPSchedule)
+_CLASSES = {
+    "GPipe": "ScheduleGPipe",
+    "1F1B": "Schedule1F1B",
+    "Interleaved1F1B": "ScheduleInterleaved1F1B",
+    "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble",
+    "ZBV": "ScheduleZBVZeroBubble",
+    "DualPipeV": "ScheduleDualPipeV",
+}
+SINGLE_STAGE = ("GPipe", "1F1B")  # one stage per rank
+V_SHAPED = ("ZBV", "DualPipeV")  # two stages per rank: rank r holds stages r and 2 pp - 1 - r
+_MODEL_KWARGS = {"position_ids": "position_ids_bt", "document_ids": "document_ids_bt"}
+
+
+# ---------------------------------------------------------------------------------- pure functions
+def stages_per_rank_of(schedule: str, stages_per_rank: int | None) -> int:
+    """Stages each rank runs: the given number, else 1 for GPipe/1F1B and 2 for the others."""
+    if stages_per_rank is not None:
+        return stages_per_rank
+    return 1 if schedule in SINGLE_STAGE else 2
+
+
+def stage_layers(n_layers: int, num_stages: int, split_points: Sequence[int] | None = None) -> list[range]:
+    """The global layer indices of each stage.
+
+    Balanced by layer count (the first ``n_layers % num_stages`` stages get one more) unless
+    ``split_points`` gives the first layer of every stage but the first.
+
+    Raises:
+        ValueError: more stages than layers, or split points that are not increasing in (0, n_layers).
+    """
+    if split_points is not None:
+        points = [0, *split_points, n_layers]
+        if len(points) != num_stages + 1 or any(b <= a for a, b in zip(points, points[1:])):
+            raise ValueError(
+                f"split points {list(split_points)} must be {num_stages - 1} increasing layer indices in (0, {n_layers})"
+            )
+        return [range(a, b) for a, b in zip(points, points[1:])]
+    if num_stages > n_layers:
+        raise ValueError(f"{num_stages} stages need at least {num_stages} layers, the model has {n_layers}")
+    base, extra = divmod(n_layers, num_stages)
+    sizes = [base + (s < extra) for s in range(num_stages)]
+    starts = [sum(sizes[:s]) for s in range(num_stages)]
+    return [range(start, start + size) for start, size in zip(starts, sizes)]
+
+
+def stage_owner(stage: int, *, pp: int, schedule: str) -> int:
+    """The pp rank that runs ``stage``: looped (stage mod pp) or, for V schedules, a V."""
+    if schedule in V_SHAPED:
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+def local_stages(pp_rank: int, *, pp: int, stages_per_rank: int, schedule: str) -> list[int]:
+    """The stage indices rank ``pp_rank`` runs, in increasing order."""
+    num_stages = pp * stages_per_rank
+    return [s for s in range(num_stages) if stage_owner(s, pp=pp, schedule=schedule) == pp_rank]
+
+
+def microbatch_problems(schedule: str, *, pp: int, stages_per_rank: int, num_microbatches: int) -> list[str]:
+    """What ``num_microbatches`` per schedule step lacks for ``schedule`` (torch's own conditions)."""
+    m, num_stages = num_microbatches, pp * stages_per_rank
+    fix = "use more micro-batches per schedule step (strategy.pipeline.num_microbatches, or a smaller train.micro_batch_size)"
+    if schedule == "1F1B" and m < pp:
+        return [f"strategy.pp_schedule=1F1B needs at least pp={pp} micro-batches per schedule step, got {m}; {fix}"]
+    if schedule == "DualPipeV" and m < num_stages:
+        return [f"strategy.pp_schedule=DualPipeV needs at least 2 x pp={num_stages} micro-batches per schedule step, got {m}; {fix}"]
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and m % max(1, m // pp):
+        rounds = max(1, m // pp)
+        return [
+            f"strategy.pp_schedule={schedule} runs micro-batches in rounds of pp={pp}: {m} micro-batches per schedule "
+            f"step is not a multiple of its {rounds} rounds; use {rounds * pp} or another multiple of pp"
+        ]
+    return []
+
+
+def check_pipeline(
+    *,
+    pp: int,
+    schedule: str,
+    stages_per_rank: int | None,
+    split_points: Sequence[int] | None,
+    num_microbatches: int | None,
+    microbatches_per_step: int | None,
+    n_layers: int,
+    tie_embeddings: bool = False,
+) -> list[str]:
+    """Problems of a pipeline layout, each naming its fix; [] when it runs (or pp == 1).
+
+    Args:
+        microbatches_per_step: micro-batches of one optimizer step on one rank (global batch /
+            (dp x micro_batch_size)); None when unknown.
+    """
+    if pp == 1:
+        return []
+    if schedule not in SCHEDULES:
+        return [f"strategy.pp_schedule={schedule!r} is unknown; use one of {', '.join(SCHEDULES)}"]
+    problems: list[str] = []
+    v = stages_per_rank_of(schedule, stages_per_rank)
+    if v < 1:
+        return [f"strategy.pipeline.stages_per_rank={v} must be >= 1 (or null for the schedule's default)"]
+    if schedule in SINGLE_STAGE and v != 1:
+        problems.append(
+            f"strategy.pp_schedule={schedule} runs one stage per rank, got strategy.pipeline.stages_per_rank={v}; "
+            f"use strategy.pipeline.stages_per_rank=null or an interleaved schedule (strategy.pp_schedule=Interleaved1F1B)"
+        )
+    if schedule in V_SHAPED and v != 2:
+        problems.append(
+            f"strategy.pp_schedule={schedule} runs exactly 2 stages per rank (a V), got strategy.pipeline.stages_per_rank={v}; "
+            f"use strategy.pipeline.stages_per_rank=null"
+        )
+    num_stages = pp * v
+    if split_points is None and num_stages > n_layers:
+        problems.append(
+            f"strategy.pp={pp} x {v} stages per rank = {num_stages} stages exceeds model.n_layers={n_layers}; "
+            f"use model.n_layers >= {num_stages} or a smaller strategy.pp"
+            + (" or one stage per rank (strategy.pp_schedule=1F1B)" if v > 1 else "")
+        )
+    if split_points is not None:
+        try:
+            stage_layers(n_layers, num_stages, split_points)
+        except ValueError as err:
+            problems.append(f"strategy.pipeline.split_points: {err}; give {num_stages - 1} points or null (balanced)")
+    if tie_embeddings:
+        problems.append(
+            "model.tie_embeddings=true cannot be split over pipeline stages (the input embedding and the output head "
+            "live on the first and last stage); use model.tie_embeddings=false or strategy.pp=1"
+        )
+    if num_microbatches is not None and num_microbatches < 1:
+        problems.append(f"strategy.pipeline.num_microbatches={num_microbatches} must be >= 1 (or null: all of the step's)")
+        return problems
+    if microbatches_per_step is not None:
+        m = num_microbatches or microbatches_per_step
+        if microbatches_per_step % m:
+            problems.append(
+                f"the {microbatches_per_step} micro-batches of a step (train.global_batch_size / (dp x "
+                f"train.micro_batch_size)) are not a multiple of strategy.pipeline.num_microbatches={m}; "
+                f"use a divisor of {microbatches_per_step}"
+            )
+        problems += microbatch_problems(schedule, pp=pp, stages_per_rank=v, num_microbatches=m)
+    return problems
+
+
+def split_model(model: nn.Module, *, stages: Sequence[int], layers: Sequence[range]) -> list[nn.Module]:
+    """Keeps in ``model`` only the parts of ``stages`` (in place); returns one module per stage.
+
+    ``model`` needs ``tok_embeddings``, ``layers`` (ModuleDict keyed by global index), ``norm``
+    and ``output``, and its forward must skip the ones that are None (see trainer.models.llama).
+    With one stage, the stage module is ``model`` itself; otherwise each is a view sharing the
+    submodules of ``model``.
+    """
+    num_stages = len(layers)
+    keep = {str(i) for s in stages for i in layers[s]}
+    for name in [name for name in model.layers.keys() if name not in keep]:
+        del model.layers[name]
+    if 0 not in stages:
+        model.tok_embeddings = None
+    if num_stages - 1 not in stages:
+        model.norm, model.output = None, None
+    if len(stages) == 1:
+        return [model]
+    return [_stage_view(model, s, num_stages, layers[s]) for s in stages]
+
+
+def _stage_view(model: nn.Module, stage: int, num_stages: int, layers: range) -> nn.Module:
+    # A fresh module of the model's class (own hooks, so FSDP can root each stage separately)
+    # that shares the plain attributes, buffers and submodules of ``model``.
+    view = type(model).__new__(type(model))
+    nn.Module.__init__(view)
+    for key, value in vars(model).items():
+        view.__dict__.setdefault(key, value)
+    for name, buffer in model.named_buffers(recurse=False):
+        view.register_buffer(name, buffer, persistent=name not in model._non_persistent_buffers_set)
+    for name, module in model.named_children():
+        setattr(view, name, module)
+    view.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layers})
+    if stage != 0:
+        view.tok_embeddings = None
+    if stage != num_stages - 1:
+        view.norm, view.output = None, None
+    return view
+
+
+class _Replay(nn.Module):
+    """Stands in for the model in the Task's loss: returns the last stage's output."""
+
+    def __init__(self, output: torch.Tensor) -> None:
+        super().__init__()
+        self.output = output
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.output
+
+
+def stage_loss(loss_fn: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor], logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The Task's ``loss_fn(model, batch)`` on the last stage's logits [b, s, V] and labels [b, s].
+
+    The objective calls the model once on the micro-batch; here that call returns ``logits``.
+    """
+    return loss_fn(_Replay(logits), {"input_ids": labels, "labels": labels})
+
+
+def model_kwargs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Keyword arguments every stage's forward takes from the batch (positions, document ids)."""
+    return {arg: batch[key] for key, arg in _MODEL_KWARGS.items() if key in batch}
+
+
+# ---------------------------------------------------------------------------------- the plugin
+@dataclass
+class PipelineParallel:
+    """The pipeline plugin: how the model is split and how micro-batches are scheduled.
+
+    Args:
+        stages_per_rank: stages (virtual stages) per rank; null: 1 for GPipe/1F1B, 2 otherwise.
+        split_points: first layer of every stage but the first, e.g. [3, 6, 9] for 4 stages of
+            12 layers; null balances by layer count.
+        num_microbatches: micro-batches per schedule step; null: all of the optimizer step's
+            micro-batches in one schedule step. Fewer run several schedule steps whose gradients
+            accumulate (less activation memory for GPipe, a larger bubble).
+
+    The schedule (``strategy.pp_schedule``) is a MeshStrategy argument. `split` runs in
+    ``MeshStrategy.parallelize``; the torch stages and schedules are built at the first step,
+    after Lightning has moved the model to its device.
+    """
+
+    stages_per_rank: int | None = None
+    split_points: list[int] | None = None
+    num_microbatches: int | None = None
+    _state: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
+
+    def split(self, model: nn.Module, *, pp_mesh: DeviceMesh, schedule: str, device: torch.device) -> list[nn.Module]:
+        """Splits ``model`` in place for this rank; returns its stage modules (for FSDP).
+
+        Raises:
+            ValueError: the layout cannot run (see `check_pipeline`), or an unknown schedule.
+        """
+        pp, v = pp_mesh.size(), stages_per_rank_of(schedule, self.stages_per_rank)
+        problems = check_pipeline(
+            pp=pp, schedule=schedule, stages_per_rank=self.stages_per_rank, split_points=self.split_points,
+            num_microbatches=self.num_microbatches, microbatches_per_step=None, n_layers=len(model.layers),
+            tie_embeddings=bool(getattr(model, "tie_embeddings", False)),
+        )  # fmt: skip
+        if problems:
+            raise ValueError("\n".join(problems))
+        stages = local_stages(pp_mesh.get_local_rank(), pp=pp, stages_per_rank=v, schedule=schedule)
+        layers = stage_layers(len(model.layers), pp * v, self.split_points)
+        modules = split_model(model, stages=stages, layers=layers)
+        self._state = {
+            "root": model, "modules": modules, "stages": stages, "num_stages": pp * v, "schedule": schedule,
+            "pp": pp, "group": pp_mesh.get_group(), "rank": pp_mesh.get_local_rank(), "device": device,
+            "schedules": {}, "loss_fn": None,
+        }  # fmt: skip
+        return modules
+
+    # ------------------------------------------------------------------ training
+    def _schedule(self, num_microbatches: int) -> Any:
+        s = self._state
+        if num_microbatches not in s["schedules"]:
+            problems = microbatch_problems(
+                s["schedule"], pp=s["pp"], stages_per_rank=len(s["stages"]), num_microbatches=num_microbatches
+            )
+            if problems:
+                raise ValueError("\n".join(problems))
+            if "torch_stages" not in s:
+                # The views' buffers (RoPE tables) follow the model to the device Lightning moved it to.
+                for view in s["modules"]:
+                    for name, buffer in s["root"].named_buffers(recurse=False):
+                        view._buffers[name] = buffer
+                s["torch_stages"] = [
+                    PipelineStage(module, stage, s["num_stages"], s["device"], group=s["group"])
+                    for module, stage in zip(s["modules"], s["stages"])
+                ]
+            cls = getattr(torch_schedules, _CLASSES[s["schedule"]])
+            torch_stages = s["torch_stages"][0] if s["schedule"] in SINGLE_STAGE else s["torch_stages"]
+            s["schedules"][num_microbatches] = cls(
+                torch_stages, n_microbatches=num_microbatches, loss_fn=self._loss, scale_grads=False
+            )
+        return s["schedules"][num_microbatches]
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return stage_loss(self._state["loss_fn"], logits, labels)
+
+    def forward_backward(
+        self,
+        micro_batches: Sequence[dict[str, torch.Tensor]],
+        loss_fn: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor],
+    ) -> torch.Tensor:
+        """Runs the step's micro-batches through the schedule (forward and backward).
+
+        Args:
+            micro_batches: this rank's micro-batches (dicts of [b, s] tensors), all of b rows; the
+                same on every rank of the pp group.
+            loss_fn: the Task's micro-batch loss (already divided by the global token count).
+
+        Returns:
+            0-dim tensor: the sum of the step's micro-batch losses, the same on every pp rank.
+
+        Raises:
+            ValueError: the micro-batches do not fill whole schedule steps, or too few for the schedule.
+        """
+        s = self._state
+        m = self.num_microbatches or len(micro_batches)
+        if len(micro_batches) % m:
+            raise ValueError(
+                f"{len(micro_batches)} micro-batches do not fill schedule steps of strategy.pipeline.num_microbatches={m}"
+            )
+        schedule = self._schedule(m)
+        s["loss_fn"] = loss_fn
+        first, last = 0 in s["stages"], s["num_stages"] - 1 in s["stages"]
+        total = torch.zeros((), device=s["device"])
+        for start in range(0, len(micro_batches), m):  # gradient accumulation over schedule steps
+            group = micro_batches[start : start + m]
+            batch = {key: torch.cat([mb[key] for mb in group]) for key in group[0]}
+            losses: list[torch.Tensor] = []
+            args = (batch["input_ids"],) if first else ()
+            target = batch["labels"] if last else None
+            schedule.step(*args, target=target, losses=losses, return_outputs=False, **model_kwargs(batch))
+            if last:
+                total += torch.stack([loss.detach() for loss in losses]).sum()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=s["group"])  # only the last stage had it
+        return total
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def eval_loss_sum(
+        self,
+        batch: dict[str, torch.Tensor],
+        loss_sum: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor],
+    ) -> torch.Tensor:
+        """Summed token loss of one evaluation batch: a forward through the stages in order.
+
+        Point-to-point over the pp group, one micro-batch (any number of rows); every pp rank
+        returns the same 0-dim tensor.
+        """
+        s = self._state
+        pp, schedule, group = s["pp"], s["schedule"], s["group"]
+        kwargs = model_kwargs(batch)
+        modules = dict(zip(s["stages"], s["modules"]))
+        total = torch.zeros((), device=s["device"])
+        hidden = None
+        for stage in range(s["num_stages"]):
+            if stage not in modules:
+                continue
+            previous = stage_owner(stage - 1, pp=pp, schedule=schedule) if stage else s["rank"]
+            if stage == 0:
+                hidden = batch["input_ids"]
+            elif previous != s["rank"]:
+                hidden = _recv_hidden(batch["input_ids"].shape, modules[stage].dim, previous, group, s["device"])
+            hidden = modules[stage](hidden, **kwargs)
+            if stage == s["num_stages"] - 1:
+                total += loss_sum(_Replay(hidden), {"input_ids": batch["labels"], "labels": batch["labels"]}).detach()
+            else:
+                following = stage_owner(stage + 1, pp=pp, schedule=schedule)
+                if following != s["rank"]:
+                    _send_hidden(hidden, following, group)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        return total
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _send_hidden(hidden: torch.Tensor, peer: int, group: dist.ProcessGroup) -> None:
+    # The dtype first: it depends on the precision settings, which the receiver does not know.
+    dist.send(torch.tensor([_DTYPES.index(hidden.dtype)], device=hidden.device), group_dst=peer, group=group)
+    dist.send(hidden.contiguous(), group_dst=peer, group=group)
+
+
+def _recv_hidden(shape_bt: torch.Size, dim: int, peer: int, group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
+    code = torch.zeros(1, dtype=torch.long, device=device)
+    dist.recv(code, group_src=peer, group=group)
+    hidden = torch.empty(*shape_bt, dim, dtype=_DTYPES[int(code.item())], device=device)
+    dist.recv(hidden, group_src=peer, group=group)
+    return hidden
