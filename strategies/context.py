@@ -274,7 +274,7 @@ def context_parallel_problems(
         )
     heads, kv_heads = n_heads // max(tp, 1), n_kv_heads // max(tp, 1)
     if u > 1 and (heads % u or kv_heads % u):
-        valid = [d for d in divisors(cp) if heads % d == 0 and kv_heads % d == 0]
+        valid = [d for d in divisors(cp) if heads % d == 0 and kv_heads % d == 0 and (mode != "hybrid" or 1 < d < cp)]
         name = "strategy.cp" if mode == "ulysses" else "strategy.context_parallel.ulysses_degree"
         problems.append(
             f"{name}={u}: Ulysses splits the {heads} query heads and {kv_heads} kv heads per tp rank "

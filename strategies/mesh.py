@@ -28,6 +28,7 @@ from typing_extensions import override
 from strategies import checkpoint as ckpt
 from strategies.activation_checkpoint import ActivationCheckpoint
 from strategies.compile import Compile
+from strategies.context import ContextParallel, CPMode
 from strategies.fsdp import FSDP
 from strategies.grad_norm import clip_grads_, global_grad_norm
 from strategies.launch import ForkLauncher, HydraJobLauncher
@@ -43,6 +44,9 @@ class MeshStrategy(ModelParallelStrategy):
         fsdp: the FSDP2 plugin; used when dp_shard or dp_replicate > 1.
         activation_checkpoint: the activation-checkpointing plugin (default: off).
         compile: the per-block ``torch.compile`` plugin (default: off).
+        cp_mode: context-parallel attention when cp > 1: "ring", "ulysses" or "hybrid" (Ulysses
+            head groups inside, a ring across them).
+        context_parallel: the context-parallel plugin (sharding, hybrid degree, activation offload).
         pp_schedule: the pipeline schedule when pp > 1: GPipe, 1F1B, Interleaved1F1B,
             InterleavedZeroBubble, ZBV or DualPipeV.
         pipeline: the pipeline plugin (stage split, stages per rank, micro-batches per schedule step).
@@ -57,7 +61,7 @@ class MeshStrategy(ModelParallelStrategy):
     # build the mesh but run the whole model on each of its ranks: duplicated work and, for cp,
     # wrong gradients (each row's tokens counted cp times). A subclass that applies an axis
     # (or the plugin that implements it) adds it here.
-    supported_axes: tuple[str, ...] = ("dp_replicate", "dp_shard", "pp")
+    supported_axes: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp", "pp")
 
     def __init__(
         self,
@@ -70,6 +74,8 @@ class MeshStrategy(ModelParallelStrategy):
         fsdp: FSDP | None = None,
         activation_checkpoint: ActivationCheckpoint | None = None,
         compile: Compile | None = None,  # noqa: A002 - the config key users type
+        cp_mode: CPMode = "ring",
+        context_parallel: ContextParallel | None = None,
         pp_schedule: PPSchedule = "1F1B",
         pipeline: PipelineParallel | None = None,
         timeout_s: float = 1800.0,
@@ -85,6 +91,8 @@ class MeshStrategy(ModelParallelStrategy):
         self.fsdp = fsdp or FSDP()
         self.activation_checkpoint = activation_checkpoint or ActivationCheckpoint()
         self.compile_plugin = compile or Compile()
+        self.cp_mode = cp_mode
+        self.context_parallel = context_parallel or ContextParallel()
         self.pp_schedule = pp_schedule
         self.pipeline = pipeline or PipelineParallel()
         self.launcher_kind = launcher
@@ -156,23 +164,40 @@ class MeshStrategy(ModelParallelStrategy):
                 model, pp_mesh=self.submesh("pp"), schedule=self.pp_schedule, device=self.root_device
             )
         # Tensor and context parallelism insert themselves here.
+        # CP after TP: its attention core sees the tp rank's heads (n_heads/tp) of its cp shard.
+        self.context_parallel.apply(model, mode=self.cp_mode, cp_ranks=self.cp_ranks())
         self.activation_checkpoint.apply(model)
         self.compile_plugin.apply(model)
-        if self.dims.dp > 1:
+        if self.dims.dp * self.dims.cp > 1:  # cp ranks hold the same parameters: FSDP shards them too
             for module in stage_modules:  # each pipeline stage is its own FSDP root
                 self.fsdp.apply(module, self.dp_mesh())
 
     def dp_mesh(self) -> DeviceMesh:
-        """The mesh FSDP shards over: (dp_replicate, dp_shard) for HSDP, else dp_shard."""
+        """The mesh FSDP shards over: (dp_replicate, dp_shard) for HSDP, else dp_shard; with cp > 1
+        dp_shard x cp (flattened), whose ranks hold the same parameters and sum their gradients."""
+        if self.dims.cp > 1:
+            if self.dims.dp_replicate > 1:
+                return self.device_mesh["dp_replicate", "dp_shard_cp"]
+            return self.submesh("dp_shard_cp")
         if self.dims.dp_replicate > 1:
             return self.device_mesh["dp_replicate", "dp_shard"]
         return self.device_mesh["dp_shard"]
 
     # ------------------------------------------------------------------------------ the step
     def shard_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's part of its dp rows, before the step counts tokens (context parallelism
-        keeps a slice of the sequence dimension). Identity by default."""
+        """This rank's part of its dp rows, before the step counts tokens: with cp > 1 its slice of
+        the sequence dimension (`strategies.context.shard_batch`); else the rows unchanged."""
+        if self.dims.cp > 1:
+            cp_mesh = self.submesh("cp")
+            return self.context_parallel.shard_batch(batch, cp=cp_mesh.size(), rank=cp_mesh.get_local_rank())
         return batch
+
+    def cp_ranks(self) -> list[list[int]]:
+        """The global ranks of every cp group of the mesh, each in cp order (for sub-group creation)."""
+        from strategies.parallel_dims import MESH_AXES
+
+        ranks = self.device_mesh.mesh.movedim(MESH_AXES.index("cp"), -1)
+        return ranks.reshape(-1, self.dims.cp).tolist()
 
     @contextmanager
     def loss_context(self) -> Iterator[None]:

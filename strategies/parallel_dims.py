@@ -117,8 +117,9 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> tuple["DeviceMesh", dict[str, "DeviceMesh"]]:
         """Builds the named N-D mesh over the default process group, and its flattened views.
 
-        Views: ``dp`` (dp_replicate x dp_shard: batch slicing, gradient sums) and ``dp_cp``
-        (dp x cp: the ranks whose supervised tokens are counted together for the loss).
+        Views: ``dp`` (dp_replicate x dp_shard: batch slicing, gradient sums), ``dp_cp``
+        (dp x cp: the ranks whose supervised tokens are counted together for the loss) and, when
+        cp > 1, ``dp_shard_cp`` (the ranks FSDP shards parameters over).
         ``DeviceMesh._flatten`` is private but is what torchtitan uses; torch keeps no public
         equivalent in 2.13, and the returned views are kept rather than sliced from the root again
         (slicing flattened axes from the root is deprecated).
@@ -131,6 +132,8 @@ class ParallelDims:
             "dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
             "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
         }
+        if self.cp > 1:  # FSDP's mesh under context parallelism (cp ranks hold the same parameters)
+            views["dp_shard_cp"] = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         return mesh, views
 
 

@@ -350,6 +350,8 @@ def _check_semantics(cfg: DictConfig, problems: list[str]) -> None:
         )
     if dims is not None and dims.pp > 1 and model is not None and "n_layers" in model:
         _check_pipeline(cfg, dims, problems)
+    if dims is not None and dims.cp > 1 and model is not None and "n_heads" in model and "cp_mode" in cfg.strategy:
+        _check_context_parallel(cfg, dims, problems)
     if data is not None and data.get("path"):
         paths = [data.path] if isinstance(data.path, str) else list(data.path)
         for path in paths:
@@ -387,3 +389,22 @@ def _check_pipeline(cfg: DictConfig, dims: ParallelDims, problems: list[str]) ->
             "data.drop_last=false gives a last, partial global batch, which does not fill the pipeline's "
             "micro-batches; use data.drop_last=true with strategy.pp > 1"
         )
+
+
+def _check_context_parallel(cfg: DictConfig, dims: ParallelDims, problems: list[str]) -> None:
+    """Context-parallel mode against the model's heads (strategies.context)."""
+    from strategies.context import CP_MODES, context_parallel_problems
+
+    if cfg.strategy.cp_mode not in CP_MODES:
+        return  # reported by the type check of strategy.cp_mode
+    plugin = cfg.strategy.get("context_parallel")
+    problems.extend(
+        context_parallel_problems(
+            mode=cfg.strategy.cp_mode,
+            cp=dims.cp,
+            tp=dims.tp,
+            ulysses_degree=plugin.ulysses_degree if isinstance(plugin, DictConfig) else 2,
+            n_heads=cfg.model.n_heads,
+            n_kv_heads=cfg.model.get("n_kv_heads") or cfg.model.n_heads,
+        )
+    )
