@@ -46,6 +46,49 @@ def sample(
     return out
 
 
+@torch.no_grad()
+def greedy_batch(
+    model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int, eos_id: int, device: torch.device | str = "cpu"
+) -> list[list[int]]:
+    """Greedy continuations of many prompts at once (no KV cache), each stopped at its first EOS.
+
+    Prompts are left-padded; the padding is a document of its own (``document_ids`` 0, the
+    prompt 1) and positions start at 0 at each prompt, so every row computes exactly what it
+    would alone.
+
+    Args:
+        prompts: token ids per prompt (each non-empty); prompt + ``max_new_tokens`` must fit the
+            model's context.
+
+    Returns:
+        The generated ids per prompt, without the prompt and without the EOS.
+    """
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    docs = torch.zeros_like(ids)
+    pos = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        docs[i, width - len(p) :] = 1
+        pos[i, width - len(p) :] = torch.arange(len(p))
+        pos[i, : width - len(p)] = torch.arange(width - len(p))
+    ids, docs, pos = ids.to(device), docs.to(device), pos.to(device)
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    out = []
+    for _ in range(max_new_tokens):
+        logits = model(ids, position_ids_bt=pos, document_ids_bt=docs)[:, -1].float()
+        next_ids = logits.argmax(-1)
+        out.append(torch.where(done, torch.full_like(next_ids, eos_id), next_ids))
+        done |= next_ids == eos_id
+        if bool(done.all()):
+            break
+        ids = torch.cat([ids, next_ids[:, None]], 1)
+        docs = torch.cat([docs, torch.ones_like(next_ids)[:, None]], 1)
+        pos = torch.cat([pos, pos[:, -1:] + 1], 1)
+    generated = torch.stack(out, 1).tolist() if out else [[] for _ in prompts]
+    return [row[: row.index(eos_id)] if eos_id in row else row for row in generated]
+
+
 def main(argv: list[str]) -> None:
     from hydra import compose, initialize_config_dir
 

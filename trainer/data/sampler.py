@@ -101,8 +101,19 @@ class StatefulLoader(DataLoader):
         self.trained = self.global_sampler.start
         return super().__iter__()
 
+    def __len__(self) -> int:
+        # The whole epoch, also when resumed in its middle: Lightning counts a resumed epoch's
+        # batches from where it stopped (batch_progress), and ends the epoch when that count
+        # reaches this length; the rest of the epoch alone would end it early (case C07).
+        return self.global_sampler.num_batches()
+
     def mark_trained(self) -> None:
         self.trained += 1
+
+    @property
+    def exhausted(self) -> bool:
+        """Never: epochs repeat until ``trainer.max_steps``."""
+        return False
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.global_sampler.epoch, "trained": self.trained}

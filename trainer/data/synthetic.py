@@ -1,0 +1,89 @@
+"""Synthetic algorithmic SFT tasks, generated deterministically from a seed.
+
+Each task makes single-turn conversations (user: the problem, assistant: the exact answer) whose
+held-out exact-match accuracy a small CPU model moves within minutes. Digits and letters are
+separated by spaces so a byte-level BPE keeps one symbol per token (merging ``"123"`` into one
+token would hide the digits from the model). Difficulties differ on purpose (mSFT needs sources
+whose optima differ):
+
+- ``reversal``: reverse 3-6 letters (easy);
+- ``sorting``: sort 4-6 digits (medium);
+- ``addition``: add two 2-3 digit numbers (hard for a tiny model: carries).
+
+Train, validation and test examples never overlap: each split draws from its own generator and
+an example whose prompt appeared in an earlier split is drawn again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Callable
+
+from trainer.data.chat import Message
+
+Example = tuple[str, str]  # (prompt, answer)
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def _spaced(symbols: str) -> str:
+    return " ".join(symbols)
+
+
+def reversal(rng: random.Random) -> Example:
+    word = "".join(rng.choice(_LETTERS) for _ in range(rng.randint(3, 6)))
+    return f"reverse: {_spaced(word)}", _spaced(word[::-1])
+
+
+def sorting(rng: random.Random) -> Example:
+    digits = "".join(rng.choice("0123456789") for _ in range(rng.randint(4, 6)))
+    return f"sort: {_spaced(digits)}", _spaced("".join(sorted(digits)))
+
+
+def addition(rng: random.Random) -> Example:
+    a, b = rng.randint(10, 999), rng.randint(10, 999)
+    return f"add: {_spaced(str(a))} + {_spaced(str(b))}", _spaced(str(a + b))
+
+
+TASKS: dict[str, Callable[[random.Random], Example]] = {"reversal": reversal, "sorting": sorting, "addition": addition}
+SPLITS = ("train", "val", "test")
+
+
+def _rng(task: str, seed: int, split: str) -> random.Random:
+    digest = hashlib.sha256(f"{task}\0{seed}\0{split}".encode()).digest()
+    return random.Random(int.from_bytes(digest[:8], "big"))
+
+
+def examples(task: str, *, seed: int, sizes: dict[str, int]) -> dict[str, list[Example]]:
+    """Disjoint splits of ``task``: ``{"train": [...], "val": [...], "test": [...]}``.
+
+    Args:
+        task: a name in ``TASKS``.
+        seed: the run seed; the same seed gives the same examples in every process.
+        sizes: examples per split (missing splits get none).
+
+    Raises:
+        ValueError: unknown task, or a task too small to give that many distinct prompts.
+    """
+    if task not in TASKS:
+        raise ValueError(f"unknown synthetic task {task!r}; choose from {sorted(TASKS)}")
+    seen: set[str] = set()
+    out: dict[str, list[Example]] = {}
+    for split in SPLITS:
+        rng, made = _rng(task, seed, split), []
+        attempts = 0
+        while len(made) < sizes.get(split, 0):
+            attempts += 1
+            if attempts > 50 * (sizes[split] + 10):
+                raise ValueError(f"synthetic task {task!r} cannot give {sizes[split]} distinct {split} examples")
+            prompt, answer = TASKS[task](rng)
+            if prompt not in seen:
+                seen.add(prompt)
+                made.append((prompt, answer))
+        out[split] = made
+    return out
+
+
+def to_messages(example: Example) -> list[Message]:
+    prompt, answer = example
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
