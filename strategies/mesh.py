@@ -34,6 +34,7 @@ from strategies.grad_norm import clip_grads_, global_grad_norm
 from strategies.launch import ForkLauncher, HydraJobLauncher
 from strategies.parallel_dims import LayoutError, ParallelDims
 from strategies.pipeline import PipelineParallel, PPSchedule
+from strategies.tensor import TensorParallel
 
 
 class MeshStrategy(ModelParallelStrategy):
@@ -42,6 +43,7 @@ class MeshStrategy(ModelParallelStrategy):
     Args:
         dp_replicate, dp_shard, cp, tp, pp: degrees (see `ParallelDims`); -1 fills the world.
         fsdp: the FSDP2 plugin; used when dp_shard or dp_replicate > 1.
+        tensor_parallel: the tensor-parallel plugin (sequence and loss parallel); used when tp > 1.
         activation_checkpoint: the activation-checkpointing plugin (default: off).
         compile: the per-block ``torch.compile`` plugin (default: off).
         cp_mode: context-parallel attention when cp > 1: "ring", "ulysses" or "hybrid" (Ulysses
@@ -61,7 +63,7 @@ class MeshStrategy(ModelParallelStrategy):
     # build the mesh but run the whole model on each of its ranks: duplicated work and, for cp,
     # wrong gradients (each row's tokens counted cp times). A subclass that applies an axis
     # (or the plugin that implements it) adds it here.
-    supported_axes: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp", "pp")
+    supported_axes: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
 
     def __init__(
         self,
@@ -72,6 +74,7 @@ class MeshStrategy(ModelParallelStrategy):
         pp: int = 1,
         *,
         fsdp: FSDP | None = None,
+        tensor_parallel: TensorParallel | None = None,
         activation_checkpoint: ActivationCheckpoint | None = None,
         compile: Compile | None = None,  # noqa: A002 - the config key users type
         cp_mode: CPMode = "ring",
@@ -89,6 +92,7 @@ class MeshStrategy(ModelParallelStrategy):
         if problems:
             raise LayoutError("\n".join(problems))
         self.fsdp = fsdp or FSDP()
+        self.tensor_parallel = tensor_parallel or TensorParallel()
         self.activation_checkpoint = activation_checkpoint or ActivationCheckpoint()
         self.compile_plugin = compile or Compile()
         self.cp_mode = cp_mode
@@ -163,7 +167,8 @@ class MeshStrategy(ModelParallelStrategy):
             stage_modules = self.pipeline.split(
                 model, pp_mesh=self.submesh("pp"), schedule=self.pp_schedule, device=self.root_device
             )
-        # Tensor and context parallelism insert themselves here.
+        if self.dims.tp > 1:
+            self.tensor_parallel.apply(model, self.submesh("tp"))
         # CP after TP: its attention core sees the tp rank's heads (n_heads/tp) of its cp shard.
         self.context_parallel.apply(model, mode=self.cp_mode, cp_ranks=self.cp_ranks())
         self.activation_checkpoint.apply(model)
@@ -201,8 +206,12 @@ class MeshStrategy(ModelParallelStrategy):
 
     @contextmanager
     def loss_context(self) -> Iterator[None]:
-        """Context for the loss and its backward (tensor parallelism's loss parallel). None by default."""
-        yield
+        """Context for the loss and its backward: tensor parallelism's loss parallel when tp > 1."""
+        if self.dims.tp > 1:
+            with self.tensor_parallel.loss_context():
+                yield
+        else:
+            yield
 
     def eval_loss_sum(
         self, model: nn.Module, batch: dict[str, torch.Tensor], loss_sum: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]

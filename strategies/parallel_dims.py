@@ -84,18 +84,26 @@ class ParallelDims:
             )
         return ParallelDims(**degrees)
 
-    def check_model(self, *, n_layers: int, n_heads: int, n_kv_heads: int, seq_len: int) -> list[str]:
+    def check_model(
+        self,
+        *,
+        n_layers: int,
+        n_heads: int,
+        n_kv_heads: int,
+        seq_len: int,
+        vocab_size: int | None = None,
+        ffn_dim: int | None = None,
+    ) -> list[str]:
         """Problems (as messages naming the fix) of these degrees for a model and sequence length.
 
-        Call on resolved degrees. Returns an empty list when the layout fits.
+        Call on resolved degrees. Returns an empty list when the layout fits. ``vocab_size`` and
+        ``ffn_dim`` are checked against tp when known (None: checked when the model is built).
         """
-        problems = []
-        if n_kv_heads % self.tp or n_heads % self.tp:
-            valid = [d for d in divisors(n_heads) if n_kv_heads % d == 0]
-            problems.append(
-                f"strategy.tp={self.tp} does not divide n_heads={n_heads} and n_kv_heads={n_kv_heads}; "
-                f"valid tp: {', '.join(map(str, valid))}"
-            )
+        from strategies.tensor import tp_divisibility_problems  # tensor.py imports this module
+
+        problems = tp_divisibility_problems(
+            self.tp, n_heads=n_heads, n_kv_heads=n_kv_heads, vocab_size=vocab_size, ffn_dim=ffn_dim
+        )
         if self.pp > n_layers:
             problems.append(f"strategy.pp={self.pp} exceeds the {n_layers} layers; use strategy.pp<={n_layers}")
         if self.cp > 1 and seq_len % (2 * self.cp):

@@ -41,18 +41,18 @@ def tp_divisibility_problems(
     if n_heads % tp or n_kv_heads % tp:
         valid = [d for d in divisors(n_heads) if n_kv_heads % d == 0]
         problems.append(
-            f"strategy.tp={tp} must divide n_heads={n_heads} and n_kv_heads={n_kv_heads} (tensor parallelism "
-            f"shards whole attention heads); valid tp: {', '.join(map(str, valid))}"
+            f"strategy.tp={tp} does not divide n_heads={n_heads} and n_kv_heads={n_kv_heads}; "
+            f"valid tp: {', '.join(map(str, valid))}"
         )
     if vocab_size is not None and vocab_size % tp:
         padded = -(-vocab_size // tp) * tp
         problems.append(
-            f"strategy.tp={tp} must divide the vocabulary size {vocab_size} (the embedding and the LM head are "
-            f"sharded by vocabulary rows); pad it with model.vocab_size={padded}"
+            f"strategy.tp={tp} does not divide the vocabulary size {vocab_size} (the embedding and the LM head are "
+            f"sharded by vocabulary rows); pad it with +model.vocab_size={padded}"
         )
     if ffn_dim is not None and ffn_dim % tp:
         problems.append(
-            f"strategy.tp={tp} must divide ffn_dim={ffn_dim}; use model.ffn_dim={-(-ffn_dim // tp) * tp}"
+            f"strategy.tp={tp} does not divide ffn_dim={ffn_dim}; use model.ffn_dim={-(-ffn_dim // tp) * tp}"
         )
     return problems
 

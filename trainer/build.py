@@ -13,7 +13,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from strategies.mesh import MeshStrategy
-from trainer.config import micro_batch_size
+from strategies.parallel_dims import MESH_AXES, ParallelDims
+from trainer.config import ConfigError, micro_batch_size, world_size
 from trainer.data.module import TextDataModule
 from trainer.task import Task
 
@@ -24,8 +25,29 @@ def build_data(cfg: DictConfig) -> TextDataModule:
 
 def build_model(cfg: DictConfig, *, vocab_size: int) -> nn.Module:
     """The model, initialised from ``cfg.seed`` (same weights at any world size)."""
+    planned = cfg.model.get("vocab_size")
+    if planned is not None and planned < vocab_size:
+        raise ConfigError([
+            f"model.vocab_size={planned} is smaller than the tokenizer's {vocab_size} tokens; "
+            f"use model.vocab_size>={vocab_size} (a larger value pads the embedding)"
+        ])
+    tp = _tp_degree(cfg)
+    if planned is None and tp > 1 and vocab_size % tp:  # a tokenizer file: its size is known only now
+        raise ConfigError([
+            f"strategy.tp={tp} does not divide the tokenizer's {vocab_size} tokens (the embedding and the LM head "
+            f"are sharded by vocabulary rows); pad them with +model.vocab_size={-(-vocab_size // tp) * tp}"
+        ])
     torch.manual_seed(cfg.seed)
-    return instantiate(cfg.model, vocab_size=cfg.model.get("vocab_size") or vocab_size)
+    return instantiate(cfg.model, vocab_size=planned or vocab_size)
+
+
+def _tp_degree(cfg: DictConfig) -> int:
+    """The resolved tensor-parallel degree of a validated config (1 without a mesh strategy)."""
+    strategy = cfg.get("strategy")
+    if not strategy or "tp" not in strategy:
+        return 1
+    degrees = {axis: strategy.get(axis, 1) for axis in MESH_AXES}
+    return ParallelDims(**degrees).resolve(world_size(cfg)).tp
 
 
 def build_task(cfg: DictConfig, model: nn.Module, *, seq_len: int) -> Task:

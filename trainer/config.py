@@ -346,6 +346,8 @@ def _check_semantics(cfg: DictConfig, problems: list[str]) -> None:
                 n_heads=model.n_heads,
                 n_kv_heads=model.get("n_kv_heads") or model.n_heads,
                 seq_len=data.seq_len if data is not None and "seq_len" in data else 0,
+                vocab_size=_planned_vocab_size(model, data),
+                ffn_dim=model.get("ffn_dim"),
             )
         )
     if dims is not None and dims.pp > 1 and model is not None and "n_layers" in model:
@@ -408,3 +410,13 @@ def _check_context_parallel(cfg: DictConfig, dims: ParallelDims, problems: list[
             n_kv_heads=cfg.model.get("n_kv_heads") or cfg.model.n_heads,
         )
     )
+
+
+def _planned_vocab_size(model: DictConfig, data: DictConfig | None) -> int | None:
+    """The model's vocabulary size when the config fixes it: ``model.vocab_size``, or the size of
+    the tokenizer plait trains (``data.vocab_size``); None for a tokenizer file (known at build)."""
+    if model.get("vocab_size"):
+        return int(model.vocab_size)
+    if data is not None and not data.get("tokenizer") and data.get("vocab_size"):
+        return int(data.vocab_size)
+    return None

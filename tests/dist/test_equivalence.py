@@ -1,6 +1,7 @@
-"""Every data-parallel layout and accumulation split equals one process on the whole global batch.
+"""Every data-parallel and tensor-parallel layout and accumulation split equals one process on the
+whole global batch.
 
-fp32, nano Llama, global batch 8 of 64-token rows, 3 steps of SGD with momentum 0.9 (lr 0.1,
+fp32, nano Llama, global batch 8 of 64-token rows, 5 steps of SGD with momentum 0.9 (lr 0.1,
 constant; no clipping, so every layout applies its own gradient). The data is a jsonl of short
 documents: packed rows hold several end-of-document positions (label -100), so rows, micro-batches
 and ranks have unequal supervised-token counts, and only a step normalised by the global count
@@ -10,8 +11,9 @@ the same rows in the same global-batch order (``GlobalBatchSampler(dp_size=1)``)
 all 8 rows, loss = summed token CE / supervised tokens of the step.
 
 Each plait run (`Task` + `MeshStrategy` in forked gloo ranks) is compared with one process at
-micro-batch 8 and with the reference: losses and gradients at each step, parameters after the 3
-steps. Tolerances (``TOL``): rtol 1e-6 and atol 1e-6 for every layout, FSDP and HSDP included.
+micro-batch 8 and with the reference: losses and gradients at each step, parameters after the 5
+steps. Tolerances (``TOL``): rtol 1e-6 and atol 1e-6 for every layout, FSDP, HSDP, TP (with and
+without sequence and loss parallel) and FSDP x TP included.
 Reported gradient norms agree to 1e-4 relative only: torch's fp32 ``vector_norm`` of a large CPU
 tensor (the 4096 x 64 output head) is off by up to ~6e-5 relative, and FSDP takes the norm of
 smaller shards, so the layouts round differently although their gradients are equal.
@@ -32,7 +34,7 @@ from trainer.build import build_data
 from trainer.data.packing import IGNORE_INDEX
 from trainer.data.sampler import GlobalBatchSampler
 
-STEPS = 3
+STEPS = 5
 TOL = {"rtol": 1e-6, "atol": 1e-6}
 COMMON = (
     "optim=sgd",
@@ -43,6 +45,7 @@ COMMON = (
     "+callbacks.grads._target_=harness.GradRecorder",
     "+callbacks.params._target_=harness.ParamRecorder",
 )
+_TP_OFF = ("strategy.tensor_parallel.sequence_parallel=false", "strategy.tensor_parallel.loss_parallel=false")
 # id -> overrides. Global batch 8 = micro-batch x grad-accum x dp in each.
 LAYOUTS = {
     "ga4_x_micro2": ["train.micro_batch_size=2"],
@@ -50,6 +53,11 @@ LAYOUTS = {
     "fsdp2_ga2": ["strategy=fsdp", "trainer.devices=2", "train.micro_batch_size=2"],
     "fsdp4": ["strategy=fsdp", "trainer.devices=4", "train.micro_batch_size=2"],
     "hsdp2x2_ga2": ["strategy=hsdp", "trainer.devices=4", "train.micro_batch_size=1"],
+    # Tensor parallel (issue 4): plain Megatron pairs, + sequence parallel, + loss parallel, and 2-D.
+    "tp2": ["strategy=tp", "trainer.devices=2", *_TP_OFF],
+    "tp2_sp": ["strategy=tp", "trainer.devices=2", *_TP_OFF[1:], "train.micro_batch_size=4"],
+    "tp2_lp": ["strategy=tp", "trainer.devices=2", *_TP_OFF[:1]],
+    "fsdp2_x_tp2_sp_lp": ["strategy=fsdp_tp", "trainer.devices=4", "train.micro_batch_size=2"],
 }
 
 
@@ -125,7 +133,7 @@ def assert_equivalent(run: dict, expected: dict) -> None:
         torch.testing.assert_close(run["loss"][step], expected["loss"][step], **TOL, msg=f"loss at step {step + 1}")
         torch.testing.assert_close(run["grads"][step], expected["grads"][step], **TOL, msg=f"grads at step {step + 1}")
     assert run["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4)
-    torch.testing.assert_close(run["params"], expected["params"], **TOL, msg="parameters after 3 SGD steps")
+    torch.testing.assert_close(run["params"], expected["params"], **TOL, msg=f"parameters after {STEPS} SGD steps")
 
 
 def test_supervised_counts_differ_between_micro_batches(corpus):

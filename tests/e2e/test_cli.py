@@ -177,3 +177,16 @@ def test_wandb_logger_runs_offline(tmp_path: Path) -> None:
     assert (run_dir / "metrics.csv").is_file()  # the wandb preset keeps the csv logger
     output = result.stdout + result.stderr
     assert "wandb sync" in output and "api key" not in output.lower()
+
+
+@pytest.mark.slow
+def test_fsdp_x_tp_on_four_processes_from_the_cli(tmp_path: Path, pretrain_run: tuple[Path, str]) -> None:
+    # `plait pretrain strategy=fsdp_tp trainer.devices=4` (issue 4): dp_shard 2 x tp 2 with
+    # sequence and loss parallel, resharded into the same DCP checkpoint layout as one process.
+    run_dir = tmp_path / "run"
+    _ok(plait("pretrain", *CLI_TINY, "strategy=fsdp_tp", "trainer.devices=4", f"run_dir={run_dir}"))
+    single, tp = train_rows(pretrain_run[0]), train_rows(run_dir)
+    assert sorted(tp) == sorted(single) == [1, 2, 3, 4]
+    for step_index in single:
+        assert float(tp[step_index]["train/loss"]) == pytest.approx(float(single[step_index]["train/loss"]), rel=1e-5)
+    assert is_checkpoint(run_dir / "checkpoints" / "step_0000004")
