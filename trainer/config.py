@@ -354,6 +354,12 @@ def _check_semantics(cfg: DictConfig, problems: list[str]) -> None:
         _check_pipeline(cfg, dims, problems)
     if dims is not None and dims.cp > 1 and model is not None and "n_heads" in model and "cp_mode" in cfg.strategy:
         _check_context_parallel(cfg, dims, problems)
+    objective = cfg.get("objective")
+    if dims is not None and dims.tp > 1 and isinstance(objective, DictConfig) and objective.get("loss_chunk_tokens"):
+        problems.append(
+            f"objective.loss_chunk_tokens={objective.loss_chunk_tokens} needs tp=1 (with tp > 1 loss parallel already "
+            "keeps the logits sharded by vocabulary); use objective.loss_chunk_tokens=0"
+        )
     if data is not None and data.get("path"):
         paths = [data.path] if isinstance(data.path, str) else list(data.path)
         for path in paths:

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from trainer.tasks.chunked_loss import chunked_token_loss_sum
+
 IGNORE_INDEX = -100
 
 
@@ -31,7 +33,19 @@ class CausalLM:
     """The pretraining objective. The Task divides `loss_sum` by the step's global `num_tokens`.
 
     Batches are dicts with ``input_ids``, ``labels``, ``position_ids``, ``document_ids`` ([b, s] int64).
+
+    Args:
+        loss_chunk_tokens: 0 computes the logits of the whole batch; N > 0 applies the model's LM
+            head (``model.output``) and the cross-entropy N tokens at a time, forward and backward,
+            so the ``[B, T, V]`` logits never exist (`chunked_token_loss_sum`; long contexts).
     """
+
+    loss_chunk_tokens: int = 0  # also for subclasses that do not call this __init__
+
+    def __init__(self, loss_chunk_tokens: int = 0) -> None:
+        if loss_chunk_tokens < 0:
+            raise ValueError(f"objective.loss_chunk_tokens={loss_chunk_tokens} must be >= 0 (0: off)")
+        self.loss_chunk_tokens = loss_chunk_tokens
 
     def num_tokens(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Supervised tokens in ``batch`` (0-dim fp32)."""
@@ -39,7 +53,11 @@ class CausalLM:
 
     def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Summed token loss of ``batch`` under ``model`` (0-dim fp32)."""
-        logits = model(
-            batch["input_ids"], position_ids_bt=batch.get("position_ids"), document_ids_bt=batch.get("document_ids")
-        )
+        ids = {"position_ids_bt": batch.get("position_ids"), "document_ids_bt": batch.get("document_ids")}
+        if self.loss_chunk_tokens:
+            hidden = model(batch["input_ids"], **ids, return_hidden=True)
+            return chunked_token_loss_sum(
+                hidden, model.output.weight, batch["labels"], chunk_tokens=self.loss_chunk_tokens
+            )
+        logits = model(batch["input_ids"], **ids)
         return token_loss_sum(logits, batch["labels"])

@@ -1,0 +1,99 @@
+"""Context-parallel training equals one process: loss per step and parameters after 5 SGD-momentum steps.
+
+fp32, nano Llama (GQA 4/2 heads), global batch 8 of 64-token packed rows from short documents
+(several document ends per row, so documents straddle the cp shards and the shards have unequal
+supervised-token counts). The reference is a plain PyTorch loop over the same rows (one forward of
+the whole global batch per step, loss = summed CE / supervised tokens), as in test_equivalence.py.
+Tolerance 1e-5 (absolute and relative). Layouts: FSDP2 x CP2 ring on 4 processes (with grad
+accumulation 2 and the chunked cross-entropy, whose LM head is FSDP's root parameter), CP2 Ulysses
+with the chunked cross-entropy, CP4 hybrid (2 head groups x ring of
+2) with activation checkpointing and chunked score blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hydra.utils import instantiate
+
+from harness import compose_config, fit, losses
+from trainer.build import build_data
+from trainer.data.packing import IGNORE_INDEX
+from trainer.data.sampler import GlobalBatchSampler
+
+STEPS = 5
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+COMMON = (
+    "optim=sgd",
+    "scheduler=constant",
+    "scheduler.warmup_steps=0",
+    "train.max_grad_norm=0",
+    f"trainer.max_steps={STEPS}",
+    "+callbacks.params._target_=harness.ParamRecorder",
+)
+LAYOUTS = {
+    "fsdp2_x_cp2_ring_chunked_ce": [
+        "strategy=nd", "strategy.dp_shard=2", "strategy.cp=2", "trainer.devices=4", "train.micro_batch_size=2",
+        "objective.loss_chunk_tokens=40",
+    ],
+    "cp2_ulysses_chunked_ce": [
+        "strategy=cp", "strategy.cp_mode=ulysses", "trainer.devices=2", "objective.loss_chunk_tokens=48",
+    ],
+    "cp4_hybrid_checkpointed": [
+        "strategy=cp", "strategy.cp_mode=hybrid", "trainer.devices=4", "strategy.activation_checkpoint.mode=full",
+        "strategy.context_parallel.kv_chunk=8",
+    ],
+}  # fmt: skip
+WORDS = "shall i compare thee to a summer's day thou art more lovely and temperate".split()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    rng = random.Random(1)
+    path = tmp_path_factory.mktemp("cp_corpus") / "docs.jsonl"
+    path.write_text("\n".join(json.dumps({"text": " ".join(rng.choices(WORDS, k=rng.randint(3, 25)))}) for _ in range(400)))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def reference(corpus) -> dict:
+    """Plain PyTorch on one process, one forward of the global batch per step."""
+    cfg = compose_config([*COMMON, f"data.path={corpus}"])
+    prepared = build_data(cfg).prepare()
+    torch.manual_seed(cfg.seed)
+    model = instantiate(cfg.model, vocab_size=prepared.tokenizer.vocab_size)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr, momentum=cfg.optim.momentum)
+    sampler = GlobalBatchSampler(
+        len(prepared.train), global_batch_size=cfg.train.global_batch_size, dp_size=1,
+        shuffle=cfg.data.shuffle, seed=cfg.data.seed, drop_last=cfg.data.drop_last,
+    )  # fmt: skip
+    rows, loss_per_step, docs_per_row = prepared.train, [], []
+    for _, index in zip(range(STEPS), sampler):
+        labels = rows.labels[index]
+        docs_per_row.append(int(rows.document_ids[index].max(dim=1).values.min()) + 1)
+        logits = model(rows.input_ids[index], position_ids_bt=rows.position_ids[index], document_ids_bt=rows.document_ids[index])
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        loss = loss / (labels != IGNORE_INDEX).sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        loss_per_step.append(loss.item())
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"loss": loss_per_step, "params": params, "min_docs_per_row": min(docs_per_row)}
+
+
+def test_rows_are_packed(reference):
+    assert reference["min_docs_per_row"] >= 3  # every row holds documents that cross the shard boundaries
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_context_parallel_training_equals_one_process(tmp_path, corpus, reference, layout):
+    cfg = compose_config([*COMMON, f"data.path={corpus}", *LAYOUTS[layout]])
+    _, task = fit(cfg, tmp_path)
+    (params,) = [h["params"] for h in task.history if "params" in h]
+    torch.testing.assert_close(losses(task.history), reference["loss"], **TOL)
+    torch.testing.assert_close(params, reference["params"], **TOL)
