@@ -73,20 +73,30 @@ def is_checkpoint(path: str | os.PathLike) -> bool:
     return (path / ".metadata").is_file() and (path / META_FILE).is_file()
 
 
-def save(path: Path, *, model: nn.Module, optimizers: list[torch.optim.Optimizer], meta: dict[str, Any]) -> None:
+def save(
+    path: Path,
+    *,
+    model: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    meta: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+    namespace: str | None = None,
+) -> None:
     """Collectively and atomically writes a checkpoint of ``model`` and ``optimizers`` to ``path``.
 
     Every rank calls it. ``meta`` (loop and scheduler state) is written by rank 0.
+
+    Args:
+        extra: more DCP state by top-level key (a strategy plugin's tensors and counters).
+        namespace: the key this rank's "model" and "optimizer_i" go under; None: the top level.
+            Ranks whose model state differs from rank 0's (local-SGD islands) keep their own.
     """
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     if _rank() == 0 and tmp.exists():
         shutil.rmtree(tmp)  # left by a crash during an earlier save
     _barrier()
-    state = {"model": get_model_state_dict(model)}
-    for i, opt in enumerate(optimizers):
-        state[f"optimizer_{i}"] = get_optimizer_state_dict(model, opt, options=_OPTIM_OPTIONS)
-    dcp.save(state, checkpoint_id=tmp)
+    dcp.save(_state(model, optimizers, extra, namespace), checkpoint_id=tmp)
     (tmp / "rng").mkdir(parents=True, exist_ok=True)
     torch.save(rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
     if _rank() == 0:
@@ -102,11 +112,19 @@ def save(path: Path, *, model: nn.Module, optimizers: list[torch.optim.Optimizer
     _barrier()
 
 
-def load(path: Path, *, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
+def load(
+    path: Path,
+    *,
+    model: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    extra: dict[str, Any] | None = None,
+    namespace: str | None = None,
+) -> dict[str, Any]:
     """Loads a checkpoint written by `save` into ``model`` and ``optimizers``; returns ``meta``.
 
     Works at any world size and layout (DCP reshards). Each rank restores its own RNG state, or
-    rank 0's when the checkpoint was written by fewer ranks.
+    rank 0's when the checkpoint was written by fewer ranks. ``extra`` and ``namespace`` as in
+    `save`; DCP loads ``extra`` in place (tensors are filled, other values replaced).
 
     Raises:
         CheckpointError: ``path`` is not a complete checkpoint.
@@ -117,10 +135,10 @@ def load(path: Path, *, model: nn.Module, optimizers: list[torch.optim.Optimizer
             f"{path} is not a complete plait checkpoint (no .metadata or {META_FILE}); "
             f"point resume= at a step_* directory or a run directory with checkpoints/last"
         )
-    state = {"model": get_model_state_dict(model)}
-    for i, opt in enumerate(optimizers):
-        state[f"optimizer_{i}"] = get_optimizer_state_dict(model, opt, options=_OPTIM_OPTIONS)
+    state = _state(model, optimizers, extra, namespace)
     dcp.load(state, checkpoint_id=path)
+    if namespace is not None:
+        state = state[namespace]
     set_model_state_dict(model, state["model"])
     for i, opt in enumerate(optimizers):
         set_optimizer_state_dict(model, opt, state[f"optimizer_{i}"], options=_OPTIM_OPTIONS)
@@ -129,6 +147,25 @@ def load(path: Path, *, model: nn.Module, optimizers: list[torch.optim.Optimizer
         rng_file = path / "rng" / "rank_00000.pt"
     set_rng_state(torch.load(rng_file, weights_only=False))
     return torch.load(path / META_FILE, weights_only=False)
+
+
+def _state(
+    model: nn.Module, optimizers: list[torch.optim.Optimizer], extra: dict[str, Any] | None, namespace: str | None
+) -> dict[str, Any]:
+    """The DCP state of `save` and `load`: model, optimizers (under ``namespace``), then ``extra``."""
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    for i, opt in enumerate(optimizers):
+        state[f"optimizer_{i}"] = get_optimizer_state_dict(model, opt, options=_OPTIM_OPTIONS)
+    if namespace is not None:
+        state = {namespace: state}
+    return {**state, **(extra or {})}
+
+
+def saved_entries(path: Path, prefix: str = "") -> dict[str, Any]:
+    """DCP metadata of the entries saved under ``prefix`` (flattened dotted keys, prefix removed):
+    what a checkpoint holds before anything is loaded."""
+    entries = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {key[len(prefix) :]: meta for key, meta in entries.items() if key.startswith(prefix)}
 
 
 def load_model_weights(path: Path, model: nn.Module) -> None:

@@ -32,6 +32,7 @@ from strategies.context import ContextParallel, CPMode
 from strategies.fsdp import FSDP
 from strategies.grad_norm import clip_grads_, global_grad_norm
 from strategies.launch import ForkLauncher, HydraJobLauncher
+from strategies.local_sgd import LocalSGD
 from strategies.parallel_dims import LayoutError, ParallelDims
 from strategies.pipeline import PipelineParallel, PPSchedule
 from strategies.tensor import TensorParallel
@@ -52,6 +53,9 @@ class MeshStrategy(ModelParallelStrategy):
         pp_schedule: the pipeline schedule when pp > 1: GPipe, 1F1B, Interleaved1F1B,
             InterleavedZeroBubble, ZBV or DualPipeV.
         pipeline: the pipeline plugin (stage split, stages per rank, micro-batches per schedule step).
+        local_sgd: a local-SGD plugin (DiLoCo, DES-LOC, ...; default: off). Its islands are the
+            dp_replicate axis: FSDP then shards and reduces over dp_shard (x cp) only, and the
+            islands synchronise through the plugin after the optimizer steps it chooses.
         timeout_s: process-group timeout in seconds.
         launcher: "subprocess" (the CLI: one child per rank per Hydra job) or "fork" (tests).
 
@@ -77,6 +81,7 @@ class MeshStrategy(ModelParallelStrategy):
         tensor_parallel: TensorParallel | None = None,
         activation_checkpoint: ActivationCheckpoint | None = None,
         compile: Compile | None = None,  # noqa: A002 - the config key users type
+        local_sgd: LocalSGD | None = None,
         cp_mode: CPMode = "ring",
         context_parallel: ContextParallel | None = None,
         pp_schedule: PPSchedule = "1F1B",
@@ -99,6 +104,7 @@ class MeshStrategy(ModelParallelStrategy):
         self.context_parallel = context_parallel or ContextParallel()
         self.pp_schedule = pp_schedule
         self.pipeline = pipeline or PipelineParallel()
+        self.local_sgd = local_sgd
         self.launcher_kind = launcher
         self._mesh_views: dict[str, DeviceMesh] = {}
 
@@ -130,6 +136,11 @@ class MeshStrategy(ModelParallelStrategy):
     def setup_environment(self) -> None:
         self._setup_distributed()  # ModelParallelStrategy's helper: process group + ranks (Lightning minor pinned)
         self.dims = self.dims.resolve(self.world_size)
+        if self.local_sgd is not None and self.dims.dp_replicate < 2:
+            raise LayoutError(
+                f"strategy.local_sgd needs at least 2 islands but strategy.dp_replicate={self.dims.dp_replicate}; "
+                f"use more ranks or a smaller strategy.dp_shard, or set strategy.local_sgd=null"
+            )
         self._device_mesh, self._mesh_views = self.dims.build_mesh(self.root_device.type)
         self.lightning_module._device_mesh = self._device_mesh
 
@@ -173,18 +184,22 @@ class MeshStrategy(ModelParallelStrategy):
         self.context_parallel.apply(model, mode=self.cp_mode, cp_ranks=self.cp_ranks())
         self.activation_checkpoint.apply(model)
         self.compile_plugin.apply(model)
-        if self.dims.dp * self.dims.cp > 1:  # cp ranks hold the same parameters: FSDP shards them too
+        if self.dp_mesh().size() > 1:  # cp ranks hold the same parameters: FSDP shards them too
             for module in stage_modules:  # each pipeline stage is its own FSDP root
                 self.fsdp.apply(module, self.dp_mesh())
+        if self.local_sgd is not None:
+            # Last: it keeps the (sharded) parameter objects that the optimizer will hold.
+            self.local_sgd.setup(model, group=self.group("dp_replicate"))
 
     def dp_mesh(self) -> DeviceMesh:
         """The mesh FSDP shards over: (dp_replicate, dp_shard) for HSDP, else dp_shard; with cp > 1
-        dp_shard x cp (flattened), whose ranks hold the same parameters and sum their gradients."""
+        dp_shard x cp (flattened), whose ranks hold the same parameters and sum their gradients.
+        Under local SGD without dp_replicate: its islands do not reduce gradients with each other."""
         if self.dims.cp > 1:
-            if self.dims.dp_replicate > 1:
+            if self.dims.dp_replicate > 1 and self.local_sgd is None:
                 return self.device_mesh["dp_replicate", "dp_shard_cp"]
             return self.submesh("dp_shard_cp")
-        if self.dims.dp_replicate > 1:
+        if self.dims.dp_replicate > 1 and self.local_sgd is None:
             return self.device_mesh["dp_replicate", "dp_shard"]
         return self.device_mesh["dp_shard"]
 
@@ -267,8 +282,29 @@ class MeshStrategy(ModelParallelStrategy):
     def clip_grads(self, parameters: Sequence[nn.Parameter], *, max_norm: float, total_norm: torch.Tensor) -> None:
         clip_grads_(parameters, max_norm=max_norm, total_norm=total_norm)
 
-    def after_optimizer_step(self, model: nn.Module, step: int) -> None:
-        """Hook after each optimizer step (local-SGD outer steps live here). No-op by default."""
+    def after_optimizer_step(self, model: nn.Module, step: int, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+        """Hook after each optimizer step: the local-SGD synchronisations.
+
+        Args:
+            step: optimizer steps done (1 after the first).
+            optimizer: the Task's (inner) optimizer, possibly Lightning-wrapped.
+
+        Returns:
+            Metrics of the step for the loggers: ``comm/bytes_sent`` (bytes this rank sent to other
+            islands in this step) and ``comm/bytes_sent_total``; {} without local SGD.
+        """
+        if self.local_sgd is None:
+            return {}
+        return self.local_sgd.after_optimizer_step(getattr(optimizer, "_optimizer", optimizer))
+
+    @property
+    def token_axis(self) -> str:
+        """The mesh view whose ranks share one gradient and so count a step's supervised tokens
+        together: dp_cp, or one island's dp_shard (x cp) under local SGD (each island's gradient is
+        the mean over its own tokens; the replicas are averaged by the plugin)."""
+        if self.local_sgd is None:
+            return "dp_cp"
+        return "dp_shard_cp" if self.dims.cp > 1 else "dp_shard"
 
     def all_reduce_sum(self, tensor: torch.Tensor, axis: str = "dp_cp") -> torch.Tensor:
         """In-place SUM over one mesh axis (a no-op on a single rank); returns ``tensor``."""
@@ -292,11 +328,20 @@ class MeshStrategy(ModelParallelStrategy):
         path = Path(self.broadcast(str(filepath)))
         checkpoint.pop("state_dict", None)
         checkpoint.pop("optimizer_states", None)
+        if self.local_sgd is not None:  # each island's state, the plugin's own state
+            self.local_sgd.save_checkpoint(
+                path, model=self.lightning_module.model, optimizers=self._unwrapped_optimizers(), meta=checkpoint
+            )
+            return
         ckpt.save(path, model=self.lightning_module.model, optimizers=self._unwrapped_optimizers(), meta=checkpoint)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
+        if self.local_sgd is not None:
+            return self.local_sgd.load_checkpoint(
+                path, model=self.lightning_module.model, optimizers=self._unwrapped_optimizers()
+            )
         return ckpt.load(path, model=self.lightning_module.model, optimizers=self._unwrapped_optimizers())
 
     @override

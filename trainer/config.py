@@ -352,6 +352,8 @@ def _check_semantics(cfg: DictConfig, problems: list[str]) -> None:
         )
     if dims is not None and dims.pp > 1 and model is not None and "n_layers" in model:
         _check_pipeline(cfg, dims, problems)
+    if dims is not None and isinstance(cfg.strategy.get("local_sgd"), DictConfig):
+        _check_local_sgd(cfg, dims, problems)
     if dims is not None and dims.cp > 1 and model is not None and "n_heads" in model and "cp_mode" in cfg.strategy:
         _check_context_parallel(cfg, dims, problems)
     objective = cfg.get("objective")
@@ -426,3 +428,18 @@ def _planned_vocab_size(model: DictConfig, data: DictConfig | None) -> int | Non
     if data is not None and not data.get("tokenizer") and data.get("vocab_size"):
         return int(data.vocab_size)
     return None
+
+
+def _check_local_sgd(cfg: DictConfig, dims: ParallelDims, problems: list[str]) -> None:
+    """The local-SGD plugin's own checks (islands, periods, inner optimizer; strategies.local_sgd)."""
+    from hydra.utils import instantiate
+
+    try:
+        plugin = instantiate(cfg.strategy.local_sgd)
+        optimizer = instantiate(cfg.optim, _convert_="all") if cfg.optim is not None else None
+    except Exception as err:  # noqa: BLE001 - a bad value (the constructor names it) is a config problem
+        cause = err.__cause__ or err
+        problems.append(f"strategy.local_sgd: {cause}")
+        return
+    n_layers = cfg.model.n_layers if cfg.model is not None and "n_layers" in cfg.model else 1
+    problems.extend(plugin.problems(dims=dims, optimizer=optimizer, n_layers=n_layers))

@@ -10,7 +10,8 @@ One optimizer step, in order:
    replaces it with its schedule).
 4. Global gradient norm over all shards, replicas and stages; clip; optimizer step; the LR
    scheduler steps once per optimizer step (cases C06, C13, C14).
-5. ``strategy.after_optimizer_step`` (local-SGD outer steps), data position, metrics.
+5. ``strategy.after_optimizer_step`` (local-SGD synchronisations and their bytes), data
+   position, metrics.
 
 Lightning still runs the loop, callbacks, loggers, checkpoint triggers and launchers; automatic
 optimization is off because its closure scales losses by a fixed ``1/accumulate_grad_batches``.
@@ -109,7 +110,8 @@ class Task(L.LightningModule):
         micro_batches = split_micro_batches(batch, self.micro_batch_size)
 
         num_tokens = torch.stack([self.objective.num_tokens(mb) for mb in micro_batches]).sum()
-        num_tokens = strategy.all_reduce_sum(num_tokens.to(self.device), "dp_cp")
+        # The ranks that share one gradient: dp x cp, or one island's under local SGD.
+        num_tokens = strategy.all_reduce_sum(num_tokens.to(self.device), strategy.token_axis)
         # A step without supervised tokens contributes exactly 0 gradient, never 0/0 = NaN.
         denominator = num_tokens.clamp(min=1.0)
 
@@ -117,7 +119,11 @@ class Task(L.LightningModule):
             return self.objective.loss_sum(model, micro_batch) / denominator
 
         local_loss = strategy.forward_backward(self.model, micro_batches, loss_fn, self.manual_backward)
-        loss = strategy.all_reduce_sum(local_loss, "dp_cp")
+        loss = strategy.all_reduce_sum(local_loss, strategy.token_axis)
+        if strategy.token_axis != "dp_cp":
+            # Local-SGD islands each divide by their own tokens: log the token-weighted mean of all islands.
+            totals = strategy.all_reduce_sum(torch.stack([loss * num_tokens, num_tokens]), "dp_replicate")
+            loss, num_tokens = totals[0] / totals[1].clamp(min=1.0), totals[1]
 
         parameters = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm = strategy.grad_norm(parameters)
@@ -129,14 +135,16 @@ class Task(L.LightningModule):
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
-        strategy.after_optimizer_step(self.model, self.global_step)
+        comm = strategy.after_optimizer_step(self.model, self.global_step, optimizer)  # e.g. bytes sent
 
         self.trainer.train_dataloader.mark_trained()
         self.last_step_tokens = step_tokens
         self.tokens_seen += self.last_step_tokens
-        self._log_step(loss, grad_norm, lr, num_tokens)
+        self._log_step(loss, grad_norm, lr, num_tokens, comm)
 
-    def _log_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, num_tokens: torch.Tensor) -> None:
+    def _log_step(
+        self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, num_tokens: torch.Tensor, comm: dict[str, float]
+    ) -> None:
         # Every value is already global and equal on all ranks: no sync_dist (which would also
         # deadlock under pipeline parallelism, where every rank must log the same keys).
         self.log("train/loss", loss, prog_bar=True, logger=False)  # progress bar and callback_metrics
@@ -153,9 +161,12 @@ class Task(L.LightningModule):
                     "train/lr": lr,
                     "train/supervised_tokens": num_tokens.item(),
                     "train/tokens_seen": float(self.tokens_seen),
+                    **comm,
                 }
             )
-        self.history.append({"step": self.global_step, "loss": loss_value, "grad_norm": grad_norm_value, "lr": lr})
+        self.history.append(
+            {"step": self.global_step, "loss": loss_value, "grad_norm": grad_norm_value, "lr": lr, **comm}
+        )
 
     # ------------------------------------------------------------------------------ logging
     def record(self, metrics: dict[str, float]) -> None:

@@ -28,6 +28,9 @@ def test_recipe_x_strategy_validates(recipe: str, strategy: str, devices: int) -
     if devices % fixed:  # a preset with fixed degrees (hsdp: dp_shard=2) needs a multiple of them
         with pytest.raises(ConfigError, match="trainer.devices"):
             validate(cfg)
+    elif cfg.strategy.local_sgd is not None and devices // fixed < 2:  # local SGD needs 2 islands or more
+        with pytest.raises(ConfigError, match="needs at least 2 islands"):
+            validate(cfg)
     else:
         validate(cfg)
 

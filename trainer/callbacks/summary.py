@@ -13,9 +13,12 @@ from typing_extensions import override
 
 
 def headline(history: list[dict[str, float]], *, tokens_seen: int, wall_time_s: float, steps: int) -> dict[str, Any]:
-    """First and final validation loss, tokens seen, wall time and tokens/s of a run's history."""
+    """First and final validation loss, tokens seen, wall time and tokens/s of a run's history, and
+    with local SGD the bytes each rank sent to other islands (total and per step)."""
     val = [h["val_loss"] for h in history if "val_loss" in h]
     train = [h["loss"] for h in history if "loss" in h]
+    comm = [h["comm/bytes_sent_total"] for h in history if "comm/bytes_sent_total" in h]
+    extra = {"comm_bytes_sent_per_rank": comm[-1], "comm_bytes_sent_per_step": comm[-1] / steps} if comm else {}
     return {
         "steps": steps,
         "first_val_loss": val[0] if val else None,
@@ -24,6 +27,7 @@ def headline(history: list[dict[str, float]], *, tokens_seen: int, wall_time_s: 
         "tokens_seen": tokens_seen,
         "wall_time_s": round(wall_time_s, 3),
         "tokens_per_s": round(tokens_seen / wall_time_s, 1) if wall_time_s > 0 else None,
+        **extra,
     }
 
 

@@ -1,0 +1,15 @@
+"""The local-SGD family: islands (the dp_replicate axis) train apart and synchronise now and then.
+
+One technique per file: `DiLoCo` (and Streaming DiLoCo, its ``num_fragments``) in diloco.py,
+`DESLOC` (and Local Adam, its equal periods) in desloc.py, `Hierarchical` (DASO-like) in
+hierarchical.py, and what they share (`LocalSGD`, byte accounting) in base.py. Select one with
+``strategy=diloco`` (or streaming_diloco, desloc, local_adam, hierarchical) or
+``strategy.local_sgd._target_=strategies.local_sgd.DiLoCo``.
+"""
+
+from strategies.local_sgd.base import LocalSGD, allreduce_bytes_sent, average_
+from strategies.local_sgd.desloc import DESLOC
+from strategies.local_sgd.diloco import DiLoCo
+from strategies.local_sgd.hierarchical import Hierarchical
+
+__all__ = ["DESLOC", "DiLoCo", "Hierarchical", "LocalSGD", "allreduce_bytes_sent", "average_"]

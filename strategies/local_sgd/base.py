@@ -1,0 +1,183 @@
+"""What every local-SGD plugin shares: islands, the step counter, exact byte accounting, checkpoints.
+
+Islands are the ``dp_replicate`` mesh axis. Inside an island FSDP (dp_shard), TP, CP and PP
+synchronise every step as usual; across islands only these plugins communicate, on the
+``dp_replicate`` process group: the rank at one (pp, dp_shard, cp, tp) position of each island talks
+to the ranks at the same position of the others, which hold the same shards.
+
+Bytes: an all-reduce of ``B`` bytes over ``n`` ranks is counted as ``2 (n - 1) / n * B`` bytes sent
+by each rank (ring all-reduce: reduce-scatter then all-gather, the bandwidth-optimal algorithm).
+DDP's per-step gradient all-reduce, counted the same way (`allreduce_bytes_sent`), makes the
+ratios to DDP independent of the algorithm a backend really uses. Only cross-island traffic of the
+algorithm is counted: traffic inside an island and the per-step scalars (token counts, logged loss)
+are not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from strategies import checkpoint as ckpt
+from strategies.parallel_dims import ParallelDims
+
+
+def allreduce_bytes_sent(num_bytes: int, num_ranks: int) -> float:
+    """Bytes each rank sends in a ring all-reduce of a ``num_bytes`` message over ``num_ranks`` ranks."""
+    return 2.0 * (num_ranks - 1) / num_ranks * num_bytes if num_ranks > 1 else 0.0
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (an alias: in-place changes reach the DTensor), else the tensor."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+@torch.no_grad()
+def average_(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> float:
+    """Replaces each tensor (its local shard) by its mean over the ranks of ``group``, in place.
+
+    One flat all-reduce (SUM, then divide: gloo has no AVG) per dtype. Every rank of ``group`` must
+    pass tensors of the same shapes in the same order.
+
+    Returns:
+        Bytes this rank sent (`allreduce_bytes_sent` of the flat messages); 0 for a group of one.
+    """
+    num_ranks = dist.get_world_size(group) if group is not None else 1
+    if num_ranks == 1 or not tensors:
+        return 0.0
+    shards = [local(t) for t in tensors]
+    sent = 0.0
+    for dtype in dict.fromkeys(s.dtype for s in shards):
+        same = [s for s in shards if s.dtype == dtype]
+        flat = torch.cat([s.reshape(-1) for s in same])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        flat.div_(num_ranks)
+        for shard, value in zip(same, torch.split(flat, [s.numel() for s in same])):
+            shard.copy_(value.view_as(shard))
+        sent += allreduce_bytes_sent(flat.numel() * flat.element_size(), num_ranks)
+    return sent
+
+
+class LocalSGD:
+    """Base of the local-SGD plugins; a subclass implements `sync` (and saves what it adds).
+
+    The strategy calls `setup` once the model is parallelized, `after_optimizer_step` after each
+    inner optimizer step, and puts `state_dict` into every checkpoint. Select a subclass with
+    ``strategy.local_sgd._target_``; override `sync` (or a subclass's ``outer_step``) to change
+    the algorithm.
+
+    Attributes:
+        step: inner optimizer steps done.
+        bytes_sent: bytes this rank sent to other islands so far (see the module docstring).
+        num_islands, island: size of the dp_replicate axis and this rank's position on it.
+        params: the trainable parameters by name (DTensor shards under FSDP).
+    """
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.bytes_sent = 0.0
+        self.group: dist.ProcessGroup | None = None
+        self.num_islands, self.island = 1, 0
+        self.params: dict[str, nn.Parameter] = {}
+
+    def setup(self, model: nn.Module, *, group: dist.ProcessGroup | None) -> None:
+        """Binds the plugin to the parallelized ``model`` and the islands' process ``group``.
+
+        Every island holds the same initial parameters (the model is built from one seed).
+        """
+        self.group = group
+        self.num_islands = dist.get_world_size(group) if group is not None else 1
+        self.island = dist.get_rank(group) if group is not None else 0
+        self.params = {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+        """Counts the inner step, synchronises what is due, and returns the step's byte metrics."""
+        self.step += 1
+        sent = self.sync(optimizer, self.step)
+        self.bytes_sent += sent
+        return {"comm/bytes_sent": sent, "comm/bytes_sent_total": self.bytes_sent}
+
+    def sync(self, optimizer: torch.optim.Optimizer, step: int) -> float:
+        """Synchronises what is due after inner step ``step`` (1-based); returns the bytes this rank sent."""
+        raise NotImplementedError
+
+    def problems(
+        self, *, dims: ParallelDims, optimizer: Callable[..., torch.optim.Optimizer] | None, n_layers: int
+    ) -> list[str]:
+        """Configuration problems (each naming its fix) for resolved ``dims``, the inner ``optimizer``
+        partial and a model of ``n_layers`` blocks; [] when the run can start."""
+        if dims.dp_replicate >= 2:
+            return []
+        return [
+            f"strategy.local_sgd needs at least 2 islands but strategy.dp_replicate={dims.dp_replicate}; "
+            f"use more ranks (trainer.devices) or a smaller strategy.dp_shard, or set strategy.local_sgd=null"
+        ]
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def save_checkpoint(
+        self, path: Path, *, model: nn.Module, optimizers: list[torch.optim.Optimizer], meta: dict[str, Any]
+    ) -> None:
+        """`strategies.checkpoint.save` with this island's model and optimizer state under
+        `checkpoint_namespace` and the plugin's `state_dict` under "local_sgd"."""
+        ckpt.save(
+            path, model=model, optimizers=optimizers, meta=meta,
+            extra={"local_sgd": self.state_dict()}, namespace=self.checkpoint_namespace(),
+        )
+
+    def load_checkpoint(
+        self, path: Path, *, model: nn.Module, optimizers: list[torch.optim.Optimizer]
+    ) -> dict[str, Any]:
+        """Loads a checkpoint written by `save_checkpoint` (same number of islands); returns its meta.
+
+        Raises:
+            CheckpointError: the checkpoint holds no local-SGD state for this island.
+            ValueError: it was written by another number of islands (from `load_state_dict`).
+        """
+        saved = ckpt.saved_entries(path, prefix="local_sgd.")
+        namespace = self.checkpoint_namespace()
+        if not saved or (namespace is not None and not ckpt.saved_entries(path, prefix=f"{namespace}.")):
+            raise ckpt.CheckpointError(
+                f"{path} holds no local-SGD state for island {self.island} (written without strategy.local_sgd "
+                f"or by fewer islands); resume it with the strategy and layout that wrote it"
+            )
+        extra = {"local_sgd": self.state_dict(saved)}
+        meta = ckpt.load(path, model=model, optimizers=optimizers, extra=extra, namespace=namespace)
+        self.load_state_dict(extra["local_sgd"])
+        return meta
+
+    def checkpoint_namespace(self) -> str | None:
+        """Key under which this rank's model and inner-optimizer state are checkpointed.
+
+        Islands differ between synchronisations, so each keeps its own copy: island 0 under the
+        usual keys (what ``generate`` and ``model.init_from`` read), island k under
+        ``local_sgd_island_k``.
+        """
+        return None if self.island == 0 else f"local_sgd_island_{self.island}"
+
+    def state_dict(self, saved: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The plugin's checkpoint state (DCP loads into it in place).
+
+        Args:
+            saved: when loading, the checkpoint's DCP metadata entries under this plugin's key
+                (lets a subclass allocate state the checkpoint holds but this fresh run does not).
+        """
+        return {"step": self.step, "bytes_sent": self.bytes_sent, "num_islands": self.num_islands}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores counters from a loaded `state_dict`.
+
+        Raises:
+            ValueError: the checkpoint was written with another number of islands.
+        """
+        if int(state["num_islands"]) != self.num_islands:
+            raise ValueError(
+                f"the checkpoint was written by {state['num_islands']} local-SGD islands, this run has "
+                f"{self.num_islands}; resume with strategy.dp_replicate={state['num_islands']}"
+            )
+        self.step, self.bytes_sent = int(state["step"]), float(state["bytes_sent"])
