@@ -145,7 +145,7 @@ def check_pipeline(
             f"use strategy.pipeline.stages_per_rank=null"
         )
     num_stages = pp * v
-    if split_points is None and num_stages > n_layers:
+    if split_points is None and pp <= n_layers < num_stages:  # pp > n_layers: reported by ParallelDims
         problems.append(
             f"strategy.pp={pp} x {v} stages per rank = {num_stages} stages exceeds model.n_layers={n_layers}; "
             f"use model.n_layers >= {num_stages} or a smaller strategy.pp"

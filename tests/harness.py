@@ -59,13 +59,25 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def all_stages(trainer: L.Trainer, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The union of every rank's ``tensors`` under pipeline parallelism (each stage holds other
+    parameters); ``tensors`` itself otherwise."""
+    if trainer.strategy.dims.pp == 1:
+        return tensors
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, tensors)
+    return {name: t for part in gathered for name, t in part.items()}
+
+
 class GradRecorder(L.Callback):
     """Appends ``{"step": k, "grads": {name: full gradient}}`` to the Task's history before each
     optimizer step (after clipping). Add with ``+callbacks.grads._target_=harness.GradRecorder``."""
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
         grads = {n: full(p.grad).detach().clone() for n, p in pl_module.model.named_parameters() if p.grad is not None}
-        pl_module.history.append({"step": trainer.global_step + 1, "grads": grads})
+        pl_module.history.append({"step": trainer.global_step + 1, "grads": all_stages(trainer, grads)})
 
 
 class ParamRecorder(L.Callback):
@@ -74,7 +86,7 @@ class ParamRecorder(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
         params = {n: full(p.data).detach().clone() for n, p in pl_module.model.named_parameters()}
-        pl_module.history.append({"params": params})
+        pl_module.history.append({"params": all_stages(trainer, params)})
 
 
 def losses(history: list[dict[str, Any]]) -> list[float]:

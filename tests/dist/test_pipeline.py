@@ -1,0 +1,98 @@
+"""Pipeline parallelism equals one process: every schedule, PP x FSDP, and accumulation over schedule steps.
+
+fp32, a nano Llama with 4 layers (so interleaved and V schedules get one layer per stage), global
+batch 8 of 64-token packed rows with unequal supervised-token counts, 2 steps of SGD with momentum
+0.9 and no clipping. Each run is `Task` + `MeshStrategy` in forked gloo ranks; it is compared with
+plait on one process (the whole batch in one forward, itself checked against a plain loop in
+test_equivalence.py): loss and gradient (gathered over all stages) at each step, parameters after
+the 2 steps, within ``TOL``. Validation losses (a forward through the stages) match too.
+
+Layouts: 2 ranks, 2 stages (4 for the interleaved and V schedules), 4 micro-batches of 2 rows in
+one schedule step; PP2 x FSDP2 on 4 ranks; and gradient accumulation over K = 1, 2, 4 schedule
+steps, each compared with the same K without pipelining.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from harness import compose_config, fit, losses
+
+STEPS = 2
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+COMMON = (
+    "model.n_layers=4",
+    "optim=sgd",
+    "scheduler=constant",
+    "scheduler.warmup_steps=0",
+    "train.max_grad_norm=0",
+    f"trainer.max_steps={STEPS}",
+    "+callbacks.grads._target_=harness.GradRecorder",
+    "+callbacks.params._target_=harness.ParamRecorder",
+)
+PP2 = ("strategy=pp", "trainer.devices=2")
+SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBV", "DualPipeV"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    """Short documents: about one document end (label -100) per 64-token row."""
+    rng, words = random.Random(0), "thou art more lovely and temperate rough winds do shake the buds of may".split()
+    path = tmp_path_factory.mktemp("corpus") / "short_docs.jsonl"
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choices(words, k=rng.randint(3, 30)))}) + "\n" for _ in range(600)))
+    return str(path)
+
+
+def _run(overrides, run_dir, corpus) -> dict:
+    _, task = fit(compose_config([*COMMON, f"data.path={corpus}", *overrides]), run_dir)
+    return {
+        "loss": losses(task.history),
+        "val_loss": [h["val_loss"] for h in task.history if "val_loss" in h],
+        "grad_norm": [h["grad_norm"] for h in task.history if "loss" in h],
+        "grads": [h["grads"] for h in task.history if "grads" in h],
+        "params": [h["params"] for h in task.history if "params" in h][0],
+    }
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, corpus) -> dict:
+    return _run(["train.micro_batch_size=8"], tmp_path_factory.mktemp("one_process"), corpus)
+
+
+def assert_equivalent(run: dict, expected: dict, *, val: bool = True) -> None:
+    assert len(run["loss"]) == len(run["grads"]) == STEPS
+    assert set(run["params"]) == set(expected["params"]), "every stage's parameters, each once"
+    for step in range(STEPS):
+        torch.testing.assert_close(run["loss"][step], expected["loss"][step], **TOL, msg=f"loss at step {step + 1}")
+        torch.testing.assert_close(run["grads"][step], expected["grads"][step], **TOL, msg=f"grads at step {step + 1}")
+    assert run["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4)
+    torch.testing.assert_close(run["params"], expected["params"], **TOL, msg=f"parameters after {STEPS} SGD steps")
+    if val:
+        torch.testing.assert_close(run["val_loss"], expected["val_loss"], **TOL, msg="validation losses")
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_schedule_equals_one_process(tmp_path, corpus, schedule, one_process):
+    run = _run([*PP2, f"strategy.pp_schedule={schedule}", "train.micro_batch_size=2"], tmp_path, corpus)
+    assert_equivalent(run, one_process)
+
+
+def test_pp2_x_fsdp2_equals_one_process(tmp_path, corpus, one_process):
+    layout = ["strategy=pp", "trainer.devices=4", "strategy.pp=2", "strategy.dp_shard=2", "train.micro_batch_size=2"]
+    run = _run(layout, tmp_path, corpus)
+    # The 3 validation rows of this corpus are trimmed to a multiple of dp=2 (TextDataModule.eval_dataloader).
+    assert_equivalent(run, one_process, val=False)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_accumulation_over_schedule_steps_equals_no_pp(tmp_path, corpus, k, one_process):
+    """K schedule steps of 2 micro-batches per optimizer step (K = 1 is the 1F1B case above)."""
+    micro = 8 // (2 * k)
+    piped = _run([*PP2, "strategy.pipeline.num_microbatches=2", f"train.micro_batch_size={micro}"], tmp_path / "pp", corpus)
+    plain = _run([f"train.micro_batch_size={8 // k}"], tmp_path / "plain", corpus)  # K accumulation steps, no pipeline
+    assert_equivalent(piped, plain)
+    assert_equivalent(piped, one_process)
