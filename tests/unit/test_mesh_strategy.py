@@ -13,10 +13,14 @@ from trainer.config import ConfigError, validate
 
 
 def test_unapplied_axes_are_refused_with_the_fix() -> None:
-    message = "strategy.cp=2: MeshStrategy does not apply cp parallelism yet; use strategy.cp=1"
+    class DataParallelOnly(MeshStrategy):
+        supported_axes = ("dp_replicate", "dp_shard")
+
+    message = "strategy.cp=2: DataParallelOnly does not apply cp parallelism yet; use strategy.cp=1"
     with pytest.raises(LayoutError, match=message):
-        MeshStrategy(dp_shard=1, cp=2)
-    MeshStrategy(dp_replicate=2, dp_shard=-1)  # the data-parallel axes are applied
+        DataParallelOnly(dp_shard=1, cp=2)
+    DataParallelOnly(dp_replicate=2, dp_shard=-1)  # the data-parallel axes are applied
+    assert MeshStrategy(dp_shard=1, cp=2).dims.cp == 2  # context parallelism is applied (strategies.context)
 
 
 def test_a_subclass_that_applies_an_axis_may_use_it() -> None:
