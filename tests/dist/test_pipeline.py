@@ -9,7 +9,8 @@ the 2 steps, within ``TOL``. Validation losses (a forward through the stages) ma
 
 Layouts: 2 ranks, 2 stages (4 for the interleaved and V schedules), 4 micro-batches of 2 rows in
 one schedule step; PP2 x FSDP2 on 4 ranks; and gradient accumulation over K = 1, 2, 4 schedule
-steps, each compared with the same K without pipelining.
+steps, each compared with the same K without pipelining. Last, a 4-stage checkpoint resumes on
+one process and on 2 stages (DCP reshards; names are global layer indices on every stage).
 """
 
 from __future__ import annotations
@@ -96,3 +97,39 @@ def test_accumulation_over_schedule_steps_equals_no_pp(tmp_path, corpus, k, one_
     plain = _run([f"train.micro_batch_size={8 // k}"], tmp_path / "plain", corpus)  # K accumulation steps, no pipeline
     assert_equivalent(piped, plain)
     assert_equivalent(piped, one_process)
+
+
+FOUR_STEPS = (
+    "callbacks.checkpoint.every_n_steps=2", "callbacks.checkpoint.keep_last=0", "train.micro_batch_size=2",
+    "trainer.max_steps=4",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def four_stages(tmp_path_factory, corpus) -> tuple:
+    """Interleaved1F1B, 4 stages on 2 ranks, 4 steps; checkpoints at steps 2 and 4."""
+    run_dir = tmp_path_factory.mktemp("four_stages")
+    history = _run_history([*PP2, "strategy.pp_schedule=Interleaved1F1B", *FOUR_STEPS], run_dir, corpus)
+    return run_dir / "checkpoints" / "step_0000002", history
+
+
+@pytest.mark.parametrize(
+    "layout", [("trainer.devices=1",), ("strategy=pp", "trainer.devices=2", "strategy.pp_schedule=1F1B")], ids=["pp1", "pp2_2stages"]
+)
+def test_checkpoint_of_4_stages_resumes_at_another_pp_degree(tmp_path, corpus, four_stages, layout):
+    """DCP reshards the 4-stage checkpoint (parameters and momentum) to 1 stage or 2 stages."""
+    checkpoint, straight = four_stages
+    resumed = _run_history([*layout, *FOUR_STEPS], tmp_path, corpus, ckpt_path=str(checkpoint))
+    expected, got = (
+        {h["step"]: h["loss"] for h in history if "loss" in h} for history in (straight, resumed)
+    )
+    assert sorted(got) == [1, 2, 3, 4] and got[3] != got[2]
+    for step in (3, 4):  # trained after the resume, from resharded parameters and momentum
+        assert got[step] == pytest.approx(expected[step], abs=1e-5), step
+    (params,), (expected_params,) = ([h["params"] for h in history if "params" in h] for history in (resumed, straight))
+    torch.testing.assert_close(params, expected_params, **TOL)
+
+
+def _run_history(overrides, run_dir, corpus, ckpt_path=None) -> list:
+    cfg = compose_config([*COMMON, f"data.path={corpus}", *overrides])
+    return fit(cfg, run_dir, ckpt_path=ckpt_path)[1].history
