@@ -1,0 +1,260 @@
+"""Per-rank memory of one layout: parameters, gradients, optimizer state, activations, transients.
+
+Sources: Rajbhandari et al. 2020, "ZeRO" (states by sharding degree); Korthikanti et al. 2022,
+"Reducing Activation Recomputation in Large Transformer Models" (activation bytes per layer under
+tensor and sequence parallelism, full recomputation keeps block inputs); Narayanan et al. 2021
+(micro-batches in flight per pipeline schedule); Mist (Zhu et al. 2025, EuroSys) for predicting
+memory symbolically per layout before launch.
+
+Parameters, gradients and optimizer state are counted tensor by tensor, as the strategies lay them
+out: tensor parallelism splits the dim the model's ``tp_plan`` names, then FSDP2 chunks dim 0 of the
+result over dp_shard x cp ranks (``torch.chunk``, padded to equal chunks in its storage), pipeline
+parallelism keeps the stages of one pp rank. Optimizer states are ``zeros_like`` the (unpadded)
+local shard, plus Adam's 4-byte ``step`` per tensor. These three match the storages a rank holds
+exactly (`strategies.planner.measure`).
+
+Activations are the tensors autograd saves for backward in plait's Llama (trainer/models/llama.py,
+attention.py), counted op by op per token and layer: RMSNorm keeps its fp32 input, normalised
+input and 1/rms; every projection its input; SDPA q, k, v (k, v repeated to the query heads for
+GQA), output, log-sum-exp, and, on CPU with document masks, the float mask; SwiGLU its two
+projections, the SiLU output and the product; the head the log-softmax output (fp32). Sequence
+parallel shards the norms' tensors by tp, heads and ffn features are sharded by tp, context
+parallel shards every token-wise tensor by cp (ring attention keeps no mask and copies its output
+once more). Full activation checkpointing keeps the block input only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from strategies.pipeline import local_stages, stage_layers
+from strategies.planner.layout import OPTIMIZER_STATES, Layout, ModelShape, ParamSpec, Workload
+
+GiB = 1024**3
+
+
+@dataclass
+class MemoryBreakdown:
+    """Predicted bytes on one rank.
+
+    Attributes:
+        params, grads, optimizer: training state (exact).
+        activations_per_microbatch: saved-for-backward bytes of one micro-batch through this
+            rank's stages (block inputs only for checkpointed blocks).
+        inflight: micro-batches whose activations are alive at once under the pipeline schedule.
+        transient: peak extra during a step (FSDP's gathered blocks and root, logits and their
+            gradient, one recomputed block).
+    """
+
+    params: int
+    grads: int
+    optimizer: int
+    activations_per_microbatch: int
+    inflight: float
+    transient: int
+
+    @property
+    def activations(self) -> int:
+        return int(self.activations_per_microbatch * self.inflight)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.transient
+
+    def as_dict(self) -> dict[str, float]:
+        return {**asdict(self), "activations": self.activations, "total": self.total}
+
+    def describe(self) -> str:
+        parts = [
+            ("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer),
+            (f"activations ({self.inflight:g} micro-batches)", self.activations), ("transient", self.transient),
+        ]  # fmt: skip
+        return ", ".join(f"{name} {b / GiB:.2f}" for name, b in parts) + f"; total {self.total / GiB:.2f} GiB"
+
+
+# ---------------------------------------------------------------------------------- where a rank sits
+def rank_coords(layout: Layout, rank: int) -> dict[str, int]:
+    """This global rank's index on each mesh axis (pp, dp_replicate, dp_shard, cp, tp; row-major)."""
+    coords, rest = {}, rank
+    for axis in reversed(("pp", "dp_replicate", "dp_shard", "cp", "tp")):
+        size = getattr(layout, axis)
+        coords[axis], rest = rest % size, rest // size
+    return coords
+
+
+def stage_plan(shape: ModelShape, layout: Layout, pp_rank: int) -> tuple[list[int], list[range], int]:
+    """(this rank's stages, layers of every stage, number of stages)."""
+    num_stages = layout.pp * layout.stages_per_rank
+    stages = local_stages(pp_rank, pp=layout.pp, stages_per_rank=layout.stages_per_rank, schedule=layout.pp_schedule)
+    return stages, stage_layers(shape.n_layers, num_stages), num_stages
+
+
+def rank_params(shape: ModelShape, layout: Layout, pp_rank: int) -> list[ParamSpec]:
+    """The parameter tensors a pp rank keeps."""
+    if layout.pp == 1:
+        return list(shape.params)
+    stages, layers, num_stages = stage_plan(shape, layout, pp_rank)
+    keep = {i for s in stages for i in layers[s]}
+    first, last = 0 in stages, num_stages - 1 in stages
+    out = []
+    for p in shape.params:
+        if p.layer is not None:
+            if p.layer in keep:
+                out.append(p)
+        elif p.name.startswith("tok_embeddings") and first or not p.name.startswith("tok_embeddings") and last:
+            out.append(p)
+    return out
+
+
+def local_numel(p: ParamSpec, layout: Layout, shard_index: int) -> tuple[int, int]:
+    """(elements of this rank's shard, elements of its padded storage) of one parameter.
+
+    TP splits ``p.tp_dim`` evenly; FSDP2 then chunks dim 0 over ``layout.fsdp_shards`` ranks
+    (``torch.chunk`` sizes: ceil(rows / shards) each, the last ones shorter or empty) and pads
+    every rank's storage to the first chunk's size.
+    """
+    dims = list(p.shape)
+    if layout.tp > 1 and p.tp_dim is not None:
+        dims[p.tp_dim] //= layout.tp
+    rest = math.prod(dims[1:])
+    shards = layout.fsdp_shards if layout.uses_fsdp else 1
+    if shards == 1:
+        n = math.prod(dims)
+        return n, n
+    chunk = -(-dims[0] // shards)
+    rows = max(0, min(chunk, dims[0] - shard_index * chunk))
+    return rows * rest, chunk * rest
+
+
+def state_bytes(shape: ModelShape, layout: Layout, work: Workload, rank: int) -> tuple[int, int, int]:
+    """Exact (params, grads, optimizer) bytes of one global rank.
+
+    Gradients live in FSDP2's padded reduce-scatter buffers (or, without FSDP, tensors shaped like
+    the parameters; a vocabulary-sharded embedding's gradient is whole on every tp rank, see
+    `ParamSpec`); optimizer states are ``zeros_like`` the unpadded shard.
+    """
+    c = rank_coords(layout, rank)
+    shard_index = c["dp_shard"] * layout.cp + c["cp"]
+    n_states, has_step = OPTIMIZER_STATES[work.optimizer]
+    params = grads = optim = 0
+    specs = rank_params(shape, layout, c["pp"])
+    for p in specs:
+        numel, padded = local_numel(p, layout, shard_index)
+        params += padded * work.param_bytes
+        whole = p.grad_tp_replicated and layout.tp > 1 and not layout.uses_fsdp
+        grads += (math.prod(p.shape) if whole else padded) * work.param_bytes
+        optim += n_states * numel * work.param_bytes
+    optim += 4 * len(specs) if has_step else 0
+    return params, grads, optim
+
+
+# ---------------------------------------------------------------------------------- activations
+def layer_activation_bytes(shape: ModelShape, layout: Layout, work: Workload, tokens: int, *, device: str) -> int:
+    """Saved-for-backward bytes of one block (no checkpointing) for ``tokens`` tokens of a micro-batch
+    on this rank (b x seq_len / cp)."""
+    a, d, f = work.act_bytes, shape.dim, shape.ffn_dim
+    tp = layout.tp
+    sp = tp if layout.sequence_parallel and tp > 1 else 1
+    heads, e = shape.n_heads // tp, shape.head_dim
+    ring = layout.cp > 1
+    kv_heads = shape.n_kv_heads // tp if ring or shape.n_kv_heads == shape.n_heads else heads
+    norms = 2 * (2 * d + 1) * 4 // 1  # x (fp32), x/rms (fp32), 1/rms, for both norms
+    per_token = norms / sp + 2 * d * a  # + the two norm outputs, gathered (projection inputs)
+    per_token += (2 * heads + 2 * kv_heads) * e * a + heads * 4  # q, k, v, out; log-sum-exp (fp32)
+    if ring:
+        per_token += heads * e * a  # the attention output copied into the wo input
+    elif work.document_masks and device == "cpu":
+        per_token += work.seq_len * 4  # SDPA's additive float mask on CPU, one per layer
+    per_token += 4 * (f // tp) * a  # w1 and w3 outputs, SiLU output, their product
+    return int(tokens * per_token)
+
+
+def stage_activation_bytes(
+    shape: ModelShape, layout: Layout, work: Workload, *, layers: range, first: bool, last: bool, device: str
+) -> int:
+    """Saved-for-backward bytes of one micro-batch through one pipeline stage."""
+    tokens = layout.micro_batch_size * work.seq_len // layout.cp
+    sp = layout.tp if layout.sequence_parallel and layout.tp > 1 else 1
+    full = layer_activation_bytes(shape, layout, work, tokens, device=device)
+    block_input = tokens * shape.dim * work.act_bytes // sp
+    total = 0
+    for i in layers:
+        checkpointed = layout.ac == "full" or layout.ac == "every_k" and i % layout.ac_every_k == 0
+        total += block_input if checkpointed else full
+    if layout.activation_offload:
+        total = 0  # saved tensors wait in host memory
+    total += tokens * shape.head_dim * 4  # RoPE cos and sin rows gathered by position ids (fp32)
+    if first:
+        total += tokens * 8  # token ids (int64) of the embedding lookup
+    if last:
+        d, vocab = shape.dim, shape.vocab_size // (layout.tp if layout.loss_parallel else 1)
+        total += tokens * ((2 * d + 1) * 4 // sp + d * work.act_bytes)  # final norm
+        total += tokens * (4 * vocab + 8) + 8  # log-softmax output (fp32), labels, loss scalars
+    return total
+
+
+def inflight_microbatches(layout: Layout, pp_rank: int, num_microbatches: int) -> float:
+    """Micro-batches (of this rank's whole stage set) whose activations are alive at the peak.
+
+    GPipe runs every forward first; 1F1B keeps pp - rank; interleaved and V schedules keep their
+    warm-up chunks plus one (torch's ``Interleaved1F1B`` warm-up), each chunk 1/v of the rank.
+    """
+    m, pp, v = num_microbatches, layout.pp, layout.stages_per_rank
+    if pp == 1:
+        return 1.0
+    if layout.pp_schedule == "GPipe":
+        return float(m)
+    if v == 1:
+        return float(min(m, pp - pp_rank))
+    warmup = min(m * v, (pp - pp_rank - 1) * 2 + (v - 1) * pp)
+    return (warmup + 1) / v
+
+
+def predict_rank(shape: ModelShape, layout: Layout, work: Workload, rank: int, *, device: str = "cuda") -> MemoryBreakdown:
+    """Predicted memory of one global rank."""
+    params, grads, optim = state_bytes(shape, layout, work, rank)
+    c = rank_coords(layout, rank)
+    stages, layers, num_stages = stage_plan(shape, layout, c["pp"])
+    per_mb = sum(
+        stage_activation_bytes(
+            shape, layout, work, layers=layers[s], first=s == 0, last=s == num_stages - 1, device=device
+        )
+        for s in stages
+    )
+    inflight = inflight_microbatches(layout, c["pp"], work.microbatches(layout))
+    return MemoryBreakdown(params, grads, optim, per_mb, inflight, _transient(shape, layout, work, stages, layers, num_stages, device))
+
+
+def _transient(
+    shape: ModelShape, layout: Layout, work: Workload, stages: list[int], layers: list[range], num_stages: int, device: str
+) -> int:
+    tokens = layout.micro_batch_size * work.seq_len // layout.cp
+    out = 0
+    block = [p for p in shape.params if p.layer == 0]
+    block_numel = sum(math.prod(p.shape) for p in block) // layout.tp
+    if layout.uses_fsdp and (layout.fsdp_shards > 1 or work.compute_dtype != work.param_dtype):
+        # Two gathered blocks (current + prefetched), one block of unsharded gradients, and the
+        # root's parameters (embedding, head), gathered for the whole step.
+        root = sum(math.prod(p.shape) for p in shape.params if p.layer is None) // layout.tp
+        out += block_numel * (2 * work.act_bytes + work.param_bytes) + root * work.act_bytes
+    if num_stages - 1 in stages:
+        vocab = shape.vocab_size // (layout.tp if layout.loss_parallel else 1)
+        out += 2 * tokens * vocab * 4  # logits (fp32) and their gradient next to the log-softmax output
+    if layout.ac != "none" or layout.activation_offload:
+        out += layer_activation_bytes(shape, layout, work, tokens, device=device)  # one block recomputed / reloaded
+    return out
+
+
+def predict_memory(shape: ModelShape, layout: Layout, work: Workload, *, device: str = "cuda") -> MemoryBreakdown:
+    """The rank with the largest predicted total (pipeline ranks differ; the others are alike)."""
+    ranks = [rank_of(layout, pp=p) for p in range(layout.pp)]
+    return max((predict_rank(shape, layout, work, r, device=device) for r in ranks), key=lambda m: m.total)
+
+
+def rank_of(layout: Layout, **coords: int) -> int:
+    """The global rank at the given mesh coordinates (others 0)."""
+    rank = 0
+    for axis in ("pp", "dp_replicate", "dp_shard", "cp", "tp"):
+        rank = rank * getattr(layout, axis) + coords.get(axis, 0)
+    return rank
