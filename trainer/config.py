@@ -78,6 +78,7 @@ class RunConfig:
         seed: global seed (model init, data split and shuffle).
         resume: "last" (newest checkpoint of run_dir), or a checkpoint / run directory path.
         objective, model, data, optim, scheduler, strategy: ``_target_`` nodes.
+        budget: an optional ``_target_`` node of a budget search (``budget=msft``) that drives runs.
         logger: named ``_target_`` nodes of Lightning loggers.
         callbacks: named ``_target_`` nodes of Lightning callbacks.
     """
@@ -94,6 +95,7 @@ class RunConfig:
     strategy: Any = None
     logger: Any = None
     callbacks: Any = None
+    budget: Any = None
     train: TrainConfig = field(default_factory=TrainConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
@@ -106,7 +108,7 @@ INJECTED = {
     "scheduler": {"optimizer", "total_steps", "last_epoch"},
     "strategy": {"launcher"},
 }
-TARGET_NODES = ("objective", "model", "data", "optim", "scheduler", "strategy")
+TARGET_NODES = ("objective", "model", "data", "optim", "scheduler", "strategy", "budget")
 
 
 def validate(cfg: DictConfig) -> None:
@@ -362,6 +364,11 @@ def _check_semantics(cfg: DictConfig, problems: list[str]) -> None:
             f"objective.loss_chunk_tokens={objective.loss_chunk_tokens} needs tp=1 (with tp > 1 loss parallel already "
             "keeps the logits sharded by vocabulary); use objective.loss_chunk_tokens=0"
         )
+    if data is not None and "_target_" in data:
+        # A data module may check its own node (SFT sources and budgets: trainer.data.sft).
+        data_cls = _import(data._target_)
+        if hasattr(data_cls, "config_problems"):
+            problems.extend(data_cls.config_problems(data))
     if data is not None and data.get("path"):
         paths = [data.path] if isinstance(data.path, str) else list(data.path)
         for path in paths:

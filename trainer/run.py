@@ -75,6 +75,17 @@ def run(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
     launching = _is_launching_rank()
     fresh_dir = not any(run_dir.iterdir())
+    if "budget" in cfg and cfg.budget is not None:
+        # A budget search (budget=msft) drives its own runs in this run directory (trainer/budget).
+        from hydra.utils import instantiate
+
+        try:
+            validate(cfg)
+        except ConfigError as err:
+            print(f"plait: error: {err}", file=sys.stderr)
+            raise SystemExit(2) from None
+        instantiate(cfg.budget).run(cfg, run_dir)
+        return
     try:
         validate(cfg)
         ckpt_path = check_run_dir(cfg, run_dir)

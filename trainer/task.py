@@ -97,8 +97,29 @@ class Task(L.LightningModule):
         optimizer = build_optimizer(self.model, self.optimizer_fn, weight_decay=self.weight_decay, no_decay=self.no_decay)
         if self.scheduler_fn is None:
             return optimizer
-        scheduler = self.scheduler_fn(optimizer, total_steps=self.trainer.max_steps)
+        scheduler = self.scheduler_fn(optimizer, total_steps=self.total_steps())
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def total_steps(self) -> int:
+        """Optimizer steps of the run: ``trainer.max_steps``, or fewer when the data ends first (a
+        data module with ``finite_steps()``, e.g. an SFT mixture whose budgets end the run)."""
+        finite = getattr(self.trainer.datamodule, "finite_steps", None)
+        return min(self.trainer.max_steps, finite()) if finite is not None else self.trainer.max_steps
+
+    def _data_ended(self) -> bool:
+        """Whether the train loader has reached the end of finite data (it then says ``exhausted``)."""
+        return bool(getattr(self.trainer.train_dataloader, "exhausted", False))
+
+    def _group_losses(self, prefix: str) -> dict[str, float]:
+        """``{prefix}/loss/<group>``: token-weighted losses of objectives that also sum their loss
+        per group (``pop_group_sums()``, e.g. per SFT source), reduced over all dp x cp ranks."""
+        pop = getattr(self.objective, "pop_group_sums", None)
+        popped = pop() if pop is not None else None
+        if popped is None:
+            return {}
+        names, sums = popped
+        sums = self.trainer.strategy.all_reduce_sum(sums.to(self.device), "dp_cp")
+        return {f"{prefix}/loss/{n}": (sums[0, i] / sums[1, i]).item() for i, n in enumerate(names) if sums[1, i] > 0}
 
     # ------------------------------------------------------------------------------ the step
     @override
@@ -120,6 +141,7 @@ class Task(L.LightningModule):
 
         local_loss = strategy.forward_backward(self.model, micro_batches, loss_fn, self.manual_backward)
         loss = strategy.all_reduce_sum(local_loss, strategy.token_axis)
+        group_losses = self._group_losses("train")
         if strategy.token_axis != "dp_cp":
             # Local-SGD islands each divide by their own tokens: log the token-weighted mean of all islands.
             totals = strategy.all_reduce_sum(torch.stack([loss * num_tokens, num_tokens]), "dp_replicate")
@@ -137,10 +159,11 @@ class Task(L.LightningModule):
             scheduler.step()
         comm = strategy.after_optimizer_step(self.model, self.global_step, optimizer)  # e.g. bytes sent
 
-        self.trainer.train_dataloader.mark_trained()
+        # A loader may report data metrics of the trained position (per-source consumed tokens).
+        data_metrics = self.trainer.train_dataloader.mark_trained() or {}
         self.last_step_tokens = step_tokens
         self.tokens_seen += self.last_step_tokens
-        self._log_step(loss, grad_norm, lr, num_tokens, comm)
+        self._log_step(loss, grad_norm, lr, num_tokens, {**comm, **group_losses, **data_metrics})
 
     def _log_step(
         self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, num_tokens: torch.Tensor, comm: dict[str, float]
@@ -153,7 +176,7 @@ class Task(L.LightningModule):
             self.log("val/loss", self._new_val_loss, prog_bar=True, logger=False)
             self._new_val_loss = None
         loss_value, grad_norm_value = loss.item(), grad_norm.item()
-        if is_logging_step(self.trainer):
+        if is_logging_step(self.trainer) or self._data_ended():
             self.record(
                 {
                     "train/loss": loss_value,
@@ -198,9 +221,15 @@ class Task(L.LightningModule):
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         # Runs after the callbacks' on_train_batch_end (throughput has recorded its values).
         step = self.global_step
-        if step == self.trainer.max_steps or (self.eval_every and step % self.eval_every == 0):
+        if step == self.trainer.max_steps or self._data_ended() or (self.eval_every and step % self.eval_every == 0):
             self.evaluate()
         self._write_row()
+
+    @override
+    def on_train_epoch_end(self) -> None:
+        # Finite data (an SFT mixture whose budgets are spent) ends the run, not another epoch.
+        if self._data_ended():
+            self.trainer.should_stop = True
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -213,19 +242,26 @@ class Task(L.LightningModule):
         was_training = self.model.training
         self.model.eval()
         totals = torch.zeros(2, device=self.device)
+        self._group_losses("train")  # drop stray sums: the next ones are this evaluation's
         with self.trainer.precision_plugin.forward_context():
             for batch in loader:
                 batch = strategy.shard_batch({k: v.to(self.device) for k, v in batch.items()})
                 totals[0] += strategy.eval_loss_sum(self.model, batch, self.objective.loss_sum)
                 totals[1] += self.objective.num_tokens(batch)
+            extra = self._group_losses("val")
+            # Data modules may score the model beyond the loss (held-out exact match per SFT source).
+            metrics_fn = getattr(self.trainer.datamodule, "eval_metrics", None)
+            if metrics_fn is not None:
+                extra.update(metrics_fn(self.model, self.device))
         strategy.all_reduce_sum(totals, "dp_cp")
         self.model.train(was_training)
         if totals[1].item() == 0:
             return None  # no validation data (data.val_fraction=0): no figure, rather than 0.0
         val_loss = (totals[0] / totals[1]).item()
-        self.record({"val/loss": val_loss, "val/ppl": math.exp(min(val_loss, 50.0))})
+        self.record({"val/loss": val_loss, "val/ppl": math.exp(min(val_loss, 50.0)), **extra})
         self._new_val_loss = val_loss
-        self.history.append({"step": self.global_step, "val_loss": val_loss})
+        entry = {"step": self.global_step, "val_loss": val_loss}
+        self.history.append({**entry, "metrics": extra} if extra else entry)
         return val_loss
 
     # ------------------------------------------------------------------------------ state

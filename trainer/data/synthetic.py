@@ -6,9 +6,9 @@ separated by spaces so a byte-level BPE keeps one symbol per token (merging ``"1
 token would hide the digits from the model). Difficulties differ on purpose (mSFT needs sources
 whose optima differ):
 
-- ``reversal``: reverse 3-6 letters (easy);
+- ``reversal``: reverse 3-5 letters of a-j (easy);
 - ``sorting``: sort 4-6 digits (medium);
-- ``addition``: add two 2-3 digit numbers (hard for a tiny model: carries).
+- ``addition``: add two 1-2 digit numbers (hard for a tiny model: carries).
 
 Train, validation and test examples never overlap: each split draws from its own generator and
 an example whose prompt appeared in an earlier split is drawn again.
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from trainer.data.chat import Message
 
 Example = tuple[str, str]  # (prompt, answer)
-_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+_LETTERS = "abcdefghij"
 
 
 def _spaced(symbols: str) -> str:
@@ -31,7 +31,7 @@ def _spaced(symbols: str) -> str:
 
 
 def reversal(rng: random.Random) -> Example:
-    word = "".join(rng.choice(_LETTERS) for _ in range(rng.randint(3, 6)))
+    word = "".join(rng.choice(_LETTERS) for _ in range(rng.randint(3, 5)))
     return f"reverse: {_spaced(word)}", _spaced(word[::-1])
 
 
@@ -41,7 +41,7 @@ def sorting(rng: random.Random) -> Example:
 
 
 def addition(rng: random.Random) -> Example:
-    a, b = rng.randint(10, 999), rng.randint(10, 999)
+    a, b = rng.randint(0, 99), rng.randint(0, 99)
     return f"add: {_spaced(str(a))} + {_spaced(str(b))}", _spaced(str(a + b))
 
 
