@@ -180,8 +180,8 @@ class MSFT:
             budgets = {}
             for n in names:
                 done = mixture.get(n, {}).get("emitted", 0) / sizes[n]
-                if n in removed:
-                    budgets[n] = {"max_tokens": mixture[n]["consumed"], "max_epochs": None}
+                if n in removed:  # removed before any training (ckpt None): 0 tokens
+                    budgets[n] = {"max_tokens": mixture.get(n, {}).get("consumed", 0), "max_epochs": None}
                 else:
                     budgets[n] = {"max_tokens": None, "max_epochs": done + self.compute}
             rollout_dir = run_dir / f"rollout_{k}"
@@ -194,15 +194,15 @@ class MSFT:
             best = best_steps(evals, active)
             chosen = pick_earliest(best, active)
             stop_step = best[chosen][0]
-            if stop_step != start_step or ckpt is None:
+            if stop_step != start_step:  # else the roll-back point is where this roll-out started
                 ckpt = rollout_dir / "checkpoints" / f"step_{stop_step:07d}"
-            stop_state = loader_state(ckpt)
+            stop = loader_state(ckpt) if ckpt else {"tokens": {}, "packer": {"mixture": {}}}
             removed[chosen] = {
                 "rollout": k,
                 "step": stop_step,
                 "score": best[chosen][1],
-                "tokens": stop_state["tokens"][chosen],
-                "epochs": stop_state["packer"]["mixture"][chosen]["emitted"] / sizes[chosen],
+                "tokens": stop["tokens"].get(chosen, 0),
+                "epochs": stop["packer"]["mixture"].get(chosen, {}).get("emitted", 0) / sizes[chosen],
             }
             rollouts.append({"start": start_step, "end": last_step, "active": list(active), "removed": chosen, "curve": evals})
             start_step, start_scores = stop_step, dict(evals)[stop_step]
@@ -217,7 +217,7 @@ class MSFT:
             "flops": trained_steps * tokens_per_step * flops_per_token,
             "trained_steps": trained_steps,
             "rollouts": rollouts,
-            "checkpoint": str(ckpt),
+            "checkpoint": str(ckpt) if ckpt else None,
         }
 
     def uniform(self, cfg: DictConfig, run_dir: Path, first_rollout: dict[str, Any] | None) -> dict[str, Any]:

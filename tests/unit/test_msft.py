@@ -1,0 +1,113 @@
+"""mSFT controller: the pick of the earliest optimum, the patience rule, a bitwise roll-back with a
+source removed, and a whole search on two tiny synthetic sources."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from harness import TINY, compose_config
+from typing_extensions import override
+
+from trainer.budget.msft import MSFT, best_steps, fit_run, loader_state, pick_earliest, settled
+
+EVALS = [
+    (0, {"a": 0.1, "b": 0.0}),
+    (10, {"a": 0.5, "b": 0.2}),
+    (20, {"a": 0.4, "b": 0.3}),
+    (30, {"a": 0.5, "b": 0.6}),
+    (40, {"a": 0.2, "b": 0.5}),
+]
+
+
+def test_earliest_optimum_is_picked_and_ties_keep_the_first_step():
+    best = best_steps(EVALS, ["a", "b"])
+    assert best == {"a": (10, 0.5), "b": (30, 0.6)}  # a's later 0.5 does not move its optimum
+    assert pick_earliest(best, ["a", "b"]) == "a"
+
+
+def test_patience_settles_only_when_no_later_evaluation_can_change_the_pick():
+    assert settled(EVALS[:2], ["a", "b"], patience=1) is None  # a's best is the last evaluation
+    assert settled(EVALS[:3], ["a", "b"], patience=1) == "a"  # a settled at 10; b's best so far 20 >= 10
+    assert settled(EVALS[:3], ["a", "b"], patience=2) is None
+
+
+def _cfg(extra=()):
+    overrides = [o for o in TINY if not o.startswith(("data.eval_rows=", "data.seq_len=", "trainer.max_steps="))]
+    return compose_config(
+        [
+            *overrides,
+            "data=synthetic",
+            "data.sources.addition.limit=24",
+            "data.sources.addition.val_size=4",
+            "data.sources.sorting.limit=24",
+            "data.sources.sorting.val_size=4",
+            "~data.sources.reversal",
+            "train.global_batch_size=4",
+            "train.micro_batch_size=4",
+            *extra,
+        ],
+        recipe="sft",
+        tiny=False,
+    )
+
+
+class StateProbe(L.Callback):
+    """Records weights, optimizer state, LR-scheduler state and the loader state at step ``at``
+    (after that step) or when a fit starts from a checkpoint at that step."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def _record(self, trainer: L.Trainer, pl_module: Any, when: str) -> None:
+        optimizer = trainer.strategy._unwrapped_optimizers()[0]
+        state = {
+            "params": {n: p.detach().clone() for n, p in pl_module.model.named_parameters()},
+            "optim": {n: {k: v.clone() for k, v in optimizer.state[p].items()} for n, p in pl_module.model.named_parameters()},
+            "sched": trainer.lr_scheduler_configs[0].scheduler.state_dict()["last_epoch"],
+        }
+        pl_module.history.append({"probe": when, **state})
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, *args: Any) -> None:
+        if trainer.global_step == self.at:
+            self._record(trainer, pl_module, "saved")
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        if trainer.global_step == self.at:
+            self._record(trainer, pl_module, "restored")
+
+
+def test_roll_back_restores_weights_and_optimizer_state_bitwise(tmp_path):
+    controller = MSFT(compute=1.0, eval_every=2)
+    cfg = _cfg(["+callbacks.probe._target_=test_msft.StateProbe", "+callbacks.probe.at=2"])
+    both = {n: {"max_tokens": None, "max_epochs": 1.0} for n in ("sorting", "addition")}
+    history = fit_run(controller.rollout_config(cfg, tmp_path / "r0", both, 0), tmp_path / "r0")
+    (saved,) = [h for h in history if h.get("probe") == "saved"]
+    checkpoint = tmp_path / "r0" / "checkpoints" / "step_0000002"
+    mixture = loader_state(checkpoint)["packer"]["mixture"]
+    # Roll back to step 2 and remove "sorting": the same restore the search does.
+    budgets = {"sorting": {"max_tokens": mixture["sorting"]["consumed"], "max_epochs": None},
+               "addition": {"max_tokens": None, "max_epochs": 1.0}}  # fmt: skip
+    history = fit_run(controller.rollout_config(cfg, tmp_path / "r1", budgets, 2), tmp_path / "r1", ckpt_path=str(checkpoint))
+    (restored,) = [h for h in history if h.get("probe") == "restored"]
+    for name, value in saved["params"].items():
+        assert torch.equal(restored["params"][name], value), name
+    for name, state in saved["optim"].items():
+        assert state.keys() == restored["optim"][name].keys()
+        assert all(torch.equal(restored["optim"][name][k], v) for k, v in state.items()), name
+    assert restored["sched"] == saved["sched"] == 2
+    final = loader_state(tmp_path / "r1" / "checkpoints" / "last")
+    assert final["tokens"]["sorting"] <= mixture["sorting"]["consumed"] + 64  # no sorting sample after the roll-back
+    assert final["packer"]["mixture"]["sorting"] == mixture["sorting"]
+
+
+@pytest.mark.slow
+def test_search_removes_every_source_once(tmp_path):
+    report = MSFT(compute=1.0, eval_every=2, baseline=True).run(_cfg(), tmp_path)
+    assert sorted(report["sources"]) == ["addition", "sorting"]
+    assert len(report["rollouts"]) == 2 and report["flops"] > 0
+    assert report["uniform"]["flops"] > 0 and (tmp_path / "msft.png").exists()
