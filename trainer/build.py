@@ -16,11 +16,18 @@ from strategies.mesh import MeshStrategy
 from strategies.parallel_dims import MESH_AXES, ParallelDims
 from trainer.config import ConfigError, micro_batch_size, world_size
 from trainer.data.module import TextDataModule
+from trainer.models.hf import is_hf_dir
 from trainer.task import Task
 
 
 def build_data(cfg: DictConfig) -> TextDataModule:
-    return instantiate(cfg.data, global_batch_size=cfg.train.global_batch_size, _convert_="all")
+    """The data module; with ``data.tokenizer=null`` and a Hugging Face ``model.init_from``, the
+    checkpoint's own ``tokenizer.json`` (and, beside it, its chat template)."""
+    extra = {}
+    init_from = cfg.model.get("init_from") if cfg.model is not None else None
+    if init_from and "tokenizer" in cfg.data and cfg.data.tokenizer is None and is_hf_dir(init_from):
+        extra["tokenizer"] = str(Path(init_from).expanduser() / "tokenizer.json")
+    return instantiate(cfg.data, global_batch_size=cfg.train.global_batch_size, _convert_="all", **extra)
 
 
 def build_model(cfg: DictConfig, *, vocab_size: int) -> nn.Module:

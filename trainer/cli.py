@@ -9,6 +9,8 @@ Invocations::
     plait my_recipes/long.yaml trainer.max_steps=2000 # a recipe file of your own
     plait pretrain --multirun optim.lr=1e-3,3e-4      # Hydra sweep, one run directory per job
     plait generate ckpt=runs/pretrain prompt="To be"  # sample from the newest checkpoint
+    plait export ckpt=runs/sft out=exports/sft        # a checkpoint as a Hugging Face directory
+    plait sft model=hf model.init_from=/models/Qwen3-0.6B  # start from a Hugging Face checkpoint
 
 Flow, top to bottom: RECIPE -> Hydra's own flags (so the argv that Lightning re-runs in child
 processes is self-describing) -> compose and validate before anything is launched or written ->
@@ -184,6 +186,10 @@ def main(argv: list[str] | None = None) -> None:
         from trainer.generate import main as generate_main
 
         return generate_main(argv[1:])
+    if argv and argv[0] == "export":
+        from trainer.export import main as export_main
+
+        return export_main(argv[1:])
     if argv and argv[0] in ("-h", "--help"):
         return print_help()
     argv = to_hydra_argv(argv)

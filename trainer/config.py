@@ -333,7 +333,7 @@ def _check_semantics(cfg: DictConfig, problems: list[str]) -> None:
                 f"train.global_batch_size={micro * dims.dp * max(1, per_rank // micro)}"
             )
     model, data = cfg.model, cfg.data
-    if model is not None and data is not None and "seq_len" in data and "max_seq_len" in model:
+    if model is not None and data is not None and "seq_len" in data and model.get("max_seq_len") is not None:
         if data.seq_len > model.max_seq_len:
             problems.append(
                 f"data.seq_len={data.seq_len} exceeds model.max_seq_len={model.max_seq_len}; lower data.seq_len or "
@@ -358,6 +358,10 @@ def _check_semantics(cfg: DictConfig, problems: list[str]) -> None:
         _check_local_sgd(cfg, dims, problems)
     if dims is not None and dims.cp > 1 and model is not None and "n_heads" in model and "cp_mode" in cfg.strategy:
         _check_context_parallel(cfg, dims, problems)
+    if model is not None and OmegaConf.select(model, "init_from", throw_on_missing=False):  # HF dir or plait checkpoint
+        from trainer.models.hf import init_from_problems
+
+        problems.extend(init_from_problems(model, dims=dims, data=data))
     objective = cfg.get("objective")
     if dims is not None and dims.tp > 1 and isinstance(objective, DictConfig) and objective.get("loss_chunk_tokens"):
         problems.append(

@@ -29,6 +29,7 @@ from torch import nn
 from typing_extensions import override
 
 from trainer.loggers import is_logging_step
+from trainer.models.hf import load_init_from
 from trainer.optim import DEFAULT_NO_DECAY, build_optimizer
 
 
@@ -91,6 +92,8 @@ class Task(L.LightningModule):
     def configure_model(self) -> None:
         # Models declare their structure; the strategy applies the layout (DESIGN section 3).
         self.trainer.strategy.parallelize(self.model)
+        # Pretrained weights go straight into the shards: each rank reads only what it holds.
+        load_init_from(self.model)
 
     @override
     def configure_optimizers(self) -> Any:

@@ -82,7 +82,11 @@ class Tokenizer:
         """
         if not Path(path).is_file():
             raise FileNotFoundError(f"tokenizer file {str(path)!r} does not exist")
-        return cls(tokenizers.Tokenizer.from_file(str(path)), eos_token=eos_token, pad_token=pad_token)
+        tok = tokenizers.Tokenizer.from_file(str(path))
+        if eos_token == DEFAULT_EOS and tok.token_to_id(eos_token) is None:
+            # A Hugging Face tokenizer names its own EOS (</s>, <|end_of_text|>, ...) beside it.
+            eos_token, pad_token = _hf_special_tokens(Path(path), eos_token, pad_token)
+        return cls(tok, eos_token=eos_token, pad_token=pad_token)
 
     @property
     def fingerprint(self) -> str:
@@ -162,6 +166,20 @@ def load_or_train(
     tok = train_bpe(texts() if callable(texts) else texts, vocab_size=vocab_size, eos_token=eos_token)
     tok.save(cached)
     return tok
+
+
+def _hf_special_tokens(path: Path, eos_token: str, pad_token: str) -> tuple[str, str]:
+    """``eos_token`` and ``pad_token`` of the ``tokenizer_config.json`` beside ``path`` (else the given ones)."""
+    import json
+
+    config_file = path.with_name("tokenizer_config.json")
+    config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+
+    def token(key: str, fallback: str) -> str:
+        value = config.get(key) or fallback
+        return value["content"] if isinstance(value, dict) else value
+
+    return token("eos_token", eos_token), token("pad_token", pad_token)
 
 
 def _write_atomic(path: Path, text: str) -> None:

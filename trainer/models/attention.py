@@ -12,19 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def rope_tables(
-    head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 cos/sin tables for RoPE, each ``[max_seq_len, head_dim // 2]``.
-
-    Frequency ``i`` is ``theta ** (-2i / head_dim)``; row ``p`` holds the angles
-    ``p * freq``.
-    """
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
-    angles_tf = torch.outer(positions, inv_freq)
-    return angles_tf.cos(), angles_tf.sin()
+from trainer.models.norm import RMSNorm
+from trainer.models.rope import rope_tables  # noqa: F401 - re-exported: RoPE tables live in rope.py
 
 
 def apply_rope(x_bthe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -87,18 +76,33 @@ class Attention(nn.Module):
     """Grouped-query self-attention with RoPE; the attention itself is ``self.core`` (SDPA by default).
 
     Each of the ``n_kv_heads`` key/value heads serves ``n_heads // n_kv_heads``
-    consecutive query heads (kv head j serves query heads j*r .. j*r + r - 1).
+    consecutive query heads (kv head j serves query heads j*r .. j*r + r - 1). ``head_dim`` E
+    defaults to ``dim // n_heads``; ``qkv_bias`` adds biases to the q/k/v projections (Qwen2);
+    ``qk_norm`` RMS-normalises each q and k head before RoPE (Qwen3, eps ``norm_eps``).
     """
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int,
+        *,
+        head_dim: int | None = None,
+        qkv_bias: bool = False,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
+    ) -> None:
         super().__init__()
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
-        self.head_dim = dim // n_heads
-        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
+        self.head_dim = dim // n_heads if head_dim is None else head_dim
+        self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        # QK-norm (Qwen3): RMSNorm of each query and key head over its E features, before RoPE.
+        self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
         # The attention computation proper (q, k, v -> output); context parallelism replaces it.
         self.core: Any = SDPA
 
@@ -109,6 +113,8 @@ class Attention(nn.Module):
         q_bthe = self.wq(x_btd).view(B, T, -1, self.head_dim)
         k_btke = self.wk(x_btd).view(B, T, -1, self.head_dim)
         v_btke = self.wv(x_btd).view(B, T, -1, self.head_dim)
+        if self.q_norm is not None:
+            q_bthe, k_btke = self.q_norm(q_bthe), self.k_norm(k_btke)
         q_bthe = apply_rope(q_bthe, cos, sin)
         k_btke = apply_rope(k_btke, cos, sin)
 

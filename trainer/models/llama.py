@@ -27,26 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 from typing_extensions import override
 
-from trainer.models.attention import SDPA, Attention, rope_tables
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square layer norm with a learned scale and no bias.
-
-    Computed in float32 and cast back to the input dtype.
-
-    Shapes: input ``[..., dim]`` -> output ``[..., dim]``.
-    """
-
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (x32 * self.weight.float()).to(x.dtype)
+from trainer.models.attention import SDPA, Attention
+from trainer.models.norm import RMSNorm
+from trainer.models.rope import rope_scaling_problems, rope_tables
 
 
 class FeedForward(nn.Module):
@@ -65,10 +48,10 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``h = x + attn(norm(x)); out = h + ffn(norm(h))``."""
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, ffn_dim: int, norm_eps: float) -> None:
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, ffn_dim: int, norm_eps: float, **attention: Any) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(dim, norm_eps)
-        self.attention = Attention(dim, n_heads, n_kv_heads)
+        self.attention = Attention(dim, n_heads, n_kv_heads, norm_eps=norm_eps, **attention)
         self.ffn_norm = RMSNorm(dim, norm_eps)
         self.feed_forward = FeedForward(dim, ffn_dim)
 
@@ -96,8 +79,8 @@ class Llama(nn.Module):
         vocab_size: number of token ids (embedding rows and logits).
         dim: model width D.
         n_layers: number of transformer blocks.
-        n_heads: query heads H; ``dim`` must be divisible by it and the head
-            dim ``dim // n_heads`` must be even (RoPE rotates feature pairs).
+        n_heads: query heads H; ``dim`` must be divisible by it unless ``head_dim``
+            is given; the head dim must be even (RoPE rotates feature pairs).
         n_kv_heads: key/value heads K (GQA); None means ``n_heads`` (plain
             multi-head attention). ``n_heads`` must be divisible by it.
         ffn_dim: SwiGLU hidden size; None means the Llama rule
@@ -108,9 +91,19 @@ class Llama(nn.Module):
         norm_eps: RMSNorm epsilon.
         tie_embeddings: if True, ``output.weight`` is ``tok_embeddings.weight``.
         init_std: std of the normal init of embeddings and linear weights.
+        head_dim: per-head width E; None means ``dim // n_heads`` (Qwen3 and some
+            Mistral checkpoints set their own).
+        qkv_bias: biases on the q/k/v projections (Qwen2).
+        qk_norm: RMSNorm of each q and k head before RoPE (Qwen3).
+        rope_scaling: a RoPE context-extension scaling, ``{"rope_type": "linear" |
+            "llama3" | "yarn", ...}`` as in Hugging Face configs (see `trainer.models.rope`).
+        init_from: where the weights come from: a Hugging Face model directory or a
+            plait checkpoint, loaded after the strategy has parallelized the model
+            (`trainer.models.hf.load_init_from`); None keeps the random init.
 
     Raises:
-        ValueError: if a size is not positive or the head counts do not divide.
+        ValueError: if a size is not positive, the head counts do not divide or the RoPE
+            scaling is unsupported.
 
     Pipeline stages may set ``tok_embeddings``, ``norm`` or ``output`` to None
     and delete entries of ``layers``; ``forward`` then takes and/or returns
@@ -131,28 +124,36 @@ class Llama(nn.Module):
         norm_eps: float = 1e-5,
         tie_embeddings: bool = False,
         init_std: float = 0.02,
+        head_dim: int | None = None,
+        qkv_bias: bool = False,
+        qk_norm: bool = False,
+        rope_scaling: dict[str, Any] | None = None,
+        init_from: str | None = None,
     ) -> None:
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        rope_scaling = dict(rope_scaling) if rope_scaling else None
         ffn_dim = llama_ffn_dim(dim) if ffn_dim is None else ffn_dim
         for name, value in [
             ("vocab_size", vocab_size), ("dim", dim), ("n_layers", n_layers), ("n_heads", n_heads),
             ("n_kv_heads", n_kv_heads), ("ffn_dim", ffn_dim), ("max_seq_len", max_seq_len),
+            ("head_dim", 2 if head_dim is None else head_dim),
         ]:  # fmt: skip
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         for name, value in [("rope_theta", rope_theta), ("norm_eps", norm_eps), ("init_std", init_std)]:
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
-        if dim % n_heads != 0:
+        if head_dim is None and dim % n_heads != 0:
             raise ValueError(
-                f"dim ({dim}) must be divisible by n_heads ({n_heads}); change dim or n_heads"
+                f"dim ({dim}) must be divisible by n_heads ({n_heads}); change dim or n_heads, or set head_dim"
             )
-        if (dim // n_heads) % 2 != 0:
+        if (head_dim or dim // n_heads) % 2 != 0:
             raise ValueError(
-                f"head dim dim/n_heads ({dim}/{n_heads} = {dim // n_heads}) must be even for RoPE; "
-                "change dim or n_heads"
+                f"head dim ({head_dim or dim // n_heads}) must be even for RoPE; change dim, n_heads or head_dim"
             )
+        if rope_scaling_problems(rope_scaling):
+            raise ValueError("; ".join(rope_scaling_problems(rope_scaling)))
         if n_heads % n_kv_heads != 0:
             raise ValueError(
                 f"n_heads ({n_heads}) must be divisible by n_kv_heads ({n_kv_heads}); "
@@ -164,17 +165,20 @@ class Llama(nn.Module):
         self.n_layers = n_layers
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
-        self.head_dim = dim // n_heads
+        self.head_dim = dim // n_heads if head_dim is None else head_dim
         self.ffn_dim = ffn_dim
         self.max_seq_len = max_seq_len
         self.rope_theta = rope_theta
         self.norm_eps = norm_eps
         self.tie_embeddings = tie_embeddings
         self.init_std = init_std
+        self.qkv_bias, self.qk_norm, self.rope_scaling = qkv_bias, qk_norm, rope_scaling
+        self.init_from = init_from
 
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(vocab_size, dim)
+        attention = {"head_dim": self.head_dim, "qkv_bias": qkv_bias, "qk_norm": qk_norm}
         self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(dim, n_heads, n_kv_heads, ffn_dim, norm_eps) for i in range(n_layers)}
+            {str(i): TransformerBlock(dim, n_heads, n_kv_heads, ffn_dim, norm_eps, **attention) for i in range(n_layers)}
         )
         self.attention_core: Any = SDPA  # see set_attention_core
         self.norm: RMSNorm | None = RMSNorm(dim, norm_eps)
@@ -184,11 +188,14 @@ class Llama(nn.Module):
 
         # Not saved in checkpoints (persistent=False): rebuilt by init_weights
         # and whenever a cast would otherwise leave them in low precision.
-        cos, sin = rope_tables(self.head_dim, max_seq_len, rope_theta)
+        cos, sin = self._rope_tables(None)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
         self.init_weights()
+
+    def _rope_tables(self, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_tables(self.head_dim, self.max_seq_len, self.rope_theta, device=device, scaling=self.rope_scaling)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -201,9 +208,7 @@ class Llama(nn.Module):
         torch's RNG state. Safe on a model built on the meta device and then
         moved with ``to_empty``; skips modules that are None.
         """
-        device = self.rope_cos.device
-        cos, sin = rope_tables(self.head_dim, self.max_seq_len, self.rope_theta, device=device)
-        self.rope_cos, self.rope_sin = cos, sin
+        self.rope_cos, self.rope_sin = self._rope_tables(self.rope_cos.device)
 
         residual_std = self.init_std / math.sqrt(2 * self.n_layers)
         if self.tok_embeddings is not None:
@@ -214,6 +219,8 @@ class Llama(nn.Module):
                     is_residual_out = name.endswith(("wo", "w2"))
                     std = residual_std if is_residual_out else self.init_std
                     nn.init.normal_(module.weight, mean=0.0, std=std)
+                    if module.bias is not None:
+                        nn.init.zeros_(module.bias)
                 elif isinstance(module, RMSNorm):
                     nn.init.ones_(module.weight)
         if self.norm is not None:
@@ -231,8 +238,7 @@ class Llama(nn.Module):
         # float32 on the new device instead.
         super()._apply(fn, recurse)
         if self.rope_cos.dtype != torch.float32:
-            cos, sin = rope_tables(self.head_dim, self.max_seq_len, self.rope_theta, device=self.rope_cos.device)
-            self.rope_cos, self.rope_sin = cos, sin
+            self.rope_cos, self.rope_sin = self._rope_tables(self.rope_cos.device)
         return self
 
     def forward(
@@ -346,6 +352,11 @@ class Llama(nn.Module):
                 "layers.*.attention": PrepareModuleInput(**attention_inputs),
                 "layers.*.feed_forward": PrepareModuleInput(**gather),
             })  # fmt: skip
+        if self.qk_norm:
+            # [B, T, heads/tp, E] per rank: the norm weight a replicated DTensor, so its gradient,
+            # a partial sum over this rank's heads, is summed over tp.
+            plan.update({f"layers.*.attention.{n}": SequenceParallel(sequence_dim=2, use_local_output=True)
+                         for n in ("q_norm", "k_norm")})  # fmt: skip
         # Pipeline stages drop some of these modules: plan only those present.
         present = {"tok_embeddings": self.tok_embeddings, "output": self.output, "norm": self.norm}
         return {k: v for k, v in plan.items() if present.get(k, True) is not None}

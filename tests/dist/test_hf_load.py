@@ -1,0 +1,96 @@
+"""A Hugging Face checkpoint loads into sharded models and exports back from them (issue 10).
+
+A random tiny Qwen3 written by ``transformers`` (QK-norm, head dim 32 != 64/4, GQA; see
+tests/hf_checkpoints.py) is trained for 3 SGD-with-momentum steps (fp32, lr 0.1, no clipping)
+from ``model=hf model.init_from=<dir>``: on one process, under ``strategy=fsdp trainer.devices=2``
+and under ``strategy=fsdp_tp trainer.devices=4`` (dp_shard 2 x tp 2, sequence and loss parallel).
+Each rank reads only its own slices of the safetensors file. Losses of every step and the
+parameters after the 3 steps match the one-process run (rtol/atol 1e-6, as tests/dist/
+test_equivalence.py). The FSDP run's sharded DCP checkpoint exports with ``plait export``, the
+FSDP x TP run exports live through the ``hf_export`` callback, and both exports hold the
+one-process parameters (atol 1e-6).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from harness import compose_config, fit, losses, plait
+from hf_checkpoints import make_hf_dir
+
+STEPS = 3
+TOL = {"rtol": 1e-6, "atol": 1e-6}
+WORDS = "thou art more lovely and temperate rough winds do shake the darling buds of may".split()
+LAYOUTS = {
+    "one_process": ["train.micro_batch_size=8"],
+    "fsdp2": ["strategy=fsdp", "trainer.devices=2"],
+    "fsdp2_x_tp2": ["strategy=fsdp_tp", "trainer.devices=4", "train.micro_batch_size=2", "callbacks.hf_export.at_end=true"],
+}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_load")
+    make_hf_dir("qwen3", root / "hf", max_position_embeddings=64)
+    rng = random.Random(0)
+    lines = [json.dumps({"text": " ".join(rng.choices(WORDS, k=rng.randint(3, 30)))}) for _ in range(400)]
+    (root / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def _overrides(root) -> list[str]:
+    return [
+        "model=hf", f"model.init_from={root / 'hf'}", f"data.path={root / 'docs.jsonl'}",
+        "optim=sgd", "scheduler=constant", "scheduler.warmup_steps=0", "train.max_grad_norm=0",
+        f"trainer.max_steps={STEPS}", "+callbacks.params._target_=harness.ParamRecorder",
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def runs(setup, tmp_path_factory) -> dict:
+    out = {}
+    for name, layout in LAYOUTS.items():
+        cfg = compose_config([*_overrides(setup), *layout])
+        run_dir = tmp_path_factory.mktemp(name)
+        _, task = fit(cfg, run_dir)
+        # What `plait` writes into a run directory, for the export from its checkpoint.
+        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+        shutil.copyfile(setup / "hf" / "tokenizer.json", run_dir / "tokenizer.json")  # data.tokenizer=null: the checkpoint's
+        params = [h["params"] for h in task.history if "params" in h][0]
+        out[name] = {"loss": losses(task.history), "params": params, "run_dir": run_dir}
+    return out
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "fsdp2_x_tp2"])
+def test_sharded_load_trains_like_one_process(runs, layout):
+    expected, run = runs["one_process"], runs[layout]
+    assert len(run["loss"]) == STEPS
+    torch.testing.assert_close(run["loss"], expected["loss"], **TOL, msg="losses (the first: the loaded weights)")
+    torch.testing.assert_close(run["params"], expected["params"], **TOL, msg=f"parameters after {STEPS} SGD steps")
+
+
+def _exported(directory) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    from trainer.models.hf import plait_name
+
+    return {plait_name(k): v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_exports_of_sharded_runs_hold_the_trained_weights(runs, tmp_path):
+    expected = runs["one_process"]["params"]
+    # The run's newest checkpoint, written by 2 FSDP ranks, through the CLI.
+    result = plait("export", f"ckpt={runs['fsdp2']['run_dir']}", f"out={tmp_path / 'from_ckpt'}")
+    assert result.returncode == 0, result.stderr
+    from_ckpt = _exported(tmp_path / "from_ckpt")
+    from_callback = _exported(runs["fsdp2_x_tp2"]["run_dir"] / "hf")
+    torch.testing.assert_close(from_ckpt, expected, **TOL)
+    torch.testing.assert_close(from_callback, expected, **TOL)
+    config = json.loads((runs["fsdp2_x_tp2"]["run_dir"] / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"] and config["head_dim"] == 32

@@ -1,0 +1,80 @@
+"""Tiny random Hugging Face checkpoints written by ``transformers`` (the independent reference).
+
+Each family's config is as small as a CPU test allows while still exercising what sets it apart:
+GQA and llama3 RoPE scaling (Llama 3), tied embeddings and linear scaling without GQA (Llama 2),
+q/k/v biases and YaRN (Qwen2), QK-norm and a head dim other than hidden/heads (Qwen3), a
+sliding window longer than the context (Mistral). Every parameter, biases and norm scales
+included, is drawn at random, so a wrong mapping cannot hide behind a default init.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="transformers (the dev extra) is the reference for HF checkpoints")
+
+VOCAB = 300  # even, so tp=2 divides the embedding rows
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_BASE = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6,
+)  # fmt: skip
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama3": ("LlamaConfig", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+                               "rope_theta": 500000.0}),
+    "llama2": ("LlamaConfig", {"num_key_value_heads": 4, "tie_word_embeddings": True,
+                               "rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    "qwen2": ("Qwen2Config", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}),
+    "qwen3": ("Qwen3Config", {"head_dim": 32}),
+    "mistral": ("MistralConfig", {"sliding_window": 256}),
+}  # fmt: skip
+
+
+def corpus_texts() -> list[str]:
+    words = "thou art more lovely and temperate rough winds do shake the darling buds of may".split()
+    return [" ".join(words[i:] + words[:i]) for i in range(len(words))] * 4
+
+
+def write_tokenizer(directory: Path) -> None:
+    """A byte-level BPE of ``VOCAB`` ids (plait's trainer) with a Qwen-like chat template beside it."""
+    from trainer.data.tokenizer import train_bpe
+
+    tok = train_bpe(corpus_texts(), vocab_size=VOCAB)
+    assert tok.vocab_size <= VOCAB
+    tok.save(directory / "tokenizer.json")
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+@torch.no_grad()
+def randomize(model: torch.nn.Module, seed: int = 0) -> None:
+    """Every parameter random: weights and biases ~ N(0, 0.05), norm scales ~ 1 + N(0, 0.1)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=gen)
+        p.copy_(1 + 0.1 * noise if "norm" in name else 0.05 * noise)
+
+
+def make_hf_dir(family: str, directory: Path, *, seed: int = 0, **overrides: Any) -> Any:
+    """Saves a random ``family`` model (fp32, safetensors) and a tokenizer in ``directory``; returns the model."""
+    config_cls, extra = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**{**_BASE, **extra, **overrides})
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    randomize(model, seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    write_tokenizer(directory)
+    return model
+
+
+def batch(seed: int = 0, rows: int = 2, seq_len: int = 32) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (rows, seq_len), generator=torch.Generator().manual_seed(seed))

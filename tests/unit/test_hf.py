@@ -1,0 +1,151 @@
+"""Hugging Face checkpoints in and out (issue 10): each family against ``transformers``, fp32.
+
+Per family (tests/hf_checkpoints.py): transformers builds a small random model and saves it;
+plait loads the directory and its logits on a fixed batch match transformers' within 1e-5; plait
+exports it back and transformers loads the export with bitwise identical logits. Unsupported
+fields fail in ``validate`` with a message naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hf_checkpoints import FAMILIES, batch, make_hf_dir, transformers
+from trainer.config import ConfigError, validate
+from trainer.data.tokenizer import Tokenizer
+from trainer.export import write_hf_dir
+from trainer.models.hf import llama_from_hf, load_init_from
+from trainer.models.llama import Llama
+
+TOL = 1e-5
+
+
+def _plait(directory) -> Llama:
+    model = llama_from_hf(str(directory))
+    load_init_from(model)
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_load_matches_transformers_and_export_round_trips(family, tmp_path):
+    hf = make_hf_dir(family, tmp_path / "hf")
+    ids = batch()
+    with torch.no_grad():
+        expected = hf(ids).logits
+        model = _plait(tmp_path / "hf")
+        got = model(ids)
+    assert (got - expected).abs().max().item() < TOL
+
+    # Export (sharded for one family: the index path both ways), then transformers reads it back.
+    shard_mb = 0.05 if family == "qwen3" else 5000
+    write_hf_dir(
+        tmp_path / "out", model=model, state=model.state_dict(), tokenizer=Tokenizer.from_file(tmp_path / "hf" / "tokenizer.json"),
+        sources=[tmp_path / "hf"], max_shard_mb=shard_mb,
+    )  # fmt: skip
+    assert (tmp_path / "out" / "model.safetensors.index.json").is_file() == (family == "qwen3")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    assert type(reloaded) is type(hf)
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, expected)
+    # The chat template travels with the export.
+    assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())["chat_template"]
+
+
+def test_plait_model_exports_to_transformers(tmp_path):
+    """A model plait trained from scratch (QK-norm, own head dim, tied) becomes a Qwen3 directory."""
+    from trainer.data.tokenizer import train_bpe
+
+    from hf_checkpoints import corpus_texts
+
+    torch.manual_seed(0)
+    model = Llama(vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=24, qk_norm=True,
+                  tie_embeddings=True, max_seq_len=64).eval()  # fmt: skip
+    tok = train_bpe(corpus_texts(), vocab_size=300)
+    write_hf_dir(tmp_path / "out", model=model, state=model.state_dict(), tokenizer=tok, sources=[])
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    ids = batch(seq_len=48)
+    with torch.no_grad():
+        assert (reloaded(ids).logits - model(ids)).abs().max().item() < TOL
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out").eos_token == "<|endoftext|>"
+
+
+def _config(tmp_path, **edits):
+    from hf_checkpoints import write_tokenizer
+    from trainer.cli import compose
+
+    make_hf_dir("llama3", tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    config = json.loads(path.read_text())
+    config.update(edits)
+    path.write_text(json.dumps(config))
+    write_tokenizer(tmp_path / "hf")
+    return compose("pretrain", ["model=hf", f"model.init_from={tmp_path / 'hf'}", "data.seq_len=64"])
+
+
+@pytest.mark.parametrize(
+    "edits, named",
+    [
+        ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "rope_parameters.rope_type='dynamic'"),
+        ({"rope_parameters": {"rope_type": "llama3", "factor": 2.0, "rope_theta": 1e4}}, "rope_parameters.low_freq_factor is required"),
+        ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "architectures=['GPT2LMHeadModel']"),
+        ({"mlp_bias": True}, "mlp_bias=True"),
+    ],
+)
+def test_unsupported_field_fails_in_validate(tmp_path, edits, named):
+    cfg = _config(tmp_path, **edits)
+    with pytest.raises(ConfigError, match="model.init_from=") as err:
+        validate(cfg)
+    assert named in str(err.value)
+
+
+def test_legacy_rope_scaling_layout_is_read(tmp_path):
+    """Older config.json files (rope_theta + rope_scaling with ``type``) mean the same tables."""
+    hf = make_hf_dir("llama3", tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    config = json.loads(path.read_text())
+    params = config.pop("rope_parameters")
+    config["rope_theta"] = params.pop("rope_theta")
+    config["rope_scaling"] = {**params, "type": params.pop("rope_type")}
+    path.write_text(json.dumps(config))
+    ids = batch()
+    with torch.no_grad():
+        assert (_plait(tmp_path / "hf")(ids) - hf(ids).logits).abs().max().item() < TOL
+
+
+def test_validate_guides_the_model_choice(tmp_path):
+    from trainer.cli import compose
+
+    cfg = _config(tmp_path)
+    validate(cfg)  # a supported checkpoint passes
+    tiny = compose("pretrain", [f"model.init_from={tmp_path / 'hf'}"])
+    with pytest.raises(ConfigError, match="use model=hf model.init_from="):
+        validate(tiny)
+    window = _config(tmp_path / "w", model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=32)
+    with pytest.raises(ConfigError, match="data.seq_len=64 exceeds the checkpoint's context of 32"):
+        validate(window)
+
+
+def test_checkpoint_tokenizer_and_chat_template_feed_the_data(tmp_path):
+    """With data.tokenizer=null the data module takes the checkpoint's tokenizer and chat template."""
+    from hf_checkpoints import CHAT_TEMPLATE
+    from trainer.build import build_data
+    from trainer.cli import compose
+
+    make_hf_dir("qwen3", tmp_path / "hf")
+    cfg = compose("sft", ["data=synthetic", "data.template=auto", "data.long_samples=split", "model=hf", f"model.init_from={tmp_path / 'hf'}"])
+    validate(cfg)
+    data = build_data(cfg)
+    assert data.tokenizer_path == str(tmp_path / "hf" / "tokenizer.json")
+    template = data.prepare().template
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert template is not None and template.render(messages) == transformers_render(CHAT_TEMPLATE, messages)
+
+
+def transformers_render(source: str, messages) -> str:
+    import jinja2
+
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    return env.from_string(source).render(messages=messages, add_generation_prompt=False)

@@ -1,0 +1,83 @@
+"""Writes the trained model as a Hugging Face directory during or after training (`trainer.export`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch.distributed as dist
+from typing_extensions import override
+
+from trainer.models.hf import is_hf_dir
+
+
+class HFExport(L.Callback):
+    """Hugging Face export of the model from the live (possibly sharded) run.
+
+    Every rank takes part in gathering the full weights (FSDP/TP shards, on CPU); rank 0 writes.
+    ``plait export ckpt=...`` does the same from a checkpoint after the run.
+
+    Args:
+        dirpath: the run directory (the trainer sets it); exports go to ``<dirpath>/hf`` (end of
+            training) and ``<dirpath>/hf_step_<N>`` (periodic).
+        at_end: export when training ends.
+        every_n_steps: also export every this many optimizer steps (0: never).
+        dtype: "float32", "bfloat16" or "float16"; None keeps the parameters' dtype.
+        max_shard_mb: safetensors shard size.
+
+    Raises:
+        ValueError: with pipeline parallelism (each rank holds one stage; export from a checkpoint).
+    """
+
+    def __init__(
+        self,
+        dirpath: str | None = None,
+        at_end: bool = False,
+        every_n_steps: int = 0,
+        dtype: str | None = None,
+        max_shard_mb: float = 5000.0,
+    ) -> None:
+        self.dirpath = Path(dirpath) if dirpath else Path(".")
+        self.at_end, self.every_n_steps = at_end, every_n_steps
+        self.dtype, self.max_shard_mb = dtype, max_shard_mb
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        dims = getattr(trainer.strategy, "dims", None)
+        if (self.at_end or self.every_n_steps) and dims is not None and dims.pp > 1:
+            raise ValueError(
+                "callbacks.hf_export needs pp=1 (each pipeline rank holds one stage); export after the run with "
+                "plait export ckpt=<run dir> out=<dir>"
+            )
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if self.every_n_steps and step % self.every_n_steps == 0:
+            self.export(trainer, pl_module, self.dirpath / f"hf_step_{step:07d}")
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.at_end:
+            self.export(trainer, pl_module, self.dirpath / "hf")
+
+    def export(self, trainer: L.Trainer, pl_module: L.LightningModule, out: Path) -> None:
+        """Gathers the full weights (collective) and writes ``out`` on rank 0."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from trainer.export import write_hf_dir
+
+        model = pl_module.model
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if trainer.is_global_zero:
+            data = trainer.datamodule
+            sources = [Path(p).expanduser() for p in [getattr(model, "init_from", None)] if p and is_hf_dir(p)]
+            tokenizer_path = getattr(data, "tokenizer_path", None)
+            sources += [Path(tokenizer_path).expanduser().parent] if tokenizer_path else []
+            write_hf_dir(
+                out, model=model, state=state, tokenizer=data.tokenizer, sources=sources,
+                dtype=self.dtype, max_shard_mb=self.max_shard_mb,
+            )  # fmt: skip
+        if dist.is_initialized():
+            dist.barrier()

@@ -1,0 +1,221 @@
+"""``plait export ckpt=... out=...``: write a plait checkpoint as a Hugging Face model directory.
+
+The directory has ``config.json`` (`hf_config`), the weights as safetensors
+(sharded with an index above ``max_shard_mb``), ``tokenizer.json`` and ``tokenizer_config.json``
+(the chat template of the model's source when it came from a Hugging Face directory, else a
+minimal one), so ``transformers.AutoModelForCausalLM.from_pretrained(out)`` loads it. Any
+checkpoint loads, whatever world size and layout wrote it (DCP reshards into one process).
+
+Invocation::
+
+    plait export ckpt=runs/sft out=exports/sft            # newest checkpoint of a run
+    plait export ckpt=runs/sft/checkpoints/step_0000100 out=exports/sft dtype=bfloat16
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from trainer.data.tokenizer import Tokenizer
+from trainer.models.hf import FAMILIES, INDEX_FILE, HFError, family_of, hf_name, is_hf_dir, read_config
+from trainer.models.llama import Llama
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Files of a source Hugging Face directory that describe the tokenizer and generation, copied as they are.
+_COPIED = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def _export_family(model: Llama, base: dict[str, Any] | None) -> str:
+    if base is not None and family_of(base) is not None:
+        return family_of(base)
+    if model.qk_norm and model.qkv_bias:
+        raise HFError("a model with both qk_norm and qkv_bias has no Hugging Face architecture in plait's families")
+    return "qwen3" if model.qk_norm else "qwen2" if model.qkv_bias else "llama"
+
+
+def hf_config(model: Llama, base: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    """A ``config.json`` for ``model``: ``base`` (the config it was loaded from, if any, so ids,
+    sliding window and other fields survive) with the architecture fields of ``model``; ``extra``
+    fields (token ids, dtype) on top.
+
+    Raises:
+        HFError: the model has a feature outside the chosen family.
+    """
+    family = _export_family(model, base)
+    if model.qk_norm != (family == "qwen3") or model.qkv_bias != (family == "qwen2"):
+        raise HFError(f"qk_norm={model.qk_norm}, qkv_bias={model.qkv_bias} do not fit the {FAMILIES[family]} architecture")
+    config = dict(base or {})
+    config.update(
+        architectures=[FAMILIES[family]],
+        model_type=family,
+        vocab_size=model.vocab_size,
+        hidden_size=model.dim,
+        intermediate_size=model.ffn_dim,
+        num_hidden_layers=model.n_layers,
+        num_attention_heads=model.n_heads,
+        num_key_value_heads=model.n_kv_heads,
+        head_dim=model.head_dim,
+        hidden_act="silu",
+        rms_norm_eps=model.norm_eps,
+        tie_word_embeddings=model.tie_embeddings,
+    )
+    config.setdefault("max_position_embeddings", model.max_seq_len)
+    if family != "qwen2":
+        config["attention_bias"] = False
+    if "rope_parameters" in config:  # the newer layout: keep it
+        config["rope_parameters"] = {"rope_theta": model.rope_theta, **(model.rope_scaling or {"rope_type": "default"})}
+    else:
+        config.update(rope_theta=model.rope_theta, rope_scaling=model.rope_scaling)
+    config.update(extra)
+    return config
+
+
+def hf_state_dict(state: dict[str, torch.Tensor], *, tie_embeddings: bool) -> dict[str, torch.Tensor]:
+    """Hugging Face names of a full plait state dict (tied ``output.weight`` left out, as HF saves it)."""
+    return {
+        hf_name(fqn): tensor.contiguous()
+        for fqn, tensor in state.items()
+        if not (tie_embeddings and fqn == "output.weight")
+    }
+
+
+def save_weights(state: dict[str, torch.Tensor], directory: str | os.PathLike, *, max_shard_bytes: int) -> list[Path]:
+    """Writes Hugging Face-named tensors as ``model.safetensors``, or as shards of at most about
+    ``max_shard_bytes`` plus ``model.safetensors.index.json``; returns the files written."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    if len(shards) == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        index = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())},
+            "weight_map": {name: file for file, shard in zip(names, shards) for name in shard},
+        }
+        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    for file, shard in zip(names, shards):
+        save_file(shard, str(directory / file), metadata={"format": "pt"})
+    return [directory / n for n in names]
+
+
+def source_dirs(run_cfg: DictConfig) -> list[Path]:
+    """Directories whose tokenizer/generation files describe this run's model: the Hugging Face
+    ``model.init_from`` and the directory of ``data.tokenizer`` (first found wins per file)."""
+    out = []
+    init_from = run_cfg.model.get("init_from") if run_cfg.model is not None else None
+    if init_from and is_hf_dir(init_from):
+        out.append(Path(init_from).expanduser())
+    tokenizer = run_cfg.data.get("tokenizer") if run_cfg.get("data") is not None else None
+    if tokenizer:
+        out.append(Path(tokenizer).expanduser().parent)
+    return out
+
+
+def write_hf_dir(
+    out: str | Path,
+    *,
+    model: nn.Module,
+    state: dict[str, torch.Tensor],
+    tokenizer: Tokenizer,
+    sources: list[Path],
+    dtype: str | None = None,
+    max_shard_mb: float = 5000.0,
+) -> Path:
+    """Writes a Hugging Face directory at ``out`` from a full plait state dict (CPU tensors).
+
+    Args:
+        model: the plait Llama the state belongs to (its architecture fields make the config).
+        sources: directories to copy ``tokenizer_config.json`` and friends from (`source_dirs`).
+        dtype: "float32", "bfloat16" or "float16"; None keeps the tensors' dtype.
+
+    Raises:
+        trainer.models.hf.HFError: the model has no Hugging Face architecture.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch_dtype = DTYPES[dtype] if dtype else next(iter(state.values())).dtype
+    tensors = {k: v.detach().to("cpu", torch_dtype) for k, v in hf_state_dict(state, tie_embeddings=model.tie_embeddings).items()}
+    base = next((read_config(d) for d in sources if is_hf_dir(d)), None)
+    extra: dict[str, Any] = {"torch_dtype": str(torch_dtype).removeprefix("torch.")}
+    if base is None:
+        extra.update(eos_token_id=tokenizer.eos_id, bos_token_id=None, pad_token_id=None)
+    (out / "config.json").write_text(json.dumps(hf_config(model, base, **extra), indent=2) + "\n", encoding="utf-8")
+    save_weights(tensors, out, max_shard_bytes=int(max_shard_mb * 2**20))
+    tokenizer.save(out / "tokenizer.json")
+    for name in _COPIED:
+        found = next((d / name for d in sources if (d / name).is_file()), None)
+        if found is not None:
+            shutil.copyfile(found, out / name)
+    if not (out / "tokenizer_config.json").is_file():
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tokenizer.eos_token, "model_max_length": model.max_seq_len}
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return out
+
+
+def export_checkpoint(ckpt: Path, out: str | Path, *, dtype: str | None = None, max_shard_mb: float = 5000.0) -> Path:
+    """Loads a plait checkpoint (one process, any saved layout) and writes it with `write_hf_dir`."""
+    from hydra.utils import instantiate
+
+    from strategies.checkpoint import load_model_weights
+
+    run_dir = ckpt.parent.parent
+    run_cfg = OmegaConf.load(run_dir / "config.yaml")
+    tokenizer = Tokenizer.from_file(run_dir / "tokenizer.json")
+    model = instantiate(run_cfg.model, vocab_size=run_cfg.model.get("vocab_size") or tokenizer.vocab_size)
+    load_model_weights(ckpt, model)
+    return write_hf_dir(
+        out, model=model, state=model.state_dict(), tokenizer=tokenizer, sources=source_dirs(run_cfg),
+        dtype=dtype, max_shard_mb=max_shard_mb,
+    )  # fmt: skip
+
+
+def main(argv: list[str]) -> None:
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from trainer.callbacks.checkpoint import resolve_checkpoint
+    from trainer.cli import CONF_DIR
+
+    def fail(message: str) -> None:
+        print(f"plait: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose("export", overrides=argv)
+        OmegaConf.to_container(cfg, throw_on_missing=True)
+    except (HydraException, OmegaConfBaseException) as err:
+        fail(f"{err.__cause__ or err} (usage: plait export ckpt=<run or checkpoint dir> out=<new dir>)")
+    if cfg.dtype is not None and cfg.dtype not in DTYPES:
+        fail(f"dtype={cfg.dtype} is unknown; use one of {', '.join(DTYPES)} or null (keep the checkpoint's)")
+    ckpt = resolve_checkpoint(cfg.ckpt)
+    if ckpt is None:
+        fail(f"ckpt={cfg.ckpt} names no checkpoint; give a run directory or a step_* checkpoint")
+    out = Path(cfg.out).expanduser()
+    if out.exists() and any(out.iterdir()):
+        fail(f"out={out} is not empty; choose a new directory")
+    try:
+        export_checkpoint(ckpt, out, dtype=cfg.dtype, max_shard_mb=cfg.max_shard_mb)
+    except HFError as err:
+        fail(str(err))
+    print(f"plait: wrote {out} (Hugging Face format) from {ckpt}")

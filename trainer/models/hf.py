@@ -1,0 +1,366 @@
+"""Hugging Face checkpoints in and out of `llama.Llama`: Llama 2/3, Mistral, Qwen2 and Qwen3.
+
+A Hugging Face model directory holds ``config.json``, the weights as ``*.safetensors`` (one file,
+or shards named by ``model.safetensors.index.json``) and the tokenizer (``tokenizer.json``,
+``tokenizer_config.json`` with its chat template). Reading needs only ``safetensors`` and json;
+``transformers`` is the tests' independent reference, never imported here.
+
+Weights load after the strategy has parallelized the model (`load_init_from`, called by
+``Task.configure_model``): each rank reads, for each of its parameters, only the slice its
+(FSDP and/or TP) shard holds, straight from the memory-mapped safetensors files. So no rank ever
+materialises a full copy of a sharded model, and pipeline stages read only their own layers.
+
+The names map one to one (plait's RoPE uses Hugging Face's half-split layout, so q/k rows need no
+permutation); `trainer.export` writes any plait Llama back as a Hugging Face directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainer.models.llama import Llama
+from trainer.models.rope import rope_scaling_problems, rope_type
+
+# model_type -> architecture class name.
+FAMILIES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+INDEX_FILE = "model.safetensors.index.json"
+# plait FQN pattern -> Hugging Face tensor name pattern (per layer: {i}).
+_LAYER_NAMES = {
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "attention.q_norm": "self_attn.q_norm",
+    "attention.k_norm": "self_attn.k_norm",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj",
+    "attention_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_TOP_NAMES = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
+
+
+class HFError(ValueError):
+    """A Hugging Face directory plait cannot read or write; the message names the field or file."""
+
+
+# ---------------------------------------------------------------------------------------------- config
+def is_hf_dir(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a Hugging Face model directory (it has a ``config.json``)."""
+    return (Path(path).expanduser() / "config.json").is_file()
+
+
+def read_config(directory: str | os.PathLike) -> dict[str, Any]:
+    """The ``config.json`` of a Hugging Face model directory.
+
+    Raises:
+        HFError: no readable ``config.json``.
+    """
+    path = Path(directory).expanduser() / "config.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise HFError(f"{path}: cannot read a Hugging Face config ({err})") from None
+
+
+def family_of(config: dict[str, Any]) -> str | None:
+    archs = config.get("architectures") or [FAMILIES.get(config.get("model_type"), "")]
+    return next((t for t, a in FAMILIES.items() if archs == [a] and config.get("model_type", t) == t), None)
+
+
+def rope_of(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """``(rope_theta, rope_scaling)`` of a config, in the older (``rope_theta`` + ``rope_scaling``)
+    or the newer (``rope_parameters``) Hugging Face layout; the scaling is None when there is none."""
+    params = dict(config.get("rope_parameters") or {})
+    theta = params.pop("rope_theta", config.get("rope_theta", 10000.0))
+    scaling = params or dict(config.get("rope_scaling") or {})
+    return float(theta), (scaling if rope_type(scaling) != "default" else None)
+
+
+def sliding_window(config: dict[str, Any]) -> int | None:
+    """The attention window the checkpoint's own model would apply, or None (full attention)."""
+    kinds = set(config.get("layer_types") or ["full_attention"])
+    if config.get("model_type") == "mistral" or config.get("use_sliding_window") or kinds != {"full_attention"}:
+        return config.get("sliding_window")
+    return None
+
+
+def config_problems(config: dict[str, Any], where: str = "config.json") -> list[str]:
+    """What plait's Llama cannot reproduce in a Hugging Face config; each message names the field."""
+    family = family_of(config)
+    if family is None:
+        return [
+            f"{where}: architectures={config.get('architectures')} (model_type={config.get('model_type')!r}) is not "
+            f"supported; supported: {', '.join(FAMILIES.values())}"
+        ]
+    problems = []
+    unsupported = {
+        "hidden_act": ("silu", "SwiGLU with silu only"),
+        "mlp_bias": (False, "no MLP biases"),
+        "attention_bias": (False, "q/k/v biases only in Qwen2 checkpoints, no o_proj bias"),
+        "partial_rotary_factor": (1.0, "RoPE on the whole head"),
+        "attention_dropout": (0.0, "no attention dropout"),
+        "quantization_config": (None, "unquantized weights"),
+    }
+    for field, (ok, why) in unsupported.items():
+        if config.get(field, ok) != ok:
+            problems.append(f"{where}: {field}={config[field]!r} is not supported ({why})")
+    _, scaling = rope_of(config)
+    key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+    problems += [f"{where}: {p}" for p in rope_scaling_problems(scaling, where=key)]
+    return problems
+
+
+def llama_kwargs(config: dict[str, Any]) -> dict[str, Any]:
+    """`Llama` constructor arguments of a (supported) Hugging Face config.
+
+    Raises:
+        HFError: the config has a field plait cannot reproduce (see `config_problems`).
+    """
+    problems = config_problems(config)
+    if problems:
+        raise HFError("; ".join(problems))
+    family, (theta, scaling) = family_of(config), rope_of(config)
+    max_seq_len = config.get("max_position_embeddings", 2048)
+    window = sliding_window(config)
+    return {
+        "vocab_size": config["vocab_size"],
+        "dim": config["hidden_size"],
+        "n_layers": config["num_hidden_layers"],
+        "n_heads": config["num_attention_heads"],
+        "n_kv_heads": config.get("num_key_value_heads") or config["num_attention_heads"],
+        "ffn_dim": config["intermediate_size"],
+        # A window at least as long as every sequence is no window: cap the context there.
+        "max_seq_len": min(max_seq_len, window) if window else max_seq_len,
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "norm_eps": config.get("rms_norm_eps", 1e-6),
+        "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "head_dim": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+        "qkv_bias": family == "qwen2",
+        "qk_norm": family == "qwen3",
+    }
+
+
+def llama_from_hf(
+    init_from: str, *, vocab_size: int | None = None, max_seq_len: int | None = None, init_std: float = 0.02
+) -> Llama:
+    """A `Llama` with the architecture of a Hugging Face directory; its weights load later
+    (`load_init_from`, after the strategy has parallelized the model). The ``model=hf`` preset.
+
+    Args:
+        init_from: the Hugging Face model directory.
+        vocab_size: the tokenizer's size (passed by the trainer); must not exceed the checkpoint's.
+        max_seq_len: RoPE table length; None: the checkpoint's ``max_position_embeddings`` (capped
+            at its sliding window). Must not exceed them.
+        init_std: init of weights the checkpoint does not hold (none for a complete checkpoint).
+
+    Raises:
+        HFError: an unsupported config, or sizes beyond the checkpoint's.
+    """
+    kwargs = llama_kwargs(read_config(init_from))
+    if vocab_size is not None and vocab_size > kwargs["vocab_size"]:
+        raise HFError(
+            f"the tokenizer has {vocab_size} tokens but {init_from}/config.json has vocab_size={kwargs['vocab_size']}; "
+            "use the checkpoint's own tokenizer (data.tokenizer=null takes it from model.init_from)"
+        )
+    if max_seq_len is not None:
+        if max_seq_len > kwargs["max_seq_len"]:
+            raise HFError(f"model.max_seq_len={max_seq_len} exceeds the checkpoint's {kwargs['max_seq_len']}")
+        kwargs["max_seq_len"] = max_seq_len
+    return Llama(**kwargs, init_std=init_std, init_from=str(init_from))
+
+
+# ---------------------------------------------------------------------------------------------- names
+def hf_name(fqn: str) -> str:
+    """Hugging Face tensor name of a plait parameter FQN (``layers.0.attention.wq.weight`` ->
+    ``model.layers.0.self_attn.q_proj.weight``).
+
+    Raises:
+        HFError: a name outside the Llama family's modules.
+    """
+    module, _, leaf = fqn.rpartition(".")
+    if module in _TOP_NAMES:
+        return f"{_TOP_NAMES[module]}.{leaf}"
+    match = re.fullmatch(r"layers\.(\d+)\.(.+)", module)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.{leaf}"
+    raise HFError(f"parameter {fqn} has no Hugging Face name")
+
+
+def plait_name(name: str) -> str | None:
+    """The plait FQN of a Hugging Face tensor name, or None (buffers such as ``rotary_emb.inv_freq``)."""
+    module, _, leaf = name.rpartition(".")
+    for plait, hf in _TOP_NAMES.items():
+        if module == hf:
+            return f"{plait}.{leaf}"
+    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", module)
+    inverse = {hf: plait for plait, hf in _LAYER_NAMES.items()}
+    if match and match.group(2) in inverse:
+        return f"layers.{match.group(1)}.{inverse[match.group(2)]}.{leaf}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- weights
+def weight_files(directory: str | os.PathLike) -> dict[str, Path]:
+    """Hugging Face tensor name -> the safetensors file holding it (from the index, else every file).
+
+    Raises:
+        HFError: no safetensors weights in ``directory``.
+    """
+    from safetensors import safe_open
+
+    directory = Path(directory).expanduser()
+    index = directory / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        return {name: directory / file for name, file in weight_map.items()}
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise HFError(f"{directory} has no *.safetensors weights (pytorch_model.bin is not read; re-save with safetensors)")
+    out = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            out.update({name: file for name in f.keys()})
+    return out
+
+
+def _local_slices(param: torch.Tensor) -> tuple[tuple[slice, ...], torch.Tensor]:
+    """The global index range of this rank's shard of ``param`` and the local tensor to fill."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(param, DTensor):
+        return tuple(slice(0, n) for n in param.shape), param.data
+    # Private but stable (DCP plans its reads with it): this rank's chunk of the global tensor.
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    local = param.to_local()
+    if tuple(local.shape) != tuple(shape):
+        raise HFError(f"a shard of {tuple(param.shape)} with placements {param.placements} is not one contiguous block")
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape)), local
+
+
+@torch.no_grad()
+def load_hf_weights(model: nn.Module, directory: str | os.PathLike) -> None:
+    """Fills every parameter ``model`` holds on this rank from a Hugging Face directory.
+
+    Each parameter (plain tensor or FSDP/TP DTensor shard) reads only its own slice of the
+    memory-mapped file and is cast to its dtype. No collective: every rank works alone.
+
+    Raises:
+        HFError: a tensor of the directory has no plait name, a parameter has no tensor, or shapes differ.
+    """
+    from safetensors import safe_open
+
+    files = weight_files(directory)
+    unknown = [n for n in files if plait_name(n) is None and not n.endswith("rotary_emb.inv_freq")]
+    if unknown:
+        raise HFError(f"{directory} holds tensors plait's Llama has no place for: {', '.join(unknown[:5])}")
+    handles: dict[Path, Any] = {}
+    try:
+        for fqn, param in model.named_parameters():
+            name = hf_name(fqn)
+            if name not in files and fqn == "output.weight":
+                name = "model.embed_tokens.weight"  # an untied model from a tied checkpoint
+            if name not in files:
+                raise HFError(f"{directory} has no tensor {name} for parameter {fqn}")
+            if files[name] not in handles:
+                handles[files[name]] = safe_open(str(files[name]), framework="pt").__enter__()
+            source = handles[files[name]].get_slice(name)
+            if list(source.get_shape()) != list(param.shape):
+                raise HFError(f"{name}: shape {source.get_shape()} in {directory}, plait's {fqn} is {list(param.shape)}")
+            index, local = _local_slices(param)
+            local.copy_(source[index])
+    finally:
+        for handle in handles.values():
+            handle.__exit__(None, None, None)
+
+
+def load_init_from(model: nn.Module) -> None:
+    """Loads ``model.init_from`` (a Hugging Face directory or a plait checkpoint / run directory)
+    into the (possibly parallelized) model; nothing when it is None. Every rank calls it.
+
+    Raises:
+        HFError: ``init_from`` is neither, or its weights do not fit the model.
+    """
+    source = getattr(model, "init_from", None)
+    if not source:
+        return
+    if is_hf_dir(source):
+        load_hf_weights(model, source)
+        return
+    from strategies.checkpoint import load_model_weights
+    from trainer.callbacks.checkpoint import resolve_checkpoint
+
+    ckpt = resolve_checkpoint(Path(source).expanduser())
+    if ckpt is None:
+        raise HFError(f"model.init_from={source} is neither a Hugging Face directory nor a plait checkpoint")
+    load_model_weights(ckpt, model)
+
+
+def init_from_problems(model: Any, *, dims: Any = None, data: Any = None) -> list[str]:
+    """Problems of ``model.init_from`` for `trainer.config.validate` (before any process group).
+
+    Args:
+        model: the composed ``model`` node (``init_from`` set).
+        dims: the resolved `ParallelDims` (checks tp and cp against the checkpoint's heads), or None.
+        data: the ``data`` node (its ``seq_len`` against the checkpoint's context and window).
+    """
+    from trainer.callbacks.checkpoint import resolve_checkpoint
+
+    source, target = str(model.init_from), str(model.get("_target_", ""))
+    wants_hf = target.endswith("llama_from_hf")
+    if not is_hf_dir(source):
+        if wants_hf:
+            return [f"model.init_from={source} has no config.json; model=hf needs a Hugging Face model directory"]
+        if resolve_checkpoint(Path(source).expanduser()) is None:
+            return [
+                f"model.init_from={source} is neither a Hugging Face model directory (config.json) nor a plait "
+                "checkpoint or run directory"
+            ]
+        return []
+    if not wants_hf:
+        return [
+            f"model.init_from={source} is a Hugging Face directory, whose config.json sets the architecture: "
+            f"use model=hf model.init_from={source}"
+        ]
+    try:
+        config = read_config(source)
+        kwargs = llama_kwargs(config)
+        weight_files(source)
+    except HFError as err:
+        return [f"model.init_from={source}: {err}"]
+    problems = []
+    max_seq_len = model.get("max_seq_len") or kwargs["max_seq_len"]
+    window = sliding_window(config)
+    seq_len = data.get("seq_len") if data is not None else None
+    if model.get("max_seq_len") and model.max_seq_len > kwargs["max_seq_len"]:
+        problems.append(
+            f"model.max_seq_len={model.max_seq_len} exceeds the checkpoint's context of {kwargs['max_seq_len']} "
+            f"(max_position_embeddings{' and sliding_window' if window else ''} of {source}/config.json)"
+        )
+    elif seq_len and seq_len > max_seq_len:
+        problems.append(f"data.seq_len={seq_len} exceeds the checkpoint's context of {max_seq_len}; lower data.seq_len")
+    if data is not None and "tokenizer" in data and data.tokenizer is None:
+        if not (Path(source).expanduser() / "tokenizer.json").is_file():
+            problems.append(f"model.init_from={source} has no tokenizer.json; give its tokenizer with data.tokenizer=...")
+    if dims is not None:
+        problems += dims.check_model(
+            n_layers=kwargs["n_layers"], n_heads=kwargs["n_heads"], n_kv_heads=kwargs["n_kv_heads"],
+            seq_len=seq_len or 0, vocab_size=kwargs["vocab_size"], ffn_dim=kwargs["ffn_dim"],
+        )  # fmt: skip
+    return problems
