@@ -72,7 +72,7 @@ def test_plait_model_exports_to_transformers(tmp_path):
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out").eos_token == "<|endoftext|>"
 
 
-def _config(tmp_path, **edits):
+def _config(tmp_path, *overrides, **edits):
     from hf_checkpoints import write_tokenizer
     from trainer.cli import compose
 
@@ -82,7 +82,7 @@ def _config(tmp_path, **edits):
     config.update(edits)
     path.write_text(json.dumps(config))
     write_tokenizer(tmp_path / "hf")
-    return compose("pretrain", ["model=hf", f"model.init_from={tmp_path / 'hf'}", "data.seq_len=64"])
+    return compose("pretrain", ["model=hf", f"model.init_from={tmp_path / 'hf'}", "data.seq_len=64", *overrides])
 
 
 @pytest.mark.parametrize(
@@ -126,6 +126,10 @@ def test_validate_guides_the_model_choice(tmp_path):
     window = _config(tmp_path / "w", model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=32)
     with pytest.raises(ConfigError, match="data.seq_len=64 exceeds the checkpoint's context of 32"):
         validate(window)
+    # The layout is checked against the checkpoint's heads before any process starts.
+    mqa = _config(tmp_path / "mqa", "strategy=tp", "trainer.devices=2", num_key_value_heads=1)
+    with pytest.raises(ConfigError, match="strategy.tp=2 does not divide n_heads=4 and n_kv_heads=1"):
+        validate(mqa)
 
 
 def test_checkpoint_tokenizer_and_chat_template_feed_the_data(tmp_path):
