@@ -340,18 +340,17 @@ class Llama(nn.Module):
             "layers.*.feed_forward.w3": ColwiseParallel(),
             "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=seq),
         }
+        # The input of attention and feed-forward becomes one replicated DTensor shared by the
+        # column-wise projections (use_local_output=False), so backward sums their partial input
+        # gradients first: one all-reduce (or, with SP, one reduce-scatter) per sub-block, the
+        # Megatron pattern, instead of one per projection. attention(x, cos, sin, mask): only x.
+        plan["layers.*.attention"] = PrepareModuleInput(
+            input_layouts=(seq, None, None, None), desired_input_layouts=(Replicate(), None, None, None)
+        )
+        plan["layers.*.feed_forward"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
         if sequence_parallel:
-            gather = {"input_layouts": (Shard(1),), "desired_input_layouts": (Replicate(),), "use_local_output": True}
-            # attention(x, cos, sin, mask): only x is sequence-sharded.
-            attention_inputs = {**gather, "input_layouts": (Shard(1), None, None, None),
-                                "desired_input_layouts": (Replicate(), None, None, None)}  # fmt: skip
-            plan.update({
-                "norm": SequenceParallel(),
-                "layers.*.attention_norm": SequenceParallel(),
-                "layers.*.ffn_norm": SequenceParallel(),
-                "layers.*.attention": PrepareModuleInput(**attention_inputs),
-                "layers.*.feed_forward": PrepareModuleInput(**gather),
-            })  # fmt: skip
+            plan.update({"norm": SequenceParallel(), "layers.*.attention_norm": SequenceParallel(),
+                         "layers.*.ffn_norm": SequenceParallel()})  # fmt: skip
         if self.qk_norm:
             # [B, T, heads/tp, E] per rank: the norm weight a replicated DTensor, so its gradient,
             # a partial sum over this rank's heads, is summed over tp.
