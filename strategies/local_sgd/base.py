@@ -3,7 +3,10 @@
 Islands are the ``dp_replicate`` mesh axis. Inside an island FSDP (dp_shard), TP, CP and PP
 synchronise every step as usual; across islands only these plugins communicate, on the
 ``dp_replicate`` process group: the rank at one (pp, dp_shard, cp, tp) position of each island talks
-to the ranks at the same position of the others, which hold the same shards.
+to the ranks at the same position of the others, which hold the same shards. Each island divides
+its loss by its own supervised-token count (`MeshStrategy.token_axis`); the logged train loss is
+the token-weighted mean over all islands. A validation between two synchronisations evaluates each
+island's parameters on its own rows (the logged figure is again the token-weighted mean).
 
 Bytes: an all-reduce of ``B`` bytes over ``n`` ranks is counted as ``2 (n - 1) / n * B`` bytes sent
 by each rank (ring all-reduce: reduce-scatter then all-gather, the bandwidth-optimal algorithm).

@@ -1,0 +1,147 @@
+"""Local SGD against DDP at equal tokens: final validation loss and bytes sent across replicas.
+
+Trains the ``pretrain`` recipe on the bundled corpus (Shakespeare + King James Bible) once per
+method, each with the same model init, the same rows in the same order and the same number of
+steps (so the same tokens), on ``--replicas`` gloo ranks of this machine:
+
+- ``ddp``: gradients all-reduced every step (``strategy=ddp``);
+- ``diloco10``, ``diloco50``: DiLoCo, H = 10 and 50, outer Nesterov SGD (lr 0.7, momentum 0.9);
+- ``desloc``: DES-LOC with K_x / K_u / K_v = 16 / 48 / 96;
+- ``local_adam``: Local Adam, parameters and both moments every 16 steps.
+
+Bytes are bytes each rank sends to the other replicas over the whole run, counted as a ring
+all-reduce (2 (n - 1) / n x message bytes, `strategies.local_sgd.allreduce_bytes_sent`): for the
+local-SGD runs as logged by the plugin, for DDP one fp32 all-reduce of every gradient per step.
+``--steps`` is a multiple of every parameter-sync period (10, 50, 16), so every method ends right
+after a parameter average and the final validation loss is that of one model shared by all
+replicas. Ratios are to DDP (loss ratio > 1: worse than DDP).
+
+Invocations::
+
+    OMP_NUM_THREADS=1 python bench/local_sgd.py                      # CPU, nano model: a few minutes on 2 cores
+    python bench/local_sgd.py --model tiny --seq-len 128 --steps 800 # larger, slower
+
+The last line is ``RESULT diloco50_bytes_ratio=<x> diloco50_loss_ratio=<y> desloc_bytes_ratio=<z>
+desloc_loss_ratio=<w>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank: the ranks share the cores
+
+from strategies.launch import LAUNCH_ENV  # noqa: E402
+from strategies.local_sgd import allreduce_bytes_sent  # noqa: E402
+from trainer.build import build_run  # noqa: E402
+from trainer.cli import compose  # noqa: E402
+from trainer.config import validate  # noqa: E402
+
+METHODS = {
+    "ddp": ["strategy=ddp"],
+    "diloco10": ["strategy=diloco", "strategy.local_sgd.sync_every=10"],
+    "diloco50": ["strategy=diloco", "strategy.local_sgd.sync_every=50"],
+    "desloc": ["strategy=desloc"],  # 16 / 48 / 96
+    "local_adam": ["strategy=local_adam"],  # 16
+}
+SYNC_PERIODS = (10, 50, 16)
+
+
+def train(method: str, args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
+    """One run in forked gloo ranks; returns rank 0's final validation loss, bytes sent and wall time."""
+    cfg = compose(
+        "pretrain",
+        [
+            *METHODS[method],
+            f"model={args.model}",
+            f"data.seq_len={args.seq_len}",
+            f"data.eval_rows={args.eval_rows}",
+            f"train.global_batch_size={args.global_batch_size}",
+            "train.eval_every=0",  # validation at step 0 and at the end only
+            f"trainer.max_steps={args.steps}",
+            f"trainer.devices={args.replicas}",
+            "trainer.enable_progress_bar=false",
+            f"trainer.log_every_n_steps={args.steps}",
+            "logger=none",
+            "~callbacks.plots",
+            "callbacks.checkpoint.every_n_steps=0",
+            "strategy.timeout_s=300",
+        ],
+    )
+    validate(cfg)
+    trainer, task, data = build_run(cfg, run_dir, launcher="fork")
+    start = time.perf_counter()
+    try:
+        trainer.fit(task, datamodule=data)
+    finally:
+        for key in LAUNCH_ENV:  # the next fit in this process must not look "launched externally"
+            os.environ.pop(key, None)
+    steps = [h for h in task.history if "loss" in h]
+    num_params = sum(p.numel() for p in task.model.parameters())
+    if method == "ddp":
+        sent = len(steps) * allreduce_bytes_sent(4 * num_params, args.replicas)  # fp32 gradients, every step
+    else:
+        sent = steps[-1]["comm/bytes_sent_total"]
+    return {
+        "val_loss": [h["val_loss"] for h in task.history if "val_loss" in h][-1],
+        "bytes": sent,
+        "steps": len(steps),
+        "params": num_params,
+        "wall_s": time.perf_counter() - start,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="nano")
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--global-batch-size", type=int, default=8)
+    parser.add_argument("--eval-rows", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    args = parser.parse_args()
+    if any(args.steps % k for k in SYNC_PERIODS):
+        sys.exit(f"--steps must be a multiple of {math.lcm(*SYNC_PERIODS)} (every parameter-sync period)")
+    if "ddp" not in args.methods:
+        sys.exit("--methods must include ddp (the reference)")
+
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="plait-bench-local-sgd-") as tmp:
+        for method in args.methods:
+            results[method] = train(method, args, Path(tmp) / method)
+            r = results[method]
+            print(f"{method}: val_loss={r['val_loss']:.4f} bytes_per_rank={r['bytes']:.4g} wall={r['wall_s']:.0f}s", flush=True)
+
+    ddp = results["ddp"]
+    print(
+        f"\n{args.replicas} replicas, model={args.model} ({ddp['params']} parameters), {args.steps} steps of "
+        f"{args.global_batch_size} x {args.seq_len} tokens, AdamW inner\n"
+    )
+    print("| method | final val loss | loss / DDP | bytes sent per rank | bytes / DDP | wall (s) |")
+    print("|---|---|---|---|---|---|")
+    for method, r in results.items():
+        print(
+            f"| {method} | {r['val_loss']:.4f} | {r['val_loss'] / ddp['val_loss']:.4f} | {r['bytes']:.4g} | "
+            f"{r['bytes'] / ddp['bytes']:.4f} | {r['wall_s']:.0f} |"
+        )
+    headline = []
+    for method in ("diloco50", "desloc"):
+        if method in results:
+            r = results[method]
+            headline += [
+                f"{method}_bytes_ratio={r['bytes'] / ddp['bytes']:.5f}",
+                f"{method}_loss_ratio={r['val_loss'] / ddp['val_loss']:.4f}",
+            ]
+    print("RESULT " + " ".join(headline))
+
+
+if __name__ == "__main__":
+    main()
