@@ -9,6 +9,7 @@ Invocations::
     plait my_recipes/long.yaml trainer.max_steps=2000 # a recipe file of your own
     plait pretrain --multirun optim.lr=1e-3,3e-4      # Hydra sweep, one run directory per job
     plait generate ckpt=runs/pretrain prompt="To be"  # sample from the newest checkpoint
+    plait plan model=llama3_8b cluster=h100x8 data.seq_len=8192   # ranked layouts, no training
     plait export ckpt=runs/sft out=exports/sft        # a checkpoint as a Hugging Face directory
     plait sft model=hf model.init_from=/models/Qwen3-0.6B  # start from a Hugging Face checkpoint
 
@@ -190,6 +191,10 @@ def main(argv: list[str] | None = None) -> None:
         from trainer.export import main as export_main
 
         return export_main(argv[1:])
+    if argv and argv[0] == "plan":
+        from trainer.plan import main as plan_main
+
+        return plan_main(argv[1:])
     if argv and argv[0] in ("-h", "--help"):
         return print_help()
     argv = to_hydra_argv(argv)

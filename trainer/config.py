@@ -69,6 +69,37 @@ class TrainerConfig:
 
 
 @dataclass
+class PlannerConfig:
+    """The layout planner (``plait plan``, strategies.planner) and its pre-launch memory check.
+
+    Attributes:
+        check: before a run starts, predict its per-device peak memory on ``cluster`` and fail
+            when it is over the cap, with the predicted breakdown.
+        calibrate: ``plait plan`` measures this machine first (matmul FLOP/s, memory and gloo
+            bandwidth, dispatch overhead) and plans with the measured figures.
+        top: rows of the ranked table.
+        schedules, cp_modes, ac_modes: pipeline schedules, context-parallel modes and activation
+            checkpointing modes (none, every_2, full) searched.
+        offload: also search activation offload.
+        max_micro_batch: largest micro-batch size searched.
+        hsdp: also search dp_replicate > 1.
+        float8, async_tp: kernels the time model assumes (torchtitan's; plait trains bf16/fp32).
+    """
+
+    check: bool = False
+    calibrate: bool = False
+    top: int = 10
+    schedules: list[str] = field(default_factory=lambda: ["1F1B", "Interleaved1F1B", "ZBV"])
+    cp_modes: list[str] = field(default_factory=lambda: ["ring", "ulysses"])
+    ac_modes: list[str] = field(default_factory=lambda: ["none", "every_2", "full"])
+    offload: bool = False
+    max_micro_batch: int = 8
+    hsdp: bool = True
+    float8: bool = False
+    async_tp: bool = False
+
+
+@dataclass
 class RunConfig:
     """Root of every recipe.
 
@@ -81,6 +112,8 @@ class RunConfig:
         budget: an optional ``_target_`` node of a budget search (``budget=msft``) that drives runs.
         logger: named ``_target_`` nodes of Lightning loggers.
         callbacks: named ``_target_`` nodes of Lightning callbacks.
+        cluster: a machine preset (``cluster=h100x8``, conf/cluster/) for the planner.
+        planner: the layout planner's settings (`PlannerConfig`).
     """
 
     recipe: str = "pretrain"
@@ -96,6 +129,8 @@ class RunConfig:
     logger: Any = None
     callbacks: Any = None
     budget: Any = None
+    cluster: Any = None
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 

@@ -88,6 +88,10 @@ def run(cfg: DictConfig) -> None:
         return
     try:
         validate(cfg)
+        if OmegaConf.select(cfg, "planner.check"):  # a predicted out-of-memory fails here, before any process starts
+            from trainer.plan import check_memory
+
+            check_memory(cfg)
         ckpt_path = check_run_dir(cfg, run_dir)
         trainer, task, data = build_run(cfg, run_dir)
         check_train_batches(cfg, data)

@@ -131,3 +131,28 @@ class MemoryProbe(L.Callback):
         path = Path(self.dirpath or trainer.default_root_dir) / f"memory_rank{trainer.global_rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self._out))
+
+
+class StepTimer(L.Callback):
+    """Writes rank 0's wall time of every training step (seconds) to ``dirpath/step_times.json``."""
+
+    def __init__(self, dirpath: str | None = None) -> None:
+        self.dirpath = dirpath
+        self.times: list[float] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        import time
+
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        import time
+
+        self.times.append(time.perf_counter() - self._start)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+        if trainer.global_rank == 0:
+            path = Path(self.dirpath or trainer.default_root_dir) / "step_times.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(self.times))

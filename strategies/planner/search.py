@@ -1,0 +1,117 @@
+"""Enumerate layouts, predict each, drop those over the memory cap, rank the rest by step time.
+
+The space (Mist, Zhu et al. 2025; Merak, Lai et al. 2023): every factorisation of the world size
+into dp_replicate x dp_shard x cp x tp x pp that the model and batch allow (tp inside a node and
+dividing the heads, vocabulary and ffn width; pp at most the layers; seq_len divisible by 2 cp;
+dp dividing the global batch), each pipeline schedule with its virtual stages, each context-parallel
+mode the heads allow, every micro-batch size the batch divides (up to ``max_micro_batch``), and
+activation checkpointing none / every other block / full, with and without activation offload.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from strategies.context import context_parallel_problems
+from strategies.parallel_dims import divisors
+from strategies.pipeline import SCHEDULES, check_pipeline, stages_per_rank_of
+from strategies.planner.layout import Layout, ModelShape, Workload
+from strategies.planner.memory import MemoryBreakdown, predict_memory
+from strategies.planner.time import Cluster, StepTime, predict_time, tokens_per_second_per_device
+from strategies.tensor import tp_divisibility_problems
+
+
+@dataclass
+class Plan:
+    """One layout with its predictions."""
+
+    layout: Layout
+    memory: MemoryBreakdown
+    time: StepTime
+    tokens_per_s: float
+    fits: bool
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Which knobs the search varies (the degrees are always enumerated).
+
+    Args:
+        schedules: pipeline schedules tried when pp > 1.
+        cp_modes: context-parallel modes tried when cp > 1.
+        ac_modes: activation checkpointing: "none", "every_2" (every other block), "full".
+        offload: also try activation offload.
+        max_micro_batch: largest micro-batch size tried.
+        hsdp: also try dp_replicate > 1 (DDP / HSDP replicas).
+    """
+
+    schedules: Sequence[str] = ("1F1B", "Interleaved1F1B", "ZBV")
+    cp_modes: Sequence[str] = ("ring", "ulysses")
+    ac_modes: Sequence[str] = ("none", "every_2", "full")
+    offload: bool = False
+    max_micro_batch: int = 8
+    hsdp: bool = True
+
+
+def _degrees(world: int, shape: ModelShape, work: Workload, devices_per_node: int, hsdp: bool) -> Iterator[tuple[int, ...]]:
+    for tp in divisors(world):
+        if tp > devices_per_node or tp_divisibility_problems(
+            tp, n_heads=shape.n_heads, n_kv_heads=shape.n_kv_heads, vocab_size=shape.vocab_size, ffn_dim=shape.ffn_dim
+        ):
+            continue
+        for pp in divisors(world // tp):
+            if pp > shape.n_layers:
+                continue
+            for cp in divisors(world // (tp * pp)):
+                if cp > 1 and work.seq_len % (2 * cp):
+                    continue
+                dp = world // (tp * pp * cp)
+                if work.global_batch_size % dp:
+                    continue
+                for dp_replicate in divisors(dp) if hsdp else [1]:
+                    yield dp_replicate, dp // dp_replicate, cp, tp, pp
+
+
+def candidate_layouts(shape: ModelShape, work: Workload, cluster: Cluster, space: SearchSpace) -> Iterator[Layout]:
+    """Every valid layout of ``space`` on ``cluster.world_size`` ranks."""
+    for dp_replicate, dp_shard, cp, tp, pp in _degrees(cluster.world_size, shape, work, cluster.devices_per_node, space.hsdp):
+        per_rank = work.global_batch_size // (dp_replicate * dp_shard)
+        base = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp)
+        for micro in [b for b in divisors(per_rank) if b <= space.max_micro_batch]:
+            for sched in space.schedules if pp > 1 else ["1F1B"]:
+                v = stages_per_rank_of(sched, None)
+                if pp > 1 and check_pipeline(
+                    pp=pp, schedule=sched, stages_per_rank=None, split_points=None, num_microbatches=None,
+                    microbatches_per_step=per_rank // micro, n_layers=shape.n_layers, tie_embeddings=shape.tie_embeddings,
+                ):  # fmt: skip
+                    continue
+                for mode in space.cp_modes if cp > 1 else ["ring"]:
+                    if context_parallel_problems(
+                        mode=mode, cp=cp, tp=tp, ulysses_degree=2, n_heads=shape.n_heads, n_kv_heads=shape.n_kv_heads
+                    ):
+                        continue
+                    for ac in space.ac_modes:
+                        for offload in (False, True) if space.offload else (False,):
+                            yield base.with_(
+                                pp_schedule=sched, stages_per_rank=v if pp > 1 else 1, cp_mode=mode,
+                                micro_batch_size=micro, ac="every_k" if ac.startswith("every_") else ac,
+                                ac_every_k=int(ac.split("_")[1]) if ac.startswith("every_") else 1,
+                                activation_offload=offload,
+                            )  # fmt: skip
+
+
+def evaluate(shape: ModelShape, layout: Layout, work: Workload, cluster: Cluster) -> Plan:
+    """Predictions of one layout."""
+    memory = predict_memory(shape, layout, work, device=cluster.device)
+    step = predict_time(shape, layout, work, cluster)
+    return Plan(layout, memory, step, tokens_per_second_per_device(layout, work, step), memory.total <= cluster.memory_cap)
+
+
+def search(shape: ModelShape, work: Workload, cluster: Cluster, space: SearchSpace = SearchSpace()) -> list[Plan]:
+    """Every candidate layout, fitting ones first, each group by predicted step time (fastest first)."""
+    plans = [evaluate(shape, layout, work, cluster) for layout in candidate_layouts(shape, work, cluster, space)]
+    return sorted(plans, key=lambda p: (not p.fits, p.time.total))
+
+
+__all__ = ["Plan", "SearchSpace", "candidate_layouts", "evaluate", "search", "SCHEDULES"]

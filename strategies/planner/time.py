@@ -1,0 +1,238 @@
+"""Predicted step time of one layout: FLOPs over achievable rates, bytes over links, with overlap.
+
+Sources: Narayanan et al. 2021 (Megatron-LM: tensor-parallel all-gather/reduce-scatter volumes,
+pipeline bubble (pp - 1) / (m v) of interleaved 1F1B); Qi et al. 2024 (zero-bubble schedules);
+Zhao et al. 2023 (FSDP: all-gather in forward and backward, reduce-scatter of gradients, both
+prefetched under compute); Liu et al. 2023 (ring attention: k/v blocks passed under the block
+computation); Pipette (Yim et al. 2024, DATE) and Mist (Zhu et al. 2025) for a critical-path model
+with overlap checked against real runs.
+
+Per micro-batch and layer: matmul FLOPs (6 x weights x tokens, + 2 x for recomputation under
+checkpointing) at ``peak x matmul_efficiency``, causal attention FLOPs at ``peak x
+attention_efficiency``, elementwise traffic (the saved activations, read and written a few times)
+at HBM bandwidth, and a per-layer dispatch overhead (CPU eager; DTensor layouts pay more). Tensor-
+and Ulysses-parallel collectives are exposed (async TP hides a fraction); ring attention's k/v passes hide
+under the attention; FSDP's gathers and reduce-scatters hide under the compute except one layer's
+worth. The pipeline adds its bubble and stage-to-stage sends; the optimizer streams its state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from strategies.planner.layout import Layout, ModelShape, Workload
+from strategies.planner.memory import (
+    layer_activation_bytes,
+    rank_of,
+    rank_params,
+    stage_plan,
+    state_bytes,
+)
+
+MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A machine type and its links (conf/cluster/*.yaml; measured by `calibrate`).
+
+    Args:
+        name: preset name.
+        device: "cuda" or "cpu".
+        devices_per_node, num_nodes: ranks per node and nodes.
+        memory_gib: memory per device; ``reserved_gib`` of it is not for tensors (context,
+            communication buffers, allocator slack).
+        peak_flops: dense matmul peak per device in the compute dtype (FLOP/s); ``peak_flops_fp8``
+            for float8 matmuls.
+        matmul_efficiency, attention_efficiency: achievable fractions of the peak.
+        hbm_bandwidth: device memory bandwidth (bytes/s).
+        intra_node_bandwidth, inter_node_bandwidth: achievable collective bus bandwidth per device
+            (bytes/s) inside a node and across nodes.
+        latency_s: per-collective latency.
+        layer_overhead_s: host dispatch time per layer, micro-batch and pass (eager CPU); DTensor
+            layouts (tp > 1) pay ``dtensor_overhead`` times it.
+        step_overhead_s: fixed time per optimizer step (loop, logging).
+        cores: CPU cores shared by the ranks of a node (None on accelerators): more ranks than
+            cores share them.
+        elementwise_passes: reads+writes of each saved activation byte per pass (halved by compile).
+        async_tp_overlap: fraction of the tensor-parallel collectives async TP hides (torchtitan
+            reports 1.04-1.16x from async TP, so a fraction, not all, of them).
+    """
+
+    name: str = "cluster"
+    device: str = "cuda"
+    devices_per_node: int = 8
+    num_nodes: int = 1
+    memory_gib: float = 80.0
+    reserved_gib: float = 2.0
+    peak_flops: float = 989e12
+    peak_flops_fp8: float = 1979e12
+    matmul_efficiency: float = 0.6
+    attention_efficiency: float = 0.4
+    hbm_bandwidth: float = 3.35e12
+    intra_node_bandwidth: float = 360e9
+    inter_node_bandwidth: float = 45e9
+    latency_s: float = 20e-6
+    layer_overhead_s: float = 0.0
+    dtensor_overhead: float = 1.0
+    step_overhead_s: float = 0.0
+    cores: int | None = None
+    elementwise_passes: float = 4.0
+    async_tp_overlap: float = 0.2
+
+    @property
+    def world_size(self) -> int:
+        return self.devices_per_node * self.num_nodes
+
+    @property
+    def memory_cap(self) -> float:
+        return (self.memory_gib - self.reserved_gib) * 1024**3
+
+
+@dataclass
+class StepTime:
+    """Predicted seconds of one optimizer step on the slowest rank, by part."""
+
+    compute: float
+    tp_comm: float
+    cp_comm: float
+    fsdp_comm: float
+    pp_bubble: float
+    pp_comm: float
+    optimizer: float
+    overhead: float
+
+    @property
+    def total(self) -> float:
+        return sum(asdict(self).values())
+
+    def as_dict(self) -> dict[str, float]:
+        return {**asdict(self), "total": self.total}
+
+
+def axis_bandwidth(layout: Layout, cluster: Cluster, axes: tuple[str, ...]) -> float:
+    """Bus bandwidth of a collective over ``axes``: intra-node when the group's ranks (with the mesh's
+    inner axes between them) fit in one node, else the inter-node link."""
+    inner = 1
+    for axis in reversed(MESH_AXES):
+        inner *= getattr(layout, axis)
+        if axis == min(axes, key=MESH_AXES.index):
+            break
+    return cluster.intra_node_bandwidth if inner <= cluster.devices_per_node else cluster.inter_node_bandwidth
+
+
+def _rate_share(layout: Layout, cluster: Cluster) -> float:
+    """Fraction of one device's peak a rank gets (CPU ranks beyond the cores share them)."""
+    if cluster.cores is None:
+        return 1.0
+    ranks_per_node = min(layout.world_size, cluster.devices_per_node)
+    return min(1.0, cluster.cores / ranks_per_node)
+
+
+def stage_compute(shape: ModelShape, layout: Layout, work: Workload, cluster: Cluster, *, layers: range, last: bool) -> float:
+    """Seconds of forward + backward (+ recomputation) of one micro-batch through one stage."""
+    tokens = layout.micro_batch_size * work.seq_len // layout.cp
+    share = _rate_share(layout, cluster)
+    mm_peak = (cluster.peak_flops_fp8 if work.float8 else cluster.peak_flops) * cluster.matmul_efficiency * share
+    attn_peak = cluster.peak_flops * cluster.attention_efficiency * share
+    layer_mm = 2 * tokens * shape.matmul_params_per_layer() / layout.tp
+    layer_attn = 2 * tokens * work.seq_len * shape.dim / layout.tp  # causal: half of QK^T and AV
+    layer_bytes = layer_activation_bytes(shape, layout, work, tokens, device=cluster.device)
+    passes = cluster.elementwise_passes * (0.5 if work.compile else 1.0)
+    dispatch = cluster.layer_overhead_s * (cluster.dtensor_overhead if layout.tp > 1 else 1.0)
+    total = 0.0
+    for i in layers:
+        recompute = layout.ac == "full" or layout.ac == "every_k" and i % layout.ac_every_k == 0
+        fwd_passes = 4 if recompute else 3  # forward, backward = 2 forwards, recomputed forward
+        total += fwd_passes * (layer_mm / mm_peak + layer_attn / attn_peak)
+        total += fwd_passes * passes * layer_bytes / cluster.hbm_bandwidth / share + fwd_passes * dispatch
+    if last:
+        head = 2 * tokens * shape.dim * shape.vocab_size / layout.tp
+        total += 3 * head / mm_peak + 3 * tokens * 4 * shape.vocab_size / layout.tp * 2 / cluster.hbm_bandwidth / share
+    return total
+
+
+def _collective(volume: float, count: int, bandwidth: float, cluster: Cluster) -> float:
+    return volume / bandwidth + count * cluster.latency_s
+
+
+def predict_time(shape: ModelShape, layout: Layout, work: Workload, cluster: Cluster) -> StepTime:
+    """Predicted time of one optimizer step (seconds), on the slowest pipeline rank."""
+    m = work.microbatches(layout)
+    tokens = layout.micro_batch_size * work.seq_len // layout.cp
+    a = work.act_bytes
+    stage_times, rank_layers = [], []
+    for pp_rank in range(layout.pp):
+        stages, layers, num_stages = stage_plan(shape, layout, pp_rank)
+        stage_times.append(
+            sum(stage_compute(shape, layout, work, cluster, layers=layers[s], last=s == num_stages - 1) for s in stages)
+        )
+        rank_layers.append(sum(len(layers[s]) for s in stages))
+    slowest = max(range(layout.pp), key=lambda r: stage_times[r])
+    t_mb, n_layers = stage_times[slowest], rank_layers[slowest]
+    compute = m * t_mb
+    passes = 3 if layout.ac != "full" else 4  # forward-like passes that run the layer's collectives
+
+    tp_comm = 0.0
+    if layout.tp > 1:  # all-gather + reduce-scatter around attention and MLP, per pass
+        per = tokens * shape.dim * a * (layout.tp - 1) / layout.tp
+        bw = axis_bandwidth(layout, cluster, ("tp",))
+        tp_comm = m * n_layers * passes * _collective(4 * per, 4, bw, cluster) * (1.0 - cluster.async_tp_overlap if work.async_tp else 1.0)
+
+    cp_comm = 0.0
+    if layout.cp > 1:
+        e, kv, heads = shape.head_dim, shape.n_kv_heads // layout.tp, shape.n_heads // layout.tp
+        bw = axis_bandwidth(layout, cluster, ("cp",))
+        if layout.cp_mode == "ulysses":
+            per = tokens * (2 * heads + 2 * kv) * e * a * (layout.cp - 1) / layout.cp
+            cp_comm = m * n_layers * passes * _collective(per, 4, bw, cluster)
+        else:  # ring: k and v blocks (and their gradients in backward) pass cp - 1 times, under the attention
+            kv_bytes = tokens * 2 * kv * e * a * (layout.cp - 1)
+            ring = _collective(kv_bytes * passes, 2 * passes * (layout.cp - 1), bw, cluster)
+            attn = passes * 2 * tokens * work.seq_len * shape.dim / layout.tp / (cluster.peak_flops * cluster.attention_efficiency * _rate_share(layout, cluster))
+            cp_comm = m * n_layers * max(0.0, ring - attn) + m * n_layers * 2 * passes * (layout.cp - 1) * cluster.latency_s
+
+    fsdp_comm = 0.0
+    rank = rank_of(layout, pp=slowest)
+    params_rank = sum(_numel(p, layout) for p in rank_params(shape, layout, slowest))
+    if layout.uses_fsdp:
+        s, r = layout.fsdp_shards, layout.dp_replicate
+        bw = axis_bandwidth(layout, cluster, ("dp_shard", "cp") if s > 1 else ("dp_replicate",))
+        comm = 0.0
+        if s > 1:
+            gathers = 2 * m  # forward and backward of every micro-batch
+            comm += _collective(gathers * params_rank * a * (s - 1) / s, gathers * (n_layers + 1), bw, cluster)
+            comm += _collective(params_rank * work.param_bytes * (s - 1) / s, n_layers + 1, bw, cluster)
+        if r > 1:
+            bw_r = axis_bandwidth(layout, cluster, ("dp_replicate",))
+            comm += _collective(2 * params_rank / s * work.param_bytes * (r - 1) / r, n_layers + 1, bw_r, cluster)
+        # Prefetched under compute; one layer's worth (the first gather, the last reduction) shows.
+        fsdp_comm = max(0.0, comm - compute) + comm / max(n_layers, 1)
+
+    pp_bubble = pp_comm = 0.0
+    if layout.pp > 1:
+        v = layout.stages_per_rank
+        bubble = (layout.pp - 1) / v * (t_mb / 1.0)
+        if layout.pp_schedule in ("InterleavedZeroBubble", "ZBV", "DualPipeV"):
+            bubble /= 3  # weight-gradient work fills most of the bubble
+        pp_bubble = bubble
+        hop = tokens * shape.dim * a / (layout.tp if layout.sequence_parallel else 1)
+        bw = axis_bandwidth(layout, cluster, ("pp",))
+        pp_comm = _collective(2 * m * v * hop, 2 * m * v, bw, cluster)
+
+    params_b, grads_b, optim_b = state_bytes(shape, layout, work, rank)
+    optimizer = (params_b + grads_b + 2 * optim_b) / cluster.hbm_bandwidth / _rate_share(layout, cluster)
+    optimizer += len(rank_params(shape, layout, slowest)) * cluster.layer_overhead_s / 4
+    return StepTime(compute, tp_comm, cp_comm, fsdp_comm, pp_bubble, pp_comm, optimizer, cluster.step_overhead_s)
+
+
+def _numel(p, layout: Layout) -> int:
+    import math
+
+    n = math.prod(p.shape)
+    return n // layout.tp if p.tp_dim is not None and layout.tp > 1 else n
+
+
+def tokens_per_second_per_device(layout: Layout, work: Workload, step: StepTime) -> float:
+    """Training tokens per second per device."""
+    return work.global_batch_size * work.seq_len / step.total / layout.world_size

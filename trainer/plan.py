@@ -1,0 +1,96 @@
+"""``plait plan [RECIPE] overrides``: rank parallel layouts before training; ``planner.check``.
+
+Invocations::
+
+    plait plan model=llama3_8b data.seq_len=8192 train.global_batch_size=16 cluster=h100x8
+    plait plan model=llama3_70b cluster=h100x256 train.global_batch_size=512 trainer.precision=bf16-mixed
+    plait plan model=nano cluster=cpu trainer.devices=2 planner.calibrate=true   # measure this machine first
+    plait pretrain planner.check=true cluster=h100x8 model=llama3_8b ...        # fail a predicted OOM
+
+The config is composed exactly as for a run (same recipe, same overrides), so the model, sequence
+length, global batch, precision and optimizer are the run's; ``cluster=`` names the machine.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from omegaconf import DictConfig, OmegaConf
+
+from trainer.config import ConfigError
+
+
+def cluster_from_config(cfg: DictConfig):  # -> strategies.planner.time.Cluster
+    """The `Cluster` of ``cfg.cluster``; a CPU preset takes its ranks from trainer.devices/num_nodes.
+
+    Raises:
+        ConfigError: no cluster selected.
+    """
+    from strategies.planner.time import Cluster
+
+    if cfg.get("cluster") is None:
+        raise ConfigError(["the planner needs a machine: add cluster=<preset> (conf/cluster/: h100x8, h100x64, cpu, ...)"])
+    fields = OmegaConf.to_container(cfg.cluster, resolve=True)
+    if fields.get("device") == "cpu":
+        fields.update(devices_per_node=int(cfg.trainer.devices), num_nodes=int(cfg.trainer.num_nodes))
+    return Cluster(**fields)
+
+
+def check_memory(cfg: DictConfig) -> None:
+    """``planner.check``: predicted per-device peak memory of the run's layout against the cluster's cap.
+
+    Raises:
+        ConfigError: the prediction is over the cap (the message holds the breakdown), or no cluster.
+    """
+    from strategies.planner.layout import layout_from_config, shape_from_config, workload_from_config
+    from strategies.planner.memory import predict_memory
+    from strategies.planner.report import oom_message
+
+    cluster = cluster_from_config(cfg)
+    layout = layout_from_config(cfg)
+    memory = predict_memory(shape_from_config(cfg), layout, workload_from_config(cfg), device=cluster.device)
+    if memory.total > cluster.memory_cap:
+        raise ConfigError([oom_message(memory, cluster, layout.label())])
+
+
+def plan(cfg: DictConfig) -> str:
+    """The ranked table and the best layout's overrides for a composed config."""
+    from strategies.planner.calibrate import calibrate_cluster
+    from strategies.planner.layout import shape_from_config, workload_from_config
+    from strategies.planner.report import best_overrides, table
+    from strategies.planner.search import SearchSpace, search
+
+    cluster = cluster_from_config(cfg)
+    if cfg.planner.calibrate:
+        cluster = calibrate_cluster(cluster)
+    p = cfg.planner
+    space = SearchSpace(
+        schedules=tuple(p.schedules), cp_modes=tuple(p.cp_modes), ac_modes=tuple(p.ac_modes),
+        offload=p.offload, max_micro_batch=p.max_micro_batch, hsdp=p.hsdp,
+    )  # fmt: skip
+    plans = search(shape_from_config(cfg), workload_from_config(cfg), cluster, space)
+    header = f"cluster {cluster.name}: " + (
+        "calibrated on this machine" if cfg.planner.calibrate else "preset figures (planner.calibrate=true measures them)"
+    )
+    return "\n".join([header, table(plans, cluster, top=p.top), best_overrides(plans, cluster)])
+
+
+def main(argv: list[str]) -> None:
+    """Entry of ``plait plan``: compose like a run, validate, print the plan; exit 2 on bad config."""
+    from trainer.cli import _fail, compose
+    from trainer.config import validate
+
+    recipe, overrides = "pretrain", list(argv)
+    if argv and not argv[0].startswith("-") and "=" not in argv[0]:
+        recipe, overrides = argv[0], argv[1:]
+    try:
+        cfg = compose(recipe, overrides)
+        validate(cfg)
+        print(plan(cfg))
+    except ConfigError as err:
+        _fail("invalid configuration:\n" + "\n".join(f"  - {p}" for p in err.problems))
+    except Exception as err:  # noqa: BLE001 - Hydra's override errors: one line, like a run
+        if type(err).__module__.startswith(("hydra", "omegaconf")):
+            _fail(str(err).strip().splitlines()[0])
+        raise
+    sys.stdout.flush()
