@@ -20,6 +20,8 @@ Invocations::
 
     OMP_NUM_THREADS=1 python bench/local_sgd.py                      # CPU, nano model: a few minutes on 2 cores
     python bench/local_sgd.py --model tiny --seq-len 128 --steps 800 # larger, slower
+    python bench/local_sgd.py --methods ddp --extra "diloco10_avg=strategy=diloco strategy.local_sgd.sync_every=10
+        strategy.local_sgd.outer_optimizer.momentum=0.0 ..."        # another setting, next to DDP
 
 The last line is ``RESULT diloco50_bytes_ratio=<x> diloco50_loss_ratio=<y> desloc_bytes_ratio=<z>
 desloc_loss_ratio=<w>``.
@@ -107,7 +109,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument(
+        "--extra", action="append", default=[], metavar="NAME=OVERRIDES",
+        help="one more run: a name, '=', then its space-separated strategy overrides",
+    )
     args = parser.parse_args()
+    for extra in args.extra:
+        name, _, overrides = extra.partition("=")
+        METHODS[name] = overrides.split()
+        args.methods.append(name)
     if any(args.steps % k for k in SYNC_PERIODS):
         sys.exit(f"--steps must be a multiple of {math.lcm(*SYNC_PERIODS)} (every parameter-sync period)")
     if "ddp" not in args.methods:
