@@ -43,9 +43,9 @@ class LoggingStrategy(MeshStrategy):
         )
 
     @override
-    def after_optimizer_step(self, model: nn.Module, step: int) -> None:
-        super().after_optimizer_step(model, step)
+    def after_optimizer_step(self, model: nn.Module, step: int, optimizer: torch.optim.Optimizer) -> dict[str, float]:
         self.lightning_module.history.append({"after_step": step, "world": self.world_size})
+        return super().after_optimizer_step(model, step, optimizer)
 
 
 def test_user_subclass_selected_by_target_trains_and_its_overrides_run(tmp_path) -> None:
