@@ -10,6 +10,7 @@ Invocations::
     plait pretrain --multirun optim.lr=1e-3,3e-4      # Hydra sweep, one run directory per job
     plait generate ckpt=runs/pretrain prompt="To be"  # sample from the newest checkpoint
     plait plan model=llama3_8b cluster=h100x8 data.seq_len=8192   # ranked layouts, no training
+    plait merge base=runs/base deltas=[runs/sft,runs/dpo] method=ties   # PAFT merge of fine-tuned deltas
     plait export ckpt=runs/sft out=exports/sft        # a checkpoint as a Hugging Face directory
     plait sft model=hf model.init_from=/models/Qwen3-0.6B  # start from a Hugging Face checkpoint
 
@@ -191,6 +192,10 @@ def main(argv: list[str] | None = None) -> None:
         from trainer.export import main as export_main
 
         return export_main(argv[1:])
+    if argv and argv[0] == "merge":
+        from trainer.merge import main as merge_main
+
+        return merge_main(argv[1:])
     if argv and argv[0] == "plan":
         from trainer.plan import main as plan_main
 

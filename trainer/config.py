@@ -408,6 +408,12 @@ def _check_semantics(cfg: DictConfig, problems: list[str]) -> None:
         data_cls = _import(data._target_)
         if hasattr(data_cls, "config_problems"):
             problems.extend(data_cls.config_problems(data))
+    objective = cfg.get("objective")
+    if isinstance(objective, DictConfig) and "_target_" in objective:
+        # An objective may check the layout and data it needs (preference pairs: trainer.tasks.preference).
+        objective_cls = _import(objective._target_)
+        if hasattr(objective_cls, "config_problems"):
+            problems.extend(objective_cls.config_problems(cfg, dims))
     if data is not None and data.get("path"):
         paths = [data.path] if isinstance(data.path, str) else list(data.path)
         for path in paths:

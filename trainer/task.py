@@ -124,6 +124,19 @@ class Task(L.LightningModule):
         sums = self.trainer.strategy.all_reduce_sum(sums.to(self.device), "dp_cp")
         return {f"{prefix}/loss/{n}": (sums[0, i] / sums[1, i]).item() for i, n in enumerate(names) if sums[1, i] > 0}
 
+    def _objective_metrics(self, prefix: str) -> dict[str, float]:
+        """``{prefix}/<name>``: means of metrics the objective sums per micro-batch
+        (``pop_metric_sums()``: names and ``[K + 1]`` sums, the last one the count, e.g. the
+        preference rewards, accuracy and margin per pair), reduced over all dp x cp ranks."""
+        pop = getattr(self.objective, "pop_metric_sums", None)
+        popped = pop() if pop is not None else None
+        if popped is None:
+            return {}
+        names, sums = popped
+        sums = self.trainer.strategy.all_reduce_sum(sums.to(self.device).float(), "dp_cp")
+        count = sums[-1].clamp(min=1.0)
+        return {f"{prefix}/{n}": (sums[i] / count).item() for i, n in enumerate(names)}
+
     # ------------------------------------------------------------------------------ the step
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
@@ -150,6 +163,9 @@ class Task(L.LightningModule):
             totals = strategy.all_reduce_sum(torch.stack([loss * num_tokens, num_tokens]), "dp_replicate")
             loss, num_tokens = totals[0] / totals[1].clamp(min=1.0), totals[1]
 
+        step_metrics = self._objective_metrics("train")  # e.g. preference rewards of the step
+        if is_logging_step(self.trainer):
+            self.record(step_metrics)
         parameters = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm = strategy.grad_norm(parameters)
         if self.max_grad_norm:
@@ -215,6 +231,14 @@ class Task(L.LightningModule):
 
     # ------------------------------------------------------------------------------ evaluation
     @override
+    def on_fit_start(self) -> None:
+        # Data that depends on the initial model, computed with the parallelized policy before the
+        # first step (a preference set's reference log-probs); a restored run keeps its own.
+        prepass = getattr(self.trainer.datamodule, "prepass", None)
+        if prepass is not None:
+            prepass(self)
+
+    @override
     def on_train_start(self) -> None:
         if self.global_step == 0 and not any("val_loss" in h for h in self.history):
             self.evaluate()
@@ -246,6 +270,7 @@ class Task(L.LightningModule):
         self.model.eval()
         totals = torch.zeros(2, device=self.device)
         self._group_losses("train")  # drop stray sums: the next ones are this evaluation's
+        self._objective_metrics("train")  # drop stray sums: the next ones are this evaluation's
         with self.trainer.precision_plugin.forward_context():
             for batch in loader:
                 batch = strategy.shard_batch({k: v.to(self.device) for k, v in batch.items()})
@@ -257,11 +282,15 @@ class Task(L.LightningModule):
             if metrics_fn is not None:
                 extra.update(metrics_fn(self.model, self.device))
         strategy.all_reduce_sum(totals, "dp_cp")
+        val_metrics = self._objective_metrics("val")
         self.model.train(was_training)
         if totals[1].item() == 0:
             return None  # no validation data (data.val_fraction=0): no figure, rather than 0.0
         val_loss = (totals[0] / totals[1]).item()
         self.record({"val/loss": val_loss, "val/ppl": math.exp(min(val_loss, 50.0)), **extra})
+        self.record(val_metrics)
+        if val_metrics:
+            self.history.append({"step": self.global_step, **val_metrics})
         self._new_val_loss = val_loss
         entry = {"step": self.global_step, "val_loss": val_loss}
         self.history.append({**entry, "metrics": extra} if extra else entry)

@@ -1,0 +1,71 @@
+"""PAFT merges: exact one-delta task arithmetic (also through `plait merge`), TIES by hand, DARE, sparsity."""
+
+import torch
+from omegaconf import OmegaConf
+
+from trainer.merge import main as merge_main
+from trainer.merge import merge_states, sparsity, ties_delta, trim
+
+
+def test_one_delta_at_weight_one_is_the_fine_tuned_model_bit_for_bit():
+    g = torch.Generator().manual_seed(0)
+    base = {"w": torch.randn(64, 64, generator=g), "tiny": torch.tensor([1.0, 1e-20, 3e10])}
+    tuned = {"w": base["w"] + 1e-3 * torch.randn(64, 64, generator=g), "tiny": torch.tensor([1e-20, 1.0, -7.0])}
+    merged = merge_states(base, [tuned], method="task_arithmetic")
+    assert all(torch.equal(merged[k], tuned[k]) for k in base)
+    # base + (tuned - base) in fp32 is not exact: the test would catch that formula.
+    assert not torch.equal(base["tiny"] + (tuned["tiny"] - base["tiny"]), tuned["tiny"])
+
+
+def test_ties_three_parameter_hand_example():
+    # Trim to 2 of 3 entries each: [.5,-.2,0], [-.3,-.4,0], [0,.3,-.6]; elected signs of the sum
+    # [.2,-.3,-.6]: + - -; disjoint means: .5, (-.2-.4)/2 = -.3, -.6.
+    f64 = {"dtype": torch.float64}
+    deltas = [torch.tensor([0.5, -0.2, 0.1], **f64), torch.tensor([-0.3, -0.4, 0.05], **f64), torch.tensor([0.1, 0.3, -0.6], **f64)]
+    assert trim(deltas[0], 2 / 3).tolist() == [0.5, -0.2, 0.0]
+    torch.testing.assert_close(ties_delta(deltas, density=2 / 3), torch.tensor([0.5, -0.3, -0.6], **f64), rtol=0, atol=1e-12)
+    base = {"p": torch.tensor([1.0, 2.0, 3.0])}
+    merged = merge_states(base, [{"p": base["p"] + d} for d in deltas], method="ties", density=2 / 3)
+    torch.testing.assert_close(merged["p"], torch.tensor([1.5, 1.7, 2.4]), rtol=0, atol=1e-6)
+
+
+def test_dare_keeps_the_delta_in_expectation_and_zero_drop_is_task_arithmetic():
+    base, tuned = {"p": torch.zeros(20000)}, {"p": torch.full((20000,), 0.5)}
+    merged = merge_states(base, [tuned], method="dare", drop=0.9, seed=1)
+    kept = merged["p"] != 0
+    assert 0.08 < kept.float().mean() < 0.12 and torch.allclose(merged["p"][kept], torch.tensor(5.0))
+    assert abs(merged["p"].mean().item() - 0.5) < 0.05
+    assert torch.equal(merge_states(base, [tuned], method="dare", drop=0.0)["p"], tuned["p"])
+
+
+def test_sparsity_counts_unchanged_entries():
+    base, tuned = {"p": torch.zeros(4)}, {"p": torch.tensor([0.0, 1e-8, 0.5, 0.0])}
+    assert sparsity(base, tuned, tol=1e-6) == {"zero": 0.5, "abs_le_1e-06": 0.75}
+
+
+def _fake_run(path, state, cfg):
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = path / "checkpoints" / "last"
+    ckpt.mkdir(parents=True)
+    OmegaConf.save(cfg, path / "config.yaml")
+    dcp.save({"model": state}, checkpoint_id=ckpt)
+    torch.save({}, ckpt / "meta.pt")
+
+
+def test_plait_merge_command_one_delta_reproduces_the_run(tmp_path, capsys):
+    from hydra.utils import instantiate
+
+    from strategies.checkpoint import load_model_weights
+
+    cfg = OmegaConf.create({"model": {"_target_": "trainer.models.llama.Llama", "dim": 32, "n_layers": 1, "n_heads": 2,
+                                      "n_kv_heads": 2, "max_seq_len": 16, "vocab_size": 40}})  # fmt: skip
+    torch.manual_seed(0)
+    base, tuned = instantiate(cfg.model), instantiate(cfg.model)
+    _fake_run(tmp_path / "base", base.state_dict(), cfg)
+    _fake_run(tmp_path / "tuned", tuned.state_dict(), cfg)
+    merge_main([f"base={tmp_path / 'base'}", f"deltas=[{tmp_path / 'tuned'}]", "method=task_arithmetic", f"out={tmp_path / 'out'}"])
+    assert "delta" in capsys.readouterr().out
+    merged = instantiate(cfg.model)
+    load_model_weights(tmp_path / "out" / "checkpoints" / "last", merged)
+    assert all(torch.equal(a, b) for a, b in zip(merged.state_dict().values(), tuned.state_dict().values()))

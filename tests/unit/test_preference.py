@@ -1,0 +1,99 @@
+"""Preference losses against hand-computed values; response-only log-probs; pair formatting and truncation."""
+
+import math
+
+import pytest
+import torch
+
+from preference_pairs import V, FixedLogits, pair_batch
+from trainer.data.packing import IGNORE_INDEX
+from trainer.data.preference import encode_pair, pair_rows
+from trainer.tasks.preference import DPO, SimPO, dpo_loss, ipo_loss, orpo_loss, simpo_loss
+
+t = torch.tensor
+
+
+def test_dpo_hand_computed():
+    loss, rc, rr = dpo_loss(t([-2.0 + 2.5]), t([-3.0 + 2.8]), beta=0.1)
+    assert loss.item() == pytest.approx(math.log1p(math.exp(-0.07)), abs=1e-6)  # 0.658760
+    assert loss.item() == pytest.approx(0.658760, abs=1e-6)
+    assert (rc.item(), rr.item()) == pytest.approx((0.05, -0.02), abs=1e-7)
+
+
+def test_ipo_hand_computed_per_token_average():
+    # Chosen: 4 tokens at -1.0 (ref -1.5); rejected: 2 tokens at -2.0 (ref -1.8). h = 0.5 + 0.2 = 0.7.
+    loss, _, _ = ipo_loss(t([4 * 0.5]), t([2 * -0.2]), t([4.0]), t([2.0]), beta=0.1)
+    assert loss.item() == pytest.approx((0.7 - 5.0) ** 2, abs=1e-5)  # 18.49
+
+
+def test_simpo_hand_computed():
+    # avg log-probs -1 (4 tokens) and -3 (2 tokens); beta 2, gamma 1: -log sigmoid(-2 + 6 - 1).
+    loss, rc, rr = simpo_loss(t([-4.0]), t([-6.0]), t([4.0]), t([2.0]), beta=2.0, gamma=1.0)
+    assert loss.item() == pytest.approx(0.048587, abs=1e-6)
+    assert (rc.item(), rr.item()) == (-2.0, -6.0)
+
+
+def test_orpo_hand_computed():
+    # log odds(a) = a - log(1 - e^a): -0.541325 and -2.948931; NLL term 1.0; lam 0.1.
+    loss, _, _ = orpo_loss(t([-4.0]), t([-6.0]), t([4.0]), t([2.0]), lam=0.1)
+    assert loss.item() == pytest.approx(1.0086206, abs=1e-6)
+
+
+def test_changing_prompt_logits_leaves_pair_logps_unchanged():
+    batch, logits, _ = pair_batch(-5.0, -2.0, -3.0)
+    no_target = batch["labels"][0] == IGNORE_INDEX  # [2, T]: prompt and pad positions of each row
+    changed = logits.clone()
+    changed[no_target] = torch.randn(int(no_target.sum()), V) * 10
+    objective = SimPO()
+    before, _ = objective.sequence_logps_of(FixedLogits(logits), batch)
+    after, _ = objective.sequence_logps_of(FixedLogits(changed), batch)
+    assert torch.equal(before, after)
+    # ... while changing a response position's logits does change them (the test can fail).
+    changed[0, 2] += torch.randn(V)
+    moved, _ = objective.sequence_logps_of(FixedLogits(changed), batch)
+    assert not torch.equal(before[:, 0], moved[:, 0])
+
+
+def test_metrics_sums_and_tie_counts_half():
+    objective = DPO(beta=0.1)
+    objective._accumulate(t([0.5, 0.0, -0.1]), t([0.1, 0.0, 0.2]))
+    names, sums = objective.pop_metric_sums()
+    means = dict(zip(names, (sums[:-1] / sums[-1]).tolist()))
+    assert sums[-1].item() == 3
+    assert means["rewards/accuracy"] == pytest.approx(0.5)  # win, tie (1/2), loss
+    assert means["rewards/margin"] == pytest.approx((0.4 + 0.0 - 0.3) / 3)
+    assert objective.pop_metric_sums()[1].sum().item() == 0  # popped
+
+
+def test_pair_rows_truncation_keeps_the_response():
+    prompt, chosen, rejected = list(range(100, 110)), list(range(200, 230)), [300] * 5
+    rows, cut = pair_rows(prompt, chosen, rejected, seq_len=16, max_prompt_len=4, pad_id=1)
+    assert cut
+    assert rows["input_ids"][0].tolist() == prompt[-4:] + chosen[:12]
+    assert rows["input_ids"][1].tolist() == prompt[-4:] + rejected + [1] * 7
+    assert [x for x in rows["labels"][0].tolist() if x != IGNORE_INDEX] == chosen[:12]
+    assert [x for x in rows["labels"][1].tolist() if x != IGNORE_INDEX] == rejected
+    # Short responses: the prompt keeps more than max_prompt_len, all that fits.
+    rows, cut = pair_rows(prompt, [7, 8], [9], seq_len=16, max_prompt_len=4, pad_id=1)
+    assert not cut and rows["input_ids"][0, :12].tolist() == prompt + [7, 8]
+
+
+def test_encode_pair_shares_the_prompt_and_supervises_only_the_final_answer():
+    from test_chat import byte_tokenizer
+
+    tok = byte_tokenizer()
+    pair = {
+        "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hey"}, {"role": "user", "content": "2+2?"}],
+        "chosen": "4",
+        "rejected": "5",
+    }
+    prompt, chosen, rejected = encode_pair(tok, pair)
+    # The SFT format: the earlier assistant turn ends with EOS (context here, not a target).
+    eos_at = prompt.index(tok.eos_id)
+    assert tok.decode(prompt[:eos_at]) == "<|user|>\nHi\n<|assistant|>\nHey"
+    assert tok.decode(prompt[eos_at + 1 :]) == "\n<|user|>\n2+2?\n<|assistant|>\n"
+    assert tok.decode(chosen[:-1]) == "4" and tok.decode(rejected[:-1]) == "5"
+    assert chosen[-1] == rejected[-1] == tok.eos_id
+    rows, _ = pair_rows(prompt, chosen, rejected, seq_len=64, max_prompt_len=32, pad_id=tok.pad_id)
+    targets = [[x for x in row if x != IGNORE_INDEX] for row in rows["labels"].tolist()]
+    assert targets == [chosen, rejected]

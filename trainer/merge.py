@@ -1,0 +1,216 @@
+"""``plait merge base=... deltas=[...] method=ties``: merge fine-tuned models into their base (PAFT).
+
+PAFT (Pentyala et al. 2024, "PAFT: A Parallel Training Paradigm for Effective LLM Fine-Tuning")
+fine-tunes SFT and DPO separately from one base and adds both deltas ``delta_i = theta_i -
+theta_base`` back to the base. Methods, per parameter tensor:
+
+- ``task_arithmetic`` (Ilharco et al. 2023, "Editing Models with Task Arithmetic"):
+  ``theta = theta_base + scale x sum_i w_i delta_i``, computed in fp64 as ``(1 - scale x sum w)
+  theta_base + scale x sum_i w_i theta_i`` so that one model at weight 1 comes back bit for bit;
+- ``ties`` (Yadav et al. 2023, "TIES-Merging"): trim each delta to its ``density`` largest
+  magnitudes (per tensor), elect per entry the sign of the sum of the trimmed (weighted) deltas,
+  take the mean of the entries that agree with it ("disjoint mean"), scale and add to the base;
+- ``dare`` (Yu et al. 2024, "Language Models are Super Mario"): drop each delta entry with
+  probability ``drop`` (seeded), rescale the kept ones by ``1 / (1 - drop)``, then task arithmetic.
+
+It prints each delta's sparsity (share of exactly-zero entries and of entries with ``|delta| <=
+tol``; PAFT: DPO deltas are sparse, SFT deltas dense unless L1-regularised) and writes ``out`` as a
+run directory: the base's ``config.yaml`` and ``tokenizer.json`` and ``checkpoints/last`` with
+the merged weights (for ``plait generate ckpt=<out>`` and ``model.init_from=<out>``).
+
+Invocation::
+
+    plait merge base=runs/base deltas=[runs/sft,runs/dpo] method=ties density=0.2 out=runs/paft
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+METHODS = ("task_arithmetic", "ties", "dare")
+State = dict[str, torch.Tensor]
+
+
+def _weights(weights: Sequence[float] | None, n: int) -> list[float]:
+    if weights is None:
+        return [1.0] * n
+    if len(weights) != n:
+        raise ValueError(f"weights has {len(weights)} entries for {n} deltas; give one weight per delta")
+    return [float(w) for w in weights]
+
+
+def task_arithmetic(base: State, models: Sequence[State], *, weights: Sequence[float] | None = None, scale: float = 1.0) -> State:
+    """``base + scale x sum_i w_i (model_i - base)`` per tensor (fp64, cast back to base dtype).
+
+    Args:
+        base: the base model's state (name -> tensor).
+        models: fine-tuned states with the same names and shapes.
+        weights: one per model (default 1).
+        scale: lambda applied to the summed deltas.
+    """
+    w = _weights(weights, len(models))
+    out = {}
+    for name, b in base.items():
+        merged = (1.0 - scale * sum(w)) * b.double()
+        for wi, m in zip(w, models):
+            merged = merged + (scale * wi) * m[name].double()
+        out[name] = merged.to(b.dtype)
+    return out
+
+
+def trim(delta: torch.Tensor, density: float) -> torch.Tensor:
+    """The delta with all but its ``ceil(density x numel)`` largest-magnitude entries set to 0
+    (ties at the threshold are kept)."""
+    if density >= 1.0:
+        return delta.clone()
+    k = max(1, int(-(-density * delta.numel() // 1)))
+    threshold = delta.abs().flatten().kthvalue(delta.numel() - k + 1).values
+    return torch.where(delta.abs() >= threshold, delta, torch.zeros_like(delta))
+
+
+def ties_delta(deltas: Sequence[torch.Tensor], *, density: float, weights: Sequence[float] | None = None) -> torch.Tensor:
+    """TIES's merged delta of one tensor: trim, elect sign, disjoint mean.
+
+    Args:
+        deltas: the models' deltas of this tensor (same shape).
+        density: share of entries each delta keeps (0 < density <= 1).
+        weights: one per delta (default 1); the disjoint mean is weighted by them.
+
+    Returns:
+        ``sum_{i agrees} w_i trimmed_i / sum_{i agrees} w_i`` per entry (0 where no delta agrees).
+    """
+    w = torch.tensor(_weights(weights, len(deltas)), dtype=torch.float64).view(-1, *[1] * deltas[0].dim())
+    trimmed = torch.stack([trim(d.double(), density) for d in deltas]) * w
+    sign = torch.sign(trimmed.sum(0))
+    agree = (torch.sign(trimmed) == sign) & (trimmed != 0)
+    total = torch.where(agree, trimmed, 0.0).sum(0)
+    count = torch.where(agree, w.expand_as(trimmed), 0.0).sum(0)
+    return torch.where(count > 0, total / count.clamp(min=1e-30), 0.0)
+
+
+def dare(delta: torch.Tensor, *, drop: float, generator: torch.Generator) -> torch.Tensor:
+    """DARE: each entry dropped with probability ``drop``, the rest rescaled by ``1/(1 - drop)``."""
+    if not 0.0 <= drop < 1.0:
+        raise ValueError(f"drop={drop} must be in [0, 1)")
+    keep = torch.rand(delta.shape, generator=generator) >= drop
+    return torch.where(keep, delta.double() / (1.0 - drop), 0.0)
+
+
+def merge_states(
+    base: State,
+    models: Sequence[State],
+    *,
+    method: str,
+    weights: Sequence[float] | None = None,
+    scale: float = 1.0,
+    density: float = 0.2,
+    drop: float = 0.9,
+    seed: int = 0,
+) -> State:
+    """Merges ``models`` into ``base`` with ``method`` (see module docstring).
+
+    Raises:
+        ValueError: unknown method, bad density/drop, or states whose names or shapes differ.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method={method!r}: use one of {', '.join(METHODS)}")
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"density={density} must be in (0, 1]")
+    for i, m in enumerate(models):
+        if m.keys() != base.keys() or any(m[k].shape != base[k].shape for k in base):
+            raise ValueError(f"delta {i} has other parameters than the base (names or shapes differ): not the same architecture")
+    if method == "task_arithmetic":
+        return task_arithmetic(base, models, weights=weights, scale=scale)
+    out = {}
+    generator = torch.Generator().manual_seed(seed)
+    w = _weights(weights, len(models))
+    for name, b in base.items():
+        deltas = [m[name].double() - b.double() for m in models]
+        if method == "ties":
+            merged = ties_delta(deltas, density=density, weights=w)
+        else:
+            merged = sum(wi * dare(d, drop=drop, generator=generator) for wi, d in zip(w, deltas))
+        out[name] = (b.double() + scale * merged).to(b.dtype)
+    return out
+
+
+def sparsity(base: State, model: State, *, tol: float = 1e-6) -> dict[str, float]:
+    """Share of delta entries that are exactly 0 (``zero``) and that are ``<= tol`` in magnitude."""
+    total = sum(b.numel() for b in base.values())
+    zero = sum(int((model[k] == b).sum()) for k, b in base.items())
+    small = sum(int(((model[k].double() - b.double()).abs() <= tol).sum()) for k, b in base.items())
+    return {"zero": zero / total, f"abs_le_{tol:g}": small / total}
+
+
+# ------------------------------------------------------------------------------ command
+def _load(path: str) -> tuple[State, Path, DictConfig]:
+    """The model state, run directory and run config of a checkpoint or run directory."""
+    from hydra.utils import instantiate
+
+    from strategies.checkpoint import load_model_weights
+    from trainer.callbacks.checkpoint import resolve_checkpoint
+    from trainer.data.tokenizer import Tokenizer
+
+    ckpt = resolve_checkpoint(path)
+    if ckpt is None:
+        raise FileNotFoundError(f"{path} names no checkpoint; give a run directory or a step_* checkpoint")
+    run_dir = ckpt.parent.parent
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    vocab = cfg.model.get("vocab_size") or Tokenizer.from_file(str(run_dir / "tokenizer.json")).vocab_size
+    model_cfg = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k != "init_from"}
+    model = instantiate(model_cfg, vocab_size=vocab)
+    load_model_weights(ckpt, model)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, run_dir, cfg
+
+
+def save_merged(state: State, out: Path, *, like: Path) -> Path:
+    """Writes ``state`` as the run directory ``out`` (config and tokenizer copied from run ``like``)."""
+    import torch.distributed.checkpoint as dcp
+
+    from strategies.checkpoint import META_FILE
+
+    ckpt = out / "checkpoints" / "last"
+    if ckpt.exists():
+        shutil.rmtree(ckpt)
+    ckpt.mkdir(parents=True)
+    for name in ("config.yaml", "tokenizer.json"):
+        if (like / name).exists():
+            shutil.copy(like / name, out / name)
+    dcp.save({"model": state}, checkpoint_id=ckpt)
+    torch.save({"merged": True}, ckpt / META_FILE)
+    return ckpt
+
+
+def main(argv: list[str]) -> None:
+    """``plait merge`` entry point (Hydra-style ``key=value`` arguments, conf/merge.yaml)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from trainer.cli import CONF_DIR
+
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose("merge", overrides=argv)
+        base, base_dir, _ = _load(cfg.base)
+        models = [_load(path)[0] for path in cfg.deltas]
+        merged = merge_states(
+            base, models, method=cfg.method, weights=cfg.weights, scale=cfg.scale, density=cfg.density,
+            drop=cfg.drop, seed=cfg.seed,
+        )  # fmt: skip
+    except (HydraException, OmegaConfBaseException, FileNotFoundError, ValueError) as err:
+        print(f"plait: error: {err.__cause__ or err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    for path, model in zip(cfg.deltas, models):
+        s = sparsity(base, model, tol=cfg.tol)
+        print(f"delta {path}: " + ", ".join(f"{k} {v:.4f}" for k, v in s.items()))
+    s = sparsity(base, merged, tol=cfg.tol)
+    print(f"merged delta ({cfg.method}): " + ", ".join(f"{k} {v:.4f}" for k, v in s.items()))
+    ckpt = save_merged(merged, Path(cfg.out), like=base_dir)
+    print(f"plait: merged model written to {ckpt}")

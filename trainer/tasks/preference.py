@@ -1,0 +1,293 @@
+"""Preference objectives: DPO, IPO, SimPO and ORPO on (prompt, chosen, rejected) pairs.
+
+A batch holds pairs (trainer.data.preference): ``input_ids``, ``labels``, ``position_ids`` and
+``document_ids`` are ``[P, 2, T]`` (index 0 of dim 1 = chosen, 1 = rejected; both rows start with
+the same prompt tokens) and, for the objectives with a reference model, ``ref_logps`` is ``[P, 2]``
+(the summed reference log-probs of the two responses, stored by the data module's pre-pass with
+the initial policy). Labels are pre-shifted and -100 everywhere but on response tokens, so a
+sequence log-prob is a sum over response tokens only (case C24).
+
+The Task divides ``loss_sum`` by the step's global ``num_tokens``; here that count is **pairs**
+(``count_unit = "pairs"``): every pair weighs the same, whatever the number of its tokens, and grad
+accumulation or data parallelism equal one big batch of pairs.
+
+Each objective also sums, per pair, its implicit rewards of the chosen and rejected response, the
+reward accuracy (chosen > rejected; a tie counts 1/2, so a policy equal to its reference scores
+exactly 0.5) and the margin; the Task pops the sums after each step and each evaluation
+(`pop_metric_sums`), reduces them over data-parallel ranks and logs ``train/rewards/chosen``,
+``train/rewards/rejected``, ``train/rewards/accuracy``, ``train/rewards/margin`` (``val/...``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from typing_extensions import override
+
+IGNORE_INDEX = -100
+Losses = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # per-pair losses, rewards chosen, rewards rejected
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin")
+
+
+def sequence_logps(logits_btv: torch.Tensor, labels_bt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row sums of target-token log-probs and per-row counts of targets.
+
+    Args:
+        logits_btv: ``[B, T, V]`` logits (a vocabulary-sharded DTensor inside ``loss_parallel()``).
+        labels_bt: pre-shifted targets ``[B, T]`` (int64, -100 = no target: prompt and padding).
+
+    Returns:
+        ``(logps_b, counts_b)``: fp32 sums of ``log p(label)`` over targets (0 for a row without
+        any), and the number of targets per row (fp32).
+    """
+    token_nll = F.cross_entropy(
+        logits_btv.flatten(0, 1).float(), labels_bt.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+    )
+    if isinstance(token_nll, DTensor):
+        token_nll = token_nll.full_tensor()
+    logps = -token_nll.view(labels_bt.shape).sum(-1)
+    return logps, (labels_bt != IGNORE_INDEX).sum(-1).float()
+
+
+def dpo_loss(
+    chosen_logratio: torch.Tensor, rejected_logratio: torch.Tensor, *, beta: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DPO's sigmoid loss per pair (Rafailov et al. 2023, "Direct Preference Optimization", eq. 7).
+
+    ``loss = -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))`` with summed response log-probs.
+
+    Args:
+        chosen_logratio, rejected_logratio: ``[P]`` summed log pi(y|x) - log pi_ref(y|x), nats.
+        beta: strength of the KL constraint to the reference.
+
+    Returns:
+        ``(losses, rewards_chosen, rewards_rejected)``, each ``[P]``; reward = beta x log-ratio.
+    """
+    rewards_c, rewards_r = beta * chosen_logratio, beta * rejected_logratio
+    return -F.logsigmoid(rewards_c - rewards_r), rewards_c, rewards_r
+
+
+def ipo_loss(
+    chosen_logratio: torch.Tensor,
+    rejected_logratio: torch.Tensor,
+    chosen_tokens: torch.Tensor,
+    rejected_tokens: torch.Tensor,
+    *,
+    beta: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """IPO's squared loss per pair (Azar et al. 2023, "A General Theoretical Paradigm to Understand
+    Learning from Human Preferences", eq. 17), on **length-averaged** log-ratios (case C25).
+
+    ``h = ratio_c / |y_c| - ratio_r / |y_r|``; ``loss = (h - 1 / (2 beta))^2``. The target
+    ``1/(2 beta)`` is on a per-token scale: summed log-ratios would make the loss depend on the
+    response lengths.
+
+    Args:
+        chosen_logratio, rejected_logratio: ``[P]`` summed log-ratios (nats).
+        chosen_tokens, rejected_tokens: ``[P]`` response lengths (targets per row, >= 1).
+        beta: regularisation; the target margin is ``1/(2 beta)``.
+
+    Returns:
+        ``(losses, rewards_chosen, rewards_rejected)``; reward = beta x averaged log-ratio.
+    """
+    avg_c, avg_r = chosen_logratio / chosen_tokens.clamp(min=1), rejected_logratio / rejected_tokens.clamp(min=1)
+    return (avg_c - avg_r - 1.0 / (2.0 * beta)) ** 2, beta * avg_c, beta * avg_r
+
+
+def simpo_loss(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    chosen_tokens: torch.Tensor,
+    rejected_tokens: torch.Tensor,
+    *,
+    beta: float,
+    gamma: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SimPO's loss per pair (Meng et al. 2024, "SimPO: Simple Preference Optimization with a
+    Reference-Free Reward", eq. 6): reference-free, length-normalised, with a target margin.
+
+    ``loss = -log sigmoid(beta/|y_c| log pi_c - beta/|y_r| log pi_r - gamma)``.
+
+    Args:
+        chosen_logps, rejected_logps: ``[P]`` summed policy log-probs (nats).
+        chosen_tokens, rejected_tokens: ``[P]`` response lengths.
+        beta: reward scale; gamma: target reward margin.
+
+    Returns:
+        ``(losses, rewards_chosen, rewards_rejected)``; reward = beta x average log-prob.
+    """
+    rewards_c = beta * chosen_logps / chosen_tokens.clamp(min=1)
+    rewards_r = beta * rejected_logps / rejected_tokens.clamp(min=1)
+    return -F.logsigmoid(rewards_c - rewards_r - gamma), rewards_c, rewards_r
+
+
+def orpo_loss(
+    chosen_logps: torch.Tensor,
+    rejected_logps: torch.Tensor,
+    chosen_tokens: torch.Tensor,
+    rejected_tokens: torch.Tensor,
+    *,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ORPO's loss per pair (Hong et al. 2024, "ORPO: Monolithic Preference Optimization without
+    Reference Model", eqs. 6-7): the chosen response's NLL plus an odds-ratio term, reference-free.
+
+    With ``a = log pi(y|x) / |y|`` (average token log-prob) and ``log odds(y) = a - log(1 - e^a)``:
+    ``loss = -a_c + lam x -log sigmoid(log odds(y_c) - log odds(y_r))``. The NLL term is the
+    chosen response's mean token loss, so each pair weighs the same (the Task averages over pairs).
+
+    Args:
+        chosen_logps, rejected_logps: ``[P]`` summed policy log-probs (nats).
+        chosen_tokens, rejected_tokens: ``[P]`` response lengths.
+        lam: weight of the odds-ratio term (the paper's lambda).
+
+    Returns:
+        ``(losses, rewards_chosen, rewards_rejected)``; reward = lam x average log-prob.
+    """
+    avg_c, avg_r = chosen_logps / chosen_tokens.clamp(min=1), rejected_logps / rejected_tokens.clamp(min=1)
+
+    def log_odds(avg: torch.Tensor) -> torch.Tensor:
+        # log(1 - e^a) for a <= 0, stable near a = 0; the clamp keeps a zero-length row finite.
+        return avg - torch.log(-torch.expm1(avg.clamp(max=-1e-6)))
+
+    ratio_loss = -F.logsigmoid(log_odds(avg_c) - log_odds(avg_r))
+    return -avg_c + lam * ratio_loss, lam * avg_c, lam * avg_r
+
+
+class PreferenceObjective:
+    """Base of the preference objectives: one forward of the chosen and rejected rows together.
+
+    Subclasses set ``needs_reference`` and implement ``pair_losses``. The Task calls
+    ``num_tokens`` (pairs), ``loss_sum`` and ``pop_metric_sums``; the data module's reference
+    pre-pass calls ``sequence_logps_of`` when ``needs_reference``.
+    """
+
+    needs_reference = True
+    count_unit = "pairs"
+
+    def __init__(self) -> None:
+        self._sums: torch.Tensor | None = None  # [len(METRICS) + 1]: metric sums and pairs
+
+    @classmethod
+    def config_problems(cls, cfg: Any, dims: Any) -> list[str]:
+        """Problems of a run config for `trainer.config.validate`: pairs need the preference data
+        module, and layouts that keep each row whole (cp and pp are not applied to pairs)."""
+        problems = []
+        data_target = str(cfg.data.get("_target_", "")) if cfg.get("data") is not None else ""
+        if not data_target.endswith("PreferenceDataModule"):
+            problems.append(f"objective {cls.__name__} trains on preference pairs; use data=preference (or preference_synthetic)")
+        for axis in ("cp", "pp"):
+            if dims is not None and getattr(dims, axis) > 1:
+                problems.append(f"objective {cls.__name__} does not support strategy.{axis}={getattr(dims, axis)}; use strategy.{axis}=1")
+        if cfg.get("objective") is not None and cfg.objective.get("loss_chunk_tokens"):
+            problems.append("objective.loss_chunk_tokens is not used by preference objectives; remove it")
+        return problems
+
+    def num_tokens(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Pairs in ``batch`` (0-dim fp32): the unit every pair loss is averaged over."""
+        return torch.tensor(float(batch["input_ids"].shape[0]), device=batch["input_ids"].device)
+
+    def sequence_logps_of(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logps [P, 2], tokens [P, 2])``: summed response log-probs of the chosen and rejected
+        rows under ``model`` (one forward of all 2P rows) and their response lengths."""
+        pairs, _, length = batch["input_ids"].shape
+        rows = {k: batch[k].reshape(2 * pairs, length) for k in ("input_ids", "labels", "position_ids", "document_ids")}
+        logits = model(rows["input_ids"], position_ids_bt=rows["position_ids"], document_ids_bt=rows["document_ids"])
+        logps, tokens = sequence_logps(logits, rows["labels"])
+        return logps.view(pairs, 2), tokens.view(pairs, 2)
+
+    def pair_losses(self, logps: torch.Tensor, tokens: torch.Tensor, ref_logps: torch.Tensor | None) -> Losses:
+        """``(losses, rewards_chosen, rewards_rejected)``, each ``[P]``, from ``[P, 2]`` inputs."""
+        raise NotImplementedError
+
+    def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Summed pair loss of ``batch`` (0-dim fp32); also adds the pairs' reward metrics to the sums.
+
+        Raises:
+            KeyError: a reference-based objective got a batch without ``ref_logps`` (the data
+                module's pre-pass did not run).
+        """
+        logps, tokens = self.sequence_logps_of(model, batch)
+        ref = batch["ref_logps"].to(logps.dtype) if self.needs_reference else None
+        losses, rewards_c, rewards_r = self.pair_losses(logps, tokens, ref)
+        self._accumulate(rewards_c.detach(), rewards_r.detach())
+        return losses.sum()
+
+    def _accumulate(self, rewards_c: torch.Tensor, rewards_r: torch.Tensor) -> None:
+        diff = rewards_c - rewards_r
+        accuracy = (diff > 0).float() + 0.5 * (diff == 0).float()
+        sums = torch.stack([rewards_c.sum(), rewards_r.sum(), accuracy.sum(), diff.sum(), diff.new_tensor(diff.numel())])
+        self._sums = sums if self._sums is None else self._sums + sums
+
+    def pop_metric_sums(self) -> tuple[list[str], torch.Tensor] | None:
+        """``(names, [len(names) + 1] tensor)``: per-pair metric sums since the last call and, last,
+        the number of pairs (this rank's share; the Task all-reduces and divides)."""
+        sums, self._sums = self._sums, None
+        return list(METRICS), sums if sums is not None else torch.zeros(len(METRICS) + 1)
+
+
+class DPO(PreferenceObjective):
+    """DPO (sigmoid loss; `dpo_loss`). Args: beta: KL strength (0.1 in the paper)."""
+
+    def __init__(self, beta: float = 0.1) -> None:
+        super().__init__()
+        if beta <= 0:
+            raise ValueError(f"objective.beta={beta} must be positive")
+        self.beta = beta
+
+    @override
+    def pair_losses(self, logps: torch.Tensor, tokens: torch.Tensor, ref_logps: torch.Tensor | None) -> Losses:
+        ratio = logps - ref_logps
+        return dpo_loss(ratio[:, 0], ratio[:, 1], beta=self.beta)
+
+
+class IPO(PreferenceObjective):
+    """IPO (length-averaged log-ratios; `ipo_loss`). Args: beta: the target margin is 1/(2 beta)."""
+
+    def __init__(self, beta: float = 0.1) -> None:
+        super().__init__()
+        if beta <= 0:
+            raise ValueError(f"objective.beta={beta} must be positive")
+        self.beta = beta
+
+    @override
+    def pair_losses(self, logps: torch.Tensor, tokens: torch.Tensor, ref_logps: torch.Tensor | None) -> Losses:
+        ratio = logps - ref_logps
+        return ipo_loss(ratio[:, 0], ratio[:, 1], tokens[:, 0], tokens[:, 1], beta=self.beta)
+
+
+class SimPO(PreferenceObjective):
+    """SimPO (reference-free; `simpo_loss`). Args: beta: reward scale (2.0); gamma: target margin (1.0)."""
+
+    needs_reference = False
+
+    def __init__(self, beta: float = 2.0, gamma: float = 1.0) -> None:
+        super().__init__()
+        if beta <= 0:
+            raise ValueError(f"objective.beta={beta} must be positive")
+        self.beta, self.gamma = beta, gamma
+
+    @override
+    def pair_losses(self, logps: torch.Tensor, tokens: torch.Tensor, ref_logps: torch.Tensor | None) -> Losses:
+        return simpo_loss(logps[:, 0], logps[:, 1], tokens[:, 0], tokens[:, 1], beta=self.beta, gamma=self.gamma)
+
+
+class ORPO(PreferenceObjective):
+    """ORPO (NLL + odds ratio, reference-free; `orpo_loss`). Args: lam: odds-ratio weight (0.1)."""
+
+    needs_reference = False
+
+    def __init__(self, lam: float = 0.1) -> None:
+        super().__init__()
+        if lam < 0 or math.isnan(lam):
+            raise ValueError(f"objective.lam={lam} must be >= 0")
+        self.lam = lam
+
+    @override
+    def pair_losses(self, logps: torch.Tensor, tokens: torch.Tensor, ref_logps: torch.Tensor | None) -> Losses:
+        return orpo_loss(logps[:, 0], logps[:, 1], tokens[:, 0], tokens[:, 1], lam=self.lam)
