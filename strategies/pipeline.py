@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,8 +32,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
-PPSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBV", "DualPipeV"]
-SCHEDULES: tuple[str, ...] = get_args(PPSchedule)
+from strategies.pipeline_layout import (  # noqa: F401 - re-exported: the plugin's public names
+    SCHEDULES,
+    SINGLE_STAGE,
+    PPSchedule,
+    check_pipeline,
+    local_stages,
+    microbatch_problems,
+    stage_layers,
+    stage_owner,
+    stages_per_rank_of,
+)
+
 _CLASSES = {
     "GPipe": "ScheduleGPipe",
     "1F1B": "Schedule1F1B",
@@ -42,138 +52,36 @@ _CLASSES = {
     "ZBV": "ScheduleZBVZeroBubble",
     "DualPipeV": "ScheduleDualPipeV",
 }
-SINGLE_STAGE = ("GPipe", "1F1B")  # one stage per rank
-V_SHAPED = ("ZBV", "DualPipeV")  # two stages per rank: rank r holds stages r and 2 pp - 1 - r
 _MODEL_KWARGS = {"position_ids": "position_ids_bt", "document_ids": "document_ids_bt"}
 
 
-# ---------------------------------------------------------------------------------- pure functions
-def stages_per_rank_of(schedule: str, stages_per_rank: int | None) -> int:
-    """Stages each rank runs: the given number, else 1 for GPipe/1F1B and 2 for the others."""
-    if stages_per_rank is not None:
-        return stages_per_rank
-    return 1 if schedule in SINGLE_STAGE else 2
+def build_schedule(
+    modules: Sequence[nn.Module],
+    *,
+    stages: Sequence[int],
+    num_stages: int,
+    schedule: str,
+    num_microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    group: dist.ProcessGroup,
+    device: torch.device,
+) -> Any:
+    """The torch schedule running ``modules`` (this rank's ``stages``) over ``group``.
 
-
-def stage_layers(n_layers: int, num_stages: int, split_points: Sequence[int] | None = None) -> list[range]:
-    """The global layer indices of each stage.
-
-    Balanced by layer count (the first ``n_layers % num_stages`` stages get one more) unless
-    ``split_points`` gives the first layer of every stage but the first.
+    Gradients are not rescaled (``scale_grads=False``): ``loss_fn`` carries the normalisation.
 
     Raises:
-        ValueError: more stages than layers, or split points that are not increasing in (0, n_layers).
+        ValueError: ``num_microbatches`` too few for the schedule (see `microbatch_problems`).
     """
-    if split_points is not None:
-        points = [0, *split_points, n_layers]
-        if len(points) != num_stages + 1 or any(b <= a for a, b in zip(points, points[1:])):
-            raise ValueError(
-                f"split points {list(split_points)} must be {num_stages - 1} increasing layer indices in (0, {n_layers})"
-            )
-        return [range(a, b) for a, b in zip(points, points[1:])]
-    if num_stages > n_layers:
-        raise ValueError(f"{num_stages} stages need at least {num_stages} layers, the model has {n_layers}")
-    base, extra = divmod(n_layers, num_stages)
-    sizes = [base + (s < extra) for s in range(num_stages)]
-    starts = [sum(sizes[:s]) for s in range(num_stages)]
-    return [range(start, start + size) for start, size in zip(starts, sizes)]
-
-
-def stage_owner(stage: int, *, pp: int, schedule: str) -> int:
-    """The pp rank that runs ``stage``: looped (stage mod pp) or, for V schedules, a V."""
-    if schedule in V_SHAPED:
-        return stage if stage < pp else 2 * pp - 1 - stage
-    return stage % pp
-
-
-def local_stages(pp_rank: int, *, pp: int, stages_per_rank: int, schedule: str) -> list[int]:
-    """The stage indices rank ``pp_rank`` runs, in increasing order."""
-    num_stages = pp * stages_per_rank
-    return [s for s in range(num_stages) if stage_owner(s, pp=pp, schedule=schedule) == pp_rank]
-
-
-def microbatch_problems(schedule: str, *, pp: int, stages_per_rank: int, num_microbatches: int) -> list[str]:
-    """What ``num_microbatches`` per schedule step lacks for ``schedule`` (torch's own conditions)."""
-    m, num_stages = num_microbatches, pp * stages_per_rank
-    fix = "use more micro-batches per schedule step (strategy.pipeline.num_microbatches, or a smaller train.micro_batch_size)"
-    if schedule == "1F1B" and m < pp:
-        return [f"strategy.pp_schedule=1F1B needs at least pp={pp} micro-batches per schedule step, got {m}; {fix}"]
-    if schedule == "DualPipeV" and m < num_stages:
-        return [f"strategy.pp_schedule=DualPipeV needs at least 2 x pp={num_stages} micro-batches per schedule step, got {m}; {fix}"]
-    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and m % max(1, m // pp):
-        rounds = max(1, m // pp)
-        return [
-            f"strategy.pp_schedule={schedule} runs micro-batches in rounds of pp={pp}: {m} micro-batches per schedule "
-            f"step is not a multiple of its {rounds} rounds; use {rounds * pp} or another multiple of pp"
-        ]
-    return []
-
-
-def check_pipeline(
-    *,
-    pp: int,
-    schedule: str,
-    stages_per_rank: int | None,
-    split_points: Sequence[int] | None,
-    num_microbatches: int | None,
-    microbatches_per_step: int | None,
-    n_layers: int,
-    tie_embeddings: bool = False,
-) -> list[str]:
-    """Problems of a pipeline layout, each naming its fix; [] when it runs (or pp == 1).
-
-    Args:
-        microbatches_per_step: micro-batches of one optimizer step on one rank (global batch /
-            (dp x micro_batch_size)); None when unknown.
-    """
-    if pp == 1:
-        return []
-    if schedule not in SCHEDULES:
-        return [f"strategy.pp_schedule={schedule!r} is unknown; use one of {', '.join(SCHEDULES)}"]
-    problems: list[str] = []
-    v = stages_per_rank_of(schedule, stages_per_rank)
-    if v < 1:
-        return [f"strategy.pipeline.stages_per_rank={v} must be >= 1 (or null for the schedule's default)"]
-    if schedule in SINGLE_STAGE and v != 1:
-        problems.append(
-            f"strategy.pp_schedule={schedule} runs one stage per rank, got strategy.pipeline.stages_per_rank={v}; "
-            f"use strategy.pipeline.stages_per_rank=null or an interleaved schedule (strategy.pp_schedule=Interleaved1F1B)"
-        )
-    if schedule in V_SHAPED and v != 2:
-        problems.append(
-            f"strategy.pp_schedule={schedule} runs exactly 2 stages per rank (a V), got strategy.pipeline.stages_per_rank={v}; "
-            f"use strategy.pipeline.stages_per_rank=null"
-        )
-    num_stages = pp * v
-    if split_points is None and pp <= n_layers < num_stages:  # pp > n_layers: reported by ParallelDims
-        problems.append(
-            f"strategy.pp={pp} x {v} stages per rank = {num_stages} stages exceeds model.n_layers={n_layers}; "
-            f"use model.n_layers >= {num_stages} or a smaller strategy.pp"
-            + (" or one stage per rank (strategy.pp_schedule=1F1B)" if v > 1 else "")
-        )
-    if split_points is not None:
-        try:
-            stage_layers(n_layers, num_stages, split_points)
-        except ValueError as err:
-            problems.append(f"strategy.pipeline.split_points: {err}; give {num_stages - 1} points or null (balanced)")
-    if tie_embeddings:
-        problems.append(
-            "model.tie_embeddings=true cannot be split over pipeline stages (the input embedding and the output head "
-            "live on the first and last stage); use model.tie_embeddings=false or strategy.pp=1"
-        )
-    if num_microbatches is not None and num_microbatches < 1:
-        problems.append(f"strategy.pipeline.num_microbatches={num_microbatches} must be >= 1 (or null: all of the step's)")
-        return problems
-    if microbatches_per_step is not None:
-        m = num_microbatches or microbatches_per_step
-        if microbatches_per_step % m:
-            problems.append(
-                f"the {microbatches_per_step} micro-batches of a step (train.global_batch_size / (dp x "
-                f"train.micro_batch_size)) are not a multiple of strategy.pipeline.num_microbatches={m}; "
-                f"use a divisor of {microbatches_per_step}"
-            )
-        problems += microbatch_problems(schedule, pp=pp, stages_per_rank=v, num_microbatches=m)
-    return problems
+    problems = microbatch_problems(schedule, pp=group.size(), stages_per_rank=len(stages), num_microbatches=num_microbatches)
+    if problems:
+        raise ValueError("\n".join(problems))
+    torch_stages = [PipelineStage(m, s, num_stages, device, group=group) for m, s in zip(modules, stages)]
+    cls = getattr(torch_schedules, _CLASSES[schedule])
+    return cls(
+        torch_stages[0] if schedule in SINGLE_STAGE else torch_stages,
+        n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=False,
+    )  # fmt: skip
 
 
 def split_model(model: nn.Module, *, stages: Sequence[int], layers: Sequence[range]) -> list[nn.Module]:
@@ -291,25 +199,13 @@ class PipelineParallel:
     def _schedule(self, num_microbatches: int) -> Any:
         s = self._state
         if num_microbatches not in s["schedules"]:
-            problems = microbatch_problems(
-                s["schedule"], pp=s["pp"], stages_per_rank=len(s["stages"]), num_microbatches=num_microbatches
-            )
-            if problems:
-                raise ValueError("\n".join(problems))
-            if "torch_stages" not in s:
-                # The views' buffers (RoPE tables) follow the model to the device Lightning moved it to.
-                for view in s["modules"]:
-                    for name, buffer in s["root"].named_buffers(recurse=False):
-                        view._buffers[name] = buffer
-                s["torch_stages"] = [
-                    PipelineStage(module, stage, s["num_stages"], s["device"], group=s["group"])
-                    for module, stage in zip(s["modules"], s["stages"])
-                ]
-            cls = getattr(torch_schedules, _CLASSES[s["schedule"]])
-            torch_stages = s["torch_stages"][0] if s["schedule"] in SINGLE_STAGE else s["torch_stages"]
-            s["schedules"][num_microbatches] = cls(
-                torch_stages, n_microbatches=num_microbatches, loss_fn=self._loss, scale_grads=False
-            )
+            # The views' buffers (RoPE tables) follow the model to the device Lightning moved it to.
+            for view in s["modules"]:
+                view._buffers.update(s["root"].named_buffers(recurse=False))
+            s["schedules"][num_microbatches] = build_schedule(
+                s["modules"], stages=s["stages"], num_stages=s["num_stages"], schedule=s["schedule"],
+                num_microbatches=num_microbatches, loss_fn=self._loss, group=s["group"], device=s["device"],
+            )  # fmt: skip
         return s["schedules"][num_microbatches]
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -425,7 +425,7 @@ def _check_semantics(cfg: DictConfig, problems: list[str]) -> None:
 
 def _check_pipeline(cfg: DictConfig, dims: ParallelDims, problems: list[str]) -> None:
     """Pipeline layout against the model's layers and the step's micro-batches (strategies.pipeline)."""
-    from strategies.pipeline import SCHEDULES, check_pipeline
+    from strategies.pipeline_layout import SCHEDULES, check_pipeline
 
     if "pp_schedule" not in cfg.strategy or not isinstance(cfg.strategy.get("pipeline"), DictConfig):
         return  # a strategy without these settings checks its pipeline when it builds it

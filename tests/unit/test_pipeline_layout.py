@@ -8,7 +8,8 @@ import torch
 from harness import compose_config
 from omegaconf import OmegaConf
 
-from strategies.pipeline import check_pipeline, local_stages, split_model, stage_layers, stage_owner
+from strategies.pipeline import split_model
+from strategies.pipeline_layout import check_pipeline, local_stages, stage_layers, stage_owner
 from trainer.config import ConfigError, validate
 from trainer.models.llama import Llama
 
