@@ -58,4 +58,6 @@ def test_every_group_option_validates_in_the_default_recipe(group: str) -> None:
             overrides.append(f"data.seq_len={min(256, max_seq_len)}")
         if group == "strategy":  # hsdp fixes dp_shard=2: a world of 4 fits every preset
             overrides.append("trainer.devices=4")
-        validate(compose_config(overrides, tiny=False))
+        # A budget search and the per-source SFT objective need the SFT recipe's named sources.
+        recipe = "sft" if group == "budget" or (group, option.stem) == ("objective", "sft") else "pretrain"
+        validate(compose_config(overrides, recipe=recipe, tiny=False))
