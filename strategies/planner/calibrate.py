@@ -3,7 +3,7 @@
 A short profiled run (Pipette, Yim et al. 2024, measures links; Mist profiles kernels): an fp32
 matmul of Llama-block shape (achieved FLOP/s), causal SDPA (its share of that), a large copy
 (memory bandwidth), one small Llama block forward and backward at one token (host dispatch time
-per layer), and, between two forked gloo ranks, a 4-byte and a 16 MiB all-reduce (latency and bus
+per layer) and the same under tensor parallelism (DTensor's dispatch factor), and, between two forked gloo ranks, a 4-byte and a 16 MiB all-reduce (latency and bus
 bandwidth). Takes a few seconds; uses the threads torch uses in this process (set
 OMP_NUM_THREADS as the ranks will).
 """
@@ -19,15 +19,15 @@ import torch
 from strategies.planner.time import Cluster
 
 
-def _best(fn, repeats: int = 5, inner: int = 3) -> float:
+def _best(fn, repeats: int = 5, inner: int = 3, *, median: bool = False) -> float:
     fn()  # warm-up
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         start = time.perf_counter()
         for _ in range(inner):
             fn()
-        best = min(best, (time.perf_counter() - start) / inner)
-    return best
+        times.append((time.perf_counter() - start) / inner)
+    return sorted(times)[len(times) // 2] if median else min(times)
 
 
 def matmul_flops(n: int = 1024, k: int = 256, m: int = 768) -> float:
@@ -66,29 +66,70 @@ def layer_overhead(dim: int = 64) -> float:
 
 
 def gloo_link(world_size: int = 2) -> tuple[float, float]:
-    """(latency seconds, bus bandwidth bytes/s) of gloo all-reduce between forked local ranks."""
+    """(latency seconds, bus bandwidth bytes/s) of gloo all-reduce between forked local ranks.
+
+    Medians, not minima: with more ranks than cores a collective waits for descheduled ranks, and
+    that wait is part of what a step pays."""
     from strategies.gloo import run_gloo_ranks
 
     def probe(rank: int) -> tuple[float, float]:
         import torch.distributed as dist
 
         small, large = torch.zeros(1), torch.zeros(4 * 2**20)
-        latency = _best(lambda: dist.all_reduce(small), repeats=5, inner=10)
-        seconds = _best(lambda: dist.all_reduce(large), repeats=3, inner=2)
+        latency = _best(lambda: dist.all_reduce(small), repeats=7, inner=10, median=True)
+        seconds = _best(lambda: dist.all_reduce(large), repeats=3, inner=2, median=True)
         return latency, 2 * (world_size - 1) / world_size * large.numel() * 4 / seconds
 
     results = run_gloo_ranks(world_size, probe, timeout_s=120)
     return max(r[0] for r in results), min(r[1] for r in results)
 
 
+def dtensor_overhead_factor(world_size: int = 2) -> float:
+    """Host time of a tensor-parallel (DTensor) Llama layer over a plain one, at one token per pass.
+
+    Both are a one-layer Llama forward + backward at 2 tokens (dispatch-bound); the TP one is
+    sharded over ``world_size`` forked gloo ranks with plait's plan (sequence and loss parallel).
+    """
+    from strategies.gloo import run_gloo_ranks
+
+    def probe(rank: int) -> float:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from strategies.tensor import TensorParallel
+        from trainer.models.llama import Llama
+
+        def model() -> torch.nn.Module:
+            torch.manual_seed(0)
+            return Llama(vocab_size=64 * world_size, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=16)
+
+        ids = torch.zeros(1, 2 * world_size, dtype=torch.long)
+        plain, sharded = model(), model()
+        plugin = TensorParallel()
+        plugin.apply(sharded, init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",)))
+
+        def step(m: torch.nn.Module) -> None:
+            with plugin.loss_context():
+                loss = torch.nn.functional.cross_entropy(m(ids).flatten(0, 1), ids.flatten())
+                loss.backward()
+
+        def plain_step() -> None:
+            torch.nn.functional.cross_entropy(plain(ids).flatten(0, 1), ids.flatten()).backward()
+
+        t_plain = _best(plain_step, repeats=5, inner=5, median=True)
+        return _best(lambda: step(sharded), repeats=5, inner=5, median=True) / t_plain
+
+    return max(run_gloo_ranks(world_size, probe, timeout_s=120))
+
+
 def calibrate_cluster(cluster: Cluster) -> Cluster:
     """``cluster`` with this machine's measured rates (CPU: per rank of one thread group).
 
-    Keeps the preset's memory, node shape and DTensor factor; matmul_efficiency becomes 1 (the peak
-    is the achieved rate).
+    The links are measured between ``cluster.world_size`` local ranks (at least 2), the ranks the
+    run will have. Keeps the preset's memory and node shape; matmul_efficiency
+    becomes 1 (the peak is the achieved rate).
     """
     flops = matmul_flops()
-    latency, bandwidth = gloo_link()
+    latency, bandwidth = gloo_link(max(2, cluster.world_size))
     return replace(
         cluster,
         name=f"{cluster.name} (calibrated)",
@@ -100,5 +141,6 @@ def calibrate_cluster(cluster: Cluster) -> Cluster:
         intra_node_bandwidth=bandwidth,
         latency_s=latency,
         layer_overhead_s=layer_overhead(),
+        dtensor_overhead=dtensor_overhead_factor(),
         cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
     )

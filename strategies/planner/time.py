@@ -13,7 +13,8 @@ attention_efficiency``, elementwise traffic (the saved activations, read and wri
 at HBM bandwidth, and a per-layer dispatch overhead (CPU eager; DTensor layouts pay more). Tensor-
 and Ulysses-parallel collectives are exposed (async TP hides a fraction); ring attention's k/v passes hide
 under the attention; FSDP's gathers and reduce-scatters hide under the compute except one layer's
-worth. The pipeline adds its bubble and stage-to-stage sends; the optimizer streams its state.
+worth (on CPU ranks nothing hides: gloo runs on the cores that compute). The pipeline adds its
+bubble and stage-to-stage sends; the optimizer streams its state.
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ def stage_compute(shape: ModelShape, layout: Layout, work: Workload, cluster: Cl
         recompute = layout.ac == "full" or layout.ac == "every_k" and i % layout.ac_every_k == 0
         fwd_passes = 4 if recompute else 3  # forward, backward = 2 forwards, recomputed forward
         total += fwd_passes * (layer_mm / mm_peak + layer_attn / attn_peak)
-        total += fwd_passes * passes * layer_bytes / cluster.hbm_bandwidth / share + fwd_passes * dispatch
+        total += fwd_passes * (passes * layer_bytes / cluster.hbm_bandwidth + dispatch) / share
     if last:
         head = 2 * tokens * shape.dim * shape.vocab_size / layout.tp
         total += 3 * head / mm_peak + 3 * tokens * 4 * shape.vocab_size / layout.tp * 2 / cluster.hbm_bandwidth / share
@@ -190,7 +191,8 @@ def predict_time(shape: ModelShape, layout: Layout, work: Workload, cluster: Clu
             kv_bytes = tokens * 2 * kv * e * a * (layout.cp - 1)
             ring = _collective(kv_bytes * passes, 2 * passes * (layout.cp - 1), bw, cluster)
             attn = passes * 2 * tokens * work.seq_len * shape.dim / layout.tp / (cluster.peak_flops * cluster.attention_efficiency * _rate_share(layout, cluster))
-            cp_comm = m * n_layers * max(0.0, ring - attn) + m * n_layers * 2 * passes * (layout.cp - 1) * cluster.latency_s
+            hidden = 0.0 if cluster.cores is not None else attn  # CPU: the cores that compute also send
+            cp_comm = m * n_layers * max(0.0, ring - hidden) + m * n_layers * 2 * passes * (layout.cp - 1) * cluster.latency_s
 
     fsdp_comm = 0.0
     rank = rank_of(layout, pp=slowest)
@@ -207,7 +209,8 @@ def predict_time(shape: ModelShape, layout: Layout, work: Workload, cluster: Clu
             bw_r = axis_bandwidth(layout, cluster, ("dp_replicate",))
             comm += _collective(2 * params_rank / s * work.param_bytes * (r - 1) / r, n_layers + 1, bw_r, cluster)
         # Prefetched under compute; one layer's worth (the first gather, the last reduction) shows.
-        fsdp_comm = max(0.0, comm - compute) + comm / max(n_layers, 1)
+        # On CPU ranks (gloo) the same cores compute and communicate: nothing hides.
+        fsdp_comm = comm if cluster.cores is not None else max(0.0, comm - compute) + comm / max(n_layers, 1)
 
     pp_bubble = pp_comm = 0.0
     if layout.pp > 1:
@@ -223,7 +226,14 @@ def predict_time(shape: ModelShape, layout: Layout, work: Workload, cluster: Clu
     params_b, grads_b, optim_b = state_bytes(shape, layout, work, rank)
     optimizer = (params_b + grads_b + 2 * optim_b) / cluster.hbm_bandwidth / _rate_share(layout, cluster)
     optimizer += len(rank_params(shape, layout, slowest)) * cluster.layer_overhead_s / 4
-    return StepTime(compute, tp_comm, cp_comm, fsdp_comm, pp_bubble, pp_comm, optimizer, cluster.step_overhead_s)
+    step = StepTime(compute, tp_comm, cp_comm, fsdp_comm, pp_bubble, pp_comm, optimizer, cluster.step_overhead_s)
+    share = _rate_share(layout, cluster)
+    if share < 1.0:
+        # CPU ranks beyond the cores: gloo's copies and reductions and the host's dispatch and
+        # loop run on the same shared cores as the compute (already scaled) and slow down alike.
+        for part in ("tp_comm", "cp_comm", "fsdp_comm", "pp_comm", "overhead"):
+            setattr(step, part, getattr(step, part) / share)
+    return step
 
 
 def _numel(p, layout: Layout) -> int:
