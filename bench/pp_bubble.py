@@ -10,14 +10,14 @@ split and scheduled by plait's own `strategies.pipeline` functions (`local_stage
 
 Idle fraction of a rank = 1 - (time inside its stage computations) / (wall time of the step,
 from a barrier before it to a barrier after it: until the last rank is done), averaged over the
-ranks and the timed steps. GPipe and 1F1B should match the theory,
+ranks (median over the timed steps of each rank). GPipe and 1F1B should match the theory,
 (p-1)/(m+p-1), the bubble of one stage per rank; interleaved, zero-bubble and DualPipeV should be
 below it (ratio < 1). The ratio above 1 is the price of communication and Python per action.
 
 Invocations::
 
-    OMP_NUM_THREADS=1 python bench/pp_bubble.py                 # p=2 and 4, m=4 and 8; about 2 minutes
-    python bench/pp_bubble.py --pp 2 --unit-ms 20 --steps 2     # quicker, noisier
+    OMP_NUM_THREADS=1 python bench/pp_bubble.py                 # p=2 and 4, m=4 and 8; about 6 minutes
+    python bench/pp_bubble.py --pp 2 --unit-ms 30 --steps 1     # about 40 s, noisier
 
 The last line is ``RESULT bubble_ratio_max=<worst measured/theory over schedules, p and m>``.
 """
@@ -25,6 +25,7 @@ The last line is ``RESULT bubble_ratio_max=<worst measured/theory over schedules
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from typing import Any
 
@@ -71,7 +72,7 @@ class SleepStage(nn.Module):
 
 
 def measure(rank: int, *, pp: int, schedule: str, m: int, unit_s: float, steps: int) -> float:
-    """Mean idle fraction of this rank over ``steps`` timed schedule steps (after one warm-up)."""
+    """Median idle fraction of this rank over ``steps`` timed schedule steps (after one warm-up)."""
     import torch.distributed as dist
 
     v = stages_per_rank_of(schedule, None)
@@ -97,7 +98,7 @@ def measure(rank: int, *, pp: int, schedule: str, m: int, unit_s: float, steps: 
         wall = time.perf_counter() - start
         if step:  # the first step also infers shapes
             fractions.append(1.0 - busy[0] / wall)
-    return sum(fractions) / len(fractions)
+    return statistics.median(fractions)  # a load spike on the shared machine hits one step, not all
 
 
 def _timed(fn: Any, busy: list[float]) -> Any:
@@ -116,7 +117,7 @@ def main() -> None:
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--unit-ms", type=float, default=100.0, help="F = B = W per rank and micro-batch")
-    parser.add_argument("--steps", type=int, default=2, help="timed schedule steps per case")
+    parser.add_argument("--steps", type=int, default=3, help="timed schedule steps per case")
     args = parser.parse_args()
     print(f"{'schedule':<22} {'p':>2} {'m':>2} {'theory':>7} {'measured':>8} {'ratio':>6}")
     ratios = []

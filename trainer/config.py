@@ -39,7 +39,8 @@ class TrainConfig:
     Attributes:
         global_batch_size: rows per optimizer step over all data-parallel ranks.
         micro_batch_size: rows per forward/backward on one rank; grad_accum =
-            global_batch_size / (micro_batch_size x dp). null: all of the rank's rows at once.
+            global_batch_size / (micro_batch_size x dp). null: all of the rank's rows at once (with
+            pp > 1: one row per pipeline micro-batch).
         max_grad_norm: clip the global gradient norm to this (0 or null: no clipping).
         no_decay: substrings of parameter names that get no weight decay.
         eval_every: evaluate every this many steps (plus step 0 and the last step; 0: only those).
@@ -321,8 +322,11 @@ def data_parallel_degree(cfg: DictConfig) -> int:
 
 
 def micro_batch_size(cfg: DictConfig) -> int:
-    """Rows per forward/backward on one rank (train.micro_batch_size, or all of the rank's rows)."""
-    return cfg.train.micro_batch_size or cfg.train.global_batch_size // data_parallel_degree(cfg)
+    """Rows per forward/backward on one rank: train.micro_batch_size, or when null all of the rank's
+    rows, or with pp > 1 one row per pipeline micro-batch (a schedule needs several)."""
+    degrees = {k: cfg.strategy[k] for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")}
+    dims = ParallelDims(**degrees).resolve(world_size(cfg))
+    return cfg.train.micro_batch_size or (1 if dims.pp > 1 else cfg.train.global_batch_size // dims.dp)
 
 
 def _check_semantics(cfg: DictConfig, problems: list[str]) -> None:
@@ -354,7 +358,7 @@ def _check_semantics(cfg: DictConfig, problems: list[str]) -> None:
         if dims is not None and hasattr(strategy_cls, "unsupported_degrees"):
             problems.extend(strategy_cls.unsupported_degrees(dims))
     if dims is not None and train.global_batch_size > 0:
-        micro = train.micro_batch_size or max(1, train.global_batch_size // dims.dp)
+        micro = train.micro_batch_size or (1 if dims.pp > 1 else max(1, train.global_batch_size // dims.dp))
         per_rank, rest = divmod(train.global_batch_size, dims.dp)
         if train.micro_batch_size is None and rest:
             problems.append(
@@ -432,7 +436,7 @@ def _check_pipeline(cfg: DictConfig, dims: ParallelDims, problems: list[str]) ->
     if cfg.strategy.pp_schedule not in SCHEDULES:
         return  # reported by the type check of strategy.pp_schedule
     train, pipeline = cfg.train, cfg.strategy.pipeline
-    micro = train.micro_batch_size or max(1, train.global_batch_size // dims.dp)
+    micro = train.micro_batch_size or 1  # null: one row per pipeline micro-batch (see micro_batch_size)
     per_rank = train.global_batch_size // dims.dp
     problems.extend(
         check_pipeline(

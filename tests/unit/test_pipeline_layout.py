@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from strategies.pipeline import split_model
 from strategies.pipeline_layout import check_pipeline, local_stages, stage_layers, stage_owner
-from trainer.config import ConfigError, validate
+from trainer.config import ConfigError, micro_batch_size, validate
 from trainer.models.llama import Llama
 
 
@@ -99,3 +99,10 @@ def test_config_reports_every_pipeline_problem_before_launch() -> None:
     assert bad_name.startswith("strategy.pp_schedule='2F2B' must be one of GPipe, 1F1B, Interleaved1F1B")
     (too_few_layers,) = _problems(["strategy.pp_schedule=Interleaved1F1B"])  # nano: 2 layers, 4 stages
     assert "4 stages exceeds model.n_layers=2; use model.n_layers >= 4" in too_few_layers
+
+
+def test_null_micro_batch_size_means_one_row_per_pipeline_micro_batch() -> None:
+    cfg = compose_config(["strategy=pp", "trainer.devices=2", "train.micro_batch_size=null"])
+    validate(cfg)  # 8 micro-batches of 1 row, not 1 micro-batch of 8 rows (which 1F1B cannot schedule)
+    assert micro_batch_size(cfg) == 1
+    assert micro_batch_size(compose_config(["trainer.devices=2", "train.micro_batch_size=null"])) == 4
