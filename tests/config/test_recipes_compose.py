@@ -31,8 +31,17 @@ def test_recipe_x_strategy_validates(recipe: str, strategy: str, devices: int) -
     elif cfg.strategy.local_sgd is not None and devices // fixed < 2:  # local SGD needs 2 islands or more
         with pytest.raises(ConfigError, match="needs at least 2 islands"):
             validate(cfg)
+    elif "preference" in cfg.objective._target_ and max(_resolved(cfg, devices, "cp"), _resolved(cfg, devices, "pp")) > 1:
+        with pytest.raises(ConfigError, match="does not support strategy"):  # pairs are not split by cp or pp
+            validate(cfg)
     else:
         validate(cfg)
+
+
+def _resolved(cfg, devices: int, axis: str) -> int:
+    from strategies.parallel_dims import MESH_AXES, ParallelDims
+
+    return getattr(ParallelDims(**{a: cfg.strategy[a] for a in MESH_AXES}).resolve(devices), axis)
 
 
 def test_every_preset_starts_with_a_comment_and_extends_nd() -> None:
@@ -60,4 +69,6 @@ def test_every_group_option_validates_in_the_default_recipe(group: str) -> None:
             overrides.append("trainer.devices=4")
         # A budget search and the per-source SFT objective need the SFT recipe's named sources.
         recipe = "sft" if group == "budget" or (group, option.stem) == ("objective", "sft") else "pretrain"
+        if group == "paft" or (group == "objective" and option.stem in ("dpo", "ipo", "simpo", "orpo")):
+            recipe = "paft" if group == "paft" else "dpo"  # PAFT arms; preference objectives need pairs
         validate(compose_config(overrides, recipe=recipe, tiny=False))
