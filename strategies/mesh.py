@@ -34,7 +34,8 @@ from strategies.grad_norm import clip_grads_, global_grad_norm
 from strategies.launch import ForkLauncher, HydraJobLauncher
 from strategies.local_sgd import LocalSGD
 from strategies.parallel_dims import LayoutError, ParallelDims
-from strategies.pipeline import PipelineParallel, PPSchedule
+from strategies.pipeline import PipelineParallel
+from strategies.pipeline_layout import PPSchedule
 from strategies.tensor import TensorParallel
 
 

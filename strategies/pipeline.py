@@ -32,17 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from strategies.pipeline_layout import (  # noqa: F401 - re-exported: the plugin's public names
-    SCHEDULES,
-    SINGLE_STAGE,
-    PPSchedule,
-    check_pipeline,
-    local_stages,
-    microbatch_problems,
-    stage_layers,
-    stage_owner,
-    stages_per_rank_of,
-)
+from strategies.pipeline_layout import SINGLE_STAGE, check_pipeline, local_stages, microbatch_problems, stage_layers, stage_owner, stages_per_rank_of
 
 _CLASSES = {
     "GPipe": "ScheduleGPipe",

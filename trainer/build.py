@@ -14,7 +14,8 @@ from torch import nn
 
 from strategies.mesh import MeshStrategy
 from strategies.parallel_dims import MESH_AXES, ParallelDims
-from trainer.config import ConfigError, micro_batch_size, world_size
+from trainer.config import ConfigError
+from trainer.semantics import micro_batch_size, world_size
 from trainer.data.module import TextDataModule
 from trainer.models.hf import is_hf_dir
 from trainer.task import Task

@@ -52,7 +52,7 @@ def memory_bandwidth(mib: int = 64) -> float:
 
 def layer_overhead(dim: int = 64) -> float:
     """Seconds of host dispatch per layer and pass: a tiny block's forward + backward at one token / 3."""
-    from trainer.models.attention import rope_tables
+    from trainer.models.rope import rope_tables
     from trainer.models.llama import TransformerBlock
 
     block = TransformerBlock(dim, 4, 2, 192, 1e-5)

@@ -227,7 +227,7 @@ class Workload:
 def layout_from_config(cfg: Any) -> Layout:
     """The layout a composed run config trains with (degrees resolved for its world size)."""
     from strategies.parallel_dims import ParallelDims
-    from strategies.pipeline import stages_per_rank_of
+    from strategies.pipeline_layout import stages_per_rank_of
 
     s = cfg.strategy
     world = int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from strategies.pipeline import local_stages, stage_layers
+from strategies.pipeline_layout import local_stages, stage_layers
 from strategies.planner.layout import OPTIMIZER_STATES, Layout, ModelShape, ParamSpec, Workload
 
 GiB = 1024**3

@@ -31,6 +31,9 @@ def test_recipe_x_strategy_validates(recipe: str, strategy: str, devices: int) -
     elif cfg.strategy.local_sgd is not None and devices // fixed < 2:  # local SGD needs 2 islands or more
         with pytest.raises(ConfigError, match="needs at least 2 islands"):
             validate(cfg)
+    elif cfg.model.n_heads % _resolved(cfg, devices, "tp") or cfg.model.n_kv_heads % _resolved(cfg, devices, "tp"):
+        with pytest.raises(ConfigError, match="valid tp: "):  # the tiny model's 6 heads / 2 kv heads: tp <= 2
+            validate(cfg)
     elif "preference" in cfg.objective._target_ and max(_resolved(cfg, devices, "cp"), _resolved(cfg, devices, "pp")) > 1:
         with pytest.raises(ConfigError, match="does not support strategy"):  # pairs are not split by cp or pp
             validate(cfg)
@@ -66,7 +69,8 @@ def test_every_group_option_validates_in_the_default_recipe(group: str) -> None:
             max_seq_len = OmegaConf.load(option).max_seq_len
             overrides.append(f"data.seq_len={min(256, max_seq_len)}")
         if group == "strategy":  # hsdp fixes dp_shard=2: a world of 4 fits every preset
-            overrides.append("trainer.devices=4")
+            # ... except tp, which puts every rank on tp: the tiny model's 2 kv heads allow 2.
+            overrides.append("trainer.devices=2" if option.stem == "tp" else "trainer.devices=4")
         # A budget search and the per-source SFT objective need the SFT recipe's named sources.
         recipe = "sft" if group == "budget" or (group, option.stem) == ("objective", "sft") else "pretrain"
         if group == "paft" or (group == "objective" and option.stem in ("dpo", "ipo", "simpo", "orpo")):

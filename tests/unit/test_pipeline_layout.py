@@ -10,7 +10,8 @@ from omegaconf import OmegaConf
 
 from strategies.pipeline import split_model
 from strategies.pipeline_layout import check_pipeline, local_stages, stage_layers, stage_owner
-from trainer.config import ConfigError, micro_batch_size, validate
+from trainer.config import ConfigError, validate
+from trainer.semantics import micro_batch_size
 from trainer.models.llama import Llama
 
 

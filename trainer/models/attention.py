@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.models.norm import RMSNorm
-from trainer.models.rope import rope_tables  # noqa: F401 - re-exported: RoPE tables live in rope.py
 
 
 def apply_rope(x_bthe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
