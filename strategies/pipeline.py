@@ -266,7 +266,7 @@ class PipelineParallel:
             if stage == 0:
                 hidden = batch["input_ids"]
             elif previous != s["rank"]:
-                hidden = _recv_hidden(batch["input_ids"].shape, modules[stage].dim, previous, group, s["device"])
+                hidden = _recv_hidden(previous, group, s["device"])
             hidden = modules[stage](hidden, **kwargs)
             if stage == s["num_stages"] - 1:
                 total += loss_sum(_Replay(hidden), {"input_ids": batch["labels"], "labels": batch["labels"]}).detach()
@@ -282,14 +282,17 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def _send_hidden(hidden: torch.Tensor, peer: int, group: dist.ProcessGroup) -> None:
-    # The dtype first: it depends on the precision settings, which the receiver does not know.
-    dist.send(torch.tensor([_DTYPES.index(hidden.dtype)], device=hidden.device), group_dst=peer, group=group)
+    # A header first: the dtype depends on the precision settings and the shape on the layout
+    # (with sequence parallelism a stage holds [B, T/tp, D]), neither of which the receiver knows.
+    header = torch.tensor([_DTYPES.index(hidden.dtype), *hidden.shape], device=hidden.device)
+    dist.send(header, group_dst=peer, group=group)
     dist.send(hidden.contiguous(), group_dst=peer, group=group)
 
 
-def _recv_hidden(shape_bt: torch.Size, dim: int, peer: int, group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
-    code = torch.zeros(1, dtype=torch.long, device=device)
-    dist.recv(code, group_src=peer, group=group)
-    hidden = torch.empty(*shape_bt, dim, dtype=_DTYPES[int(code.item())], device=device)
+def _recv_hidden(peer: int, group: dist.ProcessGroup, device: torch.device) -> torch.Tensor:
+    header = torch.zeros(4, dtype=torch.long, device=device)  # dtype code, B, T, D
+    dist.recv(header, group_src=peer, group=group)
+    code, *shape = header.tolist()
+    hidden = torch.empty(*shape, dtype=_DTYPES[code], device=device)
     dist.recv(hidden, group_src=peer, group=group)
     return hidden

@@ -13,7 +13,8 @@ all 8 rows, loss = summed token CE / supervised tokens of the step.
 Each plait run (`Task` + `MeshStrategy` in forked gloo ranks) is compared with one process at
 micro-batch 8 and with the reference: losses and gradients at each step, parameters after the 5
 steps. Tolerances (``TOL``): rtol 1e-6 and atol 1e-6 for every layout, FSDP, HSDP, TP (with and
-without sequence and loss parallel) and FSDP x TP included.
+without sequence and loss parallel), FSDP x TP and PP x TP included (each pipeline schedule is
+tested in test_pipeline.py).
 Reported gradient norms agree to 1e-4 relative only: torch's fp32 ``vector_norm`` of a large CPU
 tensor (the 4096 x 64 output head) is off by up to ~6e-5 relative, and FSDP takes the norm of
 smaller shards, so the layouts round differently although their gradients are equal.
@@ -58,6 +59,11 @@ LAYOUTS = {
     "tp2_sp": ["strategy=tp", "trainer.devices=2", *_TP_OFF[1:], "train.micro_batch_size=4"],
     "tp2_lp": ["strategy=tp", "trainer.devices=2", *_TP_OFF[:1]],
     "fsdp2_x_tp2_sp_lp": ["strategy=fsdp_tp", "trainer.devices=4", "train.micro_batch_size=2"],
+    # Pipeline x tensor parallel: stages pass [B, T/tp, D] sequence-parallel hidden states.
+    "pp2_x_tp2_sp_lp": [
+        "strategy=nd", "strategy.pp=2", "strategy.tp=2", "strategy.dp_shard=1", "trainer.devices=4",
+        "train.micro_batch_size=2",
+    ],
 }
 
 
