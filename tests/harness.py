@@ -93,6 +93,10 @@ def losses(history: list[dict[str, Any]]) -> list[float]:
     return [h["loss"] for h in history if "loss" in h]
 
 
+# Plain SGD at a constant LR without clipping: every layout applies its own gradient, so parameters
+# after a few steps (with momentum, DESIGN section 7) compare layouts exactly.
+EXACT_SGD = ("optim=sgd", "scheduler=constant", "scheduler.warmup_steps=0", "train.max_grad_norm=0")
+
 # The CLI's tiny settings: like TINY, but the run directory keeps its csv logger and loss plot.
 CLI_TINY = (*_SMALL, "trainer.max_steps=4")
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
 
-from harness import compose_config, fit, losses
+from harness import EXACT_SGD, compose_config, fit, losses
 from trainer.build import build_data
 from trainer.data.packing import IGNORE_INDEX
 from trainer.data.sampler import GlobalBatchSampler
@@ -38,10 +38,7 @@ from trainer.data.sampler import GlobalBatchSampler
 STEPS = 5
 TOL = {"rtol": 1e-6, "atol": 1e-6}
 COMMON = (
-    "optim=sgd",
-    "scheduler=constant",
-    "scheduler.warmup_steps=0",
-    "train.max_grad_norm=0",
+    *EXACT_SGD,
     f"trainer.max_steps={STEPS}",
     "+callbacks.grads._target_=harness.GradRecorder",
     "+callbacks.params._target_=harness.ParamRecorder",

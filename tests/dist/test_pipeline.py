@@ -21,16 +21,13 @@ import random
 import pytest
 import torch
 
-from harness import compose_config, fit, losses
+from harness import EXACT_SGD, compose_config, fit, losses
 
 STEPS = 2
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 COMMON = (
     "model.n_layers=4",
-    "optim=sgd",
-    "scheduler=constant",
-    "scheduler.warmup_steps=0",
-    "train.max_grad_norm=0",
+    *EXACT_SGD,
     f"trainer.max_steps={STEPS}",
     "+callbacks.grads._target_=harness.GradRecorder",
     "+callbacks.params._target_=harness.ParamRecorder",

@@ -231,14 +231,18 @@ class PreferenceObjective:
         return list(METRICS), sums if sums is not None else torch.zeros(len(METRICS) + 1)
 
 
-class DPO(PreferenceObjective):
-    """DPO (sigmoid loss; `dpo_loss`). Args: beta: KL strength (0.1 in the paper)."""
+class _WithBeta(PreferenceObjective):
+    """A preference objective with a positive ``beta`` (its meaning is the subclass's)."""
 
     def __init__(self, beta: float = 0.1) -> None:
         super().__init__()
         if beta <= 0:
             raise ValueError(f"objective.beta={beta} must be positive")
         self.beta = beta
+
+
+class DPO(_WithBeta):
+    """DPO (sigmoid loss; `dpo_loss`). Args: beta: KL strength (0.1 in the paper)."""
 
     @override
     def pair_losses(self, logps: torch.Tensor, tokens: torch.Tensor, ref_logps: torch.Tensor | None) -> Losses:
@@ -246,14 +250,8 @@ class DPO(PreferenceObjective):
         return dpo_loss(ratio[:, 0], ratio[:, 1], beta=self.beta)
 
 
-class IPO(PreferenceObjective):
+class IPO(_WithBeta):
     """IPO (length-averaged log-ratios; `ipo_loss`). Args: beta: the target margin is 1/(2 beta)."""
-
-    def __init__(self, beta: float = 0.1) -> None:
-        super().__init__()
-        if beta <= 0:
-            raise ValueError(f"objective.beta={beta} must be positive")
-        self.beta = beta
 
     @override
     def pair_losses(self, logps: torch.Tensor, tokens: torch.Tensor, ref_logps: torch.Tensor | None) -> Losses:
