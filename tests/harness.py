@@ -93,6 +93,26 @@ def losses(history: list[dict[str, Any]]) -> list[float]:
     return [h["loss"] for h in history if "loss" in h]
 
 
+def reference_setup(cfg: DictConfig) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer, Any]:
+    """The pieces of a plain one-process reference loop for ``cfg`` (SGD with momentum):
+    ``(train rows, model with plait's initial weights, optimizer, global-batch sampler at dp=1)``.
+    Iterate the sampler for each step's row indices."""
+    from hydra.utils import instantiate
+
+    from trainer.build import build_data
+    from trainer.data.sampler import GlobalBatchSampler
+
+    prepared = build_data(cfg).prepare()
+    torch.manual_seed(cfg.seed)
+    model = instantiate(cfg.model, vocab_size=prepared.tokenizer.vocab_size)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr, momentum=cfg.optim.momentum)
+    sampler = GlobalBatchSampler(
+        len(prepared.train), global_batch_size=cfg.train.global_batch_size, dp_size=1,
+        shuffle=cfg.data.shuffle, seed=cfg.data.seed, drop_last=cfg.data.drop_last,
+    )  # fmt: skip
+    return prepared.train, model, optimizer, sampler
+
+
 # Plain SGD at a constant LR without clipping: every layout applies its own gradient, so parameters
 # after a few steps (with momentum, DESIGN section 7) compare layouts exactly.
 EXACT_SGD = ("optim=sgd", "scheduler=constant", "scheduler.warmup_steps=0", "train.max_grad_norm=0")

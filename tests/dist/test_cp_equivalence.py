@@ -18,12 +18,9 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from hydra.utils import instantiate
 
-from harness import EXACT_SGD, compose_config, fit, losses
-from trainer.build import build_data
+from harness import EXACT_SGD, compose_config, fit, losses, reference_setup
 from trainer.data.packing import IGNORE_INDEX
-from trainer.data.sampler import GlobalBatchSampler
 
 STEPS = 5
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -60,15 +57,8 @@ def corpus(tmp_path_factory) -> str:
 def reference(corpus) -> dict:
     """Plain PyTorch on one process, one forward of the global batch per step."""
     cfg = compose_config([*COMMON, f"data.path={corpus}"])
-    prepared = build_data(cfg).prepare()
-    torch.manual_seed(cfg.seed)
-    model = instantiate(cfg.model, vocab_size=prepared.tokenizer.vocab_size)
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr, momentum=cfg.optim.momentum)
-    sampler = GlobalBatchSampler(
-        len(prepared.train), global_batch_size=cfg.train.global_batch_size, dp_size=1,
-        shuffle=cfg.data.shuffle, seed=cfg.data.seed, drop_last=cfg.data.drop_last,
-    )  # fmt: skip
-    rows, loss_per_step, docs_per_row = prepared.train, [], []
+    rows, model, optimizer, sampler = reference_setup(cfg)
+    loss_per_step, docs_per_row = [], []
     for _, index in zip(range(STEPS), sampler):
         labels = rows.labels[index]
         docs_per_row.append(int(rows.document_ids[index].max(dim=1).values.min()) + 1)

@@ -28,12 +28,10 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from hydra.utils import instantiate
 
-from harness import EXACT_SGD, compose_config, fit, losses
+from harness import EXACT_SGD, compose_config, fit, losses, reference_setup
 from trainer.build import build_data
 from trainer.data.packing import IGNORE_INDEX
-from trainer.data.sampler import GlobalBatchSampler
 
 STEPS = 5
 TOL = {"rtol": 1e-6, "atol": 1e-6}
@@ -91,15 +89,8 @@ def _run(corpus: str, overrides: list[str], run_dir) -> dict:
 def reference(corpus: str) -> dict:
     """Plain PyTorch on one process: one forward of the whole global batch per step."""
     cfg = compose_config([*COMMON, f"data.path={corpus}"])
-    prepared = build_data(cfg).prepare()
-    torch.manual_seed(cfg.seed)
-    model = instantiate(cfg.model, vocab_size=prepared.tokenizer.vocab_size)
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr, momentum=cfg.optim.momentum)
-    sampler = GlobalBatchSampler(
-        len(prepared.train), global_batch_size=cfg.train.global_batch_size, dp_size=1,
-        shuffle=cfg.data.shuffle, seed=cfg.data.seed, drop_last=cfg.data.drop_last,
-    )
-    rows, out = prepared.train, {"loss": [], "grad_norm": [], "grads": []}
+    rows, model, optimizer, sampler = reference_setup(cfg)
+    out = {"loss": [], "grad_norm": [], "grads": []}
     out["init"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     for _, index in zip(range(STEPS), sampler):
         labels = rows.labels[index]
