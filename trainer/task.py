@@ -176,16 +176,16 @@ class Task(L.LightningModule):
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
-        comm = strategy.after_optimizer_step(self.model, self.global_step, optimizer)  # e.g. bytes sent
+        strategy_metrics = strategy.after_optimizer_step(self.model, self.global_step, optimizer)  # e.g. bytes sent
 
         # A loader may report data metrics of the trained position (per-source consumed tokens).
         data_metrics = self.trainer.train_dataloader.mark_trained() or {}
         self.last_step_tokens = step_tokens
         self.tokens_seen += self.last_step_tokens
-        self._log_step(loss, grad_norm, lr, num_tokens, {**comm, **group_losses, **data_metrics})
+        self._log_step(loss, grad_norm, lr, num_tokens, {**strategy_metrics, **group_losses, **data_metrics})
 
     def _log_step(
-        self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, num_tokens: torch.Tensor, comm: dict[str, float]
+        self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, num_tokens: torch.Tensor, metrics: dict[str, float]
     ) -> None:
         # Every value is already global and equal on all ranks: no sync_dist (which would also
         # deadlock under pipeline parallelism, where every rank must log the same keys).
@@ -203,11 +203,11 @@ class Task(L.LightningModule):
                     "train/lr": lr,
                     "train/supervised_tokens": num_tokens.item(),
                     "train/tokens_seen": float(self.tokens_seen),
-                    **comm,
+                    **metrics,
                 }
             )
         self.history.append(
-            {"step": self.global_step, "loss": loss_value, "grad_norm": grad_norm_value, "lr": lr, **comm}
+            {"step": self.global_step, "loss": loss_value, "grad_norm": grad_norm_value, "lr": lr, **metrics}
         )
 
     # ------------------------------------------------------------------------------ logging
