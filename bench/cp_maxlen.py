@@ -35,7 +35,7 @@ import torch.distributed as dist
 from strategies.context import apply_context_parallel, build_cp_layout, causal_work, shard_batch, ulysses_degree_for
 from strategies.gloo import run_gloo_ranks
 from trainer.models.llama import Llama
-from trainer.tasks.pretrain import CausalLM
+from trainer.objectives.pretrain import CausalLM
 
 MODEL = {"vocab_size": 512, "dim": 64, "n_layers": 2, "n_heads": 8, "n_kv_heads": 4, "max_seq_len": 1 << 16}
 STEP = 64

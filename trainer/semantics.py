@@ -126,7 +126,7 @@ def check_semantics(cfg: DictConfig, problems: list[str]) -> None:
             problems.extend(data_cls.config_problems(data))
     objective = cfg.get("objective")
     if isinstance(objective, DictConfig) and "_target_" in objective:
-        # An objective may check the layout and data it needs (preference pairs: trainer.tasks.preference).
+        # An objective may check the layout and data it needs (preference pairs: trainer.objectives.preference).
         objective_cls = _import(objective._target_)
         if hasattr(objective_cls, "config_problems"):
             problems.extend(objective_cls.config_problems(cfg, dims))

@@ -44,7 +44,7 @@ class Task(L.LightningModule):
 
     Args:
         model: the network (parallelized in place by the strategy in ``configure_model``).
-        objective: has ``num_tokens(batch)`` and ``loss_sum(model, batch)`` (see trainer.tasks).
+        objective: has ``num_tokens(batch)`` and ``loss_sum(model, batch)`` (see trainer.objectives).
         optimizer: partial taking parameter groups (Hydra ``_partial_: true``).
         scheduler: partial taking the optimizer and ``total_steps``; None for a constant LR.
         micro_batch_size: rows per forward/backward on each dp rank.

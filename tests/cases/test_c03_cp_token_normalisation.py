@@ -20,7 +20,7 @@ from controlled import ONE_SGD_STEP, TableLM, data_overrides, rows_from, table_o
 from harness import compose_config, fit, losses
 from strategies.context import shard_batch
 from trainer.data.packing import IGNORE_INDEX
-from trainer.tasks.pretrain import CausalLM
+from trainer.objectives.pretrain import CausalLM
 
 SEQ_LEN = 8
 CE = [3.0, 1.0, 5.0, 2.0]  # token 0: pad; 1: CE 1; 2: CE 5; 3: CE 2

@@ -50,7 +50,7 @@ def _model() -> "torch.nn.Module":
 
 
 def test_packed_loss_is_the_token_weighted_mean_of_the_separate_documents():
-    from trainer.tasks.pretrain import CausalLM
+    from trainer.objectives.pretrain import CausalLM
 
     model, objective = _model(), CausalLM()
     rows = pack([(A, shift_labels(A)), (B, shift_labels(B))], seq_len=8, pad_id=0)

@@ -15,7 +15,7 @@ import torch
 
 from trainer.data.chat import ChatError, completion_mask, labels_from_mask
 from trainer.data.packing import IGNORE_INDEX
-from trainer.tasks.sft import SFT
+from trainer.objectives.sft import SFT
 
 PAD = EOS = 2
 TEMPLATE = [2, 50, 51]

@@ -4,7 +4,7 @@
 import pytest
 
 from preference_pairs import FixedLogits, pair_batch
-from trainer.tasks.preference import DPO, dpo_loss, sequence_logps
+from trainer.objectives.preference import DPO, dpo_loss, sequence_logps
 
 
 def test_case_c24_rejected_logps_exclude_the_prompt():

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from preference_pairs import FixedLogits, pair_batch
-from trainer.tasks.preference import IPO, ipo_loss
+from trainer.objectives.preference import IPO, ipo_loss
 
 t = torch.tensor
 

@@ -18,7 +18,7 @@ from hydra.utils import instantiate
 from harness import compose_config, fit, losses
 from trainer.build import build_data
 from trainer.data.sampler import GlobalBatchSampler
-from trainer.tasks.preference import DPO
+from trainer.objectives.preference import DPO
 
 STEPS = 3
 TOL = {"rtol": 1e-5, "atol": 1e-5}

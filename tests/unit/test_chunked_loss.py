@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from trainer.tasks.chunked_loss import chunked_token_loss_sum
-from trainer.tasks.pretrain import IGNORE_INDEX, token_loss_sum
+from trainer.objectives.chunked_loss import chunked_token_loss_sum
+from trainer.objectives.pretrain import IGNORE_INDEX, token_loss_sum
 
 
 def _grads(fn, hidden, weight):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trainer.tasks.chunked_loss import chunked_token_loss_sum
+from trainer.objectives.chunked_loss import chunked_token_loss_sum
 
 IGNORE_INDEX = -100
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.tasks.pretrain import IGNORE_INDEX, CausalLM
+from trainer.objectives.pretrain import IGNORE_INDEX, CausalLM
 
 
 class SFT(CausalLM):
