@@ -39,7 +39,7 @@ os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainer.build import build_run  # noqa: E402
-from trainer.cli import compose  # noqa: E402
+from trainer.compose import compose  # noqa: E402
 
 
 def main() -> None:

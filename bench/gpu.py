@@ -61,7 +61,7 @@ def main() -> None:
         return
 
     from trainer.build import build_run
-    from trainer.cli import compose
+    from trainer.compose import compose
 
     name = torch.cuda.get_device_name()
     peak = args.peak_tflops or next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)

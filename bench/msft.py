@@ -29,7 +29,7 @@ from pathlib import Path
 
 from trainer.budget.msft import MSFT
 from trainer.budget.report import table
-from trainer.cli import compose
+from trainer.compose import compose
 
 
 def main() -> None:

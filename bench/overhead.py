@@ -65,7 +65,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from strategies.launch import LAUNCH_ENV  # noqa: E402
 from trainer.build import build_data, build_model, build_run  # noqa: E402
-from trainer.cli import compose  # noqa: E402
+from trainer.compose import compose  # noqa: E402
 from trainer.config import validate  # noqa: E402
 from trainer.data.sampler import GlobalBatchSampler  # noqa: E402
 from trainer.optim import lr_factor  # noqa: E402

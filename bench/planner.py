@@ -35,7 +35,7 @@ from strategies.planner.layout import layout_from_config, shape_from_config, wor
 from strategies.planner.memory import predict_rank
 from strategies.planner.time import predict_time
 from trainer.build import build_run
-from trainer.cli import compose
+from trainer.compose import compose
 from trainer.plan import cluster_from_config
 
 LAYOUTS = {

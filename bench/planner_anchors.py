@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from strategies.planner.layout import Layout, ModelShape, Workload
 from strategies.planner.memory import GiB, predict_memory
 from strategies.planner.time import Cluster, predict_time, tokens_per_second_per_device
-from trainer.cli import CONF_DIR
+from trainer.compose import CONF_DIR
 
 
 def cluster(n: int) -> Cluster:

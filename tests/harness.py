@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from strategies.launch import LAUNCH_ENV
 from trainer.build import build_run
-from trainer.cli import compose
+from trainer.compose import compose
 from trainer.task import Task
 
 # A model and run small enough for a 2-core machine: 2 blocks of width 64, 64-token rows.

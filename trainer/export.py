@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -189,23 +188,11 @@ def export_checkpoint(ckpt: Path, out: str | Path, *, dtype: str | None = None, 
 
 
 def main(argv: list[str]) -> None:
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
+    """Entry of ``plait export``: ``key=value`` arguments of conf/export.yaml; exit 2 on bad input."""
     from trainer.callbacks.checkpoint import resolve_checkpoint
-    from trainer.cli import CONF_DIR
+    from trainer.compose import compose_command, fail
 
-    def fail(message: str) -> None:
-        print(f"plait: error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose("export", overrides=argv)
-        OmegaConf.to_container(cfg, throw_on_missing=True)
-    except (HydraException, OmegaConfBaseException) as err:
-        fail(f"{err.__cause__ or err} (usage: plait export ckpt=<run or checkpoint dir> out=<new dir>)")
+    cfg = compose_command("export", argv, usage="plait export ckpt=<run or checkpoint dir> out=<new dir>")
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
         fail(f"dtype={cfg.dtype} is unknown; use one of {', '.join(DTYPES)} or null (keep the checkpoint's)")
     ckpt = resolve_checkpoint(cfg.ckpt)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
@@ -11,6 +9,7 @@ from torch import nn
 
 from strategies.checkpoint import load_model_weights
 from trainer.callbacks.checkpoint import resolve_checkpoint
+from trainer.compose import compose_command, fail
 from trainer.data.tokenizer import Tokenizer
 
 
@@ -90,27 +89,11 @@ def greedy_batch(
 
 
 def main(argv: list[str]) -> None:
-    from hydra import compose, initialize_config_dir
-
-    from trainer.cli import CONF_DIR
-
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose("generate", overrides=argv)
-    except (HydraException, OmegaConfBaseException) as err:
-        cause = err.__cause__ or err
-        print(
-            f"plait: error: {cause}\n(a value with a comma or space needs inner quotes: prompt=\"'To be, or not'\")",
-            file=sys.stderr,
-        )
-        raise SystemExit(2) from None
+    """Entry of ``plait generate``: ``key=value`` arguments of conf/generate.yaml; exit 2 on bad input."""
+    cfg = compose_command("generate", argv, usage='plait generate ckpt=<run or checkpoint dir> prompt="..."')
     ckpt = resolve_checkpoint(cfg.ckpt)
     if ckpt is None:
-        print(f"plait: error: ckpt={cfg.ckpt} names no checkpoint; give a run directory or a step_* checkpoint", file=sys.stderr)
-        raise SystemExit(2)
+        fail(f"ckpt={cfg.ckpt} names no checkpoint; give a run directory or a step_* checkpoint")
     run_dir = ckpt.parent.parent
     run_cfg = OmegaConf.load(run_dir / "config.yaml")
     tokenizer = Tokenizer.from_file(str(run_dir / "tokenizer.json"))
@@ -128,6 +111,3 @@ def main(argv: list[str]) -> None:
         max_seq_len=model.max_seq_len,
     )
     print(cfg.prompt + tokenizer.decode(new_ids))
-
-
-

@@ -26,7 +26,6 @@ Invocation::
 from __future__ import annotations
 
 import shutil
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -188,25 +187,19 @@ def save_merged(state: State, out: Path, *, like: Path) -> Path:
 
 
 def main(argv: list[str]) -> None:
-    """``plait merge`` entry point (Hydra-style ``key=value`` arguments, conf/merge.yaml)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
+    """Entry of ``plait merge``: ``key=value`` arguments of conf/merge.yaml; exit 2 on bad input."""
+    from trainer.compose import compose_command, fail
 
-    from trainer.cli import CONF_DIR
-
+    cfg = compose_command("merge", argv, usage="plait merge base=<run> deltas=[<run>,...] method=ties")
     try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose("merge", overrides=argv)
         base, base_dir, _ = _load(cfg.base)
         models = [_load(path)[0] for path in cfg.deltas]
         merged = merge_states(
             base, models, method=cfg.method, weights=cfg.weights, scale=cfg.scale, density=cfg.density,
             drop=cfg.drop, seed=cfg.seed,
         )  # fmt: skip
-    except (HydraException, OmegaConfBaseException, FileNotFoundError, ValueError) as err:
-        print(f"plait: error: {err.__cause__ or err}", file=sys.stderr)
-        raise SystemExit(2) from None
+    except (FileNotFoundError, ValueError) as err:
+        fail(str(err))
     for path, model in zip(cfg.deltas, models):
         s = sparsity(base, model, tol=cfg.tol)
         print(f"delta {path}: " + ", ".join(f"{k} {v:.4f}" for k, v in s.items()))

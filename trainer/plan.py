@@ -77,20 +77,18 @@ def plan(cfg: DictConfig) -> str:
 
 def main(argv: list[str]) -> None:
     """Entry of ``plait plan``: compose like a run, validate, print the plan; exit 2 on bad config."""
-    from trainer.cli import _fail, compose
+    from trainer.compose import compose, fail, split_recipe
     from trainer.config import validate
 
-    recipe, overrides = "pretrain", list(argv)
-    if argv and not argv[0].startswith("-") and "=" not in argv[0]:
-        recipe, overrides = argv[0], argv[1:]
+    recipe, overrides = split_recipe(argv)
     try:
         cfg = compose(recipe, overrides)
         validate(cfg)
         print(plan(cfg))
     except ConfigError as err:
-        _fail("invalid configuration:\n" + "\n".join(f"  - {p}" for p in err.problems))
+        fail("invalid configuration:\n" + "\n".join(f"  - {p}" for p in err.problems))
     except Exception as err:  # noqa: BLE001 - Hydra's override errors: one line, like a run
         if type(err).__module__.startswith(("hydra", "omegaconf")):
-            _fail(str(err).strip().splitlines()[0])
+            fail(str(err).strip().splitlines()[0])
         raise
     sys.stdout.flush()

@@ -8,11 +8,12 @@ import pytest
 from omegaconf import OmegaConf
 from harness import compose_config
 
-from trainer.cli import CONF_DIR, bundled_recipes
+from trainer.compose import CONF_DIR, bundled_recipes
 from trainer.config import ConfigError, validate
 
 STRATEGIES = sorted(p.stem for p in (CONF_DIR / "strategy").glob("*.yaml"))
-RECIPES = sorted(bundled_recipes())
+# preference composes exactly as its alias dpo (but for the recipe name), so the aliases stand for it.
+RECIPES = sorted(set(bundled_recipes()) - {"preference"})
 
 
 def test_there_is_something_to_compose() -> None:

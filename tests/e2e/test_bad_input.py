@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from harness import CLI_TINY, plait
 
-from trainer.cli import bundled_recipes
+from trainer.compose import bundled_recipes
 
 
 def _assert_clean_failure(result: subprocess.CompletedProcess[str]) -> str:

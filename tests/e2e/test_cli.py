@@ -17,7 +17,7 @@ from harness import CLI_TINY, plait, train_rows
 from omegaconf import OmegaConf
 
 from strategies.checkpoint import is_checkpoint
-from trainer.cli import CONF_DIR, bundled_recipes
+from trainer.compose import CONF_DIR, bundled_recipes
 from trainer.data.tokenizer import Tokenizer
 
 TOKENS_PER_STEP = 8 * 64  # train.global_batch_size x data.seq_len of CLI_TINY

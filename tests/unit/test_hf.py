@@ -74,7 +74,7 @@ def test_plait_model_exports_to_transformers(tmp_path):
 
 def _config(tmp_path, *overrides, **edits):
     from hf_checkpoints import write_tokenizer
-    from trainer.cli import compose
+    from trainer.compose import compose
 
     make_hf_dir("llama3", tmp_path / "hf")
     path = tmp_path / "hf" / "config.json"
@@ -116,7 +116,7 @@ def test_legacy_rope_scaling_layout_is_read(tmp_path):
 
 
 def test_validate_guides_the_model_choice(tmp_path):
-    from trainer.cli import compose
+    from trainer.compose import compose
 
     cfg = _config(tmp_path)
     validate(cfg)  # a supported checkpoint passes
@@ -136,7 +136,7 @@ def test_checkpoint_tokenizer_and_chat_template_feed_the_data(tmp_path):
     """With data.tokenizer=null the data module takes the checkpoint's tokenizer and chat template."""
     from hf_checkpoints import CHAT_TEMPLATE
     from trainer.build import build_data
-    from trainer.cli import compose
+    from trainer.compose import compose
 
     make_hf_dir("qwen3", tmp_path / "hf")
     cfg = compose("sft", ["data=synthetic", "data.template=auto", "data.long_samples=split", "model=hf", f"model.init_from={tmp_path / 'hf'}"])

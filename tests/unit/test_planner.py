@@ -7,7 +7,7 @@ import pytest
 from strategies.planner.layout import ModelShape, layout_from_config, shape_from_config, workload_from_config
 from strategies.planner.memory import predict_memory
 from strategies.planner.search import SearchSpace, search
-from trainer.cli import compose
+from trainer.compose import compose
 from trainer.config import ConfigError, validate
 from trainer.plan import check_memory, cluster_from_config, plan
 

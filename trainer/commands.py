@@ -1,0 +1,72 @@
+"""The table of plait's commands: ``plait [CMD] [RECIPE] k=v`` runs ``COMMANDS[CMD]`` (train by default).
+
+Each command is a module with ``main(argv)`` (argv after the command's name), imported only when
+it runs, so ``plait generate`` does not import the trainer. Commands share `trainer.compose`
+(recipes, ``compose``, the ``plait: error:`` exit) and `trainer.rundir` (a run directory's
+layout and its model); none imports the CLI. A new command is one row here and one module.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from trainer.compose import CONF_DIR, HELP_FLAGS, config_groups
+
+
+@dataclass(frozen=True)
+class Command:
+    """One row of the table.
+
+    Args:
+        name: the word after ``plait``.
+        module: the module whose ``main(argv)`` runs it (its docstring is the command's help).
+        summary: one line for ``plait --help``.
+        config: the file of ``conf/`` its ``key=value`` arguments override (None: it takes a recipe).
+    """
+
+    name: str
+    module: str
+    summary: str
+    config: str | None = None
+
+    def main(self, argv: list[str]) -> None:
+        """Runs the command; ``--help`` prints `help` instead (train prints its recipe's own help)."""
+        if self.name != "train" and any(a in HELP_FLAGS for a in argv):
+            print(self.help())
+            return
+        importlib.import_module(self.module).main(argv)
+
+    def help(self) -> str:
+        """The module's docstring, then the command's options (its conf file) or the config groups."""
+        doc = (importlib.import_module(self.module).__doc__ or self.summary).strip()
+        lines = [doc, ""]
+        if self.config is not None:
+            lines.append(f"Options (key=value; defaults from conf/{self.config}.yaml, ??? = required):")
+            text = (CONF_DIR / f"{self.config}.yaml").read_text().splitlines()
+            lines += [f"  {line}" for line in text if line.strip() and not line.startswith("#")]
+        else:
+            lines.append("Config groups (GROUP=OPTION; every field is also an override, e.g. optim.lr=1e-3):")
+            lines += [f"  {group:<12} {', '.join(options)}" for group, options in config_groups().items()]
+        return "\n".join(lines)
+
+
+TRAIN = Command("train", "trainer.train", "train a recipe (the default: plait RECIPE ... is plait train RECIPE ...)")
+COMMANDS: dict[str, Command] = {
+    c.name: c
+    for c in (
+        TRAIN,
+        Command("plan", "trainer.plan", "rank parallel layouts of a recipe for a cluster, without training"),
+        Command("generate", "trainer.generate", "sample a continuation from a run's checkpoint", config="generate"),
+        Command("export", "trainer.export", "write a run's checkpoint as a Hugging Face model directory", config="export"),
+        Command("merge", "trainer.merge", "merge fine-tuned runs' deltas into their base (PAFT)", config="merge"),
+    )
+}
+
+
+def dispatch(argv: Sequence[str]) -> tuple[Command, list[str]]:
+    """(the command ``argv`` names, its arguments): ``argv[0]`` when it is a command, else train."""
+    if argv and argv[0] in COMMANDS:
+        return COMMANDS[argv[0]], list(argv[1:])
+    return TRAIN, list(argv)

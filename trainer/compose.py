@@ -1,0 +1,185 @@
+"""Recipes and config composition, shared by every command of the table (`trainer.commands`).
+
+A recipe is a YAML file of ``recipes/`` (or a path of one's own) whose defaults list picks one
+option of each config group of ``conf/``. An alias is a recipe name that stands for a recipe
+and some overrides: ``plait dpo`` is ``plait preference objective=dpo recipe=dpo`` (the same
+composed config, so its run directories keep their ``runs/dpo/...`` names). A command that
+takes no recipe (generate, export, merge) composes its own file ``conf/<command>.yaml``.
+
+Every command reports bad input the same way: one ``plait: error:`` line naming the fix, exit 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from importlib.resources import files
+from pathlib import Path
+from typing import NoReturn
+
+from omegaconf import DictConfig
+
+
+def _package_dir(name: str) -> Path:
+    # Installed: trainer.conf / trainer.recipes are packages. From a source tree on sys.path: repo dirs.
+    try:
+        return Path(str(files(f"trainer.{name}")))
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[1] / name
+
+
+CONF_DIR = _package_dir("conf")
+RECIPES_DIR = _package_dir("recipes")
+DEFAULT_RECIPE = "pretrain"
+HELP_FLAGS = ("-h", "--help")
+# Hydra's flags that take a value (``--info`` takes one only from its choices).
+_VALUED_FLAGS = ("--cfg", "-c", "--package", "-p", "--config-dir", "-cd", "--experimental-rerun")
+_INFO_CHOICES = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
+
+# alias -> (recipe, overrides it stands for, one-line description). The user's overrides come after.
+ALIASES: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "dpo": ("preference", ("objective=dpo", "recipe=dpo"), "= plait preference objective=dpo: DPO's sigmoid loss against the initial policy"),
+    "ipo": ("preference", ("objective=ipo", "recipe=ipo"), "= plait preference objective=ipo: squared loss on length-averaged log-ratios"),
+    "simpo": ("preference", ("objective=simpo", "recipe=simpo"), "= plait preference objective=simpo: reference-free, length-normalised, target margin"),
+    "orpo": ("preference", ("objective=orpo", "recipe=orpo"), "= plait preference objective=orpo: chosen NLL plus an odds-ratio term, no reference"),
+}  # fmt: skip
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    """Prints ``plait: error: <message>`` to stderr and exits with ``code`` (2: bad input)."""
+    print(f"plait: error: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def error_message(err: BaseException) -> str:
+    """First line of the most specific message in an exception chain (Hydra often wraps an empty one)."""
+    while not str(err).strip() and err.__cause__ is not None:
+        err = err.__cause__
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def bundled_recipes() -> dict[str, str]:
+    """Recipe name -> its first comment line; aliases included (``dpo`` -> ``= plait preference ...``)."""
+    out = {}
+    for path in sorted(RECIPES_DIR.glob("*.yaml")):
+        first = path.read_text().splitlines()[0] if path.stat().st_size else ""
+        out[path.stem] = first.lstrip("# ").strip()
+    out.update({name: text for name, (_, _, text) in ALIASES.items()})
+    return dict(sorted(out.items()))
+
+
+def config_groups() -> dict[str, list[str]]:
+    """Config group -> its options (the YAML files of ``conf/<group>/``)."""
+    return {
+        p.name: sorted(q.stem for q in p.glob("*.yaml"))
+        for p in sorted(CONF_DIR.iterdir())
+        if p.is_dir() and not p.name.startswith("_") and any(p.glob("*.yaml"))
+    }
+
+
+def split_recipe(argv: Sequence[str]) -> tuple[str, list[str]]:
+    """``[RECIPE] overrides`` -> (recipe, overrides); the recipe defaults to ``pretrain``."""
+    if argv and not argv[0].startswith("-") and "=" not in argv[0]:
+        return argv[0], list(argv[1:])
+    return DEFAULT_RECIPE, list(argv)
+
+
+def to_hydra_argv(argv: list[str]) -> list[str]:
+    """``[RECIPE] overrides`` -> ``--config-path DIR --config-name NAME overrides hydra.searchpath=[...]``.
+
+    Idempotent: an argv that already names its config (a child process) is returned unchanged.
+    An alias expands to its recipe and overrides, before the user's.
+
+    Raises:
+        SystemExit: RECIPE is neither a bundled recipe, an alias nor an existing YAML file.
+    """
+    if any(a.startswith(("--config-name", "-cn")) for a in argv):
+        return argv
+    recipe, rest = split_recipe(argv)
+    if recipe in ALIASES:
+        recipe, implied, _ = ALIASES[recipe]
+        rest = [*implied, *rest]
+    if recipe.endswith((".yaml", ".yml")) or os.sep in recipe:
+        path = Path(recipe).expanduser().resolve()
+        if not path.is_file():
+            fail(f"recipe file {recipe} does not exist")
+        config = ["--config-path", str(path.parent), "--config-name", path.stem]
+    else:
+        if recipe not in bundled_recipes():
+            fail(f"unknown recipe {recipe!r}; bundled recipes: {', '.join(bundled_recipes())}, or a path to a .yaml file")
+        config = ["--config-path", str(RECIPES_DIR), "--config-name", recipe]
+    search = f"hydra.searchpath=['file://{CONF_DIR}','file://{RECIPES_DIR}']"
+    flags, overrides = _split_flags(rest)
+    return config + flags + overrides + [search]
+
+
+def _split_flags(args: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(Hydra's flags with their values, the overrides), each in order. Hydra's parser takes the
+    overrides only as one run of positional arguments, so ``plait dpo --cfg job`` (overrides
+    implied before the flag) must not leave overrides on both sides of a flag."""
+    flags, overrides, i = [], [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("-"):
+            overrides.append(arg)
+        else:
+            flags.append(arg)
+            takes = arg in _VALUED_FLAGS or (arg in ("--info", "-i") and i + 1 < len(args) and args[i + 1] in _INFO_CHOICES)
+            if takes and i + 1 < len(args):
+                i += 1
+                flags.append(args[i])
+        i += 1
+    return flags, overrides
+
+
+def hydra_config(argv: Sequence[str]) -> tuple[str, str, list[str]]:
+    """(config dir, config name, overrides) of an argv from `to_hydra_argv`."""
+    argv = list(argv)
+    config_dir, config_name = argv[argv.index("--config-path") + 1], argv[argv.index("--config-name") + 1]
+    overrides = [a for a in argv if not a.startswith("-") and a not in (config_dir, config_name)]
+    return config_dir, config_name, overrides
+
+
+def compose(recipe: str = DEFAULT_RECIPE, overrides: Sequence[str] = ()) -> DictConfig:
+    """The config the CLI would compose for ``plait RECIPE overrides``, without starting a Hydra job.
+
+    For the commands and for scripts and tests that build and fit in-process
+    (``trainer.build.build_run``). The config is not validated (``trainer.config.validate`` does that).
+
+    Args:
+        recipe: a bundled recipe name, an alias or the path of a recipe .yaml file.
+        overrides: Hydra overrides, e.g. ``["model=nano", "trainer.max_steps=10"]``.
+
+    Raises:
+        SystemExit: RECIPE is neither a bundled recipe nor an existing YAML file.
+        hydra.errors.HydraException: an override does not apply.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    config_dir, config_name, rest = hydra_config(to_hydra_argv([recipe, *overrides]))
+    with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
+        return hydra_compose(config_name, overrides=rest)
+
+
+def compose_command(name: str, argv: Sequence[str], *, usage: str) -> DictConfig:
+    """``conf/<name>.yaml`` with the ``key=value`` arguments of ``plait <name>``, every field given.
+
+    Raises:
+        SystemExit: (exit 2, ``plait: error:`` with ``usage``) an argument does not parse or does
+            not apply, or a required field (``???``) is missing.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = hydra_compose(name, overrides=list(argv))
+        OmegaConf.to_container(cfg, throw_on_missing=True)
+    except (HydraException, OmegaConfBaseException) as err:
+        fail(f"{error_message(err)} (usage: {usage}; a value with a comma or space needs inner quotes: key=\"'a, b'\")")
+    return cfg

@@ -1,0 +1,125 @@
+"""``plait [train] [RECIPE] overrides``: the train command (the default of the command table).
+
+Flow, top to bottom: RECIPE -> Hydra's own flags (so the argv that Lightning re-runs in child
+processes is self-describing) -> compose and validate before anything is launched or written ->
+Hydra runs `trainer.run.run`, which prepares data, builds everything (trainer/build.py) and fits.
+
+``plait RECIPE --help`` prints the recipe's config groups (the option it picks and the others)
+and its composed config; Hydra's other flags (``--cfg job``, ``--info``, ``--multirun``, ...)
+go to Hydra as they are.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from omegaconf import DictConfig
+
+from trainer.compose import HELP_FLAGS, bundled_recipes, config_groups, error_message, fail, hydra_config, to_hydra_argv
+
+_MULTIRUN = ("-m", "--multirun")
+_HYDRA_INFO = ("--hydra-help", "--info", "-i", "--cfg", "-c", "--resolve", "--shell-completion", "-sc")
+
+
+def main(argv: list[str]) -> None:
+    """Runs ``plait [RECIPE] overrides`` (or a child process's Hydra argv) as a Hydra job."""
+    argv = to_hydra_argv(argv)
+    if any(a in HELP_FLAGS for a in argv):
+        return print_recipe_help(argv)
+    sys.argv = [sys.argv[0]] + argv
+    launched_child = "LOCAL_RANK" in os.environ and os.environ.get("LOCAL_RANK") != "0"
+    if not launched_child and not any(a in _MULTIRUN + _HYDRA_INFO for a in argv):
+        preflight(argv)
+
+    import hydra
+
+    hydra.main(version_base="1.3", config_path=None, config_name=None)(_hydra_task)()
+
+
+def _hydra_task(cfg: DictConfig) -> None:
+    from trainer.run import run
+
+    run(cfg)
+
+
+def print_recipe_help(argv: list[str]) -> None:
+    """The recipe's config groups (chosen option first) and its composed config, for ``--help``."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf, open_dict
+    from omegaconf.errors import OmegaConfBaseException
+
+    config_dir, config_name, overrides = hydra_config([a for a in argv if a not in HELP_FLAGS])
+    try:
+        with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
+            cfg = compose(config_name, overrides=overrides, return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException) as err:
+        fail(error_message(err))
+    choices = OmegaConf.to_container(cfg.hydra.runtime.choices)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    name = cfg.get("recipe", config_name)
+    lines = [f"plait {name} [GROUP=OPTION] [FIELD=VALUE] ...   {bundled_recipes().get(name, '')}".rstrip(), ""]
+    lines += ["Config groups (GROUP=OPTION; * = this recipe's choice):"]
+    for group, options in config_groups().items():
+        chosen = choices.get(group)
+        shown = [f"*{o}" if o == chosen else o for o in options]
+        lines.append(f"  {group:<12} {', '.join(shown)}" + ("" if chosen in options else "  (none chosen)"))
+    lines += ["", "Composed config (every field is an override, e.g. optim.lr=1e-3):", OmegaConf.to_yaml(cfg).rstrip()]
+    print("\n".join(lines))
+
+
+def preflight(argv: list[str]) -> None:
+    """Composes and validates the config before Hydra creates a run directory; exits 2 on problems."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from trainer.config import ConfigError, validate
+    from trainer.run import check_run_dir
+
+    config_dir, config_name, overrides = hydra_config(argv)
+    problems: list[str] = []
+    with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
+        try:
+            cfg = compose(config_name, overrides=overrides)
+        except (HydraException, OmegaConfBaseException) as err:
+            # Report every bad override, not just the first one Hydra stops at, then validate the rest.
+            searchpath = [o for o in overrides if o.startswith("hydra.searchpath")]
+            bad = []
+            for override in overrides:
+                if override in searchpath:
+                    continue
+                try:
+                    compose(config_name, overrides=searchpath + [override])
+                except (HydraException, OmegaConfBaseException) as one:
+                    bad.append(override)
+                    problems.append(f"{override}: {error_message(one)}")
+            try:
+                cfg = compose(config_name, overrides=[o for o in overrides if o not in bad])
+            except (HydraException, OmegaConfBaseException):  # overrides that only clash together
+                fail("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems or [error_message(err)]))
+            problems = [p + _did_you_mean(cfg, o) for p, o in zip(problems, bad)] or [error_message(err)]
+    try:
+        validate(cfg)
+        check_run_dir(cfg)
+    except ConfigError as err:
+        problems += err.problems
+    if problems:
+        fail("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _did_you_mean(cfg: DictConfig, override: str) -> str:
+    """`` (unknown key; did you mean train.micro_batch_size?)`` for an override of a key ``cfg`` lacks."""
+    import difflib
+
+    from omegaconf import OmegaConf
+
+    key = override.split("=", 1)[0].lstrip("+~")
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    if not isinstance(node, DictConfig) or leaf in node:
+        return ""
+    match = difflib.get_close_matches(leaf, [str(k) for k in node], n=1)
+    return f" (unknown key; did you mean {parent + '.' if parent else ''}{match[0]}?)" if match else " (unknown key)"
