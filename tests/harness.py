@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from strategies.launch import LAUNCH_ENV
 from trainer.build import build_run
 from trainer.compose import compose
+from trainer.rundir import RunDir
 from trainer.task import Task
 
 # A model and run small enough for a 2-core machine: 2 blocks of width 64, 64-token rows.
@@ -139,5 +140,5 @@ def plait(
 def train_rows(run_dir: Path) -> dict[int, dict[str, str]]:
     """metrics.csv rows with a train loss, by their ``step`` column; the last row wins (a resumed
     run appends the steps it repeats). Row k holds optimizer step k (row 0: validation before training)."""
-    with open(Path(run_dir) / "metrics.csv", newline="") as file:
+    with open(RunDir(run_dir).metrics, newline="") as file:
         return {int(row["step"]): row for row in csv.DictReader(file) if row.get("train/loss")}

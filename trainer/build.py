@@ -18,6 +18,7 @@ from trainer.config import ConfigError
 from trainer.semantics import micro_batch_size, world_size
 from trainer.data.module import TextDataModule
 from trainer.models.hf import is_hf_dir
+from trainer.rundir import RunDir
 from trainer.task import Task
 
 
@@ -90,7 +91,7 @@ def build_callbacks(cfg: DictConfig, run_dir: Path) -> list[L.Callback]:
     for name, node in (cfg.callbacks or {}).items():
         if node is None or (name == "progress" and not cfg.trainer.enable_progress_bar):
             continue
-        dirpath = run_dir / "checkpoints" if name == "checkpoint" else run_dir
+        dirpath = RunDir(run_dir).checkpoints if name == "checkpoint" else run_dir
         callbacks.append(_with_dir(node, run_dir, "dirpath", dirpath))
     return callbacks
 

@@ -21,12 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from torch import nn
 
+from trainer.compose import compose_command, fail
 from trainer.data.tokenizer import Tokenizer
 from trainer.models.hf import FAMILIES, INDEX_FILE, HFError, family_of, hf_name, is_hf_dir, read_config
 from trainer.models.llama import Llama
+from trainer.rundir import load_run_model, resolve_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Files of a source Hugging Face directory that describe the tokenizer and generation, copied as they are.
@@ -170,28 +172,24 @@ def write_hf_dir(
     return out
 
 
-def export_checkpoint(ckpt: Path, out: str | Path, *, dtype: str | None = None, max_shard_mb: float = 5000.0) -> Path:
-    """Loads a plait checkpoint (one process, any saved layout) and writes it with `write_hf_dir`."""
-    from hydra.utils import instantiate
+def export_checkpoint(path: str | Path, out: str | Path, *, dtype: str | None = None, max_shard_mb: float = 5000.0) -> Path:
+    """Loads the model of a run or checkpoint (`trainer.rundir.load_run_model`: one process, any
+    saved layout) and writes it with `write_hf_dir`.
 
-    from strategies.checkpoint import load_model_weights
-
-    run_dir = ckpt.parent.parent
-    run_cfg = OmegaConf.load(run_dir / "config.yaml")
-    tokenizer = Tokenizer.from_file(run_dir / "tokenizer.json")
-    model = instantiate(run_cfg.model, vocab_size=run_cfg.model.get("vocab_size") or tokenizer.vocab_size)
-    load_model_weights(ckpt, model)
+    Raises:
+        FileNotFoundError: ``path`` names no checkpoint, or the run has no tokenizer.json.
+    """
+    run = load_run_model(path)
+    if run.tokenizer is None:
+        raise FileNotFoundError(f"{run.run.tokenizer} is missing; a Hugging Face directory needs the run's tokenizer")
     return write_hf_dir(
-        out, model=model, state=model.state_dict(), tokenizer=tokenizer, sources=source_dirs(run_cfg),
+        out, model=run.model, state=run.model.state_dict(), tokenizer=run.tokenizer, sources=source_dirs(run.config),
         dtype=dtype, max_shard_mb=max_shard_mb,
     )  # fmt: skip
 
 
 def main(argv: list[str]) -> None:
     """Entry of ``plait export``: ``key=value`` arguments of conf/export.yaml; exit 2 on bad input."""
-    from trainer.callbacks.checkpoint import resolve_checkpoint
-    from trainer.compose import compose_command, fail
-
     cfg = compose_command("export", argv, usage="plait export ckpt=<run or checkpoint dir> out=<new dir>")
     if cfg.dtype is not None and cfg.dtype not in DTYPES:
         fail(f"dtype={cfg.dtype} is unknown; use one of {', '.join(DTYPES)} or null (keep the checkpoint's)")
@@ -203,6 +201,6 @@ def main(argv: list[str]) -> None:
         fail(f"out={out} is not empty; choose a new directory")
     try:
         export_checkpoint(ckpt, out, dtype=cfg.dtype, max_shard_mb=cfg.max_shard_mb)
-    except HFError as err:
+    except (HFError, FileNotFoundError) as err:
         fail(str(err))
     print(f"plait: wrote {out} (Hugging Face format) from {ckpt}")

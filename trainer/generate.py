@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import torch
-from hydra.utils import instantiate
-from omegaconf import OmegaConf
 from torch import nn
 
-from strategies.checkpoint import load_model_weights
-from trainer.callbacks.checkpoint import resolve_checkpoint
 from trainer.compose import compose_command, fail
-from trainer.data.tokenizer import Tokenizer
+from trainer.rundir import load_run_model
 
 
 @torch.no_grad()
@@ -91,15 +87,13 @@ def greedy_batch(
 def main(argv: list[str]) -> None:
     """Entry of ``plait generate``: ``key=value`` arguments of conf/generate.yaml; exit 2 on bad input."""
     cfg = compose_command("generate", argv, usage='plait generate ckpt=<run or checkpoint dir> prompt="..."')
-    ckpt = resolve_checkpoint(cfg.ckpt)
-    if ckpt is None:
-        fail(f"ckpt={cfg.ckpt} names no checkpoint; give a run directory or a step_* checkpoint")
-    run_dir = ckpt.parent.parent
-    run_cfg = OmegaConf.load(run_dir / "config.yaml")
-    tokenizer = Tokenizer.from_file(str(run_dir / "tokenizer.json"))
-    model = instantiate(run_cfg.model, vocab_size=run_cfg.model.get("vocab_size") or tokenizer.vocab_size)
-    load_model_weights(ckpt, model)
-    model.eval()
+    try:
+        run = load_run_model(cfg.ckpt)
+    except FileNotFoundError as err:
+        fail(f"ckpt={err}")
+    model, tokenizer = run.model, run.tokenizer
+    if tokenizer is None:
+        fail(f"ckpt={cfg.ckpt}: {run.run.tokenizer} is missing; generate needs the run's tokenizer")
     torch.manual_seed(cfg.seed)
     prompt_ids = tokenizer.encode(cfg.prompt) or [tokenizer.eos_id]
     new_ids = sample(

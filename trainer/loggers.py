@@ -13,8 +13,12 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from typing_extensions import override
 
+from trainer.rundir import RunDir
+
 
 class _AppendingWriter(ExperimentWriter):
+    NAME_METRICS_FILE = RunDir(".").metrics.name
+
     @override
     def _check_log_dir_exists(self) -> None:
         if self._fs.isfile(self.metrics_file_path):

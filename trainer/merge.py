@@ -30,7 +30,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+import torch.distributed.checkpoint as dcp
+
+from strategies.checkpoint import META_FILE
+from trainer.compose import compose_command, fail
+from trainer.rundir import RunDir, load_run_model
 
 METHODS = ("task_arithmetic", "ties", "dare")
 State = dict[str, torch.Tensor]
@@ -148,39 +152,22 @@ def sparsity(base: State, model: State, *, tol: float = 1e-6) -> dict[str, float
 
 
 # ------------------------------------------------------------------------------ command
-def _load(path: str) -> tuple[State, Path, DictConfig]:
-    """The model state, run directory and run config of a checkpoint or run directory."""
-    from hydra.utils import instantiate
-
-    from strategies.checkpoint import load_model_weights
-    from trainer.callbacks.checkpoint import resolve_checkpoint
-    from trainer.data.tokenizer import Tokenizer
-
-    ckpt = resolve_checkpoint(path)
-    if ckpt is None:
-        raise FileNotFoundError(f"{path} names no checkpoint; give a run directory or a step_* checkpoint")
-    run_dir = ckpt.parent.parent
-    cfg = OmegaConf.load(run_dir / "config.yaml")
-    vocab = cfg.model.get("vocab_size") or Tokenizer.from_file(str(run_dir / "tokenizer.json")).vocab_size
-    model_cfg = {k: v for k, v in OmegaConf.to_container(cfg.model).items() if k != "init_from"}
-    model = instantiate(model_cfg, vocab_size=vocab)
-    load_model_weights(ckpt, model)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, run_dir, cfg
+def _load(path: str) -> tuple[State, Path]:
+    """The model state and run directory of a checkpoint or run directory."""
+    run = load_run_model(path)
+    return {k: v.detach().clone() for k, v in run.model.state_dict().items()}, run.run.path
 
 
 def save_merged(state: State, out: Path, *, like: Path) -> Path:
     """Writes ``state`` as the run directory ``out`` (config and tokenizer copied from run ``like``)."""
-    import torch.distributed.checkpoint as dcp
-
-    from strategies.checkpoint import META_FILE
-
-    ckpt = out / "checkpoints" / "last"
+    target, source = RunDir(out), RunDir(like)
+    ckpt = target.last
     if ckpt.exists():
         shutil.rmtree(ckpt)
     ckpt.mkdir(parents=True)
-    for name in ("config.yaml", "tokenizer.json"):
-        if (like / name).exists():
-            shutil.copy(like / name, out / name)
+    for src, dst in ((source.config, target.config), (source.tokenizer, target.tokenizer)):
+        if src.exists():
+            shutil.copy(src, dst)
     dcp.save({"model": state}, checkpoint_id=ckpt)
     torch.save({"merged": True}, ckpt / META_FILE)
     return ckpt
@@ -188,11 +175,9 @@ def save_merged(state: State, out: Path, *, like: Path) -> Path:
 
 def main(argv: list[str]) -> None:
     """Entry of ``plait merge``: ``key=value`` arguments of conf/merge.yaml; exit 2 on bad input."""
-    from trainer.compose import compose_command, fail
-
     cfg = compose_command("merge", argv, usage="plait merge base=<run> deltas=[<run>,...] method=ties")
     try:
-        base, base_dir, _ = _load(cfg.base)
+        base, base_dir = _load(cfg.base)
         models = [_load(path)[0] for path in cfg.deltas]
         merged = merge_states(
             base, models, method=cfg.method, weights=cfg.weights, scale=cfg.scale, density=cfg.density,

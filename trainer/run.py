@@ -11,9 +11,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from strategies.checkpoint import CheckpointError
 from strategies.launch import LAUNCH_ENV
-from trainer.callbacks.checkpoint import resolve_checkpoint
 from trainer.config import ConfigError, validate
 from trainer.data.module import DataError, TextDataModule
+from trainer.rundir import RunDir, resolve_checkpoint
 
 
 def _is_launching_rank() -> bool:
@@ -35,7 +35,7 @@ def check_run_dir(cfg: DictConfig, run_dir: Path | None = None) -> Path | None:
     """
     run_dir = Path(run_dir if run_dir is not None else cfg.run_dir)
     if cfg.resume is None:
-        if resolve_checkpoint(run_dir / "checkpoints") is not None:
+        if RunDir(run_dir).checkpoint() is not None:
             raise ConfigError(
                 [f"run_dir={run_dir} already holds checkpoints; continue it with resume=last, or choose a new run_dir"]
             )
@@ -104,11 +104,10 @@ def run(cfg: DictConfig) -> None:
         raise
     if launching:
         # The config this run (or this resumed part of it) trains with; generate builds from it.
-        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
-        data.tokenizer.save(str(run_dir / "tokenizer.json"))
+        RunDir(run_dir).write_config(cfg, data.tokenizer)
     trainer.fit(task, datamodule=data, ckpt_path=str(ckpt_path) if ckpt_path else None)
     if trainer.is_global_zero:
-        summary = run_dir / "summary.json"
+        summary = RunDir(run_dir).summary
         print(f"plait: run directory {run_dir}" + (f"\n{summary.read_text()}" if summary.exists() else ""))
     # The next job of a --multirun sweep must launch its own processes again.
     for key in LAUNCH_ENV if launching else ():

@@ -23,7 +23,7 @@ from harness import CLI_TINY, plait, train_rows
 from omegaconf import OmegaConf
 
 from strategies.checkpoint import is_checkpoint
-from trainer.callbacks.checkpoint import resolve_checkpoint
+from trainer.rundir import resolve_checkpoint
 from trainer.config import ConfigError
 from trainer.run import check_run_dir
 

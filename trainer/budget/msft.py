@@ -38,6 +38,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from typing_extensions import override
 
 from strategies.launch import LAUNCH_ENV
+from trainer.rundir import RunDir
 
 Scores = dict[str, float]
 
@@ -195,7 +196,7 @@ class MSFT:
             chosen = pick_earliest(best, active)
             stop_step = best[chosen][0]
             if stop_step != start_step:  # else the roll-back point is where this roll-out started
-                ckpt = rollout_dir / "checkpoints" / f"step_{stop_step:07d}"
+                ckpt = RunDir(rollout_dir).step(stop_step)
             stop = loader_state(ckpt) if ckpt else {"tokens": {}, "packer": {"mixture": {}}}
             removed[chosen] = {
                 "rollout": k,
@@ -259,5 +260,5 @@ class MSFT:
         (run_dir / "msft.json").write_text(json.dumps(report, indent=2, default=float) + "\n")
         plot(report, run_dir / "msft.png")
         print(table(report))
-        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+        OmegaConf.save(cfg, RunDir(run_dir).config, resolve=True)
         return report

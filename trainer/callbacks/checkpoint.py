@@ -8,7 +8,6 @@ decides *when* to save, names the directory, moves the ``last`` link atomically 
 from __future__ import annotations
 
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -16,46 +15,7 @@ from typing import Any
 import lightning as L
 from typing_extensions import override
 
-from strategies.checkpoint import is_checkpoint
-
-LAST = "last"
-
-
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step_{step:07d}"
-
-
-def step_checkpoints(root: Path) -> list[Path]:
-    """The complete ``step_*`` checkpoints in ``root``, oldest first (``.tmp``/``.old`` leftovers excluded)."""
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if re.fullmatch(r"step_\d+", p.name) and is_checkpoint(p))
-
-
-def resolve_checkpoint(path: str | os.PathLike) -> Path | None:
-    """The checkpoint directory that ``path`` names, or None.
-
-    Accepts a checkpoint directory, a ``checkpoints/`` directory (its ``last``), a run directory
-    (its ``checkpoints/last``) or a directory of runs (the newest run with a checkpoint). Without a
-    ``last`` link (a crash between a save's rename and the link update) the newest complete
-    ``step_*`` is taken.
-    """
-    path = Path(path).expanduser()
-    if is_checkpoint(path):
-        return path.resolve()
-    for candidate in (path / LAST, path / "checkpoints" / LAST):
-        if is_checkpoint(candidate):
-            return candidate.resolve()
-    for root in (path, path / "checkpoints"):
-        if steps := step_checkpoints(root):
-            return steps[-1].resolve()
-    if path.is_dir():
-        runs = sorted((p for p in path.iterdir() if p.is_dir() and not p.is_symlink()), key=lambda p: p.name, reverse=True)
-        for run in runs:
-            found = run / "checkpoints" / LAST
-            if is_checkpoint(found):
-                return found.resolve()
-    return None
+from trainer.rundir import LAST, step_checkpoints, step_dir
 
 
 class PeriodicCheckpoint(L.Callback):

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from trainer.models.hf import is_hf_dir
+from trainer.rundir import RunDir
 
 
 class HFExport(L.Callback):
@@ -55,12 +56,12 @@ class HFExport(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
         if self.every_n_steps and step % self.every_n_steps == 0:
-            self.export(trainer, pl_module, self.dirpath / f"hf_step_{step:07d}")
+            self.export(trainer, pl_module, RunDir(self.dirpath).hf_step(step))
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.at_end:
-            self.export(trainer, pl_module, self.dirpath / "hf")
+            self.export(trainer, pl_module, RunDir(self.dirpath).hf)
 
     def export(self, trainer: L.Trainer, pl_module: L.LightningModule, out: Path) -> None:
         """Gathers the full weights (collective) and writes ``out`` on rank 0."""

@@ -7,6 +7,8 @@ from pathlib import Path
 import lightning as L
 from typing_extensions import override
 
+from trainer.rundir import RunDir
+
 
 def plot_losses(history: list[dict[str, float]], path: Path, title: str = "") -> None:
     """Writes a PNG of train loss (per step) and validation loss (per evaluation) from a Task history."""
@@ -45,4 +47,4 @@ class LossPlot(L.Callback):
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.is_global_zero and self.dirpath is not None:
-            plot_losses(pl_module.history, self.dirpath / "loss.png", title=self.dirpath.name)
+            plot_losses(pl_module.history, RunDir(self.dirpath).loss_plot, title=self.dirpath.name)

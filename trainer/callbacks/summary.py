@@ -11,6 +11,8 @@ from typing import Any
 import lightning as L
 from typing_extensions import override
 
+from trainer.rundir import RunDir
+
 
 def headline(history: list[dict[str, float]], *, tokens_seen: int, wall_time_s: float, steps: int) -> dict[str, Any]:
     """First and final validation loss, tokens seen, wall time and tokens/s of a run's history, and
@@ -57,9 +59,10 @@ class Summary(L.Callback):
         summary = headline(
             pl_module.history, tokens_seen=pl_module.tokens_seen, wall_time_s=self._elapsed(), steps=trainer.global_step
         )
-        tmp = self.dirpath / "summary.json.tmp"
+        path = RunDir(self.dirpath).summary
+        tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        os.replace(tmp, self.dirpath / "summary.json")
+        os.replace(tmp, path)
 
     @override
     def state_dict(self) -> dict[str, Any]:

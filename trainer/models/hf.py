@@ -303,13 +303,12 @@ def load_init_from(model: nn.Module) -> None:
     if is_hf_dir(source):
         load_hf_weights(model, source)
         return
-    from strategies.checkpoint import load_model_weights
-    from trainer.callbacks.checkpoint import resolve_checkpoint
+    from trainer.rundir import load_run_weights
 
-    ckpt = resolve_checkpoint(Path(source).expanduser())
-    if ckpt is None:
-        raise HFError(f"model.init_from={source} is neither a Hugging Face directory nor a plait checkpoint")
-    load_model_weights(ckpt, model)
+    try:
+        load_run_weights(source, model)
+    except FileNotFoundError:
+        raise HFError(f"model.init_from={source} is neither a Hugging Face directory nor a plait checkpoint") from None
 
 
 def init_from_problems(model: Any, *, dims: Any = None, data: Any = None) -> list[str]:
@@ -320,7 +319,7 @@ def init_from_problems(model: Any, *, dims: Any = None, data: Any = None) -> lis
         dims: the resolved `ParallelDims` (checks tp and cp against the checkpoint's heads), or None.
         data: the ``data`` node (its ``seq_len`` against the checkpoint's context and window).
     """
-    from trainer.callbacks.checkpoint import resolve_checkpoint
+    from trainer.rundir import resolve_checkpoint
 
     source, target = str(model.init_from), str(model.get("_target_", ""))
     wants_hf = target.endswith("llama_from_hf")

@@ -1,0 +1,214 @@
+"""A run directory's layout, the checkpoint a path names, and the model of a run.
+
+Every run (``plait RECIPE``; a ``plait merge`` output too) is one directory::
+
+    config.yaml       the resolved config it trains with (rank 0 writes it at the start)
+    tokenizer.json    its tokenizer (Hugging Face ``tokenizers`` format)
+    checkpoints/      step_0000100/ ... DCP checkpoints (strategies.checkpoint); ``last`` -> the newest
+    metrics.csv       one row per logged step (trainer.loggers.RunCSVLogger, Lightning's CSV writer)
+    summary.json      headline figures at the end (callbacks.summary)
+    loss.png          train and validation loss curves (callbacks.plots)
+    hf/               the model as a Hugging Face directory (callbacks.hf_export.at_end=true)
+
+`RunDir` is the only place these names are spelled. `load_run_model` is the one way to get the
+model of a run (generate, export, merge), and `instantiate_saved` the one function that builds
+objects from a saved ``config.yaml``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+
+from strategies.checkpoint import is_checkpoint, load_model_weights
+
+LAST = "last"
+
+
+def step_dir(root: Path, step: int) -> Path:
+    """``root/step_<step, 7 digits>``: the directory of the checkpoint after optimizer step ``step``."""
+    return Path(root) / f"step_{step:07d}"
+
+
+def step_checkpoints(root: Path) -> list[Path]:
+    """The complete ``step_*`` checkpoints in ``root``, oldest first (``.tmp``/``.old`` leftovers excluded)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if re.fullmatch(r"step_\d+", p.name) and is_checkpoint(p))
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """The files of one run directory (see the module docstring); nothing is created or read here.
+
+    Args:
+        path: the run directory (``~`` expanded).
+    """
+
+    path: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path).expanduser())
+
+    @classmethod
+    def of_checkpoint(cls, checkpoint: Path) -> RunDir:
+        """The run a checkpoint directory ``<run>/checkpoints/<step or last>`` belongs to."""
+        return cls(Path(checkpoint).parent.parent)
+
+    @property
+    def config(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def tokenizer(self) -> Path:
+        return self.path / "tokenizer.json"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def last(self) -> Path:
+        """``checkpoints/last``: a link to the newest step (a directory in a merged run)."""
+        return self.checkpoints / LAST
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / "metrics.csv"
+
+    @property
+    def summary(self) -> Path:
+        return self.path / "summary.json"
+
+    @property
+    def loss_plot(self) -> Path:
+        return self.path / "loss.png"
+
+    @property
+    def hf(self) -> Path:
+        return self.path / "hf"
+
+    def hf_step(self, step: int) -> Path:
+        """``hf_step_<step>``: a Hugging Face export during training (callbacks.hf_export.every_n_steps)."""
+        return self.path / f"hf_step_{step:07d}"
+
+    def step(self, step: int) -> Path:
+        """``checkpoints/step_<step>``."""
+        return step_dir(self.checkpoints, step)
+
+    def checkpoint(self) -> Path | None:
+        """The newest complete checkpoint of this run, or None."""
+        return resolve_checkpoint(self.checkpoints)
+
+    def write_config(self, cfg: DictConfig, tokenizer: Any) -> None:
+        """Writes ``config.yaml`` (resolved: no interpolation left) and ``tokenizer.json``."""
+        OmegaConf.save(cfg, self.config, resolve=True)
+        tokenizer.save(str(self.tokenizer))
+
+    def load_config(self) -> DictConfig:
+        return OmegaConf.load(self.config)
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path | None:
+    """The checkpoint directory that ``path`` names, or None.
+
+    Accepts a checkpoint directory, a ``checkpoints/`` directory (its ``last``), a run directory
+    (its ``checkpoints/last``) or a directory of runs (the newest run with a checkpoint). Without a
+    ``last`` link (a crash between a save's rename and the link update) the newest complete
+    ``step_*`` is taken.
+    """
+    path = Path(path).expanduser()
+    if is_checkpoint(path):
+        return path.resolve()
+    run = RunDir(path)
+    for candidate in (path / LAST, run.last):
+        if is_checkpoint(candidate):
+            return candidate.resolve()
+    for root in (path, run.checkpoints):
+        if steps := step_checkpoints(root):
+            return steps[-1].resolve()
+    if path.is_dir():
+        runs = sorted((p for p in path.iterdir() if p.is_dir() and not p.is_symlink()), key=lambda p: p.name, reverse=True)
+        for found in (RunDir(p).last for p in runs):
+            if is_checkpoint(found):
+                return found.resolve()
+    return None
+
+
+def instantiate_saved(node: DictConfig, **kwargs: Any) -> Any:
+    """The object that a node of a saved run's ``config.yaml`` describes (``_target_`` + fields).
+
+    The one place plait builds objects from a run directory it did not just compose: the file may
+    come from elsewhere, so this is where its ``_target_`` is checked.
+
+    Args:
+        node: a node of `RunDir.load_config` (e.g. ``cfg.model``).
+        kwargs: fields the saved node leaves open (e.g. ``vocab_size``).
+    """
+    from hydra.utils import instantiate
+
+    return instantiate(node, **kwargs)
+
+
+def load_run_weights(path: str | os.PathLike, model: nn.Module) -> Path:
+    """Loads the model weights of the checkpoint ``path`` names (`resolve_checkpoint`) into
+    ``model`` (any saved world size and layout: DCP reshards); returns the checkpoint directory.
+
+    Raises:
+        FileNotFoundError: ``path`` names no checkpoint.
+    """
+    ckpt = resolve_checkpoint(path)
+    if ckpt is None:
+        raise FileNotFoundError(f"{path} names no checkpoint; give a run directory or a step_* checkpoint")
+    load_model_weights(ckpt, model)
+    return ckpt
+
+
+@dataclass(frozen=True)
+class RunModel:
+    """The model of a run with what describes it.
+
+    Args:
+        model: built from the run's ``config.yaml``, weights from ``checkpoint``, on the CPU.
+        tokenizer: the run's tokenizer (None when the run has no ``tokenizer.json``).
+        config: the run's ``config.yaml``.
+        run: the run directory.
+        checkpoint: the checkpoint directory the weights come from.
+    """
+
+    model: nn.Module
+    tokenizer: Any
+    config: DictConfig
+    run: RunDir
+    checkpoint: Path
+
+
+def load_run_model(path: str | os.PathLike) -> RunModel:
+    """The model of the run (or checkpoint) ``path`` names, in one process, in eval mode.
+
+    Raises:
+        FileNotFoundError: ``path`` names no checkpoint, or the run has neither ``model.vocab_size``
+            nor a ``tokenizer.json``.
+    """
+    from trainer.data.tokenizer import Tokenizer
+
+    ckpt = resolve_checkpoint(path)
+    if ckpt is None:
+        raise FileNotFoundError(f"{path} names no checkpoint; give a run directory or a step_* checkpoint")
+    run = RunDir.of_checkpoint(ckpt)
+    cfg = run.load_config()
+    tokenizer = Tokenizer.from_file(str(run.tokenizer)) if run.tokenizer.is_file() else None
+    vocab_size = cfg.model.get("vocab_size") or (tokenizer.vocab_size if tokenizer is not None else None)
+    if vocab_size is None:
+        raise FileNotFoundError(f"{run.path} has no {run.tokenizer.name} and its config sets no model.vocab_size")
+    model = instantiate_saved(cfg.model, vocab_size=vocab_size)
+    load_run_weights(ckpt, model)
+    model.eval()
+    return RunModel(model=model, tokenizer=tokenizer, config=cfg, run=run, checkpoint=ckpt)
