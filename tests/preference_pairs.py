@@ -1,5 +1,5 @@
 """Preference-pair fixtures for the C24/C25 case tests and the unit tests: a pair's rows from
-`trainer.data.preference.pair_rows` and logits with chosen per-token log-probs."""
+`trainer.data.encode.pair_rows` and logits with chosen per-token log-probs."""
 
 import math
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from trainer.data.packing import IGNORE_INDEX
-from trainer.data.preference import pair_rows
+from trainer.data.encode import pair_rows
 
 V = 16
 

@@ -16,13 +16,13 @@ from strategies.mesh import MeshStrategy
 from strategies.parallel_dims import MESH_AXES, ParallelDims
 from trainer.config import ConfigError
 from trainer.semantics import micro_batch_size, world_size
-from trainer.data.module import TextDataModule
+from trainer.data.base import DataModule
 from trainer.models.hf import is_hf_dir
 from trainer.rundir import RunDir
 from trainer.task import Task
 
 
-def build_data(cfg: DictConfig) -> TextDataModule:
+def build_data(cfg: DictConfig) -> DataModule:
     """The data module; with ``data.tokenizer=null`` and a Hugging Face ``model.init_from``, the
     checkpoint's own ``tokenizer.json`` (and, beside it, its chat template)."""
     extra = {}
@@ -117,7 +117,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, *, launcher: str = "subprocess
     )
 
 
-def build_run(cfg: DictConfig, run_dir: Path, *, launcher: str = "subprocess") -> tuple[L.Trainer, Task, TextDataModule]:
+def build_run(cfg: DictConfig, run_dir: Path, *, launcher: str = "subprocess") -> tuple[L.Trainer, Task, DataModule]:
     """Data (prepared), model, task and trainer of one run."""
     # Python, NumPy and torch RNGs of every rank (Lightning re-seeds each process from PL_GLOBAL_SEED).
     L.seed_everything(cfg.seed, verbose=False)

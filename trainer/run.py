@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from strategies.checkpoint import CheckpointError
 from strategies.launch import LAUNCH_ENV
 from trainer.config import ConfigError, validate
-from trainer.data.module import DataError, TextDataModule
+from trainer.data.base import DataError, DataModule
 from trainer.rundir import RunDir, resolve_checkpoint
 
 
@@ -47,7 +47,7 @@ def check_run_dir(cfg: DictConfig, run_dir: Path | None = None) -> Path | None:
     return found
 
 
-def check_train_batches(cfg: DictConfig, data: TextDataModule) -> None:
+def check_train_batches(cfg: DictConfig, data: DataModule) -> None:
     """Rejects a fractional ``trainer.limit_train_batches`` that leaves no batch of an epoch.
 
     Lightning takes ``int(batches x limit)`` batches per epoch; 0 would be a run that trains

@@ -23,7 +23,7 @@ from hydra.utils import get_method
 from torch import nn
 from typing_extensions import override
 
-from trainer.data.module import PreparedData, TextDataModule
+from trainer.data.text import PreparedData, TextDataModule
 from trainer.data.packing import IGNORE_INDEX, PackedRows
 
 
@@ -115,11 +115,9 @@ class FixedRowsData(TextDataModule):
         self.vocab = vocab
 
     @override
-    def prepare(self) -> PreparedData:
-        if self._prepared is None:
-            train = self.rows_fn()
-            self._prepared = PreparedData(tokenizer=SimpleNamespace(vocab_size=self.vocab), train=train, val=train)
-        return self._prepared
+    def _prepare(self) -> PreparedData:
+        train = self.rows_fn()
+        return PreparedData(tokenizer=SimpleNamespace(vocab_size=self.vocab), train=train, val=train)
 
 
 def data_overrides(rows: str, *, seq_len: int) -> list[str]:

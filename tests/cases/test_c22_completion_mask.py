@@ -13,7 +13,8 @@ also the pad token is still supervised at the end of an assistant turn.
 import pytest
 import torch
 
-from trainer.data.chat import ChatError, completion_mask, labels_from_mask
+from trainer.data.chat import ChatError, completion_mask
+from trainer.data.encode import labels_from_mask
 from trainer.data.packing import IGNORE_INDEX
 from trainer.objectives.sft import SFT
 

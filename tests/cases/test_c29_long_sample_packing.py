@@ -1,18 +1,20 @@
 """Case C29 — packing a sample longer than max_seq_len (pytorch/torchtune#1689).
 
-Scenario: max_seq_len=60, split_across_pack=True:
+Scenario: max_seq_len=60, with either packing policy (``split``: torchtune's
+split_across_pack=True; ``whole``: samples that fit are never cut, longer ones continue):
   (a) one 121-token sample -> 3 packs holding 60, 60 and 1 token (+ 59 pad);
   (b) ten 30-token samples then one 61-token sample (361 tokens) -> 7 packs, 6 full and 1 with a
       single token.
 Expected: no exception; the non-pad tokens of all packs, concatenated, equal the input stream;
 every pack has length 60; each pack's per-document lengths (seq_lens) sum to its non-pad count.
-With split_across_pack=False the 121-token sample raises a ValueError naming its length (121).
+Under ``data.long_samples=error`` (SFT) the 121-token sample raises a ValueError naming its length
+(121) and the fixes.
 """
 
 import pytest
 import torch
 
-from trainer.data.packing import IGNORE_INDEX, pack, shift_labels
+from trainer.data.packing import IGNORE_INDEX, fit_long_samples, pack, shift_labels
 
 SEQ_LEN = 60
 PAD = 0
@@ -41,9 +43,10 @@ def _check(rows, samples, expected_non_pad):
         assert sum(seq_lens) == n and all(seq_lens)
 
 
-def test_a_one_121_token_sample_gives_three_packs():
+@pytest.mark.parametrize("policy", ["split", "whole"])
+def test_a_one_121_token_sample_gives_three_packs(policy):
     samples = _samples([121])
-    rows = pack(samples, seq_len=SEQ_LEN, pad_id=PAD, split_across_pack=True)
+    rows = pack(samples, seq_len=SEQ_LEN, pad_id=PAD, policy=policy)
     _check(rows, samples, [60, 60, 1])
     # Each piece restarts its positions; the last pack is 1 token then a 59-token pad block.
     assert rows.position_ids[0].tolist() == list(range(60))
@@ -54,19 +57,22 @@ def test_a_one_121_token_sample_gives_three_packs():
     assert rows.labels[2, 0] == IGNORE_INDEX
 
 
-def test_b_ten_short_then_one_long_sample_gives_seven_packs():
+@pytest.mark.parametrize("policy", ["split", "whole"])
+def test_b_ten_short_then_one_long_sample_gives_seven_packs(policy):
     samples = _samples([30] * 10 + [61])
     assert sum(len(ids) for ids, _ in samples) == 361
-    rows = pack(samples, seq_len=SEQ_LEN, pad_id=PAD, split_across_pack=True)
+    rows = pack(samples, seq_len=SEQ_LEN, pad_id=PAD, policy=policy)
     _check(rows, samples, [60] * 6 + [1])
     assert rows.document_ids[0].tolist() == [0] * 30 + [1] * 30
     assert rows.document_ids[5].tolist() == [0] * 60  # the first 60 tokens of the long sample
     assert rows.labels[5, -1] == rows.input_ids[6, 0]
 
 
-def test_no_split_rejects_the_long_sample_by_length():
+def test_error_policy_rejects_the_long_sample_by_length():
     with pytest.raises(ValueError, match="121") as err:
-        pack(_samples([121]), seq_len=SEQ_LEN, pad_id=PAD, split_across_pack=False)
-    assert "split_across_pack=True" in str(err.value)
-    rows = pack(_samples([30] * 10), seq_len=SEQ_LEN, pad_id=PAD, split_across_pack=False)
-    assert len(rows) == 5
+        fit_long_samples(_samples([121]), seq_len=SEQ_LEN, policy="error")
+    assert "data.long_samples=split" in str(err.value)
+    kept, dropped = fit_long_samples(_samples([30] * 10), seq_len=SEQ_LEN, policy="error")
+    assert len(kept) == 10 and dropped == {"samples": 0, "supervised_tokens": 0}
+    kept, dropped = fit_long_samples(_samples([121, 30]), seq_len=SEQ_LEN, policy="truncate")
+    assert [len(ids) for ids, _ in kept] == [60, 30] and dropped == {"samples": 1, "supervised_tokens": 60}

@@ -17,7 +17,7 @@ import pytest
 from harness import CLI_TINY, compose_config, plait
 
 from trainer.build import build_data
-from trainer.data.module import DataError
+from trainer.data.base import DataError
 from trainer.run import check_train_batches
 
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
+from trainer.data.loader import Loader, PackedBatches
 from trainer.data.mixture import Mixture, SourceSamples, SourceSpec
-from trainer.data.mixture_loader import MixtureLoader, MixturePacker
-from trainer.data.packing import IGNORE_INDEX
+from trainer.data.packing import IGNORE_INDEX, Packer
 
 SEQ_LEN, PAD = 32, 0
 
@@ -31,11 +31,11 @@ def _samples(n: int, seed: int, max_len: int = 50) -> SourceSamples:
 SOURCES = {"a": _samples(40, 1), "b": _samples(15, 2), "c": _samples(25, 3, max_len=90)}
 
 
-def _loader(specs, *, batch=4, seed=0):
+def _loader(specs, *, batch=4, seed=0, dp_rank=0, dp_size=1):
     def make():
-        return MixturePacker(Mixture(SOURCES, specs, seed=seed), seq_len=SEQ_LEN, pad_id=PAD)
+        return Packer(Mixture(SOURCES, specs, seed=seed), seq_len=SEQ_LEN, pad_id=PAD)
 
-    return MixtureLoader(make, names=list(SOURCES), global_batch_size=batch)
+    return Loader(PackedBatches(make, names=list(SOURCES), global_batch_size=batch, dp_rank=dp_rank, dp_size=dp_size))
 
 
 def _supervised_by_source(batches) -> dict[int, int]:
@@ -65,7 +65,7 @@ def test_each_source_contributes_exactly_its_budget_with_packing():
         pass
     assert counts[0] == 777 and counts[2] == 123  # the token budgets, exactly
     assert counts[1] == bare.state["b"]["consumed"]  # b: its 1.5 epochs, whole samples
-    assert loader.consumed_tokens == {"a": 777, "b": counts[1], "c": 123}
+    assert loader.state_dict()["tokens"] == {"a": 777, "b": counts[1], "c": 123}
     assert len(batches) == len(loader) and loader.exhausted
     # No target crosses a sample: positions restart with every document piece.
     for b in batches:
@@ -110,7 +110,7 @@ def test_resume_at_every_batch_continues_exactly():
 
 def test_dp_ranks_take_slices_of_the_same_global_batch():
     whole = list(_loader(SPECS))
-    halves = [list(MixtureLoader(_loader(SPECS).make_packer, names=list(SOURCES), global_batch_size=4, dp_rank=r, dp_size=2)) for r in (0, 1)]
+    halves = [list(_loader(SPECS, dp_rank=r, dp_size=2)) for r in (0, 1)]
     for w, h0, h1 in zip(whole, *halves):
         assert torch.equal(torch.cat([h0["input_ids"], h1["input_ids"]]), w["input_ids"])
 
@@ -140,7 +140,7 @@ def test_c29_long_samples_split_across_packs(lengths, non_pad):
     sources = _one_source(lengths)
     mixture = Mixture(sources, {"s": SourceSpec(max_epochs=1.0)}, seed=0)
     mixture._order = lambda s, epoch: np.arange(len(lengths))  # the scenario's order
-    packer = MixturePacker(mixture, seq_len=60, pad_id=PAD)
+    packer = Packer(mixture, seq_len=60, pad_id=PAD)
     rows = []
     while (row := packer.next_row()) is not None:
         rows.append(row)

@@ -7,12 +7,17 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.data.packing import IGNORE_INDEX, PackedRows, pack, pack_documents, shift_labels
+from trainer.data.encode import document_samples
+from trainer.data.packing import IGNORE_INDEX, PackedRows, pack, shift_labels
 
 PAD = 1000  # never a token id below, so pad positions are identifiable
 
 
-def reference_pack(samples, seq_len, pad_id, split_across_pack):
+def pack_documents(docs, *, seq_len, pad_id, eos_id):
+    return pack(document_samples(docs, eos_id=eos_id), seq_len=seq_len, pad_id=pad_id)
+
+
+def reference_pack(samples, seq_len, pad_id, policy):
     """The packing rules of the module docstring, written one token at a time."""
     rows = []  # each row: list of (input, label, position, doc)
 
@@ -24,7 +29,8 @@ def reference_pack(samples, seq_len, pad_id, split_across_pack):
     for ids, labels in samples:
         if not ids:
             continue
-        if row is None or (not split_across_pack and len(row) + len(ids) > seq_len):
+        # whole: a sample that fits in a row but not in the rest of this one starts the next row
+        if row is None or (policy == "whole" and len(ids) <= seq_len and len(row) + len(ids) > seq_len):
             row = new_row()
         doc = row[-1][3] + 1 if row else 0
         pos = 0
@@ -82,25 +88,25 @@ def test_shift_labels():
     assert torch.equal(batch, torch.tensor([[1, 2, 3], [4, 5, 6]]))  # input untouched
 
 
-@pytest.mark.parametrize("split_across_pack", [True, False])
+@pytest.mark.parametrize("policy", ["split", "whole"])
 @pytest.mark.parametrize("seed", range(4))
-def test_pack_matches_reference(seed, split_across_pack):
+def test_pack_matches_reference(seed, policy):
     rng = random.Random(seed)
     seq_len = rng.choice([1, 7, 16, 33])
-    samples = random_samples(rng, 60, max_len=seq_len if not split_across_pack else 3 * seq_len + 2)
-    rows = pack(samples, seq_len=seq_len, pad_id=PAD, split_across_pack=split_across_pack)
-    expected = reference_pack(samples, seq_len, PAD, split_across_pack)
+    samples = random_samples(rng, 60, max_len=3 * seq_len + 2)
+    rows = pack(samples, seq_len=seq_len, pad_id=PAD, policy=policy)
+    expected = reference_pack(samples, seq_len, PAD, policy)
     for key, value in expected.items():
         assert torch.equal(getattr(rows, key), value), key
     check_invariants(rows, samples, seq_len)
     assert rows.num_supervised_tokens() == sum(t != IGNORE_INDEX for _, lab in samples for t in lab)
-    if split_across_pack:  # only the last row may have padding
+    if policy == "split":  # only the last row may have padding
         assert (rows.input_ids[:-1] != PAD).all()
 
 
 def test_pack_no_split_keeps_samples_whole():
     a, b, c = [1, 2, 3], [4, 5, 6, 7], [8]
-    rows = pack([(x, shift_labels(x)) for x in (a, b, c)], seq_len=5, pad_id=0, split_across_pack=False)
+    rows = pack([(x, shift_labels(x)) for x in (a, b, c)], seq_len=5, pad_id=0, policy="whole")
     assert rows.input_ids.tolist() == [[1, 2, 3, 0, 0], [4, 5, 6, 7, 8]]
     assert rows.document_ids.tolist() == [[0, 0, 0, 1, 1], [0, 0, 0, 0, 1]]
     assert rows.position_ids.tolist() == [[0, 1, 2, 0, 1], [0, 1, 2, 3, 0]]
@@ -113,8 +119,8 @@ def test_pack_no_split_keeps_samples_whole():
 def test_pack_errors_and_empty():
     with pytest.raises(ValueError, match="sample 1: 2 input_ids but 1 labels"):
         pack([([1], [2]), ([1, 2], [2])], seq_len=4, pad_id=0)
-    with pytest.raises(ValueError, match=r"sample 2 has 5 tokens.*seq_len=4.*split_across_pack=True"):
-        pack([([1], [-100]), ([], []), ([1] * 5, [1] * 5)], seq_len=4, pad_id=0, split_across_pack=False)
+    with pytest.raises(ValueError, match="packing policy 'cut'"):
+        pack([([1], [-100])], seq_len=4, pad_id=0, policy="cut")
     with pytest.raises(ValueError, match="seq_len"):
         pack([([1], [-100])], seq_len=0, pad_id=0)
     empty = pack([], seq_len=4, pad_id=0)
@@ -135,7 +141,7 @@ def test_pack_documents_appends_eos_and_never_targets_across_documents():
     docs = [[rng.randrange(900) for _ in range(rng.randrange(0, 40))] for _ in range(50)]
     rows = pack_documents(docs, seq_len=16, pad_id=PAD, eos_id=eos)
     samples = [(d + [eos], shift_labels(d + [eos])) for d in docs if d]
-    expected = reference_pack(samples, 16, PAD, True)
+    expected = reference_pack(samples, 16, PAD, "split")
     for key, value in expected.items():
         assert torch.equal(getattr(rows, key), value), key
     check_invariants(rows, samples, 16)

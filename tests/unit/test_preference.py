@@ -7,7 +7,8 @@ import torch
 
 from preference_pairs import V, FixedLogits, pair_batch
 from trainer.data.packing import IGNORE_INDEX
-from trainer.data.preference import encode_pair, pair_rows
+from trainer.data.encode import pair as encode_pair
+from trainer.data.encode import pair_rows
 from trainer.objectives.preference import DPO, SimPO, dpo_loss, ipo_loss, orpo_loss, simpo_loss
 
 t = torch.tensor

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from trainer.data.sampler import GlobalBatchSampler, StatefulLoader
+from trainer.data.loader import Loader, RowBatches
+from trainer.data.sampler import GlobalBatchSampler
 
 
 def _global_batches(num_rows: int, gbs: int, dp_size: int, **kw) -> list[list[int]]:
@@ -37,11 +38,24 @@ def test_partial_batch_below_dp_size_is_dropped() -> None:
     assert [len(b) for b in _global_batches(17, 8, 2, shuffle=False, drop_last=False)] == [8, 8]
 
 
+def _loader(epoch: int = 0) -> Loader:
+    sampler = GlobalBatchSampler(40, global_batch_size=4, seed=1)
+    sampler.set_epoch(epoch)
+    return Loader(RowBatches({"row": torch.arange(40)}, sampler))
+
+
+def _rows(loader: Loader, mark: bool = True) -> list[list[int]]:
+    out = []
+    for batch in loader:
+        out.append(batch["row"].tolist())
+        if mark:
+            loader.mark_trained()
+    return out
+
+
 def test_loader_resumes_at_trained_position() -> None:
-    rows = torch.arange(40)
-    loader = StatefulLoader(rows, GlobalBatchSampler(40, global_batch_size=4, seed=1))
-    straight = [b.tolist() for b in loader]
-    resumed = StatefulLoader(rows, GlobalBatchSampler(40, global_batch_size=4, seed=1))
+    straight = _rows(_loader())
+    resumed = _loader()
     iterator = iter(resumed)
     for _ in range(3):
         next(iterator)
@@ -49,10 +63,19 @@ def test_loader_resumes_at_trained_position() -> None:
     next(iterator)  # prefetched by Lightning but not trained: must not count
     state = resumed.state_dict()
     assert state == {"epoch": 0, "trained": 3}
-    fresh = StatefulLoader(rows, GlobalBatchSampler(40, global_batch_size=4, seed=1))
+    fresh = _loader()
     fresh.load_state_dict(state)
     # The length is the whole epoch's (Lightning ends a resumed epoch when its restored batch
     # count reaches it, case C07), while iteration continues at the first batch not trained.
     assert len(fresh) == 10
-    assert [b.tolist() for b in fresh] == straight[3:]
-    assert [b.tolist() for b in fresh] == straight  # the next epoch starts from its beginning
+    assert _rows(fresh) == straight[3:]
+    assert _rows(fresh) == straight  # the whole epoch trained: the next iteration starts at its beginning
+
+
+def test_loader_resumes_after_the_last_batch_of_an_epoch_in_the_next_one() -> None:
+    loader = _loader()
+    _rows(loader)
+    fresh = _loader()
+    fresh.load_state_dict(loader.state_dict())
+    assert fresh.state_dict() == {"epoch": 1, "trained": 0}
+    assert _rows(fresh) == _rows(_loader(epoch=1))  # the next epoch's order, from its first batch

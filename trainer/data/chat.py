@@ -1,4 +1,4 @@
-"""Chat formatting for SFT: conversations -> token ids with loss only on assistant tokens.
+"""Chat formatting for SFT: conversations -> ``(text, supervised)`` segments (encoded by trainer.data.encode).
 
 A conversation is a list of ``{"role": ..., "content": ...}`` messages; roles are ``system``,
 ``user``, ``assistant`` and ``tool`` (a tool's output). Every assistant message is supervised
@@ -30,7 +30,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from trainer.data.packing import IGNORE_INDEX
 from trainer.data.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -148,74 +147,6 @@ def load_chat_template(tokenizer_path: str | None, tokenizer: Tokenizer) -> Jinj
         return value["content"] if isinstance(value, dict) else value
 
     return JinjaTemplate(source, bos_token=token("bos_token", ""), eos_token=token("eos_token", tokenizer.eos_token))
-
-
-def tokenize_segments(
-    tokenizer: Tokenizer, segments: Sequence[tuple[str, bool]], *, eos_after_supervised: bool
-) -> tuple[list[int], list[bool]]:
-    """Token ids of the segments and, per token, whether it is supervised (a target)."""
-    ids: list[int] = []
-    supervised: list[bool] = []
-    for text, sup in segments:
-        piece = tokenizer.encode(text) if text else []
-        if sup and eos_after_supervised:
-            piece = piece + [tokenizer.eos_id]
-        ids += piece
-        supervised += [sup] * len(piece)
-    return ids, supervised
-
-
-def labels_from_mask(input_ids: Sequence[int], supervised: Sequence[bool]) -> list[int]:
-    """Pre-shifted labels: ``labels[t] = input_ids[t+1]`` when token t+1 is supervised, else -100.
-
-    The first token is never a target (nothing precedes it within the sample).
-    """
-    n = len(input_ids)
-    return [input_ids[t + 1] if supervised[t + 1] else IGNORE_INDEX for t in range(n - 1)] + ([IGNORE_INDEX] if n else [])
-
-
-def encode_conversation(
-    tokenizer: Tokenizer, messages: Sequence[Message], template: JinjaTemplate | None = None
-) -> tuple[list[int], list[int]]:
-    """``(input_ids, labels)`` of one conversation, labels pre-shifted, -100 off assistant tokens.
-
-    Args:
-        tokenizer: encodes each segment (no special tokens added).
-        messages: the conversation (at least one assistant message).
-        template: the tokenizer's chat template, or None for the default template.
-
-    Raises:
-        ChatError: a malformed conversation or a template without prefix-consistent rendering.
-    """
-    if template is None:
-        ids, sup = tokenize_segments(tokenizer, default_segments(messages), eos_after_supervised=True)
-    else:
-        ids, sup = tokenize_segments(tokenizer, template.segments(messages), eos_after_supervised=False)
-    return ids, labels_from_mask(ids, sup)
-
-
-def encode_conversations(
-    tokenizer: Tokenizer, conversations: Sequence[Sequence[Message]], template: JinjaTemplate | None = None
-) -> list[tuple[list[int], list[int]]]:
-    """`encode_conversation` of many conversations, with one batched tokenizer call (fast)."""
-    if template is None:
-        per_conv = [default_segments(m) for m in conversations]
-    else:
-        per_conv = [template.segments(m) for m in conversations]
-    flat = [text for segments in per_conv for text, _ in segments]
-    encoded = iter(tokenizer.encode_batch(flat) if flat else [])
-    out = []
-    for segments in per_conv:
-        ids: list[int] = []
-        sup: list[bool] = []
-        for _, supervised in segments:
-            piece = next(encoded)
-            if supervised and template is None:
-                piece = piece + [tokenizer.eos_id]
-            ids += piece
-            sup += [supervised] * len(piece)
-        out.append((ids, labels_from_mask(ids, sup)))
-    return out
 
 
 def completion_mask(input_ids: Sequence[int], response_template: Sequence[int]) -> list[bool]:

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from trainer.data.packing import IGNORE_INDEX
+from trainer.data.packing import IGNORE_INDEX, Draw
 
 
 @dataclass(frozen=True)
@@ -76,16 +76,6 @@ class SourceSamples:
 
     def total_supervised(self) -> int:
         return self._total
-
-
-@dataclass
-class Draw:
-    """One sample drawn from the mixture (``ids``/``labels`` already cut to the budget)."""
-
-    source: int
-    ids: np.ndarray
-    labels: np.ndarray
-    supervised: int
 
 
 def _permutation(seed: int, name: str, epoch: int, n: int) -> np.ndarray:

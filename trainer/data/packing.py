@@ -1,4 +1,4 @@
-"""Pack token samples into fixed-length rows with document ids and per-document positions.
+"""The packer: a stream of token samples -> fixed-length rows with document ids and positions.
 
 Label convention (the whole trainer relies on it): labels are PRE-SHIFTED. ``labels[t]`` is the
 target for the logits at position ``t``; nothing downstream shifts again (case C21). Positions
@@ -16,21 +16,38 @@ carries:
 - ``labels``: as given by the sample, pads -100. A sample made with ``shift_labels`` ends in
   -100, so no target crosses a document boundary (C19); a sample split across rows keeps its
   given labels, so the last token of a piece still predicts the next token of the same sample.
+- ``source_ids``: the index of the sample's source, -1 on padding (per-source losses).
 
-Rows are built with vectorised numpy: packing ~2.7 M tokens takes ~0.1 s.
+Two policies (`POLICIES`), one `Packer`:
+
+- ``split``: every row is filled; a sample that does not fit in the rest of a row continues in
+  the next one (pretraining: no padding but in the last row);
+- ``whole``: a sample that fits in a row is never cut: if it does not fit in the rest of the
+  current row, the row is padded and the sample starts the next one. A sample longer than a row
+  fills the rest of the current row and continues in the next rows (case C29: no crash, no token
+  lost).
+
+The packer draws from a `SampleStream` (a `SampleList`, or the SFT `Mixture`). Its state is the
+stream's state *before* the sample that straddles a row boundary plus the offset into it:
+drawing again from that state gives the same sample, so a resume lands on the same token. If
+that sample's source changed meanwhile (the mSFT controller removed it), the rest of the sample
+is skipped.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
 from torch import Tensor
 
 IGNORE_INDEX = -100
+POLICIES = ("split", "whole")
+ROW_KEYS = ("input_ids", "labels", "position_ids", "document_ids", "source_ids")
 
 _Ids = TypeVar("_Ids", list, Tensor)
 
@@ -53,6 +70,149 @@ def shift_labels(input_ids: _Ids) -> _Ids:
 
 
 @dataclass
+class Draw:
+    """One sample of a stream: its source index, ids and pre-shifted labels (equal lengths), and
+    its supervised tokens."""
+
+    source: int
+    ids: np.ndarray
+    labels: np.ndarray
+    supervised: int
+
+
+Piece = tuple[int, np.ndarray, np.ndarray]  # (source index, ids, labels) of one row
+
+
+class SampleStream(Protocol):
+    """What the packer draws from: samples in a fixed order, with a state to resume from."""
+
+    names: list[str]  # source names, by source index
+
+    def draw(self) -> Draw | None:
+        """The next non-empty sample; None at the end."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class SampleList:
+    """A list of ``(ids, labels)`` samples as a `SampleStream` of one source (empty ones skipped)."""
+
+    def __init__(self, samples: Sequence[tuple[Sequence[int], Sequence[int]]], name: str = "samples") -> None:
+        self.samples, self.names, self.index = samples, [name], 0
+
+    def draw(self) -> Draw | None:
+        while self.index < len(self.samples):
+            ids, labels = self.samples[self.index]
+            self.index += 1
+            if len(ids):
+                labels = np.asarray(labels, dtype=np.int64)
+                return Draw(0, np.asarray(ids, dtype=np.int64), labels, int((labels != IGNORE_INDEX).sum()))
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"index": self.index}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.index = state["index"]
+
+
+class Packer:
+    """Rows of ``seq_len`` tokens from a sample stream (see module docstring).
+
+    Args:
+        stream: where samples come from.
+        seq_len: row length S.
+        pad_id: input id of pad positions.
+        policy: ``split`` or ``whole`` (see module docstring).
+
+    Raises:
+        ValueError: ``seq_len`` < 1 or an unknown policy.
+    """
+
+    def __init__(self, stream: SampleStream, *, seq_len: int, pad_id: int, policy: str = "whole") -> None:
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        if policy not in POLICIES:
+            raise ValueError(f"packing policy {policy!r}: use one of {POLICIES}")
+        self.stream, self.seq_len, self.pad_id, self.policy = stream, seq_len, pad_id, policy
+        self._pending: Draw | None = None
+        self._pending_state: dict[str, Any] | None = None
+        self._offset = 0
+        self._resume: tuple[str | None, int] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        # "mixture": the stream's state (the key checkpoints and the mSFT controller read).
+        if self._pending is not None:
+            name = self.stream.names[self._pending.source]
+            return {"mixture": copy.deepcopy(self._pending_state), "offset": self._offset, "source": name}
+        return {"mixture": self.stream.state_dict(), "offset": 0, "source": None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stream.load_state_dict(state["mixture"])
+        self._pending, self._offset = None, 0
+        self._resume = (state["source"], state["offset"]) if state["offset"] else None
+
+    def _peek(self) -> Draw | None:
+        if self._pending is None:
+            snapshot = self.stream.state_dict()
+            draw = self.stream.draw()
+            if draw is None:
+                return None
+            self._pending, self._pending_state, self._offset = draw, snapshot, 0
+            if self._resume is not None:
+                name, offset = self._resume
+                if name == self.stream.names[draw.source] and offset < len(draw.ids):
+                    self._offset = offset
+                self._resume = None
+        return self._pending
+
+    def next_row(self) -> list[Piece] | None:
+        """The pieces of the next row; None when the stream is exhausted."""
+        pieces: list[Piece] = []
+        space = self.seq_len
+        while space > 0 and (draw := self._peek()) is not None:
+            start, remaining = self._offset, len(draw.ids) - self._offset
+            if remaining <= space:
+                pieces.append((draw.source, draw.ids[start:], draw.labels[start:]))
+                space -= remaining
+                self._pending = None
+            elif self.policy == "whole" and remaining <= self.seq_len and space < self.seq_len:
+                break  # fits in a row of its own: never cut it
+            else:
+                pieces.append((draw.source, draw.ids[start : start + space], draw.labels[start : start + space]))
+                self._offset += space
+                space = 0
+        return pieces or None
+
+    def exhausted(self) -> bool:
+        return self._peek() is None
+
+
+def rows_to_tensors(rows: list[list[Piece]], *, num_rows: int, seq_len: int, pad_id: int) -> dict[str, Tensor]:
+    """``[num_rows, seq_len]`` int64 tensors (`ROW_KEYS`) of packed rows; rows beyond ``rows`` are
+    all padding. The one place a row is laid out (see module docstring)."""
+    input_ids = np.full((num_rows, seq_len), pad_id, dtype=np.int64)
+    labels = np.full((num_rows, seq_len), IGNORE_INDEX, dtype=np.int64)
+    position_ids = np.tile(np.arange(seq_len, dtype=np.int64), (num_rows, 1))
+    document_ids = np.zeros((num_rows, seq_len), dtype=np.int64)
+    source_ids = np.full((num_rows, seq_len), -1, dtype=np.int64)
+    for r, pieces in enumerate(rows):
+        col = 0
+        for doc, (source, ids, labs) in enumerate(pieces):
+            n = len(ids)
+            input_ids[r, col : col + n], labels[r, col : col + n] = ids, labs
+            position_ids[r, col : col + n] = np.arange(n)
+            document_ids[r, col : col + n], source_ids[r, col : col + n] = doc, source
+            col += n
+        position_ids[r, col:] = np.arange(seq_len - col)
+        document_ids[r, col:] = len(pieces)
+    columns = (input_ids, labels, position_ids, document_ids, source_ids)
+    return {k: torch.from_numpy(v) for k, v in zip(ROW_KEYS, columns)}
+
+
+@dataclass
 class PackedRows:
     """``N`` packed rows of length ``S``; all fields are ``[N, S]`` int64 tensors."""
 
@@ -66,12 +226,7 @@ class PackedRows:
 
     def __getitem__(self, i: int) -> dict[str, Tensor]:
         """Row ``i`` as ``{"input_ids", "labels", "position_ids", "document_ids"}``, each ``[S]``."""
-        return {
-            "input_ids": self.input_ids[i],
-            "labels": self.labels[i],
-            "position_ids": self.position_ids[i],
-            "document_ids": self.document_ids[i],
-        }
+        return {k: v[i] for k, v in vars(self).items()}
 
     def num_supervised_tokens(self) -> int:
         """Number of positions with a target (label != -100) over all rows."""
@@ -79,140 +234,67 @@ class PackedRows:
 
 
 def pack(
-    samples: Sequence[tuple[Sequence[int], Sequence[int]]],
-    *,
-    seq_len: int,
-    pad_id: int,
-    split_across_pack: bool = True,
+    samples: Sequence[tuple[Sequence[int], Sequence[int]]], *, seq_len: int, pad_id: int, policy: str = "split"
 ) -> PackedRows:
-    """Greedily pack ``(input_ids, labels)`` samples, in order, into rows of exactly ``seq_len``.
+    """All rows of ``(input_ids, labels)`` samples, packed in order (see module docstring).
 
     Args:
-        samples: pairs of equal-length id lists; labels are pre-shifted (see module docstring).
-            Empty samples are skipped.
+        samples: pairs of equal-length id sequences; labels are pre-shifted. Empty ones are skipped.
         seq_len: row length S.
         pad_id: input id of pad positions (their label is -100).
-        split_across_pack: True: the stream fills every row and a sample that does not fit is
-            continued in the next row(s), however long it is (case C29). False: a sample that does
-            not fit in the rest of a row starts a new row.
+        policy: ``split`` (fill every row) or ``whole`` (never cut a sample that fits in a row).
 
     Returns:
         ``PackedRows`` with N = number of rows (0 rows for no tokens).
 
     Raises:
-        ValueError: a sample whose input_ids and labels differ in length; with
-            ``split_across_pack=False``, a sample longer than ``seq_len``.
+        ValueError: a sample whose input_ids and labels differ in length; ``seq_len`` < 1.
     """
-    lengths = np.fromiter((len(ids) for ids, _ in samples), dtype=np.int64, count=len(samples))
     for i, (ids, labels) in enumerate(samples):
         if len(ids) != len(labels):
             raise ValueError(f"sample {i}: {len(ids)} input_ids but {len(labels)} labels; they must be equal")
-    input_ids = _flatten([ids for ids, _ in samples])
-    labels = _flatten([lab for _, lab in samples])
-    return _pack_stream(input_ids, labels, lengths, seq_len=seq_len, pad_id=pad_id, split_across_pack=split_across_pack)
+    packer = Packer(SampleList(samples), seq_len=seq_len, pad_id=pad_id, policy=policy)
+    rows = []
+    while (row := packer.next_row()) is not None:
+        rows.append(row)
+    tensors = rows_to_tensors(rows, num_rows=len(rows), seq_len=seq_len, pad_id=pad_id)
+    return PackedRows(**{k: tensors[k] for k in ("input_ids", "labels", "position_ids", "document_ids")})
 
 
-def pack_documents(token_docs: Sequence[Sequence[int]], *, seq_len: int, pad_id: int, eos_id: int) -> PackedRows:
-    """Pretraining packing: each document + EOS, labels shifted within the document.
+LONG_SAMPLES = ("split", "truncate", "drop", "error")
 
-    Document ``d`` becomes the sample ``tokens = d + [eos]`` with ``labels = shift_labels(tokens)``:
-    the last text token predicts EOS and the EOS position predicts nothing, so no target crosses a
-    document boundary. Samples are then packed with ``split_across_pack=True``. Empty documents are
-    skipped.
+
+def fit_long_samples(
+    samples: Sequence[tuple[Sequence[int], Sequence[int]]], *, seq_len: int, policy: str
+) -> tuple[list[tuple[Sequence[int], Sequence[int]]], dict[str, int]]:
+    """Applies a long-sample policy before packing: the kept samples, and what was cut.
 
     Args:
-        token_docs: token ids per document.
-        seq_len: row length S.
-        pad_id: input id of pad positions.
-        eos_id: end-of-document id.
+        samples: ``(ids, labels)`` pairs.
+        seq_len: the row length.
+        policy: for samples longer than ``seq_len``: ``split`` (kept whole; the ``whole`` packer
+            continues them in the next rows, C29), ``truncate`` (first ``seq_len`` tokens),
+            ``drop`` (left out) or ``error``.
+
+    Returns:
+        The samples to pack, and ``{"samples", "supervised_tokens"}`` cut by the policy.
+
+    Raises:
+        ValueError: a long sample under ``policy="error"`` (the message names the fixes).
     """
-    doc_lengths = np.fromiter((len(d) for d in token_docs), dtype=np.int64, count=len(token_docs))
-    keep = doc_lengths > 0
-    tokens = _flatten(token_docs)
-    lengths = doc_lengths[keep] + 1
-    ends = np.cumsum(lengths)  # one past each EOS
-    is_eos = np.zeros(int(ends[-1]) if len(ends) else 0, dtype=bool)
-    is_eos[ends - 1] = True
-    input_ids = np.empty(is_eos.shape[0], dtype=np.int64)
-    input_ids[is_eos] = eos_id
-    input_ids[~is_eos] = tokens
-    labels = np.empty_like(input_ids)
-    labels[:-1] = input_ids[1:]
-    labels[is_eos] = IGNORE_INDEX  # the EOS position would predict the next document's first token
-    return _pack_stream(input_ids, labels, lengths, seq_len=seq_len, pad_id=pad_id, split_across_pack=True)
-
-
-def _flatten(seqs: Sequence[Sequence[int]]) -> np.ndarray:
-    """Concatenate id lists (or 1-D arrays / tensors) into one int64 array; C loops, no per-token Python."""
-    return np.concatenate([np.asarray(x, dtype=np.int64).reshape(-1) for x in seqs]) if len(seqs) else np.empty(0, np.int64)
-
-
-def _pack_stream(
-    input_ids: np.ndarray, labels: np.ndarray, lengths: np.ndarray, *, seq_len: int, pad_id: int, split_across_pack: bool
-) -> PackedRows:
-    """Pack the concatenated samples ``input_ids`` / ``labels`` (sample lengths ``lengths``)."""
-    if seq_len < 1:
-        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    if not split_across_pack and (too_long := np.flatnonzero(lengths > seq_len)).size:
-        i = int(too_long[0])
-        raise ValueError(
-            f"sample {i} has {int(lengths[i])} tokens, more than seq_len={seq_len} "
-            f"({too_long.size} such samples, the longest {int(lengths.max())} tokens); pack with "
-            "split_across_pack=True or raise seq_len"
-        )
-    lengths = lengths[lengths > 0]
-    starts = np.cumsum(lengths) - lengths  # of each sample in the stream
-    total = int(lengths.sum())
-    # A piece is a run of stream positions that stays in one sample and one row.
-    if split_across_pack:
-        piece_starts = np.union1d(starts, np.arange(0, total, seq_len))
-        piece_lens = np.diff(np.append(piece_starts, total))
-        piece_rows, piece_cols = np.divmod(piece_starts, seq_len)
-        num_rows = -(-total // seq_len)
-    else:
-        piece_starts, piece_lens = starts, lengths
-        piece_rows, piece_cols, num_rows = _greedy_rows(lengths, seq_len)
-
-    num_pieces = len(piece_starts)
-    first_piece_of_row = np.searchsorted(piece_rows, piece_rows, side="left")
-    piece_doc = np.arange(num_pieces) - first_piece_of_row
-    pieces_per_row = np.bincount(piece_rows, minlength=num_rows)
-    fill = np.bincount(piece_rows, weights=piece_lens, minlength=num_rows).astype(np.int64)
-
-    # Start from all-pad rows: the pad tail of row r is document pieces_per_row[r], positions 0...
-    cols = np.arange(seq_len)
-    out_ids = np.full((num_rows, seq_len), pad_id, dtype=np.int64)
-    out_labels = np.full((num_rows, seq_len), IGNORE_INDEX, dtype=np.int64)
-    out_docs = np.repeat(pieces_per_row[:, None], seq_len, axis=1)
-    out_pos = cols[None, :] - fill[:, None]
-
-    # Scatter the real tokens: stream position p of piece k goes to flat index
-    # row_k * S + col_k + (p - start_k); when splitting, that is p itself (a plain copy).
-    stream = np.arange(total)
-    if split_across_pack:
-        flat = slice(0, total)
-    else:
-        flat = stream + np.repeat(piece_rows * seq_len + piece_cols - piece_starts, piece_lens)
-    out_ids.reshape(-1)[flat] = input_ids
-    out_labels.reshape(-1)[flat] = labels
-    out_docs.reshape(-1)[flat] = np.repeat(piece_doc, piece_lens)
-    out_pos.reshape(-1)[flat] = stream - np.repeat(piece_starts, piece_lens)
-    return PackedRows(
-        input_ids=torch.from_numpy(out_ids),
-        labels=torch.from_numpy(out_labels),
-        position_ids=torch.from_numpy(out_pos),
-        document_ids=torch.from_numpy(out_docs),
-    )
-
-
-def _greedy_rows(lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """Row and column of each whole sample (all <= seq_len) when one that does not fit starts a new row."""
-    rows = np.empty(len(lengths), dtype=np.int64)
-    cols = np.empty(len(lengths), dtype=np.int64)
-    row, col = 0, 0
-    for i, n in enumerate(lengths.tolist()):  # sequential by nature; one step per sample, not per token
-        if col + n > seq_len:
-            row, col = row + 1, 0
-        rows[i], cols[i] = row, col
-        col += n
-    return rows, cols, (row + 1 if len(lengths) else 0)
+    kept, dropped = [], {"samples": 0, "supervised_tokens": 0}
+    for ids, labels in samples:
+        if len(ids) > seq_len and policy != "split":
+            if policy == "error":
+                raise ValueError(
+                    f"a sample of {len(ids)} tokens is longer than data.seq_len={seq_len}; set "
+                    "data.long_samples=split (continue in the next row), truncate or drop, or raise data.seq_len"
+                )
+            cut = 0 if policy == "drop" else seq_len
+            dropped["samples"] += 1
+            dropped["supervised_tokens"] += int(sum(1 for x in labels[cut:] if x != IGNORE_INDEX))
+            ids, labels = ids[:cut], labels[:cut]
+            if not ids:
+                continue
+        kept.append((ids, labels))
+    return kept, dropped

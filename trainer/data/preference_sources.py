@@ -24,7 +24,6 @@ Sources: shared/research/data.md section 4.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import re
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.data import instructions
+from trainer.data.synthetic import distinct_splits
 
 Pair = dict[str, Any]
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -108,22 +108,11 @@ def synthetic(task: str, *, seed: int, sizes: dict[str, int]) -> dict[str, list[
     """
     if task not in SYNTHETIC:
         raise ValueError(f"unknown synthetic preference task {task!r}; choose from {sorted(SYNTHETIC)}")
-    seen: set[str] = set()
-    out: dict[str, list[Pair]] = {}
-    for split in ("train", "val"):
-        rng = random.Random(int.from_bytes(hashlib.sha256(f"{task}\0{seed}\0{split}".encode()).digest()[:8], "big"))
-        made: list[Pair] = []
-        for _ in range(50 * (sizes.get(split, 0) + 10)):
-            if len(made) == sizes.get(split, 0):
-                break
-            prompt, chosen, rejected = SYNTHETIC[task](rng)
-            if prompt not in seen:
-                seen.add(prompt)
-                made.append({"messages": [{"role": "user", "content": prompt}], "chosen": chosen, "rejected": rejected})
-        if len(made) < sizes.get(split, 0):
-            raise ValueError(f"synthetic task {task!r} cannot give {sizes[split]} distinct {split} prompts")
-        out[split] = made
-    return out
+    made = distinct_splits(task, SYNTHETIC[task], seed=seed, sizes=sizes)
+    return {
+        split: [{"messages": [{"role": "user", "content": p}], "chosen": c, "rejected": r} for p, c, r in items]
+        for split, items in made.items()
+    }
 
 
 def load_jsonl(path: str) -> list[Pair]:

@@ -8,10 +8,10 @@ Each entry of ``sources`` is one named source with its budget (trainer.data.mixt
 
 ``source`` is a bundled real set (trainer.data.instructions: alpaca, glaive, humaneval, champ,
 ifbench), a synthetic task (trainer.data.synthetic: reversal, sorting, addition) or a ``.jsonl``
-file. ``limit`` caps the training conversations (synthetic: how many are generated, default 1000);
-``val_size`` conversations are held out per source; ``metric`` is the source's held-out score for
-the mSFT controller: ``loss`` (validation loss, lower is better) or ``exact_match`` (greedy
-decoding of the held-out prompts, higher is better; single-turn sources).
+file (trainer.data.sources). ``limit`` caps the training conversations (synthetic: how many are
+generated, default 1000); ``val_size`` conversations are held out per source; ``metric`` is the
+source's held-out score for the mSFT controller: ``loss`` (validation loss, lower is better) or
+``exact_match`` (greedy decoding of the held-out prompts, higher is better; single-turn sources).
 
 Samples longer than ``seq_len`` follow ``long_samples``: ``split`` (continue in the next rows,
 nothing lost; case C29), ``truncate`` (keep the first ``seq_len`` tokens), ``drop`` (leave the
@@ -21,72 +21,48 @@ sample out) or ``error``. Whatever is cut is counted per source, printed, and lo
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
-from typing_extensions import override
+from torch import Tensor
 
-from trainer.data import instructions, synthetic
-from trainer.data.chat import JinjaTemplate, Message, default_segments, encode_conversations, load_chat_template, prompt_text
+from trainer.data import encode
+from trainer.data.base import DataError, DataModule, named_source_problems
+from trainer.data.cache import cached, fingerprint
+from trainer.data.chat import JinjaTemplate, Message, default_segments, prompt_text
+from trainer.data.loader import PackedBatches
 from trainer.data.mixture import Mixture, SourceSamples, SourceSpec
-from trainer.data.mixture_loader import MixtureLoader, MixturePacker, rows_to_tensors
-from trainer.data.module import DataError
-from trainer.data.packing import IGNORE_INDEX
-from trainer.data.tokenizer import Tokenizer, load_or_train
+from trainer.data.packing import LONG_SAMPLES, Packer, fit_long_samples, rows_to_tensors
+from trainer.data.sources import CONVERSATIONS, SOURCE_FIELDS, Source, as_int
+from trainer.data.tokenizer import Tokenizer
 
-SOURCE_FIELDS = {"source", "weight", "max_tokens", "max_epochs", "limit", "val_size", "metric"}
-LONG_SAMPLES = ("split", "truncate", "drop", "error")
+FIELDS = (*SOURCE_FIELDS, "weight", "max_tokens", "max_epochs", "metric")
 METRICS = ("loss", "exact_match")
-_SYNTHETIC_DEFAULT_SIZE = 1000
 
 
-def _as_int(value: Any) -> int | None:
-    """2e5 (Hydra parses it as a float) -> 200000; None stays None."""
-    if value is None:
-        return None
-    if float(value) != int(value):
-        raise ValueError(f"{value} is not a whole number")
-    return int(value)
-
-
-def parse_source(name: str, node: dict[str, Any]) -> tuple[dict[str, Any], SourceSpec]:
-    """The source's fields with defaults, and its budget.
+def parse_source(name: str, node: Mapping[str, Any]) -> tuple[Source, str, SourceSpec]:
+    """The source, its metric and its budget.
 
     Raises:
         ValueError: an unknown field or an impossible value (naming ``data.sources.<name>``).
     """
-    unknown = set(node) - SOURCE_FIELDS
-    if unknown:
-        raise ValueError(f"data.sources.{name}: unknown fields {sorted(unknown)}; valid: {sorted(SOURCE_FIELDS)}")
-    source = node.get("source", name)
-    if not isinstance(source, str) or not (source in instructions.BUNDLED or source in synthetic.TASKS or source.endswith(".jsonl")):
-        valid = sorted(instructions.BUNDLED) + sorted(synthetic.TASKS)
-        raise ValueError(f"data.sources.{name}.source={source!r}: use one of {valid} or a path to a .jsonl file")
-    fields = {
-        "source": source,
-        "limit": _as_int(node.get("limit")),
-        "val_size": _as_int(node.get("val_size", 16)),
-        "metric": node.get("metric", "loss"),
-    }
-    if fields["metric"] not in METRICS:
-        raise ValueError(f"data.sources.{name}.metric={fields['metric']!r}: use one of {METRICS}")
+    source = CONVERSATIONS.parse(name, node, FIELDS)
+    metric = node.get("metric", "loss")
+    if metric not in METRICS:
+        raise ValueError(f"data.sources.{name}.metric={metric!r}: use one of {METRICS}")
     try:
         spec = SourceSpec(
             weight=float(node.get("weight", 1.0)),
-            max_tokens=_as_int(node.get("max_tokens")),
+            max_tokens=as_int(node.get("max_tokens")),
             max_epochs=None if node.get("max_epochs", 1.0) is None else float(node.get("max_epochs", 1.0)),
         )
     except (ValueError, TypeError) as err:
         raise ValueError(f"data.sources.{name}: {err}") from None
-    return fields, spec
+    return source, metric, spec
 
 
 @dataclass
@@ -101,23 +77,7 @@ class PreparedSFT:
     prompts: dict[str, dict[str, list]]
 
 
-def _fingerprint(*parts: str) -> str:
-    digest = hashlib.sha256()
-    for part in parts:
-        digest.update(part.encode("utf-8"))
-        digest.update(b"\x00\x01")
-    return digest.hexdigest()[:16]
-
-
-def _hash_split(conversations: list[list[Message]], val_size: int, seed: int, name: str) -> tuple[list, list]:
-    """The ``val_size`` conversations with the lowest hash of (seed, name, index) are held out."""
-    scores = [hashlib.sha256(f"{seed}\0{name}\0{i}".encode()).digest()[:8] for i in range(len(conversations))]
-    val_idx = set(sorted(range(len(conversations)), key=scores.__getitem__)[: min(val_size, len(conversations) - 1)])
-    train = [c for i, c in enumerate(conversations) if i not in val_idx]
-    return train, [c for i, c in enumerate(conversations) if i in val_idx]
-
-
-class SFTDataModule(L.LightningDataModule):
+class SFTDataModule(DataModule):
     """Chat SFT data with per-source supervised-token budgets (see module docstring).
 
     Args:
@@ -132,6 +92,9 @@ class SFTDataModule(L.LightningDataModule):
         seed: seeds splits, synthetic data and the mixture's permutations.
         cache_dir: tokenizers and tokenized samples are cached here.
         global_batch_size: rows per optimizer step (set by the trainer).
+
+    Raises:
+        DataError: a problem of `config_problems`.
     """
 
     def __init__(
@@ -147,82 +110,48 @@ class SFTDataModule(L.LightningDataModule):
         cache_dir: str = "~/.cache/plait",
         global_batch_size: int = 32,
     ) -> None:
-        super().__init__()
+        super().__init__(
+            seq_len=seq_len, tokenizer=tokenizer, vocab_size=vocab_size, seed=seed, cache_dir=cache_dir,
+            global_batch_size=global_batch_size,
+        )  # fmt: skip
         problems = self.config_problems({"sources": sources, "template": template, "long_samples": long_samples})
         if problems:
             raise DataError("; ".join(problems))
         parsed = {name: parse_source(name, dict(node or {})) for name, node in sources.items()}
-        self.fields = {name: f for name, (f, _) in parsed.items()}
-        self.specs = {name: s for name, (_, s) in parsed.items()}
+        self.sources = {name: p[0] for name, p in parsed.items()}
+        self.metrics = {name: p[1] for name, p in parsed.items()}
+        self.specs = {name: p[2] for name, p in parsed.items()}
         self.names = list(sources)
-        self.seq_len, self.template_name, self.tokenizer_path = seq_len, template, tokenizer
-        self.vocab_size, self.long_samples, self.seed = vocab_size, long_samples, seed
-        self.cache_dir = Path(os.path.expanduser(cache_dir))
-        self.global_batch_size = global_batch_size
-        self._prepared: PreparedSFT | None = None
+        self.template_name, self.long_samples = template, long_samples
+        self.dropped: dict[str, dict[str, int]] = {}
 
     @classmethod
     def config_problems(cls, node: Any) -> list[str]:
         """Problems of a ``data`` config node, for `trainer.config.validate` (before any launch)."""
-        problems = []
-        sources = node.get("sources") if hasattr(node, "get") else None
-        if not sources:
-            return ["data.sources is empty; name at least one source, e.g. data.sources.general.source=alpaca"]
-        for name, sub in sources.items():
-            try:
-                parse_source(str(name), dict(sub or {}))
-            except ValueError as err:
-                problems.append(str(err))
-        if node.get("template", "auto") not in ("auto", "default", "tokenizer"):
-            problems.append(f"data.template={node.get('template')!r}: use auto, default or tokenizer")
-        if node.get("long_samples", "split") not in LONG_SAMPLES:
+        problems = named_source_problems(node, parse_source, CONVERSATIONS.empty_problem())
+        if hasattr(node, "get") and node.get("long_samples", "split") not in LONG_SAMPLES:
             problems.append(f"data.long_samples={node.get('long_samples')!r}: use one of {LONG_SAMPLES}")
         return problems
 
     # ------------------------------------------------------------------------------ preparation
-    def _conversations(self, name: str) -> tuple[list[list[Message]], list[list[Message]]]:
-        fields = self.fields[name]
-        source, limit, val_size = fields["source"], fields["limit"], fields["val_size"]
-        if source in synthetic.TASKS:
-            sizes = {"train": limit or _SYNTHETIC_DEFAULT_SIZE, "val": val_size}
-            made = synthetic.examples(source, seed=self.seed, sizes=sizes)
-            return [synthetic.to_messages(e) for e in made["train"]], [synthetic.to_messages(e) for e in made["val"]]
-        try:
-            conversations = instructions.BUNDLED[source]() if source in instructions.BUNDLED else instructions.load_jsonl(source)
-        except (FileNotFoundError, ValueError) as err:
-            raise DataError(f"data.sources.{name}: {err}") from None
-        train, val = _hash_split(conversations, val_size, self.seed, name)
-        return (train[:limit] if limit else train), val
-
-    def prepare(self) -> PreparedSFT:
-        """Tokenizer, tokenized train/val samples per source and the packed validation rows (cached).
+    def _prepare(self) -> PreparedSFT:
+        """Tokenizer and tokenized train/val samples per source (cached).
 
         Raises:
             DataError: missing data packages, a budget the epochs cannot reach, or a long sample
                 under ``long_samples=error``.
         """
-        if self._prepared is not None:
-            return self._prepared
-        convs = {name: self._conversations(name) for name in self.names}
+        convs = {name: CONVERSATIONS.records(self.sources[name], seed=self.seed) for name in self.names}
         train_texts = ["".join(t for t, _ in default_segments(c)) for tr, _ in convs.values() for c in tr]
-        tokenizer = load_or_train(
-            path=self.tokenizer_path, texts=train_texts, vocab_size=self.vocab_size, cache_dir=self.cache_dir,
-            corpus_fingerprint=_fingerprint("sft", *train_texts),
-        )  # fmt: skip
-        template = self._template(tokenizer)
-        key = _fingerprint(json.dumps(convs, sort_keys=True), tokenizer.fingerprint, self.template_name, str(template is None))
-        cache_file = self.cache_dir / f"sft-{key}.pt"
-        if cache_file.exists():
-            encoded = torch.load(cache_file, weights_only=False)
-        else:
-            encoded = {n: [encode_conversations(tokenizer, part, template) for part in convs[n]] for n in self.names}
-            self.cache_dir.mkdir(parents=True, exist_ok=True)
-            tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
-            torch.save(encoded, tmp)
-            os.replace(tmp, cache_file)
-        self.dropped: dict[str, dict[str, int]] = {}
-        train = {n: SourceSamples(*self._apply_long_policy(n, encoded[n][0])) for n in self.names}
-        val = {n: SourceSamples(*self._apply_long_policy(n, encoded[n][1], count=False)) for n in self.names}
+        tokenizer = self.load_tokenizer(train_texts, fingerprint("sft", *train_texts))
+        template = self.chat_template(self.template_name, tokenizer)
+        key = fingerprint(json.dumps(convs, sort_keys=True), tokenizer.fingerprint, self.template_name, str(template is None))
+        encoded = cached(
+            self.cache_dir / f"sft-{key}.pt",
+            lambda: {n: [encode.conversations(tokenizer, part, template) for part in convs[n]] for n in self.names},
+        )
+        train = {n: self._fit(n, encoded[n][0], count=True) for n in self.names}
+        val = {n: self._fit(n, encoded[n][1], count=False) for n in self.names}
         problems = Mixture(train, self.specs, seed=self.seed).check_reachable()
         if problems:
             raise DataError("; ".join(problems))
@@ -230,42 +159,17 @@ class SFTDataModule(L.LightningDataModule):
             if d["samples"]:
                 print(f"plait: data.sources.{n}: {d['samples']} samples longer than data.seq_len={self.seq_len} "
                       f"({self.long_samples}): {d['supervised_tokens']} supervised tokens dropped")  # fmt: skip
-        prompts = {n: self._generation_set(convs[n][1], tokenizer, template) for n in self.names if self.fields[n]["metric"] == "exact_match"}
-        self._prepared = PreparedSFT(tokenizer=tokenizer, template=template, train=train, val=val, prompts=prompts)
-        return self._prepared
+        prompts = {n: self._generation_set(convs[n][1], tokenizer, template) for n in self.names if self.metrics[n] == "exact_match"}
+        return PreparedSFT(tokenizer=tokenizer, template=template, train=train, val=val, prompts=prompts)
 
-    def _template(self, tokenizer: Tokenizer) -> JinjaTemplate | None:
-        if self.template_name == "default":
-            return None
-        template = load_chat_template(self.tokenizer_path, tokenizer)
-        if template is None and self.template_name == "tokenizer":
-            raise DataError(
-                f"data.template=tokenizer but data.tokenizer={self.tokenizer_path} has no tokenizer_config.json with a "
-                "chat_template beside it; use data.template=auto or default"
-            )
-        return template
-
-    def _apply_long_policy(self, name: str, samples: list, count: bool = True) -> tuple[list, list]:
-        ids_out, labels_out = [], []
-        dropped = {"samples": 0, "supervised_tokens": 0}
-        for ids, labels in samples:
-            if len(ids) > self.seq_len and self.long_samples != "split":
-                if self.long_samples == "error":
-                    raise DataError(
-                        f"data.sources.{name}: a sample of {len(ids)} tokens is longer than data.seq_len={self.seq_len}; "
-                        "set data.long_samples=split (continue in the next row), truncate or drop, or raise data.seq_len"
-                    )
-                cut = 0 if self.long_samples == "drop" else self.seq_len
-                dropped["samples"] += 1
-                dropped["supervised_tokens"] += int(sum(1 for x in labels[cut:] if x != IGNORE_INDEX))
-                ids, labels = ids[:cut], labels[:cut]
-                if not ids:
-                    continue
-            ids_out.append(ids)
-            labels_out.append(labels)
+    def _fit(self, name: str, samples: list, *, count: bool) -> SourceSamples:
+        try:
+            kept, dropped = fit_long_samples(samples, seq_len=self.seq_len, policy=self.long_samples)
+        except ValueError as err:
+            raise DataError(f"data.sources.{name}: {err}") from None
         if count:
             self.dropped[name] = dropped
-        return ids_out, labels_out
+        return SourceSamples([ids for ids, _ in kept], [labels for _, labels in kept])
 
     def _generation_set(self, val: list[list[Message]], tokenizer: Tokenizer, template: JinjaTemplate | None) -> dict[str, list]:
         prompts, answers = [], []
@@ -277,53 +181,31 @@ class SFTDataModule(L.LightningDataModule):
             answers.append(messages[-1]["content"].strip())
         return {"prompts": prompts, "answers": answers}
 
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self.prepare().tokenizer
-
     # ------------------------------------------------------------------------------ loaders
-    def _make_packer(self, samples: dict[str, SourceSamples], specs: dict[str, SourceSpec]) -> MixturePacker:
-        return MixturePacker(Mixture(samples, specs, seed=self.seed), seq_len=self.seq_len, pad_id=self.tokenizer.pad_id)
+    def _packer(self, samples: dict[str, SourceSamples], specs: dict[str, SourceSpec]) -> Packer:
+        mixture = Mixture(samples, specs, seed=self.seed)
+        return Packer(mixture, seq_len=self.seq_len, pad_id=self.tokenizer.pad_id, policy="whole")
 
-    def make_loader(self, dp_rank: int = 0, dp_size: int = 1) -> MixtureLoader:
+    def train_batches(self, dp_rank: int, dp_size: int) -> PackedBatches:
         prepared = self.prepare()
-        loader = MixtureLoader(
-            lambda: self._make_packer(prepared.train, self.specs),
+        return PackedBatches(
+            lambda: self._packer(prepared.train, self.specs),
             names=self.names, global_batch_size=self.global_batch_size, dp_rank=dp_rank, dp_size=dp_size,
             dropped={n: d["supervised_tokens"] for n, d in self.dropped.items() if d["supervised_tokens"]},
         )  # fmt: skip
-        return loader
-
-    @override
-    def setup(self, stage: str) -> None:
-        self.prepare()
-
-    @override
-    def train_dataloader(self) -> MixtureLoader:
-        dp = self.trainer.strategy.distributed_sampler_kwargs if self.trainer else {"num_replicas": 1, "rank": 0}
-        return self.make_loader(dp["rank"], dp["num_replicas"])
-
-    def steps_per_epoch(self) -> int:
-        return len(self.make_loader())
 
     def finite_steps(self) -> int:
         """Optimizer steps of one pass over the mixture (the run ends there)."""
-        return len(self.make_loader())
+        return self.steps_per_epoch()
 
-    def eval_dataloader(self) -> DataLoader:
-        """This dp rank's share of every source's held-out rows (``source_ids`` mark the source)."""
-        prepared = self.prepare()
+    def eval_rows(self) -> dict[str, Tensor]:
+        """Every source's held-out samples, packed (``source_ids`` mark the source)."""
         val_specs = {n: SourceSpec(weight=1.0, max_tokens=None, max_epochs=1.0) for n in self.names}
-        packer = self._make_packer(prepared.val, val_specs)
+        packer = self._packer(self.prepare().val, val_specs)
         rows = []
         while (row := packer.next_row()) is not None:
             rows.append(row)
-        dp = self.trainer.strategy.distributed_sampler_kwargs if self.trainer else {"num_replicas": 1, "rank": 0}
-        per_rank = len(rows) // dp["num_replicas"]
-        mine = rows[dp["rank"] * per_rank : (dp["rank"] + 1) * per_rank]
-        tensors = rows_to_tensors(mine, num_rows=len(mine), seq_len=self.seq_len, pad_id=self.tokenizer.pad_id)
-        dataset = [{k: v[i] for k, v in tensors.items()} for i in range(len(mine))]
-        return DataLoader(dataset, batch_size=max(1, min(len(mine), 8)), shuffle=False)
+        return rows_to_tensors(rows, num_rows=len(rows), seq_len=self.seq_len, pad_id=self.tokenizer.pad_id)
 
     @torch.no_grad()
     def eval_metrics(self, model: torch.nn.Module, device: torch.device) -> dict[str, float]:
@@ -342,13 +224,3 @@ class SFTDataModule(L.LightningDataModule):
             hits = [tokenizer.decode(ids).strip() == answer for ids, answer in zip(new, gen["answers"])]
             out[f"val/exact_match/{name}"] = float(np.mean(hits))
         return out
-
-
-def describe(data: SFTDataModule) -> dict[str, Any]:
-    """Per-source sizes of the prepared data (samples, supervised tokens) for logs and reports."""
-    prepared = data.prepare()
-    return {
-        n: {"train_samples": len(prepared.train[n]), "train_supervised_tokens": prepared.train[n].total_supervised()}
-        for n in data.names
-    }
-

@@ -19,10 +19,12 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Callable
+from typing import TypeVar
 
 from trainer.data.chat import Message
 
 Example = tuple[str, str]  # (prompt, answer)
+Item = TypeVar("Item", bound=tuple)
 _LETTERS = "abcdefghij"
 
 
@@ -54,21 +56,25 @@ def _rng(task: str, seed: int, split: str) -> random.Random:
     return random.Random(int.from_bytes(digest[:8], "big"))
 
 
-def examples(task: str, *, seed: int, sizes: dict[str, int]) -> dict[str, list[Example]]:
-    """Disjoint splits of ``task``: ``{"train": [...], "val": [...], "test": [...]}``.
+def distinct_splits(
+    task: str, make: Callable[[random.Random], Item], *, seed: int, sizes: dict[str, int]
+) -> dict[str, list[Item]]:
+    """Disjoint splits of the items ``make`` draws: ``{"train": [...], "val": [...], "test": [...]}``.
+
+    Each split draws from its own generator, seeded by (task, seed, split); an item whose prompt
+    (its first element) appeared in an earlier split, or earlier in this one, is drawn again.
 
     Args:
-        task: a name in ``TASKS``.
-        seed: the run seed; the same seed gives the same examples in every process.
-        sizes: examples per split (missing splits get none).
+        task: the task's name (part of the seed).
+        make: draws one item, a tuple whose first element is the prompt.
+        seed: the run seed; the same seed gives the same items in every process.
+        sizes: items per split (missing splits get none).
 
     Raises:
-        ValueError: unknown task, or a task too small to give that many distinct prompts.
+        ValueError: a task too small to give that many distinct prompts.
     """
-    if task not in TASKS:
-        raise ValueError(f"unknown synthetic task {task!r}; choose from {sorted(TASKS)}")
     seen: set[str] = set()
-    out: dict[str, list[Example]] = {}
+    out: dict[str, list[Item]] = {}
     for split in SPLITS:
         rng, made = _rng(task, seed, split), []
         attempts = 0
@@ -76,12 +82,23 @@ def examples(task: str, *, seed: int, sizes: dict[str, int]) -> dict[str, list[E
             attempts += 1
             if attempts > 50 * (sizes[split] + 10):
                 raise ValueError(f"synthetic task {task!r} cannot give {sizes[split]} distinct {split} examples")
-            prompt, answer = TASKS[task](rng)
-            if prompt not in seen:
-                seen.add(prompt)
-                made.append((prompt, answer))
+            item = make(rng)
+            if item[0] not in seen:
+                seen.add(item[0])
+                made.append(item)
         out[split] = made
     return out
+
+
+def examples(task: str, *, seed: int, sizes: dict[str, int]) -> dict[str, list[Example]]:
+    """Disjoint splits of ``task`` (see `distinct_splits`).
+
+    Raises:
+        ValueError: unknown task, or a task too small to give that many distinct prompts.
+    """
+    if task not in TASKS:
+        raise ValueError(f"unknown synthetic task {task!r}; choose from {sorted(TASKS)}")
+    return distinct_splits(task, TASKS[task], seed=seed, sizes=sizes)
 
 
 def to_messages(example: Example) -> list[Message]:

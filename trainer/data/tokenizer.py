@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from trainer.data.cache import write_atomic
 
 DEFAULT_EOS = "<|endoftext|>"
 DEFAULT_PAD = "<|pad|>"
@@ -69,7 +70,8 @@ class Tokenizer:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write ``tokenizer.json`` atomically (a reader never sees a half-written file)."""
-        _write_atomic(Path(path), self.to_str())
+        text = self.to_str()
+        write_atomic(Path(path), lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, eos_token: str = DEFAULT_EOS, pad_token: str = DEFAULT_PAD) -> Tokenizer:
@@ -180,15 +182,3 @@ def _hf_special_tokens(path: Path, eos_token: str, pad_token: str) -> tuple[str,
         return value["content"] if isinstance(value, dict) else value
 
     return token("eos_token", eos_token), token("pad_token", pad_token)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -1,0 +1,166 @@
+"""`DataModule`: the one base of plait's data modules (text, chat SFT, preference pairs).
+
+Every data module runs one pipeline, each step in one place:
+
+    sources (trainer.data.corpus, trainer.data.sources)
+      -> tokenizer (trainer.data.tokenizer: a file, or a BPE trained on the training texts)
+      -> encode (trainer.data.encode: text / chat / pair samples)
+      -> pack (trainer.data.packing: one packer, ``split`` or ``whole`` policy)
+      -> one train loader (trainer.data.loader: global batches, state = the position trained)
+
+Preparation runs once in the launching process (so data errors surface before any process group
+starts) and is cached under ``cache_dir`` (trainer.data.cache); every rank then loads the same
+cached data. A data module runs no model: what needs one (reference log-probs, greedy decoding)
+belongs to the objective or an evaluator.
+
+A subclass implements `_prepare` (the prepared data, with a ``tokenizer``), `train_batches`
+(its `GlobalBatches` stream for one dp rank) and `eval_rows` (the held-out rows).
+"""
+
+from __future__ import annotations
+
+import os
+from abc import abstractmethod
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from torch import Tensor
+from typing_extensions import override
+
+from trainer.data.chat import JinjaTemplate, load_chat_template
+from trainer.data.loader import Batch, GlobalBatches, Loader, shard_rows
+from trainer.data.tokenizer import Tokenizer, load_or_train
+
+TEMPLATES = ("auto", "default", "tokenizer")
+
+
+class DataError(ValueError):
+    """Data that cannot be trained on; the message names the data and the fix."""
+
+
+class DataModule(L.LightningDataModule):
+    """The shared part of every data module (see module docstring).
+
+    Args:
+        seq_len: tokens per row.
+        tokenizer: path of a ``tokenizer.json``; None trains a byte-level BPE on the training texts.
+        vocab_size: vocabulary of the trained BPE.
+        seed: seeds splits, synthetic data and the order of the rows.
+        cache_dir: where tokenizers and prepared data are cached.
+        global_batch_size: rows (or pairs) per optimizer step over all dp ranks (set by the trainer
+            from ``train.global_batch_size``).
+    """
+
+    # Rows per forward when evaluating. The validation loss is a sum over micro-batches, so its
+    # last bits depend on this; one value for every data module keeps val/loss comparable.
+    eval_micro_batch_size = 8
+
+    def __init__(
+        self, *, seq_len: int, tokenizer: str | None, vocab_size: int, seed: int, cache_dir: str, global_batch_size: int
+    ) -> None:
+        super().__init__()
+        self.seq_len, self.tokenizer_path, self.vocab_size, self.seed = seq_len, tokenizer, vocab_size, seed
+        self.cache_dir = Path(os.path.expanduser(cache_dir))
+        self.global_batch_size = global_batch_size
+        self._prepared: Any = None
+
+    # ------------------------------------------------------------------------------ preparation
+    def prepare(self) -> Any:
+        """The prepared data (built once per process, cached on disk; see `_prepare`).
+
+        Raises:
+            DataError: data that cannot be trained on (the message names the fix).
+        """
+        if self._prepared is None:
+            self._prepared = self._prepare()
+        return self._prepared
+
+    @abstractmethod
+    def _prepare(self) -> Any:
+        """Builds the prepared data: an object with a ``tokenizer`` and the encoded splits."""
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.prepare().tokenizer
+
+    def load_tokenizer(self, texts: Callable[[], Iterable[str]] | Sequence[str], fingerprint: str) -> Tokenizer:
+        """``data.tokenizer``, else a BPE trained on ``texts`` (cached under ``fingerprint``)."""
+        return load_or_train(
+            path=self.tokenizer_path, texts=texts, vocab_size=self.vocab_size, cache_dir=self.cache_dir,
+            corpus_fingerprint=fingerprint,
+        )  # fmt: skip
+
+    def chat_template(self, name: str, tokenizer: Tokenizer) -> JinjaTemplate | None:
+        """The chat template ``data.template=name`` selects (None: the default template).
+
+        Raises:
+            DataError: ``tokenizer`` asked for, but the tokenizer has none.
+        """
+        if name == "default":
+            return None
+        template = load_chat_template(self.tokenizer_path, tokenizer)
+        if template is None and name == "tokenizer":
+            raise DataError(
+                f"data.template=tokenizer but data.tokenizer={self.tokenizer_path} has no tokenizer_config.json with a "
+                "chat_template beside it; use data.template=auto or default"
+            )
+        return template
+
+    # ------------------------------------------------------------------------------ loaders
+    @abstractmethod
+    def train_batches(self, dp_rank: int, dp_size: int) -> GlobalBatches:
+        """The training batches of dp rank ``dp_rank`` of ``dp_size``."""
+
+    @abstractmethod
+    def eval_rows(self) -> dict[str, Tensor]:
+        """The held-out rows evaluated, key -> ``[N, ...]`` tensor (all dp ranks together)."""
+
+    def dp(self) -> tuple[int, int]:
+        """``(rank, size)`` of this process on the data-parallel axis (one process without a trainer)."""
+        if self.trainer is None:
+            return 0, 1
+        kwargs = self.trainer.strategy.distributed_sampler_kwargs
+        return kwargs["rank"], kwargs["num_replicas"]
+
+    @override
+    def setup(self, stage: str) -> None:
+        self.prepare()
+
+    @override
+    def train_dataloader(self) -> Loader:
+        return Loader(self.train_batches(*self.dp()))
+
+    def eval_dataloader(self) -> list[Batch]:
+        """This dp rank's share of `eval_rows` in micro-batches (trimmed to a multiple of dp: every
+        rank must run the same number of forward passes under FSDP)."""
+        rank, size = self.dp()
+        return shard_rows(self.eval_rows(), dp_rank=rank, dp_size=size, micro_batch_size=self.eval_micro_batch_size)
+
+    def steps_per_epoch(self) -> int:
+        """Optimizer steps of one epoch (of one pass, for data that ends)."""
+        return len(Loader(self.train_batches(0, 1)))
+
+
+def named_source_problems(node: Any, parse: Callable[[str, Mapping[str, Any]], Any], empty: str) -> list[str]:
+    """Problems of a ``data`` node with named ``sources`` and a ``template``, for
+    `trainer.config.validate` (before any launch).
+
+    Args:
+        node: the ``data`` config node.
+        parse: parses one source (raises ValueError naming ``data.sources.<name>``).
+        empty: the problem of an empty ``data.sources``.
+    """
+    sources = node.get("sources") if hasattr(node, "get") else None
+    if not sources:
+        return [empty]
+    problems = []
+    for name, sub in sources.items():
+        try:
+            parse(str(name), dict(sub or {}))
+        except ValueError as err:
+            problems.append(str(err))
+    if node.get("template", "auto") not in TEMPLATES:
+        problems.append(f"data.template={node.get('template')!r}: use one of {TEMPLATES}")
+    return problems

@@ -1,0 +1,62 @@
+"""Cache keys and atomic cache files, shared by the data modules and the tokenizer.
+
+Every rank of a run prepares the same data; the first to finish fills the cache. Files are
+written to a temporary name in the same directory and renamed into place (``os.replace`` is
+atomic on one filesystem), so a rank never reads half a file and racing ranks are safe: they
+write identical contents.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+def fingerprint(*parts: str) -> str:
+    """16 hex characters of sha256 over ``parts``, each followed by a ``\\x00\\x01`` separator (so
+    ``("ab", "c")`` and ``("a", "bc")`` differ): a cache key for what was built from them."""
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part.encode("utf-8"))
+        digest.update(b"\x00\x01")
+    return digest.hexdigest()[:16]
+
+
+def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
+    """Calls ``write(tmp)`` on a temporary file beside ``path``, then renames it to ``path``.
+
+    Raises:
+        Whatever ``write`` raises (the temporary file is removed).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def cached(path: Path, build: Callable[[], T]) -> T:
+    """The tensors, lists and dicts saved at ``path``, else ``build()``, saved there atomically.
+
+    Args:
+        path: the cache file (its name holds the key of what ``build`` depends on).
+        build: makes the value on a cache miss; it may hold tensors, numbers, strings, lists and
+            dicts (what ``torch.load(weights_only=True)`` reads back).
+    """
+    if path.exists():
+        return torch.load(path, weights_only=True)
+    value = build()
+    write_atomic(path, lambda tmp: torch.save(value, tmp))
+    return value

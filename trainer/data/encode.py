@@ -1,0 +1,134 @@
+"""Encoders: records -> token samples ``(input_ids, labels)``, labels pre-shifted (-100: no target).
+
+One encoder per record kind; each is where a new format of that kind plugs in:
+
+- text (`documents`): a document followed by EOS; every next token is a target, the EOS position
+  predicts nothing, so no target crosses a document boundary (C19);
+- chat (`conversations`): the chat template's segments (trainer.data.chat), loss only on the
+  assistant tokens; the default template ends every assistant turn with EOS;
+- pair (`pair`, `pair_rows`): a preference pair, chosen and rejected with the **same prompt ids**
+  and labels only on the final response (case C24).
+
+Samples then go to the packer (trainer.data.packing); pairs are laid out one response per row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from trainer.data.chat import JinjaTemplate, Message, default_segments
+from trainer.data.base import DataError
+from trainer.data.packing import IGNORE_INDEX, rows_to_tensors
+from trainer.data.tokenizer import Tokenizer
+
+Sample = tuple[Sequence[int], Sequence[int]]  # (input_ids, labels), equal lengths
+PAIR_KEYS = ("input_ids", "labels", "position_ids", "document_ids")
+
+
+def documents(tokenizer: Tokenizer, texts: Sequence[str]) -> list[Sample]:
+    """Pretraining samples of ``texts`` (see `document_samples`), with one batched tokenizer call."""
+    return document_samples(tokenizer.encode_batch(list(texts)) if texts else [], eos_id=tokenizer.eos_id)
+
+
+def document_samples(token_docs: Sequence[Sequence[int]], *, eos_id: int) -> list[Sample]:
+    """Document ``d`` becomes ``d + [eos]`` with labels ``d[1:] + [eos, -100]``: the last text
+    token predicts EOS and the EOS position predicts nothing. Empty documents are left out."""
+    out: list[Sample] = []
+    for tokens in token_docs:
+        if len(tokens):
+            ids = np.append(np.asarray(tokens, dtype=np.int64), eos_id)
+            out.append((ids, np.append(ids[1:], IGNORE_INDEX)))
+    return out
+
+
+def labels_from_mask(input_ids: Sequence[int], supervised: Sequence[bool]) -> list[int]:
+    """Pre-shifted labels: ``labels[t] = input_ids[t+1]`` when token t+1 is supervised, else -100.
+
+    The first token is never a target (nothing precedes it within the sample).
+    """
+    n = len(input_ids)
+    return [input_ids[t + 1] if supervised[t + 1] else IGNORE_INDEX for t in range(n - 1)] + ([IGNORE_INDEX] if n else [])
+
+
+def _segment_ids(
+    tokenizer: Tokenizer, conversations: Sequence[Sequence[Message]], template: JinjaTemplate | None
+) -> list[list[tuple[list[int], bool]]]:
+    """Per conversation, ``(ids, supervised)`` of each template segment, with one batched
+    tokenizer call; the default template adds EOS after each supervised segment."""
+    per_conv = [default_segments(m) if template is None else template.segments(m) for m in conversations]
+    flat = [text for segments in per_conv for text, _ in segments]
+    encoded = iter(tokenizer.encode_batch(flat) if flat else [])
+    eos = [tokenizer.eos_id] if template is None else []
+    return [[(next(encoded) + (eos if sup else []), sup) for _, sup in segments] for segments in per_conv]
+
+
+def conversations(
+    tokenizer: Tokenizer, convs: Sequence[Sequence[Message]], template: JinjaTemplate | None = None
+) -> list[tuple[list[int], list[int]]]:
+    """``(input_ids, labels)`` of each conversation, labels -100 off assistant tokens.
+
+    Args:
+        tokenizer: encodes each segment (no special tokens added).
+        convs: conversations (each with at least one assistant message).
+        template: the tokenizer's chat template, or None for the default template.
+
+    Raises:
+        ChatError: a malformed conversation or a template without prefix-consistent rendering.
+    """
+    out = []
+    for segments in _segment_ids(tokenizer, convs, template):
+        ids = [t for piece, _ in segments for t in piece]
+        supervised = [sup for piece, sup in segments for _ in piece]
+        out.append((ids, labels_from_mask(ids, supervised)))
+    return out
+
+
+def pair(tokenizer: Tokenizer, record: dict[str, Any], template: JinjaTemplate | None = None) -> tuple[list[int], list[int], list[int]]:
+    """``(prompt_ids, chosen_ids, rejected_ids)`` of one pair in the chat format: the prompt is the
+    conversation up to the final assistant turn (earlier assistant turns are context, never
+    targets), each response is the final turn's supervised span.
+
+    Raises:
+        trainer.data.chat.ChatError: a malformed conversation.
+        DataError: the template renders the prompt differently for the two responses.
+    """
+    convs = [[*record["messages"], {"role": "assistant", "content": r}] for r in (record["chosen"], record["rejected"])]
+    encoded = []
+    for segments in _segment_ids(tokenizer, convs, template):
+        last = max(i for i, (_, supervised) in enumerate(segments) if supervised)
+        encoded.append(([t for piece, _ in segments[:last] for t in piece], segments[last][0]))
+    if encoded[0][0] != encoded[1][0]:
+        raise DataError("the chat template renders the prompt differently for the chosen and rejected responses")
+    return encoded[0][0], encoded[0][1], encoded[1][1]
+
+
+def pair_rows(
+    prompt: list[int], chosen: list[int], rejected: list[int], *, seq_len: int, max_prompt_len: int, pad_id: int
+) -> tuple[dict[str, Tensor], bool]:
+    """The ``[2, seq_len]`` rows of one pair (chosen first) and whether a response was cut.
+
+    When prompt + the longer response is too long, the prompt keeps its last
+    ``max(max_prompt_len, seq_len - response)`` tokens (never more than it has), then both
+    responses are cut at the end to what is left. ``labels[t] = input_ids[t + 1]`` where token
+    t+1 is a response token, else -100; the pad tail is a document of its own.
+    """
+    longest = max(len(chosen), len(rejected))
+    keep = min(len(prompt), max(max_prompt_len, seq_len - longest))
+    prompt = prompt[len(prompt) - keep :]
+    room = seq_len - len(prompt)
+    rows = []
+    for response in (chosen[:room], rejected[:room]):
+        labels = [IGNORE_INDEX] * (len(prompt) - 1) + response + [IGNORE_INDEX]
+        rows.append([(0, np.asarray(prompt + response, np.int64), np.asarray(labels[: len(prompt) + len(response)], np.int64))])
+    tensors = rows_to_tensors(rows, num_rows=2, seq_len=seq_len, pad_id=pad_id)
+    return {k: tensors[k] for k in PAIR_KEYS}, longest > room
+
+
+def stack_rows(rows: list[dict[str, Tensor]], seq_len: int) -> dict[str, Tensor]:
+    """``[N, 2, seq_len]`` tensors of N pairs' rows (an empty split gives N = 0)."""
+    return {k: torch.stack([r[k] for r in rows]) if rows else torch.zeros(0, 2, seq_len, dtype=torch.long) for k in PAIR_KEYS}

@@ -1,0 +1,145 @@
+"""Named sources: ``data.sources.<name>.source`` -> the training and held-out records of one source.
+
+A source string names a bundled real set (installed from a pip package), a synthetic task
+(generated from the seed, with disjoint train and validation prompts) or a user's ``.jsonl``
+file. A `Catalog` lists the sources of one record kind: conversations for SFT
+(`CONVERSATIONS`), preference pairs (`PAIRS`). To add a kind of source (say, a Hugging Face
+dataset), teach `Catalog.records` and `Catalog.problem` to recognise it; every data module that
+reads named sources takes it from there.
+
+Held-out records of a real set or a file are the ``val_size`` ones with the lowest hash of
+(seed, source name, index) (`hold_out`): the same on every rank and in every process. A synthetic
+task generates its own validation split. ``limit`` caps the training records (a synthetic task
+generates that many, `SYNTHETIC_SIZE` by default).
+
+Pretraining text is read by `trainer.data.corpus` (a list of bundled corpora or paths, split by
+``val_fraction``), not through a catalog.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from trainer.data import instructions, preference_sources, synthetic
+from trainer.data.base import DataError
+
+SYNTHETIC_SIZE = 1000  # training records a synthetic task generates without a limit
+SOURCE_FIELDS = ("source", "limit", "val_size")  # the fields every named source has
+
+
+def as_int(value: Any) -> int | None:
+    """2e5 (Hydra parses it as a float) -> 200000; None stays None.
+
+    Raises:
+        ValueError: not a whole number.
+    """
+    if value is None:
+        return None
+    if float(value) != int(value):
+        raise ValueError(f"{value} is not a whole number")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class Source:
+    """One entry of ``data.sources``: its name, where its records come from, how many it keeps."""
+
+    name: str
+    source: str
+    limit: int | None = None
+    val_size: int = 16
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """Where the records of one kind come from.
+
+    Args:
+        bundled: name -> loader of a real set.
+        synthetic: name -> generator of disjoint ``{"train", "val"}`` splits (``seed``, ``sizes``).
+        read_jsonl: reads a user's file (raises FileNotFoundError / ValueError naming the line).
+        example: a valid source, for the message of an empty ``data.sources``.
+    """
+
+    bundled: Mapping[str, Callable[[], list]]
+    synthetic: Mapping[str, Callable[..., dict[str, list]]]
+    read_jsonl: Callable[[str], list]
+    example: str
+
+    def names(self) -> list[str]:
+        return sorted(self.bundled) + sorted(self.synthetic)
+
+    def problem(self, name: str, source: Any) -> str | None:
+        """What is wrong with ``data.sources.<name>.source=<source>``; None when it is valid."""
+        if isinstance(source, str) and (source in self.bundled or source in self.synthetic or source.endswith(".jsonl")):
+            return None
+        return f"data.sources.{name}.source={source!r}: use one of {self.names()} or a path to a .jsonl file"
+
+    def parse(self, name: str, node: Mapping[str, Any], fields: tuple[str, ...] = SOURCE_FIELDS) -> Source:
+        """The `Source` of ``data.sources.<name>`` (the fields the caller knows besides are its own).
+
+        Raises:
+            ValueError: an unknown field, an unknown source or a count that is not a whole number.
+        """
+        unknown = set(node) - set(fields)
+        if unknown:
+            raise ValueError(f"data.sources.{name}: unknown fields {sorted(unknown)}; valid: {sorted(fields)}")
+        source = node.get("source", name)
+        if (problem := self.problem(name, source)) is not None:
+            raise ValueError(problem)
+        try:
+            return Source(name, source, limit=as_int(node.get("limit")), val_size=as_int(node.get("val_size", 16)))
+        except ValueError as err:
+            raise ValueError(f"data.sources.{name}: {err}") from None
+
+    def empty_problem(self) -> str:
+        return f"data.sources is empty; name at least one source, e.g. data.sources.{self.example}"
+
+    def records(self, source: Source, *, seed: int) -> tuple[list, list]:
+        """``(train, val)`` records of one source.
+
+        Raises:
+            DataError: a missing data package, an unreadable file or a synthetic task too small
+                (naming ``data.sources.<name>``).
+        """
+        try:
+            if source.source in self.synthetic:
+                sizes = {"train": source.limit or SYNTHETIC_SIZE, "val": source.val_size}
+                made = self.synthetic[source.source](source.source, seed=seed, sizes=sizes)
+                return made["train"], made["val"]
+            load = self.bundled.get(source.source)
+            records = load() if load is not None else self.read_jsonl(source.source)
+        except (FileNotFoundError, ValueError) as err:
+            raise DataError(f"data.sources.{source.name}: {err}") from None
+        train, val = hold_out(records, source.val_size, seed=seed, name=source.name)
+        return (train[: source.limit] if source.limit else train), val
+
+
+def hold_out(records: list, val_size: int, *, seed: int, name: str) -> tuple[list, list]:
+    """``(train, val)``: the ``val_size`` records with the lowest sha256 of (seed, name, index) are
+    held out (at most all but one); both keep the records' order."""
+    scores = [hashlib.sha256(f"{seed}\0{name}\0{i}".encode()).digest()[:8] for i in range(len(records))]
+    held = set(sorted(range(len(records)), key=scores.__getitem__)[: min(val_size, len(records) - 1)])
+    return [r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held]
+
+
+def _synthetic_conversations(task: str, *, seed: int, sizes: dict[str, int]) -> dict[str, list]:
+    made = synthetic.examples(task, seed=seed, sizes=sizes)
+    return {split: [synthetic.to_messages(e) for e in examples] for split, examples in made.items()}
+
+
+CONVERSATIONS = Catalog(
+    bundled=instructions.BUNDLED,
+    synthetic=dict.fromkeys(synthetic.TASKS, _synthetic_conversations),
+    read_jsonl=instructions.load_jsonl,
+    example="general.source=alpaca",
+)
+PAIRS = Catalog(
+    bundled=preference_sources.BUNDLED,
+    synthetic=dict.fromkeys(preference_sources.SYNTHETIC, preference_sources.synthetic),
+    read_jsonl=preference_sources.load_jsonl,
+    example="pairs.source=dpo_en",
+)

@@ -1,0 +1,141 @@
+"""`TextDataModule`: documents -> tokenizer -> packed causal-LM rows -> shuffled global batches.
+
+Documents are the bundled corpus (``sources``) or the user's ``.txt``/``.jsonl`` files
+(``path``), split into training and held-out documents by ``val_fraction``
+(trainer.data.corpus). Each document + EOS is one sample; samples are packed with the ``split``
+policy (every row full, no target across documents) and cached; epochs shuffle the rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from trainer.data import corpus, encode
+from trainer.data.base import DataError, DataModule
+from trainer.data.cache import cached, fingerprint
+from trainer.data.loader import RowBatches
+from trainer.data.packing import PackedRows, pack
+from trainer.data.sampler import GlobalBatchSampler
+from trainer.data.tokenizer import Tokenizer
+
+
+@dataclass
+class PreparedData:
+    tokenizer: Tokenizer
+    train: PackedRows
+    val: PackedRows
+
+
+def _documents_fingerprint(documents: list[corpus.Document]) -> str:
+    return fingerprint(*(d.source + "\0" + d.title + "\0" + d.text for d in documents))
+
+
+class TextDataModule(DataModule):
+    """Packed causal-LM rows from the bundled corpus or a user's text/jsonl files.
+
+    Args:
+        sources: bundled corpora ("shakespeare", "kjv") used when ``path`` is None.
+        path: the user's .txt/.jsonl files or directories (one path or a list); replaces ``sources``.
+        text_key: field of a jsonl record holding the text.
+        seq_len: tokens per packed row.
+        tokenizer: path of a ``tokenizer.json`` to use; None trains a byte-level BPE on the corpus.
+        vocab_size: vocabulary of the trained BPE.
+        val_fraction: fraction of documents held out for validation.
+        eval_rows: validation rows evaluated (the first ones of the held-out split).
+        shuffle: shuffle training rows each epoch (seeded by seed and epoch).
+        seed: seed of the split and of the shuffle.
+        drop_last: drop the final partial global batch of each epoch.
+        cache_dir: where tokenizers and packed rows are cached.
+        global_batch_size: rows per optimizer step over all dp ranks (set by the trainer).
+    """
+
+    def __init__(
+        self,
+        *,
+        sources: tuple[str, ...] | list[str] = ("shakespeare", "kjv"),
+        path: str | list[str] | None = None,
+        text_key: str = "text",
+        seq_len: int = 256,
+        tokenizer: str | None = None,
+        vocab_size: int = 4096,
+        val_fraction: float = 0.02,
+        eval_rows: int = 64,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
+        cache_dir: str = "~/.cache/plait",
+        global_batch_size: int = 32,
+    ) -> None:
+        super().__init__(
+            seq_len=seq_len, tokenizer=tokenizer, vocab_size=vocab_size, seed=seed, cache_dir=cache_dir,
+            global_batch_size=global_batch_size,
+        )  # fmt: skip
+        self.sources = list(sources)
+        self.paths = [path] if isinstance(path, str) else (list(path) if path else [])
+        self.text_key = text_key
+        self.val_fraction, self.eval_rows_count = val_fraction, eval_rows
+        self.shuffle, self.drop_last = shuffle, drop_last
+
+    def _prepare(self) -> PreparedData:
+        """The tokenizer and the packed train/val rows (cached).
+
+        Raises:
+            DataError: no documents, or fewer training rows than one global batch.
+        """
+        documents = self._documents()
+        train_docs, val_docs = corpus.split_train_val(documents, val_fraction=self.val_fraction, seed=self.seed)
+        # Keyed by the documents it is trained on: another seed or val_fraction is another split.
+        tokenizer = self.load_tokenizer([d.text for d in train_docs], _documents_fingerprint(train_docs))
+        key = fingerprint(
+            _documents_fingerprint(documents), tokenizer.fingerprint, str(self.seq_len), str(self.val_fraction), str(self.seed)
+        )
+
+        def build() -> dict[str, dict[str, Tensor]]:
+            packed = [
+                pack(encode.documents(tokenizer, [d.text for d in docs]), seq_len=self.seq_len, pad_id=tokenizer.pad_id)
+                for docs in (train_docs, val_docs)
+            ]
+            return {"train": vars(packed[0]), "val": vars(packed[1])}
+
+        rows = cached(self.cache_dir / f"rows-{key}.pt", build)
+        train, val = PackedRows(**rows["train"]), PackedRows(**rows["val"])
+        self._check(train, val)
+        return PreparedData(tokenizer=tokenizer, train=train, val=val)
+
+    def _documents(self) -> list[corpus.Document]:
+        try:
+            documents = corpus.load_files(self.paths, text_key=self.text_key) if self.paths else corpus.load_bundled(self.sources)
+        except (FileNotFoundError, ValueError) as err:
+            if not self.paths:
+                raise DataError(f"data.sources={self.sources}: {err}") from None
+            fix = "fix the file, or point data.path at .txt/.jsonl files with text (null: the bundled corpus)"
+            raise DataError(f"data.path={self.paths}: {err}; {fix}") from None
+        if not documents:
+            raise DataError("data: no documents found; set data.path=<file or dir> or data.sources=[shakespeare,kjv]")
+        return documents
+
+    def _check(self, train: PackedRows, val: PackedRows) -> None:
+        where = f"data.path={self.paths}" if self.paths else f"data.sources={self.sources}"
+        if len(train) < self.global_batch_size:
+            raise DataError(
+                f"{where} gives {len(train)} training rows of data.seq_len={self.seq_len} tokens, fewer than one "
+                f"global batch of train.global_batch_size={self.global_batch_size} rows; add data, or lower "
+                f"train.global_batch_size or data.seq_len"
+            )
+        if self.val_fraction > 0 and len(val) == 0:
+            raise DataError(f"{where}: the validation split is empty; raise data.val_fraction or add documents")
+
+    def train_batches(self, dp_rank: int, dp_size: int) -> RowBatches:
+        train = self.prepare().train
+        sampler = GlobalBatchSampler(
+            len(train), global_batch_size=self.global_batch_size, dp_rank=dp_rank, dp_size=dp_size,
+            shuffle=self.shuffle, seed=self.seed, drop_last=self.drop_last,
+        )  # fmt: skip
+        return RowBatches(vars(train), sampler)
+
+    def eval_rows(self) -> dict[str, Tensor]:
+        """The first ``eval_rows`` validation rows. Keep ``data.eval_rows`` a multiple of the dp
+        degree to compare validation losses across world sizes (the rest is trimmed)."""
+        return {k: v[: self.eval_rows_count] for k, v in vars(self.prepare().val).items()}
