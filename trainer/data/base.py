@@ -23,7 +23,7 @@ import os
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import lightning as L
 from torch import Tensor
@@ -38,6 +38,18 @@ TEMPLATES = ("auto", "default", "tokenizer")
 
 class DataError(ValueError):
     """Data that cannot be trained on; the message names the data and the fix."""
+
+
+class Settings(TypedDict, total=False):
+    """The ``data.*`` keys every data module takes, with their defaults in `DataModule` (a
+    subclass takes them as ``**settings: Unpack[Settings]`` and passes them on)."""
+
+    seq_len: int
+    tokenizer: str | None
+    vocab_size: int
+    seed: int
+    cache_dir: str
+    global_batch_size: int
 
 
 class DataModule(L.LightningDataModule):
@@ -58,7 +70,14 @@ class DataModule(L.LightningDataModule):
     eval_micro_batch_size = 8
 
     def __init__(
-        self, *, seq_len: int, tokenizer: str | None, vocab_size: int, seed: int, cache_dir: str, global_batch_size: int
+        self,
+        *,
+        seq_len: int = 256,
+        tokenizer: str | None = None,
+        vocab_size: int = 4096,
+        seed: int = 0,
+        cache_dir: str = "~/.cache/plait",
+        global_batch_size: int = 32,
     ) -> None:
         super().__init__()
         self.seq_len, self.tokenizer_path, self.vocab_size, self.seed = seq_len, tokenizer, vocab_size, seed

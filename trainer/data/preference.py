@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from trainer.data import encode
-from trainer.data.base import DataError, DataModule, named_source_problems
+from trainer.data.base import DataError, DataModule, Settings, named_source_problems
 from trainer.data.cache import fingerprint
 from trainer.data.loader import RowBatches
 from trainer.data.sampler import GlobalBatchSampler
@@ -60,14 +60,11 @@ class PreferenceDataModule(DataModule):
         sources: name -> ``{source, limit, val_size}``; ``source`` is ``dpo_en``, ``champ``,
             ``copy``, ``addition`` or a ``.jsonl`` path; ``limit`` caps the training pairs (a
             synthetic set generates that many, default 1000); ``val_size`` pairs are held out.
-        seq_len: tokens per row (prompt + response).
         max_prompt_len: tokens the prompt keeps at least when a pair is too long.
         template: "auto", "default" or "tokenizer" (as for SFT).
-        tokenizer: a ``tokenizer.json`` (use the base model's run's); None trains a BPE.
-        vocab_size: of the trained BPE.
-        seed: seeds splits, synthetic data and the shuffle.
-        cache_dir: tokenizers are cached here.
-        global_batch_size: pairs per optimizer step (set by the trainer).
+        **settings: ``seq_len`` (tokens per row: prompt + response), ``tokenizer`` (use the base
+            model's run's), ``vocab_size``, ``seed`` (splits, synthetic data, the shuffle),
+            ``cache_dir``, ``global_batch_size`` (pairs per step) (`DataModule`).
 
     Raises:
         DataError: a problem of `config_problems`.
@@ -77,20 +74,12 @@ class PreferenceDataModule(DataModule):
         self,
         *,
         sources: dict[str, dict[str, Any]],
-        seq_len: int = 256,
         max_prompt_len: int = 128,
         template: str = "auto",
-        tokenizer: str | None = None,
-        vocab_size: int = 4096,
-        seed: int = 0,
-        cache_dir: str = "~/.cache/plait",
-        global_batch_size: int = 32,
+        **settings: Unpack[Settings],
     ) -> None:
-        super().__init__(
-            seq_len=seq_len, tokenizer=tokenizer, vocab_size=vocab_size, seed=seed, cache_dir=cache_dir,
-            global_batch_size=global_batch_size,
-        )  # fmt: skip
-        node = {"sources": sources, "template": template, "seq_len": seq_len, "max_prompt_len": max_prompt_len}
+        super().__init__(**settings)
+        node = {"sources": sources, "template": template, "seq_len": self.seq_len, "max_prompt_len": max_prompt_len}
         if problems := self.config_problems(node):
             raise DataError("; ".join(problems))
         self.sources: dict[str, Source] = {name: PAIRS.parse(name, dict(n or {})) for name, n in sources.items()}

@@ -29,9 +29,10 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor
+from typing_extensions import Unpack
 
 from trainer.data import encode
-from trainer.data.base import DataError, DataModule, named_source_problems
+from trainer.data.base import DataError, DataModule, Settings, named_source_problems
 from trainer.data.cache import cached, fingerprint
 from trainer.data.chat import JinjaTemplate, Message, default_segments, prompt_text
 from trainer.data.loader import PackedBatches
@@ -82,16 +83,12 @@ class SFTDataModule(DataModule):
 
     Args:
         sources: name -> source fields (see module docstring); the order numbers the sources.
-        seq_len: tokens per packed row.
         template: "auto" (the tokenizer's chat template if it has one, else the default),
-            "default" or "tokenizer".
-        tokenizer: a ``tokenizer.json`` (its ``tokenizer_config.json`` may hold a chat template);
-            None trains a byte-level BPE on the training conversations.
-        vocab_size: of the trained BPE.
+            "default" or "tokenizer" (a ``tokenizer_config.json`` beside ``data.tokenizer``).
         long_samples: policy for samples longer than ``seq_len``: split, truncate, drop, error.
-        seed: seeds splits, synthetic data and the mixture's permutations.
-        cache_dir: tokenizers and tokenized samples are cached here.
-        global_batch_size: rows per optimizer step (set by the trainer).
+        **settings: ``seq_len`` (tokens per packed row), ``tokenizer``, ``vocab_size``, ``seed``
+            (splits, synthetic data, the mixture's permutations), ``cache_dir``,
+            ``global_batch_size`` (`DataModule`).
 
     Raises:
         DataError: a problem of `config_problems`.
@@ -101,19 +98,11 @@ class SFTDataModule(DataModule):
         self,
         *,
         sources: dict[str, dict[str, Any]],
-        seq_len: int = 256,
         template: str = "auto",
-        tokenizer: str | None = None,
-        vocab_size: int = 4096,
         long_samples: str = "split",
-        seed: int = 0,
-        cache_dir: str = "~/.cache/plait",
-        global_batch_size: int = 32,
+        **settings: Unpack[Settings],
     ) -> None:
-        super().__init__(
-            seq_len=seq_len, tokenizer=tokenizer, vocab_size=vocab_size, seed=seed, cache_dir=cache_dir,
-            global_batch_size=global_batch_size,
-        )  # fmt: skip
+        super().__init__(**settings)
         problems = self.config_problems({"sources": sources, "template": template, "long_samples": long_samples})
         if problems:
             raise DataError("; ".join(problems))

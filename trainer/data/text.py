@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch import Tensor
+from typing_extensions import Unpack
 
 from trainer.data import corpus, encode
-from trainer.data.base import DataError, DataModule
+from trainer.data.base import DataError, DataModule, Settings
 from trainer.data.cache import cached, fingerprint
 from trainer.data.loader import RowBatches
 from trainer.data.packing import PackedRows, pack
@@ -39,16 +40,12 @@ class TextDataModule(DataModule):
         sources: bundled corpora ("shakespeare", "kjv") used when ``path`` is None.
         path: the user's .txt/.jsonl files or directories (one path or a list); replaces ``sources``.
         text_key: field of a jsonl record holding the text.
-        seq_len: tokens per packed row.
-        tokenizer: path of a ``tokenizer.json`` to use; None trains a byte-level BPE on the corpus.
-        vocab_size: vocabulary of the trained BPE.
         val_fraction: fraction of documents held out for validation.
         eval_rows: validation rows evaluated (the first ones of the held-out split).
         shuffle: shuffle training rows each epoch (seeded by seed and epoch).
-        seed: seed of the split and of the shuffle.
         drop_last: drop the final partial global batch of each epoch.
-        cache_dir: where tokenizers and packed rows are cached.
-        global_batch_size: rows per optimizer step over all dp ranks (set by the trainer).
+        **settings: ``seq_len`` (tokens per packed row), ``tokenizer``, ``vocab_size``, ``seed``
+            (of the split and the shuffle), ``cache_dir``, ``global_batch_size`` (`DataModule`).
     """
 
     def __init__(
@@ -57,21 +54,13 @@ class TextDataModule(DataModule):
         sources: tuple[str, ...] | list[str] = ("shakespeare", "kjv"),
         path: str | list[str] | None = None,
         text_key: str = "text",
-        seq_len: int = 256,
-        tokenizer: str | None = None,
-        vocab_size: int = 4096,
         val_fraction: float = 0.02,
         eval_rows: int = 64,
         shuffle: bool = True,
-        seed: int = 0,
         drop_last: bool = True,
-        cache_dir: str = "~/.cache/plait",
-        global_batch_size: int = 32,
+        **settings: Unpack[Settings],
     ) -> None:
-        super().__init__(
-            seq_len=seq_len, tokenizer=tokenizer, vocab_size=vocab_size, seed=seed, cache_dir=cache_dir,
-            global_batch_size=global_batch_size,
-        )  # fmt: skip
+        super().__init__(**settings)
         self.sources = list(sources)
         self.paths = [path] if isinstance(path, str) else (list(path) if path else [])
         self.text_key = text_key
