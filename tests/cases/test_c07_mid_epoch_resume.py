@@ -6,8 +6,8 @@ Checkpoint after 4 batches, kill the run, resume.
 Expected: the resumed run processes exactly ``order[4:10]`` (6 batches) and then starts epoch 2;
 every sample is seen once per epoch and ``global_step`` continues from 4.
 
-Both loaders are checked: pretraining's `StatefulLoader` (10 rows, epoch = one permutation) and
-the SFT `MixtureLoader` (one source of 10 single-row conversations, ``max_epochs=2``: epoch k of
+Both batch streams of the one loader are checked: pretraining's fixed rows (10 rows, epoch = one permutation) and
+the SFT mixture packed on the fly (one source of 10 single-row conversations, ``max_epochs=2``: epoch k of
 the source is a permutation of its 10 samples; the run ends when the budget is spent).
 """
 
