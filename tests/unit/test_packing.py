@@ -159,8 +159,10 @@ def test_pack_documents_is_fast():
     """The default corpus is ~2.7 M tokens in ~2,000 documents; packing must not loop per token."""
     rng = np.random.default_rng(0)
     docs = [rng.integers(2, 4096, size=n).tolist() for n in rng.integers(200, 2500, size=2000)]
-    start = time.perf_counter()
-    rows = pack_documents(docs, seq_len=256, pad_id=1, eos_id=0)
-    elapsed = time.perf_counter() - start
+    elapsed = []
+    for _ in range(3):  # the best of three: a shared machine's stalls are not the packer's
+        start = time.perf_counter()
+        rows = pack_documents(docs, seq_len=256, pad_id=1, eos_id=0)
+        elapsed.append(time.perf_counter() - start)
     assert rows.num_supervised_tokens() == sum(map(len, docs))
-    assert elapsed < 2.0, f"pack_documents took {elapsed:.2f}s for {rows.num_supervised_tokens()} tokens"
+    assert min(elapsed) < 2.0, f"pack_documents took {min(elapsed):.2f}s for {rows.num_supervised_tokens()} tokens"

@@ -14,6 +14,7 @@ Samples then go to the packer (trainer.data.packing); pairs are laid out one res
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,13 +38,19 @@ def documents(tokenizer: Tokenizer, texts: Sequence[str]) -> list[Sample]:
 
 def document_samples(token_docs: Sequence[Sequence[int]], *, eos_id: int) -> list[Sample]:
     """Document ``d`` becomes ``d + [eos]`` with labels ``d[1:] + [eos, -100]``: the last text
-    token predicts EOS and the EOS position predicts nothing. Empty documents are left out."""
-    out: list[Sample] = []
-    for tokens in token_docs:
-        if len(tokens):
-            ids = np.append(np.asarray(tokens, dtype=np.int64), eos_id)
-            out.append((ids, np.append(ids[1:], IGNORE_INDEX)))
-    return out
+    token predicts EOS and the EOS position predicts nothing. Empty documents are left out.
+    Built as one stream (views of it per document): no per-token Python."""
+    lengths = np.fromiter((len(d) for d in token_docs), dtype=np.int64, count=len(token_docs))
+    tokens = np.fromiter(itertools.chain.from_iterable(token_docs), dtype=np.int64, count=int(lengths.sum()))
+    ends = np.cumsum(lengths[lengths > 0] + 1)  # one past each EOS
+    is_eos = np.zeros(int(ends[-1]) if len(ends) else 0, dtype=bool)
+    is_eos[ends - 1] = True
+    ids = np.empty(is_eos.shape[0], dtype=np.int64)
+    ids[is_eos], ids[~is_eos] = eos_id, tokens
+    labels = np.empty_like(ids)
+    labels[:-1] = ids[1:]
+    labels[is_eos] = IGNORE_INDEX
+    return list(zip(np.split(ids, ends[:-1]), np.split(labels, ends[:-1]))) if len(ends) else []
 
 
 def labels_from_mask(input_ids: Sequence[int], supervised: Sequence[bool]) -> list[int]:

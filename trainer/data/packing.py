@@ -192,22 +192,31 @@ class Packer:
 
 def rows_to_tensors(rows: list[list[Piece]], *, num_rows: int, seq_len: int, pad_id: int) -> dict[str, Tensor]:
     """``[num_rows, seq_len]`` int64 tensors (`ROW_KEYS`) of packed rows; rows beyond ``rows`` are
-    all padding. The one place a row is laid out (see module docstring)."""
+    all padding. The one place a row is laid out (see module docstring); vectorised numpy, no
+    per-token Python (the default corpus, ~2.7 M tokens, in well under a second)."""
+    pieces = [(r, piece) for r, row in enumerate(rows) for piece in row]
+    count = len(pieces)
+    row_of = np.fromiter((r for r, _ in pieces), dtype=np.int64, count=count)
+    lengths = np.fromiter((len(p[1]) for _, p in pieces), dtype=np.int64, count=count)
+    starts = np.cumsum(lengths) - lengths  # of each piece in the concatenated stream
+    first = np.searchsorted(row_of, row_of, side="left")  # the first piece of each piece's row
+    doc, col = np.arange(count) - first, starts - starts[first]
+    fill = np.bincount(row_of, weights=lengths, minlength=num_rows).astype(np.int64)
+    # All-pad rows first: the pad tail of row r is one more document, positions 0, 1, ...
     input_ids = np.full((num_rows, seq_len), pad_id, dtype=np.int64)
     labels = np.full((num_rows, seq_len), IGNORE_INDEX, dtype=np.int64)
-    position_ids = np.tile(np.arange(seq_len, dtype=np.int64), (num_rows, 1))
-    document_ids = np.zeros((num_rows, seq_len), dtype=np.int64)
+    position_ids = np.arange(seq_len, dtype=np.int64)[None, :] - fill[:, None]
+    document_ids = np.repeat(np.bincount(row_of, minlength=num_rows)[:, None], seq_len, axis=1)
     source_ids = np.full((num_rows, seq_len), -1, dtype=np.int64)
-    for r, pieces in enumerate(rows):
-        col = 0
-        for doc, (source, ids, labs) in enumerate(pieces):
-            n = len(ids)
-            input_ids[r, col : col + n], labels[r, col : col + n] = ids, labs
-            position_ids[r, col : col + n] = np.arange(n)
-            document_ids[r, col : col + n], source_ids[r, col : col + n] = doc, source
-            col += n
-        position_ids[r, col:] = np.arange(seq_len - col)
-        document_ids[r, col:] = len(pieces)
+    # Token k of piece i goes to flat index row_i * S + col_i + k.
+    total = int(lengths.sum())
+    offset = np.arange(total) - np.repeat(starts, lengths)
+    flat = np.repeat(row_of * seq_len + col, lengths) + offset
+    concat = (lambda k: np.concatenate([p[k] for _, p in pieces]).astype(np.int64)) if count else (lambda k: np.empty(0, np.int64))
+    input_ids.reshape(-1)[flat], labels.reshape(-1)[flat] = concat(1), concat(2)
+    position_ids.reshape(-1)[flat] = offset
+    document_ids.reshape(-1)[flat] = np.repeat(doc, lengths)
+    source_ids.reshape(-1)[flat] = np.repeat(np.fromiter((p[0] for _, p in pieces), dtype=np.int64, count=count), lengths)
     columns = (input_ids, labels, position_ids, document_ids, source_ids)
     return {k: torch.from_numpy(v) for k, v in zip(ROW_KEYS, columns)}
 
