@@ -144,37 +144,9 @@ class PreferenceDataModule(DataModule):
         self._filled = getattr(self, "_filled", set()) | {split}
         self.reference_ready = self._filled >= set(SPLITS)
 
-    @torch.no_grad()
     def prepass(self, task: Any) -> None:
-        """Scores every train and validation pair with the initial policy (the reference model).
-
-        Called by the Task before the first optimizer step, on every rank; no-op for reference-free
-        objectives and once the table is filled (or restored from a checkpoint).
-        """
-        if not getattr(task.objective, "needs_reference", False) or self.reference_ready:
-            return
-        strategy = task.trainer.strategy
-        dp = strategy.distributed_sampler_kwargs
-        was_training = task.model.training
-        task.model.eval()
-        for part in SPLITS:
-            rows = self.pairs(part)
-            num = rows["input_ids"].shape[0]
-            per_rank = -(-num // dp["num_replicas"])
-            mine = range(dp["rank"] * per_rank, min(num, (dp["rank"] + 1) * per_rank))
-            table = torch.zeros(num, 2, device=task.device)
-            step = max(1, task.micro_batch_size)
-            # Equal forwards on every rank (FSDP gathers parameters collectively): a short rank repeats a row.
-            for start in range(0, per_rank, step):
-                idx = [mine[min(j, len(mine) - 1)] if len(mine) else 0 for j in range(start, min(per_rank, start + step))]
-                batch = {k: v[idx].to(task.device) for k, v in rows.items()}
-                with task.trainer.precision_plugin.forward_context(), strategy.loss_context():
-                    logps, _ = task.objective.sequence_logps_of(task.model, batch)
-                valid = [j for j, i in enumerate(idx) if start + j < len(mine)]
-                table[[idx[j] for j in valid]] = logps[valid].float()
-            strategy.all_reduce_sum(table, "dp")
-            self.set_reference(part, table.cpu())
-        task.model.train(was_training)
+        """The objective's `before_fit` (until the Task calls it itself)."""
+        task.objective.before_fit(task)
 
     @override
     def state_dict(self) -> dict[str, Any]:

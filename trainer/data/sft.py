@@ -26,7 +26,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 from typing_extensions import Unpack
@@ -40,6 +39,7 @@ from trainer.data.mixture import Mixture, SourceSamples, SourceSpec
 from trainer.data.packing import LONG_SAMPLES, Packer, fit_long_samples, rows_to_tensors
 from trainer.data.sources import CONVERSATIONS, SOURCE_FIELDS, Source, as_int
 from trainer.data.tokenizer import Tokenizer
+from trainer.evaluators.exact_match import ExactMatch, GenerationSet
 
 FIELDS = (*SOURCE_FIELDS, "weight", "max_tokens", "max_epochs", "metric")
 METRICS = ("loss", "exact_match")
@@ -69,13 +69,13 @@ def parse_source(name: str, node: Mapping[str, Any]) -> tuple[Source, str, Sourc
 @dataclass
 class PreparedSFT:
     """The prepared data: tokenizer, chat template (None: default), tokenized samples per source
-    and the exact-match prompts of the sources scored that way."""
+    and the held-out prompts of the sources scored by exact match."""
 
     tokenizer: Tokenizer
     template: JinjaTemplate | None
     train: dict[str, SourceSamples]
     val: dict[str, SourceSamples]
-    prompts: dict[str, dict[str, list]]
+    prompts: dict[str, GenerationSet]
 
 
 class SFTDataModule(DataModule):
@@ -160,7 +160,7 @@ class SFTDataModule(DataModule):
             self.dropped[name] = dropped
         return SourceSamples([ids for ids, _ in kept], [labels for _, labels in kept])
 
-    def _generation_set(self, val: list[list[Message]], tokenizer: Tokenizer, template: JinjaTemplate | None) -> dict[str, list]:
+    def _generation_set(self, val: list[list[Message]], tokenizer: Tokenizer, template: JinjaTemplate | None) -> GenerationSet:
         prompts, answers = [], []
         for messages in val:
             if messages[-1]["role"] != "assistant":
@@ -168,7 +168,7 @@ class SFTDataModule(DataModule):
             text = prompt_text(messages[:-1]) if template is None else template.render(messages[:-1], add_generation_prompt=True)
             prompts.append(tokenizer.encode(text))
             answers.append(messages[-1]["content"].strip())
-        return {"prompts": prompts, "answers": answers}
+        return GenerationSet(prompts, answers)
 
     # ------------------------------------------------------------------------------ loaders
     def _packer(self, samples: dict[str, SourceSamples], specs: dict[str, SourceSpec]) -> Packer:
@@ -196,20 +196,11 @@ class SFTDataModule(DataModule):
             rows.append(row)
         return rows_to_tensors(rows, num_rows=len(rows), seq_len=self.seq_len, pad_id=self.tokenizer.pad_id)
 
-    @torch.no_grad()
+    def evaluators(self) -> list[ExactMatch]:
+        """Greedy-decoding exact match of the sources with ``metric: exact_match`` ([] without any)."""
+        prepared = self.prepare()
+        return [ExactMatch(prepared.prompts, prepared.tokenizer)] if prepared.prompts else []
+
     def eval_metrics(self, model: torch.nn.Module, device: torch.device) -> dict[str, float]:
-        """Held-out exact match of the sources with ``metric: exact_match`` (``val/exact_match/<source>``).
-
-        Every rank decodes every prompt (identical results; FSDP needs every rank in each forward)."""
-        from trainer.generate import greedy_batch
-
-        out = {}
-        for name, gen in self.prepare().prompts.items():
-            if not gen["prompts"]:
-                continue
-            tokenizer = self.tokenizer
-            longest = max(len(tokenizer.encode(a)) for a in gen["answers"]) + 2
-            new = greedy_batch(model, gen["prompts"], max_new_tokens=longest, eos_id=tokenizer.eos_id, device=device)
-            hits = [tokenizer.decode(ids).strip() == answer for ids, answer in zip(new, gen["answers"])]
-            out[f"val/exact_match/{name}"] = float(np.mean(hits))
-        return out
+        """The `evaluators`' scores (until the Task asks for the evaluators itself)."""
+        return {k: v for evaluator in self.evaluators() for k, v in evaluator.evaluate(model, device).items()}

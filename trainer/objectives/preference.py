@@ -3,8 +3,9 @@
 A batch holds pairs (trainer.data.preference): ``input_ids``, ``labels``, ``position_ids`` and
 ``document_ids`` are ``[P, 2, T]`` (index 0 of dim 1 = chosen, 1 = rejected; both rows start with
 the same prompt tokens) and, for the objectives with a reference model, ``ref_logps`` is ``[P, 2]``
-(the summed reference log-probs of the two responses, stored by the data module's pre-pass with
-the initial policy). Labels are pre-shifted and -100 everywhere but on response tokens, so a
+(the summed reference log-probs of the two responses: `PreferenceObjective.before_fit` scores
+every pair with the initial policy once, before the first step, and the data module keeps the
+table). Labels are pre-shifted and -100 everywhere but on response tokens, so a
 sequence log-prob is a sum over response tokens only (case C24).
 
 The Task divides ``loss_sum`` by the step's global ``num_tokens``; here that count is **pairs**
@@ -159,12 +160,43 @@ def orpo_loss(
     return -avg_c + lam * ratio_loss, lam * avg_c, lam * avg_r
 
 
+def reference_logps(task: Any, rows: dict[str, torch.Tensor], score: Any) -> torch.Tensor:
+    """``[N, 2]`` summed log-probs of the ``[N, 2, T]`` pairs ``rows`` under ``task.model``, on CPU.
+
+    Each dp rank scores its contiguous share in micro-batches of ``task.micro_batch_size`` pairs
+    and one all-reduce over dp gives every rank the whole table. Every rank runs the same number
+    of forwards (FSDP gathers parameters collectively): a short rank repeats its last pair and
+    drops the repeat.
+
+    Args:
+        task: the Task (its model, device, micro-batch size, trainer's strategy and precision).
+        rows: key -> ``[N, 2, T]`` tensor.
+        score: ``(model, batch) -> (logps [P, 2], tokens [P, 2])``.
+    """
+    strategy = task.trainer.strategy
+    dp = strategy.distributed_sampler_kwargs
+    num = rows["input_ids"].shape[0]
+    per_rank = -(-num // dp["num_replicas"])
+    mine = range(dp["rank"] * per_rank, min(num, (dp["rank"] + 1) * per_rank))
+    table = torch.zeros(num, 2, device=task.device)
+    step = max(1, task.micro_batch_size)
+    for start in range(0, per_rank, step):
+        idx = [mine[min(j, len(mine) - 1)] if len(mine) else 0 for j in range(start, min(per_rank, start + step))]
+        batch = {k: v[idx].to(task.device) for k, v in rows.items()}
+        with task.trainer.precision_plugin.forward_context(), strategy.loss_context():
+            logps, _ = score(task.model, batch)
+        valid = [j for j, i in enumerate(idx) if start + j < len(mine)]
+        table[[idx[j] for j in valid]] = logps[valid].float()
+    strategy.all_reduce_sum(table, "dp")
+    return table.cpu()
+
+
 class PreferenceObjective:
     """Base of the preference objectives: one forward of the chosen and rejected rows together.
 
     Subclasses set ``needs_reference`` and implement ``pair_losses``. The Task calls
-    ``num_tokens`` (pairs), ``loss_sum`` and ``pop_metric_sums``; the data module's reference
-    pre-pass calls ``sequence_logps_of`` when ``needs_reference``.
+    ``before_fit`` (the reference pre-pass, when ``needs_reference``), ``num_tokens`` (pairs),
+    ``loss_sum`` and ``pop_metric_sums``.
     """
 
     needs_reference = True
@@ -188,6 +220,25 @@ class PreferenceObjective:
             problems.append("objective.loss_chunk_tokens is not used by preference objectives; remove it")
         return problems
 
+    @torch.no_grad()
+    def before_fit(self, task: Any) -> None:
+        """Reference log-probs of every train and validation pair, scored with the initial policy
+        (which *is* the reference model before the first step), handed to the data module.
+
+        Rather than a second, frozen copy of the model sharded like the policy, training then
+        holds one model (FSDP and TP included) and the reference costs one forward per pair, once.
+        Every rank calls it; a no-op for reference-free objectives and once the data module holds
+        the tables (a restored run keeps its own).
+        """
+        data = task.trainer.datamodule
+        if not self.needs_reference or data.reference_ready:
+            return
+        was_training = task.model.training
+        task.model.eval()
+        for split in ("train", "val"):
+            data.set_reference(split, reference_logps(task, data.pairs(split), self.sequence_logps_of))
+        task.model.train(was_training)
+
     def num_tokens(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Pairs in ``batch`` (0-dim fp32): the unit every pair loss is averaged over."""
         return torch.tensor(float(batch["input_ids"].shape[0]), device=batch["input_ids"].device)
@@ -209,8 +260,8 @@ class PreferenceObjective:
         """Summed pair loss of ``batch`` (0-dim fp32); also adds the pairs' reward metrics to the sums.
 
         Raises:
-            KeyError: a reference-based objective got a batch without ``ref_logps`` (the data
-                module's pre-pass did not run).
+            KeyError: a reference-based objective got a batch without ``ref_logps`` (``before_fit``
+                did not run).
         """
         logps, tokens = self.sequence_logps_of(model, batch)
         ref = batch["ref_logps"].to(logps.dtype) if self.needs_reference else None

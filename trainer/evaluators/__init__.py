@@ -1,0 +1,1 @@
+"""Evaluators: scores of a model on held-out data beyond the loss (the Task calls `evaluate`)."""

@@ -1,0 +1,54 @@
+"""Held-out exact match by greedy decoding, an evaluator: ``val/exact_match/<source>``.
+
+A data module hands over, per source scored this way (SFT ``metric: exact_match``), the held-out
+prompts (token ids, rendered by the run's chat template up to the assistant's turn) and the
+expected answers (text). The model continues every prompt greedily for at most the longest
+answer's tokens + 2 (trainer.generate.greedy_batch); a prompt scores 1 when its continuation,
+decoded and stripped, equals the answer. The Task calls `evaluate` on every rank, in eval mode,
+with no gradient: every rank decodes every prompt (identical results; FSDP needs every rank in
+each forward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from trainer.data.tokenizer import Tokenizer
+from trainer.generate import greedy_batch
+
+
+@dataclass(frozen=True)
+class GenerationSet:
+    """Held-out prompts of one source (token ids) and their expected answers (text)."""
+
+    prompts: list[list[int]]
+    answers: list[str]
+
+
+class ExactMatch:
+    """Exact match of greedy continuations, per source (see module docstring).
+
+    Args:
+        sets: source name -> its held-out prompts and answers.
+        tokenizer: decodes the continuations and measures the answers.
+    """
+
+    def __init__(self, sets: dict[str, GenerationSet], tokenizer: Tokenizer) -> None:
+        self.sets, self.tokenizer = sets, tokenizer
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, device: torch.device) -> dict[str, float]:
+        """``{"val/exact_match/<source>": fraction of prompts answered exactly}`` (sources
+        without prompts are left out)."""
+        out = {}
+        for name, gen in self.sets.items():
+            if not gen.prompts:
+                continue
+            longest = max(len(self.tokenizer.encode(a)) for a in gen.answers) + 2
+            new = greedy_batch(model, gen.prompts, max_new_tokens=longest, eos_id=self.tokenizer.eos_id, device=device)
+            hits = [self.tokenizer.decode(ids).strip() == answer for ids, answer in zip(new, gen.answers)]
+            out[f"val/exact_match/{name}"] = sum(hits) / len(hits)
+        return out
