@@ -1,4 +1,4 @@
-"""Cache keys and atomic cache files, shared by the data modules and the tokenizer.
+"""Cache keys, seeded digests and atomic cache files, shared by the data modules and the tokenizer.
 
 Every rank of a run prepares the same data; the first to finish fills the cache. Files are
 written to a temporary name in the same directory and renamed into place (``os.replace`` is
@@ -18,6 +18,12 @@ from typing import Any, TypeVar
 import torch
 
 T = TypeVar("T")
+
+
+def digest(*parts: object) -> bytes:
+    """sha256 of ``parts`` joined by NUL: the seed of a deterministic draw (a split, a shuffle, a
+    synthetic set), the same in every process and on every rank."""
+    return hashlib.sha256("\0".join(str(p) for p in parts).encode()).digest()
 
 
 def fingerprint(*parts: str) -> str:

@@ -17,7 +17,6 @@ and read directly; the packages themselves are never imported.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import re
@@ -26,6 +25,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from trainer.data.cache import digest, fingerprint
 
 EOT_SEPARATOR = "<|endoftext|>"
 """A line holding only this string separates documents inside a ``.txt`` file."""
@@ -313,8 +314,7 @@ def _doc_keys(docs: Sequence[Document]) -> list[tuple[str, str, int]]:
 
 
 def _unit_hash(seed: int, key: tuple[str, str, int]) -> float:
-    digest = hashlib.sha256(f"{seed}\0{key[0]}\0{key[1]}\0{key[2]}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64
+    return int.from_bytes(digest(seed, *key)[:8], "big") / 2**64
 
 
 def split_train_val(
@@ -354,12 +354,6 @@ def split_train_val(
 
 
 def fingerprint_documents(docs: Sequence[Document]) -> str:
-    """sha256 over every document's source, title and text (16 hex chars): a cache key for
-    tokenizers and token caches trained on exactly these documents."""
-    h = hashlib.sha256()
-    for d in docs:
-        for part in (d.source, d.title, d.text):
-            b = part.encode("utf-8")
-            h.update(len(b).to_bytes(8, "little"))
-            h.update(b)
-    return h.hexdigest()[:16]
+    """A cache key (16 hex chars) of every document's source, title and text: for tokenizers and
+    packed rows built from exactly these documents."""
+    return fingerprint(*(d.source + "\0" + d.title + "\0" + d.text for d in docs))

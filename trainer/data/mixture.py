@@ -22,13 +22,13 @@ restored mixture (a removed source gets ``max_tokens`` = its consumed tokens).
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from trainer.data.cache import digest
 from trainer.data.packing import IGNORE_INDEX, Draw
 
 
@@ -79,8 +79,7 @@ class SourceSamples:
 
 
 def _permutation(seed: int, name: str, epoch: int, n: int) -> np.ndarray:
-    digest = hashlib.sha256(f"{seed}\0{name}\0{epoch}".encode()).digest()
-    return np.random.Generator(np.random.PCG64(int.from_bytes(digest[:8], "little"))).permutation(n)
+    return np.random.Generator(np.random.PCG64(int.from_bytes(digest(seed, name, epoch)[:8], "little"))).permutation(n)
 
 
 class Mixture:

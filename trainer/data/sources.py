@@ -18,13 +18,13 @@ Pretraining text is read by `trainer.data.corpus` (a list of bundled corpora or 
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from trainer.data import instructions, preference_sources, synthetic
 from trainer.data.base import DataError
+from trainer.data.cache import digest
 
 SYNTHETIC_SIZE = 1000  # training records a synthetic task generates without a limit
 SOURCE_FIELDS = ("source", "limit", "val_size")  # the fields every named source has
@@ -121,7 +121,7 @@ class Catalog:
 def hold_out(records: list, val_size: int, *, seed: int, name: str) -> tuple[list, list]:
     """``(train, val)``: the ``val_size`` records with the lowest sha256 of (seed, name, index) are
     held out (at most all but one); both keep the records' order."""
-    scores = [hashlib.sha256(f"{seed}\0{name}\0{i}".encode()).digest()[:8] for i in range(len(records))]
+    scores = [digest(seed, name, i)[:8] for i in range(len(records))]
     held = set(sorted(range(len(records)), key=scores.__getitem__)[: min(val_size, len(records) - 1)])
     return [r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held]
 

@@ -16,11 +16,11 @@ an example whose prompt appeared in an earlier split is drawn again.
 
 from __future__ import annotations
 
-import hashlib
 import random
 from collections.abc import Callable
 from typing import TypeVar
 
+from trainer.data.cache import digest
 from trainer.data.chat import Message
 
 Example = tuple[str, str]  # (prompt, answer)
@@ -52,8 +52,7 @@ SPLITS = ("train", "val", "test")
 
 
 def _rng(task: str, seed: int, split: str) -> random.Random:
-    digest = hashlib.sha256(f"{task}\0{seed}\0{split}".encode()).digest()
-    return random.Random(int.from_bytes(digest[:8], "big"))
+    return random.Random(int.from_bytes(digest(task, seed, split)[:8], "big"))
 
 
 def distinct_splits(

@@ -29,10 +29,6 @@ class PreparedData:
     val: PackedRows
 
 
-def _documents_fingerprint(documents: list[corpus.Document]) -> str:
-    return fingerprint(*(d.source + "\0" + d.title + "\0" + d.text for d in documents))
-
-
 class TextDataModule(DataModule):
     """Packed causal-LM rows from the bundled corpus or a user's text/jsonl files.
 
@@ -76,9 +72,9 @@ class TextDataModule(DataModule):
         documents = self._documents()
         train_docs, val_docs = corpus.split_train_val(documents, val_fraction=self.val_fraction, seed=self.seed)
         # Keyed by the documents it is trained on: another seed or val_fraction is another split.
-        tokenizer = self.load_tokenizer([d.text for d in train_docs], _documents_fingerprint(train_docs))
+        tokenizer = self.load_tokenizer([d.text for d in train_docs], corpus.fingerprint_documents(train_docs))
         key = fingerprint(
-            _documents_fingerprint(documents), tokenizer.fingerprint, str(self.seq_len), str(self.val_fraction), str(self.seed)
+            corpus.fingerprint_documents(documents), tokenizer.fingerprint, str(self.seq_len), str(self.val_fraction), str(self.seed)
         )
 
         def build() -> dict[str, dict[str, Tensor]]:

@@ -8,7 +8,6 @@ seconds. Any Hugging Face ``tokenizer.json`` loads through ``Tokenizer.from_file
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from trainer.data.cache import write_atomic
+from trainer.data.cache import digest, write_atomic
 
 DEFAULT_EOS = "<|endoftext|>"
 DEFAULT_PAD = "<|pad|>"
@@ -94,7 +93,7 @@ class Tokenizer:
     def fingerprint(self) -> str:
         """sha256 of the tokenizer JSON, 16 hex chars: changes whenever any id could change."""
         if self._fingerprint is None:
-            self._fingerprint = hashlib.sha256(self.to_str().encode("utf-8")).hexdigest()[:16]
+            self._fingerprint = digest(self.to_str()).hex()[:16]
         return self._fingerprint
 
     def __repr__(self) -> str:
@@ -161,7 +160,7 @@ def load_or_train(
     """
     if path is not None:
         return Tokenizer.from_file(path, eos_token=eos_token)
-    key = hashlib.sha256(f"{_RECIPE}\0{corpus_fingerprint}\0{vocab_size}\0{eos_token}".encode()).hexdigest()[:16]
+    key = digest(_RECIPE, corpus_fingerprint, vocab_size, eos_token).hex()[:16]
     cached = Path(cache_dir) / f"tokenizer-{key}.json"
     if cached.is_file():
         return Tokenizer.from_file(cached, eos_token=eos_token)
