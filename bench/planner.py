@@ -30,13 +30,12 @@ import tempfile
 from pathlib import Path
 
 from strategies.launch import LAUNCH_ENV
-from strategies.planner.calibrate import calibrate_cluster
-from strategies.planner.layout import layout_from_config, shape_from_config, workload_from_config
 from strategies.planner.memory import predict_rank
 from strategies.planner.time import predict_time
 from trainer.build import build_run
 from trainer.compose import compose
-from trainer.plan import cluster_from_config
+from trainer.config import validate
+from trainer.plan import calibrate, cluster_from_config, planner_inputs
 
 LAYOUTS = {
     "ddp2": ["strategy=ddp", "trainer.devices=2"],
@@ -74,10 +73,11 @@ def run_layout(name: str, overrides: list[str], args: argparse.Namespace, root: 
         "strategy.timeout_s=300", "+callbacks.mem._target_=strategies.planner.measure.MemoryProbe",
         "+callbacks.timer._target_=strategies.planner.measure.StepTimer", *overrides,
     ])  # fmt: skip
-    layout, work = layout_from_config(cfg), workload_from_config(cfg)
+    run = validate(cfg)
+    shape, layout, work = planner_inputs(cfg, run)
     assert cfg.callbacks.mem.num_microbatches == work.microbatches(layout)
     run_dir = root / name
-    trainer, task, data = build_run(cfg, run_dir, launcher="fork")
+    trainer, task, data = build_run(cfg, run_dir, run, launcher="fork")
     try:
         trainer.fit(task, datamodule=data)
     finally:
@@ -85,7 +85,7 @@ def run_layout(name: str, overrides: list[str], args: argparse.Namespace, root: 
             os.environ.pop(key, None)
     measured = [json.loads((run_dir / f"memory_rank{r}.json").read_text()) for r in range(layout.world_size)]
     times = json.loads((run_dir / "step_times.json").read_text())[2:]  # after warm-up
-    return {"cfg": cfg, "layout": layout, "work": work, "measured": measured, "step_s": min(times)}
+    return {"cfg": cfg, "shape": shape, "layout": layout, "work": work, "measured": measured, "step_s": min(times)}
 
 
 def main() -> None:
@@ -101,8 +101,8 @@ def main() -> None:
     results = {name: run_layout(name, overrides, args, root) for name, overrides in LAYOUTS.items()}
     first = next(iter(results.values()))
     # Calibrated once per world size: links between 4 ranks on fewer cores are not those of 2.
-    clusters = {r["layout"].world_size: calibrate_cluster(cluster_from_config(r["cfg"])) for r in results.values()}
-    shape = shape_from_config(first["cfg"])
+    clusters = {r["layout"].world_size: calibrate(cluster_from_config(r["cfg"])) for r in results.values()}
+    shape = first["shape"]
     mem_exact, act_err_max, predicted, measured = True, 0.0, [], []
     print(f"{'layout':<8} {'rank':>4} {'params':>10} {'grads':>10} {'optim':>10} {'act pred':>10} {'act meas':>10} {'err':>7}")
     for name, r in results.items():

@@ -15,10 +15,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+if TYPE_CHECKING:
+    from strategies.parallel_dims import Meshes
+    from strategies.resolved import ResolvedRun
+    from strategies.shape import ModelShape
 
 Mode = Literal["none", "full", "every_k"]
 MODES: tuple[str, ...] = get_args(Mode)
@@ -87,5 +92,10 @@ class ActivationCheckpoint:
     def __post_init__(self) -> None:
         _check(self.mode, self.every_k)  # at build time, before any process starts
 
-    def apply(self, model: nn.Module) -> list[str]:
+    def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
+        """None: the mode and k are checked on construction."""
+        return []
+
+    def apply(self, model: nn.Module, meshes: Meshes | None = None) -> list[str]:
+        """Checkpoints the chosen blocks of ``model``; returns their names."""
         return apply_activation_checkpointing(model, mode=self.mode, every_k=self.every_k)

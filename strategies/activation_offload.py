@@ -7,10 +7,16 @@ activations, not parameters, fill the device memory. On a CPU-only run it only a
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from strategies.parallel_dims import Meshes
+    from strategies.resolved import ResolvedRun
+    from strategies.shape import ModelShape
 
 
 def apply_activation_offload(model: nn.Module) -> int:
@@ -37,3 +43,22 @@ def apply_activation_offload(model: nn.Module) -> int:
         block.register_forward_pre_hook(enter)
         block.register_forward_hook(leave)
     return len(blocks)
+
+
+@dataclass
+class ActivationOffload:
+    """The activation-offload plugin (``strategy.activation_offload.enabled``).
+
+    Args:
+        enabled: keep the tensors each block saves for backward in CPU memory (`apply_activation_offload`).
+    """
+
+    enabled: bool = False
+
+    def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
+        """None: offloading fits every layout (on a CPU-only run it only adds a copy)."""
+        return []
+
+    def apply(self, model: nn.Module, meshes: Meshes | None = None) -> None:
+        if self.enabled:
+            apply_activation_offload(model)

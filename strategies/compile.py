@@ -10,8 +10,14 @@ compiles in place, so parameter names and checkpoints are the same as without co
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from strategies.parallel_dims import Meshes
+    from strategies.resolved import ResolvedRun
+    from strategies.shape import ModelShape
 
 
 def apply_compile(model: nn.Module, *, backend: str = "inductor", fullgraph: bool = False) -> None:
@@ -41,6 +47,10 @@ class Compile:
     backend: str = "inductor"
     fullgraph: bool = False
 
-    def apply(self, model: nn.Module) -> None:
+    def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
+        """None: a backend that does not exist fails at the first step, with torch's message."""
+        return []
+
+    def apply(self, model: nn.Module, meshes: Meshes | None = None) -> None:
         if self.enabled:
             apply_compile(model, backend=self.backend, fullgraph=self.fullgraph)

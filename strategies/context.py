@@ -25,14 +25,18 @@ links are fastest on a real cluster).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from strategies.parallel_dims import divisors
+from strategies.parallel_dims import Meshes, divisors
 from strategies.ring_attention import Ring, RingMasks, ring_attention
+
+if TYPE_CHECKING:
+    from strategies.resolved import ResolvedRun
+    from strategies.shape import ModelShape
 
 CPMode = Literal["ring", "ulysses", "hybrid"]
 CP_MODES: tuple[str, ...] = get_args(CPMode)
@@ -294,8 +298,8 @@ class ContextParallel:
         ulysses_degree: ranks per head group in ``hybrid`` mode (ignored by ring and ulysses).
         load_balance: zigzag sharding (even causal work per rank) instead of contiguous shards.
         kv_chunk: keys per score block in ring attention (0: whole blocks); lowers peak memory.
-        activation_offload: keep the tensors saved for backward in CPU memory
-            (``torch.autograd.graph.save_on_cpu``, per block); for accelerators, a copy on CPU runs.
+        activation_offload: an alias of ``strategy.activation_offload.enabled`` (the
+            `strategies.activation_offload.ActivationOffload` plugin), kept for existing command lines.
     """
 
     ulysses_degree: int = 2
@@ -310,16 +314,32 @@ class ContextParallel:
                 f"{self.ulysses_degree} and {self.kv_chunk}"
             )
 
-    def apply(self, model: nn.Module, *, mode: str, cp_ranks: list[list[int]]) -> None:
-        """Context-parallel attention over the cp groups ``cp_ranks`` (skipped when cp is 1), then offload."""
-        cp = len(cp_ranks[0])
-        if cp > 1:
-            layout = build_cp_layout(cp_ranks, ulysses_degree=ulysses_degree_for(mode, cp, self.ulysses_degree))
-            apply_context_parallel(model, layout=layout, load_balance=self.load_balance, kv_chunk=self.kv_chunk)
-        if self.activation_offload:
-            from strategies.activation_offload import apply_activation_offload
+    def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
+        """The sequence length against the shards `shard_positions` cuts (2 cp with load balancing,
+        else cp), and the mode against the model's heads (`context_parallel_problems`)."""
+        cp = run.dims.cp
+        if cp <= 1:
+            return []
+        problems = []
+        parts = 2 * cp if self.load_balance else cp
+        if run.seq_len % parts:
+            why = f"2*cp={parts} (load-balanced ring attention)" if self.load_balance else f"cp={parts}"
+            problems.append(
+                f"data.seq_len={run.seq_len} is not divisible by {why}; use a seq_len that is a multiple of {parts}"
+            )
+        if shape is not None:
+            problems += context_parallel_problems(
+                mode=run.cp_mode, cp=cp, tp=run.dims.tp, ulysses_degree=self.ulysses_degree,
+                n_heads=shape.n_heads, n_kv_heads=shape.n_kv_heads,
+            )  # fmt: skip
+        return problems
 
-            apply_activation_offload(model)
+    def apply(self, model: nn.Module, meshes: Meshes) -> None:
+        """Context-parallel attention over the cp groups of ``meshes`` (in ``meshes.cp_mode``)."""
+        cp_ranks = meshes.cp_ranks()
+        cp = len(cp_ranks[0])
+        layout = build_cp_layout(cp_ranks, ulysses_degree=ulysses_degree_for(meshes.cp_mode, cp, self.ulysses_degree))
+        apply_context_parallel(model, layout=layout, load_balance=self.load_balance, kv_chunk=self.kv_chunk)
 
     def shard_batch(self, batch: dict[str, torch.Tensor], *, cp: int, rank: int) -> dict[str, torch.Tensor]:
         return shard_batch(batch, cp=cp, rank=rank, load_balance=self.load_balance)

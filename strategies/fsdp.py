@@ -9,11 +9,18 @@ path and checkpoint format as every other layout.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from strategies.parallel_dims import Meshes
+
+if TYPE_CHECKING:
+    from strategies.resolved import ResolvedRun
+    from strategies.shape import ModelShape
 
 _DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -30,7 +37,7 @@ def apply_fsdp(
     """Shards every block in ``model.layers`` and then the root, in place.
 
     Gradients are *summed* over ``dp_mesh`` rather than averaged: the Task divides each
-    micro-batch's summed token loss by the global supervised-token count (DESIGN section 4), so an
+    micro-batch's summed token loss by the global supervised-token count (`trainer.task.Task`, step 2), so an
     average would divide by the dp degree a second time (case C02). Sum reduction also avoids
     ``ReduceOp.PREMUL_SUM``, which gloo lacks.
 
@@ -86,10 +93,15 @@ class FSDP:
                     f"{', '.join(str(k) for k in _DTYPES)}"
                 )
 
-    def apply(self, model: nn.Module, dp_mesh: DeviceMesh) -> None:
+    def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
+        """None: every layout FSDP is applied to can be sharded (the dtypes are checked on construction)."""
+        return []
+
+    def apply(self, model: nn.Module, meshes: Meshes) -> None:
+        """Shards ``model`` (the whole model, or one pipeline stage) over ``meshes.fsdp``."""
         apply_fsdp(
             model,
-            dp_mesh=dp_mesh,
+            dp_mesh=meshes.fsdp,
             param_dtype=_DTYPES[self.param_dtype],
             reduce_dtype=_DTYPES[self.reduce_dtype],
             reshard_after_forward=self.reshard_after_forward,

@@ -16,7 +16,7 @@ def run_gloo_ranks(world_size: int, fn: Callable[[int], Any], *, timeout_s: floa
 
     For tests of collectives below the trainer (no Lightning). Each rank reports its result (or
     its traceback) through a queue before it exits, and leaves with ``os._exit`` after
-    ``destroy_process_group`` (gloo's rare abort at interpreter exit, research/cpu_feasibility.md).
+    ``destroy_process_group`` (about 1 in 30 gloo processes aborts at interpreter exit on torch 2.13 CPU).
 
     Raises:
         RuntimeError: a rank failed (its traceback is in the message) or did not finish in time.

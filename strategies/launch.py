@@ -1,7 +1,7 @@
 """Process launchers: one Hydra job per launch from the CLI, and fork for tests.
 
 Lightning's subprocess launcher re-runs ``sys.argv`` in each child. Under Hydra that breaks two
-ways (research/lightning_prototypes.md, section 3): a child of a ``--multirun`` parent runs the
+ways: a child of a ``--multirun`` parent runs the
 whole sweep again, and a child computes its own timestamped run directory. `HydraJobLauncher`
 starts each child for *this* job only: the config selection, this job's resolved overrides and the
 parent's run directory. `ForkLauncher` runs ranks as forked processes inside pytest without

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -27,16 +27,34 @@ from typing_extensions import override
 
 from strategies import checkpoint as ckpt
 from strategies.activation_checkpoint import ActivationCheckpoint
+from strategies.activation_offload import ActivationOffload
 from strategies.compile import Compile
 from strategies.context import ContextParallel, CPMode
 from strategies.fsdp import FSDP
 from strategies.grad_norm import clip_grads_, global_grad_norm
 from strategies.launch import ForkLauncher, HydraJobLauncher
 from strategies.local_sgd import LocalSGD
-from strategies.parallel_dims import LayoutError, ParallelDims
+from strategies.parallel_dims import LayoutError, Meshes, ParallelDims
 from strategies.pipeline import PipelineParallel
 from strategies.pipeline_layout import PPSchedule
+from strategies.resolved import ResolvedRun
+from strategies.shape import ModelShape
 from strategies.tensor import TensorParallel
+
+
+@runtime_checkable
+class Plugin(Protocol):
+    """What every technique plugin implements (FSDP, TP, CP, activation offload, AC, compile, PP,
+    local SGD, and the ones you add): its problems for a run, found before any process starts, and
+    its application to the model on the run's mesh."""
+
+    def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
+        """Messages (each naming the fix) of what in ``run`` / ``shape`` this plugin cannot run; [] if it fits."""
+        ...
+
+    def apply(self, model: nn.Module, meshes: Meshes) -> Any:
+        """Applies the technique to ``model`` in place."""
+        ...
 
 
 class MeshStrategy(ModelParallelStrategy):
@@ -46,6 +64,8 @@ class MeshStrategy(ModelParallelStrategy):
         dp_replicate, dp_shard, cp, tp, pp: degrees (see `ParallelDims`); -1 fills the world.
         fsdp: the FSDP2 plugin; used when dp_shard or dp_replicate > 1.
         tensor_parallel: the tensor-parallel plugin (sequence and loss parallel); used when tp > 1.
+        activation_offload: the activation-offload plugin (default: off;
+            ``strategy.context_parallel.activation_offload=true`` also switches it on).
         activation_checkpoint: the activation-checkpointing plugin (default: off).
         compile: the per-block ``torch.compile`` plugin (default: off).
         cp_mode: context-parallel attention when cp > 1: "ring", "ulysses" or "hybrid" (Ulysses
@@ -59,6 +79,9 @@ class MeshStrategy(ModelParallelStrategy):
             islands synchronise through the plugin after the optimizer steps it chooses.
         timeout_s: process-group timeout in seconds.
         launcher: "subprocess" (the CLI: one child per rank per Hydra job) or "fork" (tests).
+        run: the resolved run (`trainer.config.validate`), passed by the builder; its degrees are
+            then the strategy's. None (a strategy built by hand): the degrees above, resolved
+            for the world size when the processes start.
 
     Raises:
         LayoutError: a degree > 1 on an axis whose technique this class does not apply.
@@ -80,6 +103,7 @@ class MeshStrategy(ModelParallelStrategy):
         *,
         fsdp: FSDP | None = None,
         tensor_parallel: TensorParallel | None = None,
+        activation_offload: ActivationOffload | None = None,
         activation_checkpoint: ActivationCheckpoint | None = None,
         compile: Compile | None = None,  # noqa: A002 - the config key users type
         local_sgd: LocalSGD | None = None,
@@ -89,11 +113,13 @@ class MeshStrategy(ModelParallelStrategy):
         pipeline: PipelineParallel | None = None,
         timeout_s: float = 1800.0,
         launcher: str = "subprocess",
+        run: ResolvedRun | None = None,
     ) -> None:
         super().__init__(timeout=timedelta(seconds=timeout_s))
         if launcher not in ("subprocess", "fork"):
             raise ValueError(f"strategy.launcher={launcher!r} is unknown; use subprocess or fork")
-        self.dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp)
+        self.run = run
+        self.dims = run.dims if run is not None else ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp)
         problems = self.unsupported_degrees(self.dims)
         if problems:
             raise LayoutError("\n".join(problems))
@@ -103,11 +129,15 @@ class MeshStrategy(ModelParallelStrategy):
         self.compile_plugin = compile or Compile()
         self.cp_mode = cp_mode
         self.context_parallel = context_parallel or ContextParallel()
+        self.activation_offload = activation_offload or ActivationOffload()
+        if self.context_parallel.activation_offload:  # the older spelling of the same switch
+            self.activation_offload = ActivationOffload(enabled=True)
         self.pp_schedule = pp_schedule
         self.pipeline = pipeline or PipelineParallel()
         self.local_sgd = local_sgd
         self.launcher_kind = launcher
         self._mesh_views: dict[str, DeviceMesh] = {}
+        self.meshes: Meshes | None = None  # set with the mesh, in setup_environment
 
     @classmethod
     def unsupported_degrees(cls, dims: ParallelDims) -> list[str]:
@@ -118,6 +148,26 @@ class MeshStrategy(ModelParallelStrategy):
             for axis in ("dp_replicate", "dp_shard", "cp", "tp", "pp")
             if axis not in cls.supported_axes and getattr(dims, axis) != 1
         ]
+
+    def plugins(self, dims: ParallelDims) -> list[Plugin]:
+        """The plugins a layout of resolved ``dims`` applies, in the order `parallelize` applies them."""
+        fsdp_ranks = dims.dp_shard * dims.cp * (dims.dp_replicate if self.local_sgd is None else 1)
+        chosen = [
+            (self.pipeline, dims.pp > 1),
+            (self.tensor_parallel, dims.tp > 1),
+            (self.context_parallel, dims.cp > 1),
+            (self.activation_offload, True),
+            (self.activation_checkpoint, True),
+            (self.compile_plugin, True),
+            (self.fsdp, fsdp_ranks > 1),  # cp ranks hold the same parameters: FSDP shards them too
+            (self.local_sgd, self.local_sgd is not None),
+        ]
+        return [plugin for plugin, used in chosen if used]
+
+    def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
+        """Every problem of ``run`` (and the model's ``shape``) for this strategy's plugins, in
+        their order; [] when it runs. Called by `trainer.config.validate`, before any process starts."""
+        return [problem for plugin in self.plugins(run.dims) for problem in plugin.problems(run, shape)]
 
     # ------------------------------------------------------------------------------ processes
     @override
@@ -143,6 +193,10 @@ class MeshStrategy(ModelParallelStrategy):
                 f"use more ranks or a smaller strategy.dp_shard, or set strategy.local_sgd=null"
             )
         self._device_mesh, self._mesh_views = self.dims.build_mesh(self.root_device.type)
+        self.meshes = Meshes(
+            root=self._device_mesh, views=self._mesh_views, fsdp=self.dp_mesh(), device=self.root_device,
+            pp_schedule=self.pp_schedule, cp_mode=self.cp_mode,
+        )  # fmt: skip
         self.lightning_module._device_mesh = self._device_mesh
 
     @property
@@ -162,35 +216,30 @@ class MeshStrategy(ModelParallelStrategy):
 
     # ------------------------------------------------------------------------------ model
     def parallelize(self, model: nn.Module) -> None:
-        """Applies the parallelisms to ``model`` in place, in a fixed order.
+        """Applies the plugins of `plugins` to ``model`` in place, in their fixed order.
 
         Order (later techniques wrap what earlier ones produced): pipeline split first (each rank
-        keeps its stage), then tensor parallel (DTensor-shards the Linear weights), then context
-        parallel attention. Activation checkpointing next, so the recomputed forward is the
-        TP/CP one. Compile after it, so each compiled block graph contains the checkpoint
-        (and the recomputation is compiled too). FSDP last: it shards whatever parameters the
-        others left, on the dp axes only. Its per-block hooks stay outside the checkpointed
-        function (the recomputation uses the parameters FSDP gathered for the backward instead
-        of running the hooks again) and dynamo runs them eagerly around the compiled graph.
+        keeps its stages; the others then work on fewer layers), then tensor parallel
+        (DTensor-shards the Linear weights), then context-parallel attention (its attention core
+        sees the tp rank's heads of its cp shard), then activation offload (hooks around each
+        block, kept by the checkpointed forward). Activation checkpointing next, so the recomputed
+        forward is the TP/CP one. Compile after it, so each compiled block graph contains the
+        checkpoint (and the recomputation is compiled too). FSDP then shards whatever parameters
+        the others left, on the dp axes only, each pipeline stage as its own root; its per-block
+        hooks stay outside the checkpointed function (the recomputation uses the parameters FSDP
+        gathered for the backward instead of running the hooks again) and dynamo runs them eagerly
+        around the compiled graph. Local SGD last: it keeps the (sharded) parameter objects that
+        the optimizer will hold.
         """
         stage_modules = [model]
-        if self.dims.pp > 1:
-            # This rank keeps its stages only; the other plugins then work on fewer layers.
-            stage_modules = self.pipeline.split(
-                model, pp_mesh=self.submesh("pp"), schedule=self.pp_schedule, device=self.root_device
-            )
-        if self.dims.tp > 1:
-            self.tensor_parallel.apply(model, self.submesh("tp"))
-        # CP after TP: its attention core sees the tp rank's heads (n_heads/tp) of its cp shard.
-        self.context_parallel.apply(model, mode=self.cp_mode, cp_ranks=self.cp_ranks())
-        self.activation_checkpoint.apply(model)
-        self.compile_plugin.apply(model)
-        if self.dp_mesh().size() > 1:  # cp ranks hold the same parameters: FSDP shards them too
-            for module in stage_modules:  # each pipeline stage is its own FSDP root
-                self.fsdp.apply(module, self.dp_mesh())
-        if self.local_sgd is not None:
-            # Last: it keeps the (sharded) parameter objects that the optimizer will hold.
-            self.local_sgd.setup(model, group=self.group("dp_replicate"))
+        for plugin in self.plugins(self.dims):
+            if plugin is self.fsdp:
+                for module in stage_modules:
+                    plugin.apply(module, self.meshes)
+                continue
+            applied = plugin.apply(model, self.meshes)
+            if plugin is self.pipeline:
+                stage_modules = applied
 
     def dp_mesh(self) -> DeviceMesh:
         """The mesh FSDP shards over: (dp_replicate, dp_shard) for HSDP, else dp_shard; with cp > 1
@@ -212,13 +261,6 @@ class MeshStrategy(ModelParallelStrategy):
             cp_mesh = self.submesh("cp")
             return self.context_parallel.shard_batch(batch, cp=cp_mesh.size(), rank=cp_mesh.get_local_rank())
         return batch
-
-    def cp_ranks(self) -> list[list[int]]:
-        """The global ranks of every cp group of the mesh, each in cp order (for sub-group creation)."""
-        from strategies.parallel_dims import MESH_AXES
-
-        ranks = self.device_mesh.mesh.movedim(MESH_AXES.index("cp"), -1)
-        return ranks.reshape(-1, self.dims.cp).tolist()
 
     @contextmanager
     def loss_context(self) -> Iterator[None]:

@@ -1,17 +1,20 @@
-"""Parallelism degrees of one run and the N-D device mesh they describe.
+"""Parallelism degrees of one run, the N-D device mesh they describe, and the mesh as plugins see it.
 
-`ParallelDims` is checked before any process group exists, so a bad layout costs nothing: every
-problem is reported at once, each with the override that fixes it (STYLE rule 6).
+`ParallelDims` holds degrees and builds the mesh, nothing else: each technique checks its own
+sizes (``problems`` of its plugin). Resolving the degrees needs no process group, so a bad layout
+costs nothing: every problem is reported at once, each with the override that fixes it.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
-
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
 # Outermost to innermost. Inner axes hold the ranks that talk most (TP, then CP), so on a real
@@ -82,36 +85,7 @@ class ParallelDims:
                 f"the degrees {_fmt(degrees)} multiply to {known} but the world size is {world_size}; "
                 f"set trainer.devices (x trainer.num_nodes) to {known} or set one degree to -1"
             )
-        return ParallelDims(**degrees)
-
-    def check_model(
-        self,
-        *,
-        n_layers: int,
-        n_heads: int,
-        n_kv_heads: int,
-        seq_len: int,
-        vocab_size: int | None = None,
-        ffn_dim: int | None = None,
-    ) -> list[str]:
-        """Problems (as messages naming the fix) of these degrees for a model and sequence length.
-
-        Call on resolved degrees. Returns an empty list when the layout fits. ``vocab_size`` and
-        ``ffn_dim`` are checked against tp when known (None: checked when the model is built).
-        """
-        from strategies.tensor import tp_divisibility_problems  # tensor.py imports this module
-
-        problems = tp_divisibility_problems(
-            self.tp, n_heads=n_heads, n_kv_heads=n_kv_heads, vocab_size=vocab_size, ffn_dim=ffn_dim
-        )
-        if self.pp > n_layers:
-            problems.append(f"strategy.pp={self.pp} exceeds the {n_layers} layers; use strategy.pp<={n_layers}")
-        if self.cp > 1 and seq_len % (2 * self.cp):
-            problems.append(
-                f"data.seq_len={seq_len} is not divisible by 2*cp={2 * self.cp} (load-balanced ring attention); "
-                f"use a seq_len that is a multiple of {2 * self.cp}"
-            )
-        return problems
+        return replace(self, **degrees)
 
     @property
     def dp(self) -> int:
@@ -143,6 +117,41 @@ class ParallelDims:
         if self.cp > 1:  # FSDP's mesh under context parallelism (cp ranks hold the same parameters)
             views["dp_shard_cp"] = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         return mesh, views
+
+
+@dataclass(frozen=True)
+class Meshes:
+    """The run's device mesh as the plugins see it (the second argument of every plugin's ``apply``).
+
+    Args:
+        root: the named (pp, dp_replicate, dp_shard, cp, tp) mesh.
+        views: flattened views of it (`ParallelDims.build_mesh`): "dp", "dp_cp" and, when cp > 1,
+            "dp_shard_cp".
+        fsdp: the mesh FSDP shards parameters over (chosen by the strategy: HSDP, cp, local SGD).
+        device: this rank's device.
+        pp_schedule: how the pp axis runs (``strategy.pp_schedule``).
+        cp_mode: how the cp axis runs (``strategy.cp_mode``).
+    """
+
+    root: "DeviceMesh"
+    views: Mapping[str, "DeviceMesh"]
+    fsdp: "DeviceMesh"
+    device: "torch.device"
+    pp_schedule: str
+    cp_mode: str
+
+    def __getitem__(self, axis: str) -> "DeviceMesh":
+        """One mesh axis ("pp", "tp", ...) or flattened view ("dp", "dp_cp", "dp_shard_cp")."""
+        return self.views[axis] if axis in self.views else self.root[axis]
+
+    def group(self, axis: str) -> "dist.ProcessGroup":
+        """The process group of one mesh axis or view."""
+        return self[axis].get_group()
+
+    def cp_ranks(self) -> list[list[int]]:
+        """The global ranks of every cp group of the mesh, each in cp order (for sub-group creation)."""
+        ranks = self.root.mesh.movedim(MESH_AXES.index("cp"), -1)
+        return ranks.reshape(-1, ranks.shape[-1]).tolist()
 
 
 def _fmt(degrees: dict[str, int]) -> str:

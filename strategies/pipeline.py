@@ -12,7 +12,7 @@ checkpoint reshards across them. With several stages per rank (interleaved and V
 stage is a *view*: a module of the model's class that shares the rank's submodules, so the rank's
 model still holds every parameter once under its usual name.
 
-Numerics (DESIGN section 4): the schedule's loss of a micro-batch is the Task's loss (summed token
+Numerics (the step of `trainer.task.Task`): the schedule's loss of a micro-batch is the Task's loss (summed token
 loss / the step's global supervised-token count) and gradients are not rescaled
 (``scale_grads=False``), so the gradients equal those without pipelining. ``position_ids`` and
 ``document_ids`` go to every stage as keyword arguments (each rank of a data-parallel replica
@@ -23,16 +23,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
+from strategies.parallel_dims import Meshes
 from strategies.pipeline_layout import SINGLE_STAGE, check_pipeline, local_stages, microbatch_problems, stage_layers, stage_owner, stages_per_rank_of
+
+if TYPE_CHECKING:
+    from strategies.resolved import ResolvedRun
+    from strategies.shape import ModelShape
 
 _CLASSES = {
     "GPipe": "ScheduleGPipe",
@@ -151,7 +155,7 @@ class PipelineParallel:
             micro-batches in one schedule step. Fewer run several schedule steps whose gradients
             accumulate (less activation memory for GPipe, a larger bubble).
 
-    The schedule (``strategy.pp_schedule``) is a MeshStrategy argument. `split` runs in
+    The schedule (``strategy.pp_schedule``) is a MeshStrategy argument. `apply` runs in
     ``MeshStrategy.parallelize``; the torch stages and schedules are built at the first step,
     after Lightning has moved the model to its device.
     """
@@ -161,12 +165,36 @@ class PipelineParallel:
     num_microbatches: int | None = None
     _state: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
 
-    def split(self, model: nn.Module, *, pp_mesh: DeviceMesh, schedule: str, device: torch.device) -> list[nn.Module]:
-        """Splits ``model`` in place for this rank; returns its stage modules (for FSDP).
+    def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
+        """The layout against the model's layers and the step's micro-batches (`check_pipeline`),
+        and the data's last batch (a partial one cannot fill the schedule's micro-batches)."""
+        pp = run.dims.pp
+        if pp <= 1:
+            return []
+        problems = []
+        if shape is not None:
+            if pp > shape.n_layers:
+                problems.append(f"strategy.pp={pp} exceeds the {shape.n_layers} layers; use strategy.pp<={shape.n_layers}")
+            problems += check_pipeline(
+                pp=pp, schedule=run.pp_schedule, stages_per_rank=self.stages_per_rank, split_points=self.split_points,
+                num_microbatches=self.num_microbatches, microbatches_per_step=run.num_micro_batches or None,
+                n_layers=shape.n_layers, tie_embeddings=shape.tie_embeddings,
+            )  # fmt: skip
+        if not run.drop_last:
+            problems.append(
+                "data.drop_last=false gives a last, partial global batch, which does not fill the pipeline's "
+                "micro-batches; use data.drop_last=true with strategy.pp > 1"
+            )
+        return problems
+
+    def apply(self, model: nn.Module, meshes: Meshes) -> list[nn.Module]:
+        """Splits ``model`` in place for this rank (over ``meshes["pp"]``, in ``meshes.pp_schedule``);
+        returns its stage modules (each its own FSDP root).
 
         Raises:
             ValueError: the layout cannot run (see `check_pipeline`), or an unknown schedule.
         """
+        pp_mesh, schedule, device = meshes["pp"], meshes.pp_schedule, meshes.device
         pp, v = pp_mesh.size(), stages_per_rank_of(schedule, self.stages_per_rank)
         problems = check_pipeline(
             pp=pp, schedule=schedule, stages_per_rank=self.stages_per_rank, split_points=self.split_points,

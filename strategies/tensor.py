@@ -17,12 +17,17 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
 
-from strategies.parallel_dims import LayoutError, divisors
+from strategies.parallel_dims import LayoutError, Meshes, divisors
+
+if TYPE_CHECKING:
+    from strategies.resolved import ResolvedRun
+    from strategies.shape import ModelShape
 
 
 def tp_divisibility_problems(
@@ -103,12 +108,21 @@ class TensorParallel:
             )
         return model.tp_plan(sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel)
 
-    def apply(self, model: nn.Module, tp_mesh: DeviceMesh) -> None:
-        """Checks the sizes and shards ``model`` over ``tp_mesh`` in place.
+    def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
+        """The model sizes that the tp degree does not divide (heads, kv heads, vocabulary, SwiGLU width)."""
+        if run.dims.tp <= 1 or shape is None:
+            return []
+        return tp_divisibility_problems(
+            run.dims.tp, n_heads=shape.n_heads, n_kv_heads=shape.n_kv_heads, vocab_size=shape.vocab_size, ffn_dim=shape.ffn_dim
+        )
+
+    def apply(self, model: nn.Module, meshes: Meshes) -> None:
+        """Checks the sizes and shards ``model`` over ``meshes["tp"]`` in place.
 
         Raises:
             LayoutError: listing the sizes that tp does not divide, with valid degrees.
         """
+        tp_mesh = meshes["tp"]
         sizes = {name: getattr(model, name, None) for name in ("n_heads", "n_kv_heads", "vocab_size", "ffn_dim")}
         if sizes["n_heads"] is not None:
             problems = tp_divisibility_problems(

@@ -1,4 +1,8 @@
-"""The one place that instantiates objects from a validated config (STYLE rule 8)."""
+"""The one place that instantiates objects from a validated config: nothing is altered after it is built.
+
+Every builder receives the run's `ResolvedRun` (`trainer.config.validate`), so nothing here
+derives degrees or micro-batches again.
+"""
 
 from __future__ import annotations
 
@@ -13,12 +17,11 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from strategies.mesh import MeshStrategy
-from strategies.parallel_dims import MESH_AXES, ParallelDims
-from trainer.config import ConfigError
-from trainer.semantics import micro_batch_size, world_size
+from strategies.resolved import ResolvedRun
+from trainer.config import ConfigError, validate
 from trainer.data.base import DataModule
-from trainer.models.hf import is_hf_dir
 from trainer.rundir import RunDir
+from trainer.semantics import tokenizer_file
 from trainer.task import Task
 
 
@@ -26,22 +29,28 @@ def build_data(cfg: DictConfig) -> DataModule:
     """The data module; with ``data.tokenizer=null`` and a Hugging Face ``model.init_from``, the
     checkpoint's own ``tokenizer.json`` (and, beside it, its chat template)."""
     extra = {}
-    init_from = cfg.model.get("init_from") if cfg.model is not None else None
-    if init_from and "tokenizer" in cfg.data and cfg.data.tokenizer is None and is_hf_dir(init_from):
-        extra["tokenizer"] = str(Path(init_from).expanduser() / "tokenizer.json")
+    if "tokenizer" in cfg.data and cfg.data.tokenizer is None and tokenizer_file(cfg) is not None:
+        extra["tokenizer"] = tokenizer_file(cfg)
     return instantiate(cfg.data, global_batch_size=cfg.train.global_batch_size, _convert_="all", **extra)
 
 
-def build_model(cfg: DictConfig, *, vocab_size: int) -> nn.Module:
-    """The model, initialised from ``cfg.seed`` (same weights at any world size)."""
+def build_model(cfg: DictConfig, run: ResolvedRun, *, vocab_size: int) -> nn.Module:
+    """The model, initialised from ``cfg.seed`` (same weights at any world size).
+
+    Args:
+        vocab_size: the tokenizer's size (the model's, unless ``model.vocab_size`` pads it).
+
+    Raises:
+        ConfigError: the tokenizer is larger than ``model.vocab_size``, or tp does not divide its size.
+    """
     planned = cfg.model.get("vocab_size")
     if planned is not None and planned < vocab_size:
         raise ConfigError([
             f"model.vocab_size={planned} is smaller than the tokenizer's {vocab_size} tokens; "
             f"use model.vocab_size>={vocab_size} (a larger value pads the embedding)"
         ])
-    tp = _tp_degree(cfg)
-    if planned is None and tp > 1 and vocab_size % tp:  # a tokenizer file: its size is known only now
+    tp = run.dims.tp
+    if planned is None and tp > 1 and vocab_size % tp:  # a trained tokenizer: its size is known only now
         raise ConfigError([
             f"strategy.tp={tp} does not divide the tokenizer's {vocab_size} tokens (the embedding and the LM head "
             f"are sharded by vocabulary rows); pad them with +model.vocab_size={-(-vocab_size // tp) * tp}"
@@ -50,33 +59,25 @@ def build_model(cfg: DictConfig, *, vocab_size: int) -> nn.Module:
     return instantiate(cfg.model, vocab_size=planned or vocab_size)
 
 
-def _tp_degree(cfg: DictConfig) -> int:
-    """The resolved tensor-parallel degree of a validated config (1 without a mesh strategy)."""
-    strategy = cfg.get("strategy")
-    if not strategy or "tp" not in strategy:
-        return 1
-    degrees = {axis: strategy.get(axis, 1) for axis in MESH_AXES}
-    return ParallelDims(**degrees).resolve(world_size(cfg)).tp
-
-
-def build_task(cfg: DictConfig, model: nn.Module, *, seq_len: int) -> Task:
+def build_task(cfg: DictConfig, run: ResolvedRun, model: nn.Module) -> Task:
     return Task(
         model=model,
         objective=instantiate(cfg.objective),
         optimizer=instantiate(cfg.optim, _convert_="all"),
         scheduler=instantiate(cfg.scheduler) if cfg.scheduler is not None else None,
-        micro_batch_size=micro_batch_size(cfg),
+        micro_batch_size=run.micro_batch_size,
         max_grad_norm=cfg.train.max_grad_norm,
         # The param groups override the optimizer's own weight_decay: pass the configured one (C16).
         weight_decay=cfg.optim.weight_decay,
         no_decay=tuple(cfg.train.no_decay),
         eval_every=cfg.train.eval_every,
-        flops_per_token=model.flops_per_token(seq_len) if hasattr(model, "flops_per_token") else 0.0,
+        flops_per_token=model.flops_per_token(run.seq_len) if hasattr(model, "flops_per_token") else 0.0,
     )
 
 
-def build_strategy(cfg: DictConfig, *, launcher: str = "subprocess") -> MeshStrategy:
-    return instantiate(cfg.strategy, launcher=launcher)
+def build_strategy(cfg: DictConfig, run: ResolvedRun, *, launcher: str = "subprocess") -> MeshStrategy:
+    # Hydra would read a dataclass keyword as config: the run is passed to the partial instead.
+    return instantiate(cfg.strategy, _partial_=True, launcher=launcher)(run=run)
 
 
 def _with_dir(node: DictConfig, run_dir: Path, key: str, value: Any) -> Any:
@@ -100,11 +101,11 @@ def build_loggers(cfg: DictConfig, run_dir: Path) -> list[Any]:
     return [_with_dir(node, run_dir, "save_dir", run_dir) for node in (cfg.logger or {}).values() if node is not None]
 
 
-def build_trainer(cfg: DictConfig, run_dir: Path, *, launcher: str = "subprocess") -> L.Trainer:
+def build_trainer(cfg: DictConfig, run: ResolvedRun, run_dir: Path, *, launcher: str = "subprocess") -> L.Trainer:
     trainer_cfg = OmegaConf.to_container(cfg.trainer)
     return L.Trainer(
         **trainer_cfg,
-        strategy=build_strategy(cfg, launcher=launcher),
+        strategy=build_strategy(cfg, run, launcher=launcher),
         callbacks=build_callbacks(cfg, run_dir),
         logger=build_loggers(cfg, run_dir) or False,
         default_root_dir=str(run_dir),
@@ -117,13 +118,24 @@ def build_trainer(cfg: DictConfig, run_dir: Path, *, launcher: str = "subprocess
     )
 
 
-def build_run(cfg: DictConfig, run_dir: Path, *, launcher: str = "subprocess") -> tuple[L.Trainer, Task, DataModule]:
-    """Data (prepared), model, task and trainer of one run."""
+def build_run(
+    cfg: DictConfig, run_dir: Path, run: ResolvedRun | None = None, *, launcher: str = "subprocess"
+) -> tuple[L.Trainer, Task, DataModule]:
+    """Data (prepared), model, task and trainer of one run.
+
+    Args:
+        run: the config's resolved run (`trainer.config.validate`); None validates ``cfg`` here
+            (scripts and tests that build in-process).
+
+    Raises:
+        ConfigError: with ``run=None``, the problems of ``cfg``.
+    """
+    run = validate(cfg) if run is None else run
     # Python, NumPy and torch RNGs of every rank (Lightning re-seeds each process from PL_GLOBAL_SEED).
     L.seed_everything(cfg.seed, verbose=False)
     data = build_data(cfg)
     prepared = data.prepare()
-    model = build_model(cfg, vocab_size=prepared.tokenizer.vocab_size)
-    task = build_task(cfg, model, seq_len=data.seq_len)
-    trainer = build_trainer(cfg, run_dir, launcher=launcher)
+    model = build_model(cfg, run, vocab_size=prepared.tokenizer.vocab_size)
+    task = build_task(cfg, run, model)
+    trainer = build_trainer(cfg, run, run_dir, launcher=launcher)
     return trainer, task, data

@@ -18,6 +18,8 @@ from typing import Any, Literal
 import torch
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from strategies.resolved import ResolvedRun
+from trainer.optim import DEFAULT_NO_DECAY
 from trainer.semantics import _import, check_semantics
 
 
@@ -43,10 +45,10 @@ class TrainConfig:
         eval_every: evaluate every this many steps (plus step 0 and the last step; 0: only those).
     """
 
-    global_batch_size: int = 16
+    global_batch_size: int = 8
     micro_batch_size: int | None = None
     max_grad_norm: float | None = 1.0
-    no_decay: list[str] = field(default_factory=lambda: ["tok_embeddings", "norm", "bias"])
+    no_decay: list[str] = field(default_factory=lambda: list(DEFAULT_NO_DECAY))
     eval_every: int = 50
 
 
@@ -59,7 +61,7 @@ class TrainerConfig:
     num_nodes: int = 1
     # The precisions Lightning's ModelParallelStrategy accepts.
     precision: Literal["32-true", "bf16-mixed", "bf16-true", "16-true"] = "32-true"
-    max_steps: int = 300
+    max_steps: int = 200
     log_every_n_steps: int = 10
     limit_train_batches: float | int | None = None
     enable_progress_bar: bool = True
@@ -114,8 +116,8 @@ class RunConfig:
         planner: the layout planner's settings (`PlannerConfig`).
     """
 
-    recipe: str = "pretrain"
-    run_dir: str = "runs/pretrain"
+    recipe: str = "???"  # required: every recipe names itself
+    run_dir: str = "runs/${recipe}/${now:%Y-%m-%d_%H-%M-%S}"
     seed: int = 0
     resume: str | None = None
     objective: Any = None
@@ -144,8 +146,12 @@ INJECTED = {
 TARGET_NODES = ("objective", "model", "data", "optim", "scheduler", "strategy", "budget")
 
 
-def validate(cfg: DictConfig) -> None:
-    """Checks a composed config before anything is launched or written.
+def validate(cfg: DictConfig) -> ResolvedRun:
+    """Checks a composed config before anything is launched or written; returns its resolved run.
+
+    The returned `ResolvedRun` (degrees, micro-batches, the model's shape, ...) is what the
+    builders, the strategy, its plugins, the planner and the data modules receive: call this once
+    per launch and pass the result on.
 
     Raises:
         ConfigError: listing every problem found, each with the override that fixes it.
@@ -165,20 +171,24 @@ def validate(cfg: DictConfig) -> None:
             for key, sub in node.items():
                 if sub is not None:
                     _check_target(sub, f"{group}.{key}", problems, injected={"save_dir", "dirpath"})
+    run = None
     if not problems:
-        check_semantics(cfg, problems)
+        run = check_semantics(cfg, problems)
     else:
         # Every problem at once: check the semantics too, with mistyped run-wide fields at their
         # defaults (and no message about those fields, which are already reported).
         replaced: list[str] = []
         semantic: list[str] = []
+        broken = frozenset(p.removeprefix("unknown key ").split(".")[0].split("=")[0] for p in problems)
         try:
-            check_semantics(_well_typed(cfg, replaced), semantic)
+            check_semantics(_well_typed(cfg, replaced), semantic, broken)
         except Exception:  # noqa: BLE001 - a broken object node (already reported) stops these checks
             pass
         problems += [p for p in semantic if not any(f"{name}=" in p for name in replaced)]
     if problems:
         raise ConfigError(problems)
+    assert run is not None  # every config without problems resolves
+    return run
 
 
 def _well_typed(cfg: DictConfig, replaced: list[str]) -> DictConfig:

@@ -14,9 +14,11 @@ length, global batch, precision and optimizer are the run's; ``cluster=`` names 
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from strategies.resolved import ResolvedRun
 from trainer.config import ConfigError
 
 
@@ -36,39 +38,83 @@ def cluster_from_config(cfg: DictConfig):  # -> strategies.planner.time.Cluster
     return Cluster(**fields)
 
 
-def check_memory(cfg: DictConfig) -> None:
+def planner_inputs(cfg: DictConfig, run: ResolvedRun) -> tuple[Any, Any, Any]:
+    """``(shape, layout, workload)``: the run as the planner sees it (`strategies.planner.layout`).
+
+    Raises:
+        ConfigError: the model has no Llama-style shape (the planner models only those).
+    """
+    from strategies.planner.layout import layout_of, workload_of
+    from trainer.build import build_strategy
+
+    if run.shape is None:
+        raise ConfigError(["the planner needs a Llama-style model (one with n_heads, n_layers, ...): model=tiny, llama3_8b, ..."])
+    strategy = build_strategy(cfg, run)
+    workload = workload_of(run, strategy, float8=cfg.planner.float8, async_tp=cfg.planner.async_tp)
+    return run.shape, layout_of(run, strategy), workload
+
+
+def check_memory(cfg: DictConfig, run: ResolvedRun) -> None:
     """``planner.check``: predicted per-device peak memory of the run's layout against the cluster's cap.
 
     Raises:
         ConfigError: the prediction is over the cap (the message holds the breakdown), or no cluster.
     """
-    from strategies.planner.layout import layout_from_config, shape_from_config, workload_from_config
     from strategies.planner.memory import predict_memory
     from strategies.planner.report import oom_message
 
     cluster = cluster_from_config(cfg)
-    layout = layout_from_config(cfg)
-    memory = predict_memory(shape_from_config(cfg), layout, workload_from_config(cfg), device=cluster.device)
+    shape, layout, workload = planner_inputs(cfg, run)
+    memory = predict_memory(shape, layout, workload, device=cluster.device)
     if memory.total > cluster.memory_cap:
         raise ConfigError([oom_message(memory, cluster, layout.label())])
 
 
-def plan(cfg: DictConfig) -> str:
-    """The ranked table and the best layout's overrides for a composed config."""
+def _calibration_block() -> tuple[Any, tuple[Any, ...]]:
+    """A tiny Llama block and its one-token inputs: the host time per layer the planner calibrates."""
+    import torch
+
+    from trainer.models.llama import TransformerBlock
+    from trainer.models.rope import rope_tables
+
+    dim = 64
+    cos, sin = rope_tables(dim // 4, 1, 10000.0)
+    x = torch.randn(1, 1, dim, requires_grad=True)
+    return TransformerBlock(dim, 4, 2, 192, 1e-5), (x, cos[None, :, None, :], sin[None, :, None, :], None)
+
+
+def _calibration_model(vocab_size: int) -> Any:
+    """A one-layer Llama (seeded) for the planner's tensor-parallel dispatch probe."""
+    import torch
+
+    from trainer.models.llama import Llama
+
+    torch.manual_seed(0)
+    return Llama(vocab_size=vocab_size, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=16)
+
+
+def calibrate(cluster: Any) -> Any:
+    """``cluster`` with this machine's measured rates (`strategies.planner.calibrate`), probed with Llama blocks."""
     from strategies.planner.calibrate import calibrate_cluster
-    from strategies.planner.layout import shape_from_config, workload_from_config
+
+    return calibrate_cluster(cluster, block=_calibration_block(), model_fn=_calibration_model)
+
+
+def plan(cfg: DictConfig, run: ResolvedRun) -> str:
+    """The ranked table and the best layout's overrides for a composed config and its resolved run."""
     from strategies.planner.report import best_overrides, table
     from strategies.planner.search import SearchSpace, search
 
     cluster = cluster_from_config(cfg)
     if cfg.planner.calibrate:
-        cluster = calibrate_cluster(cluster)
+        cluster = calibrate(cluster)
     p = cfg.planner
     space = SearchSpace(
         schedules=tuple(p.schedules), cp_modes=tuple(p.cp_modes), ac_modes=tuple(p.ac_modes),
         offload=p.offload, max_micro_batch=p.max_micro_batch, hsdp=p.hsdp,
     )  # fmt: skip
-    plans = search(shape_from_config(cfg), workload_from_config(cfg), cluster, space)
+    shape, _, workload = planner_inputs(cfg, run)
+    plans = search(shape, workload, cluster, space)
     header = f"cluster {cluster.name}: " + (
         "calibrated on this machine" if cfg.planner.calibrate else "preset figures (planner.calibrate=true measures them)"
     )
@@ -83,8 +129,7 @@ def main(argv: list[str]) -> None:
     recipe, overrides = split_recipe(argv)
     try:
         cfg = compose(recipe, overrides)
-        validate(cfg)
-        print(plan(cfg))
+        print(plan(cfg, validate(cfg)))
     except ConfigError as err:
         fail("invalid configuration:\n" + "\n".join(f"  - {p}" for p in err.problems))
     except Exception as err:  # noqa: BLE001 - Hydra's override errors: one line, like a run

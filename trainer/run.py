@@ -5,12 +5,14 @@ from __future__ import annotations
 import math
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from strategies.checkpoint import CheckpointError
 from strategies.launch import LAUNCH_ENV
+from strategies.resolved import ResolvedRun
 from trainer.config import ConfigError, validate
 from trainer.data.base import DataError, DataModule
 from trainer.rundir import RunDir, resolve_checkpoint
@@ -66,8 +68,37 @@ def check_train_batches(cfg: DictConfig, data: DataModule) -> None:
         )
 
 
-def run(cfg: DictConfig) -> None:
-    """Trains the composed config ``cfg`` in the current Hydra job's output directory."""
+@dataclass(frozen=True)
+class Launch:
+    """What one launch has checked: the resolved run and the checkpoint it resumes from (or None)."""
+
+    run: ResolvedRun
+    ckpt_path: Path | None
+
+
+def check_launch(cfg: DictConfig, run_dir: Path | None = None) -> Launch:
+    """Everything a launch checks before it starts processes or writes files, once: `validate`,
+    the predicted memory (``planner.check``) and the run directory (`check_run_dir`).
+
+    Raises:
+        ConfigError: every problem of the config, a predicted out-of-memory, or a run directory
+            that does not fit ``resume``.
+    """
+    resolved = validate(cfg)
+    if cfg.planner.check:  # a predicted out-of-memory fails here, before any process starts
+        from trainer.plan import check_memory
+
+        check_memory(cfg, resolved)
+    return Launch(resolved, None if "budget" in cfg and cfg.budget is not None else check_run_dir(cfg, run_dir))
+
+
+def run(cfg: DictConfig, launch: Launch | None = None) -> None:
+    """Trains the composed config ``cfg`` in the current Hydra job's output directory.
+
+    Args:
+        launch: what the launching process has already checked (`check_launch`) for this very
+            config; None checks it here (child ranks, the jobs of a multirun sweep).
+    """
     from hydra.core.hydra_config import HydraConfig
 
     from trainer.build import build_run
@@ -75,26 +106,11 @@ def run(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
     launching = _is_launching_rank()
     fresh_dir = not any(run_dir.iterdir())
-    if "budget" in cfg and cfg.budget is not None:
-        # A budget search (budget=msft) drives its own runs in this run directory (trainer/budget).
-        from hydra.utils import instantiate
-
-        try:
-            validate(cfg)
-        except ConfigError as err:
-            print(f"plait: error: {err}", file=sys.stderr)
-            raise SystemExit(2) from None
-        instantiate(cfg.budget).run(cfg, run_dir)
-        return
     try:
-        validate(cfg)
-        if OmegaConf.select(cfg, "planner.check"):  # a predicted out-of-memory fails here, before any process starts
-            from trainer.plan import check_memory
-
-            check_memory(cfg)
-        ckpt_path = check_run_dir(cfg, run_dir)
-        trainer, task, data = build_run(cfg, run_dir)
-        check_train_batches(cfg, data)
+        launch = check_launch(cfg, run_dir) if launch is None else launch
+        if "budget" not in cfg or cfg.budget is None:
+            trainer, task, data = build_run(cfg, run_dir, launch.run)
+            check_train_batches(cfg, data)
     except BaseException as err:
         if launching and fresh_dir and run_dir.is_dir() and not any(run_dir.iterdir()):
             run_dir.rmdir()  # a failed start leaves nothing behind, whatever failed
@@ -102,9 +118,16 @@ def run(cfg: DictConfig) -> None:
             print(f"plait: error: {err}", file=sys.stderr)
             raise SystemExit(2) from None
         raise
+    if "budget" in cfg and cfg.budget is not None:
+        # A budget search (budget=msft) drives its own runs in this run directory (trainer/budget).
+        from hydra.utils import instantiate
+
+        instantiate(cfg.budget).run(cfg, run_dir)
+        return
     if launching:
         # The config this run (or this resumed part of it) trains with; generate builds from it.
         RunDir(run_dir).write_config(cfg, data.tokenizer)
+    ckpt_path = launch.ckpt_path
     trainer.fit(task, datamodule=data, ckpt_path=str(ckpt_path) if ckpt_path else None)
     if trainer.is_global_zero:
         summary = RunDir(run_dir).summary

@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
 from trainer.compose import HELP_FLAGS, bundled_recipes, config_groups, error_message, fail, hydra_config, to_hydra_argv
+
+if TYPE_CHECKING:
+    from trainer.run import Launch
 
 _MULTIRUN = ("-m", "--multirun")
 _HYDRA_INFO = ("--hydra-help", "--info", "-i", "--cfg", "-c", "--resolve", "--shell-completion", "-sc")
@@ -29,18 +33,18 @@ def main(argv: list[str]) -> None:
         return print_recipe_help(argv)
     sys.argv = [sys.argv[0]] + argv
     launched_child = "LOCAL_RANK" in os.environ and os.environ.get("LOCAL_RANK") != "0"
+    launch = None
     if not launched_child and not any(a in _MULTIRUN + _HYDRA_INFO for a in argv):
-        preflight(argv)
+        launch = preflight(argv)
 
     import hydra
 
-    hydra.main(version_base="1.3", config_path=None, config_name=None)(_hydra_task)()
+    def hydra_task(cfg: DictConfig) -> None:
+        from trainer.run import run
 
+        run(cfg, launch)  # checked once per launch: by preflight here, else (children, sweeps) by run itself
 
-def _hydra_task(cfg: DictConfig) -> None:
-    from trainer.run import run
-
-    run(cfg)
+    hydra.main(version_base="1.3", config_path=None, config_name=None)(hydra_task)()
 
 
 def print_recipe_help(argv: list[str]) -> None:
@@ -70,14 +74,15 @@ def print_recipe_help(argv: list[str]) -> None:
     print("\n".join(lines))
 
 
-def preflight(argv: list[str]) -> None:
-    """Composes and validates the config before Hydra creates a run directory; exits 2 on problems."""
+def preflight(argv: list[str]) -> Launch | None:
+    """Composes and checks the config before Hydra creates a run directory (`trainer.run.check_launch`);
+    exits 2 on problems. Returns what it checked, for `trainer.run.run`."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from trainer.config import ConfigError, validate
-    from trainer.run import check_run_dir
+    from trainer.config import ConfigError
+    from trainer.run import check_launch
 
     config_dir, config_name, overrides = hydra_config(argv)
     problems: list[str] = []
@@ -101,13 +106,14 @@ def preflight(argv: list[str]) -> None:
             except (HydraException, OmegaConfBaseException):  # overrides that only clash together
                 fail("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems or [error_message(err)]))
             problems = [p + _did_you_mean(cfg, o) for p, o in zip(problems, bad)] or [error_message(err)]
+    launch = None
     try:
-        validate(cfg)
-        check_run_dir(cfg)
+        launch = check_launch(cfg)
     except ConfigError as err:
         problems += err.problems
     if problems:
         fail("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+    return launch
 
 
 def _did_you_mean(cfg: DictConfig, override: str) -> str:

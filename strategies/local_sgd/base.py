@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from strategies import checkpoint as ckpt
-from strategies.parallel_dims import ParallelDims
+from strategies.parallel_dims import Meshes
+
+if TYPE_CHECKING:
+    from strategies.resolved import ResolvedRun
+    from strategies.shape import ModelShape
 
 
 def allreduce_bytes_sent(num_bytes: int, num_ranks: int) -> float:
@@ -110,15 +114,17 @@ class LocalSGD:
         """Synchronises what is due after inner step ``step`` (1-based); returns the bytes this rank sent."""
         raise NotImplementedError
 
-    def problems(
-        self, *, dims: ParallelDims, optimizer: Callable[..., torch.optim.Optimizer] | None, n_layers: int
-    ) -> list[str]:
-        """Configuration problems (each naming its fix) for resolved ``dims``, the inner ``optimizer``
-        partial and a model of ``n_layers`` blocks; [] when the run can start."""
-        if dims.dp_replicate >= 2:
+    def apply(self, model: nn.Module, meshes: Meshes) -> None:
+        """`setup` over the islands of ``meshes`` (its dp_replicate axis)."""
+        self.setup(model, group=meshes.group("dp_replicate"))
+
+    def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
+        """Configuration problems (each naming its fix) of the run's degrees, its inner optimizer
+        (``run.optimizer``) and the model; [] when the run can start."""
+        if run.dims.dp_replicate >= 2:
             return []
         return [
-            f"strategy.local_sgd needs at least 2 islands but strategy.dp_replicate={dims.dp_replicate}; "
+            f"strategy.local_sgd needs at least 2 islands but strategy.dp_replicate={run.dims.dp_replicate}; "
             f"use more ranks (trainer.devices) or a smaller strategy.dp_shard, or set strategy.local_sgd=null"
         ]
 

@@ -9,11 +9,16 @@ all three every K steps: the same class with the three periods equal (preset ``l
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
+from typing_extensions import override
 
 from strategies.local_sgd.base import LocalSGD, average_
-from strategies.parallel_dims import ParallelDims
+
+if TYPE_CHECKING:
+    from strategies.resolved import ResolvedRun
+    from strategies.shape import ModelShape
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -62,11 +67,10 @@ class DESLOC(LocalSGD):
             if period < 1:
                 raise ValueError(f"strategy.local_sgd.{names[key]}={period} must be >= 1")
 
-    def problems(
-        self, *, dims: ParallelDims, optimizer: Callable[..., torch.optim.Optimizer] | None, n_layers: int
-    ) -> list[str]:
-        problems = super().problems(dims=dims, optimizer=optimizer, n_layers=n_layers)
-        if optimizer is not None and not keeps_adam_moments(optimizer):
+    @override
+    def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
+        problems = super().problems(run, shape)
+        if run.optimizer is not None and not keeps_adam_moments(run.optimizer):
             problems.append(
                 f"strategy.local_sgd={type(self).__name__} averages Adam's moments, but the inner optimizer keeps no "
                 f"exp_avg/exp_avg_sq; use optim=adamw (or strategy=diloco / strategy=hierarchical for SGD)"

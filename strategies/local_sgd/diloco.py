@@ -11,15 +11,19 @@ pytorch/torchft#238, #277 and #233.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from typing_extensions import override
 
 from strategies.local_sgd.base import LocalSGD, average_
-from strategies.parallel_dims import ParallelDims
+
+if TYPE_CHECKING:
+    from strategies.resolved import ResolvedRun
+    from strategies.shape import ModelShape
 
 
 def default_outer_optimizer(params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
@@ -92,10 +96,10 @@ class DiLoCo(LocalSGD):
         self.outer = self.outer_optimizer_fn(list(self.anchors.values()))
         self.fragments = assign_fragments(model, list(self.params), self.num_fragments)
 
-    def problems(
-        self, *, dims: ParallelDims, optimizer: Callable[..., torch.optim.Optimizer] | None, n_layers: int
-    ) -> list[str]:
-        problems = super().problems(dims=dims, optimizer=optimizer, n_layers=n_layers)
+    @override
+    def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
+        problems = super().problems(run, shape)
+        n_layers = shape.n_layers if shape is not None else 1
         if self.num_fragments > max(n_layers, 1):
             problems.append(
                 f"strategy.local_sgd.num_fragments={self.num_fragments} exceeds the model's {n_layers} blocks; "

@@ -2,19 +2,22 @@
 
 A short profiled run (Pipette, Yim et al. 2024, measures links; Mist profiles kernels): an fp32
 matmul of Llama-block shape (achieved FLOP/s), causal SDPA (its share of that), a large copy
-(memory bandwidth), one small Llama block forward and backward at one token (host dispatch time
-per layer) and the same under tensor parallelism (DTensor's dispatch factor), and, between two forked gloo ranks, a 4-byte and a 16 MiB all-reduce (latency and bus
-bandwidth). Takes a few seconds; uses the threads torch uses in this process (set
-OMP_NUM_THREADS as the ranks will).
+(memory bandwidth), one small block of the planned model forward and backward at one token (host
+dispatch time per layer) and the same under tensor parallelism (DTensor's dispatch factor), and,
+between two forked gloo ranks, a 4-byte and a 16 MiB all-reduce (latency and bus bandwidth). The
+models are the caller's (`calibrate_cluster` takes them): this module knows no model family. Takes
+a few seconds; uses the threads torch uses in this process (set OMP_NUM_THREADS as the ranks will).
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
+from torch import nn
 
 from strategies.planner.time import Cluster
 
@@ -50,17 +53,16 @@ def memory_bandwidth(mib: int = 64) -> float:
     return 2 * src.numel() * 4 / _best(lambda: dst.copy_(src))
 
 
-def layer_overhead(dim: int = 64) -> float:
-    """Seconds of host dispatch per layer and pass: a tiny block's forward + backward at one token / 3."""
-    from trainer.models.rope import rope_tables
-    from trainer.models.llama import TransformerBlock
+def layer_overhead(block: nn.Module, inputs: Sequence[torch.Tensor]) -> float:
+    """Seconds of host dispatch per layer and pass: a tiny block's forward + backward at one token / 3.
 
-    block = TransformerBlock(dim, 4, 2, 192, 1e-5)
-    cos, sin = rope_tables(dim // 4, 1, 10000.0)
-    x = torch.randn(1, 1, dim, requires_grad=True)
+    Args:
+        block: one transformer block of the planned model family (width 64 is enough).
+        inputs: its forward's arguments for one token (the first requires grad).
+    """
 
     def step() -> None:
-        block(x, cos[None, :, None, :], sin[None, :, None, :], None).sum().backward()
+        block(*inputs).sum().backward()
 
     return _best(step, repeats=5, inner=20) / 3
 
@@ -84,11 +86,14 @@ def gloo_link(world_size: int = 2) -> tuple[float, float]:
     return max(r[0] for r in results), min(r[1] for r in results)
 
 
-def dtensor_overhead_factor(world_size: int = 2) -> float:
-    """Host time of a tensor-parallel (DTensor) Llama layer over a plain one, at one token per pass.
+def dtensor_overhead_factor(model_fn: Callable[[int], nn.Module], world_size: int = 2) -> float:
+    """Host time of a tensor-parallel (DTensor) layer over a plain one, at one token per pass.
 
-    Both are a one-layer Llama forward + backward at 2 tokens (dispatch-bound); the TP one is
+    Both are a one-layer model forward + backward at 2 tokens (dispatch-bound); the TP one is
     sharded over ``world_size`` forked gloo ranks with plait's plan (sequence and loss parallel).
+
+    Args:
+        model_fn: builds the one-layer model (with a ``tp_plan``) for a vocabulary size, seeded.
     """
     from strategies.gloo import run_gloo_ranks
 
@@ -96,16 +101,11 @@ def dtensor_overhead_factor(world_size: int = 2) -> float:
         from torch.distributed.device_mesh import init_device_mesh
 
         from strategies.tensor import TensorParallel
-        from trainer.models.llama import Llama
-
-        def model() -> torch.nn.Module:
-            torch.manual_seed(0)
-            return Llama(vocab_size=64 * world_size, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=16)
 
         ids = torch.zeros(1, 2 * world_size, dtype=torch.long)
-        plain, sharded = model(), model()
+        plain, sharded = model_fn(64 * world_size), model_fn(64 * world_size)
         plugin = TensorParallel()
-        plugin.apply(sharded, init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",)))
+        plugin.apply(sharded, {"tp": init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))})
 
         def step(m: torch.nn.Module) -> None:
             with plugin.loss_context():
@@ -121,12 +121,18 @@ def dtensor_overhead_factor(world_size: int = 2) -> float:
     return max(run_gloo_ranks(world_size, probe, timeout_s=120))
 
 
-def calibrate_cluster(cluster: Cluster) -> Cluster:
+def calibrate_cluster(
+    cluster: Cluster, *, block: tuple[nn.Module, Sequence[torch.Tensor]], model_fn: Callable[[int], nn.Module]
+) -> Cluster:
     """``cluster`` with this machine's measured rates (CPU: per rank of one thread group).
 
     The links are measured between ``cluster.world_size`` local ranks (at least 2), the ranks the
     run will have. Keeps the preset's memory and node shape; matmul_efficiency
     becomes 1 (the peak is the achieved rate).
+
+    Args:
+        block: a tiny block of the planned model family and its one-token inputs (`layer_overhead`).
+        model_fn: a one-layer model of that family for a vocabulary size (`dtensor_overhead_factor`).
     """
     flops = matmul_flops()
     latency, bandwidth = gloo_link(max(2, cluster.world_size))
@@ -140,7 +146,7 @@ def calibrate_cluster(cluster: Cluster) -> Cluster:
         hbm_bandwidth=memory_bandwidth(),
         intra_node_bandwidth=bandwidth,
         latency_s=latency,
-        layer_overhead_s=layer_overhead(),
-        dtensor_overhead=dtensor_overhead_factor(),
+        layer_overhead_s=layer_overhead(*block),
+        dtensor_overhead=dtensor_overhead_factor(model_fn),
         cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
     )

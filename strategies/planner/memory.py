@@ -29,7 +29,8 @@ import math
 from dataclasses import asdict, dataclass
 
 from strategies.pipeline_layout import local_stages, stage_layers
-from strategies.planner.layout import OPTIMIZER_STATES, Layout, ModelShape, ParamSpec, Workload
+from strategies.planner.layout import OPTIMIZER_STATES, Layout, Workload
+from strategies.shape import ModelShape, ParamSpec
 
 GiB = 1024**3
 

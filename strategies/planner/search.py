@@ -17,7 +17,8 @@ from strategies.context import context_parallel_problems
 from strategies.parallel_dims import divisors
 from strategies.pipeline_layout import check_pipeline, stages_per_rank_of
 from strategies.pipeline_layout import SCHEDULES
-from strategies.planner.layout import Layout, ModelShape, Workload
+from strategies.planner.layout import Layout, Workload
+from strategies.shape import ModelShape
 from strategies.planner.memory import MemoryBreakdown, predict_memory
 from strategies.planner.time import Cluster, StepTime, predict_time, tokens_per_second_per_device
 from strategies.tensor import tp_divisibility_problems

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from strategies.planner.layout import Layout, ModelShape, Workload
+from strategies.planner.layout import Layout, Workload
+from strategies.shape import ModelShape
 from strategies.planner.memory import (
     layer_activation_bytes,
     rank_of,

@@ -44,6 +44,7 @@ def _fit(tmp_path, rows: str, overrides: list[str]) -> dict:
             *data_overrides(f"test_c03_cp_token_normalisation.{rows}", seq_len=SEQ_LEN),
             "data.shuffle=false",
             "train.global_batch_size=1",
+            "train.micro_batch_size=1",
             *ONE_SGD_STEP,
             *overrides,
         ]

@@ -22,6 +22,7 @@ from torch import nn
 
 from harness import compose_config
 from trainer.build import build_task
+from trainer.config import validate
 from trainer.optim import param_groups
 
 UNSEEN = 7  # the token that never appears
@@ -113,7 +114,7 @@ def test_task_optimizer_groups_follow_the_config(overrides, decay, excluded):
     cfg = compose_config(overrides)
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model, vocab_size=64)
-    task = build_task(cfg, model, seq_len=cfg.data.seq_len)
+    task = build_task(cfg, validate(cfg), model)
     task.trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
     optimizer = task.configure_optimizers()["optimizer"]
     decayed, rest = optimizer.param_groups

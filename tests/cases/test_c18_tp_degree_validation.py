@@ -40,7 +40,7 @@ def test_validate_names_tp_and_lists_the_valid_degrees(n_heads, n_kv_heads, dim,
 def test_plugin_refuses_before_sharding(n_heads, n_kv_heads, dim, tp, valid) -> None:
     model = Llama(vocab_size=64 * tp, dim=dim, n_layers=1, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn_dim=8 * tp)
     with pytest.raises(LayoutError, match=valid):
-        TensorParallel().apply(model, SimpleNamespace(size=lambda: tp))  # fails on sizes, before the mesh is used
+        TensorParallel().apply(model, {"tp": SimpleNamespace(size=lambda: tp)})  # fails on sizes, before the mesh is used
 
 
 def test_vocabulary_must_split_or_be_padded() -> None:
@@ -55,7 +55,7 @@ def test_a_tokenizer_file_is_checked_when_the_model_is_built() -> None:
 
     cfg = compose_config(["strategy=tp", "trainer.devices=2"])
     with pytest.raises(ConfigError, match=r"does not divide the tokenizer's 4095 tokens.*\+model.vocab_size=4096"):
-        build_model(cfg, vocab_size=4095)
+        build_model(cfg, validate(cfg), vocab_size=4095)
     cfg = compose_config(["+model.vocab_size=4000"])
     with pytest.raises(ConfigError, match="model.vocab_size=4000 is smaller than the tokenizer's 4096 tokens"):
-        build_model(cfg, vocab_size=4096)
+        build_model(cfg, validate(cfg), vocab_size=4096)

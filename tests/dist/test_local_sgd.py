@@ -10,7 +10,7 @@
    model copies, each island's loss divided by its own supervised tokens (short documents: the
    counts differ), then the algorithm's averages. DES-LOC with periods 2/3/6 and DiLoCo (H = 3,
    Nesterov outer) on 2 processes: tolerance 2e-5 on losses and 1e-5 on parameters, as Adam's
-   1/sqrt(v) magnifies fp32 rounding (DESIGN section 7). DiLoCo inside FSDP islands (dp_replicate
+   1/sqrt(v) magnifies fp32 rounding. DiLoCo inside FSDP islands (dp_replicate
    2 x dp_shard 2, 4 processes) with SGD + momentum inner: 1e-6 on parameters.
 3. Resume (case C11 at the trainer level): DiLoCo (H = 4, AdamW inner, Nesterov outer) checkpointed
    every 2 steps; resuming at step 2 (mid-round), 4 (sync boundary) and 6 (mid-round, with outer
@@ -199,7 +199,8 @@ SIMULATED = {  # id -> (overrides, simulated algorithm, parameter tolerance)
     # FSDP islands sum their gradients over 2 shard ranks (other rounding than one 4-row forward,
     # which Adam magnifies to ~2e-5 in a few elements): SGD + momentum inner keeps 1e-6.
     "diloco_h3_fsdp_islands_sgd": (
-        ["strategy=diloco", "strategy.local_sgd.sync_every=3", "strategy.dp_shard=2", "trainer.devices=4", "optim=sgd"],
+        ["strategy=diloco", "strategy.local_sgd.sync_every=3", "strategy.dp_shard=2", "trainer.devices=4", "optim=sgd",
+         "train.micro_batch_size=null"],  # 2 rows per rank
         lambda: DiLoCoSim(sync_every=3),
         TOL_SGD,
     ),

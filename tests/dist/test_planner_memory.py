@@ -1,4 +1,4 @@
-"""The planner's memory model against the bytes six layouts really hold (issue 9).
+"""The planner's memory model against the bytes six layouts really hold.
 
 Each layout trains the nano Llama for 2 steps (AdamW, fp32, packed 64-token rows with document
 masks, global batch 8) in forked gloo ranks with `MemoryProbe`, which measures on every rank in
@@ -16,8 +16,9 @@ import json
 import pytest
 
 from harness import compose_config, fit
-from strategies.planner.layout import layout_from_config, shape_from_config, workload_from_config
 from strategies.planner.memory import predict_rank
+from trainer.config import validate
+from trainer.plan import planner_inputs
 
 PROBE = ("+callbacks.mem._target_=strategies.planner.measure.MemoryProbe", "trainer.max_steps=2")
 # id -> (overrides, micro-batch forwards per rank per step)
@@ -36,7 +37,7 @@ def test_predicted_bytes_match_measured(name, tmp_path):
     overrides, microbatches = LAYOUTS[name]
     cfg = compose_config([*PROBE, f"+callbacks.mem.num_microbatches={microbatches}", *overrides])
     fit(cfg, tmp_path)
-    shape, layout, work = shape_from_config(cfg), layout_from_config(cfg), workload_from_config(cfg)
+    shape, layout, work = planner_inputs(cfg, validate(cfg))
     assert work.microbatches(layout) == microbatches
     for rank in range(layout.world_size):
         measured = json.loads((tmp_path / f"memory_rank{rank}.json").read_text())

@@ -11,7 +11,6 @@ from omegaconf import OmegaConf
 from strategies.pipeline import split_model
 from strategies.pipeline_layout import check_pipeline, local_stages, stage_layers, stage_owner
 from trainer.config import ConfigError, validate
-from trainer.semantics import micro_batch_size
 from trainer.models.llama import Llama
 
 
@@ -104,6 +103,7 @@ def test_config_reports_every_pipeline_problem_before_launch() -> None:
 
 def test_null_micro_batch_size_means_one_row_per_pipeline_micro_batch() -> None:
     cfg = compose_config(["strategy=pp", "trainer.devices=2", "train.micro_batch_size=null"])
-    validate(cfg)  # 8 micro-batches of 1 row, not 1 micro-batch of 8 rows (which 1F1B cannot schedule)
-    assert micro_batch_size(cfg) == 1
-    assert micro_batch_size(compose_config(["trainer.devices=2", "train.micro_batch_size=null"])) == 4
+    run = validate(cfg)  # 8 micro-batches of 1 row, not 1 micro-batch of 8 rows (which 1F1B cannot schedule)
+    assert (run.micro_batch_size, run.num_micro_batches, run.pp_microbatches) == (1, 8, 8)
+    run = validate(compose_config(["trainer.devices=2", "train.micro_batch_size=null"]))
+    assert (run.micro_batch_size, run.num_micro_batches) == (4, 1)

@@ -1,27 +1,32 @@
-"""Planner pieces without processes: presets, layout round trip, search, report, planner.check (issue 9)."""
+"""Planner pieces without processes: presets, layout round trip, search, report, planner.check."""
 
 from __future__ import annotations
 
 import pytest
 
-from strategies.planner.layout import ModelShape, layout_from_config, shape_from_config, workload_from_config
 from strategies.planner.memory import predict_memory
 from strategies.planner.search import SearchSpace, search
 from trainer.compose import compose
 from trainer.config import ConfigError, validate
-from trainer.plan import check_memory, cluster_from_config, plan
+from strategies.shape import ModelShape
+from trainer.plan import check_memory, cluster_from_config, plan, planner_inputs
+
+def _inputs(cfg):
+    """``(shape, layout, workload)`` of a composed run, as the planner receives them."""
+    return planner_inputs(cfg, validate(cfg))
+
 
 PUBLISHED_PARAMS = {"llama3_8b": 8_030_261_248, "llama3_70b": 70_553_706_496, "llama3_405b": 405_853_388_800}
 
 
 @pytest.mark.parametrize("model", list(PUBLISHED_PARAMS))
 def test_presets_have_published_parameter_counts(model):
-    assert shape_from_config(compose("pretrain", [f"model={model}"])).num_params == PUBLISHED_PARAMS[model]
+    assert validate(compose("pretrain", [f"model={model}"])).shape.num_params == PUBLISHED_PARAMS[model]
 
 
 def test_layout_overrides_round_trip():
     cfg = compose("pretrain", ["model=llama3_8b", "cluster=h100x64", "data.seq_len=8192", "train.global_batch_size=64"])
-    shape, work, cluster = shape_from_config(cfg), workload_from_config(cfg), cluster_from_config(cfg)
+    (shape, _, work), cluster = _inputs(cfg), cluster_from_config(cfg)
     plans = search(shape, work, cluster, SearchSpace(max_micro_batch=2))
     assert plans and plans[0].fits
     # Fitting layouts first, each group fastest first; every layout covers the 64 devices.
@@ -32,14 +37,13 @@ def test_layout_overrides_round_trip():
         devices = ["trainer.devices=8", "trainer.num_nodes=8"]
         again = compose("pretrain", ["model=llama3_8b", "data.seq_len=8192", "train.global_batch_size=64",
                                      *p.layout.overrides(), *devices])  # fmt: skip
-        validate(again)
-        assert layout_from_config(again) == p.layout
+        assert _inputs(again)[1] == p.layout
 
 
 def test_memory_drops_with_sharding_and_checkpointing():
     cfg = compose("pretrain", ["model=llama3_8b", "data.seq_len=8192", "train.global_batch_size=8",
                                "trainer.precision=bf16-mixed"])  # fmt: skip
-    shape, work = shape_from_config(cfg), workload_from_config(cfg)
+    shape, _, work = _inputs(cfg)
     from strategies.planner.layout import Layout
 
     base = predict_memory(shape, Layout(dp_shard=8), work)
@@ -52,7 +56,7 @@ def test_memory_drops_with_sharding_and_checkpointing():
 def test_plan_prints_table_and_overrides():
     cfg = compose("pretrain", ["model=llama3_8b", "cluster=h100x8", "data.seq_len=8192", "train.global_batch_size=16",
                                "trainer.precision=bf16-mixed", "planner.max_micro_batch=1", "planner.hsdp=false"])  # fmt: skip
-    text = plan(cfg)
+    text = plan(cfg, validate(cfg))
     assert "tok/s/dev" in text and "overrides: strategy=nd" in text and "trainer.devices=8" in text
 
 
@@ -60,13 +64,14 @@ def test_check_fails_a_predicted_oom_with_the_breakdown():
     big = compose("pretrain", ["model=llama3_8b", "cluster=h100x8", "trainer.devices=1", "data.seq_len=8192",
                                "train.global_batch_size=1", "strategy=fsdp", "planner.check=true"])  # fmt: skip
     with pytest.raises(ConfigError, match=r"planner.check: .* GiB per device.*optimizer"):
-        check_memory(big)
-    check_memory(compose("pretrain", ["model=nano", "cluster=cpu", "planner.check=true"]))  # fits: no error
+        check_memory(big, validate(big))
+    fits = compose("pretrain", ["model=nano", "data.seq_len=64", "cluster=cpu", "planner.check=true"])
+    check_memory(fits, validate(fits))  # fits: no error
 
 
 def test_check_without_cluster_names_the_fix():
     with pytest.raises(ConfigError, match="cluster=<preset>"):
-        check_memory(compose("pretrain", ["planner.check=true"]))
+        check_memory(cfg := compose("pretrain", ["planner.check=true"]), validate(cfg))
 
 
 def test_model_shape_reads_tensor_parallel_dims():

@@ -1,7 +1,6 @@
 """mSFT: search each source's training budget by roll-out and roll-back (``plait sft budget=msft``).
 
-Implements the loop of "mSFT: dataset-mixture overfitting in multi-task SFT" (Koh, Jeon, ... Yun;
-summary in shared/research/seed_papers.md section 5):
+Implements the loop of "mSFT: dataset-mixture overfitting in multi-task SFT" (Koh, Jeon, ... Yun):
 
 1. all sources active; 2. **roll out**: train the active mixture ``compute`` more epochs of each
 active source, checkpointing and scoring every source's held-out metric every ``eval_every``
@@ -244,8 +243,9 @@ class MSFT:
     @staticmethod
     def _flops_per_token(cfg: DictConfig, data: Any) -> float:
         from trainer.build import build_model
+        from trainer.config import validate
 
-        model = build_model(cfg, vocab_size=data.tokenizer.vocab_size)
+        model = build_model(cfg, validate(cfg), vocab_size=data.tokenizer.vocab_size)
         return float(model.flops_per_token(data.seq_len)) if hasattr(model, "flops_per_token") else 0.0
 
     def run(self, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:

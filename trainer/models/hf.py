@@ -311,12 +311,14 @@ def load_init_from(model: nn.Module) -> None:
         raise HFError(f"model.init_from={source} is neither a Hugging Face directory nor a plait checkpoint") from None
 
 
-def init_from_problems(model: Any, *, dims: Any = None, data: Any = None) -> list[str]:
+def init_from_problems(model: Any, *, data: Any = None) -> list[str]:
     """Problems of ``model.init_from`` for `trainer.config.validate` (before any process group).
+
+    The layout is checked against the checkpoint's sizes by the plugins (on the model's shape,
+    which validate builds from the same config.json).
 
     Args:
         model: the composed ``model`` node (``init_from`` set).
-        dims: the resolved `ParallelDims` (checks tp and cp against the checkpoint's heads), or None.
         data: the ``data`` node (its ``seq_len`` against the checkpoint's context and window).
     """
     from trainer.rundir import resolve_checkpoint
@@ -357,9 +359,4 @@ def init_from_problems(model: Any, *, dims: Any = None, data: Any = None) -> lis
     if data is not None and "tokenizer" in data and data.tokenizer is None:
         if not (Path(source).expanduser() / "tokenizer.json").is_file():
             problems.append(f"model.init_from={source} has no tokenizer.json; give its tokenizer with data.tokenizer=...")
-    if dims is not None:
-        problems += dims.check_model(
-            n_layers=kwargs["n_layers"], n_heads=kwargs["n_heads"], n_kv_heads=kwargs["n_kv_heads"],
-            seq_len=seq_len or 0, vocab_size=kwargs["vocab_size"], ffn_dim=kwargs["ffn_dim"],
-        )  # fmt: skip
     return problems

@@ -1,0 +1,68 @@
+"""`ResolvedRun`: every fact of one run that more than one room needs, derived once.
+
+`trainer.config.validate` derives it from the composed config (the only derivation of degrees,
+world size and micro-batches); the builders, `MeshStrategy`, every plugin's ``problems``, the
+planner and the data modules receive it, and none reads these facts out of the config again.
+It lives under ``strategies/`` so that the plugins and the planner can name it (imports go
+``trainer`` -> ``strategies``). See pytorch/torchtitan's ``ParallelDims`` (one object the trainer
+passes around).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from strategies.parallel_dims import ParallelDims
+from strategies.shape import ModelShape
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """The resolved facts of one run.
+
+    Attributes:
+        world_size: ranks of the run (trainer.devices x trainer.num_nodes).
+        dims: the resolved degrees (no -1).
+        global_batch_size: rows per optimizer step over all data-parallel ranks.
+        micro_batch_size: rows per forward/backward on one rank: train.micro_batch_size, or when
+            null all of the rank's rows (with pp > 1: one row per pipeline micro-batch).
+        num_micro_batches: micro-batches of one optimizer step on one dp rank
+            (global_batch_size / (dp x micro_batch_size)).
+        pp_schedule: the pipeline schedule (strategy.pp_schedule; used when pp > 1).
+        pp_stages_per_rank: pipeline stages per rank (1 for GPipe/1F1B, 2 for interleaved and V
+            schedules unless strategy.pipeline.stages_per_rank says otherwise).
+        pp_microbatches: micro-batches per pipeline schedule step
+            (strategy.pipeline.num_microbatches, or all of the step's).
+        cp_mode: context-parallel attention (strategy.cp_mode; used when cp > 1).
+        seq_len: tokens per row (data.seq_len; 0 for a data node without one).
+        vocab_size: the planned vocabulary: model.vocab_size, else the tokenizer file's size, else
+            the size of the BPE plait trains (data.vocab_size; the trained one may be smaller, so
+            the builder checks the built model again). None when unknown.
+        shape: the model's sizes and tensors, read from the model built on the meta device
+            (None for a model without Llama-style sizes).
+        precision: the Lightning precision (trainer.precision).
+        optimizer: the optimizer partial (``optim``, instantiated), for checks that need to know
+            what state it keeps; None without one.
+        drop_last: whether the data drops a last, partial global batch (data.drop_last).
+    """
+
+    world_size: int
+    dims: ParallelDims
+    global_batch_size: int
+    micro_batch_size: int
+    num_micro_batches: int
+    pp_schedule: str = "1F1B"
+    pp_stages_per_rank: int = 1
+    pp_microbatches: int = 1
+    cp_mode: str = "ring"
+    seq_len: int = 0
+    vocab_size: int | None = None
+    shape: ModelShape | None = None
+    precision: str = "32-true"
+    optimizer: Callable[..., torch.optim.Optimizer] | None = None
+    drop_last: bool = True

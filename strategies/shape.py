@@ -1,0 +1,99 @@
+"""The model's shape: its sizes and parameter tensors, read from a model built on the meta device.
+
+`ModelShape` is what validation, every plugin's ``problems`` and the planner know about the model
+(a 405B model on the meta device costs nothing). Each parameter carries the dimension tensor
+parallelism shards, taken from the model's own ``tp_plan``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+# The sizes `ModelShape.from_model` reads from a Llama-style model.
+SIZES = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings")
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter tensor: its name, full shape and the dim tp shards (None: replicated).
+
+    ``grad_tp_replicated``: its gradient is a full (Replicate) DTensor on every tp rank although the
+    parameter is sharded; torch 2.13 does this for a row-wise (vocabulary-sharded) embedding.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    tp_dim: int | None
+    layer: int | None  # block index; None for the embedding, final norm and output head
+    grad_tp_replicated: bool = False
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Sizes of a Llama-style decoder and its parameter tensors.
+
+    Build with `from_model` (a model on the meta device is enough).
+    """
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    tie_embeddings: bool
+    params: tuple[ParamSpec, ...]
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def num_params(self) -> int:
+        return sum(math.prod(p.shape) for p in self.params)
+
+    def matmul_params_per_layer(self) -> int:
+        """Weights of one block's matmuls (attention projections and SwiGLU)."""
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        return self.dim * (2 * q + 2 * kv) + 3 * self.dim * self.ffn_dim
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "ModelShape | None":
+        """`from_model`, or None for a model without the Llama-style sizes (`SIZES`)."""
+        return cls.from_model(model) if all(hasattr(model, name) for name in SIZES) else None
+
+    @classmethod
+    def from_model(cls, model: nn.Module) -> "ModelShape":
+        """Reads sizes and parameters of ``model`` (a `trainer.models.llama.Llama`, any device).
+
+        The tp dim of each parameter follows the model's ``tp_plan``: column-wise Linear and
+        row-wise Embedding shard dim 0, row-wise Linear and column-wise Embedding dim 1.
+        """
+        plan = model.tp_plan() if hasattr(model, "tp_plan") else {}
+        specs, seen = [], set()
+        for module_name, module in model.named_modules():
+            for pname, p in module.named_parameters(recurse=False):
+                if id(p) in seen:  # tied weights count once
+                    continue
+                seen.add(id(p))
+                style = next((s for pat, s in plan.items() if fnmatch.fnmatchcase(module_name, pat)), None)
+                embedding = isinstance(module, nn.Embedding)
+                tp_dim = None
+                if isinstance(style, ColwiseParallel):
+                    tp_dim = 1 if embedding else 0
+                elif isinstance(style, RowwiseParallel):
+                    tp_dim = 0 if embedding else 1
+                parts = module_name.split(".")
+                layer = int(parts[1]) if parts[0] == "layers" and len(parts) > 1 else None
+                replicated_grad = embedding and isinstance(style, RowwiseParallel)
+                specs.append(ParamSpec(f"{module_name}.{pname}", tuple(p.shape), tp_dim, layer, replicated_grad))
+        return cls(
+            vocab_size=model.vocab_size, dim=model.dim, n_layers=model.n_layers, n_heads=model.n_heads,
+            n_kv_heads=model.n_kv_heads, ffn_dim=model.ffn_dim, tie_embeddings=model.tie_embeddings,
+            params=tuple(specs),
+        )  # fmt: skip

@@ -1,0 +1,60 @@
+"""Every plugin reports its own problems for a resolved run and the model's shape (the plugin
+contract: ``problems(run, shape)``), and validate walks them before any process starts."""
+
+from __future__ import annotations
+
+import pytest
+from harness import compose_config
+
+from strategies.context import ContextParallel
+from strategies.mesh import MeshStrategy, Plugin
+from strategies.parallel_dims import ParallelDims
+from strategies.pipeline import PipelineParallel
+from strategies.resolved import ResolvedRun
+from strategies.shape import ModelShape
+from trainer.config import ConfigError, validate
+
+
+def _run(dims: ParallelDims, **fields) -> ResolvedRun:
+    return ResolvedRun(world_size=dims.world_size, dims=dims, global_batch_size=8, micro_batch_size=1, num_micro_batches=8, **fields)
+
+
+def test_the_context_parallel_rule_is_the_plugins_own() -> None:
+    # Load-balanced shards cut the sequence into 2 cp chunks; contiguous ones into cp (shard_positions).
+    validate(compose_config(["strategy=cp", "trainer.devices=2", "data.seq_len=66", "strategy.context_parallel.load_balance=false"]))
+    with pytest.raises(ConfigError) as err:
+        validate(compose_config(["strategy=cp", "trainer.devices=2", "data.seq_len=66"]))
+    assert err.value.problems == [
+        "data.seq_len=66 is not divisible by 2*cp=4 (load-balanced ring attention); use a seq_len that is a multiple of 4"
+    ]
+    contiguous = ContextParallel(load_balance=False).problems(_run(ParallelDims(dp_shard=1, cp=2), seq_len=65), None)
+    assert contiguous == ["data.seq_len=65 is not divisible by cp=2; use a seq_len that is a multiple of 2"]
+
+
+def test_pipeline_problems_use_the_model_shape() -> None:
+    with pytest.raises(ConfigError) as err:
+        validate(compose_config(["strategy=pp", "strategy.pp=4", "trainer.devices=4", "train.micro_batch_size=1"]))
+    assert "strategy.pp=4 exceeds the 2 layers; use strategy.pp<=2" in err.value.problems
+    assert PipelineParallel().problems(_run(ParallelDims(dp_shard=1)), None) == []  # pp = 1: nothing to check
+
+
+def test_every_plugin_implements_the_contract_and_the_walk_follows_the_documented_order() -> None:
+    strategy = MeshStrategy(local_sgd=None)
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=2, tp=2, pp=2)
+    names = [type(p).__name__ for p in strategy.plugins(dims)]
+    assert names == [
+        "PipelineParallel", "TensorParallel", "ContextParallel", "ActivationOffload", "ActivationCheckpoint",
+        "Compile", "FSDP",
+    ]  # fmt: skip
+    assert all(isinstance(p, Plugin) for p in strategy.plugins(dims))
+    # One rank per axis: the always-on plugins only (each is a no-op when off).
+    assert [type(p).__name__ for p in strategy.plugins(ParallelDims(dp_shard=1))] == [
+        "ActivationOffload", "ActivationCheckpoint", "Compile",
+    ]  # fmt: skip
+
+
+def test_validate_returns_the_resolved_run_with_the_model_shape() -> None:
+    run = validate(compose_config(["strategy=fsdp_tp", "trainer.devices=4"]))
+    assert (run.world_size, run.dims.dp_shard, run.dims.tp) == (4, 2, 2)
+    assert isinstance(run.shape, ModelShape) and (run.shape.n_layers, run.shape.vocab_size) == (2, 4096)
+    assert (run.global_batch_size, run.micro_batch_size, run.num_micro_batches) == (8, 4, 1)
