@@ -68,7 +68,8 @@ def main() -> None:
         trainer, task, data = build_run(cfg, Path(run_dir))
         trainer.fit(task, datamodule=data)
     wall = time.perf_counter() - start
-    evals = [h for h in task.history if "val/rewards/accuracy" in h]
+    # An evaluation's entry holds the objective's sums under "metrics" (Task.evaluate).
+    evals = [{"step": h["step"], **h["metrics"]} for h in task.history if "val/rewards/accuracy" in h.get("metrics", {})]
     before, after = evals[0], evals[-1]
     ref = data.prepare().val_ref
     base_pref = ((ref[:, 0] > ref[:, 1]).float() + 0.5 * (ref[:, 0] == ref[:, 1]).float()).mean().item()

@@ -115,7 +115,7 @@ def reference_setup(cfg: DictConfig) -> tuple[Any, torch.nn.Module, torch.optim.
 
 
 # Plain SGD at a constant LR without clipping: every layout applies its own gradient, so parameters
-# after a few steps (with momentum, DESIGN section 7) compare layouts exactly.
+# after a few steps (with momentum) compare layouts exactly.
 EXACT_SGD = ("optim=sgd", "scheduler=constant", "scheduler.warmup_steps=0", "train.max_grad_norm=0")
 
 # The CLI's tiny settings: like TINY, but the run directory keeps its csv logger and loss plot.

@@ -1,4 +1,4 @@
-"""`Task`: the LightningModule that owns the whole optimizer step (DESIGN section 4).
+"""`Task`: the LightningModule that owns the whole optimizer step.
 
 One optimizer step, in order:
 
@@ -30,7 +30,8 @@ from typing_extensions import override
 
 from trainer.loggers import is_logging_step
 from trainer.models.hf import load_init_from
-from trainer.optim import DEFAULT_NO_DECAY, build_optimizer
+from trainer.optim import build_optimizer
+from trainer.protocols import Objective
 
 
 def split_micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
@@ -44,7 +45,8 @@ class Task(L.LightningModule):
 
     Args:
         model: the network (parallelized in place by the strategy in ``configure_model``).
-        objective: has ``num_tokens(batch)`` and ``loss_sum(model, batch)`` (see trainer.objectives).
+        objective: a `trainer.protocols.Objective` (``num_tokens``, ``loss_sum``, ``pop_sums``,
+            ``before_fit``; see trainer.objectives).
         optimizer: partial taking parameter groups (Hydra ``_partial_: true``).
         scheduler: partial taking the optimizer and ``total_steps``; None for a constant LR.
         micro_batch_size: rows per forward/backward on each dp rank.
@@ -60,15 +62,15 @@ class Task(L.LightningModule):
         self,
         *,
         model: nn.Module,
-        objective: Any,
+        objective: Objective,
         optimizer: Callable[..., torch.optim.Optimizer],
         scheduler: Callable[..., torch.optim.lr_scheduler.LRScheduler] | None,
         micro_batch_size: int,
-        max_grad_norm: float | None = 1.0,
-        weight_decay: float = 0.1,
-        no_decay: tuple[str, ...] = DEFAULT_NO_DECAY,
-        eval_every: int = 0,
-        flops_per_token: float = 0.0,
+        max_grad_norm: float | None,
+        weight_decay: float,
+        no_decay: tuple[str, ...],
+        eval_every: int,
+        flops_per_token: float,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -86,14 +88,19 @@ class Task(L.LightningModule):
         self.last_step_tokens = 0
         self._new_val_loss: float | None = None  # for the progress bar, after each evaluation
         self._row: dict[str, float] = {}  # the loggers' row of the current step (see `record`)
+        self._configured = False  # configure_model has parallelized the model
 
     # ------------------------------------------------------------------------------ setup
     @override
     def configure_model(self) -> None:
-        # Models declare their structure; the strategy applies the layout (DESIGN section 3).
+        # Lightning calls this hook at every fit/validate/test; the model is parallelized once.
+        if self._configured:
+            return
+        # Models declare their structure; the strategy applies the layout.
         self.trainer.strategy.parallelize(self.model)
         # Pretrained weights go straight into the shards: each rank reads only what it holds.
         load_init_from(self.model)
+        self._configured = True
 
     @override
     def configure_optimizers(self) -> Any:
@@ -106,36 +113,23 @@ class Task(L.LightningModule):
     def total_steps(self) -> int:
         """Optimizer steps of the run: ``trainer.max_steps``, or fewer when the data ends first (a
         data module with ``finite_steps()``, e.g. an SFT mixture whose budgets end the run)."""
-        finite = getattr(self.trainer.datamodule, "finite_steps", None)
-        return min(self.trainer.max_steps, finite()) if finite is not None else self.trainer.max_steps
+        finite = self.trainer.datamodule.finite_steps()
+        return self.trainer.max_steps if finite is None else min(self.trainer.max_steps, finite)
 
     def _data_ended(self) -> bool:
         """Whether the train loader has reached the end of finite data (it then says ``exhausted``)."""
-        return bool(getattr(self.trainer.train_dataloader, "exhausted", False))
+        return self.trainer.train_dataloader.exhausted
 
-    def _group_losses(self, prefix: str) -> dict[str, float]:
-        """``{prefix}/loss/<group>``: token-weighted losses of objectives that also sum their loss
-        per group (``pop_group_sums()``, e.g. per SFT source), reduced over all dp x cp ranks."""
-        pop = getattr(self.objective, "pop_group_sums", None)
-        popped = pop() if pop is not None else None
-        if popped is None:
-            return {}
-        names, sums = popped
-        sums = self.trainer.strategy.all_reduce_sum(sums.to(self.device), "dp_cp")
-        return {f"{prefix}/loss/{n}": (sums[0, i] / sums[1, i]).item() for i, n in enumerate(names) if sums[1, i] > 0}
-
-    def _objective_metrics(self, prefix: str) -> dict[str, float]:
-        """``{prefix}/<name>``: means of metrics the objective sums per micro-batch
-        (``pop_metric_sums()``: names and ``[K + 1]`` sums, the last one the count, e.g. the
-        preference rewards, accuracy and margin per pair), reduced over all dp x cp ranks."""
-        pop = getattr(self.objective, "pop_metric_sums", None)
-        popped = pop() if pop is not None else None
+    def _pop_sums(self, prefix: str) -> dict[str, float]:
+        """``{prefix}/<name>``: the objective's named sums since the last call (`Objective.pop_sums`:
+        e.g. the loss per SFT source, the rewards per preference pair), reduced over all dp x cp
+        ranks, each divided by its count; names whose count is 0 are left out."""
+        popped = self.objective.pop_sums()
         if popped is None:
             return {}
         names, sums = popped
         sums = self.trainer.strategy.all_reduce_sum(sums.to(self.device).float(), "dp_cp")
-        count = sums[-1].clamp(min=1.0)
-        return {f"{prefix}/{n}": (sums[i] / count).item() for i, n in enumerate(names)}
+        return {f"{prefix}/{n}": (sums[0, i] / sums[1, i]).item() for i, n in enumerate(names) if sums[1, i] > 0}
 
     # ------------------------------------------------------------------------------ the step
     @override
@@ -157,15 +151,12 @@ class Task(L.LightningModule):
 
         local_loss = strategy.forward_backward(self.model, micro_batches, loss_fn, self.manual_backward)
         loss = strategy.all_reduce_sum(local_loss, strategy.token_axis)
-        group_losses = self._group_losses("train")
+        objective_sums = self._pop_sums("train")  # e.g. per-source losses, preference rewards
         if strategy.token_axis != "dp_cp":
             # Local-SGD islands each divide by their own tokens: log the token-weighted mean of all islands.
             totals = strategy.all_reduce_sum(torch.stack([loss * num_tokens, num_tokens]), "dp_replicate")
             loss, num_tokens = totals[0] / totals[1].clamp(min=1.0), totals[1]
 
-        step_metrics = self._objective_metrics("train")  # e.g. preference rewards of the step
-        if is_logging_step(self.trainer):
-            self.record(step_metrics)
         parameters = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm = strategy.grad_norm(parameters)
         if self.max_grad_norm:
@@ -182,7 +173,7 @@ class Task(L.LightningModule):
         data_metrics = self.trainer.train_dataloader.mark_trained() or {}
         self.last_step_tokens = step_tokens
         self.tokens_seen += self.last_step_tokens
-        self._log_step(loss, grad_norm, lr, num_tokens, {**strategy_metrics, **group_losses, **data_metrics})
+        self._log_step(loss, grad_norm, lr, num_tokens, {**strategy_metrics, **objective_sums, **data_metrics})
 
     def _log_step(
         self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, num_tokens: torch.Tensor, metrics: dict[str, float]
@@ -232,11 +223,9 @@ class Task(L.LightningModule):
     # ------------------------------------------------------------------------------ evaluation
     @override
     def on_fit_start(self) -> None:
-        # Data that depends on the initial model, computed with the parallelized policy before the
-        # first step (a preference set's reference log-probs); a restored run keeps its own.
-        prepass = getattr(self.trainer.datamodule, "prepass", None)
-        if prepass is not None:
-            prepass(self)
+        # What depends on the initial model, computed with the parallelized policy before the
+        # first step (a preference objective's reference log-probs); a restored run keeps its own.
+        self.objective.before_fit(self)
 
     @override
     def on_train_start(self) -> None:
@@ -269,28 +258,22 @@ class Task(L.LightningModule):
         was_training = self.model.training
         self.model.eval()
         totals = torch.zeros(2, device=self.device)
-        self._group_losses("train")  # drop stray sums: the next ones are this evaluation's
-        self._objective_metrics("train")  # drop stray sums: the next ones are this evaluation's
+        self.objective.pop_sums()  # drop stray sums: the next ones are this evaluation's
         with self.trainer.precision_plugin.forward_context():
             for batch in loader:
                 batch = strategy.shard_batch({k: v.to(self.device) for k, v in batch.items()})
                 totals[0] += strategy.eval_loss_sum(self.model, batch, self.objective.loss_sum)
                 totals[1] += self.objective.num_tokens(batch)
-            extra = self._group_losses("val")
-            # Data modules may score the model beyond the loss (held-out exact match per SFT source).
-            metrics_fn = getattr(self.trainer.datamodule, "eval_metrics", None)
-            if metrics_fn is not None:
-                extra.update(metrics_fn(self.model, self.device))
+            extra = self._pop_sums("val")
+            # The data's evaluators score the model beyond the loss (held-out exact match per SFT source).
+            for evaluator in self.trainer.datamodule.evaluators():
+                extra.update(evaluator.evaluate(self.model, self.device))
         strategy.all_reduce_sum(totals, "dp_cp")
-        val_metrics = self._objective_metrics("val")
         self.model.train(was_training)
         if totals[1].item() == 0:
             return None  # no validation data (data.val_fraction=0): no figure, rather than 0.0
         val_loss = (totals[0] / totals[1]).item()
         self.record({"val/loss": val_loss, "val/ppl": math.exp(min(val_loss, 50.0)), **extra})
-        self.record(val_metrics)
-        if val_metrics:
-            self.history.append({"step": self.global_step, **val_metrics})
         self._new_val_loss = val_loss
         entry = {"step": self.global_step, "val_loss": val_loss}
         self.history.append({**entry, "metrics": extra} if extra else entry)

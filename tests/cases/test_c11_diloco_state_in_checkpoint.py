@@ -3,7 +3,7 @@
 One scalar parameter, outer SGD(lr=0.7, momentum=0.9, nesterov=True), H = 2 inner steps per round,
 2 islands (gloo ranks). The "inner steps" move each island's local value by a fixed amount: island
 0 by 0.15 and island 1 by 0.05 per step in round 1 (mean pseudo-gradient 0.2), 0.075 and 0.025 in
-round 2 (0.1). Expected (shared/cases): global 0.734 after round 1 and 0.4876 after round 2, whether
+round 2 (0.1). Expected (worked by hand from the update rule): global 0.734 after round 1 and 0.4876 after round 2, whether
 the run is uninterrupted, checkpointed at the sync boundary (after step 2) or in the middle of the
 inner loop (after step 1, where the islands' local values 0.85 and 0.95 differ). The faults give
 0.601 (outer momentum lost at the boundary) and 0.767 (anchor re-snapshotted mid-round from the

@@ -1,7 +1,7 @@
 """C12: the DiLoCo pseudo-gradient is global - local, so the outer step moves towards the islands.
 
 One scalar parameter, global 1.0, the islands' local values 0.7 and 0.9 (mean 0.8) after H = 1
-inner step, outer SGD lr 0.7 without momentum. Expected (shared/cases): pseudo-gradient +0.2 and
+inner step, outer SGD lr 0.7 without momentum. Expected (worked by hand from the update rule): pseudo-gradient +0.2 and
 new global 1.0 - 0.7 * 0.2 = 0.86; the wrong sign gives 1.14. Sanity check: outer lr 1.0, no
 momentum and one island: the new global equals the local value exactly.
 """

@@ -43,5 +43,5 @@ def test_zero_supervised_tokens_give_loss_zero_not_nan():
              "source_ids": torch.zeros(1, 8, dtype=torch.long)}  # fmt: skip
     loss = objective.loss_sum(model, batch) / objective.num_tokens(batch).clamp(min=1.0)  # as the Task divides
     assert loss.item() == 0.0 and not torch.isnan(loss)
-    names, sums = objective.pop_group_sums()
-    assert names == ["only"] and sums.tolist() == [[0.0], [0.0]]
+    names, sums = objective.pop_sums()
+    assert names == ["loss/only"] and sums.tolist() == [[0.0], [0.0]]

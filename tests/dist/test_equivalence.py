@@ -49,7 +49,7 @@ LAYOUTS = {
     "fsdp2_ga2": ["strategy=fsdp", "trainer.devices=2", "train.micro_batch_size=2"],
     "fsdp4": ["strategy=fsdp", "trainer.devices=4", "train.micro_batch_size=2"],
     "hsdp2x2_ga2": ["strategy=hsdp", "trainer.devices=4", "train.micro_batch_size=1"],
-    # Tensor parallel (issue 4): plain Megatron pairs, + sequence parallel, + loss parallel, and 2-D.
+    # Tensor parallel: plain Megatron pairs, + sequence parallel, + loss parallel, and 2-D.
     "tp2": ["strategy=tp", "trainer.devices=2", *_TP_OFF],
     "tp2_sp": ["strategy=tp", "trainer.devices=2", *_TP_OFF[1:], "train.micro_batch_size=4"],
     "tp2_lp": ["strategy=tp", "trainer.devices=2", *_TP_OFF[:1]],

@@ -1,5 +1,5 @@
 """Resharding resume: a checkpoint written by FSDP2 on 2 ranks resumes on 1 and on 4 ranks, and the
-run continues exactly as the uninterrupted one (DESIGN sections 3 and 5).
+run continues exactly as the uninterrupted one.
 
 DCP reshards parameters and the flattened optimizer state to the new layout; the sampler's global
 batches do not depend on the world size, so steps 3 and 4 see the same rows at any world size.

@@ -1,4 +1,4 @@
-"""A Hugging Face checkpoint loads into sharded models and exports back from them (issue 10).
+"""A Hugging Face checkpoint loads into sharded models and exports back from them.
 
 A random tiny Qwen3 written by ``transformers`` (QK-norm, head dim 32 != 64/4, GQA; see
 tests/hf_checkpoints.py) is trained for 3 SGD-with-momentum steps (fp32, lr 0.1, no clipping)

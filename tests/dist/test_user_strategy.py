@@ -1,4 +1,4 @@
-"""The subclassing contract (DESIGN section 3): a user's MeshStrategy subclass overrides one method
+"""The subclassing contract (README, "Your own strategy"): a user's MeshStrategy subclass overrides one method
 and is selected with ``strategy._target_``; it trains, and its overrides run in every rank.
 
 The run also switches on activation checkpointing and per-block compile through the preset's

@@ -1,5 +1,5 @@
 """The CLI end to end on tiny settings: the run directory, --help, a user recipe file, generate,
-two processes and the offline wandb logger (DESIGN sections 1 and 7)."""
+two processes and the offline wandb logger."""
 
 from __future__ import annotations
 
@@ -182,7 +182,7 @@ def test_wandb_logger_runs_offline(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_fsdp_x_tp_on_four_processes_from_the_cli(tmp_path: Path, pretrain_run: tuple[Path, str]) -> None:
-    # `plait pretrain strategy=fsdp_tp trainer.devices=4` (issue 4): dp_shard 2 x tp 2 with
+    # `plait pretrain strategy=fsdp_tp trainer.devices=4`: dp_shard 2 x tp 2 with
     # sequence and loss parallel, resharded into the same DCP checkpoint layout as one process.
     run_dir = tmp_path / "run"
     _ok(plait("pretrain", *CLI_TINY, "strategy=fsdp_tp", "trainer.devices=4", f"run_dir={run_dir}"))

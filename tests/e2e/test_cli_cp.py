@@ -1,7 +1,7 @@
 """`plait pretrain strategy=cp` end to end: two ranks split every row's sequence (ring attention),
 train, evaluate and write a DCP checkpoint (parameters FSDP-sharded over the cp ranks).
 
-The literal long-context command of issue 6, ``plait pretrain strategy=cp strategy.cp_mode=ring
+The literal long-context command of the README, ``plait pretrain strategy=cp strategy.cp_mode=ring
 trainer.devices=2 data.seq_len=4096``, runs the same path with the default tiny model (max_seq_len
 4096); it takes minutes per step on 2 CPU cores, so this test uses the CLI's tiny settings.
 """

@@ -1,5 +1,5 @@
 """A parallel layout that cannot run stops `plait` before any process starts or any directory is
-written, with every problem and the override that fixes it (DESIGN section 3, STYLE rule 6)."""
+written, with every problem and the override that fixes it."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Two "nodes" on this machine train one run, as on a cluster (README, "Beyond one machine"):
-started by torchrun, or by a mocked srun (SLURM's variables, STYLE rule 13). Lightning finds the
+started by torchrun, or by a mocked srun (SLURM's variables). Lightning finds the
 cluster environment, plait starts no processes of its own, global rank 0 alone writes the run
-directory, and the run equals one process training the same config (STYLE rule 14)."""
+directory, and the run equals one process training the same config."""
 
 from __future__ import annotations
 

@@ -105,7 +105,7 @@ def test_bad_settings_name_the_fix() -> None:
 
 def test_compile_per_block_with_checkpointing_matches_eager() -> None:
     # aot_eager traces and partitions the graphs like inductor but skips code generation (seconds,
-    # not a minute, on 2 cores); inductor + FSDP2 was checked in research/cpu_feasibility.md.
+    # not a minute, on 2 cores); inductor itself is what the default backend runs.
     ref_loss, ref_grads = loss_and_grads(tiny_llama(), INPUT_IDS)
     model = tiny_llama()
     ActivationCheckpoint(mode="full").apply(model)

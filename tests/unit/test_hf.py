@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out (issue 10): each family against ``transformers``, fp32.
+"""Hugging Face checkpoints in and out: each family against ``transformers``, fp32.
 
 Per family (tests/hf_checkpoints.py): transformers builds a small random model and saves it;
 plait loads the directory and its logits on a fixed batch match transformers' within 1e-5; plait

@@ -58,12 +58,12 @@ def test_changing_prompt_logits_leaves_pair_logps_unchanged():
 def test_metrics_sums_and_tie_counts_half():
     objective = DPO(beta=0.1)
     objective._accumulate(t([0.5, 0.0, -0.1]), t([0.1, 0.0, 0.2]))
-    names, sums = objective.pop_metric_sums()
-    means = dict(zip(names, (sums[:-1] / sums[-1]).tolist()))
-    assert sums[-1].item() == 3
+    names, sums = objective.pop_sums()
+    means = dict(zip(names, (sums[0] / sums[1]).tolist()))
+    assert sums[1].tolist() == [3, 3, 3, 3]
     assert means["rewards/accuracy"] == pytest.approx(0.5)  # win, tie (1/2), loss
     assert means["rewards/margin"] == pytest.approx((0.4 + 0.0 - 0.3) / 3)
-    assert objective.pop_metric_sums()[1].sum().item() == 0  # popped
+    assert objective.pop_sums()[1].sum().item() == 0  # popped
 
 
 def test_pair_rows_truncation_keeps_the_response():

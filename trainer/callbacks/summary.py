@@ -1,4 +1,4 @@
-"""``summary.json``: the headline figures of a run, for scripts (DESIGN section 1)."""
+"""``summary.json``: the headline figures of a run, for scripts (printed at the end of ``plait``)."""
 
 from __future__ import annotations
 

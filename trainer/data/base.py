@@ -32,6 +32,7 @@ from typing_extensions import override
 from trainer.data.chat import JinjaTemplate, load_chat_template
 from trainer.data.loader import Batch, GlobalBatches, Loader, shard_rows
 from trainer.data.tokenizer import Tokenizer, load_or_train
+from trainer.protocols import Evaluator
 
 TEMPLATES = ("auto", "default", "tokenizer")
 
@@ -160,6 +161,14 @@ class DataModule(L.LightningDataModule):
     def steps_per_epoch(self) -> int:
         """Optimizer steps of one epoch (of one pass, for data that ends)."""
         return len(Loader(self.train_batches(0, 1)))
+
+    def finite_steps(self) -> int | None:
+        """Optimizer steps until the data ends (`trainer.protocols.DataModule`); None: it repeats by epochs."""
+        return None
+
+    def evaluators(self) -> list[Evaluator]:
+        """What scores the model beyond the loss at each evaluation (`trainer.protocols.Evaluator`); none here."""
+        return []
 
 
 def named_source_problems(node: Any, parse: Callable[[str, Mapping[str, Any]], Any], empty: str) -> list[str]:

@@ -144,10 +144,6 @@ class PreferenceDataModule(DataModule):
         self._filled = getattr(self, "_filled", set()) | {split}
         self.reference_ready = self._filled >= set(SPLITS)
 
-    def prepass(self, task: Any) -> None:
-        """The objective's `before_fit` (until the Task calls it itself)."""
-        task.objective.before_fit(task)
-
     @override
     def state_dict(self) -> dict[str, Any]:
         prepared = self.prepare()

@@ -26,9 +26,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import Tensor
-from typing_extensions import Unpack
+from typing_extensions import Unpack, override
 
 from trainer.data import encode
 from trainer.data.base import DataError, DataModule, Settings, named_source_problems
@@ -183,6 +182,7 @@ class SFTDataModule(DataModule):
             dropped={n: d["supervised_tokens"] for n, d in self.dropped.items() if d["supervised_tokens"]},
         )  # fmt: skip
 
+    @override
     def finite_steps(self) -> int:
         """Optimizer steps of one pass over the mixture (the run ends there)."""
         return self.steps_per_epoch()
@@ -196,11 +196,8 @@ class SFTDataModule(DataModule):
             rows.append(row)
         return rows_to_tensors(rows, num_rows=len(rows), seq_len=self.seq_len, pad_id=self.tokenizer.pad_id)
 
+    @override
     def evaluators(self) -> list[ExactMatch]:
         """Greedy-decoding exact match of the sources with ``metric: exact_match`` ([] without any)."""
         prepared = self.prepare()
         return [ExactMatch(prepared.prompts, prepared.tokenizer)] if prepared.prompts else []
-
-    def eval_metrics(self, model: torch.nn.Module, device: torch.device) -> dict[str, float]:
-        """The `evaluators`' scores (until the Task asks for the evaluators itself)."""
-        return {k: v for evaluator in self.evaluators() for k, v in evaluator.evaluate(model, device).items()}

@@ -15,7 +15,7 @@ accumulation or data parallelism equal one big batch of pairs.
 Each objective also sums, per pair, its implicit rewards of the chosen and rejected response, the
 reward accuracy (chosen > rejected; a tie counts 1/2, so a policy equal to its reference scores
 exactly 0.5) and the margin; the Task pops the sums after each step and each evaluation
-(`pop_metric_sums`), reduces them over data-parallel ranks and logs ``train/rewards/chosen``,
+(`pop_sums`), reduces them over data-parallel ranks and logs ``train/rewards/chosen``,
 ``train/rewards/rejected``, ``train/rewards/accuracy``, ``train/rewards/margin`` (``val/...``).
 """
 
@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
+
+from trainer.protocols import Objective
 
 IGNORE_INDEX = -100
 Losses = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # per-pair losses, rewards chosen, rewards rejected
@@ -191,12 +193,12 @@ def reference_logps(task: Any, rows: dict[str, torch.Tensor], score: Any) -> tor
     return table.cpu()
 
 
-class PreferenceObjective:
+class PreferenceObjective(Objective):
     """Base of the preference objectives: one forward of the chosen and rejected rows together.
 
     Subclasses set ``needs_reference`` and implement ``pair_losses``. The Task calls
     ``before_fit`` (the reference pre-pass, when ``needs_reference``), ``num_tokens`` (pairs),
-    ``loss_sum`` and ``pop_metric_sums``.
+    ``loss_sum`` and ``pop_sums``.
     """
 
     needs_reference = True
@@ -206,7 +208,7 @@ class PreferenceObjective:
         self._sums: torch.Tensor | None = None  # [len(METRICS) + 1]: metric sums and pairs
 
     @classmethod
-    def config_problems(cls, cfg: Any, dims: Any) -> list[str]:
+    def config_problems(cls, cfg: Any, run: Any) -> list[str]:
         """Problems of a run config for `trainer.config.validate`: pairs need the preference data
         module, and layouts that keep each row whole (cp and pp are not applied to pairs)."""
         problems = []
@@ -214,12 +216,13 @@ class PreferenceObjective:
         if not data_target.endswith("PreferenceDataModule"):
             problems.append(f"objective {cls.__name__} trains on preference pairs; use data=preference (or preference_synthetic)")
         for axis in ("cp", "pp"):
-            if dims is not None and getattr(dims, axis) > 1:
-                problems.append(f"objective {cls.__name__} does not support strategy.{axis}={getattr(dims, axis)}; use strategy.{axis}=1")
+            if run is not None and getattr(run.dims, axis) > 1:
+                problems.append(f"objective {cls.__name__} does not support strategy.{axis}={getattr(run.dims, axis)}; use strategy.{axis}=1")
         if cfg.get("objective") is not None and cfg.objective.get("loss_chunk_tokens"):
             problems.append("objective.loss_chunk_tokens is not used by preference objectives; remove it")
         return problems
 
+    @override
     @torch.no_grad()
     def before_fit(self, task: Any) -> None:
         """Reference log-probs of every train and validation pair, scored with the initial policy
@@ -275,11 +278,15 @@ class PreferenceObjective:
         sums = torch.stack([rewards_c.sum(), rewards_r.sum(), accuracy.sum(), diff.sum(), diff.new_tensor(diff.numel())])
         self._sums = sums if self._sums is None else self._sums + sums
 
-    def pop_metric_sums(self) -> tuple[list[str], torch.Tensor] | None:
-        """``(names, [len(names) + 1] tensor)``: per-pair metric sums since the last call and, last,
-        the number of pairs (this rank's share; the Task all-reduces and divides)."""
+    @override
+    def pop_sums(self) -> tuple[list[str], torch.Tensor] | None:
+        """``(METRICS, [2, len(METRICS)] tensor)``: per-pair metric sums since the last call and,
+        in row 1, the number of pairs (this rank's share; the Task all-reduces and divides)."""
         sums, self._sums = self._sums, None
-        return list(METRICS), sums if sums is not None else torch.zeros(len(METRICS) + 1)
+        if sums is None:
+            sums = torch.zeros(len(METRICS) + 1)
+        return list(METRICS), torch.stack([sums[:-1], sums[-1].expand(len(METRICS))])
+
 
 
 class _WithBeta(PreferenceObjective):

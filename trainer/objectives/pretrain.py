@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trainer.objectives.chunked_loss import chunked_token_loss_sum
+from trainer.protocols import Objective
 
 IGNORE_INDEX = -100
 
@@ -29,7 +30,7 @@ def token_loss_sum(logits_btv: torch.Tensor, labels_bt: torch.Tensor) -> torch.T
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
-class CausalLM:
+class CausalLM(Objective):
     """The pretraining objective. The Task divides `loss_sum` by the step's global `num_tokens`.
 
     Batches are dicts with ``input_ids``, ``labels``, ``position_ids``, ``document_ids`` ([b, s] int64).

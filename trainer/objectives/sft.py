@@ -4,7 +4,7 @@ The data pipeline already puts -100 on every label that is not an assistant toke
 .chat), so the loss is the pretraining one. What SFT adds is the per-source split: batches carry
 ``source_ids`` ([b, s], the source index of each token, -1 on padding) and the objective keeps
 per-source sums of token losses and supervised-token counts. The Task collects them after each
-step and each evaluation (`pop_group_sums`), reduces them over data-parallel ranks and logs each
+step and each evaluation (`pop_sums`), reduces them over data-parallel ranks and logs each
 source's token-weighted loss (``train/loss/<source>``, ``val/loss/<source>``).
 """
 
@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from typing_extensions import override
 
 from trainer.objectives.pretrain import IGNORE_INDEX, CausalLM
 
@@ -50,12 +51,13 @@ class SFT(CausalLM):
         sums[1].index_add_(0, index, supervised.float())
         self._sums = sums if self._sums is None else self._sums + sums
 
-    def pop_group_sums(self) -> tuple[list[str], torch.Tensor] | None:
-        """``(names, [2, G] tensor)`` of loss sums and token counts since the last call (this
-        rank's share; the Task all-reduces it), or None when nothing was accumulated."""
+    @override
+    def pop_sums(self) -> tuple[list[str], torch.Tensor] | None:
+        """``(["loss/<group>", ...], [2, G] tensor)`` of loss sums and token counts since the last
+        call (this rank's share; the Task all-reduces it), or None without groups."""
         sums, self._sums = self._sums, None
         if not self.groups:
             return None
         if sums is None:
             sums = torch.zeros(2, len(self.groups))
-        return self.groups, sums
+        return [f"loss/{name}" for name in self.groups], sums

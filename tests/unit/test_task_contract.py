@@ -1,0 +1,54 @@
+"""The Task's side of its contracts (trainer.protocols): one `pop_sums` hook reduced and divided
+by its counts, and a `configure_model` that parallelizes once however often Lightning calls it."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from trainer.objectives.pretrain import CausalLM
+from trainer.protocols import Objective
+from trainer.task import Task
+
+
+class _Sums(CausalLM):
+    def __init__(self, sums: torch.Tensor) -> None:
+        super().__init__()
+        self.sums = sums
+
+    def pop_sums(self):
+        return ["loss/a", "loss/b", "rewards/margin"], self.sums
+
+
+def _task(objective: Objective, calls: list[str]) -> Task:
+    task = Task(
+        model=torch.nn.Linear(2, 2), objective=objective, optimizer=torch.optim.SGD, scheduler=None,
+        micro_batch_size=1, max_grad_norm=None, weight_decay=0.0, no_decay=(), eval_every=0, flops_per_token=0.0,
+    )  # fmt: skip
+    strategy = SimpleNamespace(
+        parallelize=lambda model: calls.append("parallelize"),
+        all_reduce_sum=lambda tensor, axis: calls.append(axis) or tensor * 2,  # as if two ranks held the same sums
+    )
+    task._trainer = SimpleNamespace(strategy=strategy)
+    return task
+
+
+def test_pop_sums_are_reduced_once_and_divided_by_their_counts() -> None:
+    calls: list[str] = []
+    task = _task(_Sums(torch.tensor([[3.0, 5.0, 1.0], [2.0, 0.0, 4.0]])), calls)
+    assert task._pop_sums("val") == {"val/loss/a": 1.5, "val/rewards/margin": 0.25}  # a count of 0 logs nothing
+    assert calls == ["dp_cp"]
+
+
+def test_an_objective_without_sums_logs_nothing() -> None:
+    calls: list[str] = []
+    assert _task(CausalLM(), calls)._pop_sums("train") == {} and calls == []
+
+
+def test_configure_model_parallelizes_once() -> None:
+    calls: list[str] = []
+    task = _task(CausalLM(), calls)
+    task.configure_model()
+    task.configure_model()  # Lightning calls the hook again at a later fit/validate/test
+    assert calls == ["parallelize"]

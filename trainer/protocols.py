@@ -1,0 +1,135 @@
+"""What `trainer.task.Task` needs from the objects it drives, as `typing.Protocol` classes.
+
+A class of yours implements one by having its methods (select it with ``_target_``); plait's own
+classes subclass the protocol to inherit the optional hooks' defaults. The Task calls exactly
+these, and nothing it does not declare here (Lightning's ``Strategy`` base class is the model of
+such a declared contract).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import lightning as L
+import torch
+from torch import nn
+
+from strategies.parallel_dims import ParallelDims
+
+Batch = dict[str, torch.Tensor]
+LossFn = Callable[[nn.Module, Batch], torch.Tensor]
+
+
+class Strategy(Protocol):
+    """The parallel parts of a step (`strategies.mesh.MeshStrategy` implements them)."""
+
+    dims: ParallelDims  # the resolved degrees (after setup)
+    token_axis: str  # the mesh view whose ranks count a step's supervised tokens together
+
+    def parallelize(self, model: nn.Module) -> None:
+        """Applies the layout to ``model`` in place (`Task.configure_model`, once)."""
+        ...
+
+    def shard_batch(self, batch: Batch) -> Batch:
+        """This rank's part of its dp rows (e.g. its cp slice of the sequence)."""
+        ...
+
+    def forward_backward(
+        self, model: nn.Module, micro_batches: Sequence[Batch], loss_fn: LossFn, backward: Callable[[torch.Tensor], None]
+    ) -> torch.Tensor:
+        """Forward and backward of the step's micro-batches; the 0-dim sum of their losses (detached)."""
+        ...
+
+    def eval_loss_sum(self, model: nn.Module, batch: Batch, loss_sum: LossFn) -> torch.Tensor:
+        """Summed loss of one evaluation batch, without gradients."""
+        ...
+
+    def loss_context(self) -> AbstractContextManager[None]:
+        """The context the loss and its backward run in (loss parallel under tp)."""
+        ...
+
+    def grad_norm(self, parameters: Sequence[nn.Parameter]) -> torch.Tensor:
+        """The global gradient norm, equal on every rank."""
+        ...
+
+    def clip_grads(self, parameters: Sequence[nn.Parameter], *, max_norm: float, total_norm: torch.Tensor) -> None: ...
+
+    def after_optimizer_step(self, model: nn.Module, step: int, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+        """Work after each optimizer step (local-SGD synchronisation); metrics for the loggers."""
+        ...
+
+    def all_reduce_sum(self, tensor: torch.Tensor, axis: str = "dp_cp") -> torch.Tensor:
+        """In-place SUM over one mesh axis or view; returns ``tensor``."""
+        ...
+
+
+class Objective(Protocol):
+    """A training objective (`trainer.objectives`): the Task divides `loss_sum` by the step's
+    global `num_tokens`, so micro-batches and ranks add up to one big batch."""
+
+    def num_tokens(self, batch: Batch) -> torch.Tensor:
+        """The units ``batch``'s loss is averaged over (supervised tokens, pairs); 0-dim fp32."""
+        ...
+
+    def loss_sum(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """The summed loss of ``batch`` under ``model``; 0-dim fp32."""
+        ...
+
+    def pop_sums(self) -> tuple[list[str], torch.Tensor] | None:
+        """Named sums since the last call: ``(names, [2, K] tensor)``, row 0 the sums, row 1 their
+        counts (this rank's share). The Task reduces them over dp x cp and logs
+        ``{train|val}/<name>`` = sum / count where the count is > 0. None: nothing to report."""
+        return None
+
+    def before_fit(self, task: L.LightningModule) -> None:
+        """Runs on every rank after the model is parallelized, before the first step (e.g. the
+        reference log-probs of a preference objective); a restored run may skip its work.
+
+        Args:
+            task: the `trainer.task.Task` (its model, trainer, strategy, datamodule, micro_batch_size).
+        """
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """State saved in each checkpoint (under ``checkpoint["plait"]["objective"]``)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
+
+
+class Loader(Protocol):
+    """The train loader the data module returns (its position is checkpointed)."""
+
+    exhausted: bool  # finite data has ended: the run stops after this step
+
+    def __iter__(self) -> Iterator[Batch]: ...
+
+    def mark_trained(self) -> dict[str, float] | None:
+        """After each optimizer step: the rows just trained are consumed; data metrics, if any."""
+        ...
+
+
+class Evaluator(Protocol):
+    """Scores the model beyond the loss at each evaluation (e.g. held-out exact match)."""
+
+    def evaluate(self, model: nn.Module, device: torch.device) -> dict[str, float]:
+        """Metrics by full name (``val/exact_match/<source>``); runs on every rank, in eval mode,
+        without gradients, inside the precision's forward context."""
+        ...
+
+
+class DataModule(Protocol):
+    """What the Task asks of the data module, besides Lightning's ``train_dataloader``."""
+
+    def eval_dataloader(self) -> Iterable[Batch]: ...
+
+    def finite_steps(self) -> int | None:
+        """Optimizer steps until the data ends (budgets of an SFT mixture); None: endless."""
+        ...
+
+    def evaluators(self) -> list[Evaluator]:
+        """The evaluators of this data ([] for none)."""
+        ...
