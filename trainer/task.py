@@ -111,9 +111,11 @@ class Task(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def total_steps(self) -> int:
-        """Optimizer steps of the run: ``trainer.max_steps``, or fewer when the data ends first (a
-        data module with ``finite_steps()``, e.g. an SFT mixture whose budgets end the run)."""
-        finite = self.trainer.datamodule.finite_steps()
+        """Optimizer steps of the run: ``trainer.max_steps``, or fewer when the data ends first
+        (`DataModule.finite_steps`, e.g. an SFT mixture whose budgets end the run; a Task fitted
+        without a data module runs ``max_steps``)."""
+        datamodule = self.trainer.datamodule
+        finite = datamodule.finite_steps() if datamodule is not None else None
         return self.trainer.max_steps if finite is None else min(self.trainer.max_steps, finite)
 
     def _data_ended(self) -> bool:
