@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+import typing_extensions
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from strategies.resolved import ResolvedRun
@@ -286,6 +287,13 @@ def _check_target(node: Any, where: str, problems: list[str], injected: set[str]
     takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
     names = [n for n, p in params.items() if p.kind is not p.VAR_KEYWORD]
     hints = _hints(target)
+    # ``**settings: Unpack[SomeTypedDict]`` (PEP 692) declares the keys a class passes on to its base.
+    for p in list(params.values()):
+        declared = typing_extensions.get_args(hints.get(p.name)) if p.kind is p.VAR_KEYWORD else ()
+        if declared and typing_extensions.is_typeddict(declared[0]):
+            takes_kwargs, names = False, names + list(typing.get_type_hints(declared[0]))
+            params |= {k: inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None) for k in names if k not in params}
+            hints |= typing.get_type_hints(declared[0])
     for key in node.keys():
         if str(key).startswith("_") and str(key).endswith("_"):
             continue

@@ -57,3 +57,14 @@ def test_missing_paths_name_the_fix() -> None:
 def test_bad_target_is_reported() -> None:
     problems = _problems(["optim._target_=torch.optim.NoSuchOptimizer"])
     assert any("optim._target_=torch.optim.NoSuchOptimizer cannot be imported" in p for p in problems)
+
+
+@pytest.mark.parametrize("recipe", ["pretrain", "sft", "dpo"])
+def test_the_data_keys_every_data_module_passes_to_its_base_are_checked(recipe: str) -> None:
+    """The common data.* keys (``**settings: Unpack[Settings]``) are checked like the module's own."""
+    cfg = compose_config(["data.seq_len=long", "+data.vocab_sise=5"], recipe=recipe, tiny=False)
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    problems = err.value.problems
+    assert any(p.startswith("data.seq_len='long' must be int") for p in problems)
+    assert any("unknown key data.vocab_sise (did you mean vocab_size?)" in p for p in problems)

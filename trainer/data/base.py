@@ -32,6 +32,7 @@ from typing_extensions import override
 from trainer.data.chat import JinjaTemplate, load_chat_template
 from trainer.data.loader import Batch, GlobalBatches, Loader, shard_rows
 from trainer.data.tokenizer import Tokenizer, load_or_train
+from trainer import protocols
 from trainer.protocols import Evaluator
 
 TEMPLATES = ("auto", "default", "tokenizer")
@@ -53,7 +54,7 @@ class Settings(TypedDict, total=False):
     global_batch_size: int
 
 
-class DataModule(L.LightningDataModule):
+class DataModule(L.LightningDataModule, protocols.DataModule):
     """The shared part of every data module (see module docstring).
 
     Args:

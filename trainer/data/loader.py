@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from trainer import protocols
 from trainer.data.packing import IGNORE_INDEX, Packer, Piece, rows_to_tensors
 from trainer.data.sampler import GlobalBatchSampler
 
@@ -58,7 +59,7 @@ class GlobalBatches(Protocol):
         """Values to log at the trained ``position`` (e.g. supervised tokens per source)."""
 
 
-class Loader:
+class Loader(protocols.Loader):
     """Batches of a `GlobalBatches` stream; its state is the trained position (module docstring)."""
 
     def __init__(self, batches: GlobalBatches) -> None:

@@ -98,6 +98,7 @@ class PreferenceDataModule(DataModule):
         return problems
 
     # ------------------------------------------------------------------------------ preparation
+    @override
     def _prepare(self) -> PreparedPairs:
         """Tokenizer and the ``train``/``val`` row tensors (``[N, 2, T]`` each key).
 
@@ -157,6 +158,7 @@ class PreferenceDataModule(DataModule):
         self.reference_ready = bool(state["ready"])
 
     # ------------------------------------------------------------------------------ loaders
+    @override
     def train_batches(self, dp_rank: int, dp_size: int) -> RowBatches:
         prepared = self.prepare()
         sampler = GlobalBatchSampler(
@@ -165,6 +167,7 @@ class PreferenceDataModule(DataModule):
         )  # fmt: skip
         return RowBatches({**prepared.train, "ref_logps": prepared.train_ref}, sampler)
 
+    @override
     def eval_rows(self) -> dict[str, Tensor]:
         prepared = self.prepare()
         return {**prepared.val, "ref_logps": prepared.val_ref}

@@ -122,6 +122,7 @@ class SFTDataModule(DataModule):
         return problems
 
     # ------------------------------------------------------------------------------ preparation
+    @override
     def _prepare(self) -> PreparedSFT:
         """Tokenizer and tokenized train/val samples per source (cached).
 
@@ -174,6 +175,7 @@ class SFTDataModule(DataModule):
         mixture = Mixture(samples, specs, seed=self.seed)
         return Packer(mixture, seq_len=self.seq_len, pad_id=self.tokenizer.pad_id, policy="whole")
 
+    @override
     def train_batches(self, dp_rank: int, dp_size: int) -> PackedBatches:
         prepared = self.prepare()
         return PackedBatches(
@@ -187,6 +189,7 @@ class SFTDataModule(DataModule):
         """Optimizer steps of one pass over the mixture (the run ends there)."""
         return self.steps_per_epoch()
 
+    @override
     def eval_rows(self) -> dict[str, Tensor]:
         """Every source's held-out samples, packed (``source_ids`` mark the source)."""
         val_specs = {n: SourceSpec(weight=1.0, max_tokens=None, max_epochs=1.0) for n in self.names}

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch import Tensor
-from typing_extensions import Unpack
+from typing_extensions import Unpack, override
 
 from trainer.data import corpus, encode
 from trainer.data.base import DataError, DataModule, Settings
@@ -63,6 +63,7 @@ class TextDataModule(DataModule):
         self.val_fraction, self.eval_rows_count = val_fraction, eval_rows
         self.shuffle, self.drop_last = shuffle, drop_last
 
+    @override
     def _prepare(self) -> PreparedData:
         """The tokenizer and the packed train/val rows (cached).
 
@@ -112,6 +113,7 @@ class TextDataModule(DataModule):
         if self.val_fraction > 0 and len(val) == 0:
             raise DataError(f"{where}: the validation split is empty; raise data.val_fraction or add documents")
 
+    @override
     def train_batches(self, dp_rank: int, dp_size: int) -> RowBatches:
         train = self.prepare().train
         sampler = GlobalBatchSampler(
@@ -120,6 +122,7 @@ class TextDataModule(DataModule):
         )  # fmt: skip
         return RowBatches(vars(train), sampler)
 
+    @override
     def eval_rows(self) -> dict[str, Tensor]:
         """The first ``eval_rows`` validation rows. Keep ``data.eval_rows`` a multiple of the dp
         degree to compare validation losses across world sizes (the rest is trimmed)."""

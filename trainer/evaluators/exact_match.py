@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from trainer import protocols
 from trainer.data.tokenizer import Tokenizer
 from trainer.generate import greedy_batch
 
@@ -28,7 +29,7 @@ class GenerationSet:
     answers: list[str]
 
 
-class ExactMatch:
+class ExactMatch(protocols.Evaluator):
     """Exact match of greedy continuations, per source (see module docstring).
 
     Args:
