@@ -25,13 +25,22 @@ from trainer.semantics import tokenizer_file
 from trainer.task import Task
 
 
-def build_data(cfg: DictConfig) -> DataModule:
-    """The data module; with ``data.tokenizer=null`` and a Hugging Face ``model.init_from``, the
-    checkpoint's own ``tokenizer.json`` (and, beside it, its chat template)."""
+def build_data(cfg: DictConfig, run: ResolvedRun | None = None) -> DataModule:
+    """The data module, given the resolved run; with ``data.tokenizer=null`` and a Hugging Face
+    ``model.init_from``, the checkpoint's own ``tokenizer.json`` (and, beside it, its chat template).
+
+    Args:
+        run: the config's resolved run; None validates ``cfg`` here (scripts and tests).
+
+    Raises:
+        ConfigError: with ``run=None``, the problems of ``cfg``.
+    """
+    run = validate(cfg) if run is None else run
     extra = {}
     if "tokenizer" in cfg.data and cfg.data.tokenizer is None and tokenizer_file(cfg) is not None:
         extra["tokenizer"] = tokenizer_file(cfg)
-    return instantiate(cfg.data, global_batch_size=cfg.train.global_batch_size, _convert_="all", **extra)
+    # Hydra would read a dataclass keyword as config: the run is passed to the partial instead.
+    return instantiate(cfg.data, _partial_=True, _convert_="all", **extra)(run=run)
 
 
 def build_model(cfg: DictConfig, run: ResolvedRun, *, vocab_size: int) -> nn.Module:
@@ -133,7 +142,7 @@ def build_run(
     run = validate(cfg) if run is None else run
     # Python, NumPy and torch RNGs of every rank (Lightning re-seeds each process from PL_GLOBAL_SEED).
     L.seed_everything(cfg.seed, verbose=False)
-    data = build_data(cfg)
+    data = build_data(cfg, run)
     prepared = data.prepare()
     model = build_model(cfg, run, vocab_size=prepared.tokenizer.vocab_size)
     task = build_task(cfg, run, model)

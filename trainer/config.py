@@ -139,7 +139,7 @@ class RunConfig:
 # Arguments the trainer passes itself when it builds each object (not set in YAML).
 INJECTED = {
     "model": {"vocab_size"},
-    "data": {"global_batch_size"},
+    "data": {"run"},
     "optim": {"params"},
     "scheduler": {"optimizer", "total_steps", "last_epoch"},
     "strategy": {"launcher"},

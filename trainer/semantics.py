@@ -208,7 +208,7 @@ def check_semantics(cfg: DictConfig, problems: list[str], broken: frozenset[str]
         # A data module may check its own node (SFT sources and budgets: trainer.data.sft).
         data_cls = _import(data._target_)
         if hasattr(data_cls, "config_problems"):
-            problems.extend(data_cls.config_problems(data))
+            problems.extend(data_cls.config_problems(cfg, run))
     if isinstance(objective, DictConfig) and "_target_" in objective:
         # An objective may check the layout and data it needs (preference pairs: trainer.objectives.preference).
         objective_cls = _import(objective._target_)

@@ -27,12 +27,13 @@ from typing import Any, TypedDict
 
 import lightning as L
 from torch import Tensor
-from typing_extensions import override
+from typing_extensions import Required, override
 
+from strategies.resolved import ResolvedRun
+from trainer import protocols
 from trainer.data.chat import JinjaTemplate, load_chat_template
 from trainer.data.loader import Batch, GlobalBatches, Loader, shard_rows
 from trainer.data.tokenizer import Tokenizer, load_or_train
-from trainer import protocols
 from trainer.protocols import Evaluator
 
 TEMPLATES = ("auto", "default", "tokenizer")
@@ -44,27 +45,29 @@ class DataError(ValueError):
 
 class Settings(TypedDict, total=False):
     """The ``data.*`` keys every data module takes, with their defaults in `DataModule` (a
-    subclass takes them as ``**settings: Unpack[Settings]`` and passes them on)."""
+    subclass takes them as ``**settings: Unpack[Settings]`` and passes them on), and the resolved
+    run the builder passes."""
 
+    run: Required[ResolvedRun]
     seq_len: int
     tokenizer: str | None
     vocab_size: int
     seed: int
     cache_dir: str
-    global_batch_size: int
 
 
 class DataModule(L.LightningDataModule, protocols.DataModule):
     """The shared part of every data module (see module docstring).
 
     Args:
+        run: the resolved run (passed by the builder): its ``global_batch_size``, rows (or pairs)
+            per optimizer step over all dp ranks. The dp rank and size come from the trainer when
+            the loaders are made: the global batches never depend on them.
         seq_len: tokens per row.
         tokenizer: path of a ``tokenizer.json``; None trains a byte-level BPE on the training texts.
         vocab_size: vocabulary of the trained BPE.
         seed: seeds splits, synthetic data and the order of the rows.
         cache_dir: where tokenizers and prepared data are cached.
-        global_batch_size: rows (or pairs) per optimizer step over all dp ranks (set by the trainer
-            from ``train.global_batch_size``).
     """
 
     # Rows per forward when evaluating. The validation loss is a sum over micro-batches, so its
@@ -74,18 +77,29 @@ class DataModule(L.LightningDataModule, protocols.DataModule):
     def __init__(
         self,
         *,
+        run: ResolvedRun,
         seq_len: int = 256,
         tokenizer: str | None = None,
         vocab_size: int = 4096,
         seed: int = 0,
         cache_dir: str = "~/.cache/plait",
-        global_batch_size: int = 32,
     ) -> None:
         super().__init__()
         self.seq_len, self.tokenizer_path, self.vocab_size, self.seed = seq_len, tokenizer, vocab_size, seed
         self.cache_dir = Path(os.path.expanduser(cache_dir))
-        self.global_batch_size = global_batch_size
+        self.global_batch_size = run.global_batch_size
         self._prepared: Any = None
+
+    @classmethod
+    def config_problems(cls, cfg: Any, run: ResolvedRun | None) -> list[str]:
+        """Problems of the run config's ``data`` node, for `trainer.config.validate` (before any
+        launch); ``run`` is None when the layout itself is invalid."""
+        return cls.node_problems(cfg.data)
+
+    @classmethod
+    def node_problems(cls, node: Any) -> list[str]:
+        """Problems of a ``data`` node (a mapping): none to find before the data is read, here."""
+        return []
 
     # ------------------------------------------------------------------------------ preparation
     def prepare(self) -> Any:

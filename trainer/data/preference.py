@@ -64,10 +64,10 @@ class PreferenceDataModule(DataModule):
         template: "auto", "default" or "tokenizer" (as for SFT).
         **settings: ``seq_len`` (tokens per row: prompt + response), ``tokenizer`` (use the base
             model's run's), ``vocab_size``, ``seed`` (splits, synthetic data, the shuffle),
-            ``cache_dir``, ``global_batch_size`` (pairs per step) (`DataModule`).
+            ``cache_dir``, ``run`` (its global batch: pairs per step) (`DataModule`).
 
     Raises:
-        DataError: a problem of `config_problems`.
+        DataError: a problem of `node_problems`.
     """
 
     def __init__(
@@ -80,15 +80,16 @@ class PreferenceDataModule(DataModule):
     ) -> None:
         super().__init__(**settings)
         node = {"sources": sources, "template": template, "seq_len": self.seq_len, "max_prompt_len": max_prompt_len}
-        if problems := self.config_problems(node):
+        if problems := self.node_problems(node):
             raise DataError("; ".join(problems))
         self.sources: dict[str, Source] = {name: PAIRS.parse(name, dict(n or {})) for name, n in sources.items()}
         self.max_prompt_len, self.template_name = max_prompt_len, template
         self.reference_ready = False
 
+    @override
     @classmethod
-    def config_problems(cls, node: Any) -> list[str]:
-        """Problems of a ``data`` config node, for `trainer.config.validate` (before any launch)."""
+    def node_problems(cls, node: Any) -> list[str]:
+        """Problems of the sources, the template and the prompt's share of the row."""
         problems = named_source_problems(node, PAIRS.parse, PAIRS.empty_problem())
         if hasattr(node, "get") and not 0 < node.get("max_prompt_len", 1) < node.get("seq_len", 2):
             problems.append(

@@ -86,11 +86,11 @@ class SFTDataModule(DataModule):
             "default" or "tokenizer" (a ``tokenizer_config.json`` beside ``data.tokenizer``).
         long_samples: policy for samples longer than ``seq_len``: split, truncate, drop, error.
         **settings: ``seq_len`` (tokens per packed row), ``tokenizer``, ``vocab_size``, ``seed``
-            (splits, synthetic data, the mixture's permutations), ``cache_dir``,
-            ``global_batch_size`` (`DataModule`).
+            (splits, synthetic data, the mixture's permutations), ``cache_dir``, ``run``
+            (`DataModule`).
 
     Raises:
-        DataError: a problem of `config_problems`.
+        DataError: a problem of `node_problems`.
     """
 
     def __init__(
@@ -102,7 +102,7 @@ class SFTDataModule(DataModule):
         **settings: Unpack[Settings],
     ) -> None:
         super().__init__(**settings)
-        problems = self.config_problems({"sources": sources, "template": template, "long_samples": long_samples})
+        problems = self.node_problems({"sources": sources, "template": template, "long_samples": long_samples})
         if problems:
             raise DataError("; ".join(problems))
         parsed = {name: parse_source(name, dict(node or {})) for name, node in sources.items()}
@@ -113,9 +113,10 @@ class SFTDataModule(DataModule):
         self.template_name, self.long_samples = template, long_samples
         self.dropped: dict[str, dict[str, int]] = {}
 
+    @override
     @classmethod
-    def config_problems(cls, node: Any) -> list[str]:
-        """Problems of a ``data`` config node, for `trainer.config.validate` (before any launch)."""
+    def node_problems(cls, node: Any) -> list[str]:
+        """Problems of the sources, their budgets, the template and the long-sample policy."""
         problems = named_source_problems(node, parse_source, CONVERSATIONS.empty_problem())
         if hasattr(node, "get") and node.get("long_samples", "split") not in LONG_SAMPLES:
             problems.append(f"data.long_samples={node.get('long_samples')!r}: use one of {LONG_SAMPLES}")

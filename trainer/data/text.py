@@ -41,7 +41,7 @@ class TextDataModule(DataModule):
         shuffle: shuffle training rows each epoch (seeded by seed and epoch).
         drop_last: drop the final partial global batch of each epoch.
         **settings: ``seq_len`` (tokens per packed row), ``tokenizer``, ``vocab_size``, ``seed``
-            (of the split and the shuffle), ``cache_dir``, ``global_batch_size`` (`DataModule`).
+            (of the split and the shuffle), ``cache_dir``, ``run`` (`DataModule`).
     """
 
     def __init__(
