@@ -3,7 +3,8 @@
 Each family's config is as small as a CPU test allows while still exercising what sets it apart:
 GQA and llama3 RoPE scaling (Llama 3), tied embeddings and linear scaling without GQA (Llama 2),
 q/k/v biases and YaRN (Qwen2), QK-norm and a head dim other than hidden/heads (Qwen3), a
-sliding window longer than the context (Mistral). Every parameter, biases and norm scales
+sliding window longer than the context (Mistral), routed experts with a dense first block (Qwen3-MoE)
+and renormalised top-2 routing (Mixtral). Every parameter, biases and norm scales
 included, is drawn at random, so a wrong mapping cannot hide behind a default init.
 """
 
@@ -36,6 +37,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("Qwen2Config", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}),
     "qwen3": ("Qwen3Config", {"head_dim": 32}),
     "mistral": ("MistralConfig", {"sliding_window": 256}),
+    # Mixtures of experts: 4 experts, top-2; Qwen3-MoE with its first block dense and normalised top-k.
+    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 32, "moe_intermediate_size": 48, "num_experts": 4,
+                                     "num_experts_per_tok": 2, "norm_topk_prob": True, "mlp_only_layers": [0]}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48}),
 }  # fmt: skip
 
 

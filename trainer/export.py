@@ -27,7 +27,9 @@ from torch import nn
 from trainer.compose import compose_command, fail
 from trainer.data.tokenizer import Tokenizer
 from trainer.models.hf import FAMILIES, INDEX_FILE, HFError, family_of, hf_name, is_hf_dir, read_config
+from trainer.models.hf_moe import MOE_FAMILIES, export_family, moe_config_fields, split_experts
 from trainer.models.llama import Llama
+from trainer.models.moe_transformer import MoETransformer
 from trainer.rundir import load_run_model, resolve_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -35,7 +37,20 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 _COPIED = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
-def _export_family(model: Llama, base: dict[str, Any] | None) -> str:
+def export_family_of(model: Llama, base: dict[str, Any] | None = None) -> str:
+    """The Hugging Face family ``model`` is written as: its source's, else the one its features fit.
+
+    Raises:
+        HFError: no family of plait's has the model's features.
+    """
+    if isinstance(model, MoETransformer):
+        try:
+            family = export_family(model)
+        except ValueError as err:
+            raise HFError(str(err)) from None
+        if base is not None and family_of(base) not in (None, family):
+            raise HFError(f"a {family} model cannot be written as its source's {family_of(base)}")
+        return family
     if base is not None and family_of(base) is not None:
         return family_of(base)
     if model.qk_norm and model.qkv_bias:
@@ -51,8 +66,8 @@ def hf_config(model: Llama, base: dict[str, Any] | None = None, **extra: Any) ->
     Raises:
         HFError: the model has a feature outside the chosen family.
     """
-    family = _export_family(model, base)
-    if model.qk_norm != (family == "qwen3") or model.qkv_bias != (family == "qwen2"):
+    family = export_family_of(model, base)
+    if model.qk_norm != (family in ("qwen3", "qwen3_moe")) or model.qkv_bias != (family == "qwen2"):
         raise HFError(f"qk_norm={model.qk_norm}, qkv_bias={model.qkv_bias} do not fit the {FAMILIES[family]} architecture")
     config = dict(base or {})
     config.update(
@@ -69,6 +84,8 @@ def hf_config(model: Llama, base: dict[str, Any] | None = None, **extra: Any) ->
         rms_norm_eps=model.norm_eps,
         tie_word_embeddings=model.tie_embeddings,
     )
+    if family in MOE_FAMILIES:
+        config.update(moe_config_fields(model, family))
     config.setdefault("max_position_embeddings", model.max_seq_len)
     if family != "qwen2":
         config["attention_bias"] = False
@@ -80,13 +97,18 @@ def hf_config(model: Llama, base: dict[str, Any] | None = None, **extra: Any) ->
     return config
 
 
-def hf_state_dict(state: dict[str, torch.Tensor], *, tie_embeddings: bool) -> dict[str, torch.Tensor]:
-    """Hugging Face names of a full plait state dict (tied ``output.weight`` left out, as HF saves it)."""
-    return {
-        hf_name(fqn): tensor.contiguous()
-        for fqn, tensor in state.items()
-        if not (tie_embeddings and fqn == "output.weight")
-    }
+def hf_state_dict(
+    state: dict[str, torch.Tensor], *, tie_embeddings: bool, family: str | None = None
+) -> dict[str, torch.Tensor]:
+    """Hugging Face names of a full plait state dict (tied ``output.weight`` left out, as HF saves
+    it; stacked experts split into one tensor per expert; the expert bias, zero, left out)."""
+    out: dict[str, torch.Tensor] = {}
+    for fqn, tensor in state.items():
+        if (tie_embeddings and fqn == "output.weight") or fqn.endswith("router.expert_bias"):
+            continue
+        experts = split_experts(fqn, tensor, family) if family in MOE_FAMILIES else None
+        out.update(experts if experts is not None else {hf_name(fqn, family): tensor.contiguous()})
+    return out
 
 
 def save_weights(state: dict[str, torch.Tensor], directory: str | os.PathLike, *, max_shard_bytes: int) -> list[Path]:
@@ -151,11 +173,12 @@ def write_hf_dir(
     Raises:
         trainer.models.hf.HFError: the model has no Hugging Face architecture.
     """
+    torch_dtype = DTYPES[dtype] if dtype else next(iter(state.values())).dtype
+    base = next((read_config(d) for d in sources if is_hf_dir(d)), None)
+    named = hf_state_dict(state, tie_embeddings=model.tie_embeddings, family=export_family_of(model, base))
+    tensors = {k: v.detach().to("cpu", torch_dtype) for k, v in named.items()}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    torch_dtype = DTYPES[dtype] if dtype else next(iter(state.values())).dtype
-    tensors = {k: v.detach().to("cpu", torch_dtype) for k, v in hf_state_dict(state, tie_embeddings=model.tie_embeddings).items()}
-    base = next((read_config(d) for d in sources if is_hf_dir(d)), None)
     extra: dict[str, Any] = {"torch_dtype": str(torch_dtype).removeprefix("torch.")}
     if base is None:
         extra.update(eos_token_id=tokenizer.eos_id, bos_token_id=None, pad_token_id=None)

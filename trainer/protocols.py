@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import lightning as L
 import torch
@@ -98,6 +98,21 @@ class Objective(Protocol):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         return None
+
+
+@runtime_checkable
+class RoutedModel(Protocol):
+    """A model with routed layers (a mixture of experts, `trainer.models.moe_transformer`): its
+    router losses are injected in backward, so the Task gives it the step's normalisation, and it
+    sums statistics (expert loads, balance loss) the Task logs like the objective's."""
+
+    def set_router_loss_scale(self, scale: float) -> None:
+        """Before the step's forward/backward: 1 / the routed tokens of the step over the token axis."""
+        ...
+
+    def pop_sums(self) -> tuple[list[str], torch.Tensor] | None:
+        """Names and a [2, K] tensor (sums, counts) since the last call, as `Objective.pop_sums`."""
+        ...
 
 
 class Loader(Protocol):

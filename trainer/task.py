@@ -31,7 +31,7 @@ from typing_extensions import override
 from trainer.loggers import is_logging_step
 from trainer.models.hf import load_init_from
 from trainer.optim import build_optimizer
-from trainer.protocols import Objective
+from trainer.protocols import Objective, RoutedModel
 
 
 def split_micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
@@ -123,15 +123,19 @@ class Task(L.LightningModule):
         return self.trainer.train_dataloader.exhausted
 
     def _pop_sums(self, prefix: str) -> dict[str, float]:
-        """``{prefix}/<name>``: the objective's named sums since the last call (`Objective.pop_sums`:
-        e.g. the loss per SFT source, the rewards per preference pair), reduced over all dp x cp
-        ranks, each divided by its count; names whose count is 0 are left out."""
-        popped = self.objective.pop_sums()
-        if popped is None:
-            return {}
-        names, sums = popped
-        sums = self.trainer.strategy.all_reduce_sum(sums.to(self.device).float(), "dp_cp")
-        return {f"{prefix}/{n}": (sums[0, i] / sums[1, i]).item() for i, n in enumerate(names) if sums[1, i] > 0}
+        """``{prefix}/<name>``: the named sums since the last call of the objective and, for a
+        `RoutedModel`, of the model (`Objective.pop_sums`: e.g. the loss per SFT source, the
+        rewards per preference pair, the expert loads), reduced over all dp x cp ranks, each
+        divided by its count; names whose count is 0 are left out."""
+        metrics = {}
+        for source in (self.objective, self.model) if isinstance(self.model, RoutedModel) else (self.objective,):
+            popped = source.pop_sums()
+            if popped is None:
+                continue
+            names, sums = popped
+            sums = self.trainer.strategy.all_reduce_sum(sums.to(self.device).float(), "dp_cp")
+            metrics.update({f"{prefix}/{n}": (sums[0, i] / sums[1, i]).item() for i, n in enumerate(names) if sums[1, i] > 0})
+        return metrics
 
     # ------------------------------------------------------------------------------ the step
     @override
@@ -141,6 +145,9 @@ class Task(L.LightningModule):
         step_tokens = batch["input_ids"].numel() * strategy.dims.dp  # before a cp rank keeps its slice
         batch = strategy.shard_batch(batch)
         micro_batches = split_micro_batches(batch, self.micro_batch_size)
+        if isinstance(self.model, RoutedModel):
+            # Router losses average over the step's routed tokens on every rank that shares the gradient.
+            self.model.set_router_loss_scale(1.0 / (batch["input_ids"].numel() * strategy.submesh(strategy.token_axis).size()))
 
         num_tokens = torch.stack([self.objective.num_tokens(mb) for mb in micro_batches]).sum()
         # The ranks that share one gradient: dp x cp, or one island's under local SGD.

@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints in and out of `llama.Llama`: Llama 2/3, Mistral, Qwen2 and Qwen3.
+"""Hugging Face checkpoints in and out of `llama.Llama`: Llama 2/3, Mistral, Qwen2 and Qwen3; and of
+`moe_transformer.MoETransformer`: Qwen3-MoE and Mixtral (their expert names: `trainer.models.hf_moe`).
 
 A Hugging Face model directory holds ``config.json``, the weights as ``*.safetensors`` (one file,
 or shards named by ``model.safetensors.index.json``) and the tokenizer (``tokenizer.json``,
@@ -25,7 +26,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainer.models.hf_moe import (
+    MOE_FAMILIES, expert_hf_names, moe_config_problems, moe_kwargs, moe_plait_name, router_hf_name,
+)  # fmt: skip
 from trainer.models.llama import Llama
+from trainer.models.moe_transformer import MoETransformer
 from trainer.models.rope import rope_scaling_problems, rope_type
 
 # model_type -> architecture class name.
@@ -34,6 +39,7 @@ FAMILIES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    **MOE_FAMILIES,
 }
 INDEX_FILE = "model.safetensors.index.json"
 # plait FQN pattern -> Hugging Face tensor name pattern (per layer: {i}).
@@ -121,6 +127,8 @@ def config_problems(config: dict[str, Any], where: str = "config.json") -> list[
     _, scaling = rope_of(config)
     key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
     problems += [f"{where}: {p}" for p in rope_scaling_problems(scaling, where=key)]
+    if family in MOE_FAMILIES:
+        problems += moe_config_problems(config, family, where)
     return problems
 
 
@@ -151,15 +159,22 @@ def llama_kwargs(config: dict[str, Any]) -> dict[str, Any]:
         "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
         "head_dim": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
         "qkv_bias": family == "qwen2",
-        "qk_norm": family == "qwen3",
+        "qk_norm": family in ("qwen3", "qwen3_moe"),
+        **(moe_kwargs(config, family) if family in MOE_FAMILIES else {}),
     }
 
 
 def llama_from_hf(
-    init_from: str, *, vocab_size: int | None = None, max_seq_len: int | None = None, init_std: float = 0.02
+    init_from: str,
+    *,
+    vocab_size: int | None = None,
+    max_seq_len: int | None = None,
+    init_std: float = 0.02,
+    **router: float,
 ) -> Llama:
-    """A `Llama` with the architecture of a Hugging Face directory; its weights load later
-    (`load_init_from`, after the strategy has parallelized the model). The ``model=hf`` preset.
+    """A `Llama` (or, for Qwen3-MoE and Mixtral, a `MoETransformer`) with the architecture of a
+    Hugging Face directory; its weights load later (`load_init_from`, after the strategy has
+    parallelized the model). The ``model=hf`` preset.
 
     Args:
         init_from: the Hugging Face model directory.
@@ -167,11 +182,15 @@ def llama_from_hf(
         max_seq_len: RoPE table length; None: the checkpoint's ``max_position_embeddings`` (capped
             at its sliding window). Must not exceed them.
         init_std: init of weights the checkpoint does not hold (none for a complete checkpoint).
+        **router: a mixture of experts' training knobs (``balance_coef``, ``z_loss_coef``,
+            ``bias_update_rate`` of `MoETransformer`; all 0 unless given).
 
     Raises:
-        HFError: an unsupported config, or sizes beyond the checkpoint's.
+        HFError: an unsupported config, sizes beyond the checkpoint's, or router knobs for a dense one.
     """
     kwargs = llama_kwargs(read_config(init_from))
+    if router and "num_experts" not in kwargs:
+        raise HFError(f"{', '.join(f'model.{k}' for k in router)}: {init_from} is a dense model, without a router")
     if vocab_size is not None and vocab_size > kwargs["vocab_size"]:
         raise HFError(
             f"the tokenizer has {vocab_size} tokens but {init_from}/config.json has vocab_size={kwargs['vocab_size']}; "
@@ -181,17 +200,22 @@ def llama_from_hf(
         if max_seq_len > kwargs["max_seq_len"]:
             raise HFError(f"model.max_seq_len={max_seq_len} exceeds the checkpoint's {kwargs['max_seq_len']}")
         kwargs["max_seq_len"] = max_seq_len
+    if "num_experts" in kwargs:
+        return MoETransformer(**kwargs, **router, init_std=init_std, init_from=str(init_from))
     return Llama(**kwargs, init_std=init_std, init_from=str(init_from))
 
 
 # ---------------------------------------------------------------------------------------------- names
-def hf_name(fqn: str) -> str:
+def hf_name(fqn: str, family: str | None = None) -> str:
     """Hugging Face tensor name of a plait parameter FQN (``layers.0.attention.wq.weight`` ->
-    ``model.layers.0.self_attn.q_proj.weight``).
+    ``model.layers.0.self_attn.q_proj.weight``; a router's in the MoE ``family``).
 
     Raises:
-        HFError: a name outside the Llama family's modules.
+        HFError: a name outside the family's modules (stacked experts: `hf_moe.expert_hf_names`).
     """
+    router = router_hf_name(fqn, family) if family in MOE_FAMILIES else None
+    if router is not None:
+        return router
     module, _, leaf = fqn.rpartition(".")
     if module in _TOP_NAMES:
         return f"{_TOP_NAMES[module]}.{leaf}"
@@ -201,8 +225,12 @@ def hf_name(fqn: str) -> str:
     raise HFError(f"parameter {fqn} has no Hugging Face name")
 
 
-def plait_name(name: str) -> str | None:
-    """The plait FQN of a Hugging Face tensor name, or None (buffers such as ``rotary_emb.inv_freq``)."""
+def plait_name(name: str, family: str | None = None) -> str | None:
+    """The plait FQN of a Hugging Face tensor name, or None (buffers such as ``rotary_emb.inv_freq``);
+    an MoE ``family``'s router and expert tensors map to the router and stacked expert parameters."""
+    moe = moe_plait_name(name, family) if family in MOE_FAMILIES else None
+    if moe is not None:
+        return moe
     module, _, leaf = name.rpartition(".")
     for plait, hf in _TOP_NAMES.items():
         if module == hf:
@@ -258,8 +286,9 @@ def _local_slices(param: torch.Tensor) -> tuple[tuple[slice, ...], torch.Tensor]
 def load_hf_weights(model: nn.Module, directory: str | os.PathLike) -> None:
     """Fills every parameter ``model`` holds on this rank from a Hugging Face directory.
 
-    Each parameter (plain tensor or FSDP/TP DTensor shard) reads only its own slice of the
-    memory-mapped file and is cast to its dtype. No collective: every rank works alone.
+    Each parameter (plain tensor or FSDP/TP/EP DTensor shard) reads only its own slice of the
+    memory-mapped file and is cast to its dtype; a stacked expert tensor reads only the experts
+    of its shard. No collective: every rank works alone.
 
     Raises:
         HFError: a tensor of the directory has no plait name, a parameter has no tensor, or shapes differ.
@@ -267,24 +296,34 @@ def load_hf_weights(model: nn.Module, directory: str | os.PathLike) -> None:
     from safetensors import safe_open
 
     files = weight_files(directory)
-    unknown = [n for n in files if plait_name(n) is None and not n.endswith("rotary_emb.inv_freq")]
+    family = family_of(read_config(directory))
+    unknown = [n for n in files if plait_name(n, family) is None and not n.endswith("rotary_emb.inv_freq")]
     if unknown:
-        raise HFError(f"{directory} holds tensors plait's Llama has no place for: {', '.join(unknown[:5])}")
+        raise HFError(f"{directory} holds tensors plait's model has no place for: {', '.join(unknown[:5])}")
     handles: dict[Path, Any] = {}
+
+    def tensor(name: str, fqn: str, shape: list[int]) -> Any:
+        if name not in files:
+            raise HFError(f"{directory} has no tensor {name} for parameter {fqn}")
+        if files[name] not in handles:
+            handles[files[name]] = safe_open(str(files[name]), framework="pt").__enter__()
+        source = handles[files[name]].get_slice(name)
+        if list(source.get_shape()) != shape:
+            raise HFError(f"{name}: shape {source.get_shape()} in {directory}, plait's {fqn} needs {shape}")
+        return source
+
     try:
         for fqn, param in model.named_parameters():
-            name = hf_name(fqn)
+            index, local = _local_slices(param)
+            experts = expert_hf_names(fqn, family, range(index[0].start, index[0].stop)) if family in MOE_FAMILIES else None
+            if experts is not None:  # [E, out, in]: one checkpoint tensor per expert of this shard
+                for j, name in enumerate(experts):
+                    local[j].copy_(tensor(name, fqn, list(param.shape[1:]))[index[1:]])
+                continue
+            name = hf_name(fqn, family)
             if name not in files and fqn == "output.weight":
                 name = "model.embed_tokens.weight"  # an untied model from a tied checkpoint
-            if name not in files:
-                raise HFError(f"{directory} has no tensor {name} for parameter {fqn}")
-            if files[name] not in handles:
-                handles[files[name]] = safe_open(str(files[name]), framework="pt").__enter__()
-            source = handles[files[name]].get_slice(name)
-            if list(source.get_shape()) != list(param.shape):
-                raise HFError(f"{name}: shape {source.get_shape()} in {directory}, plait's {fqn} is {list(param.shape)}")
-            index, local = _local_slices(param)
-            local.copy_(source[index])
+            local.copy_(tensor(name, fqn, list(param.shape))[index])
     finally:
         for handle in handles.values():
             handle.__exit__(None, None, None)

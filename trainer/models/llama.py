@@ -48,12 +48,26 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``h = x + attn(norm(x)); out = h + ffn(norm(h))``."""
 
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, ffn_dim: int, norm_eps: float, **attention: Any) -> None:
+    def __init__(
+        self,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int,
+        ffn_dim: int,
+        norm_eps: float,
+        feed_forward: nn.Module | None = None,
+        attention_layer: nn.Module | None = None,
+        **attention: Any,
+    ) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(dim, norm_eps)
-        self.attention = Attention(dim, n_heads, n_kv_heads, norm_eps=norm_eps, **attention)
+        # Grouped-query attention, unless the model gives another (multi-head latent attention).
+        if attention_layer is None:
+            attention_layer = Attention(dim, n_heads, n_kv_heads, norm_eps=norm_eps, **attention)
+        self.attention = attention_layer
         self.ffn_norm = RMSNorm(dim, norm_eps)
-        self.feed_forward = FeedForward(dim, ffn_dim)
+        # A SwiGLU, unless the model gives another [B, T, D] -> [B, T, D] module (a routed MoE).
+        self.feed_forward = FeedForward(dim, ffn_dim) if feed_forward is None else feed_forward
 
     def forward(
         self, x_btd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask_b1tt: torch.Tensor | None
@@ -177,9 +191,11 @@ class Llama(nn.Module):
 
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(vocab_size, dim)
         attention = {"head_dim": self.head_dim, "qkv_bias": qkv_bias, "qk_norm": qk_norm}
-        self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(dim, n_heads, n_kv_heads, ffn_dim, norm_eps, **attention) for i in range(n_layers)}
-        )
+        self.layers = nn.ModuleDict({
+            str(i): TransformerBlock(dim, n_heads, n_kv_heads, ffn_dim, norm_eps, self.make_feed_forward(i),
+                                     self.make_attention(i), **attention)  # fmt: skip
+            for i in range(n_layers)
+        })
         self.attention_core: Any = SDPA  # see set_attention_core
         self.norm: RMSNorm | None = RMSNorm(dim, norm_eps)
         self.output: nn.Linear | None = nn.Linear(dim, vocab_size, bias=False)
@@ -194,8 +210,23 @@ class Llama(nn.Module):
 
         self.init_weights()
 
+    def make_feed_forward(self, layer: int) -> nn.Module | None:
+        """The feed-forward of block ``layer``: None for the dense SwiGLU (a mixture of experts
+        overrides this, `trainer.models.moe_transformer`)."""
+        return None
+
+    def make_attention(self, layer: int) -> nn.Module | None:
+        """The attention of block ``layer``: None for grouped-query `Attention` (subclasses may
+        give latent attention, `trainer.models.mla`)."""
+        return None
+
+    @property
+    def rope_dim(self) -> int:
+        """Features per head that RoPE rotates (the RoPE tables' width is half of it)."""
+        return self.head_dim
+
     def _rope_tables(self, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_tables(self.head_dim, self.max_seq_len, self.rope_theta, device=device, scaling=self.rope_scaling)
+        return rope_tables(self.rope_dim, self.max_seq_len, self.rope_theta, device=device, scaling=self.rope_scaling)
 
     @torch.no_grad()
     def init_weights(self) -> None:

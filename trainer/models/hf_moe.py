@@ -1,0 +1,135 @@
+"""The mixture-of-experts part of Hugging Face interop: Qwen3-MoE and Mixtral checkpoints.
+
+Both store each expert as three ``nn.Linear`` weights (Qwen3-MoE ``mlp.experts.<j>.{gate,up,down}_proj``,
+Mixtral ``block_sparse_moe.experts.<j>.{w1,w3,w2}``) and the router as ``mlp.gate`` /
+``block_sparse_moe.gate``; plait stacks the experts of a block into one ``[E, out, in]`` tensor per
+projection (`trainer.models.moe.GroupedExperts`), so expert j of ``feed_forward.experts.w1`` is
+the checkpoint's expert j gate projection. A rank that holds experts ``e0..e1`` (expert
+parallelism) reads only those experts' tensors. Attention, norms and embeddings use the dense
+names of `trainer.models.hf`, which imports this module (never the reverse).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+MOE_FAMILIES = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+_BLOCK = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe"}
+_PROJ = {
+    "qwen3_moe": {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"},
+    "mixtral": {"w1": "w1", "w3": "w3", "w2": "w2"},
+}
+_EXPERTS_FQN = re.compile(r"layers\.(\d+)\.feed_forward\.experts\.(w[123])")
+_ROUTER_FQN = re.compile(r"layers\.(\d+)\.feed_forward\.router\.gate\.weight")
+
+
+def num_experts_of(config: dict[str, Any]) -> int:
+    return config.get("num_experts") or config.get("num_local_experts") or 0
+
+
+def n_dense_layers_of(config: dict[str, Any]) -> int | None:
+    """Qwen3-MoE's dense blocks as a leading count (``mlp_only_layers`` = 0..k-1), or None."""
+    dense = sorted(config.get("mlp_only_layers") or [])
+    return len(dense) if dense == list(range(len(dense))) else None
+
+
+def moe_config_problems(config: dict[str, Any], family: str, where: str) -> list[str]:
+    """What `MoETransformer` cannot reproduce in a Qwen3-MoE or Mixtral config."""
+    problems = []
+    if family == "qwen3_moe":
+        if config.get("decoder_sparse_step", 1) != 1:
+            step = config["decoder_sparse_step"]
+            problems.append(f"{where}: decoder_sparse_step={step} is not supported (every block MoE)")
+        if n_dense_layers_of(config) is None:
+            dense = config["mlp_only_layers"]
+            problems.append(f"{where}: mlp_only_layers={dense} is not supported (only the first k blocks dense)")
+    if config.get("router_jitter_noise", 0.0):
+        noise = config["router_jitter_noise"]
+        problems.append(f"{where}: router_jitter_noise={noise} is not supported (no router noise)")
+    if num_experts_of(config) < config.get("num_experts_per_tok", 1):
+        problems.append(f"{where}: num_experts_per_tok exceeds the number of experts")
+    return problems
+
+
+def moe_kwargs(config: dict[str, Any], family: str) -> dict[str, Any]:
+    """`MoETransformer` arguments beyond the Llama ones of a (supported) config."""
+    qwen = family == "qwen3_moe"
+    return {
+        "num_experts": num_experts_of(config),
+        "top_k": config["num_experts_per_tok"],
+        "moe_ffn_dim": config["moe_intermediate_size"] if qwen else config["intermediate_size"],
+        "n_dense_layers": n_dense_layers_of(config) if qwen else 0,
+        "score_func": "softmax",
+        "norm_topk": bool(config.get("norm_topk_prob", False)) if qwen else True,
+    }
+
+
+# ---------------------------------------------------------------------------------------------- names
+def router_hf_name(fqn: str, family: str) -> str | None:
+    """``layers.<i>.feed_forward.router.gate.weight`` -> the checkpoint's router weight, else None."""
+    match = _ROUTER_FQN.fullmatch(fqn)
+    return f"model.layers.{match.group(1)}.{_BLOCK[family]}.gate.weight" if match else None
+
+
+def expert_hf_names(fqn: str, family: str, experts: range) -> list[str] | None:
+    """The per-expert tensor names of a stacked expert parameter, for ``experts``; None if ``fqn``
+    is not one (``layers.<i>.feed_forward.experts.w1`` -> ``...experts.<j>.gate_proj.weight``)."""
+    match = _EXPERTS_FQN.fullmatch(fqn)
+    if not match:
+        return None
+    layer, proj = match.group(1), _PROJ[family][match.group(2)]
+    return [f"model.layers.{layer}.{_BLOCK[family]}.experts.{j}.{proj}.weight" for j in experts]
+
+
+def moe_plait_name(name: str, family: str) -> str | None:
+    """The plait FQN a checkpoint's router or expert tensor feeds (experts: the stacked tensor)."""
+    block = re.escape(_BLOCK[family])
+    match = re.fullmatch(rf"model\.layers\.(\d+)\.{block}\.gate\.weight", name)
+    if match:
+        return f"layers.{match.group(1)}.feed_forward.router.gate.weight"
+    match = re.fullmatch(rf"model\.layers\.(\d+)\.{block}\.experts\.\d+\.(\w+)\.weight", name)
+    inverse = {hf: plait for plait, hf in _PROJ[family].items()}
+    if match and match.group(2) in inverse:
+        return f"layers.{match.group(1)}.feed_forward.experts.{inverse[match.group(2)]}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- export
+def export_family(model: Any) -> str:
+    """``qwen3_moe`` (QK-norm) or ``mixtral``, after checking the model fits it.
+
+    Raises:
+        ValueError: the model has a feature neither architecture has; the message names it.
+    """
+    family = "qwen3_moe" if model.qk_norm else "mixtral"
+    problems = []
+    if model.num_shared_experts or model.score_func != "softmax" or model.route_scale != 1.0 or model.qkv_bias:
+        problems.append("shared experts, sigmoid scores, route_scale != 1 and q/k/v biases")
+    if family == "mixtral" and (model.n_dense_layers or not model.norm_topk):
+        problems.append("dense blocks and unnormalised top-k weights without qk_norm (Mixtral)")
+    if any(bool(moe.router.expert_bias.any()) for moe in model.moe_layers().values()):
+        problems.append("a non-zero expert bias (trained with bias_update_rate > 0)")
+    if problems:
+        raise ValueError(f"no Hugging Face MoE architecture (Qwen3-MoE, Mixtral) has {'; '.join(problems)}")
+    return family
+
+
+def moe_config_fields(model: Any, family: str) -> dict[str, Any]:
+    """The MoE fields of a ``config.json`` for ``model`` (see `export_family`)."""
+    fields: dict[str, Any] = {"num_experts_per_tok": model.top_k, "output_router_logits": False}
+    if family == "qwen3_moe":
+        fields.update(num_experts=model.num_experts, moe_intermediate_size=model.moe_ffn_dim,
+                      intermediate_size=model.ffn_dim, norm_topk_prob=model.norm_topk, decoder_sparse_step=1,
+                      mlp_only_layers=list(range(model.n_dense_layers)))  # fmt: skip
+    else:
+        fields.update(num_local_experts=model.num_experts, intermediate_size=model.moe_ffn_dim, router_jitter_noise=0.0)
+    return fields
+
+
+def split_experts(fqn: str, tensor: torch.Tensor, family: str) -> dict[str, torch.Tensor] | None:
+    """A full stacked expert tensor ``[E, out, in]`` as the checkpoint's E tensors; None if not one."""
+    names = expert_hf_names(fqn, family, range(tensor.shape[0]))
+    return None if names is None else {n: tensor[j].contiguous() for j, n in enumerate(names)}
