@@ -15,8 +15,9 @@ token (top-k), F expert hidden dim, M routed token copies (N*K, sorted by expert
 Every token goes to exactly its K experts (no capacity factor, nothing dropped). Tokens are sorted
 by expert, each expert's rows run as one group of ``torch._grouped_mm`` (a per-expert loop where
 the grouped kernel cannot run), and the K outputs of each token are summed with its routing
-weights. ``MoE.dispatcher`` does the sort/compute/combine; expert parallelism swaps it for one
-that exchanges tokens between ranks, as context parallelism swaps the attention core.
+weights. ``GroupedExperts.dispatcher`` runs the sorted rows through the experts; expert parallelism
+swaps it for one that exchanges rows between the ranks holding the experts, as context parallelism
+swaps the attention core.
 """
 
 from __future__ import annotations
@@ -187,10 +188,31 @@ def expert_swiglu(
     return torch.cat(outs) if outs else x_md.new_zeros(0, w2_edf.shape[1])
 
 
+class Dispatcher(Protocol):
+    """Runs routed rows through the experts: rows ``[M, D]`` sorted by (global) expert id, ``counts_e``
+    ``[E]`` rows per expert -> ``[M, D]`` outputs in the same order. `LocalDispatch` on one rank;
+    expert parallelism exchanges the rows with the ranks that hold the experts
+    (`strategies.expert`)."""
+
+    def __call__(self, x_md: torch.Tensor, counts_e: torch.Tensor, experts: "GroupedExperts") -> torch.Tensor: ...
+
+
+class LocalDispatch:
+    """Every expert on this rank."""
+
+    def __call__(self, x_md: torch.Tensor, counts_e: torch.Tensor, experts: "GroupedExperts") -> torch.Tensor:
+        return experts.compute(x_md, counts_e)
+
+
+LOCAL = LocalDispatch()
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts stored as stacked ``[E, out, in]`` tensors ``w1`` (gate), ``w3`` (up), ``w2`` (down).
 
-    Expert parallelism shards dim 0 (each rank keeps ``num_local`` consecutive experts).
+    ``forward`` hands the sorted rows to ``dispatcher`` (so FSDP's hooks on this module gather the
+    weights first); expert parallelism keeps a slice of the experts on each rank (a DTensor
+    sharded on dim 0) and swaps in its own dispatcher.
     """
 
     def __init__(self, dim: int, ffn_dim: int, num_experts: int) -> None:
@@ -199,19 +221,22 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
         self.grouped: bool | None = None  # see expert_swiglu
+        self.dispatcher: Dispatcher = LOCAL
 
     def forward(self, x_md: torch.Tensor, counts_e: torch.Tensor) -> torch.Tensor:
-        """Rows ``[M, D]`` sorted by (local) expert, ``counts_e`` rows each -> ``[M, D]``."""
-        return expert_swiglu(x_md, counts_e, self.w1, self.w2, self.w3, grouped=self.grouped)
+        """Rows ``[M, D]`` sorted by expert, ``counts_e`` ``[E]`` rows each -> ``[M, D]``."""
+        return self.dispatcher(x_md, counts_e, self)
+
+    def compute(
+        self, x_md: torch.Tensor, counts_e: torch.Tensor, weights: tuple[torch.Tensor, ...] | None = None
+    ) -> torch.Tensor:
+        """The experts on rows sorted by them: this module's local weights, or ``weights`` =
+        ``(w1, w2, w3)`` stacked for the groups of ``counts_e`` (a dispatcher's mix of experts)."""
+        w1, w2, w3 = weights if weights is not None else (self.w1, self.w2, self.w3)
+        return expert_swiglu(x_md, counts_e, w1, w2, w3, grouped=self.grouped)
 
 
 # ---------------------------------------------------------------------------------------------- dispatch
-class Dispatcher(Protocol):
-    """Runs the routed experts: ``[N, D]`` tokens and their routing -> ``[N, D]`` combined outputs."""
-
-    def __call__(self, x_nd: torch.Tensor, routing: Routing, experts: GroupedExperts) -> torch.Tensor: ...
-
-
 def sort_by_expert(experts_nk: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``order_m`` (positions in the flattened ``[N*K]`` choices, grouped by expert, stable) and
     the routed-token counts ``[E]`` (int64)."""
@@ -225,18 +250,6 @@ def combine(y_md: torch.Tensor, order_m: torch.Tensor, weights_nk: torch.Tensor)
     N, K = weights_nk.shape
     y_nkd = y_md[torch.argsort(order_m)].view(N, K, -1)
     return (y_nkd.float() * weights_nk[..., None].float()).sum(1).to(y_md.dtype)
-
-
-class LocalDispatch:
-    """All experts on this rank: sort the token copies by expert, run the experts, combine."""
-
-    def __call__(self, x_nd: torch.Tensor, routing: Routing, experts: GroupedExperts) -> torch.Tensor:
-        order_m, counts_e = sort_by_expert(routing.experts_nk, experts.w1.shape[0])
-        y_md = experts(x_nd[order_m // routing.experts_nk.shape[1]], counts_e)
-        return combine(y_md, order_m, routing.weights_nk)
-
-
-LOCAL = LocalDispatch()
 
 
 # ---------------------------------------------------------------------------------------------- the layer
@@ -302,7 +315,6 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(dim, moe_ffn_dim, num_experts)
         self.shared_experts = FeedForward(dim, num_shared_experts * moe_ffn_dim) if num_shared_experts else None
         self.balance_coef, self.z_loss_coef, self.bias_update_rate = balance_coef, z_loss_coef, bias_update_rate
-        self.dispatcher: Dispatcher = LOCAL
         self.router_loss_scale: float | None = None
         # [E loads, balance-loss sum, z-loss sum, tokens] since the last pop_statistics (backward-counted).
         self.register_buffer("statistics", torch.zeros(num_experts + 3), persistent=False)
@@ -312,7 +324,9 @@ class MoE(nn.Module):
         B, T, D = x_btd.shape
         x_nd = x_btd.reshape(-1, D)
         routing = self.router(x_nd, use_bias=self.bias_update_rate > 0)
-        out_nd = self.dispatcher(x_nd, routing, self.experts)
+        order_m, counts_e = sort_by_expert(routing.experts_nk, self.router.num_experts)
+        y_md = self.experts(x_nd[order_m // self.router.top_k], counts_e)
+        out_nd = combine(y_md, order_m, routing.weights_nk)
         if self.shared_experts is not None:
             out_nd = out_nd + self.shared_experts(x_nd)
         if torch.is_grad_enabled() and out_nd.requires_grad:
