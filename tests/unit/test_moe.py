@@ -77,20 +77,22 @@ def test_grouped_mm_equals_the_per_expert_loop(counts):
     grad = torch.randn(sum(counts), D, generator=torch.Generator().manual_seed(2))
     counts_e = torch.tensor(counts)
     results = []
-    for grouped in (True, False):
+    # The grouped kernel as on CPU, with groups padded to 8 rows as on CUDA, and the loop.
+    for grouped, align in ((True, 1), (True, 8), (False, 1)):
         xs = x.clone().requires_grad_()
         ws = [w.requires_grad_() for w in _weights(len(counts), D, Fh)]
         assert grouped_mm_supported(xs, *ws)
-        y = expert_swiglu(xs, counts_e, ws[0], ws[1], ws[2], grouped=grouped)
+        y = expert_swiglu(xs, counts_e, ws[0], ws[1], ws[2], grouped=grouped, align_rows=align)
         y.backward(grad)
         results.append([y.detach(), xs.grad] + [w.grad for w in ws])
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     # The loop itself against a per-row formula.
     w1, w2, w3 = _weights(len(counts), D, Fh)
     owner = torch.repeat_interleave(torch.arange(len(counts)), counts_e)
     rows = [w2[e] @ (F.silu(w1[e] @ x[m]) * (w3[e] @ x[m])) for m, e in enumerate(owner.tolist())]
-    torch.testing.assert_close(results[1][0], torch.stack(rows), rtol=0, atol=1e-6)
+    torch.testing.assert_close(results[2][0], torch.stack(rows), rtol=0, atol=1e-6)
 
 
 def test_grouped_mm_needs_16_byte_strides_on_cpu():

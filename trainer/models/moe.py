@@ -141,9 +141,9 @@ class TopKRouter(nn.Module):
 # ---------------------------------------------------------------------------------------------- experts
 def grouped_mm_supported(x_md: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` runs on these operands: on CPU every stride a multiple of 16
-    bytes (float32 or bfloat16); on CUDA bfloat16 on compute capability >= 9.0 (Hopper)."""
+    bytes (float32 or bfloat16); on CUDA bfloat16 on compute capability >= 8.0."""
     if x_md.device.type == "cuda":
-        return x_md.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x_md.device)[0] >= 9
+        return x_md.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x_md.device)[0] >= 8
     if x_md.dtype not in (torch.float32, torch.bfloat16):
         return False
     elem = x_md.element_size()
@@ -155,6 +155,15 @@ def _grouped(x_md: torch.Tensor, w_eoi: torch.Tensor, offsets: torch.Tensor) -> 
     return torch._grouped_mm(x_md, w_eoi.transpose(-2, -1), offs=offsets)
 
 
+def pad_groups(counts_e: torch.Tensor, align: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's rows rounded up to a multiple of ``align``: ``(padded counts [E], the padded
+    position of every row [M])``. CUDA's grouped GEMM wants 16-byte aligned group starts along
+    the rows, which the weight-gradient GEMM contracts over (torchtitan pads to 8 bf16 rows too)."""
+    padded_e = (counts_e + align - 1) // align * align
+    shift_e = torch.cumsum(padded_e - counts_e, 0) - (padded_e - counts_e)
+    return padded_e, torch.arange(int(counts_e.sum()), device=counts_e.device) + torch.repeat_interleave(shift_e, counts_e)
+
+
 def expert_swiglu(
     x_md: torch.Tensor,
     counts_e: torch.Tensor,
@@ -163,6 +172,7 @@ def expert_swiglu(
     w3_efd: torch.Tensor,
     *,
     grouped: bool | None = None,
+    align_rows: int | None = None,
 ) -> torch.Tensor:
     """SwiGLU of each expert on its rows: ``w2_e(silu(w1_e x) * w3_e x)``.
 
@@ -172,6 +182,8 @@ def expert_swiglu(
         w1_efd, w3_efd: gate and up projections ``[E, F, D]``; w2_edf: down projection ``[E, D, F]``.
         grouped: one ``torch._grouped_mm`` per projection (True), a loop over experts (False, the
             reference), or whichever runs here (None, see `grouped_mm_supported`).
+        align_rows: pad each group to a multiple of this many rows for the grouped kernel (None:
+            8 on CUDA, 1 on CPU; see `pad_groups`).
 
     Returns:
         ``[M, D]`` in the rows' order.
@@ -179,9 +191,14 @@ def expert_swiglu(
     if grouped is None:
         grouped = grouped_mm_supported(x_md, w1_efd, w2_edf)
     if grouped:
+        align = (8 if x_md.is_cuda else 1) if align_rows is None else align_rows
+        if align > 1:
+            counts_e, rows_m = pad_groups(counts_e, align)
+            x_md = x_md.new_zeros(int(counts_e.sum()), x_md.shape[1]).index_copy(0, rows_m, x_md)
         offsets = torch.cumsum(counts_e, 0).to(torch.int32)
         h_mf = F.silu(_grouped(x_md, w1_efd, offsets)) * _grouped(x_md, w3_efd, offsets)
-        return _grouped(h_mf, w2_edf, offsets)
+        y_md = _grouped(h_mf, w2_edf, offsets)
+        return y_md[rows_m] if align > 1 else y_md
     outs = []
     for e, rows in enumerate(torch.split(x_md, counts_e.tolist())):
         outs.append(F.linear(F.silu(F.linear(rows, w1_efd[e])) * F.linear(rows, w3_efd[e]), w2_edf[e]))
