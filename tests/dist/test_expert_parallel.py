@@ -1,0 +1,157 @@
+"""Expert parallelism in every layout it composes with equals one process running a mixture of
+experts written here.
+
+fp32, a 2-block MoE decoder (width 64, 4 experts of 32, top-2, one shared expert, every block MoE)
+on packed 64-token rows, global batch 8, 3 steps of SGD with momentum. The router trains with the
+sequence-wise balance loss (0.01), the z-loss (0.001) and the auxiliary-loss-free expert bias
+(rate 0.01), so the per-row statistics, the step-wide normalisation of the router losses and the
+bias update all have to agree across ranks. The reference is a plain loop with its own forward
+(embedding, RMSNorm, GQA with RoPE on block-causal masks, dense top-k mixture with every expert
+applied to every token and masked, LM head), its own router losses and its own bias update,
+started from plait's initial weights. Compared within 1e-5: the loss and every gradient at each
+step, and the parameters after the 3 steps.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harness import EXACT_SGD, compose_config, fit, losses, reference_setup
+from trainer.data.packing import IGNORE_INDEX
+
+STEPS = 3
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+BALANCE, ZLOSS, RATE = 0.01, 0.001, 0.01
+MODEL = (
+    "model=moe_tiny", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+    "model.ffn_dim=128", "model.num_experts=4", "model.top_k=2", "model.moe_ffn_dim=32", "model.n_dense_layers=0",
+    "model.num_shared_experts=1", f"model.balance_coef={BALANCE}", f"model.z_loss_coef={ZLOSS}",
+    f"model.bias_update_rate={RATE}", "model.max_seq_len=64",
+)  # fmt: skip
+COMMON = (
+    *EXACT_SGD, *MODEL, f"trainer.max_steps={STEPS}",
+    "+callbacks.grads._target_=harness.GradRecorder", "+callbacks.params._target_=harness.ParamRecorder",
+)  # fmt: skip
+LAYOUTS = {
+    "ep2": ["trainer.devices=2", "strategy.expert_parallel.ep=2", "train.micro_batch_size=2"],
+    "ep2_x_fsdp2": ["trainer.devices=4", "strategy.expert_parallel.ep=2", "train.micro_batch_size=1"],
+    "ep2_x_tp2": ["trainer.devices=4", "strategy.tp=2", "strategy.expert_parallel.ep=2", "train.micro_batch_size=2"],
+    "ep2_x_pp2": ["trainer.devices=4", "strategy.pp=2", "strategy.expert_parallel.ep=2", "train.micro_batch_size=2"],
+    "llep2": ["trainer.devices=2", "strategy.expert_parallel.ep=2", "strategy.expert_parallel.least_loaded=true",
+              "strategy.expert_parallel.min_tokens_per_gemm=1"],  # fmt: skip
+}
+
+
+# ---------------------------------------------------------------------------------------------- the reference
+def rms(x, w, eps=1e-5):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def rope(x, pos, theta=10000.0):
+    half = x.shape[-1] // 2
+    freqs = pos[..., None].float() / theta ** (torch.arange(half) / half)  # [B, T, E/2]
+    cos, sin = freqs.cos()[:, :, None], freqs.sin()[:, :, None]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+def attention(x, P, i, pos, docs, heads=4, kv_heads=2):
+    B, T, D = x.shape
+    E = D // heads
+    q = (x @ P[f"layers.{i}.attention.wq.weight"].T).view(B, T, heads, E)
+    k = (x @ P[f"layers.{i}.attention.wk.weight"].T).view(B, T, kv_heads, E)
+    v = (x @ P[f"layers.{i}.attention.wv.weight"].T).view(B, T, kv_heads, E)
+    q, k = rope(q, pos), rope(k, pos)
+    k, v = (t.repeat_interleave(heads // kv_heads, dim=2) for t in (k, v))
+    scores = torch.einsum("bqhe,bkhe->bhqk", q, k) / math.sqrt(E)
+    allowed = (docs[:, :, None] == docs[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril()
+    attn = scores.masked_fill(~allowed[:, None], float("-inf")).softmax(-1)
+    return torch.einsum("bhqk,bkhe->bqhe", attn, v).reshape(B, T, D) @ P[f"layers.{i}.attention.wo.weight"].T
+
+
+def swiglu(x, w1, w2, w3):
+    return (F.silu(x @ w1.T) * (x @ w3.T)) @ w2.T
+
+
+def mixture(x, P, i, bias, k=2):
+    """Every expert on every token, masked by the top-k choice; returns (output, balance sum, z sum, loads)."""
+    B, T, D = x.shape
+    f = f"layers.{i}.feed_forward."
+    logits = x @ P[f + "router.gate.weight"].T
+    probs = logits.softmax(-1)  # [B, T, E]
+    E = probs.shape[-1]
+    chosen = (probs + bias).topk(k, dim=-1).indices
+    mask = torch.zeros_like(probs).scatter(-1, chosen, 1.0)
+    weights = probs * mask / (probs * mask).sum(-1, keepdim=True)
+    out = sum(weights[..., e : e + 1] * swiglu(x, P[f + "experts.w1"][e], P[f + "experts.w2"][e], P[f + "experts.w3"][e])
+              for e in range(E))  # fmt: skip
+    out = out + swiglu(x, *(P[f + f"shared_experts.{w}.weight"] for w in ("w1", "w2", "w3")))
+    share = mask.sum(1) * E / (k * T)  # [B, E]: the row's routed share of each expert, times E/K
+    balance = (share[:, None, :] * probs).sum()
+    z = torch.logsumexp(logits, -1).square().sum()
+    return out, balance, z, mask.sum((0, 1))
+
+
+def reference(cfg) -> dict:
+    rows, model, _, sampler = reference_setup(cfg)
+    P = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+    biases = [torch.zeros(4) for _ in range(2)]
+    optimizer = torch.optim.SGD(P.values(), lr=cfg.optim.lr, momentum=cfg.optim.momentum)
+    out = {"loss": [], "grads": []}
+    for _, index in zip(range(STEPS), sampler):
+        ids, pos, docs, labels = (rows.input_ids[index], rows.position_ids[index], rows.document_ids[index],
+                                  rows.labels[index])  # fmt: skip
+        h = P["tok_embeddings.weight"][ids]
+        router_loss, loads = 0.0, []
+        for i in range(2):
+            h = h + attention(rms(h, P[f"layers.{i}.attention_norm.weight"]), P, i, pos, docs)
+            y, balance, z, load = mixture(rms(h, P[f"layers.{i}.ffn_norm.weight"]), P, i, biases[i])
+            h, router_loss = h + y, router_loss + BALANCE * balance + ZLOSS * z
+            loads.append(load)
+        logits = rms(h, P["norm.weight"]) @ P["output.weight"].T
+        ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        loss = ce / (labels != IGNORE_INDEX).sum()
+        optimizer.zero_grad(set_to_none=True)
+        (loss + router_loss / ids.numel()).backward()  # router losses: a mean over the step's tokens
+        out["loss"].append(loss.item())
+        out["grads"].append({n: p.grad.detach().clone() for n, p in P.items()})
+        optimizer.step()
+        for bias, load in zip(biases, loads):
+            bias += RATE * torch.sign(load.mean() - load)
+    out["params"] = {n: p.detach().clone() for n, p in P.items()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def ref() -> dict:
+    return reference(compose_config(COMMON))
+
+
+def _run(overrides: list[str], run_dir) -> dict:
+    _, task = fit(compose_config([*COMMON, *overrides]), run_dir)
+    return {
+        "loss": losses(task.history),
+        "grads": [h["grads"] for h in task.history if "grads" in h],
+        "params": [h["params"] for h in task.history if "params" in h][0],
+    }
+
+
+def assert_equivalent(run: dict, expected: dict) -> None:
+    assert len(run["loss"]) == len(run["grads"]) == STEPS
+    for step in range(STEPS):
+        torch.testing.assert_close(run["loss"][step], expected["loss"][step], **TOL, msg=f"loss at step {step + 1}")
+        torch.testing.assert_close(run["grads"][step], expected["grads"][step], **TOL, msg=f"grads at step {step + 1}")
+    torch.testing.assert_close(run["params"], expected["params"], **TOL, msg=f"parameters after {STEPS} SGD steps")
+
+
+def test_one_process_equals_the_reference(ref, tmp_path):
+    assert_equivalent(_run(["train.micro_batch_size=4"], tmp_path), ref)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
+def test_layout_equals_the_reference(layout, ref, tmp_path):
+    assert_equivalent(_run(LAYOUTS[layout], tmp_path), ref)
