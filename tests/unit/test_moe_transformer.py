@@ -124,12 +124,12 @@ def test_latent_attention_sigmoid_routing_and_shared_experts_match_transformers_
 def test_metric_sums_and_the_expert_bias_callback():
     torch.manual_seed(0)
     model = MoETransformer(**TINY, bias_update_rate=0.01)
-    assert model.pop_metric_sums() is None  # nothing routed in backward yet
+    assert model.pop_sums() is None  # nothing routed in backward yet
     model(torch.randint(0, 64, (2, 8))).float().square().mean().backward()
-    names, sums = model.pop_metric_sums()
+    names, sums = model.pop_sums()
     assert names[:4] == [f"moe/load/{i}" for i in range(4)] and names[4:] == ["moe/balance_loss", "moe/z_loss"]
     tokens = 2 * 8 * 2  # tokens x MoE blocks
-    assert sums[-1].item() == tokens and sums[:4].sum().item() == pytest.approx(4 * tokens)  # mean load 1 each
+    assert sums[1].tolist() == [tokens] * 6 and sums[0, :4].sum().item() == pytest.approx(4 * tokens)  # mean load 1
     loads = {name: moe.router.tokens_per_expert.clone() for name, moe in model.moe_layers().items()}
     strategy = SimpleNamespace(token_axis="dp_cp", all_reduce_sum=lambda t, axis: t.mul_(2))  # as if 2 equal ranks
     ExpertBiasUpdate().on_train_batch_end(SimpleNamespace(strategy=strategy), SimpleNamespace(model=model), None, None, 0)

@@ -149,24 +149,24 @@ class MoETransformer(Llama):
         for moe in self.moe_layers().values():
             moe.router_loss_scale = scale
 
-    def pop_metric_sums(self) -> tuple[list[str], torch.Tensor] | None:
+    def pop_sums(self) -> tuple[list[str], torch.Tensor] | None:
         """Router statistics since the last call, summed over this rank's MoE blocks, then zeroed:
-        names and ``[K + 1]`` sums whose last entry is the count (token x block pairs), the
-        format ``Task`` reduces over ranks and divides. ``moe/load/<i>``: expert i's share of the
-        routed tokens times E (1 is balanced); ``moe/balance_loss``, ``moe/z_loss``: per token.
-        None when nothing was counted (evaluation, or a stage without MoE blocks)."""
+        names and a ``[2, K]`` tensor, row 0 the sums and row 1 their counts (token x block pairs),
+        which the Task reduces over ranks and divides. ``moe/load/<i>``: expert i's share of the
+        routed tokens times E / K (1 is balanced); ``moe/balance_loss``, ``moe/z_loss``: per
+        token. None when nothing was counted (evaluation, or a stage without MoE blocks)."""
         layers = list(self.moe_layers().values())
         if not layers:
             return None
         stats = torch.stack([moe.statistics for moe in layers]).sum(0)
         for moe in layers:
             moe.statistics.zero_()
-        tokens = stats[-1]
-        if tokens.item() == 0:
+        if stats[-1].item() == 0:
             return None
         loads = stats[: self.num_experts] * (self.num_experts / self.top_k)
         names = [f"moe/load/{i}" for i in range(self.num_experts)] + ["moe/balance_loss", "moe/z_loss"]
-        return names, torch.cat([loads, stats[-3:-1], tokens[None]])
+        sums = torch.cat([loads, stats[-3:-1]])
+        return names, torch.stack([sums, stats[-1].expand_as(sums)])
 
     def num_active_params(self) -> int:
         """Parameters one token uses: all but the (E - K) / E unchosen share of the routed experts
