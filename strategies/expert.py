@@ -9,9 +9,10 @@ for the approach, not copied.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -51,9 +52,29 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, dispatch: Any =
     return count
 
 
+def expert_mesh(root: DeviceMesh, ep: int) -> DeviceMesh:
+    """The mesh of the expert weights: the root mesh's (pp, dp_replicate, dp_shard, cp, tp) with
+    dp_shard x cp split into ``efsdp`` (FSDP of the expert weights) x ``ep`` (expert parallelism).
+
+    An ep group is ``ep`` consecutive ranks of dp_shard x cp (cp ranks first), as in torchtitan;
+    building the mesh creates the process groups of its axes (every rank calls it).
+    """
+    pp, dp_replicate, dp_shard, cp, tp = root.mesh.shape
+    ranks = root.mesh.reshape(pp, dp_replicate, dp_shard * cp // ep, ep, tp)
+    return DeviceMesh(root.device_type, ranks, mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep", "tp"))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 @dataclass
 class ExpertParallel:
     """The ``strategy.expert_parallel`` plugin: ``ep`` ranks share the experts of each MoE block.
+
+    Applied after tensor and context parallelism and before activation checkpointing and FSDP:
+    it shards the experts over ep and gives them their own FSDP over the remaining data-parallel
+    ranks (``efsdp``, times dp_replicate for HSDP), which the blocks' FSDP then leaves alone.
 
     Args:
         ep: expert-parallel degree, taken from the dp_shard x cp ranks (1: off). Must divide the
@@ -68,6 +89,27 @@ class ExpertParallel:
     least_loaded: bool = False
     capacity_ratio: float = 1.1
     min_tokens_per_gemm: int = 16
+    _dispatch: Any = field(default=None, init=False, repr=False)  # the dispatcher apply installed
+
+    def problems(self, run: Any, shape: Any) -> list[str]:
+        """ep against the borrowed ranks and the model's experts; [] when ep is 1 and LLEP is off."""
+        out = []
+        if self.capacity_ratio < 1 or self.min_tokens_per_gemm < 1:
+            out.append(f"strategy.expert_parallel.capacity_ratio={self.capacity_ratio} must be >= 1 and "
+                       f"min_tokens_per_gemm={self.min_tokens_per_gemm} >= 1")  # fmt: skip
+        if self.ep == 1:
+            return out
+        borrowed = run.dims.dp_shard * run.dims.cp
+        experts = getattr(shape, "num_experts", 0) if shape is not None else 0
+        if not experts:
+            return [*out, f"strategy.expert_parallel.ep={self.ep} needs a mixture-of-experts model (model=moe_tiny, ...)"]
+        if self.ep < 1 or borrowed % self.ep or experts % self.ep:
+            valid = [d for d in _divisors(borrowed) if experts % d == 0]
+            out.append(
+                f"strategy.expert_parallel.ep={self.ep} must divide dp_shard x cp = {borrowed} and "
+                f"model.num_experts={experts}; valid ep: {', '.join(map(str, valid))}"
+            )
+        return out
 
     def dispatcher(self, group: dist.ProcessGroup) -> Any:
         """The row exchange this plugin installs: all-to-all, or least-loaded spilling."""
@@ -77,4 +119,14 @@ class ExpertParallel:
 
     def apply(self, model: nn.Module, ep_mesh: DeviceMesh) -> int:
         """Shards ``model``'s experts over ``ep_mesh`` (see `apply_expert_parallel`)."""
-        return apply_expert_parallel(model, ep_mesh, self.dispatcher(ep_mesh.get_group()))
+        self._dispatch = self.dispatcher(ep_mesh.get_group())
+        return apply_expert_parallel(model, ep_mesh, self._dispatch)
+
+    def rank_load_metrics(self) -> dict[str, float]:
+        """``ep/max_over_mean_rows``: the mean over this step's MoE calls of the most loaded ep
+        rank's rows over the mean rank's (1 is balanced); {} when nothing ran."""
+        loads = self._dispatch.pop_rank_loads() if self._dispatch is not None else None
+        if loads is None:
+            return {}
+        ratio = loads.float().max(1).values / loads.float().mean(1).clamp(min=1.0)
+        return {"ep/max_over_mean_rows": ratio.mean().item()}
