@@ -66,7 +66,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> Non
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from strategies.expert import ExpertParallel
+    from strategies.expert import ExpertParallel, apply_expert_parallel
     from trainer.models.moe import GroupedExperts, combine, sort_by_expert
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -86,7 +86,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> Non
         experts = GroupedExperts(args.dim, args.ffn, E)
         for w in (experts.w1, experts.w2, experts.w3):
             torch.nn.init.normal_(w, std=0.02)
-        plugin.apply(experts, mesh)
+        apply_expert_parallel(experts, mesh, plugin.dispatcher(mesh.get_group()))
         compute = experts.compute
         peak = {"bytes": 0}
 

@@ -10,7 +10,7 @@ for the approach, not copied.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,11 @@ from torch.distributed.tensor import DTensor, Shard
 
 from strategies.expert_dispatch import EXPERT_WEIGHTS, AllToAllDispatch, expert_modules
 from strategies.least_loaded import LeastLoadedDispatch
+from strategies.parallel_dims import Meshes
+
+if TYPE_CHECKING:
+    from strategies.resolved import ResolvedRun
+    from strategies.shape import ModelShape
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, dispatch: Any = None) -> int:
@@ -89,9 +94,10 @@ class ExpertParallel:
     least_loaded: bool = False
     capacity_ratio: float = 1.1
     min_tokens_per_gemm: int = 16
+    fsdp: Any = field(default=None, init=False, repr=False)  # the strategy's FSDP plugin (its policies)
     _dispatch: Any = field(default=None, init=False, repr=False)  # the dispatcher apply installed
 
-    def problems(self, run: Any, shape: Any) -> list[str]:
+    def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
         """ep against the borrowed ranks and the model's experts; [] when ep is 1 and LLEP is off."""
         out = []
         if self.capacity_ratio < 1 or self.min_tokens_per_gemm < 1:
@@ -117,10 +123,22 @@ class ExpertParallel:
             return AllToAllDispatch(group)
         return LeastLoadedDispatch(group, capacity_ratio=self.capacity_ratio, min_tokens_per_gemm=self.min_tokens_per_gemm)
 
-    def apply(self, model: nn.Module, ep_mesh: DeviceMesh) -> int:
-        """Shards ``model``'s experts over ``ep_mesh`` (see `apply_expert_parallel`)."""
-        self._dispatch = self.dispatcher(ep_mesh.get_group())
-        return apply_expert_parallel(model, ep_mesh, self._dispatch)
+    def apply(self, model: nn.Module, meshes: Meshes) -> int:
+        """Shards ``model``'s experts over the ep axis of `expert_mesh` (`apply_expert_parallel`)
+        and gives each experts module its own FSDP over ``efsdp`` (with dp_replicate when the
+        blocks' FSDP mesh has it: HSDP), with the policies of the strategy's FSDP plugin
+        (``self.fsdp``, set by `strategies.mesh.MeshStrategy`); returns the modules sharded (0
+        when ep is 1)."""
+        if self.ep == 1:
+            return 0
+        mesh = expert_mesh(meshes.root, self.ep)
+        self._dispatch = self.dispatcher(mesh["ep"].get_group())
+        count = apply_expert_parallel(model, mesh["ep"], self._dispatch)
+        replicate = "dp_replicate" in (meshes.fsdp.mesh_dim_names or ())
+        fsdp_mesh = mesh["dp_replicate", "efsdp"] if replicate else mesh["efsdp"]
+        for experts in expert_modules(model):
+            self.fsdp.shard_module(experts, fsdp_mesh)
+        return count
 
     def rank_load_metrics(self) -> dict[str, float]:
         """``ep/max_over_mean_rows``: the mean over this step's MoE calls of the most loaded ep

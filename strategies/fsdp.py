@@ -97,6 +97,19 @@ class FSDP:
         """None: every layout FSDP is applied to can be sharded (the dtypes are checked on construction)."""
         return []
 
+    def shard_module(self, module: nn.Module, mesh: DeviceMesh) -> None:
+        """``fully_shard`` of one submodule with this plugin's policies and gradient sums (expert
+        parallelism shards the experts over their own ranks this way, before the blocks)."""
+        fully_shard(
+            module,
+            mesh=mesh,
+            mp_policy=MixedPrecisionPolicy(param_dtype=_DTYPES[self.param_dtype], reduce_dtype=_DTYPES[self.reduce_dtype]),
+            offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.cpu_offload else OffloadPolicy(),
+            reshard_after_forward=self.reshard_after_forward,
+        )
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
+
     def apply(self, model: nn.Module, meshes: Meshes) -> None:
         """Shards ``model`` (the whole model, or one pipeline stage) over ``meshes.fsdp``."""
         apply_fsdp(

@@ -30,6 +30,7 @@ from strategies.activation_checkpoint import ActivationCheckpoint
 from strategies.activation_offload import ActivationOffload
 from strategies.compile import Compile
 from strategies.context import ContextParallel, CPMode
+from strategies.expert import ExpertParallel
 from strategies.fsdp import FSDP
 from strategies.grad_norm import clip_grads_, global_grad_norm
 from strategies.launch import ForkLauncher, HydraJobLauncher
@@ -74,6 +75,8 @@ class MeshStrategy(ModelParallelStrategy):
         pp_schedule: the pipeline schedule when pp > 1: GPipe, 1F1B, Interleaved1F1B,
             InterleavedZeroBubble, ZBV or DualPipeV.
         pipeline: the pipeline plugin (stage split, stages per rank, micro-batches per schedule step).
+        expert_parallel: the expert-parallel plugin (mixture-of-experts models: experts sharded
+            over ep ranks borrowed from dp_shard x cp, LLEP); off when its ep is 1.
         local_sgd: a local-SGD plugin (DiLoCo, DES-LOC, ...; default: off). Its islands are the
             dp_replicate axis: FSDP then shards and reduces over dp_shard (x cp) only, and the
             islands synchronise through the plugin after the optimizer steps it chooses.
@@ -111,6 +114,7 @@ class MeshStrategy(ModelParallelStrategy):
         context_parallel: ContextParallel | None = None,
         pp_schedule: PPSchedule = "1F1B",
         pipeline: PipelineParallel | None = None,
+        expert_parallel: ExpertParallel | None = None,
         timeout_s: float = 1800.0,
         launcher: str = "subprocess",
         run: ResolvedRun | None = None,
@@ -135,6 +139,8 @@ class MeshStrategy(ModelParallelStrategy):
         self.pp_schedule = pp_schedule
         self.pipeline = pipeline or PipelineParallel()
         self.local_sgd = local_sgd
+        self.expert_parallel = expert_parallel or ExpertParallel()
+        self.expert_parallel.fsdp = self.fsdp  # the experts' own FSDP takes the blocks' policies
         self.launcher_kind = launcher
         self._mesh_views: dict[str, DeviceMesh] = {}
         self.meshes: Meshes | None = None  # set with the mesh, in setup_environment
@@ -156,6 +162,7 @@ class MeshStrategy(ModelParallelStrategy):
             (self.pipeline, dims.pp > 1),
             (self.tensor_parallel, dims.tp > 1),
             (self.context_parallel, dims.cp > 1),
+            (self.expert_parallel, True),  # off (apply does nothing) when its ep is 1
             (self.activation_offload, True),
             (self.activation_checkpoint, True),
             (self.compile_plugin, True),
@@ -221,7 +228,9 @@ class MeshStrategy(ModelParallelStrategy):
         Order (later techniques wrap what earlier ones produced): pipeline split first (each rank
         keeps its stages; the others then work on fewer layers), then tensor parallel
         (DTensor-shards the Linear weights), then context-parallel attention (its attention core
-        sees the tp rank's heads of its cp shard), then activation offload (hooks around each
+        sees the tp rank's heads of its cp shard), then expert parallelism (an MoE block sees its
+        rank's tokens; the experts get their own FSDP over the ranks left of dp_shard x cp, which
+        the blocks' FSDP then leaves alone), then activation offload (hooks around each
         block, kept by the checkpointed forward). Activation checkpointing next, so the recomputed
         forward is the TP/CP one. Compile after it, so each compiled block graph contains the
         checkpoint (and the recomputation is compiled too). FSDP then shards whatever parameters
@@ -336,9 +345,10 @@ class MeshStrategy(ModelParallelStrategy):
             Metrics of the step for the loggers: ``comm/bytes_sent`` (bytes this rank sent to other
             islands in this step) and ``comm/bytes_sent_total``; {} without local SGD.
         """
+        metrics = self.expert_parallel.rank_load_metrics()
         if self.local_sgd is None:
-            return {}
-        return self.local_sgd.after_optimizer_step(getattr(optimizer, "_optimizer", optimizer))
+            return metrics
+        return {**metrics, **self.local_sgd.after_optimizer_step(getattr(optimizer, "_optimizer", optimizer))}
 
     @property
     def token_axis(self) -> str:

@@ -37,7 +37,9 @@ class ParamSpec:
 class ModelShape:
     """Sizes of a Llama-style decoder and its parameter tensors.
 
-    Build with `from_model` (a model on the meta device is enough).
+    Build with `from_model` (a model on the meta device is enough). A mixture of experts
+    (`trainer.models.moe_transformer`) also has ``num_experts`` routed experts of hidden size
+    ``moe_ffn_dim`` per MoE block, ``top_k`` of them per token (0, 0, None for a dense model).
     """
 
     vocab_size: int
@@ -48,6 +50,9 @@ class ModelShape:
     ffn_dim: int
     tie_embeddings: bool
     params: tuple[ParamSpec, ...]
+    num_experts: int = 0
+    top_k: int = 0
+    moe_ffn_dim: int | None = None
 
     @property
     def head_dim(self) -> int:
@@ -95,5 +100,6 @@ class ModelShape:
         return cls(
             vocab_size=model.vocab_size, dim=model.dim, n_layers=model.n_layers, n_heads=model.n_heads,
             n_kv_heads=model.n_kv_heads, ffn_dim=model.ffn_dim, tie_embeddings=model.tie_embeddings,
-            params=tuple(specs),
+            params=tuple(specs), num_experts=getattr(model, "num_experts", 0), top_k=getattr(model, "top_k", 0),
+            moe_ffn_dim=getattr(model, "moe_ffn_dim", None),
         )  # fmt: skip

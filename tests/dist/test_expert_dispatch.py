@@ -64,7 +64,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        from strategies.expert import ExpertParallel
+        from strategies.expert import ExpertParallel, apply_expert_parallel
         from trainer.models.moe import GroupedExperts
 
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -78,7 +78,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             with torch.no_grad():
                 for p, w in zip((experts.w1, experts.w2, experts.w3), _full_weights()):
                     p.copy_(w)
-            plugin.apply(experts, mesh)
+            apply_expert_parallel(experts, mesh, plugin.dispatcher(mesh.get_group()))
             results[name] = _run_layer(experts, x, experts_nk, weights_nk)
             results[name + "_loads"] = experts.dispatcher.pop_rank_loads()
 

@@ -36,14 +36,17 @@ COMMON = (
     *EXACT_SGD, *MODEL, f"trainer.max_steps={STEPS}",
     "+callbacks.grads._target_=harness.GradRecorder", "+callbacks.params._target_=harness.ParamRecorder",
 )  # fmt: skip
-LAYOUTS = {
-    "ep2": ["trainer.devices=2", "strategy.expert_parallel.ep=2", "train.micro_batch_size=2"],
-    "ep2_x_fsdp2": ["trainer.devices=4", "strategy.expert_parallel.ep=2", "train.micro_batch_size=1"],
-    "ep2_x_tp2": ["trainer.devices=4", "strategy.tp=2", "strategy.expert_parallel.ep=2", "train.micro_batch_size=2"],
-    "ep2_x_pp2": ["trainer.devices=4", "strategy.pp=2", "strategy.expert_parallel.ep=2", "train.micro_batch_size=2"],
-    "llep2": ["trainer.devices=2", "strategy.expert_parallel.ep=2", "strategy.expert_parallel.least_loaded=true",
-              "strategy.expert_parallel.min_tokens_per_gemm=1"],  # fmt: skip
-}
+LAYOUTS = {  # dp_shard fills the ranks the other degrees leave; ep borrows 2 of them
+    "ep2": ["strategy=nd", "trainer.devices=2", "strategy.expert_parallel.ep=2", "train.micro_batch_size=2"],
+    "ep2_x_fsdp2": ["strategy=nd", "trainer.devices=4", "strategy.expert_parallel.ep=2", "train.micro_batch_size=1"],
+    "ep2_x_tp2": ["strategy=nd", "trainer.devices=4", "strategy.tp=2", "strategy.expert_parallel.ep=2",
+                  "train.micro_batch_size=2"],
+    "ep2_x_pp2": ["strategy=nd", "trainer.devices=4", "strategy.pp=2", "strategy.expert_parallel.ep=2",
+                  "train.micro_batch_size=2"],
+    "pp2": ["strategy=nd", "trainer.devices=2", "strategy.pp=2", "train.micro_batch_size=2"],
+    "llep2": ["strategy=nd", "trainer.devices=2", "strategy.expert_parallel.ep=2",
+              "strategy.expert_parallel.least_loaded=true", "strategy.expert_parallel.min_tokens_per_gemm=1"],
+}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- the reference

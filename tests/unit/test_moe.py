@@ -172,7 +172,7 @@ def test_router_losses_enter_the_gradient_with_the_step_scale():
     assert moe.statistics[-1].item() == 10 and moe.statistics[:4].sum().item() == 20
 
 
-def test_statistics_counted_once_under_activation_checkpointing_and_not_in_eval():
+def test_statistics_counted_once_per_forward_under_checkpointing_and_repeated_backward_and_not_in_eval():
     moe = _layer()
     x = torch.randn(2, 5, 16, requires_grad=True)
     checkpoint(moe, x, use_reentrant=False).sum().backward()
@@ -181,6 +181,11 @@ def test_statistics_counted_once_under_activation_checkpointing_and_not_in_eval(
     with torch.no_grad():
         moe(x)
     assert moe.statistics[-1].item() == 10
+    # A pipeline schedule's autograd.grad for gradient shapes, then the real backward: counted once.
+    out = moe(x).sum()
+    torch.autograd.grad(out, x, retain_graph=True)
+    out.backward()
+    assert moe.statistics[-1].item() == 20
 
 
 def test_expert_bias_update_rule():

@@ -272,18 +272,27 @@ def combine(y_md: torch.Tensor, order_m: torch.Tensor, weights_nk: torch.Tensor)
 # ---------------------------------------------------------------------------------------------- the layer
 class _RouterAccounting(torch.autograd.Function):
     """Identity on the layer output; in backward, the router losses get gradient ``scale`` and the
-    step's statistics are added to the layer's sums (once per micro-batch, also when activation
-    checkpointing recomputes the forward)."""
+    micro-batch's statistics are added to the layer's sums, once per forward, and only by a
+    backward that reaches the router's weight: activation checkpointing's recomputed forward never
+    runs this backward, and a pipeline schedule's ``autograd.grad`` for gradient shapes (on empty
+    inputs, towards its stage inputs only) does not count."""
 
     @staticmethod
     def forward(ctx: Any, out: torch.Tensor, router_loss: torch.Tensor, stats: torch.Tensor, moe: "MoE") -> torch.Tensor:
-        ctx.stats, ctx.moe, ctx.num_tokens = stats, moe, out.shape[0]
+        ctx.stats, ctx.moe, ctx.num_tokens, ctx.counted = stats, moe, out.shape[0], False
+        gate = moe.router.gate.weight
+        ctx.gate_node = torch.autograd.graph.get_gradient_edge(gate).node if gate.requires_grad else None
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
         moe, stats = ctx.moe, ctx.stats
-        moe.add_statistics(stats)
+        # Private, as torch.utils.checkpoint uses it: whether this backward will reach the node
+        # that accumulates the gate's gradient (not so in an autograd.grad towards other inputs).
+        reaches_gate = ctx.gate_node is None or torch._C._will_engine_execute_node(ctx.gate_node)
+        if not ctx.counted and reaches_gate:
+            moe.add_statistics(stats)
+            ctx.counted = True
         scale = moe.router_loss_scale
         if scale is None:
             scale = 1.0 / max(ctx.num_tokens, 1)
