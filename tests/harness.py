@@ -34,6 +34,14 @@ _SMALL = (
     "strategy.timeout_s=120",
 )
 TINY = (*_SMALL, "trainer.max_steps=3", "logger=none", "~callbacks.plots")
+# A mixture of experts of the nano size (width 64, 2 blocks, 4 experts of 32, top-2, one shared
+# expert, every block MoE) with all three router mechanisms on.
+MOE_SMALL = (
+    "model=moe_tiny", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+    "model.ffn_dim=128", "model.num_experts=4", "model.top_k=2", "model.moe_ffn_dim=32", "model.n_dense_layers=0",
+    "model.num_shared_experts=1", "model.balance_coef=0.01", "model.z_loss_coef=0.001", "model.bias_update_rate=0.01",
+    "model.max_seq_len=64",
+)  # fmt: skip
 
 
 def compose_config(overrides: Sequence[str] = (), recipe: str = "pretrain", tiny: bool = True) -> DictConfig:

@@ -20,20 +20,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness import EXACT_SGD, compose_config, fit, losses, reference_setup
+from harness import EXACT_SGD, MOE_SMALL, compose_config, fit, losses, reference_setup
 from trainer.data.packing import IGNORE_INDEX
 
 STEPS = 3
 TOL = {"rtol": 1e-5, "atol": 1e-5}
-BALANCE, ZLOSS, RATE = 0.01, 0.001, 0.01
-MODEL = (
-    "model=moe_tiny", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-    "model.ffn_dim=128", "model.num_experts=4", "model.top_k=2", "model.moe_ffn_dim=32", "model.n_dense_layers=0",
-    "model.num_shared_experts=1", f"model.balance_coef={BALANCE}", f"model.z_loss_coef={ZLOSS}",
-    f"model.bias_update_rate={RATE}", "model.max_seq_len=64",
-)  # fmt: skip
+BALANCE, ZLOSS, RATE = 0.01, 0.001, 0.01  # MOE_SMALL's router settings
 COMMON = (
-    *EXACT_SGD, *MODEL, f"trainer.max_steps={STEPS}",
+    *EXACT_SGD, *MOE_SMALL, f"trainer.max_steps={STEPS}",
     "+callbacks.grads._target_=harness.GradRecorder", "+callbacks.params._target_=harness.ParamRecorder",
 )  # fmt: skip
 LAYOUTS = {  # dp_shard fills the ranks the other degrees leave; ep borrows 2 of them

@@ -132,7 +132,7 @@ def test_metric_sums_and_the_expert_bias_callback():
     assert sums[1].tolist() == [tokens] * 6 and sums[0, :4].sum().item() == pytest.approx(4 * tokens)  # mean load 1
     loads = {name: moe.router.tokens_per_expert.clone() for name, moe in model.moe_layers().items()}
     strategy = SimpleNamespace(token_axis="dp_cp", all_reduce_sum=lambda t, axis: t.mul_(2))  # as if 2 equal ranks
-    ExpertBiasUpdate().on_train_batch_end(SimpleNamespace(strategy=strategy), SimpleNamespace(model=model), None, None, 0)
+    ExpertBiasUpdate().on_before_optimizer_step(SimpleNamespace(strategy=strategy), SimpleNamespace(model=model), None)
     for name, moe in model.moe_layers().items():
         expected = 0.01 * torch.sign(loads[name].mean() - loads[name])
         torch.testing.assert_close(moe.router.expert_bias, expected)

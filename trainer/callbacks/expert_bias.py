@@ -21,12 +21,14 @@ from trainer.models.moe import MoE
 
 
 class ExpertBiasUpdate(L.Callback):
-    """Moves every MoE router's ``expert_bias`` after each optimizer step (a no-op for dense
-    models and for MoE blocks with ``bias_update_rate=0``, whose counts are just reset)."""
+    """Moves every MoE router's ``expert_bias`` at each optimizer step (a no-op for dense models
+    and for MoE blocks with ``bias_update_rate=0``, whose counts are just reset)."""
 
     @override
     @torch.no_grad()
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
+        # At the optimizer step (the step's counts are complete), so a checkpoint written at the
+        # end of the step holds the moved biases.
         layers = [m for m in pl_module.model.modules() if isinstance(m, MoE)]
         if not layers:
             return
