@@ -343,7 +343,8 @@ class MeshStrategy(ModelParallelStrategy):
 
         Returns:
             Metrics of the step for the loggers: ``comm/bytes_sent`` (bytes this rank sent to other
-            islands in this step) and ``comm/bytes_sent_total``; {} without local SGD.
+            islands in this step) and ``comm/bytes_sent_total`` under local SGD;
+            ``ep/max_over_mean_rows`` under expert parallelism.
         """
         metrics = self.expert_parallel.rank_load_metrics()
         if self.local_sgd is None:

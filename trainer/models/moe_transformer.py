@@ -63,6 +63,7 @@ class MoETransformer(Llama):
         z_loss_coef: weight of the router z-loss (ST-MoE: 1e-3; 0 off).
         bias_update_rate: step of the auxiliary-loss-free expert bias, applied once per optimizer
             step by `trainer.callbacks.expert_bias.ExpertBiasUpdate` (DeepSeek-V3: 1e-3; 0 off).
+        vocab_size: tokens of the vocabulary (the trainer passes the tokenizer's).
         latent_attention: multi-head latent attention instead of grouped-query attention
             (DeepSeek-V3), ``{q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
             v_head_dim}`` (see `trainer.models.mla`); None for GQA.
@@ -76,6 +77,7 @@ class MoETransformer(Llama):
     def __init__(
         self,
         *,
+        vocab_size: int,
         num_experts: int,
         top_k: int,
         moe_ffn_dim: int,
@@ -102,7 +104,7 @@ class MoETransformer(Llama):
         self.n_dense_layers, self.num_shared_experts = n_dense_layers, num_shared_experts
         self.score_func, self.norm_topk, self.route_scale = score_func, norm_topk, route_scale
         self.balance_coef, self.z_loss_coef, self.bias_update_rate = balance_coef, z_loss_coef, bias_update_rate
-        super().__init__(**llama)
+        super().__init__(vocab_size=vocab_size, **llama)
 
     @override
     def make_feed_forward(self, layer: int) -> nn.Module | None:
