@@ -16,6 +16,8 @@ import torch
 
 from harness import MOE_SMALL, compose_config, fit
 
+pytestmark = pytest.mark.slow  # the suite's budget: run with -m slow
+
 RUN = (
     *MOE_SMALL, "optim=sgd", "trainer.max_steps=4", "train.micro_batch_size=1", "callbacks.checkpoint.every_n_steps=2",
     "callbacks.checkpoint.keep_last=0", "+callbacks.params._target_=harness.ParamRecorder",

@@ -149,6 +149,11 @@ def test_one_process_equals_the_reference(ref, tmp_path):
     assert_equivalent(_run(["train.micro_batch_size=4"], tmp_path), ref)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
+SLOW = {"ep2_x_tp2", "ep2_x_pp2", "pp2"}  # the suite's budget: run with -m slow
+
+
+@pytest.mark.parametrize(
+    "layout", [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else []) for name in LAYOUTS], ids=list(LAYOUTS)
+)
 def test_layout_equals_the_reference(layout, ref, tmp_path):
     assert_equivalent(_run(LAYOUTS[layout], tmp_path), ref)
