@@ -69,6 +69,10 @@ def expert_mesh(root: DeviceMesh, ep: int) -> DeviceMesh:
     return DeviceMesh(root.device_type, ranks, mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep", "tp"))
 
 
+# Pipeline schedules that run a stage's backward as separate input- and weight-gradient passes.
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBV", "DualPipeV")
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -103,10 +107,16 @@ class ExpertParallel:
         if self.capacity_ratio < 1 or self.min_tokens_per_gemm < 1:
             out.append(f"strategy.expert_parallel.capacity_ratio={self.capacity_ratio} must be >= 1 and "
                        f"min_tokens_per_gemm={self.min_tokens_per_gemm} >= 1")  # fmt: skip
+        experts = shape.num_experts if shape is not None else 0
+        if experts and run.dims.pp > 1 and run.pp_schedule in SPLIT_BACKWARD_SCHEDULES:
+            # The router statistics are counted by the backward that reaches the gate's weight
+            # gradient (`trainer.models.moe`); these schedules run it apart from the input's.
+            out.append(f"strategy.pp_schedule={run.pp_schedule} splits backward into input and weight passes, "
+                       f"which a mixture of experts does not support yet; use strategy.pp_schedule=1F1B, GPipe "
+                       f"or Interleaved1F1B")  # fmt: skip
         if self.ep == 1:
             return out
         borrowed = run.dims.dp_shard * run.dims.cp
-        experts = getattr(shape, "num_experts", 0) if shape is not None else 0
         if not experts:
             return [*out, f"strategy.expert_parallel.ep={self.ep} needs a mixture-of-experts model (model=moe_tiny, ...)"]
         if self.ep < 1 or borrowed % self.ep or experts % self.ep:
