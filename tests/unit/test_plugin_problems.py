@@ -43,13 +43,13 @@ def test_every_plugin_implements_the_contract_and_the_walk_follows_the_documente
     dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=2, tp=2, pp=2)
     names = [type(p).__name__ for p in strategy.plugins(dims)]
     assert names == [
-        "PipelineParallel", "TensorParallel", "ContextParallel", "ActivationOffload", "ActivationCheckpoint",
-        "Compile", "FSDP",
+        "PipelineParallel", "TensorParallel", "ContextParallel", "ExpertParallel", "ActivationOffload",
+        "ActivationCheckpoint", "Compile", "FSDP",
     ]  # fmt: skip
     assert all(isinstance(p, Plugin) for p in strategy.plugins(dims))
     # One rank per axis: the always-on plugins only (each is a no-op when off).
     assert [type(p).__name__ for p in strategy.plugins(ParallelDims(dp_shard=1))] == [
-        "ActivationOffload", "ActivationCheckpoint", "Compile",
+        "ExpertParallel", "ActivationOffload", "ActivationCheckpoint", "Compile",
     ]  # fmt: skip
 
 
