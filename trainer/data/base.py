@@ -23,7 +23,7 @@ import os
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, Literal, TypedDict
 
 import lightning as L
 from torch import Tensor
@@ -31,6 +31,7 @@ from typing_extensions import Required, override
 
 from strategies.resolved import ResolvedRun
 from trainer import protocols
+from trainer.data.balance import Balancer, WorkModel
 from trainer.data.chat import JinjaTemplate, load_chat_template
 from trainer.data.loader import Batch, GlobalBatches, Loader, shard_rows
 from trainer.data.tokenizer import Tokenizer, load_or_train
@@ -54,6 +55,7 @@ class Settings(TypedDict, total=False):
     vocab_size: int
     seed: int
     cache_dir: str
+    balance: Literal["none", "work"]
 
 
 class DataModule(L.LightningDataModule, protocols.DataModule):
@@ -68,6 +70,9 @@ class DataModule(L.LightningDataModule, protocols.DataModule):
         vocab_size: vocabulary of the trained BPE.
         seed: seeds splits, synthetic data and the order of the rows.
         cache_dir: where tokenizers and prepared data are cached.
+        balance: ``work`` orders each step's rows over dp ranks and micro-batches so that the
+            estimated work per rank is balanced (`trainer.data.balance`; same rows per step, same
+            loss and gradient); ``none`` keeps the sampler's or packer's order.
     """
 
     # Rows per forward when evaluating. The validation loss is a sum over micro-batches, so its
@@ -83,18 +88,27 @@ class DataModule(L.LightningDataModule, protocols.DataModule):
         vocab_size: int = 4096,
         seed: int = 0,
         cache_dir: str = "~/.cache/plait",
+        balance: Literal["none", "work"] = "none",
     ) -> None:
         super().__init__()
         self.seq_len, self.tokenizer_path, self.vocab_size, self.seed = seq_len, tokenizer, vocab_size, seed
         self.cache_dir = Path(os.path.expanduser(cache_dir))
         self.global_batch_size = run.global_batch_size
+        self.balancer = Balancer(WorkModel.of(run.shape), run.micro_batch_size) if balance == "work" else None
         self._prepared: Any = None
 
     @classmethod
     def config_problems(cls, cfg: Any, run: ResolvedRun | None) -> list[str]:
         """Problems of the run config's ``data`` node, for `trainer.config.validate` (before any
         launch); ``run`` is None when the layout itself is invalid."""
-        return cls.node_problems(cfg.data)
+        problems = cls.node_problems(cfg.data)
+        balance = cfg.data.get("balance", "none")
+        if balance == "work" and run is not None and run.dims.dp * run.num_micro_batches == 1:
+            problems.append(
+                "data.balance=work has nothing to balance: one dp rank trains the whole step in one micro-batch; use "
+                "data.balance=none, or more dp ranks or a smaller train.micro_batch_size"
+            )
+        return problems
 
     @classmethod
     def node_problems(cls, node: Any) -> list[str]:

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from trainer import protocols
+from trainer.data.balance import Balancer
 from trainer.data.packing import IGNORE_INDEX, Packer, Piece, rows_to_tensors
 from trainer.data.sampler import GlobalBatchSampler
 
@@ -114,10 +115,13 @@ class RowBatches:
         rows: key -> ``[N, ...]`` tensor; a batch holds each key's rows at the sampler's indices
             (read when the batch is made: a column filled later, like reference log-probs, is seen).
         sampler: the order; its epoch is set by Lightning (`set_epoch`) and by `restore`.
+        balancer: orders each global batch's rows over dp ranks and micro-batches by their
+            estimated work (`trainer.data.balance`; reads ``rows["document_ids"]``); None keeps
+            the sampler's order.
     """
 
-    def __init__(self, rows: dict[str, Tensor], sampler: GlobalBatchSampler) -> None:
-        self.rows, self.sampler = rows, sampler
+    def __init__(self, rows: dict[str, Tensor], sampler: GlobalBatchSampler, balancer: Balancer | None = None) -> None:
+        self.rows, self.sampler, self.balancer = rows, sampler, balancer
 
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
@@ -128,8 +132,16 @@ class RowBatches:
     def batches(self, position: Position) -> Iterator[tuple[Batch, Position, bool]]:
         epoch = self.sampler.epoch
         first = position["trained"] if position["epoch"] == epoch and position["trained"] < self.sampler.num_batches() else 0
-        for k, indices in enumerate(self.sampler.iter_from(first), start=first + 1):
+        for k, indices in enumerate(self._indices(first), start=first + 1):
             yield {key: value[indices] for key, value in self.rows.items()}, {"epoch": epoch, "trained": k}, False
+
+    def _indices(self, first: int) -> Iterator[Any]:
+        if self.balancer is None:
+            yield from self.sampler.iter_from(first)
+            return
+        for rows in self.sampler.global_from(first):
+            order = self.balancer.order(self.rows["document_ids"][rows], self.sampler.dp_size)
+            yield self.sampler.local(rows[order])
 
     def num_batches(self, position: Position) -> int:
         return self.sampler.num_batches()
@@ -172,6 +184,8 @@ class PackedBatches:
         dp_rank, dp_size: this rank on the data-parallel axis.
         dropped: supervised tokens per source that the long-sample policy cut before packing
             (logged with the consumed tokens as ``train/dropped_tokens/<source>``).
+        balancer: orders each global batch's rows over dp ranks and micro-batches by their
+            estimated work (`trainer.data.balance`); None keeps the packing order.
 
     Raises:
         ValueError: ``global_batch_size`` is not a positive multiple of ``dp_size``.
@@ -186,12 +200,14 @@ class PackedBatches:
         dp_rank: int = 0,
         dp_size: int = 1,
         dropped: dict[str, int] | None = None,
+        balancer: Balancer | None = None,
     ) -> None:
         if global_batch_size <= 0 or global_batch_size % dp_size:
             raise ValueError(f"global batch size {global_batch_size} is not a positive multiple of dp={dp_size}")
         self.make_packer, self.names = make_packer, list(names)
         self.dropped = dict(dropped or {})
         self.global_batch_size, self.dp_rank, self.dp_size = global_batch_size, dp_rank, dp_size
+        self.balancer = balancer
         self._length: int | None = None
 
     def _packer(self, position: Position) -> Packer:
@@ -204,8 +220,6 @@ class PackedBatches:
 
     def batches(self, position: Position) -> Iterator[tuple[Batch, Position, bool]]:
         packer = self._packer(position)
-        local = self.global_batch_size // self.dp_size
-        rows_of_rank = slice(self.dp_rank * local, (self.dp_rank + 1) * local)
         done, tokens = position["batches"], dict(position["tokens"])
         while True:
             rows = []
@@ -217,9 +231,19 @@ class PackedBatches:
                 tokens[name] += n
             done, last = done + 1, packer.exhausted()
             after = {"packer": packer.state_dict(), "batches": done, "tokens": dict(tokens)}
-            yield rows_to_tensors(rows[rows_of_rank], num_rows=local, seq_len=packer.seq_len, pad_id=packer.pad_id), after, last
+            yield self._local(rows, packer), after, last
             if last:
                 return
+
+    def _local(self, rows: list[list[Piece]], packer: Packer) -> Batch:
+        """This rank's rows of a global batch (completed with padding rows), as tensors."""
+        local = self.global_batch_size // self.dp_size
+        if self.balancer is None:
+            mine = rows[self.dp_rank * local : (self.dp_rank + 1) * local]
+            return rows_to_tensors(mine, num_rows=local, seq_len=packer.seq_len, pad_id=packer.pad_id)
+        batch = rows_to_tensors(rows, num_rows=self.global_batch_size, seq_len=packer.seq_len, pad_id=packer.pad_id)
+        order = self.balancer.order(batch["document_ids"], self.dp_size)[self.dp_rank * local : (self.dp_rank + 1) * local]
+        return {key: value[order] for key, value in batch.items()}
 
     def num_batches(self, position: Position) -> int:
         """Global batches trained before ``position`` plus those left from it (the whole pass)."""

@@ -166,7 +166,7 @@ class PreferenceDataModule(DataModule):
             len(prepared.train["input_ids"]), global_batch_size=self.global_batch_size,
             dp_rank=dp_rank, dp_size=dp_size, shuffle=True, seed=self.seed,
         )  # fmt: skip
-        return RowBatches({**prepared.train, "ref_logps": prepared.train_ref}, sampler)
+        return RowBatches({**prepared.train, "ref_logps": prepared.train_ref}, sampler, self.balancer)
 
     @override
     def eval_rows(self) -> dict[str, Tensor]:

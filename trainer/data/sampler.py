@@ -70,8 +70,18 @@ class GlobalBatchSampler(Sampler[list[int]]):
 
     def iter_from(self, start: int) -> Iterator[list[int]]:
         """This rank's row indices of global batches ``start, start + 1, ...`` of the epoch."""
+        for rows in self.global_from(start):
+            yield self.local(rows).tolist()
+
+    def global_from(self, start: int) -> Iterator[torch.Tensor]:
+        """``[N]`` row indices of global batches ``start, start + 1, ...`` of the epoch, every
+        rank's (N a multiple of dp_size)."""
         order = self._order()
         for k in range(start, self.num_batches()):
             rows = order[k * self.global_batch_size : (k + 1) * self.global_batch_size]
-            local = len(rows) // self.dp_size
-            yield rows[self.dp_rank * local : (self.dp_rank + 1) * local].tolist()
+            yield rows[: len(rows) // self.dp_size * self.dp_size]
+
+    def local(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's contiguous slice of a global batch's ``rows``."""
+        local = len(rows) // self.dp_size
+        return rows[self.dp_rank * local : (self.dp_rank + 1) * local]

@@ -183,6 +183,7 @@ class SFTDataModule(DataModule):
             lambda: self._packer(prepared.train, self.specs),
             names=self.names, global_batch_size=self.global_batch_size, dp_rank=dp_rank, dp_size=dp_size,
             dropped={n: d["supervised_tokens"] for n, d in self.dropped.items() if d["supervised_tokens"]},
+            balancer=self.balancer,
         )  # fmt: skip
 
     @override

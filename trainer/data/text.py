@@ -120,7 +120,7 @@ class TextDataModule(DataModule):
             len(train), global_batch_size=self.global_batch_size, dp_rank=dp_rank, dp_size=dp_size,
             shuffle=self.shuffle, seed=self.seed, drop_last=self.drop_last,
         )  # fmt: skip
-        return RowBatches(vars(train), sampler)
+        return RowBatches(vars(train), sampler, self.balancer)
 
     @override
     def eval_rows(self) -> dict[str, Tensor]:

@@ -1,0 +1,112 @@
+"""Work balance across data-parallel ranks: static layout vs `data.balance=work`, side by side.
+
+Document lengths come from a real corpus, the King James Bible's 1189 chapters (bundled with
+plait), in tokens estimated as ``ceil(characters / 4)`` (a BPE of a few thousand words gives
+about 4 characters per token on this text), plus ``--long`` very long documents (16k to 32k
+tokens): a long tail. The documents, shuffled, are packed into rows of ``--seq-len`` tokens by
+plait's packer (``split`` policy: a long document fills whole rows), the rows are drawn into
+global batches by plait's `GlobalBatchSampler`, and for every step the script estimates each dp
+rank's work with plait's work model (`trainer.data.balance.WorkModel` of a Llama of
+``--dim`` x ``--layers``: forward FLOPs, linear per token + attention per causal pair):
+
+- ``static``: rank r takes the r-th contiguous slice of the global batch (``data.balance=none``);
+- ``balanced``: the same rows ordered by `trainer.data.balance.plan` (``data.balance=work``).
+
+Per layout it prints max/mean work per rank (mean over steps of each step's max over mean), for
+total work and for attention work alone, both arms side by side, and the max/mean per micro-batch
+slot (FSDP synchronises every micro-batch). No model runs: this is the estimate.
+
+Invocation (about 20 s)::
+
+    python bench/balance.py
+    python bench/balance.py --seq-len 4096 --global-batch 64 --dp 8 --micro-batch 2
+
+The last line is ``RESULT static_max_over_mean=<x> balanced_max_over_mean=<y>`` (total work, the
+first layout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import torch
+
+from strategies.shape import ModelShape
+from trainer.data import corpus
+from trainer.data.balance import WorkModel, cells, plan, step_cost
+from trainer.data.packing import pack
+from trainer.data.sampler import GlobalBatchSampler
+from trainer.models.llama import Llama
+
+
+def lengths(num_long: int, seed: int) -> list[int]:
+    """Token lengths of the Bible's chapters plus ``num_long`` documents of 16k to 32k tokens, shuffled."""
+    chapters = [-(-len(d.text) // 4) for d in corpus.load_bundled(["kjv"])]
+    rng = random.Random(seed)
+    out = chapters + [rng.randint(16384, 32768) for _ in range(num_long)]
+    rng.shuffle(out)
+    return out
+
+
+def shape(dim: int, layers: int, vocab: int, seq_len: int) -> ModelShape:
+    with torch.device("meta"):
+        model = Llama(vocab_size=vocab, dim=dim, n_layers=layers, n_heads=dim // 128, n_kv_heads=max(1, dim // 512), max_seq_len=seq_len)
+    return ModelShape.from_model(model)
+
+
+def ratio(loads: torch.Tensor) -> float:
+    """max / mean of the last dimension, averaged over the others."""
+    return float((loads.amax(-1) / loads.mean(-1)).mean())
+
+
+def measure(document_ids: torch.Tensor, model: WorkModel, args: argparse.Namespace) -> dict[str, float]:
+    sampler = GlobalBatchSampler(len(document_ids), global_batch_size=args.global_batch, seed=args.seed)
+    attention = WorkModel(linear_per_token=0.0, attention_per_pair=1.0)
+    out: dict[str, list[float]] = {}
+    for _, rows in zip(range(args.steps), sampler.global_from(0)):
+        work = model.rows(document_ids[rows])
+        arms = {"static": torch.arange(len(rows)), "balanced": plan(work, dp_size=args.dp, micro_batch_size=args.micro_batch)}
+        for arm, order in arms.items():
+            ordered = document_ids[rows][order]
+            total = cells(model.rows(ordered), dp_size=args.dp, micro_batch_size=args.micro_batch)  # [dp, micro]
+            attn = attention.rows(ordered).reshape(args.dp, -1).sum(-1)
+            out.setdefault(f"{arm}_total", []).append(ratio(total.sum(-1)))
+            out.setdefault(f"{arm}_attention", []).append(ratio(attn))
+            out.setdefault(f"{arm}_micro", []).append(step_cost(total) / float(total.sum(1).mean()))
+    return {k: sum(v) / len(v) for k, v in out.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--global-batch", type=int, default=32)
+    parser.add_argument("--dp", type=int, default=4)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--long", type=int, default=8, help="very long documents added to the chapters")
+    parser.add_argument("--dim", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    docs = lengths(args.long, args.seed)
+    rows = pack([([0] * n, [0] * n) for n in docs], seq_len=args.seq_len, pad_id=0)
+    model = WorkModel.of(shape(args.dim, args.layers, 32000, args.seq_len))
+    print(f"{len(docs)} documents ({sum(docs)} tokens, {args.long} of 16k-32k) in {len(rows)} rows of {args.seq_len}; "
+          f"global batch {args.global_batch}, dp {args.dp}, micro-batch {args.micro_batch}; Llama {args.dim} x {args.layers}")  # fmt: skip
+    print(f"{'max/mean per rank':32s} {'static':>10s} {'balanced':>10s}")
+    results = {}
+    for layout in [(args.dp, args.micro_batch), (2 * args.dp, args.micro_batch // 2 or 1), (args.dp, 1)]:
+        dp, micro = layout
+        if args.global_batch % (dp * micro):
+            continue
+        r = measure(rows.document_ids, model, argparse.Namespace(**{**vars(args), "dp": dp, "micro_batch": micro}))
+        results.setdefault("first", r)
+        for kind, label in (("total", "work (FLOPs)"), ("attention", "attention pairs"), ("micro", "synced per micro-batch")):
+            print(f"dp={dp} micro={micro} {label:20s} {r[f'static_{kind}']:10.3f} {r[f'balanced_{kind}']:10.3f}")
+    first = results["first"]
+    print(f"RESULT static_max_over_mean={first['static_total']:.3f} balanced_max_over_mean={first['balanced_total']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
