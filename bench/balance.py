@@ -21,8 +21,8 @@ Invocation (about 20 s)::
     python bench/balance.py
     python bench/balance.py --seq-len 4096 --global-batch 64 --dp 8 --micro-batch 2
 
-The last line is ``RESULT static_max_over_mean=<x> balanced_max_over_mean=<y>`` (total work, the
-first layout).
+The last line is ``RESULT static_max_over_mean=<x> balanced_max_over_mean=<y> static_attention=<a>
+balanced_attention=<b>`` (the first layout; total work, then attention pairs alone).
 """
 
 from __future__ import annotations
@@ -105,7 +105,10 @@ def main() -> None:
         for kind, label in (("total", "work (FLOPs)"), ("attention", "attention pairs"), ("micro", "synced per micro-batch")):
             print(f"dp={dp} micro={micro} {label:20s} {r[f'static_{kind}']:10.3f} {r[f'balanced_{kind}']:10.3f}")
     first = results["first"]
-    print(f"RESULT static_max_over_mean={first['static_total']:.3f} balanced_max_over_mean={first['balanced_total']:.3f}")
+    print(
+        f"RESULT static_max_over_mean={first['static_total']:.3f} balanced_max_over_mean={first['balanced_total']:.3f} "
+        f"static_attention={first['static_attention']:.3f} balanced_attention={first['balanced_attention']:.3f}"
+    )
 
 
 if __name__ == "__main__":
