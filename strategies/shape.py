@@ -39,7 +39,8 @@ class ModelShape:
 
     Build with `from_model` (a model on the meta device is enough). A mixture of experts
     (`trainer.models.moe_transformer`) also has ``num_experts`` routed experts of hidden size
-    ``moe_ffn_dim`` per MoE block, ``top_k`` of them per token (0, 0, None for a dense model).
+    ``moe_ffn_dim`` per MoE block, ``top_k`` of them per token, plus ``num_shared_experts``
+    always-on ones; blocks below ``n_dense_layers`` are dense (0, 0, None, 0, 0 for a dense model).
     """
 
     vocab_size: int
@@ -53,6 +54,8 @@ class ModelShape:
     num_experts: int = 0
     top_k: int = 0
     moe_ffn_dim: int | None = None
+    num_shared_experts: int = 0
+    n_dense_layers: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -62,9 +65,17 @@ class ModelShape:
     def num_params(self) -> int:
         return sum(math.prod(p.shape) for p in self.params)
 
-    def matmul_params_per_layer(self) -> int:
-        """Weights of one block's matmuls (attention projections and SwiGLU)."""
+    def is_moe(self, layer: int) -> bool:
+        """Whether block ``layer`` is a mixture-of-experts block."""
+        return self.num_experts > 0 and layer >= self.n_dense_layers
+
+    def matmul_params_per_layer(self, layer: int | None = None) -> int:
+        """Weights one token meets in one block's matmuls (attention projections and SwiGLU; in
+        an MoE block ``layer`` its router, top_k routed and the shared experts')."""
         q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        if layer is not None and self.is_moe(layer):
+            experts = self.top_k + self.num_shared_experts
+            return self.dim * (2 * q + 2 * kv) + 3 * self.dim * self.moe_ffn_dim * experts + self.dim * self.num_experts
         return self.dim * (2 * q + 2 * kv) + 3 * self.dim * self.ffn_dim
 
     @classmethod
@@ -101,5 +112,6 @@ class ModelShape:
             vocab_size=model.vocab_size, dim=model.dim, n_layers=model.n_layers, n_heads=model.n_heads,
             n_kv_heads=model.n_kv_heads, ffn_dim=model.ffn_dim, tie_embeddings=model.tie_embeddings,
             params=tuple(specs), num_experts=getattr(model, "num_experts", 0), top_k=getattr(model, "top_k", 0),
-            moe_ffn_dim=getattr(model, "moe_ffn_dim", None),
+            moe_ffn_dim=getattr(model, "moe_ffn_dim", None), num_shared_experts=getattr(model, "num_shared_experts", 0),
+            n_dense_layers=getattr(model, "n_dense_layers", 0),
         )  # fmt: skip

@@ -151,9 +151,11 @@ def state_bytes(shape: ModelShape, layout: Layout, work: Workload, rank: int) ->
 
 
 # ---------------------------------------------------------------------------------- activations
-def layer_activation_bytes(shape: ModelShape, layout: Layout, work: Workload, tokens: int, *, device: str) -> int:
+def layer_activation_bytes(
+    shape: ModelShape, layout: Layout, work: Workload, tokens: int, *, device: str, layer: int | None = None
+) -> int:
     """Saved-for-backward bytes of one block (no checkpointing) for ``tokens`` tokens of a micro-batch
-    on this rank (b x seq_len / cp)."""
+    on this rank (b x seq_len / cp); block ``layer`` (None: a dense one) may be a mixture of experts."""
     a, d, f = work.act_bytes, shape.dim, shape.ffn_dim
     tp = layout.tp
     sp = tp if layout.sequence_parallel and tp > 1 else 1
@@ -167,8 +169,23 @@ def layer_activation_bytes(shape: ModelShape, layout: Layout, work: Workload, to
         per_token += heads * e * a  # the attention output copied into the wo input
     elif work.document_masks and device == "cpu":
         per_token += work.seq_len * 4  # SDPA's additive float mask on CPU, one per layer
-    per_token += 4 * (f // tp) * a  # w1 and w3 outputs, SiLU output, their product
+    if layer is not None and shape.is_moe(layer):
+        per_token += moe_activation_bytes_per_token(shape, a)
+    else:
+        per_token += 4 * (f // tp) * a  # w1 and w3 outputs, SiLU output, their product
     return int(tokens * per_token)
+
+
+def moe_activation_bytes_per_token(shape: ModelShape, a: int) -> float:
+    """Saved bytes per token of an MoE feed-forward (`trainer.models.moe.MoE`, replicated over tp;
+    its input is the norm output counted with the attention's), as its ``[N, ...]`` tensors are:
+    each of the top_k copies of a token saves its gathered input and expert output rows (2 D),
+    the SwiGLU intermediates (4 F) and its index, order and weight (32 bytes); the shared experts
+    save 4 F each; the router its scores and logits (fp32, 2 E) and per-token sums (12 bytes).
+    Under expert parallelism a rank's rows are top_k x tokens only in the mean (balanced routing)."""
+    d, f = shape.dim, shape.moe_ffn_dim
+    routed = shape.top_k * (2 * d * a + 4 * f * a + 32)
+    return routed + shape.num_shared_experts * 4 * f * a + 8 * shape.num_experts + 12
 
 
 def stage_activation_bytes(
@@ -177,12 +194,11 @@ def stage_activation_bytes(
     """Saved-for-backward bytes of one micro-batch through one pipeline stage."""
     tokens = layout.micro_batch_size * work.seq_len // layout.cp
     sp = layout.tp if layout.sequence_parallel and layout.tp > 1 else 1
-    full = layer_activation_bytes(shape, layout, work, tokens, device=device)
     block_input = tokens * shape.dim * work.act_bytes // sp
     total = 0
     for i in layers:
         checkpointed = layout.ac == "full" or layout.ac == "every_k" and i % layout.ac_every_k == 0
-        total += block_input if checkpointed else full
+        total += block_input if checkpointed else layer_activation_bytes(shape, layout, work, tokens, device=device, layer=i)
     if layout.activation_offload:
         total = 0  # saved tensors wait in host memory
     total += tokens * shape.head_dim * 4  # RoPE cos and sin rows gathered by position ids (fp32)
@@ -232,8 +248,8 @@ def _transient(
 ) -> int:
     tokens = layout.micro_batch_size * work.seq_len // layout.cp
     out = 0
-    block = [p for p in shape.params if p.layer == 0]
-    block_numel = sum(math.prod(p.shape) for p in block) // layout.tp
+    sizes = [sum(math.prod(p.shape) for p in shape.params if p.layer == i) for i in range(shape.n_layers)]
+    block_numel = max(sizes, default=0) // layout.tp  # the largest block (an MoE one, if any)
     if layout.uses_fsdp and (layout.fsdp_shards > 1 or work.compute_dtype != work.param_dtype):
         # Two gathered blocks (current + prefetched), one block of unsharded gradients, and the
         # root's parameters (embedding, head), gathered for the whole step.
@@ -243,7 +259,8 @@ def _transient(
         vocab = shape.vocab_size // (layout.tp if layout.loss_parallel else 1)
         out += 2 * tokens * vocab * 4  # logits (fp32) and their gradient next to the log-softmax output
     if layout.ac != "none" or layout.activation_offload:
-        out += layer_activation_bytes(shape, layout, work, tokens, device=device)  # one block recomputed / reloaded
+        last = shape.n_layers - 1  # one block recomputed / reloaded (MoE if any is)
+        out += layer_activation_bytes(shape, layout, work, tokens, device=device, layer=last)
     return out
 
 

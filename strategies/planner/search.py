@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from strategies.context import context_parallel_problems
+from strategies.expert import SPLIT_BACKWARD_SCHEDULES
 from strategies.parallel_dims import divisors
 from strategies.pipeline_layout import check_pipeline, stages_per_rank_of
 from strategies.pipeline_layout import SCHEDULES
@@ -82,6 +83,8 @@ def candidate_layouts(shape: ModelShape, work: Workload, cluster: Cluster, space
         base = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp)
         for micro in [b for b in divisors(per_rank) if b <= space.max_micro_batch]:
             for sched in space.schedules if pp > 1 else ["1F1B"]:
+                if shape.num_experts and sched in SPLIT_BACKWARD_SCHEDULES:
+                    continue  # refused for mixtures of experts (`strategies.expert.ExpertParallel.problems`)
                 v = stages_per_rank_of(sched, None)
                 if pp > 1 and check_pipeline(
                     pp=pp, schedule=sched, stages_per_rank=None, split_points=None, num_microbatches=None,

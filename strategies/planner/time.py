@@ -137,13 +137,14 @@ def stage_compute(shape: ModelShape, layout: Layout, work: Workload, cluster: Cl
     share = _rate_share(layout, cluster)
     mm_peak = (cluster.peak_flops_fp8 if work.float8 else cluster.peak_flops) * cluster.matmul_efficiency * share
     attn_peak = cluster.peak_flops * cluster.attention_efficiency * share
-    layer_mm = 2 * tokens * shape.matmul_params_per_layer() / layout.tp
     layer_attn = 2 * tokens * work.seq_len * shape.dim / layout.tp  # causal: half of QK^T and AV
-    layer_bytes = layer_activation_bytes(shape, layout, work, tokens, device=cluster.device)
     passes = cluster.elementwise_passes * (0.5 if work.compile else 1.0)
     dispatch = cluster.layer_overhead_s * (cluster.dtensor_overhead if layout.tp > 1 else 1.0)
     total = 0.0
     for i in layers:
+        # An MoE block's active weights (MoE blocks are replicated over tp: a simplification here).
+        layer_mm = 2 * tokens * shape.matmul_params_per_layer(i) / layout.tp
+        layer_bytes = layer_activation_bytes(shape, layout, work, tokens, device=cluster.device, layer=i)
         recompute = layout.ac == "full" or layout.ac == "every_k" and i % layout.ac_every_k == 0
         fwd_passes = 4 if recompute else 3  # forward, backward = 2 forwards, recomputed forward
         total += fwd_passes * (layer_mm / mm_peak + layer_attn / attn_peak)

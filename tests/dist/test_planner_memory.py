@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from harness import compose_config, fit
+from harness import MOE_SMALL, compose_config, fit
 from strategies.planner.memory import predict_rank
 from trainer.config import validate
 from trainer.plan import planner_inputs
@@ -29,7 +29,14 @@ LAYOUTS = {
     "tp2": (["strategy=tp", "trainer.devices=2", "train.micro_batch_size=4"], 2),
     "pp2": (["strategy=pp", "trainer.devices=2", "train.micro_batch_size=4"], 2),
     "cp2": (["strategy=cp", "trainer.devices=2", "train.micro_batch_size=4"], 2),
+    # a mixture of experts: its routed rows are top_k x tokens exactly without expert parallelism
+    "moe_fsdp2": ([*MOE_SMALL, "strategy=fsdp", "trainer.devices=2", "train.micro_batch_size=2"], 2),
 }
+
+
+# The MoE prediction is within 2.6e-5 of the measured bytes; a dense feed-forward term in place of
+# the MoE one is off by 4.4%, so the MoE layout is held to 1%.
+TOLERANCE = {"moe_fsdp2": 0.01}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -46,4 +53,4 @@ def test_predicted_bytes_match_measured(name, tmp_path):
             measured["params"], measured["grads"], measured["optimizer"]
         ), (rank, predicted, measured)
         error = abs(predicted.activations_per_microbatch / measured["activations"] - 1)
-        assert error < 0.05, (rank, predicted.activations_per_microbatch, measured["activations"])
+        assert error < TOLERANCE.get(name, 0.05), (rank, predicted.activations_per_microbatch, measured["activations"])

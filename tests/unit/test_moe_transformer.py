@@ -146,3 +146,13 @@ def test_flops_per_token_counts_the_active_experts_only():
     attn = D * 32 + 2 * D * 16 + 32 * D
     dense, moe = 3 * D * model.ffn_dim, 3 * D * 16 * (2 + 1) + D * 4
     assert model.flops_per_token(T) == 6 * (L * attn + dense + 2 * moe + D * V) + 12 * L * D * T
+
+
+def test_the_planners_shape_counts_each_blocks_active_matmul_weights():
+    from strategies.shape import ModelShape
+
+    model = MoETransformer(**TINY)  # block 0 dense, blocks 1 and 2 MoE
+    shape, T = ModelShape.from_model(model), 16
+    per_token = sum(shape.matmul_params_per_layer(i) for i in range(shape.n_layers)) + shape.dim * shape.vocab_size
+    assert [shape.is_moe(i) for i in range(3)] == [False, True, True]
+    assert 6 * per_token + 12 * shape.n_layers * shape.dim * T == model.flops_per_token(T)

@@ -84,3 +84,11 @@ def test_model_shape_reads_tensor_parallel_dims():
     dims = {p.name: p.tp_dim for p in shape.params}
     assert dims["layers.0.attention.wq.weight"] == 0 and dims["layers.0.attention.wo.weight"] == 1
     assert dims["tok_embeddings.weight"] == 0 and dims["output.weight"] == 0 and dims["norm.weight"] is None
+
+
+def test_a_mixture_of_experts_plan_avoids_the_schedules_validate_refuses_it():
+    cfg = compose("pretrain", ["model=qwen3_30b_a3b", "cluster=h100x64", "data.seq_len=4096"])
+    (shape, _, work), cluster = _inputs(cfg), cluster_from_config(cfg)
+    plans = search(shape, work, cluster, SearchSpace(max_micro_batch=1, ac_modes=("none",)))
+    assert shape.num_experts == 128 and plans
+    assert not [p for p in plans if p.layout.pp_schedule in ("ZBV", "InterleavedZeroBubble", "DualPipeV")]
