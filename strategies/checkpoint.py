@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,7 @@ def save(
     meta: dict[str, Any],
     extra: dict[str, Any] | None = None,
     namespace: str | None = None,
+    keys: Callable[[str], bool] | None = None,
 ) -> None:
     """Collectively and atomically writes a checkpoint of ``model`` and ``optimizers`` to ``path``.
 
@@ -90,13 +92,14 @@ def save(
         extra: more DCP state by top-level key (a strategy plugin's tensors and counters).
         namespace: the key this rank's "model" and "optimizer_i" go under; None: the top level.
             Ranks whose model state differs from rank 0's (local-SGD islands) keep their own.
+        keys: which model state entries (FQNs) to write; None: all (LoRA: only the adapters).
     """
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     if _rank() == 0 and tmp.exists():
         shutil.rmtree(tmp)  # left by a crash during an earlier save
     _barrier()
-    dcp.save(_state(model, optimizers, extra, namespace), checkpoint_id=tmp)
+    dcp.save(_state(model, optimizers, extra, namespace, keys), checkpoint_id=tmp)
     (tmp / "rng").mkdir(parents=True, exist_ok=True)
     torch.save(rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
     if _rank() == 0:
@@ -119,12 +122,13 @@ def load(
     optimizers: list[torch.optim.Optimizer],
     extra: dict[str, Any] | None = None,
     namespace: str | None = None,
+    keys: Callable[[str], bool] | None = None,
 ) -> dict[str, Any]:
     """Loads a checkpoint written by `save` into ``model`` and ``optimizers``; returns ``meta``.
 
     Works at any world size and layout (DCP reshards). Each rank restores its own RNG state, or
-    rank 0's when the checkpoint was written by fewer ranks. ``extra`` and ``namespace`` as in
-    `save`; DCP loads ``extra`` in place (tensors are filled, other values replaced).
+    rank 0's when the checkpoint was written by fewer ranks. ``extra``, ``namespace`` and ``keys``
+    as in `save` (the model entries outside ``keys`` keep their values); DCP loads ``extra`` in place (tensors are filled, other values replaced).
 
     Raises:
         CheckpointError: ``path`` is not a complete checkpoint.
@@ -135,11 +139,11 @@ def load(
             f"{path} is not a complete plait checkpoint (no .metadata or {META_FILE}); "
             f"point resume= at a step_* directory or a run directory with checkpoints/last"
         )
-    state = _state(model, optimizers, extra, namespace)
+    state = _state(model, optimizers, extra, namespace, keys)
     dcp.load(state, checkpoint_id=path)
     if namespace is not None:
         state = state[namespace]
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=keys is None))
     for i, opt in enumerate(optimizers):
         set_optimizer_state_dict(model, opt, state[f"optimizer_{i}"], options=_OPTIM_OPTIONS)
     rng_file = path / "rng" / f"rank_{_rank():05d}.pt"
@@ -149,11 +153,21 @@ def load(
     return torch.load(path / META_FILE, weights_only=False)
 
 
+def _model_state(model: nn.Module, keys: Callable[[str], bool] | None) -> dict[str, Any]:
+    state = get_model_state_dict(model)
+    return state if keys is None else {k: v for k, v in state.items() if keys(k)}
+
+
 def _state(
-    model: nn.Module, optimizers: list[torch.optim.Optimizer], extra: dict[str, Any] | None, namespace: str | None
+    model: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    extra: dict[str, Any] | None,
+    namespace: str | None,
+    keys: Callable[[str], bool] | None = None,
 ) -> dict[str, Any]:
-    """The DCP state of `save` and `load`: model, optimizers (under ``namespace``), then ``extra``."""
-    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    """The DCP state of `save` and `load`: model (the entries in ``keys``), optimizers (under
+    ``namespace``), then ``extra``."""
+    state: dict[str, Any] = {"model": _model_state(model, keys)}
     for i, opt in enumerate(optimizers):
         state[f"optimizer_{i}"] = get_optimizer_state_dict(model, opt, options=_OPTIM_OPTIONS)
     if namespace is not None:
@@ -168,8 +182,10 @@ def saved_entries(path: Path, prefix: str = "") -> dict[str, Any]:
     return {key[len(prefix) :]: meta for key, meta in entries.items() if key.startswith(prefix)}
 
 
-def load_model_weights(path: Path, model: nn.Module) -> None:
+def load_model_weights(path: Path, model: nn.Module, keys: Callable[[str], bool] | None = None) -> None:
     """Loads only the model weights of a checkpoint (no process group needed); for generate/init_from.
+
+    ``keys``: which entries (FQNs) to load (the others keep their values); None: all of them.
 
     Raises:
         CheckpointError: ``path`` is not a complete checkpoint.
@@ -177,6 +193,6 @@ def load_model_weights(path: Path, model: nn.Module) -> None:
     path = Path(path)
     if not is_checkpoint(path):
         raise CheckpointError(f"{path} is not a complete plait checkpoint (no .metadata or {META_FILE})")
-    state = {"model": get_model_state_dict(model)}
+    state = {"model": _model_state(model, keys)}
     dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=keys is None))

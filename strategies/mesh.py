@@ -35,13 +35,13 @@ from strategies.fsdp import FSDP
 from strategies.grad_norm import clip_grads_, global_grad_norm
 from strategies.launch import ForkLauncher, HydraJobLauncher
 from strategies.local_sgd import LocalSGD
+from strategies.lora import LoRA, is_adapter, optimizer_state_bytes, trainable_bytes
 from strategies.parallel_dims import LayoutError, Meshes, ParallelDims
 from strategies.pipeline import PipelineParallel
 from strategies.pipeline_layout import PPSchedule
 from strategies.resolved import ResolvedRun
 from strategies.shape import ModelShape
 from strategies.tensor import TensorParallel
-
 
 @runtime_checkable
 class Plugin(Protocol):
@@ -77,6 +77,8 @@ class MeshStrategy(ModelParallelStrategy):
         pipeline: the pipeline plugin (stage split, stages per rank, micro-batches per schedule step).
         expert_parallel: the expert-parallel plugin (mixture-of-experts models: experts sharded
             over ep ranks borrowed from dp_shard x cp, LLEP); off when its ep is 1.
+        lora: the LoRA plugin (default: off): adapters on a frozen base; checkpoints then hold
+            only the adapters and their optimizer state.
         local_sgd: a local-SGD plugin (DiLoCo, DES-LOC, ...; default: off). Its islands are the
             dp_replicate axis: FSDP then shards and reduces over dp_shard (x cp) only, and the
             islands synchronise through the plugin after the optimizer steps it chooses.
@@ -115,6 +117,7 @@ class MeshStrategy(ModelParallelStrategy):
         pp_schedule: PPSchedule = "1F1B",
         pipeline: PipelineParallel | None = None,
         expert_parallel: ExpertParallel | None = None,
+        lora: LoRA | None = None,
         timeout_s: float = 1800.0,
         launcher: str = "subprocess",
         run: ResolvedRun | None = None,
@@ -141,6 +144,7 @@ class MeshStrategy(ModelParallelStrategy):
         self.local_sgd = local_sgd
         self.expert_parallel = expert_parallel or ExpertParallel()
         self.expert_parallel.fsdp = self.fsdp  # the experts' own FSDP takes the blocks' policies
+        self.lora = lora
         self.launcher_kind = launcher
         self._mesh_views: dict[str, DeviceMesh] = {}
         self.meshes: Meshes | None = None  # set with the mesh, in setup_environment
@@ -163,6 +167,7 @@ class MeshStrategy(ModelParallelStrategy):
             (self.tensor_parallel, dims.tp > 1),
             (self.context_parallel, dims.cp > 1),
             (self.expert_parallel, True),  # off (apply does nothing) when its ep is 1
+            (self.lora, self.lora is not None),
             (self.activation_offload, True),
             (self.activation_checkpoint, True),
             (self.compile_plugin, True),
@@ -174,7 +179,10 @@ class MeshStrategy(ModelParallelStrategy):
     def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
         """Every problem of ``run`` (and the model's ``shape``) for this strategy's plugins, in
         their order; [] when it runs. Called by `trainer.config.validate`, before any process starts."""
-        return [problem for plugin in self.plugins(run.dims) for problem in plugin.problems(run, shape)]
+        problems = [problem for plugin in self.plugins(run.dims) for problem in plugin.problems(run, shape)]
+        if self.lora is not None and self.local_sgd is not None:
+            problems.append("strategy.lora does not compose with strategy.local_sgd yet; use strategy.local_sgd=null")
+        return problems
 
     # ------------------------------------------------------------------------------ processes
     @override
@@ -230,7 +238,8 @@ class MeshStrategy(ModelParallelStrategy):
         (DTensor-shards the Linear weights), then context-parallel attention (its attention core
         sees the tp rank's heads of its cp shard), then expert parallelism (an MoE block sees its
         rank's tokens; the experts get their own FSDP over the ranks left of dp_shard x cp, which
-        the blocks' FSDP then leaves alone), then activation offload (hooks around each
+        the blocks' FSDP then leaves alone), then LoRA (its adapters take the placements of the
+        tensor-parallel base weights, and its hooks run inside every later wrapper), then activation offload (hooks around each
         block, kept by the checkpointed forward). Activation checkpointing next, so the recomputed
         forward is the TP/CP one. Compile after it, so each compiled block graph contains the
         checkpoint (and the recomputation is compiled too). FSDP then shards whatever parameters
@@ -335,7 +344,7 @@ class MeshStrategy(ModelParallelStrategy):
         clip_grads_(parameters, max_norm=max_norm, total_norm=total_norm)
 
     def after_optimizer_step(self, model: nn.Module, step: int, optimizer: torch.optim.Optimizer) -> dict[str, float]:
-        """Hook after each optimizer step: the local-SGD synchronisations.
+        """Hook after each optimizer step: the local-SGD synchronisations, LoRA's one report.
 
         Args:
             step: optimizer steps done (1 after the first).
@@ -344,12 +353,24 @@ class MeshStrategy(ModelParallelStrategy):
         Returns:
             Metrics of the step for the loggers: ``comm/bytes_sent`` (bytes this rank sent to other
             islands in this step) and ``comm/bytes_sent_total`` under local SGD;
-            ``ep/max_over_mean_rows`` under expert parallelism.
+            ``ep/max_over_mean_rows`` under expert parallelism; with LoRA after the first step
+            ``lora/trainable_bytes`` and ``lora/optimizer_state_bytes``.
         """
         metrics = self.expert_parallel.rank_load_metrics()
+        if self.lora is not None and step == 1:
+            metrics.update(self._lora_report(optimizer))
         if self.local_sgd is None:
             return metrics
         return {**metrics, **self.local_sgd.after_optimizer_step(getattr(optimizer, "_optimizer", optimizer))}
+
+    def _lora_report(self, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+        """What LoRA trains, after the first step (when the optimizer state exists): trainable and
+        all parameter bytes, optimizer-state bytes (global sizes), printed once and logged."""
+        trainable, total = trainable_bytes(self.lightning_module.model)
+        state = optimizer_state_bytes(getattr(optimizer, "_optimizer", optimizer))
+        if self.is_global_zero:
+            print(f"plait: lora trains {trainable} of {total} parameter bytes ({100 * trainable / total:.2f}%); optimizer state {state} bytes")
+        return {"lora/trainable_bytes": float(trainable), "lora/optimizer_state_bytes": float(state)}
 
     @property
     def token_axis(self) -> str:
@@ -387,7 +408,10 @@ class MeshStrategy(ModelParallelStrategy):
                 path, model=self.lightning_module.model, optimizers=self._unwrapped_optimizers(), meta=checkpoint
             )
             return
-        ckpt.save(path, model=self.lightning_module.model, optimizers=self._unwrapped_optimizers(), meta=checkpoint)
+        ckpt.save(
+            path, model=self.lightning_module.model, optimizers=self._unwrapped_optimizers(), meta=checkpoint,
+            keys=self._saved_keys(),
+        )  # fmt: skip
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -396,7 +420,14 @@ class MeshStrategy(ModelParallelStrategy):
             return self.local_sgd.load_checkpoint(
                 path, model=self.lightning_module.model, optimizers=self._unwrapped_optimizers()
             )
-        return ckpt.load(path, model=self.lightning_module.model, optimizers=self._unwrapped_optimizers())
+        return ckpt.load(
+            path, model=self.lightning_module.model, optimizers=self._unwrapped_optimizers(), keys=self._saved_keys()
+        )
+
+    def _saved_keys(self) -> Callable[[str], bool] | None:
+        """Which model state a checkpoint holds: with LoRA only the adapters (the frozen base is
+        ``model.init_from``'s, loaded again on resume); else everything (None)."""
+        return is_adapter if self.lora is not None else None
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -24,6 +24,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from strategies.lora import adapted_layers, merge_lora
 from trainer.compose import compose_command, fail
 from trainer.data.tokenizer import Tokenizer
 from trainer.models.hf import FAMILIES, INDEX_FILE, HFError, family_of, hf_name, is_hf_dir, read_config
@@ -35,6 +36,8 @@ from trainer.rundir import load_run_model, resolve_checkpoint
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Files of a source Hugging Face directory that describe the tokenizer and generation, copied as they are.
 _COPIED = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+# Where a LoRA run's export puts the adapters alone (PEFT's format), beside the merged model.
+ADAPTER_DIR = "adapter"
 
 
 def export_family_of(model: Llama, base: dict[str, Any] | None = None) -> str:
@@ -195,9 +198,48 @@ def write_hf_dir(
     return out
 
 
+def write_peft_adapter(out: str | Path, model: nn.Module, *, dropout: float, base: str | None) -> Path:
+    """Writes the LoRA adapters of ``model`` as a PEFT adapter directory (``adapter_config.json``,
+    ``adapter_model.safetensors``) that ``peft.PeftModel.from_pretrained`` loads onto the
+    Hugging Face export of the base. Format: PEFT's ``LoraConfig`` fields and tensor names
+    ``base_model.model.<Hugging Face module>.lora_A.weight`` / ``lora_B.weight`` (huggingface/peft,
+    ``save_pretrained``).
+
+    Args:
+        model: a plait model with adapters (`strategies.lora.apply_lora`), not merged.
+        dropout: the adapters' dropout (saved in the config; inference ignores it).
+        base: the base model's path (``base_model_name_or_path``), or None.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors, targets, ranks, alphas = {}, set(), set(), set()
+    for fqn, module in adapted_layers(model):
+        hf_module = hf_name(f"{fqn}.weight").removesuffix(".weight")
+        targets.add(hf_module.rpartition(".")[2])
+        rank = module.lora_A.weight.shape[0]
+        ranks.add(rank)
+        alphas.add(module.lora_scaling * rank)
+        for name in ("lora_A", "lora_B"):
+            tensors[f"base_model.model.{hf_module}.{name}.weight"] = getattr(module, name).weight.detach().contiguous()
+    (rank,), (alpha,) = ranks, alphas
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "lora_dropout": dropout,
+        "target_modules": sorted(targets), "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+        "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+        "base_model_name_or_path": str(base) if base else None,
+    }  # fmt: skip
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 def export_checkpoint(path: str | Path, out: str | Path, *, dtype: str | None = None, max_shard_mb: float = 5000.0) -> Path:
     """Loads the model of a run or checkpoint (`trainer.rundir.load_run_model`: one process, any
-    saved layout) and writes it with `write_hf_dir`.
+    saved layout) and writes it with `write_hf_dir`. A LoRA run's model is written with its
+    adapters merged into the base, and the adapters alone in PEFT's format under ``out/adapter``
+    (`write_peft_adapter`).
 
     Raises:
         FileNotFoundError: ``path`` names no checkpoint, or the run has no tokenizer.json.
@@ -205,6 +247,10 @@ def export_checkpoint(path: str | Path, out: str | Path, *, dtype: str | None = 
     run = load_run_model(path)
     if run.tokenizer is None:
         raise FileNotFoundError(f"{run.run.tokenizer} is missing; a Hugging Face directory needs the run's tokenizer")
+    if adapted_layers(run.model):  # a LoRA run: its adapter as PEFT's, then merged into the base
+        lora = run.config.strategy.lora
+        write_peft_adapter(Path(out) / ADAPTER_DIR, run.model, dropout=lora.dropout, base=run.config.model.get("init_from"))
+        merge_lora(run.model)
     return write_hf_dir(
         out, model=run.model, state=run.model.state_dict(), tokenizer=run.tokenizer, sources=source_dirs(run.config),
         dtype=dtype, max_shard_mb=max_shard_mb,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from strategies.checkpoint import is_checkpoint, load_model_weights
+from strategies.lora import is_adapter
 
 LAST = "last"
 
@@ -157,9 +159,10 @@ def instantiate_saved(node: DictConfig, **kwargs: Any) -> Any:
     return instantiate(node, **kwargs)
 
 
-def load_run_weights(path: str | os.PathLike, model: nn.Module) -> Path:
+def load_run_weights(path: str | os.PathLike, model: nn.Module, keys: Callable[[str], bool] | None = None) -> Path:
     """Loads the model weights of the checkpoint ``path`` names (`resolve_checkpoint`) into
     ``model`` (any saved world size and layout: DCP reshards); returns the checkpoint directory.
+    ``keys``: which entries (FQNs) to load; None: all.
 
     Raises:
         FileNotFoundError: ``path`` names no checkpoint.
@@ -167,7 +170,7 @@ def load_run_weights(path: str | os.PathLike, model: nn.Module) -> Path:
     ckpt = resolve_checkpoint(path)
     if ckpt is None:
         raise FileNotFoundError(f"{path} names no checkpoint; give a run directory or a step_* checkpoint")
-    load_model_weights(ckpt, model)
+    load_model_weights(ckpt, model, keys)
     return ckpt
 
 
@@ -176,7 +179,8 @@ class RunModel:
     """The model of a run with what describes it.
 
     Args:
-        model: built from the run's ``config.yaml``, weights from ``checkpoint``, on the CPU.
+        model: built from the run's ``config.yaml``, weights from ``checkpoint``, on the CPU (a
+            LoRA run's: ``model.init_from``'s base with the checkpoint's adapters, not merged).
         tokenizer: the run's tokenizer (None when the run has no ``tokenizer.json``).
         config: the run's ``config.yaml``.
         run: the run directory.
@@ -209,6 +213,14 @@ def load_run_model(path: str | os.PathLike) -> RunModel:
     if vocab_size is None:
         raise FileNotFoundError(f"{run.path} has no {run.tokenizer.name} and its config sets no model.vocab_size")
     model = instantiate_saved(cfg.model, vocab_size=vocab_size)
-    load_run_weights(ckpt, model)
+    lora = cfg.strategy.get("lora") if cfg.get("strategy") is not None else None
+    if lora is None:
+        load_run_weights(ckpt, model)
+    else:  # a LoRA run's checkpoint holds the adapters; its base is model.init_from
+        from trainer.models.hf import load_init_from
+
+        instantiate_saved(lora).attach(model)
+        load_init_from(model)
+        load_run_weights(ckpt, model, keys=is_adapter)
     model.eval()
     return RunModel(model=model, tokenizer=tokenizer, config=cfg, run=run, checkpoint=ckpt)

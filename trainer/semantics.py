@@ -195,8 +195,14 @@ def check_semantics(cfg: DictConfig, problems: list[str], broken: frozenset[str]
             )
         if data.seq_len <= 0:
             problems.append(f"data.seq_len={data.seq_len} must be positive")
-    if model is not None and OmegaConf.select(model, "init_from", throw_on_missing=False):  # HF dir or plait checkpoint
+    init_from = model is not None and OmegaConf.select(model, "init_from", throw_on_missing=False)
+    if init_from:  # HF dir or plait checkpoint
         problems.extend(init_from_problems(model, data=data))
+    if OmegaConf.select(cfg, "strategy.lora", throw_on_missing=False) is not None and not init_from:
+        problems.append(
+            "strategy.lora trains adapters on a frozen base, and its checkpoints hold only the adapters: set "
+            "model.init_from=<a Hugging Face directory or a plait run> (the base)"
+        )
     run = resolve(cfg, problems, broken)
     objective = cfg.get("objective")
     if run is not None and run.dims.tp > 1 and isinstance(objective, DictConfig) and objective.get("loss_chunk_tokens"):

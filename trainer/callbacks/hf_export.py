@@ -28,7 +28,7 @@ class HFExport(L.Callback):
         max_shard_mb: safetensors shard size.
 
     Raises:
-        ValueError: with pipeline parallelism (each rank holds one stage; export from a checkpoint).
+        ValueError: with pipeline parallelism (each rank holds one stage) or LoRA (export from a checkpoint).
     """
 
     def __init__(
@@ -50,6 +50,11 @@ class HFExport(L.Callback):
             raise ValueError(
                 "callbacks.hf_export needs pp=1 (each pipeline rank holds one stage); export after the run with "
                 "plait export ckpt=<run dir> out=<dir>"
+            )
+        if (self.at_end or self.every_n_steps) and getattr(trainer.strategy, "lora", None) is not None:
+            raise ValueError(
+                "callbacks.hf_export does not merge LoRA adapters; export after the run with plait export ckpt=<run dir> "
+                "out=<dir> (the merged model and the PEFT adapter)"
             )
 
     @override

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from strategies.lora import is_adapter
 from trainer.models.hf_moe import (
     MOE_FAMILIES, expert_hf_names, moe_config_problems, moe_kwargs, moe_plait_name, router_hf_name,
 )  # fmt: skip
@@ -314,6 +315,8 @@ def load_hf_weights(model: nn.Module, directory: str | os.PathLike) -> None:
 
     try:
         for fqn, param in model.named_parameters():
+            if is_adapter(fqn):  # LoRA adapters keep their initialisation: the base is what loads
+                continue
             index, local = _local_slices(param)
             experts = expert_hf_names(fqn, family, range(index[0].start, index[0].stop)) if family in MOE_FAMILIES else None
             if experts is not None:  # [E, out, in]: one checkpoint tensor per expert of this shard
@@ -331,7 +334,8 @@ def load_hf_weights(model: nn.Module, directory: str | os.PathLike) -> None:
 
 def load_init_from(model: nn.Module) -> None:
     """Loads ``model.init_from`` (a Hugging Face directory or a plait checkpoint / run directory)
-    into the (possibly parallelized) model; nothing when it is None. Every rank calls it.
+    into the (possibly parallelized) model; nothing when it is None. Every rank calls it. LoRA
+    adapters (`strategies.lora.is_adapter`) are not loaded: the base is.
 
     Raises:
         HFError: ``init_from`` is neither, or its weights do not fit the model.
@@ -345,7 +349,7 @@ def load_init_from(model: nn.Module) -> None:
     from trainer.rundir import load_run_weights
 
     try:
-        load_run_weights(source, model)
+        load_run_weights(source, model, keys=lambda fqn: not is_adapter(fqn))
     except FileNotFoundError:
         raise HFError(f"model.init_from={source} is neither a Hugging Face directory nor a plait checkpoint") from None
 

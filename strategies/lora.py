@@ -1,0 +1,230 @@
+"""LoRA: low-rank adapters on chosen linear layers of a frozen base (Hu et al. 2021, "LoRA:
+Low-Rank Adaptation of Large Language Models", arXiv:2106.09685).
+
+Each target ``nn.Linear`` y = x W^T keeps its weight and gains two child layers, ``lora_A``
+(r x in) and ``lora_B`` (out x r), and a forward hook adding ``(alpha / r) * B(A(dropout(x)))``.
+Hooks, not a wrapper module: the base parameters keep their names (``layers.0.attention.wq.weight``),
+so ``model.init_from``, tensor parallelism's plan and the Hugging Face export find them unchanged,
+and the adapter names (``...wq.lora_A.weight``) are PEFT's. A starts Kaiming-uniform (PEFT's
+default), B at zero, so the adapted model starts equal to the base.
+
+Under tensor parallelism (applied before, so the base weights are DTensors) the adapters are
+DTensors on the same mesh: for a column-wise weight (Shard(0)) A is replicated and B is
+Shard(0); for a row-wise one (Shard(1)) A is Shard(1) and B replicated, and the rank-r partial
+sum x A^T is reduced to the base output's placement (a reduce-scatter of b x s x r values, not
+of b x s x out). FSDP2 (applied after) shards the adapters with their block; the frozen base
+gets no gradients and no optimizer state.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from fnmatch import fnmatch
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+if TYPE_CHECKING:
+    from strategies.parallel_dims import Meshes
+    from strategies.resolved import ResolvedRun
+    from strategies.shape import ModelShape
+
+ADAPTER_NAMES = ("lora_A", "lora_B")
+DEFAULT_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+
+
+def is_adapter(fqn: str) -> bool:
+    """True for the parameter names of LoRA adapters (``...wq.lora_A.weight``)."""
+    return any(f".{name}." in f".{fqn}" for name in ADAPTER_NAMES)
+
+
+def lora_targets(model: nn.Module, target_modules: tuple[str, ...] | list[str]) -> list[tuple[str, nn.Linear]]:
+    """The ``nn.Linear`` modules whose FQN matches a pattern: equal to it, ending in ``.<pattern>``
+    (PEFT's rule: ``wq`` matches every ``layers.*.attention.wq``), or an ``fnmatch`` glob."""
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear)
+        and not is_adapter(name + ".")
+        and any(name == p or name.endswith("." + p) or fnmatch(name, p) for p in target_modules)
+    ]
+
+
+def _placements(weight: torch.Tensor) -> tuple[Any, Any] | None:
+    """(A's, B's) placement for a tensor-parallel ``weight`` [out, in]; None for a plain tensor."""
+    if not isinstance(weight, DTensor):
+        return None
+    (placement,) = weight.placements
+    if placement == Shard(0):  # column-wise: output features sharded
+        return Replicate(), Shard(0)
+    if placement == Shard(1):  # row-wise: input features sharded
+        return Shard(1), Replicate()
+    return Replicate(), Replicate()
+
+
+def _output_placement(global_shape: torch.Size, local_shape: torch.Size) -> Any:
+    """The placement whose local shard of ``global_shape`` has ``local_shape`` (leading dims)."""
+    for dim, (full, local) in enumerate(zip(global_shape, local_shape)):
+        if full != local:
+            return Shard(dim)
+    return Replicate()
+
+
+def _lora_hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
+    """Forward hook of a target layer: output + scaling * B(A(dropout(x)))."""
+    h = module.lora_A(module.lora_dropout(args[0]))
+    if isinstance(h, DTensor) and any(p.is_partial() for p in h.placements):
+        # Row-wise base: reduce the rank-r partial sums straight to the output's placement.
+        target = output.placements[0] if isinstance(output, DTensor) else _output_placement(h.shape[:-1], output.shape[:-1])
+        h = h.redistribute(placements=[target])
+    delta = module.lora_B(h) * module.lora_scaling
+    if isinstance(delta, DTensor) and not isinstance(output, DTensor):
+        delta = delta.redistribute(placements=[_output_placement(delta.shape, output.shape)]).to_local()
+    return output + delta
+
+
+def _adapter(full: torch.Tensor, like: torch.Tensor, placement: Any | None) -> nn.Linear:
+    """An ``nn.Linear`` holding ``full`` ([out, in]) as its weight, a DTensor on ``like``'s mesh if given a placement."""
+    layer = nn.Linear(full.shape[1], full.shape[0], bias=False, device="meta")
+    device = like.to_local().device if isinstance(like, DTensor) else like.device
+    weight = full.to(device=device)
+    if placement is not None:
+        weight = distribute_tensor(weight, like.device_mesh, [placement])
+    layer.weight = nn.Parameter(weight)
+    return layer
+
+
+@torch.no_grad()
+def apply_lora(
+    model: nn.Module,
+    *,
+    rank: int,
+    alpha: float,
+    dropout: float = 0.0,
+    target_modules: tuple[str, ...] | list[str] = DEFAULT_TARGETS,
+    seed: int = 0,
+) -> list[str]:
+    """Freezes every parameter of ``model`` and adds adapters to its target linear layers, in place.
+
+    A is drawn from ``torch.Generator().manual_seed(seed)``, one Kaiming-uniform [r, in] tensor
+    per target in ``named_modules`` order (bound 1/sqrt(in)), the same on every rank; B is zero.
+
+    Args:
+        rank: r, the adapters' inner dimension.
+        alpha: the scaling numerator: the update is (alpha / r) B A.
+        dropout: dropout probability on the adapters' input (training mode only).
+        target_modules: name patterns of the layers to adapt (see `lora_targets`).
+        seed: seed of A's initialisation.
+
+    Returns:
+        The FQNs of the adapted layers.
+
+    Raises:
+        ValueError: no linear layer matches ``target_modules``.
+    """
+    targets = lora_targets(model, target_modules)
+    if not targets:
+        names = sorted({n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise ValueError(f"strategy.lora.target_modules={list(target_modules)} matches no linear layer; the model has {names}")
+    for param in model.parameters():
+        param.requires_grad_(False)
+    generator = torch.Generator().manual_seed(seed)
+    for _, module in targets:
+        weight = module.weight
+        dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
+        a_full = torch.empty(rank, module.in_features, dtype=dtype)
+        nn.init.kaiming_uniform_(a_full, a=math.sqrt(5), generator=generator)
+        b_full = torch.zeros(module.out_features, rank, dtype=dtype)
+        a_place, b_place = _placements(weight) or (None, None)
+        module.lora_A = _adapter(a_full, weight, a_place)
+        module.lora_B = _adapter(b_full, weight, b_place)
+        module.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        module.lora_scaling = alpha / rank
+        module.lora_hook = module.register_forward_hook(_lora_hook)
+    return [name for name, _ in targets]
+
+
+def adapted_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The layers of ``model`` that carry adapters (`apply_lora`), with their FQNs."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear) and hasattr(m, "lora_hook")]
+
+
+@torch.no_grad()
+def merge_lora(model: nn.Module) -> int:
+    """Folds every adapter into its base weight (W += (alpha / r) B A) and removes it, in place.
+
+    One process, plain tensors (an exported model). Returns the number of merged layers."""
+    layers = adapted_layers(model)
+    for _, module in layers:
+        delta = module.lora_B.weight.float() @ module.lora_A.weight.float() * module.lora_scaling
+        module.weight.add_(delta.to(module.weight.dtype))
+        module.lora_hook.remove()
+        for name in ("lora_A", "lora_B", "lora_dropout", "lora_hook", "lora_scaling"):
+            delattr(module, name)
+    return len(layers)
+
+
+def trainable_bytes(model: nn.Module) -> tuple[int, int]:
+    """(trainable, all) parameter bytes of ``model`` (global sizes: DTensors count whole)."""
+    params = list(model.parameters())
+    size = lambda ps: sum(p.numel() * p.element_size() for p in ps)  # noqa: E731
+    return size([p for p in params if p.requires_grad]), size(params)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors in ``optimizer``'s state (global sizes: DTensors count whole)."""
+    return sum(
+        t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)
+    )
+
+
+@dataclass
+class LoRA:
+    """The LoRA plugin (``strategy.lora``, off when null; preset ``+strategy/lora=default``).
+
+    Applied after tensor and context parallelism and before activation checkpointing, compile
+    and FSDP (see `strategies.mesh.MeshStrategy.parallelize`). Checkpoints then hold only the
+    adapters (and their optimizer state): the base comes from ``model.init_from``.
+
+    Args:
+        rank: r of every adapter.
+        alpha: scaling numerator (update = alpha / r * B A).
+        dropout: dropout on the adapters' input.
+        target_modules: name patterns of the adapted linear layers (PEFT's suffix rule or globs).
+        seed: seed of the adapters' initialisation.
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
+    seed: int = 0
+
+    def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
+        """Refuses a non-positive rank, dropout outside [0, 1), pipeline and local-SGD layouts
+        (not composed with adapters yet) and dropout under tp > 1 (each tp rank would draw its own
+        mask of a replicated input)."""
+        out = []
+        if self.rank < 1:
+            out.append(f"strategy.lora.rank={self.rank} must be >= 1")
+        if not 0 <= self.dropout < 1:
+            out.append(f"strategy.lora.dropout={self.dropout} must be in [0, 1)")
+        if run.dims.pp > 1:
+            out.append("strategy.lora does not compose with pipeline parallelism yet; use strategy.pp=1")
+        if self.dropout > 0 and run.dims.tp > 1:
+            out.append("strategy.lora.dropout>0 with strategy.tp>1 would draw a different mask per tp rank; use strategy.lora.dropout=0")
+        return out
+
+    def attach(self, model: nn.Module) -> list[str]:
+        """`apply_lora` with this plugin's settings (also used to rebuild a LoRA run's model)."""
+        return apply_lora(
+            model, rank=self.rank, alpha=self.alpha, dropout=self.dropout,
+            target_modules=tuple(self.target_modules), seed=self.seed,
+        )  # fmt: skip
+
+    def apply(self, model: nn.Module, meshes: Meshes) -> list[str]:
+        """Adds the adapters to ``model`` (tensor-parallel already if tp > 1) and freezes the base."""
+        return self.attach(model)

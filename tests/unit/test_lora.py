@@ -1,0 +1,63 @@
+"""LoRA's pieces on one process: which layers it adapts, what it freezes, the merge, and the
+layouts validate refuses (before any process starts)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import compose_config
+
+from strategies.lora import apply_lora, is_adapter, merge_lora, trainable_bytes
+from trainer.config import ConfigError, validate
+from trainer.models.llama import Llama
+
+
+def _model() -> Llama:
+    torch.manual_seed(0)
+    return Llama(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_dim=48, max_seq_len=16)
+
+
+def test_adapters_start_at_the_base_and_merge_into_it() -> None:
+    model, ids = _model(), torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(ids)
+    names = apply_lora(model, rank=4, alpha=8.0, target_modules=["wq", "layers.1.feed_forward.*"])
+    assert names == ["layers.0.attention.wq", "layers.1.attention.wq", "layers.1.feed_forward.w1",
+                     "layers.1.feed_forward.w3", "layers.1.feed_forward.w2"]  # fmt: skip
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {f"{n}.lora_{k}.weight" for n in names for k in "AB"} and all(map(is_adapter, trainable))
+    assert trainable_bytes(model)[0] == 4 * sum(4 * (m.in_features + m.out_features) for m in map(model.get_submodule, names))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), before, rtol=0, atol=0)  # B = 0
+        for name in names:
+            model.get_submodule(name).lora_B.weight.normal_(std=0.1)
+        adapted = model(ids)
+        wq = model.layers["0"].attention.wq
+        expected = wq.weight + 2.0 * wq.lora_B.weight @ wq.lora_A.weight
+    assert (adapted - before).abs().max() > 1e-3
+    assert merge_lora(model) == len(names)
+    assert not any(is_adapter(n) for n, _ in model.named_parameters())
+    torch.testing.assert_close(wq.weight, expected, rtol=0, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), adapted, rtol=1e-5, atol=1e-5)
+
+
+def test_no_matching_layer_names_the_model_layers() -> None:
+    with pytest.raises(ValueError, match=r"matches no linear layer; the model has \['output', 'w1'"):
+        apply_lora(_model(), rank=4, alpha=8.0, target_modules=["q_proj"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "problem"),
+    [
+        ([], "strategy.lora trains adapters on a frozen base"),
+        (["strategy=pp", "trainer.devices=2", "train.micro_batch_size=1"], "strategy.lora does not compose with pipeline parallelism"),
+        (["strategy=tp", "trainer.devices=2", "strategy.lora.dropout=0.1"], "use strategy.lora.dropout=0"),
+        (["strategy=diloco", "trainer.devices=2"], "strategy.lora does not compose with strategy.local_sgd"),
+        (["strategy.lora.rank=0"], "strategy.lora.rank=0 must be >= 1"),
+    ],
+)
+def test_validate_refuses_what_lora_does_not_run(overrides, problem) -> None:
+    with pytest.raises(ConfigError) as err:
+        validate(compose_config(["+strategy/lora=default", *overrides]))
+    assert any(problem in p for p in err.value.problems), err.value.problems
