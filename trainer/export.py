@@ -2,9 +2,9 @@
 
 The directory has ``config.json`` (`hf_config`), the weights as safetensors
 (sharded with an index above ``max_shard_mb``), ``tokenizer.json`` and ``tokenizer_config.json``
-(the chat template of the model's source when it came from a Hugging Face directory, else a
-minimal one), so ``transformers.AutoModelForCausalLM.from_pretrained(out)`` loads it. Any
-checkpoint loads, whatever world size and layout wrote it (DCP reshards into one process).
+(the chat template of the model's source when it came from a Hugging Face directory, else
+plait's default template, the one SFT trained with), so ``transformers.AutoModelForCausalLM.from_pretrained(out)``
+loads it and its tokenizer's ``apply_chat_template`` renders what SFT trained on. Any checkpoint loads, whatever world size and layout wrote it (DCP reshards into one process).
 
 Invocation::
 
@@ -26,6 +26,7 @@ from torch import nn
 
 from strategies.lora import adapted_layers, merge_lora
 from trainer.compose import compose_command, fail
+from trainer.data.chat import DEFAULT_CHAT_TEMPLATE
 from trainer.data.tokenizer import Tokenizer
 from trainer.models.hf import FAMILIES, INDEX_FILE, HFError, family_of, hf_name, is_hf_dir, read_config
 from trainer.models.hf_moe import MOE_FAMILIES, export_family, moe_config_fields, split_experts
@@ -165,6 +166,7 @@ def write_hf_dir(
     sources: list[Path],
     dtype: str | None = None,
     max_shard_mb: float = 5000.0,
+    chat_template: str | None = None,
 ) -> Path:
     """Writes a Hugging Face directory at ``out`` from a full plait state dict (CPU tensors).
 
@@ -172,6 +174,8 @@ def write_hf_dir(
         model: the plait Llama the state belongs to (its architecture fields make the config).
         sources: directories to copy ``tokenizer_config.json`` and friends from (`source_dirs`).
         dtype: "float32", "bfloat16" or "float16"; None keeps the tensors' dtype.
+        chat_template: the ``chat_template`` written to ``tokenizer_config.json``; None: the
+            source's, or plait's default (`trainer.data.chat.DEFAULT_CHAT_TEMPLATE`) without one.
 
     Raises:
         trainer.models.hf.HFError: the model has no Hugging Face architecture.
@@ -192,9 +196,13 @@ def write_hf_dir(
         found = next((d / name for d in sources if (d / name).is_file()), None)
         if found is not None:
             shutil.copyfile(found, out / name)
-    if not (out / "tokenizer_config.json").is_file():
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tokenizer.eos_token, "model_max_length": model.max_seq_len}
-        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    config_file = out / "tokenizer_config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tokenizer.eos_token, "model_max_length": model.max_seq_len,
+    }  # fmt: skip
+    if chat_template is not None or not config.get("chat_template"):
+        config["chat_template"] = chat_template or DEFAULT_CHAT_TEMPLATE  # what SFT trained with (data.template=auto)
+    config_file.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return out
 
 
@@ -253,8 +261,14 @@ def export_checkpoint(path: str | Path, out: str | Path, *, dtype: str | None = 
         merge_lora(run.model)
     return write_hf_dir(
         out, model=run.model, state=run.model.state_dict(), tokenizer=run.tokenizer, sources=source_dirs(run.config),
-        dtype=dtype, max_shard_mb=max_shard_mb,
+        dtype=dtype, max_shard_mb=max_shard_mb, chat_template=_trained_template(run.config),
     )  # fmt: skip
+
+
+def _trained_template(run_cfg: DictConfig) -> str | None:
+    """plait's default template when the run's data chose it (``data.template=default``), else None."""
+    data = run_cfg.get("data")
+    return DEFAULT_CHAT_TEMPLATE if data is not None and data.get("template") == "default" else None
 
 
 def main(argv: list[str]) -> None:

@@ -1,43 +1,81 @@
-"""``plait generate ckpt=... prompt="..."``: sample a continuation from a checkpoint (top-k, temperature)."""
+"""``plait generate ckpt=... prompt="..."``: sample a continuation from a checkpoint (top-k,
+temperature), with a KV cache, stopped at EOS; ``chat=true`` answers the prompt as a user message.
+
+Invocation::
+
+    plait generate ckpt=runs/pretrain prompt="To be"
+    plait generate ckpt=runs/sft prompt="What is 2+2?" chat=true temperature=0
+"""
 
 from __future__ import annotations
 
+import sys
+from contextlib import nullcontext
+
 import torch
+from omegaconf import DictConfig
 from torch import nn
 
 from trainer.compose import compose_command, fail
-from trainer.rundir import load_run_model
+from trainer.data.chat import DEFAULT_CHAT_TEMPLATE, JinjaTemplate, load_chat_template
+from trainer.export import source_dirs
+from trainer.models.kv_cache import kv_cache
+from trainer.rundir import RunModel, load_run_model
+
+
+def _next_token(logits: torch.Tensor, *, temperature: float, top_k: int | None) -> int:
+    """Greedy (temperature <= 0) or top-k sampling at ``temperature`` from one [V] row of logits."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    logits = logits / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return int(torch.multinomial(torch.softmax(logits, -1), 1))
 
 
 @torch.no_grad()
 def sample(
-    model: nn.Module, prompt_ids: list[int], *, max_new_tokens: int, temperature: float, top_k: int | None, max_seq_len: int
+    model: nn.Module,
+    prompt_ids: list[int],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    max_seq_len: int,
+    eos_id: int | None = None,
+    use_cache: bool = True,
 ) -> list[int]:
-    """Autoregressive sampling without a KV cache (the context is re-run each token; fine for small models).
+    """Autoregressive sampling of one sequence, stopped at EOS or when the context is full.
+
+    With ``use_cache`` (a `trainer.models.kv_cache.KVCache`) the prompt runs once and each new
+    token runs alone; without it the whole context runs again for every token (same tokens:
+    greedy decoding is equal token for token).
 
     Args:
-        prompt_ids: token ids of the prompt (at least one).
+        prompt_ids: token ids of the prompt (at least one); only its last ``max_seq_len - 1`` are kept.
         temperature: softmax temperature; 0 means greedy.
         top_k: sample among the k most likely tokens (None or 0: all).
-        max_seq_len: context window; older tokens are dropped.
+        max_seq_len: the model's context: generation stops when prompt + output fill it.
+        eos_id: stop after this token (not returned); None: never.
 
     Returns:
-        The generated ids (without the prompt).
+        The generated ids (without the prompt and the EOS).
     """
-    ids = torch.tensor([prompt_ids], dtype=torch.long)
+    ids = list(prompt_ids[-(max_seq_len - 1) :])
     out: list[int] = []
-    for _ in range(max_new_tokens):
-        logits = model(ids[:, -max_seq_len:])[0, -1].float()
-        if temperature <= 0:
-            next_id = int(logits.argmax())
-        else:
-            logits = logits / temperature
-            if top_k:
-                kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            next_id = int(torch.multinomial(torch.softmax(logits, -1), 1))
-        out.append(next_id)
-        ids = torch.cat([ids, torch.tensor([[next_id]])], dim=1)
+    with kv_cache(model) if use_cache else nullcontext() as cache:
+        new = ids
+        while len(out) < max_new_tokens and len(ids) < max_seq_len:
+            start = cache.length if cache is not None else 0
+            positions = torch.arange(start, start + len(new))[None]
+            logits = model(torch.tensor([new]), position_ids_bt=positions)[0, -1].float()
+            next_id = _next_token(logits, temperature=temperature, top_k=top_k)
+            if next_id == eos_id:
+                break
+            out.append(next_id)
+            ids.append(next_id)
+            new = [next_id] if cache is not None else ids
     return out
 
 
@@ -84,24 +122,55 @@ def greedy_batch(
     return [row[: row.index(eos_id)] if eos_id in row else row for row in generated]
 
 
-def main(argv: list[str]) -> None:
-    """Entry of ``plait generate``: ``key=value`` arguments of conf/generate.yaml; exit 2 on bad input."""
-    cfg = compose_command("generate", argv, usage='plait generate ckpt=<run or checkpoint dir> prompt="..."')
+def load_for_generation(ckpt: str) -> RunModel:
+    """The run's model and tokenizer (`load_run_model`); says on stderr which checkpoint it loaded.
+
+    Raises:
+        SystemExit: (exit 2, ``plait: error:``) no checkpoint, or the run has no tokenizer.
+    """
     try:
-        run = load_run_model(cfg.ckpt)
+        run = load_run_model(ckpt)
     except FileNotFoundError as err:
         fail(f"ckpt={err}")
-    model, tokenizer = run.model, run.tokenizer
-    if tokenizer is None:
-        fail(f"ckpt={cfg.ckpt}: {run.run.tokenizer} is missing; generate needs the run's tokenizer")
-    torch.manual_seed(cfg.seed)
-    prompt_ids = tokenizer.encode(cfg.prompt) or [tokenizer.eos_id]
+    if run.tokenizer is None:
+        fail(f"ckpt={ckpt}: {run.run.tokenizer} is missing; generation needs the run's tokenizer")
+    print(f"plait: loaded {run.checkpoint}", file=sys.stderr)
+    return run
+
+
+def chat_template(run: RunModel) -> JinjaTemplate:
+    """The chat template the run's data used: the tokenizer's own (``tokenizer_config.json`` of
+    the Hugging Face ``model.init_from`` or beside ``data.tokenizer``) unless ``data.template=default``
+    or there is none, else plait's default (`trainer.data.chat.DEFAULT_CHAT_TEMPLATE`)."""
+    data = run.config.get("data")
+    if data is None or data.get("template") != "default":
+        for directory in source_dirs(run.config):
+            found = load_chat_template(str(directory / "tokenizer.json"), run.tokenizer)
+            if found is not None:
+                return found
+    return JinjaTemplate(DEFAULT_CHAT_TEMPLATE, eos_token=run.tokenizer.eos_token)
+
+
+def reply(run: RunModel, text: str, cfg: DictConfig) -> str:
+    """The model's continuation of ``text`` (sampled as ``cfg`` says, stopped at EOS), decoded."""
+    tokenizer = run.tokenizer
     new_ids = sample(
-        model,
-        prompt_ids,
-        max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature,
-        top_k=cfg.top_k,
-        max_seq_len=model.max_seq_len,
-    )
-    print(cfg.prompt + tokenizer.decode(new_ids))
+        run.model, tokenizer.encode(text) or [tokenizer.eos_id], max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature, top_k=cfg.top_k, max_seq_len=run.model.max_seq_len, eos_id=tokenizer.eos_id,
+        use_cache=cfg.kv_cache,
+    )  # fmt: skip
+    return tokenizer.decode(new_ids)
+
+
+def main(argv: list[str]) -> None:
+    """Entry of ``plait generate``: ``key=value`` arguments of conf/generate.yaml; exit 2 on bad input.
+
+    ``chat=true`` sends the prompt as one user message through the run's chat template and prints
+    the answer alone; otherwise the prompt is continued as text. Generation stops at EOS."""
+    cfg = compose_command("generate", argv, usage='plait generate ckpt=<run or checkpoint dir> prompt="..."')
+    run = load_for_generation(cfg.ckpt)
+    torch.manual_seed(cfg.seed)
+    if cfg.chat:
+        print(reply(run, chat_template(run).render([{"role": "user", "content": cfg.prompt}], add_generation_prompt=True), cfg))
+    else:
+        print(cfg.prompt + reply(run, cfg.prompt, cfg))

@@ -44,11 +44,11 @@ def test_flags_never_split_the_overrides() -> None:
     assert to_hydra_argv(argv) == argv  # a child process re-runs it unchanged
 
 
-@pytest.mark.parametrize("name", ["generate", "export", "merge", "plan"])
+@pytest.mark.parametrize("name", ["generate", "chat", "export", "merge", "plan"])
 def test_command_help_lists_its_options(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     main([name, "--help"])
     out = capsys.readouterr().out
-    expected = {"generate": ["ckpt:", "prompt:"], "export": ["ckpt:", "out:", "dtype:"], "merge": ["base:", "deltas:", "method:"]}
+    expected = {"generate": ["ckpt:", "prompt:", "chat:"], "chat": ["ckpt:", "system:"], "export": ["ckpt:", "out:", "dtype:"], "merge": ["base:", "deltas:", "method:"]}
     for word in expected.get(name, [f"{group} " for group in config_groups()]):
         assert word in out, (name, word)
 

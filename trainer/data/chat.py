@@ -37,6 +37,15 @@ MARKERS = {role: f"<|{role}|>\n" for role in ROLES}
 
 Message = dict[str, str]
 
+# The default template as a Hugging Face ``chat_template`` (what `plait export` writes, and what
+# `plait chat` renders): the same text as `default_segments` / `prompt_text`, EOS after each
+# assistant turn. No newline follows a block tag (transformers renders with trim_blocks).
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
 
 class ChatError(ValueError):
     """A conversation or chat template that cannot be formatted; the message names the fix."""

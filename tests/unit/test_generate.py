@@ -1,0 +1,85 @@
+"""Generation: the KV cache decodes the same tokens as rerunning the context, EOS stops it, and an
+export carries the chat template, so ``transformers`` renders and generates what plait does."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from trainer.data.chat import DEFAULT_CHAT_TEMPLATE, JinjaTemplate, default_segments, prompt_text
+from trainer.generate import sample
+from trainer.models.llama import Llama
+
+VOCAB = 300
+
+
+def _model() -> Llama:
+    torch.manual_seed(0)
+    model = Llama(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=128).eval()
+    with torch.no_grad():  # larger weights than the init: a random model whose greedy path varies
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(std=0.2)
+    return model
+
+
+PROMPT = [5, 17, 42, 99, 3, 250, 8]
+
+
+def test_kv_cache_decodes_the_same_tokens_and_is_faster() -> None:
+    model = _model()
+    kw = {"max_new_tokens": 40, "temperature": 0.0, "top_k": None, "max_seq_len": model.max_seq_len}
+    start = time.perf_counter()
+    cached = sample(model, PROMPT, use_cache=True, **kw)
+    middle = time.perf_counter()
+    uncached = sample(model, PROMPT, use_cache=False, **kw)
+    end = time.perf_counter()
+    assert cached == uncached and len(cached) == 40
+    assert len(set(cached)) > 3, "a varied sequence, not one repeated token"
+    print(f"40 tokens: kv cache {middle - start:.3f} s, no cache {end - middle:.3f} s")
+    # Both stop when the context is full.
+    long = sample(model, PROMPT, use_cache=True, **{**kw, "max_new_tokens": 500})
+    assert len(PROMPT) + len(long) == model.max_seq_len
+    assert long == sample(model, PROMPT, use_cache=False, **{**kw, "max_new_tokens": 500})
+
+
+def test_generation_stops_at_eos() -> None:
+    model = _model()
+    kw = {"max_new_tokens": 40, "temperature": 0.0, "top_k": None, "max_seq_len": model.max_seq_len}
+    free = sample(model, PROMPT, **kw)
+    k = next(i for i, t in enumerate(free) if i > 0 and t not in free[:i])
+    for use_cache in (True, False):
+        assert sample(model, PROMPT, eos_id=free[k], use_cache=use_cache, **kw) == free[:k]
+
+
+def test_default_chat_template_is_the_trained_text() -> None:
+    messages = [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"}, {"role": "user", "content": "again?"},
+    ]  # fmt: skip
+    template = JinjaTemplate(DEFAULT_CHAT_TEMPLATE, eos_token="<|endoftext|>")
+    trained = "".join(text + ("<|endoftext|>" if supervised else "") for text, supervised in default_segments(messages[:3]))
+    assert template.render(messages[:3]) == trained
+    assert template.render(messages, add_generation_prompt=True) == trained + prompt_text(messages[3:])
+
+
+def test_export_has_a_chat_template_transformers_uses(tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from hf_checkpoints import corpus_texts
+
+    from trainer.data.tokenizer import train_bpe
+    from trainer.export import write_hf_dir
+
+    model, tokenizer = _model(), train_bpe(corpus_texts(), vocab_size=VOCAB)
+    out = write_hf_dir(tmp_path / "hf", model=model, state=model.state_dict(), tokenizer=tokenizer, sources=[])
+    messages = [{"role": "user", "content": "thou art"}]
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    text = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == prompt_text(messages)
+    ids = tokenizer.encode(text)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    generated = hf_model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False)[0, len(ids) :].tolist()
+    plait_ids = sample(model, ids, max_new_tokens=20, temperature=0.0, top_k=None, max_seq_len=128, eos_id=tokenizer.eos_id)
+    assert generated[: len(plait_ids)] == plait_ids
