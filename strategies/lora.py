@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+import importlib.util
 from fnmatch import fnmatch
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from strategies.qlora import QUANT_TYPES, quantize_layers
 
 if TYPE_CHECKING:
     from strategies.parallel_dims import Meshes
@@ -106,6 +109,7 @@ def apply_lora(
     dropout: float = 0.0,
     target_modules: tuple[str, ...] | list[str] = DEFAULT_TARGETS,
     seed: int = 0,
+    quantize: str | None = None,
 ) -> list[str]:
     """Freezes every parameter of ``model`` and adds adapters to its target linear layers, in place.
 
@@ -118,6 +122,9 @@ def apply_lora(
         dropout: dropout probability on the adapters' input (training mode only).
         target_modules: name patterns of the layers to adapt (see `lora_targets`).
         seed: seed of A's initialisation.
+        quantize: "nf4": QLoRA, the adapted layers' base weights in 4-bit NF4
+            (`strategies.qlora`), quantised at the model's first forward, once ``model.init_from``
+            has loaded them (the plugins are applied before the weights load); None: float base.
 
     Returns:
         The FQNs of the adapted layers.
@@ -144,7 +151,16 @@ def apply_lora(
         module.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         module.lora_scaling = alpha / rank
         module.lora_hook = module.register_forward_hook(_lora_hook)
-    return [name for name, _ in targets]
+    names = [name for name, _ in targets]
+    if quantize is not None:
+
+        def quantize_once(root: nn.Module, args: Any) -> None:
+            root.lora_quantize_hook.remove()
+            del root.lora_quantize_hook
+            quantize_layers(root, names, hook=_lora_hook)
+
+        model.lora_quantize_hook = model.register_forward_pre_hook(quantize_once)
+    return names
 
 
 def adapted_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
@@ -156,8 +172,19 @@ def adapted_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
 def merge_lora(model: nn.Module) -> int:
     """Folds every adapter into its base weight (W += (alpha / r) B A) and removes it, in place.
 
-    One process, plain tensors (an exported model). Returns the number of merged layers."""
+    One process, plain tensors (an exported model). A QLoRA model merges into its float base, so
+    before its first forward (as `trainer.rundir.load_run_model` returns it); its pending
+    quantisation is dropped. Returns the number of merged layers.
+
+    Raises:
+        ValueError: the base is quantised already.
+    """
+    if hasattr(model, "lora_quantize_hook"):
+        model.lora_quantize_hook.remove()
+        del model.lora_quantize_hook
     layers = adapted_layers(model)
+    if any(hasattr(m.weight, "quant_state") for _, m in layers):
+        raise ValueError("the base is 4-bit already; merge a QLoRA model before its first forward (its float base)")
     for _, module in layers:
         delta = module.lora_B.weight.float() @ module.lora_A.weight.float() * module.lora_scaling
         module.weight.add_(delta.to(module.weight.dtype))
@@ -195,6 +222,8 @@ class LoRA:
         dropout: dropout on the adapters' input.
         target_modules: name patterns of the adapted linear layers (PEFT's suffix rule or globs).
         seed: seed of the adapters' initialisation.
+        quantize: "nf4" for QLoRA (the adapted layers' base in 4-bit NF4, bitsandbytes; one
+            process); None: the base stays in its float dtype.
     """
 
     rank: int = 8
@@ -202,6 +231,7 @@ class LoRA:
     dropout: float = 0.0
     target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
     seed: int = 0
+    quantize: str | None = None
 
     def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
         """Refuses a non-positive rank, dropout outside [0, 1), pipeline and local-SGD layouts
@@ -214,15 +244,30 @@ class LoRA:
             out.append(f"strategy.lora.dropout={self.dropout} must be in [0, 1)")
         if run.dims.pp > 1:
             out.append("strategy.lora does not compose with pipeline parallelism yet; use strategy.pp=1")
+        if self.quantize is not None:
+            out.extend(self._quantize_problems(run))
         if self.dropout > 0 and run.dims.tp > 1:
             out.append("strategy.lora.dropout>0 with strategy.tp>1 would draw a different mask per tp rank; use strategy.lora.dropout=0")
+        return out
+
+    def _quantize_problems(self, run: ResolvedRun) -> list[str]:
+        if self.quantize not in QUANT_TYPES:
+            return [f"strategy.lora.quantize={self.quantize} is unknown; use one of {', '.join(QUANT_TYPES)} or null"]
+        out = []
+        if importlib.util.find_spec("bitsandbytes") is None:
+            out.append("strategy.lora.quantize=nf4 needs bitsandbytes: pip install bitsandbytes")
+        if run.world_size > 1:
+            out.append(
+                f"strategy.lora.quantize={self.quantize} runs on one process (bitsandbytes' 4-bit weights are not "
+                f"sharded by FSDP2 or DTensor); use trainer.devices=1, or strategy.lora.quantize=null"
+            )
         return out
 
     def attach(self, model: nn.Module) -> list[str]:
         """`apply_lora` with this plugin's settings (also used to rebuild a LoRA run's model)."""
         return apply_lora(
             model, rank=self.rank, alpha=self.alpha, dropout=self.dropout,
-            target_modules=tuple(self.target_modules), seed=self.seed,
+            target_modules=tuple(self.target_modules), seed=self.seed, quantize=self.quantize,
         )  # fmt: skip
 
     def apply(self, model: nn.Module, meshes: Meshes) -> list[str]:
