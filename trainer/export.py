@@ -28,7 +28,7 @@ from strategies.lora import adapted_layers, merge_lora
 from trainer.compose import compose_command, fail
 from trainer.data.chat import DEFAULT_CHAT_TEMPLATE
 from trainer.data.tokenizer import Tokenizer
-from trainer.models.hf import FAMILIES, INDEX_FILE, HFError, family_of, hf_name, is_hf_dir, read_config
+from trainer.models.hf import FAMILIES, INDEX_FILE, HFError, family_of, hf_name, is_hf_dir, load_init_from, read_config
 from trainer.models.hf_moe import MOE_FAMILIES, export_family, moe_config_fields, split_experts
 from trainer.models.llama import Llama
 from trainer.models.moe_transformer import MoETransformer
@@ -252,7 +252,7 @@ def export_checkpoint(path: str | Path, out: str | Path, *, dtype: str | None = 
     Raises:
         FileNotFoundError: ``path`` names no checkpoint, or the run has no tokenizer.json.
     """
-    run = load_run_model(path)
+    run = load_run_model(path, load_base=load_init_from)
     if run.tokenizer is None:
         raise FileNotFoundError(f"{run.run.tokenizer} is missing; a Hugging Face directory needs the run's tokenizer")
     if adapted_layers(run.model):  # a LoRA run: its adapter as PEFT's, then merged into the base

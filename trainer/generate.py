@@ -19,6 +19,7 @@ from torch import nn
 from trainer.compose import compose_command, fail
 from trainer.data.chat import DEFAULT_CHAT_TEMPLATE, JinjaTemplate, load_chat_template
 from trainer.export import source_dirs
+from trainer.models.hf import HFError, load_init_from
 from trainer.models.kv_cache import kv_cache
 from trainer.rundir import RunModel, load_run_model
 
@@ -129,9 +130,11 @@ def load_for_generation(ckpt: str) -> RunModel:
         SystemExit: (exit 2, ``plait: error:``) no checkpoint, or the run has no tokenizer.
     """
     try:
-        run = load_run_model(ckpt)
+        run = load_run_model(ckpt, load_base=load_init_from)
     except FileNotFoundError as err:
         fail(f"ckpt={err}")
+    except HFError as err:
+        fail(f"ckpt={ckpt}: {err}")
     if run.tokenizer is None:
         fail(f"ckpt={ckpt}: {run.run.tokenizer} is missing; generation needs the run's tokenizer")
     print(f"plait: loaded {run.checkpoint}", file=sys.stderr)

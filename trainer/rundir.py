@@ -194,12 +194,17 @@ class RunModel:
     checkpoint: Path
 
 
-def load_run_model(path: str | os.PathLike) -> RunModel:
+def load_run_model(path: str | os.PathLike, *, load_base: Callable[[nn.Module], None] | None = None) -> RunModel:
     """The model of the run (or checkpoint) ``path`` names, in one process, in eval mode.
+
+    Args:
+        load_base: for a LoRA run, loads its base (``model.init_from``) into the model:
+            `trainer.models.hf.load_init_from` (passed in: that module imports this one).
 
     Raises:
         FileNotFoundError: ``path`` names no checkpoint, or the run has neither ``model.vocab_size``
             nor a ``tokenizer.json``.
+        ValueError: a LoRA run without ``load_base``.
     """
     from trainer.data.tokenizer import Tokenizer
 
@@ -216,11 +221,11 @@ def load_run_model(path: str | os.PathLike) -> RunModel:
     lora = cfg.strategy.get("lora") if cfg.get("strategy") is not None else None
     if lora is None:
         load_run_weights(ckpt, model)
+    elif load_base is None:
+        raise ValueError(f"{ckpt} holds LoRA adapters (strategy.lora); export the run first (plait export) and use the export")
     else:  # a LoRA run's checkpoint holds the adapters; its base is model.init_from
-        from trainer.models.hf import load_init_from
-
         instantiate_saved(lora).attach(model)
-        load_init_from(model)
+        load_base(model)
         load_run_weights(ckpt, model, keys=is_adapter)
     model.eval()
     return RunModel(model=model, tokenizer=tokenizer, config=cfg, run=run, checkpoint=ckpt)
