@@ -171,7 +171,7 @@ def test_export_merges_and_writes_a_peft_adapter(runs, base, tmp_path):
     from safetensors.torch import load_file
 
     from trainer.export import export_checkpoint
-    from trainer.models.hf import plait_name
+    from trainer.models.hf import load_init_from, plait_name
     from trainer.rundir import load_run_model
 
     run = runs["tp2"]  # a checkpoint written by 2 tensor-parallel ranks
@@ -191,7 +191,7 @@ def test_export_merges_and_writes_a_peft_adapter(runs, base, tmp_path):
     with torch.no_grad():
         base_logits = hf_base(ids).logits
     peft_model = PeftModel.from_pretrained(hf_base, out / "adapter").eval()
-    plait_model = load_run_model(run["run_dir"]).model  # base + adapters, unmerged
+    plait_model = load_run_model(run["run_dir"], load_base=load_init_from).model  # base + adapters, unmerged
     with torch.no_grad():
         expected = plait_model(ids)
         assert (base_logits - expected).abs().max() > 1e-3, "the adapters change the model"
