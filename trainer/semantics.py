@@ -25,6 +25,7 @@ from strategies.pipeline_layout import SCHEDULES, stages_per_rank_of
 from strategies.resolved import ResolvedRun
 from strategies.shape import ModelShape
 from trainer.models.hf import init_from_problems, is_hf_dir
+from trainer.rundir import RunDir, resolve_checkpoint
 
 
 def _import(path: str) -> Any:
@@ -167,6 +168,19 @@ def resolve(cfg: DictConfig, problems: list[str], broken: frozenset[str] = froze
     return run
 
 
+def _lora_base_problems(init_from: str) -> list[str]:
+    """A plait run trained with LoRA cannot be a base: its checkpoints hold only the adapters."""
+    ckpt = resolve_checkpoint(init_from)
+    if ckpt is None or not RunDir.of_checkpoint(ckpt).config.is_file():
+        return []  # init_from_problems reports a missing checkpoint
+    if OmegaConf.select(RunDir.of_checkpoint(ckpt).load_config(), "strategy.lora", throw_on_missing=False) is None:
+        return []
+    return [
+        f"model.init_from={init_from} is a LoRA run: its checkpoints hold only the adapters, not a base; export it "
+        f"(plait export ckpt={init_from} out=<dir>: the merged model) and use model=hf model.init_from=<dir>"
+    ]
+
+
 def check_semantics(cfg: DictConfig, problems: list[str], broken: frozenset[str] = frozenset()) -> ResolvedRun | None:
     """Appends the semantic problems of ``cfg`` to ``problems``; returns its resolved run.
 
@@ -203,6 +217,8 @@ def check_semantics(cfg: DictConfig, problems: list[str], broken: frozenset[str]
             "strategy.lora trains adapters on a frozen base, and its checkpoints hold only the adapters: set "
             "model.init_from=<a Hugging Face directory or a plait run> (the base)"
         )
+    if init_from and not is_hf_dir(init_from):
+        problems.extend(_lora_base_problems(str(init_from)))
     run = resolve(cfg, problems, broken)
     objective = cfg.get("objective")
     if run is not None and run.dims.tp > 1 and isinstance(objective, DictConfig) and objective.get("loss_chunk_tokens"):

@@ -61,3 +61,17 @@ def test_validate_refuses_what_lora_does_not_run(overrides, problem) -> None:
     with pytest.raises(ConfigError) as err:
         validate(compose_config(["+strategy/lora=default", *overrides]))
     assert any(problem in p for p in err.value.problems), err.value.problems
+
+
+def test_a_lora_run_is_not_a_base(tmp_path) -> None:
+    from omegaconf import OmegaConf
+
+    run = tmp_path / "lora_run"
+    step = run / "checkpoints" / "step_0000001"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"")
+    (step / "meta.pt").write_bytes(b"")
+    OmegaConf.save(compose_config(["+strategy/lora=default", "model.init_from=/some/base"]), run / "config.yaml")
+    with pytest.raises(ConfigError) as err:
+        validate(compose_config([f"model.init_from={run}"]))
+    assert any(f"model.init_from={run} is a LoRA run" in p and "plait export" in p for p in err.value.problems), err.value.problems
