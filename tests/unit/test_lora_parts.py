@@ -75,3 +75,16 @@ def test_a_lora_run_is_not_a_base(tmp_path) -> None:
     with pytest.raises(ConfigError) as err:
         validate(compose_config([f"model.init_from={run}"]))
     assert any(f"model.init_from={run} is a LoRA run" in p and "plait export" in p for p in err.value.problems), err.value.problems
+
+
+def test_dropout_acts_on_the_adapter_input_in_training_only() -> None:
+    model, ids = _model(), torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    names = apply_lora(model, rank=4, alpha=8.0, dropout=0.5, target_modules=["wq"])
+    with torch.no_grad():
+        for name in names:
+            model.get_submodule(name).lora_B.weight.normal_(std=0.1)
+        model.eval()
+        reference = model(ids)
+        torch.testing.assert_close(model(ids), reference, rtol=0, atol=0)
+        model.train()
+        assert (model(ids) - reference).abs().max() > 1e-4
