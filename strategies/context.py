@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from strategies.document_shards import shard_documents
 from strategies.parallel_dims import Meshes, divisors
 from strategies.ring_attention import Ring, RingMasks, ring_attention
 
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
 
 CPMode = Literal["ring", "ulysses", "hybrid"]
 CP_MODES: tuple[str, ...] = get_args(CPMode)
+Sharding = Literal["zigzag", "contiguous", "document"]
+SHARDINGS: tuple[str, ...] = get_args(Sharding)
 
 
 # ---------------------------------------------------------------------------------- sharding
@@ -64,18 +67,22 @@ def shard_positions(seq_len: int, cp: int, rank: int, *, load_balance: bool = Tr
 
 
 def shard_batch(
-    batch: dict[str, torch.Tensor], *, cp: int, rank: int, load_balance: bool = True
+    batch: dict[str, torch.Tensor], *, cp: int, rank: int, load_balance: bool = True, documents: bool = False
 ) -> dict[str, torch.Tensor]:
     """This cp rank's tokens of every ``[B, T]`` tensor in ``batch`` (input ids, labels, positions, documents).
 
     Labels are pre-shifted by the data pipeline, so sharding them with the inputs keeps each
     target with its position. Missing ``position_ids`` are filled with ``arange(T)`` first (the
     model would otherwise number the shard's tokens from 0). Other entries pass unchanged.
+    With ``documents`` (and ``load_balance``) each document of a packed row is zigzagged on its
+    own (`strategies.document_shards`; rows without ``document_ids`` shard as plain zigzag).
     """
     seq_len = batch["input_ids"].shape[1]
     if "position_ids" not in batch:
         batch = {**batch, "position_ids": torch.arange(seq_len, device=batch["input_ids"].device).expand_as(batch["input_ids"])}
     index = shard_positions(seq_len, cp, rank, load_balance=load_balance).to(batch["input_ids"].device)
+    if documents and load_balance and "document_ids" in batch:
+        return shard_documents(batch, index, cp)
     return {k: v[:, index] if v.dim() >= 2 and v.shape[1] == seq_len else v for k, v in batch.items()}
 
 
@@ -297,6 +304,9 @@ class ContextParallel:
     Args:
         ulysses_degree: ranks per head group in ``hybrid`` mode (ignored by ring and ulysses).
         load_balance: zigzag sharding (even causal work per rank) instead of contiguous shards.
+        sharding: with ``load_balance``: ``zigzag`` (chunks of the row) or ``document`` (each
+            document of a packed row zigzagged on its own, `strategies.document_shards`: even
+            causal work per rank on packed rows); ``contiguous`` = ``load_balance=false``.
         kv_chunk: keys per score block in ring attention (0: whole blocks); lowers peak memory.
         activation_offload: an alias of ``strategy.activation_offload.enabled`` (the
             `strategies.activation_offload.ActivationOffload` plugin), kept for existing command lines.
@@ -304,10 +314,18 @@ class ContextParallel:
 
     ulysses_degree: int = 2
     load_balance: bool = True
+    sharding: Sharding = "zigzag"
     kv_chunk: int = 0
     activation_offload: bool = False
 
     def __post_init__(self) -> None:
+        if self.sharding not in SHARDINGS or (self.sharding == "document" and not self.load_balance):
+            raise ValueError(
+                f"strategy.context_parallel.sharding={self.sharding!r} with load_balance={self.load_balance}: use one of "
+                f"{', '.join(SHARDINGS)} (document lays documents out on the zigzag chunks: keep load_balance=true)"
+            )
+        if self.sharding == "contiguous":
+            self.load_balance = False
         if self.ulysses_degree < 1 or self.kv_chunk < 0:
             raise ValueError(
                 "strategy.context_parallel.ulysses_degree must be >= 1 and kv_chunk >= 0, got "
@@ -342,4 +360,4 @@ class ContextParallel:
         apply_context_parallel(model, layout=layout, load_balance=self.load_balance, kv_chunk=self.kv_chunk)
 
     def shard_batch(self, batch: dict[str, torch.Tensor], *, cp: int, rank: int) -> dict[str, torch.Tensor]:
-        return shard_batch(batch, cp=cp, rank=rank, load_balance=self.load_balance)
+        return shard_batch(batch, cp=cp, rank=rank, load_balance=self.load_balance, documents=self.sharding == "document")

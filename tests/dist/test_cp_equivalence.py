@@ -84,3 +84,24 @@ def test_context_parallel_training_equals_one_process(tmp_path, corpus, referenc
     (params,) = [h["params"] for h in task.history if "params" in h]
     torch.testing.assert_close(losses(task.history), reference["loss"], **TOL)
     torch.testing.assert_close(params, reference["params"], **TOL)
+
+
+# Document-aware sharding (strategies.document_shards): every document of a row zigzagged on its own.
+_DOC = "strategy.context_parallel.sharding=document"
+DOCUMENT_LAYOUTS = {
+    "cp2_ring_document": ["strategy=cp", "strategy.cp_mode=ring", "trainer.devices=2", _DOC],
+    "cp2_ulysses_document": ["strategy=cp", "strategy.cp_mode=ulysses", "trainer.devices=2", _DOC],
+    "cp4_hybrid_document": pytest.param(
+        ["strategy=cp", "strategy.cp_mode=hybrid", "trainer.devices=4", "strategy.context_parallel.kv_chunk=8", _DOC],
+        marks=pytest.mark.slow,
+    ),
+}
+
+
+@pytest.mark.parametrize("overrides", list(DOCUMENT_LAYOUTS.values()), ids=list(DOCUMENT_LAYOUTS))
+def test_document_sharding_equals_one_process(tmp_path, corpus, reference, overrides):
+    cfg = compose_config([*COMMON, f"data.path={corpus}", *overrides])
+    _, task = fit(cfg, tmp_path)
+    (params,) = [h["params"] for h in task.history if "params" in h]
+    torch.testing.assert_close(losses(task.history), reference["loss"], **TOL)
+    torch.testing.assert_close(params, reference["params"], **TOL)
