@@ -28,7 +28,8 @@ class Layout:
     """One parallel layout and its memory/time knobs (a point of the planner's search).
 
     Degrees as in `strategies.parallel_dims.ParallelDims`; ``stages_per_rank`` is the virtual
-    stages of interleaved/V schedules; ``ac`` is "none", "full" or "every_k" (with ``ac_every_k``).
+    stages of interleaved/V schedules; ``ac`` is "none", "full" or "every_k" (with ``ac_every_k``);
+    ``ep`` is the expert-parallel degree of a mixture of experts (borrowed from dp_shard x cp).
     """
 
     dp_replicate: int = 1
@@ -45,6 +46,7 @@ class Layout:
     activation_offload: bool = False
     sequence_parallel: bool = True
     loss_parallel: bool = True
+    ep: int = 1
 
     @property
     def world_size(self) -> int:
@@ -81,6 +83,8 @@ class Layout:
                 out.append(f"strategy.activation_checkpoint.every_k={self.ac_every_k}")
         if self.activation_offload:
             out.append("strategy.activation_offload.enabled=true")
+        if self.ep > 1:
+            out.append(f"strategy.expert_parallel.ep={self.ep}")
         out.append(f"train.micro_batch_size={self.micro_batch_size}")
         if trainer_devices is not None:
             out.append(f"trainer.devices={trainer_devices}")
@@ -93,7 +97,7 @@ class Layout:
             text += f" {self.pp_schedule}" + (f"/v{self.stages_per_rank}" if self.stages_per_rank > 1 else "")
         if self.cp > 1:
             text += f" {self.cp_mode}"
-        return text
+        return text + (f" ep{self.ep}" if self.ep > 1 else "")
 
 
 @dataclass(frozen=True)
@@ -161,7 +165,7 @@ def layout_of(run: ResolvedRun, strategy: Any) -> Layout:
         micro_batch_size=run.micro_batch_size, ac=ac.mode, ac_every_k=ac.every_k,
         activation_offload=strategy.activation_offload.enabled,
         sequence_parallel=strategy.tensor_parallel.sequence_parallel,
-        loss_parallel=strategy.tensor_parallel.loss_parallel,
+        loss_parallel=strategy.tensor_parallel.loss_parallel, ep=strategy.expert_parallel.ep,
     )  # fmt: skip
 
 

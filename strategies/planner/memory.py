@@ -248,8 +248,12 @@ def _transient(
 ) -> int:
     tokens = layout.micro_batch_size * work.seq_len // layout.cp
     out = 0
-    sizes = [sum(math.prod(p.shape) for p in shape.params if p.layer == i) for i in range(shape.n_layers)]
-    block_numel = max(sizes, default=0) // layout.tp  # the largest block (an MoE one, if any)
+    # The largest block gathered (an MoE one, if any: a rank gathers its 1/ep of the experts).
+    sizes = [
+        sum(math.prod(p.shape) // (layout.ep if ".experts." in p.name else 1) for p in shape.params if p.layer == i)
+        for i in range(shape.n_layers)
+    ]
+    block_numel = max(sizes, default=0) // layout.tp
     if layout.uses_fsdp and (layout.fsdp_shards > 1 or work.compute_dtype != work.param_dtype):
         # Two gathered blocks (current + prefetched), one block of unsharded gradients, and the
         # root's parameters (embedding, head), gathered for the whole step.

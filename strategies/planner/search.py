@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import product
 
 from strategies.context import context_parallel_problems
 from strategies.expert import SPLIT_BACKWARD_SCHEDULES
@@ -77,10 +78,11 @@ def _degrees(world: int, shape: ModelShape, work: Workload, devices_per_node: in
 
 
 def candidate_layouts(shape: ModelShape, work: Workload, cluster: Cluster, space: SearchSpace) -> Iterator[Layout]:
-    """Every valid layout of ``space`` on ``cluster.world_size`` ranks."""
+    """Every valid layout of ``space`` on ``cluster.world_size`` ranks (with every valid ep for an MoE model)."""
     for dp_replicate, dp_shard, cp, tp, pp in _degrees(cluster.world_size, shape, work, cluster.devices_per_node, space.hsdp):
         per_rank = work.global_batch_size // (dp_replicate * dp_shard)
         base = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp)
+        eps = [d for d in divisors(dp_shard * cp) if shape.num_experts % d == 0] if shape.num_experts else [1]
         for micro in [b for b in divisors(per_rank) if b <= space.max_micro_batch]:
             for sched in space.schedules if pp > 1 else ["1F1B"]:
                 if shape.num_experts and sched in SPLIT_BACKWARD_SCHEDULES:
@@ -97,12 +99,12 @@ def candidate_layouts(shape: ModelShape, work: Workload, cluster: Cluster, space
                     ):
                         continue
                     for ac in space.ac_modes:
-                        for offload in (False, True) if space.offload else (False,):
+                        for offload, ep in product((False, True) if space.offload else (False,), eps):
                             yield base.with_(
                                 pp_schedule=sched, stages_per_rank=v if pp > 1 else 1, cp_mode=mode,
                                 micro_batch_size=micro, ac="every_k" if ac.startswith("every_") else ac,
                                 ac_every_k=int(ac.split("_")[1]) if ac.startswith("every_") else 1,
-                                activation_offload=offload,
+                                activation_offload=offload, ep=ep,
                             )  # fmt: skip
 
 

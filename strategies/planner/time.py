@@ -103,6 +103,7 @@ class StepTime:
     pp_comm: float
     optimizer: float
     overhead: float
+    ep_comm: float = 0.0  # expert parallelism's all-to-alls (mixtures of experts)
 
     @property
     def total(self) -> float:
@@ -196,17 +197,30 @@ def predict_time(shape: ModelShape, layout: Layout, work: Workload, cluster: Clu
             hidden = 0.0 if cluster.cores is not None else attn  # CPU: the cores that compute also send
             cp_comm = m * n_layers * max(0.0, ring - hidden) + m * n_layers * 2 * passes * (layout.cp - 1) * cluster.latency_s
 
+    ep_comm = 0.0
+    stages, layers, _ = stage_plan(shape, layout, slowest)
+    moe_layers = sum(shape.is_moe(i) for s in stages for i in layers[s])
+    if layout.ep > 1 and moe_layers:
+        # Per MoE block and pass: rows out to their experts' ranks and back (balanced routing: a
+        # rank keeps 1/ep of its top_k x tokens rows), plus the counts exchange.
+        per = tokens * shape.top_k * shape.dim * a * (layout.ep - 1) / layout.ep
+        intra = layout.tp * layout.ep <= cluster.devices_per_node  # ep ranks are tp apart
+        bw = cluster.intra_node_bandwidth if intra else cluster.inter_node_bandwidth
+        ep_comm = m * moe_layers * passes * _collective(2 * per, 3, bw, cluster)
+
     fsdp_comm = 0.0
     rank = rank_of(layout, pp=slowest)
     params_rank = sum(_numel(p, layout) for p in rank_params(shape, layout, slowest))
+    # What FSDP gathers and reduce-scatters: a rank's experts are 1/ep of a block's (its shard is not).
+    gathered = sum(_numel(p, layout) // (layout.ep if ".experts." in p.name else 1) for p in rank_params(shape, layout, slowest))
     if layout.uses_fsdp:
         s, r = layout.fsdp_shards, layout.dp_replicate
         bw = axis_bandwidth(layout, cluster, ("dp_shard", "cp") if s > 1 else ("dp_replicate",))
         comm = 0.0
         if s > 1:
             gathers = 2 * m  # forward and backward of every micro-batch
-            comm += _collective(gathers * params_rank * a * (s - 1) / s, gathers * (n_layers + 1), bw, cluster)
-            comm += _collective(params_rank * work.param_bytes * (s - 1) / s, n_layers + 1, bw, cluster)
+            comm += _collective(gathers * gathered * a * (s - 1) / s, gathers * (n_layers + 1), bw, cluster)
+            comm += _collective(gathered * work.param_bytes * (s - 1) / s, n_layers + 1, bw, cluster)
         if r > 1:
             bw_r = axis_bandwidth(layout, cluster, ("dp_replicate",))
             comm += _collective(2 * params_rank / s * work.param_bytes * (r - 1) / r, n_layers + 1, bw_r, cluster)
@@ -228,12 +242,12 @@ def predict_time(shape: ModelShape, layout: Layout, work: Workload, cluster: Clu
     params_b, grads_b, optim_b = state_bytes(shape, layout, work, rank)
     optimizer = (params_b + grads_b + 2 * optim_b) / cluster.hbm_bandwidth / _rate_share(layout, cluster)
     optimizer += len(rank_params(shape, layout, slowest)) * cluster.layer_overhead_s / 4
-    step = StepTime(compute, tp_comm, cp_comm, fsdp_comm, pp_bubble, pp_comm, optimizer, cluster.step_overhead_s)
+    step = StepTime(compute, tp_comm, cp_comm, fsdp_comm, pp_bubble, pp_comm, optimizer, cluster.step_overhead_s, ep_comm)
     share = _rate_share(layout, cluster)
     if share < 1.0:
         # CPU ranks beyond the cores: gloo's copies and reductions and the host's dispatch and
         # loop run on the same shared cores as the compute (already scaled) and slow down alike.
-        for part in ("tp_comm", "cp_comm", "fsdp_comm", "pp_comm", "overhead"):
+        for part in ("tp_comm", "cp_comm", "fsdp_comm", "pp_comm", "overhead", "ep_comm"):
             setattr(step, part, getattr(step, part) / share)
     return step
 

@@ -86,9 +86,26 @@ def test_model_shape_reads_tensor_parallel_dims():
     assert dims["tok_embeddings.weight"] == 0 and dims["output.weight"] == 0 and dims["norm.weight"] is None
 
 
-def test_a_mixture_of_experts_plan_avoids_the_schedules_validate_refuses_it():
+def test_a_mixture_of_experts_plan_tries_ep_and_avoids_the_schedules_validate_refuses():
     cfg = compose("pretrain", ["model=qwen3_30b_a3b", "cluster=h100x64", "data.seq_len=4096"])
     (shape, _, work), cluster = _inputs(cfg), cluster_from_config(cfg)
     plans = search(shape, work, cluster, SearchSpace(max_micro_batch=1, ac_modes=("none",)))
-    assert shape.num_experts == 128 and plans
+    assert shape.num_experts == 128 and plans and {p.layout.ep for p in plans} >= {1, 2, 4, 8}
     assert not [p for p in plans if p.layout.pp_schedule in ("ZBV", "InterleavedZeroBubble", "DualPipeV")]
+    best = plans[0].layout
+    again = compose("pretrain", ["model=qwen3_30b_a3b", "data.seq_len=4096", *best.overrides(), "trainer.devices=8",
+                                 "trainer.num_nodes=8"])  # fmt: skip
+    assert _inputs(again)[1] == best  # the plan's overrides validate and resolve to its layout, ep included
+
+
+def test_expert_parallelism_trades_expert_gathers_for_all_to_alls():
+    from strategies.planner.layout import Layout
+    from strategies.planner.time import predict_time
+
+    cfg = compose("pretrain", ["model=qwen3_30b_a3b", "cluster=h100x64", "data.seq_len=4096"])
+    (shape, _, work), cluster = _inputs(cfg), cluster_from_config(cfg)
+    base = Layout(dp_shard=8, pp=8, micro_batch_size=1)
+    one, eight = predict_time(shape, base, work, cluster), predict_time(shape, base.with_(ep=8), work, cluster)
+    assert one.ep_comm == 0 < eight.ep_comm
+    assert eight.fsdp_comm < one.fsdp_comm / 4  # the experts are most of the weights; each rank gathers 1/8
+    assert eight.compute == one.compute
