@@ -25,9 +25,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness import EXACT_SGD, compose_config, fit, losses, reference_setup
+from harness import EXACT_SGD, compose_config, fit, losses, reference_setup, train_rows
 from trainer.build import build_data
 from trainer.config import validate
+from trainer.data.balance import WorkModel
 from trainer.data.packing import IGNORE_INDEX
 
 STEPS = 5
@@ -39,7 +40,11 @@ COMMON = (
     "+callbacks.params._target_=harness.ParamRecorder",
 )
 LAYOUTS = {
-    "ddp2_ga2": pytest.param(["strategy=ddp", "trainer.devices=2", "train.micro_batch_size=2"], id="ddp2_ga2"),
+    # + the telemetry of trainer.callbacks.balance, checked against the planned order's work
+    "ddp2_ga2": pytest.param(
+        ["strategy=ddp", "trainer.devices=2", "train.micro_batch_size=2", "callbacks.balance.enabled=true", "logger=csv"],
+        id="ddp2_ga2",
+    ),
     "fsdp2_x_cp2": pytest.param(
         ["strategy=nd", "strategy.dp_shard=2", "strategy.cp=2", "trainer.devices=4", "train.micro_batch_size=2"],
         id="fsdp2_x_cp2", marks=pytest.mark.slow,
@@ -81,21 +86,26 @@ def ref(corpus) -> dict:
     return out
 
 
-def _moved_steps(cfg) -> int:
-    """Steps of the run whose rows the planner moves to another rank or micro-batch."""
+def _planned(cfg) -> tuple[int, list[float]]:
+    """Steps of the run whose rows the planner moves to another rank or micro-batch, and each
+    step's estimated work max/mean over the dp ranks after planning."""
     run = validate(cfg)
     data, dp = build_data(cfg, run), run.dims.dp
     batches = data.train_batches(0, 1)  # every rank's rows: the sampler's order
-    moved = 0
+    moved, ratios = 0, []
     for _, (batch, _, _) in zip(range(STEPS), batches.batches(batches.start())):
-        moved += not torch.equal(data.balancer.order(batch["document_ids"], dp), torch.arange(8))
-    return moved
+        order = data.balancer.order(batch["document_ids"], dp)
+        moved += not torch.equal(order, torch.arange(8))
+        work = WorkModel.of(run.shape).rows(batch["document_ids"][order]).reshape(dp, -1).sum(1)
+        ratios.append(float(work.max() / work.mean()))
+    return moved, ratios
 
 
 @pytest.mark.parametrize("overrides", list(LAYOUTS.values()))
 def test_balanced_layout_equals_one_process(tmp_path, corpus, ref, overrides):
     cfg = compose_config([*COMMON, f"data.path={corpus}", "data.balance=work", *overrides])
-    assert _moved_steps(cfg) >= 3  # the test is not vacuous: balancing reorders most steps
+    moved, ratios = _planned(cfg)
+    assert moved >= 3  # the test is not vacuous: balancing reorders most steps
     counts = {(r != IGNORE_INDEX).sum().item() for r in build_data(cfg).prepare().train.labels[:40]}
     assert len(counts) > 3  # rows of unequal supervised-token counts
     _, task = fit(cfg, tmp_path)
@@ -109,3 +119,8 @@ def test_balanced_layout_equals_one_process(tmp_path, corpus, ref, overrides):
         torch.testing.assert_close(run["loss"][step], ref["loss"][step], **TOL, msg=f"loss at step {step + 1}")
         torch.testing.assert_close(run["grads"][step], ref["grads"][step], **TOL, msg=f"grads at step {step + 1}")
     torch.testing.assert_close(run["params"], ref["params"], **TOL, msg=f"parameters after {STEPS} steps")
+    if "callbacks.balance.enabled=true" in overrides:
+        rows = train_rows(tmp_path)
+        logged = [float(rows[k]["perf/balance_work_max_over_mean"]) for k in range(1, STEPS + 1)]
+        assert logged == pytest.approx(ratios, rel=1e-9)
+        assert all(float(rows[k]["perf/balance_time_max_over_mean"]) >= 1.0 for k in range(1, STEPS + 1))
