@@ -1,4 +1,4 @@
-"""Sharded, atomic checkpoints through torch.distributed.checkpoint (DCP).
+"""Sharded, atomic, verified checkpoints through torch.distributed.checkpoint (DCP).
 
 A checkpoint is a directory::
 
@@ -6,17 +6,24 @@ A checkpoint is a directory::
       .metadata, __0_0.distcp, ...   # DCP: "model" and "optimizer_0" (resharded on load)
       meta.pt                        # Lightning's loop, scheduler, callback and data-loader state
       rng/rank_00000.pt ...          # per-rank Python, NumPy and torch RNG states
+      manifest.json                  # every other file's size and SHA-256, written last
 
-It is written to ``step_0000100.tmp`` and renamed once every rank has finished, so a crash during
-a save leaves the previous checkpoint and the ``last`` link intact.
+It is written to ``step_0000100.tmp`` and renamed once every rank has finished and the manifest
+is written, so a crash during a save leaves the previous checkpoint intact and no directory that
+looks complete. Nothing is written unless the whole state is finite. Loading trusts nothing on
+disk: the files must match the manifest, pickles go through allow-lists (`strategies.safe_load`),
+and a state with NaN or inf is refused.
 """
 
 from __future__ import annotations
 
+import io
+import math
 import os
+import pickle
 import random
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -32,6 +40,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
+
+from strategies.manifest import MANIFEST, checkpoint_files, hash_files, verify, write_manifest
+from strategies.safe_load import UnsafePickleError, load_dcp, load_plain, read_dcp_metadata
 
 META_FILE = "meta.pt"
 
@@ -44,8 +56,16 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be loaded; the message names the path and the fix."""
 
 
+class NonFiniteStateError(CheckpointError):
+    """The state to save, or a loaded state, holds NaN or inf."""
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _barrier() -> None:
@@ -53,8 +73,28 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _gather(value: Any) -> list[Any]:
+    """Every rank's ``value`` (object all-gather on the default group; [value] without one)."""
+    if not dist.is_initialized():
+        return [value]
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def _agree(problem: str | None) -> str | None:
+    """The first of all ranks' ``problem``s, so that every rank raises or none does."""
+    return next((p for p in _gather(problem) if p is not None), None)
+
+
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Python, NumPy, torch (and CUDA) RNG states, in types a weights-only load reads."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -62,16 +102,70 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def is_checkpoint(path: str | os.PathLike) -> bool:
-    """True if ``path`` is a complete checkpoint directory."""
+    """True if ``path`` is a checkpoint directory whose save finished (it has a manifest).
+
+    A quick test; `verify_checkpoint` also checks every file against the manifest.
+    """
+    return (Path(path) / MANIFEST).is_file()
+
+
+def verify_checkpoint(path: str | os.PathLike, *, checksums: bool = True) -> str | None:
+    """Why ``path`` is not an intact checkpoint, or None when it is (see `strategies.manifest`)."""
     path = Path(path)
-    return (path / ".metadata").is_file() and (path / META_FILE).is_file()
+    if not path.is_dir():
+        return "not a directory"
+    return verify(path, checksums=checksums)
+
+
+def _tensors(state: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) of every tensor and float in a nested state; DTensors as their local shard."""
+    if isinstance(state, dict):
+        for key, value in state.items():
+            yield from _tensors(value, f"{prefix}{key}.")
+    elif isinstance(state, (list, tuple)):
+        for i, value in enumerate(state):
+            yield from _tensors(value, f"{prefix}{i}.")
+    elif isinstance(state, DTensor):
+        yield prefix[:-1], state.to_local()
+    elif isinstance(state, (torch.Tensor, float)):
+        yield prefix[:-1], state
+
+
+def non_finite_entry(state: dict[str, Any]) -> str | None:
+    """The key of the first NaN or inf in this rank's part of ``state``, or None."""
+    keys, flags = [], []
+    for key, value in _tensors(state):
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                return key
+        elif value.is_floating_point() and value.numel():
+            keys.append(key)
+            flags.append(torch.isfinite(value).all())
+    if not flags:
+        return None
+    bad = (~torch.stack([f.to(flags[0].device) for f in flags])).nonzero().flatten().tolist()  # one host sync
+    return keys[bad[0]] if bad else None
+
+
+def _check_plain(meta: dict[str, Any]) -> str | None:
+    """Why ``meta`` would not load with ``weights_only=True`` (a type a safe load refuses), or None."""
+    buffer = io.BytesIO()
+    torch.save(meta, buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer, weights_only=True)
+    except pickle.UnpicklingError as err:
+        lines = [line.strip() for line in str(err).splitlines() if "GLOBAL" in line or "Unsupported" in line]
+        return lines[0] if lines else "a value a weights-only load refuses"
+    return None
 
 
 def save(
@@ -84,35 +178,99 @@ def save(
     namespace: str | None = None,
     keys: Callable[[str], bool] | None = None,
 ) -> None:
-    """Collectively and atomically writes a checkpoint of ``model`` and ``optimizers`` to ``path``.
+    """Collectively and atomically writes a verified checkpoint of ``model`` and ``optimizers``.
 
-    Every rank calls it. ``meta`` (loop and scheduler state) is written by rank 0.
+    Every rank calls it. ``meta`` (loop and scheduler state) is written by rank 0. Each rank
+    hashes its share of the files; rank 0 writes ``manifest.json`` last and renames the directory.
 
     Args:
         extra: more DCP state by top-level key (a strategy plugin's tensors and counters).
         namespace: the key this rank's "model" and "optimizer_i" go under; None: the top level.
             Ranks whose model state differs from rank 0's (local-SGD islands) keep their own.
         keys: which model state entries (FQNs) to write; None: all (LoRA: only the adapters).
+
+    Raises:
+        NonFiniteStateError: some rank's state holds NaN or inf; nothing was written.
+        TypeError: ``meta`` holds a value a weights-only load cannot read; nothing was written.
     """
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
+    state = _state(model, optimizers, extra, namespace, keys)
+    if problem := _agree(_check_plain(meta)):
+        raise TypeError(f"checkpoint meta (loop and callback state) would not load safely: {problem}")
+    bad = _gather(non_finite_entry(state))
+    if any(key is not None for key in bad):
+        rank = next(r for r, key in enumerate(bad) if key is not None)
+        raise NonFiniteStateError(
+            f"not saving {path.name}: the model or optimizer state holds NaN or inf ({bad[rank]} on rank {rank}); "
+            f"the checkpoints already written are kept"
+        )
     if _rank() == 0 and tmp.exists():
         shutil.rmtree(tmp)  # left by a crash during an earlier save
     _barrier()
-    dcp.save(_state(model, optimizers, extra, namespace, keys), checkpoint_id=tmp)
+    dcp.save(state, checkpoint_id=tmp)
     (tmp / "rng").mkdir(parents=True, exist_ok=True)
     torch.save(rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
     if _rank() == 0:
         torch.save(meta, tmp / META_FILE)
     _barrier()
+    names = checkpoint_files(tmp)  # every rank sees every file now
+    shares = _gather(hash_files(tmp, names[_rank() :: _world_size()]))
     if _rank() == 0:
+        write_manifest(tmp, {name: entry for share in shares for name, entry in share.items()})
         old = path.with_name(path.name + ".old")
         if path.exists():
             path.rename(old)
         tmp.rename(path)
+        _fsync_dir(path.parent)
         if old.exists():
             shutil.rmtree(old)
     _barrier()
+
+
+def seal(path: Path) -> None:
+    """Writes the manifest of a checkpoint directory one process wrote itself (a merge's output)."""
+    path = Path(path)
+    write_manifest(path, hash_files(path, checkpoint_files(path)))
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Makes a rename in ``directory`` durable (POSIX: fsync the directory)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _dcp_load(state: dict[str, Any], path: Path) -> None:
+    """`load_dcp`, with its failures (on any rank) as one CheckpointError on every rank."""
+    try:
+        load_dcp(state, path)
+    except (CheckpointException, Exception) as err:  # DCP's CheckpointException is a BaseException
+        causes = [exc for exc, _ in err.failures.values()] if isinstance(err, CheckpointException) else [err]
+        unsafe = next((c for c in causes if isinstance(c, UnsafePickleError)), None)
+        if unsafe is not None:
+            raise CheckpointError(
+                f"{path}: the DCP metadata or a saved value {unsafe}; plait refused to unpickle it (the checkpoint "
+                f"may have been tampered with); use another checkpoint or a trusted copy"
+            ) from None
+        cause = causes[0] if causes else err
+        first = str(cause).splitlines()[0] if str(cause) else ""
+        raise CheckpointError(
+            f"{path} could not be loaded ({type(cause).__name__}: {first}); it is damaged or was written for "
+            f"another model: use another checkpoint"
+        ) from None
+
+
+def _load_plain(path: Path, what: str) -> tuple[Any, str | None]:
+    """(value, None) of a weights-only file, or (None, why it refused)."""
+    try:
+        return load_plain(path), None
+    except UnsafePickleError as err:
+        return None, f"{path}: {err}; plait refused to unpickle {what} (the checkpoint may have been tampered with)"
+    except (OSError, RuntimeError, EOFError, ValueError) as err:
+        return None, f"{path}: {what} is unreadable ({type(err).__name__}); the checkpoint is damaged"
 
 
 def load(
@@ -128,29 +286,38 @@ def load(
 
     Works at any world size and layout (DCP reshards). Each rank restores its own RNG state, or
     rank 0's when the checkpoint was written by fewer ranks. ``extra``, ``namespace`` and ``keys``
-    as in `save` (the model entries outside ``keys`` keep their values); DCP loads ``extra`` in place (tensors are filled, other values replaced).
+    as in `save` (the model entries outside ``keys`` keep their values); DCP loads ``extra`` in
+    place (tensors are filled, other values replaced). File names and sizes are checked against
+    the manifest here; the caller chose ``path`` after a full `verify_checkpoint` (checksums).
 
     Raises:
-        CheckpointError: ``path`` is not a complete checkpoint.
+        CheckpointError: ``path`` is not a complete checkpoint, a file refuses a safe load, or
+            the loaded state holds NaN or inf (`NonFiniteStateError`); raised on every rank.
     """
     path = Path(path)
-    if not is_checkpoint(path):
+    if reason := verify_checkpoint(path, checksums=False):
         raise CheckpointError(
-            f"{path} is not a complete plait checkpoint (no .metadata or {META_FILE}); "
-            f"point resume= at a step_* directory or a run directory with checkpoints/last"
+            f"{path} is not a complete plait checkpoint ({reason}); "
+            f"point resume= at a step_* directory or a run directory with checkpoints"
         )
     state = _state(model, optimizers, extra, namespace, keys)
-    dcp.load(state, checkpoint_id=path)
+    _dcp_load(state, path)
+    rng_file = path / "rng" / f"rank_{_rank():05d}.pt"
+    if not rng_file.exists():
+        rng_file = path / "rng" / "rank_00000.pt"
+    rng, rng_problem = _load_plain(rng_file, "the RNG state")
+    meta, meta_problem = _load_plain(path / META_FILE, "the loop state")
+    if problem := _agree(rng_problem or meta_problem):
+        raise CheckpointError(problem)
+    if bad := _agree(non_finite_entry(state)):
+        raise NonFiniteStateError(f"{path} holds NaN or inf ({bad}); resume from an earlier checkpoint")
     if namespace is not None:
         state = state[namespace]
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=keys is None))
     for i, opt in enumerate(optimizers):
         set_optimizer_state_dict(model, opt, state[f"optimizer_{i}"], options=_OPTIM_OPTIONS)
-    rng_file = path / "rng" / f"rank_{_rank():05d}.pt"
-    if not rng_file.exists():
-        rng_file = path / "rng" / "rank_00000.pt"
-    set_rng_state(torch.load(rng_file, weights_only=False))
-    return torch.load(path / META_FILE, weights_only=False)
+    set_rng_state(rng)
+    return meta
 
 
 def _model_state(model: nn.Module, keys: Callable[[str], bool] | None) -> dict[str, Any]:
@@ -177,8 +344,15 @@ def _state(
 
 def saved_entries(path: Path, prefix: str = "") -> dict[str, Any]:
     """DCP metadata of the entries saved under ``prefix`` (flattened dotted keys, prefix removed):
-    what a checkpoint holds before anything is loaded."""
-    entries = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    what a checkpoint holds before anything is loaded.
+
+    Raises:
+        CheckpointError: the metadata refuses a safe load.
+    """
+    try:
+        entries = read_dcp_metadata(path).state_dict_metadata
+    except UnsafePickleError as err:
+        raise CheckpointError(f"{path}/.metadata {err}; plait refused to unpickle it") from None
     return {key[len(prefix) :]: meta for key, meta in entries.items() if key.startswith(prefix)}
 
 
@@ -188,11 +362,14 @@ def load_model_weights(path: Path, model: nn.Module, keys: Callable[[str], bool]
     ``keys``: which entries (FQNs) to load (the others keep their values); None: all of them.
 
     Raises:
-        CheckpointError: ``path`` is not a complete checkpoint.
+        CheckpointError: ``path`` is not a complete checkpoint, refuses a safe load, or holds
+            NaN or inf.
     """
     path = Path(path)
-    if not is_checkpoint(path):
-        raise CheckpointError(f"{path} is not a complete plait checkpoint (no .metadata or {META_FILE})")
+    if reason := verify_checkpoint(path, checksums=False):
+        raise CheckpointError(f"{path} is not a complete plait checkpoint ({reason})")
     state = {"model": _model_state(model, keys)}
-    dcp.load(state, checkpoint_id=path)
+    _dcp_load(state, path)
+    if bad := _agree(non_finite_entry(state)):
+        raise NonFiniteStateError(f"{path} holds NaN or inf ({bad}); use an earlier checkpoint")
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=keys is None))

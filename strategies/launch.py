@@ -92,5 +92,5 @@ class ForkLauncher(_MultiProcessingLauncher):
     @override
     def update_main_process_results(self, trainer: Any, extra: dict[str, Any]) -> None:
         super().update_main_process_results(trainer, extra)
-        trainer.lightning_module.history = torch.load(self._history_file, weights_only=False)
+        trainer.lightning_module.history = torch.load(self._history_file, weights_only=True)
         os.unlink(self._history_file)

@@ -13,6 +13,7 @@ from typing import Any
 import lightning as L
 import torch
 from hydra.utils import get_class, instantiate
+from lightning.pytorch.callbacks import Checkpoint
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
@@ -20,6 +21,7 @@ from strategies.mesh import MeshStrategy
 from strategies.resolved import ResolvedRun
 from trainer.config import ConfigError, validate
 from trainer.data.base import DataModule
+from trainer.nonfinite import NonFiniteGuard
 from trainer.rundir import RunDir
 from trainer.semantics import tokenizer_file
 from trainer.task import Task
@@ -81,6 +83,7 @@ def build_task(cfg: DictConfig, run: ResolvedRun, model: nn.Module) -> Task:
         no_decay=tuple(cfg.train.no_decay),
         eval_every=cfg.train.eval_every,
         flops_per_token=model.flops_per_token(run.seq_len) if hasattr(model, "flops_per_token") else 0.0,
+        nonfinite=NonFiniteGuard(cfg.train.nonfinite, cfg.train.max_nonfinite_steps),
     )
 
 
@@ -112,15 +115,17 @@ def build_loggers(cfg: DictConfig, run_dir: Path) -> list[Any]:
 
 def build_trainer(cfg: DictConfig, run: ResolvedRun, run_dir: Path, *, launcher: str = "subprocess") -> L.Trainer:
     trainer_cfg = OmegaConf.to_container(cfg.trainer)
+    callbacks = build_callbacks(cfg, run_dir)
     return L.Trainer(
         **trainer_cfg,
         strategy=build_strategy(cfg, run, launcher=launcher),
-        callbacks=build_callbacks(cfg, run_dir),
+        callbacks=callbacks,
         logger=build_loggers(cfg, run_dir) or False,
         default_root_dir=str(run_dir),
         max_epochs=-1,  # max_steps ends the run
         use_distributed_sampler=False,  # the global-batch sampler slices by dp rank itself
-        enable_checkpointing=False,  # PeriodicCheckpoint saves DCP directories
+        # PeriodicCheckpoint (a Lightning Checkpoint) saves DCP directories; no ModelCheckpoint without it.
+        enable_checkpointing=any(isinstance(callback, Checkpoint) for callback in callbacks),
         limit_val_batches=0,  # the Task evaluates at its own steps (step 0 included)
         num_sanity_val_steps=0,
         enable_model_summary=False,

@@ -44,6 +44,9 @@ class TrainConfig:
         max_grad_norm: clip the global gradient norm to this (0 or null: no clipping).
         no_decay: substrings of parameter names that get no weight decay.
         eval_every: evaluate every this many steps (plus step 0 and the last step; 0: only those).
+        nonfinite: a step whose loss or gradient norm is NaN or inf skips its update; "stop" also
+            stops the run after ``max_nonfinite_steps`` such steps in a row, "skip" goes on.
+        max_nonfinite_steps: non-finite steps in a row that stop the run under ``nonfinite=stop``.
     """
 
     global_batch_size: int = 8
@@ -51,6 +54,8 @@ class TrainConfig:
     max_grad_norm: float | None = 1.0
     no_decay: list[str] = field(default_factory=lambda: list(DEFAULT_NO_DECAY))
     eval_every: int = 50
+    nonfinite: Literal["stop", "skip"] = "stop"
+    max_nonfinite_steps: int = 3
 
 
 @dataclass

@@ -1,12 +1,17 @@
-"""A CSV logger that survives resumes: ``<run_dir>/metrics.csv`` is appended to, never deleted.
+"""A CSV logger that survives resumes and kills: ``<run_dir>/metrics.csv`` is appended to, never deleted.
 
 Lightning's CSVLogger deletes an existing metrics.csv when its directory is not empty, which
-would wipe a run's history on ``resume=last``.
+would wipe a run's history on ``resume=last``, and rewrites the file in place when a new column
+appears, which a kill at that moment would leave truncated. Here a rewrite goes through a
+temporary file and an atomic rename, and a resume truncates the rows after its checkpoint
+(`RunCSVLogger.truncate_after`, called by the checkpoint callback).
 """
 
 from __future__ import annotations
 
 import csv
+import io
+import os
 
 import lightning as L
 from lightning.pytorch.loggers import CSVLogger
@@ -24,6 +29,26 @@ class _AppendingWriter(ExperimentWriter):
         if self._fs.isfile(self.metrics_file_path):
             with self._fs.open(self.metrics_file_path, "r", newline="") as file:
                 self.metrics_keys = list(csv.DictReader(file).fieldnames or [])
+
+    @override
+    def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:
+        with open(self.metrics_file_path, newline="") as file:
+            rows = list(csv.DictReader(file))
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=fieldnames)
+        writer.writeheader()
+        writer.writerows(rows)
+        _replace(self.metrics_file_path, text.getvalue())
+
+
+def _replace(path: str, text: str) -> None:
+    """Writes ``text`` to ``path`` through a temporary file and an atomic rename (fsynced)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", newline="") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(tmp, path)
 
 
 class RunCSVLogger(CSVLogger):
@@ -43,6 +68,32 @@ class RunCSVLogger(CSVLogger):
             self._fs.makedirs(self.root_dir, exist_ok=True)
             self._experiment = _AppendingWriter(log_dir=self.log_dir)
         return self._experiment
+
+    def sync(self) -> None:
+        """Writes the pending rows and makes ``metrics.csv`` durable (fsync)."""
+        self.save()
+        path = self.experiment.metrics_file_path
+        if os.path.isfile(path):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def truncate_after(self, step: int) -> None:
+        """Drops the rows of steps after ``step`` (written by a run killed after its checkpoint of
+        ``step``); the rows kept are unchanged byte for byte."""
+        path = self.experiment.metrics_file_path
+        if not os.path.isfile(path):
+            return
+        with open(path, newline="") as file:
+            lines = file.read().splitlines(keepends=True)
+        if not lines:
+            return
+        column = next(csv.reader([lines[0]])).index("step")
+        kept = [line for line in lines[1:] if int(float(next(csv.reader([line]))[column])) <= step]
+        if len(kept) < len(lines) - 1:
+            _replace(path, "".join([lines[0], *kept]))
 
 
 def is_logging_step(trainer: L.Trainer) -> bool:

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from strategies.checkpoint import META_FILE
+from strategies.checkpoint import META_FILE, seal
 from trainer.compose import compose_command, fail
 from trainer.rundir import RunDir, load_run_model
 
@@ -170,6 +170,7 @@ def save_merged(state: State, out: Path, *, like: Path) -> Path:
             shutil.copy(src, dst)
     dcp.save({"model": state}, checkpoint_id=ckpt)
     torch.save({"merged": True}, ckpt / META_FILE)
+    seal(ckpt)
     return ckpt
 
 

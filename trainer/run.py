@@ -10,11 +10,12 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from strategies.checkpoint import CheckpointError
+from strategies.checkpoint import CheckpointError, NonFiniteStateError
 from strategies.launch import LAUNCH_ENV
 from strategies.resolved import ResolvedRun
 from trainer.config import ConfigError, validate
 from trainer.data.base import DataError, DataModule
+from trainer.nonfinite import NonFiniteError
 from trainer.rundir import RunDir, resolve_checkpoint
 
 
@@ -37,15 +38,21 @@ def check_run_dir(cfg: DictConfig, run_dir: Path | None = None) -> Path | None:
     """
     run_dir = Path(run_dir if run_dir is not None else cfg.run_dir)
     if cfg.resume is None:
-        if RunDir(run_dir).checkpoint() is not None:
+        if RunDir(run_dir).holds_checkpoints():
             raise ConfigError(
                 [f"run_dir={run_dir} already holds checkpoints; continue it with resume=last, or choose a new run_dir"]
             )
         return None
-    found = resolve_checkpoint(run_dir if cfg.resume == "last" else cfg.resume)
+    skipped: list[str] = []
+    found = resolve_checkpoint(run_dir if cfg.resume == "last" else cfg.resume, skipped.append)
+    if _is_launching_rank():
+        for line in skipped:
+            print(f"plait: {line}", file=sys.stderr)
     if found is None:
         where = f"run_dir={run_dir}" if cfg.resume == "last" else f"resume={cfg.resume}"
-        raise ConfigError([f"{where} holds no complete checkpoint; drop resume to start fresh, or point it at a run"])
+        raise ConfigError([f"{where} holds no intact checkpoint; drop resume to start fresh, or point it at a run"])
+    if _is_launching_rank():
+        print(f"plait: resuming from {found}", file=sys.stderr)
     return found
 
 
@@ -128,7 +135,16 @@ def run(cfg: DictConfig, launch: Launch | None = None) -> None:
         # The config this run (or this resumed part of it) trains with; generate builds from it.
         RunDir(run_dir).write_config(cfg, data.tokenizer)
     ckpt_path = launch.ckpt_path
-    trainer.fit(task, datamodule=data, ckpt_path=str(ckpt_path) if ckpt_path else None)
+    try:
+        trainer.fit(task, datamodule=data, ckpt_path=str(ckpt_path) if ckpt_path else None, weights_only=True)
+    except (NonFiniteError, NonFiniteStateError) as err:  # the run diverged: exit 3, the message says why
+        if launching:
+            print(f"plait: error: {err}", file=sys.stderr)
+        raise SystemExit(3) from None
+    except CheckpointError as err:  # the checkpoint to resume from refused to load: exit 2
+        if launching:
+            print(f"plait: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     if trainer.is_global_zero:
         summary = RunDir(run_dir).summary
         print(f"plait: run directory {run_dir}" + (f"\n{summary.read_text()}" if summary.exists() else ""))

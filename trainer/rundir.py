@@ -27,8 +27,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from strategies.checkpoint import is_checkpoint, load_model_weights
+from strategies.checkpoint import META_FILE, is_checkpoint, load_model_weights, verify_checkpoint
 from strategies.lora import is_adapter
+from strategies.manifest import MANIFEST
 
 LAST = "last"
 
@@ -38,12 +39,19 @@ def step_dir(root: Path, step: int) -> Path:
     return Path(root) / f"step_{step:07d}"
 
 
-def step_checkpoints(root: Path) -> list[Path]:
-    """The complete ``step_*`` checkpoints in ``root``, oldest first (``.tmp``/``.old`` leftovers excluded)."""
+def step_dirs(root: Path) -> list[Path]:
+    """Every ``step_*`` directory in ``root``, complete or not, oldest first (``.tmp``/``.old``/``.pruned-``
+    leftovers excluded)."""
     root = Path(root)
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if re.fullmatch(r"step_\d+", p.name) and is_checkpoint(p))
+    found = [p for p in root.iterdir() if re.fullmatch(r"step_\d+", p.name) and p.is_dir() and not p.is_symlink()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def step_checkpoints(root: Path) -> list[Path]:
+    """The ``step_*`` checkpoints in ``root`` whose save finished (they have a manifest), oldest first."""
+    return [p for p in step_dirs(root) if is_checkpoint(p)]
 
 
 @dataclass(frozen=True)
@@ -105,9 +113,14 @@ class RunDir:
         """``checkpoints/step_<step>``."""
         return step_dir(self.checkpoints, step)
 
-    def checkpoint(self) -> Path | None:
-        """The newest complete checkpoint of this run, or None."""
-        return resolve_checkpoint(self.checkpoints)
+    def checkpoint(self, report: Callable[[str], None] | None = None) -> Path | None:
+        """The newest intact checkpoint of this run, or None (see `resolve_checkpoint`)."""
+        return resolve_checkpoint(self.checkpoints, report)
+
+    def holds_checkpoints(self) -> bool:
+        """Whether ``checkpoints/`` holds any ``step_*`` directory or ``last`` entry, intact or not
+        (a fresh start into such a run is refused)."""
+        return bool(step_dirs(self.checkpoints)) or self.last.is_symlink() or self.last.exists()
 
     def write_config(self, cfg: DictConfig, tokenizer: Any) -> None:
         """Writes ``config.yaml`` (resolved: no interpolation left) and ``tokenizer.json``."""
@@ -118,29 +131,54 @@ class RunDir:
         return OmegaConf.load(self.config)
 
 
-def resolve_checkpoint(path: str | os.PathLike) -> Path | None:
-    """The checkpoint directory that ``path`` names, or None.
+def _candidates(root: Path) -> list[Path]:
+    """The checkpoints of one ``checkpoints/`` directory to try, newest first: the ``step_*`` ones
+    (whatever ``last`` names), then a ``last`` that is a directory of its own (a merge's output)."""
+    found = list(reversed(step_dirs(root)))
+    last = root / LAST
+    if last.is_dir() and not last.is_symlink():
+        found.append(last)
+    return found
 
-    Accepts a checkpoint directory, a ``checkpoints/`` directory (its ``last``), a run directory
-    (its ``checkpoints/last``) or a directory of runs (the newest run with a checkpoint). Without a
-    ``last`` link (a crash between a save's rename and the link update) the newest complete
-    ``step_*`` is taken.
+
+def _looks_like_checkpoint(path: Path) -> bool:
+    return any((path / name).exists() for name in (MANIFEST, ".metadata", META_FILE))
+
+
+def resolve_checkpoint(path: str | os.PathLike, report: Callable[[str], None] | None = None) -> Path | None:
+    """The intact checkpoint directory that ``path`` names, or None.
+
+    Accepts a checkpoint directory (used only if it verifies), a ``checkpoints/`` directory or a
+    run directory (the newest ``step_*`` that verifies, whatever ``last`` points at: a newer
+    checkpoint than ``last`` wins, a damaged newest one falls back to the previous one), or a
+    directory of runs (the newest run holding an intact checkpoint). Every file of a candidate is
+    checked against its manifest (sizes and SHA-256, `strategies.checkpoint.verify_checkpoint`).
+
+    Args:
+        report: called with one line per checkpoint passed over and why (damaged, incomplete).
     """
+    report = report or (lambda line: None)
     path = Path(path).expanduser()
-    if is_checkpoint(path):
-        return path.resolve()
-    run = RunDir(path)
-    for candidate in (path / LAST, run.last):
-        if is_checkpoint(candidate):
-            return candidate.resolve()
-    for root in (path, run.checkpoints):
-        if steps := step_checkpoints(root):
-            return steps[-1].resolve()
+    if _looks_like_checkpoint(path):
+        reason = verify_checkpoint(path)
+        if reason is None:
+            return path.resolve()
+        report(f"{path}: {reason}")
+        return None
+    for root in (RunDir(path).checkpoints, path):
+        candidates = _candidates(root)
+        for candidate in candidates:
+            reason = verify_checkpoint(candidate)
+            if reason is None:
+                return candidate.resolve()
+            report(f"skipped {candidate}: {reason}")
+        if candidates:
+            return None
     if path.is_dir():
         runs = sorted((p for p in path.iterdir() if p.is_dir() and not p.is_symlink()), key=lambda p: p.name, reverse=True)
-        for found in (RunDir(p).last for p in runs):
-            if is_checkpoint(found):
-                return found.resolve()
+        for run in runs:
+            if RunDir(run).checkpoints.is_dir() and (found := resolve_checkpoint(run, report)) is not None:
+                return found
     return None
 
 

@@ -30,6 +30,7 @@ from typing_extensions import override
 
 from trainer.loggers import is_logging_step
 from trainer.models.hf import load_init_from
+from trainer.nonfinite import NonFiniteGuard
 from trainer.optim import build_optimizer
 from trainer.protocols import Objective, RoutedModel
 
@@ -56,6 +57,8 @@ class Task(L.LightningModule):
         eval_every: evaluate every this many optimizer steps, at step 0 and at the last step
             (0: only at the last step).
         flops_per_token: training FLOPs per token of the model, for throughput reporting.
+        nonfinite: decides whether a step with a NaN or inf loss or gradient norm is applied
+            (`trainer.nonfinite.NonFiniteGuard`); None: the default guard.
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class Task(L.LightningModule):
         no_decay: tuple[str, ...],
         eval_every: int,
         flops_per_token: float,
+        nonfinite: NonFiniteGuard | None = None,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -82,6 +86,7 @@ class Task(L.LightningModule):
         self.weight_decay, self.no_decay = weight_decay, tuple(no_decay)
         self.eval_every = eval_every
         self.flops_per_token = flops_per_token
+        self.nonfinite = nonfinite or NonFiniteGuard()
         # Run state, saved in checkpoints (on_save_checkpoint).
         self.tokens_seen = 0
         self.history: list[dict[str, float]] = []
@@ -168,7 +173,11 @@ class Task(L.LightningModule):
 
         parameters = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm = strategy.grad_norm(parameters)
-        if self.max_grad_norm:
+        islands = None if strategy.token_axis == "dp_cp" else lambda t: strategy.all_reduce_sum(t, "dp_replicate")
+        loss_value, grad_norm_value = self.nonfinite.read(loss, grad_norm, islands=islands)
+        if not self.nonfinite.admit(self.global_step + 1, loss_value, grad_norm_value):
+            optimizer.zero_grad(set_to_none=True)  # the optimizer then leaves every parameter as it is
+        elif self.max_grad_norm:
             strategy.clip_grads(parameters, max_norm=self.max_grad_norm, total_norm=grad_norm)
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
@@ -182,19 +191,20 @@ class Task(L.LightningModule):
         data_metrics = self.trainer.train_dataloader.mark_trained() or {}
         self.last_step_tokens = step_tokens
         self.tokens_seen += self.last_step_tokens
-        self._log_step(loss, grad_norm, lr, num_tokens, {**strategy_metrics, **objective_sums, **data_metrics})
+        if self.nonfinite.skipped:
+            data_metrics["train/nonfinite_steps"] = float(self.nonfinite.skipped)
+        self._log_step(loss_value, grad_norm_value, lr, num_tokens, {**strategy_metrics, **objective_sums, **data_metrics})
 
     def _log_step(
-        self, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, num_tokens: torch.Tensor, metrics: dict[str, float]
+        self, loss_value: float, grad_norm_value: float, lr: float, num_tokens: torch.Tensor, metrics: dict[str, float]
     ) -> None:
         # Every value is already global and equal on all ranks: no sync_dist (which would also
         # deadlock under pipeline parallelism, where every rank must log the same keys).
-        self.log("train/loss", loss, prog_bar=True, logger=False)  # progress bar and callback_metrics
+        self.log("train/loss", loss_value, prog_bar=True, logger=False)  # progress bar and callback_metrics
         if self._new_val_loss is not None:
             # Once per evaluation: the bar keeps showing a value until it is logged again.
             self.log("val/loss", self._new_val_loss, prog_bar=True, logger=False)
             self._new_val_loss = None
-        loss_value, grad_norm_value = loss.item(), grad_norm.item()
         if is_logging_step(self.trainer) or self._data_ended():
             self.record(
                 {
@@ -243,8 +253,14 @@ class Task(L.LightningModule):
         self._write_row()
 
     @override
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        # Runs after the callbacks' on_train_batch_end (throughput has recorded its values).
+    def configure_callbacks(self) -> list[L.Callback]:
+        # The end of each step runs as a callback: after the configured callbacks (throughput has
+        # recorded its values) and before checkpoint callbacks, which Lightning runs last, so a
+        # step's row is on disk before its checkpoint exists.
+        return [_EndOfStep()]
+
+    def end_step(self) -> None:
+        """Evaluates when due and writes the step's row to the loggers."""
         step = self.global_step
         if step == self.trainer.max_steps or self._data_ended() or (self.eval_every and step % self.eval_every == 0):
             self.evaluate()
@@ -291,9 +307,21 @@ class Task(L.LightningModule):
     # ------------------------------------------------------------------------------ state
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["plait"] = {"tokens_seen": self.tokens_seen, "history": list(self.history)}
+        checkpoint["plait"] = {
+            "tokens_seen": self.tokens_seen, "history": list(self.history), "nonfinite": self.nonfinite.state_dict()
+        }  # fmt: skip
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint["plait"]
         self.tokens_seen, self.history = state["tokens_seen"], list(state["history"])
+        self.nonfinite.load_state_dict(state["nonfinite"])
+
+
+class _EndOfStep(L.Callback):
+    """Calls `Task.end_step` at the end of every training step (see `Task.configure_callbacks`)."""
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        assert isinstance(pl_module, Task)
+        pl_module.end_step()

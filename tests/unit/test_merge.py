@@ -46,11 +46,14 @@ def test_sparsity_counts_unchanged_entries():
 def _fake_run(path, state, cfg):
     import torch.distributed.checkpoint as dcp
 
+    from strategies.checkpoint import seal
+
     ckpt = path / "checkpoints" / "last"
     ckpt.mkdir(parents=True)
     OmegaConf.save(cfg, path / "config.yaml")
     dcp.save({"model": state}, checkpoint_id=ckpt)
     torch.save({}, ckpt / "meta.pt")
+    seal(ckpt)  # its manifest: a checkpoint is complete only with one
 
 
 def test_plait_merge_command_one_delta_reproduces_the_run(tmp_path, capsys):

@@ -32,11 +32,12 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 from typing_extensions import override
 
+from strategies.checkpoint import META_FILE
 from strategies.launch import LAUNCH_ENV
+from strategies.safe_load import load_plain
 from trainer.rundir import RunDir
 
 Scores = dict[str, float]
@@ -117,7 +118,7 @@ def fit_run(cfg: DictConfig, run_dir: Path, *, ckpt_path: str | None = None) -> 
 
 def loader_state(checkpoint: Path) -> dict[str, Any]:
     """The mixture loader's saved state (trained position, per-source tokens) of a checkpoint."""
-    meta = torch.load(Path(checkpoint) / "meta.pt", weights_only=False)
+    meta = load_plain(Path(checkpoint) / META_FILE)
     return meta["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
 
 

@@ -1,30 +1,51 @@
-"""Periodic, atomic checkpoints with a ``last`` link and retention.
+"""Periodic, atomic, verified checkpoints with a ``last`` link and retention.
 
 Lightning's ModelCheckpoint copies or links ``last.ckpt`` after a save and assumes single files;
-plait checkpoints are DCP directories written atomically by the strategy, so this callback only
-decides *when* to save, names the directory, moves the ``last`` link atomically and prunes.
+plait checkpoints are DCP directories written atomically by the strategy (with a manifest of
+checksums, `strategies.checkpoint`), so this callback only decides *when* to save, names the
+directory, moves the ``last`` link atomically and prunes whole directories atomically.
+
+It is a Lightning ``Checkpoint``: Lightning runs it after every other callback, so the step's
+metrics row (written at the end of each step, `trainer.task.Task`) is on disk before the
+checkpoint of that step exists, and a resume truncates ``metrics.csv`` to the checkpoint's step:
+the file then equals an uninterrupted run's (no lost and no duplicated rows).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import Checkpoint
 from typing_extensions import override
 
-from trainer.rundir import LAST, step_checkpoints, step_dir
+from trainer.loggers import RunCSVLogger
+from trainer.rundir import LAST, step_checkpoints, step_dir, step_dirs
+
+_TRASH = ".pruned-"
 
 
-class PeriodicCheckpoint(L.Callback):
+def remove_dir(path: Path) -> None:
+    """Removes a checkpoint directory atomically: renamed out of the ``step_*`` names first, so
+    a kill in the middle never leaves a partial directory that looks like a checkpoint."""
+    trash = path.with_name(f"{_TRASH}{path.name}")
+    if trash.exists():
+        shutil.rmtree(trash)
+    path.rename(trash)
+    shutil.rmtree(trash)
+
+
+class PeriodicCheckpoint(Checkpoint):
     """Saves every ``every_n_steps`` optimizer steps and at the end of training.
 
     Args:
         dirpath: directory of the step_* checkpoints (the trainer sets ``<run_dir>/checkpoints``).
         every_n_steps: save interval in optimizer steps (0: only at the end).
-        keep_last: how many step_* checkpoints to keep (0 keeps all).
+        keep_last: how many complete step_* checkpoints to keep (0 keeps all).
     """
 
     def __init__(self, dirpath: str | None = None, every_n_steps: int = 100, keep_last: int = 2) -> None:
@@ -48,8 +69,13 @@ class PeriodicCheckpoint(L.Callback):
     def save(self, trainer: L.Trainer) -> Path:
         assert self.dirpath is not None, "PeriodicCheckpoint needs dirpath"
         path = step_dir(self.dirpath, trainer.global_step)
+        for logger in trainer.loggers:  # the step's row is durable before its checkpoint exists
+            if isinstance(logger, RunCSVLogger):
+                logger.sync()
+        # Collective; atomic and verified (strategies.checkpoint.save). Lightning's weights_only=False:
+        # the loop, optimizer and callback states too, not only the weights.
+        trainer.save_checkpoint(path, weights_only=False)
         self._last_saved = trainer.global_step
-        trainer.save_checkpoint(path)  # collective; atomic (strategies.checkpoint.save)
         if trainer.is_global_zero:
             link = self.dirpath / LAST
             tmp = self.dirpath / f".{LAST}.tmp"
@@ -62,11 +88,27 @@ class PeriodicCheckpoint(L.Callback):
         return path
 
     def _prune(self) -> None:
+        """Keeps the ``keep_last`` newest complete checkpoints; removes every step_* directory
+        older than the oldest kept one (and leftovers of interrupted saves and prunes)."""
+        assert self.dirpath is not None
+        for leftover in self.dirpath.iterdir():
+            if leftover.name.startswith(_TRASH) or re.fullmatch(r"step_\d+\.(tmp|old)", leftover.name):
+                shutil.rmtree(leftover, ignore_errors=True)
         if not self.keep_last:
             return
-        steps = step_checkpoints(self.dirpath)
-        for old in steps[: -self.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        kept = step_checkpoints(self.dirpath)[-self.keep_last :]
+        oldest_kept = int(kept[0].name[5:]) if kept else 0
+        for old in step_dirs(self.dirpath):
+            if int(old.name[5:]) < oldest_kept:
+                remove_dir(old)
+
+    @override
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        # The run continues from this checkpoint: rows a killed run wrote after it are redone.
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                if isinstance(logger, RunCSVLogger):
+                    logger.truncate_after(checkpoint["global_step"])
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -60,6 +60,7 @@ class Summary(L.Callback):
             pl_module.history, tokens_seen=pl_module.tokens_seen, wall_time_s=self._elapsed(), steps=trainer.global_step
         )
         path = RunDir(self.dirpath).summary
+        path.parent.mkdir(parents=True, exist_ok=True)  # a run without loggers may have written nothing yet
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(summary, indent=2) + "\n")
         os.replace(tmp, path)
