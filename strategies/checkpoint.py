@@ -246,6 +246,7 @@ def _fsync_dir(directory: Path) -> None:
 def _dcp_load(state: dict[str, Any], path: Path) -> None:
     """`load_dcp`, with its failures (on any rank) as one CheckpointError on every rank."""
     try:
+        read_dcp_metadata(path)  # DCP would retry another metadata file and hide the refusal
         load_dcp(state, path)
     except (CheckpointException, Exception) as err:  # DCP's CheckpointException is a BaseException
         causes = [exc for exc, _ in err.failures.values()] if isinstance(err, CheckpointException) else [err]

@@ -23,7 +23,7 @@ from trainer.generate import chat_template, load_for_generation, reply
 def main(argv: list[str]) -> None:
     """Entry of ``plait chat``: ``key=value`` arguments of conf/chat.yaml; exit 2 on bad input."""
     cfg = compose_command("chat", argv, usage="plait chat ckpt=<run or checkpoint dir>")
-    run = load_for_generation(cfg.ckpt)
+    run = load_for_generation(cfg.ckpt, cfg.trust)
     template = chat_template(run)
     torch.manual_seed(cfg.seed)
     messages = [{"role": "system", "content": cfg.system}] if cfg.system else []

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from strategies.checkpoint import CheckpointError
 from strategies.lora import adapted_layers, merge_lora
 from trainer.compose import compose_command, fail
 from trainer.data.chat import DEFAULT_CHAT_TEMPLATE
@@ -33,6 +35,7 @@ from trainer.models.hf_moe import MOE_FAMILIES, export_family, moe_config_fields
 from trainer.models.llama import Llama
 from trainer.models.moe_transformer import MoETransformer
 from trainer.rundir import load_run_model, resolve_checkpoint
+from trainer.targets import UntrustedTargetError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Files of a source Hugging Face directory that describe the tokenizer and generation, copied as they are.
@@ -243,7 +246,9 @@ def write_peft_adapter(out: str | Path, model: nn.Module, *, dropout: float, bas
     return out
 
 
-def export_checkpoint(path: str | Path, out: str | Path, *, dtype: str | None = None, max_shard_mb: float = 5000.0) -> Path:
+def export_checkpoint(
+    path: str | Path, out: str | Path, *, dtype: str | None = None, max_shard_mb: float = 5000.0, trust: Sequence[str] = ()
+) -> Path:
     """Loads the model of a run or checkpoint (`trainer.rundir.load_run_model`: one process, any
     saved layout) and writes it with `write_hf_dir`. A LoRA run's model is written with its
     adapters merged into the base, and the adapters alone in PEFT's format under ``out/adapter``
@@ -251,8 +256,9 @@ def export_checkpoint(path: str | Path, out: str | Path, *, dtype: str | None = 
 
     Raises:
         FileNotFoundError: ``path`` names no checkpoint, or the run has no tokenizer.json.
+        UntrustedTargetError, CheckpointError: from `load_run_model` (``trust`` as there).
     """
-    run = load_run_model(path, load_base=load_init_from)
+    run = load_run_model(path, load_base=load_init_from, trust=trust)
     if run.tokenizer is None:
         raise FileNotFoundError(f"{run.run.tokenizer} is missing; a Hugging Face directory needs the run's tokenizer")
     if adapted_layers(run.model):  # a LoRA run: its adapter as PEFT's, then merged into the base
@@ -283,7 +289,7 @@ def main(argv: list[str]) -> None:
     if out.exists() and any(out.iterdir()):
         fail(f"out={out} is not empty; choose a new directory")
     try:
-        export_checkpoint(ckpt, out, dtype=cfg.dtype, max_shard_mb=cfg.max_shard_mb)
-    except (HFError, FileNotFoundError) as err:
+        export_checkpoint(ckpt, out, dtype=cfg.dtype, max_shard_mb=cfg.max_shard_mb, trust=cfg.trust)
+    except (HFError, FileNotFoundError, UntrustedTargetError, CheckpointError) as err:
         fail(str(err))
     print(f"plait: wrote {out} (Hugging Face format) from {ckpt}")

@@ -10,18 +10,21 @@ Invocation::
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from contextlib import nullcontext
 
 import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from strategies.checkpoint import CheckpointError
 from trainer.compose import compose_command, fail
 from trainer.data.chat import DEFAULT_CHAT_TEMPLATE, JinjaTemplate, load_chat_template
 from trainer.export import source_dirs
 from trainer.models.hf import HFError, load_init_from
 from trainer.models.kv_cache import kv_cache
 from trainer.rundir import RunModel, load_run_model
+from trainer.targets import UntrustedTargetError
 
 
 def _next_token(logits: torch.Tensor, *, temperature: float, top_k: int | None) -> int:
@@ -123,18 +126,24 @@ def greedy_batch(
     return [row[: row.index(eos_id)] if eos_id in row else row for row in generated]
 
 
-def load_for_generation(ckpt: str) -> RunModel:
+def load_for_generation(ckpt: str, trust: Sequence[str] = ()) -> RunModel:
     """The run's model and tokenizer (`load_run_model`); says on stderr which checkpoint it loaded.
 
+    Args:
+        trust: packages besides plait whose classes the run's config.yaml may build.
+
     Raises:
-        SystemExit: (exit 2, ``plait: error:``) no checkpoint, or the run has no tokenizer.
+        SystemExit: (exit 2, ``plait: error:``) no intact checkpoint, a config target outside
+            plait and ``trust``, an unsafe or non-finite checkpoint, or the run has no tokenizer.
     """
     try:
-        run = load_run_model(ckpt, load_base=load_init_from)
+        run = load_run_model(ckpt, load_base=load_init_from, trust=trust)
     except FileNotFoundError as err:
         fail(f"ckpt={err}")
     except HFError as err:
         fail(f"ckpt={ckpt}: {err}")
+    except (UntrustedTargetError, CheckpointError) as err:
+        fail(str(err))
     if run.tokenizer is None:
         fail(f"ckpt={ckpt}: {run.run.tokenizer} is missing; generation needs the run's tokenizer")
     print(f"plait: loaded {run.checkpoint}", file=sys.stderr)
@@ -171,7 +180,7 @@ def main(argv: list[str]) -> None:
     ``chat=true`` sends the prompt as one user message through the run's chat template and prints
     the answer alone; otherwise the prompt is continued as text. Generation stops at EOS."""
     cfg = compose_command("generate", argv, usage='plait generate ckpt=<run or checkpoint dir> prompt="..."')
-    run = load_for_generation(cfg.ckpt)
+    run = load_for_generation(cfg.ckpt, cfg.trust)
     torch.manual_seed(cfg.seed)
     if cfg.chat:
         print(reply(run, chat_template(run).render([{"role": "user", "content": cfg.prompt}], add_generation_prompt=True), cfg))

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from strategies.checkpoint import META_FILE, seal
+from strategies.checkpoint import META_FILE, CheckpointError, seal
 from trainer.compose import compose_command, fail
 from trainer.rundir import RunDir, load_run_model
 
@@ -152,9 +152,10 @@ def sparsity(base: State, model: State, *, tol: float = 1e-6) -> dict[str, float
 
 
 # ------------------------------------------------------------------------------ command
-def _load(path: str) -> tuple[State, Path]:
-    """The model state and run directory of a checkpoint or run directory."""
-    run = load_run_model(path)
+def _load(path: str, trust: Sequence[str] = ()) -> tuple[State, Path]:
+    """The model state and run directory of a checkpoint or run directory (``trust`` as in
+    `load_run_model`)."""
+    run = load_run_model(path, trust=trust)
     return {k: v.detach().clone() for k, v in run.model.state_dict().items()}, run.run.path
 
 
@@ -178,13 +179,13 @@ def main(argv: list[str]) -> None:
     """Entry of ``plait merge``: ``key=value`` arguments of conf/merge.yaml; exit 2 on bad input."""
     cfg = compose_command("merge", argv, usage="plait merge base=<run> deltas=[<run>,...] method=ties")
     try:
-        base, base_dir = _load(cfg.base)
-        models = [_load(path)[0] for path in cfg.deltas]
+        base, base_dir = _load(cfg.base, cfg.trust)
+        models = [_load(path, cfg.trust)[0] for path in cfg.deltas]
         merged = merge_states(
             base, models, method=cfg.method, weights=cfg.weights, scale=cfg.scale, density=cfg.density,
             drop=cfg.drop, seed=cfg.seed,
         )  # fmt: skip
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, ValueError, CheckpointError) as err:  # UntrustedTargetError is a ValueError
         fail(str(err))
     for path, model in zip(cfg.deltas, models):
         s = sparsity(base, model, tol=cfg.tol)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from torch import nn
 from strategies.checkpoint import META_FILE, is_checkpoint, load_model_weights, verify_checkpoint
 from strategies.lora import is_adapter
 from strategies.manifest import MANIFEST
+from trainer.targets import check_targets
 
 LAST = "last"
 
@@ -182,18 +183,25 @@ def resolve_checkpoint(path: str | os.PathLike, report: Callable[[str], None] | 
     return None
 
 
-def instantiate_saved(node: DictConfig, **kwargs: Any) -> Any:
+def instantiate_saved(node: DictConfig, *, source: str, key: str, trust: Sequence[str] = (), **kwargs: Any) -> Any:
     """The object that a node of a saved run's ``config.yaml`` describes (``_target_`` + fields).
 
     The one place plait builds objects from a run directory it did not just compose: the file may
-    come from elsewhere, so this is where its ``_target_`` is checked.
+    come from elsewhere, so every ``_target_`` in it must be a class of plait or of a package in
+    ``trust`` (`trainer.targets.check_targets`) before anything is imported or built.
 
     Args:
         node: a node of `RunDir.load_config` (e.g. ``cfg.model``).
+        source: the file it was read from; key: its dotted key there (for the message).
+        trust: top-level packages besides plait whose classes may be built (``trust=[my_pkg]``).
         kwargs: fields the saved node leaves open (e.g. ``vocab_size``).
+
+    Raises:
+        UntrustedTargetError: a ``_target_`` outside plait and ``trust``; nothing was built.
     """
     from hydra.utils import instantiate
 
+    check_targets(node, source=source, key=key, trust=trust)
     return instantiate(node, **kwargs)
 
 
@@ -232,17 +240,22 @@ class RunModel:
     checkpoint: Path
 
 
-def load_run_model(path: str | os.PathLike, *, load_base: Callable[[nn.Module], None] | None = None) -> RunModel:
+def load_run_model(
+    path: str | os.PathLike, *, load_base: Callable[[nn.Module], None] | None = None, trust: Sequence[str] = ()
+) -> RunModel:
     """The model of the run (or checkpoint) ``path`` names, in one process, in eval mode.
 
     Args:
         load_base: for a LoRA run, loads its base (``model.init_from``) into the model:
             `trainer.models.hf.load_init_from` (passed in: that module imports this one).
+        trust: packages besides plait whose classes the run's config may build (`instantiate_saved`).
 
     Raises:
-        FileNotFoundError: ``path`` names no checkpoint, or the run has neither ``model.vocab_size``
-            nor a ``tokenizer.json``.
+        FileNotFoundError: ``path`` names no intact checkpoint, or the run has neither
+            ``model.vocab_size`` nor a ``tokenizer.json``.
         ValueError: a LoRA run without ``load_base``.
+        UntrustedTargetError: the run's config names a model outside plait and ``trust``.
+        CheckpointError: the checkpoint refuses a safe load or holds NaN/inf.
     """
     from trainer.data.tokenizer import Tokenizer
 
@@ -255,14 +268,15 @@ def load_run_model(path: str | os.PathLike, *, load_base: Callable[[nn.Module], 
     vocab_size = cfg.model.get("vocab_size") or (tokenizer.vocab_size if tokenizer is not None else None)
     if vocab_size is None:
         raise FileNotFoundError(f"{run.path} has no {run.tokenizer.name} and its config sets no model.vocab_size")
-    model = instantiate_saved(cfg.model, vocab_size=vocab_size)
+    source = str(run.config)
+    model = instantiate_saved(cfg.model, source=source, key="model", trust=trust, vocab_size=vocab_size)
     lora = cfg.strategy.get("lora") if cfg.get("strategy") is not None else None
     if lora is None:
         load_run_weights(ckpt, model)
     elif load_base is None:
         raise ValueError(f"{ckpt} holds LoRA adapters (strategy.lora); export the run first (plait export) and use the export")
     else:  # a LoRA run's checkpoint holds the adapters; its base is model.init_from
-        instantiate_saved(lora).attach(model)
+        instantiate_saved(lora, source=source, key="strategy.lora", trust=trust).attach(model)
         load_base(model)
         load_run_weights(ckpt, model, keys=is_adapter)
     model.eval()

@@ -1,0 +1,227 @@
+"""Checkpoints trust nothing on disk: planted pickles do not run, damage is detected, resume falls
+back to the newest intact checkpoint, pruning is atomic, and no NaN is ever saved or loaded.
+
+Each payload test plants a pickle whose unpickling would create a marker file (what ``os.system``
+or any other callable would do), makes the manifest match it (an attacker writes the whole
+directory), and asserts that plait refuses it and the marker does not exist.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch import nn
+
+from strategies import checkpoint as ckpt
+from strategies.manifest import MANIFEST
+from strategies.safe_load import SafeLoadPlanner, UnsafePickleError
+from trainer.callbacks.checkpoint import PeriodicCheckpoint
+from trainer.loggers import RunCSVLogger
+from trainer.rundir import RunDir, resolve_checkpoint, step_dir
+
+
+class Payload:
+    """Unpickling it creates ``marker`` (stands for any code an attacker wants run)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # noqa: ANN204 - pickle protocol
+        return (Path.touch, (self.marker,))
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+
+
+def _save(path: Path, model: nn.Module | None = None, step: int = 1) -> Path:
+    model = model or _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    ckpt.save(path, model=model, optimizers=[optimizer], meta={"global_step": step, "loops": {"x": [1, 2.5]}})
+    return path
+
+
+def _load(path: Path) -> dict:
+    model = _model()
+    return ckpt.load(path, model=model, optimizers=[torch.optim.AdamW(model.parameters(), lr=1e-2)])
+
+
+# ------------------------------------------------------------------------------ planted payloads
+def test_planted_dcp_metadata_does_not_run(tmp_path: Path) -> None:
+    path, marker = _save(tmp_path / "step_0000001"), tmp_path / "ran"
+    (path / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    ckpt.seal(path)
+    with pytest.raises(ckpt.CheckpointError, match="refused to unpickle"):
+        ckpt.load_model_weights(path, _model())  # generate, export, merge, model.init_from
+    with pytest.raises(ckpt.CheckpointError, match="refused to unpickle"):
+        _load(path)  # resume
+    with pytest.raises(ckpt.CheckpointError, match="refused to unpickle"):
+        ckpt.saved_entries(path)  # local SGD reads the metadata before loading
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("name", ["meta.pt", "rng/rank_00000.pt"])
+def test_planted_meta_and_rng_files_do_not_run(tmp_path: Path, name: str) -> None:
+    path, marker = _save(tmp_path / "step_0000001"), tmp_path / "ran"
+    torch.save({"state": Payload(marker)}, path / name)
+    ckpt.seal(path)
+    with pytest.raises(ckpt.CheckpointError, match=f"{name}.*refused to unpickle"):
+        _load(path)
+    assert not marker.exists()
+
+
+def test_planted_value_inside_a_dcp_shard_does_not_run(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    buffer = io.BytesIO()
+    torch.save(Payload(marker), buffer)
+    buffer.seek(0)
+
+    class Item:  # the fields of a DCP ReadItem that load_bytes reads
+        dest_index = type("Index", (), {"fqn": "optimizer_0.param_groups"})()
+
+    with pytest.raises(UnsafePickleError):
+        SafeLoadPlanner().load_bytes(Item(), buffer)
+    assert not marker.exists()
+
+
+def test_intact_checkpoint_loads(tmp_path: Path) -> None:
+    path = _save(tmp_path / "step_0000001")
+    assert ckpt.verify_checkpoint(path) is None
+    assert _load(path)["loops"] == {"x": [1, 2.5]}
+
+
+# ------------------------------------------------------------------------------ verification
+def _overwrite(path: Path, offset: int = 64, size: int = 4096) -> None:
+    with open(path, "r+b") as file:
+        file.seek(offset)
+        file.write(os.urandom(min(size, path.stat().st_size - offset)))
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (lambda p: _overwrite(p / "__0_0.distcp"), "__0_0.distcp does not match its SHA-256"),
+        (lambda p: (p / "meta.pt").write_bytes((p / "meta.pt").read_bytes()[:100]), "meta.pt has 100 bytes"),
+        (lambda p: (p / "rng" / "rank_00000.pt").unlink(), "rng/rank_00000.pt missing"),
+        (lambda p: (p / "rng" / "rank_00001.pt").write_bytes(b"x"), "rng/rank_00001.pt not in manifest"),
+        (lambda p: (p / MANIFEST).unlink(), "no manifest.json"),
+        (lambda p: (p / MANIFEST).write_text("{"), "manifest.json is unreadable"),
+    ],
+    ids=["overwritten_shard", "truncated_meta", "missing_file", "planted_file", "no_manifest", "bad_manifest"],
+)
+def test_damage_is_detected_and_resume_falls_back(tmp_path: Path, damage, reason: str) -> None:
+    root = tmp_path / "run" / "checkpoints"
+    older, newer = _save(step_dir(root, 2), step=2), _save(step_dir(root, 4), step=4)
+    (root / "last").symlink_to(newer.name)
+    damage(newer)
+    assert reason in (ckpt.verify_checkpoint(newer) or "")
+    skipped: list[str] = []
+    assert resolve_checkpoint(tmp_path / "run", skipped.append) == older.resolve()
+    assert len(skipped) == 1 and "step_0000004" in skipped[0] and reason in skipped[0], skipped
+    assert resolve_checkpoint(newer) is None  # an explicit damaged checkpoint is not replaced by another
+    assert RunDir(tmp_path / "run").holds_checkpoints()  # a fresh start into it is still refused
+
+
+def test_resume_takes_the_newest_checkpoint_whatever_last_names(tmp_path: Path) -> None:
+    root = tmp_path / "run" / "checkpoints"
+    older, newer = _save(step_dir(root, 2), step=2), _save(step_dir(root, 4), step=4)
+    (root / "last").symlink_to(older.name)  # a kill between the newer save's rename and the link update
+    assert resolve_checkpoint(tmp_path / "run") == newer.resolve()
+
+
+def test_a_save_killed_before_its_manifest_leaves_no_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    root = tmp_path / "checkpoints"
+    older = _save(step_dir(root, 2), step=2)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # stands for SIGKILL: the process ends right here
+
+    monkeypatch.setattr(ckpt, "write_manifest", killed)
+    with pytest.raises(KeyboardInterrupt):
+        _save(step_dir(root, 4), step=4)
+    assert sorted(p.name for p in root.iterdir()) == ["step_0000002", "step_0000004.tmp"]
+    assert resolve_checkpoint(root) == older.resolve()
+
+
+def test_prune_is_atomic_and_never_counts_damaged_checkpoints(tmp_path: Path, monkeypatch) -> None:
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3):
+        _save(step_dir(root, step), step=step)
+    (step_dir(root, 3) / MANIFEST).unlink()  # the newest is incomplete: it must not push out a good one
+    (root / "step_0000009.tmp").mkdir()  # leftovers of a killed save and a killed prune
+    (root / ".pruned-step_0000000").mkdir()
+    callback = PeriodicCheckpoint(dirpath=str(root), keep_last=2)
+    callback._prune()
+    assert sorted(p.name for p in root.iterdir()) == ["step_0000001", "step_0000002", "step_0000003"]
+
+    # A kill inside the prune window (after the rename, before the delete) leaves no step_* name.
+    _save(step_dir(root, 4), step=4)
+    monkeypatch.setattr(shutil, "rmtree", lambda path, **kwargs: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        callback._prune()
+    assert sorted(p.name for p in root.iterdir()) == [".pruned-step_0000001", "step_0000002", "step_0000003", "step_0000004"]
+    assert resolve_checkpoint(root) == step_dir(root, 4).resolve()
+
+
+# ------------------------------------------------------------------------------ non-finite state
+def test_no_checkpoint_is_written_from_a_non_finite_state(tmp_path: Path) -> None:
+    model = _model()
+    with torch.no_grad():
+        model[1].bias[0] = float("nan")
+    with pytest.raises(ckpt.NonFiniteStateError, match=r"1\.bias"):
+        _save(tmp_path / "step_0000005", model)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_non_finite_checkpoint_is_refused(tmp_path: Path, monkeypatch) -> None:
+    model = _model()
+    with torch.no_grad():
+        model[0].weight[0, 0] = float("inf")
+    with monkeypatch.context() as patch:
+        patch.setattr(ckpt, "non_finite_entry", lambda state: None)  # what an older plait wrote
+        path = _save(tmp_path / "step_0000001", model)
+    with pytest.raises(ckpt.NonFiniteStateError, match=r"0\.weight"):
+        _load(path)
+    with pytest.raises(ckpt.NonFiniteStateError):
+        ckpt.load_model_weights(path, _model())
+
+
+# ------------------------------------------------------------------------------ metrics.csv
+def test_metrics_rows_after_the_checkpoint_are_truncated(tmp_path: Path) -> None:
+    logger = RunCSVLogger(str(tmp_path))
+    for step in range(6):
+        logger.log_metrics({"train/loss": 1.0 / (step + 1), **({"val/loss": 2.0} if step == 4 else {})}, step=step)
+        logger.save()
+    before = (tmp_path / "metrics.csv").read_text().splitlines(keepends=True)
+    fresh = RunCSVLogger(str(tmp_path))  # the resumed run's logger
+    fresh.truncate_after(3)
+    after = (tmp_path / "metrics.csv").read_text().splitlines(keepends=True)
+    assert after == before[:5]  # header and steps 0..3, byte for byte
+    fresh.log_metrics({"train/loss": 0.2}, step=4)
+    fresh.save()
+    steps = [line.split(",")[fresh.experiment.metrics_keys.index("step")] for line in after[1:]]
+    assert steps == ["0", "1", "2", "3"]
+
+
+def test_config_yaml_targets_outside_plait_are_refused(tmp_path: Path) -> None:
+    from trainer.targets import UntrustedTargetError, check_targets
+
+    marker = tmp_path / "ran"
+    node = OmegaConf.create({"_target_": "pathlib.Path.touch", "_args_": [str(marker)]})
+    with pytest.raises(UntrustedTargetError, match="trust=\\[pathlib\\]"):
+        check_targets(node, source="config.yaml", key="model")
+    for target, why in [("trainer.build.Path", "defined outside"), ("trainer.cli.main", "neither a class")]:
+        with pytest.raises(UntrustedTargetError, match=why):
+            check_targets(OmegaConf.create({"_target_": target}), source="config.yaml", key="model")
+    check_targets(OmegaConf.create({"_target_": "trainer.models.llama.Llama"}), source="config.yaml", key="model")
+    assert not marker.exists()
