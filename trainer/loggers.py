@@ -3,8 +3,10 @@
 Lightning's CSVLogger deletes an existing metrics.csv when its directory is not empty, which
 would wipe a run's history on ``resume=last``, and rewrites the file in place when a new column
 appears, which a kill at that moment would leave truncated. Here a rewrite goes through a
-temporary file and an atomic rename, and a resume truncates the rows after its checkpoint
-(`RunCSVLogger.truncate_after`, called by the checkpoint callback).
+temporary file and an atomic rename, and rows a killed run wrote after its last checkpoint are
+dropped when the continuing run writes its first row: rows come in step order, so a row of step
+``s`` makes every existing row of step ``s`` or later stale. A resumed run's file then equals an
+uninterrupted run's (a fresh start into a killed run's directory drops all of them).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import lightning as L
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
 from trainer.rundir import RunDir
@@ -26,9 +29,17 @@ class _AppendingWriter(ExperimentWriter):
 
     @override
     def _check_log_dir_exists(self) -> None:
+        self._continues = False  # set by the first row of this process
         if self._fs.isfile(self.metrics_file_path):
             with self._fs.open(self.metrics_file_path, "r", newline="") as file:
                 self.metrics_keys = list(csv.DictReader(file).fieldnames or [])
+
+    @override
+    def log_metrics(self, metrics_dict: dict[str, float], step: int | None = None) -> None:
+        if not self._continues and step is not None:
+            drop_rows_from(self.metrics_file_path, step)
+        self._continues = True
+        super().log_metrics(metrics_dict, step)
 
     @override
     def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:
@@ -51,6 +62,21 @@ def _replace(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def drop_rows_from(path: str, step: int) -> None:
+    """Removes the rows of ``step`` and later steps from the metrics file ``path`` (if any); the
+    rows kept are unchanged byte for byte."""
+    if not os.path.isfile(path):
+        return
+    with open(path, newline="") as file:
+        lines = file.read().splitlines(keepends=True)
+    if len(lines) < 2:
+        return
+    column = next(csv.reader([lines[0]])).index("step")
+    kept = [line for line in lines[1:] if int(float(next(csv.reader([line]))[column])) < step]
+    if len(kept) < len(lines) - 1:
+        _replace(path, "".join([lines[0], *kept]))
+
+
 class RunCSVLogger(CSVLogger):
     """Writes ``metrics.csv`` (and ``hparams.yaml``) directly into ``save_dir``.
 
@@ -69,6 +95,7 @@ class RunCSVLogger(CSVLogger):
             self._experiment = _AppendingWriter(log_dir=self.log_dir)
         return self._experiment
 
+    @rank_zero_only
     def sync(self) -> None:
         """Writes the pending rows and makes ``metrics.csv`` durable (fsync)."""
         self.save()
@@ -79,21 +106,6 @@ class RunCSVLogger(CSVLogger):
                 os.fsync(fd)
             finally:
                 os.close(fd)
-
-    def truncate_after(self, step: int) -> None:
-        """Drops the rows of steps after ``step`` (written by a run killed after its checkpoint of
-        ``step``); the rows kept are unchanged byte for byte."""
-        path = self.experiment.metrics_file_path
-        if not os.path.isfile(path):
-            return
-        with open(path, newline="") as file:
-            lines = file.read().splitlines(keepends=True)
-        if not lines:
-            return
-        column = next(csv.reader([lines[0]])).index("step")
-        kept = [line for line in lines[1:] if int(float(next(csv.reader([line]))[column])) <= step]
-        if len(kept) < len(lines) - 1:
-            _replace(path, "".join([lines[0], *kept]))
 
 
 def is_logging_step(trainer: L.Trainer) -> bool:

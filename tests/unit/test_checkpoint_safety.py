@@ -197,20 +197,18 @@ def test_a_non_finite_checkpoint_is_refused(tmp_path: Path, monkeypatch) -> None
 
 
 # ------------------------------------------------------------------------------ metrics.csv
-def test_metrics_rows_after_the_checkpoint_are_truncated(tmp_path: Path) -> None:
+def test_metrics_rows_after_the_checkpoint_are_dropped_by_the_continuing_run(tmp_path: Path) -> None:
     logger = RunCSVLogger(str(tmp_path))
-    for step in range(6):
+    for step in range(6):  # a run killed after its step-6 row; its last checkpoint was step 3
         logger.log_metrics({"train/loss": 1.0 / (step + 1), **({"val/loss": 2.0} if step == 4 else {})}, step=step)
         logger.save()
     before = (tmp_path / "metrics.csv").read_text().splitlines(keepends=True)
-    fresh = RunCSVLogger(str(tmp_path))  # the resumed run's logger
-    fresh.truncate_after(3)
+    resumed = RunCSVLogger(str(tmp_path))  # the resumed run's logger: its first row is step 4
+    resumed.log_metrics({"train/loss": 0.2}, step=4)
+    resumed.save()
     after = (tmp_path / "metrics.csv").read_text().splitlines(keepends=True)
-    assert after == before[:5]  # header and steps 0..3, byte for byte
-    fresh.log_metrics({"train/loss": 0.2}, step=4)
-    fresh.save()
-    steps = [line.split(",")[fresh.experiment.metrics_keys.index("step")] for line in after[1:]]
-    assert steps == ["0", "1", "2", "3"]
+    assert after[:5] == before[:5]  # header and steps 0..3, byte for byte
+    assert [line.split(",")[resumed.experiment.metrics_keys.index("step")] for line in after[1:]] == list("01234")
 
 
 def test_config_yaml_targets_outside_plait_are_refused(tmp_path: Path) -> None:

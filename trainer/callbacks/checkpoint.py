@@ -7,8 +7,8 @@ directory, moves the ``last`` link atomically and prunes whole directories atomi
 
 It is a Lightning ``Checkpoint``: Lightning runs it after every other callback, so the step's
 metrics row (written at the end of each step, `trainer.task.Task`) is on disk before the
-checkpoint of that step exists, and a resume truncates ``metrics.csv`` to the checkpoint's step:
-the file then equals an uninterrupted run's (no lost and no duplicated rows).
+checkpoint of that step exists; a resumed run drops the rows after its checkpoint
+(`trainer.loggers`), so ``metrics.csv`` equals an uninterrupted run's: no lost, no duplicated rows.
 """
 
 from __future__ import annotations
@@ -101,14 +101,6 @@ class PeriodicCheckpoint(Checkpoint):
         for old in step_dirs(self.dirpath):
             if int(old.name[5:]) < oldest_kept:
                 remove_dir(old)
-
-    @override
-    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
-        # The run continues from this checkpoint: rows a killed run wrote after it are redone.
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                if isinstance(logger, RunCSVLogger):
-                    logger.truncate_after(checkpoint["global_step"])
 
     @override
     def state_dict(self) -> dict[str, Any]:
