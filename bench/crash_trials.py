@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from strategies.checkpoint import load_model_weights, verify_checkpoint  # noqa: E402
-from trainer.callbacks.checkpoint import step_dirs  # noqa: E402
+from trainer.rundir import step_dirs  # noqa: E402
 
 STEPS = 8
 RUN = [

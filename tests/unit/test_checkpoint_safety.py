@@ -211,15 +211,29 @@ def test_metrics_rows_after_the_checkpoint_are_dropped_by_the_continuing_run(tmp
     assert [line.split(",")[resumed.experiment.metrics_keys.index("step")] for line in after[1:]] == list("01234")
 
 
-def test_config_yaml_targets_outside_plait_are_refused(tmp_path: Path) -> None:
+class Marker:
+    """A target whose construction creates ``marker`` (stands for any callable a config names)."""
+
+    def __init__(self, marker: str, **kwargs: object) -> None:
+        Path(marker).touch()
+
+
+def test_planted_config_yaml_target_does_not_run(tmp_path: Path) -> None:
+    from trainer.rundir import load_run_model
     from trainer.targets import UntrustedTargetError, check_targets
 
-    marker = tmp_path / "ran"
-    node = OmegaConf.create({"_target_": "pathlib.Path.touch", "_args_": [str(marker)]})
-    with pytest.raises(UntrustedTargetError, match="trust=\\[pathlib\\]"):
-        check_targets(node, source="config.yaml", key="model")
-    for target, why in [("trainer.build.Path", "defined outside"), ("trainer.cli.main", "neither a class")]:
+    run, marker = RunDir(tmp_path / "run"), tmp_path / "ran"
+    _save(run.step(1))
+    OmegaConf.save(OmegaConf.create({"model": {"_target_": "test_checkpoint_safety.Marker", "marker": str(marker),
+                                               "vocab_size": 8}}), run.config)  # fmt: skip
+    with pytest.raises(UntrustedTargetError, match=r"model\._target_=test_checkpoint_safety.Marker.*trust=\[test_checkpoint_safety\]"):
+        load_run_model(run.path)  # generate, export and merge build the model this way
+    assert not marker.exists()
+    with pytest.raises(AttributeError):  # trusted by name: built (then it is no model)
+        load_run_model(run.path, trust=["test_checkpoint_safety"])
+    assert marker.exists()
+    for target, why in [("trainer.build.Path", "defined outside"), ("trainer.run.run", "neither a class"),
+                        ("torch.load", "outside plait's packages"), ("${oc.env:HOME}", "interpolation")]:  # fmt: skip
         with pytest.raises(UntrustedTargetError, match=why):
             check_targets(OmegaConf.create({"_target_": target}), source="config.yaml", key="model")
-    check_targets(OmegaConf.create({"_target_": "trainer.models.llama.Llama"}), source="config.yaml", key="model")
-    assert not marker.exists()
+    check_targets(OmegaConf.create({"_target_": "trainer.models.hf.llama_from_hf"}), source="config.yaml", key="model")

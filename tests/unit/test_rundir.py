@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 
 from hf_checkpoints import corpus_texts
-from strategies.checkpoint import META_FILE
+from strategies.checkpoint import META_FILE, seal
 from trainer.data.tokenizer import train_bpe
 from trainer.rundir import RunDir, load_run_model, resolve_checkpoint
 
@@ -25,6 +25,7 @@ def _write_run(path: Path, state: dict[str, torch.Tensor], *, steps: tuple[int, 
     for step in steps:
         dcp.save({"model": state}, checkpoint_id=run.step(step))
         torch.save({}, run.step(step) / META_FILE)
+        seal(run.step(step))  # its manifest: a checkpoint counts only with one
     os.symlink(run.step(steps[-1]).name, run.last)
     OmegaConf.save(OmegaConf.create({"model": {**MODEL, "vocab_size": vocab_size}}), run.config)
     if tokenizer is not None:
@@ -45,6 +46,7 @@ def test_the_model_of_a_run_has_its_newest_weights(tmp_path: Path) -> None:
     run = _write_run(tmp_path / "run", old.state_dict(), steps=(2,), tokenizer=tokenizer)
     dcp.save({"model": new.state_dict()}, checkpoint_id=run.step(4))  # a newer step; `last` moves to it
     torch.save({}, run.step(4) / META_FILE)
+    seal(run.step(4))
     run.last.unlink()
     os.symlink(run.step(4).name, run.last)
     for path in (run.path, run.checkpoints, run.last, tmp_path):  # run, checkpoints/, checkpoint, directory of runs
