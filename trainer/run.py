@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,12 +30,15 @@ def _is_launching_rank() -> bool:
     return all(os.environ.get(key, "0") == "0" for key in ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK"))
 
 
-def check_run_dir(cfg: DictConfig, run_dir: Path | None = None) -> Path | None:
-    """The checkpoint to resume from (None for a fresh start).
+def check_run_dir(cfg: DictConfig, run_dir: Path | None = None, report: Callable[[str], None] | None = None) -> Path | None:
+    """The checkpoint to resume from (None for a fresh start): the newest one that verifies.
+
+    Args:
+        report: called with each checkpoint passed over (and why) and the one resumed from.
 
     Raises:
         ConfigError: a fresh start into a run directory that already has checkpoints, or a
-            ``resume`` that names no checkpoint.
+            ``resume`` that names no intact checkpoint (the damaged ones listed).
     """
     run_dir = Path(run_dir if run_dir is not None else cfg.run_dir)
     if cfg.resume is None:
@@ -45,15 +49,18 @@ def check_run_dir(cfg: DictConfig, run_dir: Path | None = None) -> Path | None:
         return None
     skipped: list[str] = []
     found = resolve_checkpoint(run_dir if cfg.resume == "last" else cfg.resume, skipped.append)
-    if _is_launching_rank():
-        for line in skipped:
-            print(f"plait: {line}", file=sys.stderr)
     if found is None:
         where = f"run_dir={run_dir}" if cfg.resume == "last" else f"resume={cfg.resume}"
-        raise ConfigError([f"{where} holds no intact checkpoint; drop resume to start fresh, or point it at a run"])
-    if _is_launching_rank():
-        print(f"plait: resuming from {found}", file=sys.stderr)
+        why = f" ({'; '.join(skipped)})" if skipped else ""
+        raise ConfigError([f"{where} holds no intact checkpoint{why}; drop resume to start fresh, or point it at a run"])
+    for line in [*skipped, f"resuming from {found}"]:
+        if report is not None:
+            report(line)
     return found
+
+
+def _print(line: str) -> None:
+    print(f"plait: {line}", file=sys.stderr)
 
 
 def check_train_batches(cfg: DictConfig, data: DataModule) -> None:
@@ -96,7 +103,7 @@ def check_launch(cfg: DictConfig, run_dir: Path | None = None) -> Launch:
         from trainer.plan import check_memory
 
         check_memory(cfg, resolved)
-    return Launch(resolved, None if "budget" in cfg and cfg.budget is not None else check_run_dir(cfg, run_dir))
+    return Launch(resolved, None if "budget" in cfg and cfg.budget is not None else check_run_dir(cfg, run_dir, report=_print if _is_launching_rank() else None))
 
 
 def run(cfg: DictConfig, launch: Launch | None = None) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Checkpoint
 from typing_extensions import override
 
+from trainer.callbacks.preemption import StopSignals, Stopped, stop_message
 from trainer.loggers import RunCSVLogger
 from trainer.rundir import LAST, step_checkpoints, step_dir, step_dirs
 
@@ -40,26 +42,47 @@ def remove_dir(path: Path) -> None:
 
 
 class PeriodicCheckpoint(Checkpoint):
-    """Saves every ``every_n_steps`` optimizer steps and at the end of training.
+    """Saves every ``every_n_steps`` optimizer steps, at the end of training, and when the job is
+    told to stop (SIGTERM or SIGUSR1 on any rank: every rank saves, then the run exits 143; see
+    `trainer.callbacks.preemption`).
 
     Args:
         dirpath: directory of the step_* checkpoints (the trainer sets ``<run_dir>/checkpoints``).
         every_n_steps: save interval in optimizer steps (0: only at the end).
         keep_last: how many complete step_* checkpoints to keep (0 keeps all).
+        save_on_signal: save and stop on SIGTERM / SIGUSR1 (False: Lightning's handling).
     """
 
-    def __init__(self, dirpath: str | None = None, every_n_steps: int = 100, keep_last: int = 2) -> None:
+    def __init__(
+        self, dirpath: str | None = None, every_n_steps: int = 100, keep_last: int = 2, save_on_signal: bool = True
+    ) -> None:
         if every_n_steps < 0 or keep_last < 0:
             raise ValueError("callbacks.checkpoint.every_n_steps and keep_last must be >= 0")
         self.dirpath = Path(dirpath) if dirpath else None
         self.every_n_steps, self.keep_last = every_n_steps, keep_last
+        self.stop_signals = StopSignals() if save_on_signal else None
         self._last_saved = -1
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.stop_signals is not None:
+            self.stop_signals.install()  # after Lightning's handlers, which it restores at teardown
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if self.stop_signals is not None:
+            self.stop_signals.start_step()
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         step = trainer.global_step
-        if self.every_n_steps and step % self.every_n_steps == 0:
-            self.save(trainer)
+        signum = self.stop_signals.agreed() if self.stop_signals is not None else None
+        if signum is not None or (self.every_n_steps and step % self.every_n_steps == 0):
+            path = self.save(trainer)
+        if signum is not None:
+            if trainer.is_global_zero:
+                print(stop_message(signum, step, str(path)), file=sys.stderr, flush=True)
+            raise Stopped()
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
