@@ -42,6 +42,7 @@ from strategies.pipeline_layout import PPSchedule
 from strategies.resolved import ResolvedRun
 from strategies.shape import ModelShape
 from strategies.tensor import TensorParallel
+from strategies.watchdog import Heartbeat
 
 @runtime_checkable
 class Plugin(Protocol):
@@ -82,7 +83,9 @@ class MeshStrategy(ModelParallelStrategy):
         local_sgd: a local-SGD plugin (DiLoCo, DES-LOC, ...; default: off). Its islands are the
             dp_replicate axis: FSDP then shards and reduces over dp_shard (x cp) only, and the
             islands synchronise through the plugin after the optimizer steps it chooses.
-        timeout_s: process-group timeout in seconds.
+        timeout_s: process-group timeout in seconds: a collective that waits longer fails.
+        heartbeat_s: a rank silent for this many seconds is named by the others while they wait
+            (`strategies.watchdog.Heartbeat`; 0 disables); below ``timeout_s``.
         launcher: "subprocess" (the CLI: one child per rank per Hydra job) or "fork" (tests).
         run: the resolved run (`trainer.config.validate`), passed by the builder; its degrees are
             then the strategy's. None (a strategy built by hand): the degrees above, resolved
@@ -118,7 +121,8 @@ class MeshStrategy(ModelParallelStrategy):
         pipeline: PipelineParallel | None = None,
         expert_parallel: ExpertParallel | None = None,
         lora: LoRA | None = None,
-        timeout_s: float = 1800.0,
+        timeout_s: float = 600.0,
+        heartbeat_s: float = 60.0,
         launcher: str = "subprocess",
         run: ResolvedRun | None = None,
     ) -> None:
@@ -146,6 +150,7 @@ class MeshStrategy(ModelParallelStrategy):
         self.expert_parallel.fsdp = self.fsdp  # the experts' own FSDP takes the blocks' policies
         self.lora = lora
         self.launcher_kind = launcher
+        self.heartbeat = Heartbeat(stale_s=heartbeat_s, interval_s=min(5.0, heartbeat_s / 4)) if heartbeat_s else None
         self._mesh_views: dict[str, DeviceMesh] = {}
         self.meshes: Meshes | None = None  # set with the mesh, in setup_environment
 
@@ -213,6 +218,13 @@ class MeshStrategy(ModelParallelStrategy):
             pp_schedule=self.pp_schedule, cp_mode=self.cp_mode,
         )  # fmt: skip
         self.lightning_module._device_mesh = self._device_mesh
+        if self.heartbeat is not None:
+            self.heartbeat.start()
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self.heartbeat is not None:  # the step a stall report names
+            self.heartbeat.set_step(self.lightning_module.global_step + 1)
 
     @property
     @override
@@ -441,6 +453,8 @@ class MeshStrategy(ModelParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()  # a tombstone: this rank ended on purpose
         super().teardown()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -152,6 +152,15 @@ def run(cfg: DictConfig, launch: Launch | None = None) -> None:
         if launching:
             print(f"plait: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+    except Exception:
+        heartbeat = trainer.strategy.heartbeat
+        lost = heartbeat.lost_ranks() if heartbeat is not None else []
+        if not lost:
+            raise
+        # A peer died: one line instead of the backend's traceback; os._exit skips gloo's threads,
+        # which abort a normal exit after a failed collective.
+        print(heartbeat.lost_line(lost), file=sys.stderr, flush=True)
+        os._exit(4)
     if trainer.is_global_zero:
         summary = RunDir(run_dir).summary
         print(f"plait: run directory {run_dir}" + (f"\n{summary.read_text()}" if summary.exists() else ""))
