@@ -1,0 +1,76 @@
+"""A resume that would train another run is refused with every difference listed; an explicit
+``resume_override`` of an optimizer field makes the new value the one the next step uses."""
+
+from __future__ import annotations
+
+import torch
+
+from trainer.optim import WarmupDecayLR, lr_factor
+from trainer.resume import apply_overrides, resume_problems, run_record
+
+SAVED = {
+    "seed": 0,
+    "model": {"_target_": "trainer.models.llama.Llama", "dim": 64, "n_layers": 2, "init_from": None},
+    "data": {"seq_len": 64, "sources": {"a": {"weight": 1.0}}, "cache_dir": "/c1", "tokenizer": None},
+    "objective": {"_target_": "trainer.objectives.causal_lm.CausalLM"},
+    "optim": {"lr": 3e-3, "weight_decay": 0.1},
+    "scheduler": {"warmup_steps": 20},
+    "train": {"max_grad_norm": 1.0, "eval_every": 50},
+    "trainer": {"max_steps": 100, "devices": 1},
+}
+
+
+def _new(**changes: object) -> dict:
+    import copy
+
+    cfg = copy.deepcopy(SAVED)
+    for key, value in changes.items():
+        node = cfg
+        *parents, leaf = key.split("__")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return cfg
+
+
+def test_same_run_with_another_layout_and_length_resumes() -> None:
+    new = _new(trainer__max_steps=400, trainer__devices=4, train__eval_every=10, data__cache_dir="/c2")
+    assert resume_problems(run_record(SAVED, "f" * 64), new, "f" * 64, [], source="ckpt") == []
+
+
+def test_every_difference_is_listed_with_its_fix() -> None:
+    new = _new(model__dim=128, data__sources={"b": {"weight": 1.0}}, optim__lr=1e-3, seed=1)
+    problems = resume_problems(run_record(SAVED, "f" * 64), new, "e" * 64, [], source="ckpt")
+    text = "\n".join(problems)
+    assert len(problems) == 6, text  # tokenizer, model.dim, data.sources.a.weight + .b.weight, optim.lr, seed
+    assert "tokenizer differs" in text and "model.dim=128 differs from 64" in text
+    assert "data.sources.b.weight=1.0 differs from None" in text and "model.init_from=ckpt" in text
+    assert "resume_override=[optim.lr]" in text and "seed=1 differs from 0" in text
+
+
+def test_override_allows_optimizer_fields_only() -> None:
+    record = run_record(SAVED, "f" * 64)
+    assert resume_problems(record, _new(optim__lr=1e-3), "f" * 64, ["optim.lr"], source="ckpt") == []
+    assert resume_problems(record, _new(optim__lr=1e-3, scheduler__warmup_steps=0), None, ["optim", "scheduler"], source="c") == []
+    assert len(resume_problems(record, _new(optim__lr=1e-3, scheduler__warmup_steps=0), None, ["optim"], source="c")) == 1
+    problems = resume_problems(record, _new(model__dim=32), None, ["model.dim"], source="ckpt")
+    assert any("only optim, scheduler, train.max_grad_norm" in p for p in problems), problems
+
+
+def test_a_new_lr_takes_effect_from_the_next_step() -> None:
+    param = torch.nn.Parameter(torch.zeros(2, 2))
+    bias = torch.nn.Parameter(torch.zeros(2))
+    groups = [{"params": [param], "weight_decay": 0.1}, {"params": [bias], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=3e-3)
+    scheduler = WarmupDecayLR(optimizer, total_steps=100, warmup_steps=10, decay="cosine", min_lr_ratio=0.1)
+    for _ in range(30):  # the restored state of a run at step 30
+        optimizer.step()
+        scheduler.step()
+    apply_overrides(optimizer, scheduler, {"optim.lr": 1e-3, "optim.weight_decay": 0.05, "optim.betas": [0.8, 0.9]})
+    expected = 1e-3 * lr_factor(30, warmup_steps=10, total_steps=100, decay="cosine", min_lr_ratio=0.1)
+    assert [g["lr"] for g in optimizer.param_groups] == [expected, expected]
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.05, 0.0]  # the no-decay group stays 0
+    assert optimizer.param_groups[0]["betas"] == (0.8, 0.9)
+    scheduler.step()
+    nxt = 1e-3 * lr_factor(31, warmup_steps=10, total_steps=100, decay="cosine", min_lr_ratio=0.1)
+    assert optimizer.param_groups[0]["lr"] == nxt

@@ -1,0 +1,141 @@
+"""Resume consistency: a resumed run is the run its checkpoint belongs to, unless told otherwise.
+
+Every checkpoint records the resolved config and the tokenizer fingerprint it was trained with
+(`run_record`, saved in its ``meta.pt`` by the checkpoint callback). Before anything is written,
+`resume_problems` compares them with the new run's:
+
+- ``model.*`` and ``objective.*`` (and the tokenizer, by fingerprint) can never change: the
+  weights, the loss or the token ids would no longer match;
+- ``data.*`` and ``seed`` neither: the saved data position would index other rows (continue from
+  these weights on other data with a new run and ``model.init_from=<checkpoint>``);
+- ``optim.*``, ``scheduler.*`` and ``train.max_grad_norm`` may change when named in
+  ``resume_override=[...]``; their new values then take effect from the first resumed step
+  (`apply_overrides`: the restored optimizer state would otherwise keep the old ones);
+- the layout (``strategy.*``, ``trainer.*``: world size, ``max_steps``), logging, callbacks and
+  evaluation settings are free (DCP reshards; the scheduler takes the new ``max_steps``).
+
+Every refused difference is listed with both values and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+FIXED = ("model", "objective", "data", "seed")
+OVERRIDABLE = ("optim", "scheduler", "train.max_grad_norm")
+# Keys of the fixed groups that do not change what is trained: where a file is cached, where
+# the initial weights came from (the checkpoint holds them now), the tokenizer path (compared
+# by the tokenizer's fingerprint instead).
+IGNORED = ("data.cache_dir", "model.init_from", "data.tokenizer")
+
+
+def run_record(config: dict[str, Any], tokenizer_fingerprint: str) -> dict[str, Any]:
+    """What a checkpoint records of its run (plain types: it goes into ``meta.pt``)."""
+    return {"config": config, "tokenizer": tokenizer_fingerprint}
+
+
+def _flat(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(node, dict) and node:
+        for key, value in node.items():
+            yield from _flat(value, f"{prefix}{key}.")
+    else:
+        yield prefix[:-1], node
+
+
+def _under(key: str, roots: Sequence[str]) -> bool:
+    return any(key == root or key.startswith(root + ".") for root in roots)
+
+
+def differences(saved: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """``{dotted key: (saved value, new value)}`` of the compared fields that differ."""
+    roots = (*FIXED, *OVERRIDABLE)
+    a = {k: v for k, v in _flat(saved) if _under(k, roots) and not _under(k, IGNORED)}
+    b = {k: v for k, v in _flat(new) if _under(k, roots) and not _under(k, IGNORED)}
+    missing = object()
+    return {k: (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k, missing) != b.get(k, missing)}
+
+
+def resume_problems(
+    record: dict[str, Any], new: dict[str, Any], tokenizer_fingerprint: str | None, overrides: Sequence[str], *, source: str
+) -> list[str]:
+    """Why the run ``new`` may not resume from a checkpoint recording ``record`` ([] if it may).
+
+    Args:
+        record: the checkpoint's `run_record`.
+        new: the new run's resolved config (plain containers).
+        tokenizer_fingerprint: the new run's tokenizer (None: not known yet, not compared).
+        overrides: the ``resume_override`` keys (prefixes: ``optim`` allows every optim field).
+        source: the checkpoint, for the messages.
+    """
+    problems = []
+    if tokenizer_fingerprint is not None and record["tokenizer"] != tokenizer_fingerprint:
+        problems.append(
+            f"the tokenizer differs from the one {source} was trained with (fingerprint {record['tokenizer'][:12]} "
+            f"vs {tokenizer_fingerprint[:12]}): its token ids would mean other text; use the run's own "
+            f"tokenizer.json (data.tokenizer=<run>/tokenizer.json) or start a new run_dir"
+        )
+    bad_overrides = [k for k in overrides if not _under(k, OVERRIDABLE)]
+    if bad_overrides:
+        problems.append(
+            f"resume_override={list(bad_overrides)}: only {', '.join(OVERRIDABLE)} fields can change on a resume"
+        )
+    for key, (old, now) in differences(record["config"], new).items():
+        if key == "optim.weight_decay" and not old and _under(key, overrides):
+            problems.append(
+                f"optim.weight_decay cannot change from {old!r} on a resume: the saved parameter groups do not tell "
+                f"which parameters decay; start a new run_dir with model.init_from={source}"
+            )
+        elif _under(key, OVERRIDABLE):
+            if not _under(key, overrides):
+                problems.append(
+                    f"{key}={now!r} differs from {old!r} in {source}; to change it from this step on, add "
+                    f"resume_override=[{key}] (or resume with {key}={old!r})"
+                )
+        elif _under(key, ("data", "seed")):
+            problems.append(
+                f"{key}={now!r} differs from {old!r} in {source}: the saved data position would index other rows; "
+                f"resume with {key}={old!r}, or train on the new data from these weights in a new run_dir with "
+                f"model.init_from={source}"
+            )
+        else:
+            problems.append(
+                f"{key}={now!r} differs from {old!r} in {source}: the checkpoint's weights and loss belong to "
+                f"{key}={old!r}; resume with it, or start a new run_dir"
+            )
+    return problems
+
+
+def apply_overrides(optimizer: torch.optim.Optimizer, scheduler: Any, values: dict[str, Any]) -> None:
+    """Makes overridden ``optim.*`` values real after Lightning restored the old optimizer state.
+
+    The restored param groups hold the checkpoint's hyperparameters (and the scheduler scales
+    the restored ``initial_lr``): each overridden field is written into every group that has it
+    (``weight_decay`` only into the groups that decay), and a new ``lr`` becomes every group's
+    ``initial_lr`` (the scheduler's base), with the current ``lr`` recomputed by the scheduler.
+    ``scheduler.*`` values need nothing here (the scheduler keeps the new run's settings) and
+    ``train.max_grad_norm`` is read from the new config.
+
+    Args:
+        values: ``{"optim.lr": 1e-3, ...}`` of the overridden keys, the new run's values.
+    """
+    for key, value in values.items():
+        if not key.startswith("optim."):
+            continue
+        field = key.split(".", 1)[1]
+        for group in optimizer.param_groups:
+            if field == "lr":
+                group["initial_lr"] = value
+                group["lr"] = value
+            elif field == "weight_decay":
+                if group.get("weight_decay", 0.0) != 0.0:  # the no-decay group stays at 0
+                    group["weight_decay"] = value
+            elif field in group:
+                group[field] = tuple(value) if isinstance(group[field], tuple) else value
+    if scheduler is not None and "optim.lr" in values:
+        scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
+        for group, lr in zip(optimizer.param_groups, scheduler.get_lr()):
+            group["lr"] = lr
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
