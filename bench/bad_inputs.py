@@ -123,7 +123,11 @@ def run_case(name: str, tree: Path, work: Path, timeout: float) -> dict[str, obj
         code, out = done.returncode, done.stderr + done.stdout
     except subprocess.TimeoutExpired as err:
         code, out = "timeout", (err.stderr or b"").decode(errors="replace") if isinstance(err.stderr, bytes) else (err.stderr or "")
-    errors = [line for line in out.splitlines() if line.startswith("plait: error:")]
+    all_lines = out.splitlines()
+    errors = [line for line in all_lines if line.startswith("plait: error:")]
+    if errors and errors[0].rstrip().endswith("invalid configuration:"):  # the problems follow, one per line
+        at = all_lines.index(errors[0])
+        errors[0] += " " + " ".join(line.strip() for line in all_lines[at + 1 : at + 3] if line.startswith("  - "))
     lines = [line for line in out.splitlines() if line.strip() and not line.startswith(("[W", "[rank"))]
     first = errors[0] if errors else (next((l for l in reversed(lines) if "Error" in l or "error" in l), lines[-1] if lines else ""))
     written = (work / "run").exists() or any(p.is_dir() for p in work.glob("a_file*"))
