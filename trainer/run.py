@@ -103,7 +103,9 @@ def check_launch(cfg: DictConfig, run_dir: Path | None = None) -> Launch:
         from trainer.plan import check_memory
 
         check_memory(cfg, resolved)
-    return Launch(resolved, None if "budget" in cfg and cfg.budget is not None else check_run_dir(cfg, run_dir, report=_print if _is_launching_rank() else None))
+    if "budget" in cfg and cfg.budget is not None:
+        return Launch(resolved, None)
+    return Launch(resolved, check_run_dir(cfg, run_dir, report=_print if _is_launching_rank() else None))
 
 
 def run(cfg: DictConfig, launch: Launch | None = None) -> None:
