@@ -114,6 +114,8 @@ class RunConfig:
         run_dir: where this run writes config, checkpoints, logs and summary.
         seed: global seed (model init, data split and shuffle).
         resume: "last" (newest checkpoint of run_dir), or a checkpoint / run directory path.
+        resume_override: fields a resume may change from the checkpoint's run (``optim``,
+            ``scheduler``, ``train.max_grad_norm`` or keys under them; `trainer.resume`).
         objective, model, data, optim, scheduler, strategy: ``_target_`` nodes.
         budget: an optional ``_target_`` node of a budget search (``budget=msft``) that drives runs.
         logger: named ``_target_`` nodes of Lightning loggers.
@@ -126,6 +128,7 @@ class RunConfig:
     run_dir: str = "runs/${recipe}/${now:%Y-%m-%d_%H-%M-%S}"
     seed: int = 0
     resume: str | None = None
+    resume_override: list[str] = field(default_factory=list)
     objective: Any = None
     model: Any = None
     data: Any = None

@@ -19,10 +19,22 @@ Every refused difference is listed with both values and the fix.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
+import lightning as L
 import torch
+from omegaconf import DictConfig, OmegaConf
+from typing_extensions import override
+
+from strategies.checkpoint import META_FILE
+from strategies.safe_load import UnsafePickleError, load_plain
+from trainer.config import ConfigError
+from trainer.rundir import RunDir
+
+RECORD_KEY = "plait_run"  # the checkpoint dict's entry (hence meta.pt's) holding the `run_record`
 
 FIXED = ("model", "objective", "data", "seed")
 OVERRIDABLE = ("optim", "scheduler", "train.max_grad_norm")
@@ -35,6 +47,81 @@ IGNORED = ("data.cache_dir", "model.init_from", "data.tokenizer")
 def run_record(config: dict[str, Any], tokenizer_fingerprint: str) -> dict[str, Any]:
     """What a checkpoint records of its run (plain types: it goes into ``meta.pt``)."""
     return {"config": config, "tokenizer": tokenizer_fingerprint}
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """SHA-256 of the tokenizer's serialised form (``tokenizers`` JSON): equal iff same token ids."""
+    return hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
+
+
+def read_record(checkpoint: Path) -> dict[str, Any] | None:
+    """The `run_record` saved in ``checkpoint`` (None: a checkpoint written before plait recorded it).
+
+    Raises:
+        ConfigError: the loop state does not load safely (a weights-only load refuses it).
+    """
+    try:
+        meta = load_plain(Path(checkpoint) / META_FILE)
+    except (UnsafePickleError, OSError, RuntimeError) as err:
+        raise ConfigError([f"{checkpoint}/{META_FILE} cannot be read safely ({err}); resume from another checkpoint"]) from None
+    return meta.get(RECORD_KEY) if isinstance(meta, dict) else None
+
+
+def check_resume(cfg: DictConfig, checkpoint: Path | None, tokenizer: Any = None) -> dict[str, Any]:
+    """Refuses a resume that would train another run; returns the overridden values to apply.
+
+    Runs before anything is written: in `trainer.run.check_launch` (``tokenizer`` None: the data
+    is not prepared yet) and again once the tokenizer is known.
+
+    Returns:
+        ``{dotted key: new value}`` of the ``resume_override`` fields that differ from the record.
+
+    Raises:
+        ConfigError: every refused difference, each with its fix; or ``resume_override`` without
+            a resume.
+    """
+    overrides = list(cfg.get("resume_override") or [])
+    if checkpoint is None:
+        if overrides:
+            raise ConfigError([f"resume_override={overrides} needs resume=last (or a checkpoint); drop it for a fresh start"])
+        return {}
+    record = read_record(checkpoint)
+    if record is None:
+        return {}
+    new = OmegaConf.to_container(cfg, resolve=True)
+    fingerprint = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
+    if problems := resume_problems(record, new, fingerprint, overrides, source=str(checkpoint)):
+        raise ConfigError(problems)
+    return {key: now for key, (_, now) in differences(record["config"], new).items() if _under(key, overrides)}
+
+
+class ResumeRecord(L.Callback):
+    """Saves the `run_record` in every checkpoint; at the start of training (after Lightning
+    restored a checkpoint) applies the overridden values and only then writes ``config.yaml`` and
+    ``tokenizer.json`` (rank 0): a resume refused while loading leaves the run's files untouched.
+
+    Args:
+        cfg: this run's composed config.
+        tokenizer: this run's tokenizer (``trainer.data.tokenizer.Tokenizer``).
+        run_dir: the run directory.
+        overrides: `check_resume`'s values (``{}`` for a fresh start).
+    """
+
+    def __init__(self, cfg: DictConfig, tokenizer: Any, run_dir: Path, overrides: dict[str, Any]) -> None:
+        self.cfg, self.tokenizer, self.run_dir, self.overrides = cfg, tokenizer, Path(run_dir), overrides
+        self.record = run_record(OmegaConf.to_container(cfg, resolve=True), tokenizer_fingerprint(tokenizer))
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.overrides:
+            configs = trainer.lr_scheduler_configs
+            apply_overrides(trainer.optimizers[0], configs[0].scheduler if configs else None, self.overrides)
+        if trainer.is_global_zero:
+            RunDir(self.run_dir).write_config(self.cfg, self.tokenizer)
+
+    @override
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        checkpoint[RECORD_KEY] = self.record
 
 
 def _flat(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -115,7 +202,7 @@ def apply_overrides(optimizer: torch.optim.Optimizer, scheduler: Any, values: di
     the restored ``initial_lr``): each overridden field is written into every group that has it
     (``weight_decay`` only into the groups that decay), and a new ``lr`` becomes every group's
     ``initial_lr`` (the scheduler's base), with the current ``lr`` recomputed by the scheduler.
-    ``scheduler.*`` values need nothing here (the scheduler keeps the new run's settings) and
+    ``scheduler.*`` values are the new run's already (the current lr is recomputed) and
     ``train.max_grad_norm`` is read from the new config.
 
     Args:
@@ -134,7 +221,7 @@ def apply_overrides(optimizer: torch.optim.Optimizer, scheduler: Any, values: di
                     group["weight_decay"] = value
             elif field in group:
                 group[field] = tuple(value) if isinstance(group[field], tuple) else value
-    if scheduler is not None and "optim.lr" in values:
+    if scheduler is not None and any(key == "optim.lr" or key.startswith("scheduler.") for key in values):
         scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
         for group, lr in zip(optimizer.param_groups, scheduler.get_lr()):
             group["lr"] = lr

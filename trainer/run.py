@@ -17,6 +17,7 @@ from strategies.resolved import ResolvedRun
 from trainer.config import ConfigError, validate
 from trainer.data.base import DataError, DataModule
 from trainer.nonfinite import NonFiniteError
+from trainer.resume import ResumeRecord, check_resume
 from trainer.rundir import RunDir, resolve_checkpoint
 
 
@@ -105,7 +106,9 @@ def check_launch(cfg: DictConfig, run_dir: Path | None = None) -> Launch:
         check_memory(cfg, resolved)
     if "budget" in cfg and cfg.budget is not None:
         return Launch(resolved, None)
-    return Launch(resolved, check_run_dir(cfg, run_dir, report=_print if _is_launching_rank() else None))
+    ckpt_path = check_run_dir(cfg, run_dir, report=_print if _is_launching_rank() else None)
+    check_resume(cfg, ckpt_path)  # the recorded config against this one (the tokenizer once it is prepared)
+    return Launch(resolved, ckpt_path)
 
 
 def run(cfg: DictConfig, launch: Launch | None = None) -> None:
@@ -127,6 +130,7 @@ def run(cfg: DictConfig, launch: Launch | None = None) -> None:
         if "budget" not in cfg or cfg.budget is None:
             trainer, task, data = build_run(cfg, run_dir, launch.run)
             check_train_batches(cfg, data)
+            overrides = check_resume(cfg, launch.ckpt_path, data.tokenizer)  # now with the tokenizer
     except BaseException as err:
         if launching and fresh_dir and run_dir.is_dir() and not any(run_dir.iterdir()):
             run_dir.rmdir()  # a failed start leaves nothing behind, whatever failed
@@ -140,10 +144,9 @@ def run(cfg: DictConfig, launch: Launch | None = None) -> None:
 
         instantiate(cfg.budget).run(cfg, run_dir)
         return
-    if launching:
-        # The config this run (or this resumed part of it) trains with; generate builds from it.
-        RunDir(run_dir).write_config(cfg, data.tokenizer)
     ckpt_path = launch.ckpt_path
+    # config.yaml and tokenizer.json (what generate builds from) are written once the checkpoint loaded.
+    trainer.callbacks.append(ResumeRecord(cfg, data.tokenizer, run_dir, overrides))
     try:
         trainer.fit(task, datamodule=data, ckpt_path=str(ckpt_path) if ckpt_path else None, weights_only=True)
     except (NonFiniteError, NonFiniteStateError) as err:  # the run diverged: exit 3, the message says why

@@ -147,3 +147,29 @@ def test_crash_before_the_last_link_moves(killed: Path, tmp_path: Path) -> None:
     assert check_run_dir(OmegaConf.create({"run_dir": str(run_dir), "resume": "last"})) == (checkpoints / STEP_N).resolve()
     with pytest.raises(ConfigError, match="already holds checkpoints"):
         check_run_dir(OmegaConf.create({"run_dir": str(run_dir), "resume": None}))
+
+
+def test_resume_refuses_another_run_and_applies_an_override(killed: Path, tmp_path: Path) -> None:
+    """A resume whose config differs in the model or an unnamed optimizer field is refused before
+    anything is written, every difference listed; with ``resume_override=[optim.lr]`` the new lr
+    is the one the resumed steps use, and config.yaml records it only once the checkpoint loaded."""
+    from trainer.optim import lr_factor
+
+    run_dir = _copy(killed, tmp_path / "run")
+    before = {p: (run_dir / p).read_bytes() for p in ("config.yaml", "tokenizer.json", "metrics.csv")}
+    result = plait(*RUN, f"run_dir={run_dir}", "resume=last", "model.dim=32", "optim.lr=1e-3")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "plait: error: invalid configuration:" in result.stderr
+    assert "model.dim=32 differs from" in result.stderr and "resume_override=[optim.lr]" in result.stderr
+    assert {p: (run_dir / p).read_bytes() for p in before} == before  # nothing rewritten
+
+    _ok(plait(*RUN, f"run_dir={run_dir}", "resume=last", "optim.lr=1e-3", "resume_override=[optim.lr]"))
+    rows = train_rows(run_dir)
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    assert cfg.optim.lr == 1e-3 and list(cfg.resume_override) == ["optim.lr"]
+    sched = cfg.scheduler
+    for step in range(N + 1, 2 * N + 1):
+        expected = 1e-3 * lr_factor(
+            step - 1, warmup_steps=sched.warmup_steps, total_steps=2 * N, decay=sched.decay, min_lr_ratio=sched.min_lr_ratio
+        )
+        assert float(rows[step]["train/lr"]) == pytest.approx(expected, rel=1e-6), (step, rows[step]["train/lr"], expected)
