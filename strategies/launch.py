@@ -25,6 +25,38 @@ _CONFIG_FLAGS = ("--config-path", "--config-name", "--config-dir", "-cp", "-cn",
 LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
 
 
+# Variables of a launcher that starts plait on every node itself: SLURM's srun, torchrun, or a
+# manual launch that sets NODE_RANK on each node (Lightning's environments read the same ones).
+MULTI_NODE_ENV = ("SLURM_NTASKS", "TORCHELASTIC_RUN_ID", "NODE_RANK")
+
+
+def launch_problems(accelerator: str, devices: int, num_nodes: int, environ: dict[str, str] | None = None) -> list[str]:
+    """Why no launcher can start ``num_nodes`` x ``devices`` processes here ([] if one can).
+
+    plait starts the processes of one node itself; more nodes need a launcher on each, and the
+    processes plait starts need that many visible GPUs (an external launcher may show each
+    process its own). Checked at launch (`trainer.run.check_launch`), not by validate: a
+    multi-node config is planned and validated anywhere.
+    """
+    environ = os.environ if environ is None else environ
+    problems = []
+    if num_nodes > 1 and not any(key in environ for key in MULTI_NODE_ENV):
+        problems.append(
+            f"trainer.num_nodes={num_nodes} needs a launcher that starts plait on every node (srun under SLURM, "
+            f"torchrun --nnodes={num_nodes}, or NODE_RANK and MASTER_ADDR set on each node); on one machine use "
+            "trainer.num_nodes=1"
+        )
+    if accelerator in ("gpu", "cuda"):
+        visible = torch.cuda.device_count()
+        if visible == 0:
+            problems.append(f"trainer.accelerator={accelerator} but no CUDA device is visible; use trainer.accelerator=cpu")
+        elif devices > visible and not any(key in environ for key in (*MULTI_NODE_ENV, "LOCAL_RANK")):
+            problems.append(
+                f"trainer.devices={devices} but {visible} GPU(s) are visible on this node; use trainer.devices={visible}"
+            )
+    return problems
+
+
 def child_command(local_rank: int) -> list[str]:
     """The command that runs rank ``local_rank`` of the current Hydra job (no sweep)."""
     from hydra.core.hydra_config import HydraConfig

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Annotated, Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from strategies import checkpoint as ckpt
+from strategies.ranges import NON_NEGATIVE, POSITIVE
 from strategies.activation_checkpoint import ActivationCheckpoint
 from strategies.activation_offload import ActivationOffload
 from strategies.compile import Compile
@@ -121,14 +122,19 @@ class MeshStrategy(ModelParallelStrategy):
         pipeline: PipelineParallel | None = None,
         expert_parallel: ExpertParallel | None = None,
         lora: LoRA | None = None,
-        timeout_s: float = 600.0,
-        heartbeat_s: float = 60.0,
+        timeout_s: Annotated[float, POSITIVE] = 600.0,
+        heartbeat_s: Annotated[float, NON_NEGATIVE] = 60.0,
         launcher: str = "subprocess",
         run: ResolvedRun | None = None,
     ) -> None:
         super().__init__(timeout=timedelta(seconds=timeout_s))
         if launcher not in ("subprocess", "fork"):
             raise ValueError(f"strategy.launcher={launcher!r} is unknown; use subprocess or fork")
+        if heartbeat_s >= timeout_s:
+            raise ValueError(
+                f"strategy.heartbeat_s={heartbeat_s:g} must be below strategy.timeout_s={timeout_s:g} (a stalled rank is "
+                "named before its collective times out); lower heartbeat_s (0 disables it)"
+            )
         self.run = run
         self.dims = run.dims if run is not None else ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp)
         problems = self.unsupported_degrees(self.dims)

@@ -13,7 +13,7 @@ import inspect
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 import typing_extensions
@@ -21,6 +21,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from strategies.resolved import ResolvedRun
 from trainer.optim import DEFAULT_NO_DECAY
+from strategies.ranges import NON_NEGATIVE, POSITIVE, Range, declared_ranges, value_problem
 from trainer.semantics import _import, check_semantics
 
 
@@ -51,11 +52,11 @@ class TrainConfig:
 
     global_batch_size: int = 8
     micro_batch_size: int | None = None
-    max_grad_norm: float | None = 1.0
+    max_grad_norm: Annotated[float, NON_NEGATIVE] | None = 1.0
     no_decay: list[str] = field(default_factory=lambda: list(DEFAULT_NO_DECAY))
     eval_every: int = 50
     nonfinite: Literal["stop", "skip"] = "stop"
-    max_nonfinite_steps: int = 3
+    max_nonfinite_steps: Annotated[int, POSITIVE] = 3
 
 
 @dataclass
@@ -63,12 +64,12 @@ class TrainerConfig:
     """The Lightning ``Trainer`` arguments plait exposes (others are set by plait itself)."""
 
     accelerator: str = "auto"
-    devices: int = 1
-    num_nodes: int = 1
+    devices: Annotated[int, POSITIVE] = 1
+    num_nodes: Annotated[int, POSITIVE] = 1
     # The precisions Lightning's ModelParallelStrategy accepts.
     precision: Literal["32-true", "bf16-mixed", "bf16-true", "16-true"] = "32-true"
     max_steps: int = 200
-    log_every_n_steps: int = 10
+    log_every_n_steps: Annotated[int, POSITIVE] = 10
     limit_train_batches: float | int | None = None
     enable_progress_bar: bool = True
     deterministic: bool | str = False
@@ -126,7 +127,7 @@ class RunConfig:
 
     recipe: str = "???"  # required: every recipe names itself
     run_dir: str = "runs/${recipe}/${now:%Y-%m-%d_%H-%M-%S}"
-    seed: int = 0
+    seed: Annotated[int, Range(min=0, max=2**32 - 1)] = 0  # NumPy's seed range
     resume: str | None = None
     resume_override: list[str] = field(default_factory=list)
     objective: Any = None
@@ -236,6 +237,7 @@ def _check_dataclass(node: Any, schema: type, prefix: str, problems: list[str]) 
         if key not in fields and key != "hydra":
             problems.append(f"unknown key {prefix}{key}{_close(str(key), list(fields))}; valid keys: {', '.join(fields)}")
     hints = typing.get_type_hints(schema)
+    ranges = declared_ranges(schema)
     for name, f in fields.items():
         if name not in node:
             continue
@@ -245,6 +247,8 @@ def _check_dataclass(node: Any, schema: type, prefix: str, problems: list[str]) 
             _check_dataclass(node[name], hint, f"{prefix}{name}.", problems)
         elif not _type_ok(value, hint):
             problems.append(f"{prefix}{name}={value!r} must be {_type_name(hint)}")
+        elif problem := value_problem(f"{prefix}{name}", value, ranges.get(name)):
+            problems.append(problem)
 
 
 def _type_ok(value: Any, hint: Any) -> bool:
@@ -302,12 +306,17 @@ def _check_target(node: Any, where: str, problems: list[str], injected: set[str]
             takes_kwargs, names = False, names + list(typing.get_type_hints(declared[0]))
             params |= {k: inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None) for k in names if k not in params}
             hints |= typing.get_type_hints(declared[0])
+    ranges = declared_ranges(target)
     for key in node.keys():
         if str(key).startswith("_") and str(key).endswith("_"):
             continue
         if key not in params:
             if not takes_kwargs:
                 problems.append(f"unknown key {where}.{key}{_close(str(key), names)}; {node._target_} takes: {', '.join(names)}")
+            else:  # passed on to a base class (``**settings``): its declared range still applies
+                value = OmegaConf.select(node, str(key), throw_on_missing=False)
+                if problem := value_problem(f"{where}.{key}", value, ranges.get(str(key))):
+                    problems.append(problem)
             continue
         value = OmegaConf.select(node, str(key), throw_on_missing=False)
         if isinstance(value, (DictConfig, ListConfig)) or value is None and key in injected:
@@ -315,6 +324,8 @@ def _check_target(node: Any, where: str, problems: list[str], injected: set[str]
         hint = hints.get(str(key), inspect.Parameter.empty)
         if not _type_ok(value, hint):
             problems.append(f"{where}.{key}={value!r} must be {_type_name(hint)}")
+        elif problem := value_problem(f"{where}.{key}", value, ranges.get(str(key))):
+            problems.append(problem)
     partial = bool(node.get("_partial_", False))
     for name, p in params.items():
         required = p.default is p.empty and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Annotated
 
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
+
+from strategies.ranges import FRACTION, NON_NEGATIVE
 
 DEFAULT_NO_DECAY = ("tok_embeddings", "norm", "bias")
 
@@ -91,9 +94,9 @@ class WarmupDecayLR(LRScheduler):
         optimizer: torch.optim.Optimizer,
         *,
         total_steps: int,
-        warmup_steps: int = 0,
+        warmup_steps: Annotated[int, NON_NEGATIVE] = 0,
         decay: str = "cosine",
-        min_lr_ratio: float = 0.1,
+        min_lr_ratio: Annotated[float, FRACTION] = 0.1,
         last_epoch: int = -1,
     ) -> None:
         if decay not in ("cosine", "linear", "constant"):

@@ -12,7 +12,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from strategies.checkpoint import CheckpointError, NonFiniteStateError
-from strategies.launch import LAUNCH_ENV
+from strategies.launch import LAUNCH_ENV, launch_problems
 from strategies.resolved import ResolvedRun
 from trainer.config import ConfigError, validate
 from trainer.data.base import DataError, DataModule
@@ -93,13 +93,23 @@ class Launch:
 
 def check_launch(cfg: DictConfig, run_dir: Path | None = None) -> Launch:
     """Everything a launch checks before it starts processes or writes files, once: `validate`,
-    the predicted memory (``planner.check``) and the run directory (`check_run_dir`).
+    whether the processes can be started here (`strategies.launch.launch_problems`), the
+    predicted memory (``planner.check``), the run directory (`check_run_dir`) and the resume
+    (`trainer.resume.check_resume`).
 
     Raises:
         ConfigError: every problem of the config, a predicted out-of-memory, or a run directory
             that does not fit ``resume``.
     """
-    resolved = validate(cfg)
+    devices, nodes = cfg.trainer.devices, cfg.trainer.num_nodes
+    typed = isinstance(devices, int) and isinstance(nodes, int)  # else validate reports them
+    unlaunchable = launch_problems(str(cfg.trainer.accelerator), devices, nodes) if typed else []
+    try:
+        resolved = validate(cfg)
+    except ConfigError as err:
+        raise ConfigError([*err.problems, *unlaunchable]) from None
+    if unlaunchable:
+        raise ConfigError(unlaunchable)
     if cfg.planner.check:  # a predicted out-of-memory fails here, before any process starts
         from trainer.plan import check_memory
 

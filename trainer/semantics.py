@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from strategies.mesh import MeshStrategy
 from strategies.parallel_dims import LayoutError
 from strategies.pipeline_layout import SCHEDULES, stages_per_rank_of
+from strategies.ranges import optimizer_problem
 from strategies.resolved import ResolvedRun
 from strategies.shape import ModelShape
 from trainer.models.hf import init_from_problems, is_hf_dir
@@ -108,8 +109,7 @@ def resolve(cfg: DictConfig, problems: list[str], broken: frozenset[str] = froze
         broken: top-level nodes whose schema check failed (already reported): not instantiated.
     """
     train, trainer, data = cfg.train, cfg.trainer, cfg.get("data")
-    if trainer.devices < 1 or trainer.num_nodes < 1:
-        problems.append("trainer.devices and trainer.num_nodes must be >= 1")
+    if trainer.devices < 1 or trainer.num_nodes < 1:  # reported by their declared range (trainer.config)
         return None
     if "strategy" in broken:
         return None
@@ -147,6 +147,8 @@ def resolve(cfg: DictConfig, problems: list[str], broken: frozenset[str] = froze
     except Exception as err:  # noqa: BLE001 - the optimizer's own message names the bad value
         problems.append(f"optim: {_cause(err)}")
         optimizer = None
+    if problem := optimizer_problem(optimizer):
+        problems.append(problem)
     run = ResolvedRun(
         world_size=world_size,
         dims=dims,
@@ -207,8 +209,6 @@ def check_semantics(cfg: DictConfig, problems: list[str], broken: frozenset[str]
                 f"data.seq_len={data.seq_len} exceeds model.max_seq_len={model.max_seq_len}; lower data.seq_len or "
                 f"raise model.max_seq_len"
             )
-        if data.seq_len <= 0:
-            problems.append(f"data.seq_len={data.seq_len} must be positive")
     init_from = model is not None and OmegaConf.select(model, "init_from", throw_on_missing=False)
     if init_from:  # HF dir or plait checkpoint
         problems.extend(init_from_problems(model, data=data))

@@ -18,11 +18,13 @@ import re
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import lightning as L
 from lightning.pytorch.callbacks import Checkpoint
 from typing_extensions import override
+
+from strategies.ranges import NON_NEGATIVE
 
 from trainer.callbacks.preemption import StopSignals, Stopped, stop_message
 from trainer.loggers import RunCSVLogger
@@ -54,7 +56,12 @@ class PeriodicCheckpoint(Checkpoint):
     """
 
     def __init__(
-        self, dirpath: str | None = None, every_n_steps: int = 100, keep_last: int = 2, save_on_signal: bool = True
+        self,
+        dirpath: str | None = None,
+        every_n_steps: Annotated[int, NON_NEGATIVE] = 100,
+        keep_last: Annotated[int, NON_NEGATIVE] = 2,
+        save_on_signal: bool = True,
+    
     ) -> None:
         if every_n_steps < 0 or keep_last < 0:
             raise ValueError("callbacks.checkpoint.every_n_steps and keep_last must be >= 0")

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any
+from typing import Annotated, Any
 
 import lightning as L
 from typing_extensions import override
+
+from strategies.ranges import POSITIVE
 
 from trainer.loggers import is_logging_step
 
@@ -27,7 +29,7 @@ class Throughput(L.Callback):
             H100 SXM in bf16); None: MFU is not reported.
     """
 
-    def __init__(self, window: int = 10, peak_tflops: float | None = None) -> None:
+    def __init__(self, window: Annotated[int, POSITIVE] = 10, peak_tflops: Annotated[float, POSITIVE] | None = None) -> None:
         if window < 1:
             raise ValueError("callbacks.throughput.window must be >= 1")
         self.window, self.peak_tflops = window, peak_tflops

@@ -23,12 +23,13 @@ import os
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, TypedDict
+from typing import Annotated, Any, Literal, TypedDict
 
 import lightning as L
 from torch import Tensor
 from typing_extensions import Required, override
 
+from strategies.ranges import POSITIVE, Range
 from strategies.resolved import ResolvedRun
 from trainer import protocols
 from trainer.data.balance import Balancer, WorkModel
@@ -36,6 +37,8 @@ from trainer.data.chat import JinjaTemplate, load_chat_template
 from trainer.data.loader import Batch, GlobalBatches, Loader, shard_rows
 from trainer.data.tokenizer import Tokenizer, load_or_train
 from trainer.protocols import Evaluator
+
+MIN_VOCAB = 258  # the 256 byte tokens and the two special tokens of the BPE plait trains
 
 TEMPLATES = ("auto", "default", "tokenizer")
 
@@ -83,9 +86,9 @@ class DataModule(L.LightningDataModule, protocols.DataModule):
         self,
         *,
         run: ResolvedRun,
-        seq_len: int = 256,
+        seq_len: Annotated[int, POSITIVE] = 256,
         tokenizer: str | None = None,
-        vocab_size: int = 4096,
+        vocab_size: Annotated[int, Range(min=MIN_VOCAB)] = 4096,
         seed: int = 0,
         cache_dir: str = "~/.cache/plait",
         balance: Literal["none", "work"] = "none",

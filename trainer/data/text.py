@@ -9,9 +9,12 @@ policy (every row full, no target across documents) and cached; epochs shuffle t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
 from torch import Tensor
 from typing_extensions import Unpack, override
+
+from strategies.ranges import NON_NEGATIVE, Range
 
 from trainer.data import corpus, encode
 from trainer.data.base import DataError, DataModule, Settings
@@ -50,8 +53,8 @@ class TextDataModule(DataModule):
         sources: tuple[str, ...] | list[str] = ("shakespeare", "kjv"),
         path: str | list[str] | None = None,
         text_key: str = "text",
-        val_fraction: float = 0.02,
-        eval_rows: int = 64,
+        val_fraction: Annotated[float, Range(min=0, max=1, max_open=True)] = 0.02,
+        eval_rows: Annotated[int, NON_NEGATIVE] = 64,
         shuffle: bool = True,
         drop_last: bool = True,
         **settings: Unpack[Settings],

@@ -20,12 +20,14 @@ Module names (the FQNs other code relies on):
 """
 
 import math
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from typing_extensions import override
+
+from strategies.ranges import NON_NEGATIVE, POSITIVE
 
 from trainer.models.attention import SDPA, Attention
 from trainer.models.norm import RMSNorm
@@ -134,10 +136,10 @@ class Llama(nn.Module):
         n_kv_heads: int | None = None,
         ffn_dim: int | None = None,
         max_seq_len: int = 2048,
-        rope_theta: float = 10000.0,
-        norm_eps: float = 1e-5,
+        rope_theta: Annotated[float, POSITIVE] = 10000.0,
+        norm_eps: Annotated[float, POSITIVE] = 1e-5,
         tie_embeddings: bool = False,
-        init_std: float = 0.02,
+        init_std: Annotated[float, NON_NEGATIVE] = 0.02,
         head_dim: int | None = None,
         qkv_bias: bool = False,
         qk_norm: bool = False,

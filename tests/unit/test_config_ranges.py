@@ -1,0 +1,42 @@
+"""Out-of-range numbers in a config are refused by validate, each naming the key and its range:
+declared ranges of plait's own signatures (also through ``**settings``), NaN/inf for every numeric
+field, the optimizer's own constructor checks; an unlaunchable layout is refused at launch."""
+
+from __future__ import annotations
+
+import pytest
+from harness import compose_config
+
+from strategies.launch import launch_problems
+from strategies.ranges import Range, value_problem
+from trainer.config import ConfigError, validate
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("optim.lr=inf", "optim.lr=inf must be a finite number"),
+        ("optim.betas=[1.5,0.999]", "optim: Invalid beta parameter at index 0: 1.5"),
+        ("scheduler.min_lr_ratio=2", "scheduler.min_lr_ratio=2 must be in [0, 1]"),
+        ("data.vocab_size=10", "data.vocab_size=10 must be >= 258"),  # declared by the base, passed as **settings
+        ("train.max_grad_norm=-1", "train.max_grad_norm=-1 must be >= 0"),
+        ("strategy.heartbeat_s=900", "strategy.heartbeat_s=900 must be below strategy.timeout_s=120"),
+    ],
+)
+def test_out_of_range_values_are_refused(override: str, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        validate(compose_config([override]))
+    assert any(p.startswith(message) for p in err.value.problems), err.value.problems
+
+
+def test_range_text_and_membership() -> None:
+    assert str(Range(min=0, min_open=True)) == "> 0" and str(Range(min=0, max=1, max_open=True)) == "in [0, 1)"
+    assert 0 not in Range(min=0, min_open=True) and 1 not in Range(min=0, max=1, max_open=True)
+    assert value_problem("x", float("nan"), None) == "x=nan must be a finite number"
+    assert value_problem("x", True, Range(min=2)) is None  # booleans are not numbers here
+
+
+def test_unlaunchable_layouts() -> None:
+    assert "needs a launcher that starts plait on every node" in launch_problems("cpu", 1, 2, environ={})[0]
+    assert launch_problems("cpu", 1, 2, environ={"SLURM_NTASKS": "2"}) == []
+    assert launch_problems("cpu", 4, 1, environ={}) == []
