@@ -22,7 +22,9 @@ Invocation (about 20 s)::
     python bench/balance.py --seq-len 4096 --global-batch 64 --dp 8 --micro-batch 2
 
 The last line is ``RESULT static_max_over_mean=<x> balanced_max_over_mean=<y> static_attention=<a>
-balanced_attention=<b>`` (the first layout; total work, then attention pairs alone).
+balanced_attention=<b> pool_static=<c> pool_balanced=<d> pool_balanced_doc_cp=<e>`` (the first
+layout; total work, then attention pairs alone; then the dp x ``--cp`` pool: static layout with
+zigzag cp, balanced dp with zigzag cp, balanced dp with document-aware cp).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ import random
 
 import torch
 
+from strategies.context import shard_positions
+from strategies.document_shards import document_zigzag_order, rank_causal_work
 from strategies.shape import ModelShape
 from trainer.data import corpus
 from trainer.data.balance import WorkModel, cells, plan, step_cost
@@ -77,12 +81,38 @@ def measure(document_ids: torch.Tensor, model: WorkModel, args: argparse.Namespa
     return {k: sum(v) / len(v) for k, v in out.items()}
 
 
+def cp_loads(docs_nt: torch.Tensor, model: WorkModel, *, dp: int, cp: int, documents: bool) -> torch.Tensor:
+    """``[dp * cp]`` work of every rank of a dp x cp pool: dp rank d trains the d-th slice of the
+    rows, each row split over its cp ranks (zigzag chunks, or every document zigzagged)."""
+    n, seq_len = docs_nt.shape
+    loads = torch.zeros(dp, cp, dtype=torch.float64)
+    for i, row in enumerate(docs_nt):
+        order = document_zigzag_order(row, cp) if documents else torch.arange(seq_len)
+        for c in range(cp):
+            pairs = rank_causal_work(row, order[shard_positions(seq_len, cp, c)])
+            loads[i // (n // dp), c] += model.linear_per_token * seq_len / cp + model.attention_per_pair * pairs
+    return loads.flatten()
+
+
+def measure_cp(document_ids: torch.Tensor, model: WorkModel, args: argparse.Namespace) -> dict[str, float]:
+    """max/mean over the dp x cp ranks: static + zigzag cp, balanced dp + zigzag cp, balanced dp + document cp."""
+    sampler = GlobalBatchSampler(len(document_ids), global_batch_size=args.global_batch, seed=args.seed)
+    out: dict[str, list[float]] = {}
+    for _, rows in zip(range(args.steps), sampler.global_from(0)):
+        docs = document_ids[rows]
+        balanced = docs[plan(model.rows(docs), dp_size=args.dp, micro_batch_size=args.micro_batch)]
+        for arm, batch, documents in (("static", docs, False), ("balanced", balanced, False), ("balanced_doc_cp", balanced, True)):
+            out.setdefault(arm, []).append(ratio(cp_loads(batch, model, dp=args.dp, cp=args.cp, documents=documents)))
+    return {k: sum(v) / len(v) for k, v in out.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--global-batch", type=int, default=32)
     parser.add_argument("--dp", type=int, default=4)
     parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--cp", type=int, default=2, help="cp degree of the dp x cp pool table")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--long", type=int, default=8, help="very long documents added to the chapters")
     parser.add_argument("--dim", type=int, default=2048)
@@ -104,10 +134,14 @@ def main() -> None:
         results.setdefault("first", r)
         for kind, label in (("total", "work (FLOPs)"), ("attention", "attention pairs"), ("micro", "synced per micro-batch")):
             print(f"dp={dp} micro={micro} {label:20s} {r[f'static_{kind}']:10.3f} {r[f'balanced_{kind}']:10.3f}")
+    pool = measure_cp(rows.document_ids, model, args)
+    print(f"dp={args.dp} x cp={args.cp} pool, work per rank: static + zigzag cp {pool['static']:.3f}, balanced dp + "
+          f"zigzag cp {pool['balanced']:.3f}, balanced dp + document cp {pool['balanced_doc_cp']:.3f}")  # fmt: skip
     first = results["first"]
     print(
         f"RESULT static_max_over_mean={first['static_total']:.3f} balanced_max_over_mean={first['balanced_total']:.3f} "
-        f"static_attention={first['static_attention']:.3f} balanced_attention={first['balanced_attention']:.3f}"
+        f"static_attention={first['static_attention']:.3f} balanced_attention={first['balanced_attention']:.3f} "
+        f"pool_static={pool['static']:.3f} pool_balanced={pool['balanced']:.3f} pool_balanced_doc_cp={pool['balanced_doc_cp']:.3f}"
     )
 
 
