@@ -21,6 +21,7 @@ holds the same rows).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
+from torch.distributed.tensor import DTensor
 
 from strategies.parallel_dims import Meshes
 from strategies.pipeline_layout import SINGLE_STAGE, check_pipeline, local_stages, microbatch_problems, stage_layers, stage_owner, stages_per_rank_of
@@ -119,27 +121,55 @@ def _stage_view(model: nn.Module, stage: int, num_stages: int, layers: range) ->
 
 
 class _Replay(nn.Module):
-    """Stands in for the model in the Task's loss: returns the last stage's output."""
+    """Stands in for the model in the Task's loss on the last stage.
 
-    def __init__(self, output: torch.Tensor) -> None:
-        super().__init__()
-        self.output = output
-
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self.output
-
-
-def stage_loss(loss_fn: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor], logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The Task's ``loss_fn(model, batch)`` on the last stage's logits [b, s, V] and labels [b, s].
-
-    The objective calls the model once on the micro-batch; here that call returns ``logits``.
+    The last stage returns its final-norm hidden states [b, s, D]; the loss's call of the model
+    applies the stage's LM head (``output``) to them, or returns them with ``return_hidden=True``
+    (a chunked loss applies ``output.weight`` itself, `trainer.objectives.chunked_loss`).
     """
-    return loss_fn(_Replay(logits), {"input_ids": labels, "labels": labels})
+
+    def __init__(self, hidden: torch.Tensor, head: nn.Module) -> None:
+        super().__init__()
+        self.hidden, self.output = hidden, head
+
+    def forward(self, *args: Any, return_hidden: bool = False, **kwargs: Any) -> torch.Tensor:
+        return self.hidden if return_hidden else self.output(self.hidden)
+
+
+def pack_targets(batch: dict[str, torch.Tensor]) -> tuple[list[str], torch.Tensor]:
+    """The keys of ``batch`` the loss reads besides ``input_ids`` (labels first; source ids,
+    positions, document ids, ...: every [b, s] key) and them stacked as one [b, s, K] int64 tensor:
+    the pipeline schedule hands the last stage one target tensor per micro-batch."""
+    keys = ["labels", *(k for k, v in batch.items() if k not in ("input_ids", "labels") and v.shape == batch["labels"].shape)]
+    return keys, torch.stack([batch[k].long() for k in keys], dim=-1)
+
+
+def stage_loss(
+    loss_fn: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor],
+    hidden: torch.Tensor,
+    head: nn.Module,
+    keys: Sequence[str],
+    targets: torch.Tensor,
+) -> torch.Tensor:
+    """The Task's ``loss_fn(model, batch)`` on the last stage's hidden states [b, s, D].
+
+    ``targets`` [b, s, K] holds the micro-batch's ``keys`` (`pack_targets`); the objective sees them
+    as its batch (``input_ids`` = labels, for counting), and calls the model once (`_Replay`).
+    """
+    batch = dict(zip(keys, targets.unbind(-1)))
+    return loss_fn(_Replay(hidden, head), {"input_ids": batch["labels"], **batch})
 
 
 def model_kwargs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Keyword arguments every stage's forward takes from the batch (positions, document ids)."""
     return {arg: batch[key] for key, arg in _MODEL_KWARGS.items() if key in batch}
+
+
+def _backward_initialized(schedule: Any) -> bool:
+    """Whether a torch pipeline schedule has inferred its stages' backward metadata (torch 2.13:
+    ``_stage_backward_initialized`` on single-stage, ``_stages_backward_initialized`` on
+    multi-stage schedules; True where neither exists)."""
+    return bool(getattr(schedule, "_stages_backward_initialized", getattr(schedule, "_stage_backward_initialized", True)))
 
 
 # ---------------------------------------------------------------------------------- the plugin
@@ -206,10 +236,15 @@ class PipelineParallel:
         stages = local_stages(pp_mesh.get_local_rank(), pp=pp, stages_per_rank=v, schedule=schedule)
         layers = stage_layers(len(model.layers), pp * v, self.split_points)
         modules = split_model(model, stages=stages, layers=layers)
+        head = None
+        if pp * v - 1 in stages:  # the last stage returns hidden states; the loss applies its head
+            last = modules[stages.index(pp * v - 1)]
+            head = last.output
+            last.forward = functools.partial(type(last).forward, last, return_hidden=True)
         self._state = {
             "root": model, "modules": modules, "stages": stages, "num_stages": pp * v, "schedule": schedule,
             "pp": pp, "group": pp_mesh.get_group(), "rank": pp_mesh.get_local_rank(), "device": device,
-            "schedules": {}, "loss_fn": None,
+            "schedules": {}, "loss_fn": None, "head": head, "keys": ["labels"], "running": None,
         }  # fmt: skip
         return modules
 
@@ -226,8 +261,15 @@ class PipelineParallel:
             )  # fmt: skip
         return s["schedules"][num_microbatches]
 
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return stage_loss(self._state["loss_fn"], logits, labels)
+    def _loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        s = self._state
+        if not _backward_initialized(s["running"]):
+            # torch's backward-metadata inference (at a schedule's first step) runs the loss once
+            # more on a micro-batch; only the gradient's shapes matter there. The objective's loss
+            # would also add that micro-batch to its sums (per-source losses) a second time.
+            local = hidden.to_local() if isinstance(hidden, DTensor) else hidden
+            return local.float().sum() * 0.0
+        return stage_loss(s["loss_fn"], hidden, s["head"], s["keys"], targets)
 
     def forward_backward(
         self,
@@ -254,7 +296,7 @@ class PipelineParallel:
                 f"{len(micro_batches)} micro-batches do not fill schedule steps of strategy.pipeline.num_microbatches={m}"
             )
         schedule = self._schedule(m)
-        s["loss_fn"] = loss_fn
+        s["loss_fn"], s["running"] = loss_fn, schedule
         first, last = 0 in s["stages"], s["num_stages"] - 1 in s["stages"]
         total = torch.zeros((), device=s["device"])
         for start in range(0, len(micro_batches), m):  # gradient accumulation over schedule steps
@@ -262,7 +304,8 @@ class PipelineParallel:
             batch = {key: torch.cat([mb[key] for mb in group]) for key in group[0]}
             losses: list[torch.Tensor] = []
             args = (batch["input_ids"],) if first else ()
-            target = batch["labels"] if last else None
+            s["keys"], targets = pack_targets(batch)
+            target = targets if last else None
             schedule.step(*args, target=target, losses=losses, return_outputs=False, **model_kwargs(batch))
             if last:
                 total += torch.stack([loss.detach() for loss in losses]).sum()
@@ -297,7 +340,8 @@ class PipelineParallel:
                 hidden = _recv_hidden(previous, group, s["device"])
             hidden = modules[stage](hidden, **kwargs)
             if stage == s["num_stages"] - 1:
-                total += loss_sum(_Replay(hidden), {"input_ids": batch["labels"], "labels": batch["labels"]}).detach()
+                keys, targets = pack_targets(batch)
+                total += stage_loss(loss_sum, hidden, s["head"], keys, targets).detach()
             else:
                 following = stage_owner(stage + 1, pp=pp, schedule=schedule)
                 if following != s["rank"]:

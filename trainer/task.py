@@ -130,15 +130,19 @@ class Task(L.LightningModule):
     def _pop_sums(self, prefix: str) -> dict[str, float]:
         """``{prefix}/<name>``: the named sums since the last call of the objective and, for a
         `RoutedModel`, of the model (`Objective.pop_sums`: e.g. the loss per SFT source, the
-        rewards per preference pair, the expert loads), reduced over all dp x cp ranks, each
-        divided by its count; names whose count is 0 are left out."""
+        rewards per preference pair, the expert loads), reduced over all dp x cp ranks (the
+        objective's also over pipeline stages: only the last one computes the loss), each divided
+        by its count; names whose count is 0 are left out."""
+        strategy = self.trainer.strategy
         metrics = {}
         for source in (self.objective, self.model) if isinstance(self.model, RoutedModel) else (self.objective,):
             popped = source.pop_sums()
             if popped is None:
                 continue
             names, sums = popped
-            sums = self.trainer.strategy.all_reduce_sum(sums.to(self.device).float(), "dp_cp")
+            sums = strategy.all_reduce_sum(sums.to(self.device).float(), "dp_cp")
+            if source is self.objective and strategy.dims.pp > 1:  # the other stages' sums are 0
+                sums = strategy.all_reduce_sum(sums, "pp")
             metrics.update({f"{prefix}/{n}": (sums[0, i] / sums[1, i]).item() for i, n in enumerate(names) if sums[1, i] > 0})
         return metrics
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from trainer.objectives.pretrain import IGNORE_INDEX, CausalLM
@@ -39,6 +40,8 @@ class SFT(CausalLM):
         )
         labels = batch["labels"].flatten()
         token_loss = F.cross_entropy(logits.flatten(0, 1).float(), labels, ignore_index=IGNORE_INDEX, reduction="none")
+        if isinstance(token_loss, DTensor):  # vocabulary-sharded logits (tensor parallelism's loss parallel)
+            token_loss = token_loss.full_tensor()
         if "source_ids" in batch and self.groups:
             self._accumulate(token_loss.detach(), labels, batch["source_ids"].flatten())
         return token_loss.sum()
