@@ -88,6 +88,7 @@ STRATEGIES: dict[str, tuple[str, ...]] = {
     "fsdp2": ("strategy=fsdp", "trainer.devices=2"),
     "hsdp2x2": ("strategy=hsdp", "trainer.devices=4"),
     "tp2": ("strategy=tp", "trainer.devices=2"),
+    "tp2_nosp": ("strategy=tp", "trainer.devices=2", "strategy.tensor_parallel.sequence_parallel=false"),
     "fsdp2_tp2": ("strategy=fsdp_tp", "trainer.devices=4"),
     **{
         f"pp2_{schedule}": ("strategy=pp", "trainer.devices=2", f"strategy.pp_schedule={schedule}", *layers)

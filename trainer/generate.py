@@ -16,6 +16,7 @@ from contextlib import nullcontext
 import torch
 from omegaconf import DictConfig
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from strategies.checkpoint import CheckpointError
 from trainer.compose import compose_command, fail
@@ -114,6 +115,8 @@ def greedy_batch(
     out = []
     for _ in range(max_new_tokens):
         logits = model(ids, position_ids_bt=pos, document_ids_bt=docs)[:, -1].float()
+        if isinstance(logits, DTensor):  # tensor parallelism's vocabulary-sharded logits
+            logits = logits.full_tensor()
         next_ids = logits.argmax(-1)
         out.append(torch.where(done, torch.full_like(next_ids, eos_id), next_ids))
         done |= next_ids == eos_id

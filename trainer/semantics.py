@@ -183,6 +183,34 @@ def _lora_base_problems(init_from: str) -> list[str]:
     ]
 
 
+def decoding_problems(cfg: DictConfig, run: ResolvedRun) -> list[str]:
+    """Layouts under which the greedy decoding of ``metric: exact_match`` sources cannot run.
+
+    `trainer.generate.greedy_batch` feeds whole, growing sequences to the model on every rank:
+    a pipeline stage holds part of the layers, a context-parallel rank's attention expects its
+    shard of a fixed-length sequence, and sequence-parallel TP shards the residual stream of a
+    length tp need not divide. Tensor parallelism without it decodes (the logits are gathered).
+    """
+    sources = OmegaConf.select(cfg, "data.sources", throw_on_missing=False)
+    if not isinstance(sources, DictConfig):
+        return []
+    decoded = [name for name, node in sources.items() if isinstance(node, DictConfig) and node.get("metric") == "exact_match"]
+    if not decoded:
+        return []
+    split = [f"strategy.{axis}={getattr(run.dims, axis)}" for axis in ("pp", "cp") if getattr(run.dims, axis) > 1]
+    fix = [f"strategy.{axis}=1" for axis in ("pp", "cp") if getattr(run.dims, axis) > 1]
+    if run.dims.tp > 1 and OmegaConf.select(cfg, "strategy.tensor_parallel.sequence_parallel", default=True):
+        split.append("strategy.tensor_parallel.sequence_parallel=true")
+        fix.append("strategy.tensor_parallel.sequence_parallel=false")
+    if not split:
+        return []
+    metric = ", ".join(f"data.sources.{name}.metric=loss" for name in decoded)
+    return [
+        f"data.sources.{decoded[0]}.metric=exact_match decodes greedily with whole sequences on every rank, which "
+        f"{' and '.join(split)} does not give; use {metric} (or {' and '.join(fix)})"
+    ]
+
+
 def check_semantics(cfg: DictConfig, problems: list[str], broken: frozenset[str] = frozenset()) -> ResolvedRun | None:
     """Appends the semantic problems of ``cfg`` to ``problems``; returns its resolved run.
 
@@ -226,6 +254,8 @@ def check_semantics(cfg: DictConfig, problems: list[str], broken: frozenset[str]
             f"objective.loss_chunk_tokens={objective.loss_chunk_tokens} needs tp=1 (with tp > 1 loss parallel already "
             "keeps the logits sharded by vocabulary); use objective.loss_chunk_tokens=0"
         )
+    if run is not None:
+        problems.extend(decoding_problems(cfg, run))
     if data is not None and "_target_" in data:
         # A data module may check its own node (SFT sources and budgets: trainer.data.sft).
         data_cls = _import(data._target_)
