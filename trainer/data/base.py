@@ -185,8 +185,8 @@ class DataModule(L.LightningDataModule, protocols.DataModule):
         return Loader(self.train_batches(*self.dp()))
 
     def eval_dataloader(self) -> list[Batch]:
-        """This dp rank's share of `eval_rows` in micro-batches (trimmed to a multiple of dp: every
-        rank must run the same number of forward passes under FSDP)."""
+        """This dp rank's share of `eval_rows` in micro-batches (`shard_rows`: every row once, the
+        same number of forward passes on every rank)."""
         rank, size = self.dp()
         return shard_rows(self.eval_rows(), dp_rank=rank, dp_size=size, micro_batch_size=self.eval_micro_batch_size)
 

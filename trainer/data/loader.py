@@ -271,8 +271,11 @@ class PackedBatches:
 def shard_rows(rows: dict[str, Tensor], *, dp_rank: int, dp_size: int, micro_batch_size: int) -> list[Batch]:
     """This dp rank's contiguous share of ``rows`` in micro-batches, for evaluation.
 
-    The rows are trimmed to a multiple of dp (every rank must run the same number of forward
-    passes under FSDP): with a row count not divisible by dp the last few rows are not evaluated.
+    Every row is evaluated exactly once on some rank, whatever dp: the shares differ by at most
+    one row (the first ranks hold one more), and every rank runs the same number of forward
+    passes (FSDP gathers parameters in each one). A rank without any row (fewer rows than ranks)
+    evaluates a copy of the first row whose labels are all -100 (zero supervised tokens: it adds
+    nothing to a token-weighted loss).
 
     Args:
         rows: key -> ``[N, ...]`` tensor.
@@ -280,7 +283,17 @@ def shard_rows(rows: dict[str, Tensor], *, dp_rank: int, dp_size: int, micro_bat
         micro_batch_size: rows per forward (at most).
     """
     num = next(iter(rows.values())).shape[0] if rows else 0
-    per_rank = num // dp_size
-    indices = torch.arange(dp_rank * per_rank, (dp_rank + 1) * per_rank)
-    step = max(1, min(per_rank, micro_batch_size))
-    return [{k: v[indices[i : i + step]] for k, v in rows.items()} for i in range(0, per_rank, step)]
+    if num == 0:
+        return []
+    share = -(-num // dp_size)  # the largest share
+    step = max(1, min(share, micro_batch_size))
+    forwards = -(-share // step)
+    indices = torch.tensor_split(torch.arange(num), dp_size)[dp_rank]
+    if len(indices) == 0:
+        pad = {k: torch.full_like(v[:1], IGNORE_INDEX) if "labels" in k else v[:1] for k, v in rows.items()}
+        return [pad] * forwards
+    if len(indices) > step * (forwards - 1):  # full micro-batches, the rest last (as dp = 1 would)
+        parts = [indices[i : i + step] for i in range(0, len(indices), step)]
+    else:  # one row fewer than the largest share: spread it over the same number of forwards
+        parts = list(torch.tensor_split(indices, forwards))
+    return [{k: v[part] for k, v in rows.items()} for part in parts]

@@ -127,6 +127,5 @@ class TextDataModule(DataModule):
 
     @override
     def eval_rows(self) -> dict[str, Tensor]:
-        """The first ``eval_rows`` validation rows. Keep ``data.eval_rows`` a multiple of the dp
-        degree to compare validation losses across world sizes (the rest is trimmed)."""
+        """The first ``eval_rows`` validation rows (each evaluated once, on any number of ranks)."""
         return {k: v[: self.eval_rows_count] for k, v in vars(self.prepare().val).items()}
