@@ -1,0 +1,31 @@
+"""The combination matrix (tests/matrix.py): every recipe x strategy preset x step-changing
+objective option either fails validate with a message naming the fix, or trains 2 steps equal to
+one process (losses and every promised metric within 1e-5).
+
+The default suite runs `matrix.FAST` (one combination per failure the matrix found); the whole
+matrix (about 400 combinations, half an hour of CPU) is a script that prints the result table:
+``python tests/matrix.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import matrix
+
+_FIXES = ("use ", "set ", "remove ", "pad ", "lower ", "raise ")
+
+
+def _assert_sound(outcome: matrix.Outcome) -> None:
+    assert outcome.kind in ("equal", "refused"), f"{outcome.combo.id}: {outcome.kind}: {outcome.detail}"
+    if outcome.kind == "refused":
+        assert all(any(f in p for f in _FIXES) for p in outcome.detail.split(" / ")), outcome.detail
+
+
+@pytest.mark.parametrize("combo_id", list(matrix.FAST))
+def test_fast_subset(combo_id: str) -> None:
+    combo = next(c for c in matrix.combos() if c.id == combo_id)
+    outcome = matrix.check(combo)
+    _assert_sound(outcome)
+    assert outcome.kind == matrix.FAST[combo_id], outcome.detail
+
