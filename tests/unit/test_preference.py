@@ -98,3 +98,30 @@ def test_encode_pair_shares_the_prompt_and_supervises_only_the_final_answer():
     rows, _ = pair_rows(prompt, chosen, rejected, seq_len=64, max_prompt_len=32, pad_id=tok.pad_id)
     targets = [[x for x in row if x != IGNORE_INDEX] for row in rows["labels"].tolist()]
     assert targets == [chosen, rejected]
+
+
+def test_pair_rows_keeps_at_most_max_prompt_len_prompt_tokens_when_too_long():
+    # README: the prompt keeps at most data.max_prompt_len tokens (it used to keep all that fit).
+    prompt, chosen, rejected = list(range(100, 110)), list(range(200, 208)), [300] * 3
+    rows, cut = pair_rows(prompt, chosen, rejected, seq_len=16, max_prompt_len=4, pad_id=1)
+    assert not cut
+    assert rows["input_ids"][0, :12].tolist() == prompt[-4:] + chosen
+
+
+def test_orpo_keeps_the_odds_ratio_gradient_of_confident_rows():
+    # a = -1e-7 per token (a confident chosen row): d/dlogp_c of lam * -log sigmoid(log odds_c - log odds_r)
+    # with log odds(a) = a - log(1 - e^a), d log odds / da = 1 / (1 - e^a). The old clamp at -1e-6 froze it.
+    lam = 0.1
+    logp_c = torch.tensor([-1e-7], dtype=torch.float64, requires_grad=True)
+    loss, _, _ = orpo_loss(logp_c, torch.tensor([-3.0], dtype=torch.float64), torch.ones(1), torch.ones(1), lam=lam)
+    loss.sum().backward()
+    a_c, a_r = -1e-7, -3.0
+    odds = lambda a: a - math.log(-math.expm1(a))  # noqa: E731
+    z = odds(a_c) - odds(a_r)
+    want = -1.0 + lam * -(1 - 1 / (1 + math.exp(-z))) / -math.expm1(a_c)
+    assert logp_c.grad.item() == pytest.approx(want, rel=1e-6)
+
+
+def test_orpo_row_without_targets_is_finite():
+    loss, _, _ = orpo_loss(torch.zeros(2), torch.tensor([-3.0, 0.0]), torch.tensor([0.0, 2.0]), torch.tensor([2.0, 0.0]), lam=0.1)
+    assert torch.isfinite(loss).all()

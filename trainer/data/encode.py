@@ -119,13 +119,13 @@ def pair_rows(
 ) -> tuple[dict[str, Tensor], bool]:
     """The ``[2, seq_len]`` rows of one pair (chosen first) and whether a response was cut.
 
-    When prompt + the longer response is too long, the prompt keeps its last
-    ``max(max_prompt_len, seq_len - response)`` tokens (never more than it has), then both
-    responses are cut at the end to what is left. ``labels[t] = input_ids[t + 1]`` where token
+    When prompt + the longer response is too long, the prompt keeps at most its last
+    ``max_prompt_len`` tokens (TRL's ``max_prompt_length``), then both responses are cut at the
+    end to what is left. A pair that fits is kept whole. ``labels[t] = input_ids[t + 1]`` where token
     t+1 is a response token, else -100; the pad tail is a document of its own.
     """
     longest = max(len(chosen), len(rejected))
-    keep = min(len(prompt), max(max_prompt_len, seq_len - longest))
+    keep = len(prompt) if len(prompt) + longest <= seq_len else min(len(prompt), max_prompt_len)
     prompt = prompt[len(prompt) - keep :]
     room = seq_len - len(prompt)
     rows = []

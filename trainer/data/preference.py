@@ -60,7 +60,7 @@ class PreferenceDataModule(DataModule):
         sources: name -> ``{source, limit, val_size}``; ``source`` is ``dpo_en``, ``champ``,
             ``copy``, ``addition`` or a ``.jsonl`` path; ``limit`` caps the training pairs (a
             synthetic set generates that many, default 1000); ``val_size`` pairs are held out.
-        max_prompt_len: tokens the prompt keeps at least when a pair is too long.
+        max_prompt_len: tokens the prompt keeps at most when a pair is too long.
         template: "auto", "default" or "tokenizer" (as for SFT).
         **settings: ``seq_len`` (tokens per row: prompt + response), ``tokenizer`` (use the base
             model's run's), ``vocab_size``, ``seed`` (splits, synthetic data, the shuffle),

@@ -154,11 +154,14 @@ def orpo_loss(
     """
     avg_c, avg_r = chosen_logps / chosen_tokens.clamp(min=1), rejected_logps / rejected_tokens.clamp(min=1)
 
-    def log_odds(avg: torch.Tensor) -> torch.Tensor:
-        # log(1 - e^a) for a <= 0, stable near a = 0; the clamp keeps a zero-length row finite.
-        return avg - torch.log(-torch.expm1(avg.clamp(max=-1e-6)))
+    def log_odds(avg: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        # log(1 - e^a) for a < 0, stable near a = 0. A row without targets has a = 0 (odds
+        # infinite): it gets a = -1 instead (a constant, no gradient); a confident row keeps its
+        # gradient (only a = 0 in floating point is held at the smallest negative normal).
+        a = torch.where(tokens > 0, avg.clamp(max=-torch.finfo(avg.dtype).tiny), torch.full_like(avg, -1.0))
+        return a - torch.log(-torch.expm1(a))
 
-    ratio_loss = -F.logsigmoid(log_odds(avg_c) - log_odds(avg_r))
+    ratio_loss = -F.logsigmoid(log_odds(avg_c, chosen_tokens) - log_odds(avg_r, rejected_tokens))
     return -avg_c + lam * ratio_loss, lam * avg_c, lam * avg_r
 
 
