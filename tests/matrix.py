@@ -41,7 +41,7 @@ STEPS = 2
 _COMMON = (
     *EXACT_SGD, f"trainer.max_steps={STEPS}", "train.micro_batch_size=null", "train.global_batch_size=8",
     "train.eval_every=0", "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
-    "strategy.timeout_s=60", "logger=none", "~callbacks.plots", "~callbacks.checkpoint", "model=nano",
+    "strategy.timeout_s=120", "logger=none", "~callbacks.plots", "~callbacks.checkpoint", "model=nano",
 )  # fmt: skip
 _SFT_DATA = (
     "+model.vocab_size=288", "data=synthetic", "data.seq_len=48", "data.sources.addition.limit=24", "data.sources.addition.val_size=4",
@@ -202,14 +202,14 @@ def differences(got: dict[str, float], want: dict[str, float]) -> list[str]:
     return sorted(problems)
 
 
-_REFERENCES: dict[tuple[str, ...], dict[str, float]] = {}
+_REFERENCES: dict[tuple[str, ...], dict[str, float]] = {}  # (recipe, *overrides) -> history
 
 
 def reference(combo: Combo) -> dict[str, float]:
     """The one-process history of ``combo``'s recipe and option (cached per config)."""
     from trainer.config import validate
 
-    key = tuple(combo.reference_overrides())
+    key = (RECIPES[combo.recipe][0], *combo.reference_overrides())
     if key not in _REFERENCES:
         cfg = combo.config(reference=True)
         with tempfile.TemporaryDirectory() as tmp:
