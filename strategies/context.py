@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from strategies.attention_blocks import block_kernels
 from strategies.document_shards import shard_documents
 from strategies.parallel_dims import Meshes, divisors
 from strategies.ring_attention import Ring, RingMasks, ring_attention
@@ -205,21 +206,24 @@ class ContextParallelAttention:
         layout: this rank's groups (`build_cp_layout`).
         load_balance: the sharding `shard_batch` used (zigzag or contiguous).
         kv_chunk: keys per score block in `ring_attention` (0: whole blocks).
+        kernel: the block kernels (`strategies.attention_blocks.block_kernels`): ``auto`` (fused
+            on CUDA, eager fp32 on CPU), ``fused`` or ``eager``.
     """
 
-    def __init__(self, layout: CPLayout, *, load_balance: bool = True, kv_chunk: int = 0) -> None:
-        self.layout, self.load_balance, self.kv_chunk = layout, load_balance, kv_chunk
+    def __init__(self, layout: CPLayout, *, load_balance: bool = True, kv_chunk: int = 0, kernel: str = "auto") -> None:
+        block_kernels(torch.device("cpu"), kernel)  # fails on an unknown kernel name
+        self.layout, self.load_balance, self.kv_chunk, self.kernel = layout, load_balance, kv_chunk, kernel
 
-    def mask(self, document_ids_bt: torch.Tensor | None, seq_len: int) -> RingMasks:
+    def mask(self, document_ids_bt: torch.Tensor | None, seq_len: int, device: torch.device) -> RingMasks:
         """Positions and document ids of the queries and keys each layer's ring step sees.
 
         Args:
             document_ids_bt: this rank's ``[B, T/cp]`` document ids, or None (plain causal rows).
             seq_len: this rank's token count ``T/cp``.
+            device: the device of the activations.
         """
         lay = self.layout
-        device = document_ids_bt.device if document_ids_bt is not None else None
-        pos = [shard_positions(seq_len * lay.cp, lay.cp, c, load_balance=self.load_balance).to(device) for c in range(lay.cp)]
+        pos = [shard_positions(seq_len * lay.cp, lay.cp, c, load_balance=self.load_balance) for c in range(lay.cp)]
         docs = None
         if document_ids_bt is not None:
             docs = [torch.empty_like(document_ids_bt) for _ in range(lay.cp)]
@@ -229,7 +233,12 @@ class ContextParallelAttention:
         group_pos = tuple(torch.cat(pos[i : i + u]) for i in range(0, lay.cp, u))
         group_docs = None if docs is None else tuple(torch.cat(docs[i : i + u], dim=1) for i in range(0, lay.cp, u))
         me = lay.index // u
-        return RingMasks(group_pos[me], None if group_docs is None else group_docs[me], group_pos, group_docs)
+        on_host = torch.device(device).type == "cpu"
+        return RingMasks(
+            group_pos[me].to(device), None if group_docs is None else group_docs[me],
+            tuple(p.to(device) for p in group_pos), group_docs,
+            pos_kv_host=None if on_host else group_pos, last_query=int(group_pos[me].max()),
+        )  # fmt: skip
 
     def __call__(
         self, q_bthe: torch.Tensor, k_btke: torch.Tensor, v_btke: torch.Tensor, masks: RingMasks
@@ -245,20 +254,23 @@ class ContextParallelAttention:
         K = k_btke.shape[2]
         q_bkrqe = q_bthe.view(B, T, K, H // K, E).permute(0, 2, 3, 1, 4)
         out = ring_attention(
-            q_bkrqe, k_btke.transpose(1, 2), v_btke.transpose(1, 2), ring=lay.ring, masks=masks, kv_chunk=self.kv_chunk
-        )
+            q_bkrqe, k_btke.transpose(1, 2), v_btke.transpose(1, 2), ring=lay.ring, masks=masks,
+            kv_chunk=self.kv_chunk, blocks=block_kernels(q_bthe.device, self.kernel),
+        )  # fmt: skip
         out_bthe = out.permute(0, 3, 1, 2, 4).reshape(B, T, H, E)
         return heads_to_seq(out_bthe, lay.ulysses_group, u) if u > 1 else out_bthe
 
 
-def apply_context_parallel(model: nn.Module, *, layout: CPLayout, load_balance: bool = True, kv_chunk: int = 0) -> None:
+def apply_context_parallel(
+    model: nn.Module, *, layout: CPLayout, load_balance: bool = True, kv_chunk: int = 0, kernel: str = "auto"
+) -> None:
     """Makes every attention module of ``model`` context-parallel, in place.
 
     ``model`` must offer ``set_attention_core`` (`trainer.models.llama.Llama`); a model without
     attention (a per-token test model) is left unchanged: per-token layers need no change under CP.
     """
     if hasattr(model, "set_attention_core"):
-        model.set_attention_core(ContextParallelAttention(layout, load_balance=load_balance, kv_chunk=kv_chunk))
+        model.set_attention_core(ContextParallelAttention(layout, load_balance=load_balance, kv_chunk=kv_chunk, kernel=kernel))
 
 
 # ---------------------------------------------------------------------------------- config
@@ -308,6 +320,8 @@ class ContextParallel:
             document of a packed row zigzagged on its own, `strategies.document_shards`: even
             causal work per rank on packed rows); ``contiguous`` = ``load_balance=false``.
         kv_chunk: keys per score block in ring attention (0: whole blocks); lowers peak memory.
+        kernel: ring attention's block kernels: ``auto`` (fused SDPA kernels on CUDA, eager fp32
+            on CPU), ``fused`` or ``eager`` (`strategies.attention_blocks`).
         activation_offload: an alias of ``strategy.activation_offload.enabled`` (the
             `strategies.activation_offload.ActivationOffload` plugin), kept for existing command lines.
     """
@@ -316,6 +330,7 @@ class ContextParallel:
     load_balance: bool = True
     sharding: Sharding = "zigzag"
     kv_chunk: int = 0
+    kernel: str = "auto"
     activation_offload: bool = False
 
     def __post_init__(self) -> None:
@@ -331,6 +346,7 @@ class ContextParallel:
                 "strategy.context_parallel.ulysses_degree must be >= 1 and kv_chunk >= 0, got "
                 f"{self.ulysses_degree} and {self.kv_chunk}"
             )
+        block_kernels(torch.device("cpu"), self.kernel)  # fails on an unknown kernel name
 
     def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
         """The sequence length against the shards `shard_positions` cuts (2 cp with load balancing,
@@ -357,7 +373,9 @@ class ContextParallel:
         cp_ranks = meshes.cp_ranks()
         cp = len(cp_ranks[0])
         layout = build_cp_layout(cp_ranks, ulysses_degree=ulysses_degree_for(meshes.cp_mode, cp, self.ulysses_degree))
-        apply_context_parallel(model, layout=layout, load_balance=self.load_balance, kv_chunk=self.kv_chunk)
+        apply_context_parallel(
+            model, layout=layout, load_balance=self.load_balance, kv_chunk=self.kv_chunk, kernel=self.kernel
+        )
 
     def shard_batch(self, batch: dict[str, torch.Tensor], *, cp: int, rank: int) -> dict[str, torch.Tensor]:
         return shard_batch(batch, cp=cp, rank=rank, load_balance=self.load_balance, documents=self.sharding == "document")

@@ -4,7 +4,8 @@ Sources: Liu et al. 2023, "Ring Attention with Blockwise Transformers for Near-I
 (key/value blocks rotate around the ring while each rank keeps its queries); Milakov & Gimelshein
 2018, "Online normalizer calculation for softmax", and Dao et al. 2022, "FlashAttention" (partial
 results merged with their log-sum-exp; the backward recomputes the probabilities from the saved
-log-sum-exp instead of saving them).
+log-sum-exp instead of saving them). The per-block kernels are `strategies.attention_blocks`
+(fused on CUDA, eager fp32 on CPU).
 
 Which key a query may attend is given by *positions* and *document ids*, not by the order of the
 tokens in memory: query at position p attends key at position s iff ``s <= p`` and both carry the
@@ -28,7 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-NEG_INF = float("-inf")
+from strategies.attention_blocks import NEG_INF, EagerBlocks, FusedBlocks, block_kernels, finite
+
 
 
 @dataclass(frozen=True)
@@ -78,12 +80,17 @@ class RingMasks:
         doc_q: ``[B, Q]`` document ids of the local queries, or None (one document per row).
         pos_kv: per ring index, ``[S]`` positions of that member's keys.
         doc_kv: per ring index, ``[B, S]`` document ids of its keys, or None.
+        pos_kv_host: ``pos_kv`` on the host, to skip blocks without a device synchronisation
+            (None: the positions are host tensors already).
+        last_query: the largest position in ``pos_q`` (read with ``pos_kv_host``).
     """
 
     pos_q: torch.Tensor
     doc_q: torch.Tensor | None
     pos_kv: tuple[torch.Tensor, ...]
     doc_kv: tuple[torch.Tensor, ...] | None
+    pos_kv_host: tuple[torch.Tensor, ...] | None = None
+    last_query: int = -1
 
     def allowed(self, src: int, start: int, stop: int) -> torch.Tensor:
         """Boolean ``[B or 1, 1, 1, Q, stop - start]``: may query q attend key s of member ``src``."""
@@ -95,25 +102,21 @@ class RingMasks:
         mask_bqs = mask_qs[None] & (self.doc_q[:, :, None] == doc_k[:, None, :])
         return mask_bqs[:, None, None]
 
+    def live(self, src: int, start: int, stop: int, allowed: torch.Tensor) -> bool:
+        """Whether the block has any allowed pair; on an accelerator from positions alone (no sync)."""
+        if self.pos_kv_host is None:
+            return bool(allowed.any())
+        return int(self.pos_kv_host[src][start:stop].min()) <= self.last_query
+
 
 def _chunks(length: int, chunk: int) -> list[tuple[int, int]]:
     step = chunk if chunk > 0 else length
     return [(a, min(a + step, length)) for a in range(0, length, step)]
 
 
-def _scores(q_bkrqe: torch.Tensor, k_bkse: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    s = torch.matmul(q_bkrqe.float(), k_bkse.float()[:, :, None].transpose(-1, -2)) * scale
-    return s.masked_fill(~mask, NEG_INF)
-
-
-def _finite(lse: torch.Tensor) -> torch.Tensor:
-    # Rows without any allowed key have lse = -inf; subtracting 0 instead keeps exp() at 0, not NaN.
-    return lse.masked_fill(lse == NEG_INF, 0.0)
-
-
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, masks: RingMasks, scale: float, kv_chunk: int):  # noqa: ANN001
+    def forward(ctx, q, k, v, ring: Ring, masks: RingMasks, scale: float, kv_chunk: int, blocks):  # noqa: ANN001
         B, K, R, Q, E = q.shape
         out = torch.zeros(B, K, R, Q, E, dtype=torch.float32, device=q.device)
         lse = torch.full((B, K, R, Q), NEG_INF, dtype=torch.float32, device=q.device)
@@ -123,29 +126,24 @@ class _RingAttention(torch.autograd.Function):
             pending = ring.start_pass(kv) if step < ring.size - 1 else None
             for a, b in _chunks(kv.shape[3], kv_chunk):
                 mask = masks.allowed(src, a, b)
-                if not bool(mask.any()):  # e.g. a block wholly in this rank's future
+                if not masks.live(src, a, b, mask):  # e.g. a block wholly in this rank's future
                     continue
-                s = _scores(q, kv[0, :, :, a:b], mask, scale)
-                lse_b = torch.logsumexp(s, dim=-1)
-                out_b = torch.matmul(torch.exp(s - _finite(lse_b)[..., None]), kv[1, :, :, a:b].float()[:, :, None])
+                out_b, lse_b = blocks.forward(q, kv[0, :, :, a:b], kv[1, :, :, a:b], mask, scale)
                 new = torch.logaddexp(lse, lse_b)
-                safe = _finite(new)
-                out = out * torch.exp(lse - safe)[..., None] + out_b * torch.exp(lse_b - safe)[..., None]
+                safe = finite(new)
+                out = out * torch.exp(lse - safe)[..., None] + out_b.float() * torch.exp(lse_b - safe)[..., None]
                 lse = new
             if pending is not None:
                 kv = pending.wait()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.masks, ctx.scale, ctx.kv_chunk = ring, masks, scale, kv_chunk
+        ctx.ring, ctx.masks, ctx.scale, ctx.kv_chunk, ctx.blocks = ring, masks, scale, kv_chunk, blocks
         return out
 
     @staticmethod
     def backward(ctx, grad_out):  # noqa: ANN001
         q, k, v, out, lse = ctx.saved_tensors
-        ring, masks, scale = ctx.ring, ctx.masks, ctx.scale
-        dout = grad_out.float()
-        delta = (dout * out.float()).sum(-1, keepdim=True)  # [B, K, R, Q, 1]
-        lse_safe = _finite(lse)[..., None]
+        ring, masks, scale, blocks = ctx.ring, ctx.masks, ctx.scale, ctx.blocks
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # travels with kv to its owner
@@ -154,19 +152,17 @@ class _RingAttention(torch.autograd.Function):
             pending = ring.start_pass(kv) if step < ring.size - 1 else None
             for a, b in _chunks(kv.shape[3], ctx.kv_chunk):
                 mask = masks.allowed(src, a, b)
-                if not bool(mask.any()):
+                if not masks.live(src, a, b, mask):
                     continue
-                k_b, v_b = kv[0, :, :, a:b].float()[:, :, None], kv[1, :, :, a:b].float()[:, :, None]
-                p = torch.exp(_scores(q, kv[0, :, :, a:b], mask, scale) - lse_safe)
-                dkv[1, :, :, a:b] += torch.matmul(p.transpose(-1, -2), dout).sum(2)
-                ds = p * (torch.matmul(dout, v_b.transpose(-1, -2)) - delta)
-                dq += torch.matmul(ds, k_b) * scale
-                dkv[0, :, :, a:b] += torch.matmul(ds.transpose(-1, -2), q.float()).sum(2) * scale
+                dq_b, dk_b, dv_b = blocks.backward(grad_out, q, kv[0, :, :, a:b], kv[1, :, :, a:b], mask, out, lse, scale)
+                dq += dq_b
+                dkv[0, :, :, a:b] += dk_b
+                dkv[1, :, :, a:b] += dv_b
             if pending is not None:
                 kv = pending.wait()
             if ring.size > 1:
                 dkv = ring.start_pass(dkv).wait()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
 
 
 def ring_attention(
@@ -178,6 +174,7 @@ def ring_attention(
     masks: RingMasks,
     scale: float | None = None,
     kv_chunk: int = 0,
+    blocks: EagerBlocks | FusedBlocks | None = None,
 ) -> torch.Tensor:
     """Exact (block-diagonal) causal attention of local queries over the keys of every ring member.
 
@@ -188,10 +185,14 @@ def ring_attention(
         masks: positions and document ids of the queries and of each member's keys.
         scale: score scale (default ``E ** -0.5``).
         kv_chunk: keys per score block (0: the whole k/v block); bounds the ``[Q, chunk]``
-            temporaries, not the saved memory.
+            temporaries (scores, or the fused kernels' bias), not the saved memory.
+        blocks: the block kernels (`strategies.attention_blocks`); None: fused on CUDA, eager fp32
+            elsewhere.
 
     Returns:
-        ``[B, K, R, Q, E]`` attention output in the dtype of ``q``; scores and the softmax in fp32.
+        ``[B, K, R, Q, E]`` attention output in the dtype of ``q``; blocks merged in fp32 (eager
+        blocks also compute scores and softmax in fp32, under autocast too).
     """
     scale = q_bkrqe.shape[-1] ** -0.5 if scale is None else scale
-    return _RingAttention.apply(q_bkrqe, k_bkse, v_bkse, ring, masks, scale, kv_chunk)
+    blocks = block_kernels(q_bkrqe.device) if blocks is None else blocks
+    return _RingAttention.apply(q_bkrqe, k_bkse, v_bkse, ring, masks, scale, kv_chunk, blocks)

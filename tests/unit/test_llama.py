@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from trainer.models.attention import block_causal_mask
+from trainer.models.document_masks import block_causal_mask
 from trainer.models.llama import Llama, llama_ffn_dim
 
 VOCAB = 97

@@ -1,7 +1,8 @@
 """Grouped-query self-attention with RoPE over packed rows (block-diagonal causal), for `llama.Llama`.
 
 Sources: Su et al. 2021, "RoFormer" (RoPE); Ainslie et al. 2023, "GQA"; Llama Team 2024, "The Llama
-3 Herd of Models" (attention kept within each document of a packed sequence).
+3 Herd of Models" (attention kept within each document of a packed sequence); the kernels are in
+`trainer.models.document_masks`.
 
 Shape suffixes: B batch, T sequence length, D model dim, H query heads, K key/value heads, E head dim.
 """
@@ -12,6 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.models.document_masks import (
+    PackedDocuments, block_causal_mask, document_block_mask, document_runs_are_contiguous, flex_document_attention,
+    pack_documents, packed_document_attention,
+)  # fmt: skip
 from trainer.models.norm import RMSNorm
 
 
@@ -27,52 +32,55 @@ def apply_rope(x_bthe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
     return rotated.to(x_bthe.dtype)
 
 
-def block_causal_mask(document_ids_bt: torch.Tensor) -> torch.Tensor:
-    """Boolean SDPA mask ``[B, 1, T, T]``: True where query t may attend key s.
+class DocumentCausalAttention:
+    """The one-process attention core: document-causal GQA over packed rows, by device.
 
-    Token t attends s iff ``s <= t`` and ``document_ids[s] == document_ids[t]``.
-    """
-    T = document_ids_bt.shape[-1]
-    causal_tt = torch.ones(T, T, dtype=torch.bool, device=document_ids_bt.device).tril()
-    same_doc_btt = document_ids_bt[:, :, None] == document_ids_bt[:, None, :]
-    return (same_doc_btt & causal_tt)[:, None, :, :]
+    ``mask`` (once per model forward) picks the kernel from the document ids:
 
+    - no ids, or every row one document: plain causal SDPA (``is_causal=True``: flash on CUDA and CPU);
+    - CUDA: FlexAttention with a document-causal ``BlockMask`` (`document_block_mask`), compiled;
+    - CPU: causal SDPA per bucket of equally long documents (`PackedDocuments`, exact, O(T) saved
+      memory); ids whose documents are not contiguous runs (never made by plait's data) use the
+      dense mask of `block_causal_mask`.
 
-class SDPAttention:
-    """The one-process attention core: grouped-query attention through SDPA on the whole sequence.
-
-    Context parallelism swaps in another core with the same two calls (`Llama.set_attention_core`,
+    GQA is SDPA's and Flex's ``enable_gqa`` (no copies of k/v). Context parallelism swaps in
+    another core with the same two calls (`Llama.set_attention_core`,
     `strategies.context.ContextParallelAttention`).
     """
 
-    def mask(self, document_ids_bt: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:
-        """Built once per model forward: the block-causal mask ``[B, 1, T, T]``, or None (plain causal)."""
-        return None if document_ids_bt is None else block_causal_mask(document_ids_bt)
+    def mask(self, document_ids_bt: torch.Tensor | None, seq_len: int, device: torch.device) -> Any:
+        """What the blocks of this forward attend with: None (plain causal), a ``BlockMask``,
+        a `PackedDocuments` or a dense ``[B, 1, T, T]`` mask."""
+        if document_ids_bt is None:
+            return None
+        if document_ids_bt.device.type == "cuda":
+            return document_block_mask(document_ids_bt)
+        if not document_runs_are_contiguous(document_ids_bt):
+            return block_causal_mask(document_ids_bt)
+        return pack_documents(document_ids_bt)
 
-    def __call__(
-        self, q_bthe: torch.Tensor, k_btke: torch.Tensor, v_btke: torch.Tensor, mask_b1tt: torch.Tensor | None
-    ) -> torch.Tensor:
+    def __call__(self, q_bthe: torch.Tensor, k_btke: torch.Tensor, v_btke: torch.Tensor, mask: Any) -> torch.Tensor:
         """``[B, T, H, E]`` queries and ``[B, T, K, E]`` keys/values (after RoPE) -> ``[B, T, H, E]``."""
-        # GQA: repeat each kv head for the query heads it serves (same order
-        # as repeat_interleave and as SDPA's enable_gqa).
-        rep = q_bthe.shape[2] // k_btke.shape[2]
-        if rep > 1:
-            k_btke = k_btke.repeat_interleave(rep, dim=2)
-            v_btke = v_btke.repeat_interleave(rep, dim=2)
-
-        q_bhte, k_bhte, v_bhte = (t.transpose(1, 2) for t in (q_bthe, k_btke, v_btke))
-        if mask_b1tt is None:
-            out_bhte = F.scaled_dot_product_attention(q_bhte, k_bhte, v_bhte, is_causal=True)
-        else:
-            out_bhte = F.scaled_dot_product_attention(q_bhte, k_bhte, v_bhte, attn_mask=mask_b1tt)
+        if isinstance(mask, PackedDocuments):
+            return _packed(q_bthe, k_btke, v_btke, mask)
+        if mask is not None and not isinstance(mask, torch.Tensor):
+            return flex_document_attention(q_bthe, k_btke, v_btke, mask)
+        q_bhte, k_bkte, v_bkte = (t.transpose(1, 2) for t in (q_bthe, k_btke, v_btke))
+        out_bhte = F.scaled_dot_product_attention(
+            q_bhte, k_bkte, v_bkte, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+        )
         return out_bhte.transpose(1, 2)
 
 
-SDPA = SDPAttention()
+# The bucket layout changes with every batch: run it outside the compiled block (a graph break
+# around one fused call) instead of recompiling the block for each new layout.
+_packed = torch.compiler.disable(packed_document_attention)
+
+DOCUMENT_CAUSAL = DocumentCausalAttention()
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention with RoPE; the attention itself is ``self.core`` (SDPA by default).
+    """Grouped-query self-attention with RoPE; the attention itself is ``self.core`` (`DocumentCausalAttention` by default).
 
     Each of the ``n_kv_heads`` key/value heads serves ``n_heads // n_kv_heads``
     consecutive query heads (kv head j serves query heads j*r .. j*r + r - 1). ``head_dim`` E
@@ -103,7 +111,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
         # The attention computation proper (q, k, v -> output); context parallelism replaces it.
-        self.core: Any = SDPA
+        self.core: Any = DOCUMENT_CAUSAL
 
     def forward(self, x_btd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any) -> torch.Tensor:
         """``x`` ``[B, T, D]`` -> ``[B, T, D]``; ``mask`` is what ``self.core.mask`` built for this forward."""

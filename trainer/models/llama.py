@@ -29,7 +29,7 @@ from typing_extensions import override
 
 from strategies.ranges import NON_NEGATIVE, POSITIVE
 
-from trainer.models.attention import SDPA, Attention
+from trainer.models.attention import DOCUMENT_CAUSAL, Attention
 from trainer.models.norm import RMSNorm
 from trainer.models.rope import rope_scaling_problems, rope_tables
 
@@ -72,9 +72,9 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(dim, ffn_dim) if feed_forward is None else feed_forward
 
     def forward(
-        self, x_btd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask_b1tt: torch.Tensor | None
+        self, x_btd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any
     ) -> torch.Tensor:
-        h_btd = x_btd + self.attention(self.attention_norm(x_btd), cos, sin, mask_b1tt)
+        h_btd = x_btd + self.attention(self.attention_norm(x_btd), cos, sin, mask)
         return h_btd + self.feed_forward(self.ffn_norm(h_btd))
 
 
@@ -198,7 +198,7 @@ class Llama(nn.Module):
                                      self.make_attention(i), **attention)  # fmt: skip
             for i in range(n_layers)
         })
-        self.attention_core: Any = SDPA  # see set_attention_core
+        self.attention_core: Any = DOCUMENT_CAUSAL  # see set_attention_core
         self.norm: RMSNorm | None = RMSNorm(dim, norm_eps)
         self.output: nn.Linear | None = nn.Linear(dim, vocab_size, bias=False)
         if tie_embeddings:
@@ -294,7 +294,8 @@ class Llama(nn.Module):
             document_ids_bt: document index of each token ``[B, T]`` (int).
                 Attention is then block-diagonal causal: token t attends s iff
                 ``s <= t`` and ``doc[s] == doc[t]``. None means plain causal
-                attention (the fast ``is_causal=True`` path).
+                attention (the fast ``is_causal=True`` path), as is a row that
+                holds one document (see `attention.DocumentCausalAttention`).
             return_hidden: return the final-norm hidden states ``[B, T, D]``
                 instead of logits (a chunked loss applies ``output`` itself).
 
@@ -325,8 +326,8 @@ class Llama(nn.Module):
             cos, sin = self.rope_cos[:T][None, :, None, :], self.rope_sin[:T][None, :, None, :]
         else:
             cos, sin = self.rope_cos[position_ids_bt][:, :, None, :], self.rope_sin[position_ids_bt][:, :, None, :]
-        # Built once for all layers: SDPA's block-causal mask, or what context parallelism needs.
-        mask = self.attention_core.mask(document_ids_bt, T)
+        # Built once for all layers: the document layout the attention core needs (see its mask()).
+        mask = self.attention_core.mask(document_ids_bt, T, h_btd.device)
 
         for layer in self.layers.values():
             h_btd = layer(h_btd, cos, sin, mask)
@@ -337,8 +338,8 @@ class Llama(nn.Module):
     def set_attention_core(self, core: Any) -> None:
         """Swaps the attention computation of every block (context parallelism does).
 
-        ``core.mask(document_ids_bt, T)`` runs once per forward; ``core(q, k, v, mask)`` in each
-        block (see `trainer.models.attention.SDPAttention`).
+        ``core.mask(document_ids_bt, T, device)`` runs once per forward; ``core(q, k, v, mask)`` in each
+        block (see `trainer.models.attention.DocumentCausalAttention`).
         """
         self.attention_core = core
         for layer in self.layers.values():

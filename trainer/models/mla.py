@@ -3,7 +3,7 @@
 Keys and values are up-projected from one small latent per token (``kv_lora_rank`` wide, RMS-
 normalised), queries optionally from another (``q_lora_rank``); each head's query and key are
 ``qk_nope_head_dim`` features without position plus ``qk_rope_head_dim`` rotated ones, the rotated
-key part shared by all heads. Attention itself is the model's attention core (SDPA by default,
+key part shared by all heads. Attention itself is the model's attention core (document-causal by default,
 scale ``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)``), so packed rows work as in `attention`.
 
 Shape suffixes: B batch, T sequence length, D model dim, H heads, C latent width, R rotated dims,
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.models.attention import SDPA, apply_rope
+from trainer.models.attention import DOCUMENT_CAUSAL, apply_rope
 from trainer.models.norm import RMSNorm
 
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
@@ -72,7 +72,7 @@ class LatentAttention(nn.Module):
         self.kv_norm = RMSNorm(kv_lora_rank, norm_eps)
         self.wkv_b = nn.Linear(kv_lora_rank, n_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.wo = nn.Linear(n_heads * v_head_dim, dim, bias=False)
-        self.core: Any = SDPA
+        self.core: Any = DOCUMENT_CAUSAL
 
     def forward(self, x_btd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any) -> torch.Tensor:
         B, T, _ = x_btd.shape
