@@ -14,9 +14,10 @@ local shard, plus Adam's 4-byte ``step`` per tensor. These three match the stora
 exactly (`strategies.planner.measure`).
 
 Activations are the tensors autograd saves for backward in plait's Llama (trainer/models/llama.py,
-attention.py), counted op by op per token and layer: RMSNorm keeps its fp32 input, normalised
-input and 1/rms; every projection its input; SDPA q, k, v (k, v repeated to the query heads for
-GQA), output, log-sum-exp, and, on CPU with document masks, the float mask; SwiGLU its two
+attention.py, document_masks.py), counted op by op per token and layer: RMSNorm keeps its fp32
+input, normalised input and 1/rms; every projection its input; attention q, k, v (at their own
+heads: GQA through ``enable_gqa``), output and log-sum-exp, with no mask (document-causal kernels;
+on CPU one pair of int64 token indices per forward); SwiGLU its two
 projections, the SiLU output and the product; the head the log-softmax output (fp32). Sequence
 parallel shards the norms' tensors by tp, heads and ffn features are sharded by tp, context
 parallel shards every token-wise tensor by cp (ring attention keeps no mask and copies its output
@@ -161,14 +162,12 @@ def layer_activation_bytes(
     sp = tp if layout.sequence_parallel and tp > 1 else 1
     heads, e = shape.n_heads // tp, shape.head_dim
     ring = layout.cp > 1
-    kv_heads = shape.n_kv_heads // tp if ring or shape.n_kv_heads == shape.n_heads else heads
+    kv_heads = shape.n_kv_heads // tp  # GQA through enable_gqa: k and v are saved at their own heads
     norms = 2 * (2 * d + 1) * 4 // 1  # x (fp32), x/rms (fp32), 1/rms, for both norms
     per_token = norms / sp + 2 * d * a  # + the two norm outputs, gathered (projection inputs)
     per_token += (2 * heads + 2 * kv_heads) * e * a + heads * 4  # q, k, v, out; log-sum-exp (fp32)
     if ring:
         per_token += heads * e * a  # the attention output copied into the wo input
-    elif work.document_masks and device == "cpu":
-        per_token += work.seq_len * 4  # SDPA's additive float mask on CPU, one per layer
     if layer is not None and shape.is_moe(layer):
         per_token += moe_activation_bytes_per_token(shape, a)
     else:
@@ -202,6 +201,8 @@ def stage_activation_bytes(
     if layout.activation_offload:
         total = 0  # saved tensors wait in host memory
     total += tokens * shape.head_dim * 4  # RoPE cos and sin rows gathered by position ids (fp32)
+    if work.document_masks and device == "cpu" and layout.cp == 1:
+        total += tokens * 16  # PackedDocuments' gather and order indices (int64), shared by the layers
     if first:
         total += tokens * 8  # token ids (int64) of the embedding lookup
     if last:

@@ -2,7 +2,7 @@
 
 The reference is written here: SDPA with k/v repeated to the query heads and a boolean
 ``[B, 1, T, T]`` block-causal mask (plait's attention before its document kernels). Checked: the
-CPU path (`PackedDocuments`: causal SDPA per length bucket) outputs and dq/dk/dv, FlexAttention's
+CPU path (`PackedDocuments`: causal SDPA per document length) outputs and dq/dk/dv, FlexAttention's
 forward with the document ``BlockMask`` (eager, CPU), the dense fallback for ids whose documents are
 not contiguous runs, plain causal rows, and the ring attention fused kernels' CUDA calls on meta
 tensors (shapes and signatures).
@@ -42,12 +42,12 @@ def docs_of(*lengths_per_row: tuple[int, ...]) -> torch.Tensor:
     return torch.stack([torch.repeat_interleave(torch.arange(len(n)), torch.tensor(n)) for n in lengths_per_row])
 
 
-# Documents of 1 to 64 tokens: five buckets (1, 8, 16, 32, 64), a one-token document, a row that is one document.
+# A one-token document, a row that is one document, documents that straddle nothing in particular.
 PACKED = docs_of((5, 30, 1, 20, 8), (64,))
 ODD = docs_of((13, 17, 9, 25), (3, 3, 58))
 
 
-@pytest.mark.parametrize("docs", [PACKED, ODD], ids=["buckets", "odd_lengths"])
+@pytest.mark.parametrize("docs", [PACKED, ODD], ids=["lengths", "odd_lengths"])
 def test_cpu_path_equals_dense_mask_sdpa(docs):
     q, k, v, dout = tensors()
     mask = DOCUMENT_CAUSAL.mask(docs, T, CPU)
@@ -62,12 +62,10 @@ def test_cpu_path_equals_dense_mask_sdpa(docs):
         torch.testing.assert_close(got, expected, **TOL, msg=name)
 
 
-def test_buckets_bound_padding():
-    docs = pack_documents(PACKED)
-    assert docs.lengths == (1, 8, 32, 64)  # 5 and 8 -> 8; 20 and 30 -> 32; the one-document row -> 64
-    padded = sum(g.numel() for g in docs.gather)
-    assert padded <= 2 * B * T
-    assert len(set(docs.order.tolist())) == B * T and int(docs.order.max()) < padded
+def test_documents_grouped_by_length():
+    docs = pack_documents(docs_of((5, 20, 5, 20, 14), (64,)))
+    assert docs.lengths == (5, 14, 20, 64) and [g.numel() for g in docs.gather] == [10, 14, 40, 64]
+    assert sorted(docs.order.tolist()) == list(range(B * T))
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

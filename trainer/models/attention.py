@@ -39,7 +39,7 @@ class DocumentCausalAttention:
 
     - no ids, or every row one document: plain causal SDPA (``is_causal=True``: flash on CUDA and CPU);
     - CUDA: FlexAttention with a document-causal ``BlockMask`` (`document_block_mask`), compiled;
-    - CPU: causal SDPA per bucket of equally long documents (`PackedDocuments`, exact, O(T) saved
+    - CPU: causal SDPA per group of equally long documents (`PackedDocuments`, exact, O(T) saved
       memory); ids whose documents are not contiguous runs (never made by plait's data) use the
       dense mask of `block_causal_mask`.
 
@@ -72,7 +72,7 @@ class DocumentCausalAttention:
         return out_bhte.transpose(1, 2)
 
 
-# The bucket layout changes with every batch: run it outside the compiled block (a graph break
+# The document layout changes with every batch: run it outside the compiled block (a graph break
 # around one fused call) instead of recompiling the block for each new layout.
 _packed = torch.compiler.disable(packed_document_attention)
 

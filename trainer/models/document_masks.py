@@ -6,18 +6,16 @@ rules out the fused causal kernels, computes every pair and makes SDPA save a ``
 backward in every layer. Two exact replacements:
 
 - `PackedDocuments` (CPU, and any device without FlexAttention's backward): the documents of all
-  rows, grouped by length into power-of-two buckets and right-padded to the bucket's length, go
-  through plain causal SDPA (``is_causal=True``, the fused flash kernel on CPU; GQA through
-  ``enable_gqa``), one call per bucket. Right padding cannot change a real token's output under a
-  causal mask (the padded keys come after every real query), so the result is exact. Saved memory
-  is O(T): at most twice the row's tokens after padding, no ``[T, T]`` tensor; the work is at most
-  4x the document-causal pairs, at most ``log2(T) + 1`` calls per layer.
+  rows, grouped by length, go through plain causal SDPA (``is_causal=True``, the fused flash kernel
+  on CPU; GQA through ``enable_gqa``), one call per distinct length (at most ``sqrt(2 B T)``).
+  Exact, no padding: SDPA saves q, k, v, the output and the log-sum-exp of each token, as for an
+  unpacked row; no ``[T, T]`` tensor, and only the document-causal pairs are computed.
 - `document_block_mask` (CUDA): a FlexAttention ``BlockMask`` from a document-causal ``mask_mod``
   (Dong et al. 2024, "Flex Attention: A Programming Model for Generating Optimized Attention
   Kernels"): block-sparse, only the blocks that hold allowed pairs are computed.
 
 Shape suffixes: B batch, T sequence length, H query heads, K key/value heads, E head dim,
-N documents of a bucket, L a bucket's padded length.
+N documents of a group, L their length.
 """
 
 from __future__ import annotations
@@ -62,13 +60,13 @@ def document_runs_are_contiguous(document_ids_bt: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class PackedDocuments:
-    """The documents of a batch, bucketed by length: built once per forward (`pack_documents`).
+    """The documents of a batch, grouped by length: built once per forward (`pack_documents`).
 
     Args:
-        gather: per bucket, ``[N * L]`` int64 indices into the ``B * T`` flattened tokens: the
-            bucket's documents, each right-padded to L by repeating its last token.
-        lengths: per bucket, its padded length L.
-        order: ``[B * T]`` int64: where each token's output sits in the concatenated bucket outputs.
+        gather: per group, ``[N * L]`` int64 indices into the ``B * T`` flattened tokens: the
+            group's N documents of L tokens each, in order.
+        lengths: per group, its document length L.
+        order: ``[B * T]`` int64: where each token's output sits in the concatenated group outputs.
     """
 
     gather: tuple[torch.Tensor, ...]
@@ -77,35 +75,30 @@ class PackedDocuments:
 
 
 def pack_documents(document_ids_bt: torch.Tensor) -> PackedDocuments | None:
-    """Buckets the documents (runs of equal ids) of every row by length; None when every row is one.
+    """Groups the documents (runs of equal ids) of every row by length; None when every row is one.
 
-    A document of n tokens goes to the bucket of length ``min(T, 2**ceil(log2 n))``. Works on the
-    ids' device; on CUDA it synchronises (bucket sizes are host numbers), so CUDA uses FlexAttention.
+    Works on the ids' device; on CUDA it synchronises (group sizes are host numbers), so CUDA uses
+    FlexAttention instead.
     """
     B, T = document_ids_bt.shape
     starts = torch.nonzero(document_starts(document_ids_bt).flatten()).flatten()
     if starts.numel() == B:
         return None
     n_docs = torch.diff(starts, append=torch.tensor([B * T], device=starts.device))
-    bucket_len = torch.clamp(2 ** torch.ceil(torch.log2(n_docs.double())).long(), max=T)
-    gather, lengths, real = [], [], []
-    for L in sorted(set(bucket_len.tolist())):
-        chosen = bucket_len == L
-        start_n, len_n = starts[chosen], n_docs[chosen]
-        offset_l = torch.arange(L, device=starts.device)
-        gather.append((start_n[:, None] + torch.minimum(offset_l[None, :], len_n[:, None] - 1)).flatten())
-        real.append((offset_l[None, :] < len_n[:, None]).flatten())
+    gather, lengths = [], []
+    for L in torch.unique(n_docs).tolist():
+        gather.append((starts[n_docs == L][:, None] + torch.arange(L, device=starts.device)).flatten())
         lengths.append(L)
-    gather_all, real_all = torch.cat(gather), torch.cat(real)
-    order = torch.empty(B * T, dtype=torch.long, device=starts.device)
-    order[gather_all[real_all]] = torch.nonzero(real_all).flatten()
+    gather_all = torch.cat(gather)
+    order = torch.empty_like(gather_all)
+    order[gather_all] = torch.arange(B * T, device=starts.device)
     return PackedDocuments(tuple(gather), tuple(lengths), order)
 
 
 def packed_document_attention(
     q_bthe: torch.Tensor, k_btke: torch.Tensor, v_btke: torch.Tensor, docs: PackedDocuments
 ) -> torch.Tensor:
-    """Document-causal attention, one causal SDPA call per length bucket: ``[B, T, H, E]``.
+    """Document-causal attention, one causal SDPA call per document length: ``[B, T, H, E]``.
 
     Args:
         q_bthe: queries ``[B, T, H, E]``; k_btke, v_btke: keys and values ``[B, T, K, E]`` (GQA:
