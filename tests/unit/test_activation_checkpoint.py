@@ -63,6 +63,36 @@ def test_checkpointed_blocks_keep_fewer_activations_and_recompute_them() -> None
     assert len(calls) == 2  # the forward, and its recomputation in the backward
 
 
+def test_selective_checkpointing_keeps_matmuls_and_recomputes_the_rest() -> None:
+    """Bitwise equal loss and grads; the backward runs no forward matmul again (full does)."""
+    ref_loss, ref_grads = loss_and_grads(tiny_llama(), INPUT_IDS)
+    model = tiny_llama()
+    apply_activation_checkpointing(model, mode="selective")
+    loss, grads = loss_and_grads(model, INPUT_IDS)
+    assert torch.equal(loss, ref_loss) and all(torch.equal(g, ref_grads[n]) for n, g in grads.items())
+    full = tiny_llama()
+    apply_activation_checkpointing(full, mode="full")
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountMatmuls(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            self.n += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+            return func(*args, **(kwargs or {}))
+
+    runs = []
+    for m in (tiny_llama(), model, full):
+        out = m(INPUT_IDS).sum()
+        with CountMatmuls() as counter:
+            out.backward()
+        runs.append(counter.n)
+    assert runs[0] == runs[1] < runs[2], runs  # (none, selective, full) matmuls in the backward
+
+
 def test_every_k_picks_every_kth_block_from_the_first() -> None:
     model = tiny_llama(n_layers=5)
     assert apply_activation_checkpointing(model, mode="every_k", every_k=2) == ["0", "2", "4"]
@@ -97,8 +127,8 @@ def test_dcp_checkpoint_loads_across_checkpointing_on_and_off(tmp_path) -> None:
 
 
 def test_bad_settings_name_the_fix() -> None:
-    with pytest.raises(ValueError, match="activation_checkpoint.mode='selective'.*none, full, every_k"):
-        ActivationCheckpoint(mode="selective")
+    with pytest.raises(ValueError, match="activation_checkpoint.mode='partial'.*none, full, every_k, selective"):
+        ActivationCheckpoint(mode="partial")
     with pytest.raises(ValueError, match="every_k=0 must be >= 1"):
         apply_activation_checkpointing(tiny_llama(), mode="every_k", every_k=0)
 
