@@ -38,3 +38,32 @@ def test_no_supervised_token_gives_exactly_zero():
 def test_chunk_must_be_positive():
     with pytest.raises(ValueError, match="chunk_tokens must be positive"):
         chunked_token_loss_sum(torch.zeros(1, 1, 2), torch.zeros(3, 2), torch.zeros(1, 1, dtype=torch.long), chunk_tokens=0)
+
+
+def test_no_host_sync_and_autocast_precision_in_backward():
+    """No nonzero/boolean index (a device sync on CUDA) anywhere; under bf16 autocast the
+    backward's GEMMs take bf16 operands, as the forward's do (not fp32 fallbacks)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[tuple] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            self.ops.append((func, tuple(a.dtype for a in args if isinstance(a, torch.Tensor))))
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(2, 6, 8, generator=g, requires_grad=True), torch.randn(11, 8, generator=g, requires_grad=True)
+    labels = torch.randint(0, 11, (2, 6), generator=g)
+    labels[0, :3] = IGNORE_INDEX
+    with Record() as rec:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = chunked_token_loss_sum(hidden, weight, labels, chunk_tokens=5)
+        loss.backward()
+    names = {f.__name__ for f, _ in rec.ops}
+    assert not names & {"nonzero.default", "index.Tensor", "masked_select.default"}, names
+    gemms = [dtypes for f, dtypes in rec.ops if f in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)]
+    # 3 chunks x (forward logits; backward: recomputed logits, grad of hidden, grad of weight)
+    assert len(gemms) == 3 * 4 and all(set(d) == {torch.bfloat16} for d in gemms), gemms
