@@ -1,13 +1,15 @@
 """RMSNorm (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization"), for `llama.Llama`."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm with a learned scale and no bias.
 
-    Computed in float32 and cast back to the input dtype.
+    Computed in float32 and cast back to the input dtype, by the fused ``F.rms_norm`` kernel (CPU
+    and CUDA): one op and one saved tensor pair instead of the five elementwise ops of the formula.
 
     Shapes: input ``[..., dim]`` -> output ``[..., dim]``.
     """
@@ -18,6 +20,4 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return (x32 * self.weight.float()).to(x.dtype)
+        return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
