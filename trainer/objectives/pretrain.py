@@ -37,16 +37,26 @@ class CausalLM(Objective):
 
     Args:
         loss_chunk_tokens: 0 computes the logits of the whole batch; N > 0 applies the model's LM
-            head (``model.output``) and the cross-entropy N tokens at a time, forward and backward,
-            so the ``[B, T, V]`` logits never exist (`chunked_token_loss_sum`; long contexts).
+            head (``model.output``) and the cross-entropy N tokens at a time, gradients included,
+            so the ``[B, T, V]`` logits never exist (`chunked_token_loss_sum`; long contexts);
+            None: `CUDA_CHUNK_TOKENS` on CUDA (a plain, not vocabulary-sharded head), 0 elsewhere.
     """
 
-    loss_chunk_tokens: int = 0  # also for subclasses that do not call this __init__
+    loss_chunk_tokens: int | None = 0  # also for subclasses that do not call this __init__
+    CUDA_CHUNK_TOKENS = 8192  # [8192, V] fp32 logits at a time: 4 GiB at V = 128k
 
-    def __init__(self, loss_chunk_tokens: int = 0) -> None:
-        if loss_chunk_tokens < 0:
-            raise ValueError(f"objective.loss_chunk_tokens={loss_chunk_tokens} must be >= 0 (0: off)")
+    def __init__(self, loss_chunk_tokens: int | None = None) -> None:
+        if loss_chunk_tokens is not None and loss_chunk_tokens < 0:
+            raise ValueError(f"objective.loss_chunk_tokens={loss_chunk_tokens} must be >= 0 (0: off, null: auto)")
         self.loss_chunk_tokens = loss_chunk_tokens
+
+    def chunk_tokens(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> int:
+        """Tokens per loss chunk for this batch (0: whole logits); resolves the automatic None."""
+        if self.loss_chunk_tokens is not None:
+            return self.loss_chunk_tokens
+        head = getattr(model, "output", None)  # a pipeline stage replaying hidden states has none
+        plain = head is not None and not isinstance(head.weight, DTensor)
+        return self.CUDA_CHUNK_TOKENS if plain and batch["input_ids"].is_cuda else 0
 
     def num_tokens(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Supervised tokens in ``batch`` (0-dim fp32)."""
@@ -55,10 +65,9 @@ class CausalLM(Objective):
     def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Summed token loss of ``batch`` under ``model`` (0-dim fp32)."""
         ids = {"position_ids_bt": batch.get("position_ids"), "document_ids_bt": batch.get("document_ids")}
-        if self.loss_chunk_tokens:
+        chunk = self.chunk_tokens(model, batch)
+        if chunk:
             hidden = model(batch["input_ids"], **ids, return_hidden=True)
-            return chunked_token_loss_sum(
-                hidden, model.output.weight, batch["labels"], chunk_tokens=self.loss_chunk_tokens
-            )
+            return chunked_token_loss_sum(hidden, model.output.weight, batch["labels"], chunk_tokens=chunk)
         logits = model(batch["input_ids"], **ids)
         return token_loss_sum(logits, batch["labels"])
