@@ -53,5 +53,5 @@ def test_automatic_loss_chunks_by_device() -> None:
     cuda_batch = {"input_ids": SimpleNamespace(is_cuda=True)}
     assert objective.chunk_tokens(head, {"input_ids": torch.zeros(1, 2, dtype=torch.long)}) == 0
     assert objective.chunk_tokens(head, cuda_batch) == CausalLM.CUDA_CHUNK_TOKENS
-    assert objective.chunk_tokens(SimpleNamespace(), cuda_batch) == 0  # a pipeline replay: no head
+    assert objective.chunk_tokens(SimpleNamespace(output=torch.zeros(1)), cuda_batch) == 0  # a pipeline replay
     assert CausalLM(loss_chunk_tokens=0).chunk_tokens(head, cuda_batch) == 0

@@ -44,8 +44,8 @@ def test_plugins_default_to_off() -> None:
 
 def test_validate_checks_every_plugin_node_before_launch() -> None:
     with pytest.raises(ConfigError) as err:
-        validate(compose_config(["strategy.activation_checkpoint.mode=selective", "strategy.compile.enabled=maybe"]))
+        validate(compose_config(["strategy.activation_checkpoint.mode=partial", "strategy.compile.enabled=maybe"]))
     assert err.value.problems == [
-        "strategy.activation_checkpoint.mode='selective' must be one of none, full, every_k",
+        "strategy.activation_checkpoint.mode='partial' must be one of none, full, every_k, selective",
         "strategy.compile.enabled='maybe' must be bool",
     ]

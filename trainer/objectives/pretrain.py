@@ -54,8 +54,8 @@ class CausalLM(Objective):
         """Tokens per loss chunk for this batch (0: whole logits); resolves the automatic None."""
         if self.loss_chunk_tokens is not None:
             return self.loss_chunk_tokens
-        head = getattr(model, "output", None)  # a pipeline stage replaying hidden states has none
-        plain = head is not None and not isinstance(head.weight, DTensor)
+        head = getattr(model, "output", None)  # a pipeline stage's replay of its logits has no head
+        plain = isinstance(head, nn.Linear) and not isinstance(head.weight, DTensor)
         return self.CUDA_CHUNK_TOKENS if plain and batch["input_ids"].is_cuda else 0
 
     def num_tokens(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
