@@ -79,3 +79,13 @@ def test_loader_resumes_after_the_last_batch_of_an_epoch_in_the_next_one() -> No
     fresh.load_state_dict(loader.state_dict())
     assert fresh.state_dict() == {"epoch": 1, "trained": 0}
     assert _rows(fresh) == _rows(_loader(epoch=1))  # the next epoch's order, from its first batch
+
+
+def test_pinned_loader_hands_out_page_locked_batches(monkeypatch) -> None:
+    # No CUDA here: Tensor.pin_memory is replaced by a marker (a pinned batch is then copied with non_blocking).
+    pinned = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: pinned.append(self) or self.clone())
+    sampler = GlobalBatchSampler(num_rows=40, global_batch_size=8, dp_rank=0, dp_size=1, seed=0)
+    batches = list(Loader(RowBatches({"row": torch.arange(40)}, sampler), pin_memory=True))
+    assert len(pinned) == len(batches) == 5 and all(p is not b["row"] for p, b in zip(pinned, batches))
+    assert not list(iter(_loader()))[0]["row"].is_pinned()

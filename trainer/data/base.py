@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, TypedDict
 
 import lightning as L
+import torch
 from torch import Tensor
 from typing_extensions import Required, override
 
@@ -182,7 +183,7 @@ class DataModule(L.LightningDataModule, protocols.DataModule):
 
     @override
     def train_dataloader(self) -> Loader:
-        return Loader(self.train_batches(*self.dp()))
+        return Loader(self.train_batches(*self.dp()), pin_memory=torch.cuda.is_available())
 
     def eval_dataloader(self) -> list[Batch]:
         """This dp rank's share of `eval_rows` in micro-batches (`shard_rows`: every row once, the

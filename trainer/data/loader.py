@@ -61,10 +61,15 @@ class GlobalBatches(Protocol):
 
 
 class Loader(protocols.Loader):
-    """Batches of a `GlobalBatches` stream; its state is the trained position (module docstring)."""
+    """Batches of a `GlobalBatches` stream; its state is the trained position (module docstring).
 
-    def __init__(self, batches: GlobalBatches) -> None:
+    ``pin_memory`` (on when CUDA is available) hands out page-locked batches, so Lightning's
+    ``non_blocking`` copy to the GPU is asynchronous (overlaps the previous step's kernels).
+    """
+
+    def __init__(self, batches: GlobalBatches, *, pin_memory: bool = False) -> None:
         self.batches = batches
+        self.pin_memory = pin_memory
         self._trained = batches.start()
         self._queue: deque[tuple[Position, bool]] = deque()
         self._last: bool | None = None
@@ -79,7 +84,7 @@ class Loader(protocols.Loader):
         self._queue = deque()
         for batch, position, last in self.batches.batches(self._trained):
             self._queue.append((position, last))
-            yield batch
+            yield {key: value.pin_memory() for key, value in batch.items()} if self.pin_memory else batch
 
     def __len__(self) -> int:
         # The whole epoch, also when resumed in its middle: Lightning counts a resumed epoch's
