@@ -218,6 +218,8 @@ class MeshStrategy(ModelParallelStrategy):
                 f"strategy.local_sgd needs at least 2 islands but strategy.dp_replicate={self.dims.dp_replicate}; "
                 f"use more ranks or a smaller strategy.dp_shard, or set strategy.local_sgd=null"
             )
+        if self.root_device.type == "cuda":
+            torch.set_float32_matmul_precision("high")  # TF32 tensor cores for the fp32 matmuls left
         self._device_mesh, self._mesh_views = self.dims.build_mesh(self.root_device.type)
         self.meshes = Meshes(
             root=self._device_mesh, views=self._mesh_views, fsdp=self.dp_mesh(), device=self.root_device,

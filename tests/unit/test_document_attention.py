@@ -110,3 +110,12 @@ def test_fused_block_kernels_cuda_calls_on_meta():
     assert out.shape == q.shape and lse.shape == (Bm, Km, R, Q) and lse.dtype == torch.float32
     dq, dk, dv = blocks.backward(out, q, k, v, allowed, out, lse, 0.25)
     assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
+
+
+def test_value_head_dim_may_differ_from_the_query_one():
+    # Multi-head latent attention (trainer.models.mla): q/k of 24 features, values of 16.
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(B, T, H, 24, generator=g), torch.randn(B, T, H, 24, generator=g), torch.randn(B, T, H, 16, generator=g)
+    mask = (PACKED[:, :, None] == PACKED[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril()
+    want = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=mask[:, None]).transpose(1, 2)
+    torch.testing.assert_close(DOCUMENT_CAUSAL(q, k, v, DOCUMENT_CAUSAL.mask(PACKED, T, CPU)), want, **TOL)

@@ -102,17 +102,19 @@ def packed_document_attention(
 
     Args:
         q_bthe: queries ``[B, T, H, E]``; k_btke, v_btke: keys and values ``[B, T, K, E]`` (GQA:
-            K divides H, query head h served by kv head ``h // (H / K)``).
+            K divides H, query head h served by kv head ``h // (H / K)``); the values' head dim
+            may differ from E (the output then has it).
         docs: the batch's documents (`pack_documents` of its ids).
     """
-    B, T, H, E = q_bthe.shape
-    flat = [t.reshape(B * T, t.shape[2], E) for t in (q_bthe, k_btke, v_btke)]
+    B, T, H, _ = q_bthe.shape
+    Ev = v_btke.shape[-1]  # the value head dim may differ from the query/key one (latent attention)
+    flat = [t.reshape(B * T, *t.shape[2:]) for t in (q_bthe, k_btke, v_btke)]
     outs = []
     for index, L in zip(docs.gather, docs.lengths):
-        q, k, v = (t.index_select(0, index).view(-1, L, t.shape[1], E).transpose(1, 2) for t in flat)
+        q, k, v = (t.index_select(0, index).view(-1, L, *t.shape[1:]).transpose(1, 2) for t in flat)
         out_nhle = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        outs.append(out_nhle.transpose(1, 2).reshape(-1, H, E))
-    return torch.cat(outs).index_select(0, docs.order).view(B, T, H, E)
+        outs.append(out_nhle.transpose(1, 2).reshape(-1, H, Ev))
+    return torch.cat(outs).index_select(0, docs.order).view(B, T, H, Ev)
 
 
 def document_block_mask(document_ids_bt: torch.Tensor, *, compiled: bool = True):  # noqa: ANN201
