@@ -17,7 +17,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from trainer.models.attention import SDPA
+from trainer.models.attention import DOCUMENT_CAUSAL
 
 
 class KVCache:
@@ -37,7 +37,7 @@ class KVCache:
         """Tokens cached (S of the last forward)."""
         return 0 if self.keys[-1] is None else self.keys[-1].shape[1]
 
-    def mask(self, document_ids_bt: torch.Tensor | None, seq_len: int) -> torch.Tensor | None:
+    def mask(self, document_ids_bt: torch.Tensor | None, seq_len: int, device: torch.device) -> torch.Tensor | None:
         """Once per forward (before the blocks): starts at layer 0; the new tokens' causal mask
         [1, 1, T, S] (query t, at position length + t, sees keys 0 .. length + t), None for one token.
 
@@ -50,8 +50,8 @@ class KVCache:
         if seq_len == 1:
             return None
         past = self.length
-        keys_s = torch.arange(past + seq_len)
-        return (keys_s[None, :] <= past + torch.arange(seq_len)[:, None])[None, None]
+        keys_s = torch.arange(past + seq_len, device=device)
+        return (keys_s[None, :] <= past + torch.arange(seq_len, device=device)[:, None])[None, None]
 
     def __call__(self, q_bthe: torch.Tensor, k_btke: torch.Tensor, v_btke: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Appends this layer's new keys/values and attends the new queries to all cached ones."""
@@ -63,9 +63,7 @@ class KVCache:
         self.keys[i], self.values[i] = k_btke, v_btke
         if mask is None and q_bthe.shape[1] == 1:
             mask = torch.ones(1, 1, 1, k_btke.shape[1], dtype=torch.bool, device=q_bthe.device)  # the last token sees all
-        elif mask is not None:
-            mask = mask.to(q_bthe.device)
-        return SDPA(q_bthe, k_btke, v_btke, mask)
+        return DOCUMENT_CAUSAL(q_bthe, k_btke, v_btke, mask)
 
 
 @contextmanager
