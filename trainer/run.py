@@ -38,10 +38,14 @@ def check_run_dir(cfg: DictConfig, run_dir: Path | None = None, report: Callable
         report: called with each checkpoint passed over (and why) and the one resumed from.
 
     Raises:
-        ConfigError: a fresh start into a run directory that already has checkpoints, or a
+        ConfigError: a ``run_dir`` that is (or lies under) a file, a fresh start into a run
+            directory that already has checkpoints, or a
             ``resume`` that names no intact checkpoint (the damaged ones listed).
     """
     run_dir = Path(run_dir if run_dir is not None else cfg.run_dir)
+    blocked = next((p for p in (run_dir, *run_dir.parents) if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise ConfigError([f"run_dir={run_dir}: {blocked} is a file, not a directory; choose another run_dir"])
     if cfg.resume is None:
         if RunDir(run_dir).holds_checkpoints():
             raise ConfigError(

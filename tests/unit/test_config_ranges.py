@@ -40,3 +40,15 @@ def test_unlaunchable_layouts() -> None:
     assert "needs a launcher that starts plait on every node" in launch_problems("cpu", 1, 2, environ={})[0]
     assert launch_problems("cpu", 1, 2, environ={"SLURM_NTASKS": "2"}) == []
     assert launch_problems("cpu", 4, 1, environ={}) == []
+
+
+def test_a_run_dir_that_is_or_sits_under_a_file_is_refused(tmp_path) -> None:
+    from omegaconf import OmegaConf
+
+    from trainer.run import check_run_dir
+
+    (tmp_path / "a_file").write_text("x\n")
+    for run_dir in (tmp_path / "a_file", tmp_path / "a_file" / "run"):
+        with pytest.raises(ConfigError, match="a_file is a file, not a directory; choose another run_dir"):
+            check_run_dir(OmegaConf.create({"run_dir": str(run_dir), "resume": None}))
+    assert check_run_dir(OmegaConf.create({"run_dir": str(tmp_path / "new"), "resume": None})) is None
