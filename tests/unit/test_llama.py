@@ -236,14 +236,13 @@ def test_init_weights_statistics():
 
 
 def test_meta_device_then_init_weights_matches_cpu():
+    torch.manual_seed(5)
     with torch.device("meta"):
         meta_model = Llama(**NANO)
+    assert meta_model.tok_embeddings.weight.is_meta
     meta_model.to_empty(device="cpu")
-    torch.manual_seed(5)
     meta_model.init_weights()
-    cpu_model = make()
-    torch.manual_seed(5)
-    cpu_model.init_weights()
+    cpu_model = make(5)
     for (key, a), (_, b) in zip(meta_model.state_dict().items(), cpu_model.state_dict().items()):
         assert torch.equal(a, b), key
     assert torch.equal(meta_model.rope_cos, cpu_model.rope_cos)

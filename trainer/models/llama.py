@@ -25,11 +25,13 @@ from typing import Annotated, Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from strategies.ranges import NON_NEGATIVE, POSITIVE
 
 from trainer.models.attention import DOCUMENT_CAUSAL, Attention
+from trainer.models.init import seeded_normal_
 from trainer.models.norm import RMSNorm
 from trainer.models.rope import rope_scaling_problems, rope_tables
 
@@ -190,6 +192,9 @@ class Llama(nn.Module):
         self.init_std = init_std
         self.qkv_bias, self.qk_norm, self.rope_scaling = qkv_bias, qk_norm, rope_scaling
         self.init_from = init_from
+        # One draw from torch's RNG (on CPU, also when built under a meta default device): the
+        # seed of every weight (init_weights), so the weights are deterministic given the RNG state.
+        self.init_seed = int(torch.randint(0, 2**62, (1,), device="cpu"))
 
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(vocab_size, dim)
         attention = {"head_dim": self.head_dim, "qkv_bias": qkv_bias, "qk_norm": qk_norm}
@@ -232,37 +237,33 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """(Re)initialize all parameters and the RoPE tables in place.
+        """(Re)initialize all parameters and the RoPE tables in place; does nothing on the meta device.
 
-        Embedding and linear weights ~ N(0, init_std); the residual output
-        projections (``wo``, ``w2``) use ``init_std / sqrt(2 * n_layers)`` as in
-        GPT-2 (Radford et al. 2019), so the residual stream's variance does not
-        grow with depth. RMSNorm weights are set to 1. Deterministic given
-        torch's RNG state. Safe on a model built on the meta device and then
-        moved with ``to_empty``; skips modules that are None.
+        Embedding and linear weights ~ N(0, init_std); the residual output projections (``wo``,
+        ``w2``) use ``init_std / sqrt(2 * n_layers)`` as in GPT-2 (Radford et al. 2019), so the
+        residual stream's variance does not grow with depth. RMSNorm weights are set to 1, biases
+        to 0. Each weight is drawn from generators seeded by ``init_seed`` and its name
+        (`trainer.models.init`), so a parallelized model (DTensor shards, pipeline stages) filled
+        after ``to_empty`` holds exactly the one-process values. Skips modules that are None.
         """
+        if self.rope_cos.is_meta:
+            return  # built on the meta device: the strategy materialises it and calls this again
         self.rope_cos, self.rope_sin = self._rope_tables(self.rope_cos.device)
-
         residual_std = self.init_std / math.sqrt(2 * self.n_layers)
-        if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=self.init_std)
-        for layer in self.layers.values():
-            for name, module in layer.named_modules():
-                if isinstance(module, nn.Linear):
-                    is_residual_out = name.endswith(("wo", "w2"))
-                    std = residual_std if is_residual_out else self.init_std
-                    nn.init.normal_(module.weight, mean=0.0, std=std)
-                    if module.bias is not None:
-                        nn.init.zeros_(module.bias)
-                elif isinstance(module, RMSNorm):
-                    nn.init.ones_(module.weight)
-        if self.norm is not None:
-            nn.init.ones_(self.norm.weight)
-        tied = self.tok_embeddings is not None and self.output is not None and (
-            self.output.weight is self.tok_embeddings.weight
-        )
-        if self.output is not None and not tied:
-            nn.init.normal_(self.output.weight, mean=0.0, std=self.init_std)
+        seen: set[int] = set()  # a tied output weight is the embedding's: initialised once
+        for module_name, module in self.named_modules():
+            for param_name, param in module.named_parameters(recurse=False):
+                if id(param) in seen:
+                    continue
+                seen.add(id(param))
+                local = param.to_local() if isinstance(param, DTensor) else param
+                if isinstance(module, RMSNorm):
+                    local.fill_(1.0)
+                elif param_name == "bias":
+                    local.zero_()
+                else:
+                    std = residual_std if module_name.endswith(("wo", "w2")) else self.init_std
+                    seeded_normal_(param, f"{module_name}.{param_name}", std=std, seed=self.init_seed)
 
     @override
     def _apply(self, fn, recurse=True):
