@@ -11,6 +11,7 @@ Subclass it, override one method, and select the subclass with ``strategy._targe
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -271,6 +272,8 @@ class MeshStrategy(ModelParallelStrategy):
         """
         stage_modules = [model]
         for plugin in self.plugins(self.dims):
+            if plugin is self.local_sgd:
+                self.materialize(model)  # local SGD copies the initial (sharded) weights
             if plugin is self.fsdp:
                 for module in stage_modules:
                     plugin.apply(module, self.meshes)
@@ -278,6 +281,26 @@ class MeshStrategy(ModelParallelStrategy):
             applied = plugin.apply(model, self.meshes)
             if plugin is self.pipeline:
                 stage_modules = applied
+        self.materialize(model)
+
+    def materialize(self, model: nn.Module) -> None:
+        """Allocates a model built on the meta device on this rank's device, each parameter at its
+        local (sharded) size, and fills it with ``model.init_weights()``; nothing for a real model.
+
+        The meta-device construction of torchtitan (build on meta, parallelize, ``to_empty``,
+        ``init_weights``): no rank ever holds the whole model. ``init_weights`` must give every
+        layout the same values (plait's Llama seeds each weight by its name: `trainer.models.init`).
+
+        Raises:
+            TypeError: a model on the meta device without an ``init_weights()`` method.
+        """
+        if not any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+            return
+        init_weights = getattr(model, "init_weights", None)
+        if not callable(init_weights):
+            raise TypeError(f"{type(model).__name__} was built on the meta device but has no init_weights() to fill it")
+        model.to_empty(device=self.root_device)
+        init_weights()
 
     def dp_mesh(self) -> DeviceMesh:
         """The mesh FSDP shards over: (dp_replicate, dp_shard) for HSDP, else dp_shard; with cp > 1

@@ -6,13 +6,14 @@ derives degrees or micro-batches again.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from hydra.utils import get_class, instantiate
+from hydra.utils import get_class, get_object, instantiate
 from lightning.pytorch.callbacks import Checkpoint
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
@@ -46,7 +47,10 @@ def build_data(cfg: DictConfig, run: ResolvedRun | None = None) -> DataModule:
 
 
 def build_model(cfg: DictConfig, run: ResolvedRun, *, vocab_size: int) -> nn.Module:
-    """The model, initialised from ``cfg.seed`` (same weights at any world size).
+    """The model, initialised from ``cfg.seed`` (same weights at any world size and layout).
+
+    With more than one rank, a model class with ``init_weights()`` is built on the meta device:
+    the strategy allocates and fills only each rank's shards (`MeshStrategy.materialize`).
 
     Args:
         vocab_size: the tokenizer's size (the model's, unless ``model.vocab_size`` pads it).
@@ -67,7 +71,12 @@ def build_model(cfg: DictConfig, run: ResolvedRun, *, vocab_size: int) -> nn.Mod
             f"are sharded by vocabulary rows); pad them with +model.vocab_size={-(-vocab_size // tp) * tp}"
         ])
     torch.manual_seed(cfg.seed)
-    return instantiate(cfg.model, vocab_size=planned or vocab_size)
+    # Sharded layouts build on the meta device: the strategy allocates and initialises only each
+    # rank's shards after parallelizing (MeshStrategy.materialize), so no rank holds the whole model.
+    target = get_object(cfg.model._target_) if isinstance(cfg.model.get("_target_"), str) else None
+    on_meta = run.world_size > 1 and inspect.isclass(target) and callable(getattr(target, "init_weights", None))
+    with torch.device("meta") if on_meta else contextlib.nullcontext():
+        return instantiate(cfg.model, vocab_size=planned or vocab_size)
 
 
 def build_task(cfg: DictConfig, run: ResolvedRun, model: nn.Module) -> Task:

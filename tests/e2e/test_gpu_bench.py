@@ -29,10 +29,8 @@ def test_every_lease_configuration_validates() -> None:
         if name == "smoke":
             continue
         cfg = compose("pretrain", bench.overrides(spec, spec["seq_len"], cuda=True))
-        validate(cfg)  # raises ConfigError naming every problem
-        assert (cfg.trainer.precision, cfg.data.seq_len, cfg.train.global_batch_size) == (
-            "bf16-mixed", spec["seq_len"], spec["batch"]
-        )
+        run = validate(cfg)  # raises ConfigError naming every problem
+        assert (run.precision, run.seq_len, run.global_batch_size) == ("bf16-mixed", spec["seq_len"], spec["batch"])
 
 
 def test_allow_cpu_trains_the_smoke_configuration() -> None:
