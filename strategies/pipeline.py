@@ -252,14 +252,19 @@ class PipelineParallel:
     def _schedule(self, num_microbatches: int) -> Any:
         s = self._state
         if num_microbatches not in s["schedules"]:
-            # The views' buffers (RoPE tables) follow the model to the device Lightning moved it to.
-            for view in s["modules"]:
-                view._buffers.update(s["root"].named_buffers(recurse=False))
+            self._refresh_view_buffers()
             s["schedules"][num_microbatches] = build_schedule(
                 s["modules"], stages=s["stages"], num_stages=s["num_stages"], schedule=s["schedule"],
                 num_microbatches=num_microbatches, loss_fn=self._loss, group=s["group"], device=s["device"],
             )  # fmt: skip
         return s["schedules"][num_microbatches]
+
+    def _refresh_view_buffers(self) -> None:
+        # The views' buffers (RoPE tables) follow the model's: Lightning moves it to its device, and
+        # a model built on the meta device gets new ones when it is materialised.
+        s = self._state
+        for view in s["modules"]:
+            view._buffers.update(s["root"].named_buffers(recurse=False))
 
     def _loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         s = self._state
@@ -325,6 +330,7 @@ class PipelineParallel:
         returns the same 0-dim tensor.
         """
         s = self._state
+        self._refresh_view_buffers()
         pp, schedule, group = s["pp"], s["schedule"], s["group"]
         kwargs = model_kwargs(batch)
         modules = dict(zip(s["stages"], s["modules"]))
