@@ -49,7 +49,7 @@ def build_data(cfg: DictConfig, run: ResolvedRun | None = None) -> DataModule:
 def build_model(cfg: DictConfig, run: ResolvedRun, *, vocab_size: int) -> nn.Module:
     """The model, initialised from ``cfg.seed`` (same weights at any world size and layout).
 
-    With more than one rank, a model class with ``init_weights()`` is built on the meta device:
+    With more than one rank, a model class whose ``META_INIT`` is true is built on the meta device:
     the strategy allocates and fills only each rank's shards (`MeshStrategy.materialize`).
 
     Args:
@@ -74,7 +74,7 @@ def build_model(cfg: DictConfig, run: ResolvedRun, *, vocab_size: int) -> nn.Mod
     # Sharded layouts build on the meta device: the strategy allocates and initialises only each
     # rank's shards after parallelizing (MeshStrategy.materialize), so no rank holds the whole model.
     target = get_object(cfg.model._target_) if isinstance(cfg.model.get("_target_"), str) else None
-    on_meta = run.world_size > 1 and inspect.isclass(target) and callable(getattr(target, "init_weights", None))
+    on_meta = run.world_size > 1 and inspect.isclass(target) and getattr(target, "META_INIT", False)
     with torch.device("meta") if on_meta else contextlib.nullcontext():
         return instantiate(cfg.model, vocab_size=planned or vocab_size)
 

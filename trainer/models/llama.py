@@ -128,6 +128,10 @@ class Llama(nn.Module):
     hidden states ``[B, T, D]``.
     """
 
+    # init_weights fills a model built on the meta device and parallelized, shard by shard, with the
+    # one-process values (per-name seeded draws): trainer.build builds sharded layouts on meta.
+    META_INIT = True
+
     def __init__(
         self,
         *,

@@ -74,6 +74,9 @@ class MoETransformer(Llama):
             or an unknown ``score_func``; or what `Llama` raises.
     """
 
+    # The stacked experts are drawn from the global RNG (not per name yet): built on the CPU.
+    META_INIT = False
+
     def __init__(
         self,
         *,
