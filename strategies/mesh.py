@@ -272,8 +272,9 @@ class MeshStrategy(ModelParallelStrategy):
         """
         stage_modules = [model]
         for plugin in self.plugins(self.dims):
-            if plugin is self.local_sgd:
-                self.materialize(model)  # local SGD copies the initial (sharded) weights
+            if plugin is self.lora or plugin is self.local_sgd:
+                # LoRA creates its adapters beside real base weights; local SGD copies the initial ones.
+                self.materialize(model)
             if plugin is self.fsdp:
                 for module in stage_modules:
                     plugin.apply(module, self.meshes)
