@@ -122,8 +122,8 @@ def test_validate_refuses_balance_that_cannot_apply():
 
     from trainer.config import ConfigError, validate
 
-    validate(compose_config(["data.balance=work", "train.micro_batch_size=4"]))  # two micro-batches: accepted
+    validate(compose_config(["data.balance=work", "strategy=ddp", "trainer.devices=2"]))  # two dp ranks: accepted
     with pytest.raises(ConfigError, match="data.balance=work has nothing to balance"):
-        validate(compose_config(["data.balance=work", "train.micro_batch_size=8"]))
+        validate(compose_config(["data.balance=work", "train.micro_batch_size=2"]))  # one rank: the order changes nothing
     with pytest.raises(ConfigError, match="data.balance='tokens' must be one of none, work"):
         validate(compose_config(["data.balance=tokens"]))

@@ -107,10 +107,10 @@ class DataModule(L.LightningDataModule, protocols.DataModule):
         launch); ``run`` is None when the layout itself is invalid."""
         problems = cls.node_problems(cfg.data)
         balance = cfg.data.get("balance", "none")
-        if balance == "work" and run is not None and run.dims.dp * run.num_micro_batches == 1:
+        if balance == "work" and run is not None and run.dims.dp == 1:
             problems.append(
-                "data.balance=work has nothing to balance: one dp rank trains the whole step in one micro-batch; use "
-                "data.balance=none, or more dp ranks or a smaller train.micro_batch_size"
+                "data.balance=work has nothing to balance: one dp rank trains every row of the step; use "
+                "data.balance=none, or more than one dp rank (strategy.dp_shard / dp_replicate, trainer.devices)"
             )
         return problems
 
