@@ -16,6 +16,7 @@ from strategies.launch import LAUNCH_ENV, launch_problems
 from strategies.resolved import ResolvedRun
 from trainer.config import ConfigError, validate
 from trainer.data.base import DataError, DataModule
+from trainer.data.chat import ChatError
 from trainer.nonfinite import NonFiniteError
 from trainer.resume import ResumeRecord, check_resume
 from trainer.rundir import RunDir, resolve_checkpoint
@@ -148,7 +149,7 @@ def run(cfg: DictConfig, launch: Launch | None = None) -> None:
     except BaseException as err:
         if launching and fresh_dir and run_dir.is_dir() and not any(run_dir.iterdir()):
             run_dir.rmdir()  # a failed start leaves nothing behind, whatever failed
-        if isinstance(err, (ConfigError, DataError, CheckpointError)):
+        if isinstance(err, (ConfigError, DataError, ChatError, CheckpointError)):
             print(f"plait: error: {err}", file=sys.stderr)
             raise SystemExit(2) from None
         raise
