@@ -334,7 +334,10 @@ def _check_target(node: Any, where: str, problems: list[str], injected: set[str]
 
 
 def _hints(target: Any) -> dict[str, Any]:
+    function = target.__init__ if inspect.isclass(target) else target
     try:
-        return typing.get_type_hints(target.__init__ if inspect.isclass(target) else target)
-    except Exception:  # noqa: BLE001 - annotations that do not resolve are simply not type-checked
-        return {}
+        return typing.get_type_hints(function)
+    except Exception:  # noqa: BLE001 - one unresolvable annotation (e.g. WandbLogger's experiment: "Run")
+        # The annotations that are objects already are still checked (name: Optional[str], ...);
+        # the strings that do not resolve are not.
+        return {n: p.annotation for n, p in inspect.signature(function).parameters.items() if not isinstance(p.annotation, str)}

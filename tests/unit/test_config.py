@@ -35,6 +35,14 @@ def test_types_are_checked_for_schema_and_targets() -> None:
     assert len(problems) == 3
 
 
+def test_logger_arguments_are_type_checked_though_one_annotation_does_not_resolve() -> None:
+    # WandbLogger's ``experiment: "Run"`` made typing.get_type_hints fail, and with it every check
+    # of logger.wandb.*: a numeric name or id reached wandb after launch.
+    problems = _problems(["logger=wandb", "logger.wandb.name=123", "+logger.wandb.id=7"])
+    assert "logger.wandb.name=123 must be str or null" in problems
+    assert "logger.wandb.id=7 must be str or null" in problems
+
+
 def test_semantic_problems_are_all_reported() -> None:
     problems = _problems(["train.global_batch_size=7", "data.seq_len=4096", "trainer.devices=2", "strategy.tp=3"])
     text = "\n".join(problems)
