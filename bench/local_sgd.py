@@ -1,25 +1,32 @@
 """Local SGD against DDP at equal tokens: final validation loss and bytes sent across replicas.
 
-Trains the ``pretrain`` recipe on the bundled corpus (Shakespeare + King James Bible) once per
-method, each with the same model init, the same rows in the same order and the same number of
-steps (so the same tokens), on ``--replicas`` gloo ranks of this machine:
+The papers' regime: DiLoCo (Douillard et al. 2023) and DES-LOC (Iacob et al. 2025) start from a
+pretrained (or DDP-trained) model and run many outer steps. So the bench first trains
+``--warmup`` DDP steps of the ``pretrain`` recipe on the bundled corpus (Shakespeare + King James
+Bible) once, at the recipe's peak LR held constant, and every method continues from that model
+(``model.init_from``; fresh optimizer, the recipe's warm-up + cosine schedule over ``--steps``):
+the same model, the same rows in the same order and the same number of steps (so the same
+tokens), on ``--replicas`` gloo ranks:
 
 - ``ddp``: gradients all-reduced every step (``strategy=ddp``);
-- ``diloco10``, ``diloco50``: DiLoCo, H = 10 and 50, outer Nesterov SGD (lr 0.7, momentum 0.9);
+- ``diloco10``, ``diloco50``, ``diloco100``: DiLoCo, H = 10, 50, 100, outer Nesterov SGD (lr 0.7,
+  momentum 0.9);
 - ``desloc``: DES-LOC with K_x / K_u / K_v = 16 / 48 / 96;
 - ``local_adam``: Local Adam, parameters and both moments every 16 steps.
 
 Bytes are bytes each rank sends to the other replicas over the whole run, counted as a ring
 all-reduce (2 (n - 1) / n x message bytes, `strategies.local_sgd.allreduce_bytes_sent`): for the
 local-SGD runs as logged by the plugin, for DDP one fp32 all-reduce of every gradient per step.
-``--steps`` is a multiple of every parameter-sync period (10, 50, 16), so every method ends right
-after a parameter average and the final validation loss is that of one model shared by all
+``--steps`` is a multiple of every sync period of the methods run (2400 = lcm(100, 96): 48 outer
+steps at H = 50, 24 at H = 100, every DES-LOC period a whole number of times), so every method ends
+right after a parameter average and the final validation loss is that of one model shared by all
 replicas. Ratios are to DDP (loss ratio > 1: worse than DDP).
 
 Invocations::
 
-    OMP_NUM_THREADS=1 python bench/local_sgd.py                      # CPU, nano model: a few minutes on 2 cores
-    python bench/local_sgd.py --model tiny --seq-len 128 --steps 800 # larger, slower
+    OMP_NUM_THREADS=1 python bench/local_sgd.py                      # CPU, nano model: ~10 min on 2 idle cores
+    python bench/local_sgd.py --warmup 0 --steps 400 --methods ddp diloco10 diloco50 local_adam  # from a random init
+    python bench/local_sgd.py --model tiny --seq-len 128 --steps 4800 # larger, slower
     python bench/local_sgd.py --methods ddp --extra "diloco10_avg=strategy=diloco strategy.local_sgd.sync_every=10
         strategy.local_sgd.outer_optimizer.momentum=0.0 ..."        # another setting, next to DDP
 
@@ -50,35 +57,44 @@ METHODS = {
     "ddp": ["strategy=ddp"],
     "diloco10": ["strategy=diloco", "strategy.local_sgd.sync_every=10"],
     "diloco50": ["strategy=diloco", "strategy.local_sgd.sync_every=50"],
+    "diloco100": ["strategy=diloco", "strategy.local_sgd.sync_every=100"],
     "desloc": ["strategy=desloc"],  # 16 / 48 / 96
     "local_adam": ["strategy=local_adam"],  # 16
 }
-SYNC_PERIODS = (10, 50, 16)
+# Steps between the syncs each method's final loss and bytes depend on (DES-LOC: its slowest state).
+SYNC_PERIOD = {"ddp": 1, "diloco10": 10, "diloco50": 50, "diloco100": 100, "desloc": 96, "local_adam": 16}
+DEFAULT_METHODS = ["ddp", "diloco50", "diloco100", "desloc"]
 
 
-def train(method: str, args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
+def train(method: str, args: argparse.Namespace, run_dir: Path, *, steps: int, init_from: str | None) -> dict[str, Any]:
     """One run in forked gloo ranks; returns rank 0's final validation loss, bytes sent and wall time."""
     cfg = compose(
         "pretrain",
         [
-            *METHODS[method],
+            *METHODS["ddp" if method == "warmup" else method],
+            # The warm-up holds the peak LR (after its 20 warm-up steps); every continuation then
+            # runs the recipe's schedule (20 steps back up to the same peak, cosine to 0.1x): no
+            # jump from a decayed LR back to the peak.
+            *(["scheduler=constant"] if method == "warmup" else []),
             f"model={args.model}",
+            # The same data seed as the warm-up: the BPE is trained on the seed's training split,
+            # so another seed would be another tokenizer than the one the warm-up model learned.
+            f"model.init_from={init_from}" if init_from else "model.init_from=null",
             f"data.seq_len={args.seq_len}",
             f"data.eval_rows={args.eval_rows}",
             f"train.global_batch_size={args.global_batch_size}",
             "train.eval_every=0",  # validation at step 0 and at the end only
-            f"trainer.max_steps={args.steps}",
+            f"trainer.max_steps={steps}",
             f"trainer.devices={args.replicas}",
             "trainer.enable_progress_bar=false",
-            f"trainer.log_every_n_steps={args.steps}",
+            f"trainer.log_every_n_steps={steps}",
             "logger=none",
             "~callbacks.plots",
-            "callbacks.checkpoint.every_n_steps=0",
+            f"callbacks.checkpoint.every_n_steps={steps if method == 'warmup' else 0}",
             "strategy.timeout_s=300",
         ],
     )
-    validate(cfg)
-    trainer, task, data = build_run(cfg, run_dir, launcher="fork")
+    trainer, task, data = build_run(cfg, run_dir, validate(cfg), launcher="fork")
     start = time.perf_counter()
     try:
         trainer.fit(task, datamodule=data)
@@ -87,12 +103,13 @@ def train(method: str, args: argparse.Namespace, run_dir: Path) -> dict[str, Any
             os.environ.pop(key, None)
     steps = [h for h in task.history if "loss" in h]
     num_params = sum(p.numel() for p in task.model.parameters())
-    if method == "ddp":
+    if method in ("ddp", "warmup"):
         sent = len(steps) * allreduce_bytes_sent(4 * num_params, args.replicas)  # fp32 gradients, every step
     else:
         sent = steps[-1]["comm/bytes_sent_total"]
     return {
         "val_loss": [h["val_loss"] for h in task.history if "val_loss" in h][-1],
+        "val_loss_start": [h["val_loss"] for h in task.history if "val_loss" in h][0],
         "bytes": sent,
         "steps": len(steps),
         "params": num_params,
@@ -106,9 +123,10 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--global-batch-size", type=int, default=8)
     parser.add_argument("--eval-rows", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--warmup", type=int, default=400, help="DDP steps every method starts from (0: random init)")
+    parser.add_argument("--steps", type=int, default=2400, help="steps of each method after the warm-up")
     parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=list(METHODS))
     parser.add_argument(
         "--extra", action="append", default=[], metavar="NAME=OVERRIDES",
         help="one more run: a name, '=', then its space-separated strategy overrides",
@@ -117,23 +135,30 @@ def main() -> None:
     for extra in args.extra:
         name, _, overrides = extra.partition("=")
         METHODS[name] = overrides.split()
+        SYNC_PERIOD[name] = 1  # the user's run: its period is theirs to choose
         args.methods.append(name)
-    if any(args.steps % k for k in SYNC_PERIODS):
-        sys.exit(f"--steps must be a multiple of {math.lcm(*SYNC_PERIODS)} (every parameter-sync period)")
+    period = math.lcm(*(SYNC_PERIOD[m] for m in args.methods))
+    if args.steps % period:
+        sys.exit(f"--steps must be a multiple of {period} (every sync period of the methods run)")
     if "ddp" not in args.methods:
         sys.exit("--methods must include ddp (the reference)")
 
     results = {}
     with tempfile.TemporaryDirectory(prefix="plait-bench-local-sgd-") as tmp:
+        init_from = None
+        if args.warmup:
+            warm = train("warmup", args, Path(tmp) / "warmup", steps=args.warmup, init_from=None)
+            init_from = str(Path(tmp) / "warmup")
+            print(f"warm-up (DDP, {args.warmup} steps): val_loss={warm['val_loss']:.4f} wall={warm['wall_s']:.0f}s", flush=True)
         for method in args.methods:
-            results[method] = train(method, args, Path(tmp) / method)
+            results[method] = train(method, args, Path(tmp) / method, steps=args.steps, init_from=init_from)
             r = results[method]
-            print(f"{method}: val_loss={r['val_loss']:.4f} bytes_per_rank={r['bytes']:.4g} wall={r['wall_s']:.0f}s", flush=True)
+            print(f"{method}: val_loss={r['val_loss_start']:.4f} -> {r['val_loss']:.4f} bytes_per_rank={r['bytes']:.4g} wall={r['wall_s']:.0f}s", flush=True)
 
     ddp = results["ddp"]
     print(
-        f"\n{args.replicas} replicas, model={args.model} ({ddp['params']} parameters), {args.steps} steps of "
-        f"{args.global_batch_size} x {args.seq_len} tokens, AdamW inner\n"
+        f"\n{args.replicas} replicas, model={args.model} ({ddp['params']} parameters), {args.warmup} DDP warm-up steps, "
+        f"then {args.steps} steps of {args.global_batch_size} x {args.seq_len} tokens per method, AdamW inner\n"
     )
     print("| method | final val loss | loss / DDP | bytes sent per rank | bytes / DDP | wall (s) |")
     print("|---|---|---|---|---|---|")
@@ -143,7 +168,7 @@ def main() -> None:
             f"{r['bytes'] / ddp['bytes']:.4f} | {r['wall_s']:.0f} |"
         )
     headline = []
-    for method in ("diloco50", "desloc"):
+    for method in ("diloco50", "diloco100", "desloc"):
         if method in results:
             r = results[method]
             headline += [

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Any, Protocol, runtime_checkable
@@ -38,10 +38,12 @@ from strategies.grad_norm import clip_grads_, global_grad_norm
 from strategies.launch import ForkLauncher, HydraJobLauncher
 from strategies.local_sgd import LocalSGD
 from strategies.lora import LoRA, is_adapter, optimizer_state_bytes, trainable_bytes
+from strategies.mixout import Mixout
 from strategies.parallel_dims import LayoutError, Meshes, ParallelDims
 from strategies.pipeline import PipelineParallel
 from strategies.pipeline_layout import PPSchedule
 from strategies.resolved import ResolvedRun
+from strategies.sat import SAT
 from strategies.shape import ModelShape
 from strategies.tensor import TensorParallel
 from strategies.watchdog import Heartbeat
@@ -85,6 +87,10 @@ class MeshStrategy(ModelParallelStrategy):
         local_sgd: a local-SGD plugin (DiLoCo, DES-LOC, ...; default: off). Its islands are the
             dp_replicate axis: FSDP then shards and reduces over dp_shard (x cp) only, and the
             islands synchronise through the plugin after the optimizer steps it chooses.
+        mixout: the Mixout fine-tuning regulariser (default: off): weights mixed with their
+            pretrained values around each step's forward and backward.
+        sat: sparsity-accelerated training (default: off): a fraction of every MLP's hidden
+            channels omitted in each step's forward and backward.
         timeout_s: process-group timeout in seconds: a collective that waits longer fails.
         heartbeat_s: a rank silent for this many seconds is named by the others while they wait
             (`strategies.watchdog.Heartbeat`; 0 disables); below ``timeout_s``.
@@ -123,6 +129,8 @@ class MeshStrategy(ModelParallelStrategy):
         pipeline: PipelineParallel | None = None,
         expert_parallel: ExpertParallel | None = None,
         lora: LoRA | None = None,
+        mixout: Mixout | None = None,
+        sat: SAT | None = None,
         timeout_s: Annotated[float, POSITIVE] = 600.0,
         heartbeat_s: Annotated[float, NON_NEGATIVE] = 60.0,
         launcher: str = "subprocess",
@@ -156,6 +164,7 @@ class MeshStrategy(ModelParallelStrategy):
         self.expert_parallel = expert_parallel or ExpertParallel()
         self.expert_parallel.fsdp = self.fsdp  # the experts' own FSDP takes the blocks' policies
         self.lora = lora
+        self.mixout, self.sat = mixout, sat
         self.launcher_kind = launcher
         self.heartbeat = Heartbeat(stale_s=heartbeat_s, interval_s=min(5.0, heartbeat_s / 4)) if heartbeat_s else None
         self._mesh_views: dict[str, DeviceMesh] = {}
@@ -184,6 +193,8 @@ class MeshStrategy(ModelParallelStrategy):
             (self.activation_checkpoint, True),
             (self.compile_plugin, True),
             (self.fsdp, fsdp_ranks > 1),  # cp ranks hold the same parameters: FSDP shards them too
+            (self.sat, self.sat is not None),
+            (self.mixout, self.mixout is not None),
             (self.local_sgd, self.local_sgd is not None),
         ]
         return [plugin for plugin, used in chosen if used]
@@ -235,6 +246,15 @@ class MeshStrategy(ModelParallelStrategy):
         if self.heartbeat is not None:  # the step a stall report names
             self.heartbeat.set_step(self.lightning_module.global_step + 1)
 
+    @override
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        if self.local_sgd is not None:
+            # After configure_model has loaded model.init_from and the model is on its device: the
+            # plugin's global parameters (DiLoCo's anchors) start from the weights training starts
+            # from. A resumed run then loads the plugin's saved state over them.
+            self.local_sgd.apply(self.lightning_module.model, self.meshes)
+
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, int]:
@@ -267,13 +287,17 @@ class MeshStrategy(ModelParallelStrategy):
         the others left, on the dp axes only, each pipeline stage as its own root; its per-block
         hooks stay outside the checkpointed function (the recomputation uses the parameters FSDP
         gathered for the backward instead of running the hooks again) and dynamo runs them eagerly
-        around the compiled graph. Local SGD last: it keeps the (sharded) parameter objects that
-        the optimizer will hold.
+        around the compiled graph. SAT and Mixout then find the MLPs and the (sharded) weights
+        they work on inside each step (`forward_backward`). Local SGD last, in `setup`: it keeps
+        the parameter objects the optimizer will hold, and its global parameters (DiLoCo's
+        anchors) must be the weights training starts from, loaded after this (``model.init_from``).
         """
         stage_modules = [model]
         for plugin in self.plugins(self.dims):
-            if plugin is self.lora or plugin is self.local_sgd:
-                # LoRA creates its adapters beside real base weights; local SGD copies the initial ones.
+            if plugin is self.local_sgd:
+                continue  # applied in `setup`, on the materialised weights model.init_from loaded
+            if plugin is self.lora:
+                # LoRA creates its adapters beside real base weights.
                 self.materialize(model)
             if plugin is self.fsdp:
                 for module in stage_modules:
@@ -364,6 +388,21 @@ class MeshStrategy(ModelParallelStrategy):
             0-dim tensor: the sum of this rank's micro-batch losses (detached). With pp > 1 the
             pipeline schedule runs them (``backward`` unused) and every pp rank returns the sum.
         """
+        with ExitStack() as stack:
+            # SAT picks the step's MLP channels; Mixout mixes the weights and, on exit, restores
+            # them and rescales their gradients, before the gradient norm.
+            for plugin in (self.sat, self.mixout):
+                if plugin is not None:
+                    stack.enter_context(plugin.step(self.lightning_module.global_step))
+            return self._forward_backward(model, micro_batches, loss_fn, backward)
+
+    def _forward_backward(
+        self,
+        model: nn.Module,
+        micro_batches: Sequence[dict[str, torch.Tensor]],
+        loss_fn: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor],
+        backward: Callable[[torch.Tensor], None],
+    ) -> torch.Tensor:
         if self.dims.pp > 1:
             with self.loss_context():
                 return self.pipeline.forward_backward(micro_batches, loss_fn)

@@ -180,7 +180,11 @@ class PipelineParallel:
     Args:
         stages_per_rank: stages (virtual stages) per rank; null: 1 for GPipe/1F1B, 2 otherwise.
         split_points: first layer of every stage but the first, e.g. [3, 6, 9] for 4 stages of
-            12 layers; null balances by layer count.
+            12 layers; null: as ``split`` says.
+        split: "layers" (the same number of blocks per stage) or "auto": stages balanced by the
+            planner's predicted cost of each part (embedding, blocks, norm + head + loss;
+            `strategies.planner.time.auto_split_points`), resolved into ``split_points`` before
+            the run by ``trainer.plan.pipeline_split_points``.
         num_microbatches: micro-batches per schedule step; null: all of the optimizer step's
             micro-batches in one schedule step. Fewer run several schedule steps whose gradients
             accumulate (less activation memory for GPipe, a larger bubble).
@@ -192,6 +196,7 @@ class PipelineParallel:
 
     stages_per_rank: int | None = None
     split_points: list[int] | None = None
+    split: str = "layers"
     num_microbatches: int | None = None
     _state: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
 
@@ -208,8 +213,13 @@ class PipelineParallel:
             problems += check_pipeline(
                 pp=pp, schedule=run.pp_schedule, stages_per_rank=self.stages_per_rank, split_points=self.split_points,
                 num_microbatches=self.num_microbatches, microbatches_per_step=run.num_micro_batches or None,
-                n_layers=shape.n_layers, tie_embeddings=shape.tie_embeddings,
+                n_layers=shape.n_layers, tie_embeddings=shape.tie_embeddings, split=self.split,
             )  # fmt: skip
+        elif self.split == "auto" and self.split_points is None:
+            problems.append(
+                "strategy.pipeline.split=auto balances the planner's per-layer costs, which it models for Llama-style "
+                "models only; use strategy.pipeline.split=layers or give strategy.pipeline.split_points"
+            )
         if not run.drop_last:
             problems.append(
                 "data.drop_last=false gives a last, partial global batch, which does not fill the pipeline's "
@@ -222,8 +232,14 @@ class PipelineParallel:
         returns its stage modules (each its own FSDP root).
 
         Raises:
-            ValueError: the layout cannot run (see `check_pipeline`), or an unknown schedule.
+            ValueError: the layout cannot run (see `check_pipeline`), an unknown schedule, or
+                ``split="auto"`` without resolved ``split_points``.
         """
+        if self.split == "auto" and self.split_points is None:
+            raise ValueError(
+                "strategy.pipeline.split=auto needs its split points resolved from the run (trainer.plan."
+                "pipeline_split_points, done by trainer.build); pass split_points=[...] when building the plugin yourself"
+            )
         pp_mesh, schedule, device = meshes["pp"], meshes.pp_schedule, meshes.device
         pp, v = pp_mesh.size(), stages_per_rank_of(schedule, self.stages_per_rank)
         problems = check_pipeline(

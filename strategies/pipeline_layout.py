@@ -48,6 +48,56 @@ def stage_layers(n_layers: int, num_stages: int, split_points: Sequence[int] | N
     return [range(start, start + size) for start, size in zip(starts, sizes)]
 
 
+def balanced_split_points(block_costs: Sequence[float], num_stages: int, *, first: float = 0.0, last: float = 0.0) -> list[int]:
+    """Split points (first layer of every stage but the first) minimising the costliest stage.
+
+    Stages are contiguous runs of at least one block; the first stage also pays ``first`` (the
+    embedding) and the last ``last`` (final norm, output head and loss). Exact, by dynamic
+    programming over (stage, last layer), O(num_stages x n_layers^2): first the smallest possible
+    maximum, then, among the splits that reach it, the one with the smallest sum of squared stage
+    costs (the most even), ties going to larger early stages, so equal costs give exactly the
+    layer-count split of `stage_layers`.
+
+    Raises:
+        ValueError: more stages than blocks.
+    """
+    n = len(block_costs)
+    if num_stages > n:
+        raise ValueError(f"{num_stages} stages need at least {num_stages} layers, the model has {n}")
+    prefix = [0.0]
+    for c in block_costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(stage: int, start: int, end: int) -> float:  # layers [start, end) on ``stage``
+        return prefix[end] - prefix[start] + first * (stage == 0) + last * (stage == num_stages - 1)
+
+    def solve(score, combine, cap: float) -> tuple[float, list[int]]:
+        # best[s][j]: the best score of stages 0..s holding layers [0, j); cut[s][j]: where stage s starts.
+        inf = float("inf")
+        best = [[inf] * (n + 1) for _ in range(num_stages)]
+        cut = [[0] * (n + 1) for _ in range(num_stages)]
+        for j in range(1, n + 1):
+            if cost(0, 0, j) <= cap:
+                best[0][j] = score(cost(0, 0, j))
+        for s in range(1, num_stages):
+            for j in range(s + 1, n + 1):
+                for i in range(s, j):
+                    c = cost(s, i, j)
+                    if c <= cap and best[s - 1][i] < inf:
+                        value = combine(best[s - 1][i], score(c))
+                        if value <= best[s][j] * (1 + 1e-12):  # <=: the latest start wins a tie
+                            best[s][j], cut[s][j] = value, i
+        points, j = [], n
+        for s in range(num_stages - 1, 0, -1):
+            j = cut[s][j]
+            points.append(j)
+        return best[num_stages - 1][n], points[::-1]
+
+    smallest_max, _ = solve(lambda c: c, max, float("inf"))
+    _, points = solve(lambda c: c * c, lambda a, b: a + b, smallest_max * (1 + 1e-9))
+    return points
+
+
 def stage_owner(stage: int, *, pp: int, schedule: str) -> int:
     """The pp rank that runs ``stage``: looped (stage mod pp) or, for V schedules, a V."""
     if schedule in V_SHAPED:
@@ -88,6 +138,7 @@ def check_pipeline(
     microbatches_per_step: int | None,
     n_layers: int,
     tie_embeddings: bool = False,
+    split: str = "layers",
 ) -> list[str]:
     """Problems of a pipeline layout, each naming its fix; [] when it runs (or pp == 1).
 
@@ -119,6 +170,13 @@ def check_pipeline(
             f"strategy.pp={pp} x {v} stages per rank = {num_stages} stages exceeds model.n_layers={n_layers}; "
             f"use model.n_layers >= {num_stages} or a smaller strategy.pp"
             + (" or one stage per rank (strategy.pp_schedule=1F1B)" if v > 1 else "")
+        )
+    if split not in ("layers", "auto"):
+        problems.append(f"strategy.pipeline.split={split!r} is unknown; use layers (by layer count) or auto (by predicted cost)")
+    elif split == "auto" and split_points is not None:
+        problems.append(
+            "strategy.pipeline.split=auto chooses the split points itself; use strategy.pipeline.split_points=null "
+            "or strategy.pipeline.split=layers"
         )
     if split_points is not None:
         try:

@@ -98,6 +98,14 @@ class ParamRecorder(L.Callback):
         pl_module.history.append({"params": all_stages(trainer, params)})
 
 
+class StageLayers(L.Callback):
+    """Appends ``{"layers": [block keys this rank holds]}`` at the end of training (rank 0's: its
+    pipeline stages). Add with ``+callbacks.layers._target_=harness.StageLayers``."""
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+        pl_module.history.append({"layers": sorted(pl_module.model.layers, key=int)})
+
+
 def losses(history: list[dict[str, Any]]) -> list[float]:
     return [h["loss"] for h in history if "loss" in h]
 

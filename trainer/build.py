@@ -98,7 +98,13 @@ def build_task(cfg: DictConfig, run: ResolvedRun, model: nn.Module) -> Task:
 
 def build_strategy(cfg: DictConfig, run: ResolvedRun, *, launcher: str = "subprocess") -> MeshStrategy:
     # Hydra would read a dataclass keyword as config: the run is passed to the partial instead.
-    return instantiate(cfg.strategy, _partial_=True, launcher=launcher)(run=run)
+    strategy = instantiate(cfg.strategy, _partial_=True, launcher=launcher)(run=run)
+    pipeline = getattr(strategy, "pipeline", None)
+    if pipeline is not None and pipeline.split == "auto" and pipeline.split_points is None and run.dims.pp > 1:
+        from trainer.plan import pipeline_split_points  # the planner's cost-balanced stages
+
+        pipeline.split_points = pipeline_split_points(cfg, run, strategy)
+    return strategy
 
 
 def _with_dir(node: DictConfig, run_dir: Path, key: str, value: Any) -> Any:

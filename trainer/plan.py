@@ -54,6 +54,30 @@ def planner_inputs(cfg: DictConfig, run: ResolvedRun) -> tuple[Any, Any, Any]:
     return run.shape, layout_of(run, strategy), workload
 
 
+def pipeline_split_points(cfg: DictConfig, run: ResolvedRun, strategy: Any) -> list[int] | None:
+    """The pipeline split of ``strategy`` (a built `MeshStrategy`) for ``run``: its
+    ``pipeline.split_points`` when given; with ``strategy.pipeline.split=auto`` and pp > 1 the
+    planner's cost-balanced points (`strategies.planner.time.auto_split_points`) for the run's
+    model, layout and sequence length on ``cfg.cluster`` (without one, the time model's defaults
+    of the run's device: compute and memory traffic only); else None (by layer count)."""
+    from strategies.planner.layout import layout_of, workload_of
+    from strategies.planner.time import Cluster, auto_split_points
+
+    pipeline = strategy.pipeline
+    if pipeline.split_points is not None or pipeline.split != "auto" or run.dims.pp == 1 or run.shape is None:
+        return None if pipeline.split_points is None else list(pipeline.split_points)
+    if cfg.get("cluster") is not None:
+        cluster = cluster_from_config(cfg)
+    else:
+        import torch
+
+        gpu = str(cfg.trainer.accelerator) in ("auto", "gpu", "cuda") and torch.cuda.is_available()
+        cluster = Cluster(device="cuda" if gpu else "cpu")
+    float8, async_tp = (bool(OmegaConf.select(cfg, f"planner.{key}", default=False)) for key in ("float8", "async_tp"))
+    workload = workload_of(run, strategy, float8=float8, async_tp=async_tp)
+    return auto_split_points(run.shape, layout_of(run, strategy), workload, cluster)
+
+
 def check_memory(cfg: DictConfig, run: ResolvedRun) -> None:
     """``planner.check``: predicted per-device peak memory of the run's layout against the cluster's cap.
 

@@ -30,6 +30,7 @@ class Layout:
     Degrees as in `strategies.parallel_dims.ParallelDims`; ``stages_per_rank`` is the virtual
     stages of interleaved/V schedules; ``ac`` is "none", "full" or "every_k" (with ``ac_every_k``);
     ``ep`` is the expert-parallel degree of a mixture of experts (borrowed from dp_shard x cp).
+    ``split_points`` the first layer of every pipeline stage but the first (None: by layer count).
     """
 
     dp_replicate: int = 1
@@ -47,6 +48,7 @@ class Layout:
     sequence_parallel: bool = True
     loss_parallel: bool = True
     ep: int = 1
+    split_points: tuple[int, ...] | None = None
 
     @property
     def world_size(self) -> int:
@@ -73,6 +75,8 @@ class Layout:
         out = ["strategy=nd"] + [f"strategy.{k}={getattr(self, k)}" for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")]
         if self.pp > 1:
             out += [f"strategy.pp_schedule={self.pp_schedule}", f"strategy.pipeline.stages_per_rank={self.stages_per_rank}"]
+            if self.split_points is not None:
+                out.append(f"strategy.pipeline.split_points=[{','.join(map(str, self.split_points))}]")
         if self.cp > 1:
             out.append(f"strategy.cp_mode={self.cp_mode}")
         if self.tp > 1 and not self.sequence_parallel:
@@ -166,6 +170,7 @@ def layout_of(run: ResolvedRun, strategy: Any) -> Layout:
         activation_offload=strategy.activation_offload.enabled,
         sequence_parallel=strategy.tensor_parallel.sequence_parallel,
         loss_parallel=strategy.tensor_parallel.loss_parallel, ep=strategy.expert_parallel.ep,
+        split_points=tuple(strategy.pipeline.split_points) if strategy.pipeline.split_points else None,
     )  # fmt: skip
 
 

@@ -89,7 +89,7 @@ def stage_plan(shape: ModelShape, layout: Layout, pp_rank: int) -> tuple[list[in
     """(this rank's stages, layers of every stage, number of stages)."""
     num_stages = layout.pp * layout.stages_per_rank
     stages = local_stages(pp_rank, pp=layout.pp, stages_per_rank=layout.stages_per_rank, schedule=layout.pp_schedule)
-    return stages, stage_layers(shape.n_layers, num_stages), num_stages
+    return stages, stage_layers(shape.n_layers, num_stages, layout.split_points), num_stages
 
 
 def rank_params(shape: ModelShape, layout: Layout, pp_rank: int) -> list[ParamSpec]:

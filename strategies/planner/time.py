@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from strategies.pipeline_layout import balanced_split_points
 from strategies.planner.layout import Layout, Workload
 from strategies.shape import ModelShape
 from strategies.planner.memory import (
@@ -132,8 +133,11 @@ def _rate_share(layout: Layout, cluster: Cluster) -> float:
     return min(1.0, cluster.cores / ranks_per_node)
 
 
-def stage_compute(shape: ModelShape, layout: Layout, work: Workload, cluster: Cluster, *, layers: range, last: bool) -> float:
-    """Seconds of forward + backward (+ recomputation) of one micro-batch through one stage."""
+def layer_costs(shape: ModelShape, layout: Layout, work: Workload, cluster: Cluster) -> tuple[float, list[float], float]:
+    """Seconds of forward + backward (+ recomputation) of one micro-batch, per part of the model:
+    ``(embedding, [each block], final norm + output head + loss)``. The parts a pipeline stage
+    holds add up to its time (`stage_compute`), so they also choose cost-balanced stages
+    (`strategies.pipeline_layout.balanced_split_points`)."""
     tokens = layout.micro_batch_size * work.seq_len // layout.cp
     share = _rate_share(layout, cluster)
     mm_peak = (cluster.peak_flops_fp8 if work.float8 else cluster.peak_flops) * cluster.matmul_efficiency * share
@@ -141,19 +145,46 @@ def stage_compute(shape: ModelShape, layout: Layout, work: Workload, cluster: Cl
     layer_attn = 2 * tokens * work.seq_len * shape.dim / layout.tp  # causal: half of QK^T and AV
     passes = cluster.elementwise_passes * (0.5 if work.compile else 1.0)
     dispatch = cluster.layer_overhead_s * (cluster.dtensor_overhead if layout.tp > 1 else 1.0)
-    total = 0.0
-    for i in layers:
+    blocks = []
+    for i in range(shape.n_layers):
         # An MoE block's active weights (MoE blocks are replicated over tp: a simplification here).
         layer_mm = 2 * tokens * shape.matmul_params_per_layer(i) / layout.tp
         layer_bytes = layer_activation_bytes(shape, layout, work, tokens, device=cluster.device, layer=i)
         recompute = layout.ac == "full" or layout.ac == "every_k" and i % layout.ac_every_k == 0
         fwd_passes = 4 if recompute else 3  # forward, backward = 2 forwards, recomputed forward
-        total += fwd_passes * (layer_mm / mm_peak + layer_attn / attn_peak)
-        total += fwd_passes * (passes * layer_bytes / cluster.hbm_bandwidth + dispatch) / share
-    if last:
-        head = 2 * tokens * shape.dim * shape.vocab_size / layout.tp
-        total += 3 * head / mm_peak + 3 * tokens * 4 * shape.vocab_size / layout.tp * 2 / cluster.hbm_bandwidth / share
-    return total
+        cost = fwd_passes * (layer_mm / mm_peak + layer_attn / attn_peak)
+        blocks.append(cost + fwd_passes * (passes * layer_bytes / cluster.hbm_bandwidth + dispatch) / share)
+    # The lookup writes the hidden states; its backward adds them into a dense [V/tp, D] gradient.
+    vocab = shape.vocab_size / layout.tp
+    embedding = (3 * tokens * shape.dim * work.act_bytes + 2 * vocab * shape.dim * work.param_bytes) / cluster.hbm_bandwidth / share
+    head_mm = 2 * tokens * shape.dim * vocab
+    head = 3 * head_mm / mm_peak + 3 * tokens * 4 * vocab * 2 / cluster.hbm_bandwidth / share
+    return embedding, blocks, head
+
+
+def stage_compute(
+    shape: ModelShape, layout: Layout, work: Workload, cluster: Cluster, *, layers: range, first: bool, last: bool
+) -> float:
+    """Seconds of forward + backward (+ recomputation) of one micro-batch through one stage."""
+    embedding, blocks, head = layer_costs(shape, layout, work, cluster)
+    return embedding * first + sum(blocks[i] for i in layers) + head * last
+
+
+def stage_costs(shape: ModelShape, layout: Layout, work: Workload, cluster: Cluster) -> list[float]:
+    """Predicted seconds of one micro-batch through each pipeline stage (the layout's split)."""
+    _, layers, num_stages = stage_plan(shape, layout, 0)
+    return [
+        stage_compute(shape, layout, work, cluster, layers=layers[s], first=s == 0, last=s == num_stages - 1)
+        for s in range(num_stages)
+    ]
+
+
+def auto_split_points(shape: ModelShape, layout: Layout, work: Workload, cluster: Cluster) -> list[int]:
+    """Split points (first layer of every stage but the first) that minimise the slowest stage
+    under this time model: ``strategy.pipeline.split=auto`` (Merak, Lai et al. 2023, partitions
+    stages by balanced cost in the same spirit)."""
+    embedding, blocks, head = layer_costs(shape, layout, work, cluster)
+    return balanced_split_points(blocks, layout.pp * layout.stages_per_rank, first=embedding, last=head)
 
 
 def _collective(volume: float, count: int, bandwidth: float, cluster: Cluster) -> float:
@@ -169,7 +200,10 @@ def predict_time(shape: ModelShape, layout: Layout, work: Workload, cluster: Clu
     for pp_rank in range(layout.pp):
         stages, layers, num_stages = stage_plan(shape, layout, pp_rank)
         stage_times.append(
-            sum(stage_compute(shape, layout, work, cluster, layers=layers[s], last=s == num_stages - 1) for s in stages)
+            sum(
+                stage_compute(shape, layout, work, cluster, layers=layers[s], first=s == 0, last=s == num_stages - 1)
+                for s in stages
+            )
         )
         rank_layers.append(sum(len(layers[s]) for s in stages))
     slowest = max(range(layout.pp), key=lambda r: stage_times[r])

@@ -105,11 +105,16 @@ def test_sync_every_step_equals_ddp(method: str, one_document, ddp, tmp_path: Pa
 
 
 # ---------------------------------------------------------------------------------- simulation
-def simulate(cfg, *, steps: int, algorithm) -> dict[str, Any]:
-    """Two islands in one process; ``algorithm.after(step, models, optimizers)`` is its exchange."""
+def simulate(cfg, *, steps: int, algorithm, init_from: Path | None = None) -> dict[str, Any]:
+    """Two islands in one process; ``algorithm.after(step, models, optimizers)`` is its exchange.
+    ``init_from``: a run directory whose last checkpoint's weights the islands start from."""
     prepared = build_data(cfg).prepare()
     torch.manual_seed(cfg.seed)
     first = instantiate(cfg.model, vocab_size=prepared.tokenizer.vocab_size)
+    if init_from is not None:
+        from strategies.checkpoint import load_model_weights
+
+        load_model_weights(init_from / "checkpoints" / "last", first)
     models = [first, copy.deepcopy(first)]
     optimizers = [
         build_optimizer(
@@ -166,10 +171,18 @@ class DESLOCSim:
         if step % self.every["param"] == 0:
             for pair in pairs:
                 _mean_(list(pair))
-        for key in ("exp_avg", "exp_avg_sq"):
-            if step % self.every[key] == 0:
-                for pair in pairs:
-                    _mean_([opt.state[p][key] for opt, p in zip(optimizers, pair)])
+        if step % self.every["exp_avg"] == 0:
+            alone = step % self.every["exp_avg_sq"] != 0  # the second moments are not averaged too
+            for pair in pairs:
+                states = [opt.state[p] for opt, p in zip(optimizers, pair)]
+                unseen = [s["exp_avg_sq"] == 0 for s in states]
+                _mean_([s["exp_avg"] for s in states])
+                if alone:  # never had a gradient on this island: keep its zero first moment
+                    for s, mask in zip(states, unseen):
+                        s["exp_avg"][mask] = 0.0
+        if step % self.every["exp_avg_sq"] == 0:
+            for pair in pairs:
+                _mean_([opt.state[p]["exp_avg_sq"] for opt, p in zip(optimizers, pair)])
 
 
 class DiLoCoSim:
@@ -205,6 +218,18 @@ SIMULATED = {  # id -> (overrides, simulated algorithm, parameter tolerance)
         TOL_SGD,
     ),
 }
+
+
+def test_diloco_from_init_from_equals_a_simulation(short_documents, tmp_path: Path) -> None:
+    """DiLoCo fine-tuning a checkpoint (model.init_from): its global parameters start from the
+    loaded weights, not from the random init the model is built with (loaded after parallelize)."""
+    _run([*short_documents, "strategy=ddp", "trainer.max_steps=2", "callbacks.checkpoint.every_n_steps=2"], tmp_path / "base")
+    overrides = ["strategy=diloco", "strategy.local_sgd.sync_every=3", "optim=sgd", f"model.init_from={tmp_path / 'base'}"]
+    run = _run([*short_documents, "trainer.max_steps=6", *overrides], tmp_path / "diloco")
+    cfg = compose_config([*COMMON, *short_documents, *overrides])
+    sim = simulate(cfg, steps=6, algorithm=DiLoCoSim(sync_every=3), init_from=tmp_path / "base")
+    torch.testing.assert_close(run["loss"], sim["loss"], **TOL_SGD)
+    torch.testing.assert_close(run["params"], sim["params"], **TOL_SGD)
 
 
 @pytest.mark.parametrize("method", list(SIMULATED), ids=list(SIMULATED))

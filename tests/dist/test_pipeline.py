@@ -47,6 +47,10 @@ def corpus(tmp_path_factory) -> str:
 
 def _run(overrides, run_dir, corpus) -> dict:
     _, task = fit(compose_config([*COMMON, f"data.path={corpus}", *overrides]), run_dir)
+    return _result(task)
+
+
+def _result(task) -> dict:
     return {
         "loss": losses(task.history),
         "val_loss": [h["val_loss"] for h in task.history if "val_loss" in h],
@@ -77,6 +81,14 @@ def assert_equivalent(run: dict, expected: dict, *, val: bool = True) -> None:
 def test_schedule_equals_one_process(tmp_path, corpus, schedule, one_process):
     run = _run([*PP2, f"strategy.pp_schedule={schedule}", "train.micro_batch_size=2"], tmp_path, corpus)
     assert_equivalent(run, one_process)
+
+
+def test_auto_split_equals_one_process(tmp_path, corpus, one_process):
+    """strategy.pipeline.split=auto: the planner puts 3 blocks with the embedding and 1 with the head."""
+    overrides = [*PP2, "strategy.pipeline.split=auto", "train.micro_batch_size=2", "+callbacks.layers._target_=harness.StageLayers"]
+    _, task = fit(compose_config([*COMMON, f"data.path={corpus}", *overrides]), tmp_path)
+    assert [h["layers"] for h in task.history if "layers" in h] == [["0", "1", "2"]]  # rank 0: stage 0
+    assert_equivalent(_result(task), one_process)
 
 
 def test_pp2_x_fsdp2_equals_one_process(tmp_path, corpus, one_process):

@@ -107,3 +107,42 @@ def test_null_micro_batch_size_means_one_row_per_pipeline_micro_batch() -> None:
     assert (run.micro_batch_size, run.num_micro_batches, run.pp_microbatches) == (1, 8, 8)
     run = validate(compose_config(["trainer.devices=2", "train.micro_batch_size=null"]))
     assert (run.micro_batch_size, run.num_micro_batches) == (4, 1)
+
+
+def test_balanced_split_points():
+    import itertools
+    import random
+
+    from strategies.pipeline_layout import balanced_split_points
+
+    # Equal costs: exactly the layer-count split.
+    for n, stages in [(4, 2), (10, 4), (7, 3), (16, 8)]:
+        assert balanced_split_points([1.0] * n, stages) == [r.start for r in stage_layers(n, stages)][1:]
+    # A head worth 2 blocks moves one block off the last stage; a heavy embedding off the first.
+    assert balanced_split_points([1.0] * 4, 2, last=2.0) == [3]
+    assert balanced_split_points([1.0] * 6, 2, first=2.0) == [2]
+    # Uneven costs: the smallest possible maximum stage cost, against every split by brute force.
+    rng = random.Random(0)
+    for _ in range(20):
+        n, stages = rng.randint(3, 9), rng.randint(2, 3)
+        costs, first, last = [rng.uniform(0.5, 2.0) for _ in range(n)], rng.uniform(0, 1), rng.uniform(0, 3)
+
+        def worst(points):
+            bounds = [0, *points, n]
+            parts = [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+            parts[0] += first
+            parts[-1] += last
+            return max(parts)
+
+        best = min(worst(c) for c in itertools.combinations(range(1, n), stages - 1))
+        assert worst(balanced_split_points(costs, stages, first=first, last=last)) == pytest.approx(best)
+    with pytest.raises(ValueError, match="at least 3 layers"):
+        balanced_split_points([1.0] * 2, 3)
+
+
+def test_auto_split_with_split_points_is_refused():
+    problems = check_pipeline(
+        pp=2, schedule="1F1B", stages_per_rank=None, split_points=[1], num_microbatches=None,
+        microbatches_per_step=None, n_layers=4, split="auto",
+    )  # fmt: skip
+    assert any("split=auto chooses the split points itself" in p for p in problems)

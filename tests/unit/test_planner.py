@@ -109,3 +109,30 @@ def test_expert_parallelism_trades_expert_gathers_for_all_to_alls():
     assert one.ep_comm == 0 < eight.ep_comm
     assert eight.fsdp_comm < one.fsdp_comm / 4  # the experts are most of the weights; each rank gathers 1/8
     assert eight.compute == one.compute
+
+
+def test_auto_split_balances_predicted_stage_costs():
+    """Llama 3 8B on 4 stages: its 128k-vocabulary head costs about 5 blocks, so the layer-count
+    split's last stage is the slowest (max/mean > 1.1); the auto split brings max/mean under 1.1."""
+    import torch
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from strategies.planner.layout import Layout, Workload
+    from strategies.planner.time import Cluster, auto_split_points, stage_costs
+    from strategies.shape import ModelShape
+
+    model_cfg = OmegaConf.load("conf/model/llama3_8b.yaml")
+    with torch.device("meta"):
+        shape = ModelShape.from_model(instantiate(model_cfg, vocab_size=model_cfg.get("vocab_size") or 128256))
+    work, cluster = Workload(seq_len=8192, global_batch_size=32, compute_dtype="bf16"), Cluster()
+    layout = Layout(pp=4, dp_shard=2, micro_batch_size=1)
+
+    def imbalance(costs):
+        return max(costs) / (sum(costs) / len(costs))
+
+    assert imbalance(stage_costs(shape, layout, work, cluster)) > 1.1
+    points = auto_split_points(shape, layout, work, cluster)
+    balanced = layout.with_(split_points=tuple(points))
+    assert imbalance(stage_costs(shape, balanced, work, cluster)) <= 1.1
+    assert f"strategy.pipeline.split_points=[{','.join(map(str, points))}]" in balanced.overrides()
