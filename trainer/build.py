@@ -23,6 +23,7 @@ from strategies.resolved import ResolvedRun
 from trainer.config import ConfigError, validate
 from trainer.data.base import DataModule
 from trainer.nonfinite import NonFiniteGuard
+from trainer.plan import resolve_pipeline_split
 from trainer.rundir import RunDir
 from trainer.semantics import tokenizer_file
 from trainer.task import Task
@@ -99,11 +100,7 @@ def build_task(cfg: DictConfig, run: ResolvedRun, model: nn.Module) -> Task:
 def build_strategy(cfg: DictConfig, run: ResolvedRun, *, launcher: str = "subprocess") -> MeshStrategy:
     # Hydra would read a dataclass keyword as config: the run is passed to the partial instead.
     strategy = instantiate(cfg.strategy, _partial_=True, launcher=launcher)(run=run)
-    pipeline = getattr(strategy, "pipeline", None)
-    if pipeline is not None and pipeline.split == "auto" and pipeline.split_points is None and run.dims.pp > 1:
-        from trainer.plan import pipeline_split_points  # the planner's cost-balanced stages
-
-        pipeline.split_points = pipeline_split_points(cfg, run, strategy)
+    resolve_pipeline_split(cfg, run, strategy)  # strategy.pipeline.split=auto: the planner's balanced stages
     return strategy
 
 

@@ -44,28 +44,32 @@ def planner_inputs(cfg: DictConfig, run: ResolvedRun) -> tuple[Any, Any, Any]:
     Raises:
         ConfigError: the model has no Llama-style shape (the planner models only those).
     """
+    from hydra.utils import instantiate
+
     from strategies.planner.layout import layout_of, workload_of
-    from trainer.build import build_strategy
 
     if run.shape is None:
         raise ConfigError(["the planner needs a Llama-style model (one with n_heads, n_layers, ...): model=tiny, llama3_8b, ..."])
-    strategy = build_strategy(cfg, run)
+    strategy = instantiate(cfg.strategy, _partial_=True)(run=run)  # as trainer.build.build_strategy
+    resolve_pipeline_split(cfg, run, strategy)
     workload = workload_of(run, strategy, float8=cfg.planner.float8, async_tp=cfg.planner.async_tp)
     return run.shape, layout_of(run, strategy), workload
 
 
-def pipeline_split_points(cfg: DictConfig, run: ResolvedRun, strategy: Any) -> list[int] | None:
-    """The pipeline split of ``strategy`` (a built `MeshStrategy`) for ``run``: its
-    ``pipeline.split_points`` when given; with ``strategy.pipeline.split=auto`` and pp > 1 the
-    planner's cost-balanced points (`strategies.planner.time.auto_split_points`) for the run's
-    model, layout and sequence length on ``cfg.cluster`` (without one, the time model's defaults
-    of the run's device: compute and memory traffic only); else None (by layer count)."""
+def resolve_pipeline_split(cfg: DictConfig, run: ResolvedRun, strategy: Any) -> None:
+    """Sets the pipeline split points of ``strategy`` (a built `MeshStrategy`) in place when
+    ``strategy.pipeline.split=auto`` leaves them open and pp > 1: the planner's cost-balanced
+    points (`strategies.planner.time.auto_split_points`) for the run's model, layout and sequence
+    length on ``cfg.cluster`` (without one, the time model's defaults of the run's device:
+    compute and memory traffic only). Otherwise leaves the strategy as it is (layer-count split)."""
     from strategies.planner.layout import layout_of, workload_of
     from strategies.planner.time import Cluster, auto_split_points
 
-    pipeline = strategy.pipeline
-    if pipeline.split_points is not None or pipeline.split != "auto" or run.dims.pp == 1 or run.shape is None:
-        return None if pipeline.split_points is None else list(pipeline.split_points)
+    pipeline = getattr(strategy, "pipeline", None)
+    if pipeline is None or pipeline.split != "auto" or pipeline.split_points is not None or run.dims.pp == 1:
+        return
+    if run.shape is None:
+        return  # refused by PipelineParallel.problems
     if cfg.get("cluster") is not None:
         cluster = cluster_from_config(cfg)
     else:
@@ -75,7 +79,7 @@ def pipeline_split_points(cfg: DictConfig, run: ResolvedRun, strategy: Any) -> l
         cluster = Cluster(device="cuda" if gpu else "cpu")
     float8, async_tp = (bool(OmegaConf.select(cfg, f"planner.{key}", default=False)) for key in ("float8", "async_tp"))
     workload = workload_of(run, strategy, float8=float8, async_tp=async_tp)
-    return auto_split_points(run.shape, layout_of(run, strategy), workload, cluster)
+    pipeline.split_points = auto_split_points(run.shape, layout_of(run, strategy), workload, cluster)
 
 
 def check_memory(cfg: DictConfig, run: ResolvedRun) -> None:
