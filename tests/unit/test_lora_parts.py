@@ -66,11 +66,14 @@ def test_validate_refuses_what_lora_does_not_run(overrides, problem) -> None:
 def test_a_lora_run_is_not_a_base(tmp_path) -> None:
     from omegaconf import OmegaConf
 
+    from strategies.manifest import checkpoint_files, hash_files, write_manifest
+
     run = tmp_path / "lora_run"
     step = run / "checkpoints" / "step_0000001"
     step.mkdir(parents=True)
     (step / ".metadata").write_bytes(b"")
     (step / "meta.pt").write_bytes(b"")
+    write_manifest(step, hash_files(step, checkpoint_files(step)))  # a finished save
     OmegaConf.save(compose_config(["+strategy/lora=default", "model.init_from=/some/base"]), run / "config.yaml")
     with pytest.raises(ConfigError) as err:
         validate(compose_config([f"model.init_from={run}"]))

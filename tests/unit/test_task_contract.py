@@ -29,6 +29,7 @@ def _task(objective: Objective, calls: list[str]) -> Task:
     strategy = SimpleNamespace(
         parallelize=lambda model: calls.append("parallelize"),
         all_reduce_sum=lambda tensor, axis: calls.append(axis) or tensor * 2,  # as if two ranks held the same sums
+        dims=SimpleNamespace(pp=1),
     )
     task._trainer = SimpleNamespace(strategy=strategy)
     return task
