@@ -22,7 +22,8 @@ from strategies.checkpoint import CheckpointError
 from trainer.compose import compose_command, fail
 from trainer.data.chat import DEFAULT_CHAT_TEMPLATE, JinjaTemplate, load_chat_template
 from trainer.export import source_dirs
-from trainer.models.hf import HFError, load_init_from
+from trainer.models.hf import HFError
+from trainer.models.init_from import load_init_from
 from trainer.models.kv_cache import kv_cache
 from trainer.rundir import RunModel, load_run_model
 from trainer.targets import UntrustedTargetError

@@ -247,7 +247,7 @@ def load_run_model(
 
     Args:
         load_base: for a LoRA run, loads its base (``model.init_from``) into the model:
-            `trainer.models.hf.load_init_from` (passed in: that module imports this one).
+            `trainer.models.init_from.load_init_from` (passed in: that module imports this one).
         trust: packages besides plait whose classes the run's config may build (`instantiate_saved`).
 
     Raises:

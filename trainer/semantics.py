@@ -25,7 +25,8 @@ from strategies.pipeline_layout import SCHEDULES, stages_per_rank_of
 from strategies.ranges import optimizer_problem
 from strategies.resolved import ResolvedRun
 from strategies.shape import ModelShape
-from trainer.models.hf import init_from_problems, is_hf_dir
+from trainer.models.hf import is_hf_dir
+from trainer.models.init_from import init_from_problems
 from trainer.rundir import RunDir, resolve_checkpoint
 
 

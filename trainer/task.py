@@ -29,7 +29,7 @@ from torch import nn
 from typing_extensions import override
 
 from trainer.loggers import is_logging_step
-from trainer.models.hf import load_init_from
+from trainer.models.init_from import load_init_from
 from trainer.nonfinite import NonFiniteGuard
 from trainer.optim import build_optimizer
 from trainer.protocols import Objective, RoutedModel

@@ -171,7 +171,8 @@ def test_export_merges_and_writes_a_peft_adapter(runs, base, tmp_path):
     from safetensors.torch import load_file
 
     from trainer.export import export_checkpoint
-    from trainer.models.hf import load_init_from, plait_name
+    from trainer.models.hf import plait_name
+    from trainer.models.init_from import load_init_from
     from trainer.rundir import load_run_model
 
     run = runs["tp2"]  # a checkpoint written by 2 tensor-parallel ranks

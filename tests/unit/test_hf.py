@@ -17,7 +17,8 @@ from hf_checkpoints import FAMILIES, batch, make_hf_dir, transformers
 from trainer.config import ConfigError, validate
 from trainer.data.tokenizer import Tokenizer
 from trainer.export import write_hf_dir
-from trainer.models.hf import llama_from_hf, load_init_from
+from trainer.models.hf import llama_from_hf
+from trainer.models.init_from import load_init_from
 from trainer.models.llama import Llama
 
 TOL = 1e-5

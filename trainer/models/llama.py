@@ -132,7 +132,7 @@ class Llama(nn.Module):
             "llama3" | "yarn", ...}`` as in Hugging Face configs (see `trainer.models.rope`).
         init_from: where the weights come from: a Hugging Face model directory or a
             plait checkpoint, loaded after the strategy has parallelized the model
-            (`trainer.models.hf.load_init_from`); None keeps the random init.
+            (`trainer.models.init_from.load_init_from`); None keeps the random init.
 
     Raises:
         ValueError: if a size is not positive, the head counts do not divide or the RoPE
