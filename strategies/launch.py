@@ -126,3 +126,15 @@ class ForkLauncher(_MultiProcessingLauncher):
         super().update_main_process_results(trainer, extra)
         trainer.lightning_module.history = torch.load(self._history_file, weights_only=True)
         os.unlink(self._history_file)
+
+
+def launcher_for(strategy: Any, kind: str) -> Any:
+    """The launcher of ``strategy`` (a `MeshStrategy`): "fork" forks this process (tests);
+    "subprocess" starts one child per rank, inside a Hydra job re-running that job
+    (`HydraJobLauncher`), outside one (a user's own script) re-running argv as Lightning does."""
+    if kind == "fork":
+        return ForkLauncher(strategy)
+    from hydra.core.hydra_config import HydraConfig
+
+    cls = HydraJobLauncher if HydraConfig.initialized() else _SubprocessScriptLauncher
+    return cls(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)

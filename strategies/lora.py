@@ -273,3 +273,16 @@ class LoRA:
     def apply(self, model: nn.Module, meshes: Meshes) -> list[str]:
         """Adds the adapters to ``model`` (tensor-parallel already if tp > 1) and freezes the base."""
         return self.attach(model)
+
+    def report(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, verbose: bool) -> dict[str, float]:
+        """What LoRA trains, after the first step (when the optimizer state exists): trainable and
+        all parameter bytes, optimizer-state bytes (global sizes), printed once if ``verbose``.
+
+        Returns:
+            ``lora/trainable_bytes`` and ``lora/optimizer_state_bytes`` (bytes).
+        """
+        trainable, total = trainable_bytes(model)
+        state = optimizer_state_bytes(optimizer)
+        if verbose:
+            print(f"plait: lora trains {trainable} of {total} parameter bytes ({100 * trainable / total:.2f}%); optimizer state {state} bytes")
+        return {"lora/trainable_bytes": float(trainable), "lora/optimizer_state_bytes": float(state)}

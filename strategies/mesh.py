@@ -11,22 +11,18 @@ Subclass it, override one method, and select the subclass with ``strategy._targe
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
-from pathlib import Path
-from typing import Annotated, Any, Protocol, runtime_checkable
+from typing import Annotated, Any
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
-from strategies import checkpoint as ckpt
 from strategies.ranges import NON_NEGATIVE, POSITIVE
 from strategies.activation_checkpoint import ActivationCheckpoint
 from strategies.activation_offload import ActivationOffload
@@ -35,35 +31,24 @@ from strategies.context import ContextParallel, CPMode
 from strategies.expert import ExpertParallel
 from strategies.fsdp import FSDP
 from strategies.grad_norm import clip_grads_, global_grad_norm
-from strategies.launch import ForkLauncher, HydraJobLauncher
+from strategies.launch import launcher_for
 from strategies.local_sgd import LocalSGD
-from strategies.lora import LoRA, is_adapter, optimizer_state_bytes, trainable_bytes
+from strategies.mesh_checkpoint import MeshCheckpoints
+from strategies.meta_init import materialize
+from strategies.lora import LoRA
 from strategies.mixout import Mixout
 from strategies.parallel_dims import LayoutError, Meshes, ParallelDims
 from strategies.pipeline import PipelineParallel
 from strategies.pipeline_layout import PPSchedule
+from strategies.plugin import Plugin
 from strategies.resolved import ResolvedRun
 from strategies.sat import SAT
 from strategies.shape import ModelShape
 from strategies.tensor import TensorParallel
 from strategies.watchdog import Heartbeat
 
-@runtime_checkable
-class Plugin(Protocol):
-    """What every technique plugin implements (FSDP, TP, CP, activation offload, AC, compile, PP,
-    local SGD, and the ones you add): its problems for a run, found before any process starts, and
-    its application to the model on the run's mesh."""
 
-    def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
-        """Messages (each naming the fix) of what in ``run`` / ``shape`` this plugin cannot run; [] if it fits."""
-        ...
-
-    def apply(self, model: nn.Module, meshes: Meshes) -> Any:
-        """Applies the technique to ``model`` in place."""
-        ...
-
-
-class MeshStrategy(ModelParallelStrategy):
+class MeshStrategy(MeshCheckpoints, ModelParallelStrategy):
     """Builds the device mesh, parallelizes the model and runs the parallel parts of a step.
 
     Args:
@@ -212,14 +197,7 @@ class MeshStrategy(ModelParallelStrategy):
     def _configure_launcher(self) -> None:
         if self.cluster_environment.creates_processes_externally:
             return
-        if self.launcher_kind == "fork":
-            self._launcher = ForkLauncher(self)
-        else:
-            from hydra.core.hydra_config import HydraConfig
-
-            # Outside a Hydra job (a user's own script) Lightning's launcher re-runs argv as usual.
-            cls = HydraJobLauncher if HydraConfig.initialized() else _SubprocessScriptLauncher
-            self._launcher = cls(self.cluster_environment, self.num_processes, self.num_nodes)
+        self._launcher = launcher_for(self, self.launcher_kind)
 
     @override
     def setup_environment(self) -> None:
@@ -309,23 +287,8 @@ class MeshStrategy(ModelParallelStrategy):
         self.materialize(model)
 
     def materialize(self, model: nn.Module) -> None:
-        """Allocates a model built on the meta device on this rank's device, each parameter at its
-        local (sharded) size, and fills it with ``model.init_weights()``; nothing for a real model.
-
-        The meta-device construction of torchtitan (build on meta, parallelize, ``to_empty``,
-        ``init_weights``): no rank ever holds the whole model. ``init_weights`` must give every
-        layout the same values (plait's Llama seeds each weight by its name: `trainer.models.init`).
-
-        Raises:
-            TypeError: a model on the meta device without an ``init_weights()`` method.
-        """
-        if not any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
-            return
-        init_weights = getattr(model, "init_weights", None)
-        if not callable(init_weights):
-            raise TypeError(f"{type(model).__name__} was built on the meta device but has no init_weights() to fill it")
-        model.to_empty(device=self.root_device)
-        init_weights()
+        """`strategies.meta_init.materialize` on this rank's device (nothing for a real model)."""
+        materialize(model, self.root_device)
 
     def dp_mesh(self) -> DeviceMesh:
         """The mesh FSDP shards over: (dp_replicate, dp_shard) for HSDP, else dp_shard; with cp > 1
@@ -441,19 +404,12 @@ class MeshStrategy(ModelParallelStrategy):
         """
         metrics = self.expert_parallel.rank_load_metrics()
         if self.lora is not None and step == 1:
-            metrics.update(self._lora_report(optimizer))
+            metrics.update(
+                self.lora.report(self.lightning_module.model, getattr(optimizer, "_optimizer", optimizer), verbose=self.is_global_zero)
+            )
         if self.local_sgd is None:
             return metrics
         return {**metrics, **self.local_sgd.after_optimizer_step(getattr(optimizer, "_optimizer", optimizer))}
-
-    def _lora_report(self, optimizer: torch.optim.Optimizer) -> dict[str, float]:
-        """What LoRA trains, after the first step (when the optimizer state exists): trainable and
-        all parameter bytes, optimizer-state bytes (global sizes), printed once and logged."""
-        trainable, total = trainable_bytes(self.lightning_module.model)
-        state = optimizer_state_bytes(getattr(optimizer, "_optimizer", optimizer))
-        if self.is_global_zero:
-            print(f"plait: lora trains {trainable} of {total} parameter bytes ({100 * trainable / total:.2f}%); optimizer state {state} bytes")
-        return {"lora/trainable_bytes": float(trainable), "lora/optimizer_state_bytes": float(state)}
 
     @property
     def token_axis(self) -> str:
@@ -469,58 +425,6 @@ class MeshStrategy(ModelParallelStrategy):
         if self.submesh(axis).size() > 1:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group(axis))
         return tensor
-
-    # ------------------------------------------------------------------------------ checkpoints
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        return {}  # gathered by DCP in save_checkpoint, once
-
-    @override
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return {}  # gathered by DCP in save_checkpoint, once
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        if storage_options is not None:
-            raise TypeError("MeshStrategy.save_checkpoint does not take storage_options")
-        path = Path(self.broadcast(str(filepath)))
-        checkpoint.pop("state_dict", None)
-        checkpoint.pop("optimizer_states", None)
-        if self.local_sgd is not None:  # each island's state, the plugin's own state
-            self.local_sgd.save_checkpoint(
-                path, model=self.lightning_module.model, optimizers=self._unwrapped_optimizers(), meta=checkpoint
-            )
-            return
-        ckpt.save(
-            path, model=self.lightning_module.model, optimizers=self._unwrapped_optimizers(), meta=checkpoint,
-            keys=self._saved_keys(),
-        )  # fmt: skip
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(str(checkpoint_path)))
-        if self.local_sgd is not None:
-            return self.local_sgd.load_checkpoint(
-                path, model=self.lightning_module.model, optimizers=self._unwrapped_optimizers()
-            )
-        return ckpt.load(
-            path, model=self.lightning_module.model, optimizers=self._unwrapped_optimizers(), keys=self._saved_keys()
-        )
-
-    def _saved_keys(self) -> Callable[[str], bool] | None:
-        """Which model state a checkpoint holds: with LoRA only the adapters (the frozen base is
-        ``model.init_from``'s, loaded again on resume); else everything (None)."""
-        return is_adapter if self.lora is not None else None
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
-            import shutil
-
-            shutil.rmtree(filepath, ignore_errors=True)
-
-    def _unwrapped_optimizers(self) -> list[torch.optim.Optimizer]:
-        return [getattr(opt, "_optimizer", opt) for opt in self.optimizers]
 
     @override
     def teardown(self) -> None:

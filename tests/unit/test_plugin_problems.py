@@ -7,7 +7,8 @@ import pytest
 from harness import compose_config
 
 from strategies.context import ContextParallel
-from strategies.mesh import MeshStrategy, Plugin
+from strategies.mesh import MeshStrategy
+from strategies.plugin import Plugin
 from strategies.parallel_dims import ParallelDims
 from strategies.pipeline import PipelineParallel
 from strategies.resolved import ResolvedRun

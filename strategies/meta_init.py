@@ -1,0 +1,36 @@
+"""Meta-device construction: a model built on the meta device, allocated at its sharded size.
+
+The recipe of torchtitan (build on meta, parallelize, ``to_empty``, ``init_weights``): no rank ever
+holds the whole model.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import nn
+
+
+def is_meta(model: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``model`` is still on the meta device."""
+    return any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocates a model built on the meta device on ``device``, each parameter at its local
+    (sharded) size, and fills it with ``model.init_weights()``; nothing for a real model.
+
+    ``init_weights`` must give every layout the same values (plait's Llama seeds each weight by its
+    name: `trainer.models.init`).
+
+    Raises:
+        TypeError: a model on the meta device without an ``init_weights()`` method.
+    """
+    if not is_meta(model):
+        return
+    init_weights = getattr(model, "init_weights", None)
+    if not callable(init_weights):
+        raise TypeError(f"{type(model).__name__} was built on the meta device but has no init_weights() to fill it")
+    model.to_empty(device=device)
+    init_weights()
