@@ -8,7 +8,7 @@ Invocations::
     torchrun --nproc-per-node 8 -m trainer.cli pretrain trainer.devices=8   # processes started by torchrun
     plait my_recipes/long.yaml trainer.max_steps=2000 # a recipe file of your own
     plait pretrain --multirun optim.lr=1e-3,3e-4      # Hydra sweep, one run directory per job
-    plait dpo                                         # = plait preference objective=dpo (also ipo, simpo, orpo)
+    plait dpo                                         # = plait preference objective=dpo (also ipo, simpo, orpo, kto)
     plait generate ckpt=runs/pretrain prompt="To be"  # sample from the newest checkpoint
     plait plan model=llama3_8b cluster=h100x8 data.seq_len=8192   # ranked layouts, no training
     plait merge base=runs/base deltas=[runs/sft,runs/dpo] method=ties   # PAFT merge of fine-tuned deltas

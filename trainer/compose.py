@@ -43,6 +43,7 @@ ALIASES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "ipo": ("preference", ("objective=ipo", "recipe=ipo"), "= plait preference objective=ipo: squared loss on length-averaged log-ratios"),
     "simpo": ("preference", ("objective=simpo", "recipe=simpo"), "= plait preference objective=simpo: reference-free, length-normalised, target margin"),
     "orpo": ("preference", ("objective=orpo", "recipe=orpo"), "= plait preference objective=orpo: chosen NLL plus an odds-ratio term, no reference"),
+    "kto": ("preference", ("objective=kto", "recipe=kto", "data.unpaired=true"), "= plait preference objective=kto data.unpaired=true: unpaired desirable/undesirable rows"),
 }  # fmt: skip
 
 
@@ -111,7 +112,17 @@ def to_hydra_argv(argv: list[str]) -> list[str]:
         config = ["--config-path", str(RECIPES_DIR), "--config-name", recipe]
     search = f"hydra.searchpath=['file://{CONF_DIR}','file://{RECIPES_DIR}']"
     flags, overrides = _split_flags(rest)
-    return config + flags + overrides + [search]
+    return config + flags + [a for o in overrides for a in replace_sources(o)] + [search]
+
+
+def replace_sources(override: str) -> list[str]:
+    """``data.sources={mine: {...}}`` -> ``~data.sources +data.sources={mine: {...}}``: a mapping
+    given for ``data.sources`` replaces the preset's named sources (Hydra would merge it into them,
+    and refuse the new name in struct mode); any other override is kept as it is."""
+    key, _, value = override.partition("=")
+    if key.strip() == "data.sources" and value.lstrip().startswith("{"):
+        return ["~data.sources", f"+data.sources={value}"]
+    return [override]
 
 
 def _split_flags(args: Sequence[str]) -> tuple[list[str], list[str]]:

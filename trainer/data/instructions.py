@@ -134,28 +134,3 @@ BUNDLED: dict[str, Callable[[], list[list[Message]]]] = {
     "champ": champ,
     "ifbench": ifbench,
 }
-
-
-def load_jsonl(path: str) -> list[list[Message]]:
-    """A user's file: one conversation per line, ``{"messages": [...]}`` or ``{"prompt", "response"}``.
-
-    Raises:
-        FileNotFoundError: no such file.
-        ValueError: a line that is neither form (naming file and line).
-    """
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise FileNotFoundError(f"SFT data file {path!r} does not exist")
-    out = []
-    with file.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            if isinstance(record, dict) and isinstance(record.get("messages"), list):
-                out.append(record["messages"])
-            elif isinstance(record, dict) and {"prompt", "response"} <= record.keys():
-                out.append(_pair(record["prompt"], record["response"]))
-            else:
-                raise ValueError(f"{path}, line {lineno}: needs 'messages' or 'prompt' and 'response'")
-    return out

@@ -15,9 +15,15 @@ policy, the objective scores every pair once before the first optimizer step, wh
 (`state_dict`). Training then holds one model, FSDP and TP included, and the reference costs one
 forward per pair, once.
 
-Sources (``sources: {name: {source, limit, val_size}}``): ``dpo_en`` and ``champ`` (real pairs
-from pip packages), ``copy`` and ``addition`` (synthetic, verifiable), or a ``.jsonl`` path; see
-trainer.data.preference_sources.
+Sources (``sources: {name: {source, limit, val_size, columns}}``): ``dpo_en`` and ``champ`` (real
+pairs from pip packages), ``copy`` and ``addition`` (synthetic, verifiable), or a user's table in
+TRL's formats (trainer.data.formats); see trainer.data.preference_sources.
+
+Unpaired rows (``unpaired: true``, KTO: Ethayarajh et al. 2024): each row is one prompt, one
+completion and its label (``desirable`` [N], 1.0 or 0.0); a pair source gives two rows (chosen:
+desirable, rejected: undesirable; TRL's unpairing). Row index 0 of dim 1 holds the completion,
+index 1 the prompt with a **mismatched** completion (the next row's of the same split: TRL's KL
+rows), whose log-ratios estimate the policy's KL to the reference (trainer.objectives.kto).
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ class PreferenceDataModule(DataModule):
             ``copy``, ``addition`` or a ``.jsonl`` path; ``limit`` caps the training pairs (a
             synthetic set generates that many, default 1000); ``val_size`` pairs are held out.
         max_prompt_len: tokens the prompt keeps at most when a pair is too long.
+        unpaired: rows of one labelled completion each, with a KL row (KTO; module docstring).
         template: "auto", "default" or "tokenizer" (as for SFT).
         **settings: ``seq_len`` (tokens per row: prompt + response), ``tokenizer`` (use the base
             model's run's), ``vocab_size``, ``seed`` (splits, synthetic data, the shuffle),
@@ -75,6 +82,7 @@ class PreferenceDataModule(DataModule):
         *,
         sources: dict[str, dict[str, Any]],
         max_prompt_len: int = 128,
+        unpaired: bool = False,
         template: str = "auto",
         **settings: Unpack[Settings],
     ) -> None:
@@ -83,7 +91,7 @@ class PreferenceDataModule(DataModule):
         if problems := self.node_problems(node):
             raise DataError("; ".join(problems))
         self.sources: dict[str, Source] = {name: PAIRS.parse(name, dict(n or {})) for name, n in sources.items()}
-        self.max_prompt_len, self.template_name = max_prompt_len, template
+        self.max_prompt_len, self.template_name, self.unpaired = max_prompt_len, template, unpaired
         self.reference_ready = False
 
     @override
@@ -106,7 +114,7 @@ class PreferenceDataModule(DataModule):
         Raises:
             DataError: missing data packages, or fewer training pairs than one global batch.
         """
-        split = {name: PAIRS.records(source, seed=self.seed) for name, source in self.sources.items()}
+        split = {name: self._records(name, source) for name, source in self.sources.items()}
         texts = [m["content"] for tr, _ in split.values() for p in tr for m in p["messages"]]
         texts += [p[k] for tr, _ in split.values() for p in tr for k in ("chosen", "rejected")]
         tokenizer = self.load_tokenizer(texts, fingerprint("preference", json.dumps(split, sort_keys=True)))
@@ -124,6 +132,9 @@ class PreferenceDataModule(DataModule):
                     rows.append(r)
                     cut_pairs += int(cut and part == "train")
             prepared[part] = encode.stack_rows(rows, self.seq_len)
+            if self.unpaired:
+                labels = [p["desirable"] for pairs in split.values() for p in pairs[index]]
+                prepared[part]["desirable"] = torch.tensor(labels, dtype=torch.float32).reshape(len(labels))
             prepared[f"{part}_ref"] = torch.full((len(rows), 2), float("nan"))
         if len(prepared["train"]["input_ids"]) < self.global_batch_size:
             raise DataError(
@@ -133,6 +144,20 @@ class PreferenceDataModule(DataModule):
         if cut_pairs:
             print(f"plait: {cut_pairs} training pairs have responses cut at data.seq_len={self.seq_len}")
         return PreparedPairs(**prepared)
+
+    def _records(self, name: str, source: Source) -> tuple[list, list]:
+        """``(train, val)`` pairs of one source; unpaired: KTO rows laid out as pairs (module
+        docstring) with their ``desirable`` label.
+
+        Raises:
+            DataError: unpaired rows without ``data.unpaired`` (they have no rejected response).
+        """
+        records = PAIRS.records(source, seed=self.seed)
+        if not self.unpaired:
+            if any("label" in r for part in records for r in part):
+                raise DataError(f"data.sources.{name}: rows of prompt, completion and label are unpaired (KTO); train them with plait kto")
+            return records
+        return tuple(_kl_rows(_unpair(part)) for part in records)
 
     # ------------------------------------------------------------------------------ reference
     def pairs(self, split: str) -> dict[str, Tensor]:
@@ -172,3 +197,23 @@ class PreferenceDataModule(DataModule):
     def eval_rows(self) -> dict[str, Tensor]:
         prepared = self.prepare()
         return {**prepared.val, "ref_logps": prepared.val_ref}
+
+
+def _unpair(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Unpaired rows: a pair gives its chosen (desirable) and its rejected (undesirable) row."""
+    out = []
+    for r in records:
+        if "label" in r:
+            out.append(r)
+        else:
+            out += [{"messages": r["messages"], "completion": r[k], "label": k == "chosen"} for k in ("chosen", "rejected")]
+    return out
+
+
+def _kl_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each row as a pair: its completion, then the next row's completion to the same prompt (the
+    last row takes the first's): the mismatched completions of TRL's KL estimate."""
+    return [
+        {"messages": r["messages"], "chosen": r["completion"], "rejected": rows[(i + 1) % len(rows)]["completion"], "desirable": float(r["label"])}
+        for i, r in enumerate(rows)
+    ]

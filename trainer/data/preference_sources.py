@@ -1,4 +1,4 @@
-"""Preference pairs: real ones shipped in pip packages, synthetic verifiable ones, or a user's jsonl.
+"""Preference pairs: real ones shipped in pip packages and synthetic verifiable ones (a user's table: trainer.data.formats).
 
 A pair is ``{"messages": [...], "chosen": str, "rejected": str}``: the prompt conversation (system,
 user, earlier assistant turns) and two candidate final assistant answers.
@@ -28,7 +28,6 @@ import json
 import random
 import re
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from trainer.data import instructions
@@ -113,25 +112,3 @@ def synthetic(task: str, *, seed: int, sizes: dict[str, int]) -> dict[str, list[
         split: [{"messages": [{"role": "user", "content": p}], "chosen": c, "rejected": r} for p, c, r in items]
         for split, items in made.items()
     }
-
-
-def load_jsonl(path: str) -> list[Pair]:
-    """A user's file: one pair per line, ``{"messages" or "prompt", "chosen", "rejected"}``.
-
-    Raises:
-        FileNotFoundError: no such file.
-        ValueError: a line without those fields (naming file and line).
-    """
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise FileNotFoundError(f"preference data file {path!r} does not exist")
-    pairs = []
-    for lineno, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        r = json.loads(line)
-        if not (isinstance(r, dict) and {"chosen", "rejected"} <= r.keys() and ("messages" in r or "prompt" in r)):
-            raise ValueError(f"{path}, line {lineno}: needs 'chosen', 'rejected' and 'messages' or 'prompt'")
-        messages = r["messages"] if "messages" in r else [{"role": "user", "content": r["prompt"]}]
-        pairs.append({"messages": messages, "chosen": r["chosen"], "rejected": r["rejected"]})
-    return pairs

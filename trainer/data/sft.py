@@ -7,11 +7,12 @@ Each entry of ``sources`` is one named source with its budget (trainer.data.mixt
              val_size: 16, metric: loss}
 
 ``source`` is a bundled real set (trainer.data.instructions: alpaca, glaive, humaneval, champ,
-ifbench), a synthetic task (trainer.data.synthetic: reversal, sorting, addition) or a ``.jsonl``
-file (trainer.data.sources). ``limit`` caps the training conversations (synthetic: how many are
-generated, default 1000); ``val_size`` conversations are held out per source; ``metric`` is the
-source's held-out score for the mSFT controller: ``loss`` (validation loss, lower is better) or
-``exact_match`` (greedy decoding of the held-out prompts, higher is better; single-turn sources).
+ifbench), a synthetic task (trainer.data.synthetic: reversal, sorting, addition) or a user's table
+(a jsonl/json/parquet/arrow/csv file, shards or a save_to_disk folder in TRL's formats:
+trainer.data.sources). ``limit`` caps the training conversations (synthetic: how many are generated,
+default 1000); ``val_size`` conversations are held out per source; ``metric`` is the held-out
+score for the mSFT controller: ``loss`` (validation loss, lower is better) or ``exact_match``
+(greedy decoding of the held-out prompts, higher is better; single-turn sources).
 
 Samples longer than ``seq_len`` follow ``long_samples``: ``split`` (continue in the next rows,
 nothing lost; case C29), ``truncate`` (keep the first ``seq_len`` tokens), ``drop`` (leave the

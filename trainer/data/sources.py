@@ -1,11 +1,14 @@
 """Named sources: ``data.sources.<name>.source`` -> the training and held-out records of one source.
 
 A source string names a bundled real set (installed from a pip package), a synthetic task
-(generated from the seed, with disjoint train and validation prompts) or a user's ``.jsonl``
-file. A `Catalog` lists the sources of one record kind: conversations for SFT
-(`CONVERSATIONS`), preference pairs (`PAIRS`). To add a kind of source (say, a Hugging Face
-dataset), teach `Catalog.records` and `Catalog.problem` to recognise it; every data module that
-reads named sources takes it from there.
+(generated from the seed, with disjoint train and validation prompts) or a user's table: a
+``.jsonl``/``.json``/``.parquet``/``.arrow``/``.csv`` file, a folder of shards or a dataset saved
+with ``save_to_disk`` (read with Hugging Face ``datasets``: `trainer.data.tables`), in one of
+TRL's formats (`trainer.data.formats`); ``columns`` maps a format's fields to the table's
+columns. A `Catalog` lists the sources of one record kind: conversations for SFT
+(`CONVERSATIONS`), preference pairs (`PAIRS`). To add a kind of source, teach `Catalog.records`
+and `Catalog.problem` to recognise it; every data module that reads named sources takes it from
+there.
 
 Held-out records of a real set or a file are the ``val_size`` ones with the lowest hash of
 (seed, source name, index) (`hold_out`): the same on every rank and in every process. A synthetic
@@ -22,12 +25,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.data import instructions, preference_sources, synthetic
+from trainer.data import formats, instructions, preference_sources, synthetic, tables
 from trainer.data.base import DataError
 from trainer.data.cache import digest
 
 SYNTHETIC_SIZE = 1000  # training records a synthetic task generates without a limit
-SOURCE_FIELDS = ("source", "limit", "val_size")  # the fields every named source has
+SOURCE_FIELDS = ("source", "limit", "val_size", "columns")  # the fields every named source has
 
 
 def as_int(value: Any) -> int | None:
@@ -51,6 +54,7 @@ class Source:
     source: str
     limit: int | None = None
     val_size: int = 16
+    columns: tuple[tuple[str, str], ...] = ()  # (format field, table column) of a user's table
 
 
 @dataclass(frozen=True)
@@ -60,13 +64,13 @@ class Catalog:
     Args:
         bundled: name -> loader of a real set.
         synthetic: name -> generator of disjoint ``{"train", "val"}`` splits (``seed``, ``sizes``).
-        read_jsonl: reads a user's file (raises FileNotFoundError / ValueError naming the line).
+        parse_row: one row of a user's table -> a record (raises `formats.FormatError`).
         example: a valid source, for the message of an empty ``data.sources``.
     """
 
     bundled: Mapping[str, Callable[[], list]]
     synthetic: Mapping[str, Callable[..., dict[str, list]]]
-    read_jsonl: Callable[[str], list]
+    parse_row: Callable[[Mapping[str, Any]], Any]
     example: str
 
     def names(self) -> list[str]:
@@ -74,9 +78,12 @@ class Catalog:
 
     def problem(self, name: str, source: Any) -> str | None:
         """What is wrong with ``data.sources.<name>.source=<source>``; None when it is valid."""
-        if isinstance(source, str) and (source in self.bundled or source in self.synthetic or source.endswith(".jsonl")):
+        if isinstance(source, str) and (source in self.bundled or source in self.synthetic or tables.is_table(source)):
             return None
-        return f"data.sources.{name}.source={source!r}: use one of {self.names()} or a path to a .jsonl file"
+        return (
+            f"data.sources.{name}.source={source!r}: use one of {self.names()} or a local path: a "
+            f"{'/'.join(tables.FORMATS)} file, a folder of shards or a save_to_disk folder"
+        )
 
     def parse(self, name: str, node: Mapping[str, Any], fields: tuple[str, ...] = SOURCE_FIELDS) -> Source:
         """The `Source` of ``data.sources.<name>`` (the fields the caller knows besides are its own).
@@ -90,8 +97,12 @@ class Catalog:
         source = node.get("source", name)
         if (problem := self.problem(name, source)) is not None:
             raise ValueError(problem)
+        columns = node.get("columns") or {}
+        if not (hasattr(columns, "items") and all(isinstance(v, str) for v in columns.values())):
+            raise ValueError(f"data.sources.{name}.columns={columns!r}: map each format field to a column name, e.g. {{messages: conversation}}")
         try:
-            return Source(name, source, limit=as_int(node.get("limit")), val_size=as_int(node.get("val_size", 16)))
+            limit, val_size = as_int(node.get("limit")), as_int(node.get("val_size", 16))
+            return Source(name, source, limit=limit, val_size=val_size, columns=tuple((str(k), v) for k, v in columns.items()))
         except ValueError as err:
             raise ValueError(f"data.sources.{name}: {err}") from None
 
@@ -111,7 +122,10 @@ class Catalog:
                 made = self.synthetic[source.source](source.source, seed=seed, sizes=sizes)
                 return made["train"], made["val"]
             load = self.bundled.get(source.source)
-            records = load() if load is not None else self.read_jsonl(source.source)
+            if load is not None:
+                records = load()
+            else:
+                records = formats.read(tables.read_rows(source.source, dict(source.columns)), self.parse_row)
         except (FileNotFoundError, ValueError) as err:
             raise DataError(f"data.sources.{source.name}: {err}") from None
         train, val = hold_out(records, source.val_size, seed=seed, name=source.name)
@@ -134,12 +148,12 @@ def _synthetic_conversations(task: str, *, seed: int, sizes: dict[str, int]) -> 
 CONVERSATIONS = Catalog(
     bundled=instructions.BUNDLED,
     synthetic=dict.fromkeys(synthetic.TASKS, _synthetic_conversations),
-    read_jsonl=instructions.load_jsonl,
+    parse_row=formats.conversation,
     example="general.source=alpaca",
 )
 PAIRS = Catalog(
     bundled=preference_sources.BUNDLED,
     synthetic=dict.fromkeys(preference_sources.SYNTHETIC, preference_sources.synthetic),
-    read_jsonl=preference_sources.load_jsonl,
+    parse_row=formats.preference,
     example="pairs.source=dpo_en",
 )

@@ -206,6 +206,7 @@ class PreferenceObjective(Objective):
 
     needs_reference = True
     count_unit = "pairs"
+    unpaired = False  # trains on unpaired rows (data.unpaired=true; KTO, trainer.objectives.kto)
 
     def __init__(self) -> None:
         self._sums: torch.Tensor | None = None  # [len(METRICS) + 1]: metric sums and pairs
@@ -221,6 +222,8 @@ class PreferenceObjective(Objective):
         for axis in ("cp", "pp"):
             if run is not None and getattr(run.dims, axis) > 1:
                 problems.append(f"objective {cls.__name__} does not support strategy.{axis}={getattr(run.dims, axis)}; use strategy.{axis}=1")
+        if cfg.get("data") is not None and cfg.data.get("unpaired", False) and not cls.unpaired:
+            problems.append(f"objective {cls.__name__} trains on pairs; remove data.unpaired=true (unpaired rows: plait kto)")
         if cfg.get("objective") is not None and cfg.objective.get("loss_chunk_tokens"):
             problems.append("objective.loss_chunk_tokens is not used by preference objectives; remove it")
         return problems

@@ -1,0 +1,113 @@
+"""The data formats users already have: TRL's SFT and preference formats (strings or message
+lists, the implicit prompt), KTO rows, tables read with Hugging Face ``datasets`` (parquet, a
+save_to_disk folder, column mapping), a malformed row named by file and line, and a
+``data.sources={...}`` override that replaces the bundled sources."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from trainer.compose import compose
+from trainer.data.base import DataError
+from trainer.data.sources import CONVERSATIONS, PAIRS
+
+U, A = "user", "assistant"
+
+
+def _jsonl(path: Path, rows: list) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _records(catalog, path: str, **fields):
+    train, val = catalog.records(catalog.parse("mine", {"source": path, "val_size": 0, **fields}), seed=0)
+    assert val == []
+    return train
+
+
+def test_trl_sft_formats(tmp_path):
+    rows = [
+        {"messages": [{"role": U, "content": "hi"}, {"role": A, "content": "yo"}]},
+        {"prompt": "2+2?", "completion": "4"},
+        {"prompt": [{"role": "system", "content": "be terse"}, {"role": U, "content": "3+3?"}], "completion": [{"role": A, "content": "6"}]},
+        {"prompt": "name?", "response": "plait"},
+    ]
+    got = _records(CONVERSATIONS, _jsonl(tmp_path / "sft.jsonl", rows))
+    assert got[1] == [{"role": U, "content": "2+2?"}, {"role": A, "content": "4"}]
+    assert got[2] == [{"role": "system", "content": "be terse"}, {"role": U, "content": "3+3?"}, {"role": A, "content": "6"}]
+    assert got[3][1] == {"role": A, "content": "plait"} and got[0][1]["content"] == "yo"
+
+
+def test_trl_preference_formats(tmp_path):
+    prompt = [{"role": U, "content": "sky?"}]
+    rows = [
+        {"prompt": "sky?", "chosen": "blue", "rejected": "green"},
+        {"prompt": prompt, "chosen": [{"role": A, "content": "blue"}], "rejected": [{"role": A, "content": "green"}]},
+        {"chosen": [*prompt, {"role": A, "content": "blue"}], "rejected": [*prompt, {"role": A, "content": "green"}]},
+    ]
+    want = {"messages": prompt, "chosen": "blue", "rejected": "green"}
+    assert _records(PAIRS, _jsonl(tmp_path / "pairs.jsonl", rows)) == [want] * 3
+    unpaired = _records(PAIRS, _jsonl(tmp_path / "kto.jsonl", [{"prompt": "sky?", "completion": "blue", "label": True}]))
+    assert unpaired == [{"messages": prompt, "completion": "blue", "label": True}]
+
+
+@pytest.mark.parametrize(
+    ("catalog", "row", "says"),
+    [
+        (CONVERSATIONS, {"question": "x", "answer": "y"}, "'prompt' and 'completion'"),
+        (CONVERSATIONS, {"prompt": "x", "completion": 3}, "'completion' is int"),
+        (PAIRS, {"prompt": "x", "chosen": "y"}, "'prompt', 'chosen' and 'rejected'"),
+        (PAIRS, {"prompt": "x", "chosen": [{"role": U, "content": "y"}], "rejected": "z"}, "'chosen' must be one assistant turn"),
+        (PAIRS, {"chosen": [{"role": A, "content": "y"}], "rejected": [{"role": A, "content": "z"}]}, "share no prompt turn"),
+        (PAIRS, {"prompt": "x", "completion": "y", "label": "good"}, "use true (desirable)"),
+    ],
+)
+def test_a_malformed_row_names_file_line_and_fix(tmp_path, catalog, row, says):
+    good = {"prompt": "a", "completion": "b"} if catalog is CONVERSATIONS else {"prompt": "a", "chosen": "b", "rejected": "c"}
+    path = _jsonl(tmp_path / "bad.jsonl", [good, row])
+    with pytest.raises(DataError, match="data.sources.mine: .*bad.jsonl, line 2: ") as err:
+        _records(catalog, path)
+    assert says in str(err.value)
+
+
+def test_parquet_saved_dataset_and_column_mapping(tmp_path):
+    import datasets
+
+    rows = {"question": ["2+2?", "3+3?"], "answer": ["4", "6"]}
+    datasets.Dataset.from_dict(rows).to_parquet(str(tmp_path / "qa.parquet"))
+    datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "saved"))
+    columns = {"columns": {"prompt": "question", "completion": "answer"}}
+    want = [[{"role": U, "content": q}, {"role": A, "content": a}] for q, a in zip(rows["question"], rows["answer"])]
+    assert _records(CONVERSATIONS, str(tmp_path / "qa.parquet"), **columns) == want
+    assert _records(CONVERSATIONS, str(tmp_path / "saved"), **columns) == want
+    with pytest.raises(DataError, match=r"qa.parquet, row 1: no column 'query' \(mapped to 'prompt'\)"):
+        _records(CONVERSATIONS, str(tmp_path / "qa.parquet"), columns={"prompt": "query"})
+    assert "a local path" in CONVERSATIONS.problem("mine", "data.xlsx")
+
+
+def test_one_override_replaces_the_bundled_sources():
+    cfg = compose("sft", ["data.sources={mine: {source: my.jsonl, limit: 3}}"])
+    assert dict(cfg.data.sources) == {"mine": {"source": "my.jsonl", "limit": 3}}
+    assert list(compose("dpo", ["data.sources={mine: {source: my.parquet}}"]).data.sources) == ["mine"]
+
+
+def test_a_budget_on_a_parquet_source_is_exact(tmp_path):
+    import datasets
+
+    from trainer.build import build_data
+
+    n = 40
+    rows = {"prompt": [f"say {i} {i + 1}" for i in range(n)], "completion": [f"{i} {i + 1} {i + 2} done" for i in range(n)]}
+    datasets.Dataset.from_dict(rows).to_parquet(str(tmp_path / "a.parquet"))
+    source = "{mine: {source: %s, max_tokens: 333, max_epochs: null, val_size: 2}}" % (tmp_path / "a.parquet")
+    cfg = compose("sft", [f"data.sources={source}", "data.vocab_size=300", f"data.cache_dir={tmp_path / 'cache'}",
+                          "data.seq_len=32", "train.global_batch_size=4", "model=nano"])  # fmt: skip
+    data = build_data(cfg)
+    batches = data.train_batches(0, 1)
+    position = batches.start()
+    for _, position, _ in batches.batches(position):
+        pass
+    assert batches.metrics(position)["train/consumed_tokens/mine"] == 333.0  # supervised tokens, several epochs

@@ -1,0 +1,132 @@
+"""The row formats users already have (TRL's dataset formats) -> plait's records.
+
+Each reader takes one row (a dict, columns already mapped: `trainer.data.tables.rename`) and
+returns plait's record, or raises `FormatError` with the fix; `read` adds the file and line.
+TRL's formats (https://huggingface.co/docs/trl/dataset_formats), standard (strings) and
+conversational (message lists ``[{"role", "content"}]``):
+
+- SFT (`conversation`): ``messages``; ``prompt`` + ``completion`` (each a string or a message
+  list); plait's ``prompt`` + ``response`` (strings). A string prompt is a user turn, a string
+  completion an assistant turn.
+- preference (`pair`): ``prompt`` + ``chosen`` + ``rejected`` (strings or message lists; plait's
+  ``messages`` may stand for the prompt), or the implicit-prompt form: ``chosen`` and ``rejected``
+  message lists that share their prompt turns and end in one assistant turn each.
+- unpaired preference (`unpaired`, KTO): ``prompt`` + ``completion`` + ``label`` (true:
+  desirable).
+
+plait's records: a conversation is a message list; a pair is ``{"messages", "chosen", "rejected"}``
+(the prompt turns and two final assistant answers); an unpaired row is ``{"messages",
+"completion", "label"}``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from trainer.data.chat import ROLES, Message
+
+SFT_FIX = "write 'messages' (a list of {role, content}), or 'prompt' and 'completion' (strings or message lists)"
+PAIR_FIX = "write 'prompt', 'chosen' and 'rejected' (strings or message lists), or 'chosen' and 'rejected' message lists that share their prompt"
+UNPAIRED_FIX = "write 'prompt', 'completion' (strings or message lists) and 'label' (true: desirable, false: undesirable)"
+
+
+class FormatError(ValueError):
+    """A row in none of the accepted formats; the message names the field and the fix."""
+
+
+def messages(value: Any, field: str, *, role: str) -> list[Message]:
+    """A string (one ``role`` turn) or a message list, checked.
+
+    Raises:
+        FormatError: neither, or a message without a known role and a string content.
+    """
+    if isinstance(value, str):
+        return [{"role": role, "content": value}]
+    if not isinstance(value, list) or not value:
+        raise FormatError(f"'{field}' is {type(value).__name__}, not a string or a non-empty list of messages")
+    for m in value:
+        if not (isinstance(m, Mapping) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
+            raise FormatError(f"'{field}' holds {m!r}; each message needs a role in {ROLES} and a string content")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _answer(turns: list[Message], field: str) -> str:
+    if len(turns) != 1 or turns[0]["role"] != "assistant":
+        raise FormatError(f"'{field}' must be one assistant turn after the prompt (has {[m['role'] for m in turns]})")
+    return turns[0]["content"]
+
+
+def conversation(row: Mapping[str, Any]) -> list[Message]:
+    """The conversation of an SFT row (module docstring).
+
+    Raises:
+        FormatError: no accepted field set, or a field of the wrong type.
+    """
+    if "messages" in row:
+        return messages(row["messages"], "messages", role="user")
+    for answer in ("completion", "response"):
+        if "prompt" in row and answer in row:
+            return messages(row["prompt"], "prompt", role="user") + messages(row[answer], answer, role="assistant")
+    raise FormatError(f"has fields {sorted(row)}; {SFT_FIX}")
+
+
+def pair(row: Mapping[str, Any]) -> dict[str, Any]:
+    """The pair of a preference row (module docstring).
+
+    Raises:
+        FormatError: a missing field, a response that is not one assistant turn, or
+            implicit-prompt lists that share no prompt.
+    """
+    if not {"chosen", "rejected"} <= row.keys():
+        raise FormatError(f"has fields {sorted(row)}; {PAIR_FIX}")
+    prompt_field = "prompt" if "prompt" in row else ("messages" if "messages" in row else None)
+    if prompt_field is not None:
+        prompt = messages(row[prompt_field], prompt_field, role="user")
+        chosen, rejected = (messages(row[k], k, role="assistant") for k in ("chosen", "rejected"))
+    else:
+        whole = {k: messages(row[k], k, role="assistant") for k in ("chosen", "rejected")}
+        if any(isinstance(row[k], str) for k in whole):
+            raise FormatError(f"has no 'prompt' and a string 'chosen' or 'rejected'; {PAIR_FIX}")
+        shared = 0
+        while shared < min(map(len, whole.values())) - 1 and whole["chosen"][shared] == whole["rejected"][shared]:
+            shared += 1
+        prompt, chosen, rejected = whole["chosen"][:shared], whole["chosen"][shared:], whole["rejected"][shared:]
+        if not prompt:
+            raise FormatError(f"'chosen' and 'rejected' share no prompt turn; add 'prompt', or {PAIR_FIX}")
+    return {"messages": prompt, "chosen": _answer(chosen, "chosen"), "rejected": _answer(rejected, "rejected")}
+
+
+def unpaired(row: Mapping[str, Any]) -> dict[str, Any]:
+    """The unpaired row of a KTO row (module docstring).
+
+    Raises:
+        FormatError: a missing field or a label that is not a boolean.
+    """
+    if not {"prompt", "completion", "label"} <= row.keys():
+        raise FormatError(f"has fields {sorted(row)}; {UNPAIRED_FIX}")
+    label = row["label"]
+    if not isinstance(label, bool) and label not in (0, 1):
+        raise FormatError(f"'label' is {label!r}; use true (desirable) or false (undesirable)")
+    completion = _answer(messages(row["completion"], "completion", role="assistant"), "completion")
+    return {"messages": messages(row["prompt"], "prompt", role="user"), "completion": completion, "label": bool(label)}
+
+
+def preference(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A pair (`pair`) or, for a row with ``label`` and ``completion``, an unpaired row (`unpaired`)."""
+    return unpaired(row) if "label" in row and "completion" in row else pair(row)
+
+
+def read(rows: Iterator[tuple[str, Mapping[str, Any]]], parse: Callable[[Mapping[str, Any]], Any]) -> list[Any]:
+    """Every row of ``rows`` (``(where, row)``, `trainer.data.tables.read_rows`) through ``parse``.
+
+    Raises:
+        ValueError: the first malformed row, as ``<file>, line <n>: <problem>; <fix>``.
+    """
+    out = []
+    for where, row in rows:
+        try:
+            out.append(parse(row))
+        except FormatError as err:
+            raise ValueError(f"{where}: {err}") from None
+    return out

@@ -1,0 +1,132 @@
+"""Rows of a user's data files, read with Hugging Face ``datasets`` (local paths only).
+
+One reader for every table a user already has: ``.jsonl`` (read here line by line, so an error
+names the line), and through ``datasets`` ``.json``, ``.parquet``, ``.arrow``, ``.csv``, a folder
+of such shards (one format, read in sorted order) or a dataset written by ``save_to_disk``
+(`load_from_disk`). Nothing downloads: ``HF_DATASETS_OFFLINE`` and ``HF_HUB_OFFLINE`` are set
+before ``datasets`` is imported, and only local paths are accepted.
+
+`read_rows` materialises ``(where, row)`` pairs (``where`` is ``"<file>, line 7"`` or
+``"<path>, row 7"``, 1-based, for error messages). `stream` opens an ``IterableDataset`` (streaming
+mode) whose ``state_dict`` / ``load_state_dict`` resume exactly where it stopped
+(`trainer.data.stream`).
+
+Column mapping: ``columns`` maps the field a format expects (``text``, ``messages``, ``prompt``,
+``completion``, ``response``, ``chosen``, ``rejected``, ``label``) to the column that holds it in
+the file, e.g. ``{messages: conversation}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+# datasets reads these when it is imported: nothing of the Hub is ever contacted.
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
+SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")  # what save_to_disk writes
+
+
+def is_table(path: str) -> bool:
+    """Whether ``path`` names a table this module reads (a file of `FORMATS` or a folder)."""
+    p = Path(path).expanduser()
+    return p.suffix in FORMATS or p.is_dir()
+
+
+def _shards(root: Path) -> tuple[str, list[str]]:
+    """(datasets builder name, sorted shard files) of a folder of data files of one format.
+
+    Raises:
+        ValueError: no data file, or files of several formats.
+    """
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in FORMATS and p.name not in SAVED_MARKERS)
+    kinds = {FORMATS[p.suffix] for p in files}
+    if len(kinds) != 1:
+        found = "no data files" if not kinds else f"files of several formats ({sorted(kinds)})"
+        raise ValueError(f"{root}: {found}; a folder holds shards of one format ({', '.join(FORMATS)}) or a save_to_disk dataset")
+    return kinds.pop(), [str(p) for p in files]
+
+
+def _dataset(path: str, *, streaming: bool) -> Any:
+    """The ``datasets`` Dataset (or IterableDataset when ``streaming``) of a local path.
+
+    Raises:
+        FileNotFoundError: no such path.
+        ValueError: an unsupported file type, a DatasetDict saved with several splits, or a file
+            ``datasets`` cannot parse (its message included).
+    """
+    import datasets
+
+    datasets.disable_progress_bars()
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise FileNotFoundError(f"data file {path!r} does not exist")
+    try:
+        if root.is_dir() and any((root / m).is_file() for m in SAVED_MARKERS):
+            data = datasets.load_from_disk(str(root))
+            if isinstance(data, datasets.DatasetDict):
+                if "train" not in data:
+                    raise ValueError(f"{path}: a saved DatasetDict without a 'train' split (has {sorted(data)}); point at one split's folder")
+                data = data["train"]
+            return data.to_iterable_dataset(num_shards=max(1, len(data.cache_files))) if streaming else data
+        if root.is_dir():
+            builder, files = _shards(root)
+        elif root.suffix in FORMATS:
+            builder, files = FORMATS[root.suffix], [str(root)]
+        else:
+            raise ValueError(f"{path}: unsupported file type; use {', '.join(FORMATS)}, a folder of shards or a save_to_disk folder")
+        return datasets.load_dataset(builder, data_files=files, split="train", streaming=streaming)
+    except (datasets.exceptions.DatasetGenerationError, OSError, TypeError) as err:
+        raise ValueError(f"{path}: datasets cannot read it ({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
+
+
+def rename(row: Mapping[str, Any], columns: Mapping[str, str] | None, where: str) -> dict[str, Any]:
+    """``row`` with each mapped column under the field name a format expects.
+
+    Raises:
+        ValueError: a mapped column the row does not have (naming ``where`` and the columns it has).
+    """
+    if not columns:
+        return dict(row)
+    out = dict(row)
+    for field, column in columns.items():
+        if column not in row:
+            raise ValueError(f"{where}: no column {column!r} (mapped to {field!r}); its columns are {sorted(row)}; fix data.sources.<name>.columns")
+        out[field] = out.pop(column)
+    return out
+
+
+def read_rows(path: str, columns: Mapping[str, str] | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(where, row)`` of every row of a local table (module docstring), columns renamed.
+
+    Raises:
+        FileNotFoundError: no such path.
+        ValueError: a line that is not a JSON object, or a table ``datasets`` cannot read.
+    """
+    file = Path(path).expanduser()
+    if file.suffix == ".jsonl" and file.is_file():
+        with file.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                where = f"{path}, line {lineno}"
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{where}: not valid JSON ({err.msg}); write one JSON object per line") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"{where}: a {type(row).__name__}, not a JSON object; write one object per line")
+                yield where, rename(row, columns, where)
+        return
+    for index, row in enumerate(_dataset(path, streaming=False), start=1):
+        yield f"{path}, row {index}", rename(row, columns, f"{path}, row {index}")
+
+
+def stream(path: str) -> Any:
+    """A streaming ``datasets.IterableDataset`` of a local table (resumable: ``state_dict``)."""
+    return _dataset(path, streaming=True)

@@ -1,0 +1,137 @@
+"""KTO: Kahneman-Tversky Optimization on unpaired preference rows (Ethayarajh et al. 2024, "KTO:
+Model Alignment as Prospect Theoretic Optimization", eq. 8), in TRL's formulation (``KTOTrainer``).
+
+A batch holds unpaired rows (`trainer.data.preference` with ``unpaired: true``): ``[P, 2, T]``
+row pairs whose index 0 is the prompt with its own completion and index 1 the same prompt with a
+mismatched completion (another row's), ``desirable`` ``[P]`` (1.0: a desirable completion), and
+``ref_logps`` ``[P, 2]`` (the reference pre-pass of `PreferenceObjective.before_fit`).
+
+With ``r = log pi(y|x) - log pi_ref(y|x)`` (summed over the completion's tokens) and the KL
+estimate ``z = max(0, mean over the mismatched rows of their r)`` (detached; the mean is over
+one micro-step's rows on **all** ranks, as TRL gathers it over processes)::
+
+    desirable:    loss = desirable_weight   * (1 - sigmoid(beta * (r - z)))
+    undesirable:  loss = undesirable_weight * (1 - sigmoid(beta * (z - r)))
+
+and the Task averages the per-row losses over the step's rows (``count_unit = "pairs"``: rows).
+With gradient accumulation the KL estimate is per micro-step (TRL's is per device batch too).
+
+Logged: ``rewards/chosen`` and ``rewards/rejected`` (mean ``beta r`` of the desirable and of the
+undesirable rows) and ``kl`` (the mean estimate ``z``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from typing_extensions import override
+
+from trainer.objectives.preference import PreferenceObjective
+
+KTO_METRICS = ("rewards/chosen", "rewards/rejected", "kl")
+
+
+def kl_estimate(mismatched_logratio: torch.Tensor) -> torch.Tensor:
+    """``z``: the mean log-ratio of the mismatched rows over every rank, clamped at 0, detached.
+
+    Args:
+        mismatched_logratio: ``[P]`` summed log pi - log pi_ref of this rank's mismatched rows (nats).
+
+    Returns:
+        0-dim fp32 tensor (the same on every rank). Tensor- and sequence-parallel ranks hold the
+        same rows as their data-parallel peers, which leaves the mean unchanged.
+    """
+    sums = torch.stack([mismatched_logratio.detach().float().sum(), mismatched_logratio.new_tensor(mismatched_logratio.numel(), dtype=torch.float32)])
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(sums)
+    return (sums[0] / sums[1].clamp(min=1)).clamp(min=0)
+
+
+def kto_loss(
+    logratio: torch.Tensor,
+    kl: torch.Tensor,
+    desirable: torch.Tensor,
+    *,
+    beta: float,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """KTO's loss per row (module docstring).
+
+    Args:
+        logratio: ``[P]`` summed log pi(y|x) - log pi_ref(y|x) of each row's own completion (nats).
+        kl: 0-dim KL estimate ``z`` (`kl_estimate`; no gradient flows through it).
+        desirable: ``[P]`` bool, True for a desirable completion.
+        beta: KL strength (0.1 in the paper and TRL).
+        desirable_weight, undesirable_weight: the paper's lambda_D and lambda_U.
+
+    Returns:
+        ``(losses, rewards)``, each ``[P]``; reward = beta x log-ratio.
+    """
+    gain = desirable_weight * (1 - torch.sigmoid(beta * (logratio - kl)))
+    loss = undesirable_weight * (1 - torch.sigmoid(beta * (kl - logratio)))
+    return torch.where(desirable, gain, loss), beta * logratio
+
+
+class KTO(PreferenceObjective):
+    """KTO (unpaired rows; `kto_loss`).
+
+    Args:
+        beta: KL strength (0.1).
+        desirable_weight, undesirable_weight: loss weights of the two labels (1.0 each; the paper
+            suggests keeping ``desirable_weight * n_desirable / (undesirable_weight * n_undesirable)``
+            in [1, 4/3]).
+
+    Raises:
+        ValueError: beta or a weight that is not positive.
+    """
+
+    unpaired = True
+
+    def __init__(self, beta: float = 0.1, desirable_weight: float = 1.0, undesirable_weight: float = 1.0) -> None:
+        super().__init__()
+        for name, value in (("beta", beta), ("desirable_weight", desirable_weight), ("undesirable_weight", undesirable_weight)):
+            if not value > 0:
+                raise ValueError(f"objective.{name}={value} must be positive")
+        self.beta, self.desirable_weight, self.undesirable_weight = beta, desirable_weight, undesirable_weight
+        self._kto_sums: torch.Tensor | None = None  # [2, 3]: metric sums, metric counts
+
+    @override
+    def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Summed KTO loss of ``batch``'s rows (0-dim fp32); adds the reward and KL metrics to the sums.
+
+        Raises:
+            KeyError: a batch without ``ref_logps`` or ``desirable`` (not unpaired rows).
+        """
+        logps, _ = self.sequence_logps_of(model, batch)
+        ratio = logps - batch["ref_logps"].to(logps.dtype)
+        kl = kl_estimate(ratio[:, 1])
+        desirable = batch["desirable"] > 0.5
+        losses, rewards = kto_loss(
+            ratio[:, 0], kl, desirable, beta=self.beta,
+            desirable_weight=self.desirable_weight, undesirable_weight=self.undesirable_weight,
+        )  # fmt: skip
+        rewards, d = rewards.detach().float(), desirable.float()
+        sums = torch.stack([
+            torch.stack([(rewards * d).sum(), (rewards * (1 - d)).sum(), kl]),
+            torch.stack([d.sum(), (1 - d).sum(), torch.ones_like(kl)]),
+        ])  # fmt: skip
+        self._kto_sums = sums if self._kto_sums is None else self._kto_sums + sums
+        return losses.sum()
+
+    @override
+    def pop_sums(self) -> tuple[list[str], torch.Tensor] | None:
+        """``(KTO_METRICS, [2, 3])``: this rank's metric sums since the last call and their counts."""
+        sums, self._kto_sums = self._kto_sums, None
+        return list(KTO_METRICS), torch.zeros(2, len(KTO_METRICS)) if sums is None else sums
+
+    @classmethod
+    def config_problems(cls, cfg: Any, run: Any) -> list[str]:
+        """The preference objectives' problems, and unpaired rows (``data.unpaired=true``)."""
+        problems = super().config_problems(cfg, run)
+        if cfg.get("data") is not None and not cfg.data.get("unpaired", False):
+            problems.append("objective KTO trains on unpaired rows; set data.unpaired=true (plait kto does)")
+        return problems
