@@ -62,6 +62,7 @@ RECIPES: dict[str, tuple[str, tuple[str, ...]]] = {
     "ipo": ("ipo", _PREFERENCE_DATA),
     "simpo": ("simpo", _PREFERENCE_DATA),
     "orpo": ("orpo", _PREFERENCE_DATA),
+    "kto": ("kto", _PREFERENCE_DATA),
     "paft_sft": ("paft", (*_SFT_DATA, *_METRIC_LOSS, "callbacks.delta_l1.strength=1e-2")),
     "paft_dpo": ("paft", ("paft=dpo", *_PREFERENCE_DATA)),
 }

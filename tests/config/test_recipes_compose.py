@@ -35,7 +35,7 @@ def test_recipe_x_strategy_validates(recipe: str, strategy: str, devices: int) -
     elif cfg.model.n_heads % _resolved(cfg, devices, "tp") or cfg.model.n_kv_heads % _resolved(cfg, devices, "tp"):
         with pytest.raises(ConfigError, match="valid tp: "):  # the tiny model's 6 heads / 2 kv heads: tp <= 2
             validate(cfg)
-    elif "preference" in cfg.objective._target_ and max(_resolved(cfg, devices, "cp"), _resolved(cfg, devices, "pp")) > 1:
+    elif cfg.objective._target_.rsplit(".", 2)[-2] in ("preference", "kto") and max(_resolved(cfg, devices, "cp"), _resolved(cfg, devices, "pp")) > 1:
         with pytest.raises(ConfigError, match="does not support strategy"):  # pairs are not split by cp or pp
             validate(cfg)
     else:
@@ -74,6 +74,7 @@ def test_every_group_option_validates_in_the_default_recipe(group: str) -> None:
             overrides.append("trainer.devices=2" if option.stem == "tp" else "trainer.devices=4")
         # A budget search and the per-source SFT objective need the SFT recipe's named sources.
         recipe = "sft" if group == "budget" or (group, option.stem) == ("objective", "sft") else "pretrain"
-        if group == "paft" or (group == "objective" and option.stem in ("dpo", "ipo", "simpo", "orpo")):
-            recipe = "paft" if group == "paft" else "dpo"  # PAFT arms; preference objectives need pairs
+        if group == "paft" or (group == "objective" and option.stem in ("dpo", "ipo", "simpo", "orpo", "kto")):
+            # PAFT arms; preference objectives need pairs (KTO: unpaired rows, its alias sets them)
+            recipe = "paft" if group == "paft" else ("kto" if option.stem == "kto" else "dpo")
         validate(compose_config(overrides, recipe=recipe, tiny=False))
