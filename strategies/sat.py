@@ -15,7 +15,7 @@ omission and its ladder omission-rate schedule. At ``rate=0`` nothing is omitted
 exactly dense.
 
 The model declares the capability: a module with ``ffn_dim`` and ``keep_channels(idx | None)``
-(`SparseMLP`, e.g. `trainer.models.llama.FeedForward`).
+(`SparseMLP`, e.g. `trainer.models.block.FeedForward`).
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ def _calibration_block() -> tuple[Any, tuple[Any, ...]]:
     """A tiny Llama block and its one-token inputs: the host time per layer the planner calibrates."""
     import torch
 
-    from trainer.models.llama import TransformerBlock
+    from trainer.models.block import TransformerBlock
     from trainer.models.rope import rope_tables
 
     dim = 64

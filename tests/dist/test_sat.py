@@ -82,7 +82,7 @@ def test_sat_equals_reference(tmp_path, layout):
 
 def test_channels_are_cleared_after_the_step():
     """Evaluation between steps runs the dense MLP."""
-    from trainer.models.llama import FeedForward
+    from trainer.models.block import FeedForward
 
     ff = FeedForward(8, 16)
     sat = SAT(rate=0.5)

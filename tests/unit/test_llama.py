@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from trainer.models.document_masks import block_causal_mask
-from trainer.models.llama import Llama, llama_ffn_dim
+from trainer.models.block import llama_ffn_dim
+from trainer.models.llama import Llama
 
 VOCAB = 97
 NANO = dict(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.models.llama import FeedForward
+from trainer.models.block import FeedForward
 
 ScoreFunc = Literal["softmax", "sigmoid"]
 
