@@ -24,14 +24,17 @@ links are fastest on a real cluster).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, get_args
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from strategies.attention_blocks import block_kernels
+from strategies.cp_placement import WHOLE_ROWS, hybrid_micro_batches, micro_batches_of, placement_problems
 from strategies.document_shards import shard_documents
 from strategies.parallel_dims import Meshes, divisors
 from strategies.ring_attention import Ring, RingMasks, ring_attention
@@ -195,6 +198,13 @@ def heads_to_seq(x_bthe: torch.Tensor, group: dist.ProcessGroup, degree: int) ->
 
 
 # ---------------------------------------------------------------------------------- the attention core
+@dataclass(frozen=True)
+class WholeRows:
+    """The mask of a forward over whole rows (no cp split): what the one-process core made."""
+
+    mask: Any
+
+
 class ContextParallelAttention:
     """The attention core of every `Attention` module under context parallelism.
 
@@ -210,9 +220,23 @@ class ContextParallelAttention:
             on CUDA, eager fp32 on CPU), ``fused`` or ``eager``.
     """
 
-    def __init__(self, layout: CPLayout, *, load_balance: bool = True, kv_chunk: int = 0, kernel: str = "auto") -> None:
+    def __init__(
+        self, layout: CPLayout, *, load_balance: bool = True, kv_chunk: int = 0, kernel: str = "auto", whole: Any = None
+    ) -> None:
         block_kernels(torch.device("cpu"), kernel)  # fails on an unknown kernel name
         self.layout, self.load_balance, self.kv_chunk, self.kernel = layout, load_balance, kv_chunk, kernel
+        self.whole, self.whole_rows = whole, False  # the one-process core; set while whole rows train
+
+    @contextmanager
+    def training_whole_rows(self, whole: bool) -> Iterator[None]:
+        """While active (``whole``), forwards attend with the one-process core: the rows are whole
+        on this rank (`strategies.cp_placement`). The masks made then carry it, so a recompute
+        under activation checkpointing attends the same way."""
+        self.whole_rows = whole and self.whole is not None
+        try:
+            yield
+        finally:
+            self.whole_rows = False
 
     def mask(self, document_ids_bt: torch.Tensor | None, seq_len: int, device: torch.device) -> RingMasks:
         """Positions and document ids of the queries and keys each layer's ring step sees.
@@ -222,6 +246,8 @@ class ContextParallelAttention:
             seq_len: this rank's token count ``T/cp``.
             device: the device of the activations.
         """
+        if self.whole_rows:
+            return WholeRows(self.whole.mask(document_ids_bt, seq_len, device))
         lay = self.layout
         pos = [shard_positions(seq_len * lay.cp, lay.cp, c, load_balance=self.load_balance) for c in range(lay.cp)]
         docs = None
@@ -244,6 +270,8 @@ class ContextParallelAttention:
         self, q_bthe: torch.Tensor, k_btke: torch.Tensor, v_btke: torch.Tensor, masks: RingMasks
     ) -> torch.Tensor:
         """``[B, T/cp, H, E]`` queries and ``[B, T/cp, K, E]`` keys/values (after RoPE) -> ``[B, T/cp, H, E]``."""
+        if isinstance(masks, WholeRows):
+            return self.whole(q_bthe, k_btke, v_btke, masks.mask)
         lay, u = self.layout, self.layout.ulysses_degree
         if u > 1:
             H, K = q_bthe.shape[2], k_btke.shape[2]
@@ -270,7 +298,10 @@ def apply_context_parallel(
     attention (a per-token test model) is left unchanged: per-token layers need no change under CP.
     """
     if hasattr(model, "set_attention_core"):
-        model.set_attention_core(ContextParallelAttention(layout, load_balance=load_balance, kv_chunk=kv_chunk, kernel=kernel))
+        core = ContextParallelAttention(
+            layout, load_balance=load_balance, kv_chunk=kv_chunk, kernel=kernel, whole=model.attention_core
+        )
+        model.set_attention_core(core)
 
 
 # ---------------------------------------------------------------------------------- config
@@ -322,6 +353,8 @@ class ContextParallel:
         kv_chunk: keys per score block in ring attention (0: whole blocks); lowers peak memory.
         kernel: ring attention's block kernels: ``auto`` (fused SDPA kernels on CUDA, eager fp32
             on CPU), ``fused`` or ``eager`` (`strategies.attention_blocks`).
+        placement: ``split`` (every row over all cp ranks) or ``hybrid`` (rows of short documents
+            whole on single cp ranks, the others split: `strategies.cp_placement`).
         activation_offload: an alias of ``strategy.activation_offload.enabled`` (the
             `strategies.activation_offload.ActivationOffload` plugin), kept for existing command lines.
     """
@@ -331,7 +364,10 @@ class ContextParallel:
     sharding: Sharding = "zigzag"
     kv_chunk: int = 0
     kernel: str = "auto"
+    placement: str = "split"
     activation_offload: bool = False
+    core: ContextParallelAttention | None = field(default=None, init=False, repr=False)  # set by apply
+    whole_row_count: int = field(default=0, init=False)  # whole rows of this cp group in the last step
 
     def __post_init__(self) -> None:
         if self.sharding not in SHARDINGS or (self.sharding == "document" and not self.load_balance):
@@ -352,9 +388,9 @@ class ContextParallel:
         """The sequence length against the shards `shard_positions` cuts (2 cp with load balancing,
         else cp), and the mode against the model's heads (`context_parallel_problems`)."""
         cp = run.dims.cp
+        problems = placement_problems(self.placement, cp=cp, pp=run.dims.pp, micro_batch_size=run.micro_batch_size)
         if cp <= 1:
-            return []
-        problems = []
+            return problems
         parts = 2 * cp if self.load_balance else cp
         if run.seq_len % parts:
             why = f"2*cp={parts} (load-balanced ring attention)" if self.load_balance else f"cp={parts}"
@@ -376,6 +412,35 @@ class ContextParallel:
         apply_context_parallel(
             model, layout=layout, load_balance=self.load_balance, kv_chunk=self.kv_chunk, kernel=self.kernel
         )
+        core = getattr(model, "attention_core", None)
+        self.core = core if isinstance(core, ContextParallelAttention) else None
+
+    def micro_batches(
+        self, batch: dict[str, torch.Tensor], *, cp: int, rank: int, micro_batch_size: int
+    ) -> list[dict[str, torch.Tensor]]:
+        """This cp rank's micro-batches of its group's rows: every row sharded (``split``), or with
+        ``hybrid`` placement whole short rows first (`strategies.cp_placement.hybrid_micro_batches`;
+        the group's whole rows are kept in ``whole_row_count`` for the step's metrics)."""
+        def shard(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return self.shard_batch(rows, cp=cp, rank=rank)
+
+        if self.placement != "hybrid" or self.core is None:
+            return micro_batches_of(shard(batch), micro_batch_size)
+        micro_batches, self.whole_row_count = hybrid_micro_batches(
+            batch, cp=cp, rank=rank, micro_batch_size=micro_batch_size, shard=shard
+        )
+        return micro_batches
+
+    @contextmanager
+    def training(self, micro_batch: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
+        """The micro-batch without its `WHOLE_ROWS` mark; while active, a marked one attends whole."""
+        whole = WHOLE_ROWS in micro_batch
+        rows = {k: v for k, v in micro_batch.items() if k != WHOLE_ROWS}
+        if self.core is None:
+            yield rows
+            return
+        with self.core.training_whole_rows(whole):
+            yield rows
 
     def shard_batch(self, batch: dict[str, torch.Tensor], *, cp: int, rank: int) -> dict[str, torch.Tensor]:
         return shard_batch(batch, cp=cp, rank=rank, load_balance=self.load_balance, documents=self.sharding == "document")

@@ -28,6 +28,7 @@ from strategies.activation_checkpoint import ActivationCheckpoint
 from strategies.activation_offload import ActivationOffload
 from strategies.compile import Compile
 from strategies.context import ContextParallel, CPMode
+from strategies.cp_placement import micro_batches_of, placement_problems
 from strategies.expert import ExpertParallel
 from strategies.fsdp import FSDP
 from strategies.grad_norm import clip_grads_, global_grad_norm
@@ -190,6 +191,8 @@ class MeshStrategy(MeshCheckpoints, ModelParallelStrategy):
         problems = [problem for plugin in self.plugins(run.dims) for problem in plugin.problems(run, shape)]
         if self.lora is not None and self.local_sgd is not None:
             problems.append("strategy.lora does not compose with strategy.local_sgd yet; use strategy.local_sgd=null")
+        if run.dims.cp <= 1:  # the cp plugin (which checks its placement) is not applied
+            problems += placement_problems(self.context_parallel.placement, cp=1, pp=run.dims.pp, micro_batch_size=run.micro_batch_size)
         return problems
 
     # ------------------------------------------------------------------------------ processes
@@ -311,6 +314,17 @@ class MeshStrategy(MeshCheckpoints, ModelParallelStrategy):
             return self.context_parallel.shard_batch(batch, cp=cp_mesh.size(), rank=cp_mesh.get_local_rank())
         return batch
 
+    def micro_batches(self, batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
+        """This rank's micro-batches of its dp rows (`shard_batch`, then runs of ``micro_batch_size``
+        rows); with cp > 1 the context-parallel plugin's (hybrid placement trains some rows whole:
+        `strategies.cp_placement`)."""
+        if self.dims.cp > 1:
+            cp_mesh = self.submesh("cp")
+            return self.context_parallel.micro_batches(
+                batch, cp=cp_mesh.size(), rank=cp_mesh.get_local_rank(), micro_batch_size=micro_batch_size
+            )
+        return micro_batches_of(batch, micro_batch_size)
+
     @contextmanager
     def loss_context(self) -> Iterator[None]:
         """Context for the loss and its backward: tensor parallelism's loss parallel when tp > 1."""
@@ -375,8 +389,9 @@ class MeshStrategy(MeshCheckpoints, ModelParallelStrategy):
             if hasattr(model, "set_requires_gradient_sync"):
                 # Reduce gradients once per step, after the last micro-batch, not once per micro-batch.
                 model.set_requires_gradient_sync(i == last)
-            with self.loss_context():  # loss parallel needs its context in forward and backward
-                loss = loss_fn(model, micro_batch)
+            # loss parallel needs its context in forward and backward; whole rows attend on one cp rank
+            with self.loss_context(), self.context_parallel.training(micro_batch) as rows:
+                loss = loss_fn(model, rows)
                 backward(loss)
             total += loss.detach()
         return total
@@ -400,9 +415,12 @@ class MeshStrategy(MeshCheckpoints, ModelParallelStrategy):
             Metrics of the step for the loggers: ``comm/bytes_sent`` (bytes this rank sent to other
             islands in this step) and ``comm/bytes_sent_total`` under local SGD;
             ``ep/max_over_mean_rows`` under expert parallelism; with LoRA after the first step
-            ``lora/trainable_bytes`` and ``lora/optimizer_state_bytes``.
+            ``lora/trainable_bytes`` and ``lora/optimizer_state_bytes``; with cp hybrid placement
+            ``perf/cp_whole_rows`` (rows of a cp group trained whole in the step).
         """
         metrics = self.expert_parallel.rank_load_metrics()
+        if self.dims.cp > 1 and self.context_parallel.placement == "hybrid":
+            metrics["perf/cp_whole_rows"] = float(self.context_parallel.whole_row_count)
         if self.lora is not None and step == 1:
             metrics.update(
                 self.lora.report(self.lightning_module.model, getattr(optimizer, "_optimizer", optimizer), verbose=self.is_global_zero)

@@ -36,6 +36,11 @@ class Strategy(Protocol):
         """This rank's part of its dp rows (e.g. its cp slice of the sequence)."""
         ...
 
+    def micro_batches(self, batch: Batch, micro_batch_size: int) -> list[Batch]:
+        """This rank's micro-batches of its dp rows for one step (its part, `shard_batch`, in runs of
+        ``micro_batch_size`` rows; a layout may place rows otherwise, e.g. cp hybrid placement)."""
+        ...
+
     def forward_backward(
         self, model: nn.Module, micro_batches: Sequence[Batch], loss_fn: LossFn, backward: Callable[[torch.Tensor], None]
     ) -> torch.Tensor:

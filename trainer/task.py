@@ -35,12 +35,6 @@ from trainer.optim import build_optimizer
 from trainer.protocols import Objective, RoutedModel
 
 
-def split_micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
-    """Splits a dict of [rows, ...] tensors into micro-batches of ``micro_batch_size`` rows (the last may be smaller)."""
-    rows = next(iter(batch.values())).shape[0]
-    return [{k: v[i : i + micro_batch_size] for k, v in batch.items()} for i in range(0, rows, micro_batch_size)]
-
-
 class Task(L.LightningModule):
     """Trains ``model`` on ``objective`` with one owner of the optimizer step.
 
@@ -152,11 +146,11 @@ class Task(L.LightningModule):
         strategy = self.trainer.strategy
         optimizer = self.optimizers()
         step_tokens = batch["input_ids"].numel() * strategy.dims.dp  # before a cp rank keeps its slice
-        batch = strategy.shard_batch(batch)
-        micro_batches = split_micro_batches(batch, self.micro_batch_size)
+        micro_batches = strategy.micro_batches(batch, self.micro_batch_size)  # e.g. each cp rank's slices
         if isinstance(self.model, RoutedModel):
             # Router losses average over the step's routed tokens on every rank that shares the gradient.
-            self.model.set_router_loss_scale(1.0 / (batch["input_ids"].numel() * strategy.submesh(strategy.token_axis).size()))
+            local_tokens = sum(mb["input_ids"].numel() for mb in micro_batches)
+            self.model.set_router_loss_scale(1.0 / (local_tokens * strategy.submesh(strategy.token_axis).size()))
 
         num_tokens = torch.stack([self.objective.num_tokens(mb) for mb in micro_batches]).sum()
         # The ranks that share one gradient: dp x cp, or one island's under local SGD.
