@@ -192,7 +192,8 @@ class MeshStrategy(MeshCheckpoints, ModelParallelStrategy):
         if self.lora is not None and self.local_sgd is not None:
             problems.append("strategy.lora does not compose with strategy.local_sgd yet; use strategy.local_sgd=null")
         if run.dims.cp <= 1:  # the cp plugin (which checks its placement) is not applied
-            problems += placement_problems(self.context_parallel.placement, cp=1, pp=run.dims.pp, micro_batch_size=run.micro_batch_size)
+            placement = self.context_parallel.placement
+            problems += placement_problems(placement, cp=1, pp=run.dims.pp, micro_batch_size=run.micro_batch_size)
         return problems
 
     # ------------------------------------------------------------------------------ processes
