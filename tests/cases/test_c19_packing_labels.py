@@ -5,7 +5,8 @@ Scenario: document A (3 tokens) and document B (5 tokens) packed into one row of
 pack([(A, shift_labels(A)), (B, shift_labels(B))], seq_len=8).
 Expected: position_ids = [0, 1, 2, 0, 1, 2, 3, 4]; document ids = [0, 0, 0, 1, 1, 1, 1, 1]; the label
 at A's last position is -100, so there are exactly 6 supervised targets, not 7; the block-diagonal
-causal mask built from the document ids never lets B see A. With plait's model and objective, the
+causal attention plait runs over the document ids (its CPU kernel, the dense fallback and
+FlexAttention's block mask) equals the test's own softmax under the written-out mask, so B never sees A. With plait's model and objective, the
 packed loss equals (A's 2 + B's 4 target CEs) / 6, the token-weighted mean of the documents run
 separately, and replacing A's tokens changes no logit of B (max |delta| = 0).
 """
@@ -30,15 +31,49 @@ def test_positions_document_ids_and_labels():
     assert rows.num_supervised_tokens() == 6
 
 
-def test_block_diagonal_mask_from_document_ids():
+# The mask of A (positions 0-2) then B (3-7), written out: query row t may attend key column s.
+ALLOWED = torch.tensor(
+    [
+        [1, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0, 0, 0],
+        [0, 0, 0, 1, 0, 0, 0, 0],
+        [0, 0, 0, 1, 1, 0, 0, 0],
+        [0, 0, 0, 1, 1, 1, 0, 0],
+        [0, 0, 0, 1, 1, 1, 1, 0],
+        [0, 0, 0, 1, 1, 1, 1, 1],
+    ],
+    dtype=torch.bool,
+)
+
+
+def _attention_under(allowed_tt, q_bthe, k_bthe, v_bthe):  # noqa: ANN001, ANN202
+    """The test's own attention: softmax(q k^T / sqrt(E)) over the allowed keys, times v."""
+    scores_bhts = torch.einsum("bthe,bshe->bhts", q_bthe, k_bthe) / q_bthe.shape[-1] ** 0.5
+    weights = scores_bhts.masked_fill(~allowed_tt, float("-inf")).softmax(dim=-1)
+    return torch.einsum("bhts,bshe->bthe", weights, v_bthe)
+
+
+def test_plait_attention_over_the_packed_document_ids_is_block_diagonal():
+    from trainer.models.attention import DOCUMENT_CAUSAL
+    from trainer.models.document_masks import block_causal_mask, document_block_mask, flex_document_attention
+
     rows = pack([(A, shift_labels(A)), (B, shift_labels(B))], seq_len=8, pad_id=0)
-    doc = rows.document_ids[0]
-    causal = torch.ones(8, 8, dtype=torch.bool).tril()
-    mask = causal & (doc[:, None] == doc[None, :])
-    assert not mask[3:, :3].any()  # B never sees A
-    assert mask[3:, 3:].equal(causal[:5, :5]) and mask[:3, :3].equal(causal[:3, :3])
-    naive = causal  # what a plain causal mask over the packed row would allow
-    assert naive[3:, :3].any()
+    doc_bt = rows.document_ids  # [1, 8]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 8, 2, 4, generator=g) for _ in range(3))
+    expected = _attention_under(ALLOWED, q, k, v)
+    # The CPU kernel (causal SDPA per document), the dense fallback and FlexAttention's block mask.
+    cpu = DOCUMENT_CAUSAL(q, k, v, DOCUMENT_CAUSAL.mask(doc_bt, 8, torch.device("cpu")))
+    torch.testing.assert_close(cpu, expected, rtol=1e-6, atol=1e-6)
+    assert block_causal_mask(doc_bt)[0, 0].equal(ALLOWED)
+    dense = DOCUMENT_CAUSAL(q, k, v, block_causal_mask(doc_bt))
+    torch.testing.assert_close(dense, expected, rtol=1e-6, atol=1e-6)
+    flex = flex_document_attention(q, k, v, document_block_mask(doc_bt, compiled=False), compiled=False)
+    torch.testing.assert_close(flex, expected, rtol=1e-6, atol=1e-6)
+    # What a plain causal mask over the packed row gives instead: B's outputs mix in A's values.
+    causal = _attention_under(torch.ones(8, 8, dtype=torch.bool).tril(), q, k, v)
+    assert (causal[:, 3:] - expected[:, 3:]).abs().max() > 1e-3
 
 
 # Model side: plait's Llama + CausalLM objective on the packed row.
