@@ -6,6 +6,7 @@ import csv
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,22 @@ class StageLayers(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
         pl_module.history.append({"layers": sorted(pl_module.model.layers, key=int)})
+
+
+class SleepPerStep(L.Callback):
+    """Sleeps ``seconds`` after every training batch: a known lower bound on a run's training wall time."""
+
+    def __init__(self, seconds: float = 0.25) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_end(self, *args: Any) -> None:  # noqa: D102
+        time.sleep(self.seconds)
+
+
+# For a CLI subprocess that names a harness callback (``+callbacks.x._target_=harness.SleepPerStep``).
+def tests_on_path() -> dict[str, str]:
+    """This process' environment with tests/ first on PYTHONPATH."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
 
 
 def losses(history: list[dict[str, Any]]) -> list[float]:

@@ -10,10 +10,11 @@ import os
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from harness import CLI_TINY, plait, train_rows
+from harness import CLI_TINY, plait, tests_on_path, train_rows
 from omegaconf import OmegaConf
 
 from strategies.checkpoint import is_checkpoint
@@ -21,6 +22,24 @@ from trainer.compose import CONF_DIR, bundled_recipes
 from trainer.data.tokenizer import Tokenizer
 
 TOKENS_PER_STEP = 8 * 64  # train.global_batch_size x data.seq_len of CLI_TINY
+STEPS, SLEEP_S = 4, 0.25
+# Every step sleeps SLEEP_S after its batch: the training wall time is at least STEPS x SLEEP_S.
+TIMED = ("+callbacks.sleep._target_=harness.SleepPerStep", f"+callbacks.sleep.seconds={SLEEP_S}")
+
+
+def _timed_plait(*args: str, cwd: Path | None = None) -> tuple[subprocess.CompletedProcess[str], float]:
+    """``plait *args`` (with the sleeping callback) and the wall seconds of the whole subprocess."""
+    start = time.perf_counter()
+    result = _ok(plait(*args, *TIMED, cwd=cwd, env=tests_on_path()))
+    return result, time.perf_counter() - start
+
+
+def _check_throughput(run_dir: Path, outer_wall_s: float) -> None:
+    """summary.json's wall time lies between the sleeps and the subprocess' wall time, and its
+    tokens/s times that wall time is every token of every global batch, counted here (not per rank)."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert STEPS * SLEEP_S <= summary["wall_time_s"] <= outer_wall_s, (summary, outer_wall_s)
+    assert summary["tokens_per_s"] * summary["wall_time_s"] == pytest.approx(STEPS * TOKENS_PER_STEP, rel=0.01)
 
 
 def _ok(result: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
@@ -37,7 +56,8 @@ def _val_rows(run_dir: Path) -> dict[int, float]:
 def pretrain_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """A 4-step tiny pretrain run: (its run directory, its stdout)."""
     run_dir = tmp_path_factory.mktemp("cli") / "run"
-    result = _ok(plait("pretrain", *CLI_TINY, f"run_dir={run_dir}"))
+    result, wall_s = _timed_plait("pretrain", *CLI_TINY, f"run_dir={run_dir}")
+    _check_throughput(run_dir, wall_s)
     return run_dir, result.stdout
 
 
@@ -82,8 +102,7 @@ def test_pretrain_writes_every_artifact(pretrain_run: tuple[Path, str]) -> None:
     # An untrained model predicts about uniformly: loss ~ ln(vocab); 4 warmup steps lower it a little.
     assert abs(summary["first_val_loss"] - math.log(tokenizer.vocab_size)) < 1.0
     assert summary["final_val_loss"] < summary["first_val_loss"]
-    assert summary["wall_time_s"] > 0
-    assert summary["tokens_per_s"] == pytest.approx(summary["tokens_seen"] / summary["wall_time_s"], rel=0.01)
+    assert summary["wall_time_s"] >= STEPS * SLEEP_S  # tokens/s: checked in the fixture (_check_throughput)
 
     # loss.png is a real PNG image.
     png = (run_dir / "loss.png").read_bytes()
@@ -140,10 +159,11 @@ def test_generate_continues_the_prompt(pretrain_run: tuple[Path, str]) -> None:
 @pytest.mark.slow
 def test_two_processes_train_one_run(tmp_path: Path, pretrain_run: tuple[Path, str]) -> None:
     # No run_dir: both ranks must agree on the timestamped default (the child must not make its own).
-    result = _ok(plait("pretrain", *CLI_TINY, "trainer.devices=2", cwd=tmp_path))
+    result, wall_s = _timed_plait("pretrain", *CLI_TINY, "trainer.devices=2", cwd=tmp_path)
     runs = list((tmp_path / "runs" / "pretrain").iterdir())
     assert len(runs) == 1, runs
     run_dir = runs[0]
+    _check_throughput(run_dir, wall_s)  # the tokens of both ranks per second, not one rank's
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
     assert [p.relative_to(tmp_path) for p in tmp_path.rglob("metrics.csv")] == [run_dir.relative_to(tmp_path) / "metrics.csv"]
     assert result.stdout.count("plait: run directory") == 1  # rank 0 reports, rank 1 does not
