@@ -4,7 +4,8 @@ run continues exactly as the uninterrupted one.
 DCP reshards parameters and the flattened optimizer state to the new layout; the sampler's global
 batches do not depend on the world size, so steps 3 and 4 see the same rows at any world size.
 SGD with momentum (not Adam, whose 1/sqrt(v) magnifies fp32 rounding) keeps the numbers tight,
-and the momentum buffers make step 4 depend on the resharded optimizer state.
+and the momentum buffers make step 4 depend on the resharded optimizer state: the steps trained after
+the resume (3 and 4) and the final parameters are compared with the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -57,8 +58,11 @@ def test_fsdp_checkpoint_resumes_at_another_world_size(uninterrupted, layout: tu
     _, task = fit(compose_config([*layout, *RUN]), tmp_path, ckpt_path=str(checkpoint))
 
     resumed, expected = step_losses(task.history), step_losses(reference)
-    assert sorted(resumed) == [1, 2, 3, 4]  # steps 1-2 from the checkpoint's history, 3-4 trained here
-    assert resumed[1] == expected[1] and resumed[2] == expected[2]
+    # Steps 1-2 are the checkpoint's history (restored, not recomputed: no evidence of resharding);
+    # steps 3-4 are trained here and compared with the uninterrupted run. Step 3's loss is the
+    # restored parameters'; step 4's and the final parameters follow the restored momentum (an
+    # optimizer state not restored fails them).
+    assert sorted(resumed) == [1, 2, 3, 4]
     for step in (3, 4):
         assert abs(resumed[step] - expected[step]) <= 1e-6, (step, resumed[step], expected[step])
     assert resumed[3] != resumed[2]  # it did train on
