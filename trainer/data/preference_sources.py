@@ -1,4 +1,4 @@
-"""Preference pairs: real ones shipped in pip packages and synthetic verifiable ones (a user's table: trainer.data.formats).
+"""Preference pairs: real ones shipped with plait or a pip package and synthetic verifiable ones (a user's table: trainer.data.formats).
 
 A pair is ``{"messages": [...], "chosen": str, "rejected": str}``: the prompt conversation (system,
 user, earlier assistant turns) and two candidate final assistant answers.
@@ -6,8 +6,8 @@ user, earlier assistant turns) and two candidate final assistant answers.
 ========== ============================================ ====== ===================================
 name       where                                        pairs  label
 ========== ============================================ ====== ===================================
-dpo_en     ``llamafactory==0.9.5`` sdist                 300   human/AI preference as published
-           ``data/dpo_en_demo.json``                           (Apache-2.0, HF llamafactory/demo_data)
+dpo_en     ``trainer/data/bundled/dpo_en_demo``          300   human/AI preference as published
+           (LLaMA-Factory 0.9.5 ``data/``)                     (Apache-2.0, HF llamafactory/demo_data)
 champ      ``champ-dataset==1.0.0`` model runs           1,283 outcome: a run whose final integer
            (GPT-3.5/4, PaLM 2) on integer-answer               answer equals the gold answer is chosen
            problems                                            over one that does not (MIT)
@@ -30,7 +30,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from trainer.data import instructions
+from trainer.data import bundled, instructions
 from trainer.data.synthetic import distinct_splits
 
 Pair = dict[str, Any]
@@ -41,7 +41,7 @@ _ROLES = {"system": "system", "human": "user", "gpt": "assistant", "function_cal
 def dpo_en() -> list[Pair]:
     """The llamafactory demo preference set: 300 pairs (114 single-turn, 80 with a system prompt,
     106 multi-turn)."""
-    rows = instructions._llamafactory_json("dpo_en_demo.json")
+    rows = bundled.read_json("dpo_en_demo.json")
     return [
         {
             "messages": [{"role": _ROLES[m["from"]], "content": m["value"]} for m in r["conversations"]],
