@@ -156,7 +156,9 @@ def compose(recipe: str = DEFAULT_RECIPE, overrides: Sequence[str] = ()) -> Dict
     """The config the CLI would compose for ``plait RECIPE overrides``, without starting a Hydra job.
 
     For the commands and for scripts and tests that build and fit in-process
-    (``trainer.build.build_run``). The config is not validated (``trainer.config.validate`` does that).
+    (``trainer.build.build_run``). A plait run as ``model.init_from`` brings its model node
+    (`trainer.models.init_from.take_run_model`). The config is not validated (``trainer.config.validate``
+    does that).
 
     Args:
         recipe: a bundled recipe name, an alias or the path of a recipe .yaml file.
@@ -169,9 +171,11 @@ def compose(recipe: str = DEFAULT_RECIPE, overrides: Sequence[str] = ()) -> Dict
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    from trainer.models.init_from import take_run_model
+
     config_dir, config_name, rest = hydra_config(to_hydra_argv([recipe, *overrides]))
     with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
-        return hydra_compose(config_name, overrides=rest)
+        return take_run_model(hydra_compose(config_name, overrides=rest), rest)
 
 
 def compose_command(name: str, argv: Sequence[str], *, usage: str) -> DictConfig:

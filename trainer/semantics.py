@@ -26,7 +26,7 @@ from strategies.ranges import optimizer_problem
 from strategies.resolved import ResolvedRun
 from strategies.shape import ModelShape
 from trainer.models.hf import is_hf_dir
-from trainer.models.init_from import init_from_problems
+from trainer.models.init_from import init_from_problems, run_tokenizer
 from trainer.rundir import RunDir, resolve_checkpoint
 
 
@@ -41,15 +41,18 @@ def _cause(err: BaseException) -> str:
 
 
 def tokenizer_file(cfg: DictConfig) -> str | None:
-    """The tokenizer file a run loads: ``data.tokenizer``, or with ``data.tokenizer=null`` and a
-    Hugging Face ``model.init_from`` the checkpoint's ``tokenizer.json``; None when plait trains one."""
+    """The tokenizer file a run loads: ``data.tokenizer``, or with ``data.tokenizer=null`` the
+    ``tokenizer.json`` of ``model.init_from`` (a Hugging Face directory's, or a plait run's); None when
+    plait trains one."""
     data = cfg.get("data")
     if data is None or "tokenizer" not in data:
         return None
     if data.tokenizer:
         return str(data.tokenizer)
     init_from = cfg.model.get("init_from") if cfg.get("model") is not None else None
-    return str(Path(init_from).expanduser() / "tokenizer.json") if init_from and is_hf_dir(init_from) else None
+    if not init_from:
+        return None
+    return str(Path(init_from).expanduser() / "tokenizer.json") if is_hf_dir(init_from) else run_tokenizer(str(init_from))
 
 
 def planned_vocab_size(cfg: DictConfig) -> int | None:

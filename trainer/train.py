@@ -40,9 +40,13 @@ def main(argv: list[str]) -> None:
     import hydra
 
     def hydra_task(cfg: DictConfig) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
+        from trainer.models.init_from import take_run_model
         from trainer.run import run
 
-        run(cfg, launch)  # checked once per launch: by preflight here, else (children, sweeps) by run itself
+        # Checked once per launch: by preflight here, else (children, sweeps) by run itself.
+        run(take_run_model(cfg, HydraConfig.get().overrides.task), launch)
 
     hydra.main(version_base="1.3", config_path=None, config_name=None)(hydra_task)()
 
@@ -82,6 +86,7 @@ def preflight(argv: list[str]) -> Launch | None:
     from omegaconf.errors import OmegaConfBaseException
 
     from trainer.config import ConfigError
+    from trainer.models.init_from import take_run_model
     from trainer.run import check_launch
 
     config_dir, config_name, overrides = hydra_config(argv)
@@ -107,6 +112,7 @@ def preflight(argv: list[str]) -> Launch | None:
                 fail("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems or [error_message(err)]))
             problems = [p + _did_you_mean(cfg, o) for p, o in zip(problems, bad)] or [error_message(err)]
     launch = None
+    cfg = take_run_model(cfg, overrides)  # a plait run as model.init_from: its architecture
     try:
         launch = check_launch(cfg)
     except ConfigError as err:

@@ -4,6 +4,11 @@ Documents are the bundled corpus (``sources``) or the user's ``.txt``/``.jsonl``
 (``path``), split into training and held-out documents by ``val_fraction``
 (trainer.data.corpus). Each document + EOS is one sample; samples are packed with the ``split``
 policy (every row full, no target across documents) and cached; epochs shuffle the rows.
+
+A corpus too small to hold out whole documents (``val_fraction`` x documents < 1: one ``.txt``
+file, a few documents) holds out rows instead: the last ``val_fraction`` of the packed rows (at
+least one), the tail of the token stream as nanoGPT holds out the end of Shakespeare; the
+tokenizer is then trained on all of the text.
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ class TextDataModule(DataModule):
         sources: bundled corpora ("shakespeare", "kjv") used when ``path`` is None.
         path: the user's .txt/.jsonl files or directories (one path or a list); replaces ``sources``.
         text_key: field of a jsonl record holding the text.
-        val_fraction: fraction of documents held out for validation.
+        val_fraction: fraction of documents held out for validation (of rows when fewer than
+            ``1 / val_fraction`` documents, see the module docstring).
         eval_rows: validation rows evaluated (the first ones of the held-out split).
         shuffle: shuffle training rows each epoch (seeded by seed and epoch).
         drop_last: drop the final partial global batch of each epoch.
@@ -74,18 +80,27 @@ class TextDataModule(DataModule):
             DataError: no documents, or fewer training rows than one global batch.
         """
         documents = self._documents()
-        train_docs, val_docs = corpus.split_train_val(documents, val_fraction=self.val_fraction, seed=self.seed)
+        by_rows = 0 < self.val_fraction and len(documents) * self.val_fraction < 1
+        if by_rows:
+            train_docs, val_docs = documents, []
+        else:
+            train_docs, val_docs = corpus.split_train_val(documents, val_fraction=self.val_fraction, seed=self.seed)
         # Keyed by the documents it is trained on: another seed or val_fraction is another split.
         tokenizer = self.load_tokenizer([d.text for d in train_docs], corpus.fingerprint_documents(train_docs))
         key = fingerprint(
-            corpus.fingerprint_documents(documents), tokenizer.fingerprint, str(self.seq_len), str(self.val_fraction), str(self.seed)
-        )
+            corpus.fingerprint_documents(documents), tokenizer.fingerprint, str(self.seq_len), str(self.val_fraction),
+            str(self.seed), *(["rows"] if by_rows else []),
+        )  # fmt: skip
 
         def build() -> dict[str, dict[str, Tensor]]:
             packed = [
                 pack(encode.documents(tokenizer, [d.text for d in docs]), seq_len=self.seq_len, pad_id=tokenizer.pad_id)
                 for docs in (train_docs, val_docs)
             ]
+            if by_rows:  # the last rows of the one packed stream
+                cut = max(0, len(packed[0]) - max(1, round(self.val_fraction * len(packed[0]))))
+                rows = vars(packed[0])
+                return {"train": {k: v[:cut] for k, v in rows.items()}, "val": {k: v[cut:] for k, v in rows.items()}}
             return {"train": vars(packed[0]), "val": vars(packed[1])}
 
         rows = cached(self.cache_dir / f"rows-{key}.pt", build)

@@ -1,11 +1,20 @@
 """``model.init_from``: loading a Hugging Face directory or a plait checkpoint / run directory
-into a (possibly parallelized) model, and the checks `trainer.config.validate` makes of it first."""
+into a (possibly parallelized) model, and the checks `trainer.config.validate` makes of it first.
+
+A plait run started from another plait run takes that run's architecture (its ``config.yaml``
+model node, `take_run_model`, applied where the config is composed) and its ``tokenizer.json``
+(`run_tokenizer`, unless ``data.tokenizer`` is given), so ``plait sft model.init_from=runs/pretrain/...``
+needs no model override; an explicit override that changes a weight's shape is refused in validate.
+"""
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
 from strategies.lora import is_adapter
@@ -34,6 +43,108 @@ def load_init_from(model: nn.Module) -> None:
         raise HFError(f"model.init_from={source} is neither a Hugging Face directory nor a plait checkpoint") from None
 
 
+# Model fields a run may set apart from the plait run it starts from: no weight changes shape.
+FREE_FIELDS = frozenset({"init_from", "init_std", "max_seq_len"})
+
+
+def base_run(source: str | None) -> tuple[Path, DictConfig] | None:
+    """(the run directory, its ``config.yaml``) of the plait run or checkpoint ``source`` names; None
+    for a Hugging Face directory, no intact checkpoint, or a checkpoint outside a run directory."""
+    from trainer.rundir import RunDir, resolve_checkpoint
+
+    if not source or is_hf_dir(source):
+        return None
+    ckpt = resolve_checkpoint(Path(source).expanduser())
+    if ckpt is None:
+        return None
+    run = RunDir.of_checkpoint(ckpt)
+    return (run.path, run.load_config()) if run.config.is_file() else None
+
+
+def run_tokenizer(source: str | None) -> str | None:
+    """The ``tokenizer.json`` of the plait run ``source`` names (None: not a plait run, or none there)."""
+    found = base_run(source)
+    if found is None:
+        return None
+    tokenizer = found[0] / "tokenizer.json"
+    return str(tokenizer) if tokenizer.is_file() else None
+
+
+def _explicit_model_keys(overrides: Sequence[str]) -> set[str] | None:
+    """The ``model.<key>`` fields the overrides set or delete (first level); None when they choose
+    the model group itself (``model=nano``: every field is the user's)."""
+    keys = set()
+    for override in overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key == "model":
+            return None
+        if key.startswith("model."):
+            keys.add(key.split(".")[1])
+    return keys
+
+
+def take_run_model(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
+    """``cfg`` whose model node is that of the plait run ``model.init_from`` names, with the fields
+    the user overrode (``overrides``: the command line's) kept; ``cfg`` itself when init_from is not a
+    plait run, or when ``model=<group>`` is among the overrides (validate then compares the two).
+
+    The recipe's default model (``model: tiny``) is not the user's choice: starting from a nano run,
+    the run's architecture replaces it. Called where the config is composed (`trainer.compose.compose`,
+    the train command before and inside its Hydra job), never by validate, which does not mutate.
+    """
+    model = cfg.get("model") if isinstance(cfg, DictConfig) else None
+    if not isinstance(model, DictConfig) or not model.get("init_from"):
+        return cfg
+    found = base_run(str(model.init_from))
+    explicit = _explicit_model_keys(overrides)
+    if found is None or explicit is None or not isinstance(found[1].get("model"), DictConfig):
+        return cfg
+    saved = found[1].model
+    if str(saved.get("_target_", "")).endswith("llama_from_hf"):
+        return cfg  # validate refuses: the architecture lives in a Hugging Face directory
+    node = copy.deepcopy(saved)
+    with open_dict(node):
+        node.init_from = model.init_from
+        for key in explicit:
+            if key in model:
+                node[key] = copy.deepcopy(model[key])
+            elif key in node:
+                del node[key]
+    cfg = copy.deepcopy(cfg)
+    with open_dict(cfg):
+        cfg.model = node
+    return cfg
+
+
+def _run_problems(model: Any, data: Any, source: str) -> list[str]:
+    """Problems of a plait run as ``model.init_from``: another architecture, a model built from a
+    Hugging Face directory, or no tokenizer to take."""
+    found = base_run(source)
+    if found is None:
+        return []  # a bare checkpoint: its weights are checked when they load
+    run_dir, saved_cfg = found
+    saved = saved_cfg.get("model")
+    if not isinstance(saved, DictConfig):
+        return []
+    if str(saved.get("_target_", "")).endswith("llama_from_hf"):
+        return [
+            f"model.init_from={source} is a run of a Hugging Face model ({saved.get('init_from')}), whose architecture "
+            f"is in that directory: export it (plait export ckpt={source} out=<dir>) and use model=hf "
+            "model.init_from=<dir>"
+        ]
+    problems = []
+    mine, theirs = OmegaConf.to_container(model, resolve=True), OmegaConf.to_container(saved, resolve=True)
+    for key in sorted((set(mine) | set(theirs)) - FREE_FIELDS, key=str):
+        if mine.get(key) != theirs.get(key):
+            problems.append(
+                f"model.{key}={mine.get(key)} differs from model.{key}={theirs.get(key)} of the run model.init_from "
+                f"names ({run_dir / 'config.yaml'}): drop the override (model.init_from takes the run's architecture)"
+            )
+    if data is not None and "tokenizer" in data and data.tokenizer is None and not (run_dir / "tokenizer.json").is_file():
+        problems.append(f"model.init_from={source}: {run_dir} has no tokenizer.json; give its tokenizer with data.tokenizer=...")
+    return problems
+
+
 def init_from_problems(model: Any, *, data: Any = None) -> list[str]:
     """Problems of ``model.init_from`` for `trainer.config.validate` (before any process group).
 
@@ -56,7 +167,7 @@ def init_from_problems(model: Any, *, data: Any = None) -> list[str]:
                 f"model.init_from={source} is neither a Hugging Face model directory (config.json) nor a plait "
                 "checkpoint or run directory"
             ]
-        return []
+        return _run_problems(model, data, source)
     if not wants_hf:
         return [
             f"model.init_from={source} is a Hugging Face directory, whose config.json sets the architecture: "
