@@ -56,13 +56,14 @@ def build_optimizer(
 
 
 def lr_factor(step: int, *, warmup_steps: int, total_steps: int, decay: str, min_lr_ratio: float) -> float:
-    """Multiplier of the peak LR after ``step`` optimizer steps.
+    """Multiplier of the peak LR used by the optimizer step after ``step`` steps (0-based).
 
-    Linear warmup from 0 (``step/warmup_steps``), then "cosine", "linear" or "constant" decay to
-    ``min_lr_ratio`` at ``total_steps``.
+    Linear warmup ``(step + 1) / warmup_steps`` (torchtitan's convention: the first step trains at
+    ``1/warmup_steps`` of the peak, not at 0; step ``warmup_steps - 1`` reaches the peak), then
+    "cosine", "linear" or "constant" decay to ``min_lr_ratio`` at ``total_steps``.
     """
     if step < warmup_steps:
-        return step / warmup_steps
+        return (step + 1) / warmup_steps
     if decay == "constant" or total_steps <= warmup_steps:
         return 1.0
     progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
@@ -81,7 +82,7 @@ class WarmupDecayLR(LRScheduler):
     Args:
         optimizer: the wrapped optimizer; each group's ``initial_lr`` is its peak LR.
         total_steps: optimizer steps of the whole run (the trainer passes ``trainer.max_steps``).
-        warmup_steps: steps of linear warmup from 0.
+        warmup_steps: steps of linear warmup; step 1 trains at ``1/warmup_steps`` of the peak.
         decay: "cosine", "linear" or "constant".
         min_lr_ratio: final LR as a fraction of the peak.
 

@@ -2,9 +2,10 @@
 (Lightning-AI/pytorch-lightning#1476).
 
 Scenario: GA=4, linear warmup to a peak of 1e-3 over 16 optimizer steps, 64 micro-batches.
-Expected: LR after optimizer step k = 1e-3 * k / 16, i.e. k=1 -> 6.25e-5, k=4 -> 2.5e-4,
-k=16 -> 1e-3. After the 64 micro-batches, scheduler.last_epoch == global_step == 16. The fault gives
-2.5e-4 after the first optimizer step and reaches the peak after 4.
+Expected: optimizer step k trains at 1e-3 * k / 16 (torchtitan's warmup: step 1 at 1/16 of the peak,
+not at 0), so the LR after step k is 1e-3 * min(k + 1, 16) / 16: k=1 -> 1.25e-4, k=4 -> 3.125e-4,
+k=15, 16 -> 1e-3. After the 64 micro-batches, scheduler.last_epoch == global_step == 16. The fault gives
+3.125e-4 after the first optimizer step and reaches the peak after 4.
 
 A real fit of the nano pretraining recipe on one process: global batch 4, micro-batch 1 (GA=4),
 16 steps, ``scheduler=constant scheduler.warmup_steps=16`` (linear warmup, then constant).
@@ -70,15 +71,15 @@ def history(tmp_path_factory):
 def test_lr_after_optimizer_steps(history):
     after = {h["step"]: h["lr_after"] for h in history if "lr_after" in h}
     assert sorted(after) == list(range(1, 17))
-    assert after[1] == pytest.approx(6.25e-5, rel=1e-9)
-    assert after[4] == pytest.approx(2.5e-4, rel=1e-9)
+    assert after[1] == pytest.approx(1.25e-4, rel=1e-9)
+    assert after[4] == pytest.approx(3.125e-4, rel=1e-9)
     assert after[16] == pytest.approx(1e-3, rel=1e-9)
-    assert [after[k] for k in range(1, 17)] == pytest.approx([PEAK * k / WARMUP for k in range(1, 17)], rel=1e-9)
+    assert [after[k] for k in range(1, 17)] == pytest.approx([PEAK * min(k + 1, WARMUP) / WARMUP for k in range(1, 17)], rel=1e-9)
 
 
 def test_lr_used_by_each_step_is_the_one_after_the_previous_step(history):
     used = [h["lr"] for h in history if "loss" in h]
-    assert used == pytest.approx([PEAK * (k - 1) / WARMUP for k in range(1, 17)], rel=1e-9, abs=1e-15)
+    assert used == pytest.approx([PEAK * k / WARMUP for k in range(1, 17)], rel=1e-9, abs=1e-15)
 
 
 def test_scheduler_steps_once_per_optimizer_step(history):

@@ -68,7 +68,7 @@ def test_lr_after_a_plait_resume_equals_the_uninterrupted_run(tmp_path) -> None:
         "trainer.devices=1",
         "optim=sgd",
         "scheduler=cosine",
-        "scheduler.warmup_steps=1",  # the LR changes at every one of the 4 steps
+        "scheduler.warmup_steps=5",  # the LR changes at every one of the 4 steps (1/5 .. 4/5 of the peak)
         "trainer.max_steps=4",
         "callbacks.checkpoint.every_n_steps=2",
     )

@@ -13,8 +13,9 @@ from trainer.optim import WarmupDecayLR, lr_factor, param_groups
 
 def test_warmup_then_cosine_values() -> None:
     kw = dict(warmup_steps=10, total_steps=110, decay="cosine", min_lr_ratio=0.1)
-    assert lr_factor(0, **kw) == 0.0
-    assert lr_factor(5, **kw) == 0.5
+    assert lr_factor(0, **kw) == 0.1  # step 1 trains at 1/warmup of the peak (torchtitan), not at 0
+    assert lr_factor(4, **kw) == 0.5
+    assert lr_factor(9, **kw) == 1.0
     assert lr_factor(10, **kw) == 1.0
     assert lr_factor(60, **kw) == pytest.approx(0.1 + 0.9 * 0.5)
     assert lr_factor(110, **kw) == pytest.approx(0.1)
