@@ -18,6 +18,7 @@ from importlib.resources import files
 from pathlib import Path
 from typing import NoReturn
 
+import yaml
 from omegaconf import DictConfig
 
 
@@ -178,12 +179,13 @@ def compose(recipe: str = DEFAULT_RECIPE, overrides: Sequence[str] = ()) -> Dict
         return take_run_model(hydra_compose(config_name, overrides=rest), rest)
 
 
-def compose_command(name: str, argv: Sequence[str], *, usage: str) -> DictConfig:
+def compose_command(name: str, argv: Sequence[str], *, usage: str, lists: Sequence[str] = ()) -> DictConfig:
     """``conf/<name>.yaml`` with the ``key=value`` arguments of ``plait <name>``, every field given.
 
     Raises:
         SystemExit: (exit 2, ``plait: error:`` with ``usage``) an argument does not parse or does
-            not apply, or a required field (``???``) is missing.
+            not apply, a required field (``???``) is missing, or a value has another type than the
+            field's default (`command_type_problems`; ``lists`` names fields that take a list).
     """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
@@ -197,4 +199,36 @@ def compose_command(name: str, argv: Sequence[str], *, usage: str) -> DictConfig
         OmegaConf.to_container(cfg, throw_on_missing=True)
     except (HydraException, OmegaConfBaseException) as err:
         fail(f"{error_message(err)} (usage: {usage}; a value with a comma or space needs inner quotes: key=\"'a, b'\")")
+    problems = command_type_problems(cfg, yaml.safe_load((CONF_DIR / f"{name}.yaml").read_text()), lists=lists)
+    if problems:
+        fail(f"{problems[0]} (usage: {usage})")
     return cfg
+
+
+def command_type_problems(cfg: DictConfig, defaults: dict, *, lists: Sequence[str] = ()) -> list[str]:
+    """Each field of a command's config whose value has another type than its default's, with the fix.
+
+    A field whose default is text or ``???`` (a required path) takes text; a number default takes a number, a bool default true/false, a list default
+    (or a field named in ``lists``) a list of texts; null defaults are left to the command. Hydra parses ``prompt=42`` as an int and
+    ``out=[a]`` as a list: without this check both end in a traceback far from the argument.
+    """
+    from omegaconf import OmegaConf
+
+    values = OmegaConf.to_container(cfg, resolve=True)
+    problems = []
+    for key, default in defaults.items():
+        value = values.get(key)
+        if default is None:
+            continue  # null defaults (export's dtype, merge's weights) are checked by their command
+        if key in lists or isinstance(default, list):
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                problems.append(f"{key}={value!r} must be a list of texts, e.g. {key}=[a,b]")
+        elif isinstance(default, bool):
+            if not isinstance(value, bool):
+                problems.append(f"{key}={value!r} must be true or false")
+        elif isinstance(default, (int, float)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                problems.append(f"{key}={value!r} must be a number, e.g. {key}={default}")
+        elif not isinstance(value, str):
+            problems.append(f"{key}={value} must be text; quote it: {key}=\"'{value}'\"")
+    return problems

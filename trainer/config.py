@@ -6,6 +6,7 @@ run-wide fields are the dataclasses below. `validate` never mutates the composed
 
 from __future__ import annotations
 
+import collections.abc
 import copy
 import dataclasses
 import difflib
@@ -261,8 +262,11 @@ def _type_ok(value: Any, hint: Any) -> bool:
         return value in typing.get_args(hint)
     if hint is type(None):
         return value is None
-    if origin in (list, tuple, typing.Sequence) or hint in (list, tuple):
-        return isinstance(value, (list, tuple, ListConfig))
+    if origin in (list, tuple, typing.Sequence, collections.abc.Sequence) or hint in (list, tuple):
+        if not isinstance(value, (list, tuple, ListConfig)):
+            return False
+        items = [a for a in typing.get_args(hint) if a is not Ellipsis]
+        return len(items) != 1 or all(_type_ok(v, items[0]) for v in value)  # list[str]: every item
     if hint is bool:
         return isinstance(value, bool)
     if hint is int:
@@ -276,10 +280,31 @@ def _type_ok(value: Any, hint: Any) -> bool:
     return True  # objects and other annotations are checked by their constructors
 
 
+def _container_ok(value: DictConfig | ListConfig, hint: Any) -> bool:
+    """A list (its items too, e.g. ``data.path=[1,2]`` against ``list[str]``) or a mapping against
+    the parameter's annotation; a mapping fits any annotation but text, numbers and lists."""
+    if isinstance(value, DictConfig):
+        return _type_ok({}, hint)
+    try:
+        items = OmegaConf.to_container(value, resolve=True)
+    except Exception:  # noqa: BLE001 - an unresolved interpolation is reported where it is used
+        return True
+    return _type_ok(items, hint)
+
+
+def _shown(value: DictConfig | ListConfig) -> str:
+    try:
+        return str(OmegaConf.to_container(value, resolve=True))
+    except Exception:  # noqa: BLE001
+        return str(value)
+
+
 def _type_name(hint: Any) -> str:
     args = typing.get_args(hint)
     if typing.get_origin(hint) is typing.Literal:
         return "one of " + ", ".join(map(str, args))
+    if typing.get_origin(hint) in (list, tuple, collections.abc.Sequence) and len(args) == 1:
+        return f"a list of {_type_name(args[0])}"
     if args:
         return " or ".join(_type_name(a) for a in args)
     return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))
@@ -319,9 +344,11 @@ def _check_target(node: Any, where: str, problems: list[str], injected: set[str]
                     problems.append(problem)
             continue
         value = OmegaConf.select(node, str(key), throw_on_missing=False)
-        if isinstance(value, (DictConfig, ListConfig)) or value is None and key in injected:
-            continue
         hint = hints.get(str(key), inspect.Parameter.empty)
+        if isinstance(value, (DictConfig, ListConfig)) or value is None and key in injected:
+            if isinstance(value, (DictConfig, ListConfig)) and not _container_ok(value, hint):
+                problems.append(f"{where}.{key}={_shown(value)} must be {_type_name(hint)}")
+            continue
         if not _type_ok(value, hint):
             problems.append(f"{where}.{key}={value!r} must be {_type_name(hint)}")
         elif problem := value_problem(f"{where}.{key}", value, ranges.get(str(key))):

@@ -79,3 +79,25 @@ def test_preference_recipe_is_one_file_and_the_aliases_compose_as_before() -> No
     cfg = OmegaConf.to_container(compose("orpo", ["model=nano"]))
     assert cfg["recipe"] == "orpo" and cfg["data"]["_target_"].endswith("PreferenceDataModule")
     assert cfg["train"]["global_batch_size"] == 8 and cfg["trainer"]["max_steps"] == 200
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["generate", "ckpt=/nonexistent", "prompt=42"], "prompt=42 must be text; quote it: prompt=\"'42'\""),
+        (["generate", "ckpt=/nonexistent", "prompt=[a,b]"], "prompt=['a', 'b'] must be text"),
+        (["generate", "ckpt=/nonexistent", "temperature=hot"], "temperature='hot' must be a number, e.g. temperature=0.8"),
+        (["generate", "ckpt=/nonexistent", "chat=maybe"], "chat='maybe' must be true or false"),
+        (["export", "ckpt=/nonexistent", "out=[a]"], "out=['a'] must be text"),
+        (["export", "ckpt=/nonexistent", "out=7"], "out=7 must be text"),
+        (["merge", "base=/nonexistent", "deltas=runs/a"], "deltas='runs/a' must be a list of texts, e.g. deltas=[a,b]"),
+        (["chat", "ckpt=/nonexistent", "trust=numpy"], "trust='numpy' must be a list of texts"),
+    ],
+)
+def test_a_command_argument_of_the_wrong_type_is_one_error(argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: ``prompt=42`` reached ``cfg.prompt + reply(...)`` (TypeError), ``out=[a]`` ``Path([...])``."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("plait: error: ") and err.count("\n") == 1, err
+    assert expected in err and "usage: plait " + argv[0] in err

@@ -43,6 +43,13 @@ def test_logger_arguments_are_type_checked_though_one_annotation_does_not_resolv
     assert "logger.wandb.id=7 must be str or null" in problems
 
 
+@pytest.mark.parametrize("value, shown", [("[1,2]", "[1, 2]"), ("[[a]]", "[['a']]"), ("{a:1}", "{'a': 1}")])
+def test_a_list_or_mapping_of_the_wrong_type_is_refused(value: str, shown: str) -> None:
+    # Before: lists and mappings were never type-checked; data.path=[1,2] reached os.path.expanduser
+    # after launch (TypeError: expected str ... not int).
+    assert f"data.path={shown} must be str or a list of str or null" in _problems([f"data.path={value}"])
+
+
 def test_semantic_problems_are_all_reported() -> None:
     problems = _problems(["train.global_batch_size=7", "data.seq_len=4096", "trainer.devices=2", "strategy.tp=3"])
     text = "\n".join(problems)
