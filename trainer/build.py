@@ -22,6 +22,7 @@ from strategies.mesh import MeshStrategy
 from strategies.resolved import ResolvedRun
 from trainer.config import ConfigError, validate
 from trainer.data.base import DataModule
+from trainer.loggers import LogConfig
 from trainer.nonfinite import NonFiniteGuard
 from trainer.plan import resolve_pipeline_split
 from trainer.rundir import RunDir
@@ -128,11 +129,14 @@ def build_loggers(cfg: DictConfig, run_dir: Path) -> list[Any]:
 def build_trainer(cfg: DictConfig, run: ResolvedRun, run_dir: Path, *, launcher: str = "subprocess") -> L.Trainer:
     trainer_cfg = OmegaConf.to_container(cfg.trainer)
     callbacks = build_callbacks(cfg, run_dir)
+    loggers = build_loggers(cfg, run_dir)
+    if loggers:
+        callbacks.append(LogConfig(OmegaConf.to_container(cfg, resolve=True)))
     return L.Trainer(
         **trainer_cfg,
         strategy=build_strategy(cfg, run, launcher=launcher),
         callbacks=callbacks,
-        logger=build_loggers(cfg, run_dir) or False,
+        logger=loggers or False,
         default_root_dir=str(run_dir),
         max_epochs=-1,  # max_steps ends the run
         use_distributed_sampler=False,  # the global-batch sampler slices by dp rank itself

@@ -25,6 +25,7 @@ import sys
 
 from trainer.commands import COMMANDS, dispatch
 from trainer.compose import HELP_FLAGS, bundled_recipes, config_groups
+from trainer.quiet import quiet_third_party
 
 
 def print_help() -> None:
@@ -42,6 +43,7 @@ def print_help() -> None:
 def main(argv: list[str] | None = None) -> None:
     """Console entry point of ``plait`` (and of ``python -m trainer.cli``, torchrun's)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    quiet_third_party()
     if argv and argv[0] in HELP_FLAGS:
         return print_help()
     command, rest = dispatch(argv)

@@ -48,6 +48,47 @@ ALIASES: dict[str, tuple[str, tuple[str, ...], str]] = {
 }  # fmt: skip
 
 
+def _task_overrides() -> list[str]:
+    """The current Hydra job's overrides as typed (none outside a job: `compose`, preflight)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
+def swept_keys(overrides: Sequence[str]) -> list[str]:
+    """The keys that ``overrides`` sweep (``optim.lr=1e-3,3e-4``, ``model=nano,tiny``, ``range(...)``), no ``+``/``~``."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides([o for o in overrides if "=" in o and not o.startswith("-")])
+    return [o.get_key_element().lstrip("+~") for o in parsed if o.is_sweep_override()]
+
+
+def _run_name(recipe: str) -> str:
+    """``${plait.run_name:${recipe}}``: the recipe and the job's overrides (`trainer.rundir.run_name`)."""
+    from trainer.rundir import run_name
+
+    implied = set(ALIASES[recipe][1]) if recipe in ALIASES else set()
+    return run_name(recipe, [o for o in _task_overrides() if o not in implied])
+
+
+def _job_dir(num: int) -> str:
+    """``${plait.job_dir:${hydra.job.num}}``: a sweep job's directory named by the values it sweeps
+    (`trainer.rundir.job_dirname`); the sweep is the command line's (``sys.argv``, Hydra's argv)."""
+    from trainer.rundir import job_dirname
+
+    swept = set(swept_keys(hydra_config(sys.argv[1:])[2])) if "--config-path" in sys.argv else set()
+    return job_dirname(int(num), [o for o in _task_overrides() if o.split("=", 1)[0].lstrip("+~") in swept])
+
+
+def register_resolvers() -> None:
+    """Registers ``${plait.run_name:...}`` and ``${plait.job_dir:...}`` (conf/logger, conf/plait_base.yaml)."""
+    from omegaconf import OmegaConf
+
+    for name, resolver in (("plait.run_name", _run_name), ("plait.job_dir", _job_dir)):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, resolver)
+
+
 def fail(message: str, code: int = 2) -> NoReturn:
     """Prints ``plait: error: <message>`` to stderr and exits with ``code`` (2: bad input)."""
     print(f"plait: error: {message}", file=sys.stderr)
@@ -174,6 +215,7 @@ def compose(recipe: str = DEFAULT_RECIPE, overrides: Sequence[str] = ()) -> Dict
 
     from trainer.models.init_from import take_run_model
 
+    register_resolvers()
     config_dir, config_name, rest = hydra_config(to_hydra_argv([recipe, *overrides]))
     with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
         return take_run_model(hydra_compose(config_name, overrides=rest), rest)

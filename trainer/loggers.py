@@ -14,9 +14,10 @@ from __future__ import annotations
 import csv
 import io
 import os
+from typing import Any
 
 import lightning as L
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
@@ -106,6 +107,32 @@ class RunCSVLogger(CSVLogger):
                 os.fsync(fd)
             finally:
                 os.close(fd)
+
+
+class LogConfig(L.Callback):
+    """Gives each logger the run's resolved config as its hyperparameters when fitting starts
+    (wandb's run config, TensorBoard's HPARAMS tab; the CSV logger is left out: the run
+    directory's ``config.yaml`` is that record already), and ends a wandb run when fitting ends,
+    so the next job of a ``--multirun`` sweep starts its own run instead of reusing this one.
+
+    Args:
+        config: the resolved config, plain containers (``OmegaConf.to_container(cfg, resolve=True)``).
+    """
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = config
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        for logger in trainer.loggers:
+            if not isinstance(logger, CSVLogger):
+                logger.log_hyperparams(self.config)
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger) and trainer.is_global_zero and logger._experiment is not None:
+                logger.experiment.finish()
 
 
 def is_logging_step(trainer: L.Trainer) -> bool:

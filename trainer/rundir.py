@@ -33,6 +33,33 @@ from strategies.manifest import MANIFEST
 from trainer.targets import check_targets
 
 LAST = "last"
+RUN_DEPTH = 3  # how deep `resolve_checkpoint` looks for runs in a folder: runs/<recipe>/<time>/<job>
+JOB_DIR_CHARS = 120  # the longest sweep job directory name (file systems allow 255 bytes)
+
+
+def job_dirname(num: int, overrides: Sequence[str]) -> str:
+    """The directory of job ``num`` of a ``--multirun`` sweep: ``job<num>`` and the values it
+    sweeps, e.g. ``job1_optim.lr:0.0003_model:nano``.
+
+    ``key:value`` pairs joined by ``_``: a path with ``=`` or ``,`` could not be given back in an
+    override (``ckpt=...``, ``deltas=[...]``); any other character outside ``[A-Za-z0-9_.:+@-]``
+    (``/``, brackets, spaces) is written ``%``.
+
+    Args:
+        overrides: the job's values of the swept keys (``key=value``), in the order typed.
+    """
+    pairs = [o.replace("=", ":", 1) for o in overrides]
+    return re.sub(r"[^\w.:+@-]", "%", "_".join([f"job{num}", *pairs]))[:JOB_DIR_CHARS]
+
+
+UNNAMED_KEYS = ("recipe", "run_dir", "logger")  # overrides a run's name leaves out: where it is and logs
+
+
+def run_name(recipe: str, overrides: Sequence[str]) -> str:
+    """A run's name for loggers that show runs side by side (wandb): the recipe and the user's
+    overrides, e.g. ``pretrain model=nano optim.lr=3e-4`` (`UNNAMED_KEYS` dropped)."""
+    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~").split(".", 1)[0] not in UNNAMED_KEYS]
+    return " ".join([recipe, *kept])
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -152,7 +179,9 @@ def resolve_checkpoint(path: str | os.PathLike, report: Callable[[str], None] | 
     Accepts a checkpoint directory (used only if it verifies), a ``checkpoints/`` directory or a
     run directory (the newest ``step_*`` that verifies, whatever ``last`` points at: a newer
     checkpoint than ``last`` wins, a damaged newest one falls back to the previous one), or a
-    directory of runs (the newest run holding an intact checkpoint). Every file of a candidate is
+    folder of runs (``runs/pretrain``, a ``--multirun`` sweep's folder: of the runs up to
+    `RUN_DEPTH` levels below it, the one that saved last (`saved_at`) and holds an intact
+    checkpoint). Every file of a candidate is
     checked against its manifest (sizes and SHA-256, `strategies.checkpoint.verify_checkpoint`).
 
     Args:
@@ -175,12 +204,28 @@ def resolve_checkpoint(path: str | os.PathLike, report: Callable[[str], None] | 
             report(f"skipped {candidate}: {reason}")
         if candidates:
             return None
-    if path.is_dir():
-        runs = sorted((p for p in path.iterdir() if p.is_dir() and not p.is_symlink()), key=lambda p: p.name, reverse=True)
-        for run in runs:
-            if RunDir(run).checkpoints.is_dir() and (found := resolve_checkpoint(run, report)) is not None:
-                return found
+    for run in sorted(runs_below(path), key=saved_at, reverse=True):
+        if (found := resolve_checkpoint(run, report)) is not None:
+            return found
     return None
+
+
+def runs_below(folder: Path, depth: int = RUN_DEPTH) -> list[Path]:
+    """The run directories (those with a ``checkpoints/``) at most ``depth`` levels below ``folder``:
+    ``runs/pretrain/<time>`` and a sweep's ``runs/pretrain/<time>/job0_...`` alike."""
+    if depth == 0 or not folder.is_dir():
+        return []
+    found = []
+    for child in sorted(p for p in folder.iterdir() if p.is_dir() and not p.is_symlink()):
+        found += [child] if RunDir(child).checkpoints.is_dir() else runs_below(child, depth - 1)
+    return found
+
+
+def saved_at(run: Path) -> float:
+    """When the run last saved: the newest modification time of its ``checkpoints/step_*``
+    directories (of ``checkpoints/`` itself without any), seconds since the epoch."""
+    root = RunDir(run).checkpoints
+    return max((p.stat().st_mtime for p in step_dirs(root)), default=root.stat().st_mtime)
 
 
 def instantiate_saved(node: DictConfig, *, source: str, key: str, trust: Sequence[str] = (), **kwargs: Any) -> Any:

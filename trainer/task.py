@@ -85,7 +85,6 @@ class Task(L.LightningModule):
         self.tokens_seen = 0
         self.history: list[dict[str, float]] = []
         self.last_step_tokens = 0
-        self._new_val_loss: float | None = None  # for the progress bar, after each evaluation
         self._row: dict[str, float] = {}  # the loggers' row of the current step (see `record`)
         self._configured = False  # configure_model has parallelized the model
 
@@ -199,10 +198,6 @@ class Task(L.LightningModule):
         # Every value is already global and equal on all ranks: no sync_dist (which would also
         # deadlock under pipeline parallelism, where every rank must log the same keys).
         self.log("train/loss", loss_value, prog_bar=True, logger=False)  # progress bar and callback_metrics
-        if self._new_val_loss is not None:
-            # Once per evaluation: the bar keeps showing a value until it is logged again.
-            self.log("val/loss", self._new_val_loss, prog_bar=True, logger=False)
-            self._new_val_loss = None
         if is_logging_step(self.trainer) or self._data_ended():
             self.record(
                 {
@@ -297,10 +292,14 @@ class Task(L.LightningModule):
             return None  # no validation data (data.val_fraction=0): no figure, rather than 0.0
         val_loss = (totals[0] / totals[1]).item()
         self.record({"val/loss": val_loss, "val/ppl": math.exp(min(val_loss, 50.0)), **extra})
-        self._new_val_loss = val_loss
         entry = {"step": self.global_step, "val_loss": val_loss}
         self.history.append({**entry, "metrics": extra} if extra else entry)
         return val_loss
+
+    @property
+    def latest_val_loss(self) -> float | None:
+        """The validation loss of the newest evaluation (restored runs too), None before any."""
+        return next((entry["val_loss"] for entry in reversed(self.history) if "val_loss" in entry), None)
 
     # ------------------------------------------------------------------------------ state
     @override

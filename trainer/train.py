@@ -17,7 +17,16 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
-from trainer.compose import HELP_FLAGS, bundled_recipes, config_groups, error_message, fail, hydra_config, to_hydra_argv
+from trainer.compose import (
+    HELP_FLAGS,
+    bundled_recipes,
+    config_groups,
+    error_message,
+    fail,
+    hydra_config,
+    register_resolvers,
+    to_hydra_argv,
+)
 
 if TYPE_CHECKING:
     from trainer.run import Launch
@@ -29,6 +38,7 @@ _HYDRA_INFO = ("--hydra-help", "--info", "-i", "--cfg", "-c", "--resolve", "--sh
 def main(argv: list[str]) -> None:
     """Runs ``plait [RECIPE] overrides`` (or a child process's Hydra argv) as a Hydra job."""
     argv = to_hydra_argv(argv)
+    register_resolvers()
     if any(a in HELP_FLAGS for a in argv):
         return print_recipe_help(argv)
     sys.argv = [sys.argv[0]] + argv

@@ -44,9 +44,9 @@ def _assert_float_lr(job_dir: Path, lr: float) -> None:
 def test_multirun_sweep_gives_each_job_a_float(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     _ok(plait("--multirun", "optim.lr=1.0e-5,1.0e-6", *ONE_STEP, f"run_dir={sweep}", cwd=tmp_path))
-    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["job0", "job1"]
-    _assert_float_lr(sweep / "job0", 1.0e-5)
-    _assert_float_lr(sweep / "job1", 1.0e-6)
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["job0_optim.lr:1e-05", "job1_optim.lr:1e-06"]
+    _assert_float_lr(sweep / "job0_optim.lr:1e-05", 1.0e-5)
+    _assert_float_lr(sweep / "job1_optim.lr:1e-06", 1.0e-6)
 
 
 @pytest.mark.parametrize("text", ["1e-05", "3e-07", "1e-09", "1e-4", "1e-10", "1.0e-5", "1.0e-6"])

@@ -45,7 +45,7 @@ def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
     assert any("train.micro_batch" in p and "train.micro_batch_size" in p for p in problems), stderr  # did you mean
     assert any("trainer.max_steps='abc'" in p and "int" in p for p in problems), stderr
     assert any("train.global_batch_size=7" in p and "multiple" in p for p in problems), stderr
-    assert any("data.seq_len=4096" in p and "model.max_seq_len=128" in p for p in problems), stderr
+    assert any("data.seq_len=4096" in p and "model.max_seq_len=256" in p for p in problems), stderr
     assert not run_dir.exists() and list(tmp_path.iterdir()) == [], "a failed start must not create a run directory"
 
 

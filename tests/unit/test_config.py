@@ -60,7 +60,7 @@ def test_semantic_problems_are_all_reported() -> None:
 def test_batch_and_length_problems() -> None:
     problems = _problems(["train.global_batch_size=7", "data.seq_len=4096"])
     assert any("train.global_batch_size=7 must be a multiple of train.micro_batch_size=4" in p for p in problems)
-    assert any("data.seq_len=4096 exceeds model.max_seq_len=128" in p for p in problems)
+    assert any("data.seq_len=4096 exceeds model.max_seq_len=256" in p for p in problems)
 
 
 def test_missing_paths_name_the_fix() -> None:

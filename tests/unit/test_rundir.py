@@ -69,3 +69,30 @@ def test_a_path_without_checkpoint_is_named(tmp_path: Path) -> None:
     assert resolve_checkpoint(tmp_path) is None
     with pytest.raises(FileNotFoundError, match="names no checkpoint"):
         load_run_model(tmp_path)
+
+
+def test_a_folder_of_runs_names_the_one_that_saved_last_also_in_a_sweep(tmp_path: Path) -> None:
+    # A --multirun folder: runs/pretrain/<time>/job<k>_<overrides>; the job that saved last is not
+    # the last by name (job1 finished first: time, not name, decides).
+    state = _llama(40, 0).state_dict()
+    sweep = tmp_path / "pretrain" / "2026-12-01_10-00-00"
+    early = _write_run(sweep / "job1_optim.lr:0.0003", state, steps=(1,), vocab_size=40)
+    late = _write_run(sweep / "job0_optim.lr:0.001", state, steps=(1,), vocab_size=40)
+    os.utime(early.step(1), (1_000_000, 1_000_000))
+    os.utime(late.step(1), (2_000_000, 2_000_000))
+    for path in (sweep, tmp_path / "pretrain", tmp_path):
+        assert resolve_checkpoint(path) == late.step(1).resolve(), path
+    os.utime(early.step(1), (3_000_000, 3_000_000))
+    assert resolve_checkpoint(tmp_path / "pretrain") == early.step(1).resolve()
+
+
+def test_a_sweep_job_directory_names_its_swept_values() -> None:
+    from trainer.compose import swept_keys
+    from trainer.rundir import job_dirname, run_name
+
+    typed = ["model=nano", "optim.lr=1e-3,3e-4", "data.path=/a/b", "+x=range(2)"]
+    assert swept_keys(typed) == ["optim.lr", "x"]
+    assert job_dirname(1, ["optim.lr=0.0003", "data.path=/a/b", "x=[1,2]"]) == "job1_optim.lr:0.0003_data.path:%a%b_x:%1%2%"
+    assert job_dirname(0, []) == "job0"
+    named = ["recipe=dpo", "model=nano", "run_dir=/x", "optim.lr=3e-4", "logger=wandb", "logger.wandb.offline=false"]
+    assert run_name("pretrain", named) == "pretrain model=nano optim.lr=3e-4"

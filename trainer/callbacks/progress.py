@@ -1,4 +1,5 @@
-"""A progress bar whose total (and so its ETA) counts the steps left in the run, not the epoch."""
+"""A progress bar whose total (and so its ETA) counts the steps left in the run, not the epoch,
+and whose ``val/loss`` is the newest evaluation's (also the one after the last step)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from typing_extensions import override
 
 class StepProgressBar(TQDMProgressBar):
     """Lightning's bar, sized ``min(batches left in the epoch, trainer.max_steps - global_step)``
-    and redrawn at most every ``refresh_interval_s`` seconds.
+    and redrawn at most every ``refresh_interval_s`` seconds. It shows ``val/loss`` of the newest
+    evaluation (`trainer.task.Task.latest_val_loss`) and not a logger's version (``v_num``).
 
     Args:
         refresh_interval_s: least seconds between two redraws of the training bar (0: every step,
@@ -39,6 +41,15 @@ class StepProgressBar(TQDMProgressBar):
             return total
         done_in_epoch = self.trainer.fit_loop.epoch_loop.batch_progress.current.ready
         return min(total, done_in_epoch + max_steps - self.trainer.global_step)
+
+    @override
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, int | str | float | dict[str, float]]:
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        val_loss = getattr(pl_module, "latest_val_loss", None)
+        if val_loss is not None:
+            metrics["val/loss"] = val_loss
+        return metrics
 
     @override
     def on_train_batch_end(

@@ -35,6 +35,7 @@ class PreparedData:
     tokenizer: Tokenizer
     train: PackedRows
     val: PackedRows
+    documents: tuple[int, int] | None = None  # (training, held-out) documents, for the data summary
 
 
 class TextDataModule(DataModule):
@@ -106,7 +107,7 @@ class TextDataModule(DataModule):
         rows = cached(self.cache_dir / f"rows-{key}.pt", build)
         train, val = PackedRows(**rows["train"]), PackedRows(**rows["val"])
         self._check(train, val)
-        return PreparedData(tokenizer=tokenizer, train=train, val=val)
+        return PreparedData(tokenizer=tokenizer, train=train, val=val, documents=(len(train_docs), len(val_docs)))
 
     def _documents(self) -> list[corpus.Document]:
         try:

@@ -1,0 +1,46 @@
+"""The one-line data summary a run prints before training (``plait: data: ...``).
+
+Reads a data module's prepared data (`trainer.data.base.DataModule.prepare`): its ``train`` and
+``val`` splits are packed rows (``PackedRows``: pretraining), tokenized samples per source
+(``dict[str, SourceSamples]``: SFT) or ``[N, 2, T]`` pair tensors (``dict[str, Tensor]``:
+preference). Only counts, no second pass over the data.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from trainer.data.mixture import SourceSamples
+from trainer.data.packing import PackedRows
+
+
+def _split(split: Any) -> tuple[int, int, str]:
+    """(rows/samples/pairs, tokens, their noun) of one split."""
+    if isinstance(split, PackedRows):
+        return len(split), split.input_ids.numel(), "rows"
+    if isinstance(split, dict) and split and all(isinstance(v, SourceSamples) for v in split.values()):
+        return sum(len(v) for v in split.values()), sum(v.ids.size for v in split.values()), "samples"
+    if isinstance(split, dict) and isinstance(split.get("input_ids"), Tensor):
+        ids = split["input_ids"]
+        return ids.shape[0], ids.numel(), "pairs" if ids.dim() == 3 else "rows"
+    return 0, 0, "rows"
+
+
+def data_summary(prepared: Any) -> str:
+    """``data: 812 training rows (207,872 tokens), 92 held-out rows (23,552 tokens); 3 sources; vocabulary 4,096``.
+
+    Args:
+        prepared: a data module's prepared data (``train``, ``val``, ``tokenizer``; optional
+            ``documents``: (training, held-out) documents of a text corpus).
+    """
+    (n_train, t_train, noun), (n_val, t_val, _) = _split(prepared.train), _split(prepared.val)
+    parts = [f"{n_train:,} training {noun} ({t_train:,} tokens), {n_val:,} held-out {noun} ({t_val:,} tokens)"]
+    documents = getattr(prepared, "documents", None)
+    if documents is not None:
+        parts.append(f"{documents[0]:,} training and {documents[1]:,} held-out documents")
+    if isinstance(prepared.train, dict) and noun == "samples":
+        parts.append(f"{len(prepared.train)} sources")
+    parts.append(f"vocabulary {prepared.tokenizer.vocab_size:,}")
+    return "data: " + "; ".join(parts)

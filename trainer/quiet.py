@@ -1,0 +1,39 @@
+"""Silences what third-party libraries print that a plait user cannot act on.
+
+Lightning's start-up banners (``GPU available``, ``TPU available``, the ``litlogger`` advert,
+``Initializing distributed``, ``All distributed processes registered``, ```Trainer.fit` stopped``)
+are INFO records of its loggers: plait prints what it checked itself (the data summary, the
+checkpoint resumed from, the run directory). The warnings filtered here come from inside the
+libraries (a deprecated call in Lightning's own code, DCP's single-process load in
+``plait generate``/``export``, ``torch.load``'s ``weights_only`` notice on files plait loads with
+``weights_only=True``); every other warning, and every Lightning WARNING/ERROR record, still shows.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+# (message regex, category) of the warnings a user cannot act on.
+IGNORED_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
+    (r".*isinstance\(treespec, LeafSpec\)", Warning),  # lightning/pytorch/utilities/_pytree.py
+    (r".*torch\.distributed is disabled, unavailable or uninitialized", UserWarning),  # DCP, one process
+    (r".*weights_only", FutureWarning),
+    (r".*`weights_only`", UserWarning),
+)
+# The loggers of Lightning's INFO banners: its rank-zero helpers and the process-group set-up (child
+# loggers: importing Lightning resets the level of ``lightning.pytorch`` itself to INFO).
+QUIET_LOGGERS = (
+    "lightning.pytorch.utilities.rank_zero",
+    "lightning.fabric.utilities.rank_zero",
+    "lightning.fabric.utilities.distributed",
+)
+
+
+def quiet_third_party() -> None:
+    """Sets Lightning's loggers to WARNING and ignores `IGNORED_WARNINGS` (in this process; child
+    processes that plait starts run the CLI again, which calls this too)."""
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    for message, category in IGNORED_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
