@@ -3,7 +3,7 @@
 Reads a data module's prepared data (`trainer.data.base.DataModule.prepare`): its ``train`` and
 ``val`` splits are packed rows (``PackedRows``: pretraining), tokenized samples per source
 (``dict[str, SourceSamples]``: SFT) or ``[N, 2, T]`` pair tensors (``dict[str, Tensor]``:
-preference). Only counts, no second pass over the data.
+preference; KTO's labelled rows, with their KL rows, counted once). Only counts, no second pass over the data.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ def _split(split: Any) -> tuple[int, int, str]:
         return sum(len(v) for v in split.values()), sum(v.ids.size for v in split.values()), "samples"
     if isinstance(split, dict) and isinstance(split.get("input_ids"), Tensor):
         ids = split["input_ids"]
+        if "desirable" in split:  # KTO's unpaired rows: [N, 2, T], the completion and its KL row
+            return ids.shape[0], ids[:, 0].numel(), "labelled rows"
         return ids.shape[0], ids.numel(), "pairs" if ids.dim() == 3 else "rows"
     return 0, 0, "rows"
 

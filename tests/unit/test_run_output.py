@@ -1,0 +1,70 @@
+"""What a run prints: the progress bar's newest validation loss, the silenced third-party
+warnings and banners, the one-line data summary."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from trainer.callbacks.progress import StepProgressBar
+from trainer.data.mixture import SourceSamples
+from trainer.data.packing import PackedRows
+from trainer.data.summary import data_summary
+from trainer.quiet import quiet_third_party
+from trainer.task import Task
+
+
+def test_the_bar_shows_the_newest_validation_loss(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The evaluation after the last step comes after the bar's last per-step redraw: the bar reads
+    # the task's history when it draws (the epoch's end redraws), so it never shows a stale value.
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    monkeypatch.setattr(TQDMProgressBar, "get_metrics", lambda self, t, m: {"train/loss": 8.3, "v_num": "abcd"})
+    task = SimpleNamespace(history=[{"step": 0, "val_loss": 8.33}, {"step": 1, "loss": 8.3}, {"step": 5, "val_loss": 8.27}])
+    task.latest_val_loss = Task.latest_val_loss.fget(task)
+    assert StepProgressBar().get_metrics(None, task) == {"train/loss": 8.3, "val/loss": 8.27}
+    task.history = [{"step": 1, "loss": 8.3}]  # no evaluation yet (data.val_fraction=0)
+    assert Task.latest_val_loss.fget(task) is None
+
+
+def test_unactionable_warnings_and_banners_are_silenced_others_kept() -> None:
+    quiet_third_party()
+    with warnings.catch_warnings(record=True) as caught:
+        # quiet_third_party's filters, not pytest's "always", decide (catch_warnings keeps them).
+        warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated, use ...", DeprecationWarning)
+        warnings.warn("torch.distributed is disabled, unavailable or uninitialized, assuming ...", UserWarning)
+        warnings.warn("a warning plait's user should see", UserWarning)
+    assert [str(w.message) for w in caught] == ["a warning plait's user should see"]
+    # The CLI silences before Lightning is imported, and importing it sets these two to INFO.
+    logging.getLogger("lightning.pytorch").setLevel(logging.INFO)
+    logging.getLogger("lightning.fabric").setLevel(logging.INFO)
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.distributed"):
+        assert not logging.getLogger(name).isEnabledFor(logging.INFO), name
+        assert logging.getLogger(name).isEnabledFor(logging.WARNING), name
+
+
+def _rows(n: int, s: int) -> PackedRows:
+    zeros = torch.zeros(n, s, dtype=torch.long)
+    return PackedRows(input_ids=zeros, labels=zeros, position_ids=zeros, document_ids=zeros)
+
+
+def test_the_data_summary_counts_each_kind_of_data() -> None:
+    tokenizer = SimpleNamespace(vocab_size=4096)
+    text = SimpleNamespace(tokenizer=tokenizer, train=_rows(10, 8), val=_rows(2, 8), documents=(7, 1))
+    assert data_summary(text) == (
+        "data: 10 training rows (80 tokens), 2 held-out rows (16 tokens); 7 training and 1 held-out documents; vocabulary 4,096"
+    )
+    sft = SimpleNamespace(
+        tokenizer=tokenizer,
+        train={"a": SourceSamples([[1, 2, 3]] * 4, [[1, 2, 3]] * 4), "b": SourceSamples([[1, 2]], [[1, 2]])},
+        val={"a": SourceSamples([[1, 2, 3]], [[1, 2, 3]])},
+    )
+    assert data_summary(sft) == "data: 5 training samples (14 tokens), 1 held-out samples (3 tokens); 2 sources; vocabulary 4,096"
+    pairs = SimpleNamespace(
+        tokenizer=tokenizer, train={"input_ids": torch.zeros(6, 2, 4)}, val={"input_ids": torch.zeros(2, 2, 4)}
+    )
+    assert data_summary(pairs) == "data: 6 training pairs (48 tokens), 2 held-out pairs (16 tokens); vocabulary 4,096"
