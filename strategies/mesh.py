@@ -27,6 +27,7 @@ from strategies.ranges import NON_NEGATIVE, POSITIVE
 from strategies.activation_checkpoint import ActivationCheckpoint
 from strategies.activation_offload import ActivationOffload
 from strategies.compile import Compile
+from strategies.compute_timer import ComputeTimer
 from strategies.context import ContextParallel, CPMode
 from strategies.cp_placement import micro_batches_of, placement_problems
 from strategies.expert import ExpertParallel
@@ -154,6 +155,7 @@ class MeshStrategy(MeshCheckpoints, ModelParallelStrategy):
         self.launcher_kind = launcher
         self.heartbeat = Heartbeat(stale_s=heartbeat_s, interval_s=min(5.0, heartbeat_s / 4)) if heartbeat_s else None
         self._mesh_views: dict[str, DeviceMesh] = {}
+        self.compute_timer = ComputeTimer()  # per-rank forward/backward seconds (balance telemetry)
         self.meshes: Meshes | None = None  # set with the mesh, in setup_environment
 
     @classmethod
@@ -386,14 +388,19 @@ class MeshStrategy(MeshCheckpoints, ModelParallelStrategy):
                 return self.pipeline.forward_backward(micro_batches, loss_fn)
         total = torch.zeros((), device=self.root_device)
         last = len(micro_batches) - 1
+        self.compute_timer.start_step()
         for i, micro_batch in enumerate(micro_batches):
             if hasattr(model, "set_requires_gradient_sync"):
                 # Reduce gradients once per step, after the last micro-batch, not once per micro-batch.
                 model.set_requires_gradient_sync(i == last)
             # loss parallel needs its context in forward and backward; whole rows attend on one cp rank
             with self.loss_context(), self.context_parallel.training(micro_batch) as rows:
-                loss = loss_fn(model, rows)
-                backward(loss)
+                with self.compute_timer.measure(self.root_device):  # up to the gradient sync
+                    loss = loss_fn(model, rows)
+                    if i < last:
+                        backward(loss)
+                if i == last:
+                    backward(loss)
             total += loss.detach()
         return total
 

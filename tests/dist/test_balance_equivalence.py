@@ -124,3 +124,6 @@ def test_balanced_layout_equals_one_process(tmp_path, corpus, ref, overrides):
         logged = [float(rows[k]["perf/balance_work_max_over_mean"]) for k in range(1, STEPS + 1)]
         assert logged == pytest.approx(ratios, rel=1e-9)
         assert all(float(rows[k]["perf/balance_time_max_over_mean"]) >= 1.0 for k in range(1, STEPS + 1))
+        for k in range(1, STEPS + 1):  # the compute before the gradient sync: a part of the step
+            assert float(rows[k]["perf/balance_compute_max_over_mean"]) >= 1.0
+            assert 0.0 < float(rows[k]["perf/compute_s_mean"]) <= float(rows[k]["perf/compute_s_max"])

@@ -7,10 +7,14 @@ batch's start to its end: forward, backward, optimizer). One all-reduce of both
 (max and sum over every rank) gives:
 
 - ``perf/balance_work_max_over_mean``: estimated work, slowest rank over the mean rank (1.0: even);
-- ``perf/balance_time_max_over_mean``: measured step time, the same ratio.
+- ``perf/balance_time_max_over_mean``: measured step time, the same ratio;
+- ``perf/balance_compute_max_over_mean``: measured forward/backward seconds before the step's
+  gradient sync (`strategies.compute_timer.ComputeTimer`, a strategy's ``compute_timer``), the
+  same ratio; ``perf/compute_s_max`` and ``perf/compute_s_mean``: those seconds.
 
 Ranks that synchronise inside the step (FSDP gathers, DDP's all-reduce) wait for the slowest, so
-the measured times converge; the estimate shows the imbalance they pay for. Off by default
+the measured step times converge; the compute time leaves the gradient sync's wait out, and the
+estimate shows the imbalance they pay for. Off by default
 (``callbacks.balance.enabled=true``): it adds one small all-reduce per logging step.
 """
 
@@ -29,10 +33,9 @@ from trainer.data.balance import WorkModel
 from trainer.loggers import is_logging_step
 
 
-def max_over_mean(values_r2: torch.Tensor) -> tuple[float, float]:
-    """``[ranks, 2]`` (work, seconds) of every rank -> (work, time) max over mean."""
-    ratio = values_r2.amax(0) / values_r2.mean(0).clamp(min=1e-30)
-    return float(ratio[0]), float(ratio[1])
+def max_over_mean(values_rk: torch.Tensor) -> list[float]:
+    """``[ranks, k]`` values of every rank (work, seconds, ...) -> each column's max over mean."""
+    return (values_rk.amax(0) / values_rk.mean(0).clamp(min=1e-30)).tolist()
 
 
 class BalanceTelemetry(L.Callback):
@@ -49,6 +52,9 @@ class BalanceTelemetry(L.Callback):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        timer = getattr(trainer.strategy, "compute_timer", None)  # MeshStrategy's; another strategy has none
+        if timer is not None:
+            timer.enabled = self.enabled
         run = getattr(trainer.strategy, "run", None)  # MeshStrategy's resolved run; another strategy has none
         shape = run.shape if run is not None else ModelShape.of(pl_module.model)
         self._model = WorkModel.of(shape)
@@ -63,10 +69,20 @@ class BalanceTelemetry(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         if not self.enabled or not is_logging_step(trainer):
             return
-        mine = torch.tensor([[self._work, time.perf_counter() - self._start]], dtype=torch.float64, device=pl_module.device)
+        timer = getattr(trainer.strategy, "compute_timer", None)
+        compute = timer.seconds if timer is not None else 0.0
+        seconds = time.perf_counter() - self._start
+        mine = torch.tensor([[self._work, seconds, compute]], dtype=torch.float64, device=pl_module.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
             dist.all_gather(gathered, mine)
             mine = torch.cat(gathered)
-        work, seconds = max_over_mean(mine.cpu())
-        pl_module.record({"perf/balance_work_max_over_mean": work, "perf/balance_time_max_over_mean": seconds})
+        work, seconds, compute = max_over_mean(mine.cpu())
+        metrics = {"perf/balance_work_max_over_mean": work, "perf/balance_time_max_over_mean": seconds}
+        if timer is not None:
+            per_rank = mine[:, 2].cpu()
+            metrics.update({
+                "perf/balance_compute_max_over_mean": compute,
+                "perf/compute_s_max": float(per_rank.max()), "perf/compute_s_mean": float(per_rank.mean()),
+            })  # fmt: skip
+        pl_module.record(metrics)
