@@ -14,27 +14,46 @@ rank's work with plait's work model (`trainer.data.balance.WorkModel` of a Llama
 
 Per layout it prints max/mean work per rank (mean over steps of each step's max over mean), for
 total work and for attention work alone, both arms side by side, and the max/mean per micro-batch
-slot (FSDP synchronises every micro-batch). No model runs: this is the estimate.
+slot (FSDP synchronises every micro-batch). Then the dp x ``--cp`` pool: static + zigzag cp,
+balanced dp + zigzag cp, balanced dp + document-aware cp, balanced dp + hybrid placement
+(`strategies.cp_placement`: rows of short documents whole on single cp ranks). These are estimates.
 
-Invocation (about 20 s)::
+Measured in the same run (``--measure-steps``, 0 skips it): the four pool arms train a nano Llama
+with the real CLI on 4 gloo processes (FSDP 2 x CP 2, 256-token rows of a long-tail corpus), and
+the balance telemetry logs per step the max/mean over ranks of the forward/backward seconds before
+the gradient sync (`strategies.compute_timer`), of the whole step and of the estimated work of
+each dp rank's rows. On CPU the cp ring's exchanges and FSDP's gathers sit inside the forward, and
+dense-mask attention costs every row the same, so these ratios stay near 1; on a busy machine
+only their comparison within one run means anything.
+
+Invocation (about 30 s of estimate + ~1 min per measured arm on 2 idle cores)::
 
     python bench/balance.py
-    python bench/balance.py --seq-len 4096 --global-batch 64 --dp 8 --micro-batch 2
+    python bench/balance.py --measure-steps 0 --seq-len 4096 --global-batch 64 --dp 8 --micro-batch 2
 
 The last line is ``RESULT static_max_over_mean=<x> balanced_max_over_mean=<y> static_attention=<a>
 balanced_attention=<b> pool_static=<c> pool_balanced=<d> pool_balanced_doc_cp=<e>`` (the first
 layout; total work, then attention pairs alone; then the dp x ``--cp`` pool: static layout with
-zigzag cp, balanced dp with zigzag cp, balanced dp with document-aware cp).
+zigzag cp, balanced dp with zigzag cp, balanced dp with document-aware cp), ``pool_hybrid=<h>`` and,
+when measured, ``measured_<arm>=<r>`` (forward/backward before the sync, max/mean per rank).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import json
+import os
 import random
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import torch
 
 from strategies.context import shard_positions
+from strategies.cp_placement import plan_placement, short_rows
 from strategies.document_shards import document_zigzag_order, rank_causal_work
 from strategies.shape import ModelShape
 from trainer.data import corpus
@@ -94,8 +113,27 @@ def cp_loads(docs_nt: torch.Tensor, model: WorkModel, *, dp: int, cp: int, docum
     return loads.flatten()
 
 
+def hybrid_loads(docs_nt: torch.Tensor, model: WorkModel, *, dp: int, cp: int) -> torch.Tensor:
+    """``[dp * cp]`` work of every rank under hybrid placement (`strategies.cp_placement`): in each
+    dp group the short rows (as many as the group with the fewest has, a multiple of cp) train
+    whole on single cp ranks, the other rows are split with document-aware cp sharding."""
+    groups = docs_nt.reshape(dp, -1, docs_nt.shape[1])
+    count = min(int(short_rows(g, cp).sum()) // cp * cp for g in groups)
+    loads = []
+    for g in groups:
+        placed = plan_placement(g, cp, count)
+        rank = torch.zeros(cp, dtype=torch.float64)
+        if placed.split.numel():
+            rank += cp_loads(g[placed.split], model, dp=1, cp=cp, documents=True)
+        for c, rows in enumerate(placed.whole):
+            rank[c] += float(model.rows(g[rows]).sum()) if rows.numel() else 0.0
+        loads.append(rank)
+    return torch.cat(loads)
+
+
 def measure_cp(document_ids: torch.Tensor, model: WorkModel, args: argparse.Namespace) -> dict[str, float]:
-    """max/mean over the dp x cp ranks: static + zigzag cp, balanced dp + zigzag cp, balanced dp + document cp."""
+    """max/mean over the dp x cp ranks: static + zigzag cp, balanced dp + zigzag cp, balanced dp + document cp,
+    balanced dp + hybrid placement."""
     sampler = GlobalBatchSampler(len(document_ids), global_batch_size=args.global_batch, seed=args.seed)
     out: dict[str, list[float]] = {}
     for _, rows in zip(range(args.steps), sampler.global_from(0)):
@@ -103,7 +141,57 @@ def measure_cp(document_ids: torch.Tensor, model: WorkModel, args: argparse.Name
         balanced = docs[plan(model.rows(docs), dp_size=args.dp, micro_batch_size=args.micro_batch)]
         for arm, batch, documents in (("static", docs, False), ("balanced", balanced, False), ("balanced_doc_cp", balanced, True)):
             out.setdefault(arm, []).append(ratio(cp_loads(batch, model, dp=args.dp, cp=args.cp, documents=documents)))
+        out.setdefault("balanced_hybrid", []).append(ratio(hybrid_loads(balanced, model, dp=args.dp, cp=args.cp)))
     return {k: sum(v) / len(v) for k, v in out.items()}
+
+
+# Measured arms on 4 gloo processes (FSDP 2 x CP 2, the real CLI): the estimate's pool arms.
+MEASURED_ARMS = {
+    "static": ["data.balance=none"],
+    "balanced": ["data.balance=work"],
+    "balanced_doc_cp": ["data.balance=work", "strategy.context_parallel.sharding=document"],
+    "balanced_hybrid": ["data.balance=work", "strategy.context_parallel.sharding=document", "strategy.context_parallel.placement=hybrid"],
+}  # fmt: skip
+MEASURED_COMMON = [
+    "pretrain", "strategy=nd", "strategy.dp_shard=2", "strategy.cp=2", "trainer.devices=4", "model=nano",
+    "data.seq_len=256", "model.max_seq_len=256", "train.global_batch_size=16", "train.micro_batch_size=2",
+    "train.eval_every=0", "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false", "logger=csv",
+    "~callbacks.plots", "callbacks.balance.enabled=true", "strategy.timeout_s=300",
+]  # fmt: skip
+
+
+def long_tail_corpus(path: Path, seed: int) -> None:
+    """400 documents: 3 to 12 words, or (one in seven) 100 to 400 words (whole 256-token rows)."""
+    words = "thou art more lovely and temperate rough winds do shake the darling buds of may".split()
+    rng = random.Random(seed)
+    sizes = [rng.randint(100, 400) if rng.random() < 0.15 else rng.randint(3, 12) for _ in range(400)]
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choices(words, k=k))}) + "\n" for k in sizes))
+
+
+def measure_ranks(steps: int, seed: int) -> dict[str, dict[str, float]]:
+    """Per arm, the mean over steps 2.. of the logged max/mean per rank: forward/backward seconds
+    before the gradient sync (``perf/balance_compute_max_over_mean``), whole-step seconds and
+    estimated work of each dp rank's rows, plus the mean compute seconds of a rank."""
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="plait-balance-") as tmp:
+        corpus_path = Path(tmp) / "long_tail.jsonl"
+        long_tail_corpus(corpus_path, seed)
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        for arm, overrides in MEASURED_ARMS.items():
+            run_dir = Path(tmp) / arm
+            args = [*MEASURED_COMMON, f"data.path={corpus_path}", f"trainer.max_steps={steps}", *overrides, f"run_dir={run_dir}"]
+            result = subprocess.run([sys.executable, "-m", "trainer.cli", *args], capture_output=True, text=True, env=env, timeout=1800)
+            if result.returncode != 0:
+                raise RuntimeError(f"{arm}: exit {result.returncode}\n{result.stderr[-3000:]}")
+            (metrics,) = run_dir.rglob("metrics.csv")
+            with metrics.open() as f:
+                rows = [r for r in csv.DictReader(f) if r.get("perf/balance_compute_max_over_mean") and int(r["step"]) > 1]
+            keys = {"compute": "perf/balance_compute_max_over_mean", "step": "perf/balance_time_max_over_mean",
+                    "work": "perf/balance_work_max_over_mean", "compute_s": "perf/compute_s_mean"}  # fmt: skip
+            if arm == "balanced_hybrid":
+                keys["whole_rows"] = "perf/cp_whole_rows"  # per cp group and step, of 8
+            out[arm] = {k: sum(float(r[key]) for r in rows) / len(rows) for k, key in keys.items()}
+    return out
 
 
 def main() -> None:
@@ -118,6 +206,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--measure-steps", type=int, default=6, help="steps of each measured 4-process run (0: skip)")
     args = parser.parse_args()
     docs = lengths(args.long, args.seed)
     rows = pack([([0] * n, [0] * n) for n in docs], seq_len=args.seq_len, pad_id=0)
@@ -137,11 +226,22 @@ def main() -> None:
     pool = measure_cp(rows.document_ids, model, args)
     print(f"dp={args.dp} x cp={args.cp} pool, work per rank: static + zigzag cp {pool['static']:.3f}, balanced dp + "
           f"zigzag cp {pool['balanced']:.3f}, balanced dp + document cp {pool['balanced_doc_cp']:.3f}")  # fmt: skip
+    print(f"dp={args.dp} x cp={args.cp} pool, balanced dp + hybrid placement (short rows whole): {pool['balanced_hybrid']:.3f}")
     first = results["first"]
+    measured = ""
+    if args.measure_steps:
+        ranks = measure_ranks(args.measure_steps, args.seed)
+        print("measured, FSDP 2 x CP 2 on 4 gloo processes (nano Llama, 256-token rows), max/mean per rank, mean of steps 2..:")
+        print(f"{'arm':18s} {'fwd/bwd before sync':>20s} {'whole step':>11s} {'est. work of dp rows':>21s} {'compute s':>10s}")
+        for arm, r in ranks.items():
+            whole = f"  (whole rows per cp group and step: {r['whole_rows']:.1f} of 8)" if "whole_rows" in r else ""
+            print(f"{arm:18s} {r['compute']:20.3f} {r['step']:11.3f} {r['work']:21.3f} {r['compute_s']:10.3f}{whole}")
+        measured = " " + " ".join(f"measured_{arm}={r['compute']:.3f}" for arm, r in ranks.items())
     print(
         f"RESULT static_max_over_mean={first['static_total']:.3f} balanced_max_over_mean={first['balanced_total']:.3f} "
         f"static_attention={first['static_attention']:.3f} balanced_attention={first['balanced_attention']:.3f} "
-        f"pool_static={pool['static']:.3f} pool_balanced={pool['balanced']:.3f} pool_balanced_doc_cp={pool['balanced_doc_cp']:.3f}"
+        f"pool_static={pool['static']:.3f} pool_balanced={pool['balanced']:.3f} pool_balanced_doc_cp={pool['balanced_doc_cp']:.3f} "
+        f"pool_hybrid={pool['balanced_hybrid']:.3f}{measured}"
     )
 
 
