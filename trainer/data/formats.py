@@ -61,10 +61,14 @@ def conversation(row: Mapping[str, Any]) -> list[Message]:
     """The conversation of an SFT row (module docstring).
 
     Raises:
-        FormatError: no accepted field set, or a field of the wrong type.
+        FormatError: no accepted field set, a field of the wrong type, or messages without an
+            assistant turn.
     """
     if "messages" in row:
-        return messages(row["messages"], "messages", role="user")
+        turns = messages(row["messages"], "messages", role="user")
+        if not any(m["role"] == "assistant" for m in turns):
+            raise FormatError("'messages' has no assistant turn, so no token to train on; add the assistant's answer or remove the row")
+        return turns
     for answer in ("completion", "response"):
         if "prompt" in row and answer in row:
             return messages(row["prompt"], "prompt", role="user") + messages(row[answer], answer, role="assistant")

@@ -21,6 +21,7 @@ Pretraining text is read by `trainer.data.corpus` (a list of bundled corpora or 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -66,12 +67,16 @@ class Catalog:
         synthetic: name -> generator of disjoint ``{"train", "val"}`` splits (``seed``, ``sizes``).
         parse_row: one row of a user's table -> a record (raises `formats.FormatError`).
         example: a valid source, for the message of an empty ``data.sources``.
+        useless: why a record teaches nothing (None: it is kept); such records are dropped with
+            one line that counts them and names the first (`drop_useless`).
     """
 
     bundled: Mapping[str, Callable[[], list]]
     synthetic: Mapping[str, Callable[..., dict[str, list]]]
     parse_row: Callable[[Mapping[str, Any]], Any]
     example: str
+    useless: Callable[[Any], str | None] = lambda record: None
+
 
     def names(self) -> list[str]:
         return sorted(self.bundled) + sorted(self.synthetic)
@@ -113,8 +118,8 @@ class Catalog:
         """``(train, val)`` records of one source.
 
         Raises:
-            DataError: a missing data package, an unreadable file or a synthetic task too small
-                (naming ``data.sources.<name>``).
+            DataError: a missing data package, an unreadable or empty file or a synthetic task
+                too small (naming ``data.sources.<name>``).
         """
         try:
             if source.source in self.synthetic:
@@ -123,13 +128,40 @@ class Catalog:
                 return made["train"], made["val"]
             load = self.bundled.get(source.source)
             if load is not None:
-                records = load()
+                records, wheres = load(), None
             else:
-                records = formats.read(tables.read_rows(source.source, dict(source.columns)), self.parse_row)
+                rows = list(tables.read_rows(source.source, dict(source.columns)))
+                records, wheres = formats.read(iter(rows), self.parse_row), [where for where, _ in rows]
+                if not records:
+                    raise ValueError(f"{source.source} has no rows; add rows or remove data.sources.{source.name}")
         except (FileNotFoundError, ValueError) as err:
             raise DataError(f"data.sources.{source.name}: {err}") from None
+        records = drop_useless(records, wheres, self.useless, name=source.name)
         train, val = hold_out(records, source.val_size, seed=seed, name=source.name)
         return (train[: source.limit] if source.limit else train), val
+
+
+def drop_useless(records: list, wheres: list[str] | None, useless: Callable[[Any], str | None], *, name: str) -> list:
+    """``records`` without those ``useless`` names a reason for, counted in one ``plait:`` line on
+    stderr that names the first one's file and line (``wheres[i]``, when the records come from a file)."""
+    reasons = [useless(r) for r in records]
+    dropped = [i for i, reason in enumerate(reasons) if reason is not None]
+    if dropped:
+        first = f" (first: {wheres[dropped[0]]})" if wheres else ""
+        print(
+            f"plait: data.sources.{name}: dropped {len(dropped)} of {len(records)} rows: {reasons[dropped[0]]}{first}",
+            file=sys.stderr,
+        )
+    return [r for r, reason in zip(records, reasons) if reason is None]
+
+
+def _tie(record: Mapping[str, Any]) -> str | None:
+    # A pair whose answers are equal has no preference signal: its DPO loss is log 2 at a zero
+    # gradient up to rounding, which AdamW's normalisation turns into real updates. Ties are
+    # filtered out of preference sets (UltraFeedback binarized drops them), so drop, not refuse.
+    if "chosen" in record and record.get("chosen") == record.get("rejected"):
+        return "'chosen' equals 'rejected' (no preference signal)"
+    return None
 
 
 def hold_out(records: list, val_size: int, *, seed: int, name: str) -> tuple[list, list]:
@@ -156,4 +188,5 @@ PAIRS = Catalog(
     synthetic=dict.fromkeys(preference_sources.SYNTHETIC, preference_sources.synthetic),
     parse_row=formats.preference,
     example="pairs.source=dpo_en",
+    useless=_tie,
 )

@@ -1,0 +1,50 @@
+"""Bad rows of the existing SFT/preference formats: one `DataError` (the CLI's ``plait: error:``,
+exit 2, raised while the data is prepared, before any process group) naming the source, the file,
+the line and the fix; pairs with equal answers are dropped with a count."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from trainer.data.base import DataError
+from trainer.data.sources import CONVERSATIONS, PAIRS
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+
+
+def _records(catalog, path: Path, rows: list) -> list:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train, _ = catalog.records(catalog.parse("mine", {"source": str(path), "val_size": 0}), seed=0)
+    return train
+
+
+def test_an_empty_sft_file_is_refused(tmp_path: Path) -> None:
+    # Before: zero conversations, the run trained nothing and exited 0.
+    with pytest.raises(DataError, match=r"data.sources.mine: .*d.jsonl has no rows; add rows or remove data.sources.mine"):
+        _records(CONVERSATIONS, tmp_path / "d.jsonl", [])
+
+
+def test_a_conversation_without_an_assistant_turn_names_file_and_line(tmp_path: Path) -> None:
+    # Before: a ChatError at encoding without the file or line ("a conversation without an assistant message ...").
+    rows = [CHAT, {"messages": [{"role": "user", "content": "hi"}]}]
+    with pytest.raises(DataError, match=r"d.jsonl, line 2: 'messages' has no assistant turn.*add the assistant's answer"):
+        _records(CONVERSATIONS, tmp_path / "d.jsonl", rows)
+
+
+def test_a_chosen_that_is_not_text_names_file_and_line(tmp_path: Path) -> None:
+    rows = [{"prompt": "q", "chosen": "a", "rejected": "b"}, {"prompt": "q", "chosen": 7, "rejected": "b"}]
+    with pytest.raises(DataError, match=r"d.jsonl, line 2: 'chosen' is int, not a string"):
+        _records(PAIRS, tmp_path / "d.jsonl", rows)
+
+
+def test_pairs_with_equal_answers_are_dropped_with_a_count(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: the tie trained (its ~1e-7 noise gradient became AdamW updates).
+    rows = [{"prompt": f"q{i}", "chosen": f"a{i}", "rejected": f"b{i}"} for i in range(3)]
+    rows[1:1] = [{"prompt": "t", "chosen": "same", "rejected": "same"}] * 2
+    kept = _records(PAIRS, tmp_path / "d.jsonl", rows)
+    assert [p["chosen"] for p in kept] == ["a0", "a1", "a2"]
+    err = capsys.readouterr().err
+    assert "plait: data.sources.mine: dropped 2 of 5 rows: 'chosen' equals 'rejected'" in err and "d.jsonl, line 2)" in err
