@@ -126,3 +126,27 @@ def test_load_or_train_caches(tmp_path, texts, monkeypatch):
         m.setattr(tokenizer_mod, "train_bpe", no_training)
         loaded = load_or_train(texts=corpus_texts, **{**kwargs, "path": str(files[0]), "corpus_fingerprint": "zzz"})
     assert loaded.fingerprint == first.fingerprint
+
+
+def test_pieces_cut_only_runs_longer_than_max_run():
+    n = tokenizer_mod.MAX_RUN
+    assert tokenizer_mod.pieces("word " * 5000) == ["word " * 5000]  # ordinary text: one piece
+    text = "x " + "a" * (3 * n + 5) + " b" + " " * (n + 1) + "c"
+    parts = tokenizer_mod.pieces(text)
+    assert "".join(parts) == text
+    # cuts every n characters from each long run's start: "x " + n a's | n | n | 5 a's " b" n spaces | " c"
+    assert [len(p) for p in parts] == [n + 2, n, n, 5 + 2 + n, 1 + 1]
+
+
+def test_a_line_without_whitespace_trains_and_encodes_in_linear_time(tok):
+    """Before: the BPE trainer on one 256 KiB word took 124 s (64 KiB: 6 s; 8 MB: hours), which
+    stalled data preparation; now the word is seen in MAX_RUN pieces (0.2 s)."""
+    import time
+
+    line = "ab" * (256 << 10) + "\n"
+    start = time.perf_counter()
+    trained = train_bpe([line, "hello world " * 50], vocab_size=300)
+    ids = trained.encode_batch([line])[0]
+    assert time.perf_counter() - start < 30
+    assert trained.decode(ids) == line and trained.encode(line) == ids
+    assert tok.decode(tok.encode(line)) == line
