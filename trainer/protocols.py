@@ -74,6 +74,10 @@ class Objective(Protocol):
     """A training objective (`trainer.objectives`): the Task divides `loss_sum` by the step's
     global `num_tokens`, so micro-batches and ranks add up to one big batch."""
 
+    # What `num_tokens` counts: "tokens" (the loss is a mean negative log-likelihood per token, so
+    # exp of the validation loss is a perplexity, logged as val/ppl) or "pairs" (a preference loss).
+    count_unit: str = "tokens"
+
     def num_tokens(self, batch: Batch) -> torch.Tensor:
         """The units ``batch``'s loss is averaged over (supervised tokens, pairs); 0-dim fp32."""
         ...

@@ -35,6 +35,13 @@ from trainer.optim import build_optimizer
 from trainer.protocols import Objective, RoutedModel
 
 
+def val_metrics(objective: Objective, val_loss: float, extra: dict[str, float]) -> dict[str, float]:
+    """An evaluation's row: ``val/loss``, ``val/ppl`` (exp of the loss, capped at e^50) when the loss
+    is a mean NLL per token (``objective.count_unit == "tokens"``; not for a pair loss), and ``extra``."""
+    ppl = {"val/ppl": math.exp(min(val_loss, 50.0))} if getattr(objective, "count_unit", "tokens") == "tokens" else {}
+    return {"val/loss": val_loss, **ppl, **extra}
+
+
 class Task(L.LightningModule):
     """Trains ``model`` on ``objective`` with one owner of the optimizer step.
 
@@ -269,7 +276,7 @@ class Task(L.LightningModule):
     def evaluate(self) -> float | None:
         """Token-weighted validation loss over the held-out rows of all dp ranks (None without any).
 
-        Records val/loss and val/ppl in the current step's row.
+        Records `val_metrics` in the current step's row.
         """
         strategy = self.trainer.strategy
         loader = self.trainer.datamodule.eval_dataloader()
@@ -291,7 +298,7 @@ class Task(L.LightningModule):
         if totals[1].item() == 0:
             return None  # no validation data (data.val_fraction=0): no figure, rather than 0.0
         val_loss = (totals[0] / totals[1]).item()
-        self.record({"val/loss": val_loss, "val/ppl": math.exp(min(val_loss, 50.0)), **extra})
+        self.record(val_metrics(self.objective, val_loss, extra))
         entry = {"step": self.global_step, "val_loss": val_loss}
         self.history.append({**entry, "metrics": extra} if extra else entry)
         return val_loss

@@ -68,3 +68,16 @@ def test_the_data_summary_counts_each_kind_of_data() -> None:
         tokenizer=tokenizer, train={"input_ids": torch.zeros(6, 2, 4)}, val={"input_ids": torch.zeros(2, 2, 4)}
     )
     assert data_summary(pairs) == "data: 6 training pairs (48 tokens), 2 held-out pairs (16 tokens); vocabulary 4,096"
+
+
+def test_perplexity_only_for_a_per_token_nll() -> None:
+    from trainer.objectives.kto import KTO
+    from trainer.objectives.preference import DPO, ORPO
+    from trainer.objectives.pretrain import CausalLM
+    from trainer.objectives.sft import SFT
+    from trainer.task import val_metrics
+
+    for objective in (CausalLM(), SFT()):
+        assert val_metrics(objective, 2.0, {"val/x": 1.0}) == {"val/loss": 2.0, "val/ppl": pytest.approx(7.389056), "val/x": 1.0}
+    for objective in (DPO(), ORPO(), KTO()):  # exp of a pair loss is no perplexity
+        assert val_metrics(objective, 0.69, {}) == {"val/loss": 0.69}
