@@ -21,6 +21,7 @@ The commands are the table of `trainer.commands`; this module only dispatches.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from trainer.commands import COMMANDS, dispatch
@@ -40,9 +41,22 @@ def print_help() -> None:
     print("\n".join(lines))
 
 
+def add_user_path() -> None:
+    """Appends the current folder to ``sys.path``, after plait's own packages: a package of the
+    user's there (``_target_: my_pkg.Model``) imports without ``PYTHONPATH=.``, and a file there
+    named like one of plait's packages (``trainer.py``, ``strategies.py``) does not shadow it."""
+    import strategies  # noqa: F401 - bound before the folder joins the path (an editable install's
+    # finder comes after the path's: a strategies.py there would otherwise win the first import)
+
+    cwd = os.getcwd()
+    if not any(os.path.abspath(p or os.curdir) == cwd for p in sys.path):
+        sys.path.append(cwd)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point of ``plait`` (and of ``python -m trainer.cli``, torchrun's)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    add_user_path()
     quiet_third_party()
     if argv and argv[0] in HELP_FLAGS:
         return print_help()

@@ -27,6 +27,7 @@ from torch import nn
 
 from strategies.checkpoint import CheckpointError
 from strategies.lora import adapted_layers, merge_lora
+from trainer.capabilities import export_problem, exportable
 from trainer.compose import compose_command, fail
 from trainer.data.chat import DEFAULT_CHAT_TEMPLATE
 from trainer.data.tokenizer import Tokenizer
@@ -257,9 +258,12 @@ def export_checkpoint(
 
     Raises:
         FileNotFoundError: ``path`` names no checkpoint, or the run has no tokenizer.json.
+        HFError: the run's model class has no Hugging Face mapping (`trainer.capabilities.exportable`).
         UntrustedTargetError, CheckpointError: from `load_run_model` (``trust`` as there).
     """
     run = load_run_model(path, load_base=load_init_from, trust=trust)
+    if not exportable(type(run.model)):
+        raise HFError(export_problem(type(run.model), f"plait export ckpt={path}"))
     if run.tokenizer is None:
         raise FileNotFoundError(f"{run.run.tokenizer} is missing; a Hugging Face directory needs the run's tokenizer")
     if adapted_layers(run.model):  # a LoRA run: its adapter as PEFT's, then merged into the base

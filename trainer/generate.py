@@ -173,9 +173,15 @@ def reply(run: RunModel, text: str, cfg: DictConfig) -> str:
     new_ids = sample(
         run.model, tokenizer.encode(text) or [tokenizer.eos_id], max_new_tokens=cfg.max_new_tokens,
         temperature=cfg.temperature, top_k=cfg.top_k, max_seq_len=run.model.max_seq_len, eos_id=tokenizer.eos_id,
-        use_cache=cfg.kv_cache,
+        use_cache=cfg.kv_cache and caches(run.model),
     )  # fmt: skip
     return tokenizer.decode(new_ids)
+
+
+def caches(model: nn.Module) -> bool:
+    """Whether ``model`` takes a KV cache (`trainer.models.kv_cache.kv_cache`: it swaps the model's
+    attention core); a model of one's own without ``set_attention_core`` generates without one."""
+    return callable(getattr(model, "set_attention_core", None))
 
 
 def main(argv: list[str]) -> None:
@@ -185,6 +191,8 @@ def main(argv: list[str]) -> None:
     the answer alone; otherwise the prompt is continued as text. Generation stops at EOS."""
     cfg = compose_command("generate", argv, usage='plait generate ckpt=<run or checkpoint dir> prompt="..."')
     run = load_for_generation(cfg.ckpt, cfg.trust)
+    if cfg.kv_cache and not caches(run.model):
+        print(f"plait: {type(run.model).__name__} has no set_attention_core: generating without a KV cache", file=sys.stderr)
     torch.manual_seed(cfg.seed)
     if cfg.chat:
         print(reply(run, chat_template(run).render([{"role": "user", "content": cfg.prompt}], add_generation_prompt=True), cfg))

@@ -25,6 +25,7 @@ from strategies.pipeline_layout import SCHEDULES, stages_per_rank_of
 from strategies.ranges import optimizer_problem
 from strategies.resolved import ResolvedRun
 from strategies.shape import ModelShape
+from trainer.capabilities import capability_problems
 from trainer.models.hf import is_hf_dir
 from trainer.models.init_from import init_from_problems, run_tokenizer
 from trainer.rundir import RunDir, resolve_checkpoint
@@ -252,6 +253,7 @@ def check_semantics(cfg: DictConfig, problems: list[str], broken: frozenset[str]
     if init_from and not is_hf_dir(init_from):
         problems.extend(_lora_base_problems(str(init_from)))
     run = resolve(cfg, problems, broken)
+    problems.extend(capability_problems(cfg, run))  # tp_plan, a Hugging Face mapping (trainer.capabilities)
     objective = cfg.get("objective")
     if run is not None and run.dims.tp > 1 and isinstance(objective, DictConfig) and objective.get("loss_chunk_tokens"):
         problems.append(

@@ -81,3 +81,46 @@ def test_perplexity_only_for_a_per_token_nll() -> None:
         assert val_metrics(objective, 2.0, {"val/x": 1.0}) == {"val/loss": 2.0, "val/ppl": pytest.approx(7.389056), "val/x": 1.0}
     for objective in (DPO(), ORPO(), KTO()):  # exp of a pair loss is no perplexity
         assert val_metrics(objective, 0.69, {}) == {"val/loss": 0.69}
+
+
+class UserLM(torch.nn.Module):
+    """A user's model with the interface every layout needs (README "Your own model") and nothing more."""
+
+    def __init__(self, vocab_size: int, dim: int = 16, max_seq_len: int = 256) -> None:
+        super().__init__()
+        self.max_seq_len = max_seq_len
+        self.tok_embeddings = torch.nn.Embedding(vocab_size, dim)
+        self.layers = torch.nn.ModuleDict({"0": torch.nn.Linear(dim, dim)})
+        self.output = torch.nn.Linear(dim, vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, position_ids_bt=None, document_ids_bt=None) -> torch.Tensor:
+        return self.output(self.layers["0"](self.tok_embeddings(input_ids)))
+
+
+def _problems(model_target: str, overrides: list[str]) -> list[str]:
+    from omegaconf import OmegaConf
+
+    from trainer.compose import compose
+    from trainer.config import ConfigError, validate
+
+    cfg = compose("pretrain", ["model=nano", *overrides])
+    if model_target != "nano":
+        OmegaConf.set_struct(cfg, False)
+        cfg.model = {"_target_": model_target, "dim": 16}
+    try:
+        validate(cfg)
+    except ConfigError as err:
+        return err.problems
+    return []
+
+
+def test_a_user_model_without_what_a_feature_needs_is_refused_in_validate() -> None:
+    user = f"{__name__}.UserLM"
+    assert _problems(user, ["trainer.max_steps=1"]) == []  # DDP needs nothing more
+    tp = _problems(user, ["strategy=tp", "trainer.devices=2"])
+    assert any("strategy.tp=2: UserLM declares no tensor-parallel plan" in p and "strategy.tp=1" in p for p in tp), tp
+    export = _problems(user, ["callbacks.hf_export.at_end=true"])
+    assert any(p.startswith("callbacks.hf_export: ") and "no Hugging Face mapping" in p for p in export), export
+    # plait's Llama has both: neither problem.
+    assert not any("tensor-parallel plan" in p or "Hugging Face mapping" in p
+                   for p in _problems("nano", ["strategy=tp", "trainer.devices=2", "callbacks.hf_export.at_end=true"]))  # fmt: skip
