@@ -276,7 +276,7 @@ def check_semantics(cfg: DictConfig, problems: list[str], broken: frozenset[str]
         paths = [data.path] if isinstance(data.path, str) else list(data.path)
         for path in paths:
             if not Path(os.path.expanduser(path)).exists():
-                problems.append(f"data.path={path} does not exist; point data.path at a .txt/.jsonl file or a directory")
+                problems.append(f"data.path={path} does not exist; point data.path at a .txt/.jsonl/.parquet/.arrow/.json/.csv file or a directory")
     if data is not None and data.get("tokenizer") and not Path(os.path.expanduser(data.tokenizer)).is_file():
         problems.append(f"data.tokenizer={data.tokenizer} is not a file; give a tokenizer.json or null to train one")
     _check_step_plugins(cfg, problems)

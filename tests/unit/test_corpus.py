@@ -174,7 +174,7 @@ def test_load_files_text_key_and_errors(tmp_path):
     (empty_dir / "blank.txt").write_text("  \n\n")
     with pytest.raises(ValueError, match="no documents in"):
         load_files([str(empty_dir)])
-    other = tmp_path / "x.csv"
+    other = tmp_path / "x.xlsx"
     other.write_text("a,b")
     with pytest.raises(ValueError, match="unsupported file type"):
         load_files([str(other)])

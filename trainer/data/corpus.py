@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainer.data import tables
 from trainer.data.cache import digest, fingerprint
 
 EOT_SEPARATOR = "<|endoftext|>"
@@ -217,6 +218,7 @@ def load_bundled(names: Sequence[str]) -> list[Document]:
 # User files
 
 _SUFFIXES = (".txt", ".jsonl")
+_TABLES = (".parquet", ".arrow", ".json", ".csv")  # read with Hugging Face datasets (trainer.data.tables)
 
 
 def _read_txt(path: Path, source: str, title: str) -> list[Document]:
@@ -257,13 +259,27 @@ def _read_jsonl(path: Path, source: str, title: str, text_key: str) -> list[Docu
     return docs
 
 
+def _read_table(path: Path, source: str, title: str, text_key: str) -> list[Document]:
+    docs = []
+    for where, row in tables.read_rows(str(path)):
+        text = row.get(text_key)
+        if not isinstance(text, str):
+            found = f"no column {text_key!r} (columns: {sorted(row)})" if text is None else f"column {text_key!r} is {type(text).__name__}"
+            raise ValueError(f"{where}: {found}; set data.text_key= to the column that holds the document text")
+        if text.strip():
+            docs.append(Document(text=text, source=source, title=f"{title}:{where.rsplit(' ', 1)[-1]}"))
+    return docs
+
+
 def load_files(paths: Sequence[str], *, text_key: str = "text") -> list[Document]:
-    """Load user documents from ``.txt`` / ``.jsonl`` files and directories of them.
+    """Load user documents from ``.txt`` / ``.jsonl`` files, tables and directories of them.
 
     - ``.txt``: the whole file is one document, unless a line holding only ``<|endoftext|>``
       appears; then that line separates documents.
     - ``.jsonl``: one document per non-blank line, the text in field ``text_key``.
-    - a directory: every ``.txt`` and ``.jsonl`` below it, recursively, in sorted order.
+    - ``.parquet`` / ``.arrow`` / ``.json`` / ``.csv`` (Hugging Face ``datasets``), or a folder
+      written by ``save_to_disk``: one document per row, the text in column ``text_key``.
+    - a directory: every file of those kinds below it, recursively, in sorted order.
 
     Whitespace-only documents are dropped. ``source`` is the path as given; ``title`` is the file
     (relative to a given directory) plus ``#k`` (k-th document of a txt) or ``:line`` (jsonl).
@@ -280,16 +296,20 @@ def load_files(paths: Sequence[str], *, text_key: str = "text") -> list[Document
         root = Path(given).expanduser()
         if not root.exists():
             raise FileNotFoundError(f"data path {given!r} does not exist")
-        if root.is_dir():
-            files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in _SUFFIXES)
-            titled = [(p, p.relative_to(root).as_posix()) for p in files]
-        elif root.suffix in _SUFFIXES:
+        if root.is_dir() and any((root / m).is_file() for m in tables.SAVED_MARKERS):
+            titled = [(root, root.name)]
+        elif root.is_dir():
+            files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in (*_SUFFIXES, *_TABLES))
+            titled = [(p, p.relative_to(root).as_posix()) for p in files if p.name not in tables.SAVED_MARKERS]
+        elif root.suffix in (*_SUFFIXES, *_TABLES):
             titled = [(root, root.name)]
         else:
-            raise ValueError(f"data path {given!r}: unsupported file type; use {', '.join(_SUFFIXES)} or a directory")
+            raise ValueError(f"data path {given!r}: unsupported file type; use {', '.join((*_SUFFIXES, *_TABLES))} or a directory")
         for path, title in titled:
             if path.suffix == ".txt":
                 docs += _read_txt(path, str(given), title)
+            elif path.is_dir() or path.suffix in _TABLES:
+                docs += _read_table(path, str(given), title, text_key)
             else:
                 docs += _read_jsonl(path, str(given), title, text_key)
     if not docs:

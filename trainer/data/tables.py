@@ -48,8 +48,12 @@ def _shards(root: Path) -> tuple[str, list[str]]:
     kinds = {FORMATS[p.suffix] for p in files}
     if len(kinds) != 1:
         found = "no data files" if not kinds else f"files of several formats ({sorted(kinds)})"
-        raise ValueError(f"{root}: {found}; a folder holds shards of one format ({', '.join(FORMATS)}) or a save_to_disk dataset")
+        raise FormatProblem(f"{root}: {found}; a folder holds shards of one format ({', '.join(FORMATS)}) or a save_to_disk dataset")
     return kinds.pop(), [str(p) for p in files]
+
+
+class FormatProblem(ValueError):
+    """A table this module refuses itself (its message names the fix)."""
 
 
 def _dataset(path: str, *, streaming: bool) -> Any:
@@ -71,7 +75,7 @@ def _dataset(path: str, *, streaming: bool) -> Any:
             data = datasets.load_from_disk(str(root))
             if isinstance(data, datasets.DatasetDict):
                 if "train" not in data:
-                    raise ValueError(f"{path}: a saved DatasetDict without a 'train' split (has {sorted(data)}); point at one split's folder")
+                    raise FormatProblem(f"{path}: a saved DatasetDict without a 'train' split (has {sorted(data)}); point at one split's folder")
                 data = data["train"]
             return data.to_iterable_dataset(num_shards=max(1, len(data.cache_files))) if streaming else data
         if root.is_dir():
@@ -79,9 +83,11 @@ def _dataset(path: str, *, streaming: bool) -> Any:
         elif root.suffix in FORMATS:
             builder, files = FORMATS[root.suffix], [str(root)]
         else:
-            raise ValueError(f"{path}: unsupported file type; use {', '.join(FORMATS)}, a folder of shards or a save_to_disk folder")
+            raise FormatProblem(f"{path}: unsupported file type; use {', '.join(FORMATS)}, a folder of shards or a save_to_disk folder")
         return datasets.load_dataset(builder, data_files=files, split="train", streaming=streaming)
-    except (datasets.exceptions.DatasetGenerationError, OSError, TypeError) as err:
+    except (datasets.exceptions.DatasetGenerationError, OSError, TypeError, ValueError) as err:
+        if isinstance(err, (FileNotFoundError, FormatProblem)):
+            raise
         raise ValueError(f"{path}: datasets cannot read it ({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
 
 
