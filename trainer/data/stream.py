@@ -99,8 +99,11 @@ class StreamBatches(PackedBatches):
 
 @dataclass
 class PreparedStream:
+    """The tokenizer and the held-out rows; ``train`` is None (streamed, read as it is trained)."""
+
     tokenizer: Tokenizer
     val: PackedRows
+    train: None = None
 
 
 class StreamDataModule(DataModule):

@@ -38,7 +38,10 @@ def data_summary(prepared: Any) -> str:
             ``documents``: (training, held-out) documents of a text corpus).
     """
     (n_train, t_train, noun), (n_val, t_val, _) = _split(prepared.train), _split(prepared.val)
-    parts = [f"{n_train:,} training {noun} ({t_train:,} tokens), {n_val:,} held-out {noun} ({t_val:,} tokens)"]
+    if prepared.train is None:  # a stream (trainer.data.stream): its length is not known ahead
+        parts = [f"training rows streamed, {n_val:,} held-out {noun} ({t_val:,} tokens)"]
+    else:
+        parts = [f"{n_train:,} training {noun} ({t_train:,} tokens), {n_val:,} held-out {noun} ({t_val:,} tokens)"]
     documents = getattr(prepared, "documents", None)
     if documents is not None:
         parts.append(f"{documents[0]:,} training and {documents[1]:,} held-out documents")
