@@ -6,8 +6,10 @@ Every checkpoint records the resolved config and the tokenizer fingerprint it wa
 
 - ``model.*`` and ``objective.*`` (and the tokenizer, by fingerprint) can never change: the
   weights, the loss or the token ids would no longer match;
-- ``data.*`` and ``seed`` neither: the saved data position would index other rows (continue from
-  these weights on other data with a new run and ``model.init_from=<checkpoint>``);
+- ``data.*``, ``seed`` and ``train.global_batch_size`` neither: the saved data position (global
+  batches trained, `trainer.data.loader`) would index other rows (continue from these weights on
+  other data with a new run and ``model.init_from=<checkpoint>``); ``train.micro_batch_size`` is
+  free (it only splits the same global batch into gradient-accumulation steps);
 - ``optim.*``, ``scheduler.*`` and ``train.max_grad_norm`` may change when named in
   ``resume_override=[...]``; their new values then take effect from the first resumed step
   (`apply_overrides`: the restored optimizer state would otherwise keep the old ones);
@@ -36,7 +38,8 @@ from trainer.rundir import RunDir
 
 RECORD_KEY = "plait_run"  # the checkpoint dict's entry (hence meta.pt's) holding the `run_record`
 
-FIXED = ("model", "objective", "data", "seed")
+FIXED = ("model", "objective", "data", "seed", "train.global_batch_size")
+DATA_POSITION = ("data", "seed", "train.global_batch_size")  # fields the saved data position depends on
 OVERRIDABLE = ("optim", "scheduler", "train.max_grad_norm")
 # Keys of the fixed groups that do not change what is trained: where a file is cached, where
 # the initial weights came from (the checkpoint holds them now), the tokenizer path (compared
@@ -181,7 +184,7 @@ def resume_problems(
                     f"{key}={now!r} differs from {old!r} in {source}; to change it from this step on, add "
                     f"resume_override=[{key}] (or resume with {key}={old!r})"
                 )
-        elif _under(key, ("data", "seed")):
+        elif _under(key, DATA_POSITION):
             problems.append(
                 f"{key}={now!r} differs from {old!r} in {source}: the saved data position would index other rows; "
                 f"resume with {key}={old!r}, or train on the new data from these weights in a new run_dir with "

@@ -15,7 +15,7 @@ SAVED = {
     "objective": {"_target_": "trainer.objectives.causal_lm.CausalLM"},
     "optim": {"lr": 3e-3, "weight_decay": 0.1},
     "scheduler": {"warmup_steps": 20},
-    "train": {"max_grad_norm": 1.0, "eval_every": 50},
+    "train": {"max_grad_norm": 1.0, "eval_every": 50, "global_batch_size": 8, "micro_batch_size": 4},
     "trainer": {"max_steps": 100, "devices": 1},
 }
 
@@ -74,3 +74,13 @@ def test_a_new_lr_takes_effect_from_the_next_step() -> None:
     scheduler.step()
     nxt = 1e-3 * lr_factor(31, warmup_steps=10, total_steps=100, decay="cosine", min_lr_ratio=0.1)
     assert optimizer.param_groups[0]["lr"] == nxt
+
+
+def test_a_new_global_batch_size_is_refused_a_new_micro_batch_size_resumes() -> None:
+    # Before: both were free; the saved position counts global batches, so 8 -> 16 rows per batch
+    # would have skipped half an epoch's rows (and the micro-batch size only splits the same batch).
+    record = run_record(SAVED, "f" * 64)
+    (problem,) = resume_problems(record, _new(train__global_batch_size=16), None, [], source="ckpt")
+    assert "train.global_batch_size=16 differs from 8 in ckpt: the saved data position would index other rows" in problem
+    assert "resume with train.global_batch_size=8" in problem and "model.init_from=ckpt" in problem
+    assert resume_problems(record, _new(train__micro_batch_size=2), None, [], source="ckpt") == []
