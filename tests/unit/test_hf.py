@@ -154,3 +154,20 @@ def transformers_render(source: str, messages) -> str:
 
     env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
     return env.from_string(source).render(messages=messages, add_generation_prompt=False)
+
+
+def test_a_tied_checkpoint_under_pp_is_refused_with_a_fix_model_hf_takes(tmp_path):
+    # Before: the fix named model.tie_embeddings, which model=hf did not take (unknown key).
+    from trainer.compose import compose
+
+    hf = make_hf_dir("llama2", tmp_path / "hf")  # tie_word_embeddings: true
+    pp = ["model=hf", f"model.init_from={tmp_path / 'hf'}", "data.seq_len=64", "strategy=pp", "trainer.devices=2"]
+    with pytest.raises(ConfigError, match=r"use model.tie_embeddings=false or strategy.pp=1"):
+        validate(compose("pretrain", pp))
+    validate(compose("pretrain", [*pp, "model.tie_embeddings=false"]))  # the fix is accepted
+    untied = llama_from_hf(str(tmp_path / "hf"), tie_embeddings=False)
+    load_init_from(untied)
+    assert untied.output.weight is not untied.tok_embeddings.weight
+    assert torch.equal(untied.output.weight, untied.tok_embeddings.weight)  # starts as the tied model
+    with torch.no_grad():
+        assert (untied.eval()(batch()) - hf(batch()).logits).abs().max().item() < TOL

@@ -171,6 +171,7 @@ def llama_from_hf(
     vocab_size: int | None = None,
     max_seq_len: int | None = None,
     init_std: float = 0.02,
+    tie_embeddings: bool | None = None,
     **router: float,
 ) -> Llama:
     """A `Llama` (or, for Qwen3-MoE and Mixtral, a `MoETransformer`) with the architecture of a
@@ -183,11 +184,15 @@ def llama_from_hf(
         max_seq_len: RoPE table length; None: the checkpoint's ``max_position_embeddings`` (capped
             at its sliding window). Must not exceed them.
         init_std: init of weights the checkpoint does not hold (none for a complete checkpoint).
+        tie_embeddings: None: the checkpoint's ``tie_word_embeddings``; false unties a tied one
+            (the output head starts as a copy of the input embedding and trains on its own: what
+            ``strategy.pp > 1`` needs, as the two live on the first and the last stage).
         **router: a mixture of experts' training knobs (``balance_coef``, ``z_loss_coef``,
             ``bias_update_rate`` of `MoETransformer`; all 0 unless given).
 
     Raises:
-        HFError: an unsupported config, sizes beyond the checkpoint's, or router knobs for a dense one.
+        HFError: an unsupported config, sizes beyond the checkpoint's, router knobs for a dense
+            one, or ``tie_embeddings=true`` for an untied one.
     """
     kwargs = llama_kwargs(read_config(init_from))
     if router and "num_experts" not in kwargs:
@@ -197,6 +202,10 @@ def llama_from_hf(
             f"the tokenizer has {vocab_size} tokens but {init_from}/config.json has vocab_size={kwargs['vocab_size']}; "
             "use the checkpoint's own tokenizer (data.tokenizer=null takes it from model.init_from)"
         )
+    if tie_embeddings is not None:
+        if tie_embeddings and not kwargs["tie_embeddings"]:
+            raise HFError(f"model.tie_embeddings=true: {init_from} has a separate output head; use model.tie_embeddings=null")
+        kwargs["tie_embeddings"] = tie_embeddings
     if max_seq_len is not None:
         if max_seq_len > kwargs["max_seq_len"]:
             raise HFError(f"model.max_seq_len={max_seq_len} exceeds the checkpoint's {kwargs['max_seq_len']}")
