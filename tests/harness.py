@@ -99,6 +99,15 @@ class ParamRecorder(L.Callback):
         pl_module.history.append({"params": all_stages(trainer, params)})
 
 
+class InitialParamRecorder(L.Callback):
+    """Appends ``{"initial_params": {name: full parameter}}`` at the start of training.
+    Add with ``+callbacks.initial_params._target_=harness.InitialParamRecorder``."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        params = {n: full(p.data).detach().clone() for n, p in pl_module.model.named_parameters()}
+        pl_module.history.append({"initial_params": all_stages(trainer, params)})
+
+
 class StageLayers(L.Callback):
     """Appends ``{"layers": [block keys this rank holds]}`` at the end of training (rank 0's: its
     pipeline stages). Add with ``+callbacks.layers._target_=harness.StageLayers``."""
