@@ -147,3 +147,33 @@ def test_c29_long_samples_split_across_packs(lengths, non_pad):
     assert [sum(len(ids) for _, ids, _ in r) for r in rows] == non_pad
     stream = np.concatenate([ids for r in rows for _, ids, _ in r])
     assert stream.tolist() == list(range(1, sum(lengths) + 1))
+
+
+def _constant_samples(n: int, first_token: int) -> SourceSamples:
+    """n samples of 6 tokens, each with exactly 4 supervised targets."""
+    ids = [np.arange(first_token + i, first_token + i + 6) for i in range(n)]
+    labels = [np.where(np.arange(6) < 4, row, IGNORE_INDEX) for row in ids]
+    return SourceSamples(ids, labels)
+
+
+def test_weights_one_to_three_give_one_to_three_shares():
+    """Mixture weights 1:3: with equal supervised tokens per sample the sources' sample counts are
+    1:3 exactly; with random lengths, through the packer and loader, the supervised tokens of each
+    source in the batches are 1:3 within one sample's targets (exact counts pinned for seed 0)."""
+    from trainer.data.sft import parse_source
+
+    assert parse_source("b", {"source": "addition", "weight": 3})[2].weight == 3.0  # data.sources.b.weight=3
+    unlimited = {"a": SourceSpec(weight=1.0, max_tokens=10**9, max_epochs=None), "b": SourceSpec(weight=3.0, max_tokens=10**9, max_epochs=None)}
+    mixture = Mixture({"a": _constant_samples(10, 1), "b": _constant_samples(10, 50)}, unlimited, seed=0)
+    sources = [mixture.draw().source for _ in range(400)]
+    assert (sources.count(0), sources.count(1)) == (100, 300)
+
+    def make():
+        return Packer(Mixture({"a": SOURCES["a"], "b": SOURCES["b"]}, unlimited, seed=0), seq_len=SEQ_LEN, pad_id=PAD)
+
+    loader = Loader(PackedBatches(make, names=["a", "b"], global_batch_size=4, dp_rank=0, dp_size=1))
+    batches = [b for _, b in zip(range(40), loader)]
+    tokens = _supervised_by_source(batches)
+    longest = max(int(SOURCES[n].supervised.max()) for n in ("a", "b"))
+    assert abs(tokens[1] - 3 * tokens[0]) <= 3 * longest, tokens
+    assert tokens == {0: 632, 1: 1913}
