@@ -104,6 +104,14 @@ def test_sync_every_step_equals_ddp(method: str, one_document, ddp, tmp_path: Pa
     assert len(set(run["loss"])) == 3
 
 
+def test_bytes_at_four_islands_are_those_of_a_ring_all_reduce(one_document, tmp_path: Path) -> None:
+    """At n = 4 islands the per-step average sends 2 (n - 1) / n = 1.5 times the parameter bytes
+    per rank (a ring all-reduce), which 2 ranks cannot tell from n - 1 = 1."""
+    run = _run([*one_document, *K1["diloco"], "trainer.devices=4", "train.micro_batch_size=2", "trainer.max_steps=2"], tmp_path)
+    num_bytes = 4 * sum(p.numel() for p in run["params"].values())
+    assert run["bytes"] == [1.5 * num_bytes] * 2
+
+
 # ---------------------------------------------------------------------------------- simulation
 def simulate(cfg, *, steps: int, algorithm, init_from: Path | None = None) -> dict[str, Any]:
     """Two islands in one process; ``algorithm.after(step, models, optimizers)`` is its exchange.
