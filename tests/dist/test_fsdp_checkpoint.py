@@ -1,5 +1,6 @@
-"""Resharding resume: a checkpoint written by FSDP2 on 2 ranks resumes on 1 and on 4 ranks, and the
-run continues exactly as the uninterrupted one.
+"""Resharding resume: a checkpoint written by FSDP2 on 2 ranks resumes on 1 and on 4 ranks, and one
+written by tensor parallelism on 2 ranks (tp=2) resumes on one process (tp=1); each run continues
+as the uninterrupted one.
 
 DCP reshards parameters and the flattened optimizer state to the new layout; the sampler's global
 batches do not depend on the world size, so steps 3 and 4 see the same rows at any world size.
@@ -71,3 +72,26 @@ def test_fsdp_checkpoint_resumes_at_another_world_size(uninterrupted, layout: tu
     assert params.keys() == expected_params.keys()
     for name, value in params.items():
         torch.testing.assert_close(value, expected_params[name], rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_tp(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    """Tensor parallelism on 2 ranks (the weights sharded by rows/columns), 4 steps."""
+    run_dir = tmp_path_factory.mktemp("tp2")
+    _, task = fit(compose_config(["strategy=tp", "trainer.devices=2", *RUN]), run_dir)
+    return run_dir / "checkpoints" / "step_0000002", task.history
+
+
+def test_tp_checkpoint_resumes_at_tp1(uninterrupted_tp, tmp_path: Path) -> None:
+    """DCP reshards the tp=2 shards (and their momentum) to whole tensors: steps 3-4 and the final
+    parameters equal the uninterrupted tp=2 run (1e-5: TP's partial sums round differently)."""
+    checkpoint, reference = uninterrupted_tp
+    _, task = fit(compose_config(["strategy=ddp", "trainer.devices=1", *RUN]), tmp_path, ckpt_path=str(checkpoint))
+    resumed, expected = step_losses(task.history), step_losses(reference)
+    assert sorted(resumed) == [1, 2, 3, 4] and resumed[3] != resumed[2]
+    for step in (3, 4):
+        assert abs(resumed[step] - expected[step]) <= 1e-5, (step, resumed[step], expected[step])
+    params, expected_params = final_params(task.history), final_params(reference)
+    assert params.keys() == expected_params.keys()
+    for name, value in params.items():
+        torch.testing.assert_close(value, expected_params[name], rtol=1e-5, atol=1e-5, msg=name)
