@@ -108,6 +108,18 @@ class InitialParamRecorder(L.Callback):
         pl_module.history.append({"initial_params": all_stages(trainer, params)})
 
 
+class OffloadRecorder(L.Callback):
+    """Appends ``{"offload": sorted reprs of the FSDP modules' offload policies}`` at the start of
+    training (torch 2.13's FSDP2 keeps it on the module's param group, a private attribute).
+    Add with ``+callbacks.offload._target_=harness.OffloadRecorder``."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        groups = [m._get_fsdp_state()._fsdp_param_group for m in pl_module.model.modules() if isinstance(m, FSDPModule)]
+        pl_module.history.append({"offload": sorted({repr(g.offload_policy) for g in groups if g is not None})})
+
+
 class StageLayers(L.Callback):
     """Appends ``{"layers": [block keys this rank holds]}`` at the end of training (rank 0's: its
     pipeline stages). Add with ``+callbacks.layers._target_=harness.StageLayers``."""

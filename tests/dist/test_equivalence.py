@@ -12,7 +12,7 @@ all 8 rows, loss = summed token CE / supervised tokens of the step.
 
 Each plait run (`Task` + `MeshStrategy` in forked gloo ranks) is compared with one process at
 micro-batch 8 and with the reference: losses and gradients at each step, parameters after the 5
-steps. Tolerances (``TOL``): rtol 1e-6 and atol 1e-6 for every layout, FSDP, HSDP, TP (with and
+steps. Tolerances (``TOL``): rtol 1e-6 and atol 1e-6 for every layout, FSDP (also with CPU offload), HSDP, TP (with and
 without sequence and loss parallel), FSDP x TP and PP x TP included (each pipeline schedule is
 tested in test_pipeline.py).
 Reported gradient norms agree to 1e-4 relative only: torch's fp32 ``vector_norm`` of a large CPU
@@ -47,6 +47,11 @@ LAYOUTS = {
     "ga4_x_micro2": ["train.micro_batch_size=2"],
     "ddp2": ["strategy=ddp", "trainer.devices=2", "train.micro_batch_size=4"],
     "fsdp2_ga2": ["strategy=fsdp", "trainer.devices=2", "train.micro_batch_size=2"],
+    # FSDP's CPUOffloadPolicy (pin_memory=False without a GPU): shards, gradients and optimizer state on CPU.
+    "fsdp2_cpu_offload": [
+        "strategy=fsdp", "trainer.devices=2", "train.micro_batch_size=2", "strategy.fsdp.cpu_offload=true",
+        "+callbacks.offload._target_=harness.OffloadRecorder",
+    ],  # fmt: skip
     "fsdp4": ["strategy=fsdp", "trainer.devices=4", "train.micro_batch_size=2"],
     "hsdp2x2_ga2": ["strategy=hsdp", "trainer.devices=4", "train.micro_batch_size=1"],
     # Tensor parallel: plain Megatron pairs, + sequence parallel, + loss parallel, and 2-D.
@@ -83,6 +88,7 @@ def _run(corpus: str, overrides: list[str], run_dir) -> dict:
         "grad_norm": [h["grad_norm"] for h in task.history if "loss" in h],
         "grads": [h["grads"] for h in task.history if "grads" in h],
         "params": [h["params"] for h in task.history if "params" in h][0],
+        "offload": [h["offload"] for h in task.history if "offload" in h],
     }
 
 
@@ -146,5 +152,7 @@ def test_one_process_equals_reference_loop(one_process, ref):
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
 def test_layout_equals_one_process(tmp_path, corpus, layout, one_process, ref):
     run = _run(corpus, LAYOUTS[layout], tmp_path)
+    if layout == "fsdp2_cpu_offload":  # the policy is in effect on every sharded module
+        assert run["offload"] == [["CPUOffloadPolicy(pin_memory=False)"]]
     assert_equivalent(run, one_process)
     assert_equivalent(run, ref)
