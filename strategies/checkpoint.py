@@ -88,7 +88,11 @@ def _agree(problem: str | None) -> str | None:
 
 
 def rng_state() -> dict[str, Any]:
-    """Python, NumPy, torch (and CUDA) RNG states, in types a weights-only load reads."""
+    """Python, NumPy, torch (and this rank's CUDA device's) RNG states, in types a weights-only load reads.
+
+    Only the current device's CUDA state is saved (each rank has its own file): the states of
+    every visible GPU would not load where fewer are visible, and other ranks' devices are
+    theirs to save."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "python": random.getstate(),
@@ -96,17 +100,26 @@ def rng_state() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restores `rng_state`'s states; the CUDA one into the current device (on a machine without
+    a GPU it is skipped). A list (checkpoints that saved every visible GPU) gives the current
+    device's entry, or none when it has fewer entries."""
     random.setstate(state["python"])
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if cuda is None or not torch.cuda.is_available():
+        return
+    if isinstance(cuda, (list, tuple)):
+        device = torch.cuda.current_device()
+        cuda = cuda[device] if device < len(cuda) else None
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
 
 
 def is_checkpoint(path: str | os.PathLike) -> bool:
