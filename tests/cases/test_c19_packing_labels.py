@@ -6,9 +6,10 @@ pack([(A, shift_labels(A)), (B, shift_labels(B))], seq_len=8).
 Expected: position_ids = [0, 1, 2, 0, 1, 2, 3, 4]; document ids = [0, 0, 0, 1, 1, 1, 1, 1]; the label
 at A's last position is -100, so there are exactly 6 supervised targets, not 7; the block-diagonal
 causal attention plait runs over the document ids (its CPU kernel, the dense fallback and
-FlexAttention's block mask) equals the test's own softmax under the written-out mask, so B never sees A. With plait's model and objective, the
-packed loss equals (A's 2 + B's 4 target CEs) / 6, the token-weighted mean of the documents run
-separately, and replacing A's tokens changes no logit of B (max |delta| = 0).
+FlexAttention's block mask) equals the test's own softmax under the written-out mask, so B never
+sees A. With plait's model and objective, the packed loss equals (A's 2 + B's 4 target CEs) / 6,
+the token-weighted mean of the documents run separately, and replacing A's tokens changes no
+logit of B (max |delta| = 0).
 """
 
 import torch
