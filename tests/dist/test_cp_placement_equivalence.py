@@ -10,7 +10,7 @@ short documents (3 to 12 words) with one in seven of 20 to 60 words, so most ste
 and split rows (asserted from the logged ``perf/cp_whole_rows``). The reference is written here
 (one forward of the 8 rows, loss = summed token CE / supervised tokens). Tolerance 1e-5.
 
-FSDP 2 x CP 2 ring with document sharding runs in the default suite; CP 4 Ulysses with full
+FSDP 2 x CP 2 ring with document sharding runs in the default suite; CP 4 ring with full
 activation checkpointing (a recompute of whole rows must attend whole again) is slow::
 
     timeout 1800 python -m pytest tests/dist/test_cp_placement_equivalence.py -m slow -q
@@ -43,10 +43,10 @@ LAYOUTS = {
          "strategy.context_parallel.sharding=document"],
         id="fsdp2_x_cp2_ring_document",
     ),
-    "cp4_ulysses_checkpointed": pytest.param(
-        ["strategy=cp", "strategy.cp_mode=ulysses", "trainer.devices=4", "train.micro_batch_size=4",
+    "cp4_ring_checkpointed": pytest.param(
+        ["strategy=cp", "strategy.cp_mode=ring", "trainer.devices=4", "train.micro_batch_size=4",
          "strategy.activation_checkpoint.mode=full"],
-        id="cp4_ulysses_checkpointed", marks=pytest.mark.slow,
+        id="cp4_ring_checkpointed", marks=pytest.mark.slow,
     ),
 }  # fmt: skip
 WORDS = "thou art more lovely and temperate rough winds do shake the darling buds of may".split()

@@ -2,9 +2,14 @@
 
 The order of a step's rows is a function of the global batch alone, so a run SIGKILLed after its
 step-N checkpoint and resumed with ``resume=last`` trains steps N+1..2N exactly like a straight
-run: the losses and gradient norms in metrics.csv are bitwise equal. Micro-batch 2 of a global
-batch of 8 rows on DDP 2: the planner orders two micro-batches per rank. The corpus is a long tail (most
-documents a few words, one in four fills whole rows), so the planner reorders most steps (checked).
+run: the losses and gradient norms in metrics.csv are bitwise equal. Micro-batch 1 of a global
+batch of 8 rows on DDP 2: the planner orders four one-row micro-batches per rank. Four, not two:
+a sum of two terms commutes, so with two micro-batches (or swapped ranks) a resumed run that
+ordered them otherwise would still match bitwise, while the order of four accumulations shows in
+the bits. Mutation caught: micro-batches reversed on every other `plan` call (a process-local
+parity that a resume does not restore): grad_norm of step 4 differs in the last bits. The corpus
+is a long tail (most documents a few words, one in four fills whole rows), so the planner
+reorders most steps (checked).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ RUN = [o for o in CLI_TINY if not o.startswith(("trainer.max_steps=", "train.mic
     f"trainer.max_steps={2 * N}",
     f"callbacks.checkpoint.every_n_steps={N}",
     "callbacks.checkpoint.keep_last=0",
-    "train.micro_batch_size=2",
+    "train.micro_batch_size=1",
     "strategy=ddp",
     "trainer.devices=2",
     "data.balance=work",
