@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from strategies.attention_blocks import block_kernels
-from strategies.cp_placement import WHOLE_ROWS, hybrid_micro_batches, micro_batches_of, placement_problems
+from strategies.cp_placement import HybridPlacement, WholeRows, placement_problems
 from strategies.document_shards import shard_documents
 from strategies.parallel_dims import Meshes, divisors
 from strategies.ring_attention import Ring, RingMasks, ring_attention
@@ -198,13 +198,6 @@ def heads_to_seq(x_bthe: torch.Tensor, group: dist.ProcessGroup, degree: int) ->
 
 
 # ---------------------------------------------------------------------------------- the attention core
-@dataclass(frozen=True)
-class WholeRows:
-    """The mask of a forward over whole rows (no cp split): what the one-process core made."""
-
-    mask: Any
-
-
 class ContextParallelAttention:
     """The attention core of every `Attention` module under context parallelism.
 
@@ -339,7 +332,7 @@ def context_parallel_problems(
 
 
 @dataclass
-class ContextParallel:
+class ContextParallel(HybridPlacement):
     """The context-parallel plugin: settings of `apply_context_parallel` and `shard_batch`.
 
     The mode is ``strategy.cp_mode`` (a `MeshStrategy` argument); the degree is ``strategy.cp``.
@@ -414,33 +407,6 @@ class ContextParallel:
         )
         core = getattr(model, "attention_core", None)
         self.core = core if isinstance(core, ContextParallelAttention) else None
-
-    def micro_batches(
-        self, batch: dict[str, torch.Tensor], *, cp: int, rank: int, micro_batch_size: int
-    ) -> list[dict[str, torch.Tensor]]:
-        """This cp rank's micro-batches of its group's rows: every row sharded (``split``), or with
-        ``hybrid`` placement whole short rows first (`strategies.cp_placement.hybrid_micro_batches`;
-        the group's whole rows are kept in ``whole_row_count`` for the step's metrics)."""
-        def shard(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            return self.shard_batch(rows, cp=cp, rank=rank)
-
-        if self.placement != "hybrid" or self.core is None:
-            return micro_batches_of(shard(batch), micro_batch_size)
-        micro_batches, self.whole_row_count = hybrid_micro_batches(
-            batch, cp=cp, rank=rank, micro_batch_size=micro_batch_size, shard=shard
-        )
-        return micro_batches
-
-    @contextmanager
-    def training(self, micro_batch: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
-        """The micro-batch without its `WHOLE_ROWS` mark; while active, a marked one attends whole."""
-        whole = WHOLE_ROWS in micro_batch
-        rows = {k: v for k, v in micro_batch.items() if k != WHOLE_ROWS}
-        if self.core is None:
-            yield rows
-            return
-        with self.core.training_whole_rows(whole):
-            yield rows
 
     def shard_batch(self, batch: dict[str, torch.Tensor], *, cp: int, rank: int) -> dict[str, torch.Tensor]:
         return shard_batch(batch, cp=cp, rank=rank, load_balance=self.load_balance, documents=self.sharding == "document")

@@ -28,7 +28,8 @@ all cp ranks are used (no sub-groups of 2 of 4).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,3 +175,49 @@ def hybrid_micro_batches(
     if placed.split.numel() == 0:
         return whole, count
     return whole + micro_batches_of(shard(rows_of(batch, placed.split)), micro_batch_size), count
+
+
+@dataclass(frozen=True)
+class WholeRows:
+    """The mask of a forward over whole rows (no cp split): what the one-process core made
+    (`strategies.context.ContextParallelAttention` attends with that core when it sees one)."""
+
+    mask: Any
+
+
+class HybridPlacement:
+    """The context-parallel plugin's step methods (`strategies.context.ContextParallel` mixes it
+    in: ``placement``, ``core`` (its attention core, set by ``apply``), ``shard_batch`` and
+    ``whole_row_count`` are the plugin's)."""
+
+    placement: str
+    core: Any
+    whole_row_count: int
+    shard_batch: Callable[..., dict[str, torch.Tensor]]
+
+    def micro_batches(
+        self, batch: dict[str, torch.Tensor], *, cp: int, rank: int, micro_batch_size: int
+    ) -> list[dict[str, torch.Tensor]]:
+        """This cp rank's micro-batches of its group's rows: every row sharded (``split``), or with
+        ``hybrid`` placement whole short rows first (`hybrid_micro_batches`;
+        the group's whole rows are kept in ``whole_row_count`` for the step's metrics)."""
+        def shard(rows: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return self.shard_batch(rows, cp=cp, rank=rank)
+
+        if self.placement != "hybrid" or self.core is None:
+            return micro_batches_of(shard(batch), micro_batch_size)
+        micro_batches, self.whole_row_count = hybrid_micro_batches(
+            batch, cp=cp, rank=rank, micro_batch_size=micro_batch_size, shard=shard
+        )
+        return micro_batches
+
+    @contextmanager
+    def training(self, micro_batch: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
+        """The micro-batch without its `WHOLE_ROWS` mark; while active, a marked one attends whole."""
+        whole = WHOLE_ROWS in micro_batch
+        rows = {k: v for k, v in micro_batch.items() if k != WHOLE_ROWS}
+        if self.core is None:
+            yield rows
+            return
+        with self.core.training_whole_rows(whole):
+            yield rows

@@ -6,8 +6,10 @@ the group; gradients still sum over dp x cp and the Task divides by the step's g
 tokens, so losses, gradients and parameters equal a plain one-process loop.
 
 fp32, nano Llama, global batch 8 of 64-token rows, 5 steps of SGD with momentum. The corpus mixes
-short documents (3 to 12 words) with one in seven of 20 to 60 words, so most steps have both whole
-and split rows (asserted from the logged ``perf/cp_whole_rows``). The reference is written here
+short documents (3 to 12 words) with one in ten of 20 to 60 words, so most steps have both whole
+and split rows (asserted from the logged ``perf/cp_whole_rows``; the rows drawn depend on the
+corpus path, which pytest varies: measured over 4 paths, every step but one had 2 whole rows of 4
+per group). The reference is written here
 (one forward of the 8 rows, loss = summed token CE / supervised tokens). Tolerance 1e-5.
 
 FSDP 2 x CP 2 ring with document sharding runs in the default suite; CP 4 ring with full
@@ -56,7 +58,7 @@ WORDS = "thou art more lovely and temperate rough winds do shake the darling bud
 def corpus(tmp_path_factory) -> str:
     rng = random.Random(0)
     path = tmp_path_factory.mktemp("corpus") / "mixed.jsonl"
-    sizes = [rng.randint(20, 60) if rng.random() < 0.15 else rng.randint(3, 12) for _ in range(400)]
+    sizes = [rng.randint(20, 60) if rng.random() < 0.10 else rng.randint(3, 12) for _ in range(400)]
     path.write_text("".join(json.dumps({"text": " ".join(rng.choices(WORDS, k=k))}) + "\n" for k in sizes))
     return str(path)
 
