@@ -133,8 +133,12 @@ def plan(cfg: DictConfig, run: ResolvedRun) -> str:
     from strategies.planner.report import best_overrides, table
     from strategies.planner.search import SearchSpace, search
 
+    from strategies.planner.calibrate import calibration_problem
+
     cluster = cluster_from_config(cfg)
     if cfg.planner.calibrate:
+        if (problem := calibration_problem(cluster)) is not None:
+            raise ConfigError([problem])  # before any probe forks a process
         cluster = calibrate(cluster)
     p = cfg.planner
     space = SearchSpace(

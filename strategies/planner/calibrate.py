@@ -121,21 +121,41 @@ def dtensor_overhead_factor(model_fn: Callable[[int], nn.Module], world_size: in
     return max(run_gloo_ranks(world_size, probe, timeout_s=120))
 
 
+def calibration_problem(cluster: Cluster) -> str | None:
+    """Why ``cluster`` cannot take this machine's measured rates (None: it can).
+
+    The probes measure the host (CPU matmuls, gloo links between forked local ranks): they are
+    this machine's figures only for a CPU preset; a GPU preset keeps its hardware's figures."""
+    if cluster.device != "cpu":
+        return (
+            f"planner.calibrate=true measures this machine (CPU matmuls, gloo links) and would replace "
+            f"cluster={cluster.name}'s {cluster.device} figures with them; use planner.calibrate=false with a GPU "
+            f"preset, or cluster=cpu to plan for this machine"
+        )
+    return None
+
+
 def calibrate_cluster(
     cluster: Cluster, *, block: tuple[nn.Module, Sequence[torch.Tensor]], model_fn: Callable[[int], nn.Module]
 ) -> Cluster:
     """``cluster`` with this machine's measured rates (CPU: per rank of one thread group).
 
-    The links are measured between ``cluster.world_size`` local ranks (at least 2), the ranks the
-    run will have. Keeps the preset's memory and node shape; matmul_efficiency
-    becomes 1 (the peak is the achieved rate).
+    The links are measured between ``cluster.devices_per_node`` local ranks (at least 2): the
+    ranks of one node, as the run will have them on this machine (the measured link is the
+    intra-node one; the other nodes are never forked). Keeps the preset's memory and node shape;
+    matmul_efficiency becomes 1 (the peak is the achieved rate).
 
     Args:
         block: a tiny block of the planned model family and its one-token inputs (`layer_overhead`).
         model_fn: a one-layer model of that family for a vocabulary size (`dtensor_overhead_factor`).
+
+    Raises:
+        ValueError: a preset that is not this machine's kind (`calibration_problem`).
     """
+    if (problem := calibration_problem(cluster)) is not None:
+        raise ValueError(problem)
     flops = matmul_flops()
-    latency, bandwidth = gloo_link(max(2, cluster.world_size))
+    latency, bandwidth = gloo_link(max(2, cluster.devices_per_node))
     return replace(
         cluster,
         name=f"{cluster.name} (calibrated)",
