@@ -13,6 +13,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
+from strategies.collective_device import collective_device
+
 
 @torch.no_grad()
 def global_grad_norm(
@@ -34,12 +36,16 @@ def global_grad_norm(
         stage_groups: process groups of ranks holding *different* parameters (pp).
 
     Returns:
-        0-dim fp32 tensor on the gradients' device (0 when there are no gradients).
+        0-dim fp32 tensor on the gradients' device, or on the device of the process groups'
+        backend when that cannot hold them (`strategies.collective_device`: FSDP's CPU offload
+        under NCCL gives the GPU); 0 when there are no gradients.
     """
     norms = []
     for grads in _grads_by_layout(parameters).values():
         norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type)
-        norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float())
+        if isinstance(norm, DTensor):  # host shards (FSDP CPU offload): reduce where the mesh's backend runs
+            norm = norm.to(collective_device(norm.device_mesh.get_group(0), norm.device)).full_tensor()
+        norms.append(norm.float())
     if not norms:
         total = torch.zeros(())
     elif norm_type == float("inf"):
@@ -47,6 +53,7 @@ def global_grad_norm(
     else:
         total = torch.stack(norms).pow(norm_type).sum().pow(1.0 / norm_type)
     for group in stage_groups:
+        total = total.to(collective_device(group, total.device))
         if norm_type == float("inf"):
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
         else:

@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from strategies import checkpoint as ckpt
+from strategies.collective_device import collective_device
 from strategies.parallel_dims import Meshes
 
 if TYPE_CHECKING:
@@ -49,8 +50,10 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 def average_(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> float:
     """Replaces each tensor (its local shard) by its mean over the ranks of ``group``, in place.
 
-    One flat all-reduce (SUM, then divide: gloo has no AVG) per dtype. Every rank of ``group`` must
-    pass tensors of the same shapes in the same order.
+    One flat all-reduce (SUM, then divide: gloo has no AVG) per dtype, on the device ``group``'s
+    backend serves (`strategies.collective_device`: host shards of FSDP's CPU offload go to the GPU
+    of an NCCL-only group and back). Every rank of ``group`` must pass tensors of the same shapes
+    in the same order.
 
     Returns:
         Bytes this rank sent (`allreduce_bytes_sent` of the flat messages); 0 for a group of one.
@@ -63,6 +66,7 @@ def average_(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -
     for dtype in dict.fromkeys(s.dtype for s in shards):
         same = [s for s in shards if s.dtype == dtype]
         flat = torch.cat([s.reshape(-1) for s in same])
+        flat = flat.to(collective_device(group, flat.device))  # host shards under FSDP CPU offload
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         flat.div_(num_ranks)
         for shard, value in zip(same, torch.split(flat, [s.numel() for s in same])):
