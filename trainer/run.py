@@ -17,7 +17,7 @@ from strategies.resolved import ResolvedRun
 from trainer.config import ConfigError, validate
 from trainer.data.base import DataError, DataModule
 from trainer.data.chat import ChatError
-from trainer.data.summary import data_summary
+from trainer.data.summary import describe
 from trainer.nonfinite import NonFiniteError
 from trainer.resume import ResumeRecord, check_resume
 from trainer.rundir import RunDir, resolve_checkpoint
@@ -147,7 +147,7 @@ def run(cfg: DictConfig, launch: Launch | None = None) -> None:
             trainer, task, data = build_run(cfg, run_dir, launch.run)
             check_train_batches(cfg, data)
             if launching:
-                _print(data_summary(data.prepare()))
+                _print(describe(data))
             overrides = check_resume(cfg, launch.ckpt_path, data.tokenizer)  # now with the tokenizer
     except BaseException as err:
         if launching and fresh_dir and run_dir.is_dir() and not any(run_dir.iterdir()):

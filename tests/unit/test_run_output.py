@@ -58,6 +58,8 @@ def test_the_data_summary_counts_each_kind_of_data() -> None:
     assert data_summary(text) == (
         "data: 10 training rows (80 tokens), 2 held-out rows (16 tokens); 7 training and 1 held-out documents; vocabulary 4,096"
     )
+    assert data_summary(text, evaluated=1).startswith("data: 10 training rows (80 tokens), 2 held-out rows (16 tokens; 1 evaluated);")
+    assert data_summary(text, evaluated=2) == data_summary(text)  # all of them: nothing to add
     sft = SimpleNamespace(
         tokenizer=tokenizer,
         train={"a": SourceSamples([[1, 2, 3]] * 4, [[1, 2, 3]] * 4), "b": SourceSamples([[1, 2]], [[1, 2]])},

@@ -30,18 +30,20 @@ def _split(split: Any) -> tuple[int, int, str]:
     return 0, 0, "rows"
 
 
-def data_summary(prepared: Any) -> str:
-    """``data: 812 training rows (207,872 tokens), 92 held-out rows (23,552 tokens); 3 sources; vocabulary 4,096``.
+def data_summary(prepared: Any, evaluated: int | None = None) -> str:
+    """``data: 812 training rows (207,872 tokens), 92 held-out rows (23,552 tokens; 64 evaluated); vocabulary 4,096``.
 
     Args:
         prepared: a data module's prepared data (``train``, ``val``, ``tokenizer``; optional
             ``documents``: (training, held-out) documents of a text corpus).
+        evaluated: how many held-out rows each evaluation scores (``data.eval_rows``), when fewer.
     """
     (n_train, t_train, noun), (n_val, t_val, _) = _split(prepared.train), _split(prepared.val)
+    scored = f"; {evaluated:,} evaluated" if evaluated is not None and evaluated < n_val else ""
     if prepared.train is None:  # a stream (trainer.data.stream): its length is not known ahead
-        parts = [f"training rows streamed, {n_val:,} held-out {noun} ({t_val:,} tokens)"]
+        parts = [f"training rows streamed, {n_val:,} held-out {noun} ({t_val:,} tokens{scored})"]
     else:
-        parts = [f"{n_train:,} training {noun} ({t_train:,} tokens), {n_val:,} held-out {noun} ({t_val:,} tokens)"]
+        parts = [f"{n_train:,} training {noun} ({t_train:,} tokens), {n_val:,} held-out {noun} ({t_val:,} tokens{scored})"]
     documents = getattr(prepared, "documents", None)
     if documents is not None:
         parts.append(f"{documents[0]:,} training and {documents[1]:,} held-out documents")
@@ -49,3 +51,11 @@ def data_summary(prepared: Any) -> str:
         parts.append(f"{len(prepared.train)} sources")
     parts.append(f"vocabulary {prepared.tokenizer.vocab_size:,}")
     return "data: " + "; ".join(parts)
+
+
+def describe(data: Any) -> str:
+    """`data_summary` of a data module (`trainer.data.base.DataModule`); packed rows say how many of
+    the held-out rows an evaluation scores (``data.eval_rows``)."""
+    prepared = data.prepare()
+    evaluated = len(data.eval_rows()["input_ids"]) if isinstance(prepared.val, PackedRows) else None
+    return data_summary(prepared, evaluated)
