@@ -6,6 +6,7 @@ gradient norms and learning rates of steps N+1..2N equal the straight run's bitw
 
 from __future__ import annotations
 
+import csv
 import os
 import signal
 import subprocess
@@ -29,15 +30,17 @@ SOURCES = {"parquet_shards": [], "streaming": ["data=stream", "data.eval_docs=4"
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Three parquet shards of 40 documents (Shakespeare scenes; each spans several 64-token rows)."""
+    """Three parquet shards of 60 documents (Shakespeare paragraphs, tens of tokens each: the
+    checkpoint at step N lies many documents into the stream, inside one of them)."""
     import datasets
 
     from trainer.data import corpus
 
     root = tmp_path_factory.mktemp("shards")
-    docs = [d.text for d in corpus.load_bundled(["shakespeare"])[:120]]
+    scenes = corpus.load_bundled(["shakespeare"])[:20]
+    docs = [p for d in scenes for p in d.text.split("\n\n") if len(p) > 80][:180]
     for s in range(3):
-        datasets.Dataset.from_dict({"text": docs[s * 40 : (s + 1) * 40]}).to_parquet(str(root / f"part-{s:03d}.parquet"))
+        datasets.Dataset.from_dict({"text": docs[s * 60 : (s + 1) * 60]}).to_parquet(str(root / f"part-{s:03d}.parquet"))
     return root
 
 
@@ -75,3 +78,5 @@ def test_kill_and_resume_is_bit_exact(source: str, shards: Path, tmp_path: Path)
         for key in ("train/loss", "train/grad_norm", "train/lr"):
             assert resumed[row][key] == reference[row][key], (source, row, key, resumed[row][key], reference[row][key])
     assert len({reference[row]["train/loss"] for row in range(1, 2 * N + 1)}) == 2 * N  # distinct batches, not one repeated
+    with open(killed / "metrics.csv", newline="") as file:  # it resumed: step 1 was trained once, by the killed run
+        assert len([r for r in csv.DictReader(file) if r["step"] == "1" and r["train/loss"]]) == 1
