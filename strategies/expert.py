@@ -150,11 +150,12 @@ class ExpertParallel:
             self.fsdp.shard_module(experts, fsdp_mesh)
         return count
 
-    def rank_load_metrics(self) -> dict[str, float]:
+    def rank_load_metrics(self) -> dict[str, torch.Tensor]:
         """``ep/max_over_mean_rows``: the mean over this step's MoE calls of the most loaded ep
-        rank's rows over the mean rank's (1 is balanced); {} when nothing ran."""
+        rank's rows over the mean rank's (1 is balanced; 0-dim, on the device: the Task reads it
+        with the step's other values); {} when nothing ran."""
         loads = self._dispatch.pop_rank_loads() if self._dispatch is not None else None
         if loads is None:
             return {}
         ratio = loads.float().max(1).values / loads.float().mean(1).clamp(min=1.0)
-        return {"ep/max_over_mean_rows": ratio.mean().item()}
+        return {"ep/max_over_mean_rows": ratio.mean()}

@@ -1,8 +1,10 @@
 """Non-finite steps: a NaN or inf loss or gradient norm skips the step's update, and stops the run.
 
-Each optimizer step reads its loss and global gradient norm to the host once (the values the
-loggers and the run history record anyway); `NonFiniteGuard.admit` decides from them, before the
-optimizer step, whether the update is applied. A skipped step still counts as a step (the data
+With a fused optimizer (plait's default AdamW) the decision stays on the device: a non-finite
+step sets the optimizer's ``found_inf`` flag, and its kernel skips the update
+(`NonFiniteGuard.skip_on_device`); `NonFiniteGuard.admit` counts the step when the Task next reads
+its values. Other optimizers read the loss and global gradient norm to the host before each
+optimizer step, and `admit` decides there whether the update is applied. A skipped step still counts as a step (the data
 is consumed, the LR schedule advances), but its gradients are dropped (``set_to_none``): every
 torch optimizer leaves parameters without a gradient untouched, moments and step counts included,
 so the parameters and the optimizer state stay what they were. Checkpoints refuse non-finite
@@ -46,20 +48,40 @@ class NonFiniteGuard:
         self.consecutive = 0  # non-finite steps in a row, up to the current one
         self.skipped = 0  # non-finite steps of the whole run
 
-    def read(self, loss: torch.Tensor, grad_norm: torch.Tensor, *, islands: Any = None) -> tuple[float, float]:
-        """(loss, gradient norm) on the host: the step's one device-to-host transfer.
+    def combine(self, loss: torch.Tensor, grad_norm: torch.Tensor, *, islands: Any = None) -> torch.Tensor:
+        """[2] float32 (loss, gradient norm) on the device, without reading them.
 
         Args:
             loss, grad_norm: 0-dim tensors, equal on every rank.
             islands: under local SGD, a function that sums a tensor over the islands (whose
                 gradient norms differ): a non-finite gradient on one island makes every island
-                read NaN, so all of them skip the step together. None otherwise.
+                see NaN, so all of them skip the step together. None otherwise.
         """
         values = torch.stack([loss.detach().float().reshape(()), grad_norm.detach().float().reshape(())])
         if islands is not None:
             bad = islands((~torch.isfinite(values)).any().float().reshape(1))
             values = torch.where(bad > 0, torch.full_like(values, math.nan), values)
-        loss_value, grad_norm_value = values.tolist()
+        return values
+
+    def skip_on_device(self, optimizer: torch.optim.Optimizer, values: torch.Tensor) -> bool:
+        """Makes ``optimizer`` skip this step's update on the device when ``values`` (`combine`)
+        are not finite, with no host read; False (nothing set) if it cannot.
+
+        A fused torch optimizer (``fused=True``: Adam, AdamW, SGD, Adagrad; the ones whose
+        ``_step_supports_amp_scaling`` is set) takes a ``found_inf`` flag, as from a gradient
+        scaler: at 1 its kernel leaves parameters, moments and step counts as they were, which is
+        exactly what a skipped step does. The steps are then counted (and a run of them stops
+        the run) when the Task reads its values (`admit`, in step order). Other optimizers need
+        the host read before the step (`read`).
+        """
+        if not getattr(optimizer, "_step_supports_amp_scaling", False):
+            return False
+        optimizer.found_inf = (~torch.isfinite(values)).any().float()
+        return True
+
+    def read(self, loss: torch.Tensor, grad_norm: torch.Tensor, *, islands: Any = None) -> tuple[float, float]:
+        """(loss, gradient norm) on the host (`combine`, then one device-to-host transfer)."""
+        loss_value, grad_norm_value = self.combine(loss, grad_norm, islands=islands).tolist()
         return loss_value, grad_norm_value
 
     def admit(self, step: int, loss: float, grad_norm: float) -> bool:

@@ -33,6 +33,7 @@ from trainer.models.init_from import load_init_from
 from trainer.nonfinite import NonFiniteGuard
 from trainer.optim import build_optimizer
 from trainer.protocols import Objective, RoutedModel
+from trainer.step_metrics import NamedMeans, PendingSteps, read_means
 
 
 def val_metrics(objective: Objective, val_loss: float, extra: dict[str, float]) -> dict[str, float]:
@@ -90,7 +91,8 @@ class Task(L.LightningModule):
         self.nonfinite = nonfinite or NonFiniteGuard()
         # Run state, saved in checkpoints (on_save_checkpoint).
         self.tokens_seen = 0
-        self.history: list[dict[str, float]] = []
+        self._history: list[dict[str, Any]] = []  # see `history`
+        self._pending = PendingSteps()  # steps whose device values are not read yet
         self.last_step_tokens = 0
         self._row: dict[str, float] = {}  # the loggers' row of the current step (see `record`)
         self._configured = False  # configure_model has parallelized the model
@@ -127,14 +129,14 @@ class Task(L.LightningModule):
         """Whether the train loader has reached the end of finite data (it then says ``exhausted``)."""
         return self.trainer.train_dataloader.exhausted
 
-    def _pop_sums(self, prefix: str) -> dict[str, float]:
+    def _pop_sums(self, prefix: str) -> list[NamedMeans]:
         """``{prefix}/<name>``: the named sums since the last call of the objective and, for a
         `RoutedModel`, of the model (`Objective.pop_sums`: e.g. the loss per SFT source, the
         rewards per preference pair, the expert loads), reduced over all dp x cp ranks (the
         objective's also over pipeline stages: only the last one computes the loss), each divided
-        by its count; names whose count is 0 are left out."""
+        by its count on the device (`NamedMeans`; names whose count is 0 are left out when read)."""
         strategy = self.trainer.strategy
-        metrics = {}
+        means = []
         for source in (self.objective, self.model) if isinstance(self.model, RoutedModel) else (self.objective,):
             popped = source.pop_sums()
             if popped is None:
@@ -143,8 +145,32 @@ class Task(L.LightningModule):
             sums = strategy.all_reduce_sum(sums.to(self.device).float(), "dp_cp")
             if source is self.objective and strategy.dims.pp > 1:  # the other stages' sums are 0
                 sums = strategy.all_reduce_sum(sums, "pp")
-            metrics.update({f"{prefix}/{n}": (sums[0, i] / sums[1, i]).item() for i, n in enumerate(names) if sums[1, i] > 0})
-        return metrics
+            means.append(NamedMeans.of_sums(prefix, names, sums))
+        return means
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """The run's steps and evaluations, oldest first: ``{"step", "loss", "grad_norm", "lr",
+        <metrics>}`` per optimizer step, ``{"step", "val_loss"[, "metrics"]}`` per evaluation.
+        Reading it reads the pending steps' device values (one host sync)."""
+        self._read_pending()
+        return self._history
+
+    @history.setter
+    def history(self, entries: list[dict[str, Any]]) -> None:
+        self._pending = PendingSteps()
+        self._history = list(entries)
+
+    def _read_pending(self) -> None:
+        """Converts the pending steps (one transfer) into history entries; steps whose update was
+        skipped on the device are counted in order (`NonFiniteGuard.admit`, which raises
+        `NonFiniteError` when a run of them stops the run)."""
+        if not len(self._pending):
+            return
+        for entry in self._pending.read():
+            if entry.pop("_skip_on_device", False):
+                self.nonfinite.admit(int(entry["step"]), entry["loss"], entry["grad_norm"])
+            self._history.append(entry)
 
     # ------------------------------------------------------------------------------ the step
     @override
@@ -178,10 +204,11 @@ class Task(L.LightningModule):
         parameters = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm = strategy.grad_norm(parameters)
         islands = None if strategy.token_axis == "dp_cp" else lambda t: strategy.all_reduce_sum(t, "dp_replicate")
-        loss_value, grad_norm_value = self.nonfinite.read(loss, grad_norm, islands=islands)
-        if not self.nonfinite.admit(self.global_step + 1, loss_value, grad_norm_value):
+        values = self.nonfinite.combine(loss, grad_norm, islands=islands)
+        on_device = self.nonfinite.skip_on_device(getattr(optimizer, "_optimizer", optimizer), values)
+        if not on_device and not self.nonfinite.admit(self.global_step + 1, *values.tolist()):
             optimizer.zero_grad(set_to_none=True)  # the optimizer then leaves every parameter as it is
-        elif self.max_grad_norm:
+        elif self.max_grad_norm:  # (a skipped step's NaN gradients: its update is skipped anyway)
             strategy.clip_grads(parameters, max_norm=self.max_grad_norm, total_norm=grad_norm)
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
@@ -195,29 +222,37 @@ class Task(L.LightningModule):
         data_metrics = self.trainer.train_dataloader.mark_trained() or {}
         self.last_step_tokens = step_tokens
         self.tokens_seen += self.last_step_tokens
-        if self.nonfinite.skipped:
-            data_metrics["train/nonfinite_steps"] = float(self.nonfinite.skipped)
-        self._log_step(loss_value, grad_norm_value, lr, num_tokens, {**strategy_metrics, **objective_sums, **data_metrics})
+        self._pending.add(
+            {"step": self.global_step, "loss": values[0], "grad_norm": values[1], "lr": lr, "_skip_on_device": on_device,
+             "train/supervised_tokens": num_tokens, **strategy_metrics, **data_metrics},
+            objective_sums,
+        )  # fmt: skip
+        if is_logging_step(self.trainer) or self._evaluates_now():
+            self._log_read_steps()
 
-    def _log_step(
-        self, loss_value: float, grad_norm_value: float, lr: float, num_tokens: torch.Tensor, metrics: dict[str, float]
-    ) -> None:
+    def _evaluates_now(self) -> bool:
+        """Whether the step just done ends with an evaluation (`end_step`)."""
+        step = self.global_step
+        return step == self.trainer.max_steps or self._data_ended() or bool(self.eval_every and step % self.eval_every == 0)
+
+    def _log_read_steps(self) -> None:
+        """Reads the pending steps (the one host sync of the steps since the last read) and,
+        on a logging step, records the latest one for the loggers and the progress bar.
+
+        Called at the end of logging and evaluation steps: the throughput callback's step times
+        then include the accelerator's work of the steps since the last read."""
+        self._read_pending()
+        last = dict(self._history[-1])
         # Every value is already global and equal on all ranks: no sync_dist (which would also
         # deadlock under pipeline parallelism, where every rank must log the same keys).
-        self.log("train/loss", loss_value, prog_bar=True, logger=False)  # progress bar and callback_metrics
-        if is_logging_step(self.trainer) or self._data_ended():
-            self.record(
-                {
-                    "train/loss": loss_value,
-                    "train/grad_norm": grad_norm_value,
-                    "train/lr": lr,
-                    "train/supervised_tokens": num_tokens.item(),
-                    "train/tokens_seen": float(self.tokens_seen),
-                    **metrics,
-                }
-            )
-        self.history.append(
-            {"step": self.global_step, "loss": loss_value, "grad_norm": grad_norm_value, "lr": lr, **metrics}
+        self.log("train/loss", last["loss"], prog_bar=True, logger=False)  # progress bar and callback_metrics
+        if not (is_logging_step(self.trainer) or self._data_ended()):
+            return
+        step, loss, grad_norm, lr = (last.pop(k) for k in ("step", "loss", "grad_norm", "lr"))
+        if self.nonfinite.skipped:
+            last["train/nonfinite_steps"] = float(self.nonfinite.skipped)
+        self.record(
+            {"train/loss": loss, "train/grad_norm": grad_norm, "train/lr": lr, **last, "train/tokens_seen": float(self.tokens_seen)}
         )
 
     # ------------------------------------------------------------------------------ logging
@@ -289,7 +324,7 @@ class Task(L.LightningModule):
                 batch = strategy.shard_batch({k: v.to(self.device) for k, v in batch.items()})
                 totals[0] += strategy.eval_loss_sum(self.model, batch, self.objective.loss_sum)
                 totals[1] += self.objective.num_tokens(batch)
-            extra = self._pop_sums("val")
+            extra = read_means(self._pop_sums("val"))
             # The data's evaluators score the model beyond the loss (held-out exact match per SFT source).
             for evaluator in self.trainer.datamodule.evaluators():
                 extra.update(evaluator.evaluate(self.model, self.device))
