@@ -23,6 +23,12 @@ class Throughput(L.Callback):
     """Logs ``perf/tokens_per_s`` (also on the progress bar), ``perf/tflops`` and ``perf/mfu``
     over the last ``window`` steps, on the steps Lightning writes to the loggers.
 
+    The Task reads a step's values to the host only on logging and evaluation steps
+    (`trainer.step_metrics`), so on an accelerator a step's measured time is its host time and
+    a logging step's also includes the queued work of the steps before it: a window that spans
+    whole logging intervals (``window`` a multiple of ``trainer.log_every_n_steps``, as in the
+    defaults, 10 and 10) measures the true time. On a CPU every step's time is its own.
+
     Args:
         window: steps in the moving window.
         peak_tflops: peak dense TFLOP/s of one device in the run's precision (e.g. 989 for an
