@@ -50,6 +50,9 @@ def test_trl_preference_formats(tmp_path):
     ]
     want = {"messages": prompt, "chosen": "blue", "rejected": "green"}
     assert _records(PAIRS, _jsonl(tmp_path / "pairs.jsonl", rows)) == [want] * 3
+    turns = [{"role": "system", "content": "terse"}, *prompt, {"role": A, "content": "blue"}, {"role": U, "content": "sure?"}]
+    multi = {"chosen": [*turns, {"role": A, "content": "yes"}], "rejected": [*turns, {"role": A, "content": "no"}]}
+    assert _records(PAIRS, _jsonl(tmp_path / "multi.jsonl", [multi])) == [{"messages": turns, "chosen": "yes", "rejected": "no"}]
     unpaired = _records(PAIRS, _jsonl(tmp_path / "kto.jsonl", [{"prompt": "sky?", "completion": "blue", "label": True}]))
     assert unpaired == [{"messages": prompt, "completion": "blue", "label": True}]
 
