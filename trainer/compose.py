@@ -271,6 +271,8 @@ def command_type_problems(cfg: DictConfig, defaults: dict, *, lists: Sequence[st
         elif isinstance(default, (int, float)):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 problems.append(f"{key}={value!r} must be a number, e.g. {key}={default}")
+        elif isinstance(value, (list, dict)):
+            problems.append(f"{key}={value} must be one text, not a {type(value).__name__}; give one value: {key}=...")
         elif not isinstance(value, str):
             problems.append(f"{key}={value} must be text; quote it: {key}=\"'{value}'\"")
     return problems

@@ -85,10 +85,10 @@ def test_preference_recipe_is_one_file_and_the_aliases_compose_as_before() -> No
     "argv, expected",
     [
         (["generate", "ckpt=/nonexistent", "prompt=42"], "prompt=42 must be text; quote it: prompt=\"'42'\""),
-        (["generate", "ckpt=/nonexistent", "prompt=[a,b]"], "prompt=['a', 'b'] must be text"),
+        (["generate", "ckpt=/nonexistent", "prompt=[a,b]"], "prompt=['a', 'b'] must be one text, not a list; give one value: prompt=..."),
         (["generate", "ckpt=/nonexistent", "temperature=hot"], "temperature='hot' must be a number, e.g. temperature=0.8"),
         (["generate", "ckpt=/nonexistent", "chat=maybe"], "chat='maybe' must be true or false"),
-        (["export", "ckpt=/nonexistent", "out=[a]"], "out=['a'] must be text"),
+        (["export", "ckpt=/nonexistent", "out=[a]"], "out=['a'] must be one text, not a list"),
         (["export", "ckpt=/nonexistent", "out=7"], "out=7 must be text"),
         (["merge", "base=/nonexistent", "deltas=runs/a"], "deltas='runs/a' must be a list of texts, e.g. deltas=[a,b]"),
         (["chat", "ckpt=/nonexistent", "trust=numpy"], "trust='numpy' must be a list of texts"),
