@@ -77,6 +77,9 @@ def print_recipe_help(argv: list[str]) -> None:
     choices = OmegaConf.to_container(cfg.hydra.runtime.choices)
     with open_dict(cfg):
         del cfg["hydra"]
+    from trainer.models.init_from import take_run_model
+
+    cfg = take_run_model(cfg, overrides)  # a plait run as model.init_from: its model node, as a run composes it
     name = cfg.get("recipe", config_name)
     lines = [f"plait {name} [GROUP=OPTION] [FIELD=VALUE] ...   {bundled_recipes().get(name, '')}".rstrip(), ""]
     lines += ["Config groups (GROUP=OPTION; * = this recipe's choice):"]

@@ -77,3 +77,11 @@ def test_a_one_file_corpus_holds_out_rows(tmp_path: Path) -> None:
     # the held-out rows are the tail of the stream: the last one ends with the book's last line's tokens
     last = prepared.tokenizer.decode([t for t in prepared.val.input_ids[-1].tolist() if t != prepared.tokenizer.pad_id])
     assert "Line 399" in last
+
+
+def test_recipe_help_shows_the_run_model(base_run: Path, capsys) -> None:
+    from trainer.compose import to_hydra_argv
+    from trainer.train import print_recipe_help
+
+    print_recipe_help(to_hydra_argv(["sft", f"model.init_from={base_run}", "--help"]))
+    assert "\nmodel:\n  _target_: trainer.models.llama.Llama\n  dim: 32\n" in capsys.readouterr().out  # not tiny's 192
