@@ -238,6 +238,8 @@ class MeshStrategy(MeshCheckpoints, ModelParallelStrategy):
             # plugin's global parameters (DiLoCo's anchors) start from the weights training starts
             # from. A resumed run then loads the plugin's saved state over them.
             self.local_sgd.apply(self.lightning_module.model, self.meshes)
+        if self.mixout is not None:  # its anchors: the same weights, before a resume overwrites them
+            self.mixout.apply(self.lightning_module.model, self.meshes)
 
     @property
     @override
@@ -271,14 +273,15 @@ class MeshStrategy(MeshCheckpoints, ModelParallelStrategy):
         the others left, on the dp axes only, each pipeline stage as its own root; its per-block
         hooks stay outside the checkpointed function (the recomputation uses the parameters FSDP
         gathered for the backward instead of running the hooks again) and dynamo runs them eagerly
-        around the compiled graph. SAT and Mixout then find the MLPs and the (sharded) weights
-        they work on inside each step (`forward_backward`). Local SGD last, in `setup`: it keeps
-        the parameter objects the optimizer will hold, and its global parameters (DiLoCo's
-        anchors) must be the weights training starts from, loaded after this (``model.init_from``).
+        around the compiled graph. SAT then finds the MLPs it works on inside each step
+        (`forward_backward`). Mixout and local SGD last, in `setup`: they keep the parameter
+        objects the optimizer will hold, and their anchors (Mixout's pretrained weights, DiLoCo's
+        global parameters) must be the weights training starts from, loaded after this
+        (``model.init_from``) and before a resumed run's checkpoint.
         """
         stage_modules = [model]
         for plugin in self.plugins(self.dims):
-            if plugin is self.local_sgd:
+            if plugin is self.local_sgd or plugin is self.mixout:
                 continue  # applied in `setup`, on the materialised weights model.init_from loaded
             if plugin is self.lora:
                 # LoRA creates its adapters beside real base weights.

@@ -18,10 +18,15 @@ gradient norm and the optimizer step. Everything is elementwise on each rank's s
 under FSDP2, tensor and pipeline parallelism alike. The mask of an element depends only on
 (``seed``, step, parameter name, the element's index in the full tensor): it is the same on every
 layout and world size, so a sharded run draws exactly the masks of one process. ``u`` is the
-model as the first step finds it (after ``model.init_from`` has been loaded).
+model as training starts from it: `apply` runs in `MeshStrategy.setup`, after ``model.init_from``
+has been loaded and before a resumed run loads its checkpoint.
 
-Resuming (also the roll-backs of ``budget=msft``) is refused (`Mixout.problems`): ``u`` is not in
-plait's checkpoints yet.
+Resuming (also the roll-backs of ``budget=msft``) is exact without saving ``u``: a resumed run
+builds its model as the first run did (the same seeded init, the same ``model.init_from`` file
+loaded bit for bit), so `apply` snapshots the same ``u`` before the checkpoint overwrites the
+weights, the way LoRA's frozen base comes back from ``model.init_from``. Saving ``u`` instead would
+double the checkpoint bytes of every mixed matrix. The mask stream needs no state either: it is
+indexed by the optimizer step (``global_step``, restored on resume).
 """
 
 from __future__ import annotations
@@ -129,17 +134,22 @@ class Mixout:
         self.anchors: dict[str, torch.Tensor] = {}
 
     def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
-        """Configuration problems, each naming the fix (resume and budget: `trainer.semantics`)."""
+        """Configuration problems, each naming the fix."""
         return [] if 0.0 <= self.p < 1.0 else [f"strategy.mixout.p={self.p} must be in [0, 1)"]
 
     def apply(self, model: nn.Module, meshes: Meshes | None = None) -> None:
-        """Chooses the parameters to mix (after the parallelisms: it keeps their sharded objects)."""
+        """Chooses the parameters to mix and snapshots their local shards as the anchors ``u``.
+
+        Called by `MeshStrategy.setup`: after the parallelisms (it keeps their sharded objects)
+        and ``model.init_from``, before a resumed run loads its checkpoint over the weights.
+        """
         self.params = {
             name: param
             for name, param in model.named_parameters()
             if param.requires_grad and param.dim() >= 2 and any(t in name for t in self.targets)
         }
-        self.anchors = {}
+        with torch.no_grad():
+            self.anchors = {n: _local(p).detach().clone() for n, p in self.params.items()}
 
     @contextmanager
     def step(self, step: int) -> Iterator[None]:
@@ -147,13 +157,11 @@ class Mixout:
         in, restored weights and rescaled gradients out.
 
         Raises:
-            RuntimeError: the first step seen is not step 0 (a resumed run; see `problems`).
+            RuntimeError: `apply` has not run.
         """
+        if self.params.keys() != self.anchors.keys():
+            raise RuntimeError("strategy.mixout: Mixout.apply(model) must run before the first step")
         with torch.no_grad():
-            if not self.anchors:
-                if step != 0:
-                    raise RuntimeError("strategy.mixout: the first trained step must be step 0 (resuming is not supported)")
-                self.anchors = {n: _local(p).detach().clone() for n, p in self.params.items()}
             saved, masks = {}, {}
             for name, param in self.params.items():
                 weight = _local(param)

@@ -284,21 +284,10 @@ def check_semantics(cfg: DictConfig, problems: list[str], broken: frozenset[str]
 
 
 def _check_step_plugins(cfg: DictConfig, problems: list[str]) -> None:
-    """Mixout and SAT against the rest of the config (their own ``problems`` check the layout)."""
+    """SAT against the rest of the config (its own ``problems`` checks the layout)."""
     strategy = cfg.get("strategy")
     if not isinstance(strategy, DictConfig):
         return
-    if isinstance(strategy.get("mixout"), DictConfig):
-        if cfg.get("resume"):
-            problems.append(
-                "strategy.mixout cannot resume a run (its pretrained anchor is not checkpointed); "
-                "start a new run from the checkpoint with model.init_from=<checkpoint> instead of resume"
-            )
-        if cfg.get("budget"):
-            problems.append(
-                "strategy.mixout with budget=...: the budget search rolls back by resuming checkpoints, which do not "
-                "hold Mixout's pretrained anchor yet; use strategy.mixout=null or budget=null"
-            )
     compile_node = strategy.get("compile")
     if isinstance(strategy.get("sat"), DictConfig) and isinstance(compile_node, DictConfig) and compile_node.get("enabled"):
         problems.append("strategy.sat with strategy.compile.enabled=true is not supported; set one of them off")

@@ -1,5 +1,5 @@
-"""Mixout (`strategies.mixout`): off at p=0, and a sharded run equals an independent one-process
-reference that mixes with autograd.
+"""Mixout (`strategies.mixout`): off at p=0, a sharded run equals an independent one-process
+reference that mixes with autograd, and a resumed run continues exactly as the uninterrupted one.
 
 fp32 nano Llama, the bundled corpus, global batch 8 of 64-token rows, 3 steps of SGD with momentum
 (constant LR, no clipping). The reference is a plain PyTorch loop written here: each step it builds
@@ -8,6 +8,11 @@ model on those tensors (``torch.func.functional_call``), so autograd gives ``w``
 instead overwrites the shards in place and rescales the gradient after the backward. The masks
 come from plait's `mixout_mask` (a random draw, shared on purpose: the reference checks the
 mixing and its gradient, not the random numbers).
+
+Resume: fine-tuning from a plain run's weights (``model.init_from``), 4 steps with a checkpoint at
+step 2, against a run resumed from that checkpoint: its steps 3 and 4 must have bitwise the losses of
+the uninterrupted run, which needs the anchors to be the ``init_from`` weights again (not the
+step-2 weights the checkpoint restores) and the masks of steps 3 and 4 (not of steps 1 and 2).
 """
 
 from __future__ import annotations
@@ -77,3 +82,30 @@ def test_mixout_equals_reference(tmp_path, layout):
     run = _run([*layout, *MIXOUT, f"strategy.mixout.p={P}"], tmp_path)
     torch.testing.assert_close(run["loss"], expected["loss"], **TOL)
     torch.testing.assert_close(run["params"], expected["params"], **TOL)
+
+
+LAYOUTS = {"one_process": ["train.micro_batch_size=8"], "fsdp2": ["strategy=fsdp", "trainer.devices=2"]}
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """A plain 2-step run: the weights the Mixout runs fine-tune from (and mix with)."""
+    run_dir = tmp_path_factory.mktemp("pretrained")
+    fit(compose_config([*EXACT_SGD, "trainer.max_steps=2", "train.micro_batch_size=8"]), run_dir)
+    return run_dir
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+def test_resume_equals_the_uninterrupted_run(pretrained, tmp_path, layout):
+    run = [
+        "optim=sgd", "scheduler=constant", "scheduler.warmup_steps=0", "trainer.max_steps=4",
+        "callbacks.checkpoint.every_n_steps=2", "callbacks.checkpoint.keep_last=0", f"model.init_from={pretrained}",
+        *layout, *MIXOUT, f"strategy.mixout.p={P}",
+    ]  # fmt: skip
+    _, straight = fit(compose_config(run), tmp_path / "straight")
+    checkpoint = tmp_path / "straight" / "checkpoints" / "step_0000002"
+    _, resumed = fit(compose_config(run), tmp_path / "resumed", ckpt_path=str(checkpoint))
+    expected = {h["step"]: h["loss"] for h in straight.history if "loss" in h}
+    got = {h["step"]: h["loss"] for h in resumed.history if "loss" in h}
+    assert sorted(expected) == sorted(got) == [1, 2, 3, 4]  # the history before step 2 is restored
+    assert [got[3], got[4]] == [expected[3], expected[4]]

@@ -44,8 +44,6 @@ def test_global_index_of_a_plain_tensor():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["resume=last"], "strategy.mixout cannot resume a run"),
-        (["data=synthetic", "budget=msft"], "strategy.mixout with budget=..."),
         (["+strategy/sat=default", "strategy=tp", "trainer.devices=2"], "strategy.sat with strategy.tp=2"),
         (["+strategy/sat=default", "strategy.compile.enabled=true"], "strategy.sat with strategy.compile.enabled=true"),
     ],
@@ -55,7 +53,17 @@ def test_refused_combinations_name_the_fix(overrides, message):
 
     from trainer.config import ConfigError, validate
 
-    extra = [] if any("sat" in o for o in overrides) else ["+strategy/mixout=default"]
-    recipe = "sft" if "budget=msft" in overrides else "pretrain"
     with pytest.raises(ConfigError, match=message.replace("+", r"\+").replace(".", r"\.")):
-        validate(compose_config([*extra, *overrides], recipe=recipe, tiny=recipe == "pretrain"))
+        validate(compose_config(overrides))
+
+
+@pytest.mark.parametrize(("overrides", "recipe"), [(["resume=last"], "pretrain"), (["data=synthetic", "budget=msft"], "sft")])
+def test_mixout_resumes_and_rolls_back(overrides, recipe, tmp_path):
+    """Resume and budget=msft (whose roll-backs resume) are accepted: the anchors come back from
+    ``model.init_from`` (tests/dist/test_mixout_equivalence.py::test_resume_equals_the_uninterrupted_run)."""
+    from harness import compose_config
+
+    from trainer.config import validate
+
+    cfg = compose_config(["+strategy/mixout=default", f"run_dir={tmp_path}", *overrides], recipe=recipe, tiny=recipe == "pretrain")
+    validate(cfg)
