@@ -212,7 +212,9 @@ class Llama(nn.Module):
                 elif param_name == "bias":
                     local.zero_()
                 else:
-                    std = residual_std if module_name.endswith(("wo", "w2")) else self.init_std
+                    # residual output projections: a linear ``wo``/``w2``, or stacked experts' ``w2``
+                    residual = module_name.endswith(("wo", "w2")) or param_name == "w2"
+                    std = residual_std if residual else self.init_std
                     seeded_normal_(param, f"{module_name}.{param_name}", std=std, seed=self.init_seed)
 
     @override

@@ -14,7 +14,6 @@ blocks ``i >= n_dense_layers``: ``feed_forward.router.gate`` ``[E, D]``,
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -74,8 +73,9 @@ class MoETransformer(Llama):
             or an unknown ``score_func``; or what `Llama` raises.
     """
 
-    # The stacked experts are drawn from the global RNG (not per name yet): built on the CPU.
-    META_INIT = False
+    # Every weight is drawn per name and row block (the experts too): built on the meta device and
+    # filled shard by shard (DTensor and expert-parallel shards) with the one-process values.
+    META_INIT = True
 
     def __init__(
         self,
@@ -137,16 +137,17 @@ class MoETransformer(Llama):
     @override
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Llama's init (router gates and shared experts are ``nn.Linear``), plus the stacked
-        experts: ``w1``/``w3`` ~ N(0, init_std), ``w2`` ~ N(0, init_std / sqrt(2 n_layers)) like
-        every residual output projection; expert biases 0."""
+        """Llama's init, which covers the router gates, the shared experts and the stacked experts
+        (seeded per name and block of experts: an ep rank draws only its experts): ``w1``/``w3`` ~
+        N(0, init_std), ``w2`` ~ N(0, init_std / sqrt(2 n_layers)) like every residual output
+        projection; the router buffers (expert biases, counts, statistics) set to 0."""
         super().init_weights()
-        residual_std = self.init_std / math.sqrt(2 * self.n_layers)
+        if self.rope_cos.is_meta:
+            return
         for moe in self.moe_layers().values():
-            nn.init.normal_(moe.experts.w1, mean=0.0, std=self.init_std)
-            nn.init.normal_(moe.experts.w3, mean=0.0, std=self.init_std)
-            nn.init.normal_(moe.experts.w2, mean=0.0, std=residual_std)
             moe.router.expert_bias.zero_()
+            moe.router.tokens_per_expert.zero_()
+            moe.statistics.zero_()
 
     def set_router_loss_scale(self, scale: float | None) -> None:
         """``1 / tokens of the optimizer step`` (over all micro-batches and ranks): the router
