@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from strategies.lora import quantize_later
 from strategies.parallel_dims import Meshes
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ def apply_fsdp(
     # pin_memory needs a CUDA device; without one the policy must not pin.
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     layers = list(model.layers.values()) if isinstance(model.layers, nn.ModuleDict) else list(model.layers)
+    ignored = set(quantize_later(model)) or None  # QLoRA: sharded once quantised (`strategies.lora.quantize_pending`)
     for i, block in enumerate(layers):
         # The last block is gathered again at once by the backward pass: keeping it saves one all-gather.
         fully_shard(
@@ -61,8 +63,11 @@ def apply_fsdp(
             mp_policy=mp_policy,
             offload_policy=offload,
             reshard_after_forward=reshard_after_forward and i < len(layers) - 1,
+            ignored_params=ignored,
         )
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=False)
+    fully_shard(
+        model, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=False, ignored_params=ignored,
+    )  # fmt: skip
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -97,21 +102,30 @@ class FSDP:
         """None: every layout FSDP is applied to can be sharded (the dtypes are checked on construction)."""
         return []
 
-    def shard_module(self, module: nn.Module, mesh: DeviceMesh) -> None:
+    def shard_module(
+        self, module: nn.Module, mesh: DeviceMesh, *, cast: bool = True, ignored_params: set[nn.Parameter] | None = None,
+    ) -> None:
         """``fully_shard`` of one submodule with this plugin's policies and gradient sums (expert
-        parallelism shards the experts over their own ranks this way, before the blocks)."""
+        parallelism shards the experts over their own ranks this way, before the blocks).
+        ``cast=False`` gathers the parameters in their own dtype (QLoRA's packed 4-bit codes, which a
+        cast would corrupt); ``ignored_params`` stay as they are (sharded by another unit)."""
+        dtypes = (_DTYPES[self.param_dtype], _DTYPES[self.reduce_dtype]) if cast else (None, None)
         fully_shard(
             module,
             mesh=mesh,
-            mp_policy=MixedPrecisionPolicy(param_dtype=_DTYPES[self.param_dtype], reduce_dtype=_DTYPES[self.reduce_dtype]),
+            mp_policy=MixedPrecisionPolicy(param_dtype=dtypes[0], reduce_dtype=dtypes[1]),
             offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.cpu_offload else OffloadPolicy(),
             reshard_after_forward=self.reshard_after_forward,
+            ignored_params=ignored_params or None,
         )
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
 
     def apply(self, model: nn.Module, meshes: Meshes) -> None:
-        """Shards ``model`` (the whole model, or one pipeline stage) over ``meshes.fsdp``."""
+        """Shards ``model`` (the whole model, or one pipeline stage) over ``meshes.fsdp``; a QLoRA
+        model's 4-bit layers are sharded as their own units once quantised (``model.lora_shard``)."""
+        if quantize_later(model):
+            model.lora_shard = lambda layer, ignored: self.shard_module(layer, meshes.fsdp, cast=False, ignored_params=ignored)
         apply_fsdp(
             model,
             dp_mesh=meshes.fsdp,

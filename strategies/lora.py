@@ -153,14 +153,28 @@ def apply_lora(
         module.lora_hook = module.register_forward_hook(_lora_hook)
     names = [name for name, _ in targets]
     if quantize is not None:
-
-        def quantize_once(root: nn.Module, args: Any) -> None:
-            root.lora_quantize_hook.remove()
-            del root.lora_quantize_hook
-            quantize_layers(root, names, hook=_lora_hook)
-
-        model.lora_quantize_hook = model.register_forward_pre_hook(quantize_once)
+        model.lora_quantize_names = names
+        model.lora_quantize_hook = model.register_forward_pre_hook(lambda root, args: quantize_pending(root))
     return names
+
+
+def quantize_pending(model: nn.Module) -> None:
+    """Quantises the base of a QLoRA ``model`` now (once its weights are loaded); nothing for a
+    model without pending quantisation. Under FSDP2 (``model.lora_shard``, set by
+    `strategies.fsdp.FSDP.apply`) it must run before the first forward: each new 4-bit layer becomes
+    an FSDP unit, which the root collects at its first forward."""
+    if not hasattr(model, "lora_quantize_hook"):
+        return
+    model.lora_quantize_hook.remove()
+    del model.lora_quantize_hook
+    quantize_layers(model, model.lora_quantize_names, hook=_lora_hook, shard=getattr(model, "lora_shard", None))
+    del model.lora_quantize_names
+
+
+def quantize_later(model: nn.Module) -> list[nn.Parameter]:
+    """The float weights a QLoRA ``model`` will replace by 4-bit codes (`quantize_pending`): FSDP2
+    leaves them unsharded (``ignored_params``) until then. Empty without pending quantisation."""
+    return [model.get_submodule(name).weight for name in getattr(model, "lora_quantize_names", ())]
 
 
 def adapted_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
@@ -181,9 +195,9 @@ def merge_lora(model: nn.Module) -> int:
     """
     if hasattr(model, "lora_quantize_hook"):
         model.lora_quantize_hook.remove()
-        del model.lora_quantize_hook
+        del model.lora_quantize_hook, model.lora_quantize_names
     layers = adapted_layers(model)
-    if any(hasattr(m.weight, "quant_state") for _, m in layers):
+    if any(hasattr(m, "quant_state") for _, m in layers):
         raise ValueError("the base is 4-bit already; merge a QLoRA model before its first forward (its float base)")
     for _, module in layers:
         delta = module.lora_B.weight.float() @ module.lora_A.weight.float() * module.lora_scaling
@@ -223,7 +237,7 @@ class LoRA:
         target_modules: name patterns of the adapted linear layers (PEFT's suffix rule or globs).
         seed: seed of the adapters' initialisation.
         quantize: "nf4" for QLoRA (the adapted layers' base in 4-bit NF4, bitsandbytes; one
-            process); None: the base stays in its float dtype.
+            process or FSDP2, not TP); None: the base stays in its float dtype.
     """
 
     rank: int = 8
@@ -256,10 +270,10 @@ class LoRA:
         out = []
         if importlib.util.find_spec("bitsandbytes") is None:
             out.append("strategy.lora.quantize=nf4 needs bitsandbytes: pip install bitsandbytes")
-        if run.world_size > 1:
+        if run.dims.tp > 1:
             out.append(
-                f"strategy.lora.quantize={self.quantize} runs on one process (bitsandbytes' 4-bit weights are not "
-                f"sharded by FSDP2 or DTensor); use trainer.devices=1, or strategy.lora.quantize=null"
+                f"strategy.lora.quantize={self.quantize} does not compose with tensor parallelism (the 4-bit codes "
+                f"are not DTensor-placed); use strategy.tp=1 (FSDP2 shards them: strategy.dp_shard)"
             )
         return out
 

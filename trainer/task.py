@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
+from strategies.lora import quantize_pending
 from trainer.loggers import is_logging_step
 from trainer.models.init_from import load_init_from
 from trainer.nonfinite import NonFiniteGuard
@@ -107,6 +108,7 @@ class Task(L.LightningModule):
         self.trainer.strategy.parallelize(self.model)
         # Pretrained weights go straight into the shards: each rank reads only what it holds.
         load_init_from(self.model)
+        quantize_pending(self.model)  # QLoRA: the loaded base becomes 4-bit (before FSDP2's first forward)
         self._configured = True
 
     @override

@@ -55,6 +55,7 @@ def test_no_matching_layer_names_the_model_layers() -> None:
         (["strategy=tp", "trainer.devices=2", "strategy.lora.dropout=0.1"], "use strategy.lora.dropout=0"),
         (["strategy=diloco", "trainer.devices=2"], "strategy.lora does not compose with strategy.local_sgd"),
         (["strategy.lora.rank=0"], "strategy.lora.rank=0 must be >= 1"),
+        (["strategy=tp", "trainer.devices=2", "strategy.lora.quantize=nf4"], "use strategy.tp=1 (FSDP2 shards them"),
     ],
 )
 def test_validate_refuses_what_lora_does_not_run(overrides, problem) -> None:
