@@ -66,6 +66,8 @@ def test_trl_preference_formats(tmp_path):
         (PAIRS, {"prompt": "x", "chosen": [{"role": U, "content": "y"}], "rejected": "z"}, "'chosen' must be one assistant turn"),
         (PAIRS, {"chosen": [{"role": A, "content": "y"}], "rejected": [{"role": A, "content": "z"}]}, "share no prompt turn"),
         (PAIRS, {"prompt": "x", "completion": "y", "label": "good"}, "use true (desirable)"),
+        (PAIRS, {"prompt": "x", "completion": "y", "lable": True}, "'completion' (strings or message lists) and 'label'"),
+        (PAIRS, {"prompt": "x", "label": False}, "'completion' (strings or message lists) and 'label'"),
     ],
 )
 def test_a_malformed_row_names_file_line_and_fix(tmp_path, catalog, row, says):

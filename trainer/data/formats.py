@@ -117,8 +117,11 @@ def unpaired(row: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def preference(row: Mapping[str, Any]) -> dict[str, Any]:
-    """A pair (`pair`) or, for a row with ``label`` and ``completion``, an unpaired row (`unpaired`)."""
-    return unpaired(row) if "label" in row and "completion" in row else pair(row)
+    """A pair (`pair`) or, for a row with ``label`` and ``completion`` (or one of them and neither
+    ``chosen`` nor ``rejected``), an unpaired row (`unpaired`, whose error names KTO's fields)."""
+    kto_field = "label" in row or "completion" in row
+    kto = {"label", "completion"} <= row.keys() or (kto_field and not ("chosen" in row or "rejected" in row))
+    return unpaired(row) if kto else pair(row)
 
 
 def read(rows: Iterator[tuple[str, Mapping[str, Any]]], parse: Callable[[Mapping[str, Any]], Any]) -> list[Any]:
