@@ -78,6 +78,16 @@ def test_a_malformed_row_names_file_line_and_fix(tmp_path, catalog, row, says):
     assert says in str(err.value)
 
 
+def test_a_table_without_rows_says_so(tmp_path):
+    import pandas as pd
+
+    pd.DataFrame({"prompt": [], "completion": []}).astype(str).to_parquet(tmp_path / "empty.parquet")
+    (tmp_path / "header.csv").write_text("prompt,completion\n")
+    for name in ("empty.parquet", "header.csv"):
+        with pytest.raises(DataError, match=f"data.sources.mine: .*{name}: has no rows; add rows"):
+            _records(CONVERSATIONS, str(tmp_path / name))
+
+
 def test_parquet_saved_dataset_and_column_mapping(tmp_path):
     import datasets
 

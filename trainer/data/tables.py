@@ -56,13 +56,20 @@ class FormatProblem(ValueError):
     """A table this module refuses itself (its message names the fix)."""
 
 
+def _parquet_rows(file: str) -> int:
+    """The row count in a parquet file's footer (an empty table's, which ``datasets`` cannot read)."""
+    import pyarrow.parquet
+
+    return pyarrow.parquet.ParquetFile(file).metadata.num_rows
+
+
 def _dataset(path: str, *, streaming: bool) -> Any:
     """The ``datasets`` Dataset (or IterableDataset when ``streaming``) of a local path.
 
     Raises:
         FileNotFoundError: no such path.
-        ValueError: an unsupported file type, a DatasetDict saved with several splits, or a file
-            ``datasets`` cannot parse (its message included).
+        ValueError: an unsupported file type, a DatasetDict saved with several splits, a table
+            without rows, or a file ``datasets`` cannot parse (its message included).
     """
     import datasets
 
@@ -84,10 +91,14 @@ def _dataset(path: str, *, streaming: bool) -> Any:
             builder, files = FORMATS[root.suffix], [str(root)]
         else:
             raise FormatProblem(f"{path}: unsupported file type; use {', '.join(FORMATS)}, a folder of shards or a save_to_disk folder")
+        if builder == "parquet" and not sum(_parquet_rows(f) for f in files):
+            raise FormatProblem(f"{path}: has no rows; add rows or point at another table")
         return datasets.load_dataset(builder, data_files=files, split="train", streaming=streaming)
     except (datasets.exceptions.DatasetGenerationError, OSError, TypeError, ValueError) as err:
         if isinstance(err, (FileNotFoundError, FormatProblem)):
             raise
+        if "corresponds to no data" in str(err):  # a header-only csv, an empty json list
+            raise FormatProblem(f"{path}: has no rows; add rows or point at another table") from None
         raise ValueError(f"{path}: datasets cannot read it ({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
 
 
