@@ -64,3 +64,17 @@ def test_fsdp2_qlora_checkpoint_holds_only_the_adapters(runs):
 
     ckpt = resolve_checkpoint(runs["fsdp2"]["run_dir"])
     assert set(saved_entries(ckpt, "model.")) == set(runs["fsdp2"]["grads"][0]), "model state: the adapters only"
+
+
+def test_fsdp2_qlora_with_bf16_params_gathers_the_codes_uncast(runs, base, tmp_path):  # noqa: F811
+    """strategy.fsdp.param_dtype=bf16 casts the gathered float parameters, never the packed codes
+    (a cast would turn them into other codes): two steps stay within bf16 rounding of the fp32 run."""
+    overrides = [o for o in _overrides(base) if not o.startswith(("optim=", "trainer.max_steps="))]
+    cfg = compose_config([
+        *overrides, "optim=adamw", "optim.lr=1e-2", "trainer.max_steps=2", "strategy.lora.quantize=nf4",
+        *LAYOUTS["fsdp2"], "strategy.fsdp.param_dtype=bf16",
+    ])  # fmt: skip
+    _, task = fit(cfg, tmp_path)
+    loss = losses(task.history)
+    print("qlora fsdp2 bf16 losses", [round(x, 4) for x in loss], "fp32", [round(x, 4) for x in runs["one_process"]["loss"][:2]])
+    torch.testing.assert_close(loss, runs["one_process"]["loss"][:2], rtol=0, atol=2e-2, msg="bf16 losses")
