@@ -167,7 +167,9 @@ def validate(cfg: DictConfig) -> ResolvedRun:
     Raises:
         ConfigError: listing every problem found, each with the override that fixes it.
     """
-    problems: list[str] = []
+    problems: list[str] = _interpolation_problems(cfg)
+    if problems:  # every later check reads these values
+        raise ConfigError(problems)
     _check_dataclass(cfg, RunConfig, "", problems)
     for name in TARGET_NODES:
         if name in cfg and cfg[name] is not None:
@@ -200,6 +202,33 @@ def validate(cfg: DictConfig) -> ResolvedRun:
         raise ConfigError(problems)
     assert run is not None  # every config without problems resolves
     return run
+
+
+def _interpolation_problems(node: Any, prefix: str = "") -> list[str]:
+    """One message per ``${...}`` of ``node`` that does not resolve: a group of another recipe
+    (``plait sft data=stream``: the objective's ``${oc.dict.keys:data.sources}``) or a removed key."""
+    from omegaconf.errors import InterpolationResolutionError, InterpolationToMissingValueError
+
+    problems: list[str] = []
+    keys = node.keys() if isinstance(node, DictConfig) else range(len(node)) if isinstance(node, ListConfig) else ()
+    for key in keys:
+        where = f"{prefix}{key}" if isinstance(key, str) else f"{prefix.rstrip('.')}[{key}]"
+        if not prefix and key == "hydra":
+            continue
+        child = node._get_node(key)
+        if child is not None and child._is_interpolation():
+            try:
+                node[key]
+            except InterpolationToMissingValueError:  # a ??? value: reported where it is missing
+                continue
+            except InterpolationResolutionError as err:
+                cause = str(err).splitlines()[0].split("resolving interpolation: ")[-1]
+                problems.append(f"{where}={child._value()} does not resolve ({cause}): a group of another recipe? "
+                                "`plait <recipe> --help` lists each group's choices")
+                continue
+        if isinstance(child, (DictConfig, ListConfig)):
+            problems += _interpolation_problems(child, f"{where}.")
+    return problems
 
 
 def _well_typed(cfg: DictConfig, replaced: list[str]) -> DictConfig:

@@ -83,3 +83,15 @@ def test_the_data_keys_every_data_module_passes_to_its_base_are_checked(recipe: 
     problems = err.value.problems
     assert any(p.startswith("data.seq_len='long' must be int") for p in problems)
     assert any("unknown key data.vocab_sise (did you mean vocab_size?)" in p for p in problems)
+
+
+def test_a_data_group_of_another_recipe_is_refused_not_a_traceback() -> None:
+    """``plait sft data=stream``: sft's objective reads ``${oc.dict.keys:data.sources}``, which
+    the stream group lacks (an InterpolationResolutionError from validate before)."""
+    cfg = compose_config(["data=stream", "data.path=x"], recipe="sft")
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert err.value.problems == [
+        "objective.groups=${oc.dict.keys:data.sources} does not resolve (Key not found: 'data.sources'): "
+        "a group of another recipe? `plait <recipe> --help` lists each group's choices"
+    ]
