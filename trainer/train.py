@@ -109,13 +109,17 @@ def preflight(argv: list[str]) -> Launch | None:
             cfg = compose(config_name, overrides=overrides)
         except (HydraException, OmegaConfBaseException) as err:
             # Report every bad override, not just the first one Hydra stops at, then validate the rest.
+            # A field override is tried under the group choices that compose (data=stream data.path=x:
+            # the path is stream's), so the override named is the one at fault.
             searchpath = [o for o in overrides if o.startswith("hydra.searchpath")]
             bad = []
-            for override in overrides:
+            groups = [o for o in overrides if o not in searchpath and "." not in o.split("=")[0]]
+            for override in sorted(overrides, key=lambda o: o not in groups):
                 if override in searchpath:
                     continue
+                context = [] if override in groups else [g for g in groups if g not in bad]
                 try:
-                    compose(config_name, overrides=searchpath + [override])
+                    compose(config_name, overrides=searchpath + context + [override])
                 except (HydraException, OmegaConfBaseException) as one:
                     bad.append(override)
                     problems.append(f"{override}: {error_message(one)}")

@@ -34,6 +34,15 @@ def _tree(root: Path) -> dict[str, tuple[int, str]]:
     return state
 
 
+def test_a_data_group_of_another_recipe_names_the_group_not_its_field(tmp_path: Path) -> None:
+    """``plait kto data=stream data.path=x``: data.path is stream's field, so the refusal is the
+    objective's (use data=preference), not 'Could not override data.path'."""
+    stderr = _assert_clean_failure(plait("kto", "data=stream", "data.path=x", f"run_dir={tmp_path / 'run'}", cwd=tmp_path))
+    assert "use data=preference" in stderr
+    assert "data.path=x:" not in stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.slow
 def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
