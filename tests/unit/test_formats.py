@@ -126,3 +126,10 @@ def test_a_budget_on_a_parquet_source_is_exact(tmp_path):
     for _, position, _ in batches.batches(position):
         pass
     assert batches.metrics(position)["train/consumed_tokens/mine"] == 333.0  # supervised tokens, several epochs
+
+
+def test_invalid_json_names_line_and_column(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a", "completion": "b\n')
+    with pytest.raises(DataError, match=r"bad.jsonl, line 2: not valid JSON \(.*, column 33\)"):
+        _records(CONVERSATIONS, str(path))

@@ -245,7 +245,7 @@ def _read_jsonl(path: Path, source: str, title: str, text_key: str) -> list[Docu
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}, line {lineno}: not valid JSON ({e.msg})") from None
+                raise ValueError(f"{path}, line {lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
             if not isinstance(record, dict) or text_key not in record:
                 raise ValueError(
                     f"{path}, line {lineno}: no field {text_key!r}; set data text_key= to the field "

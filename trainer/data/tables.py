@@ -135,7 +135,7 @@ def read_rows(path: str, columns: Mapping[str, str] | None = None) -> Iterator[t
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as err:
-                    raise ValueError(f"{where}: not valid JSON ({err.msg}); write one JSON object per line") from None
+                    raise ValueError(f"{where}: not valid JSON ({err.msg}, column {err.colno}); write one JSON object per line") from None
                 if not isinstance(row, dict):
                     raise ValueError(f"{where}: a {type(row).__name__}, not a JSON object; write one object per line")
                 yield where, rename(row, columns, where)
