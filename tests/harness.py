@@ -139,7 +139,7 @@ class SleepPerStep(L.Callback):
 
 
 # For a CLI subprocess that names a harness callback (``+callbacks.x._target_=harness.SleepPerStep``).
-def tests_on_path() -> dict[str, str]:
+def env_with_tests() -> dict[str, str]:
     """This process' environment with tests/ first on PYTHONPATH."""
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
 

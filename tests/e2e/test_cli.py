@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import CLI_TINY, plait, tests_on_path, train_rows
+from harness import CLI_TINY, env_with_tests, plait, train_rows
 from omegaconf import OmegaConf
 
 from strategies.checkpoint import is_checkpoint
@@ -30,7 +30,7 @@ TIMED = ("+callbacks.sleep._target_=harness.SleepPerStep", f"+callbacks.sleep.se
 def _timed_plait(*args: str, cwd: Path | None = None) -> tuple[subprocess.CompletedProcess[str], float]:
     """``plait *args`` (with the sleeping callback) and the wall seconds of the whole subprocess."""
     start = time.perf_counter()
-    result = _ok(plait(*args, *TIMED, cwd=cwd, env=tests_on_path()))
+    result = _ok(plait(*args, *TIMED, cwd=cwd, env=env_with_tests()))
     return result, time.perf_counter() - start
 
 
