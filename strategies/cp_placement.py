@@ -36,28 +36,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from strategies.document_runs import causal_pairs, longest_document
+
 PLACEMENTS = ("split", "hybrid")
 WHOLE_ROWS = "cp_whole_rows"  # marks a micro-batch of whole rows (popped by the strategy before the forward)
-
-
-def longest_document(document_ids_bt: torch.Tensor) -> torch.Tensor:
-    """``[B]`` int64: the longest run of equal document ids in each ``[B, T]`` row."""
-    B, T = document_ids_bt.shape
-    index = torch.arange(T).expand(B, T)
-    starts = torch.ones_like(document_ids_bt, dtype=torch.bool)
-    starts[:, 1:] = document_ids_bt[:, 1:] != document_ids_bt[:, :-1]
-    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
-    return (index - first + 1).amax(dim=1)
-
-
-def causal_pairs(document_ids_bt: torch.Tensor) -> torch.Tensor:
-    """``[B]`` int64: query-key pairs of each ``[B, T]`` row under a document-causal mask."""
-    B, T = document_ids_bt.shape
-    index = torch.arange(T).expand(B, T)
-    starts = torch.ones_like(document_ids_bt, dtype=torch.bool)
-    starts[:, 1:] = document_ids_bt[:, 1:] != document_ids_bt[:, :-1]
-    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
-    return (index - first + 1).sum(dim=1)
 
 
 def short_rows(document_ids_bt: torch.Tensor, cp: int) -> torch.Tensor:

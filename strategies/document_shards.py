@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from strategies.document_runs import run_positions
+
 
 def document_zigzag_order(document_ids_t: torch.Tensor, cp: int) -> torch.Tensor:
     """``[T]`` int64: the original index of the token at each slot of the zigzag chunks.
@@ -65,9 +67,4 @@ def shard_documents(batch: dict[str, torch.Tensor], index: torch.Tensor, cp: int
 def rank_causal_work(document_ids_t: torch.Tensor, tokens: torch.Tensor) -> int:
     """Query-key pairs that the queries at original indices ``tokens`` attend in one row ``[T]``
     (block-diagonal causal: its index in its document, plus one, per query)."""
-    seq_len = document_ids_t.shape[0]
-    index = torch.arange(seq_len)
-    starts = torch.ones(seq_len, dtype=torch.bool)
-    starts[1:] = document_ids_t[1:] != document_ids_t[:-1]
-    first = torch.where(starts, index, torch.zeros_like(index)).cummax(0).values
-    return int((index - first + 1)[tokens].sum())
+    return int(run_positions(document_ids_t)[tokens].sum())

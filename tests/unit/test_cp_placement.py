@@ -7,9 +7,8 @@ import itertools
 import pytest
 import torch
 
-from strategies.cp_placement import (
-    WHOLE_ROWS, causal_pairs, longest_document, micro_batches_of, place_whole_rows, plan_placement, short_rows,
-)  # fmt: skip
+from strategies.cp_placement import WHOLE_ROWS, micro_batches_of, place_whole_rows, plan_placement, short_rows
+from strategies.document_runs import causal_pairs, longest_document  # fmt: skip
 
 
 def _rows(*lengths_per_row: list[int]) -> torch.Tensor:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from strategies.document_runs import causal_pairs as document_causal_pairs
 from strategies.shape import ModelShape
 
 BALANCE = ("none", "work")
@@ -64,12 +65,7 @@ def causal_pairs(document_ids: Tensor) -> Tensor:
     ``[R, S]`` document ids: each token attends the tokens of its run of equal ids up to itself."""
     if document_ids.numel() == 0:
         return torch.zeros(document_ids.shape[0], dtype=torch.float64)
-    seq_len = document_ids.shape[1]
-    index = torch.arange(seq_len).expand_as(document_ids)
-    starts = torch.ones_like(document_ids, dtype=torch.bool)
-    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
-    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
-    return (index - first + 1).sum(dim=1).to(torch.float64)
+    return document_causal_pairs(document_ids).to(torch.float64)
 
 
 def cells(work: Tensor, *, dp_size: int, micro_batch_size: int) -> Tensor:
