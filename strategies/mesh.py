@@ -11,8 +11,6 @@ Subclass it, override one method, and select the subclass with ``strategy._targe
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from typing import Annotated, Any
 
@@ -29,13 +27,13 @@ from strategies.activation_offload import ActivationOffload
 from strategies.compile import Compile
 from strategies.compute_timer import ComputeTimer
 from strategies.context import ContextParallel, CPMode
-from strategies.cp_placement import micro_batches_of, placement_problems
+from strategies.cp_placement import placement_problems
 from strategies.expert import ExpertParallel
 from strategies.fsdp import FSDP
-from strategies.grad_norm import clip_grads_, global_grad_norm
 from strategies.launch import launcher_for
 from strategies.local_sgd import LocalSGD
 from strategies.mesh_checkpoint import MeshCheckpoints
+from strategies.mesh_step import MeshStep
 from strategies.meta_init import materialize
 from strategies.lora import LoRA
 from strategies.mixout import Mixout
@@ -50,7 +48,7 @@ from strategies.tensor import TensorParallel
 from strategies.watchdog import Heartbeat
 
 
-class MeshStrategy(MeshCheckpoints, ModelParallelStrategy):
+class MeshStrategy(MeshStep, MeshCheckpoints, ModelParallelStrategy):
     """Builds the device mesh, parallelizes the model and runs the parallel parts of a step.
 
     Args:
@@ -311,110 +309,7 @@ class MeshStrategy(MeshCheckpoints, ModelParallelStrategy):
             return self.device_mesh["dp_replicate", "dp_shard"]
         return self.device_mesh["dp_shard"]
 
-    # ------------------------------------------------------------------------------ the step
-    def shard_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's part of its dp rows, before the step counts tokens: with cp > 1 its slice of
-        the sequence dimension (`strategies.context.shard_batch`); else the rows unchanged."""
-        if self.dims.cp > 1:
-            cp_mesh = self.submesh("cp")
-            return self.context_parallel.shard_batch(batch, cp=cp_mesh.size(), rank=cp_mesh.get_local_rank())
-        return batch
-
-    def micro_batches(self, batch: dict[str, torch.Tensor], micro_batch_size: int) -> list[dict[str, torch.Tensor]]:
-        """This rank's micro-batches of its dp rows (`shard_batch`, then runs of ``micro_batch_size``
-        rows); with cp > 1 the context-parallel plugin's (hybrid placement trains some rows whole:
-        `strategies.cp_placement`)."""
-        if self.dims.cp > 1:
-            cp_mesh = self.submesh("cp")
-            return self.context_parallel.micro_batches(
-                batch, cp=cp_mesh.size(), rank=cp_mesh.get_local_rank(), micro_batch_size=micro_batch_size
-            )
-        return micro_batches_of(batch, micro_batch_size)
-
-    @contextmanager
-    def loss_context(self) -> Iterator[None]:
-        """Context for the loss and its backward: tensor parallelism's loss parallel when tp > 1."""
-        if self.dims.tp > 1:
-            with self.tensor_parallel.loss_context():
-                yield
-        else:
-            yield
-
-    def eval_loss_sum(
-        self, model: nn.Module, batch: dict[str, torch.Tensor], loss_sum: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
-    ) -> torch.Tensor:
-        """Summed token loss of one (sharded) evaluation batch on this rank, without gradients.
-
-        With pp > 1 a forward through the stages; every pp rank returns the batch's loss."""
-        if self.dims.pp > 1:
-            with self.loss_context():
-                return self.pipeline.eval_loss_sum(batch, loss_sum)
-        with self.loss_context():
-            return loss_sum(model, batch)
-
-    def forward_backward(
-        self,
-        model: nn.Module,
-        micro_batches: Sequence[dict[str, torch.Tensor]],
-        loss_fn: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor],
-        backward: Callable[[torch.Tensor], None],
-    ) -> torch.Tensor:
-        """Forward and backward of every micro-batch of one optimizer step.
-
-        Args:
-            micro_batches: this rank's micro-batches, each a dict of [b, s] tensors.
-            loss_fn: returns the micro-batch loss, already divided by the step's global
-                supervised-token count (so the micro-batch losses of all ranks add up to the mean).
-            backward: the Task's ``manual_backward``.
-
-        Returns:
-            0-dim tensor: the sum of this rank's micro-batch losses (detached). With pp > 1 the
-            pipeline schedule runs them (``backward`` unused) and every pp rank returns the sum.
-        """
-        with ExitStack() as stack:
-            # SAT picks the step's MLP channels; Mixout mixes the weights and, on exit, restores
-            # them and rescales their gradients, before the gradient norm.
-            for plugin in (self.sat, self.mixout):
-                if plugin is not None:
-                    stack.enter_context(plugin.step(self.lightning_module.global_step))
-            return self._forward_backward(model, micro_batches, loss_fn, backward)
-
-    def _forward_backward(
-        self,
-        model: nn.Module,
-        micro_batches: Sequence[dict[str, torch.Tensor]],
-        loss_fn: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor],
-        backward: Callable[[torch.Tensor], None],
-    ) -> torch.Tensor:
-        if self.dims.pp > 1:
-            with self.loss_context():
-                return self.pipeline.forward_backward(micro_batches, loss_fn)
-        total = torch.zeros((), device=self.root_device)
-        last = len(micro_batches) - 1
-        self.compute_timer.start_step()
-        for i, micro_batch in enumerate(micro_batches):
-            if hasattr(model, "set_requires_gradient_sync"):
-                # Reduce gradients once per step, after the last micro-batch, not once per micro-batch.
-                model.set_requires_gradient_sync(i == last)
-            # loss parallel needs its context in forward and backward; whole rows attend on one cp rank
-            with self.loss_context(), self.context_parallel.training(micro_batch) as rows:
-                with self.compute_timer.measure(self.root_device):  # up to the gradient sync
-                    loss = loss_fn(model, rows)
-                    if i < last:
-                        backward(loss)
-                if i == last:
-                    backward(loss)
-            total += loss.detach()
-        return total
-
-    def grad_norm(self, parameters: Sequence[nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
-        """Global gradient norm over all shards, replicas and stages; equal on every rank."""
-        stage_groups = [self.group("pp")] if self.dims.pp > 1 else []
-        return global_grad_norm(parameters, norm_type=norm_type, stage_groups=stage_groups)
-
-    def clip_grads(self, parameters: Sequence[nn.Parameter], *, max_norm: float, total_norm: torch.Tensor) -> None:
-        clip_grads_(parameters, max_norm=max_norm, total_norm=total_norm)
-
+    # ------------------------------------------------------------------------------ after the step
     def after_optimizer_step(self, model: nn.Module, step: int, optimizer: torch.optim.Optimizer) -> dict[str, float]:
         """Hook after each optimizer step: the local-SGD synchronisations, LoRA's one report.
 
@@ -439,21 +334,6 @@ class MeshStrategy(MeshCheckpoints, ModelParallelStrategy):
         if self.local_sgd is None:
             return metrics
         return {**metrics, **self.local_sgd.after_optimizer_step(getattr(optimizer, "_optimizer", optimizer))}
-
-    @property
-    def token_axis(self) -> str:
-        """The mesh view whose ranks share one gradient and so count a step's supervised tokens
-        together: dp_cp, or one island's dp_shard (x cp) under local SGD (each island's gradient is
-        the mean over its own tokens; the replicas are averaged by the plugin)."""
-        if self.local_sgd is None:
-            return "dp_cp"
-        return "dp_shard_cp" if self.dims.cp > 1 else "dp_shard"
-
-    def all_reduce_sum(self, tensor: torch.Tensor, axis: str = "dp_cp") -> torch.Tensor:
-        """In-place SUM over one mesh axis (a no-op on a single rank); returns ``tensor``."""
-        if self.submesh(axis).size() > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group(axis))
-        return tensor
 
     @override
     def teardown(self) -> None:
