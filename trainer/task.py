@@ -342,8 +342,11 @@ class Task(L.LightningModule):
 
     @property
     def latest_val_loss(self) -> float | None:
-        """The validation loss of the newest evaluation (restored runs too), None before any."""
-        return next((entry["val_loss"] for entry in reversed(self.history) if "val_loss" in entry), None)
+        """The validation loss of the newest evaluation (restored runs too), None before any.
+
+        Read by the progress bar at every redraw: evaluations go straight into the history, so this
+        leaves the pending steps on the device (no host sync)."""
+        return next((entry["val_loss"] for entry in reversed(self._history) if "val_loss" in entry), None)
 
     # ------------------------------------------------------------------------------ state
     @override
