@@ -24,10 +24,10 @@ def test_the_bar_shows_the_newest_validation_loss(monkeypatch: pytest.MonkeyPatc
     from lightning.pytorch.callbacks import TQDMProgressBar
 
     monkeypatch.setattr(TQDMProgressBar, "get_metrics", lambda self, t, m: {"train/loss": 8.3, "v_num": "abcd"})
-    task = SimpleNamespace(history=[{"step": 0, "val_loss": 8.33}, {"step": 1, "loss": 8.3}, {"step": 5, "val_loss": 8.27}])
+    task = SimpleNamespace(_history=[{"step": 0, "val_loss": 8.33}, {"step": 1, "loss": 8.3}, {"step": 5, "val_loss": 8.27}])
     task.latest_val_loss = Task.latest_val_loss.fget(task)
     assert StepProgressBar().get_metrics(None, task) == {"train/loss": 8.3, "val/loss": 8.27}
-    task.history = [{"step": 1, "loss": 8.3}]  # no evaluation yet (data.val_fraction=0)
+    task._history = [{"step": 1, "loss": 8.3}]  # no evaluation yet (data.val_fraction=0)
     assert Task.latest_val_loss.fget(task) is None
 
 
