@@ -14,9 +14,16 @@ from typing_extensions import override
 from trainer.rundir import RunDir
 
 
-def headline(history: list[dict[str, float]], *, tokens_seen: int, wall_time_s: float, steps: int) -> dict[str, Any]:
+def headline(
+    history: list[dict[str, float]], *, tokens_seen: int, wall_time_s: float, steps: int, warm: tuple[int, float] = (0, 0.0)
+) -> dict[str, Any]:
     """First and final validation loss, tokens seen, wall time and tokens/s of a run's history, and
-    with local SGD the bytes each rank sent to other islands (total and per step)."""
+    with local SGD the bytes each rank sent to other islands (total and per step).
+
+    ``warm`` is (tokens, seconds) after each process's first optimizer step: ``tokens_per_s`` is
+    their ratio, so start-up, compilation and the first step's warm-up do not count (a 2-step run
+    read 114 tokens/s against 2059 for the same job warm). A run of one step per process has no
+    warm part and falls back to ``tokens_seen / wall_time_s``."""
     val = [h["val_loss"] for h in history if "val_loss" in h]
     train = [h["loss"] for h in history if "loss" in h]
     comm = [h["comm/bytes_sent_total"] for h in history if "comm/bytes_sent_total" in h]
@@ -28,13 +35,14 @@ def headline(history: list[dict[str, float]], *, tokens_seen: int, wall_time_s: 
         "final_train_loss": train[-1] if train else None,
         "tokens_seen": tokens_seen,
         "wall_time_s": round(wall_time_s, 3),
-        "tokens_per_s": round(tokens_seen / wall_time_s, 1) if wall_time_s > 0 else None,
+        "tokens_per_s": round(warm[0] / warm[1], 1) if warm[1] > 0 else round(tokens_seen / wall_time_s, 1) if wall_time_s > 0 else None,
         **extra,
     }
 
 
 class Summary(L.Callback):
-    """Writes ``<dirpath>/summary.json`` at the end of training (rank 0); wall time survives resumes.
+    """Writes ``<dirpath>/summary.json`` at the end of training (rank 0); wall time and the warm
+    tokens/s (see `headline`) survive resumes.
 
     Args:
         dirpath: the run directory (the trainer sets it).
@@ -44,20 +52,40 @@ class Summary(L.Callback):
         self.dirpath = Path(dirpath) if dirpath else None
         self.wall_time_s = 0.0
         self._since = 0.0
+        self.warm_tokens, self.warm_s = 0, 0.0  # before this process
+        self._warm_from: tuple[int, float] | None = None  # (tokens_seen, time) after this process's first step
+        self._tokens_now = 0
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._since = time.perf_counter()
+        self._warm_from = None
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self._tokens_now = pl_module.tokens_seen
+        if self._warm_from is None:
+            self._warm_from = (pl_module.tokens_seen, time.perf_counter())
 
     def _elapsed(self) -> float:
         return self.wall_time_s + (time.perf_counter() - self._since)
+
+    def _warm(self, tokens_seen: int) -> tuple[int, float]:
+        if self._warm_from is None:
+            return self.warm_tokens, self.warm_s
+        tokens, since = self._warm_from
+        return self.warm_tokens + tokens_seen - tokens, self.warm_s + time.perf_counter() - since
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.is_global_zero or self.dirpath is None:
             return
         summary = headline(
-            pl_module.history, tokens_seen=pl_module.tokens_seen, wall_time_s=self._elapsed(), steps=trainer.global_step
+            pl_module.history,
+            tokens_seen=pl_module.tokens_seen,
+            wall_time_s=self._elapsed(),
+            steps=trainer.global_step,
+            warm=self._warm(pl_module.tokens_seen),
         )
         path = RunDir(self.dirpath).summary
         path.parent.mkdir(parents=True, exist_ok=True)  # a run without loggers may have written nothing yet
@@ -67,8 +95,10 @@ class Summary(L.Callback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"wall_time_s": self._elapsed() if self._since else self.wall_time_s}
+        warm_tokens, warm_s = self._warm(self._tokens_now)
+        return {"wall_time_s": self._elapsed() if self._since else self.wall_time_s, "warm_tokens": warm_tokens, "warm_s": warm_s}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.wall_time_s = state_dict["wall_time_s"]
+        self.warm_tokens, self.warm_s = state_dict.get("warm_tokens", 0), state_dict.get("warm_s", 0.0)  # older runs: none
