@@ -105,18 +105,24 @@ def table(runs: Sequence[Path]) -> str:
     return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
 
 
-def plot_val_losses(runs: Sequence[Path], labels: Sequence[str], out: Path) -> None:
-    """Writes a PNG of each run's validation loss against optimizer steps (one line per run)."""
+def plot_val_losses(runs: Sequence[Path], labels: Sequence[str], out: Path) -> list[str]:
+    """Writes a PNG of each run's validation loss against optimizer steps (one line per run).
+
+    Returns:
+        The labels of the runs drawn: a run without a validation loss (crashed before its first
+        evaluation, or ``data.val_fraction=0``) has no line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    drawn = []
     for run, label in zip(runs, labels):
         points = val_losses(run)
         if points:
             ax.plot(*zip(*points), "o-", label=label, markersize=3)
+            drawn.append(label)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("validation loss (nats/token)")
     ax.grid(alpha=0.3)
@@ -126,6 +132,7 @@ def plot_val_losses(runs: Sequence[Path], labels: Sequence[str], out: Path) -> N
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
     plt.close(fig)
+    return drawn
 
 
 def main(argv: list[str]) -> None:
@@ -143,5 +150,7 @@ def main(argv: list[str]) -> None:
     root = Path(os.path.commonpath([r.resolve() for r in runs]))
     out = Path(cfg.out) if cfg.out else (root if root not in runs else root.parent) / "compare.png"
     labels = [str(r.resolve().relative_to(root)) if r.resolve() != root else r.name for r in runs]
-    plot_val_losses(runs, labels, out)
-    print(f"plait: wrote {out} (validation loss of {len(runs)} run{'s' * (len(runs) != 1)})")
+    drawn = plot_val_losses(runs, labels, out)
+    missing = [label for label in labels if label not in drawn]
+    without = f"; no validation loss in {', '.join(missing)}" if missing else ""
+    print(f"plait: wrote {out} (validation loss of {len(drawn)} run{'s' * (len(drawn) != 1)}{without})")
