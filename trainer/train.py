@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from omegaconf import DictConfig
 
 from trainer.compose import (
+    ALIASES,
     HELP_FLAGS,
     bundled_recipes,
     config_groups,
@@ -104,6 +105,7 @@ def preflight(argv: list[str]) -> Launch | None:
 
     config_dir, config_name, overrides = hydra_config(argv)
     problems: list[str] = []
+    implied: list[str] = []  # problems of an alias's own overrides (see `_implied_failures`)
     with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
         try:
             cfg = compose(config_name, overrides=overrides)
@@ -128,15 +130,26 @@ def preflight(argv: list[str]) -> Launch | None:
             except (HydraException, OmegaConfBaseException):  # overrides that only clash together
                 fail("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems or [error_message(err)]))
             problems = [p + _did_you_mean(cfg, o) for p, o in zip(problems, bad)] or [error_message(err)]
+            implied = _implied_failures(problems, bad)
     launch = None
     cfg = take_run_model(cfg, overrides)  # a plait run as model.init_from: its architecture
     try:
         launch = check_launch(cfg)
     except ConfigError as err:
         problems += err.problems
+    if len(implied) < len(problems):
+        problems = [p for p in problems if p not in implied]
     if problems:
         fail("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
     return launch
+
+
+def _implied_failures(problems: list[str], bad: list[str]) -> list[str]:
+    """The problems of an alias's own field overrides (``plait kto`` adds ``data.unpaired=true``).
+    Under a data group they do not fit (``data=stream``) the objective's check names the fix (use
+    data=preference), so their "Could not override" is noise, left out unless nothing else is wrong."""
+    implied = {o for _, alias_overrides, _ in ALIASES.values() for o in alias_overrides if "." in o.split("=")[0]}
+    return [p for p, o in zip(problems, bad) if o in implied] if len(problems) == len(bad) else []
 
 
 def _did_you_mean(cfg: DictConfig, override: str) -> str:

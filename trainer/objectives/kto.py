@@ -132,6 +132,7 @@ class KTO(PreferenceObjective):
     def config_problems(cls, cfg: Any, run: Any) -> list[str]:
         """The preference objectives' problems, and unpaired rows (``data.unpaired=true``)."""
         problems = super().config_problems(cfg, run)
-        if cfg.get("data") is not None and not cfg.data.get("unpaired", False):
+        data_target = str(cfg.data.get("_target_", "")) if cfg.get("data") is not None else ""
+        if data_target.endswith("PreferenceDataModule") and not cfg.data.get("unpaired", False):  # else: use data=preference
             problems.append("objective KTO trains on unpaired rows; set data.unpaired=true (plait kto does)")
         return problems
