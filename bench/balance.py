@@ -16,7 +16,9 @@ Per layout it prints max/mean work per rank (mean over steps of each step's max 
 total work and for attention work alone, both arms side by side, and the max/mean per micro-batch
 slot (FSDP synchronises every micro-batch). Then the dp x ``--cp`` pool: static + zigzag cp,
 balanced dp + zigzag cp, balanced dp + document-aware cp, balanced dp + hybrid placement
-(`strategies.cp_placement`: rows of short documents whole on single cp ranks). These are estimates.
+(`strategies.cp_placement`) with whole rows only (groups of 1 and cp ranks) and with the cp
+sub-groups too (each row on the smallest of 1, 2, 4, ... ranks that fits it and whose micro-batch
+holds a row at ``--micro-batch``; the same as whole rows at cp = 2). These are estimates.
 
 Measured in the same run (``--measure-steps``, 0 skips it): the four pool arms train a nano Llama
 with the real CLI on 4 gloo processes (FSDP 2 x CP 2, 256-token rows of a long-tail corpus), and
@@ -30,11 +32,13 @@ Invocation (about 30 s of estimate + ~1 min per measured arm on 2 idle cores)::
 
     python bench/balance.py
     python bench/balance.py --measure-steps 0 --seq-len 4096 --global-batch 64 --dp 8 --micro-batch 2
+    python bench/balance.py --measure-steps 0 --cp 4 --micro-batch 4 --dp 2   (cp sub-groups of 2)
 
 The last line is ``RESULT static_max_over_mean=<x> balanced_max_over_mean=<y> static_attention=<a>
 balanced_attention=<b> pool_static=<c> pool_balanced=<d> pool_balanced_doc_cp=<e>`` (the first
 layout; total work, then attention pairs alone; then the dp x ``--cp`` pool: static layout with
-zigzag cp, balanced dp with zigzag cp, balanced dp with document-aware cp), ``pool_hybrid=<h>`` and,
+zigzag cp, balanced dp with zigzag cp, balanced dp with document-aware cp), ``pool_hybrid_whole=<w>``
+(hybrid, groups of 1 and cp), ``pool_hybrid=<h>`` (hybrid on every cp sub-group size) and,
 when measured, ``measured_<arm>=<r>`` (forward/backward before the sync, max/mean per rank).
 """
 
@@ -53,7 +57,7 @@ from pathlib import Path
 import torch
 
 from strategies.context import shard_positions
-from strategies.cp_placement import plan_placement, short_rows
+from strategies.cp_placement import Placement, fit_sizes, group_sizes, plan_placement, row_counts
 from strategies.document_shards import document_zigzag_order, rank_causal_work
 from strategies.shape import ModelShape
 from trainer.data import corpus
@@ -113,22 +117,30 @@ def cp_loads(docs_nt: torch.Tensor, model: WorkModel, *, dp: int, cp: int, docum
     return loads.flatten()
 
 
-def hybrid_loads(docs_nt: torch.Tensor, model: WorkModel, *, dp: int, cp: int) -> torch.Tensor:
-    """``[dp * cp]`` work of every rank under hybrid placement (`strategies.cp_placement`): in each
-    dp group the short rows (as many as the group with the fewest has, a multiple of cp) train
-    whole on single cp ranks, the other rows are split with document-aware cp sharding."""
+def hybrid_loads(
+    docs_nt: torch.Tensor, model: WorkModel, *, dp: int, cp: int, sizes: tuple[int, ...]
+) -> tuple[torch.Tensor, dict[int, int]]:
+    """``[dp * cp]`` work of every rank, and the rows of a dp group per group size, under hybrid placement (`strategies.cp_placement`) on cp
+    groups of ``sizes`` ranks: the counts per size from the least prefix counts of the dp groups
+    (`row_counts`, as the all-reduce gives them), each size's rows on its aligned sub-groups with
+    document-aware sharding over the sub-group (whole at size 1), the rest split over all cp ranks."""
     groups = docs_nt.reshape(dp, -1, docs_nt.shape[1])
-    count = min(int(short_rows(g, cp).sum()) // cp * cp for g in groups)
+    prefix = [min(int((fit_sizes(g, cp, sizes) <= size).sum()) for g in groups) for size in sizes]
+    counts = row_counts(prefix, cp, sizes)
     loads = []
     for g in groups:
-        placed = plan_placement(g, cp, count)
+        placed = plan_placement(g, cp, counts) if any(counts.values()) else Placement({}, torch.arange(g.shape[0]))
         rank = torch.zeros(cp, dtype=torch.float64)
         if placed.split.numel():
             rank += cp_loads(g[placed.split], model, dp=1, cp=cp, documents=True)
-        for c, rows in enumerate(placed.whole):
-            rank[c] += float(model.rows(g[rows]).sum()) if rows.numel() else 0.0
+        for size, blocks in placed.groups.items():
+            for b, rows in enumerate(blocks):
+                if size == 1:
+                    rank[b] += float(model.rows(g[rows]).sum())
+                else:
+                    rank[b * size : (b + 1) * size] += cp_loads(g[rows], model, dp=1, cp=size, documents=True)
         loads.append(rank)
-    return torch.cat(loads)
+    return torch.cat(loads), {**counts, cp: groups.shape[1] - sum(counts.values())}
 
 
 def measure_cp(document_ids: torch.Tensor, model: WorkModel, args: argparse.Namespace) -> dict[str, float]:
@@ -141,7 +153,12 @@ def measure_cp(document_ids: torch.Tensor, model: WorkModel, args: argparse.Name
         balanced = docs[plan(model.rows(docs), dp_size=args.dp, micro_batch_size=args.micro_batch)]
         for arm, batch, documents in (("static", docs, False), ("balanced", balanced, False), ("balanced_doc_cp", balanced, True)):
             out.setdefault(arm, []).append(ratio(cp_loads(batch, model, dp=args.dp, cp=args.cp, documents=documents)))
-        out.setdefault("balanced_hybrid", []).append(ratio(hybrid_loads(balanced, model, dp=args.dp, cp=args.cp)))
+        sizes = group_sizes(args.cp, args.micro_batch)  # the groups whose micro-batches hold a row
+        for arm, arm_sizes in (("balanced_hybrid_whole", tuple(g for g in sizes if g == 1)), ("balanced_hybrid", sizes)):
+            loads, rows_per_size = hybrid_loads(balanced, model, dp=args.dp, cp=args.cp, sizes=arm_sizes)
+            out.setdefault(arm, []).append(ratio(loads))
+        for size, n in rows_per_size.items():  # of the last arm: the rows of a dp group per group size
+            out.setdefault(f"rows_g{size}", []).append(n)
     return {k: sum(v) / len(v) for k, v in out.items()}
 
 
@@ -226,7 +243,9 @@ def main() -> None:
     pool = measure_cp(rows.document_ids, model, args)
     print(f"dp={args.dp} x cp={args.cp} pool, work per rank: static + zigzag cp {pool['static']:.3f}, balanced dp + "
           f"zigzag cp {pool['balanced']:.3f}, balanced dp + document cp {pool['balanced_doc_cp']:.3f}")  # fmt: skip
-    print(f"dp={args.dp} x cp={args.cp} pool, balanced dp + hybrid placement (short rows whole): {pool['balanced_hybrid']:.3f}")
+    print(f"dp={args.dp} x cp={args.cp} pool, balanced dp + hybrid placement: whole rows and cp {pool['balanced_hybrid_whole']:.3f}, "
+          f"on cp groups of {', '.join(map(str, (*group_sizes(args.cp, args.micro_batch), args.cp)))} ranks {pool['balanced_hybrid']:.3f} "
+          f"(rows of a dp group per group size, mean: {', '.join(f'{k[6:]}: {v:.2f}' for k, v in pool.items() if k.startswith('rows_g'))})")  # fmt: skip
     first = results["first"]
     measured = ""
     if args.measure_steps:
@@ -241,7 +260,7 @@ def main() -> None:
         f"RESULT static_max_over_mean={first['static_total']:.3f} balanced_max_over_mean={first['balanced_total']:.3f} "
         f"static_attention={first['static_attention']:.3f} balanced_attention={first['balanced_attention']:.3f} "
         f"pool_static={pool['static']:.3f} pool_balanced={pool['balanced']:.3f} pool_balanced_doc_cp={pool['balanced_doc_cp']:.3f} "
-        f"pool_hybrid={pool['balanced_hybrid']:.3f}{measured}"
+        f"pool_hybrid_whole={pool['balanced_hybrid_whole']:.3f} pool_hybrid={pool['balanced_hybrid']:.3f}{measured}"
     )
 
 

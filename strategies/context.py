@@ -34,10 +34,11 @@ import torch.distributed as dist
 from torch import nn
 
 from strategies.attention_blocks import block_kernels
-from strategies.cp_placement import HybridPlacement, WholeRows, placement_problems
+from strategies.cp_layout import CPLayout, build_cp_layout, build_sub_layouts
+from strategies.cp_placement import HybridPlacement, OnGroup, WholeRows, group_sizes, placement_problems
 from strategies.document_shards import shard_documents
 from strategies.parallel_dims import Meshes, divisors
-from strategies.ring_attention import Ring, RingMasks, ring_attention
+from strategies.ring_attention import RingMasks, ring_attention
 from strategies.ulysses import heads_to_seq, seq_to_heads
 
 if TYPE_CHECKING:
@@ -106,61 +107,6 @@ def causal_work(document_ids_t: torch.Tensor, cp: int, *, load_balance: bool) ->
     return work
 
 
-# ---------------------------------------------------------------------------------- process groups
-@dataclass(frozen=True)
-class CPLayout:
-    """This rank's context-parallel groups.
-
-    Args:
-        cp: ranks in the cp group; ``index``: this rank's place in it.
-        cp_group: the whole cp group (gathers document ids).
-        ulysses_degree: ranks of one head group; ``ulysses_group`` their group (None if 1).
-        ring: the ring across head groups (one member when ``cp == ulysses_degree``).
-    """
-
-    cp: int
-    index: int
-    cp_group: dist.ProcessGroup
-    ulysses_degree: int
-    ulysses_group: dist.ProcessGroup | None
-    ring: Ring
-
-
-def build_cp_layout(cp_ranks: list[list[int]], *, ulysses_degree: int) -> CPLayout:
-    """Creates the cp, Ulysses and ring groups of every cp group; returns this rank's.
-
-    Args:
-        cp_ranks: the global ranks of every cp group of the mesh, each in cp order. Every rank
-            must pass the same lists: ``new_group`` is collective over the default group.
-        ulysses_degree: ranks per head group; divides the cp degree.
-
-    Raises:
-        ValueError: ``ulysses_degree`` does not divide the cp degree, or this rank is in no group.
-    """
-    me = dist.get_rank()
-    cp = len(cp_ranks[0])
-    if cp % ulysses_degree:
-        raise ValueError(f"ulysses_degree={ulysses_degree} does not divide cp={cp}")
-    mine: dict = {}
-    for ranks in cp_ranks:
-        group = dist.new_group(ranks)
-        rings = [ranks[j::ulysses_degree] for j in range(ulysses_degree)]
-        heads = [ranks[i : i + ulysses_degree] for i in range(0, cp, ulysses_degree)]
-        ring_groups = [dist.new_group(r) if len(r) > 1 else None for r in rings]
-        head_groups = [dist.new_group(h) if len(h) > 1 else None for h in heads]
-        if me in ranks:
-            index = ranks.index(me)
-            ring_ranks = rings[index % ulysses_degree]
-            mine = {
-                "cp": cp, "index": index, "cp_group": group, "ulysses_degree": ulysses_degree,
-                "ulysses_group": head_groups[index // ulysses_degree],
-                "ring": Ring(ring_groups[index % ulysses_degree], tuple(ring_ranks), ring_ranks.index(me)),
-            }  # fmt: skip
-    if not mine:
-        raise ValueError(f"rank {me} is in none of the cp groups {cp_ranks}")
-    return CPLayout(**mine)
-
-
 # ---------------------------------------------------------------------------------- the attention core
 class ContextParallelAttention:
     """The attention core of every `Attention` module under context parallelism.
@@ -175,25 +121,36 @@ class ContextParallelAttention:
         kv_chunk: keys per score block in `ring_attention` (0: whole blocks).
         kernel: the block kernels (`strategies.attention_blocks.block_kernels`): ``auto`` (fused
             on CUDA, eager fp32 on CPU), ``fused`` or ``eager``.
+        whole: the model's one-process core (whole rows); sub_layouts: this rank's cp sub-groups
+            by size (`strategies.cp_layout.build_sub_layouts`), both for hybrid placement.
     """
 
     def __init__(
-        self, layout: CPLayout, *, load_balance: bool = True, kv_chunk: int = 0, kernel: str = "auto", whole: Any = None
-    ) -> None:
+        self, layout: CPLayout, *, load_balance: bool = True, kv_chunk: int = 0, kernel: str = "auto", whole: Any = None,
+        sub_layouts: dict[int, CPLayout] | None = None,
+    ) -> None:  # fmt: skip
         block_kernels(torch.device("cpu"), kernel)  # fails on an unknown kernel name
         self.layout, self.load_balance, self.kv_chunk, self.kernel = layout, load_balance, kv_chunk, kernel
-        self.whole, self.whole_rows = whole, False  # the one-process core; set while whole rows train
+        self.whole, self.sub_layouts = whole, dict(sub_layouts or {})  # the one-process core; cp sub-groups
+        self.group_size = layout.cp  # ranks the rows of the current forward are split over
 
     @contextmanager
-    def training_whole_rows(self, whole: bool) -> Iterator[None]:
-        """While active (``whole``), forwards attend with the one-process core: the rows are whole
-        on this rank (`strategies.cp_placement`). The masks made then carry it, so a recompute
-        under activation checkpointing attends the same way."""
-        self.whole_rows = whole and self.whole is not None
+    def training_group(self, size: int) -> Iterator[None]:
+        """While active, forwards attend over the rows of a cp group of ``size`` ranks
+        (`strategies.cp_placement`): 1 with the one-process core (whole rows), a sub-group size
+        with its layout (``sub_layouts``), the cp degree as usual. The masks made then carry the
+        choice, so a recompute under activation checkpointing attends the same way.
+
+        Raises:
+            ValueError: no layout of that size (no one-process core for 1, or no such sub-group).
+        """
+        if size != self.layout.cp and not (size == 1 and self.whole is not None) and size not in self.sub_layouts:
+            raise ValueError(f"no cp group of {size} ranks (built: 1, {', '.join(map(str, sorted(self.sub_layouts)))}, {self.layout.cp})")
+        self.group_size = size
         try:
             yield
         finally:
-            self.whole_rows = False
+            self.group_size = self.layout.cp
 
     def mask(self, document_ids_bt: torch.Tensor | None, seq_len: int, device: torch.device) -> RingMasks:
         """Positions and document ids of the queries and keys each layer's ring step sees.
@@ -203,9 +160,16 @@ class ContextParallelAttention:
             seq_len: this rank's token count ``T/cp``.
             device: the device of the activations.
         """
-        if self.whole_rows:
+        if self.group_size == 1:
             return WholeRows(self.whole.mask(document_ids_bt, seq_len, device))
-        lay = self.layout
+        if self.group_size != self.layout.cp:
+            lay = self.sub_layouts[self.group_size]
+            return OnGroup(lay, self._ring_masks(lay, document_ids_bt, seq_len, device))
+        return self._ring_masks(self.layout, document_ids_bt, seq_len, device)
+
+    def _ring_masks(
+        self, lay: CPLayout, document_ids_bt: torch.Tensor | None, seq_len: int, device: torch.device
+    ) -> RingMasks:
         pos = [shard_positions(seq_len * lay.cp, lay.cp, c, load_balance=self.load_balance) for c in range(lay.cp)]
         docs = None
         if document_ids_bt is not None:
@@ -229,7 +193,10 @@ class ContextParallelAttention:
         """``[B, T/cp, H, E]`` queries and ``[B, T/cp, K, E]`` keys/values (after RoPE) -> ``[B, T/cp, H, E]``."""
         if isinstance(masks, WholeRows):
             return self.whole(q_bthe, k_btke, v_btke, masks.mask)
-        lay, u = self.layout, self.layout.ulysses_degree
+        lay = self.layout
+        if isinstance(masks, OnGroup):
+            lay, masks = masks.layout, masks.masks
+        u = lay.ulysses_degree
         if u > 1:
             H, K = q_bthe.shape[2], k_btke.shape[2]
             if H % u or K % u:
@@ -247,8 +214,9 @@ class ContextParallelAttention:
 
 
 def apply_context_parallel(
-    model: nn.Module, *, layout: CPLayout, load_balance: bool = True, kv_chunk: int = 0, kernel: str = "auto"
-) -> None:
+    model: nn.Module, *, layout: CPLayout, load_balance: bool = True, kv_chunk: int = 0, kernel: str = "auto",
+    sub_layouts: dict[int, CPLayout] | None = None,
+) -> None:  # fmt: skip
     """Makes every attention module of ``model`` context-parallel, in place.
 
     ``model`` must offer ``set_attention_core`` (`trainer.models.llama.Llama`); a model without
@@ -256,8 +224,9 @@ def apply_context_parallel(
     """
     if hasattr(model, "set_attention_core"):
         core = ContextParallelAttention(
-            layout, load_balance=load_balance, kv_chunk=kv_chunk, kernel=kernel, whole=model.attention_core
-        )
+            layout, load_balance=load_balance, kv_chunk=kv_chunk, kernel=kernel, whole=model.attention_core,
+            sub_layouts=sub_layouts,
+        )  # fmt: skip
         model.set_attention_core(core)
 
 
@@ -324,7 +293,7 @@ class ContextParallel(HybridPlacement):
     placement: str = "split"
     activation_offload: bool = False
     core: ContextParallelAttention | None = field(default=None, init=False, repr=False)  # set by apply
-    whole_row_count: int = field(default=0, init=False)  # whole rows of this cp group in the last step
+    group_rows: dict[int, int] = field(default_factory=dict, init=False)  # rows of this cp group per group size, last step
 
     def __post_init__(self) -> None:
         if self.sharding not in SHARDINGS or (self.sharding == "document" and not self.load_balance):
@@ -365,10 +334,15 @@ class ContextParallel(HybridPlacement):
         """Context-parallel attention over the cp groups of ``meshes`` (in ``meshes.cp_mode``)."""
         cp_ranks = meshes.cp_ranks()
         cp = len(cp_ranks[0])
-        layout = build_cp_layout(cp_ranks, ulysses_degree=ulysses_degree_for(meshes.cp_mode, cp, self.ulysses_degree))
+        u = ulysses_degree_for(meshes.cp_mode, cp, self.ulysses_degree)
+        layout = build_cp_layout(cp_ranks, ulysses_degree=u)
+        sub_layouts = {}
+        if self.placement == "hybrid":  # the sub-groups hybrid placement may choose, created once here
+            sub_layouts = build_sub_layouts(cp_ranks, group_sizes(cp), ulysses_degree=u)
         apply_context_parallel(
-            model, layout=layout, load_balance=self.load_balance, kv_chunk=self.kv_chunk, kernel=self.kernel
-        )
+            model, layout=layout, load_balance=self.load_balance, kv_chunk=self.kv_chunk, kernel=self.kernel,
+            sub_layouts=sub_layouts,
+        )  # fmt: skip
         core = getattr(model, "attention_core", None)
         self.core = core if isinstance(core, ContextParallelAttention) else None
 

@@ -322,11 +322,14 @@ class MeshStrategy(MeshStep, MeshCheckpoints, ModelParallelStrategy):
             islands in this step) and ``comm/bytes_sent_total`` under local SGD;
             ``ep/max_over_mean_rows`` under expert parallelism; with LoRA after the first step
             ``lora/trainable_bytes`` and ``lora/optimizer_state_bytes``; with cp hybrid placement
-            ``perf/cp_whole_rows`` (rows of a cp group trained whole in the step).
+            ``perf/cp_whole_rows`` (rows of a cp group trained whole in the step) and ``perf/cp_rows_g<g>``
+            (its rows on groups of g ranks; g = cp: split over the whole group).
         """
         metrics = self.expert_parallel.rank_load_metrics()
         if self.dims.cp > 1 and self.context_parallel.placement == "hybrid":
-            metrics["perf/cp_whole_rows"] = float(self.context_parallel.whole_row_count)
+            rows = self.context_parallel.group_rows
+            metrics["perf/cp_whole_rows"] = float(rows.get(1, 0))
+            metrics.update({f"perf/cp_rows_g{g}": float(n) for g, n in sorted(rows.items())})
         if self.lora is not None and step == 1:
             metrics.update(
                 self.lora.report(self.lightning_module.model, getattr(optimizer, "_optimizer", optimizer), verbose=self.is_global_zero)
