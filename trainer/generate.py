@@ -29,11 +29,27 @@ from trainer.rundir import RunModel, load_run_model
 from trainer.targets import UntrustedTargetError
 
 
+class NonFiniteLogitsError(ValueError):
+    """The model's logits (or logits / temperature) hold inf or NaN: nothing can be sampled."""
+
+
 def _next_token(logits: torch.Tensor, *, temperature: float, top_k: int | None) -> int:
-    """Greedy (temperature <= 0) or top-k sampling at ``temperature`` from one [V] row of logits."""
+    """Greedy (temperature <= 0) or top-k sampling at ``temperature`` from one [V] row of logits.
+
+    Raises:
+        NonFiniteLogitsError: the logits are not finite (diverged weights whose activations
+            overflow), or dividing them by ``temperature`` overflows.
+    """
+    if not bool(torch.isfinite(logits).all()):
+        raise NonFiniteLogitsError(
+            "the model's logits are not finite (inf or NaN): its weights have diverged; "
+            "generate from an earlier checkpoint (ckpt=<run>/checkpoints/step_N)"
+        )
     if temperature <= 0:
         return int(logits.argmax())
     logits = logits / temperature
+    if not bool(torch.isfinite(logits).all()):
+        raise NonFiniteLogitsError(f"temperature={temperature} makes the logits overflow; raise it, or use temperature=0 (greedy)")
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -67,6 +83,9 @@ def sample(
 
     Returns:
         The generated ids (without the prompt and the EOS).
+
+    Raises:
+        NonFiniteLogitsError: see `_next_token`.
     """
     ids = list(prompt_ids[-(max_seq_len - 1) :])
     out: list[int] = []
@@ -194,7 +213,10 @@ def main(argv: list[str]) -> None:
     if cfg.kv_cache and not caches(run.model):
         print(f"plait: {type(run.model).__name__} has no set_attention_core: generating without a KV cache", file=sys.stderr)
     torch.manual_seed(cfg.seed)
-    if cfg.chat:
-        print(reply(run, chat_template(run).render([{"role": "user", "content": cfg.prompt}], add_generation_prompt=True), cfg))
-    else:
-        print(cfg.prompt + reply(run, cfg.prompt, cfg))
+    try:
+        if cfg.chat:
+            print(reply(run, chat_template(run).render([{"role": "user", "content": cfg.prompt}], add_generation_prompt=True), cfg))
+        else:
+            print(cfg.prompt + reply(run, cfg.prompt, cfg))
+    except NonFiniteLogitsError as err:
+        fail(f"{run.checkpoint}: {err}")

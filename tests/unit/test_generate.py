@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trainer.data.chat import DEFAULT_CHAT_TEMPLATE, JinjaTemplate, default_segments, prompt_text
-from trainer.generate import sample
+from trainer.generate import NonFiniteLogitsError, sample
 from trainer.models.llama import Llama
 
 VOCAB = 300
@@ -83,3 +83,17 @@ def test_export_has_a_chat_template_transformers_uses(tmp_path) -> None:
     generated = hf_model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False)[0, len(ids) :].tolist()
     plait_ids = sample(model, ids, max_new_tokens=20, temperature=0.0, top_k=None, max_seq_len=128, eos_id=tokenizer.eos_id)
     assert generated[: len(plait_ids)] == plait_ids
+
+
+def test_overflowing_logits_name_the_fix_instead_of_a_multinomial_traceback() -> None:
+    # Finite but huge weights (a diverged run's checkpoint is finite, so it loads): the logits overflow.
+    model = _model()
+    with torch.no_grad():
+        model.output.weight.fill_(3e38)
+    kw = {"max_new_tokens": 4, "top_k": None, "max_seq_len": model.max_seq_len}
+    for temperature in (0.0, 0.8):
+        with pytest.raises(NonFiniteLogitsError, match="earlier checkpoint"):
+            sample(model, PROMPT, temperature=temperature, **kw)
+    # Finite logits that only a tiny temperature makes overflow.
+    with pytest.raises(NonFiniteLogitsError, match="temperature=1e-40"):
+        sample(_model(), PROMPT, temperature=1e-40, **kw)
