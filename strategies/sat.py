@@ -9,10 +9,20 @@ work, and the omitted channels get no gradient that step.
 
 What is implemented: the MLP omission with a per-step uniformly random channel subset per block,
 drawn from (``seed``, step, block name), so every rank of a step keeps the same channels (data-
-parallel replicas, pipeline stages and activation-checkpoint recomputation agree) and a run is
-reproducible. Not implemented: the paper's importance-weighted selection, its attention-head
-omission and its ladder omission-rate schedule. At ``rate=0`` nothing is omitted and training is
-exactly dense.
+parallel replicas, pipeline stages and activation-checkpoint recomputation agree), a run is
+reproducible and a resumed run draws what the uninterrupted one drew (the draw is a pure function
+of the global step; nothing to checkpoint). The paper's ladder omission-rate scheduler (LORS):
+``ladder`` lists phases ``[start_fraction, scale]`` of the run (``total_steps`` optimizer steps);
+a step omits ``rate x scale`` of the phase it falls in, so the rate steps down towards the end and
+the last phase trains dense (``scale`` 0). At omission rate 0 a step runs the dense code path and
+is exactly dense training.
+
+Not implemented: the paper's attention-head omission, and its importance-based selection. The
+sources available here give the idea (score each channel from its activations and omit the least
+important, by sampling) but not the rule (which norm, over which tokens, smoothed across steps or
+not, top-k or sampled and from what distribution), and OpenDFM/SAT has no code. Built, it needs
+the scores all-reduced over the data-parallel ranks before the draw (each rank sees other rows), and
+any state smoothed across steps checkpointed with the optimizer (or resume refused).
 
 The model declares the capability: a module with ``ffn_dim`` and ``keep_channels(idx | None)``
 (`SparseMLP`, e.g. `trainer.models.block.FeedForward`).
@@ -21,7 +31,7 @@ The model declares the capability: a module with ``ffn_dim`` and ``keep_channels
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -59,28 +69,67 @@ def sparse_mlps(model: nn.Module) -> dict[str, SparseMLP]:
     return {name: m for name, m in model.named_modules() if isinstance(m, SparseMLP)}
 
 
+def ladder_problems(ladder: Sequence[Sequence[float]], total_steps: int) -> list[str]:
+    """What is wrong with a ladder of ``[start_fraction, scale]`` phases, each problem naming the fix."""
+    where = "strategy.sat.ladder"
+    if total_steps <= 0:
+        return [f"{where} needs strategy.sat.total_steps > 0 (trainer.max_steps); set it or strategy.sat.ladder=null"]
+    if not ladder or any(len(phase) != 2 for phase in ladder):
+        return [f"{where}={list(map(list, ladder))} must be a non-empty list of [start_fraction, scale] pairs"]
+    starts, scales = [float(p[0]) for p in ladder], [float(p[1]) for p in ladder]
+    out = []
+    if starts[0] != 0.0 or any(b <= a for a, b in zip(starts, starts[1:])) or starts[-1] >= 1.0:
+        out.append(f"{where}: the start fractions {starts} must begin at 0.0 and increase, below 1.0")
+    if any(not 0.0 <= x <= 1.0 for x in scales):
+        out.append(f"{where}: the scales {scales} must be in [0, 1] (a phase omits strategy.sat.rate x scale)")
+    return out
+
+
+def ladder_rate(step: int, rate: float, ladder: Sequence[Sequence[float]] | None, total_steps: int) -> float:
+    """The omission rate of optimizer step ``step`` (0-based): ``rate`` x the scale of its phase.
+
+    Step ``s`` is in the last phase whose ``start_fraction x total_steps <= s``; no ladder: ``rate``.
+    """
+    if ladder is None:
+        return rate
+    scale = [float(x) for start, x in ladder if float(start) * total_steps <= step][-1]
+    return rate * scale
+
+
 class SAT:
-    """The SAT plugin: ``+strategy/sat=default strategy.sat.rate=0.5`` (see the module docstring).
+    """The SAT plugin: ``+strategy/sat=default [strategy.sat.rate=0.5]`` (see the module docstring).
 
     Args:
-        rate: fraction of each MLP's hidden channels omitted per step, in [0, 1).
+        rate: fraction of each MLP's hidden channels omitted per step (the ladder's top rung), in [0, 1).
         seed: seed of the channel draws.
+        ladder: phases ``[[start_fraction, scale], ...]`` of the run, fractions increasing from 0.0
+            (the preset: the paper's ladder, dense at the end); None: ``rate`` at every step.
+        total_steps: the run's optimizer steps (the preset: ``${trainer.max_steps}``); used by ``ladder``.
 
     Raises:
-        ValueError: ``rate`` outside [0, 1).
+        ValueError: ``rate`` outside [0, 1), or a malformed ``ladder``.
     """
 
-    def __init__(self, rate: float = 0.5, seed: int = 0) -> None:
-        if not 0.0 <= rate < 1.0:
-            raise ValueError(f"strategy.sat.rate={rate} must be in [0, 1)")
-        self.rate, self.seed = float(rate), int(seed)
+    def __init__(
+        self, rate: float = 0.5, seed: int = 0, ladder: Sequence[Sequence[float]] | None = None, total_steps: int = 0
+    ) -> None:
+        self.rate, self.seed, self.total_steps = float(rate), int(seed), int(total_steps)
+        self.ladder = None if ladder is None else [[float(a), float(b)] for a, b in ladder]
+        if problems := self._rate_problems():
+            raise ValueError("; ".join(problems))
         self.mlps: dict[str, SparseMLP] = {}
+
+    def _rate_problems(self) -> list[str]:
+        out = [] if 0.0 <= self.rate < 1.0 else [f"strategy.sat.rate={self.rate} must be in [0, 1)"]
+        return out + ([] if self.ladder is None else ladder_problems(self.ladder, self.total_steps))
+
+    def rate_at(self, step: int) -> float:
+        """The omission rate of optimizer step ``step`` (0-based global step)."""
+        return ladder_rate(step, self.rate, self.ladder, self.total_steps)
 
     def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
         """Configuration problems, each naming the fix (``run.dims``: the resolved degrees)."""
-        out = []
-        if not 0.0 <= self.rate < 1.0:
-            out.append(f"strategy.sat.rate={self.rate} must be in [0, 1)")
+        out = self._rate_problems()
         dims = run.dims
         if dims.tp > 1:
             out.append(
@@ -102,10 +151,11 @@ class SAT:
     @contextmanager
     def step(self, step: int) -> Iterator[None]:
         """The forward and backward of optimizer step ``step`` run inside with the step's channels."""
-        if self.rate > 0.0:
+        rate = self.rate_at(step)
+        if rate > 0.0:
             for name, mlp in self.mlps.items():
                 device = next(iter(mlp.parameters())).device if isinstance(mlp, nn.Module) else "cpu"
-                mlp.keep_channels(kept_channels(mlp.ffn_dim, self.rate, seed=self.seed, step=step, name=name, device=device))
+                mlp.keep_channels(kept_channels(mlp.ffn_dim, rate, seed=self.seed, step=step, name=name, device=device))
         try:
             yield
         finally:

@@ -1,5 +1,7 @@
-"""Sparsity-accelerated training (`strategies.sat`): dense at rate 0, and at rate 0.5 one process
-and FSDP on 2 ranks equal an independent reference that zeroes the omitted channels.
+"""Sparsity-accelerated training (`strategies.sat`): dense at rate 0, and at rate 0.5 (constant, or
+the ladder schedule) one process and FSDP on 2 ranks equal an independent reference that zeroes the
+omitted channels; the ladder's rates match a hand-written schedule, its dense last phase is exactly
+dense training, and a run resumed across its rungs is exact.
 
 fp32 nano Llama, the bundled corpus, global batch 8 of 64-token rows, 3 steps of SGD with momentum
 (constant LR, no clipping). plait gathers the kept rows of w1/w3 and columns of w2 and runs smaller
@@ -26,11 +28,18 @@ RATE = 0.5
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 COMMON = (*EXACT_SGD, f"trainer.max_steps={STEPS}", "+callbacks.params._target_=harness.ParamRecorder")
 SAT_ON = ("+strategy/sat=default", "strategy.sat.seed=5")
+CONSTANT = (*SAT_ON, f"strategy.sat.rate={RATE}", "strategy.sat.ladder=null")
+# The preset's ladder over 4 steps, written out: rate x [1, 1, 0.5, 0] (phases start at 0, 2, 3).
+LADDER_4 = [RATE, RATE, RATE / 2, 0.0]
 
 
-def _run(overrides: list[str], run_dir) -> dict:
-    _, task = fit(compose_config([*COMMON, *overrides]), run_dir)
-    return {"loss": losses(task.history), "params": [h["params"] for h in task.history if "params" in h][0]}
+def _run(overrides: list[str], run_dir, ckpt_path: str | None = None) -> dict:
+    _, task = fit(compose_config([*COMMON, *overrides]), run_dir, ckpt_path=ckpt_path)
+    return {
+        "loss": losses(task.history),
+        "steps": [h["step"] for h in task.history if "loss" in h],
+        "params": [h["params"] for h in task.history if "params" in h][-1],
+    }
 
 
 def _masked_forward(ff: torch.nn.Module, mask_f: list[torch.Tensor]):
@@ -40,7 +49,8 @@ def _masked_forward(ff: torch.nn.Module, mask_f: list[torch.Tensor]):
     return types.MethodType(forward, ff)
 
 
-def reference(rate: float) -> dict:
+def reference(rates: list[float]) -> dict:
+    """The masked-MLP loop: step ``i`` omits ``rates[i]`` of each MLP's channels (0: none)."""
     cfg = compose_config([*COMMON, *SAT_ON])
     rows, model, optimizer, sampler = reference_setup(cfg)
     masks = {}
@@ -48,10 +58,14 @@ def reference(rate: float) -> dict:
         masks[i] = [torch.ones(block.feed_forward.ffn_dim)]
         block.feed_forward.forward = _masked_forward(block.feed_forward, masks[i])
     out = {"loss": []}
-    for step, index in zip(range(STEPS), sampler):
+    for step, index in zip(range(len(rates)), sampler):
         for i, block in model.layers.items():
-            kept = kept_channels(block.feed_forward.ffn_dim, rate, seed=5, step=step, name=f"layers.{i}.feed_forward")
-            masks[i][0] = torch.zeros(block.feed_forward.ffn_dim).index_fill_(0, kept, 1.0)
+            ffn_dim = block.feed_forward.ffn_dim
+            if rates[step] == 0.0:
+                masks[i][0] = torch.ones(ffn_dim)
+                continue
+            kept = kept_channels(ffn_dim, rates[step], seed=5, step=step, name=f"layers.{i}.feed_forward")
+            masks[i][0] = torch.zeros(ffn_dim).index_fill_(0, kept, 1.0)
         labels = rows.labels[index]
         logits = model(rows.input_ids[index], position_ids_bt=rows.position_ids[index], document_ids_bt=rows.document_ids[index])
         loss_sum = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
@@ -66,18 +80,66 @@ def reference(rate: float) -> dict:
 
 def test_rate0_trains_exactly_as_dense(tmp_path):
     dense = _run(["train.micro_batch_size=4"], tmp_path / "dense")
-    off = _run(["train.micro_batch_size=4", *SAT_ON, "strategy.sat.rate=0.0"], tmp_path / "rate0")
+    off = _run(["train.micro_batch_size=4", *CONSTANT, "strategy.sat.rate=0.0"], tmp_path / "rate0")
     assert dense["loss"] == off["loss"]
     for name, w in dense["params"].items():
         assert torch.equal(w, off["params"][name]), name
 
 
-@pytest.mark.parametrize("layout", [["train.micro_batch_size=4"], ["strategy=fsdp", "trainer.devices=2"]], ids=["one_process_ga2", "fsdp2"])
-def test_sat_equals_reference(tmp_path, layout):
-    expected = reference(RATE)
-    run = _run([*layout, *SAT_ON, f"strategy.sat.rate={RATE}"], tmp_path)
+LAYOUTS = {"one_process_ga2": ["train.micro_batch_size=4"], "fsdp2": ["strategy=fsdp", "trainer.devices=2"]}
+
+
+@pytest.mark.parametrize(
+    ("layout", "schedule", "rates"),
+    [("one_process_ga2", CONSTANT, [RATE] * STEPS), ("fsdp2", CONSTANT, [RATE] * STEPS), ("fsdp2", (*SAT_ON, "trainer.max_steps=4"), LADDER_4)],
+    ids=["one_process_ga2", "fsdp2", "fsdp2_ladder"],
+)
+def test_sat_equals_reference(tmp_path, layout, schedule, rates):
+    expected = reference(rates)
+    run = _run([*LAYOUTS[layout], *schedule], tmp_path)
     torch.testing.assert_close(run["loss"], expected["loss"], **TOL)
     torch.testing.assert_close(run["params"], expected["params"], **TOL)
+
+
+def test_ladder_rates_match_a_hand_written_schedule():
+    """Phases start at ``fraction x total_steps``: 8 steps -> 0, 4, 6; 10 steps -> 0, 5, 7.5."""
+    ladder = [[0.0, 1.0], [0.5, 0.5], [0.75, 0.0]]
+    assert [SAT(0.4, ladder=ladder, total_steps=8).rate_at(s) for s in range(8)] == [0.4] * 4 + [0.2] * 2 + [0.0] * 2
+    assert [SAT(0.4, ladder=ladder, total_steps=10).rate_at(s) for s in range(10)] == [0.4] * 5 + [0.2] * 3 + [0.0] * 2
+    assert [SAT(0.3, ladder=None).rate_at(s) for s in (0, 7, 10**6)] == [0.3] * 3
+    with pytest.raises(ValueError, match="must begin at 0.0"):
+        SAT(0.4, ladder=[[0.5, 1.0]], total_steps=8)
+    with pytest.raises(ValueError, match="total_steps > 0"):
+        SAT(0.4, ladder=ladder, total_steps=-1)
+
+
+# The preset's ladder over 8 steps: rate 0.5 for steps 0-3, 0.25 for 4-5, dense for 6-7.
+RESUME = (*SAT_ON, "trainer.max_steps=8", "callbacks.checkpoint.every_n_steps=2", "callbacks.checkpoint.keep_last=0")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    return run_dir / "checkpoints", _run(list(RESUME), run_dir)
+
+
+def test_resume_across_the_ladder_is_exact(uninterrupted, tmp_path):
+    """Resumed after step 2, the run crosses both rungs (steps 4 and 6) as the uninterrupted one did."""
+    checkpoints, reference_run = uninterrupted
+    resumed = _run(list(RESUME), tmp_path, ckpt_path=str(checkpoints / "step_0000002"))
+    assert resumed["steps"] == reference_run["steps"] == list(range(1, 9))
+    assert resumed["loss"] == reference_run["loss"]
+    for name, w in reference_run["params"].items():
+        assert torch.equal(resumed["params"][name], w), name
+
+
+def test_ladder_ends_in_exactly_dense_training(uninterrupted, tmp_path):
+    """The ladder's last phase (steps 6-7) equals plain training from the same checkpoint, bitwise."""
+    checkpoints, reference_run = uninterrupted
+    dense = _run(["trainer.max_steps=8"], tmp_path, ckpt_path=str(checkpoints / "step_0000006"))
+    assert dense["loss"][6:] == reference_run["loss"][6:]
+    for name, w in reference_run["params"].items():
+        assert torch.equal(dense["params"][name], w), name
 
 
 def test_channels_are_cleared_after_the_step():
