@@ -35,7 +35,7 @@ rows alone (deterministic, ties by index), so resume is unchanged.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,6 +197,8 @@ def hybrid_micro_batches(
         ValueError: preference pairs left to split (they train whole only; validate refuses such layouts).
     """
     sizes = group_sizes(cp, micro_batch_size)
+    if batch["input_ids"].dim() == 3:
+        sizes = tuple(g for g in sizes if g == 1)  # pairs: whole or not at all
     counts = group_row_counts(batch.get("document_ids"), cp, sizes, device=batch["input_ids"].device)
     rows = batch["input_ids"].shape[0]
     if not any(counts.values()):
@@ -261,6 +263,10 @@ class HybridPlacement:
             batch, cp=cp, rank=rank, micro_batch_size=micro_batch_size, shard=shard
         )
         return micro_batches
+
+    def whole_rows(self) -> AbstractContextManager[None]:
+        """Forwards inside attend with the one-process core (rows whole on this rank)."""
+        return nullcontext() if self.core is None else self.core.training_group(1)
 
     @contextmanager
     def training(self, micro_batch: dict[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:

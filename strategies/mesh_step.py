@@ -9,7 +9,7 @@ Subclass `MeshStrategy` and override one of these to change a step.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -29,8 +29,10 @@ class MeshStep:
 
     def shard_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's part of its dp rows, before the step counts tokens: with cp > 1 its slice of
-        the sequence dimension (`strategies.context.shard_batch`); else the rows unchanged."""
-        if self.dims.cp > 1:
+        the sequence dimension (`strategies.context.shard_batch`); else the rows unchanged.
+        ``[B, 2, T]`` preference pairs are never split: every cp rank evaluates them whole
+        (`eval_loss_sum`), so the sums and counts over dp x cp are ``cp`` times alike."""
+        if self.dims.cp > 1 and batch["input_ids"].dim() == 2:
             cp_mesh = self.submesh("cp")
             return self.context_parallel.shard_batch(batch, cp=cp_mesh.size(), rank=cp_mesh.get_local_rank())
         return batch
@@ -46,6 +48,11 @@ class MeshStep:
             )
         return micro_batches_of(batch, micro_batch_size)
 
+    def whole_rows(self) -> AbstractContextManager[None]:
+        """Forwards inside attend over whole rows on this rank: with cp > 1 the one-process
+        attention core (preference pairs, which hybrid placement trains whole: `strategies.cp_placement`)."""
+        return self.context_parallel.whole_rows() if self.dims.cp > 1 else nullcontext()
+
     @contextmanager
     def loss_context(self) -> Iterator[None]:
         """Context for the loss and its backward: tensor parallelism's loss parallel when tp > 1."""
@@ -60,11 +67,12 @@ class MeshStep:
     ) -> torch.Tensor:
         """Summed token loss of one (sharded) evaluation batch on this rank, without gradients.
 
-        With pp > 1 a forward through the stages; every pp rank returns the batch's loss."""
+        With pp > 1 a forward through the stages; every pp rank returns the batch's loss.
+        Preference pairs (``[B, 2, T]``) attend whole (`whole_rows`)."""
         if self.dims.pp > 1:
             with self.loss_context():
                 return self.pipeline.eval_loss_sum(batch, loss_sum)
-        with self.loss_context():
+        with self.loss_context(), self.whole_rows() if batch["input_ids"].dim() == 3 else nullcontext():
             return loss_sum(model, batch)
 
     def forward_backward(

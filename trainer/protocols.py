@@ -55,6 +55,11 @@ class Strategy(Protocol):
         """The context the loss and its backward run in (loss parallel under tp)."""
         ...
 
+    def whole_rows(self) -> AbstractContextManager[None]:
+        """The context whose forwards see whole rows on this rank (cp > 1: preference pairs are
+        never split); called only when ``dims.cp > 1``."""
+        ...
+
     def grad_norm(self, parameters: Sequence[nn.Parameter]) -> torch.Tensor:
         """The global gradient norm, equal on every rank."""
         ...

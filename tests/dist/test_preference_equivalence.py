@@ -14,12 +14,19 @@ loss = mean over the 8 pairs of the paper's per-pair loss, written below (not pl
 - ORPO (Hong et al. 2024, eqs. 6-7): ``-a_c + lam (-log sigmoid(log odds_c - log odds_r))`` with
   ``a = log pi(y|x) / |y|`` and ``log odds = a - log(1 - e^a)``.
 
-Layouts: DPO on one process, FSDP 2 ranks with grad accumulation 2 and TP 2 with loss parallel;
-IPO and ORPO on FSDP 2 (grad accumulation 2), SimPO on DDP 2 (real gloo processes). Compared: the
+Layouts: DPO on one process, FSDP 2 ranks with grad accumulation 2, TP 2 with loss parallel and
+FSDP 2 x CP 2 with hybrid placement (every pair whole on one cp rank, its reference log-probs and
+its evaluation too; asserted from ``perf/cp_whole_rows``; the validation loss after the last step
+is compared too);
+IPO and ORPO on FSDP 2 (grad accumulation 2), ORPO on CP 2 with hybrid placement (its loss holds
+the chosen log-probs, so a wrong attention in evaluation shows; DPO's margins hide it below
+1e-5), SimPO on DDP 2 (real gloo processes). Compared: the
 loss of every step (within 1e-5) and the parameters after the 3 steps (within 1e-5).
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -45,13 +52,20 @@ ONE = ["train.micro_batch_size=8"]
 FSDP2_GA2 = ["strategy=fsdp", "trainer.devices=2", "train.micro_batch_size=2"]
 DDP2 = ["strategy=ddp", "trainer.devices=2", "train.micro_batch_size=4"]
 TP2_LP = ["strategy=tp", "trainer.devices=2", "strategy.tensor_parallel.sequence_parallel=false"]
+# cp hybrid placement: each pair whole on one cp rank (2 of a dp rank's 4 per cp rank), FSDP over all 4
+FSDP2_CP2_HYBRID = ["strategy=nd", "strategy.dp_shard=2", "strategy.cp=2", "trainer.devices=4", "train.micro_batch_size=2",
+                    "strategy.context_parallel.placement=hybrid", f"train.eval_every={STEPS}"]  # fmt: skip
+CP2_HYBRID = ["strategy=cp", "trainer.devices=2", "train.micro_batch_size=2", "strategy.context_parallel.placement=hybrid",
+              f"train.eval_every={STEPS}"]  # fmt: skip
 CASES = {
     "dpo-one_process": ("dpo", ONE),
     "dpo-fsdp2_ga2": ("dpo", FSDP2_GA2),
     "dpo-tp2_lp": ("dpo", TP2_LP),
+    "dpo-fsdp2_x_cp2_hybrid": ("dpo", FSDP2_CP2_HYBRID),
     "ipo-fsdp2_ga2": ("ipo", FSDP2_GA2),
     "simpo-ddp2": ("simpo", DDP2),
     "orpo-fsdp2_ga2": ("orpo", FSDP2_GA2),
+    "orpo-cp2_hybrid": ("orpo", CP2_HYBRID),  # its loss holds the chosen log-probs themselves: an eval that attends wrong shows
 }
 
 
@@ -102,6 +116,7 @@ def plain_loop(recipe: str) -> dict:
     prepared = build_data(cfg).prepare()
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model)  # vocab_size 288: a multiple of tp=2
+    initial = copy.deepcopy(model)
     rows = prepared.train
     with torch.no_grad():
         ref_logps, tokens = response_logps(model, rows)
@@ -118,6 +133,10 @@ def plain_loop(recipe: str) -> dict:
         optimizer.step()
         out["loss"].append(loss.item())
     out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():  # the validation loss after the last step: mean pair loss of the held-out pairs
+        val_ref, _ = response_logps(initial, prepared.val)
+        logps, tokens = response_logps(model, prepared.val)
+        out["val_loss"] = PAIR_LOSS[recipe](logps, tokens, val_ref, cfg.objective).mean().item()
     return out
 
 
@@ -135,6 +154,10 @@ def test_preference_layout_matches_plain_loop(case, references, tmp_path):
     reference = references[recipe]
     _, task = fit(_cfg(recipe, layout), tmp_path)
     got = losses(task.history)
+    hybrid = "strategy.context_parallel.placement=hybrid" in layout
+    if hybrid:  # every pair of a cp group trains whole
+        pairs = 8 // (2 if "strategy.dp_shard=2" in layout else 1)
+        assert [h["perf/cp_whole_rows"] for h in task.history if "perf/cp_whole_rows" in h] == [pairs] * STEPS
     torch.testing.assert_close(torch.tensor(got), torch.tensor(reference["loss"]), **TOL)
     if recipe == "dpo":
         assert got[0] == pytest.approx(0.6931472, abs=1e-6)  # the policy is its reference at step 1: -log sigmoid(0)
@@ -142,3 +165,6 @@ def test_preference_layout_matches_plain_loop(case, references, tmp_path):
     params = [h["params"] for h in task.history if "params" in h][0]
     for name, value in reference["params"].items():
         torch.testing.assert_close(params[name], value, **TOL, msg=f"{case}: {name}")
+    if hybrid:
+        vals = {h["step"]: h["val_loss"] for h in task.history if "val_loss" in h}  # every cp rank evaluates pairs whole
+        assert vals[STEPS] == pytest.approx(reference["val_loss"], rel=1e-5, abs=1e-5), vals

@@ -160,3 +160,21 @@ def test_placement_problems_name_the_fix():
     assert placement_problems("hybrid", cp=4, pp=1, micro_batch_size=2) == []  # groups of 2 ranks fit
     (problem,) = placement_problems("hybrid", cp=4, pp=1, micro_batch_size=1)
     assert "set train.micro_batch_size >= 2" in problem
+
+
+def test_validate_accepts_preference_pairs_under_cp_only_whole():
+    from harness import compose_config
+
+    from trainer.config import ConfigError, validate
+
+    dpo = ("model=nano", "data=preference_synthetic", "train.global_batch_size=8", "strategy=cp", "trainer.devices=2",
+           "train.micro_batch_size=2")  # fmt: skip
+    hybrid = "strategy.context_parallel.placement=hybrid"
+    validate(compose_config([*dpo, hybrid], recipe="dpo", tiny=False))
+    with pytest.raises(ConfigError, match="does not support strategy.cp=2 with placement=split .*context_parallel.placement=hybrid"):
+        validate(compose_config(list(dpo), recipe="dpo", tiny=False))
+    with pytest.raises(ConfigError, match="train.micro_batch_size=1 < cp=2; set train.micro_batch_size >= 2"):
+        validate(compose_config([*dpo, hybrid, "train.micro_batch_size=1"], recipe="dpo", tiny=False))
+    with pytest.raises(ConfigError, match="gives 3 pairs per dp rank, not a multiple of cp=2; use a multiple of dp x cp = 4"):
+        validate(compose_config([*dpo, hybrid, "strategy=nd", "strategy.dp_shard=2", "strategy.cp=2", "trainer.devices=4",
+                                 "train.global_batch_size=6", "train.micro_batch_size=3"], recipe="dpo", tiny=False))  # fmt: skip

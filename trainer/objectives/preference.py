@@ -21,6 +21,7 @@ exactly 0.5) and the margin; the Task pops the sums after each step and each eva
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -185,10 +186,11 @@ def reference_logps(task: Any, rows: dict[str, torch.Tensor], score: Any) -> tor
     mine = range(dp["rank"] * per_rank, min(num, (dp["rank"] + 1) * per_rank))
     table = torch.zeros(num, 2, device=task.device)
     step = max(1, task.micro_batch_size)
+    whole = strategy.whole_rows if strategy.dims.cp > 1 else contextlib.nullcontext  # cp: every cp rank scores them whole
     for start in range(0, per_rank, step):
         idx = [mine[min(j, len(mine) - 1)] if len(mine) else 0 for j in range(start, min(per_rank, start + step))]
         batch = {k: v[idx].to(task.device) for k, v in rows.items()}
-        with task.trainer.precision_plugin.forward_context(), strategy.loss_context():
+        with task.trainer.precision_plugin.forward_context(), strategy.loss_context(), whole():
             logps, _ = score(task.model, batch)
         valid = [j for j, i in enumerate(idx) if start + j < len(mine)]
         table[[idx[j] for j in valid]] = logps[valid].float()
@@ -214,18 +216,49 @@ class PreferenceObjective(Objective):
     @classmethod
     def config_problems(cls, cfg: Any, run: Any) -> list[str]:
         """Problems of a run config for `trainer.config.validate`: pairs need the preference data
-        module, and layouts that keep each row whole (cp and pp are not applied to pairs)."""
+        module, and layouts that keep each row whole (no pp; cp only with hybrid placement, `_cp_problems`)."""
         problems = []
         data_target = str(cfg.data.get("_target_", "")) if cfg.get("data") is not None else ""
         if not data_target.endswith("PreferenceDataModule"):
             problems.append(f"objective {cls.__name__} trains on preference pairs; use data=preference (or preference_synthetic)")
-        for axis in ("cp", "pp"):
-            if run is not None and getattr(run.dims, axis) > 1:
-                problems.append(f"objective {cls.__name__} does not support strategy.{axis}={getattr(run.dims, axis)}; use strategy.{axis}=1")
+        if run is not None and run.dims.pp > 1:
+            problems.append(f"objective {cls.__name__} does not support strategy.pp={run.dims.pp}; use strategy.pp=1")
+        if run is not None and run.dims.cp > 1:
+            problems += cls._cp_problems(cfg, run)
         if cfg.get("data") is not None and cfg.data.get("unpaired", False) and not cls.unpaired:
             problems.append(f"objective {cls.__name__} trains on pairs; remove data.unpaired=true (unpaired rows: plait kto)")
         if cfg.get("objective") is not None and cfg.objective.get("loss_chunk_tokens"):
             problems.append("objective.loss_chunk_tokens is not used by preference objectives; remove it")
+        return problems
+
+    @classmethod
+    def _cp_problems(cls, cfg: Any, run: Any) -> list[str]:
+        """Pairs under cp train whole, ``1/cp`` of a dp rank's pairs on each cp rank (hybrid
+        placement, `strategies.cp_placement`): a pair's log-probs sum over whole rows, so a pair is
+        never split. That needs placement=hybrid, pairs per dp rank a multiple of cp and
+        micro-batches of at least cp pairs (a whole micro-batch holds ``micro_batch_size // cp``)."""
+        cp, dp, name = run.dims.cp, run.dims.dp, cls.__name__
+        placement = (cfg.get("strategy") or {}).get("context_parallel", {}).get("placement", "split")
+        if cls.unpaired:  # KTO's KL estimate is a mean over a micro-batch's rows: not placed over cp ranks (not built)
+            return [f"objective {name} does not support strategy.cp={cp}; use strategy.cp=1"]
+        if placement != "hybrid":
+            return [
+                f"objective {name} does not support strategy.cp={cp} with placement={placement} (a pair's log-probs sum "
+                f"over whole rows); use strategy.cp=1 or strategy.context_parallel.placement=hybrid (each pair then "
+                f"trains whole on one cp rank)"
+            ]
+        problems = []
+        if run.global_batch_size // dp % cp:
+            problems.append(
+                f"objective {name} under cp trains each pair whole on one cp rank: train.global_batch_size="
+                f"{run.global_batch_size} gives {run.global_batch_size // dp} pairs per dp rank, not a multiple of cp={cp}; "
+                f"use a multiple of dp x cp = {dp * cp}"
+            )
+        if run.micro_batch_size < cp:
+            problems.append(
+                f"objective {name} under cp trains micro-batches of micro_batch_size // cp whole pairs: "
+                f"train.micro_batch_size={run.micro_batch_size} < cp={cp}; set train.micro_batch_size >= {cp}"
+            )
         return problems
 
     @override
