@@ -14,7 +14,8 @@ seeds, 7 had at least 2 such steps of 5, every one at least 1). The reference is
 (one forward of the 8 rows, loss = summed token CE / supervised tokens). Tolerance 1e-5.
 
 CP 4 ring runs in the default suite; CP 4 hybrid (Ulysses over pairs of ranks, a ring of two head
-groups over all four) with document sharding is slow::
+groups over all four) with document sharding and full activation checkpointing (a recompute must
+attend over the same sub-group: the masks carry its layout) is slow::
 
     timeout 1800 python -m pytest tests/dist/test_cp_subgroup_equivalence.py -m "slow or not slow" -q
 """
@@ -46,7 +47,8 @@ COMMON = (
 LAYOUTS = {
     "cp4_ring": pytest.param(["strategy.cp_mode=ring"], id="cp4_ring"),
     "cp4_hybrid_document": pytest.param(  # pairs of ranks: Ulysses; all four: 2 head groups in a ring
-        ["strategy.cp_mode=hybrid", "strategy.context_parallel.ulysses_degree=2", "strategy.context_parallel.sharding=document"],
+        ["strategy.cp_mode=hybrid", "strategy.context_parallel.ulysses_degree=2", "strategy.context_parallel.sharding=document",
+         "strategy.activation_checkpoint.mode=full"],
         id="cp4_hybrid_document", marks=pytest.mark.slow,
     ),
 }  # fmt: skip
