@@ -279,8 +279,9 @@ class ContextParallel(HybridPlacement):
         kv_chunk: keys per score block in ring attention (0: whole blocks); lowers peak memory.
         kernel: ring attention's block kernels: ``auto`` (fused SDPA kernels on CUDA, eager fp32
             on CPU), ``fused`` or ``eager`` (`strategies.attention_blocks`).
-        placement: ``split`` (every row over all cp ranks) or ``hybrid`` (rows of short documents
-            whole on single cp ranks, the others split: `strategies.cp_placement`).
+        placement: ``split`` (every row over all cp ranks) or ``hybrid`` (each row on the smallest
+            aligned group of 1, 2, 4, ... cp ranks that fits its longest document, whole on one
+            rank at 1; preference pairs always whole: `strategies.cp_placement`).
         activation_offload: an alias of ``strategy.activation_offload.enabled`` (the
             `strategies.activation_offload.ActivationOffload` plugin), kept for existing command lines.
     """
