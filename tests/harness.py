@@ -168,6 +168,33 @@ def reference_setup(cfg: DictConfig) -> tuple[Any, torch.nn.Module, torch.optim.
     return prepared.train, model, optimizer, sampler
 
 
+def reference_run(cfg: DictConfig, steps: int) -> dict[str, Any]:
+    """A plain one-process loop of ``steps`` steps (`reference_setup`): one forward of each step's
+    rows, token-sum cross-entropy over the supervised tokens / their count, backward, SGD step.
+
+    Returns:
+        ``{"loss": [float per step], "grads": [{name: grad} per step], "params": {name: after}}``.
+    """
+    import torch.nn.functional as F
+
+    from trainer.data.packing import IGNORE_INDEX
+
+    rows, model, optimizer, sampler = reference_setup(cfg)
+    out: dict[str, Any] = {"loss": [], "grads": []}
+    for _, index in zip(range(steps), sampler):
+        labels = rows.labels[index]
+        logits = model(rows.input_ids[index], position_ids_bt=rows.position_ids[index], document_ids_bt=rows.document_ids[index])
+        loss_sum = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        loss = loss_sum / (labels != IGNORE_INDEX).sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        out["loss"].append(loss.item())
+        out["grads"].append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+        optimizer.step()
+    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
 # Plain SGD at a constant LR without clipping: every layout applies its own gradient, so parameters
 # after a few steps (with momentum) compare layouts exactly.
 EXACT_SGD = ("optim=sgd", "scheduler=constant", "scheduler.warmup_steps=0", "train.max_grad_norm=0")

@@ -23,9 +23,8 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from harness import EXACT_SGD, compose_config, fit, losses, reference_setup, train_rows
+from harness import EXACT_SGD, compose_config, fit, losses, reference_run, train_rows
 from trainer.build import build_data
 from trainer.config import validate
 from trainer.data.balance import WorkModel
@@ -70,20 +69,7 @@ def corpus(tmp_path_factory) -> str:
 def ref(corpus) -> dict:
     """Plain PyTorch on one process, rows in the sampler's order: one forward of the step's 8 rows."""
     cfg = compose_config([*COMMON, f"data.path={corpus}"])
-    rows, model, optimizer, sampler = reference_setup(cfg)
-    out: dict = {"loss": [], "grads": []}
-    for _, index in zip(range(STEPS), sampler):
-        labels = rows.labels[index]
-        logits = model(rows.input_ids[index], position_ids_bt=rows.position_ids[index], document_ids_bt=rows.document_ids[index])
-        loss_sum = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-        loss = loss_sum / (labels != IGNORE_INDEX).sum()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        out["loss"].append(loss.item())
-        out["grads"].append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
-        optimizer.step()
-    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return out
+    return reference_run(cfg, STEPS)
 
 
 def _planned(cfg) -> tuple[int, list[float]]:

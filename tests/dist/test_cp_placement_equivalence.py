@@ -25,10 +25,8 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from harness import EXACT_SGD, compose_config, fit, losses, reference_setup
-from trainer.data.packing import IGNORE_INDEX
+from harness import EXACT_SGD, compose_config, fit, losses, reference_run
 
 STEPS = 5
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -67,20 +65,7 @@ def corpus(tmp_path_factory) -> str:
 def ref(corpus) -> dict:
     """Plain PyTorch on one process: one forward of the step's 8 rows."""
     cfg = compose_config([*EXACT_SGD, f"data.path={corpus}"])
-    rows, model, optimizer, sampler = reference_setup(cfg)
-    out: dict = {"loss": [], "grads": []}
-    for _, index in zip(range(STEPS), sampler):
-        labels = rows.labels[index]
-        logits = model(rows.input_ids[index], position_ids_bt=rows.position_ids[index], document_ids_bt=rows.document_ids[index])
-        loss_sum = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-        loss = loss_sum / (labels != IGNORE_INDEX).sum()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        out["loss"].append(loss.item())
-        out["grads"].append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
-        optimizer.step()
-    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return out
+    return reference_run(cfg, STEPS)
 
 
 @pytest.mark.parametrize("overrides", list(LAYOUTS.values()))
