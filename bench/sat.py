@@ -1,29 +1,38 @@
 """Sparsity-accelerated training (SAT) vs dense training: step time and final loss, side by side.
 
-Two copies of one tiny Llama (the same initial weights) train on the same rows of the bundled
+Three copies of one tiny Llama (the same initial weights) train on the same rows of the bundled
 corpus (the ``pretrain`` recipe's data, seq 256) with AdamW, step by step in turn in this one
 process: one arm dense, one with `strategies.sat.SAT` omitting ``--rate`` of every MLP's hidden
-channels per step (forward and backward skip their matmul work). The order of the two arms
-alternates every step, so contention on a shared machine hits both alike.
+channels at every step, one on the preset's ladder schedule (``rate`` x 1 for the first half of
+the steps, x 0.5 to 3/4, dense for the last quarter). The order of the arms rotates every step, so
+contention on a shared machine hits them alike; only ratios from one run mean anything.
 
-Reported: the median step time of each arm and their ratio; the prediction ``1 - rate x share``,
-with the MLP's share of the dense step measured in the same run (forward + backward of the model's
-MLPs alone on the step's activations, timed in turn with the steps) and, for reference, the MLP's
-share of the model's matmul FLOPs; the final held-out loss of each arm (claim 6 of SAT: a small gap).
+Reported: each arm's median step time and its total over the timed steps, and their ratios to
+dense; the prediction ``1 - rate x share`` (the ladder: ``1 - mean rate x share``), with the MLP's
+share of the dense step measured in the same run (forward + backward of the model's MLPs alone on
+the step's activation shape, timed in turn with the steps) and, for reference, the MLP's share of
+the model's matmul FLOPs; the kept-channel MLP alone against the dense MLP alone (ideal
+``1 - rate``: what the gathers and gradient scatters of the kept path cost); the final held-out
+loss of each arm (claim 6 of SAT: a small gap) and the load average at the start and the end.
 
 Invocations::
 
-    OMP_NUM_THREADS=2 python bench/sat.py                  # tiny model, 300 steps: ~5 minutes on 2 idle cores
+    python bench/sat.py                   # tiny, 300 steps, 1 thread: ~8 s/step, ~40 CPU-min (an idle core)
+    python bench/sat.py --steps 200       # the figures in docs/benchmarks.md
     python bench/sat.py --rate 0.3 --steps 100 --model nano
 
-The last line is ``RESULT sat_step_time_ratio=<sat/dense> predicted_ratio=<1 - r x share>
-mlp_share=<measured> sat_loss=<x> dense_loss=<y> loss_gap=<x - y>``.
+The last line is ``RESULT sat_step_time_ratio=<sat/dense, medians> ladder_time_ratio=<ladder/dense,
+totals> predicted_ratio=<1 - r x share> ladder_predicted_ratio=<1 - mean r x share>
+mlp_share=<measured> mlp_kept_ratio=<kept MLP / dense MLP> dense_loss=<x> sat_loss=<y>
+ladder_loss=<z> loss_gap=<y - x> ladder_loss_gap=<z - x>``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import os
 import statistics
 import time
 
@@ -55,12 +64,14 @@ def timed_step(model, optimizer, rows, index, sat: SAT | None, step: int) -> flo
     return time.perf_counter() - start
 
 
-def mlp_time(model: torch.nn.Module, x_btd: torch.Tensor) -> float:
-    """Forward + backward of every block's MLP alone on an input of the step's shape (seconds)."""
+def mlp_time(model: torch.nn.Module, x_btd: torch.Tensor, sat: SAT | None = None, step: int = 0) -> float:
+    """Forward + backward of every block's MLP alone on an input of the step's shape (seconds);
+    with ``sat``: its kept channels of step ``step``."""
     x = x_btd.detach().requires_grad_(True)
     start = time.perf_counter()
-    for block in model.layers.values():
-        block.feed_forward(x).sum().backward()
+    with sat.step(step) if sat is not None else contextlib.nullcontext():
+        for block in model.layers.values():
+            block.feed_forward(x).sum().backward()
     elapsed = time.perf_counter() - start
     model.zero_grad(set_to_none=True)
     return elapsed
@@ -83,44 +94,67 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
     args = parser.parse_args()
+    load_start = os.getloadavg()
 
     cfg = compose("pretrain", [f"model={args.model}", f"data.seq_len={args.seq_len}", f"model.max_seq_len={args.seq_len}"])
     prepared = build_data(cfg).prepare()
     torch.manual_seed(0)
     dense = build_model(cfg, validate(cfg), vocab_size=prepared.tokenizer.vocab_size)
-    sparse = copy.deepcopy(dense)
-    sat = SAT(rate=args.rate, seed=0)
-    sat.apply(sparse)
-    arms = {"dense": (dense, None), "sat": (sparse, sat)}
+    ladder = compose("pretrain", ["+strategy/sat=default", f"trainer.max_steps={args.steps}"]).strategy.sat.ladder
+    plugins = {
+        "dense": None,
+        "sat": SAT(rate=args.rate, seed=0),
+        "ladder": SAT(rate=args.rate, seed=0, ladder=list(ladder), total_steps=args.steps),
+    }
+    arms = {name: (dense if plugin is None else copy.deepcopy(dense), plugin) for name, plugin in plugins.items()}
+    for model, plugin in arms.values():
+        if plugin is not None:
+            plugin.apply(model)
     optimizers = {k: torch.optim.AdamW(m.parameters(), lr=args.lr, weight_decay=0.0) for k, (m, _) in arms.items()}
     generator = torch.Generator().manual_seed(0)
-    times: dict[str, list[float]] = {"dense": [], "sat": [], "mlp": []}
+    times: dict[str, list[float]] = {name: [] for name in (*arms, "mlp", "mlp_kept")}
     x_btd = torch.randn(args.batch, args.seq_len, dense.dim)
+    probe = copy.deepcopy(dense)  # the MLP timings' own copy: the arms' weights and gradients stay untouched
+    kept_probe = SAT(rate=args.rate, seed=1)
+    kept_probe.apply(probe)
+    names = list(arms)
     for step in range(args.steps):
         index = torch.randint(len(prepared.train), (args.batch,), generator=generator)
-        order = ["dense", "sat"] if step % 2 == 0 else ["sat", "dense"]
-        for name in order:
+        for name in names[step % 3 :] + names[: step % 3]:
             model, plugin = arms[name]
             times[name].append(timed_step(model, optimizers[name], prepared.train, index, plugin, step))
-        times["mlp"].append(mlp_time(dense, x_btd))
+        pair = [("mlp", None), ("mlp_kept", kept_probe)]
+        for name, plugin in pair if step % 2 == 0 else pair[::-1]:
+            times[name].append(mlp_time(probe, x_btd, plugin, step))
     skip = min(10, args.steps // 5)  # warm-up steps (allocator, first calls)
     median = {k: statistics.median(v[skip:]) for k, v in times.items()}
-    ratio = median["sat"] / median["dense"]
+    total = {k: sum(v[skip:]) for k, v in times.items()}
+    ratio, ladder_ratio = median["sat"] / median["dense"], total["ladder"] / total["dense"]
     share = median["mlp"] / median["dense"]
+    kept_ratio = median["mlp_kept"] / median["mlp"]
+    mean_rate = statistics.fmean(plugins["ladder"].rate_at(s) for s in range(skip, args.steps))
+    predicted, ladder_predicted = 1 - args.rate * share, 1 - mean_rate * share
     ffn = 3 * dense.dim * dense.ffn_dim * dense.n_layers * 6
     flops_share = ffn / dense.flops_per_token(args.seq_len)
     num_val = min(64, len(prepared.val))
     losses = {name: val_loss(model, prepared.val, num_val) for name, (model, _) in arms.items()}
-    gap = losses["sat"] - losses["dense"]
+    gap, ladder_gap = losses["sat"] - losses["dense"], losses["ladder"] - losses["dense"]
     print(f"model={args.model} ({sum(p.numel() for p in dense.parameters())} parameters), {args.steps} AdamW steps of "
-          f"{args.batch} x {args.seq_len} tokens, SAT rate {args.rate}, torch threads {torch.get_num_threads()}")  # fmt: skip
-    print(f"median step: dense {median['dense'] * 1e3:.1f} ms, SAT {median['sat'] * 1e3:.1f} ms, ratio {ratio:.3f}")
-    print(f"MLP share of the dense step: measured {share:.3f} (MLPs alone {median['mlp'] * 1e3:.1f} ms), "
-          f"of the matmul FLOPs {flops_share:.3f}; predicted ratio 1 - r x share = {1 - args.rate * share:.3f}")  # fmt: skip
-    print(f"held-out loss ({num_val} rows): dense {losses['dense']:.4f}, SAT {losses['sat']:.4f}, gap {gap:+.4f}")
+          f"{args.batch} x {args.seq_len} tokens, SAT rate {args.rate}, ladder {list(map(list, ladder))} "
+          f"(mean rate {mean_rate:.3f}), torch threads {torch.get_num_threads()}")  # fmt: skip
+    print(f"load average at start {load_start[0]:.2f}, at end {os.getloadavg()[0]:.2f}")
+    for name in arms:
+        print(f"{name:>6}: median step {median[name] * 1e3:.1f} ms (/dense {median[name] / median['dense']:.3f}), "
+              f"total {total[name]:.1f} s (/dense {total[name] / total['dense']:.3f}), held-out loss {losses[name]:.4f}")  # fmt: skip
+    print(f"MLP share of the dense step: measured {share:.3f} (MLPs alone {median['mlp'] * 1e3:.1f} ms), of the matmul "
+          f"FLOPs {flops_share:.3f}; kept-channel MLPs alone {median['mlp_kept'] * 1e3:.1f} ms = {kept_ratio:.3f} x dense "
+          f"(ideal {1 - args.rate:.3f}); predicted ratio sat {predicted:.3f}, ladder {ladder_predicted:.3f}")  # fmt: skip
+    print(f"held-out loss ({num_val} rows) gap to dense: sat {gap:+.4f}, ladder {ladder_gap:+.4f}")
     print(
-        f"RESULT sat_step_time_ratio={ratio:.3f} predicted_ratio={1 - args.rate * share:.3f} mlp_share={share:.3f} "
-        f"sat_loss={losses['sat']:.4f} dense_loss={losses['dense']:.4f} loss_gap={gap:.4f}"
+        f"RESULT sat_step_time_ratio={ratio:.3f} ladder_time_ratio={ladder_ratio:.3f} predicted_ratio={predicted:.3f} "
+        f"ladder_predicted_ratio={ladder_predicted:.3f} mlp_share={share:.3f} mlp_kept_ratio={kept_ratio:.3f} "
+        f"dense_loss={losses['dense']:.4f} sat_loss={losses['sat']:.4f} ladder_loss={losses['ladder']:.4f} "
+        f"loss_gap={gap:.4f} ladder_loss_gap={ladder_gap:.4f}"
     )
 
 
