@@ -105,6 +105,7 @@ class SAT:
         ladder: phases ``[[start_fraction, scale], ...]`` of the run, fractions increasing from 0.0
             (the preset: the paper's ladder, dense at the end); None: ``rate`` at every step.
         total_steps: the run's optimizer steps (the preset: ``${trainer.max_steps}``); used by ``ladder``.
+            A resume with another ``trainer.max_steps`` moves the rungs, as it moves the LR schedule.
 
     Raises:
         ValueError: ``rate`` outside [0, 1), or a malformed ``ladder``.
