@@ -6,6 +6,8 @@ process: one arm dense, one with `strategies.sat.SAT` omitting ``--rate`` of eve
 channels at every step, one on the preset's ladder schedule (``rate`` x 1 for the first half of
 the steps, x 0.5 to 3/4, dense for the last quarter). The order of the arms rotates every step, so
 contention on a shared machine hits them alike; only ratios from one run mean anything.
+Use one thread on a shared machine: with OMP_NUM_THREADS=2 and more runnable processes than cores,
+every parallel region waits for a descheduled thread and the op count, not the FLOPs, sets the time.
 
 Reported: each arm's median step time and its total over the timed steps, and their ratios to
 dense; the prediction ``1 - rate x share`` (the ladder: ``1 - mean rate x share``), with the MLP's
@@ -17,8 +19,8 @@ loss of each arm (claim 6 of SAT: a small gap) and the load average at the start
 
 Invocations::
 
-    python bench/sat.py                   # tiny, 300 steps, 1 thread: ~8 s/step, ~40 CPU-min (an idle core)
-    python bench/sat.py --steps 200       # the figures in docs/benchmarks.md
+    OMP_NUM_THREADS=1 python bench/sat.py                # tiny, 300 steps: ~2.7 CPU-s a step, ~14 CPU-min
+    OMP_NUM_THREADS=1 python bench/sat.py --steps 150    # the figures in docs/benchmarks.md (7 CPU-min)
     python bench/sat.py --rate 0.3 --steps 100 --model nano
 
 The last line is ``RESULT sat_step_time_ratio=<sat/dense, medians> ladder_time_ratio=<ladder/dense,
