@@ -131,6 +131,12 @@ def main() -> None:
         pair = [("mlp", None), ("mlp_kept", kept_probe)]
         for name, plugin in pair if step % 2 == 0 else pair[::-1]:
             times[name].append(mlp_time(probe, x_btd, plugin, step))
+    report(args, arms, plugins, times, ladder, load_start, prepared.val)
+
+
+def report(args, arms, plugins, times, ladder, load_start, val_rows) -> None:
+    """Prints the ratios, predictions and held-out losses of the run, and the RESULT line."""
+    dense = arms["dense"][0]
     skip = min(10, args.steps // 5)  # warm-up steps (allocator, first calls)
     median = {k: statistics.median(v[skip:]) for k, v in times.items()}
     total = {k: sum(v[skip:]) for k, v in times.items()}
@@ -141,8 +147,8 @@ def main() -> None:
     predicted, ladder_predicted = 1 - args.rate * share, 1 - mean_rate * share
     ffn = 3 * dense.dim * dense.ffn_dim * dense.n_layers * 6
     flops_share = ffn / dense.flops_per_token(args.seq_len)
-    num_val = min(64, len(prepared.val))
-    losses = {name: val_loss(model, prepared.val, num_val) for name, (model, _) in arms.items()}
+    num_val = min(64, len(val_rows))
+    losses = {name: val_loss(model, val_rows, num_val) for name, (model, _) in arms.items()}
     gap, ladder_gap = losses["sat"] - losses["dense"], losses["ladder"] - losses["dense"]
     print(f"model={args.model} ({sum(p.numel() for p in dense.parameters())} parameters), {args.steps} AdamW steps of "
           f"{args.batch} x {args.seq_len} tokens, SAT rate {args.rate}, ladder {list(map(list, ladder))} "
