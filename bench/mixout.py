@@ -90,7 +90,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--val-size", type=int, default=32)
-    parser.add_argument("--base-steps", type=int, default=2000)
+    parser.add_argument("--base-steps", type=int, default=2000, help="as in bench/msft.py")
+    parser.add_argument("--base-stop", type=int, default=None, help="as in bench/msft.py")
     args = parser.parse_args()
 
     start = time.perf_counter()

@@ -38,6 +38,10 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
+
+import lightning as L
+from typing_extensions import override
 
 from trainer.budget.msft import MSFT, fit_run
 from trainer.compose import compose
@@ -45,8 +49,24 @@ from trainer.compose import compose
 SOURCES = ("general", "tool_use", "code", "math", "instruction_following")  # conf/data/sft.yaml
 
 
+class StopAtStep(L.Callback):
+    """Ends a run after optimizer step ``step`` (the checkpoint callback saves it at train end); the
+    LR schedule still spans ``trainer.max_steps``: a run cut short, not a shorter run."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
 def pretrained_base(args: argparse.Namespace) -> Path:
-    """The cached base run directory (pretrained on the bundled corpus), trained on a cache miss."""
+    """The cached base run directory (pretrained on the bundled corpus), trained on a cache miss.
+
+    ``args.base_steps``: the pretraining schedule (warm-up + cosine decay) in optimizer steps;
+    ``args.base_stop`` (None: the whole schedule): the step the base is taken at."""
     from trainer.build import build_data
 
     overrides = [
@@ -54,16 +74,25 @@ def pretrained_base(args: argparse.Namespace) -> Path:
         "train.eval_every=0", "trainer.enable_progress_bar=false", f"trainer.log_every_n_steps={args.base_steps}",
         "logger=csv", "~callbacks.plots", f"callbacks.checkpoint.every_n_steps={args.base_steps}",
     ]  # fmt: skip
+    stop = getattr(args, "base_stop", None)
+    if stop is not None and stop < args.base_steps:
+        overrides.append(f"+callbacks.stop_at={{_target_: {Path(__file__).stem}.StopAtStep, step: {stop}}}")
     key = hashlib.sha256(json.dumps(overrides).encode()).hexdigest()[:12]
     base = Path(os.environ.get("PLAIT_CACHE_DIR", "~/.cache/plait")).expanduser() / "bench" / f"msft_base_{key}"
-    if (base / "checkpoints" / "last").exists() and (base / "tokenizer.json").is_file():
+    done = base / "complete.json"  # written once the last step's checkpoint is saved
+    if done.is_file():
         return base
     cfg = compose("pretrain", overrides)
-    build_data(cfg).prepare().tokenizer.save(base / "tokenizer.json")
+    last = base / "checkpoints" / "last"
+    partial = last.exists() and (base / "tokenizer.json").is_file()  # an interrupted run: resume it
+    if not partial:
+        build_data(cfg).prepare().tokenizer.save(base / "tokenizer.json")
     start = time.perf_counter()
-    history = fit_run(cfg, base)
+    history = fit_run(cfg, base, ckpt_path=str(last.resolve()) if partial else None)
     val = [h["val_loss"] for h in history if "val_loss" in h]
-    print(f"base: {args.base_steps} pretraining steps, val loss {val[0]:.3f} -> {val[-1]:.3f}, {time.perf_counter() - start:.0f} s")
+    seconds = time.perf_counter() - start
+    done.write_text(json.dumps({"steps": args.base_steps, "val_loss": val[-1] if val else None, "seconds": seconds}))
+    print(f"base: {args.base_steps} pretraining steps{' (resumed)' if partial else ''}, val loss {val}, {seconds:.0f} s")
     return base
 
 
@@ -79,7 +108,19 @@ def finetune_overrides(args: argparse.Namespace, base: Path | None) -> list[str]
     return [
         f"model={args.model}", f"model.init_from={base}", f"data.tokenizer={base / 'tokenizer.json'}",
         f"data.seq_len={args.seq_len}", *common, *(f"data.sources.{n}.val_size={args.val_size}" for n in SOURCES),
+        *(f"++data.sources.{n}.limit={k}" for n, k in limits(args.fraction, args.val_size).items()),
     ]  # fmt: skip
+
+
+def limits(fraction: float, val_size: int) -> dict[str, int]:
+    """``data.sources.<name>.limit`` keeping ``fraction`` of each source's training conversations
+    (the first ones; the held-out ``val_size`` stay as they are); {} for the whole mixture."""
+    from trainer.data import instructions
+
+    if fraction >= 1.0:
+        return {}
+    sft = compose("sft", []).data.sources
+    return {n: max(1, round(fraction * (len(getattr(instructions, sft[n].source)()) - val_size))) for n in SOURCES}
 
 
 def main() -> None:
@@ -93,7 +134,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--val-size", type=int, default=32)
-    parser.add_argument("--base-steps", type=int, default=2000)
+    parser.add_argument("--fraction", type=float, default=1.0, help="of each source's training conversations")
+    parser.add_argument("--base-steps", type=int, default=2000, help="the base's pretraining schedule, optimizer steps")
+    parser.add_argument("--base-stop", type=int, default=None, help="take the base at this step of its schedule")
     parser.add_argument("--out", default=None, help="run directory (default: a temporary one)")
     args = parser.parse_args()
     if args.regime == "synthetic":  # the settings of the earlier figure (docs/benchmarks.md)
