@@ -92,7 +92,8 @@ def pretrained_base(args: argparse.Namespace) -> Path:
     val = [h["val_loss"] for h in history if "val_loss" in h]
     seconds = time.perf_counter() - start
     done.write_text(json.dumps({"steps": args.base_steps, "val_loss": val[-1] if val else None, "seconds": seconds}))
-    print(f"base: {args.base_steps} pretraining steps{' (resumed)' if partial else ''}, val loss {val}, {seconds:.0f} s")
+    print(f"base: step {stop or args.base_steps} of a {args.base_steps}-step schedule{' (resumed)' if partial else ''}, "
+          f"val loss {val}, {seconds:.0f} s")  # fmt: skip
     return base
 
 
