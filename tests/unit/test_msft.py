@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from types import SimpleNamespace
+
 import lightning as L
 import pytest
 import torch
 from harness import TINY, compose_config
+from hydra.utils import instantiate
 from typing_extensions import override
 
 from trainer.budget.msft import MSFT, best_steps, fit_run, loader_state, pick_earliest, settled
@@ -32,6 +35,27 @@ def test_patience_settles_only_when_no_later_evaluation_can_change_the_pick():
     assert settled(EVALS[:2], ["a", "b"], patience=1) is None  # a's best is the last evaluation
     assert settled(EVALS[:3], ["a", "b"], patience=1) == "a"  # a settled at 10; b's best so far 20 >= 10
     assert settled(EVALS[:3], ["a", "b"], patience=2) is None
+
+
+def test_a_removed_source_does_not_end_a_roll_out(tmp_path):
+    """Roll-out 2 of a search: addition was removed at step 10, sorting is active. Addition's held-out
+    score falls after its removal (forgetting), so its optimum is the start; sorting still improves.
+    Only the active source's pick can end the roll-out: it must not stop after ``patience`` evaluations."""
+    removed = {"addition": {"max_tokens": 100, "max_epochs": None}, "sorting": {"max_tokens": None, "max_epochs": 3.0}}
+    cfg = MSFT(compute=2.0, eval_every=2, patience=2).rollout_config(
+        _cfg(["data.sources.addition.metric=loss", "data.sources.sorting.metric=loss"]),
+        tmp_path, removed, since=10, start={"addition": -1.0, "sorting": -3.0}, active=["sorting"],
+    )
+    stop = instantiate(cfg.callbacks.settled)
+    trainer, module = SimpleNamespace(should_stop=False), SimpleNamespace(history=[])
+    for step, addition, sorting in ((12, 1.5, 2.9), (14, 2.0, 2.8), (16, 2.5, 2.7)):  # held-out losses
+        module.history.append({"step": step, "metrics": {"val/loss/addition": addition, "val/loss/sorting": sorting}})
+        stop.on_train_batch_end(trainer, module)
+        assert not trainer.should_stop, f"stopped at step {step} by the removed source"
+    for step in (18, 20):  # sorting's best (step 16) is now 2 evaluations old: settled
+        module.history.append({"step": step, "metrics": {"val/loss/addition": 3.0, "val/loss/sorting": 2.75}})
+        stop.on_train_batch_end(trainer, module)
+    assert trainer.should_stop
 
 
 def _cfg(extra=()):

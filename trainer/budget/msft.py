@@ -15,9 +15,9 @@ one device, so the search needs no process group of its own. Scores: ``exact_mat
 scored by held-out exact match, ``loss`` sources by minus their validation loss. FLOPs count the
 training tokens of every roll-out, including the steps discarded by roll-backs (evaluation is
 not counted). ``patience`` (not in the paper) ends a roll-out early once the earliest optimum is
-known: a source whose best score is ``patience`` evaluations old is settled, and once the
-earliest settled optimum comes no later than every unsettled source's best so far, no later
-evaluation can change the pick.
+known: an active source whose best score is ``patience`` evaluations old is settled, and once the
+earliest settled optimum comes no later than every unsettled active source's best so far, no
+later evaluation can change the pick (removed sources never count: they are not picked from).
 
 The uniform baseline trains every source ``compute`` epochs in one run (the first roll-out,
 when it ran in full) and takes its best checkpoint by mean score: the best uniform epoch count.
@@ -139,9 +139,20 @@ class MSFT:
 
     # ------------------------------------------------------------------------------ configs
     def rollout_config(
-        self, cfg: DictConfig, run_dir: Path, budgets: dict[str, dict[str, Any]], since: int, start: Scores | None = None
+        self,
+        cfg: DictConfig,
+        run_dir: Path,
+        budgets: dict[str, dict[str, Any]],
+        since: int,
+        start: Scores | None = None,
+        active: list[str] | None = None,
     ) -> DictConfig:
-        """``cfg`` for one roll-out: the given source budgets, scored checkpoints every ``eval_every``."""
+        """``cfg`` for one roll-out: the given source budgets, scored checkpoints every ``eval_every``.
+
+        ``active`` (None: every source): the sources the roll-out picks from; with ``patience`` only
+        they can end it (a removed source's held-out loss usually rises after its removal, so its
+        optimum is the roll-out's start and would settle the roll-out after ``patience``
+        evaluations, before any active source's pick is known)."""
         out = copy.deepcopy(cfg)
         with open_dict(out):
             out.budget, out.resume, out.run_dir = None, None, str(run_dir)
@@ -153,7 +164,8 @@ class MSFT:
                 out.data.sources[name].max_tokens = budget["max_tokens"]
                 out.data.sources[name].max_epochs = budget["max_epochs"]
             if self.patience is not None and since >= 0:
-                metric_of = self._metric_of(cfg)
+                metric_of = {n: m for n, m in self._metric_of(cfg).items() if active is None or n in active}
+                start = {n: v for n, v in start.items() if n in metric_of} if start else None
                 out.callbacks.settled = {"_target_": f"{__name__}.SettledStop", "metric_of": metric_of,
                                          "patience": self.patience, "since": since, "start": start}  # fmt: skip
         return out
@@ -186,7 +198,7 @@ class MSFT:
                 else:
                     budgets[n] = {"max_tokens": None, "max_epochs": done + self.compute}
             rollout_dir = run_dir / f"rollout_{k}"
-            rollout_cfg = self.rollout_config(cfg, rollout_dir, budgets, start_step, start_scores)
+            rollout_cfg = self.rollout_config(cfg, rollout_dir, budgets, start_step, start_scores, active)
             history = fit_run(rollout_cfg, rollout_dir, ckpt_path=str(ckpt) if ckpt else None)
             evals = evaluations(history, metric_of, since=start_step + (start_scores is not None))
             if start_scores is not None:
