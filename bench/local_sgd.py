@@ -1,16 +1,19 @@
 """Local SGD against DDP at equal tokens: final validation loss and bytes sent across replicas.
 
 The papers' regime: DiLoCo (Douillard et al. 2023) and DES-LOC (Iacob et al. 2025) start from a
-pretrained (or DDP-trained) model and run many outer steps. So the bench first trains
-``--warmup`` DDP steps of the ``pretrain`` recipe on the bundled corpus (Shakespeare + King James
-Bible) once, at the recipe's peak LR held constant, and every method continues from that model
-(``model.init_from``; fresh optimizer, the recipe's warm-up + cosine schedule over ``--steps``):
-the same model, the same rows in the same order and the same number of steps (so the same
-tokens), on ``--replicas`` gloo ranks:
+pretrained (or DDP-trained) model and run many outer steps on islands whose per-island batch is
+large (DiLoCo: 512 x 1024 tokens per island). So the bench first trains ``--warmup`` DDP steps of
+the ``pretrain`` recipe on the bundled corpus (Shakespeare + King James Bible) once, at the
+recipe's batch (``--warmup-batch-size`` rows) and peak LR held constant, and every method continues
+from that model (``model.init_from``; fresh optimizer, the recipe's warm-up + cosine schedule over
+``--steps``): the same model, the same rows in the same order and the same number of steps (so the
+same tokens), on ``--replicas`` gloo ranks, ``--global-batch-size`` rows per step in all (32: 16
+rows per island, 4x the recipe's per-rank batch, so that an island's inner step is nearer a DDP
+step; the probes in docs/benchmarks.md show the gap to DDP shrinking with the per-island batch):
 
-- ``ddp``: gradients all-reduced every step (``strategy=ddp``);
-- ``diloco10``, ``diloco50``, ``diloco100``: DiLoCo, H = 10, 50, 100, outer Nesterov SGD (lr 0.7,
-  momentum 0.9);
+- ``ddp``: gradients all-reduced every step (``strategy=ddp``), the recipe's AdamW unchanged;
+- ``diloco10``, ``diloco50``, ``diloco100``: DiLoCo, H = 10, 50, 100, outer Nesterov SGD lr 0.7
+  (the paper's) with momentum 0.5 (``OUTER``; the paper's 0.9 is worse here, see ``OUTER``);
 - ``desloc``: DES-LOC with K_x / K_u / K_v = 16 / 48 / 96;
 - ``local_adam``: Local Adam, parameters and both moments every 16 steps.
 
@@ -24,14 +27,16 @@ replicas. Ratios are to DDP (loss ratio > 1: worse than DDP).
 
 Invocations::
 
-    OMP_NUM_THREADS=1 python bench/local_sgd.py                      # CPU, nano model: ~10 min on 2 idle cores
-    python bench/local_sgd.py --warmup 0 --steps 400 --methods ddp diloco10 diloco50 local_adam  # from a random init
-    python bench/local_sgd.py --model tiny --seq-len 128 --steps 4800 # larger, slower
-    python bench/local_sgd.py --methods ddp --extra "diloco10_avg=strategy=diloco strategy.local_sgd.sync_every=10
-        strategy.local_sgd.outer_optimizer.momentum=0.0 ..."        # another setting, next to DDP
+    OMP_NUM_THREADS=1 python bench/local_sgd.py                      # CPU, nano: ~1 h on 2 contended cores
+    python bench/local_sgd.py --warmup-dir /tmp/w2400 --steps 500 --methods ddp diloco50  # probe; warm-up kept
+    python bench/local_sgd.py --warmup 0 --steps 400 --global-batch-size 8 --methods ddp diloco10 diloco50
+    python bench/local_sgd.py --methods ddp --extra "nesterov09=strategy=diloco strategy.local_sgd.sync_every=50
+        strategy.local_sgd.outer_optimizer.momentum=0.9"              # another setting, next to DDP
 
-The last line is ``RESULT diloco50_bytes_ratio=<x> diloco50_loss_ratio=<y> desloc_bytes_ratio=<z>
-desloc_loss_ratio=<w>``.
+``--warmup-dir DIR`` keeps the warm-up run in DIR and reuses it when DIR already holds one (it does
+not check that the warm-up's flags match this invocation's: that is the caller's to keep).
+The last line is ``RESULT diloco50_bytes_ratio=<x> diloco50_loss_ratio=<y> diloco100_bytes_ratio=
+diloco100_loss_ratio= desloc_bytes_ratio=<z> desloc_loss_ratio=<w>``.
 """
 
 from __future__ import annotations
@@ -53,17 +58,21 @@ from trainer.build import build_run  # noqa: E402
 from trainer.compose import compose  # noqa: E402
 from trainer.config import validate  # noqa: E402
 
+# DiLoCo's outer step: Nesterov lr 0.7 as in the paper, momentum 0.5 instead of its 0.9 (the
+# probes in docs/benchmarks.md: with 2 islands and an inner AdamW at DDP's own lr, 0.9 amplifies the
+# noisy pseudo-gradient ~lr / (1 - momentum) = 7x and ends above plain averaging).
+OUTER = ["strategy.local_sgd.outer_optimizer.lr=0.7", "strategy.local_sgd.outer_optimizer.momentum=0.5"]
 METHODS = {
     "ddp": ["strategy=ddp"],
-    "diloco10": ["strategy=diloco", "strategy.local_sgd.sync_every=10"],
-    "diloco50": ["strategy=diloco", "strategy.local_sgd.sync_every=50"],
-    "diloco100": ["strategy=diloco", "strategy.local_sgd.sync_every=100"],
+    "diloco10": ["strategy=diloco", "strategy.local_sgd.sync_every=10", *OUTER],
+    "diloco50": ["strategy=diloco", "strategy.local_sgd.sync_every=50", *OUTER],
+    "diloco100": ["strategy=diloco", "strategy.local_sgd.sync_every=100", *OUTER],
     "desloc": ["strategy=desloc"],  # 16 / 48 / 96
     "local_adam": ["strategy=local_adam"],  # 16
 }
 # Steps between the syncs each method's final loss and bytes depend on (DES-LOC: its slowest state).
 SYNC_PERIOD = {"ddp": 1, "diloco10": 10, "diloco50": 50, "diloco100": 100, "desloc": 96, "local_adam": 16}
-DEFAULT_METHODS = ["ddp", "diloco50", "diloco100", "desloc"]
+DEFAULT_METHODS = ["ddp", "diloco50", "diloco100", "desloc", "local_adam"]
 
 
 def train(method: str, args: argparse.Namespace, run_dir: Path, *, steps: int, init_from: str | None) -> dict[str, Any]:
@@ -82,7 +91,7 @@ def train(method: str, args: argparse.Namespace, run_dir: Path, *, steps: int, i
             f"model.init_from={init_from}" if init_from else "model.init_from=null",
             f"data.seq_len={args.seq_len}",
             f"data.eval_rows={args.eval_rows}",
-            f"train.global_batch_size={args.global_batch_size}",
+            f"train.global_batch_size={args.warmup_batch_size if method == 'warmup' else args.global_batch_size}",
             "train.eval_every=0",  # validation at step 0 and at the end only
             f"trainer.max_steps={steps}",
             f"trainer.devices={args.replicas}",
@@ -121,11 +130,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="nano")
     parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--global-batch-size", type=int, default=8)
+    parser.add_argument("--global-batch-size", type=int, default=32, help="rows per step, all replicas together")
+    parser.add_argument("--warmup-batch-size", type=int, default=8, help="rows per warm-up step (the recipe's)")
     parser.add_argument("--eval-rows", type=int, default=64)
-    parser.add_argument("--warmup", type=int, default=400, help="DDP steps every method starts from (0: random init)")
+    parser.add_argument("--warmup", type=int, default=2400, help="DDP steps every method starts from (0: random init)")
     parser.add_argument("--steps", type=int, default=2400, help="steps of each method after the warm-up")
     parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument(
+        "--warmup-dir", type=Path, default=None,
+        help="keep the warm-up run here and reuse it when it is already there (probes from one warm-up)",
+    )
     parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=list(METHODS))
     parser.add_argument(
         "--extra", action="append", default=[], metavar="NAME=OVERRIDES",
@@ -147,9 +161,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="plait-bench-local-sgd-") as tmp:
         init_from = None
         if args.warmup:
-            warm = train("warmup", args, Path(tmp) / "warmup", steps=args.warmup, init_from=None)
-            init_from = str(Path(tmp) / "warmup")
-            print(f"warm-up (DDP, {args.warmup} steps): val_loss={warm['val_loss']:.4f} wall={warm['wall_s']:.0f}s", flush=True)
+            warm_dir = args.warmup_dir or Path(tmp) / "warmup"
+            if not (warm_dir / "summary.json").exists():
+                warm = train("warmup", args, warm_dir, steps=args.warmup, init_from=None)
+                print(f"warm-up (DDP, {args.warmup} steps): val_loss={warm['val_loss']:.4f} wall={warm['wall_s']:.0f}s", flush=True)
+            init_from = str(warm_dir)
         for method in args.methods:
             results[method] = train(method, args, Path(tmp) / method, steps=args.steps, init_from=init_from)
             r = results[method]
@@ -157,7 +173,7 @@ def main() -> None:
 
     ddp = results["ddp"]
     print(
-        f"\n{args.replicas} replicas, model={args.model} ({ddp['params']} parameters), {args.warmup} DDP warm-up steps, "
+        f"\n{args.replicas} replicas, model={args.model} ({ddp['params']} parameters), {args.warmup} DDP warm-up steps of {args.warmup_batch_size} x {args.seq_len}, "
         f"then {args.steps} steps of {args.global_batch_size} x {args.seq_len} tokens per method, AdamW inner\n"
     )
     print("| method | final val loss | loss / DDP | bytes sent per rank | bytes / DDP | wall (s) |")
