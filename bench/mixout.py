@@ -11,7 +11,9 @@ of every seed, their mean, standard deviation and variance.
 
 Invocations::
 
-    OMP_NUM_THREADS=1 python bench/mixout.py                  # 5 seeds x 2 arms: ~10 minutes on 2 idle cores
+    OMP_NUM_THREADS=1 python bench/mixout.py   # champ, 6 epochs, 5 seeds x 2 arms: ~45 min on an idle core (estimate)
+    OMP_NUM_THREADS=1 python bench/mixout.py --base-stop 1030 --source humaneval --epochs 2
+        # the docs' figure: 553 CPU s (~9 min on an idle core; 51 min wall at load 6-10)
     python bench/mixout.py --p 0.9 --lr 3e-3 --epochs 8
 
 The last line is ``RESULT mixout_var=<x> plain_var=<y> var_ratio=<mixout/plain> mixout_mean=<a> plain_mean=<b>``.

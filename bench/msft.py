@@ -21,10 +21,17 @@ better). FLOPs: training tokens x the model's FLOPs per token, every roll-out co
 (also the steps a roll-back discards); the uniform run counts its whole run. Also printed: each
 source's held-out loss when mSFT removed it and in the final model (forgetting after removal).
 
-Invocations::
+Cuts that keep the regime (the figure in docs/benchmarks.md uses them): ``--base-stop K`` takes the
+base at step K of its schedule, ``--fraction f`` keeps the first f of each source's training
+conversations; ``--compute``, ``--eval-every`` and ``--val-size`` apply to both arms alike.
 
-    OMP_NUM_THREADS=1 python bench/msft.py                  # pretrained tiny base: ~40 minutes on 2 idle cores
-    python bench/msft.py --regime synthetic                 # the earlier setting: nano from scratch, synthetic tasks
+Invocations (costs measured at ~1.2 CPU s per fine-tuning step of 8 x 256 tokens with its share of
+evaluations, ~0.9 per base step; one process, so an idle core's wall time is about the CPU time)::
+
+    OMP_NUM_THREADS=1 python bench/msft.py      # whole mixture, C = 4, 2000-step base: ~2 h (estimated, not run)
+    OMP_NUM_THREADS=1 python bench/msft.py --base-stop 1030 --fraction 0.25 --compute 2 --eval-every 30 --val-size 16
+        # the docs' figure: 395 search + 244 uniform steps, 741 CPU s (59 min wall at load 6-10)
+    python bench/msft.py --regime synthetic     # the earlier setting: nano from scratch, synthetic tasks (~5 min)
 
 The last line is ``RESULT msft_metric=<x> uniform_metric=<y> oracle_metric=<z> msft_flops_ratio=<mSFT/uniform>``.
 """
