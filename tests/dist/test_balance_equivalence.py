@@ -24,7 +24,7 @@ import random
 import pytest
 import torch
 
-from harness import EXACT_SGD, compose_config, fit, losses, reference_run, train_rows
+from harness import EXACT_SGD, assert_equals_reference, compose_config, fit, reference_run, train_rows
 from trainer.build import build_data
 from trainer.config import validate
 from trainer.data.balance import WorkModel
@@ -95,16 +95,7 @@ def test_balanced_layout_equals_one_process(tmp_path, corpus, ref, overrides):
     counts = {(r != IGNORE_INDEX).sum().item() for r in build_data(cfg).prepare().train.labels[:40]}
     assert len(counts) > 3  # rows of unequal supervised-token counts
     _, task = fit(cfg, tmp_path)
-    run = {
-        "loss": losses(task.history),
-        "grads": [h["grads"] for h in task.history if "grads" in h],
-        "params": [h["params"] for h in task.history if "params" in h][0],
-    }
-    assert len(run["loss"]) == len(run["grads"]) == STEPS
-    for step in range(STEPS):
-        torch.testing.assert_close(run["loss"][step], ref["loss"][step], **TOL, msg=f"loss at step {step + 1}")
-        torch.testing.assert_close(run["grads"][step], ref["grads"][step], **TOL, msg=f"grads at step {step + 1}")
-    torch.testing.assert_close(run["params"], ref["params"], **TOL, msg=f"parameters after {STEPS} steps")
+    assert_equals_reference(task.history, ref, STEPS, **TOL)
     if "callbacks.balance.enabled=true" in overrides:
         rows = train_rows(tmp_path)
         logged = [float(rows[k]["perf/balance_work_max_over_mean"]) for k in range(1, STEPS + 1)]

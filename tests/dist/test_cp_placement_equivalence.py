@@ -24,9 +24,8 @@ import json
 import random
 
 import pytest
-import torch
 
-from harness import EXACT_SGD, compose_config, fit, losses, reference_run
+from harness import EXACT_SGD, assert_equals_reference, compose_config, fit, reference_run
 
 STEPS = 5
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -75,10 +74,4 @@ def test_hybrid_placement_equals_one_process(tmp_path, corpus, ref, overrides):
     whole = [h["perf/cp_whole_rows"] for h in task.history if "perf/cp_whole_rows" in h]
     rows_per_group = 8 // (2 if "strategy.dp_shard=2" in overrides else 1)
     assert sum(0 < w < rows_per_group for w in whole) >= 2, whole  # steps with whole and split rows
-    grads = [h["grads"] for h in task.history if "grads" in h]
-    assert len(losses(task.history)) == len(grads) == STEPS
-    for step in range(STEPS):
-        torch.testing.assert_close(losses(task.history)[step], ref["loss"][step], **TOL, msg=f"loss at step {step + 1}")
-        torch.testing.assert_close(grads[step], ref["grads"][step], **TOL, msg=f"grads at step {step + 1}")
-    params = [h["params"] for h in task.history if "params" in h][0]
-    torch.testing.assert_close(params, ref["params"], **TOL, msg=f"parameters after {STEPS} steps")
+    assert_equals_reference(task.history, ref, STEPS, **TOL)

@@ -26,9 +26,8 @@ import json
 import random
 
 import pytest
-import torch
 
-from harness import EXACT_SGD, compose_config, fit, losses, reference_run
+from harness import EXACT_SGD, assert_equals_reference, compose_config, fit, reference_run
 
 STEPS = 5
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -80,10 +79,4 @@ def test_sub_group_placement_equals_one_process(tmp_path, corpus, ref, overrides
     assert len(per_size) == STEPS and all(sum(rows) == 8 for rows in per_size), per_size
     assert any(all(n > 0 for n in rows) for rows in per_size), per_size  # a step on groups of 1, 2 and 4
     assert all(any(rows[i] > 0 for rows in per_size) for i in range(3)), per_size
-    grads = [h["grads"] for h in task.history if "grads" in h]
-    assert len(losses(task.history)) == len(grads) == STEPS
-    for step in range(STEPS):
-        torch.testing.assert_close(losses(task.history)[step], ref["loss"][step], **TOL, msg=f"loss at step {step + 1}")
-        torch.testing.assert_close(grads[step], ref["grads"][step], **TOL, msg=f"grads at step {step + 1}")
-    params = [h["params"] for h in task.history if "params" in h][0]
-    torch.testing.assert_close(params, ref["params"], **TOL, msg=f"parameters after {STEPS} steps")
+    assert_equals_reference(task.history, ref, STEPS, **TOL)
