@@ -195,16 +195,25 @@ def reference_run(cfg: DictConfig, steps: int) -> dict[str, Any]:
     return out
 
 
+def recorded(history: list[dict[str, Any]]) -> dict[str, Any]:
+    """A run's per-step losses and gradients and its final parameters (logged by `GradRecorder`
+    and `ParamRecorder`), in `reference_run`'s layout: ``{"loss", "grads", "params"}``."""
+    return {
+        "loss": losses(history),
+        "grads": [h["grads"] for h in history if "grads" in h],
+        "params": [h["params"] for h in history if "params" in h][0],
+    }
+
+
 def assert_equals_reference(history: list[dict[str, Any]], ref: dict[str, Any], steps: int, **tol: float) -> None:
-    """A run's per-step losses and gradients, and its parameters after ``steps`` steps (logged by
-    `GradRecorder` and `ParamRecorder`), equal `reference_run`'s within ``tol`` (``atol``/``rtol``)."""
-    grads = [h["grads"] for h in history if "grads" in h]
-    assert len(losses(history)) == len(grads) == steps
+    """A run's per-step losses and gradients, and its parameters after ``steps`` steps (`recorded`),
+    equal `reference_run`'s within ``tol`` (``atol``/``rtol``)."""
+    run = recorded(history)
+    assert len(run["loss"]) == len(run["grads"]) == steps
     for step in range(steps):
-        torch.testing.assert_close(losses(history)[step], ref["loss"][step], **tol, msg=f"loss at step {step + 1}")
-        torch.testing.assert_close(grads[step], ref["grads"][step], **tol, msg=f"grads at step {step + 1}")
-    params = [h["params"] for h in history if "params" in h][0]
-    torch.testing.assert_close(params, ref["params"], **tol, msg=f"parameters after {steps} steps")
+        torch.testing.assert_close(run["loss"][step], ref["loss"][step], **tol, msg=f"loss at step {step + 1}")
+        torch.testing.assert_close(run["grads"][step], ref["grads"][step], **tol, msg=f"grads at step {step + 1}")
+    torch.testing.assert_close(run["params"], ref["params"], **tol, msg=f"parameters after {steps} steps")
 
 
 # Plain SGD at a constant LR without clipping: every layout applies its own gradient, so parameters

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
 
-from harness import compose_config, fit, losses
+from harness import compose_config, fit, losses, recorded
 from hf_checkpoints import make_hf_dir
 from trainer.build import build_data
 
@@ -130,12 +130,7 @@ def runs(base, tmp_path_factory) -> dict:
         _, task = fit(cfg, run_dir)
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)  # what `plait` writes, for the export
         shutil.copyfile(base / "hf" / "tokenizer.json", run_dir / "tokenizer.json")
-        out[name] = {
-            "loss": losses(task.history),
-            "grads": [h["grads"] for h in task.history if "grads" in h],
-            "params": [h["params"] for h in task.history if "params" in h][0],
-            "run_dir": run_dir,
-        }
+        out[name] = {**recorded(task.history), "run_dir": run_dir}
     return out
 
 

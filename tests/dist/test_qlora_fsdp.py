@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_lora import _overrides, base  # noqa: F401 (the fixture)
 
-from harness import compose_config, fit, losses
+from harness import compose_config, fit, losses, recorded
 
 STEPS = 6
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -33,12 +33,7 @@ def runs(base, tmp_path_factory):  # noqa: F811
         ])  # fmt: skip
         run_dir = tmp_path_factory.mktemp(name)
         _, task = fit(cfg, run_dir)
-        out[name] = {
-            "loss": losses(task.history),
-            "grads": [h["grads"] for h in task.history if "grads" in h],
-            "params": [h["params"] for h in task.history if "params" in h][0],
-            "run_dir": run_dir,
-        }
+        out[name] = {**recorded(task.history), "run_dir": run_dir}
     return out
 
 
