@@ -12,7 +12,7 @@ Subclass it, override one method, and select the subclass with ``strategy._targe
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Annotated, Any
+from typing import Annotated, Any, get_args
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,7 @@ from strategies.context import ContextParallel, CPMode
 from strategies.cp_placement import placement_problems
 from strategies.expert import ExpertParallel
 from strategies.fsdp import FSDP
+from strategies.host_allocator import CPUAllocator, keep_freed_host_memory
 from strategies.launch import launcher_for
 from strategies.local_sgd import LocalSGD
 from strategies.mesh_checkpoint import MeshCheckpoints
@@ -80,12 +81,16 @@ class MeshStrategy(MeshStep, MeshCheckpoints, ModelParallelStrategy):
         heartbeat_s: a rank silent for this many seconds is named by the others while they wait
             (`strategies.watchdog.Heartbeat`; 0 disables); below ``timeout_s``.
         launcher: "subprocess" (the CLI: one child per rank per Hydra job) or "fork" (tests).
+        cpu_allocator: on CPU, "keep_freed" makes glibc keep freed large blocks for reuse
+            (`strategies.host_allocator`: no page faults per step for the step's large tensors;
+            each process keeps its peak heap); "system" leaves glibc's defaults.
         run: the resolved run (`trainer.config.validate`), passed by the builder; its degrees are
             then the strategy's. None (a strategy built by hand): the degrees above, resolved
             for the world size when the processes start.
 
     Raises:
         LayoutError: a degree > 1 on an axis whose technique this class does not apply.
+        ValueError: an unknown ``launcher`` or ``cpu_allocator``, or ``heartbeat_s >= timeout_s``.
     """
 
     # Mesh axes whose parallelism `parallelize` applies. A degree > 1 on any other axis would
@@ -119,11 +124,14 @@ class MeshStrategy(MeshStep, MeshCheckpoints, ModelParallelStrategy):
         timeout_s: Annotated[float, POSITIVE] = 600.0,
         heartbeat_s: Annotated[float, NON_NEGATIVE] = 60.0,
         launcher: str = "subprocess",
+        cpu_allocator: CPUAllocator = "keep_freed",
         run: ResolvedRun | None = None,
     ) -> None:
         super().__init__(timeout=timedelta(seconds=timeout_s))
         if launcher not in ("subprocess", "fork"):
             raise ValueError(f"strategy.launcher={launcher!r} is unknown; use subprocess or fork")
+        if cpu_allocator not in get_args(CPUAllocator):
+            raise ValueError(f"strategy.cpu_allocator={cpu_allocator!r} is unknown; use {' or '.join(get_args(CPUAllocator))}")
         if heartbeat_s >= timeout_s:
             raise ValueError(
                 f"strategy.heartbeat_s={heartbeat_s:g} must be below strategy.timeout_s={timeout_s:g} (a stalled rank is "
@@ -151,6 +159,7 @@ class MeshStrategy(MeshStep, MeshCheckpoints, ModelParallelStrategy):
         self.lora = lora
         self.mixout, self.sat = mixout, sat
         self.launcher_kind = launcher
+        self.cpu_allocator = cpu_allocator
         self.heartbeat = Heartbeat(stale_s=heartbeat_s, interval_s=min(5.0, heartbeat_s / 4)) if heartbeat_s else None
         self._mesh_views: dict[str, DeviceMesh] = {}
         self.compute_timer = ComputeTimer()  # per-rank forward/backward seconds (balance telemetry)
@@ -214,6 +223,8 @@ class MeshStrategy(MeshStep, MeshCheckpoints, ModelParallelStrategy):
             )
         if self.root_device.type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 tensor cores for the fp32 matmuls left
+        elif self.cpu_allocator == "keep_freed":
+            keep_freed_host_memory()  # no page faults per step for the step's large tensors
         self._device_mesh, self._mesh_views = self.dims.build_mesh(self.root_device.type)
         self.meshes = Meshes(
             root=self._device_mesh, views=self._mesh_views, fsdp=self.dp_mesh(), device=self.root_device,

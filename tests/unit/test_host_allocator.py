@@ -1,0 +1,84 @@
+"""strategy.cpu_allocator=keep_freed: on CPU a step's large tensors come from glibc's heap and stay there.
+
+The setting is process-wide and permanent, so each check runs in a process of its own: a fresh
+interpreter, or the forked rank of a fit. It reads glibc's own accounting, ``mallinfo2()``:
+``hblkhd`` counts the bytes of live blocks that have a mapping of their own, ``keepcost`` the free
+bytes at the top of the heap (those a trim would give back to the kernel).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from harness import compose_config, env_with_tests, fit
+
+pytestmark = pytest.mark.skipif(
+    sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="mallopt/mallinfo2 are glibc's"
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
+    )]  # fmt: skip
+
+
+def probe() -> dict[str, float]:
+    """MiB mmapped for one 64 MiB tensor (one step's fp32 logits at 2,048 tokens and V = 8,192),
+    and MiB free at the heap's top after a 128 MiB block is freed (straight from malloc, and larger
+    than any free chunk, so it is cut from the top and nothing allocated after it keeps it from there)."""
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype, libc.malloc.restype, libc.malloc.argtypes = _MallInfo2, ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    before = libc.mallinfo2()
+    logits = torch.ones(2048, 8192)
+    mapped = libc.mallinfo2().hblkhd - before.hblkhd
+    del logits
+    libc.free(libc.malloc(2**27))
+    return {"mapped_mib": mapped / 2**20, "kept_mib": libc.mallinfo2().keepcost / 2**20}
+
+
+class MallocProbe(L.Callback):
+    """Appends ``{"malloc": probe()}`` to the Task's history in the training process, at train start."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        pl_module.history.append({"malloc": probe()})
+
+
+def _fresh_probe(setup: str) -> dict[str, float]:
+    code = f"import json, sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n{setup}\n"
+    code += "import test_host_allocator\nprint('PROBE ' + json.dumps(test_host_allocator.probe()))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env_with_tests(), capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(next(line for line in out.stdout.splitlines() if line.startswith("PROBE "))[6:])
+
+
+def test_keep_freed_host_memory_keeps_large_blocks_in_the_heap() -> None:
+    # glibc's default, the premise: a 64 MiB block gets a mapping of its own, unmapped at free.
+    assert _fresh_probe("")["mapped_mib"] >= 64
+    kept = _fresh_probe("from strategies.host_allocator import keep_freed_host_memory\nassert keep_freed_host_memory()")
+    assert kept["mapped_mib"] == 0  # from the heap ...
+    assert kept["kept_mib"] >= 128  # ... and still there after it is freed (not trimmed), for the next step
+
+
+@pytest.mark.parametrize(("allocator", "mapped"), [(None, False), ("system", True)])
+def test_a_cpu_fit_keeps_freed_blocks_unless_told_otherwise(tmp_path: Path, allocator: str | None, mapped: bool) -> None:
+    # The default of every strategy preset (conf/strategy/nd.yaml), applied by setup_environment in
+    # the process that trains; strategy.cpu_allocator=system leaves glibc's defaults.
+    overrides = ["trainer.max_steps=1", "~callbacks.checkpoint", "+callbacks.malloc._target_=test_host_allocator.MallocProbe"]
+    if allocator is not None:
+        overrides.append(f"strategy.cpu_allocator={allocator}")
+    _, task = fit(compose_config(overrides), tmp_path)
+    (record,) = [h["malloc"] for h in task.history if "malloc" in h]
+    assert (record["mapped_mib"] >= 64) is mapped, record
