@@ -18,8 +18,7 @@ The cost: a process keeps its peak heap, so its resident memory does not fall af
 from __future__ import annotations
 
 import ctypes
-import platform
-import sys
+import os
 from typing import Literal
 
 M_TRIM_THRESHOLD = -1  # mallopt(3) parameter numbers, from glibc's <malloc.h>
@@ -28,6 +27,14 @@ KEEP_BYTES = 2**31 - 1  # the largest value mallopt's int argument holds (2 GiB)
 
 # strategy.cpu_allocator: keep_freed calls `keep_freed_host_memory` on CPU; system leaves glibc as it is.
 CPUAllocator = Literal["keep_freed", "system"]
+
+
+def is_glibc() -> bool:
+    """Whether this process runs on GNU libc (asked of the C library itself, not of the executable)."""
+    try:
+        return os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
+    except (AttributeError, ValueError, OSError):  # no confstr (Windows), or a C library without the name
+        return False
 
 
 def keep_freed_host_memory() -> bool:
@@ -40,7 +47,7 @@ def keep_freed_host_memory() -> bool:
         True when glibc took both settings; False on a C library without ``mallopt`` (musl,
         macOS, Windows), whose allocator is then left as it is.
     """
-    if sys.platform != "linux" or platform.libc_ver()[0] != "glibc":
+    if not is_glibc():
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt

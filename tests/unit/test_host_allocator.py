@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -21,9 +20,9 @@ import pytest
 import torch
 from harness import compose_config, env_with_tests, fit
 
-pytestmark = pytest.mark.skipif(
-    sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="mallopt/mallinfo2 are glibc's"
-)
+from strategies.host_allocator import is_glibc
+
+pytestmark = pytest.mark.skipif(not is_glibc(), reason="mallopt and mallinfo2 are glibc's")
 
 ROOT = Path(__file__).resolve().parents[2]
 
