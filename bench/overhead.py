@@ -119,9 +119,10 @@ class HandLoop:
     """The same training written by hand: no Lightning, no callbacks, no logging."""
 
     def __init__(self, cfg: DictConfig, *, steps: int, device: torch.device) -> None:
-        prepared = build_data(cfg).prepare()  # the cached rows plait trains on
+        run = validate(cfg)
+        prepared = build_data(cfg, run).prepare()  # the cached rows plait trains on
         self.device = device
-        self.model = build_model(cfg, vocab_size=prepared.tokenizer.vocab_size).to(device)  # seeded init
+        self.model = build_model(cfg, run, vocab_size=prepared.tokenizer.vocab_size).to(device)  # seeded init
         self.model.train()
         self.max_grad_norm = cfg.train.max_grad_norm
 
@@ -132,7 +133,8 @@ class HandLoop:
             (decay if is_matmul else rest).append(param)
         groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": rest, "weight_decay": 0.0}]
         self.optimizer = torch.optim.AdamW(
-            [g for g in groups if g["params"]], lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps
+            [g for g in groups if g["params"]], lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
+            fused=cfg.optim.get("fused"),  # plait's default: one fused kernel (its rounding differs from the loop's)
         )
         sched = cfg.scheduler
         schedule = dict(warmup_steps=sched.warmup_steps, decay=sched.decay, min_lr_ratio=sched.min_lr_ratio)
