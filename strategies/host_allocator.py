@@ -49,9 +49,8 @@ def keep_freed_host_memory() -> bool:
     """
     if not is_glibc():
         return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
+    mallopt = ctypes.CDLL(None).mallopt  # glibc's, in this process
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return bool(mallopt(M_MMAP_THRESHOLD, KEEP_BYTES)) & bool(mallopt(M_TRIM_THRESHOLD, KEEP_BYTES))
+    mapped = mallopt(M_MMAP_THRESHOLD, KEEP_BYTES)
+    trimmed = mallopt(M_TRIM_THRESHOLD, KEEP_BYTES)
+    return bool(mapped and trimmed)
