@@ -49,3 +49,11 @@ def test_validate_checks_every_plugin_node_before_launch() -> None:
         "strategy.activation_checkpoint.mode='partial' must be one of none, full, every_k, selective",
         "strategy.compile.enabled='maybe' must be bool",
     ]
+
+
+def test_an_unknown_cpu_allocator_is_refused_naming_the_choices() -> None:
+    with pytest.raises(ConfigError) as err:
+        validate(compose_config(["strategy.cpu_allocator=jemalloc"]))
+    assert err.value.problems == ["strategy.cpu_allocator='jemalloc' must be one of keep_freed, system"]
+    with pytest.raises(ValueError, match="strategy.cpu_allocator='jemalloc' is unknown; use keep_freed or system"):
+        MeshStrategy(cpu_allocator="jemalloc")  # a strategy built by hand, without validate
