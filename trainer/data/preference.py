@@ -22,8 +22,8 @@ TRL's formats (trainer.data.formats); see trainer.data.preference_sources.
 Unpaired rows (``unpaired: true``, KTO: Ethayarajh et al. 2024): each row is one prompt, one
 completion and its label (``desirable`` [N], 1.0 or 0.0); a pair source gives two rows (chosen:
 desirable, rejected: undesirable; TRL's unpairing). Row index 0 of dim 1 holds the completion,
-index 1 the prompt with a **mismatched** completion (the next row's of the same split: TRL's KL
-rows), whose log-ratios estimate the policy's KL to the reference (trainer.objectives.kto).
+index 1 the prompt with a **mismatched** completion (another prompt's, of the same split: TRL's KL
+rows, `_kl_rows`), whose log-ratios estimate the policy's KL to the reference (trainer.objectives.kto).
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ class PreferenceDataModule(DataModule):
             if any("label" in r for part in records for r in part):
                 raise DataError(f"data.sources.{name}: rows of prompt, completion and label are unpaired (KTO); train them with plait kto")
             return records
-        return tuple(_kl_rows(_unpair(part)) for part in records)
+        return tuple(_kl_rows(_unpair(part), name=name, split=split) for part, split in zip(records, SPLITS))
 
     # ------------------------------------------------------------------------------ reference
     def pairs(self, split: str) -> dict[str, Tensor]:
@@ -210,10 +210,31 @@ def _unpair(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _kl_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each row as a pair: its completion, then the next row's completion to the same prompt (the
-    last row takes the first's): the mismatched completions of TRL's KL estimate."""
+def _kl_rows(rows: list[dict[str, Any]], *, name: str, split: str) -> list[dict[str, Any]]:
+    """Each row as a pair: its completion, then a **mismatched** completion for the KL estimate.
+
+    TRL's rule (KTOTrainer's KL dataset): the mismatched completions are the matched ones, paired
+    with other prompts. Rows are grouped by prompt (groups in order of first appearance) and each
+    takes the completion ``m`` places further round that order, ``m`` the largest group: no row
+    takes an answer to its own prompt (a pair's chosen and rejected rows share one), and every
+    completion is used once.
+
+    Raises:
+        DataError: more than half of the rows share one prompt (no such permutation exists).
+    """
+    groups: dict[str, list[int]] = {}
+    for i, r in enumerate(rows):
+        groups.setdefault(json.dumps(r["messages"], sort_keys=True), []).append(i)
+    order = [i for members in groups.values() for i in members]
+    shift = max((len(members) for members in groups.values()), default=0)
+    if 2 * shift > len(rows):
+        raise DataError(
+            f"data.sources.{name}: {shift} of its {len(rows)} {split} rows share one prompt; KTO's KL estimate pairs every "
+            "prompt with another prompt's completion, so no prompt may hold more than half of the rows: add rows with "
+            f"other prompts{' or raise data.sources.' + name + '.val_size' if split == 'val' else ''}"
+        )
+    donor = {order[p]: order[(p + shift) % len(order)] for p in range(len(order))}
     return [
-        {"messages": r["messages"], "chosen": r["completion"], "rejected": rows[(i + 1) % len(rows)]["completion"], "desirable": float(r["label"])}
+        {"messages": r["messages"], "chosen": r["completion"], "rejected": rows[donor[i]]["completion"], "desirable": float(r["label"])}
         for i, r in enumerate(rows)
     ]
