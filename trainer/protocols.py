@@ -162,3 +162,7 @@ class DataModule(Protocol):
     def evaluators(self) -> list[Evaluator]:
         """The evaluators of this data ([] for none)."""
         ...
+
+    def data_counts(self) -> dict[str, Any]:
+        """Per source, what preparation cut from the training samples (`trainer.data.accounting.SourceCounts`)."""
+        ...

@@ -147,7 +147,8 @@ def run(cfg: DictConfig, launch: Launch | None = None) -> None:
             trainer, task, data = build_run(cfg, run_dir, launch.run)
             check_train_batches(cfg, data)
             if launching:
-                _print(describe(data))
+                for line in describe(data):
+                    _print(line)
             overrides = check_resume(cfg, launch.ckpt_path, data.tokenizer)  # now with the tokenizer
     except BaseException as err:
         if launching and fresh_dir and run_dir.is_dir() and not any(run_dir.iterdir()):

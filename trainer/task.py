@@ -29,6 +29,7 @@ from torch import nn
 from typing_extensions import override
 
 from strategies.lora import quantize_pending
+from trainer.data import accounting
 from trainer.loggers import is_logging_step
 from trainer.models.init_from import load_init_from
 from trainer.nonfinite import NonFiniteGuard
@@ -285,6 +286,9 @@ class Task(L.LightningModule):
 
     @override
     def on_train_start(self) -> None:
+        datamodule = self.trainer.datamodule
+        if self.global_step == 0 and datamodule is not None:  # what preparation cut, once, in row 0
+            self.record(accounting.metrics(datamodule.data_counts()))
         if self.global_step == 0 and not any("val_loss" in h for h in self.history):
             self.evaluate()
         self._write_row()

@@ -72,7 +72,9 @@ def test_error_policy_rejects_the_long_sample_by_length():
     with pytest.raises(ValueError, match="121") as err:
         fit_long_samples(_samples([121]), seq_len=SEQ_LEN, policy="error")
     assert "data.long_samples=split" in str(err.value)
-    kept, dropped = fit_long_samples(_samples([30] * 10), seq_len=SEQ_LEN, policy="error")
-    assert len(kept) == 10 and dropped == {"samples": 0, "supervised_tokens": 0}
-    kept, dropped = fit_long_samples(_samples([121, 30]), seq_len=SEQ_LEN, policy="truncate")
-    assert [len(ids) for ids, _ in kept] == [60, 30] and dropped == {"samples": 1, "supervised_tokens": 60}
+    kept, counts = fit_long_samples(_samples([30] * 10), seq_len=SEQ_LEN, policy="error")
+    assert len(kept) == 10 and (counts.samples, counts.dropped, counts.truncated, counts.supervised_tokens_lost) == (10, 0, 0, 0)
+    kept, counts = fit_long_samples(_samples([121, 30]), seq_len=SEQ_LEN, policy="truncate")
+    assert [len(ids) for ids, _ in kept] == [60, 30] and (counts.truncated, counts.supervised_tokens_lost) == (1, 60)
+    kept, counts = fit_long_samples(_samples([121, 30]), seq_len=SEQ_LEN, policy="drop")
+    assert [len(ids) for ids, _ in kept] == [30] and (counts.dropped, counts.truncated, counts.supervised_tokens_lost) == (1, 0, 120)

@@ -69,14 +69,14 @@ def test_metrics_sums_and_tie_counts_half():
 def test_pair_rows_truncation_keeps_the_response():
     prompt, chosen, rejected = list(range(100, 110)), list(range(200, 230)), [300] * 5
     rows, cut = pair_rows(prompt, chosen, rejected, seq_len=16, max_prompt_len=4, pad_id=1)
-    assert cut
+    assert cut == (6, 18, 0)  # prompt tokens cut at the start, chosen's cut at the end, rejected whole
     assert rows["input_ids"][0].tolist() == prompt[-4:] + chosen[:12]
     assert rows["input_ids"][1].tolist() == prompt[-4:] + rejected + [1] * 7
     assert [x for x in rows["labels"][0].tolist() if x != IGNORE_INDEX] == chosen[:12]
     assert [x for x in rows["labels"][1].tolist() if x != IGNORE_INDEX] == rejected
     # Short responses: the prompt keeps more than max_prompt_len, all that fits.
     rows, cut = pair_rows(prompt, [7, 8], [9], seq_len=16, max_prompt_len=4, pad_id=1)
-    assert not cut and rows["input_ids"][0, :12].tolist() == prompt + [7, 8]
+    assert cut == (0, 0, 0) and rows["input_ids"][0, :12].tolist() == prompt + [7, 8]
 
 
 def test_encode_pair_shares_the_prompt_and_supervises_only_the_final_answer():
@@ -104,7 +104,7 @@ def test_pair_rows_keeps_at_most_max_prompt_len_prompt_tokens_when_too_long():
     # README: the prompt keeps at most data.max_prompt_len tokens (it used to keep all that fit).
     prompt, chosen, rejected = list(range(100, 110)), list(range(200, 208)), [300] * 3
     rows, cut = pair_rows(prompt, chosen, rejected, seq_len=16, max_prompt_len=4, pad_id=1)
-    assert not cut
+    assert cut == (6, 0, 0)
     assert rows["input_ids"][0, :12].tolist() == prompt[-4:] + chosen
 
 

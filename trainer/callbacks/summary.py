@@ -11,6 +11,7 @@ from typing import Any
 import lightning as L
 from typing_extensions import override
 
+from trainer.data import accounting
 from trainer.rundir import RunDir
 
 
@@ -87,6 +88,8 @@ class Summary(L.Callback):
             steps=trainer.global_step,
             warm=self._warm(pl_module.tokens_seen),
         )
+        if trainer.datamodule is not None and (counts := trainer.datamodule.data_counts()):
+            summary["data"] = accounting.as_json(counts)  # per source: samples dropped, truncated, tokens lost
         path = RunDir(self.dirpath).summary
         path.parent.mkdir(parents=True, exist_ok=True)  # a run without loggers may have written nothing yet
         tmp = path.with_name(path.name + ".tmp")

@@ -33,6 +33,7 @@ from typing_extensions import Required, override
 from strategies.ranges import POSITIVE, Range
 from strategies.resolved import ResolvedRun
 from trainer import protocols
+from trainer.data.accounting import SourceCounts
 from trainer.data.balance import Balancer, WorkModel
 from trainer.data.chat import JinjaTemplate, load_chat_template
 from trainer.data.loader import Batch, GlobalBatches, Loader, shard_rows
@@ -202,6 +203,16 @@ class DataModule(L.LightningDataModule, protocols.DataModule):
     def evaluators(self) -> list[Evaluator]:
         """What scores the model beyond the loss at each evaluation (`trainer.protocols.Evaluator`); none here."""
         return []
+
+    @property
+    def noun(self) -> str:
+        """What one training sample is (``samples``, ``pairs``, ...), for the data lines."""
+        return "samples"
+
+    def data_counts(self) -> dict[str, SourceCounts]:
+        """What preparation cut from each source's training samples (trainer.data.accounting);
+        {} where nothing is cut (packed text continues a document in the next row)."""
+        return {}
 
 
 def named_source_problems(node: Any, parse: Callable[[str, Mapping[str, Any]], Any], empty: str) -> list[str]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -114,10 +114,18 @@ def pair(tokenizer: Tokenizer, record: dict[str, Any], template: JinjaTemplate |
     return encoded[0][0], encoded[0][1], encoded[1][1]
 
 
+class PairCut(NamedTuple):
+    """Tokens `pair_rows` cut from one pair: of the prompt (at its start), of each response (at its end)."""
+
+    prompt: int
+    chosen: int
+    rejected: int
+
+
 def pair_rows(
     prompt: list[int], chosen: list[int], rejected: list[int], *, seq_len: int, max_prompt_len: int, pad_id: int
-) -> tuple[dict[str, Tensor], bool]:
-    """The ``[2, seq_len]`` rows of one pair (chosen first) and whether a response was cut.
+) -> tuple[dict[str, Tensor], PairCut]:
+    """The ``[2, seq_len]`` rows of one pair (chosen first) and what was cut (`PairCut`).
 
     When prompt + the longer response is too long, the prompt keeps at most its last
     ``max_prompt_len`` tokens (TRL's ``max_prompt_length``), then both responses are cut at the
@@ -126,6 +134,7 @@ def pair_rows(
     """
     longest = max(len(chosen), len(rejected))
     keep = len(prompt) if len(prompt) + longest <= seq_len else min(len(prompt), max_prompt_len)
+    cut = PairCut(len(prompt) - keep, max(0, len(chosen) - (seq_len - keep)), max(0, len(rejected) - (seq_len - keep)))
     prompt = prompt[len(prompt) - keep :]
     room = seq_len - len(prompt)
     rows = []
@@ -133,7 +142,7 @@ def pair_rows(
         labels = [IGNORE_INDEX] * (len(prompt) - 1) + response + [IGNORE_INDEX]
         rows.append([(0, np.asarray(prompt + response, np.int64), np.asarray(labels[: len(prompt) + len(response)], np.int64))])
     tensors = rows_to_tensors(rows, num_rows=2, seq_len=seq_len, pad_id=pad_id)
-    return {k: tensors[k] for k in PAIR_KEYS}, longest > room
+    return {k: tensors[k] for k in PAIR_KEYS}, cut
 
 
 def stack_rows(rows: list[dict[str, Tensor]], seq_len: int) -> dict[str, Tensor]:

@@ -45,6 +45,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from trainer.data.accounting import SourceCounts
+
 IGNORE_INDEX = -100
 POLICIES = ("split", "whole")
 ROW_KEYS = ("input_ids", "labels", "position_ids", "document_ids", "source_ids")
@@ -275,7 +277,7 @@ LONG_SAMPLES = ("split", "truncate", "drop", "error")
 
 def fit_long_samples(
     samples: Sequence[tuple[Sequence[int], Sequence[int]]], *, seq_len: int, policy: str
-) -> tuple[list[tuple[Sequence[int], Sequence[int]]], dict[str, int]]:
+) -> tuple[list[tuple[Sequence[int], Sequence[int]]], SourceCounts]:
     """Applies a long-sample policy before packing: the kept samples, and what was cut.
 
     Args:
@@ -286,13 +288,16 @@ def fit_long_samples(
             ``drop`` (left out) or ``error``.
 
     Returns:
-        The samples to pack, and ``{"samples", "supervised_tokens"}`` cut by the policy.
+        The samples to pack, and the counts of every sample (`trainer.data.accounting.SourceCounts`:
+        samples dropped or truncated by the policy, supervised tokens kept and lost).
 
     Raises:
         ValueError: a long sample under ``policy="error"`` (the message names the fixes).
     """
-    kept, dropped = [], {"samples": 0, "supervised_tokens": 0}
+    kept, counts = [], SourceCounts()
     for ids, labels in samples:
+        supervised = np.asarray(labels) != IGNORE_INDEX
+        cut = len(ids)
         if len(ids) > seq_len and policy != "split":
             if policy == "error":
                 raise ValueError(
@@ -300,10 +305,8 @@ def fit_long_samples(
                     "data.long_samples=split (continue in the next row), truncate or drop, or raise data.seq_len"
                 )
             cut = 0 if policy == "drop" else seq_len
-            dropped["samples"] += 1
-            dropped["supervised_tokens"] += int(sum(1 for x in labels[cut:] if x != IGNORE_INDEX))
-            ids, labels = ids[:cut], labels[:cut]
-            if not ids:
-                continue
-        kept.append((ids, labels))
-    return kept, dropped
+        lost = int(supervised[cut:].sum())
+        counts.add(supervised_kept=int(supervised.sum()) - lost, supervised_lost=lost, dropped=cut == 0 < len(ids))
+        if cut or not len(ids):
+            kept.append((ids[:cut], labels[:cut]) if cut < len(ids) else (ids, labels))
+    return kept, counts

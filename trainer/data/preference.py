@@ -6,7 +6,8 @@ conversation up to the final assistant turn, each response is the final assistan
 supervised span (the default template appends EOS). Chosen and rejected rows start with the
 **same prompt ids**; labels are pre-shifted and -100 everywhere but on response tokens (case
 C24). Truncation keeps as much of the responses as fits in ``seq_len``
-(trainer.data.encode.pair_rows); pairs whose responses lose tokens are counted and printed.
+(trainer.data.encode.pair_rows); pairs whose prompt or responses lose tokens are counted per source
+(trainer.data.accounting: printed at launch, a warning above 5%, refused when nothing is left).
 
 Reference log-probs (DPO, IPO): rather than a second, frozen copy of the model sharded like the
 policy, the objective scores every pair once before the first optimizer step, when the
@@ -36,7 +37,8 @@ import torch
 from torch import Tensor
 from typing_extensions import Unpack, override
 
-from trainer.data import encode
+from trainer.data import accounting, encode
+from trainer.data.accounting import SourceCounts
 from trainer.data.base import DataError, DataModule, Settings, named_source_problems
 from trainer.data.cache import fingerprint
 from trainer.data.loader import RowBatches
@@ -93,6 +95,7 @@ class PreferenceDataModule(DataModule):
         self.sources: dict[str, Source] = {name: PAIRS.parse(name, dict(n or {})) for name, n in sources.items()}
         self.max_prompt_len, self.template_name, self.unpaired = max_prompt_len, template, unpaired
         self.reference_ready = False
+        self.counts: dict[str, SourceCounts] = {}
 
     @override
     @classmethod
@@ -120,29 +123,40 @@ class PreferenceDataModule(DataModule):
         tokenizer = self.load_tokenizer(texts, fingerprint("preference", json.dumps(split, sort_keys=True)))
         template = self.chat_template(self.template_name, tokenizer)
         prepared: dict[str, Any] = {"tokenizer": tokenizer}
-        cut_pairs = 0
+        self.counts = {name: SourceCounts() for name in split}
+        lengths: dict[str, list[int]] = {name: [] for name in split}
         for index, part in enumerate(SPLITS):
             rows = []
-            for pairs in split.values():
+            for name, pairs in split.items():
                 for pair in pairs[index]:
+                    prompt, chosen, rejected = encode.pair(tokenizer, pair, template)
                     r, cut = encode.pair_rows(
-                        *encode.pair(tokenizer, pair, template), seq_len=self.seq_len,
-                        max_prompt_len=self.max_prompt_len, pad_id=tokenizer.pad_id,
-                    )  # fmt: skip
+                        prompt, chosen, rejected, seq_len=self.seq_len, max_prompt_len=self.max_prompt_len, pad_id=tokenizer.pad_id
+                    )
                     rows.append(r)
-                    cut_pairs += int(cut and part == "train")
+                    if part == "train":
+                        lengths[name].append(len(prompt) + max(len(chosen), len(rejected)))
+                        # Unpaired rows supervise their completion only: the other row is the KL estimate's.
+                        lost = cut.chosen + (0 if self.unpaired else cut.rejected)
+                        supervised = len(chosen) + (0 if self.unpaired else len(rejected))
+                        self.counts[name].add(supervised_kept=supervised - lost, supervised_lost=lost, prompt_lost=cut.prompt)
             prepared[part] = encode.stack_rows(rows, self.seq_len)
             if self.unpaired:
                 labels = [p["desirable"] for pairs in split.values() for p in pairs[index]]
                 prepared[part]["desirable"] = torch.tensor(labels, dtype=torch.float32).reshape(len(labels))
             prepared[f"{part}_ref"] = torch.full((len(rows), 2), float("nan"))
+        for name, counts in self.counts.items():
+            counts.fix = accounting.seq_len_fix(lengths[name], self.seq_len, self.noun) + (
+                f", or data.max_prompt_len={self.max_prompt_len} if the prompts' last tokens are all a response needs"
+                if counts.prompts_cut else ""
+            )
+        if problems := accounting.problems(self.counts, self.noun):
+            raise DataError("; ".join(problems))
         if len(prepared["train"]["input_ids"]) < self.global_batch_size:
             raise DataError(
                 f"data.sources give {len(prepared['train']['input_ids'])} training pairs, fewer than one global batch of "
                 f"train.global_batch_size={self.global_batch_size}; add pairs or lower train.global_batch_size"
             )
-        if cut_pairs:
-            print(f"plait: {cut_pairs} training pairs have responses cut at data.seq_len={self.seq_len}")
         return PreparedPairs(**prepared)
 
     def _records(self, name: str, source: Source) -> tuple[list, list]:
@@ -158,6 +172,17 @@ class PreferenceDataModule(DataModule):
                 raise DataError(f"data.sources.{name}: rows of prompt, completion and label are unpaired (KTO); train them with plait kto")
             return records
         return tuple(_kl_rows(_unpair(part), name=name, split=split) for part, split in zip(records, SPLITS))
+
+    @property
+    @override
+    def noun(self) -> str:
+        return "labelled rows" if self.unpaired else "pairs"
+
+    @override
+    def data_counts(self) -> dict[str, SourceCounts]:
+        """What preparation cut from each source's training pairs (trainer.data.accounting)."""
+        self.prepare()
+        return self.counts
 
     # ------------------------------------------------------------------------------ reference
     def pairs(self, split: str) -> dict[str, Tensor]:

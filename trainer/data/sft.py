@@ -16,8 +16,9 @@ score for the mSFT controller: ``loss`` (validation loss, lower is better) or ``
 
 Samples longer than ``seq_len`` follow ``long_samples``: ``split`` (continue in the next rows,
 nothing lost; case C29), ``truncate`` (keep the first ``seq_len`` tokens), ``drop`` (leave the
-sample out) or ``error``. Whatever is cut is counted per source, printed, and logged as
-``train/dropped_tokens/<source>``; no supervised token disappears uncounted.
+sample out) or ``error``. Whatever is cut is counted per source (trainer.data.accounting: printed
+at launch, a warning above 5% of a source, in ``summary.json``, refused when a source keeps no
+supervised token) and logged as ``train/dropped_tokens/<source>``; no supervised token disappears uncounted.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from typing import Any
 from torch import Tensor
 from typing_extensions import Unpack, override
 
-from trainer.data import encode
+from trainer.data import accounting, encode
+from trainer.data.accounting import SourceCounts
 from trainer.data.base import DataError, DataModule, Settings, named_source_problems
 from trainer.data.cache import cached, fingerprint
 from trainer.data.chat import JinjaTemplate, Message, default_segments, prompt_text
@@ -112,7 +114,7 @@ class SFTDataModule(DataModule):
         self.specs = {name: p[2] for name, p in parsed.items()}
         self.names = list(sources)
         self.template_name, self.long_samples = template, long_samples
-        self.dropped: dict[str, dict[str, int]] = {}
+        self.counts: dict[str, SourceCounts] = {}
 
     @override
     @classmethod
@@ -143,24 +145,34 @@ class SFTDataModule(DataModule):
         )
         train = {n: self._fit(n, encoded[n][0], count=True) for n in self.names}
         val = {n: self._fit(n, encoded[n][1], count=False) for n in self.names}
-        problems = Mixture(train, self.specs, seed=self.seed).check_reachable()
+        problems = accounting.problems(self.counts, self.noun) or Mixture(train, self.specs, seed=self.seed).check_reachable()
         if problems:
             raise DataError("; ".join(problems))
-        for n, d in self.dropped.items():
-            if d["samples"]:
-                print(f"plait: data.sources.{n}: {d['samples']} samples longer than data.seq_len={self.seq_len} "
-                      f"({self.long_samples}): {d['supervised_tokens']} supervised tokens dropped")  # fmt: skip
         prompts = {n: self._generation_set(convs[n][1], tokenizer, template) for n in self.names if self.metrics[n] == "exact_match"}
         return PreparedSFT(tokenizer=tokenizer, template=template, train=train, val=val, prompts=prompts)
 
     def _fit(self, name: str, samples: list, *, count: bool) -> SourceSamples:
         try:
-            kept, dropped = fit_long_samples(samples, seq_len=self.seq_len, policy=self.long_samples)
+            kept, counts = fit_long_samples(samples, seq_len=self.seq_len, policy=self.long_samples)
         except ValueError as err:
             raise DataError(f"data.sources.{name}: {err}") from None
         if count:
-            self.dropped[name] = dropped
+            counts.fix = accounting.seq_len_fix([len(ids) for ids, _ in samples], self.seq_len, self.noun) + (
+                ", or data.long_samples=split (a long conversation continues in the next row)"
+            )
+            self.counts[name] = counts
         return SourceSamples([ids for ids, _ in kept], [labels for _, labels in kept])
+
+    @property
+    @override
+    def noun(self) -> str:
+        return "conversations"
+
+    @override
+    def data_counts(self) -> dict[str, SourceCounts]:
+        """What ``long_samples`` cut from each source's training conversations (trainer.data.accounting)."""
+        self.prepare()
+        return self.counts
 
     def _generation_set(self, val: list[list[Message]], tokenizer: Tokenizer, template: JinjaTemplate | None) -> GenerationSet:
         prompts, answers = [], []
@@ -183,7 +195,7 @@ class SFTDataModule(DataModule):
         return PackedBatches(
             lambda: self._packer(prepared.train, self.specs),
             names=self.names, global_batch_size=self.global_batch_size, dp_rank=dp_rank, dp_size=dp_size,
-            dropped={n: d["supervised_tokens"] for n, d in self.dropped.items() if d["supervised_tokens"]},
+            dropped={n: c.supervised_tokens_lost for n, c in self.counts.items() if c.supervised_tokens_lost},
             balancer=self.balancer,
         )  # fmt: skip
 

@@ -1,4 +1,4 @@
-"""The one-line data summary a run prints before training (``plait: data: ...``).
+"""The data lines a run prints before training (``plait: data: ...``, then what was cut).
 
 Reads a data module's prepared data (`trainer.data.base.DataModule.prepare`): its ``train`` and
 ``val`` splits are packed rows (``PackedRows``: pretraining), tokenized samples per source
@@ -12,6 +12,7 @@ from typing import Any
 
 from torch import Tensor
 
+from trainer.data.accounting import report_lines
 from trainer.data.mixture import SourceSamples
 from trainer.data.packing import PackedRows
 
@@ -53,9 +54,10 @@ def data_summary(prepared: Any, evaluated: int | None = None) -> str:
     return "data: " + "; ".join(parts)
 
 
-def describe(data: Any) -> str:
-    """`data_summary` of a data module (`trainer.data.base.DataModule`); packed rows say how many of
-    the held-out rows an evaluation scores (``data.eval_rows``)."""
+def describe(data: Any) -> list[str]:
+    """The launch lines of a data module (`trainer.data.base.DataModule`): `data_summary` (packed
+    rows say how many of the held-out rows an evaluation scores, ``data.eval_rows``), then what
+    preparation cut from each source and the warnings (`trainer.data.accounting.report_lines`)."""
     prepared = data.prepare()
     evaluated = len(data.eval_rows()["input_ids"]) if isinstance(prepared.val, PackedRows) else None
-    return data_summary(prepared, evaluated)
+    return [data_summary(prepared, evaluated), *report_lines(data.data_counts(), data.noun)]

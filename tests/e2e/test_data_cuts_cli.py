@@ -1,0 +1,41 @@
+"""The launch of a run whose data lose prompt tokens says so (which source, which setting), logs the
+counts in row 0 of metrics.csv and writes them to summary.json; a source with nothing left to
+train on is refused before the run directory exists."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+from harness import plait
+from trainer.rundir import RunDir
+
+
+SMALL = ("model=nano", "train.global_batch_size=8", "train.eval_every=0", "trainer.enable_progress_bar=false", "~callbacks.plots")
+
+
+def test_dpo_with_cut_prompts_warns_and_records_the_counts(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    result = plait(
+        "dpo", *SMALL, "data=preference_synthetic", "data.seq_len=32", "data.max_prompt_len=4",
+        "data.sources.copy.limit=64", "data.sources.copy.val_size=8", "trainer.max_steps=1", f"run_dir={run_dir}",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("plait: warning: data.sources.copy:")]
+    assert len(warnings) == 1, result.stderr[-3000:]
+    assert "64 of 64 training pairs (100.0%) lose supervised or prompt tokens" in warnings[0]
+    assert "raise data.seq_len=32" in warnings[0] and "data.max_prompt_len=4" in warnings[0]
+    summary = json.loads(RunDir(run_dir).summary.read_text())
+    assert summary["data"]["copy"]["samples"] == 64 and summary["data"]["copy"]["prompts_cut"] == 64
+    with open(RunDir(run_dir).metrics, newline="") as file:
+        row0 = next(r for r in csv.DictReader(file) if r["step"] == "0")
+    assert float(row0["data/prompts_cut/copy"]) == 64.0
+
+
+def test_a_source_that_keeps_no_supervised_token_ends_the_launch_with_one_line(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    result = plait("sft", *SMALL, "data.long_samples=drop", "data.seq_len=64", f"run_dir={run_dir}")
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("plait: error:")]
+    assert len(errors) == 1 and "keeps a supervised token" in errors[0] and "data.long_samples=split" in errors[0]
+    assert not run_dir.exists()

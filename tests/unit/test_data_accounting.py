@@ -1,0 +1,85 @@
+"""What data preparation cuts is counted per source, warned about, and refused when nothing is left.
+
+The counts are checked against the rows the data modules hand to training (read back here: the
+prompt tokens a pair row holds, the supervised labels of the kept samples), not against the
+rule that produced them. The 83bde6a preset (``data=preference_synthetic`` at seq_len 32,
+max_prompt_len 16) cut the letters out of every copy prompt without a word; it now warns.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from trainer.build import build_data
+from trainer.compose import compose
+from trainer.data import encode
+from trainer.data.base import DataError
+from trainer.data.packing import IGNORE_INDEX
+from trainer.data.summary import describe
+
+
+def _data(recipe: str, overrides: list[str]):
+    return build_data(compose(recipe, ["model=nano", "train.global_batch_size=8", *overrides]))
+
+
+def _prompt_kept(row_ids: list[int], row_labels: list[int]) -> int:
+    """Prompt tokens a pair row holds: the tokens before the first response token (labels are
+    pre-shifted: label t is token t + 1)."""
+    first_target = next(t for t, label in enumerate(row_labels) if label != IGNORE_INDEX)
+    return first_target + 1
+
+
+def test_cut_prompts_are_counted_from_the_rows_and_warned_about() -> None:
+    data = _data("dpo", ["data=preference_synthetic", "data.seq_len=32", "data.max_prompt_len=16", "data.sources.copy.limit=200"])
+    prepared, counts = data.prepare(), data.data_counts()["copy"]
+    pairs, _ = data._records("copy", data.sources["copy"])
+    template = data.chat_template(data.template_name, prepared.tokenizer)
+    full = [len(encode.pair(prepared.tokenizer, p, template)[0]) for p in pairs]
+    ids, labels = prepared.train["input_ids"][:, 0].tolist(), prepared.train["labels"][:, 0].tolist()
+    held = [_prompt_kept(i, lab) for i, lab in zip(ids, labels)]
+    assert counts.samples == len(pairs) == 200
+    assert counts.prompts_cut == sum(h < f for h, f in zip(held, full)) > 0.9 * len(pairs)
+    lines = describe(data)
+    warning = next(line for line in lines if line.startswith("warning:"))
+    assert "data.sources.copy" in warning and "data.seq_len=32" in warning and "39 keeps all" in warning
+    assert "data.max_prompt_len=16" in warning
+
+
+def test_the_shipped_presets_keep_every_sample_whole() -> None:
+    # The preference preset's pairs fit whole (the learning tier's DPO entry depends on it); the
+    # synthetic SFT preset refuses long samples, and the default SFT recipe splits them.
+    for recipe, overrides in (("dpo", ["data=preference_synthetic"]), ("sft", ["data=synthetic"]), ("sft", [])):
+        counts = _data(recipe, overrides).data_counts()
+        assert counts and all(c.affected == 0 and c.supervised_tokens_lost == 0 for c in counts.values()), (recipe, overrides)
+
+
+def test_truncated_conversations_count_the_supervised_tokens_the_samples_lose(tmp_path) -> None:
+    def text(n: int, base: int) -> str:
+        return " ".join(str(base + i) for i in range(n))
+
+    rows = [{"messages": [{"role": "user", "content": text(n, 0)}, {"role": "assistant", "content": text(n, 500)}]} for n in (4, 40, 80, 6)]
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    overrides = [f"data.sources={{mine: {{source: {path}, val_size: 0}}}}", "data.seq_len=64", "train.global_batch_size=1"]
+    whole = _data("sft", [*overrides, "data.long_samples=split"])
+    cut = _data("sft", [*overrides, "data.long_samples=truncate"])
+
+    def supervised(data) -> int:
+        return sum(int((labels != IGNORE_INDEX).sum()) for labels in data.prepare().train["mine"].labels)
+
+    counts = cut.data_counts()["mine"]
+    assert whole.data_counts()["mine"].affected == 0
+    long = int((whole.prepare().train["mine"].offsets[1:] - whole.prepare().train["mine"].offsets[:-1] > 64).sum())
+    assert counts.truncated == long == 2 and counts.dropped == 0
+    assert counts.supervised_tokens == supervised(cut)
+    assert counts.supervised_tokens + counts.supervised_tokens_lost == supervised(whole)
+    warning = next(line for line in describe(cut) if line.startswith("warning:"))
+    assert "data.sources.mine: 2 of 4 training conversations (50.0%)" in warning and "data.long_samples=split" in warning
+
+
+def test_a_source_that_keeps_no_supervised_token_is_refused_naming_it() -> None:
+    data = _data("sft", ["data.long_samples=drop", "data.seq_len=64"])
+    with pytest.raises(DataError, match=r"data.sources.tool_use: none of its \d+ training conversations keeps a supervised token.*data.seq_len=64"):
+        data.prepare()
