@@ -18,10 +18,11 @@ gets no gradients and no optimizer state.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
 import importlib.util
-from fnmatch import fnmatch
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,16 +45,36 @@ def is_adapter(fqn: str) -> bool:
     return any(f".{name}." in f".{fqn}" for name in ADAPTER_NAMES)
 
 
-def lora_targets(model: nn.Module, target_modules: tuple[str, ...] | list[str]) -> list[tuple[str, nn.Linear]]:
-    """The ``nn.Linear`` modules whose FQN matches a pattern: equal to it, ending in ``.<pattern>``
-    (PEFT's rule: ``wq`` matches every ``layers.*.attention.wq``), or an ``fnmatch`` glob."""
+def selects(name: str, pattern: str) -> bool:
+    """Whether ``pattern`` of ``strategy.lora.target_modules`` selects the layer FQN ``name``: equal
+    to it, ending in ``.<pattern>`` (PEFT's rule: ``wq`` selects every ``layers.*.attention.wq``), or
+    an ``fnmatch`` glob of the whole FQN (``layers.0.*``; case-sensitive on every platform)."""
+    return name == pattern or name.endswith("." + pattern) or fnmatchcase(name, pattern)
+
+
+def target_problems(names: Sequence[str], target_modules: Sequence[str]) -> list[str]:
+    """A message naming the patterns of ``target_modules`` that select none of ``names`` (a model's
+    ``nn.Linear`` FQNs) and the layers there are; empty when every pattern selects one. A pattern
+    that selects nothing is a typo or another model's name (``q_proj``), never one to skip in silence."""
+    dead = [pattern for pattern in target_modules if not any(selects(n, pattern) for n in names)]
+    if not dead:
+        return []
+    kinds = sorted({n.rpartition(".")[2] for n in names})
+    example = next((n for n in names if n.startswith("layers.0.")), names[0] if names else "")
     return [
-        (name, module)
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear)
-        and not is_adapter(name + ".")
-        and any(name == p or name.endswith("." + p) or fnmatch(name, p) for p in target_modules)
+        f"strategy.lora.target_modules: {', '.join(map(repr, dead))} {'matches' if len(dead) == 1 else 'match'} no linear "
+        f"layer; the model has {kinds} (full names such as {example!r}, or globs such as 'layers.0.*')"
     ]
+
+
+def linear_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The ``nn.Linear`` layers of ``model`` that can carry adapters (adapters themselves excluded)."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and not is_adapter(n + ".")]
+
+
+def lora_targets(model: nn.Module, target_modules: tuple[str, ...] | list[str]) -> list[tuple[str, nn.Linear]]:
+    """The ``nn.Linear`` modules a pattern of ``target_modules`` selects (`selects`), in module order."""
+    return [(n, m) for n, m in linear_layers(model) if any(selects(n, p) for p in target_modules)]
 
 
 def _placements(weight: torch.Tensor) -> tuple[Any, Any] | None:
@@ -130,12 +151,12 @@ def apply_lora(
         The FQNs of the adapted layers.
 
     Raises:
-        ValueError: no linear layer matches ``target_modules``.
+        ValueError: a pattern of ``target_modules`` selects no linear layer (`target_problems`).
     """
+    problems = target_problems([n for n, _ in linear_layers(model)], target_modules)
+    if problems:
+        raise ValueError(problems[0])
     targets = lora_targets(model, target_modules)
-    if not targets:
-        names = sorted({n.rpartition(".")[2] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
-        raise ValueError(f"strategy.lora.target_modules={list(target_modules)} matches no linear layer; the model has {names}")
     for param in model.parameters():
         param.requires_grad_(False)
     generator = torch.Generator().manual_seed(seed)
@@ -249,9 +270,12 @@ class LoRA:
 
     def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
         """Refuses a non-positive rank, dropout outside [0, 1), pipeline and local-SGD layouts
-        (not composed with adapters yet) and dropout under tp > 1 (each tp rank would draw its own
-        mask of a replicated input)."""
+        (not composed with adapters yet), dropout under tp > 1 (each tp rank would draw its own
+        mask of a replicated input) and a target pattern that selects no linear layer of the model
+        (`target_problems`)."""
         out = []
+        if shape is not None and shape.linear_modules:
+            out.extend(target_problems(shape.linear_modules, self.target_modules))
         if self.rank < 1:
             out.append(f"strategy.lora.rank={self.rank} must be >= 1")
         if not 0 <= self.dropout < 1:

@@ -56,6 +56,7 @@ class ModelShape:
     moe_ffn_dim: int | None = None
     num_shared_experts: int = 0
     n_dense_layers: int = 0
+    linear_modules: tuple[str, ...] = ()  # FQNs of the nn.Linear layers (what LoRA's patterns select)
 
     @property
     def head_dim(self) -> int:
@@ -114,4 +115,5 @@ class ModelShape:
             params=tuple(specs), num_experts=getattr(model, "num_experts", 0), top_k=getattr(model, "top_k", 0),
             moe_ffn_dim=getattr(model, "moe_ffn_dim", None), num_shared_experts=getattr(model, "num_shared_experts", 0),
             n_dense_layers=getattr(model, "n_dense_layers", 0),
+            linear_modules=tuple(n for n, m in model.named_modules() if isinstance(m, nn.Linear)),
         )  # fmt: skip

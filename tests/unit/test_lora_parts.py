@@ -47,6 +47,16 @@ def test_no_matching_layer_names_the_model_layers() -> None:
         apply_lora(_model(), rank=4, alpha=8.0, target_modules=["q_proj"])
 
 
+def test_every_pattern_must_select_a_layer() -> None:
+    """A dead pattern beside live ones (another model's name, a glob missing its ``layers.`` prefix)
+    is an error naming it, not a run that adapts fewer layers than asked."""
+    model = _model()
+    with pytest.raises(ValueError) as err:
+        apply_lora(model, rank=4, alpha=8.0, target_modules=["wq", "q_proj", "attention.*"])
+    assert "target_modules: 'q_proj', 'attention.*' match no linear layer; the model has ['output'" in str(err.value)
+    assert not any(is_adapter(n) for n, _ in model.named_parameters())
+
+
 @pytest.mark.parametrize(
     ("overrides", "problem"),
     [
@@ -56,6 +66,7 @@ def test_no_matching_layer_names_the_model_layers() -> None:
         (["strategy=diloco", "trainer.devices=2"], "strategy.lora does not compose with strategy.local_sgd"),
         (["strategy.lora.rank=0"], "strategy.lora.rank=0 must be >= 1"),
         (["strategy=tp", "trainer.devices=2", "strategy.lora.quantize=nf4"], "use strategy.tp=1 (FSDP2 shards them"),
+        (["strategy.lora.target_modules=[wq,q_proj]"], "'q_proj' matches no linear layer; the model has ['output', 'w1'"),
     ],
 )
 def test_validate_refuses_what_lora_does_not_run(overrides, problem) -> None:
