@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -212,14 +213,23 @@ def merge_lora(model: nn.Module) -> int:
     quantisation is dropped. Returns the number of merged layers.
 
     Raises:
-        ValueError: the base is quantised already.
+        ValueError: the base is quantised already, or an adapted layer's weight is shared with
+            another module (a tied output head: the merge would change the input embedding too).
+            Nothing is changed then.
     """
-    if hasattr(model, "lora_quantize_hook"):
-        model.lora_quantize_hook.remove()
-        del model.lora_quantize_hook, model.lora_quantize_names
     layers = adapted_layers(model)
     if any(hasattr(m, "quant_state") for _, m in layers):
         raise ValueError("the base is 4-bit already; merge a QLoRA model before its first forward (its float base)")
+    owners = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    shared = [name for name, m in layers if owners[id(m.weight)] > 1]
+    if shared:
+        raise ValueError(
+            f"the adapted {', '.join(shared)} share their weight with another layer (tied embeddings): merging "
+            "would change that layer too; train without them in strategy.lora.target_modules"
+        )
+    if hasattr(model, "lora_quantize_hook"):
+        model.lora_quantize_hook.remove()
+        del model.lora_quantize_hook, model.lora_quantize_names
     for _, module in layers:
         delta = module.lora_B.weight.float() @ module.lora_A.weight.float() * module.lora_scaling
         module.weight.add_(delta.to(module.weight.dtype))
@@ -271,11 +281,17 @@ class LoRA:
     def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
         """Refuses a non-positive rank, dropout outside [0, 1), pipeline and local-SGD layouts
         (not composed with adapters yet), dropout under tp > 1 (each tp rank would draw its own
-        mask of a replicated input) and a target pattern that selects no linear layer of the model
-        (`target_problems`)."""
+        mask of a replicated input), a target pattern that selects no linear layer of the model
+        (`target_problems`) and a tied output head as a target (its merge would change the embedding)."""
         out = []
         if shape is not None and shape.linear_modules:
             out.extend(target_problems(shape.linear_modules, self.target_modules))
+            if shape.tie_embeddings and any(selects("output", p) for p in self.target_modules):
+                out.append(
+                    "strategy.lora.target_modules selects the output head, whose weight is the input embedding's "
+                    "(tied embeddings): merging its adapter would change the embedding too; leave 'output' out of "
+                    "strategy.lora.target_modules"
+                )
         if self.rank < 1:
             out.append(f"strategy.lora.rank={self.rank} must be >= 1")
         if not 0 <= self.dropout < 1:

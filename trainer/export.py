@@ -258,7 +258,8 @@ def export_checkpoint(
 
     Raises:
         FileNotFoundError: ``path`` names no checkpoint, or the run has no tokenizer.json.
-        HFError: the run's model class has no Hugging Face mapping (`trainer.capabilities.exportable`).
+        HFError: the run's model class has no Hugging Face mapping (`trainer.capabilities.exportable`),
+            or a LoRA run's adapters cannot be merged (`strategies.lora.merge_lora`).
         UntrustedTargetError, CheckpointError: from `load_run_model` (``trust`` as there).
     """
     run = load_run_model(path, load_base=load_init_from, trust=trust)
@@ -269,7 +270,10 @@ def export_checkpoint(
     if adapted_layers(run.model):  # a LoRA run: its adapter as PEFT's, then merged into the base
         lora = run.config.strategy.lora
         write_peft_adapter(Path(out) / ADAPTER_DIR, run.model, dropout=lora.dropout, base=run.config.model.get("init_from"))
-        merge_lora(run.model)
+        try:
+            merge_lora(run.model)
+        except ValueError as err:
+            raise HFError(f"{err}; the merged model is not written (the adapter alone is in {Path(out) / ADAPTER_DIR})") from None
     return write_hf_dir(
         out, model=run.model, state=run.model.state_dict(), tokenizer=run.tokenizer, sources=source_dirs(run.config),
         dtype=dtype, max_shard_mb=max_shard_mb, chat_template=_trained_template(run.config),

@@ -57,6 +57,21 @@ def test_every_pattern_must_select_a_layer() -> None:
     assert not any(is_adapter(n) for n, _ in model.named_parameters())
 
 
+def test_merging_into_a_tied_head_is_refused_and_changes_nothing() -> None:
+    """The head's weight is the embedding's: folding B A into it would change the input embedding
+    too, so the merged model would differ from the adapted one."""
+    torch.manual_seed(0)
+    model = Llama(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_dim=48, max_seq_len=16, tie_embeddings=True)
+    apply_lora(model, rank=4, alpha=8.0, target_modules=["wq", "output"])
+    with torch.no_grad():
+        model.output.lora_B.weight.normal_(std=0.1)
+    before = {n: p.clone() for n, p in model.state_dict().items()}
+    with pytest.raises(ValueError, match="output share their weight with another layer"):
+        merge_lora(model)
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+
+
 @pytest.mark.parametrize(
     ("overrides", "problem"),
     [
@@ -67,6 +82,7 @@ def test_every_pattern_must_select_a_layer() -> None:
         (["strategy.lora.rank=0"], "strategy.lora.rank=0 must be >= 1"),
         (["strategy=tp", "trainer.devices=2", "strategy.lora.quantize=nf4"], "use strategy.tp=1 (FSDP2 shards them"),
         (["strategy.lora.target_modules=[wq,q_proj]"], "'q_proj' matches no linear layer; the model has ['output', 'w1'"),
+        (["model.tie_embeddings=true", "strategy.lora.target_modules=[wq,output]"], "leave 'output' out of strategy.lora"),
     ],
 )
 def test_validate_refuses_what_lora_does_not_run(overrides, problem) -> None:
