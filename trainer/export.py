@@ -10,6 +10,7 @@ Invocation::
 
     plait export ckpt=runs/sft out=exports/sft            # newest checkpoint of a run
     plait export ckpt=runs/sft/checkpoints/step_0000100 out=exports/sft dtype=bfloat16
+    plait export ckpt=runs/lora_sft out=exports/lora_sft adapter=false   # a LoRA run: the merged model alone
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from omegaconf import DictConfig
 from torch import nn
 
 from strategies.checkpoint import CheckpointError
-from strategies.lora import adapted_layers, merge_lora
+from strategies.lora import adapted_layers, is_adapter, merge_lora
 from trainer.capabilities import export_problem, exportable
 from trainer.compose import compose_command, fail
 from trainer.data.chat import DEFAULT_CHAT_TEMPLATE
@@ -36,6 +37,7 @@ from trainer.models.init_from import load_init_from
 from trainer.models.hf_moe import MOE_FAMILIES, export_family, moe_config_fields, split_experts
 from trainer.models.llama import Llama
 from trainer.models.moe_transformer import MoETransformer
+from trainer.peft_adapter import moe_adapter_problem, peft_target_modules
 from trainer.rundir import load_run_model, resolve_checkpoint
 from trainer.targets import UntrustedTargetError
 
@@ -162,6 +164,11 @@ def source_dirs(run_cfg: DictConfig) -> list[Path]:
     return out
 
 
+def base_config(sources: list[Path]) -> dict[str, Any] | None:
+    """The ``config.json`` of the first Hugging Face directory among ``sources``, or None."""
+    return next((read_config(d) for d in sources if is_hf_dir(d)), None)
+
+
 def write_hf_dir(
     out: str | Path,
     *,
@@ -186,7 +193,7 @@ def write_hf_dir(
         trainer.models.hf.HFError: the model has no Hugging Face architecture.
     """
     torch_dtype = DTYPES[dtype] if dtype else next(iter(state.values())).dtype
-    base = next((read_config(d) for d in sources if is_hf_dir(d)), None)
+    base = base_config(sources)
     named = hf_state_dict(state, tie_embeddings=model.tie_embeddings, family=export_family_of(model, base))
     tensors = {k: v.detach().to("cpu", torch_dtype) for k, v in named.items()}
     out = Path(out)
@@ -211,55 +218,77 @@ def write_hf_dir(
     return out
 
 
-def write_peft_adapter(out: str | Path, model: nn.Module, *, dropout: float, base: str | None) -> Path:
+def write_peft_adapter(out: str | Path, model: nn.Module, *, dropout: float, base: str | None, family: str) -> Path:
     """Writes the LoRA adapters of ``model`` as a PEFT adapter directory (``adapter_config.json``,
     ``adapter_model.safetensors``) that ``peft.PeftModel.from_pretrained`` loads onto the
-    Hugging Face export of the base. Format: PEFT's ``LoraConfig`` fields and tensor names
-    ``base_model.model.<Hugging Face module>.lora_A.weight`` / ``lora_B.weight`` (huggingface/peft,
-    ``save_pretrained``).
+    Hugging Face export of the base, adapting exactly the layers plait adapted
+    (`trainer.peft_adapter.peft_target_modules`). Format: PEFT's ``LoraConfig`` fields and tensor
+    names ``base_model.model.<Hugging Face module>.lora_A.weight`` / ``lora_B.weight``
+    (huggingface/peft, ``save_pretrained``).
 
     Args:
         model: a plait model with adapters (`strategies.lora.apply_lora`), not merged.
         dropout: the adapters' dropout (saved in the config; inference ignores it).
         base: the base model's path (``base_model_name_or_path``), or None.
+        family: the Hugging Face family the base is written as (`export_family_of`).
+
+    Raises:
+        HFError: an adapted layer has no Hugging Face name in ``family``, or peft would adapt
+            other modules than plait did (`trainer.peft_adapter`); nothing is written then.
     """
     from safetensors.torch import save_file
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors, targets, ranks, alphas = {}, set(), set(), set()
+    tensors, adapted, ranks, alphas = {}, [], set(), set()
     for fqn, module in adapted_layers(model):
-        hf_module = hf_name(f"{fqn}.weight").removesuffix(".weight")
-        targets.add(hf_module.rpartition(".")[2])
+        hf_module = hf_name(f"{fqn}.weight", family).removesuffix(".weight")
+        adapted.append(hf_module)
         rank = module.lora_A.weight.shape[0]
         ranks.add(rank)
         alphas.add(module.lora_scaling * rank)
         for name in ("lora_A", "lora_B"):
             tensors[f"base_model.model.{hf_module}.{name}.weight"] = getattr(module, name).weight.detach().contiguous()
     (rank,), (alpha,) = ranks, alphas
+    base_state = {k: v for k, v in model.state_dict().items() if not is_adapter(k)}
+    modules = list(hf_state_dict(base_state, tie_embeddings=model.tie_embeddings, family=family))  # as the base is written
+    problem = moe_adapter_problem(adapted, modules, family)
+    if problem:
+        raise HFError(f"{problem}; train without them (strategy.lora.target_modules), or export the merged model alone (adapter=false)")
+    try:
+        targets = peft_target_modules(adapted, modules)
+    except ValueError as err:
+        raise HFError(str(err)) from None
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "lora_dropout": dropout,
-        "target_modules": sorted(targets), "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+        "target_modules": targets, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
         "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
         "base_model_name_or_path": str(base) if base else None,
     }  # fmt: skip
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     return out
 
 
 def export_checkpoint(
-    path: str | Path, out: str | Path, *, dtype: str | None = None, max_shard_mb: float = 5000.0, trust: Sequence[str] = ()
+    path: str | Path,
+    out: str | Path,
+    *,
+    dtype: str | None = None,
+    max_shard_mb: float = 5000.0,
+    trust: Sequence[str] = (),
+    adapter: bool = True,
 ) -> Path:
     """Loads the model of a run or checkpoint (`trainer.rundir.load_run_model`: one process, any
     saved layout) and writes it with `write_hf_dir`. A LoRA run's model is written with its
-    adapters merged into the base, and the adapters alone in PEFT's format under ``out/adapter``
-    (`write_peft_adapter`).
+    adapters merged into the base, and (``adapter``) the adapters alone in PEFT's format under
+    ``out/adapter`` (`write_peft_adapter`).
 
     Raises:
         FileNotFoundError: ``path`` names no checkpoint, or the run has no tokenizer.json.
         HFError: the run's model class has no Hugging Face mapping (`trainer.capabilities.exportable`),
-            or a LoRA run's adapters cannot be merged (`strategies.lora.merge_lora`).
+            a LoRA run's adapters cannot be merged (`strategies.lora.merge_lora`) or written for
+            peft (`write_peft_adapter`).
         UntrustedTargetError, CheckpointError: from `load_run_model` (``trust`` as there).
     """
     run = load_run_model(path, load_base=load_init_from, trust=trust)
@@ -267,15 +296,19 @@ def export_checkpoint(
         raise HFError(export_problem(type(run.model), f"plait export ckpt={path}"))
     if run.tokenizer is None:
         raise FileNotFoundError(f"{run.run.tokenizer} is missing; a Hugging Face directory needs the run's tokenizer")
+    sources = source_dirs(run.config)
     if adapted_layers(run.model):  # a LoRA run: its adapter as PEFT's, then merged into the base
-        lora = run.config.strategy.lora
-        write_peft_adapter(Path(out) / ADAPTER_DIR, run.model, dropout=lora.dropout, base=run.config.model.get("init_from"))
+        if adapter:
+            lora, family = run.config.strategy.lora, export_family_of(run.model, base_config(sources))
+            init_from = run.config.model.get("init_from")
+            write_peft_adapter(Path(out) / ADAPTER_DIR, run.model, dropout=lora.dropout, base=init_from, family=family)
         try:
             merge_lora(run.model)
         except ValueError as err:
-            raise HFError(f"{err}; the merged model is not written (the adapter alone is in {Path(out) / ADAPTER_DIR})") from None
+            written = f" (the adapter alone is in {Path(out) / ADAPTER_DIR})" if adapter else ""
+            raise HFError(f"{err}; the merged model is not written{written}") from None
     return write_hf_dir(
-        out, model=run.model, state=run.model.state_dict(), tokenizer=run.tokenizer, sources=source_dirs(run.config),
+        out, model=run.model, state=run.model.state_dict(), tokenizer=run.tokenizer, sources=sources,
         dtype=dtype, max_shard_mb=max_shard_mb, chat_template=_trained_template(run.config),
     )  # fmt: skip
 
@@ -298,7 +331,7 @@ def main(argv: list[str]) -> None:
     if out.exists() and any(out.iterdir()):
         fail(f"out={out} is not empty; choose a new directory")
     try:
-        export_checkpoint(ckpt, out, dtype=cfg.dtype, max_shard_mb=cfg.max_shard_mb, trust=cfg.trust)
+        export_checkpoint(ckpt, out, dtype=cfg.dtype, max_shard_mb=cfg.max_shard_mb, trust=cfg.trust, adapter=cfg.adapter)
     except (HFError, FileNotFoundError, UntrustedTargetError, CheckpointError) as err:
         fail(str(err))
     print(f"plait: wrote {out} (Hugging Face format) from {ckpt}")

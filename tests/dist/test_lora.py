@@ -163,6 +163,7 @@ def test_checkpoint_holds_only_the_adapters(runs):
 def test_export_merges_and_writes_a_peft_adapter(runs, base, tmp_path):
     import transformers
     from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
     from safetensors.torch import load_file
 
     from trainer.export import export_checkpoint
@@ -187,12 +188,21 @@ def test_export_merges_and_writes_a_peft_adapter(runs, base, tmp_path):
     with torch.no_grad():
         base_logits = hf_base(ids).logits
     peft_model = PeftModel.from_pretrained(hf_base, out / "adapter").eval()
+    wrapped = {n.removeprefix("base_model.model.") for n, m in peft_model.named_modules() if isinstance(m, LoraLayer)}
+    adapted = {k.removesuffix(".lora_A.weight") for k in params if k.endswith(".lora_A.weight")}
+    assert {plait_name(f"{n}.weight").removesuffix(".weight") for n in wrapped} == adapted, "peft adapts plait's layers"
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
     plait_model = load_run_model(run["run_dir"], load_base=load_init_from).model  # base + adapters, unmerged
     with torch.no_grad():
         expected = plait_model(ids)
         assert (base_logits - expected).abs().max() > 1e-3, "the adapters change the model"
         torch.testing.assert_close(hf_merged(ids).logits, expected, **TOL, msg="transformers on the merged export")
         torch.testing.assert_close(peft_model(ids).logits, expected, **TOL, msg="peft with the exported adapter")
+
+    alone = export_checkpoint(run["run_dir"], tmp_path / "merged_only", adapter=False)
+    assert not (alone / "adapter").exists()
+    torch.testing.assert_close(load_file(alone / "model.safetensors"), load_file(out / "model.safetensors"), rtol=0, atol=0)
 
 
 def test_qlora_fit_on_cpu_lowers_the_loss(base, tmp_path):
