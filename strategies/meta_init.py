@@ -11,6 +11,8 @@ import itertools
 import torch
 from torch import nn
 
+from strategies.ties import keep_ties
+
 
 def is_meta(model: nn.Module) -> bool:
     """Whether any parameter or buffer of ``model`` is still on the meta device."""
@@ -22,7 +24,9 @@ def materialize(model: nn.Module, device: torch.device) -> None:
     (sharded) size, and fills it with ``model.init_weights()``; nothing for a real model.
 
     ``init_weights`` must give every layout the same values (plait's Llama seeds each weight by its
-    name: `trainer.models.init`).
+    name: `trainer.models.init`). Weights tied on the meta device are one tensor after it
+    (`strategies.ties.keep_ties`): ``to_empty`` gives each plain (non-DTensor) parameter slot a new
+    tensor of its own, which untied the LM head under local SGD without FSDP.
 
     Raises:
         TypeError: a model on the meta device without an ``init_weights()`` method.
@@ -32,5 +36,6 @@ def materialize(model: nn.Module, device: torch.device) -> None:
     init_weights = getattr(model, "init_weights", None)
     if not callable(init_weights):
         raise TypeError(f"{type(model).__name__} was built on the meta device but has no init_weights() to fill it")
-    model.to_empty(device=device)
+    with keep_ties(model):  # before init_weights, which then fills a tied tensor once
+        model.to_empty(device=device)
     init_weights()

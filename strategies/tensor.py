@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
 
 from strategies.parallel_dims import LayoutError, Meshes, divisors
+from strategies.ties import keep_ties
 
 if TYPE_CHECKING:
     from strategies.resolved import ResolvedRun
@@ -66,20 +67,18 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str,
     """Applies ``plan`` to ``model`` in place over ``tp_mesh`` (1-D).
 
     Weights become DTensors sharded on ``tp_mesh``; a plan key may use ``*`` for one name level
-    (``layers.*.attention.wq``). Input and output embeddings tied before stay tied: both are
-    sharded by vocabulary rows (``Shard(0)``), so the LM head is pointed back at the sharded
-    embedding weight.
+    (``layers.*.attention.wq``). Weights tied before stay tied (`strategies.ties.keep_ties`): the
+    input embedding and the LM head are both sharded by vocabulary rows (``Shard(0)``), so the head
+    is pointed back at the sharded embedding weight.
 
     Raises:
         LayoutError: if ``tp_mesh`` is not 1-D.
+        ValueError: the plan lays two tied weights out differently.
     """
     if tp_mesh.ndim != 1:
         raise LayoutError(f"tensor parallelism needs a 1-D mesh, got {tp_mesh.ndim}-D")
-    embedding, output = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
-    tied = embedding is not None and output is not None and output.weight is embedding.weight
-    parallelize_module(model, tp_mesh, plan)
-    if tied:
-        model.output.weight = model.tok_embeddings.weight
+    with keep_ties(model):  # parallelize_module distributes each module's parameters on their own
+        parallelize_module(model, tp_mesh, plan)
 
 
 @dataclass
