@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +108,26 @@ class InitialParamRecorder(L.Callback):
         pl_module.history.append({"initial_params": all_stages(trainer, params)})
 
 
+class TieRecorder(L.Callback):
+    """Appends ``{"ties": [per rank: {"one_tensor", "equal", "embedding"}]}`` at the end of training:
+    whether the LM head is the input embedding's tensor (``is``), whether their full tensors are
+    bitwise equal, and the full embedding, gathered from every rank (world group; not under pp).
+    Add with ``+callbacks.ties._target_=harness.TieRecorder``."""
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:
+        import torch.distributed as dist
+
+        model = pl_module.model
+        embedding, head = full(model.tok_embeddings.weight.data), full(model.output.weight.data)
+        mine = {"one_tensor": model.output.weight is model.tok_embeddings.weight,
+                "equal": torch.equal(embedding, head), "embedding": embedding.detach().clone()}  # fmt: skip
+        ranks: list[Any] = [mine]
+        if dist.is_initialized():
+            ranks = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, mine)
+        pl_module.history.append({"ties": ranks})
+
+
 class OffloadRecorder(L.Callback):
     """Appends ``{"offload": sorted reprs of the FSDP modules' offload policies}`` at the start of
     training (torch 2.13's FSDP2 keeps it on the module's param group, a private attribute).
@@ -148,10 +168,13 @@ def losses(history: list[dict[str, Any]]) -> list[float]:
     return [h["loss"] for h in history if "loss" in h]
 
 
-def reference_setup(cfg: DictConfig) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer, Any]:
+def reference_setup(
+    cfg: DictConfig, *, edit: Callable[[torch.nn.Module], None] | None = None
+) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer, Any]:
     """The pieces of a plain one-process reference loop for ``cfg`` (SGD with momentum):
     ``(train rows, model with plait's initial weights, optimizer, global-batch sampler at dp=1)``.
-    Iterate the sampler for each step's row indices."""
+    Iterate the sampler for each step's row indices. ``edit`` changes the model in place before
+    the optimizer takes its parameters (a test's own tie, say)."""
     from hydra.utils import instantiate
 
     from trainer.build import build_data
@@ -160,6 +183,8 @@ def reference_setup(cfg: DictConfig) -> tuple[Any, torch.nn.Module, torch.optim.
     prepared = build_data(cfg).prepare()
     torch.manual_seed(cfg.seed)
     model = instantiate(cfg.model, vocab_size=prepared.tokenizer.vocab_size)
+    if edit is not None:
+        edit(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr, momentum=cfg.optim.momentum)
     sampler = GlobalBatchSampler(
         len(prepared.train), global_batch_size=cfg.train.global_batch_size, dp_size=1,
@@ -168,9 +193,10 @@ def reference_setup(cfg: DictConfig) -> tuple[Any, torch.nn.Module, torch.optim.
     return prepared.train, model, optimizer, sampler
 
 
-def reference_run(cfg: DictConfig, steps: int) -> dict[str, Any]:
-    """A plain one-process loop of ``steps`` steps (`reference_setup`): one forward of each step's
-    rows, token-sum cross-entropy over the supervised tokens / their count, backward, SGD step.
+def reference_run(cfg: DictConfig, steps: int, *, edit: Callable[[torch.nn.Module], None] | None = None) -> dict[str, Any]:
+    """A plain one-process loop of ``steps`` steps (`reference_setup`, which applies ``edit``): one
+    forward of each step's rows, token-sum cross-entropy over the supervised tokens / their count,
+    backward, SGD step.
 
     Returns:
         ``{"loss": [float per step], "grads": [{name: grad} per step], "params": {name: after}}``.
@@ -179,7 +205,7 @@ def reference_run(cfg: DictConfig, steps: int) -> dict[str, Any]:
 
     from trainer.data.packing import IGNORE_INDEX
 
-    rows, model, optimizer, sampler = reference_setup(cfg)
+    rows, model, optimizer, sampler = reference_setup(cfg, edit=edit)
     out: dict[str, Any] = {"loss": [], "grads": []}
     for _, index in zip(range(steps), sampler):
         labels = rows.labels[index]
