@@ -14,6 +14,10 @@ Shard(0); for a row-wise one (Shard(1)) A is Shard(1) and B replicated, and the 
 sum x A^T is reduced to the base output's placement (a reduce-scatter of b x s x r values, not
 of b x s x out). FSDP2 (applied after) shards the adapters with their block; the frozen base
 gets no gradients and no optimizer state.
+
+The hook runs only when the layer is called. Code that multiplies by a layer's weight itself
+(SAT's sliced MLP, the chunked LM-head loss) calls `linear_slice` / `linear_operands` instead,
+which add the adapter (and dequantise a QLoRA base) the same way.
 """
 
 from __future__ import annotations
@@ -27,10 +31,11 @@ from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from strategies.qlora import QUANT_TYPES, quantize_layers
+from strategies.qlora import QUANT_TYPES, NF4Linear, quantize_layers
 
 if TYPE_CHECKING:
     from strategies.parallel_dims import Meshes
@@ -199,9 +204,81 @@ def quantize_later(model: nn.Module) -> list[nn.Parameter]:
     return [model.get_submodule(name).weight for name in getattr(model, "lora_quantize_names", ())]
 
 
+def is_adapted(layer: nn.Module) -> bool:
+    """Whether ``layer`` carries adapters (`apply_lora`)."""
+    return isinstance(layer, nn.Linear) and hasattr(layer, "lora_hook")
+
+
 def adapted_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     """The layers of ``model`` that carry adapters (`apply_lora`), with their FQNs."""
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear) and hasattr(m, "lora_hook")]
+    return [(name, m) for name, m in model.named_modules() if is_adapted(m)]
+
+
+# ---------------------------------------------------------------------------------------------- weight reads
+# The adapter lives in a forward hook, so code that multiplies by ``layer.weight`` itself instead of
+# calling the layer skips it (and a QLoRA base's ``weight`` holds packed 4-bit codes). Such code
+# calls these two functions: the only places besides the hook that know how an adapted layer computes.
+
+
+def dense_weight(layer: nn.Linear, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The base ``[out, in]`` weight of ``layer``: its parameter, or a QLoRA layer's NF4 codes
+    dequantised (in ``dtype``, default float32), exactly what its forward multiplies by."""
+    if isinstance(layer, NF4Linear):
+        return layer.dequantized(dtype or torch.float32)
+    return layer.weight
+
+
+def linear_slice(
+    layer: nn.Linear, x: torch.Tensor, *, rows: torch.Tensor | None = None, cols: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``layer(x)`` computed on a slice of its features only, the adapter (if any) sliced alike.
+
+    With ``rows`` ([F'] int64) the output keeps only those output features: ``x W[rows]^T`` plus
+    ``s B[rows] A dropout(x)``. With ``cols`` (int64) ``x`` holds only those input features
+    (``[..., len(cols)]``): ``x W[:, cols]^T`` plus ``s B A[:, cols] dropout(x)``. Both may be given.
+    This is `strategies.sat`'s omission of MLP channels (`trainer.models.block.FeedForward`):
+    gate/up projections by rows, the down projection by columns.
+
+    Args:
+        layer: a linear layer, adapted or not (plain tensors: not tensor-parallel).
+        x: ``[..., in]`` or ``[..., len(cols)]``.
+
+    Returns:
+        ``[..., out]`` or ``[..., len(rows)]``.
+    """
+    weight, bias = dense_weight(layer, x.dtype), layer.bias
+    if rows is not None:
+        weight, bias = weight[rows], None if bias is None else bias[rows]
+    if cols is not None:
+        weight = weight[:, cols]
+    y = F.linear(x, weight, bias)
+    if not is_adapted(layer):
+        return y
+    a, b = layer.lora_A.weight, layer.lora_B.weight
+    a = a if cols is None else a[:, cols]
+    b = b if rows is None else b[rows]
+    return y + F.linear(F.linear(layer.lora_dropout(x), a), b) * layer.lora_scaling
+
+
+def linear_operands(layer: nn.Linear, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x2, w2)`` with ``x2 @ w2.T == layer(x)``: one matmul for code that applies a layer's
+    weight itself (the chunked LM-head loss, `trainer.objectives.chunked_loss`).
+
+    A plain layer gives ``(x, W)``. An adapted one gives ``x2 = [x, s A dropout(x)]`` ``[..., in + r]``
+    and ``w2 = [W, B]`` ``[out, in + r]``: the adapter's rank-r product rides in the same GEMM, so
+    its gradients reach A and B, with its dropout drawn as the hook draws it. The price: an adapted
+    layer's W is copied once per call (into ``w2``).
+
+    Raises:
+        ValueError: ``layer`` has a bias (a single matmul has none).
+    """
+    if layer.bias is not None:
+        raise ValueError(f"{type(layer).__name__} with a bias cannot be applied as one matmul; call the layer")
+    weight = dense_weight(layer, x.dtype)
+    if not is_adapted(layer):
+        return x, weight
+    low_rank = layer.lora_A(layer.lora_dropout(x)) * layer.lora_scaling
+    return torch.cat([x, low_rank.to(x.dtype)], dim=-1), torch.cat([weight, layer.lora_B.weight.to(weight.dtype)], dim=1)
 
 
 @torch.no_grad()

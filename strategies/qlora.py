@@ -54,6 +54,13 @@ class NF4Linear(nn.Linear):
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.bias = None if module.bias is None else nn.Parameter(module.bias.detach().clone(), requires_grad=False)
 
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The ``[out, in]`` weight in ``dtype`` that `forward` multiplies by (bitsandbytes' own dequantisation)."""
+        import bitsandbytes.functional as bnbf
+
+        self.quant_state.dtype = dtype
+        return bnbf.dequantize_4bit(self.weight, self.quant_state)
+
     @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., in] -> [..., out]: x W^T (+ b), W dequantised from the module's state (in x's dtype)."""

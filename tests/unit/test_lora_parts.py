@@ -119,3 +119,36 @@ def test_dropout_acts_on_the_adapter_input_in_training_only() -> None:
         torch.testing.assert_close(model(ids), reference, rtol=0, atol=0)
         model.train()
         assert (model(ids) - reference).abs().max() > 1e-4
+
+
+def _adapted(quantize: str | None) -> torch.nn.Linear:
+    from strategies.lora import quantize_pending
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"w1": torch.nn.Linear(64, 48, bias=False)})
+    apply_lora(model, rank=4, alpha=8.0, target_modules=["w1"], quantize=quantize)
+    quantize_pending(model)
+    with torch.no_grad():
+        model["w1"].lora_B.weight.normal_(std=0.1)
+    return model["w1"]
+
+
+@pytest.mark.parametrize("quantize", [None, "nf4"])
+def test_weight_reads_give_what_the_adapted_layer_computes(quantize) -> None:
+    """`linear_slice` (SAT's sliced MLP) and `linear_operands` (the chunked head) against the layer's
+    own forward (its base matmul, bitsandbytes' for NF4, plus the LoRA hook): the adapter and the
+    4-bit base come along."""
+    from strategies.lora import linear_operands, linear_slice
+
+    layer = _adapted(quantize)
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(1))
+    rows = torch.tensor([0, 3, 7, 40])
+    with torch.no_grad():
+        full = layer(x)
+        torch.testing.assert_close(linear_slice(layer, x, rows=rows), full[..., rows], rtol=1e-5, atol=1e-5)
+        mask = torch.zeros(64).index_fill_(0, rows, 1.0)  # w2's sliced input: the other features are 0
+        torch.testing.assert_close(linear_slice(layer, x[..., rows], cols=rows), layer(x * mask), rtol=1e-5, atol=1e-5)
+        x2, w2 = linear_operands(layer, x)
+        assert w2.shape == (48, 64 + 4)
+        torch.testing.assert_close(x2 @ w2.T, full, rtol=1e-5, atol=1e-5)
+

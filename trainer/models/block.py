@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strategies.lora import linear_slice
 from trainer.models.attention import Attention
 from trainer.models.norm import RMSNorm
 
@@ -23,7 +24,8 @@ class FeedForward(nn.Module):
 
     ``keep_channels(idx)`` restricts the next forwards (and their backward) to the hidden channels
     ``idx`` (sparsity-accelerated training, `strategies.sat`): the omitted channels' rows of w1/w3
-    and columns of w2 are neither read nor given a gradient. None (the default) is the dense MLP.
+    and columns of w2 are neither read nor given a gradient, nor are the matching rows of a LoRA
+    adapter's B (w1/w3) and columns of its A (w2). None (the default) is the dense MLP.
     """
 
     def __init__(self, dim: int, ffn_dim: int) -> None:
@@ -41,9 +43,11 @@ class FeedForward(nn.Module):
     def forward(self, x_btd: torch.Tensor) -> torch.Tensor:
         if self.kept_f is None:
             return self.w2(F.silu(self.w1(x_btd)) * self.w3(x_btd))
+        # Not F.linear on weight slices: a LoRA adapter (a hook on the layer) or a QLoRA base must
+        # be sliced alike, or the sliced forward silently skips the adapter (linear_slice).
         idx = self.kept_f
-        h_btf = F.silu(F.linear(x_btd, self.w1.weight[idx])) * F.linear(x_btd, self.w3.weight[idx])
-        return F.linear(h_btf, self.w2.weight[:, idx])
+        h_btf = F.silu(linear_slice(self.w1, x_btd, rows=idx)) * linear_slice(self.w3, x_btd, rows=idx)
+        return linear_slice(self.w2, h_btf, cols=idx)
 
 
 class TransformerBlock(nn.Module):

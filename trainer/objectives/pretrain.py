@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from strategies.lora import linear_operands
 from trainer.objectives.chunked_loss import chunked_token_loss_sum
 from trainer.protocols import Objective
 
@@ -68,6 +69,9 @@ class CausalLM(Objective):
         chunk = self.chunk_tokens(model, batch)
         if chunk:
             hidden = model(batch["input_ids"], **ids, return_hidden=True)
-            return chunked_token_loss_sum(hidden, model.output.weight, batch["labels"], chunk_tokens=chunk)
+            # The head's weight is applied here, not by calling the head: a LoRA adapter on it (a
+            # hook) or a QLoRA base (packed codes) must come along (linear_operands).
+            hidden, weight = linear_operands(model.output, hidden)
+            return chunked_token_loss_sum(hidden, weight, batch["labels"], chunk_tokens=chunk)
         logits = model(batch["input_ids"], **ids)
         return token_loss_sum(logits, batch["labels"])
