@@ -1,5 +1,6 @@
 """LoRA under the step plugins and objectives: every adapter trains in every combination
-`validate` accepts with ``+strategy/lora=default``, and SAT + LoRA equals an independent reference.
+`validate` accepts with ``+strategy/lora=default``, SAT + LoRA equals an independent reference, and
+the one combination that cannot be honoured (an adapter on a tied LM head) is refused naming the fix.
 
 An adapter lives in a forward hook on its linear layer, so code that multiplies by ``layer.weight``
 itself skips it in silence: SAT's sliced MLP (``F.linear(x, w1.weight[idx])``) left every MLP
@@ -7,7 +8,7 @@ adapter's B at exactly 0, attention adapters training. Such paths now go through
 `strategies.lora.linear_slice` / `linear_operands`; these tests hold every path to it.
 
 Bases: random Hugging Face checkpoints written by transformers (`hf_checkpoints.make_hf_dir`): a
-Llama 3 and a Qwen3-MoE (a dense first block, routed experts in the second).
+Llama 3, a Qwen3-MoE (a dense first block, routed experts in the second) and a tied Llama 2.
 
 The SAT reference is written here: each target projection of the loaded Llama becomes
 ``F.linear(x, W + (alpha/r) B A)`` with its own A (drawn as `strategies.lora.apply_lora` documents:
@@ -64,7 +65,7 @@ _PREFERENCE = (
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_bases")
-    for family, name in (("llama3", "llama"), ("qwen3_moe", "moe")):
+    for family, name in (("llama3", "llama"), ("qwen3_moe", "moe"), ("llama2", "tied")):
         make_hf_dir(family, root / name)
     rng = random.Random(0)
     lines = [json.dumps({"text": " ".join(rng.choices(WORDS, k=rng.randint(3, 30)))}) for _ in range(400)]
@@ -114,6 +115,17 @@ def test_every_adapter_gets_a_gradient(bases, tmp_path, combo):
     assert set(grads) == adapters, f"without a gradient: {sorted(adapters - set(grads))}; not adapters: {sorted(set(grads) - adapters)}"
     dead = sorted(n for n, g in grads.items() if not g.abs().sum() > 0)
     assert not dead, f"{len(dead)} adapters got a zero gradient at step 2: {dead}"
+
+
+def test_an_adapter_on_a_tied_head_is_refused(bases):
+    cfg = _config(bases, "pretrain", "tied", HEAD)
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert any(
+        "selects the output head, whose weight is the input embedding's" in p and "leave 'output' out of strategy.lora.target_modules" in p
+        for p in err.value.problems
+    ), err.value.problems
+    validate(_config(bases, "pretrain", "tied", ()))  # the default targets leave the tied head alone
 
 
 # ---------------------------------------------------------------------------------------------- SAT + LoRA == reference
