@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from strategies.expert_dispatch import EXPERT_WEIGHTS, StackedExperts
 from strategies.qlora import QUANT_TYPES, NF4Linear, quantize_layers
 
 if TYPE_CHECKING:
@@ -202,6 +203,15 @@ def quantize_later(model: nn.Module) -> list[nn.Parameter]:
     """The float weights a QLoRA ``model`` will replace by 4-bit codes (`quantize_pending`): FSDP2
     leaves them unsharded (``ignored_params``) until then. Empty without pending quantisation."""
     return [model.get_submodule(name).weight for name in getattr(model, "lora_quantize_names", ())]
+
+
+def unadaptable(model: nn.Module, target_modules: tuple[str, ...] | list[str]) -> list[str]:
+    """The stacked routed-expert weights (``...experts.w1`` ``[E, out, in]``, `StackedExperts`) that
+    ``target_modules`` names: parameters, not ``nn.Linear`` layers, so `apply_lora` adapts none of them."""
+    return [
+        f"{name}.{w}" for name, m in model.named_modules() if isinstance(m, StackedExperts) for w in EXPERT_WEIGHTS
+        if targeted(f"{name}.{w}", target_modules)
+    ]  # fmt: skip
 
 
 def is_adapted(layer: nn.Module) -> bool:
@@ -416,4 +426,9 @@ class LoRA:
         state = optimizer_state_bytes(optimizer)
         if verbose:
             print(f"plait: lora trains {trainable} of {total} parameter bytes ({100 * trainable / total:.2f}%); optimizer state {state} bytes")
+            if stacked := unadaptable(model, self.target_modules):
+                print(
+                    f"plait: lora: {len(stacked)} stacked expert weights that strategy.lora.target_modules names stay frozen "
+                    f"(adapters go on nn.Linear layers only), e.g. {stacked[0]}"
+                )
         return {"lora/trainable_bytes": float(trainable), "lora/optimizer_state_bytes": float(state)}

@@ -152,3 +152,14 @@ def test_weight_reads_give_what_the_adapted_layer_computes(quantize) -> None:
         assert w2.shape == (48, 64 + 4)
         torch.testing.assert_close(x2 @ w2.T, full, rtol=1e-5, atol=1e-5)
 
+
+def test_stacked_experts_named_by_the_targets_are_reported_unadapted() -> None:
+    from strategies.lora import unadaptable
+    from trainer.models.moe_transformer import MoETransformer
+
+    model = MoETransformer(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_dim=48, max_seq_len=16, num_experts=4, top_k=2,
+                           moe_ffn_dim=16, n_dense_layers=1)  # fmt: skip
+    names = apply_lora(model, rank=4, alpha=8.0)
+    assert "layers.0.feed_forward.w1" in names and not any(".experts" in n for n in names)
+    assert unadaptable(model, ["w1", "w2", "w3"]) == [f"layers.1.feed_forward.experts.{w}" for w in ("w1", "w2", "w3")]
+    assert unadaptable(model, ["wq"]) == []
