@@ -21,6 +21,11 @@ layout and world size, so a sharded run draws exactly the masks of one process. 
 model as training starts from it: `apply` runs in `MeshStrategy.setup`, after ``model.init_from``
 has been loaded and before a resumed run loads its checkpoint.
 
+With LoRA (``strategy.lora``) the base is frozen and the trainable parameters are the adapters:
+those are mixed, each with its value as training starts, so B (starting at 0) is an elementwise
+dropout of B rescaled by 1/(1 - p) and A is pulled towards its initialisation; with independent
+masks ``E[B_mixed A_mixed] = B A``, the current update.
+
 Resuming (also the roll-backs of ``budget=msft``) is exact without saving ``u``: a resumed run
 builds its model as the first run did (the same seeded init, the same ``model.init_from`` file
 loaded bit for bit), so `apply` snapshots the same ``u`` before the checkpoint overwrites the
