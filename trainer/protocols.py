@@ -159,6 +159,12 @@ class DataModule(Protocol):
         """Optimizer steps until the data ends (budgets of an SFT mixture); None: endless."""
         ...
 
+    def end_reason(self, steps: int) -> str:
+        """Why the data ends after ``steps`` (its `finite_steps`) and the setting that lengthens the
+        run, e.g. ``data.sources.mine is spent after max_epochs=1.0 (5 steps); raise
+        data.sources.mine.max_epochs`` (`trainer.run_length`)."""
+        ...
+
     def evaluators(self) -> list[Evaluator]:
         """The evaluators of this data ([] for none)."""
         ...

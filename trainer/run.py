@@ -20,6 +20,7 @@ from trainer.data.chat import ChatError
 from trainer.data.summary import describe
 from trainer.nonfinite import NonFiniteError
 from trainer.resume import ResumeRecord, check_resume
+from trainer.run_length import plan_run_length
 from trainer.rundir import RunDir, resolve_checkpoint
 
 
@@ -149,6 +150,9 @@ def run(cfg: DictConfig, launch: Launch | None = None) -> None:
             if launching:
                 for line in describe(data):
                     _print(line)
+                early = plan_run_length(cfg.trainer.max_steps, data).launch_line()  # what ends the run first
+                if early is not None:
+                    _print(early)
             overrides = check_resume(cfg, launch.ckpt_path, data.tokenizer)  # now with the tokenizer
     except BaseException as err:
         if launching and fresh_dir and run_dir.is_dir() and not any(run_dir.iterdir()):

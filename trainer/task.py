@@ -35,6 +35,7 @@ from trainer.models.init_from import load_init_from
 from trainer.nonfinite import NonFiniteGuard
 from trainer.optim import build_optimizer
 from trainer.protocols import Objective, RoutedModel
+from trainer.run_length import RunLength, plan_run_length
 from trainer.step_metrics import NamedMeans, PendingSteps, read_means
 
 
@@ -98,6 +99,7 @@ class Task(L.LightningModule):
         self.last_step_tokens = 0
         self._row: dict[str, float] = {}  # the loggers' row of the current step (see `record`)
         self._configured = False  # configure_model has parallelized the model
+        self._run_length: RunLength | None = None  # see `run_length`
 
     # ------------------------------------------------------------------------------ setup
     @override
@@ -120,15 +122,19 @@ class Task(L.LightningModule):
         scheduler = self.scheduler_fn(optimizer, total_steps=self.total_steps())
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-    def total_steps(self) -> int:
-        """Optimizer steps of the run: ``trainer.max_steps``, or fewer when the data ends first
-        (`DataModule.finite_steps`, e.g. an SFT mixture whose budgets end the run; a Task fitted
-        without a data module runs ``max_steps``)."""
-        datamodule = self.trainer.datamodule
-        finite = datamodule.finite_steps() if datamodule is not None else None
-        return self.trainer.max_steps if finite is None else min(self.trainer.max_steps, finite)
+    def run_length(self) -> RunLength:
+        """The planned length of the run (`trainer.run_length`): ``trainer.max_steps``, or fewer
+        when the data ends first (`DataModule.finite_steps`, e.g. an SFT mixture whose budgets
+        end the run; a Task fitted without a data module runs ``max_steps``). Resolved once."""
+        if self._run_length is None:
+            self._run_length = plan_run_length(self.trainer.max_steps, self.trainer.datamodule)
+        return self._run_length
 
-    def _data_ended(self) -> bool:
+    def total_steps(self) -> int:
+        """Optimizer steps of the run (`run_length`)."""
+        return self.run_length().planned_steps
+
+    def data_ended(self) -> bool:
         """Whether the train loader has reached the end of finite data (it then says ``exhausted``)."""
         return self.trainer.train_dataloader.exhausted
 
@@ -236,7 +242,7 @@ class Task(L.LightningModule):
     def _evaluates_now(self) -> bool:
         """Whether the step just done ends with an evaluation (`end_step`)."""
         step = self.global_step
-        return step == self.trainer.max_steps or self._data_ended() or bool(self.eval_every and step % self.eval_every == 0)
+        return step == self.trainer.max_steps or self.data_ended() or bool(self.eval_every and step % self.eval_every == 0)
 
     def _log_read_steps(self) -> None:
         """Reads the pending steps (the one host sync of the steps since the last read) and,
@@ -249,7 +255,7 @@ class Task(L.LightningModule):
         # Every value is already global and equal on all ranks: no sync_dist (which would also
         # deadlock under pipeline parallelism, where every rank must log the same keys).
         self.log("train/loss", last["loss"], prog_bar=True, logger=False)  # progress bar and callback_metrics
-        if not (is_logging_step(self.trainer) or self._data_ended()):
+        if not (is_logging_step(self.trainer) or self.data_ended()):
             return
         step, loss, grad_norm, lr = (last.pop(k) for k in ("step", "loss", "grad_norm", "lr"))
         if self.nonfinite.skipped:
@@ -303,14 +309,14 @@ class Task(L.LightningModule):
     def end_step(self) -> None:
         """Evaluates when due and writes the step's row to the loggers."""
         step = self.global_step
-        if step == self.trainer.max_steps or self._data_ended() or (self.eval_every and step % self.eval_every == 0):
+        if step == self.trainer.max_steps or self.data_ended() or (self.eval_every and step % self.eval_every == 0):
             self.evaluate()
         self._write_row()
 
     @override
     def on_train_epoch_end(self) -> None:
         # Finite data (an SFT mixture whose budgets are spent) ends the run, not another epoch.
-        if self._data_ended():
+        if self.data_ended():
             self.trainer.should_stop = True
 
     @torch.no_grad()

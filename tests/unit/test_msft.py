@@ -56,6 +56,7 @@ def test_a_removed_source_does_not_end_a_roll_out(tmp_path):
         module.history.append({"step": step, "metrics": {"val/loss/addition": 3.0, "val/loss/sorting": 2.75}})
         stop.on_train_batch_end(trainer, module)
     assert trainer.should_stop
+    assert stop.stop_reason == "budget.patience=2: the earliest optimum, sorting's at step 16, is settled"  # summary.json's
 
 
 def _cfg(extra=()):

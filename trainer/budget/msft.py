@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -90,17 +91,22 @@ def settled(evals: list[tuple[int, Scores]], names: list[str], patience: int) ->
 
 
 class SettledStop(L.Callback):
-    """Stops a roll-out once `settled` names the earliest optimum (``patience`` set)."""
+    """Stops a roll-out once `settled` names the earliest optimum (``patience`` set); its
+    ``stop_reason`` then says so (the roll-out's ``summary.json``)."""
 
     def __init__(self, metric_of: dict[str, str], patience: int, since: int, start: dict[str, float] | None = None) -> None:
         self.metric_of, self.patience, self.since = dict(metric_of), patience, since
         self.start = [(since, dict(start))] if start else []
+        self.stop_reason: str | None = None
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, *args: Any) -> None:
         evals = self.start + evaluations(pl_module.history, self.metric_of, since=self.since + bool(self.start))
-        if settled(evals, list(self.metric_of), self.patience) is not None:
+        name = settled(evals, list(self.metric_of), self.patience)
+        if name is not None:
             trainer.should_stop = True
+            step = best_steps(evals, [name])[name][0]
+            self.stop_reason = f"budget.patience={self.patience}: the earliest optimum, {name}'s at step {step}, is settled"
 
 
 def fit_run(cfg: DictConfig, run_dir: Path, *, ckpt_path: str | None = None) -> list[dict[str, Any]]:
@@ -261,12 +267,21 @@ class MSFT:
         model = build_model(cfg, validate(cfg), vocab_size=data.tokenizer.vocab_size)
         return float(model.flops_per_token(data.seq_len)) if hasattr(model, "flops_per_token") else 0.0
 
+    def length_line(self, cfg: DictConfig) -> str:
+        """What ends each roll-out, said at launch: the budgets, not ``trainer.max_steps``."""
+        patience = f", or until budget.patience={self.patience} evaluations settle its pick" if self.patience else ""
+        return (
+            f"budget=msft: each roll-out trains the active sources budget.compute={self.compute:g} more epochs{patience}; "
+            f"trainer.max_steps={cfg.trainer.max_steps} does not apply (each roll-out's summary.json says what ended it)"
+        )
+
     def run(self, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         """Search, baseline, ``msft.json``, ``msft.png`` and a printed table."""
         from trainer.budget.report import plot, table
 
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
+        print(f"plait: {self.length_line(cfg)}", file=sys.stderr)
         report = self.search(cfg, run_dir)
         if self.baseline:
             report["uniform"] = self.uniform(cfg, run_dir, report["rollouts"][0])

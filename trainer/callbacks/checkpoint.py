@@ -89,7 +89,7 @@ class PeriodicCheckpoint(Checkpoint):
         if signum is not None:
             if trainer.is_global_zero:
                 print(stop_message(signum, step, str(path)), file=sys.stderr, flush=True)
-            raise Stopped()
+            raise Stopped(signum)
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -28,10 +28,11 @@ EXIT_CODE = 143  # 128 + SIGTERM: what a job killed by SIGTERM reports
 
 
 class Stopped(SystemExit):
-    """The run saved a checkpoint and stops on a signal (exit code `EXIT_CODE`)."""
+    """The run saved a checkpoint and stops on signal ``signum`` (exit code `EXIT_CODE`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, signum: int | None = None) -> None:
         super().__init__(EXIT_CODE)
+        self.signum = signum
 
 
 class StopSignals:

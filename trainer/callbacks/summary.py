@@ -1,9 +1,22 @@
-"""``summary.json``: the headline figures of a run, for scripts (printed at the end of ``plait``)."""
+"""``summary.json``: the headline figures of a run, for scripts (printed at the end of ``plait``).
+
+One JSON object, written by rank 0 when training ends, also when a non-finite run, a stop signal
+or Ctrl-C ends it. Its keys, in groups (a later group adds keys; none is renamed):
+
+- the run's figures (`headline`): ``steps`` (optimizer steps done), ``first_val_loss``,
+  ``final_val_loss``, ``final_train_loss``, ``tokens_seen``, ``wall_time_s``, ``tokens_per_s``
+  (and with local SGD ``comm_bytes_sent_per_rank`` / ``comm_bytes_sent_per_step``);
+- its length (`stop_fields`): ``max_steps`` (``trainer.max_steps``), ``planned_steps`` (fewer when
+  the data ends first, `trainer.run_length`), ``stopped_by`` (``max_steps``, ``data_exhausted``,
+  ``nonfinite``, ``signal``, ``callback``, ``interrupted``) and ``stop_reason`` (null for
+  ``max_steps``, else the sentence saying why and what to change).
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -11,7 +24,10 @@ from typing import Any
 import lightning as L
 from typing_extensions import override
 
+from trainer.callbacks.preemption import Stopped
 from trainer.data import accounting
+from trainer.nonfinite import NonFiniteError
+from trainer.run_length import CALLBACK, DATA_EXHAUSTED, INTERRUPTED, MAX_STEPS, NONFINITE, SIGNAL, RunLength
 from trainer.rundir import RunDir
 
 
@@ -41,9 +57,39 @@ def headline(
     }
 
 
+def stop_fields(length: RunLength, stopped_by: str, reason: str | None) -> dict[str, Any]:
+    """``max_steps``, ``planned_steps`` (`trainer.run_length.RunLength`), ``stopped_by`` (one of
+    the causes of `trainer.run_length`) and ``stop_reason`` (None when ``max_steps`` ended it)."""
+    return {"max_steps": length.max_steps, "planned_steps": length.planned_steps, "stopped_by": stopped_by, "stop_reason": reason}
+
+
+def ended_by(trainer: L.Trainer, pl_module: Any) -> tuple[str, str | None]:
+    """``(stopped_by, stop_reason)`` of a run whose training loop ended without an exception: its
+    ``max_steps``, the end of its data, or a callback that set ``trainer.should_stop`` (its
+    ``stop_reason`` attribute says why, e.g. mSFT's patience)."""
+    if trainer.global_step >= trainer.max_steps:
+        return MAX_STEPS, None
+    if pl_module.data_ended():
+        return DATA_EXHAUSTED, pl_module.run_length().reason or f"the training data ended after step {trainer.global_step}"
+    reasons = [r for c in trainer.callbacks if (r := getattr(c, "stop_reason", None))]
+    return CALLBACK, reasons[0] if reasons else f"a callback set trainer.should_stop after step {trainer.global_step}"
+
+
+def interrupted_by(exception: BaseException, step: int) -> tuple[str, str] | None:
+    """``(stopped_by, stop_reason)`` of an exception that ends a run on purpose; None for a crash."""
+    if isinstance(exception, NonFiniteError):
+        return NONFINITE, str(exception)
+    if isinstance(exception, Stopped):
+        name = signal.Signals(exception.signum).name if exception.signum else "a stop signal"
+        return SIGNAL, f"{name} received: stopped after step {step}; continue with resume=last"
+    if isinstance(exception, KeyboardInterrupt):
+        return INTERRUPTED, f"interrupted (Ctrl-C) after step {step}"
+    return None
+
+
 class Summary(L.Callback):
-    """Writes ``<dirpath>/summary.json`` at the end of training (rank 0); wall time and the warm
-    tokens/s (see `headline`) survive resumes.
+    """Writes ``<dirpath>/summary.json`` (module docstring) at the end of training, or when a run
+    is stopped on purpose (rank 0); wall time and the warm tokens/s (see `headline`) survive resumes.
 
     Args:
         dirpath: the run directory (the trainer sets it).
@@ -79,15 +125,30 @@ class Summary(L.Callback):
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._write(trainer, pl_module, *ended_by(trainer, pl_module))
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        # A run stopped on purpose still has its figures; a crash has none (its traceback says why).
+        # Lightning calls this hook in the process that called fit: under a fork launcher (tests,
+        # mSFT's roll-outs) that is the parent, which trained nothing (on_train_start never ran here).
+        stop = interrupted_by(exception, trainer.global_step)
+        if stop is not None and self._since:
+            self._write(trainer, pl_module, *stop)
+
+    def _write(self, trainer: L.Trainer, pl_module: Any, stopped_by: str, reason: str | None) -> None:
         if not trainer.is_global_zero or self.dirpath is None:
             return
-        summary = headline(
-            pl_module.history,
-            tokens_seen=pl_module.tokens_seen,
-            wall_time_s=self._elapsed(),
-            steps=trainer.global_step,
-            warm=self._warm(pl_module.tokens_seen),
-        )
+        summary = {
+            **headline(
+                pl_module.history,
+                tokens_seen=pl_module.tokens_seen,
+                wall_time_s=self._elapsed(),
+                steps=trainer.global_step,
+                warm=self._warm(pl_module.tokens_seen),
+            ),
+            **stop_fields(pl_module.run_length(), stopped_by, reason),
+        }
         if trainer.datamodule is not None and (counts := trainer.datamodule.data_counts()):
             summary["data"] = accounting.as_json(counts)  # per source: samples dropped, truncated, tokens lost
         path = RunDir(self.dirpath).summary

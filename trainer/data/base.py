@@ -200,6 +200,10 @@ class DataModule(L.LightningDataModule, protocols.DataModule):
         """Optimizer steps until the data ends (`trainer.protocols.DataModule`); None: it repeats by epochs."""
         return None
 
+    def end_reason(self, steps: int) -> str:
+        """Why the data ends after ``steps`` optimizer steps, and what lengthens it (`trainer.run_length`)."""
+        return f"the training data ends after {steps} steps"
+
     def evaluators(self) -> list[Evaluator]:
         """What scores the model beyond the loss at each evaluation (`trainer.protocols.Evaluator`); none here."""
         return []

@@ -68,6 +68,11 @@ def parse_source(name: str, node: Mapping[str, Any]) -> tuple[Source, str, Sourc
     return source, metric, spec
 
 
+def _budget(spec: SourceSpec) -> tuple[str, float | int]:
+    """The budget that ends a source: (field, value)."""
+    return ("max_tokens", spec.max_tokens) if spec.max_tokens is not None else ("max_epochs", spec.max_epochs)
+
+
 @dataclass
 class PreparedSFT:
     """The prepared data: tokenizer, chat template (None: default), tokenized samples per source
@@ -203,6 +208,20 @@ class SFTDataModule(DataModule):
     def finite_steps(self) -> int:
         """Optimizer steps of one pass over the mixture (the run ends there)."""
         return self.steps_per_epoch()
+
+    @override
+    def end_reason(self, steps: int) -> str:
+        """The budgets that end the mixture after ``steps`` optimizer steps and the settings that
+        lengthen it: each drawn source's ``max_tokens`` if set (then ``max_epochs`` only bounds
+        it, `Mixture.check_reachable`), else its ``max_epochs``."""
+        train = self.prepare().train
+        spent = [(n, _budget(self.specs[n])) for n in self.names if self.specs[n].weight > 0 and train[n].total_supervised()]
+        if len(spent) == 1:
+            [(name, (field, value))] = spent
+            return f"data.sources.{name} is spent after {field}={value} ({steps} steps); raise data.sources.{name}.{field}"
+        budgets = ", ".join(f"{name} {field}={value}" for name, (field, value) in spent)
+        fixes = " or ".join(f"data.sources.{name}.{field}" for name, (field, value) in spent)
+        return f"every source of data.sources is spent after {steps} steps ({budgets}); raise {fixes}"
 
     @override
     def eval_rows(self) -> dict[str, Tensor]:
