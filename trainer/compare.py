@@ -9,7 +9,10 @@ Each argument is a run directory (it has a ``config.yaml`` or ``metrics.csv``) o
 searched for them (a sweep's job folders, ``runs/pretrain``'s runs). The table has one row per
 run: its name, the config fields in which the runs differ (what their overrides changed:
 ``optim.lr``, ``model.dim``, ...; the run directory, resume and loggers left out), and its
-``summary.json`` (steps, final validation and training loss, tokens per second). The plot draws
+``summary.json``: steps, final validation and training loss, tokens per second, then what stopped
+a run when any stopped before ``trainer.max_steps`` (``stopped by``), then each headline metric
+of the last evaluation that any run has (``final_val_metrics``: ``rewards/accuracy`` and
+``rewards/margin`` of a preference run, ``exact_match/<source>``; ``-`` for a run without it). The plot draws
 each run's ``val/loss`` of ``metrics.csv`` against optimizer steps; it is written to ``out``
 (default: ``compare.png`` in the folder the runs share).
 """
@@ -86,6 +89,21 @@ def _cell(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
+def measure_columns(summaries: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(dotted key into summary.json, title) of the columns beyond `SUMMARY_COLUMNS`: ``stopped by``
+    when some run stopped before ``trainer.max_steps``, then every metric of the runs'
+    ``final_val_metrics`` in the order first met (titled without ``val/``)."""
+    stopped = any(s.get("stopped_by") not in (None, "max_steps") for s in summaries)
+    columns = [("stopped_by", "stopped by")] if stopped else []
+    names = list(dict.fromkeys(n for s in summaries for n in s.get("final_val_metrics") or {}))
+    return columns + [(f"final_val_metrics.{n}", n.removeprefix("val/")) for n in names]
+
+
+def _get(summary: dict[str, Any], key: str) -> Any:
+    head, _, rest = key.partition(".")
+    return (summary.get(head) or {}).get(rest) if rest else summary.get(head)
+
+
 def table(runs: Sequence[Path]) -> str:
     """The comparison table: one row per run, the differing config fields, then the summary."""
     from omegaconf import OmegaConf
@@ -95,9 +113,10 @@ def table(runs: Sequence[Path]) -> str:
     summaries = [json.loads((r / "summary.json").read_text()) if (r / "summary.json").is_file() else {} for r in runs]
     root = Path(os.path.commonpath([r.resolve() for r in runs]))
     names = [str(r.resolve().relative_to(root)) if r.resolve() != root else r.name for r in runs]
-    header = ["run", *fields, *(title for _, title in SUMMARY_COLUMNS)]
+    columns = [*SUMMARY_COLUMNS, *measure_columns(summaries)]
+    header = ["run", *fields, *(title for _, title in columns)]
     rows = [
-        [name, *(_cell(_flat(c).get(k)) for k in fields), *(_cell(s.get(key)) for key, _ in SUMMARY_COLUMNS)]
+        [name, *(_cell(_flat(c).get(k)) for k in fields), *(_cell(_get(s, key)) for key, _ in columns)]
         for name, c, s in zip(names, configs, summaries)
     ]
     widths = [max(len(str(x)) for x in column) for column in zip(header, *rows)]

@@ -82,6 +82,10 @@ class Objective(Protocol):
     # What `num_tokens` counts: "tokens" (the loss is a mean negative log-likelihood per token, so
     # exp of the validation loss is a perplexity, logged as val/ppl) or "pairs" (a preference loss).
     count_unit: str = "tokens"
+    # Names of `pop_sums` whose held-out means (``val/<name>``) measure whether the recipe learns,
+    # beyond the loss (a preference objective's reward accuracy and margin): ``summary.json``'s
+    # ``first_val_metrics`` / ``final_val_metrics`` and ``plait compare`` show them.
+    headline_metrics: tuple[str, ...] = ()
 
     def num_tokens(self, batch: Batch) -> torch.Tensor:
         """The units ``batch``'s loss is averaged over (supervised tokens, pairs); 0-dim fp32."""
@@ -143,6 +147,12 @@ class Loader(Protocol):
 
 class Evaluator(Protocol):
     """Scores the model beyond the loss at each evaluation (e.g. held-out exact match)."""
+
+    @property
+    def headline_metrics(self) -> Sequence[str]:
+        """Full names of the metrics of `evaluate` that measure whether the recipe learns
+        (``summary.json`` and ``plait compare`` show them; see `Objective.headline_metrics`)."""
+        ...
 
     def evaluate(self, model: nn.Module, device: torch.device) -> dict[str, float]:
         """Metrics by full name (``val/exact_match/<source>``); runs on every rank, in eval mode,

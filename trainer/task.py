@@ -138,6 +138,16 @@ class Task(L.LightningModule):
         """Whether the train loader has reached the end of finite data (it then says ``exhausted``)."""
         return self.trainer.train_dataloader.exhausted
 
+    def headline_metrics(self) -> list[str]:
+        """The validation metrics that measure whether this run learns, beyond the loss: the
+        objective's (`Objective.headline_metrics`, as ``val/<name>``), then each evaluator's
+        (`Evaluator.headline_metrics`, e.g. ``val/exact_match/<source>``)."""
+        names = [f"val/{name}" for name in getattr(self.objective, "headline_metrics", ())]
+        datamodule = self.trainer.datamodule
+        for evaluator in datamodule.evaluators() if datamodule is not None else ():
+            names += [name for name in getattr(evaluator, "headline_metrics", ()) if name not in names]
+        return names
+
     def _pop_sums(self, prefix: str) -> list[NamedMeans]:
         """``{prefix}/<name>``: the named sums since the last call of the objective and, for a
         `RoutedModel`, of the model (`Objective.pop_sums`: e.g. the loss per SFT source, the

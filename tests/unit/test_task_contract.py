@@ -62,3 +62,17 @@ def test_the_progress_bar_s_val_loss_leaves_the_pending_steps_on_the_device() ->
     task._pending.add({"step": 1, "loss": torch.tensor(1.5)})
     assert task.latest_val_loss == 2.0 and len(task._pending) == 1  # read at every redraw: no host sync
     assert task.history[-1] == {"step": 1, "loss": 1.5} and len(task._pending) == 0
+
+
+def test_every_declared_headline_metric_is_one_the_objective_logs() -> None:
+    """summary.json takes ``val/<name>`` for each name an objective declares: a name it never logs
+    (a typo, a renamed metric) would leave the run's measure of learning out without a word."""
+    from trainer.objectives.kto import KTO
+    from trainer.objectives.preference import DPO, IPO, ORPO, SimPO
+
+    for objective in (DPO(), IPO(), SimPO(), ORPO(), KTO()):
+        names, _ = objective.pop_sums()
+        assert objective.headline_metrics and set(objective.headline_metrics) <= set(names), type(objective).__name__
+    task = _task(DPO(), [])
+    task._trainer.datamodule = SimpleNamespace(evaluators=lambda: [SimpleNamespace(headline_metrics=["val/exact_match/a"])])
+    assert task.headline_metrics() == ["val/rewards/accuracy", "val/rewards/margin", "val/exact_match/a"]

@@ -9,7 +9,12 @@ or Ctrl-C ends it. Its keys, in groups (a later group adds keys; none is renamed
 - its length (`stop_fields`): ``max_steps`` (``trainer.max_steps``), ``planned_steps`` (fewer when
   the data ends first, `trainer.run_length`), ``stopped_by`` (``max_steps``, ``data_exhausted``,
   ``nonfinite``, ``signal``, ``callback``, ``interrupted``) and ``stop_reason`` (null for
-  ``max_steps``, else the sentence saying why and what to change).
+  ``max_steps``, else the sentence saying why and what to change);
+- whether it learns (`val_measures`): ``first_val_metrics`` and ``final_val_metrics``, the first
+  and the last evaluation's headline metrics by their metrics.csv names: what the objective and the
+  evaluators declare (`trainer.protocols.Objective.headline_metrics`, e.g.
+  ``{"val/rewards/accuracy": 0.97, "val/rewards/margin": 4.2}`` for DPO,
+  ``{"val/exact_match/addition": 0.81}`` where an evaluator scores exact match; ``{}`` for none).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import json
 import os
 import signal
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +67,14 @@ def stop_fields(length: RunLength, stopped_by: str, reason: str | None) -> dict[
     """``max_steps``, ``planned_steps`` (`trainer.run_length.RunLength`), ``stopped_by`` (one of
     the causes of `trainer.run_length`) and ``stop_reason`` (None when ``max_steps`` ended it)."""
     return {"max_steps": length.max_steps, "planned_steps": length.planned_steps, "stopped_by": stopped_by, "stop_reason": reason}
+
+
+def val_measures(history: list[dict[str, Any]], names: Sequence[str]) -> dict[str, dict[str, float]]:
+    """``first_val_metrics`` and ``final_val_metrics``: the ``names`` of the first and the last
+    evaluation of ``history`` (`trainer.task.Task.history`) that recorded any of them."""
+    scored = [{n: h["metrics"][n] for n in names if n in h["metrics"]} for h in history if "val_loss" in h and "metrics" in h]
+    scored = [metrics for metrics in scored if metrics]
+    return {"first_val_metrics": scored[0] if scored else {}, "final_val_metrics": scored[-1] if scored else {}}
 
 
 def ended_by(trainer: L.Trainer, pl_module: Any) -> tuple[str, str | None]:
@@ -148,6 +162,7 @@ class Summary(L.Callback):
                 warm=self._warm(pl_module.tokens_seen),
             ),
             **stop_fields(pl_module.run_length(), stopped_by, reason),
+            **val_measures(pl_module.history, pl_module.headline_metrics()),
         }
         if trainer.datamodule is not None and (counts := trainer.datamodule.data_counts()):
             summary["data"] = accounting.as_json(counts)  # per source: samples dropped, truncated, tokens lost

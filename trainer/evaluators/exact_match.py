@@ -40,6 +40,11 @@ class ExactMatch(protocols.Evaluator):
     def __init__(self, sets: dict[str, GenerationSet], tokenizer: Tokenizer) -> None:
         self.sets, self.tokenizer = sets, tokenizer
 
+    @property
+    def headline_metrics(self) -> list[str]:
+        """Every metric of `evaluate`: ``val/exact_match/<source>`` of the sources with prompts."""
+        return [f"val/exact_match/{name}" for name, gen in self.sets.items() if gen.prompts]
+
     @torch.no_grad()
     def evaluate(self, model: nn.Module, device: torch.device) -> dict[str, float]:
         """``{"val/exact_match/<source>": fraction of prompts answered exactly}`` (sources

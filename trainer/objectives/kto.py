@@ -90,6 +90,9 @@ class KTO(PreferenceObjective):
     """
 
     unpaired = True
+    # Unpaired rows have no pairwise accuracy: the held-out rewards of the desirable rows rise
+    # above those of the undesirable ones as the policy learns the labels.
+    headline_metrics = ("rewards/chosen", "rewards/rejected")
 
     def __init__(self, beta: float = 0.1, desirable_weight: float = 1.0, undesirable_weight: float = 1.0) -> None:
         super().__init__()

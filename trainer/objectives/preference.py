@@ -208,6 +208,8 @@ class PreferenceObjective(Objective):
 
     needs_reference = True
     count_unit = "pairs"
+    # Held-out reward accuracy (chance 0.5) and margin show whether the policy learns the preferences.
+    headline_metrics = ("rewards/accuracy", "rewards/margin")
     unpaired = False  # trains on unpaired rows (data.unpaired=true; KTO, trainer.objectives.kto)
 
     def __init__(self) -> None:
