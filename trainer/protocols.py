@@ -170,9 +170,9 @@ class DataModule(Protocol):
         ...
 
     def end_reason(self, steps: int) -> str:
-        """Why the data ends after ``steps`` (its `finite_steps`) and the setting that lengthens the
-        run, e.g. ``data.sources.mine is spent after max_epochs=1.0 (5 steps); raise
-        data.sources.mine.max_epochs`` (`trainer.run_length`)."""
+        """Why the data ends after ``steps`` and the setting that lengthens the run, e.g.
+        ``data.sources.mine is spent after max_epochs=1.0 (5 steps); raise data.sources.mine.max_epochs``;
+        asked at launch for `finite_steps` (`trainer.run_length`), or when data of unknown length ends."""
         ...
 
     def evaluators(self) -> list[Evaluator]:

@@ -1,5 +1,5 @@
-"""``summary.json`` says what ended a run: a callback that stops it (with the reason it gives),
-the data's budgets (planned at launch, with the settings to raise). A non-finite step and a stop
+"""``summary.json`` says what ended a run: a callback that stops it (with the reason it gives), a
+stream that runs out, the data's budgets (planned at launch, with the settings to raise). A non-finite step and a stop
 signal, which end a run by an exception, are in tests/e2e/test_summary_cli.py (the CLI's
 processes see the exception; a forked rank's goes to its parent)."""
 
@@ -44,6 +44,22 @@ def test_a_callback_that_stops_the_run_gives_its_reason(tmp_path: Path) -> None:
     summary = _summary(tmp_path)
     assert (summary["stopped_by"], summary["steps"], summary["planned_steps"]) == ("callback", STOP_AT, 6)
     assert summary["stop_reason"] == f"the test's own stop after step {STOP_AT}"
+
+
+def test_a_stream_that_ends_before_max_steps_is_named_when_it_ends(tmp_path: Path) -> None:
+    """A stream's length is unknown at launch (nothing planned); its end is still the run's reason."""
+    docs = tmp_path / "docs.jsonl"
+    with open(docs, "w") as file:
+        for i in range(40):
+            file.write(json.dumps({"text": " ".join(f"w{(i + j) % 30}" for j in range(60))}) + "\n")
+    _fit(tmp_path / "run", "data=stream", f"data.path={docs}", "data.eval_docs=4", "data.eval_rows=4", "trainer.max_steps=1000")
+    summary = _summary(tmp_path / "run")
+    assert (summary["planned_steps"], summary["stopped_by"]) == (1000, "data_exhausted")
+    assert 0 < summary["steps"] < 1000
+    assert summary["stop_reason"] == (
+        f"data.path is read once and its training documents ran out after {summary['steps']} steps; add documents, "
+        "or train epochs over them with data=text"
+    )
 
 
 def _write_chats(path: Path, n: int) -> Path:

@@ -83,8 +83,10 @@ def ended_by(trainer: L.Trainer, pl_module: Any) -> tuple[str, str | None]:
     ``stop_reason`` attribute says why, e.g. mSFT's patience)."""
     if trainer.global_step >= trainer.max_steps:
         return MAX_STEPS, None
-    if pl_module.data_ended():
-        return DATA_EXHAUSTED, pl_module.run_length().reason or f"the training data ended after step {trainer.global_step}"
+    if pl_module.data_ended():  # planned at launch, or found when it happens (a stream's length is unknown ahead)
+        end_reason = getattr(trainer.datamodule, "end_reason", None)
+        late = end_reason(trainer.global_step) if end_reason else f"the training data ended after step {trainer.global_step}"
+        return DATA_EXHAUSTED, pl_module.run_length().reason or late
     reasons = [r for c in trainer.callbacks if (r := getattr(c, "stop_reason", None))]
     return CALLBACK, reasons[0] if reasons else f"a callback set trainer.should_stop after step {trainer.global_step}"
 

@@ -174,6 +174,14 @@ class StreamDataModule(DataModule):
         return None  # one pass of unknown length: max_steps, or the stream's end, stops the run
 
     @override
+    def end_reason(self, steps: int) -> str:
+        """Why a stream ended the run after ``steps`` steps (found when it ends: its length is unknown ahead)."""
+        return (
+            f"data.path is read once and its training documents ran out after {steps} steps; add documents, "
+            "or train epochs over them with data=text"
+        )
+
+    @override
     def eval_rows(self) -> dict[str, Tensor]:
         """The first ``eval_rows`` rows packed from the held-out documents."""
         return {k: v[: self.eval_rows_count] for k, v in vars(self.prepare().val).items()}
