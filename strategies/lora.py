@@ -210,7 +210,7 @@ def unadaptable(model: nn.Module, target_modules: tuple[str, ...] | list[str]) -
     ``target_modules`` names: parameters, not ``nn.Linear`` layers, so `apply_lora` adapts none of them."""
     return [
         f"{name}.{w}" for name, m in model.named_modules() if isinstance(m, StackedExperts) for w in EXPERT_WEIGHTS
-        if targeted(f"{name}.{w}", target_modules)
+        if any(selects(f"{name}.{w}", p) for p in target_modules)
     ]  # fmt: skip
 
 
