@@ -160,8 +160,10 @@ class SleepPerStep(L.Callback):
 
 # For a CLI subprocess that names a harness callback (``+callbacks.x._target_=harness.SleepPerStep``).
 def env_with_tests() -> dict[str, str]:
-    """This process' environment with tests/ first on PYTHONPATH."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    """This process' environment with tests/ first on PYTHONPATH (and no empty entry, which Python
+    reads as the current folder)."""
+    paths = [str(Path(__file__).parent), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
 
 
 def losses(history: list[dict[str, Any]]) -> list[float]:

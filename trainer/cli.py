@@ -14,6 +14,7 @@ Invocations::
     plait merge base=runs/base deltas=[runs/sft,runs/dpo] method=ties   # PAFT merge of fine-tuned deltas
     plait export ckpt=runs/sft out=exports/sft        # a checkpoint as a Hugging Face directory
     plait sft model=hf model.init_from=/models/Qwen3-0.6B  # start from a Hugging Face checkpoint
+    plait --user-path . pretrain strategy._target_=my_pkg.MyStrategy   # your own code, from a folder you name
 
 ``plait COMMAND --help`` describes a command; ``plait RECIPE --help`` a recipe's groups and config.
 The commands are the table of `trainer.commands`; this module only dispatches.
@@ -21,12 +22,16 @@ The commands are the table of `trainer.commands`; this module only dispatches.
 
 from __future__ import annotations
 
-import os
 import sys
 
-from trainer.commands import COMMANDS, dispatch
-from trainer.compose import HELP_FLAGS, bundled_recipes, config_groups
-from trainer.quiet import quiet_third_party
+from trainer.user_path import UserPathError, drop_current_folder, split_user_path, use_user_path, user_folders
+
+if __name__ == "__main__":  # python -m put the current folder first on the path: off it before any other import
+    drop_current_folder()
+
+from trainer.commands import COMMANDS, dispatch  # noqa: E402
+from trainer.compose import HELP_FLAGS, bundled_recipes, config_groups, fail  # noqa: E402
+from trainer.quiet import quiet_third_party  # noqa: E402
 
 
 def print_help() -> None:
@@ -41,22 +46,17 @@ def print_help() -> None:
     print("\n".join(lines))
 
 
-def add_user_path() -> None:
-    """Appends the current folder to ``sys.path``, after plait's own packages: a package of the
-    user's there (``_target_: my_pkg.Model``) imports without ``PYTHONPATH=.``, and a file there
-    named like one of plait's packages (``trainer.py``, ``strategies.py``) does not shadow it."""
-    import strategies  # noqa: F401 - bound before the folder joins the path (an editable install's
-    # finder comes after the path's: a strategies.py there would otherwise win the first import)
-
-    cwd = os.getcwd()
-    if not any(os.path.abspath(p or os.curdir) == cwd for p in sys.path):
-        sys.path.append(cwd)
-
-
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point of ``plait`` (and of ``python -m trainer.cli``, torchrun's)."""
+    """Console entry point of ``plait`` (and of ``python -m trainer.cli``, torchrun's).
+
+    Imports a user's code only from the folders named with ``--user-path DIR`` or ``PLAIT_USER_PATH``,
+    never from the current folder (`trainer.user_path`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    add_user_path()
+    try:
+        flagged, argv = split_user_path(argv)
+        use_user_path(user_folders(flagged))
+    except UserPathError as err:
+        fail(str(err))
     quiet_third_party()
     if argv and argv[0] in HELP_FLAGS:
         return print_help()

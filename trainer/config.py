@@ -346,7 +346,10 @@ def _check_target(node: Any, where: str, problems: list[str], injected: set[str]
     try:
         target = _import(node._target_)
     except (ImportError, AttributeError, ValueError) as err:
-        problems.append(f"{where}._target_={node._target_} cannot be imported ({err}); check the module path")
+        problems.append(
+            f"{where}._target_={node._target_} cannot be imported ({err}); check the module path (a package of "
+            "your own: name its folder with plait --user-path DIR, the current folder is not searched)"
+        )
         return
     signature = inspect.signature(target)
     params = {n: p for n, p in signature.parameters.items() if p.kind not in (p.VAR_POSITIONAL,)}
