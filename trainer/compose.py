@@ -209,6 +209,8 @@ def compose(recipe: str = DEFAULT_RECIPE, overrides: Sequence[str] = ()) -> Dict
     Raises:
         SystemExit: RECIPE is neither a bundled recipe nor an existing YAML file.
         hydra.errors.HydraException: an override does not apply.
+        trainer.targets.UntrustedTargetError: the run ``model.init_from`` names has a model node
+            that names code outside plait and ``trust`` (nothing of it was built).
     """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir

@@ -118,6 +118,9 @@ class RunConfig:
         resume: "last" (newest checkpoint of run_dir), or a checkpoint / run directory path.
         resume_override: fields a resume may change from the checkpoint's run (``optim``,
             ``scheduler``, ``train.max_grad_norm`` or keys under them; `trainer.resume`).
+        trust: packages besides plait whose classes the ``config.yaml`` of the run
+            ``model.init_from`` names may build (`trainer.targets.check_targets`; ``generate``'s
+            ``trust`` likewise).
         objective, model, data, optim, scheduler, strategy: ``_target_`` nodes.
         budget: an optional ``_target_`` node of a budget search (``budget=msft``) that drives runs.
         logger: named ``_target_`` nodes of Lightning loggers.
@@ -131,6 +134,7 @@ class RunConfig:
     seed: Annotated[int, Range(min=0, max=2**32 - 1)] = 0  # NumPy's seed range
     resume: str | None = None
     resume_override: list[str] = field(default_factory=list)
+    trust: list[str] = field(default_factory=list)
     objective: Any = None
     model: Any = None
     data: Any = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 import typing
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -50,6 +51,8 @@ def _problem(target: Any, allowed: set[str]) -> str | None:
     if "${" in target:
         return "is an interpolation (plait saves a run's config resolved)"
     package = target.split(".")[0]
+    if package not in allowed and package in sys.stdlib_module_names:  # trusting it would let any config run code
+        return "is in Python's standard library, which a run's config never needs: do not use this run directory"
     if package not in allowed:
         return f"is outside plait's packages (trust its package with trust=[{package}])"
     module_name, _, name = target.rpartition(".")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
@@ -53,11 +54,10 @@ def main(argv: list[str]) -> None:
     def hydra_task(cfg: DictConfig) -> None:
         from hydra.core.hydra_config import HydraConfig
 
-        from trainer.models.init_from import take_run_model
         from trainer.run import run
 
         # Checked once per launch: by preflight here, else (children, sweeps) by run itself.
-        run(take_run_model(cfg, HydraConfig.get().overrides.task), launch)
+        run(adopt_run_model(cfg, HydraConfig.get().overrides.task), launch)
 
     hydra.main(version_base="1.3", config_path=None, config_name=None)(hydra_task)()
 
@@ -78,9 +78,7 @@ def print_recipe_help(argv: list[str]) -> None:
     choices = OmegaConf.to_container(cfg.hydra.runtime.choices)
     with open_dict(cfg):
         del cfg["hydra"]
-    from trainer.models.init_from import take_run_model
-
-    cfg = take_run_model(cfg, overrides)  # a plait run as model.init_from: its model node, as a run composes it
+    cfg = adopt_run_model(cfg, overrides)  # a plait run as model.init_from: its model node, as a run composes it
     name = cfg.get("recipe", config_name)
     lines = [f"plait {name} [GROUP=OPTION] [FIELD=VALUE] ...   {bundled_recipes().get(name, '')}".rstrip(), ""]
     lines += ["Config groups (GROUP=OPTION; * = this recipe's choice):"]
@@ -102,6 +100,7 @@ def preflight(argv: list[str]) -> Launch | None:
     from trainer.config import ConfigError
     from trainer.models.init_from import take_run_model
     from trainer.run import check_launch
+    from trainer.targets import UntrustedTargetError
 
     config_dir, config_name, overrides = hydra_config(argv)
     problems: list[str] = []
@@ -132,9 +131,11 @@ def preflight(argv: list[str]) -> Launch | None:
             problems = [p + _did_you_mean(cfg, o) for p, o in zip(problems, bad)] or [error_message(err)]
             implied = _implied_failures(problems, bad)
     launch = None
-    cfg = take_run_model(cfg, overrides)  # a plait run as model.init_from: its architecture
     try:
+        cfg = take_run_model(cfg, overrides)  # a plait run as model.init_from: its architecture
         launch = check_launch(cfg)
+    except UntrustedTargetError as err:  # nothing of that run's model is built or validated
+        problems.append(str(err))
     except ConfigError as err:
         problems += err.problems
     if len(implied) < len(problems):
@@ -142,6 +143,18 @@ def preflight(argv: list[str]) -> Launch | None:
     if problems:
         fail("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
     return launch
+
+
+def adopt_run_model(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
+    """`trainer.models.init_from.take_run_model`, its refusal of a run's model as one
+    ``plait: error:`` line (exit 2) where preflight has not checked it (children, sweeps, --help)."""
+    from trainer.models.init_from import take_run_model
+    from trainer.targets import UntrustedTargetError
+
+    try:
+        return take_run_model(cfg, overrides)
+    except UntrustedTargetError as err:
+        fail(str(err))
 
 
 def _implied_failures(problems: list[str], bad: list[str]) -> list[str]:

@@ -237,3 +237,28 @@ def test_planted_config_yaml_target_does_not_run(tmp_path: Path) -> None:
         with pytest.raises(UntrustedTargetError, match=why):
             check_targets(OmegaConf.create({"_target_": target}), source="config.yaml", key="model")
     check_targets(OmegaConf.create({"_target_": "trainer.models.hf.llama_from_hf"}), source="config.yaml", key="model")
+
+
+def test_init_from_checks_the_run_model_before_it_is_taken(tmp_path: Path) -> None:
+    """``model.init_from=<run>`` takes the run's model node (validate then builds it, nested targets
+    first): what it takes from the file is checked as generate checks it; what the user gives is theirs."""
+    from trainer.compose import compose
+    from trainer.targets import UntrustedTargetError
+
+    run, marker = RunDir(tmp_path / "run"), tmp_path / "ran"
+    _save(run.step(1))
+    saved = {"_target_": "trainer.models.llama.Llama", "dim": 48, "n_layers": 1, "n_heads": 4, "init_from": None,
+             "rope_scaling": {"_target_": "builtins.open", "file": str(marker), "mode": "w"}}  # fmt: skip
+    OmegaConf.save(OmegaConf.create({"model": saved}), run.config)
+    with pytest.raises(UntrustedTargetError, match=r"model\.rope_scaling\._target_=builtins\.open is in Python's standard library"):
+        compose("pretrain", [f"model.init_from={run.path}"])
+    taken = compose("pretrain", [f"model.init_from={run.path}", "+model.rope_scaling=null"]).model  # the user's own field
+    assert (taken.dim, taken.n_layers, taken.rope_scaling) == (48, 1, None)  # the rest is the run's (tiny has dim 256)
+
+    saved["rope_scaling"] = {"_target_": f"{__name__}.Marker", "marker": str(marker)}  # a package the user may trust
+    OmegaConf.save(OmegaConf.create({"model": saved}), run.config)
+    with pytest.raises(UntrustedTargetError, match=rf"trust=\[{__name__}\]"):
+        compose("pretrain", [f"model.init_from={run.path}"])
+    taken = compose("pretrain", [f"model.init_from={run.path}", f"trust=[{__name__}]"]).model
+    assert taken.rope_scaling._target_ == f"{__name__}.Marker"
+    assert not marker.exists()  # checked, taken, never built here

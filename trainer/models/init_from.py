@@ -19,6 +19,7 @@ from torch import nn
 
 from strategies.lora import is_adapter
 from trainer.models.hf import HFError, is_hf_dir, llama_kwargs, load_hf_weights, read_config, sliding_window, weight_files
+from trainer.targets import check_targets
 
 
 def load_init_from(model: nn.Module) -> None:
@@ -91,6 +92,14 @@ def take_run_model(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
     The recipe's default model (``model: tiny``) is not the user's choice: starting from a nano run,
     the run's architecture replaces it. Called where the config is composed (`trainer.compose.compose`,
     the train command before and inside its Hydra job), never by validate, which does not mutate.
+
+    The run directory may come from anywhere, and validate instantiates the model node (Hydra
+    builds every nested ``_target_``): every field taken from its ``config.yaml`` passes
+    `trainer.targets.check_targets` first, as a run's model does for generate; ``cfg.trust`` names
+    the packages besides plait it may build from. The fields the user gave are the user's own.
+
+    Raises:
+        UntrustedTargetError: a taken field names a ``_target_`` outside plait and ``cfg.trust``.
     """
     model = cfg.get("model") if isinstance(cfg, DictConfig) else None
     if not isinstance(model, DictConfig) or not model.get("init_from"):
@@ -102,6 +111,8 @@ def take_run_model(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
     saved = found[1].model
     if str(saved.get("_target_", "")).endswith("llama_from_hf"):
         return cfg  # validate refuses: the architecture lives in a Hugging Face directory
+    taken = {k: v for k, v in OmegaConf.to_container(saved, resolve=False).items() if k not in explicit and k != "init_from"}
+    check_targets(taken, source=str(found[0] / "config.yaml"), key="model", trust=cfg.trust)
     node = copy.deepcopy(saved)
     with open_dict(node):
         node.init_from = model.init_from
