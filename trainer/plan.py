@@ -157,6 +157,7 @@ def main(argv: list[str]) -> None:
     """Entry of ``plait plan``: compose like a run, validate, print the plan; exit 2 on bad config."""
     from trainer.compose import compose, fail, split_recipe
     from trainer.config import validate
+    from trainer.targets import UntrustedTargetError
 
     recipe, overrides = split_recipe(argv)
     try:
@@ -164,6 +165,8 @@ def main(argv: list[str]) -> None:
         print(plan(cfg, validate(cfg)))
     except ConfigError as err:
         fail("invalid configuration:\n" + "\n".join(f"  - {p}" for p in err.problems))
+    except UntrustedTargetError as err:  # model.init_from's run names code outside plait: nothing of it was built
+        fail(str(err))
     except Exception as err:  # noqa: BLE001 - Hydra's override errors: one line, like a run
         if type(err).__module__.startswith(("hydra", "omegaconf")):
             fail(str(err).strip().splitlines()[0])
