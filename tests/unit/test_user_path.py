@@ -21,7 +21,8 @@ def test_the_flag_is_taken_out_wherever_it_stands() -> None:
 
 def test_folders_from_the_flag_then_the_environment_each_once(tmp_path: Path) -> None:
     a, b = tmp_path / "a", tmp_path / "b"
-    a.mkdir(), b.mkdir()
+    for folder in (a, b):
+        folder.mkdir()
     environ = {USER_PATH_ENV: os.pathsep.join(["", str(b), str(a), ""])}  # empty entries: no folder (not the current one)
     assert user_folders([str(a)], environ) == [str(a.resolve()), str(b.resolve())]
     assert user_folders([], {}) == []
@@ -34,7 +35,8 @@ def test_folders_from_the_flag_then_the_environment_each_once(tmp_path: Path) ->
 
 def test_the_current_folder_leaves_the_path_in_every_spelling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     here, other = tmp_path / "here", tmp_path / "other"
-    here.mkdir(), other.mkdir()
+    for folder in (here, other):
+        folder.mkdir()
     (tmp_path / "link").symlink_to(here)
     monkeypatch.chdir(here)
     monkeypatch.setattr(sys, "path", ["", ".", str(here), str(tmp_path / "link"), str(other), str(here) + "/"])
