@@ -1,8 +1,7 @@
 """Chat formatting for SFT: conversations -> ``(text, supervised)`` segments (encoded by trainer.data.encode).
 
 A conversation is a list of ``{"role": ..., "content": ...}`` messages; roles are ``system``,
-``user``, ``assistant`` and ``tool`` (a tool's output). Every assistant message is supervised
-(multi-turn: all of them), nothing else is.
+``user``, ``assistant`` and ``tool`` (a tool's output).
 
 Two templates:
 
@@ -11,25 +10,36 @@ Two templates:
 
       <|system|>\\n{content}\\n<|user|>\\n{content}\\n<|assistant|>\\n{content}<EOS>\\n<|user|>...
 
-  supervised: ``{content}<EOS>`` of each assistant turn;
-- the **tokenizer's own** template: the Jinja ``chat_template`` of a ``tokenizer_config.json``
-  next to the ``tokenizer.json`` (rendered with jinja2, which torch already depends on). The
-  supervised span of assistant turn i is what rendering ``messages[:i+1]`` adds to rendering
-  ``messages[:i]`` with the generation prompt (so the turn's end-of-turn marker is trained too).
+  supervised: ``{content}<EOS>`` of each assistant turn (multi-turn: all of them);
+- the **tokenizer's own** template: a Hugging Face Jinja ``chat_template`` (found beside the
+  ``tokenizer.json`` by trainer.data.chat_files), rendered with jinja2 (which torch already
+  depends on) in an environment like transformers' ``apply_chat_template``. Its supervised text:
+
+  * with ``{% generation %}...{% endgeneration %}`` blocks (TRL's training templates and many hub
+    templates), exactly the text those blocks render, as transformers'
+    ``apply_chat_template(..., return_assistant_tokens_mask=True)`` marks it;
+  * without them, each assistant turn: what rendering ``messages[:i+1]`` adds to rendering
+    ``messages[:i]`` with the generation prompt (so the turn's end-of-turn marker is trained too).
 
 The text is cut into segments at the supervised spans and each segment is tokenized on its own,
 so the supervision mask is built on the input ids themselves and never by searching labels for a
-template (case C22: searching the labels fails when the template contains the pad token).
-`completion_mask` does that search for a response template given as ids, on the input ids.
+template (case C22: searching the labels fails when the template contains the pad token). Where a
+tokenizer would merge text across a span's edge, the cut keeps the two sides apart, as at
+inference, where the prompt is tokenized alone (transformers' mask instead marks the straddling
+token); with pre-tokenizers that split at special tokens and newlines (Llama 3, Qwen) both give
+the same ids and mask. `completion_mask` does the search for a response template given as ids,
+on the input ids.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from trainer.data.jinja_env import compile_template
 from trainer.data.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -81,45 +91,110 @@ def prompt_text(messages: Sequence[Message]) -> str:
     return "".join(MARKERS[m["role"]] + m["content"] + "\n" for m in messages) + MARKERS["assistant"]
 
 
+# Marks around the text of each {% generation %} block while spans are located: Unicode
+# noncharacters, reserved for a program's internal use and never part of interchanged text.
+SPAN_START, SPAN_END = "\ufdd0", "\ufdd1"
+
+
 class JinjaTemplate:
-    """A Hugging Face ``chat_template`` (Jinja) rendered with jinja2.
+    """A Hugging Face ``chat_template`` (Jinja), rendered as transformers' ``apply_chat_template`` does.
+
+    The environment is transformers': sandboxed, ``trim_blocks`` and ``lstrip_blocks``, the
+    ``{% generation %}`` tag (trainer.data.jinja_env), loop controls (``{% break %}``,
+    ``{% continue %}``), ``raise_exception`` and a ``tojson`` that neither escapes HTML nor
+    sorts keys; ``tools`` and ``documents`` are None. ``strftime_now`` is left undefined, so a
+    template's date falls back to its own default: the same data renders the same on any day.
 
     Args:
         source: the template text.
-        special: extra variables the template reads (``bos_token``, ``eos_token``).
+        origin: where it came from (a file, for the launch line and errors).
+        special: the special tokens the template reads (``bos_token``, ``eos_token``, ...).
 
     Raises:
-        ChatError: jinja2 is not installed.
+        ChatError: the template is not valid Jinja.
     """
 
-    def __init__(self, source: str, **special: str) -> None:
+    def __init__(self, source: str, *, origin: str = "a chat_template", **special: str) -> None:
+        self.source, self.origin, self.special = source, origin, special
         try:
-            import jinja2
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-        except ImportError:  # pragma: no cover - torch depends on jinja2
-            raise ChatError("the tokenizer's chat_template needs jinja2: pip install jinja2") from None
-
-        def raise_exception(message: str) -> None:
-            raise jinja2.exceptions.TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        self._template = env.from_string(source)
-        self.special = special
+            self._template, self.has_generation = compile_template(source)
+            self._marked, _ = compile_template(source, marks=(SPAN_START, SPAN_END))
+        except ValueError as err:
+            raise ChatError(f"{origin}: {err}") from None
 
     def render(self, messages: Sequence[Message], *, add_generation_prompt: bool = False) -> str:
-        return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt, **self.special)
+        return self._render(self._template, messages, add_generation_prompt)
+
+    def _render(self, template: Any, messages: Sequence[Message], add_generation_prompt: bool) -> str:
+        return template.render(
+            messages=list(messages), add_generation_prompt=add_generation_prompt, tools=None, documents=None, **self.special
+        )
 
     def segments(self, messages: Sequence[Message]) -> list[tuple[str, bool]]:
-        """``(text, supervised)`` segments: each assistant turn's span, found by prefix rendering.
+        """``(text, supervised)`` segments: the ``{% generation %}`` spans when the template has
+        them, else each assistant turn's span found by prefix rendering.
 
         Raises:
-            ChatError: the template does not render conversations prefix-consistently.
+            ChatError: a malformed conversation; generation blocks that render no text for it;
+                or, without generation blocks, a template that does not render conversations
+                prefix-consistently.
         """
         check_messages(messages)
+        spans = self.generation_spans(messages) if self.has_generation else self._turn_spans(messages)
+        full = self.render(messages)
         segments: list[tuple[str, bool]] = []
         done = 0  # characters of the full rendering already in segments
+        for start, end in spans:
+            segments.append((full[done:start], False))
+            segments.append((full[start:end], True))
+            done = end
+        segments.append((full[done:], False))
+        return [(text, sup) for text, sup in segments if text]
+
+    def generation_spans(self, messages: Sequence[Message]) -> list[tuple[int, int]]:
+        """``[start, end)`` character spans of the text the ``{% generation %}`` blocks render in
+        ``render(messages)``, in order; nested or touching blocks are one span.
+
+        Raises:
+            ChatError: no block renders any text for this conversation (it would train on nothing),
+                or the marked rendering differs from the plain one (a filter applied over a block,
+                or a message holding U+FDD0 / U+FDD1).
+        """
+        marked = self._render(self._marked, messages, False)
+        spans: list[tuple[int, int]] = []
+        text: list[str] = []
+        length = depth = start = 0
+        for piece in re.split(f"([{SPAN_START}{SPAN_END}])", marked):
+            if piece == SPAN_START:
+                depth += 1
+                start = length if depth == 1 else start
+            elif piece == SPAN_END:
+                depth -= 1
+                if depth < 0:
+                    break
+                if depth == 0 and length > start:
+                    start = spans.pop()[0] if spans and spans[-1][1] == start else start
+                    spans.append((start, length))
+            else:
+                text.append(piece)
+                length += len(piece)
+        if depth != 0 or "".join(text) != self.render(messages):
+            raise ChatError(
+                f"{self.origin}: the text of its {{% generation %}} blocks cannot be located in the rendering (a filter "
+                "applied over a block, or a message holding U+FDD0/U+FDD1); use data.template=default"
+            )
+        if not spans:
+            raise ChatError(
+                f"{self.origin}: its {{% generation %}} blocks render no text for a conversation with "
+                f"{sum(m['role'] == 'assistant' for m in messages)} assistant message(s), so it has no supervised token: "
+                f"{[m['role'] for m in messages]}; fix the template or use data.template=default"
+            )
+        return spans
+
+    def _turn_spans(self, messages: Sequence[Message]) -> list[tuple[int, int]]:
+        """Each assistant turn's span by prefix rendering (templates without generation blocks)."""
         full = self.render(messages)
+        spans = []
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
@@ -130,11 +205,8 @@ class JinjaTemplate:
                     "the tokenizer's chat_template does not render a conversation as a prefix of its longer "
                     "versions, so assistant turns cannot be located; use data.template=default"
                 )
-            segments.append((full[done : len(before)], False))
-            segments.append((full[len(before) : len(through)], True))
-            done = len(through)
-        segments.append((full[done:], False))
-        return [(text, sup) for text, sup in segments if text]
+            spans.append((len(before), len(through)))
+        return spans
 
 
 def load_chat_template(tokenizer_path: str | None, tokenizer: Tokenizer) -> JinjaTemplate | None:
@@ -155,7 +227,9 @@ def load_chat_template(tokenizer_path: str | None, tokenizer: Tokenizer) -> Jinj
         value = config.get(key) or fallback
         return value["content"] if isinstance(value, dict) else value
 
-    return JinjaTemplate(source, bos_token=token("bos_token", ""), eos_token=token("eos_token", tokenizer.eos_token))
+    return JinjaTemplate(
+        source, origin=str(config_file), bos_token=token("bos_token", ""), eos_token=token("eos_token", tokenizer.eos_token)
+    )
 
 
 def completion_mask(input_ids: Sequence[int], response_template: Sequence[int]) -> list[bool]:

@@ -5,7 +5,8 @@ One encoder per record kind; each is where a new format of that kind plugs in:
 - text (`documents`): a document followed by EOS; every next token is a target, the EOS position
   predicts nothing, so no target crosses a document boundary (C19);
 - chat (`conversations`): the chat template's segments (trainer.data.chat), loss only on the
-  assistant tokens; the default template ends every assistant turn with EOS;
+  assistant tokens (or on a template's ``{% generation %}`` blocks); the default template ends
+  every assistant turn with EOS;
 - pair (`pair`, `pair_rows`): a preference pair, chosen and rejected with the **same prompt ids**
   and labels only on the final response (case C24).
 
@@ -97,20 +98,28 @@ def conversations(
 
 def pair(tokenizer: Tokenizer, record: dict[str, Any], template: JinjaTemplate | None = None) -> tuple[list[int], list[int], list[int]]:
     """``(prompt_ids, chosen_ids, rejected_ids)`` of one pair in the chat format: the prompt is the
-    conversation up to the final assistant turn (earlier assistant turns are context, never
-    targets), each response is the final turn's supervised span.
+    conversation up to the final supervised span (earlier assistant turns are context, never
+    targets), each response is that span: the final turn's, or with a template's
+    ``{% generation %}`` blocks, the final block's text.
 
     Raises:
         trainer.data.chat.ChatError: a malformed conversation.
-        DataError: the template renders the prompt differently for the two responses.
+        DataError: the template renders the prompt differently for the two responses, or the
+            final supervised span is not the final turn (the text after it differs).
     """
     convs = [[*record["messages"], {"role": "assistant", "content": r}] for r in (record["chosen"], record["rejected"])]
     encoded = []
     for segments in _segment_ids(tokenizer, convs, template):
         last = max(i for i, (_, supervised) in enumerate(segments) if supervised)
-        encoded.append(([t for piece, _ in segments[:last] for t in piece], segments[last][0]))
+        before, after = ([t for piece, _ in part for t in piece] for part in (segments[:last], segments[last + 1 :]))
+        encoded.append((before, segments[last][0], after))
     if encoded[0][0] != encoded[1][0]:
         raise DataError("the chat template renders the prompt differently for the chosen and rejected responses")
+    if encoded[0][2] != encoded[1][2]:
+        raise DataError(
+            "the chat template's last supervised span is not the final assistant turn (the text after it differs between "
+            "the chosen and rejected responses); use data.template=default"
+        )
     return encoded[0][0], encoded[0][1], encoded[1][1]
 
 
