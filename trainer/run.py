@@ -153,6 +153,8 @@ def run(cfg: DictConfig, launch: Launch | None = None) -> None:
                 early = plan_run_length(cfg.trainer.max_steps, data).launch_line()  # what ends the run first
                 if early is not None:
                     _print(early)
+                if (chat := data.chat_format()) is not None:
+                    _print(chat.line())
             overrides = check_resume(cfg, launch.ckpt_path, data.tokenizer)  # now with the tokenizer
     except BaseException as err:
         if launching and fresh_dir and run_dir.is_dir() and not any(run_dir.iterdir()):

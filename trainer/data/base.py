@@ -35,7 +35,8 @@ from strategies.resolved import ResolvedRun
 from trainer import protocols
 from trainer.data.accounting import SourceCounts
 from trainer.data.balance import Balancer, WorkModel
-from trainer.data.chat import JinjaTemplate, load_chat_template
+from trainer.data.chat import ChatFormat, JinjaTemplate, load_chat_template
+from trainer.data.chat_files import PLACES
 from trainer.data.loader import Batch, GlobalBatches, Loader, shard_rows
 from trainer.data.tokenizer import Tokenizer, load_or_train
 from trainer.protocols import Evaluator
@@ -101,6 +102,7 @@ class DataModule(L.LightningDataModule, protocols.DataModule):
         self.global_batch_size = run.global_batch_size
         self.balancer = Balancer(WorkModel.of(run.shape), run.micro_batch_size) if balance == "work" else None
         self._prepared: Any = None
+        self._chat: ChatFormat | None = None  # set by chat_template while preparing
 
     @classmethod
     def config_problems(cls, cfg: Any, run: ResolvedRun | None) -> list[str]:
@@ -147,20 +149,31 @@ class DataModule(L.LightningDataModule, protocols.DataModule):
         )  # fmt: skip
 
     def chat_template(self, name: str, tokenizer: Tokenizer) -> JinjaTemplate | None:
-        """The chat template ``data.template=name`` selects (None: the default template).
+        """The chat template ``data.template=name`` selects (None: the default template); the
+        choice is kept for `chat_format`.
 
         Raises:
             DataError: ``tokenizer`` asked for, but the tokenizer has none.
+            trainer.data.chat.ChatError: the tokenizer's template files are unusable.
         """
         if name == "default":
+            self._chat = ChatFormat(None, "data.template=default")
             return None
         template = load_chat_template(self.tokenizer_path, tokenizer)
+        where = f"beside {self.tokenizer_path}" if self.tokenizer_path else "with the BPE plait trains (data.tokenizer=null)"
         if template is None and name == "tokenizer":
             raise DataError(
-                f"data.template=tokenizer but data.tokenizer={self.tokenizer_path} has no tokenizer_config.json with a "
-                "chat_template beside it; use data.template=auto or default"
+                f"data.template=tokenizer but there is no chat template {where} (looked for {PLACES}); "
+                "use data.template=auto or default, or give a data.tokenizer=<dir>/tokenizer.json that has one"
             )
+        self._chat = ChatFormat(template, "" if template is not None else f"data.template={name}: no chat template {where}")
         return template
+
+    def chat_format(self) -> ChatFormat | None:
+        """The chat template the prepared data renders with and where it came from (None: data
+        without chat, such as pretraining text)."""
+        self.prepare()
+        return self._chat
 
     # ------------------------------------------------------------------------------ loaders
     @abstractmethod

@@ -33,12 +33,13 @@ on the input ids.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer.data.chat_files import TemplateFileError, find_chat_template, read_tokenizer_config
 from trainer.data.jinja_env import compile_template
 from trainer.data.tokenizer import Tokenizer
 
@@ -55,6 +56,7 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
+DEFAULT_DESCRIPTION = "plait's default (<|user|> / <|assistant|> lines, EOS after each answer)"
 
 
 class ChatError(ValueError):
@@ -209,27 +211,61 @@ class JinjaTemplate:
         return spans
 
 
+# Template variables holding special tokens: transformers passes the tokenizer's, plait those of
+# the tokenizer_config.json beside the template (the tokenizer's EOS when it names none).
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
 def load_chat_template(tokenizer_path: str | None, tokenizer: Tokenizer) -> JinjaTemplate | None:
-    """The ``chat_template`` of the ``tokenizer_config.json`` beside ``tokenizer_path`` (None if absent)."""
+    """The chat template beside ``tokenizer_path``, wherever transformers would read it
+    (trainer.data.chat_files: ``chat_template.jinja`` first, then ``tokenizer_config.json``), with
+    the special tokens of that ``tokenizer_config.json``; None without one.
+
+    Raises:
+        ChatError: named templates without a default, or a template that is not valid Jinja.
+    """
     if tokenizer_path is None:
         return None
-    config_file = Path(tokenizer_path).expanduser().with_name("tokenizer_config.json")
-    if not config_file.is_file():
+    directory = Path(tokenizer_path).expanduser().parent
+    try:
+        found = find_chat_template(directory)
+    except TemplateFileError as err:
+        raise ChatError(str(err)) from None
+    if found is None:
         return None
-    config: dict[str, Any] = json.loads(config_file.read_text(encoding="utf-8"))
-    source = config.get("chat_template")
-    if isinstance(source, list):  # named templates: [{"name": "default", "template": ...}, ...]
-        source = next((t["template"] for t in source if t.get("name") == "default"), None)
-    if not source:
-        return None
+    config = read_tokenizer_config(directory)
+    special = {"bos_token": "", "eos_token": tokenizer.eos_token}
+    for key in SPECIAL_TOKENS:
+        value = config.get(key)
+        if value:
+            special[key] = value["content"] if isinstance(value, dict) else value
+    return JinjaTemplate(found.source, origin=found.origin, **special)
 
-    def token(key: str, fallback: str) -> str:
-        value = config.get(key) or fallback
-        return value["content"] if isinstance(value, dict) else value
 
-    return JinjaTemplate(
-        source, origin=str(config_file), bos_token=token("bos_token", ""), eos_token=token("eos_token", tokenizer.eos_token)
-    )
+@dataclass(frozen=True)
+class ChatFormat:
+    """The chat template a data module renders with, for the launch line and the run's record.
+
+    Args:
+        template: the tokenizer's own template, or None for plait's default.
+        reason: why the default (``data.template=default``, or where no template was found);
+            empty for a tokenizer's template.
+    """
+
+    template: JinjaTemplate | None
+    reason: str = ""
+
+    @property
+    def source(self) -> str:
+        """The Jinja text of the template trained with (`DEFAULT_CHAT_TEMPLATE` for the default)."""
+        return DEFAULT_CHAT_TEMPLATE if self.template is None else self.template.source
+
+    def line(self) -> str:
+        """``chat template: <file> (what is supervised)``, or the default and why."""
+        if self.template is None:
+            return f"chat template: {DEFAULT_DESCRIPTION} ({self.reason})"
+        supervised = "its {% generation %} blocks" if self.template.has_generation else "each assistant turn"
+        return f"chat template: {self.template.origin} (supervised: {supervised})"
 
 
 def completion_mask(input_ids: Sequence[int], response_template: Sequence[int]) -> list[bool]:

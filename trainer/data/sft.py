@@ -91,7 +91,8 @@ class SFTDataModule(DataModule):
     Args:
         sources: name -> source fields (see module docstring); the order numbers the sources.
         template: "auto" (the tokenizer's chat template if it has one, else the default),
-            "default" or "tokenizer" (a ``tokenizer_config.json`` beside ``data.tokenizer``).
+            "default" or "tokenizer" (the chat template beside ``data.tokenizer``, where transformers
+            reads it: trainer.data.chat_files).
         long_samples: policy for samples longer than ``seq_len``: split, truncate, drop, error.
         **settings: ``seq_len`` (tokens per packed row), ``tokenizer``, ``vocab_size``, ``seed``
             (splits, synthetic data, the mixture's permutations), ``cache_dir``, ``run``
@@ -143,7 +144,9 @@ class SFTDataModule(DataModule):
         train_texts = ["".join(t for t, _ in default_segments(c)) for tr, _ in convs.values() for c in tr]
         tokenizer = self.load_tokenizer(train_texts, fingerprint("sft", *train_texts))
         template = self.chat_template(self.template_name, tokenizer)
-        key = fingerprint(json.dumps(convs, sort_keys=True), tokenizer.fingerprint, self.template_name, str(template is None))
+        # The template's text and tokens are in the key: an edited chat_template.jinja must not reuse stale samples.
+        source = "" if template is None else json.dumps([template.source, template.special], sort_keys=True)
+        key = fingerprint(json.dumps(convs, sort_keys=True), tokenizer.fingerprint, self.template_name, str(template is None), source)
         encoded = cached(
             self.cache_dir / f"sft-{key}.pt",
             lambda: {n: [encode.conversations(tokenizer, part, template) for part in convs[n]] for n in self.names},
