@@ -1,10 +1,11 @@
 """``plait export ckpt=... out=...``: write a plait checkpoint as a Hugging Face model directory.
 
 The directory has ``config.json`` (`hf_config`), the weights as safetensors
-(sharded with an index above ``max_shard_mb``), ``tokenizer.json`` and ``tokenizer_config.json``
-(the chat template of the model's source when it came from a Hugging Face directory, else
-plait's default template, the one SFT trained with), so ``transformers.AutoModelForCausalLM.from_pretrained(out)``
-loads it and its tokenizer's ``apply_chat_template`` renders what SFT trained on. Any checkpoint loads, whatever world size and layout wrote it (DCP reshards into one process).
+(sharded with an index above ``max_shard_mb``), ``tokenizer.json``, ``tokenizer_config.json`` and
+``chat_template.jinja``: the chat template the run trained with (`trained_chat_template`), where
+transformers 5 writes and reads it, so ``transformers.AutoModelForCausalLM.from_pretrained(out)``
+loads the model and its tokenizer's ``apply_chat_template`` renders what SFT trained on. Any
+checkpoint loads, whatever world size and layout wrote it (DCP reshards into one process).
 
 Invocation::
 
@@ -30,7 +31,8 @@ from strategies.checkpoint import CheckpointError
 from strategies.lora import adapted_layers, is_adapter, merge_lora
 from trainer.capabilities import export_problem, exportable
 from trainer.compose import compose_command, fail
-from trainer.data.chat import DEFAULT_CHAT_TEMPLATE
+from trainer.data.chat import DEFAULT_CHAT_TEMPLATE, DEFAULT_DESCRIPTION, ChatError, JinjaTemplate, load_chat_template
+from trainer.data.chat_files import TemplateFileError, find_chat_template, write_chat_template
 from trainer.data.tokenizer import Tokenizer
 from trainer.models.hf import FAMILIES, INDEX_FILE, HFError, family_of, hf_name, is_hf_dir, read_config
 from trainer.models.init_from import load_init_from
@@ -38,7 +40,8 @@ from trainer.models.hf_moe import MOE_FAMILIES, export_family, moe_config_fields
 from trainer.models.llama import Llama
 from trainer.models.moe_transformer import MoETransformer
 from trainer.peft_adapter import moe_adapter_problem, peft_target_modules
-from trainer.rundir import load_run_model, resolve_checkpoint
+from trainer.rundir import RunModel, load_run_model, resolve_checkpoint
+from trainer.semantics import tokenizer_file
 from trainer.targets import UntrustedTargetError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -186,11 +189,14 @@ def write_hf_dir(
         model: the plait Llama the state belongs to (its architecture fields make the config).
         sources: directories to copy ``tokenizer_config.json`` and friends from (`source_dirs`).
         dtype: "float32", "bfloat16" or "float16"; None keeps the tensors' dtype.
-        chat_template: the ``chat_template`` written to ``tokenizer_config.json``; None: the
-            source's, or plait's default (`trainer.data.chat.DEFAULT_CHAT_TEMPLATE`) without one.
+        chat_template: the template written to ``chat_template.jinja`` (and taken out of
+            ``tokenizer_config.json``); None: the first one found in ``sources``
+            (`trainer.data.chat_files.find_chat_template`), else plait's default
+            (`trainer.data.chat.DEFAULT_CHAT_TEMPLATE`).
 
     Raises:
         trainer.models.hf.HFError: the model has no Hugging Face architecture.
+        trainer.data.chat_files.TemplateFileError: a source's named templates have no default.
     """
     torch_dtype = DTYPES[dtype] if dtype else next(iter(state.values())).dtype
     base = base_config(sources)
@@ -212,9 +218,11 @@ def write_hf_dir(
     config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tokenizer.eos_token, "model_max_length": model.max_seq_len,
     }  # fmt: skip
-    if chat_template is not None or not config.get("chat_template"):
-        config["chat_template"] = chat_template or DEFAULT_CHAT_TEMPLATE  # what SFT trained with (data.template=auto)
     config_file.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    if chat_template is None:
+        found = next((f for f in map(find_chat_template, sources) if f is not None), None)
+        chat_template = found.source if found is not None else DEFAULT_CHAT_TEMPLATE
+    write_chat_template(out, chat_template)
     return out
 
 
@@ -309,14 +317,29 @@ def export_checkpoint(
             raise HFError(f"{err}; the merged model is not written{written}") from None
     return write_hf_dir(
         out, model=run.model, state=run.model.state_dict(), tokenizer=run.tokenizer, sources=sources,
-        dtype=dtype, max_shard_mb=max_shard_mb, chat_template=_trained_template(run.config),
+        dtype=dtype, max_shard_mb=max_shard_mb, chat_template=trained_chat_template(run).source,
     )  # fmt: skip
 
 
-def _trained_template(run_cfg: DictConfig) -> str | None:
-    """plait's default template when the run's data chose it (``data.template=default``), else None."""
-    data = run_cfg.get("data")
-    return DEFAULT_CHAT_TEMPLATE if data is not None and data.get("template") == "default" else None
+def trained_chat_template(run: RunModel) -> JinjaTemplate:
+    """The chat template the run trained with (`plait export` writes it, `plait chat` renders it).
+
+    A run records it at launch (`trainer.rundir.RunDir.write_config`: ``chat_template.jinja``
+    beside its ``tokenizer.json``, none for plait's default). A run from before that record has
+    no ``tokenizer_config.json``: its template is looked up where its data found it, beside
+    ``data.tokenizer`` or ``model.init_from``'s tokenizer (`trainer.semantics.tokenizer_file`),
+    unless it chose ``data.template=default``.
+
+    Raises:
+        trainer.data.chat.ChatError: the template files are unusable.
+    """
+    if run.run.tokenizer_config.is_file():
+        found = load_chat_template(str(run.run.tokenizer), run.tokenizer)
+    else:
+        data = run.config.get("data")
+        chose_default = data is not None and data.get("template") == "default"
+        found = None if chose_default else load_chat_template(tokenizer_file(run.config), run.tokenizer)
+    return found or JinjaTemplate(DEFAULT_CHAT_TEMPLATE, origin=DEFAULT_DESCRIPTION, eos_token=run.tokenizer.eos_token)
 
 
 def main(argv: list[str]) -> None:
@@ -332,6 +355,6 @@ def main(argv: list[str]) -> None:
         fail(f"out={out} is not empty; choose a new directory")
     try:
         export_checkpoint(ckpt, out, dtype=cfg.dtype, max_shard_mb=cfg.max_shard_mb, trust=cfg.trust, adapter=cfg.adapter)
-    except (HFError, FileNotFoundError, UntrustedTargetError, CheckpointError) as err:
+    except (HFError, FileNotFoundError, UntrustedTargetError, CheckpointError, ChatError, TemplateFileError) as err:
         fail(str(err))
     print(f"plait: wrote {out} (Hugging Face format) from {ckpt}")

@@ -20,8 +20,8 @@ from torch.distributed.tensor import DTensor
 
 from strategies.checkpoint import CheckpointError
 from trainer.compose import compose_command, fail
-from trainer.data.chat import DEFAULT_CHAT_TEMPLATE, JinjaTemplate, load_chat_template
-from trainer.export import source_dirs
+from trainer.data.chat import ChatError, JinjaTemplate
+from trainer.export import trained_chat_template
 from trainer.models.hf import HFError
 from trainer.models.init_from import load_init_from
 from trainer.models.kv_cache import kv_cache
@@ -174,16 +174,18 @@ def load_for_generation(ckpt: str, trust: Sequence[str] = ()) -> RunModel:
 
 
 def chat_template(run: RunModel) -> JinjaTemplate:
-    """The chat template the run's data used: the tokenizer's own (``tokenizer_config.json`` of
-    the Hugging Face ``model.init_from`` or beside ``data.tokenizer``) unless ``data.template=default``
-    or there is none, else plait's default (`trainer.data.chat.DEFAULT_CHAT_TEMPLATE`)."""
-    data = run.config.get("data")
-    if data is None or data.get("template") != "default":
-        for directory in source_dirs(run.config):
-            found = load_chat_template(str(directory / "tokenizer.json"), run.tokenizer)
-            if found is not None:
-                return found
-    return JinjaTemplate(DEFAULT_CHAT_TEMPLATE, eos_token=run.tokenizer.eos_token)
+    """The chat template the run trained with (`trainer.export.trained_chat_template`, the one
+    `plait export` writes); says on stderr which.
+
+    Raises:
+        SystemExit: (exit 2, ``plait: error:``) the run's template files are unusable.
+    """
+    try:
+        template = trained_chat_template(run)
+    except ChatError as err:
+        fail(f"{run.run.path}: {err}")
+    print(f"plait: chat template: {template.origin}", file=sys.stderr)
+    return template
 
 
 def reply(run: RunModel, text: str, cfg: DictConfig) -> str:

@@ -15,7 +15,7 @@ theta_base`` back to the base. Methods, per parameter tensor:
 
 It prints each delta's sparsity (share of exactly-zero entries and of entries with ``|delta| <=
 tol``; PAFT: DPO deltas are sparse, SFT deltas dense unless L1-regularised) and writes ``out`` as a
-run directory: the base's ``config.yaml`` and ``tokenizer.json`` and ``checkpoints/last`` with
+run directory: the base's ``config.yaml``, tokenizer files and ``checkpoints/last`` with
 the merged weights (for ``plait generate ckpt=<out>`` and ``model.init_from=<out>``).
 
 Invocation::
@@ -160,15 +160,17 @@ def _load(path: str, trust: Sequence[str] = ()) -> tuple[State, Path]:
 
 
 def save_merged(state: State, out: Path, *, like: Path) -> Path:
-    """Writes ``state`` as the run directory ``out`` (config and tokenizer copied from run ``like``)."""
+    """Writes ``state`` as the run directory ``out`` (config, tokenizer and chat template copied from run ``like``)."""
     target, source = RunDir(out), RunDir(like)
     ckpt = target.last
     if ckpt.exists():
         shutil.rmtree(ckpt)
     ckpt.mkdir(parents=True)
-    for src, dst in ((source.config, target.config), (source.tokenizer, target.tokenizer)):
+    for src, dst in zip((source.config, *source.tokenizer_files()), (target.config, *target.tokenizer_files())):
         if src.exists():
             shutil.copy(src, dst)
+        else:  # a file left by an earlier merge into ``out`` would describe another run
+            dst.unlink(missing_ok=True)
     dcp.save({"model": state}, checkpoint_id=ckpt)
     torch.save({"merged": True}, ckpt / META_FILE)
     seal(ckpt)

@@ -34,6 +34,7 @@ from typing_extensions import override
 from strategies.checkpoint import META_FILE
 from strategies.safe_load import UnsafePickleError, load_plain
 from trainer.config import ConfigError
+from trainer.data.chat import JinjaTemplate
 from trainer.rundir import RunDir
 
 RECORD_KEY = "plait_run"  # the checkpoint dict's entry (hence meta.pt's) holding the `run_record`
@@ -100,18 +101,24 @@ def check_resume(cfg: DictConfig, checkpoint: Path | None, tokenizer: Any = None
 
 class ResumeRecord(L.Callback):
     """Saves the `run_record` in every checkpoint; at the start of training (after Lightning
-    restored a checkpoint) applies the overridden values and only then writes ``config.yaml`` and
-    ``tokenizer.json`` (rank 0): a resume refused while loading leaves the run's files untouched.
+    restored a checkpoint) applies the overridden values and only then writes ``config.yaml``, the
+    tokenizer and its chat template (rank 0, `RunDir.write_config`): a resume refused while
+    loading leaves the run's files untouched.
 
     Args:
         cfg: this run's composed config.
         tokenizer: this run's tokenizer (``trainer.data.tokenizer.Tokenizer``).
         run_dir: the run directory.
         overrides: `check_resume`'s values (``{}`` for a fresh start).
+        chat_template: the tokenizer's own template that goes with the model
+            (`trainer.data.base.DataModule.model_chat_template`); None: plait's default.
     """
 
-    def __init__(self, cfg: DictConfig, tokenizer: Any, run_dir: Path, overrides: dict[str, Any]) -> None:
+    def __init__(
+        self, cfg: DictConfig, tokenizer: Any, run_dir: Path, overrides: dict[str, Any], chat_template: JinjaTemplate | None = None
+    ) -> None:
         self.cfg, self.tokenizer, self.run_dir, self.overrides = cfg, tokenizer, Path(run_dir), overrides
+        self.chat_template = chat_template
         self.record = run_record(OmegaConf.to_container(cfg, resolve=True), tokenizer_fingerprint(tokenizer))
 
     @override
@@ -120,7 +127,11 @@ class ResumeRecord(L.Callback):
             configs = trainer.lr_scheduler_configs
             apply_overrides(trainer.optimizers[0], configs[0].scheduler if configs else None, self.overrides)
         if trainer.is_global_zero:
-            RunDir(self.run_dir).write_config(self.cfg, self.tokenizer)
+            template = self.chat_template
+            RunDir(self.run_dir).write_config(
+                self.cfg, self.tokenizer, special_tokens=template.special if template else None,
+                chat_template=template.source if template else None,
+            )  # fmt: skip
 
     @override
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:

@@ -155,6 +155,7 @@ def run(cfg: DictConfig, launch: Launch | None = None) -> None:
                     _print(early)
                 if (chat := data.chat_format()) is not None:
                     _print(chat.line())
+            template = data.model_chat_template()
             overrides = check_resume(cfg, launch.ckpt_path, data.tokenizer)  # now with the tokenizer
     except BaseException as err:
         if launching and fresh_dir and run_dir.is_dir() and not any(run_dir.iterdir()):
@@ -171,7 +172,7 @@ def run(cfg: DictConfig, launch: Launch | None = None) -> None:
         return
     ckpt_path = launch.ckpt_path
     # config.yaml and tokenizer.json (what generate builds from) are written once the checkpoint loaded.
-    trainer.callbacks.append(ResumeRecord(cfg, data.tokenizer, run_dir, overrides))
+    trainer.callbacks.append(ResumeRecord(cfg, data.tokenizer, run_dir, overrides, template))
     try:
         trainer.fit(task, datamodule=data, ckpt_path=str(ckpt_path) if ckpt_path else None, weights_only=True)
     except (NonFiniteError, NonFiniteStateError) as err:  # the run diverged: exit 3, the message says why

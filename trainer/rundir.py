@@ -4,6 +4,9 @@ Every run (``plait RECIPE``; a ``plait merge`` output too) is one directory::
 
     config.yaml       the resolved config it trains with (rank 0 writes it at the start)
     tokenizer.json    its tokenizer (Hugging Face ``tokenizers`` format)
+    tokenizer_config.json  its special tokens (eos, pad, and those its chat template reads)
+    chat_template.jinja    the tokenizer's own chat template, when the run's data rendered with it
+                      (or, without chat data, the tokenizer had one); absent: plait's default
     checkpoints/      step_0000100/ ... DCP checkpoints (strategies.checkpoint); ``last`` -> the newest
     metrics.csv       one row per logged step (trainer.loggers.RunCSVLogger, Lightning's CSV writer)
     summary.json      headline figures at the end (callbacks.summary)
@@ -17,9 +20,10 @@ objects from a saved ``config.yaml``.
 
 from __future__ import annotations
 
+import json
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,6 +113,18 @@ class RunDir:
         return self.path / "tokenizer.json"
 
     @property
+    def tokenizer_config(self) -> Path:
+        return self.path / "tokenizer_config.json"
+
+    @property
+    def chat_template(self) -> Path:
+        return self.path / "chat_template.jinja"
+
+    def tokenizer_files(self) -> tuple[Path, ...]:
+        """The files that describe the run's tokenizer and chat template (copied together)."""
+        return self.tokenizer, self.tokenizer_config, self.chat_template
+
+    @property
     def checkpoints(self) -> Path:
         return self.path / "checkpoints"
 
@@ -150,10 +166,29 @@ class RunDir:
         (a fresh start into such a run is refused)."""
         return bool(step_dirs(self.checkpoints)) or self.last.is_symlink() or self.last.exists()
 
-    def write_config(self, cfg: DictConfig, tokenizer: Any) -> None:
-        """Writes ``config.yaml`` (resolved: no interpolation left) and ``tokenizer.json``."""
+    def write_config(
+        self, cfg: DictConfig, tokenizer: Any, *, special_tokens: Mapping[str, str] | None = None, chat_template: str | None = None
+    ) -> None:
+        """Writes ``config.yaml`` (resolved: no interpolation left), ``tokenizer.json``, its
+        ``tokenizer_config.json`` and ``chat_template.jinja`` as transformers lays them out, so the
+        run's tokenizer and template read back as they were trained (a later run from this one,
+        ``plait export``, ``plait chat``).
+
+        Args:
+            tokenizer: a ``trainer.data.tokenizer.Tokenizer`` (its ``eos_token`` and ``pad_token`` are written).
+            special_tokens: the special tokens the chat template renders with (over the tokenizer's).
+            chat_template: the tokenizer's own template the run used; None removes a recorded one
+                (the run uses plait's default).
+        """
         OmegaConf.save(cfg, self.config, resolve=True)
         tokenizer.save(str(self.tokenizer))
+        special = {"eos_token": tokenizer.eos_token, "pad_token": tokenizer.pad_token}
+        special.update({key: value for key, value in (special_tokens or {}).items() if value})
+        self.tokenizer_config.write_text(json.dumps(special, indent=2) + "\n", encoding="utf-8")
+        if chat_template is None:
+            self.chat_template.unlink(missing_ok=True)
+        else:
+            self.chat_template.write_text(chat_template, encoding="utf-8")
 
     def load_config(self) -> DictConfig:
         return OmegaConf.load(self.config)

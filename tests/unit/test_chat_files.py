@@ -1,7 +1,8 @@
 """A Hugging Face directory's chat template is read wherever transformers reads it (transformers 5's
 ``save_pretrained`` writes ``chat_template.jinja``, not ``tokenizer_config.json``), the data renders
-with it and the launch line names it. The reference is transformers itself: its ``from_pretrained``
-picks the template, its ``apply_chat_template`` gives the ids and the assistant mask."""
+with it, the launch line names it, a run records it and an export writes it where transformers 5
+reads it. The reference is transformers itself: its ``from_pretrained`` picks the template, its
+``apply_chat_template`` gives the ids and the assistant mask."""
 
 from __future__ import annotations
 
@@ -116,3 +117,74 @@ def test_named_templates_without_a_default_are_refused_as_transformers_refuses_t
     with pytest.raises(ChatError, match=r"named \['rag'\] but none named 'default'"):
         load_chat_template(str(directory / "tokenizer.json"), tok)
 
+
+def test_an_export_writes_the_trained_template_where_transformers_5_reads_it(tmp_path: Path) -> None:
+    from hf_checkpoints import make_hf_dir
+
+    from trainer.export import write_hf_dir
+    from trainer.models.hf import llama_from_hf
+    from trainer.models.init_from import load_init_from
+
+    make_hf_dir("qwen3", tmp_path / "hf")  # its tokenizer_config.json holds another template (transformers 4's layout)
+    model = llama_from_hf(str(tmp_path / "hf"))
+    load_init_from(model)
+    tok = Tokenizer.from_file(tmp_path / "hf" / "tokenizer.json")
+    for template, out in ((QWEN3_STYLE, tmp_path / "trained"), (None, tmp_path / "source")):
+        write_hf_dir(out, model=model, state=model.state_dict(), tokenizer=tok, sources=[tmp_path / "hf"], chat_template=template)
+        assert "chat_template" not in json.loads((out / "tokenizer_config.json").read_text())
+        expected = template or json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["chat_template"]
+        assert transformers.AutoTokenizer.from_pretrained(out).chat_template == expected
+
+
+def _run(tmp_path: Path, *, recorded: str | None | bool, template: str = "auto"):
+    """A run (as `trainer.export.trained_chat_template` sees it) whose data took its tokenizer from a
+    transformers 5 directory holding LLAMA3_STYLE; ``recorded``: the template the run recorded at
+    launch (None: plait's default), False: a run from before the record."""
+    from omegaconf import OmegaConf
+
+    from trainer.rundir import RunDir, RunModel
+
+    source = save_pretrained(tmp_path / "tok", LLAMA3_STYLE)
+    tok = Tokenizer.from_file(source / "tokenizer.json")
+    cfg = OmegaConf.create({"model": {"init_from": None}, "data": {"tokenizer": str(source / "tokenizer.json"), "template": template}})
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    if recorded is False:
+        tok.save(run.tokenizer)
+    else:
+        run.write_config(cfg, tok, special_tokens={"bos_token": "<|begin_of_text|>"}, chat_template=recorded)
+    return RunModel(model=None, tokenizer=tok, config=cfg, run=run, checkpoint=None)
+
+
+def test_a_run_records_the_template_it_trained_with_and_exports_that(tmp_path: Path) -> None:
+    from trainer.data.chat import DEFAULT_CHAT_TEMPLATE
+    from trainer.export import trained_chat_template
+
+    run = _run(tmp_path / "own", recorded=QWEN3_STYLE)
+    template = trained_chat_template(run)
+    assert (template.source, template.origin) == (QWEN3_STYLE, str(run.run.chat_template))
+    assert template.special["bos_token"] == "<|begin_of_text|>"  # the tokens it rendered with travel too
+    # Recorded default: the data rendered with plait's, whatever its tokenizer's directory holds.
+    assert trained_chat_template(_run(tmp_path / "default", recorded=None)).source == DEFAULT_CHAT_TEMPLATE
+    # A run from before the record: where its data found it (transformers 5's file), unless it chose the default.
+    assert trained_chat_template(_run(tmp_path / "old", recorded=False)).source == LLAMA3_STYLE
+    assert trained_chat_template(_run(tmp_path / "old_default", recorded=False, template="default")).source == DEFAULT_CHAT_TEMPLATE
+
+
+def test_a_run_tokenizer_without_plaits_eos_reads_back(tmp_path: Path) -> None:
+    """A Llama 3-like vocabulary has no <|endoftext|>: its EOS was named by the source's
+    tokenizer_config.json, so the run writes one beside its tokenizer.json (before, reading the
+    run's tokenizer back, as export and generate do, failed: EOS not in the vocabulary)."""
+    from omegaconf import OmegaConf
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
+
+    from trainer.rundir import RunDir
+
+    raw = HFTokenizer(models.BPE(vocab={"a": 0, "b": 1}, merges=[]))
+    raw.add_special_tokens(["<|end_of_text|>", "<|finetune_right_pad_id|>"])
+    tok = Tokenizer(raw, eos_token="<|end_of_text|>", pad_token="<|finetune_right_pad_id|>")
+    run = RunDir(tmp_path)
+    run.write_config(OmegaConf.create({"data": {}}), tok)
+    back = Tokenizer.from_file(run.tokenizer)
+    assert (back.eos_token, back.eos_id, back.pad_id) == ("<|end_of_text|>", tok.eos_id, tok.pad_id)

@@ -9,6 +9,7 @@ import lightning as L
 import torch.distributed as dist
 from typing_extensions import override
 
+from trainer.data.chat import DEFAULT_CHAT_TEMPLATE
 from trainer.models.hf import is_hf_dir
 from trainer.rundir import RunDir
 
@@ -81,9 +82,10 @@ class HFExport(L.Callback):
             sources = [Path(p).expanduser() for p in [getattr(model, "init_from", None)] if p and is_hf_dir(p)]
             tokenizer_path = getattr(data, "tokenizer_path", None)
             sources += [Path(tokenizer_path).expanduser().parent] if tokenizer_path else []
+            template = data.model_chat_template()  # the one the data rendered with: the run's
             write_hf_dir(
-                out, model=model, state=state, tokenizer=data.tokenizer, sources=sources,
-                dtype=self.dtype, max_shard_mb=self.max_shard_mb,
+                out, model=model, state=state, tokenizer=data.tokenizer, sources=sources, dtype=self.dtype,
+                max_shard_mb=self.max_shard_mb, chat_template=DEFAULT_CHAT_TEMPLATE if template is None else template.source,
             )  # fmt: skip
         if dist.is_initialized():
             dist.barrier()

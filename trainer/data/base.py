@@ -175,6 +175,17 @@ class DataModule(L.LightningDataModule, protocols.DataModule):
         self.prepare()
         return self._chat
 
+    def model_chat_template(self) -> JinjaTemplate | None:
+        """The chat template that goes with the trained model (a run records it, an export
+        writes it): the one the data renders with, or for data without chat the tokenizer's own;
+        None: plait's default.
+
+        Raises:
+            trainer.data.chat.ChatError: the tokenizer's template files are unusable.
+        """
+        chat = self.chat_format()
+        return chat.template if chat is not None else load_chat_template(self.tokenizer_path, self.tokenizer)
+
     # ------------------------------------------------------------------------------ loaders
     @abstractmethod
     def train_batches(self, dp_rank: int, dp_size: int) -> GlobalBatches:

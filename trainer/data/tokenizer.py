@@ -77,6 +77,7 @@ class Tokenizer:
         pad_id = tok.token_to_id(pad_token)
         self._tok = tok
         self.eos_token = eos_token
+        self.pad_token = eos_token if pad_id is None else pad_token
         self.eos_id: int = eos_id
         self.pad_id: int = eos_id if pad_id is None else pad_id
         self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
