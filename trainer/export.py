@@ -204,7 +204,9 @@ def write_hf_dir(
     tensors = {k: v.detach().to("cpu", torch_dtype) for k, v in named.items()}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    extra: dict[str, Any] = {"torch_dtype": str(torch_dtype).removeprefix("torch.")}
+    # transformers 5 reads ``dtype`` first (a source saved by it has one) and earlier versions ``torch_dtype``.
+    name = str(torch_dtype).removeprefix("torch.")
+    extra: dict[str, Any] = {"dtype": name, "torch_dtype": name}
     if base is None:
         extra.update(eos_token_id=tokenizer.eos_id, bos_token_id=None, pad_token_id=None)
     (out / "config.json").write_text(json.dumps(hf_config(model, base, **extra), indent=2) + "\n", encoding="utf-8")

@@ -57,6 +57,18 @@ def test_load_matches_transformers_and_export_round_trips(family, tmp_path):
     assert "chat_template" not in json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
 
 
+def test_an_export_in_another_dtype_says_so_where_transformers_5_reads_it(tmp_path):
+    """A source saved by transformers 5 has ``dtype`` in its config.json; a bfloat16 export kept that
+    float32 beside a new ``torch_dtype``, and transformers 5 reads ``dtype`` first."""
+    make_hf_dir("qwen3", tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "float32"
+    model = _plait(tmp_path / "hf")
+    write_hf_dir(
+        tmp_path / "out", model=model, state=model.state_dict(), tokenizer=Tokenizer.from_file(tmp_path / "hf" / "tokenizer.json"),
+        sources=[tmp_path / "hf"], dtype="bfloat16",
+    )  # fmt: skip
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "out").dtype == torch.bfloat16
+
 def test_plait_model_exports_to_transformers(tmp_path):
     """A model plait trained from scratch (QK-norm, own head dim, tied) becomes a Qwen3 directory."""
     from trainer.data.tokenizer import train_bpe
