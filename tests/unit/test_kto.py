@@ -82,9 +82,10 @@ def test_kto_loss_and_gradients_equal_trl_formula(beta, dw, uw, ref_shift):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     torch.testing.assert_close(model.table.grad, expected_model.table.grad, rtol=0, atol=1e-6)
     names, sums = objective.pop_sums()
-    assert names == ["rewards/chosen", "rewards/rejected", "kl"]
-    assert sums[1].tolist() == [3.0, 3.0, 1.0]
-    assert sums[0, 2].item() == pytest.approx(max(kl.item(), 0.0), abs=1e-5)
+    assert names == ["rewards/chosen", "rewards/rejected", "rewards/mismatched", "kl"]
+    assert sums[1].tolist() == [3.0, 3.0, 6.0, 1.0]
+    assert sums[0, 2].item() / 6 == pytest.approx(beta * kl.item(), abs=1e-5)  # the mismatched rows' mean reward, unclamped
+    assert sums[0, 3].item() == pytest.approx(max(kl.item(), 0.0), abs=1e-5)
 
 
 def test_kto_needs_unpaired_rows_and_pairs_refuse_them():

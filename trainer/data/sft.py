@@ -7,7 +7,7 @@ Each entry of ``sources`` is one named source with its budget (trainer.data.mixt
              val_size: 16, metric: loss}
 
 ``source`` is a bundled real set (trainer.data.instructions: alpaca, glaive, humaneval, champ,
-ifbench), a synthetic task (trainer.data.synthetic: reversal, sorting, addition) or a user's table
+ifbench), a synthetic task (trainer.data.synthetic: copy, reversal, sorting, addition) or a user's table
 (a jsonl/json/parquet/arrow/csv file, shards or a save_to_disk folder in TRL's formats:
 trainer.data.sources). ``limit`` caps the training conversations (synthetic: how many are generated,
 default 1000); ``val_size`` conversations are held out per source; ``metric`` is the held-out

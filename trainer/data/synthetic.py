@@ -6,6 +6,8 @@ separated by spaces so a byte-level BPE keeps one symbol per token (merging ``"1
 token would hide the digits from the model). Difficulties differ on purpose (mSFT needs sources
 whose optima differ):
 
+- ``copy``: copy 3-6 distinct letters of a-z (easiest: the SFT stage of the ``copy`` preference
+  pairs, trainer.data.preference_sources);
 - ``reversal``: reverse 3-5 letters of a-j (easy);
 - ``sorting``: sort 4-6 digits (medium);
 - ``addition``: add two 1-2 digit numbers (hard for a tiny model: carries).
@@ -32,6 +34,11 @@ def _spaced(symbols: str) -> str:
     return " ".join(symbols)
 
 
+def copy(rng: random.Random) -> Example:
+    letters = rng.sample("abcdefghijklmnopqrstuvwxyz", rng.randint(3, 6))
+    return f"copy: {' '.join(letters)}", " ".join(letters)
+
+
 def reversal(rng: random.Random) -> Example:
     word = "".join(rng.choice(_LETTERS) for _ in range(rng.randint(3, 5)))
     return f"reverse: {_spaced(word)}", _spaced(word[::-1])
@@ -47,7 +54,7 @@ def addition(rng: random.Random) -> Example:
     return f"add: {_spaced(str(a))} + {_spaced(str(b))}", _spaced(str(a + b))
 
 
-TASKS: dict[str, Callable[[random.Random], Example]] = {"reversal": reversal, "sorting": sorting, "addition": addition}
+TASKS: dict[str, Callable[[random.Random], Example]] = {"copy": copy, "reversal": reversal, "sorting": sorting, "addition": addition}
 SPLITS = ("train", "val", "test")
 
 

@@ -17,7 +17,9 @@ and the Task averages the per-row losses over the step's rows (``count_unit = "p
 With gradient accumulation the KL estimate is per micro-step (TRL's is per device batch too).
 
 Logged: ``rewards/chosen`` and ``rewards/rejected`` (mean ``beta r`` of the desirable and of the
-undesirable rows) and ``kl`` (the mean estimate ``z``).
+undesirable rows), ``rewards/mismatched`` (mean ``beta r`` of the mismatched rows, before the clamp:
+below 0 the policy has moved away from other prompts' completions and ``z`` is clamped to 0, so
+the KL term is inactive) and ``kl`` (the mean estimate ``z``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing_extensions import override
 
 from trainer.objectives.preference import PreferenceObjective
 
-KTO_METRICS = ("rewards/chosen", "rewards/rejected", "kl")
+KTO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/mismatched", "kl")
 
 
 def kl_estimate(mismatched_logratio: torch.Tensor) -> torch.Tensor:
@@ -100,7 +102,7 @@ class KTO(PreferenceObjective):
             if not value > 0:
                 raise ValueError(f"objective.{name}={value} must be positive")
         self.beta, self.desirable_weight, self.undesirable_weight = beta, desirable_weight, undesirable_weight
-        self._kto_sums: torch.Tensor | None = None  # [2, 3]: metric sums, metric counts
+        self._kto_sums: torch.Tensor | None = None  # [2, 4]: metric sums, metric counts
 
     @override
     def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -118,16 +120,17 @@ class KTO(PreferenceObjective):
             desirable_weight=self.desirable_weight, undesirable_weight=self.undesirable_weight,
         )  # fmt: skip
         rewards, d = rewards.detach().float(), desirable.float()
+        mismatched = self.beta * ratio[:, 1].detach().float()
         sums = torch.stack([
-            torch.stack([(rewards * d).sum(), (rewards * (1 - d)).sum(), kl]),
-            torch.stack([d.sum(), (1 - d).sum(), torch.ones_like(kl)]),
+            torch.stack([(rewards * d).sum(), (rewards * (1 - d)).sum(), mismatched.sum(), kl]),
+            torch.stack([d.sum(), (1 - d).sum(), torch.ones_like(kl) * mismatched.numel(), torch.ones_like(kl)]),
         ])  # fmt: skip
         self._kto_sums = sums if self._kto_sums is None else self._kto_sums + sums
         return losses.sum()
 
     @override
     def pop_sums(self) -> tuple[list[str], torch.Tensor] | None:
-        """``(KTO_METRICS, [2, 3])``: this rank's metric sums since the last call and their counts."""
+        """``(KTO_METRICS, [2, 4])``: this rank's metric sums since the last call and their counts."""
         sums, self._kto_sums = self._kto_sums, None
         return list(KTO_METRICS), torch.zeros(2, len(KTO_METRICS)) if sums is None else sums
 

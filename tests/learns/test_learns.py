@@ -1,0 +1,39 @@
+"""The learning tier (tests/learns/tier.py): every recipe reaches its held-out threshold, and its
+first steps equal the stored golden curve.
+
+All entries train once per session, two at a time, in one subprocess (`tier_results`); each test
+reads its entry's result. The values are printed at the end of the session, one line per entry
+(tests/learns/conftest.py). A change that moves numerics on purpose rewrites the golden curves in
+the same commit, with the reason in the message::
+
+    python tests/learns/tier.py --update-golden
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from learns.tier import ENTRIES, GOLDEN_RTOL, curve_mismatch, golden_curves, line, passed
+
+TRAINED = [name for name, entry in ENTRIES.items() if not entry.merge]
+
+
+@pytest.mark.parametrize("name", list(ENTRIES))
+def test_recipe_learns(tier_results: dict, name: str) -> None:
+    result = tier_results[name]
+    assert "error" not in result, f"{name} did not run:\n{result['error']}"
+    assert passed(name, result), line(name, result)
+
+
+@pytest.mark.parametrize("name", TRAINED)
+def test_first_steps_equal_the_golden_curve(tier_results: dict, name: str) -> None:
+    result = tier_results[name]
+    assert "error" not in result, f"{name} did not run:\n{result['error']}"
+    stored = golden_curves().get(name)
+    assert stored is not None, f"no golden curve for {name}: python tests/learns/tier.py --update-golden"
+    problems = curve_mismatch(stored, result["curve"])
+    assert not problems, (
+        f"{name}'s first steps moved (relative tolerance {GOLDEN_RTOL:g}):\n  " + "\n  ".join(problems)
+        + "\nIf the change is meant to move numerics, rewrite the curves in the same commit and say why in its message: "
+        "python tests/learns/tier.py --update-golden"
+    )
