@@ -1,0 +1,1 @@
+"""The learning tier (tier.py): every recipe proves that it learns."""
