@@ -25,9 +25,7 @@ from __future__ import annotations
 import importlib.util
 import math
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from strategies.expert_dispatch import EXPERT_WEIGHTS, StackedExperts
+from strategies.lora_targets import linear_layers, lora_targets, selects, target_problems, unadaptable
 from strategies.qlora import QUANT_TYPES, NF4Linear, quantize_layers
 
 if TYPE_CHECKING:
@@ -43,45 +41,7 @@ if TYPE_CHECKING:
     from strategies.resolved import ResolvedRun
     from strategies.shape import ModelShape
 
-ADAPTER_NAMES = ("lora_A", "lora_B")
 DEFAULT_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
-
-
-def is_adapter(fqn: str) -> bool:
-    """True for the parameter names of LoRA adapters (``...wq.lora_A.weight``)."""
-    return any(f".{name}." in f".{fqn}" for name in ADAPTER_NAMES)
-
-
-def selects(name: str, pattern: str) -> bool:
-    """Whether ``pattern`` of ``strategy.lora.target_modules`` selects the layer FQN ``name``: equal
-    to it, ending in ``.<pattern>`` (PEFT's rule: ``wq`` selects every ``layers.*.attention.wq``), or
-    an ``fnmatch`` glob of the whole FQN (``layers.0.*``; case-sensitive on every platform)."""
-    return name == pattern or name.endswith("." + pattern) or fnmatchcase(name, pattern)
-
-
-def target_problems(names: Sequence[str], target_modules: Sequence[str]) -> list[str]:
-    """A message naming the patterns of ``target_modules`` that select none of ``names`` (a model's
-    ``nn.Linear`` FQNs) and the layers there are; empty when every pattern selects one. A pattern
-    that selects nothing is a typo or another model's name (``q_proj``), never one to skip in silence."""
-    dead = [pattern for pattern in target_modules if not any(selects(n, pattern) for n in names)]
-    if not dead:
-        return []
-    kinds = sorted({n.rpartition(".")[2] for n in names})
-    example = next((n for n in names if n.startswith("layers.0.")), names[0] if names else "")
-    return [
-        f"strategy.lora.target_modules: {', '.join(map(repr, dead))} {'matches' if len(dead) == 1 else 'match'} no linear "
-        f"layer; the model has {kinds} (full names such as {example!r}, or globs such as 'layers.0.*')"
-    ]
-
-
-def linear_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
-    """The ``nn.Linear`` layers of ``model`` that can carry adapters (adapters themselves excluded)."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and not is_adapter(n + ".")]
-
-
-def lora_targets(model: nn.Module, target_modules: tuple[str, ...] | list[str]) -> list[tuple[str, nn.Linear]]:
-    """The ``nn.Linear`` modules a pattern of ``target_modules`` selects (`selects`), in module order."""
-    return [(n, m) for n, m in linear_layers(model) if any(selects(n, p) for p in target_modules)]
 
 
 def _placements(weight: torch.Tensor) -> tuple[Any, Any] | None:
@@ -203,15 +163,6 @@ def quantize_later(model: nn.Module) -> list[nn.Parameter]:
     """The float weights a QLoRA ``model`` will replace by 4-bit codes (`quantize_pending`): FSDP2
     leaves them unsharded (``ignored_params``) until then. Empty without pending quantisation."""
     return [model.get_submodule(name).weight for name in getattr(model, "lora_quantize_names", ())]
-
-
-def unadaptable(model: nn.Module, target_modules: tuple[str, ...] | list[str]) -> list[str]:
-    """The stacked routed-expert weights (``...experts.w1`` ``[E, out, in]``, `StackedExperts`) that
-    ``target_modules`` names: parameters, not ``nn.Linear`` layers, so `apply_lora` adapts none of them."""
-    return [
-        f"{name}.{w}" for name, m in model.named_modules() if isinstance(m, StackedExperts) for w in EXPERT_WEIGHTS
-        if any(selects(f"{name}.{w}", p) for p in target_modules)
-    ]  # fmt: skip
 
 
 def is_adapted(layer: nn.Module) -> bool:

@@ -17,7 +17,7 @@ import torch
 from typing_extensions import override
 
 from strategies import checkpoint as ckpt
-from strategies.lora import is_adapter
+from strategies.lora_targets import is_adapter
 
 
 class MeshCheckpoints:

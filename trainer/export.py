@@ -28,7 +28,8 @@ from omegaconf import DictConfig
 from torch import nn
 
 from strategies.checkpoint import CheckpointError
-from strategies.lora import adapted_layers, is_adapter, merge_lora
+from strategies.lora import adapted_layers, merge_lora
+from strategies.lora_targets import is_adapter
 from trainer.capabilities import export_problem, exportable
 from trainer.compose import compose_command, fail
 from trainer.data.chat import DEFAULT_CHAT_TEMPLATE, DEFAULT_DESCRIPTION, ChatError, JinjaTemplate, load_chat_template

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from strategies.checkpoint import CheckpointError, NonFiniteStateError
 from strategies.launch import LAUNCH_ENV, launch_problems

@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from strategies.checkpoint import META_FILE, is_checkpoint, load_model_weights, verify_checkpoint
-from strategies.lora import is_adapter
+from strategies.lora_targets import is_adapter
 from strategies.manifest import MANIFEST
 from trainer.targets import check_targets
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 from harness import compose_config
 
-from strategies.lora import apply_lora, is_adapter, merge_lora, trainable_bytes
+from strategies.lora import apply_lora, merge_lora, trainable_bytes
+from strategies.lora_targets import is_adapter
 from trainer.config import ConfigError, validate
 from trainer.models.llama import Llama
 
@@ -154,7 +155,7 @@ def test_weight_reads_give_what_the_adapted_layer_computes(quantize) -> None:
 
 
 def test_stacked_experts_named_by_the_targets_are_reported_unadapted() -> None:
-    from strategies.lora import unadaptable
+    from strategies.lora_targets import unadaptable
     from trainer.models.moe_transformer import MoETransformer
 
     model = MoETransformer(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_dim=48, max_seq_len=16, num_experts=4, top_k=2,

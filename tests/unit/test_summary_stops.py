@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import pytest
 from harness import compose_config, fit
 
 from trainer.build import build_data

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from strategies.lora import is_adapter
+from strategies.lora_targets import is_adapter
 from trainer.models.hf_moe import (
     MOE_FAMILIES, expert_hf_names, moe_config_problems, moe_kwargs, moe_plait_name, router_hf_name,
 )  # fmt: skip
