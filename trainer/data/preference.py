@@ -147,7 +147,7 @@ class PreferenceDataModule(DataModule):
             prepared[f"{part}_ref"] = torch.full((len(rows), 2), float("nan"))
         for name, counts in self.counts.items():
             counts.fix = accounting.seq_len_fix(lengths[name], self.seq_len, self.noun) + (
-                f", or data.max_prompt_len={self.max_prompt_len} if the prompts' last tokens are all a response needs"
+                f", or data.max_prompt_len={self.max_prompt_len} (the tokens a prompt keeps when its pair does not fit)"
                 if counts.prompts_cut else ""
             )
         if problems := accounting.problems(self.counts, self.noun):
