@@ -182,3 +182,7 @@ class DataModule(Protocol):
     def data_counts(self) -> dict[str, Any]:
         """Per source, what preparation cut from the training samples (`trainer.data.accounting.SourceCounts`)."""
         ...
+
+    def held_out_counts(self) -> dict[str, Any]:
+        """Per source, what preparation cut from the held-out samples (`trainer.data.accounting.SourceCounts`)."""
+        ...

@@ -24,9 +24,11 @@ def test_dpo_with_cut_prompts_warns_and_records_the_counts(tmp_path) -> None:
     warnings = [line for line in result.stderr.splitlines() if line.startswith("plait: warning: data.sources.copy:")]
     assert len(warnings) == 1, result.stderr[-3000:]
     assert "64 of 64 training pairs (100.0%) lose supervised or prompt tokens" in warnings[0]
-    assert "raise data.seq_len=32" in warnings[0] and "data.max_prompt_len=4" in warnings[0]
+    assert "raise data.seq_len (now 32;" in warnings[0] and "data.max_prompt_len=4" in warnings[0]
     summary = json.loads(RunDir(run_dir).summary.read_text())
     assert summary["data"]["copy"]["samples"] == 64 and summary["data"]["copy"]["prompts_cut"] == 64
+    assert summary["data"]["copy"]["held_out"]["samples"] == 8 and summary["data"]["copy"]["held_out"]["prompts_cut"] == 8
+    assert "plait: data cuts (held-out, scored as cut): data.sources.copy: 8 pairs: 8 with the prompt cut" in result.stderr
     with open(RunDir(run_dir).metrics, newline="") as file:
         row0 = next(r for r in csv.DictReader(file) if r["step"] == "0")
     assert float(row0["data/prompts_cut/copy"]) == 64.0
@@ -38,4 +40,14 @@ def test_a_source_that_keeps_no_supervised_token_ends_the_launch_with_one_line(t
     assert result.returncode == 2, result.stderr[-3000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("plait: error:")]
     assert len(errors) == 1 and "keeps a supervised token" in errors[0] and "data.long_samples=split" in errors[0]
+    assert not run_dir.exists()
+
+
+def test_a_budget_search_with_nothing_to_train_on_is_refused_before_its_first_roll_out(tmp_path) -> None:
+    # The search forks roll-outs that prepare the data themselves; the launcher prepares it first.
+    run_dir = tmp_path / "run"
+    result = plait("sft", *SMALL, "budget=msft", "data.long_samples=drop", "data.seq_len=64", f"run_dir={run_dir}")
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("plait: error:")]
+    assert len(errors) == 1 and "keeps a supervised token" in errors[0], result.stderr[-3000:]
     assert not run_dir.exists()

@@ -17,6 +17,7 @@ from trainer.compose import compose
 from trainer.data import encode
 from trainer.data.base import DataError
 from trainer.data.packing import IGNORE_INDEX
+from trainer.data.sources import hold_out
 from trainer.data.summary import describe
 
 
@@ -43,7 +44,7 @@ def test_cut_prompts_are_counted_from_the_rows_and_warned_about() -> None:
     assert counts.prompts_cut == sum(h < f for h, f in zip(held, full)) > 0.9 * len(pairs)
     lines = describe(data)
     warning = next(line for line in lines if line.startswith("warning:"))
-    assert "data.sources.copy" in warning and "data.seq_len=32" in warning and "39 keeps all" in warning
+    assert "data.sources.copy" in warning and "raise data.seq_len (now 32; 39 keeps all)" in warning
     assert "data.max_prompt_len=16" in warning
 
 
@@ -81,5 +82,41 @@ def test_truncated_conversations_count_the_supervised_tokens_the_samples_lose(tm
 
 def test_a_source_that_keeps_no_supervised_token_is_refused_naming_it() -> None:
     data = _data("sft", ["data.long_samples=drop", "data.seq_len=64"])
-    with pytest.raises(DataError, match=r"data.sources.tool_use: none of its \d+ training conversations keeps a supervised token.*data.seq_len=64"):
+    with pytest.raises(DataError, match=r"data.sources.tool_use: none of its \d+ training conversations keeps a supervised token.*data.seq_len \(now 64"):
+        data.prepare()
+
+
+def _chats_with_long_held_out(tmp_path, data, *, n: int = 8, val_size: int = 2) -> None:
+    """Write ``n`` conversations to chats.jsonl: the ``val_size`` ones ``hold_out`` holds out have
+    an answer of 60 numbers (longer than data.seq_len=64 tokens), the training ones of 4."""
+    _, held = hold_out(list(range(n)), val_size, seed=data.seed, name="mine")
+    rows = [
+        {"messages": [{"role": "user", "content": "0 1 2 3"}, {"role": "assistant", "content": " ".join(str(500 + j) for j in range(k))}]}
+        for k in (60 if i in held else 4 for i in range(n))
+    ]
+    (tmp_path / "chats.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+
+def _sft_on_file(tmp_path, policy: str):
+    overrides = [f"data.sources={{mine: {{source: {tmp_path / 'chats.jsonl'}, val_size: 2}}}}", "data.seq_len=64", "train.global_batch_size=1"]
+    (tmp_path / "chats.jsonl").write_text("")
+    return _data("sft", [*overrides, f"data.long_samples={policy}"])
+
+
+def test_held_out_cuts_are_counted_from_the_held_out_rows_and_printed(tmp_path) -> None:
+    data = _sft_on_file(tmp_path, "truncate")
+    _chats_with_long_held_out(tmp_path, data)
+    train, held_out = data.data_counts()["mine"], data.held_out_counts()["mine"]
+    kept = sum(int((labels != IGNORE_INDEX).sum()) for labels in data.prepare().val["mine"].labels)
+    assert train.affected == 0 and train.samples == 6
+    assert held_out.samples == 2 and held_out.truncated == 2 and held_out.supervised_tokens == kept > 0
+    lines = describe(data)
+    assert any(line.startswith("data cuts (held-out, scored as cut): data.sources.mine: 2 conversations: 2 truncated") for line in lines), lines
+    assert not any(line.startswith("warning:") for line in lines)  # the training split is whole
+
+
+def test_a_source_whose_held_out_samples_are_all_dropped_is_refused_naming_it(tmp_path) -> None:
+    data = _sft_on_file(tmp_path, "drop")
+    _chats_with_long_held_out(tmp_path, data)
+    with pytest.raises(DataError, match=r"data.sources.mine: none of its 2 held-out conversations keeps a supervised token \(nothing left to score"):
         data.prepare()

@@ -167,7 +167,8 @@ class Summary(L.Callback):
             **val_measures(pl_module.history, pl_module.headline_metrics()),
         }
         if trainer.datamodule is not None and (counts := trainer.datamodule.data_counts()):
-            summary["data"] = accounting.as_json(counts)  # per source: samples dropped, truncated, tokens lost
+            # per source: samples dropped, truncated, tokens lost (training split, and "held_out")
+            summary["data"] = accounting.as_json(counts, trainer.datamodule.held_out_counts())
         path = RunDir(self.dirpath).summary
         path.parent.mkdir(parents=True, exist_ok=True)  # a run without loggers may have written nothing yet
         tmp = path.with_name(path.name + ".tmp")

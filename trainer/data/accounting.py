@@ -13,13 +13,16 @@ training split, what preparation did to the samples (`SourceCounts`):
 The run prints one line of the counts at launch (`report_lines`), warns once per source when more
 than `WARN_FRACTION` of its samples lost supervised or prompt tokens (naming the setting to
 change), logs them at step 0 (`metrics`: ``data/<count>/<source>``) and writes them to
-``summary.json`` (`as_json`). A source that keeps no supervised token is refused before any
-process starts (`problems`).
+``summary.json`` (`as_json`). The held-out split is counted the same way (its own launch line and
+``held_out`` in ``summary.json``): its losses and scores are measured on what is left. A source
+whose training or held-out samples keep no supervised token is refused before any process starts
+(`problems`).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 # More than this share of a source's samples losing supervised or prompt tokens gets a warning line.
 WARN_FRACTION = 0.05
@@ -61,10 +64,10 @@ def seq_len_fix(lengths: list[int], seq_len: int, noun: str) -> str:
     the length that keeps 95% of them whole, and the one that keeps all of them."""
     ordered = sorted(lengths)
     if not ordered:
-        return f"raise data.seq_len={seq_len}"
+        return f"raise data.seq_len (now {seq_len})"
     p95 = ordered[min(len(ordered) - 1, -(-95 * len(ordered) // 100) - 1)]
     most = f"{p95:,} keeps 95% of its {noun} whole, " if p95 < ordered[-1] else ""
-    return f"raise data.seq_len={seq_len} ({most}{ordered[-1]:,} keeps all)"
+    return f"raise data.seq_len (now {seq_len}; {most}{ordered[-1]:,} keeps all)"
 
 
 def _pct(part: int, whole: int) -> str:
@@ -82,17 +85,22 @@ def _cuts(c: SourceCounts, noun: str) -> str:
     return f"{c.samples:,} {noun}: {cut}{lost}"
 
 
-def report_lines(counts: dict[str, SourceCounts], noun: str = "samples") -> list[str]:
-    """The launch lines: one ``data cuts: ...`` line when anything was cut, and one ``warning:``
-    line per source whose samples lost supervised or prompt tokens above `WARN_FRACTION`.
+def report_lines(counts: dict[str, SourceCounts], noun: str = "samples", held_out: dict[str, SourceCounts] | None = None) -> list[str]:
+    """The launch lines: one ``data cuts: ...`` line when anything was cut (and one for the held-out
+    split), and one ``warning:`` line per source whose training samples lost supervised or prompt
+    tokens above `WARN_FRACTION`.
 
     Args:
-        counts: source name -> its counts.
+        counts: source name -> the counts of its training samples.
         noun: what a sample is here (``pairs``, ``conversations``, ``labelled rows``).
+        held_out: source name -> the counts of its held-out samples.
     """
-    if not any(c.affected for c in counts.values()):
-        return []
-    lines = ["data cuts: " + "; ".join(f"data.sources.{name}: {_cuts(c, noun)}" for name, c in counts.items())]
+    lines = []
+    if any(c.affected for c in counts.values()):
+        lines.append("data cuts: " + "; ".join(f"data.sources.{name}: {_cuts(c, noun)}" for name, c in counts.items() if c.affected))
+    if held_out and any(c.affected for c in held_out.values()):
+        cut = "; ".join(f"data.sources.{name}: {_cuts(c, noun)}" for name, c in held_out.items() if c.affected)
+        lines.append(f"data cuts (held-out, scored as cut): {cut}")
     for name, c in counts.items():
         if c.samples and c.affected / c.samples > WARN_FRACTION:
             lines.append(
@@ -102,12 +110,19 @@ def report_lines(counts: dict[str, SourceCounts], noun: str = "samples") -> list
     return lines
 
 
-def problems(counts: dict[str, SourceCounts], noun: str = "samples") -> list[str]:
-    """Sources that keep no supervised token at all (nothing to train on), each with its fix."""
-    return [
+def problems(counts: dict[str, SourceCounts], noun: str = "samples", held_out: dict[str, SourceCounts] | None = None) -> list[str]:
+    """Sources whose training samples keep no supervised token at all (nothing to train on), and
+    sources whose held-out samples keep none (nothing to score), each with its fix."""
+    out = [
         f"data.sources.{name}: none of its {c.samples:,} training {noun} keeps a supervised token "
         f"({c.supervised_tokens_lost:,} cut); {c.fix}"
         for name, c in counts.items()
+        if c.samples and c.supervised_tokens == 0
+    ]
+    return out + [
+        f"data.sources.{name}: none of its {c.samples:,} held-out {noun} keeps a supervised token (nothing left to score "
+        f"it on; {c.supervised_tokens_lost:,} cut); {c.fix}"
+        for name, c in (held_out or {}).items()
         if c.samples and c.supervised_tokens == 0
     ]
 
@@ -117,6 +132,9 @@ def metrics(counts: dict[str, SourceCounts]) -> dict[str, float]:
     return {f"data/{key}/{name}": float(getattr(c, key)) for name, c in counts.items() for key in COUNTS}
 
 
-def as_json(counts: dict[str, SourceCounts]) -> dict[str, dict[str, int]]:
-    """``{source: {count: value}}`` for ``summary.json``."""
-    return {name: {k: v for k, v in asdict(c).items() if k in COUNTS} for name, c in counts.items()}
+def as_json(counts: dict[str, SourceCounts], held_out: dict[str, SourceCounts] | None = None) -> dict[str, dict[str, Any]]:
+    """``{source: {count: value, ..., "held_out": {count: value}}}`` for ``summary.json``."""
+    out: dict[str, dict[str, Any]] = {name: {k: v for k, v in asdict(c).items() if k in COUNTS} for name, c in counts.items()}
+    for name, c in (held_out or {}).items():
+        out.setdefault(name, {})["held_out"] = {k: v for k, v in asdict(c).items() if k in COUNTS}
+    return out

@@ -242,6 +242,10 @@ class DataModule(L.LightningDataModule, protocols.DataModule):
         {} where nothing is cut (packed text continues a document in the next row)."""
         return {}
 
+    def held_out_counts(self) -> dict[str, SourceCounts]:
+        """What preparation cut from each source's held-out samples, counted as `data_counts`; {} here."""
+        return {}
+
 
 def named_source_problems(node: Any, parse: Callable[[str, Mapping[str, Any]], Any], empty: str) -> list[str]:
     """Problems of a ``data`` node with named ``sources`` and a ``template``, for

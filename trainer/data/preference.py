@@ -96,6 +96,7 @@ class PreferenceDataModule(DataModule):
         self.max_prompt_len, self.template_name, self.unpaired = max_prompt_len, template, unpaired
         self.reference_ready = False
         self.counts: dict[str, SourceCounts] = {}
+        self.val_counts: dict[str, SourceCounts] = {}
 
     @override
     @classmethod
@@ -123,8 +124,9 @@ class PreferenceDataModule(DataModule):
         tokenizer = self.load_tokenizer(texts, fingerprint("preference", json.dumps(split, sort_keys=True)))
         template = self.chat_template(self.template_name, tokenizer)
         prepared: dict[str, Any] = {"tokenizer": tokenizer}
-        self.counts = {name: SourceCounts() for name in split}
-        lengths: dict[str, list[int]] = {name: [] for name in split}
+        self.counts, self.val_counts = {name: SourceCounts() for name in split}, {name: SourceCounts() for name in split}
+        counts = {"train": self.counts, "val": self.val_counts}
+        lengths: dict[str, dict[str, list[int]]] = {part: {name: [] for name in split} for part in SPLITS}
         for index, part in enumerate(SPLITS):
             rows = []
             for name, pairs in split.items():
@@ -134,23 +136,23 @@ class PreferenceDataModule(DataModule):
                         prompt, chosen, rejected, seq_len=self.seq_len, max_prompt_len=self.max_prompt_len, pad_id=tokenizer.pad_id
                     )
                     rows.append(r)
-                    if part == "train":
-                        lengths[name].append(len(prompt) + max(len(chosen), len(rejected)))
-                        # Unpaired rows supervise their completion only: the other row is the KL estimate's.
-                        lost = cut.chosen + (0 if self.unpaired else cut.rejected)
-                        supervised = len(chosen) + (0 if self.unpaired else len(rejected))
-                        self.counts[name].add(supervised_kept=supervised - lost, supervised_lost=lost, prompt_lost=cut.prompt)
+                    lengths[part][name].append(len(prompt) + max(len(chosen), len(rejected)))
+                    # Unpaired rows supervise their completion only: the other row is the KL estimate's.
+                    lost = cut.chosen + (0 if self.unpaired else cut.rejected)
+                    supervised = len(chosen) + (0 if self.unpaired else len(rejected))
+                    counts[part][name].add(supervised_kept=supervised - lost, supervised_lost=lost, prompt_lost=cut.prompt)
             prepared[part] = encode.stack_rows(rows, self.seq_len)
             if self.unpaired:
                 labels = [p["desirable"] for pairs in split.values() for p in pairs[index]]
                 prepared[part]["desirable"] = torch.tensor(labels, dtype=torch.float32).reshape(len(labels))
             prepared[f"{part}_ref"] = torch.full((len(rows), 2), float("nan"))
-        for name, counts in self.counts.items():
-            counts.fix = accounting.seq_len_fix(lengths[name], self.seq_len, self.noun) + (
-                f", or data.max_prompt_len={self.max_prompt_len} (the tokens a prompt keeps when its pair does not fit)"
-                if counts.prompts_cut else ""
-            )
-        if problems := accounting.problems(self.counts, self.noun):
+        for part in SPLITS:
+            for name, c in counts[part].items():
+                c.fix = accounting.seq_len_fix(lengths[part][name], self.seq_len, self.noun) + (
+                    f", or data.max_prompt_len={self.max_prompt_len} (the tokens a prompt keeps when its pair does not fit)"
+                    if c.prompts_cut else ""
+                )
+        if problems := accounting.problems(self.counts, self.noun, self.val_counts):
             raise DataError("; ".join(problems))
         if len(prepared["train"]["input_ids"]) < self.global_batch_size:
             raise DataError(
@@ -183,6 +185,12 @@ class PreferenceDataModule(DataModule):
         """What preparation cut from each source's training pairs (trainer.data.accounting)."""
         self.prepare()
         return self.counts
+
+    @override
+    def held_out_counts(self) -> dict[str, SourceCounts]:
+        """What preparation cut from each source's held-out pairs (scored as cut)."""
+        self.prepare()
+        return self.val_counts
 
     # ------------------------------------------------------------------------------ reference
     def pairs(self, split: str) -> dict[str, Tensor]:

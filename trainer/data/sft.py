@@ -121,6 +121,7 @@ class SFTDataModule(DataModule):
         self.names = list(sources)
         self.template_name, self.long_samples = template, long_samples
         self.counts: dict[str, SourceCounts] = {}
+        self.val_counts: dict[str, SourceCounts] = {}
 
     @override
     @classmethod
@@ -151,24 +152,25 @@ class SFTDataModule(DataModule):
             self.cache_dir / f"sft-{key}.pt",
             lambda: {n: [encode.conversations(tokenizer, part, template) for part in convs[n]] for n in self.names},
         )
-        train = {n: self._fit(n, encoded[n][0], count=True) for n in self.names}
-        val = {n: self._fit(n, encoded[n][1], count=False) for n in self.names}
-        problems = accounting.problems(self.counts, self.noun) or Mixture(train, self.specs, seed=self.seed).check_reachable()
+        train = {n: self._fit(n, encoded[n][0], self.counts) for n in self.names}
+        val = {n: self._fit(n, encoded[n][1], self.val_counts) for n in self.names}
+        problems = accounting.problems(self.counts, self.noun, self.val_counts)
+        problems += Mixture(train, self.specs, seed=self.seed).check_reachable() if not problems else []
         if problems:
             raise DataError("; ".join(problems))
         prompts = {n: self._generation_set(convs[n][1], tokenizer, template) for n in self.names if self.metrics[n] == "exact_match"}
         return PreparedSFT(tokenizer=tokenizer, template=template, train=train, val=val, prompts=prompts)
 
-    def _fit(self, name: str, samples: list, *, count: bool) -> SourceSamples:
+    def _fit(self, name: str, samples: list, into: dict[str, SourceCounts]) -> SourceSamples:
+        """Fit one source's split to ``data.seq_len`` by ``long_samples``, its counts into ``into[name]``."""
         try:
             kept, counts = fit_long_samples(samples, seq_len=self.seq_len, policy=self.long_samples)
         except ValueError as err:
             raise DataError(f"data.sources.{name}: {err}") from None
-        if count:
-            counts.fix = accounting.seq_len_fix([len(ids) for ids, _ in samples], self.seq_len, self.noun) + (
-                ", or data.long_samples=split (a long conversation continues in the next row)"
-            )
-            self.counts[name] = counts
+        counts.fix = accounting.seq_len_fix([len(ids) for ids, _ in samples], self.seq_len, self.noun) + (
+            ", or data.long_samples=split (a long conversation continues in the next row)"
+        )
+        into[name] = counts
         return SourceSamples([ids for ids, _ in kept], [labels for _, labels in kept])
 
     @property
@@ -181,6 +183,12 @@ class SFTDataModule(DataModule):
         """What ``long_samples`` cut from each source's training conversations (trainer.data.accounting)."""
         self.prepare()
         return self.counts
+
+    @override
+    def held_out_counts(self) -> dict[str, SourceCounts]:
+        """What ``long_samples`` cut from each source's held-out conversations (scored as cut)."""
+        self.prepare()
+        return self.val_counts
 
     def _generation_set(self, val: list[list[Message]], tokenizer: Tokenizer, template: JinjaTemplate | None) -> GenerationSet:
         prompts, answers = [], []

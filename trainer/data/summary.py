@@ -60,4 +60,4 @@ def describe(data: Any) -> list[str]:
     preparation cut from each source and the warnings (`trainer.data.accounting.report_lines`)."""
     prepared = data.prepare()
     evaluated = len(data.eval_rows()["input_ids"]) if isinstance(prepared.val, PackedRows) else None
-    return [data_summary(prepared, evaluated), *report_lines(data.data_counts(), data.noun)]
+    return [data_summary(prepared, evaluated), *report_lines(data.data_counts(), data.noun, data.held_out_counts())]
