@@ -137,7 +137,7 @@ def run(cfg: DictConfig, launch: Launch | None = None) -> None:
     """
     from hydra.core.hydra_config import HydraConfig
 
-    from trainer.build import build_run
+    from trainer.build import build_data, build_run
 
     run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
     launching = _is_launching_rank()
@@ -157,6 +157,11 @@ def run(cfg: DictConfig, launch: Launch | None = None) -> None:
                     _print(chat.line())
             template = data.model_chat_template()
             overrides = check_resume(cfg, launch.ckpt_path, data.tokenizer)  # now with the tokenizer
+        elif launching:
+            # A budget search's roll-outs prepare the same data in forked processes: it is prepared
+            # (and refused, and its cuts said) here first, as for a plain run.
+            for line in describe(build_data(cfg, launch.run)):
+                _print(line)
     except BaseException as err:
         if launching and fresh_dir and run_dir.is_dir() and not any(run_dir.iterdir()):
             run_dir.rmdir()  # a failed start leaves nothing behind, whatever failed
