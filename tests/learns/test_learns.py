@@ -1,8 +1,8 @@
-"""The learning tier (tests/learns/tier.py): every recipe reaches its held-out threshold, and its
-first steps equal the stored golden curve.
+"""The learning tier (tests/learns/entries.py, run by tests/learns/tier.py): every recipe passes its
+held-out checks, and its first steps equal the stored golden curve.
 
-All entries train once per session, two at a time, in one subprocess (`tier_results`); each test
-reads its entry's result. The values are printed at the end of the session, one line per entry
+The selected entries train once per session, two at a time, in one subprocess (`tier_results`);
+each test reads its entry's result. The values are printed at the end of the session, one line per entry
 (tests/learns/conftest.py). A change that moves numerics on purpose rewrites the golden curves in
 the same commit, with the reason in the message::
 
@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from learns.tier import ENTRIES, GOLDEN_RTOL, curve_mismatch, golden_curves, line, passed
+from learns.entries import ENTRIES
+from learns.tier import GOLDEN_RTOL, curve_mismatch, golden_curves, line, passed
 
 TRAINED = [name for name, entry in ENTRIES.items() if not entry.merge]
 

@@ -1,0 +1,231 @@
+"""The learning tier's entries: what each recipe trains, and the held-out checks its run must pass.
+
+Every check is a measure read off the run (`Check`) and a threshold set from measured runs with a
+margin. A preference objective is held to what only its preference term gives: its run must push
+the rejected answers' held-out reward down (supervised training on the chosen answers alone, the
+control each threshold was set against, raises it), and keep the chosen ones ahead. Local SGD must
+synchronise (bytes sent between islands), not only reach a loss local training reaches alone.
+
+The tasks (all synthetic and verifiable but the corpus):
+
+- ``copy`` SFT (trainer.data.synthetic): "copy: k q z m" -> "k q z m"; the ``sft`` entry trains
+  it from scratch and is the **base** the fine-tuning entries start from (``model.init_from``), as
+  a real pipeline starts DPO from its SFT model;
+- ``copy`` preference pairs (``data=preference_synthetic``): the rejected answer has one letter the
+  prompt does not contain; held-out prompts are disjoint from the training ones. The preference
+  entries start from the SFT base (and its BPE); ``dpo_preset`` trains the preset as the README
+  runs it, from scratch on the preset's own BPE and lengths (a preset that cuts the prompts, as
+  83bde6a's did, leaves it near chance);
+- ``reversal`` SFT: the fine-tuning entries' new skill (LoRA, QLoRA, Mixout, SAT from the base);
+  ``reversal`` and ``sorting``: the mSFT search's two sources;
+- the bundled corpus (Shakespeare + King James Bible) for the pretraining entries.
+
+Measured values and the controls behind the thresholds: docs/benchmarks.md ("The learning tier").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+Result = dict[str, Any]
+
+
+# ------------------------------------------------------------------------------------------ measures
+def final_val(key: str) -> Callable[[Result], float]:
+    """``key`` (a ``val/...`` column of metrics.csv) at the run's last evaluation."""
+
+    def read(result: Result) -> float:
+        return result["evals"][-1][key]
+
+    read.__doc__ = f"{key}"
+    return read
+
+
+def val_change(key: str) -> Callable[[Result], float]:
+    """``key`` at the run's last evaluation minus at its first (step 0)."""
+
+    def read(result: Result) -> float:
+        return result["evals"][-1][key] - result["evals"][0][key]
+
+    read.__doc__ = f"change of {key}"
+    return read
+
+
+def kto_margin(result: Result) -> float:
+    """val reward, desirable - undesirable rows
+
+    KTO's rows are unpaired: no pairwise accuracy, the mean rewards of the two labels instead."""
+    last = result["evals"][-1]
+    return last["val/rewards/chosen"] - last["val/rewards/rejected"]
+
+
+def bytes_sent(result: Result) -> float:
+    """bytes each rank sent to the other islands"""
+    return result["last_step"].get("comm/bytes_sent_total", 0.0)
+
+
+def msft_final_loss(result: Result) -> float:
+    """mean val loss of the sources at the search's result (msft.json)"""
+    return -result["msft"]["final_mean"]
+
+
+def merged_gain(result: Result) -> float:
+    """merged model's gain over its base on both tasks, the smaller, in units of each arm's
+
+    On copy SFT: (held-out loss of the base - the merged) / (the base - the SFT arm); on copy pairs:
+    (held-out reward accuracy of the merged against the base - 0.5) / (the DPO arm's - 0.5)."""
+    return min(result["merge"]["sft_gain"], result["merge"]["dpo_gain"])
+
+
+@dataclass(frozen=True)
+class Check:
+    """One held-out check: ``measure(result)`` against ``threshold``."""
+
+    measure: Callable[[Result], float]
+    threshold: float
+    lower_is_better: bool = False
+
+    def passes(self, value: float) -> bool:
+        return value <= self.threshold if self.lower_is_better else value >= self.threshold
+
+    @property
+    def describes(self) -> str:
+        return (self.measure.__doc__ or self.measure.__name__).strip().split("\n")[0]
+
+
+def at_least(measure: Callable[[Result], float], threshold: float) -> Check:
+    return Check(measure, threshold)
+
+
+def at_most(measure: Callable[[Result], float], threshold: float) -> Check:
+    return Check(measure, threshold, lower_is_better=True)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One recipe of the tier.
+
+    Args:
+        recipe: the bundled recipe (``pretrain``, ``sft``, ``dpo`` ...); ``merge`` for PAFT's merge.
+        overrides: Hydra overrides after the runner's common ones.
+        checks: what the run must reach (every check).
+        base: the entry whose run this one starts from (``model.init_from``).
+        devices: processes (2: a layout that needs two ranks).
+        merge: PAFT: the two arm entries whose deltas are merged into ``base``.
+    """
+
+    recipe: str
+    overrides: tuple[str, ...]
+    checks: tuple[Check, ...]
+    base: str | None = None
+    devices: int = 1
+    merge: tuple[str, ...] = field(default=())
+
+
+# ------------------------------------------------------------------------------------------ tasks
+NANO = ("model=nano", "model.max_seq_len=64")
+COPY_SFT = (
+    "data=synthetic", "~data.sources.reversal", "~data.sources.sorting", "~data.sources.addition",
+    "+data.sources.copy={source: copy, limit: 2000, val_size: 64, max_epochs: 10}",
+)  # fmt: skip
+REVERSAL_SFT = (
+    "data=synthetic", "~data.sources.sorting", "~data.sources.addition",
+    "data.sources.reversal={source: reversal, limit: 1000, val_size: 64, max_epochs: 10}",
+)  # fmt: skip
+MSFT_DATA = (
+    "data=synthetic", "~data.sources.addition", "data.sources.reversal.limit=300", "data.sources.sorting.limit=300",
+    "data.sources.reversal.metric=loss", "data.sources.sorting.metric=loss",
+)  # fmt: skip
+PAIRS = ("data=preference_synthetic", "data.sources.copy.limit=2000")
+TEXT = ("data.seq_len=64", "data.eval_rows=32", "trainer.max_steps=80", "optim.lr=3e-3")
+MOE = (
+    "model=moe_tiny", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
+    "model.num_experts=4", "model.top_k=2", "model.moe_ffn_dim=64", "model.n_dense_layers=0", "model.max_seq_len=64",
+)  # fmt: skip
+STEADY = ("scheduler=constant", "scheduler.warmup_steps=5", "train.global_batch_size=32")
+
+
+def _pairs(objective: str, *extra: str) -> tuple[str, ...]:
+    return (*PAIRS, f"objective={objective}", *STEADY, "optim.lr=1e-3", "trainer.max_steps=60", *extra)
+
+
+def _reversal(*extra: str) -> tuple[str, ...]:
+    return (*REVERSAL_SFT, *STEADY, "optim.lr=3e-3", "trainer.max_steps=60", *extra)
+
+
+VAL_LOSS_PRETRAIN = at_most(final_val("val/loss"), 6.5)  # from ln(4096) = 8.32
+VAL_LOSS_REVERSAL = at_most(final_val("val/loss"), 1.5)  # the base scores 4.16 on reversal
+
+ENTRIES: dict[str, Entry] = {
+    # The README's verifiable-pairs DPO (plait dpo data=preference_synthetic model=nano
+    # objective.beta=1.0) from scratch, as bench/dpo.py runs it for 2000 steps.
+    "dpo_preset": Entry(
+        "dpo", ("model=nano", "data=preference_synthetic", "data.sources.copy.limit=4000", "data.sources.copy.val_size=256",
+                "objective.beta=1.0", "train.global_batch_size=32", "optim.lr=3e-3", "scheduler=constant",
+                "scheduler.warmup_steps=20", "trainer.max_steps=350"),
+        (at_least(final_val("val/rewards/accuracy"), 0.8), at_most(final_val("val/rewards/rejected"), -3.0)),
+    ),  # fmt: skip
+    # Chat SFT (default template, loss on the assistant tokens only) from scratch: the base below.
+    "sft": Entry(
+        "sft", (*NANO, *COPY_SFT, "train.global_batch_size=32", "optim.lr=3e-3", "scheduler=constant", "scheduler.warmup_steps=10",
+                "trainer.max_steps=250"),
+        (at_most(final_val("val/loss"), 1.5),),
+    ),  # fmt: skip
+    # Preference objectives from the SFT base, which already prefers the chosen answers: each must
+    # push the rejected ones down, which training on the chosen answers alone does not.
+    "dpo": Entry(
+        "dpo", _pairs("dpo", "objective.beta=1.0"),
+        (at_least(final_val("val/rewards/accuracy"), 0.75), at_most(final_val("val/rewards/rejected"), -1.0)), base="sft",
+    ),  # fmt: skip
+    "ipo": Entry(
+        "ipo", _pairs("ipo"), (at_least(final_val("val/rewards/accuracy"), 0.7), at_most(final_val("val/rewards/rejected"), -0.1)),
+        base="sft",
+    ),  # fmt: skip
+    "simpo": Entry(
+        "simpo", _pairs("simpo"),
+        (at_least(val_change("val/rewards/margin"), 0.4), at_most(val_change("val/rewards/rejected"), -1.0)), base="sft",
+    ),  # fmt: skip
+    # ORPO's odds-ratio term at the paper's lambda = 0.1 is lost under its NLL term from a base
+    # that already prefers the chosen answers (the run equals NLL alone to 3 digits): lambda 1.
+    "orpo": Entry(
+        "orpo", _pairs("orpo", "objective.lam=1.0"),
+        (at_least(val_change("val/rewards/margin"), 0.2), at_most(val_change("val/rewards/rejected"), -0.03)), base="sft",
+    ),  # fmt: skip
+    "kto": Entry("kto", _pairs("kto"), (at_least(kto_margin, 0.08), at_most(final_val("val/rewards/rejected"), -0.5)), base="sft"),
+    # Fine-tunes of the SFT base on a new task (reversal).
+    "lora_sft": Entry("sft", _reversal("+strategy/lora=default"), (VAL_LOSS_REVERSAL,), base="sft"),
+    "qlora_sft": Entry("sft", _reversal("+strategy/lora=default", "strategy.lora.quantize=nf4"), (VAL_LOSS_REVERSAL,), base="sft"),
+    "mixout_sft": Entry("sft", _reversal("+strategy/mixout=default"), (VAL_LOSS_REVERSAL,), base="sft"),
+    "sat_sft": Entry("sft", _reversal("+strategy/sat=default"), (VAL_LOSS_REVERSAL,), base="sft"),
+    # PAFT: its SFT arm (more copy SFT, L1 on the delta) and its DPO arm (the dpo entry: the paft
+    # recipe with paft=dpo composes the same run) from the SFT base, then their TIES merge into
+    # the base, scored on both arms' held-out data. (An SFT arm on another task, reversal or
+    # sorting, makes the base forget copying, and the merge then undoes the DPO arm's gain.)
+    "paft_sft": Entry(
+        "paft", ("paft=sft", *COPY_SFT, *STEADY, "optim.lr=3e-3", "trainer.max_steps=60"), (at_most(final_val("val/loss"), 1.0),),
+        base="sft",
+    ),  # fmt: skip
+    "paft_merge": Entry("merge", ("method=ties",), (at_least(merged_gain, 0.3),), base="sft", merge=("paft_sft", "dpo")),
+    # Pretraining on the bundled corpus; local SGD must have sent its islands' bytes (local training
+    # alone reaches the loss too). DES-LOC averages every 4 steps, inside the golden curve; DiLoCo
+    # every 10 (every 4 leaves its outer Nesterov step too little inner progress: 6.82 at step 80).
+    "pretrain": Entry("pretrain", (*NANO, *TEXT), (VAL_LOSS_PRETRAIN,)),
+    "moe_ep": Entry("pretrain", (*MOE, *TEXT, "strategy=nd", "strategy.expert_parallel.ep=2"), (VAL_LOSS_PRETRAIN,), devices=2),
+    "diloco": Entry(
+        "pretrain", (*NANO, *TEXT, "strategy=diloco", "strategy.local_sgd.sync_every=10"),
+        (VAL_LOSS_PRETRAIN, at_least(bytes_sent, 1.0)), devices=2,
+    ),  # fmt: skip
+    "desloc": Entry(
+        "pretrain", (*NANO, *TEXT, "strategy=desloc", "strategy.local_sgd.param_every=4", "strategy.local_sgd.exp_avg_every=8",
+                     "strategy.local_sgd.exp_avg_sq_every=16"),
+        (VAL_LOSS_PRETRAIN, at_least(bytes_sent, 1.0)), devices=2,
+    ),  # fmt: skip
+    # The mSFT budget search on two synthetic sources, from the SFT base.
+    "msft": Entry(
+        "sft", (*MSFT_DATA, "budget=msft", "budget.compute=1.0", "budget.eval_every=10", "budget.patience=2", "budget.baseline=false",
+                *STEADY, "optim.lr=3e-3"),
+        (at_most(msft_final_loss, 3.0),), base="sft",
+    ),  # fmt: skip
+}
