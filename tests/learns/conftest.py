@@ -17,9 +17,9 @@ _RESULTS: dict[str, dict] = {}
 
 
 def _selected(session: pytest.Session) -> list[str]:
-    """The entries whose tests this session runs (``-k dpo`` trains dpo and its base only)."""
-    names = {item.callspec.params["name"] for item in session.items if hasattr(item, "callspec") and "name" in item.callspec.params}
-    return sorted(names)
+    """The entries whose tier tests this session runs (``-k dpo`` trains dpo and its base only);
+    other tests' parameters named ``name`` are not entries."""
+    return sorted({item.callspec.params["name"] for item in session.items if "tier_results" in getattr(item, "fixturenames", ())})
 
 
 @pytest.fixture(scope="session")
