@@ -6,20 +6,31 @@ whole sweep again, and a child computes its own timestamped run directory. `Hydr
 starts each child for *this* job only: the config selection, this job's resolved overrides and the
 parent's run directory. `ForkLauncher` runs ranks as forked processes inside pytest without
 shipping weights back (the stock launcher pickles rank 0's state dict, which fails on DTensors).
+
+Lightning's launcher also watches the children and, as soon as one exits non-zero, SIGKILLs every
+rank, itself included: the survivors die (exit -9) before they can say which rank was lost.
+`RankObserver` gives them ``grace_s`` to end on their own (plait's lost-rank line, exit 4) first.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from typing_extensions import override
+
+from strategies.watchdog import ABORT_EXIT
 
 _CONFIG_FLAGS = ("--config-path", "--config-name", "--config-dir", "-cp", "-cn", "-cd")
 LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
@@ -81,7 +92,81 @@ def child_command(local_rank: int) -> list[str]:
     ]
 
 
-class HydraJobLauncher(_SubprocessScriptLauncher):
+class RankObserver(threading.Thread):
+    """Watches rank 0's child ranks; after one exits non-zero, gives every rank ``grace_s`` to end
+    on its own (a rank that fails with a plait error ends all ranks with that error and its exit
+    code), then ends what is left: the children with SIGKILL, this process (rank 0) with one
+    line naming the lost rank and exit `ABORT_EXIT`. (A survivor blocked in a collective with the
+    lost rank may wait for the backend's timeout: the observer does not.)
+
+    Args:
+        procs: the child ranks' processes (``procs[i]`` is local rank ``i + 1``).
+        grace_s: seconds the ranks get to end on their own.
+        step: the step this process is in (for the line), or None.
+        poll_s: seconds between polls.
+        end: ends this process (``os._exit``: its main thread may be blocked in a collective).
+    """
+
+    def __init__(
+        self,
+        procs: list[subprocess.Popen],
+        *,
+        grace_s: float,
+        step: Callable[[], int | None] = lambda: None,
+        poll_s: float = 1.0,
+        end: Callable[[int], None] = os._exit,
+    ) -> None:
+        super().__init__(daemon=True, name="plait-rank-observer")
+        self.procs, self.grace_s, self.step, self.poll_s, self.end = procs, grace_s, step, poll_s, end
+
+    @override
+    def run(self) -> None:
+        failed = None
+        while failed is None:
+            time.sleep(self.poll_s)
+            codes = [proc.poll() for proc in self.procs]
+            if all(code == 0 for code in codes):
+                return
+            failed = next((i for i, code in enumerate(codes) if code not in (None, 0)), None)
+        time.sleep(self.grace_s)  # this process is a survivor too: when it ends sooner, so does this thread
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        print(self.lost_line(failed + 1, self.procs[failed].returncode), file=sys.stderr, flush=True)
+        self.end(ABORT_EXIT)
+
+    def lost_line(self, rank: int, code: int) -> str:
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        step = self.step()
+        at = f" at step {step}" if step is not None else ""
+        return (
+            f"plait: error: lost rank {rank}{at} (its process {how}); rank 0 stops the run (exit {ABORT_EXIT}). Continue it "
+            "with resume=last"
+        )
+
+
+class SubprocessLauncher(_SubprocessScriptLauncher):
+    """Lightning's subprocess launcher with `RankObserver` in place of its child-process observer.
+
+    Attributes:
+        grace_s: seconds the ranks get to end on their own after one exited non-zero.
+        step: the step rank 0 is in, for the lost-rank line.
+    """
+
+    grace_s: float = 15.0
+    step: Callable[[], int | None] = staticmethod(lambda: None)
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+            RankObserver(self.procs, grace_s=self.grace_s, step=self.step).start()
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
+
+
+class HydraJobLauncher(SubprocessLauncher):
     """Starts ranks 1..N-1 of the current Hydra job as subprocesses of rank 0."""
 
     @override
@@ -136,5 +221,11 @@ def launcher_for(strategy: Any, kind: str) -> Any:
         return ForkLauncher(strategy)
     from hydra.core.hydra_config import HydraConfig
 
-    cls = HydraJobLauncher if HydraConfig.initialized() else _SubprocessScriptLauncher
-    return cls(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
+    cls = HydraJobLauncher if HydraConfig.initialized() else SubprocessLauncher
+    launcher = cls(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
+    heartbeat = getattr(strategy, "heartbeat", None)
+    if heartbeat is not None:
+        # Time for a rank that failed with a plait error to end the others with it (`Heartbeat.lost_ranks` waits 2 intervals).
+        launcher.grace_s = 2 * heartbeat.interval_s + 5.0
+        launcher.step = lambda: heartbeat.step
+    return launcher

@@ -79,7 +79,8 @@ class MeshStrategy(MeshStep, MeshCheckpoints, ModelParallelStrategy):
             channels omitted in each step's forward and backward.
         timeout_s: process-group timeout in seconds: a collective that waits longer fails.
         heartbeat_s: a rank silent for this many seconds is named by the others while they wait
-            (`strategies.watchdog.Heartbeat`; 0 disables); below ``timeout_s``.
+            (`strategies.watchdog.Heartbeat`; 0 disables); below ``timeout_s``. A rank silent
+            for ``timeout_s`` ends the run (exit 4), whatever the backend does.
         launcher: "subprocess" (the CLI: one child per rank per Hydra job) or "fork" (tests).
         cpu_allocator: on CPU, "keep_freed" makes glibc keep freed large blocks for reuse
             (`strategies.host_allocator`: no page faults per step for the step's large tensors;
@@ -160,7 +161,9 @@ class MeshStrategy(MeshStep, MeshCheckpoints, ModelParallelStrategy):
         self.mixout, self.sat = mixout, sat
         self.launcher_kind = launcher
         self.cpu_allocator = cpu_allocator
-        self.heartbeat = Heartbeat(stale_s=heartbeat_s, interval_s=min(5.0, heartbeat_s / 4)) if heartbeat_s else None
+        self.heartbeat = (
+            Heartbeat(stale_s=heartbeat_s, interval_s=min(5.0, heartbeat_s / 4), abort_s=timeout_s) if heartbeat_s else None
+        )
         self._mesh_views: dict[str, DeviceMesh] = {}
         self.compute_timer = ComputeTimer()  # per-rank forward/backward seconds (balance telemetry)
         self.meshes: Meshes | None = None  # set with the mesh, in setup_environment

@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from strategies.checkpoint import CheckpointError, NonFiniteStateError
 from strategies.launch import LAUNCH_ENV, launch_problems
 from strategies.resolved import ResolvedRun
+from strategies.watchdog import ABORT_EXIT
 from trainer.config import ConfigError, validate
 from trainer.data.base import DataError, DataModule
 from trainer.data.chat import ChatError
@@ -196,7 +197,7 @@ def run(cfg: DictConfig, launch: Launch | None = None) -> None:
         # A peer died: one line instead of the backend's traceback; os._exit skips gloo's threads,
         # which abort a normal exit after a failed collective.
         print(heartbeat.lost_line(lost), file=sys.stderr, flush=True)
-        os._exit(4)
+        os._exit(ABORT_EXIT)
     if trainer.is_global_zero:
         summary = RunDir(run_dir).summary
         print(f"plait: run directory {run_dir}" + (f"\n{summary.read_text()}" if summary.exists() else ""))
