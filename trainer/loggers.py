@@ -7,6 +7,9 @@ temporary file and an atomic rename, and rows a killed run wrote after its last 
 dropped when the continuing run writes its first row: rows come in step order, so a row of step
 ``s`` makes every existing row of step ``s`` or later stale. A resumed run's file then equals an
 uninterrupted run's (a fresh start into a killed run's directory drops all of them).
+
+A power cut can leave the file's tail as NUL bytes or a partial row (the size was written, the
+data was not): `repair_metrics` drops such lines when the writer opens the file, and says so.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import csv
 import io
 import os
+import sys
 from typing import Any
 
 import lightning as L
@@ -31,6 +35,8 @@ class _AppendingWriter(ExperimentWriter):
     @override
     def _check_log_dir_exists(self) -> None:
         self._continues = False  # set by the first row of this process
+        if (line := repair_metrics(self.metrics_file_path)) is not None:
+            print(f"plait: {line}", file=sys.stderr, flush=True)
         if self._fs.isfile(self.metrics_file_path):
             with self._fs.open(self.metrics_file_path, "r", newline="") as file:
                 self.metrics_keys = list(csv.DictReader(file).fieldnames or [])
@@ -53,14 +59,59 @@ class _AppendingWriter(ExperimentWriter):
         _replace(self.metrics_file_path, text.getvalue())
 
 
-def _replace(path: str, text: str) -> None:
+def _replace(path: str, text: str | bytes) -> None:
     """Writes ``text`` to ``path`` through a temporary file and an atomic rename (fsynced)."""
     tmp = f"{path}.tmp"
-    with open(tmp, "w", newline="") as file:
+    with open(tmp, "wb") if isinstance(text, bytes) else open(tmp, "w", newline="") as file:
         file.write(text)
         file.flush()
         os.fsync(file.fileno())
     os.replace(tmp, path)
+
+
+def _row_step(line: bytes, num_fields: int, column: int) -> int | None:
+    """The step of one complete, well-formed row (``\n``-terminated, UTF-8, no NUL, every field),
+    or None."""
+    if not line.endswith(b"\n") or b"\0" in line:
+        return None
+    try:
+        fields = next(csv.reader([line.decode("utf-8")]))
+        return int(float(fields[column])) if len(fields) == num_fields else None
+    except (UnicodeDecodeError, ValueError, StopIteration):
+        return None
+
+
+def repair_metrics(path: str) -> str | None:
+    """Drops the damaged lines of the metrics file ``path``: NUL bytes, a partial row, anything
+    that is not a complete row of the header's fields (what a power cut or a full disk leaves at
+    its end). The rows kept are unchanged byte for byte. A damaged header moves the whole file
+    to ``<path>.damaged`` (a new file is started).
+
+    Returns:
+        one line that says what was dropped, or None when the file is intact or absent.
+    """
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as file:
+        lines = file.read().splitlines(keepends=True)
+    header = lines[0] if lines else b""
+    try:
+        names = next(csv.reader([header.decode("utf-8")])) if header.endswith(b"\n") and b"\0" not in header else []
+    except (UnicodeDecodeError, StopIteration):
+        names = []
+    if "step" not in names:
+        os.replace(path, f"{path}.damaged")
+        return f"{path} had no readable header (a power cut?); moved it to {path}.damaged and started a new one"
+    steps = [_row_step(line, len(names), names.index("step")) for line in lines[1:]]
+    bad = [line for line, step in zip(lines[1:], steps) if step is None]
+    if not bad:
+        return None
+    kept = [line for line, step in zip(lines[1:], steps) if step is not None]
+    last = next((s for s in reversed(steps) if s is not None), None)
+    what = "NUL bytes, what a power cut leaves" if any(b"\0" in line for line in bad) else "partial or malformed rows"
+    _replace(path, b"".join([header, *kept]))
+    after = f"after the row of step {last}" if last is not None else "after the header"
+    return f"{path}: dropped {len(bad)} damaged line(s) of {sum(map(len, bad))} bytes ({what}) {after}; the other rows are kept"
 
 
 def drop_rows_from(path: str, step: int) -> None:
