@@ -10,7 +10,8 @@ A checkpoint is a directory::
 
 It is written to ``step_0000100.tmp`` and renamed once every rank has finished and the manifest
 is written, so a crash during a save leaves the previous checkpoint intact and no directory that
-looks complete. Nothing is written unless the whole state is finite. Loading trusts nothing on
+looks complete; a save that fails to write (a full disk) removes its ``.tmp`` directory and says
+which file, why, and how much space it needed. Nothing is written unless the whole state is finite. Loading trusts nothing on
 disk: the files must match the manifest, pickles go through allow-lists (`strategies.safe_load`),
 and a state with NaN or inf is refused.
 """
@@ -44,6 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from strategies.manifest import MANIFEST, checkpoint_files, hash_files, verify, write_manifest
 from strategies.safe_load import UnsafePickleError, load_dcp, load_plain, read_dcp_metadata
+from strategies.write_failure import attempt_write, write_failure_line
 
 META_FILE = "meta.pt"
 
@@ -58,6 +60,10 @@ class CheckpointError(RuntimeError):
 
 class NonFiniteStateError(CheckpointError):
     """The state to save, or a loaded state, holds NaN or inf."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A save could not write its files (a full disk, a quota, permissions); nothing of it is left."""
 
 
 def _rank() -> int:
@@ -205,6 +211,8 @@ def save(
     Raises:
         NonFiniteStateError: some rank's state holds NaN or inf; nothing was written.
         TypeError: ``meta`` holds a value a weights-only load cannot read; nothing was written.
+        CheckpointWriteError: a file could not be written (ENOSPC: the disk is full); the
+            ``.tmp`` directory is removed, the checkpoints already written are kept.
     """
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
@@ -221,16 +229,19 @@ def save(
     if _rank() == 0 and tmp.exists():
         shutil.rmtree(tmp)  # left by a crash during an earlier save
     _barrier()
-    dcp.save(state, checkpoint_id=tmp)
-    (tmp / "rng").mkdir(parents=True, exist_ok=True)
-    torch.save(rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
+    failed = _agree(attempt_write(_write_files, tmp, state, meta))  # every rank has written (or failed) now
+    if failed is None:
+        names = checkpoint_files(tmp)  # every rank sees every file now
+        shares = _gather(hash_files(tmp, names[_rank() :: _world_size()]))
+        entries = {name: entry for share in shares for name, entry in share.items()}
+        failed = _agree(attempt_write(write_manifest, tmp, entries) if _rank() == 0 else None)
+    if failed is not None:
+        needed = sum(_gather(_num_bytes(state)))
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _barrier()
+        raise CheckpointWriteError(write_failure_line(path, failed, needed))
     if _rank() == 0:
-        torch.save(meta, tmp / META_FILE)
-    _barrier()
-    names = checkpoint_files(tmp)  # every rank sees every file now
-    shares = _gather(hash_files(tmp, names[_rank() :: _world_size()]))
-    if _rank() == 0:
-        write_manifest(tmp, {name: entry for share in shares for name, entry in share.items()})
         old = path.with_name(path.name + ".old")
         if path.exists():
             path.rename(old)
@@ -239,6 +250,21 @@ def save(
         if old.exists():
             shutil.rmtree(old)
     _barrier()
+
+
+def _write_files(tmp: Path, state: dict[str, Any], meta: dict[str, Any]) -> None:
+    """This rank's files of a save into ``tmp``: its DCP shards (collective), its RNG state, and
+    on rank 0 ``meta.pt``. No barrier at the end: a rank that failed must reach `_agree` too."""
+    dcp.save(state, checkpoint_id=tmp)
+    (tmp / "rng").mkdir(parents=True, exist_ok=True)
+    torch.save(rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
+    if _rank() == 0:
+        torch.save(meta, tmp / META_FILE)
+
+
+def _num_bytes(state: dict[str, Any]) -> int:
+    """About the bytes this rank's part of ``state`` takes on disk (its tensors; 8 per float)."""
+    return sum(v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 8 for _, v in _tensors(state))
 
 
 def seal(path: Path) -> None:

@@ -185,7 +185,7 @@ def run(cfg: DictConfig, launch: Launch | None = None) -> None:
         if launching:
             print(f"plait: error: {err}", file=sys.stderr)
         raise SystemExit(3) from None
-    except CheckpointError as err:  # the checkpoint to resume from refused to load: exit 2
+    except CheckpointError as err:  # the checkpoint to resume from refused to load, or a save failed to write: exit 2
         if launching:
             print(f"plait: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
