@@ -22,7 +22,7 @@ from trainer.data.summary import describe
 from trainer.nonfinite import NonFiniteError
 from trainer.resume import ResumeRecord, check_resume
 from trainer.run_length import plan_run_length
-from trainer.rundir import RunDir, resolve_checkpoint
+from trainer.rundir import RunDir, last_link_problem, resolve_checkpoint
 
 
 def _is_launching_rank() -> bool:
@@ -45,6 +45,8 @@ def check_run_dir(cfg: DictConfig, run_dir: Path | None = None, report: Callable
         ConfigError: a ``run_dir`` that is (or lies under) a file, a fresh start into a run
             directory that already has checkpoints, or a
             ``resume`` that names no intact checkpoint (the damaged ones listed).
+        CheckpointError: a resume into a run directory whose ``checkpoints/last`` is not the
+            link plait writes (its first save could not move it).
     """
     run_dir = Path(run_dir if run_dir is not None else cfg.run_dir)
     blocked = next((p for p in (run_dir, *run_dir.parents) if p.exists() and not p.is_dir()), None)
@@ -56,6 +58,8 @@ def check_run_dir(cfg: DictConfig, run_dir: Path | None = None, report: Callable
                 [f"run_dir={run_dir} already holds checkpoints; continue it with resume=last, or choose a new run_dir"]
             )
         return None
+    if (problem := last_link_problem(RunDir(run_dir).checkpoints)) is not None:
+        raise CheckpointError(problem)
     skipped: list[str] = []
     found = resolve_checkpoint(run_dir if cfg.resume == "last" else cfg.resume, skipped.append)
     if found is None:

@@ -194,6 +194,24 @@ class RunDir:
         return OmegaConf.load(self.config)
 
 
+def last_link_problem(root: Path) -> str | None:
+    """Why ``root/last`` cannot be moved to the next checkpoint of a run, or None.
+
+    A training run's ``last`` is a symbolic link that each save replaces atomically; a directory
+    there (a merge's output, a copy made by hand) cannot be replaced by a link, and a regular
+    file would be lost. Nothing is changed here.
+    """
+    last = Path(root) / LAST
+    if last.is_symlink() or not last.exists():
+        return None
+    kind = "a directory" if last.is_dir() else "a file"
+    return (
+        f"{last} is {kind}, not the link plait moves to each new checkpoint (a merge's output or a copy?); "
+        f"move it out of {last.parent} (mv {last} {last.parent.parent / 'last.moved'}) and resume again "
+        f"(from the newest step_* checkpoint), or train from it in a new run_dir with model.init_from={last}"
+    )
+
+
 def _candidates(root: Path) -> list[Path]:
     """The checkpoints of one ``checkpoints/`` directory to try, newest first: the ``step_*`` ones
     (whatever ``last`` names), then a ``last`` that is a directory of its own (a merge's output)."""

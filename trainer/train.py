@@ -92,11 +92,13 @@ def print_recipe_help(argv: list[str]) -> None:
 
 def preflight(argv: list[str]) -> Launch | None:
     """Composes and checks the config before Hydra creates a run directory (`trainer.run.check_launch`);
-    exits 2 on problems. Returns what it checked, for `trainer.run.run`."""
+    exits 2 on problems (every config problem listed; a damaged checkpoint to resume from on one
+    line). Returns what it checked, for `trainer.run.run`."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    from strategies.checkpoint import CheckpointError
     from trainer.config import ConfigError
     from trainer.models.init_from import take_run_model
     from trainer.run import check_launch
@@ -138,6 +140,10 @@ def preflight(argv: list[str]) -> Launch | None:
         problems.append(str(err))
     except ConfigError as err:
         problems += err.problems
+    except CheckpointError as err:  # a damaged checkpoint to resume from: one line unless overrides failed too
+        if not problems:
+            fail(str(err))
+        problems.append(str(err))
     if len(implied) < len(problems):
         problems = [p for p in problems if p not in implied]
     if problems:

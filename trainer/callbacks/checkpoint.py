@@ -24,11 +24,12 @@ import lightning as L
 from lightning.pytorch.callbacks import Checkpoint
 from typing_extensions import override
 
+from strategies.checkpoint import CheckpointError
 from strategies.ranges import NON_NEGATIVE
 
 from trainer.callbacks.preemption import StopSignals, Stopped, stop_message
 from trainer.loggers import RunCSVLogger
-from trainer.rundir import LAST, step_checkpoints, step_dir, step_dirs
+from trainer.rundir import LAST, last_link_problem, step_checkpoints, step_dir, step_dirs
 
 _TRASH = ".pruned-"
 
@@ -97,7 +98,17 @@ class PeriodicCheckpoint(Checkpoint):
             self.save(trainer)
 
     def save(self, trainer: L.Trainer) -> Path:
+        """Writes the checkpoint of the current step (every rank), then moves ``last`` to it and
+        prunes (rank 0).
+
+        Raises:
+            CheckpointError: ``last`` is not a link this save can move (checked before writing,
+                on every rank), or the checkpoint could not be written (a full disk).
+        """
         assert self.dirpath is not None, "PeriodicCheckpoint needs dirpath"
+        problem = last_link_problem(self.dirpath) if trainer.is_global_zero else None
+        if (problem := trainer.strategy.broadcast(problem)) is not None:
+            raise CheckpointError(problem)
         path = step_dir(self.dirpath, trainer.global_step)
         for logger in trainer.loggers:  # the step's row is durable before its checkpoint exists
             if isinstance(logger, RunCSVLogger):
@@ -111,8 +122,11 @@ class PeriodicCheckpoint(Checkpoint):
             tmp = self.dirpath / f".{LAST}.tmp"
             if tmp.is_symlink() or tmp.exists():
                 tmp.unlink()
-            tmp.symlink_to(path.name)
-            os.replace(tmp, link)  # atomic: `last` always names a complete checkpoint
+            try:
+                tmp.symlink_to(path.name)
+                os.replace(tmp, link)  # atomic: `last` always names a complete checkpoint
+            finally:
+                tmp.unlink(missing_ok=True)  # left only when the move failed
             self._prune()
         trainer.strategy.barrier()
         return path
