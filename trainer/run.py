@@ -15,6 +15,7 @@ from strategies.checkpoint import CheckpointError, NonFiniteStateError
 from strategies.launch import LAUNCH_ENV, launch_problems
 from strategies.resolved import ResolvedRun
 from strategies.watchdog import ABORT_EXIT
+from trainer.checkpoint_step import step_problem
 from trainer.config import ConfigError, validate
 from trainer.data.base import DataError, DataModule
 from trainer.data.chat import ChatError
@@ -46,7 +47,8 @@ def check_run_dir(cfg: DictConfig, run_dir: Path | None = None, report: Callable
             directory that already has checkpoints, or a
             ``resume`` that names no intact checkpoint (the damaged ones listed).
         CheckpointError: a resume into a run directory whose ``checkpoints/last`` is not the
-            link plait writes (its first save could not move it).
+            link plait writes (its first save could not move it), or from a checkpoint whose
+            ``meta.pt`` records another step than its name and optimizer state (`step_problem`).
     """
     run_dir = Path(run_dir if run_dir is not None else cfg.run_dir)
     blocked = next((p for p in (run_dir, *run_dir.parents) if p.exists() and not p.is_dir()), None)
@@ -66,6 +68,8 @@ def check_run_dir(cfg: DictConfig, run_dir: Path | None = None, report: Callable
         where = f"run_dir={run_dir}" if cfg.resume == "last" else f"resume={cfg.resume}"
         why = f" ({'; '.join(skipped)})" if skipped else ""
         raise ConfigError([f"{where} holds no intact checkpoint{why}; drop resume to start fresh, or point it at a run"])
+    if (problem := step_problem(found)) is not None:
+        raise CheckpointError(problem)
     for line in [*skipped, f"resuming from {found}"]:
         if report is not None:
             report(line)
