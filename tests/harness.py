@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -158,6 +159,46 @@ class SleepPerStep(L.Callback):
         time.sleep(self.seconds)
 
 
+class DiskFullAt(L.Callback):
+    """From optimizer step ``step`` on, the disk is full: every file DCP writes (a checkpoint's
+    shards and ``.metadata``) raises ``OSError(ENOSPC)`` after its first ``room`` bytes, as a real
+    disk does in the middle of a file. Add with ``+callbacks.full._target_=harness.DiskFullAt``."""
+
+    def __init__(self, step: int, room: int = 4096) -> None:
+        self.step, self.room = step, room
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:  # noqa: D102
+        if trainer.global_step != self.step:
+            return
+        import errno
+        from contextlib import contextmanager
+
+        from torch.distributed.checkpoint.filesystem import FileSystem
+
+        room, real = self.room, FileSystem.create_stream
+
+        class Filling:
+            def __init__(self, stream: Any, path: Any) -> None:
+                self.stream, self.path, self.left = stream, path, room
+
+            def write(self, data: Any) -> int:
+                if len(data) > self.left:
+                    self.stream.write(bytes(data)[: self.left])
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+                self.left -= len(data)
+                return self.stream.write(data)
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self.stream, name)
+
+        @contextmanager
+        def create_stream(fs: Any, path: Any, mode: str) -> Any:
+            with real(fs, path, mode) as stream:
+                yield Filling(stream, path) if "w" in mode else stream
+
+        FileSystem.create_stream = create_stream  # the checkpoint callback runs after this one
+
+
 # For a CLI subprocess that names a harness callback (``+callbacks.x._target_=harness.SleepPerStep``).
 def env_with_tests() -> dict[str, str]:
     """This process' environment with tests/ first on PYTHONPATH (and no empty entry, which Python
@@ -272,3 +313,26 @@ def train_rows(run_dir: Path) -> dict[int, dict[str, str]]:
     run appends the steps it repeats). Row k holds optimizer step k (row 0: validation before training)."""
     with open(RunDir(run_dir).metrics, newline="") as file:
         return {int(row["step"]): row for row in csv.DictReader(file) if row.get("train/loss")}
+
+
+def assert_resumed_bit_exact(
+    run_dir: Path, straight: Path, run_args: Sequence[str], *, resumed_from: int
+) -> subprocess.CompletedProcess[str]:
+    """``plait *run_args run_dir=<run_dir> resume=last`` succeeds, and its steps after ``resumed_from``
+    equal the uninterrupted run ``straight``'s bitwise (loss, grad norm, lr per step; summary's
+    tokens and final validation loss); steps up to ``resumed_from`` were trained once, not again.
+    Returns the resumed run's result (its stderr for the caller's own checks)."""
+    result = plait(*run_args, f"run_dir={run_dir}", "resume=last")
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    reference, resumed = train_rows(straight), train_rows(run_dir)
+    assert sorted(resumed) == sorted(reference), (sorted(resumed), sorted(reference))
+    for row in range(resumed_from + 1, max(reference) + 1):  # row k holds optimizer step k
+        for key in ("train/loss", "train/grad_norm", "train/lr"):
+            assert resumed[row][key] == reference[row][key], (row, key, resumed[row][key], reference[row][key])
+    with open(RunDir(run_dir).metrics, newline="") as file:
+        first_steps = [row for row in csv.DictReader(file) if row["step"] == "1" and row["train/loss"]]
+    assert len(first_steps) == 1, first_steps
+    summary, expected = (json.loads(RunDir(p).summary.read_text()) for p in (run_dir, straight))
+    for key in ("steps", "tokens_seen", "final_val_loss"):
+        assert summary[key] == expected[key], (key, summary[key], expected[key])
+    return result

@@ -8,8 +8,6 @@ position all restored).
 
 from __future__ import annotations
 
-import csv
-import json
 import os
 import shutil
 import signal
@@ -19,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import CLI_TINY, plait, train_rows
+from harness import CLI_TINY, assert_resumed_bit_exact, plait, train_rows
 from omegaconf import OmegaConf
 
 from strategies.checkpoint import is_checkpoint
@@ -82,21 +80,7 @@ def _copy(run_dir: Path, to: Path) -> Path:
 
 
 def _assert_resumed_bit_exact(run_dir: Path, straight: Path) -> None:
-    result = plait(*RUN, f"run_dir={run_dir}", "resume=last")
-    _ok(result)
-    reference, resumed = train_rows(straight), train_rows(run_dir)
-    # Row k holds optimizer step k.
-    for row in range(N + 1, 2 * N + 1):
-        for key in ("train/loss", "train/grad_norm", "train/lr"):
-            assert resumed[row][key] == reference[row][key], (row, key, resumed[row][key], reference[row][key])
-    # It really resumed: steps 1..N were trained once (by the killed run), not again from scratch.
-    with open(run_dir / "metrics.csv", newline="") as file:
-        first_steps = [row for row in csv.DictReader(file) if row["step"] == "1" and row["train/loss"]]
-    assert len(first_steps) == 1, first_steps
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == 2 * N
-    assert summary["tokens_seen"] == json.loads((straight / "summary.json").read_text())["tokens_seen"]
-    assert summary["final_val_loss"] == json.loads((straight / "summary.json").read_text())["final_val_loss"]
+    assert_resumed_bit_exact(run_dir, straight, RUN, resumed_from=N)
     assert is_checkpoint(run_dir / "checkpoints" / STEP_2N)
     assert os.readlink(run_dir / "checkpoints" / "last") == STEP_2N
 
