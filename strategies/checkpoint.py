@@ -11,9 +11,10 @@ A checkpoint is a directory::
 It is written to ``step_0000100.tmp`` and renamed once every rank has finished and the manifest
 is written, so a crash during a save leaves the previous checkpoint intact and no directory that
 looks complete; a save that fails to write (a full disk) removes its ``.tmp`` directory and says
-which file, why, and how much space it needed. Nothing is written unless the whole state is finite. Loading trusts nothing on
-disk: the files must match the manifest, pickles go through allow-lists (`strategies.safe_load`),
-and a state with NaN or inf is refused.
+which file, why, and how much space it needed (`strategies.write_failure`). Nothing is written
+unless the whole state is finite. Loading trusts nothing on disk: the files must match the
+manifest, pickles go through allow-lists (`strategies.safe_load`), and a state with NaN or inf is
+refused.
 """
 
 from __future__ import annotations
