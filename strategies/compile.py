@@ -48,8 +48,15 @@ class Compile:
     fullgraph: bool = False
 
     def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
-        """None: a backend that does not exist fails at the first step, with torch's message."""
-        return []
+        """A ``backend`` torch does not know, when enabled (else it would fail at the first step)."""
+        if not self.enabled:
+            return []
+        from torch._dynamo import list_backends  # imported only when compiling: dynamo is slow to import
+
+        if self.backend in list_backends(exclude_tags=()):  # the debugging ones too (aot_eager, eager)
+            return []
+        usual = ", ".join(sorted({*list_backends(), "aot_eager", "eager"}))
+        return [f"strategy.compile.backend={self.backend!r} is not a torch.compile backend; use one of {usual}"]
 
     def apply(self, model: nn.Module, meshes: Meshes | None = None) -> None:
         if self.enabled:

@@ -8,7 +8,7 @@ A plait constructor or config dataclass declares a field's range in its annotati
 validate refuses a config value outside it, and a NaN or infinite value of any numeric field
 (no field of a plait run means anything with them), naming the key and the range. The fields of
 classes plait does not own (torch optimizers) are checked by their own constructors instead
-(`optimizer_problem`: the configured optimizer is built on one dummy parameter).
+(`optimizer_problem`: the configured optimizer is built on one dummy parameter and steps it once).
 """
 
 from __future__ import annotations
@@ -110,12 +110,15 @@ def range_problems(target: Any, items: Iterable[tuple[str, Any]], where: str) ->
 
 
 def optimizer_problem(optimizer: Callable[..., torch.optim.Optimizer] | None) -> str | None:
-    """The configured optimizer's own refusal of its values, built on one dummy parameter (torch's
-    optimizers check lr, betas, eps, weight_decay, momentum in their constructors), or None."""
+    """The configured optimizer's own refusal of its values, or None: it is built on one dummy
+    parameter (torch's optimizers check lr, betas, eps, weight_decay, momentum in their
+    constructors) and steps it once (what they read only then, e.g. three ``betas`` for AdamW)."""
     if optimizer is None:
         return None
+    param = torch.nn.Parameter(torch.zeros(1))
+    param.grad = torch.zeros(1)
     try:
-        optimizer([torch.nn.Parameter(torch.zeros(1))])
+        optimizer([param]).step()
     except Exception as err:  # noqa: BLE001 - the optimizer's message names the bad value
         return f"optim: {err}; fix that optim.* value"
     return None

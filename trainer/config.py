@@ -64,7 +64,8 @@ class TrainConfig:
 class TrainerConfig:
     """The Lightning ``Trainer`` arguments plait exposes (others are set by plait itself)."""
 
-    accelerator: str = "auto"
+    # The accelerators plait's strategy (Lightning's ModelParallelStrategy) runs on.
+    accelerator: Literal["auto", "cpu", "gpu", "cuda"] = "auto"
     devices: Annotated[int, POSITIVE] = 1
     num_nodes: Annotated[int, POSITIVE] = 1
     # The precisions Lightning's ModelParallelStrategy accepts.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Annotated
+from typing import Annotated, Literal
 
 import torch
 from torch import nn
@@ -96,7 +96,7 @@ class WarmupDecayLR(LRScheduler):
         *,
         total_steps: int,
         warmup_steps: Annotated[int, NON_NEGATIVE] = 0,
-        decay: str = "cosine",
+        decay: Literal["cosine", "linear", "constant"] = "cosine",
         min_lr_ratio: Annotated[float, FRACTION] = 0.1,
         last_epoch: int = -1,
     ) -> None:

@@ -1,6 +1,7 @@
 """Out-of-range numbers in a config are refused by validate, each naming the key and its range:
 declared ranges of plait's own signatures (also through ``**settings``), NaN/inf for every numeric
-field, the optimizer's own constructor checks; an unlaunchable layout is refused at launch."""
+field, the optimizer's own checks (its constructor and one step), the known
+compile backends; an unlaunchable layout is refused at launch."""
 
 from __future__ import annotations
 
@@ -21,12 +22,25 @@ from trainer.config import ConfigError, validate
         ("data.vocab_size=10", "data.vocab_size=10 must be >= 258"),  # declared by the base, passed as **settings
         ("train.max_grad_norm=-1", "train.max_grad_norm=-1 must be >= 0"),
         ("strategy.heartbeat_s=900", "strategy.heartbeat_s=900 must be below strategy.timeout_s=120"),
+        ("optim.betas=[0.9,0.95,0.99]", "optim: too many values to unpack (expected 2)"),  # read only by step()
+        ("scheduler.decay=cosin", "scheduler.decay='cosin' must be one of cosine, linear, constant"),
+        ("trainer.accelerator=tpu", "trainer.accelerator='tpu' must be one of auto, cpu, gpu, cuda"),
+        ("model.max_seq_len=10000000000", "model.max_seq_len=10000000000 must be in [1, 16777216]"),
+        ("callbacks.progress.refresh_interval_s=-1", "callbacks.progress.refresh_interval_s=-1 must be >= 0"),
     ],
 )
 def test_out_of_range_values_are_refused(override: str, message: str) -> None:
     with pytest.raises(ConfigError) as err:
         validate(compose_config([override]))
     assert any(p.startswith(message) for p in err.value.problems), err.value.problems
+
+
+def test_an_unknown_compile_backend_is_refused_when_compiling() -> None:
+    with pytest.raises(ConfigError) as err:
+        validate(compose_config(["strategy.compile.enabled=true", "strategy.compile.backend=inductr"]))
+    assert any(p.startswith("strategy.compile.backend='inductr' is not a torch.compile backend; use one of") and
+               "inductor" in p for p in err.value.problems), err.value.problems
+    validate(compose_config(["strategy.compile.enabled=true", "strategy.compile.backend=aot_eager"]))
 
 
 def test_range_text_and_membership() -> None:

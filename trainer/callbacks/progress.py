@@ -4,11 +4,13 @@ and whose ``val/loss`` is the newest evaluation's (also the one after the last s
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Annotated, Any
 
 import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
 from typing_extensions import override
+
+from strategies.ranges import NON_NEGATIVE
 
 
 class StepProgressBar(TQDMProgressBar):
@@ -25,7 +27,7 @@ class StepProgressBar(TQDMProgressBar):
         ValueError: a negative ``refresh_interval_s``.
     """
 
-    def __init__(self, refresh_interval_s: float = 0.5) -> None:
+    def __init__(self, refresh_interval_s: Annotated[float, NON_NEGATIVE] = 0.5) -> None:
         if refresh_interval_s < 0:
             raise ValueError("callbacks.progress.refresh_interval_s must be >= 0")
         super().__init__()

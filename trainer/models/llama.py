@@ -27,13 +27,18 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from strategies.ranges import NON_NEGATIVE, POSITIVE
+from strategies.ranges import NON_NEGATIVE, POSITIVE, Range
 
 from trainer.models.attention import DOCUMENT_CAUSAL
 from trainer.models.block import TransformerBlock, llama_ffn_dim
 from trainer.models.init import seeded_normal_
 from trainer.models.norm import RMSNorm
 from trainer.models.rope import rope_scaling_problems, rope_tables
+
+# Every rank allocates the whole RoPE tables (4 x max_seq_len x head_dim bytes). 2**24 tokens is
+# above the longest context of open models (10M, Llama 4 Scout); a typo (1e10) is refused by
+# validate instead of failing in the allocator.
+MAX_SEQ_LEN = Range(min=1, max=2**24)
 
 
 class Llama(nn.Module):
@@ -87,7 +92,7 @@ class Llama(nn.Module):
         n_heads: int,
         n_kv_heads: int | None = None,
         ffn_dim: int | None = None,
-        max_seq_len: int = 2048,
+        max_seq_len: Annotated[int, MAX_SEQ_LEN] = 2048,
         rope_theta: Annotated[float, POSITIVE] = 10000.0,
         norm_eps: Annotated[float, POSITIVE] = 1e-5,
         tie_embeddings: bool = False,
