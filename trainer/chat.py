@@ -12,29 +12,43 @@ Invocation::
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import torch
 
-from trainer.compose import compose_command
-from trainer.generate import chat_template, load_for_generation, reply
+from trainer.compose import compose_command, fail
+from trainer.generate import chat_template, load_for_generation, reply, sample
+
+
+def user_text(line: bytes, number: int) -> str:
+    """The text of stdin's line ``number`` (1-based), without its line ending.
+
+    Raises:
+        SystemExit: (exit 2, ``plait: error:``) the line is not UTF-8.
+    """
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as err:
+        fail(f"stdin line {number} is not UTF-8 text (byte {line[err.start]:#04x} at offset {err.start}); convert it to UTF-8 (iconv -t UTF-8)")
+    return text.removesuffix("\n").removesuffix("\r")
 
 
 def main(argv: list[str]) -> None:
     """Entry of ``plait chat``: ``key=value`` arguments of conf/chat.yaml; exit 2 on bad input."""
-    cfg = compose_command("chat", argv, usage="plait chat ckpt=<run or checkpoint dir>")
+    cfg = compose_command("chat", argv, usage="plait chat ckpt=<run or checkpoint dir>", ranges=sample)
     run = load_for_generation(cfg.ckpt, cfg.trust)
     template = chat_template(run)
     torch.manual_seed(cfg.seed)
     messages = [{"role": "system", "content": cfg.system}] if cfg.system else []
     interactive = sys.stdin.isatty()
-    while True:
+    for number in itertools.count(1):
         if interactive:
             print("> ", end="", flush=True)
-        line = sys.stdin.readline()
+        line = sys.stdin.buffer.readline()
         if not line:
             return
-        messages.append({"role": "user", "content": line.rstrip("\n")})
+        messages.append({"role": "user", "content": user_text(line, number)})
         answer = reply(run, template.render(messages, add_generation_prompt=True), cfg)
         messages.append({"role": "assistant", "content": answer})
         print(answer, flush=True)

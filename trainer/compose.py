@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib.resources import files
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import yaml
 from omegaconf import DictConfig
@@ -223,13 +223,20 @@ def compose(recipe: str = DEFAULT_RECIPE, overrides: Sequence[str] = ()) -> Dict
         return take_run_model(hydra_compose(config_name, overrides=rest), rest)
 
 
-def compose_command(name: str, argv: Sequence[str], *, usage: str, lists: Sequence[str] = ()) -> DictConfig:
+def compose_command(
+    name: str, argv: Sequence[str], *, usage: str, lists: Sequence[str] = (), ranges: Callable[..., Any] | None = None
+) -> DictConfig:
     """``conf/<name>.yaml`` with the ``key=value`` arguments of ``plait <name>``, every field given.
+
+    Args:
+        ranges: a function whose parameters declare the ranges (`strategies.ranges.Range`) of the
+            fields of the same names (``generate``'s ``top_k``: `trainer.generate.sample`'s).
 
     Raises:
         SystemExit: (exit 2, ``plait: error:`` with ``usage``) an argument does not parse or does
-            not apply, a required field (``???``) is missing, or a value has another type than the
-            field's default (`command_type_problems`; ``lists`` names fields that take a list).
+            not apply, a required field (``???``) is missing, a value has another type than the
+            field's default (`command_type_problems`; ``lists`` names fields that take a list), or
+            a number is outside the range ``ranges`` declares for it.
     """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
@@ -244,6 +251,11 @@ def compose_command(name: str, argv: Sequence[str], *, usage: str, lists: Sequen
     except (HydraException, OmegaConfBaseException) as err:
         fail(f"{error_message(err)} (usage: {usage}; a value with a comma or space needs inner quotes: key=\"'a, b'\")")
     problems = command_type_problems(cfg, yaml.safe_load((CONF_DIR / f"{name}.yaml").read_text()), lists=lists)
+    if not problems and ranges is not None:
+        from strategies.ranges import declared_ranges, value_problem
+
+        declared = declared_ranges(ranges).items()
+        problems = [p for key, allowed in declared if key in cfg and (p := value_problem(key, cfg[key], allowed))]
     if problems:
         fail(f"{problems[0]} (usage: {usage})")
     return cfg

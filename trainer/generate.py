@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from contextlib import nullcontext
+from typing import Annotated
 
 import torch
 from omegaconf import DictConfig
@@ -19,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from strategies.checkpoint import CheckpointError
+from strategies.ranges import NON_NEGATIVE, POSITIVE
 from trainer.compose import compose_command, fail
 from trainer.data.chat import ChatError, JinjaTemplate
 from trainer.export import trained_chat_template
@@ -61,9 +63,9 @@ def sample(
     model: nn.Module,
     prompt_ids: list[int],
     *,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int | None,
+    max_new_tokens: Annotated[int, POSITIVE],
+    temperature: Annotated[float, NON_NEGATIVE],
+    top_k: Annotated[int, POSITIVE] | None,
     max_seq_len: int,
     eos_id: int | None = None,
     use_cache: bool = True,
@@ -77,7 +79,7 @@ def sample(
     Args:
         prompt_ids: token ids of the prompt (at least one); only its last ``max_seq_len - 1`` are kept.
         temperature: softmax temperature; 0 means greedy.
-        top_k: sample among the k most likely tokens (None or 0: all).
+        top_k: sample among the k most likely tokens (None: all).
         max_seq_len: the model's context: generation stops when prompt + output fill it.
         eos_id: stop after this token (not returned); None: never.
 
@@ -210,7 +212,7 @@ def main(argv: list[str]) -> None:
 
     ``chat=true`` sends the prompt as one user message through the run's chat template and prints
     the answer alone; otherwise the prompt is continued as text. Generation stops at EOS."""
-    cfg = compose_command("generate", argv, usage='plait generate ckpt=<run or checkpoint dir> prompt="..."')
+    cfg = compose_command("generate", argv, usage='plait generate ckpt=<run or checkpoint dir> prompt="..."', ranges=sample)
     run = load_for_generation(cfg.ckpt, cfg.trust)
     if cfg.kv_cache and not caches(run.model):
         print(f"plait: {type(run.model).__name__} has no set_attention_core: generating without a KV cache", file=sys.stderr)

@@ -179,7 +179,10 @@ def save_merged(state: State, out: Path, *, like: Path) -> Path:
 
 def main(argv: list[str]) -> None:
     """Entry of ``plait merge``: ``key=value`` arguments of conf/merge.yaml; exit 2 on bad input."""
-    cfg = compose_command("merge", argv, usage="plait merge base=<run> deltas=[<run>,...] method=ties", lists=("deltas",))
+    usage = "plait merge base=<run> deltas=[<run>,...] method=ties"
+    cfg = compose_command("merge", argv, usage=usage, lists=("deltas",))
+    if not cfg.deltas:
+        fail(f"deltas=[] names no fine-tuned run to merge; give at least one, e.g. deltas=[runs/sft] (usage: {usage})")
     try:
         base, base_dir = _load(cfg.base, cfg.trust)
         models = [_load(path, cfg.trust)[0] for path in cfg.deltas]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -96,3 +97,39 @@ def test_unknown_recipe_lists_the_bundled_ones(tmp_path: Path) -> None:
     stderr = _assert_clean_failure(plait(str(tmp_path / "nope.yaml"), cwd=tmp_path))
     assert "nope.yaml does not exist" in stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def _untrained_run(run_dir: Path) -> Path:
+    """A run directory as a run writes it (config, tokenizer, checkpoint), of an untrained 1-block model."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from strategies.checkpoint import seal
+    from trainer.data.tokenizer import train_bpe
+
+    tokenizer = train_bpe(["hello there, how are you?"] * 4, vocab_size=300)
+    model = {"_target_": "trainer.models.llama.Llama", "dim": 16, "n_layers": 1, "n_heads": 2, "max_seq_len": 32}
+    cfg = OmegaConf.create({"model": model})
+    ckpt = run_dir / "checkpoints" / "last"
+    ckpt.mkdir(parents=True)
+    OmegaConf.save(cfg, run_dir / "config.yaml")
+    tokenizer.save(run_dir / "tokenizer.json")
+    dcp.save({"model": instantiate(cfg.model, vocab_size=tokenizer.vocab_size).state_dict()}, checkpoint_id=ckpt)
+    torch.save({}, ckpt / "meta.pt")
+    seal(ckpt)
+    return run_dir
+
+
+def test_chat_refuses_a_line_that_is_not_utf8(tmp_path: Path) -> None:
+    """The first line is answered; the second, not UTF-8, ends the chat with one line naming it."""
+    run_dir = _untrained_run(tmp_path / "run")
+    result = subprocess.run(
+        [sys.executable, "-m", "trainer.cli", "chat", f"ckpt={run_dir}", "max_new_tokens=2", "temperature=0"],
+        input=b"hello\nhow \xff are you\n", capture_output=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    stderr = _assert_clean_failure(subprocess.CompletedProcess(result.args, result.returncode, result.stdout.decode(), result.stderr.decode()))
+    assert stderr.count("plait: error:") == 1
+    assert "plait: error: stdin line 2 is not UTF-8 text (byte 0xff at offset 4); convert it to UTF-8" in stderr, stderr
+    assert len(result.stdout.decode().splitlines()) >= 1  # the answer to line 1

@@ -97,3 +97,18 @@ def test_overflowing_logits_name_the_fix_instead_of_a_multinomial_traceback() ->
     # Finite logits that only a tiny temperature makes overflow.
     with pytest.raises(NonFiniteLogitsError, match="temperature=1e-40"):
         sample(_model(), PROMPT, temperature=1e-40, **kw)
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [("max_new_tokens=-5", "max_new_tokens=-5 must be > 0"), ("temperature=-1", "temperature=-1 must be >= 0"),
+     ("top_k=0", "top_k=0 must be > 0")],
+)  # fmt: skip
+def test_sampling_options_out_of_range_are_refused_before_loading(option: str, message: str, capsys) -> None:
+    """`sample`'s declared ranges hold for ``plait generate``'s options, checked before the checkpoint loads."""
+    from trainer.generate import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["ckpt=no_such_run", option])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.startswith(f"plait: error: {message} (usage: plait generate")

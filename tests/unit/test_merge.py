@@ -72,3 +72,12 @@ def test_plait_merge_command_one_delta_reproduces_the_run(tmp_path, capsys):
     merged = instantiate(cfg.model)
     load_model_weights(tmp_path / "out" / "checkpoints" / "last", merged)
     assert all(torch.equal(a, b) for a, b in zip(merged.state_dict().values(), tuned.state_dict().values()))
+
+
+def test_plait_merge_without_deltas_is_refused_before_loading(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as exited:
+        merge_main(["base=no_such_run", "deltas=[]"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.startswith("plait: error: deltas=[] names no fine-tuned run to merge; give at least one")
