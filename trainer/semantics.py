@@ -26,6 +26,7 @@ from strategies.ranges import optimizer_problem
 from strategies.resolved import ResolvedRun
 from strategies.shape import ModelShape
 from trainer.capabilities import capability_problems
+from trainer.data.paths import DATA_SUFFIXES, PathProblem, check_path, data_files
 from trainer.models.hf import is_hf_dir
 from trainer.models.init_from import init_from_problems, run_tokenizer
 from trainer.rundir import RunDir, resolve_checkpoint
@@ -273,14 +274,27 @@ def check_semantics(cfg: DictConfig, problems: list[str], broken: frozenset[str]
         if hasattr(objective_cls, "config_problems"):
             problems.extend(objective_cls.config_problems(cfg, run))
     if data is not None and data.get("path"):
-        paths = [data.path] if isinstance(data.path, str) else list(data.path)
-        for path in paths:
-            if not Path(os.path.expanduser(path)).exists():
-                problems.append(f"data.path={path} does not exist; point data.path at a .txt/.jsonl/.parquet/.arrow/.json/.csv file or a directory")
+        problems.extend(data_path_problems([data.path] if isinstance(data.path, str) else list(data.path)))
     if data is not None and data.get("tokenizer") and not Path(os.path.expanduser(data.tokenizer)).is_file():
         problems.append(f"data.tokenizer={data.tokenizer} is not a file; give a tokenizer.json or null to train one")
     _check_step_plugins(cfg, problems)
     return run
+
+
+def data_path_problems(given: list[str]) -> list[str]:
+    """Each ``data.path`` that does not exist, is not a regular file or a folder, or is a folder
+    with an entry named like data that is not a regular file (`trainer.data.paths`)."""
+    problems = []
+    for path in given:
+        try:
+            root = check_path(path)
+            if root.is_dir():
+                data_files(root, DATA_SUFFIXES)
+        except FileNotFoundError:
+            problems.append(f"data.path={path} does not exist; point data.path at a {'/'.join(DATA_SUFFIXES)} file or a directory")
+        except PathProblem as err:
+            problems.append(f"data.path={path}: {err}")
+    return problems
 
 
 def _check_step_plugins(cfg: DictConfig, problems: list[str]) -> None:

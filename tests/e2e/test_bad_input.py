@@ -70,6 +70,15 @@ def test_missing_data_path_names_the_fix(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_fifo_as_data_path_is_refused_before_the_run_directory(tmp_path: Path) -> None:
+    """Reading a FIFO blocks until a writer comes: it hung after the run directory was made."""
+    os.mkfifo(tmp_path / "corpus.txt")
+    stderr = _assert_clean_failure(plait(*CLI_TINY, "data.path=corpus.txt", f"run_dir={tmp_path / 'run'}", cwd=tmp_path, timeout=120))
+    assert stderr.count("plait: error:") == 1
+    assert "data.path=corpus.txt: corpus.txt is a FIFO, not a regular file or a folder; copy the data into a file" in stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["corpus.txt"]
+
+
 @pytest.mark.slow
 def test_fresh_start_into_a_run_with_checkpoints_is_refused(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"

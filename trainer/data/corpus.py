@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.data import tables
+from trainer.data.paths import check_path, data_files
 from trainer.data.cache import digest, fingerprint
 
 EOT_SEPARATOR = "<|endoftext|>"
@@ -286,20 +287,19 @@ def load_files(paths: Sequence[str], *, text_key: str = "text") -> list[Document
 
     Raises:
         FileNotFoundError: a path does not exist.
-        ValueError: an unsupported file type, a jsonl line without ``text_key`` (naming file,
+        ValueError: an unsupported file type, a path or a folder entry that is not a regular file
+            (`trainer.data.paths.PathProblem`), a jsonl line without ``text_key`` (naming file,
             line and key), or no documents at all.
     """
     if isinstance(paths, str):
         paths = [paths]
     docs: list[Document] = []
     for given in paths:
-        root = Path(given).expanduser()
-        if not root.exists():
-            raise FileNotFoundError(f"data path {given!r} does not exist")
+        root = check_path(given)
         if root.is_dir() and any((root / m).is_file() for m in tables.SAVED_MARKERS):
             titled = [(root, root.name)]
         elif root.is_dir():
-            files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in (*_SUFFIXES, *_TABLES))
+            files = data_files(root, (*_SUFFIXES, *_TABLES))
             titled = [(p, p.relative_to(root).as_posix()) for p in files if p.name not in tables.SAVED_MARKERS]
         elif root.suffix in (*_SUFFIXES, *_TABLES):
             titled = [(root, root.name)]

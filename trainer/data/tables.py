@@ -24,6 +24,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from trainer.data.paths import PathProblem, check_path, data_files
+
 # datasets reads these when it is imported: nothing of the Hub is ever contacted.
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -42,9 +44,10 @@ def _shards(root: Path) -> tuple[str, list[str]]:
     """(datasets builder name, sorted shard files) of a folder of data files of one format.
 
     Raises:
-        ValueError: no data file, or files of several formats.
+        ValueError: no data file, files of several formats, or an entry named like a data file
+            that is not one (`trainer.data.paths.data_files`).
     """
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in FORMATS and p.name not in SAVED_MARKERS)
+    files = [p for p in data_files(root, tuple(FORMATS)) if p.name not in SAVED_MARKERS]
     kinds = {FORMATS[p.suffix] for p in files}
     if len(kinds) != 1:
         found = "no data files" if not kinds else f"files of several formats ({sorted(kinds)})"
@@ -68,15 +71,14 @@ def _dataset(path: str, *, streaming: bool) -> Any:
 
     Raises:
         FileNotFoundError: no such path.
-        ValueError: an unsupported file type, a DatasetDict saved with several splits, a table
+        ValueError: an unsupported file type, a path that is not a regular file or a folder
+            (`trainer.data.paths.check_path`), a DatasetDict saved with several splits, a table
             without rows, or a file ``datasets`` cannot parse (its message included).
     """
     import datasets
 
     datasets.disable_progress_bars()
-    root = Path(path).expanduser()
-    if not root.exists():
-        raise FileNotFoundError(f"data file {path!r} does not exist")
+    root = check_path(path)
     try:
         if root.is_dir() and any((root / m).is_file() for m in SAVED_MARKERS):
             data = datasets.load_from_disk(str(root))
@@ -95,7 +97,7 @@ def _dataset(path: str, *, streaming: bool) -> Any:
             raise FormatProblem(f"{path}: has no rows; add rows or point at another table")
         return datasets.load_dataset(builder, data_files=files, split="train", streaming=streaming)
     except (datasets.exceptions.DatasetGenerationError, OSError, TypeError, ValueError) as err:
-        if isinstance(err, (FileNotFoundError, FormatProblem)):
+        if isinstance(err, (FileNotFoundError, FormatProblem, PathProblem)):
             raise
         if "corresponds to no data" in str(err):  # a header-only csv, an empty json list
             raise FormatProblem(f"{path}: has no rows; add rows or point at another table") from None

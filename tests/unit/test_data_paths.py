@@ -1,0 +1,53 @@
+"""Data paths that are not regular files or folders are refused by validate, before anything reads
+them (a FIFO would block), and so are folder entries named like data that are not regular files
+(a dangling symlink or a folder named ``x.txt`` was skipped without a word)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from harness import compose_config
+
+from trainer.config import ConfigError, validate
+from trainer.data.corpus import load_files
+from trainer.data.paths import PathProblem, data_files
+
+
+def _problems(path: Path) -> list[str]:
+    with pytest.raises(ConfigError) as err:
+        validate(compose_config([f"data.path={path}"]))
+    return err.value.problems
+
+
+def test_a_fifo_as_data_path_is_refused(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "corpus.txt")
+    assert _problems(tmp_path / "corpus.txt") == [
+        f"data.path={tmp_path / 'corpus.txt'}: {tmp_path / 'corpus.txt'} is a FIFO, not a regular file or a folder; "
+        "copy the data into a file"
+    ]
+
+
+@pytest.mark.parametrize("entry", ["dangling symlink", "folder", "fifo"])
+def test_a_folder_entry_named_like_data_must_be_a_regular_file(tmp_path: Path, entry: str) -> None:
+    (tmp_path / "a.txt").write_text("some text\n")
+    bad = tmp_path / "b.txt"
+    if entry == "dangling symlink":
+        bad.symlink_to(tmp_path / "missing.txt")
+    elif entry == "folder":
+        bad.mkdir()
+    else:
+        os.mkfifo(bad)
+    kind = {"dangling symlink": "a dangling symlink", "folder": "a folder without data files", "fifo": "a FIFO"}[entry]
+    problems = _problems(tmp_path)
+    assert len(problems) == 1 and problems[0].startswith(f"data.path={tmp_path}: {bad} is {kind}"), problems
+    with pytest.raises(PathProblem, match=f"{bad} is {kind}"):  # the reader lists the folder the same way
+        load_files([str(tmp_path)])
+
+
+def test_a_folder_named_like_data_that_holds_data_is_read_through(tmp_path: Path) -> None:
+    (tmp_path / "out.parquet").mkdir()  # as Spark writes a table
+    (tmp_path / "out.parquet" / "part-0.parquet").write_bytes(b"")
+    (tmp_path / "notes.md").mkdir()  # not named like data: not looked at
+    assert data_files(tmp_path, (".parquet",)) == [tmp_path / "out.parquet" / "part-0.parquet"]

@@ -1,0 +1,67 @@
+"""The user's data paths, checked before anything reads them: what a path names, what a folder holds.
+
+plait reads whole files. A path that is neither a regular file nor a folder (a FIFO, a socket, a
+device) would block preparation or fail in its middle, and a folder entry named like data that
+is no regular file (a dangling symlink, an empty folder named ``x.txt``) would be skipped without
+a word. `check_path` and `data_files` refuse both, naming the entry; the readers
+(`trainer.data.corpus`, `trainer.data.tables`) list folders with `data_files`, and
+`trainer.semantics` runs the same checks on ``data.path`` before launch.
+"""
+
+from __future__ import annotations
+
+import stat
+from collections.abc import Sequence
+from pathlib import Path
+
+
+# What plait reads as data: text and jsonl (trainer.data.corpus) and the tables of trainer.data.tables.
+DATA_SUFFIXES = (".txt", ".jsonl", ".parquet", ".arrow", ".json", ".csv")
+
+
+class PathProblem(ValueError):
+    """A data path, or an entry of a data folder, that is not a regular file or a folder."""
+
+
+def _kind(path: Path) -> str:
+    """What a path that is neither a regular file nor a folder is, for the message."""
+    if path.is_symlink() and not path.exists():
+        return "a dangling symlink"
+    mode = path.stat().st_mode
+    kinds = {stat.S_ISFIFO: "a FIFO", stat.S_ISSOCK: "a socket", stat.S_ISCHR: "a device", stat.S_ISBLK: "a device"}
+    return next((name for test, name in kinds.items() if test(mode)), "not a regular file")
+
+
+def check_path(given: str) -> Path:
+    """``given`` with ``~`` expanded, when it names a regular file or a folder.
+
+    Raises:
+        FileNotFoundError: nothing is there.
+        PathProblem: a FIFO, a socket or a device (reading it could block forever).
+    """
+    path = Path(given).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"data path {given!r} does not exist")
+    if not (path.is_file() or path.is_dir()):
+        raise PathProblem(f"{given} is {_kind(path)}, not a regular file or a folder; copy the data into a file")
+    return path
+
+
+def data_files(root: Path, suffixes: Sequence[str]) -> list[Path]:
+    """The regular files below the folder ``root`` whose suffix is one of ``suffixes``, sorted.
+
+    A folder so named that holds such files itself (Spark writes ``out.parquet/part-*.parquet``)
+    is read through them.
+
+    Raises:
+        PathProblem: an entry so named that is a dangling symlink, a FIFO, a socket, a device, or
+            a folder without such files.
+    """
+    entries = sorted(p for p in root.rglob("*") if p.suffix in suffixes)
+    files = [p for p in entries if p.is_file()]
+    for entry in entries:
+        if entry.is_dir() and not any(entry in f.parents for f in files):
+            raise PathProblem(f"{entry} is a folder without data files, named like one; rename it or remove it")
+        if not (entry.is_file() or entry.is_dir()):
+            raise PathProblem(f"{entry} is {_kind(entry)}, not a regular file; remove it or replace it with the file")
+    return files
