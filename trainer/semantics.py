@@ -27,6 +27,7 @@ from strategies.resolved import ResolvedRun
 from strategies.shape import ModelShape
 from trainer.capabilities import capability_problems
 from trainer.data.paths import DATA_SUFFIXES, PathProblem, check_path, data_files
+from trainer.data.tokenizer import TokenizerFileError, read_tokenizer_json
 from trainer.models.hf import is_hf_dir
 from trainer.models.init_from import init_from_problems, run_tokenizer
 from trainer.rundir import RunDir, resolve_checkpoint
@@ -65,11 +66,10 @@ def planned_vocab_size(cfg: DictConfig) -> int | None:
         return int(model.vocab_size)
     path = tokenizer_file(cfg)
     if path is not None:
-        if not Path(path).expanduser().is_file():
+        try:
+            return read_tokenizer_json(Path(path).expanduser()).get_vocab_size(with_added_tokens=True)
+        except (OSError, TokenizerFileError):
             return None  # reported by the path checks
-        from tokenizers import Tokenizer
-
-        return Tokenizer.from_file(str(Path(path).expanduser())).get_vocab_size(with_added_tokens=True)
     return int(data.vocab_size) if data is not None and data.get("vocab_size") else None
 
 
@@ -275,8 +275,8 @@ def check_semantics(cfg: DictConfig, problems: list[str], broken: frozenset[str]
             problems.extend(objective_cls.config_problems(cfg, run))
     if data is not None and data.get("path"):
         problems.extend(data_path_problems([data.path] if isinstance(data.path, str) else list(data.path)))
-    if data is not None and data.get("tokenizer") and not Path(os.path.expanduser(data.tokenizer)).is_file():
-        problems.append(f"data.tokenizer={data.tokenizer} is not a file; give a tokenizer.json or null to train one")
+    if data is not None and data.get("tokenizer"):
+        problems.extend(_tokenizer_problems(str(data.tokenizer)))
     _check_step_plugins(cfg, problems)
     return run
 
@@ -295,6 +295,18 @@ def data_path_problems(given: list[str]) -> list[str]:
         except PathProblem as err:
             problems.append(f"data.path={path}: {err}")
     return problems
+
+
+def _tokenizer_problems(given: str) -> list[str]:
+    """``data.tokenizer`` that is not a file, or not a ``tokenizer.json`` (bad JSON, truncated, binary)."""
+    path = Path(os.path.expanduser(given))
+    if not path.is_file():
+        return [f"data.tokenizer={given} is not a file; give a tokenizer.json or null to train one"]
+    try:
+        read_tokenizer_json(path)
+    except TokenizerFileError as err:
+        return [f"data.tokenizer={given} is not a tokenizer.json ({err.reason}); give a Hugging Face tokenizer.json, or null to train one"]
+    return []
 
 
 def _check_step_plugins(cfg: DictConfig, problems: list[str]) -> None:

@@ -150,3 +150,22 @@ def test_a_line_without_whitespace_trains_and_encodes_in_linear_time(tok):
     assert time.perf_counter() - start < 30
     assert trained.decode(ids) == line and trained.encode(line) == ids
     assert tok.decode(tok.encode(line)) == line
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [(b'{"model": {"type": "BPE", ', "EOF while parsing"), (b"", "EOF while parsing a value"),
+     (b"not json{", "expected ident"), (b"\xff\xfe\x00\x01binary", "stream did not contain valid UTF-8")],
+)  # fmt: skip
+def test_a_tokenizer_file_that_does_not_parse_is_refused_by_validate(tmp_path, content, reason):
+    """Truncated, empty, bad JSON, binary: one problem naming the file and the fix (was a traceback)."""
+    from harness import compose_config
+
+    from trainer.config import ConfigError, validate
+
+    path = tmp_path / "tokenizer.json"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as err:
+        validate(compose_config([f"data.tokenizer={path}"]))
+    found = [p for p in err.value.problems if p.startswith(f"data.tokenizer={path} is not a tokenizer.json ({reason}")]
+    assert found and found[0].endswith("); give a Hugging Face tokenizer.json, or null to train one"), err.value.problems

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -53,16 +54,34 @@ def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
         raise
 
 
-def cached(path: Path, build: Callable[[], T]) -> T:
+def report_damaged(path: Path, why: str) -> None:
+    """Says on stderr that the cache file ``path`` is damaged (``why``) and is rebuilt."""
+    print(f"plait: cache file {path} is damaged ({why}); rebuilding it", file=sys.stderr)
+
+
+def cached(path: Path, build: Callable[[], T], check: Callable[[T], str | None] | None = None) -> T:
     """The tensors, lists and dicts saved at ``path``, else ``build()``, saved there atomically.
+
+    A file that does not load (truncated, overwritten) or that ``check`` refuses is damaged: said
+    so in one line on stderr (`report_damaged`), built again and replaced.
 
     Args:
         path: the cache file (its name holds the key of what ``build`` depends on).
         build: makes the value on a cache miss; it may hold tensors, numbers, strings, lists and
             dicts (what ``torch.load(weights_only=True)`` reads back).
+        check: why a value read back cannot be what ``build`` made (e.g. a token id beyond the
+            vocabulary), or None when it can.
     """
     if path.exists():
-        return torch.load(path, weights_only=True)
+        try:
+            value = torch.load(path, weights_only=True)
+        except Exception as err:  # noqa: BLE001 - whatever makes a cache file unreadable, it is rebuilt
+            why = str(err).split(". ")[0] or type(err).__name__
+        else:
+            why = check(value) if check is not None else None
+            if why is None:
+                return value
+        report_damaged(path, why)
     value = build()
     write_atomic(path, lambda tmp: torch.save(value, tmp))
     return value

@@ -243,6 +243,15 @@ class PackedRows:
         """Number of positions with a target (label != -100) over all rows."""
         return int((self.labels != IGNORE_INDEX).sum())
 
+    def token_id_problem(self, vocab_size: int) -> str | None:
+        """Why these rows cannot come from a tokenizer of ``vocab_size`` ids (an input id or a
+        target outside ``[0, vocab_size)``, which the embedding or the loss would index with), or None."""
+        targets = self.labels[self.labels != IGNORE_INDEX]
+        for name, ids in (("token id", self.input_ids), ("target", targets)):
+            if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < vocab_size):
+                return f"a {name} in [{int(ids.min())}, {int(ids.max())}] outside the vocabulary of {vocab_size}"
+        return None
+
 
 def pack(
     samples: Sequence[tuple[Sequence[int], Sequence[int]]], *, seq_len: int, pad_id: int, policy: str = "split"

@@ -148,9 +148,17 @@ class SFTDataModule(DataModule):
         # The template's text and tokens are in the key: an edited chat_template.jinja must not reuse stale samples.
         source = "" if template is None else json.dumps([template.source, template.special], sort_keys=True)
         key = fingerprint(json.dumps(convs, sort_keys=True), tokenizer.fingerprint, self.template_name, str(template is None), source)
+        def damage(encoded: dict[str, list]) -> str | None:  # a cache file overwritten by other samples
+            samples = [ids for parts in encoded.values() for part in parts for ids, _ in part if ids]
+            low, high = min(map(min, samples), default=0), max(map(max, samples), default=0)
+            if 0 <= low and high < tokenizer.vocab_size:
+                return None
+            return f"a token id in [{low}, {high}] outside the vocabulary of {tokenizer.vocab_size}"
+
         encoded = cached(
             self.cache_dir / f"sft-{key}.pt",
             lambda: {n: [encode.conversations(tokenizer, part, template) for part in convs[n]] for n in self.names},
+            check=damage,
         )
         train = {n: self._fit(n, encoded[n][0], self.counts) for n in self.names}
         val = {n: self._fit(n, encoded[n][1], self.val_counts) for n in self.names}

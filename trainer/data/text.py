@@ -104,7 +104,10 @@ class TextDataModule(DataModule):
                 return {"train": {k: v[:cut] for k, v in rows.items()}, "val": {k: v[cut:] for k, v in rows.items()}}
             return {"train": vars(packed[0]), "val": vars(packed[1])}
 
-        rows = cached(self.cache_dir / f"rows-{key}.pt", build)
+        def damage(rows: dict[str, dict[str, Tensor]]) -> str | None:  # a cache file overwritten by other rows
+            return next(filter(None, (PackedRows(**split).token_id_problem(tokenizer.vocab_size) for split in rows.values())), None)
+
+        rows = cached(self.cache_dir / f"rows-{key}.pt", build, check=damage)
         train, val = PackedRows(**rows["train"]), PackedRows(**rows["val"])
         self._check(train, val)
         return PreparedData(tokenizer=tokenizer, train=train, val=val, documents=(len(train_docs), len(val_docs)))

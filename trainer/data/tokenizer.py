@@ -16,7 +16,7 @@ from pathlib import Path
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from trainer.data.cache import digest, write_atomic
+from trainer.data.cache import digest, report_damaged, write_atomic
 
 DEFAULT_EOS = "<|endoftext|>"
 DEFAULT_PAD = "<|pad|>"
@@ -52,6 +52,27 @@ def pieces(text: str) -> list[str]:
     cuts = [c for m in _LONG_RUN.finditer(text) for c in range(m.start() + MAX_RUN, m.end(), MAX_RUN)]
     bounds = [0, *cuts, len(text)]
     return [text[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+class TokenizerFileError(ValueError):
+    """A file that does not load as a Hugging Face ``tokenizer.json`` (bad JSON, truncated, empty,
+    binary); ``reason`` is the parser's message."""
+
+    def __init__(self, path: str | os.PathLike, reason: str) -> None:
+        self.reason = reason
+        super().__init__(f"{path} is not a tokenizer.json ({reason})")
+
+
+def read_tokenizer_json(path: str | os.PathLike) -> tokenizers.Tokenizer:
+    """The ``tokenizers.Tokenizer`` of the file ``path``.
+
+    Raises:
+        TokenizerFileError: the file does not parse as a ``tokenizer.json`` (the parser's message).
+    """
+    try:
+        return tokenizers.Tokenizer.from_file(str(path))
+    except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception with its parser's message
+        raise TokenizerFileError(path, str(err).splitlines()[0] if str(err) else type(err).__name__) from None
 
 
 class Tokenizer:
@@ -125,12 +146,13 @@ class Tokenizer:
 
         Raises:
             FileNotFoundError: ``path`` does not exist.
+            TokenizerFileError: the file is not a ``tokenizer.json`` (bad JSON, truncated, binary).
             ValueError: ``eos_token`` is not in the vocabulary (the message names the
                 ``data.tokenizer.eos_token=`` override).
         """
         if not Path(path).is_file():
             raise FileNotFoundError(f"tokenizer file {str(path)!r} does not exist")
-        tok = tokenizers.Tokenizer.from_file(str(path))
+        tok = read_tokenizer_json(path)
         if eos_token == DEFAULT_EOS and tok.token_to_id(eos_token) is None:
             # A Hugging Face tokenizer names its own EOS (</s>, <|end_of_text|>, ...) beside it.
             eos_token, pad_token = _hf_special_tokens(Path(path), eos_token, pad_token)
@@ -195,7 +217,8 @@ def load_or_train(
     The cache file is ``cache_dir/tokenizer-<key>.json`` where the key hashes the corpus
     fingerprint, the vocab size and the training recipe, so a different corpus or size never
     reuses a stale vocabulary. Writes are atomic, so ranks racing to fill the cache are safe
-    (they write identical files).
+    (they write identical files); a cache file that does not load (truncated, overwritten) is
+    said so on stderr and trained again.
 
     Args:
         path: a ``tokenizer.json`` to load; None trains or reuses the cached BPE.
@@ -204,13 +227,19 @@ def load_or_train(
         cache_dir: where trained tokenizers are kept; created if missing.
         corpus_fingerprint: identifies ``texts`` (e.g. ``corpus.fingerprint_documents``).
         eos_token: the end-of-document token.
+
+    Raises:
+        FileNotFoundError, TokenizerFileError, ValueError: ``path`` does not load (`Tokenizer.from_file`).
     """
     if path is not None:
         return Tokenizer.from_file(path, eos_token=eos_token)
     key = digest(_RECIPE, corpus_fingerprint, vocab_size, eos_token).hex()[:16]
     cached = Path(cache_dir) / f"tokenizer-{key}.json"
     if cached.is_file():
-        return Tokenizer.from_file(cached, eos_token=eos_token)
+        try:
+            return Tokenizer.from_file(cached, eos_token=eos_token)
+        except TokenizerFileError as err:
+            report_damaged(cached, err.reason)
     tok = train_bpe(texts() if callable(texts) else texts, vocab_size=vocab_size, eos_token=eos_token)
     tok.save(cached)
     return tok
