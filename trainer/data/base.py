@@ -35,6 +35,7 @@ from strategies.resolved import ResolvedRun
 from trainer import protocols
 from trainer.data.accounting import SourceCounts
 from trainer.data.balance import Balancer, WorkModel
+from trainer.data.cache import cache_dir_problem
 from trainer.data.chat import ChatFormat, JinjaTemplate, load_chat_template
 from trainer.data.chat_files import PLACES
 from trainer.data.loader import Batch, GlobalBatches, Loader, shard_rows
@@ -107,8 +108,12 @@ class DataModule(L.LightningDataModule, protocols.DataModule):
     @classmethod
     def config_problems(cls, cfg: Any, run: ResolvedRun | None) -> list[str]:
         """Problems of the run config's ``data`` node, for `trainer.config.validate` (before any
-        launch); ``run`` is None when the layout itself is invalid."""
+        launch): the node's own (`node_problems`), a ``cache_dir`` that cannot hold the cache
+        (`trainer.data.cache.cache_dir_problem`), ``balance=work`` without dp ranks; ``run`` is
+        None when the layout itself is invalid."""
         problems = cls.node_problems(cfg.data)
+        if "cache_dir" in cfg.data and (problem := cache_dir_problem(str(cfg.data.cache_dir))):
+            problems.append(problem)
         balance = cfg.data.get("balance", "none")
         if balance == "work" and run is not None and run.dims.dp == 1:
             problems.append(

@@ -54,6 +54,26 @@ def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
         raise
 
 
+def cache_dir_problem(cache_dir: str) -> str | None:
+    """Why ``data.cache_dir`` cannot hold the cache (it is or lies under a file, or a file cannot be
+    written in it), or None; the folder is created, as preparing the data would.
+
+    Args:
+        cache_dir: the folder (``${oc.env:PLAIT_CACHE_DIR,'~/.cache/plait'}`` in the data presets).
+    """
+    path = Path(os.path.expanduser(cache_dir))
+    blocked = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    try:
+        if blocked is not None:
+            raise NotADirectoryError(f"{blocked} is a file, not a folder")
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as err:
+        why = err.strerror if err.strerror else str(err)
+        return f"data.cache_dir={cache_dir} cannot hold the data cache ({why}); point PLAIT_CACHE_DIR (or data.cache_dir) at a writable folder"
+    return None
+
+
 def report_damaged(path: Path, why: str) -> None:
     """Says on stderr that the cache file ``path`` is damaged (``why``) and is rebuilt."""
     print(f"plait: cache file {path} is damaged ({why}); rebuilding it", file=sys.stderr)
