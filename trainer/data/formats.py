@@ -79,11 +79,15 @@ def pair(row: Mapping[str, Any]) -> dict[str, Any]:
     """The pair of a preference row (module docstring).
 
     Raises:
-        FormatError: a missing field, a response that is not one assistant turn, or
-            implicit-prompt lists that share no prompt.
+        FormatError: a missing field, a response that is not one assistant turn, ``chosen`` and
+            ``rejected`` of two kinds (a string and a message list), or implicit-prompt lists
+            that share no prompt.
     """
     if not {"chosen", "rejected"} <= row.keys():
         raise FormatError(f"has fields {sorted(row)}; {PAIR_FIX}")
+    if isinstance(row["chosen"], str) != isinstance(row["rejected"], str):
+        text, listed = ("chosen", "rejected") if isinstance(row["chosen"], str) else ("rejected", "chosen")
+        raise FormatError(f"'{text}' is a string and '{listed}' is not; give both as strings or both as message lists")
     prompt_field = "prompt" if "prompt" in row else ("messages" if "messages" in row else None)
     if prompt_field is not None:
         prompt = messages(row[prompt_field], prompt_field, role="user")
