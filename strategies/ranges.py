@@ -14,6 +14,7 @@ classes plait does not own (torch optimizers) are checked by their own construct
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -118,7 +119,13 @@ def optimizer_problem(optimizer: Callable[..., torch.optim.Optimizer] | None) ->
     param = torch.nn.Parameter(torch.zeros(1))
     param.grad = torch.zeros(1)
     try:
-        optimizer([param]).step()
+        built = optimizer([param])
     except Exception as err:  # noqa: BLE001 - the optimizer's message names the bad value
         return f"optim: {err}; fix that optim.* value"
+    try:
+        built.step()
+    except Exception as err:  # noqa: BLE001 - a step's message names no key: the values are listed
+        given = optimizer.keywords if isinstance(optimizer, functools.partial) else {}  # Hydra's _partial_: true
+        settings = ", ".join(f"{k}={v}" for k, v in given.items()) or "its settings"
+        return f"optim: its first step fails ({err}) with {settings}; fix that optim.* value"
     return None

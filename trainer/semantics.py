@@ -68,8 +68,8 @@ def planned_vocab_size(cfg: DictConfig) -> int | None:
     if path is not None:
         try:
             return read_tokenizer_json(Path(path).expanduser()).get_vocab_size(with_added_tokens=True)
-        except (OSError, TokenizerFileError):
-            return None  # reported by the path checks
+        except TokenizerFileError:  # missing or unreadable: reported by the path checks
+            return None
     return int(data.vocab_size) if data is not None and data.get("vocab_size") else None
 
 
@@ -274,14 +274,14 @@ def check_semantics(cfg: DictConfig, problems: list[str], broken: frozenset[str]
         if hasattr(objective_cls, "config_problems"):
             problems.extend(objective_cls.config_problems(cfg, run))
     if data is not None and data.get("path"):
-        problems.extend(data_path_problems([data.path] if isinstance(data.path, str) else list(data.path)))
+        problems.extend(_data_path_problems([data.path] if isinstance(data.path, str) else list(data.path)))
     if data is not None and data.get("tokenizer"):
         problems.extend(_tokenizer_problems(str(data.tokenizer)))
     _check_step_plugins(cfg, problems)
     return run
 
 
-def data_path_problems(given: list[str]) -> list[str]:
+def _data_path_problems(given: list[str]) -> list[str]:
     """Each ``data.path`` that does not exist, is not a regular file or a folder, or is a folder
     with an entry named like data that is not a regular file (`trainer.data.paths`)."""
     problems = []

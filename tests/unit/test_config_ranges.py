@@ -22,7 +22,8 @@ from trainer.config import ConfigError, validate
         ("data.vocab_size=10", "data.vocab_size=10 must be >= 258"),  # declared by the base, passed as **settings
         ("train.max_grad_norm=-1", "train.max_grad_norm=-1 must be >= 0"),
         ("strategy.heartbeat_s=900", "strategy.heartbeat_s=900 must be below strategy.timeout_s=120"),
-        ("optim.betas=[0.9,0.95,0.99]", "optim: too many values to unpack (expected 2)"),  # read only by step()
+        ("optim.betas=[0.9,0.95,0.99]", "optim: its first step fails (too many values to unpack (expected 2)) with "
+         "lr=0.003, betas=[0.9, 0.95, 0.99]"),  # read only by step()
         ("scheduler.decay=cosin", "scheduler.decay='cosin' must be one of cosine, linear, constant"),
         ("trainer.accelerator=tpu", "trainer.accelerator='tpu' must be one of auto, cpu, gpu, cuda"),
         ("model.max_seq_len=10000000000", "model.max_seq_len=10000000000 must be in [1, 16777216]"),

@@ -105,7 +105,8 @@ class TextDataModule(DataModule):
             return {"train": vars(packed[0]), "val": vars(packed[1])}
 
         def damage(rows: dict[str, dict[str, Tensor]]) -> str | None:  # a cache file overwritten by other rows
-            return next(filter(None, (PackedRows(**split).token_id_problem(tokenizer.vocab_size) for split in rows.values())), None)
+            problems = (PackedRows(**split).token_id_problem(tokenizer.vocab_size) for split in rows.values())
+            return next((p for p in problems if p is not None), None)
 
         rows = cached(self.cache_dir / f"rows-{key}.pt", build, check=damage)
         train, val = PackedRows(**rows["train"]), PackedRows(**rows["val"])
