@@ -66,7 +66,7 @@ def test_trl_preference_formats(tmp_path):
         (PAIRS, {"prompt": "x", "chosen": [{"role": U, "content": "y"}], "rejected": [{"role": A, "content": "z"}]},
          "'chosen' must be one assistant turn"),
         (PAIRS, {"prompt": "x", "chosen": [{"role": A, "content": "y"}], "rejected": "z"},
-         "'rejected' is a string and 'chosen' is not; give both as strings or both as message lists"),
+         "'chosen' is a message list and 'rejected' a string; give both as strings or both as message lists"),
         (PAIRS, {"chosen": [{"role": A, "content": "y"}], "rejected": [{"role": A, "content": "z"}]}, "share no prompt turn"),
         (PAIRS, {"prompt": "x", "completion": "y", "label": "good"}, "use true (desirable)"),
         (PAIRS, {"prompt": "x", "completion": "y", "lable": True}, "'completion' (strings or message lists) and 'label'"),

@@ -85,9 +85,9 @@ def pair(row: Mapping[str, Any]) -> dict[str, Any]:
     """
     if not {"chosen", "rejected"} <= row.keys():
         raise FormatError(f"has fields {sorted(row)}; {PAIR_FIX}")
-    if isinstance(row["chosen"], str) != isinstance(row["rejected"], str):
+    if {type(row["chosen"]), type(row["rejected"])} == {str, list}:  # another type: `messages` names it
         text, listed = ("chosen", "rejected") if isinstance(row["chosen"], str) else ("rejected", "chosen")
-        raise FormatError(f"'{text}' is a string and '{listed}' is not; give both as strings or both as message lists")
+        raise FormatError(f"'{listed}' is a message list and '{text}' a string; give both as strings or both as message lists")
     prompt_field = "prompt" if "prompt" in row else ("messages" if "messages" in row else None)
     if prompt_field is not None:
         prompt = messages(row[prompt_field], prompt_field, role="user")
