@@ -51,3 +51,12 @@ def test_a_folder_named_like_data_that_holds_data_is_read_through(tmp_path: Path
     (tmp_path / "out.parquet" / "part-0.parquet").write_bytes(b"")
     (tmp_path / "notes.md").mkdir()  # not named like data: not looked at
     assert data_files(tmp_path, (".parquet",)) == [tmp_path / "out.parquet" / "part-0.parquet"]
+
+
+def test_a_fifo_as_a_named_source_is_refused(tmp_path: Path) -> None:
+    """SFT and preference sources read local tables too (`trainer.data.sources.Catalog.problem`)."""
+    os.mkfifo(tmp_path / "mine.jsonl")
+    cfg = compose_config([f"data.sources={{mine: {{source: '{tmp_path / 'mine.jsonl'}'}}}}"], recipe="sft", tiny=False)
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert f"data.sources.mine.source={tmp_path / 'mine.jsonl'}: {tmp_path / 'mine.jsonl'} is a FIFO" in str(err.value)

@@ -29,6 +29,7 @@ from typing import Any
 from trainer.data import formats, instructions, preference_sources, synthetic, tables
 from trainer.data.base import DataError
 from trainer.data.cache import digest
+from trainer.data.paths import PathProblem, check_path, data_files
 
 SYNTHETIC_SIZE = 1000  # training records a synthetic task generates without a limit
 SOURCE_FIELDS = ("source", "limit", "val_size", "columns")  # the fields every named source has
@@ -82,8 +83,19 @@ class Catalog:
         return sorted(self.bundled) + sorted(self.synthetic)
 
     def problem(self, name: str, source: Any) -> str | None:
-        """What is wrong with ``data.sources.<name>.source=<source>``; None when it is valid."""
-        if isinstance(source, str) and (source in self.bundled or source in self.synthetic or tables.is_table(source)):
+        """What is wrong with ``data.sources.<name>.source=<source>``; None when it is valid.
+
+        A local table must exist and be a regular file or a folder whose entries named like
+        tables are regular files (`trainer.data.paths`; a FIFO would block preparation)."""
+        if isinstance(source, str) and (source in self.bundled or source in self.synthetic):
+            return None
+        if isinstance(source, str) and tables.is_table(source):
+            try:
+                root = check_path(source)
+                if root.is_dir():
+                    data_files(root, tuple(tables.FORMATS))
+            except (FileNotFoundError, PathProblem) as err:
+                return f"data.sources.{name}.source={source}: {err}"
             return None
         return (
             f"data.sources.{name}.source={source!r}: use one of {self.names()} or a local path: a "
