@@ -24,6 +24,7 @@ from trainer.config import ConfigError, validate
 from trainer.data.base import DataModule
 from trainer.loggers import LogConfig
 from trainer.nonfinite import NonFiniteGuard
+from trainer.spikes import SpikeRule
 from trainer.plan import resolve_pipeline_split
 from trainer.rundir import RunDir
 from trainer.semantics import tokenizer_file
@@ -94,7 +95,11 @@ def build_task(cfg: DictConfig, run: ResolvedRun, model: nn.Module) -> Task:
         no_decay=tuple(cfg.train.no_decay),
         eval_every=cfg.train.eval_every,
         flops_per_token=model.flops_per_token(run.seq_len) if hasattr(model, "flops_per_token") else 0.0,
-        nonfinite=NonFiniteGuard(cfg.train.nonfinite, cfg.train.max_nonfinite_steps),
+        nonfinite=NonFiniteGuard(
+            cfg.train.nonfinite, cfg.train.max_nonfinite_steps, cfg.train.max_skipped_steps,
+            spikes=SpikeRule(cfg.train.spike_factor, cfg.train.spike_window) if cfg.train.spike_factor else None,
+            recover_after=cfg.train.spike_window,
+        ),  # fmt: skip
     )
 
 

@@ -46,9 +46,19 @@ class TrainConfig:
         max_grad_norm: clip the global gradient norm to this (0 or null: no clipping).
         no_decay: substrings of parameter names that get no weight decay.
         eval_every: evaluate every this many steps (plus step 0 and the last step; 0: only those).
-        nonfinite: a step whose loss or gradient norm is NaN or inf skips its update; "stop" also
-            stops the run after ``max_nonfinite_steps`` such steps in a row, "skip" goes on.
-        max_nonfinite_steps: non-finite steps in a row that stop the run under ``nonfinite=stop``.
+        nonfinite: an anomalous step (its loss or gradient norm NaN, inf, or a spike) skips its
+            update, decided before the optimizer step; "stop" also stops the run after
+            ``max_nonfinite_steps`` such steps in a row (exit 3), "skip" goes on until more than
+            ``max_skipped_steps`` steps were skipped. The stop message names the checkpoint from
+            before the first anomalous step (kept from pruning until the run recovers).
+        max_nonfinite_steps: anomalous steps in a row that stop the run under ``nonfinite=stop``.
+        max_skipped_steps: skipped steps of the whole run that ``nonfinite=skip`` tolerates; the
+            next one stops the run (exit 3). summary.json says how many were skipped.
+        spike_factor: a step spikes when its loss or gradient norm is above this factor x the
+            largest of the last ``spike_window`` admitted steps, or its gradient norm below their
+            smallest / this factor (`trainer.spikes`); 0 turns the spike rule off.
+        spike_window: admitted steps the spike rule compares with; also the admitted steps in a
+            row after which a run has recovered from an anomaly.
     """
 
     global_batch_size: int = 8
@@ -58,6 +68,9 @@ class TrainConfig:
     eval_every: int = 50
     nonfinite: Literal["stop", "skip"] = "stop"
     max_nonfinite_steps: Annotated[int, POSITIVE] = 3
+    max_skipped_steps: Annotated[int, NON_NEGATIVE] = 10
+    spike_factor: Annotated[float, NON_NEGATIVE] = 10.0
+    spike_window: Annotated[int, POSITIVE] = 20
 
 
 @dataclass

@@ -1,26 +1,41 @@
-"""Non-finite steps: a NaN or inf loss or gradient norm skips the step's update, and stops the run.
+"""Anomalous steps: a NaN or inf loss or gradient norm, or a spike, skips the step's update.
 
-With a fused optimizer (plait's default AdamW) the decision stays on the device: a non-finite
-step sets the optimizer's ``found_inf`` flag, and its kernel skips the update
-(`NonFiniteGuard.skip_on_device`); `NonFiniteGuard.admit` counts the step when the Task next reads
-its values. Other optimizers read the loss and global gradient norm to the host before each
-optimizer step, and `admit` decides there whether the update is applied. A skipped step still counts as a step (the data
-is consumed, the LR schedule advances), but its gradients are dropped (``set_to_none``): every
-torch optimizer leaves parameters without a gradient untouched, moments and step counts included,
-so the parameters and the optimizer state stay what they were. Checkpoints refuse non-finite
-state on their own (`strategies.checkpoint.save`), so a run that diverged keeps its last finite
-checkpoints.
+A step is anomalous when its loss or global gradient norm is not finite, or when it spikes
+against the recent admitted steps (`trainer.spikes`, ``train.spike_factor``; 0 turns that rule
+off). The verdict is reached *before* the optimizer step, so an anomalous step's update is never
+applied. With a fused optimizer (plait's default AdamW) the verdict stays on the device: it sets
+the optimizer's ``found_inf`` flag, and its kernel skips the update (`NonFiniteGuard.skip_on_device`);
+`NonFiniteGuard.admit` counts the step when the Task next reads its values. Other optimizers read
+the values and the verdict to the host before each optimizer step, and `admit` decides there. A
+skipped step still counts as a step (the data is consumed, the LR schedule advances), but its
+gradients are dropped (``set_to_none``): every torch optimizer leaves parameters without a gradient
+untouched, moments and step counts included, so the parameters and the optimizer state stay what
+they were. Checkpoints refuse non-finite state on their own (`strategies.checkpoint.save`).
+
+A step's loss and gradient norm are computed on the weights the previous update made, so the
+first anomalous step ``k`` also accuses the weights of step ``k - 1``: the newest checkpoint of a
+step ``<= k - 2`` (`NonFiniteGuard.safe_step`) is the one to continue from. The checkpoint callback
+keeps it from pruning until the run has recovered (``recover_after`` admitted steps in a row), and
+the stop message names it.
 
 Skipping non-finite updates and counting them follows Megatron-LM's skipped iterations (its
-loss-scaler's ``found_inf`` skips the update); stopping after a run of them is plait's.
+loss-scaler's ``found_inf`` skips the update); stopping after a run of them, the spike rule's
+collapse test and the limit on skipped steps are plait's.
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
+
+from trainer.rundir import step_checkpoints
+from trainer.spikes import SpikeRule
+
+# A step's verdict, a float on the device until the Task reads it.
+ADMITTED, NONFINITE, SPIKE = 0.0, 1.0, 2.0
 
 
 class NonFiniteError(RuntimeError):
@@ -28,25 +43,43 @@ class NonFiniteError(RuntimeError):
 
 
 class NonFiniteGuard:
-    """Decides per optimizer step whether its update is applied.
+    """Decides per optimizer step whether its update is applied (module docstring).
 
     Args:
-        policy: "stop": skip a non-finite step's update and stop the run when ``max_consecutive``
-            steps in a row were non-finite; "skip": skip each such update and go on.
-        max_consecutive: non-finite steps in a row that stop the run under "stop" (1: the first).
+        policy: "stop": skip an anomalous step's update, and stop the run when ``max_consecutive``
+            steps in a row were anomalous; "skip": skip each such update and go on, until more than
+            ``max_skipped`` steps of the run were skipped.
+        max_consecutive: anomalous steps in a row that stop the run under "stop" (1: the first).
+        max_skipped: skipped steps of the whole run that "skip" tolerates; the next one stops it.
+        spikes: the spike rule (`trainer.spikes.SpikeRule`); None: only non-finite steps are anomalous.
+        recover_after: admitted steps in a row after which the run has recovered from an anomaly
+            (the checkpoint before it may then be pruned).
 
     Raises:
-        ValueError: an unknown policy or ``max_consecutive < 1``.
+        ValueError: an unknown policy, or a count below 1.
     """
 
-    def __init__(self, policy: Literal["stop", "skip"] = "stop", max_consecutive: int = 3) -> None:
+    def __init__(
+        self,
+        policy: Literal["stop", "skip"] = "stop",
+        max_consecutive: int = 3,
+        max_skipped: int = 10,
+        spikes: SpikeRule | None = None,
+        recover_after: int = 20,
+    ) -> None:
         if policy not in ("stop", "skip"):
             raise ValueError(f"train.nonfinite={policy!r}: use stop or skip")
         if max_consecutive < 1:
             raise ValueError(f"train.max_nonfinite_steps={max_consecutive}: use 1 or more")
-        self.policy, self.max_consecutive = policy, max_consecutive
-        self.consecutive = 0  # non-finite steps in a row, up to the current one
-        self.skipped = 0  # non-finite steps of the whole run
+        if max_skipped < 0 or recover_after < 1:
+            raise ValueError(f"train.max_skipped_steps={max_skipped} must be >= 0 and recover_after={recover_after} >= 1")
+        self.policy, self.max_consecutive, self.max_skipped = policy, max_consecutive, max_skipped
+        self.spikes, self.recover_after = spikes, recover_after
+        self.consecutive = 0  # anomalous steps in a row, up to the current one
+        self.skipped = 0  # anomalous steps of the whole run
+        self.spiked = 0  # of which spikes (finite values)
+        self.first: dict[str, float] | None = None  # the first anomalous step of the open episode
+        self.healthy = 0  # admitted steps in a row since the last anomalous one
 
     def combine(self, loss: torch.Tensor, grad_norm: torch.Tensor, *, islands: Any = None) -> torch.Tensor:
         """[2] float32 (loss, gradient norm) on the device, without reading them.
@@ -63,50 +96,121 @@ class NonFiniteGuard:
             values = torch.where(bad > 0, torch.full_like(values, math.nan), values)
         return values
 
-    def skip_on_device(self, optimizer: torch.optim.Optimizer, values: torch.Tensor) -> bool:
-        """Makes ``optimizer`` skip this step's update on the device when ``values`` (`combine`)
-        are not finite, with no host read; False (nothing set) if it cannot.
+    def verdict(self, values: torch.Tensor, *, judged: torch.Tensor, islands: Any = None) -> torch.Tensor:
+        """0-dim float32 on the device: ``ADMITTED``, ``NONFINITE`` or ``SPIKE`` for ``values``
+        (`combine`); an admitted step joins the spike rule's history. No host read.
+
+        Args:
+            judged: 0-dim bool, false for a step without supervised tokens (never a spike).
+            islands: as in `combine`: a spike on one island makes every island skip the step.
+        """
+        finite = torch.isfinite(values).all()
+        if self.spikes is None:
+            return torch.where(finite, ADMITTED, NONFINITE)
+        spike = finite & self.spikes.spikes(values, judged)
+        if islands is not None:
+            spike = islands(spike.float().reshape(1)).reshape(()) > 0
+        self.spikes.observe(values, finite & ~spike)
+        return torch.where(finite, torch.where(spike, SPIKE, ADMITTED), NONFINITE)
+
+    def skip_on_device(self, optimizer: torch.optim.Optimizer, verdict: torch.Tensor) -> bool:
+        """Makes ``optimizer`` skip this step's update on the device when ``verdict`` is not
+        ``ADMITTED``, with no host read; False (nothing set) if it cannot.
 
         A fused torch optimizer (``fused=True``: Adam, AdamW, SGD, Adagrad; the ones whose
         ``_step_supports_amp_scaling`` is set) takes a ``found_inf`` flag, as from a gradient
         scaler: at 1 its kernel leaves parameters, moments and step counts as they were, which is
         exactly what a skipped step does. The steps are then counted (and a run of them stops
         the run) when the Task reads its values (`admit`, in step order). Other optimizers need
-        the host read before the step (`read`).
+        the host read before the step.
         """
         if not getattr(optimizer, "_step_supports_amp_scaling", False):
             return False
-        optimizer.found_inf = (~torch.isfinite(values)).any().float()
+        optimizer.found_inf = (verdict != ADMITTED).float()
         return True
 
-    def read(self, loss: torch.Tensor, grad_norm: torch.Tensor, *, islands: Any = None) -> tuple[float, float]:
-        """(loss, gradient norm) on the host (`combine`, then one device-to-host transfer)."""
-        loss_value, grad_norm_value = self.combine(loss, grad_norm, islands=islands).tolist()
-        return loss_value, grad_norm_value
+    def safe_step(self) -> int | None:
+        """While an anomaly is unresolved: the newest step whose weights precede it (checkpoints
+        of that step or older are safe to continue from); None when the run is healthy."""
+        return None if self.first is None else max(int(self.first["step"]) - 2, 0)
 
-    def admit(self, step: int, loss: float, grad_norm: float) -> bool:
+    def admit(self, step: int, loss: float, grad_norm: float, verdict: float, *, checkpoints: Path | None = None) -> bool:
         """Whether optimizer step ``step`` (1 for the first) applies its update.
 
+        Args:
+            checkpoints: the run's ``checkpoints/`` directory, for the stop message's advice.
+
         Raises:
-            NonFiniteError: under "stop", the ``max_consecutive``-th non-finite step in a row.
+            NonFiniteError: under "stop", the ``max_consecutive``-th anomalous step in a row; under
+                "skip", the step that makes more than ``max_skipped`` skipped steps.
         """
-        if math.isfinite(loss) and math.isfinite(grad_norm):
+        if verdict == ADMITTED:
             self.consecutive = 0
+            self.healthy += 1
+            if self.healthy >= self.recover_after:
+                self.first = None  # recovered: the checkpoint before the anomaly may go
             return True
         self.consecutive += 1
         self.skipped += 1
+        self.spiked += int(verdict == SPIKE)
+        self.healthy = 0
+        if self.first is None:
+            self.first = {"step": step, "loss": loss, "grad_norm": grad_norm, "verdict": verdict}
         if self.policy == "stop" and self.consecutive >= self.max_consecutive:
             raise NonFiniteError(
-                f"training stopped at step {step}: loss={loss}, grad_norm={grad_norm}, non-finite for "
-                f"{self.consecutive} step(s) in a row (train.nonfinite=stop, train.max_nonfinite_steps="
-                f"{self.max_consecutive}); their updates were skipped and no checkpoint holds NaN or inf. "
-                f"Lower optim.lr or set train.max_grad_norm, then continue from the last finite checkpoint with "
-                f"resume=last; or skip such steps and go on with train.nonfinite=skip"
+                f"training stopped at step {step}: {self.consecutive} anomalous step(s) in a row, {self.skipped} in all "
+                f"({self.counts()}); "
+                f"the first, step {self.first['step']}, had {_describe(self.first, self.spikes)} (train.nonfinite=stop, "
+                f"train.max_nonfinite_steps={self.max_consecutive}). Their updates were skipped. {self.advice(checkpoints)}"
+                f"; or skip such steps and go on with train.nonfinite=skip"
+            )
+        if self.policy == "skip" and self.skipped > self.max_skipped:
+            raise NonFiniteError(
+                f"training stopped at step {step}: {self.skipped} steps skipped ({self.counts()}), more than "
+                f"train.max_skipped_steps={self.max_skipped} (train.nonfinite=skip); the first anomaly was at step "
+                f"{self.first['step']} ({_describe(self.first, self.spikes)}). {self.advice(checkpoints)}"
             )
         return False
 
-    def state_dict(self) -> dict[str, int]:
-        return {"consecutive": self.consecutive, "skipped": self.skipped}
+    def counts(self) -> str:
+        """The skipped steps by cause: '1 non-finite, 2 spike(s)'."""
+        return f"{self.skipped - self.spiked} non-finite, {self.spiked} spike(s)"
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def advice(self, checkpoints: Path | None) -> str:
+        """What to run next: continue from the newest checkpoint before the anomaly (`safe_step`)
+        with a lower optim.lr, or start again when none precedes it."""
+        first = int(self.first["step"]) if self.first is not None else 1
+        safe = self.safe_step() or 0
+        found = [p for p in step_checkpoints(checkpoints) if int(p.name[5:]) <= safe] if checkpoints is not None else []
+        cause = f"Step {first}'s values were computed on the weights of step {first - 1}, which are suspect too"
+        if not found:
+            return (
+                f"{cause}, and no checkpoint precedes them: start a new run with a lower optim.lr (the same seed gives "
+                f"the same initial weights)"
+            )
+        run_dir = checkpoints.parent if checkpoints is not None else None
+        return (
+            f"{cause}: continue from {found[-1].name}, the newest checkpoint before them, with a lower optim.lr: "
+            f"run_dir={run_dir} resume={found[-1]} resume_override=[optim.lr] optim.lr=<lower>"
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "consecutive": self.consecutive, "skipped": self.skipped, "spiked": self.spiked, "first": self.first,
+            "healthy": self.healthy, "spikes": self.spikes.state_dict() if self.spikes is not None else None,
+        }  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.consecutive, self.skipped = int(state["consecutive"]), int(state["skipped"])
+        # Checkpoints from before the spike rule hold only the two counts above.
+        self.spiked, self.first, self.healthy = int(state.get("spiked", 0)), state.get("first"), int(state.get("healthy", 0))
+        if self.spikes is not None and state.get("spikes") is not None:
+            self.spikes.load_state_dict(state["spikes"])
+
+
+def _describe(first: dict[str, float], spikes: SpikeRule | None) -> str:
+    """The values of an anomalous step and why they were refused."""
+    values = f"loss={first['loss']:.6g}, grad_norm={first['grad_norm']:.6g}"
+    if first["verdict"] == SPIKE and spikes is not None:
+        return f"{values}, a spike against the last admitted steps (train.spike_factor={spikes.factor:g})"
+    return f"{values}, not finite"

@@ -231,6 +231,10 @@ def check_semantics(cfg: DictConfig, problems: list[str], broken: frozenset[str]
             problems.append(f"train.{name}={train[name]} must be positive")
     if train.eval_every < 0:
         problems.append(f"train.eval_every={train.eval_every} must be >= 0")
+    if 0 < train.spike_factor <= 1:  # a factor of 1 or less would call every step a spike
+        problems.append(
+            f"train.spike_factor={train.spike_factor} must be above 1 (10 is Megatron-LM's), or 0 to turn the spike rule off"
+        )
     limit = trainer.limit_train_batches
     if limit is not None and (limit <= 0 or (isinstance(limit, float) and limit > 1.0)):
         problems.append(

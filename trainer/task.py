@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -36,6 +37,7 @@ from trainer.nonfinite import NonFiniteGuard
 from trainer.optim import build_optimizer
 from trainer.protocols import Objective, RoutedModel
 from trainer.run_length import RunLength, plan_run_length
+from trainer.rundir import RunDir
 from trainer.step_metrics import NamedMeans, PendingSteps, read_means
 
 
@@ -62,8 +64,8 @@ class Task(L.LightningModule):
         eval_every: evaluate every this many optimizer steps, at step 0 and at the last step
             (0: only at the last step).
         flops_per_token: training FLOPs per token of the model, for throughput reporting.
-        nonfinite: decides whether a step with a NaN or inf loss or gradient norm is applied
-            (`trainer.nonfinite.NonFiniteGuard`); None: the default guard.
+        nonfinite: decides whether a step is applied: not when its loss or gradient norm is NaN,
+            inf or a spike (`trainer.nonfinite.NonFiniteGuard`); None: the default guard.
     """
 
     def __init__(
@@ -187,9 +189,15 @@ class Task(L.LightningModule):
         if not len(self._pending):
             return
         for entry in self._pending.read():
-            if entry.pop("_skip_on_device", False):
-                self.nonfinite.admit(int(entry["step"]), entry["loss"], entry["grad_norm"])
+            skipped_on_device, verdict = entry.pop("_skip_on_device", False), entry.pop("_verdict", None)
+            if skipped_on_device:
+                step, checkpoints = int(entry["step"]), self._checkpoints()
+                self.nonfinite.admit(step, entry["loss"], entry["grad_norm"], verdict, checkpoints=checkpoints)
             self._history.append(entry)
+
+    def _checkpoints(self) -> Path:
+        """The run's ``checkpoints/`` directory (named in the advice of a stopped run)."""
+        return RunDir(self.trainer.default_root_dir).checkpoints
 
     # ------------------------------------------------------------------------------ the step
     @override
@@ -224,8 +232,12 @@ class Task(L.LightningModule):
         grad_norm = strategy.grad_norm(parameters)
         islands = None if strategy.token_axis == "dp_cp" else lambda t: strategy.all_reduce_sum(t, "dp_replicate")
         values = self.nonfinite.combine(loss, grad_norm, islands=islands)
-        on_device = self.nonfinite.skip_on_device(getattr(optimizer, "_optimizer", optimizer), values)
-        if not on_device and not self.nonfinite.admit(self.global_step + 1, *values.tolist()):
+        # Decided before the optimizer step: an anomalous step's update is never applied.
+        verdict = self.nonfinite.verdict(values, judged=num_tokens > 0, islands=islands)
+        on_device = self.nonfinite.skip_on_device(getattr(optimizer, "_optimizer", optimizer), verdict)
+        if not on_device and not self.nonfinite.admit(
+            self.global_step + 1, *torch.cat([values, verdict.reshape(1)]).tolist(), checkpoints=self._checkpoints()
+        ):
             optimizer.zero_grad(set_to_none=True)  # the optimizer then leaves every parameter as it is
         elif self.max_grad_norm:  # (a skipped step's NaN gradients: its update is skipped anyway)
             strategy.clip_grads(parameters, max_norm=self.max_grad_norm, total_norm=grad_norm)
@@ -243,7 +255,7 @@ class Task(L.LightningModule):
         self.tokens_seen += self.last_step_tokens
         self._pending.add(
             {"step": self.global_step, "loss": values[0], "grad_norm": values[1], "lr": lr, "_skip_on_device": on_device,
-             "train/supervised_tokens": num_tokens, **strategy_metrics, **data_metrics},
+             "_verdict": verdict, "train/supervised_tokens": num_tokens, **strategy_metrics, **data_metrics},
             objective_sums,
         )  # fmt: skip
         if is_logging_step(self.trainer) or self._evaluates_now():
@@ -268,7 +280,7 @@ class Task(L.LightningModule):
         if not (is_logging_step(self.trainer) or self.data_ended()):
             return
         step, loss, grad_norm, lr = (last.pop(k) for k in ("step", "loss", "grad_norm", "lr"))
-        if self.nonfinite.skipped:
+        if self.nonfinite.skipped:  # every anomalous step: non-finite or spike
             last["train/nonfinite_steps"] = float(self.nonfinite.skipped)
         self.record(
             {"train/loss": loss, "train/grad_norm": grad_norm, "train/lr": lr, **last, "train/tokens_seen": float(self.tokens_seen)}

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from harness import EXACT_SGD, compose_config, fit, reference_setup
 
 from trainer.callbacks.checkpoint import PeriodicCheckpoint
-from trainer.nonfinite import NonFiniteError, NonFiniteGuard
+from trainer.nonfinite import ADMITTED, NONFINITE, NonFiniteError, NonFiniteGuard
 
 POISONED = 2  # the optimizer step whose loss is NaN
 STEPS = 3
@@ -88,14 +88,16 @@ def test_a_non_finite_step_is_skipped_and_its_row_precedes_its_checkpoint(tmp_pa
 
 def test_guard_stops_after_max_consecutive_non_finite_steps() -> None:
     guard = NonFiniteGuard("stop", max_consecutive=2)
-    assert guard.admit(1, 2.0, 1.0)
-    assert not guard.admit(2, math.nan, 1.0)
-    assert guard.admit(3, 2.0, 1.0)  # a finite step resets the count
-    assert not guard.admit(4, 2.0, math.inf)
+    assert guard.admit(1, 2.0, 1.0, ADMITTED)
+    assert not guard.admit(2, math.nan, 1.0, NONFINITE)
+    assert guard.admit(3, 2.0, 1.0, ADMITTED)  # a finite step resets the count
+    assert not guard.admit(4, 2.0, math.inf, NONFINITE)
     with pytest.raises(NonFiniteError, match="step 5.*train.nonfinite=skip"):
-        guard.admit(5, math.inf, math.nan)
-    assert guard.state_dict() == {"consecutive": 2, "skipped": 3}
-    skipping = NonFiniteGuard("skip", max_consecutive=1)
-    assert not any(skipping.admit(step, math.nan, math.nan) for step in range(1, 10))
+        guard.admit(5, math.inf, math.nan, NONFINITE)
+    assert (guard.consecutive, guard.skipped) == (2, 3)
+    skipping = NonFiniteGuard("skip", max_consecutive=1, max_skipped=8)
+    assert not any(skipping.admit(step, math.nan, math.nan, NONFINITE) for step in range(1, 9))
+    with pytest.raises(NonFiniteError, match="step 9: 9 steps skipped.*train.max_skipped_steps=8"):
+        skipping.admit(9, math.nan, math.nan, NONFINITE)
     with pytest.raises(ValueError, match="train.nonfinite='never'"):
         NonFiniteGuard("never")  # type: ignore[arg-type]

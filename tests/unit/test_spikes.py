@@ -1,0 +1,113 @@
+"""The spike rule (trainer.spikes): hand-computed verdicts, and a real run whose skipped steps are the
+ones the rule, recomputed here from its metrics.csv, calls spikes."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from harness import compose_config, fit
+
+from trainer.nonfinite import ADMITTED, NONFINITE, SPIKE, NonFiniteGuard
+from trainer.spikes import SpikeRule, apply_spike_rule
+
+SPIKED = 5  # the optimizer step whose logits the test scales
+WINDOW, FACTOR = 3, 10.0
+
+
+def _rule(values: list[float], recent: list[list[float]], window: int = 4) -> bool:
+    rows = torch.zeros(window, 2)
+    if recent:
+        rows[window - len(recent) :] = torch.tensor(recent)
+    return bool(apply_spike_rule(torch.tensor(values), rows, torch.tensor(len(recent)), factor=FACTOR))
+
+
+def test_the_rule_on_hand_values() -> None:
+    recent = [[3.0, 1.0], [2.5, 2.0]]  # the largest loss 3, gradient norms in [1, 2]
+    assert not _rule([29.0, 19.0], recent)  # just under 10 x the largest
+    assert _rule([31.0, 1.0], recent)  # the loss above 10 x 3
+    assert _rule([2.0, 21.0], recent)  # the gradient norm above 10 x 2
+    assert _rule([2.0, 0.09], recent)  # the gradient norm below 1 / 10
+    assert not _rule([0.01, 0.11], recent)  # a loss may fall any amount
+    assert not _rule([1e9, 1e9], [])  # no history: nothing spikes
+    # Only the filled rows count: the zeros of an unfilled window are not a gradient norm of 0.
+    assert not _rule([2.0, 1.5], [[2.0, 1.0]], window=4)
+    # The newest row counts: 15 is above 10 x 1, not above 10 x 20.
+    assert not _rule([2.0, 15.0], [[2.0, 1.0], [2.0, 20.0]]) and _rule([2.0, 15.0], [[2.0, 1.0]])
+
+
+def test_the_window_keeps_the_last_admitted_steps() -> None:
+    rule = SpikeRule(FACTOR, window=2)
+    yes, no = torch.tensor(True), torch.tensor(False)
+    for values, admitted in (([2.0, 1.0], yes), ([2.0, 50.0], no), ([2.0, 3.0], yes), ([2.0, 4.0], yes)):
+        rule.observe(torch.tensor(values), admitted)
+    assert rule.state_dict() == {"recent": [[2.0, 3.0], [2.0, 4.0]]}  # step 1 rolled out, step 2 never in
+    assert bool(rule.spikes(torch.tensor([2.0, 0.2]), yes)) and not bool(rule.spikes(torch.tensor([2.0, 0.2]), no))
+
+
+def test_the_guard_counts_spikes_and_protects_the_step_before_the_anomaly() -> None:
+    guard = NonFiniteGuard("skip", max_skipped=5, spikes=SpikeRule(FACTOR, 2), recover_after=2)
+    verdicts = [guard.verdict(torch.tensor(v), judged=torch.tensor(True)) for v in ([3.0, 1.0], [3.0, 30.0], [math.nan, 1.0])]
+    assert [float(v) for v in verdicts] == [ADMITTED, SPIKE, NONFINITE]
+    assert guard.admit(6, 3.0, 1.0, ADMITTED) and guard.safe_step() is None
+    assert not guard.admit(7, 3.0, 30.0, SPIKE) and guard.safe_step() == 5  # step 7 accuses step 6's weights
+    assert not guard.admit(8, math.nan, 1.0, NONFINITE) and guard.safe_step() == 5
+    assert guard.admit(9, 3.0, 1.0, ADMITTED) and guard.safe_step() == 5
+    assert guard.admit(10, 3.0, 1.0, ADMITTED) and guard.safe_step() is None  # recovered
+    assert (guard.skipped, guard.spiked) == (2, 1)
+
+
+class ScaleLogits(L.Callback):
+    """During optimizer step ``SPIKED`` only, the output weight is 30 times larger (a loss and
+    gradient spike with finite values); it is restored after that step."""
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, *args: Any) -> None:
+        if trainer.global_step + 1 == SPIKED:
+            self.saved = pl_module.model.output.weight.detach().clone()
+            with torch.no_grad():
+                pl_module.model.output.weight.mul_(30.0)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, *args: Any) -> None:
+        if trainer.global_step == SPIKED:
+            with torch.no_grad():
+                pl_module.model.output.weight.copy_(self.saved)
+
+
+def _reference_skips(rows: list[dict[str, str]]) -> list[int]:
+    """The spike rule written again from metrics.csv's (loss, gradient norm) per step: compared
+    with the last ``WINDOW`` steps that were not skipped."""
+    admitted: list[tuple[float, float]] = []
+    skipped = []
+    for row in rows:
+        loss, grad_norm = float(row["train/loss"]), float(row["train/grad_norm"])
+        recent = admitted[-WINDOW:]
+        spike = bool(recent) and (
+            loss > FACTOR * max(r[0] for r in recent)
+            or grad_norm > FACTOR * max(r[1] for r in recent)
+            or grad_norm < min(r[1] for r in recent) / FACTOR
+        )
+        if spike or not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            skipped.append(int(row["step"]))
+        else:
+            admitted.append((loss, grad_norm))
+    return skipped
+
+
+def test_a_run_skips_the_steps_the_rule_recomputed_from_metrics_csv_calls_spikes(tmp_path: Path) -> None:
+    cfg = compose_config([
+        "trainer.max_steps=8", "train.nonfinite=skip", f"train.spike_window={WINDOW}", f"train.spike_factor={FACTOR}",
+        "logger=csv", "+callbacks.scale._target_=test_spikes.ScaleLogits",
+    ])  # fmt: skip
+    _, task = fit(cfg, tmp_path)
+    with open(tmp_path / "metrics.csv", newline="") as file:
+        rows = [row for row in csv.DictReader(file) if row["train/loss"]]
+    assert [int(r["step"]) for r in rows] == list(range(1, 9))
+    expected = _reference_skips(rows)
+    assert expected == [SPIKED], rows  # the scaled step, and only it, leaves the recent range
+    # plait's count of skipped steps rises exactly at the steps the reference skips.
+    counts = [float(r["train/nonfinite_steps"] or 0) for r in rows]
+    assert [int(r["step"]) for r, before, now in zip(rows, [0.0, *counts], counts) if now > before] == expected
