@@ -30,6 +30,7 @@ from strategies.ranges import NON_NEGATIVE
 from trainer.callbacks.preemption import StopSignals, Stopped, stop_message
 from trainer.loggers import RunCSVLogger
 from trainer.rundir import LAST, last_link_problem, step_checkpoints, step_dir, step_dirs
+from trainer.task import Task
 
 _TRASH = ".pruned-"
 
@@ -127,23 +128,29 @@ class PeriodicCheckpoint(Checkpoint):
                 os.replace(tmp, link)  # atomic: `last` always names a complete checkpoint
             finally:
                 tmp.unlink(missing_ok=True)  # left only when the move failed
-            self._prune()
+            task = trainer.lightning_module
+            self._prune(protect=task.nonfinite.safe_step() if isinstance(task, Task) else None)
         trainer.strategy.barrier()
         return path
 
-    def _prune(self) -> None:
+    def _prune(self, protect: int | None = None) -> None:
         """Keeps the ``keep_last`` newest complete checkpoints; removes every step_* directory
-        older than the oldest kept one (and leftovers of interrupted saves and prunes)."""
+        older than the oldest kept one (and leftovers of interrupted saves and prunes), except,
+        while the run recovers from an anomalous step, the newest complete checkpoint of a step
+        ``<= protect`` (`trainer.nonfinite.NonFiniteGuard.safe_step`): the newer ones may hold
+        the weights that led to the anomaly."""
         assert self.dirpath is not None
         for leftover in self.dirpath.iterdir():
             if leftover.name.startswith(_TRASH) or re.fullmatch(r"step_\d+\.(tmp|old)", leftover.name):
                 shutil.rmtree(leftover, ignore_errors=True)
         if not self.keep_last:
             return
-        kept = step_checkpoints(self.dirpath)[-self.keep_last :]
+        complete = step_checkpoints(self.dirpath)
+        kept = complete[-self.keep_last :]
         oldest_kept = int(kept[0].name[5:]) if kept else 0
+        safe = [p for p in complete if protect is not None and int(p.name[5:]) <= protect][-1:]
         for old in step_dirs(self.dirpath):
-            if int(old.name[5:]) < oldest_kept:
+            if int(old.name[5:]) < oldest_kept and old not in safe:
                 remove_dir(old)
 
     @override
