@@ -206,6 +206,10 @@ def run(cfg: DictConfig, launch: Launch | None = None) -> None:
         # which abort a normal exit after a failed collective.
         print(heartbeat.lost_line(lost), file=sys.stderr, flush=True)
         os._exit(ABORT_EXIT)
+    if trainer.is_global_zero and task.nonfinite.skipped:  # train.nonfinite=skip went on: say so
+        print(f"plait: warning: {task.nonfinite.skipped} of {trainer.global_step} steps skipped their update "
+              f"({task.nonfinite.counts()}; train.nonfinite={task.nonfinite.policy}, summary.json skipped_steps)",
+              file=sys.stderr)  # fmt: skip
     if trainer.is_global_zero:
         summary = RunDir(run_dir).summary
         print(f"plait: run directory {run_dir}" + (f"\n{summary.read_text()}" if summary.exists() else ""))

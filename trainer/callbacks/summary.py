@@ -14,7 +14,9 @@ or Ctrl-C ends it. Its keys, in groups (a later group adds keys; none is renamed
   and the last evaluation's headline metrics by their metrics.csv names: what the objective and the
   evaluators declare (`trainer.protocols.Objective.headline_metrics`, e.g.
   ``{"val/rewards/accuracy": 0.97, "val/rewards/margin": 4.2}`` for DPO,
-  ``{"val/exact_match/addition": 0.81}`` where an evaluator scores exact match; ``{}`` for none).
+  ``{"val/exact_match/addition": 0.81}`` where an evaluator scores exact match; ``{}`` for none);
+- the steps whose update was skipped (`skipped_steps`): ``skipped_steps`` (non-finite or spiking,
+  `trainer.nonfinite`) and ``spike_steps`` (of which spikes).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing_extensions import override
 
 from trainer.callbacks.preemption import Stopped
 from trainer.data import accounting
-from trainer.nonfinite import NonFiniteError
+from trainer.nonfinite import NonFiniteError, NonFiniteGuard
 from trainer.run_length import CALLBACK, DATA_EXHAUSTED, INTERRUPTED, MAX_STEPS, NONFINITE, SIGNAL, RunLength
 from trainer.rundir import RunDir
 
@@ -103,6 +105,12 @@ def interrupted_by(exception: BaseException, step: int) -> tuple[str, str] | Non
     return None
 
 
+def skipped_steps(guard: NonFiniteGuard) -> dict[str, int]:
+    """``skipped_steps``: the steps whose update was skipped (`trainer.nonfinite`: non-finite or
+    a spike), and ``spike_steps``: of which spikes."""
+    return {"skipped_steps": guard.skipped, "spike_steps": guard.spiked}
+
+
 class Summary(L.Callback):
     """Writes ``<dirpath>/summary.json`` (module docstring) at the end of training, or when a run
     is stopped on purpose (rank 0); wall time and the warm tokens/s (see `headline`) survive resumes.
@@ -165,6 +173,7 @@ class Summary(L.Callback):
             ),
             **stop_fields(pl_module.run_length(), stopped_by, reason),
             **val_measures(pl_module.history, pl_module.headline_metrics()),
+            **skipped_steps(pl_module.nonfinite),
         }
         if trainer.datamodule is not None and (counts := trainer.datamodule.data_counts()):
             # per source: samples dropped, truncated, tokens lost (training split, and "held_out")
