@@ -43,9 +43,9 @@ def test_the_rule_on_hand_values() -> None:
 def test_the_window_keeps_the_last_admitted_steps() -> None:
     rule = SpikeRule(FACTOR, window=2)
     yes, no = torch.tensor(True), torch.tensor(False)
-    for values, admitted in (([2.0, 1.0], yes), ([2.0, 50.0], no), ([2.0, 3.0], yes), ([2.0, 4.0], yes)):
+    for values, admitted in (([2.0, 1.0], yes), ([2.0, 3.0], yes), ([2.0, 4.0], yes), ([2.0, 50.0], no)):
         rule.observe(torch.tensor(values), admitted)
-    assert rule.state_dict() == {"recent": [[2.0, 3.0], [2.0, 4.0]]}  # step 1 rolled out, step 2 never in
+    assert rule.state_dict() == {"recent": [[2.0, 3.0], [2.0, 4.0]]}  # step 1 rolled out, step 4 never in
     assert bool(rule.spikes(torch.tensor([2.0, 0.2]), yes)) and not bool(rule.spikes(torch.tensor([2.0, 0.2]), no))
 
 
