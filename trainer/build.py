@@ -98,7 +98,7 @@ def build_task(cfg: DictConfig, run: ResolvedRun, model: nn.Module) -> Task:
         nonfinite=NonFiniteGuard(
             cfg.train.nonfinite, cfg.train.max_nonfinite_steps, cfg.train.max_skipped_steps,
             spikes=SpikeRule(cfg.train.spike_factor, cfg.train.spike_window) if cfg.train.spike_factor else None,
-            recover_after=cfg.train.spike_window,
+            recover_after=cfg.train.spike_window, max_rollbacks=cfg.train.max_rollbacks,
         ),  # fmt: skip
     )
 

@@ -48,12 +48,17 @@ class TrainConfig:
         eval_every: evaluate every this many steps (plus step 0 and the last step; 0: only those).
         nonfinite: an anomalous step (its loss or gradient norm NaN, inf, or a spike) skips its
             update, decided before the optimizer step; "stop" also stops the run after
-            ``max_nonfinite_steps`` such steps in a row (exit 3), "skip" goes on until more than
-            ``max_skipped_steps`` steps were skipped. The stop message names the checkpoint from
-            before the first anomalous step (kept from pruning until the run recovers).
+            ``max_nonfinite_steps`` such steps in a row (exit 3); "rollback" there reloads the
+            weights and optimizer state of the checkpoint from before the first of them and goes on
+            with the data after them (at most ``max_rollbacks`` times, then it stops); "skip" goes
+            on until more than ``max_skipped_steps`` steps were skipped. The stop message names the
+            checkpoint from before the first anomalous step (kept from pruning until the run
+            recovers).
         max_nonfinite_steps: anomalous steps in a row that stop the run under ``nonfinite=stop``.
         max_skipped_steps: skipped steps of the whole run that ``nonfinite=skip`` tolerates; the
             next one stops the run (exit 3). summary.json says how many were skipped.
+        max_rollbacks: checkpoint reloads of the whole run under ``nonfinite=rollback``; the next
+            anomaly that would need one stops the run (exit 3) with the same advice as ``stop``.
         spike_factor: a step spikes when its loss or gradient norm is above this factor x the
             largest of the last ``spike_window`` admitted steps, or its gradient norm below their
             smallest / this factor (`trainer.spikes`); 0 turns the spike rule off.
@@ -66,9 +71,10 @@ class TrainConfig:
     max_grad_norm: Annotated[float, NON_NEGATIVE] | None = 1.0
     no_decay: list[str] = field(default_factory=lambda: list(DEFAULT_NO_DECAY))
     eval_every: int = 50
-    nonfinite: Literal["stop", "skip"] = "stop"
+    nonfinite: Literal["stop", "skip", "rollback"] = "stop"
     max_nonfinite_steps: Annotated[int, POSITIVE] = 3
     max_skipped_steps: Annotated[int, NON_NEGATIVE] = 10
+    max_rollbacks: Annotated[int, NON_NEGATIVE] = 2
     spike_factor: Annotated[float, NON_NEGATIVE] = 10.0
     spike_window: Annotated[int, POSITIVE] = 20
 

@@ -47,10 +47,13 @@ class NonFiniteGuard:
 
     Args:
         policy: "stop": skip an anomalous step's update, and stop the run when ``max_consecutive``
-            steps in a row were anomalous; "skip": skip each such update and go on, until more than
-            ``max_skipped`` steps of the run were skipped.
+            steps in a row were anomalous; "rollback": there, reload the checkpoint from before the
+            first of them (`safe_checkpoint`; the Task does it, `rollback_due`) and go on with the
+            data after them, at most ``max_rollbacks`` times, then stop; "skip": skip each such
+            update and go on, until more than ``max_skipped`` steps of the run were skipped.
         max_consecutive: anomalous steps in a row that stop the run under "stop" (1: the first).
         max_skipped: skipped steps of the whole run that "skip" tolerates; the next one stops it.
+        max_rollbacks: rollbacks of the whole run that "rollback" makes before it stops.
         spikes: the spike rule (`trainer.spikes.SpikeRule`); None: only non-finite steps are anomalous.
         recover_after: admitted steps in a row after which the run has recovered from an anomaly
             (the checkpoint before it may then be pruned).
@@ -61,20 +64,23 @@ class NonFiniteGuard:
 
     def __init__(
         self,
-        policy: Literal["stop", "skip"] = "stop",
+        policy: Literal["stop", "skip", "rollback"] = "stop",
         max_consecutive: int = 3,
         max_skipped: int = 10,
         spikes: SpikeRule | None = None,
         recover_after: int = 20,
+        max_rollbacks: int = 2,
     ) -> None:
-        if policy not in ("stop", "skip"):
-            raise ValueError(f"train.nonfinite={policy!r}: use stop or skip")
+        if policy not in ("stop", "skip", "rollback"):
+            raise ValueError(f"train.nonfinite={policy!r}: use stop, skip or rollback")
         if max_consecutive < 1:
             raise ValueError(f"train.max_nonfinite_steps={max_consecutive}: use 1 or more")
         if max_skipped < 0 or recover_after < 1:
             raise ValueError(f"train.max_skipped_steps={max_skipped} must be >= 0 and recover_after={recover_after} >= 1")
         self.policy, self.max_consecutive, self.max_skipped = policy, max_consecutive, max_skipped
-        self.spikes, self.recover_after = spikes, recover_after
+        self.spikes, self.recover_after, self.max_rollbacks = spikes, recover_after, max_rollbacks
+        self.rollbacks = 0  # checkpoints reloaded by "rollback"
+        self.rollback_due: Path | None = None  # the checkpoint the Task reloads at the end of this step
         self.consecutive = 0  # anomalous steps in a row, up to the current one
         self.skipped = 0  # anomalous steps of the whole run
         self.spiked = 0  # of which spikes (finite values)
@@ -156,11 +162,16 @@ class NonFiniteGuard:
         self.healthy = 0
         if self.first is None:
             self.first = {"step": step, "loss": loss, "grad_norm": grad_norm, "verdict": verdict}
-        if self.policy == "stop" and self.consecutive >= self.max_consecutive:
+        if self.policy in ("stop", "rollback") and self.consecutive >= self.max_consecutive:
+            safe = self.safe_checkpoint(checkpoints)
+            if self.policy == "rollback" and self.rollbacks < self.max_rollbacks and safe is not None:
+                self.rollback_due = safe
+                return False
+            rolled = f", after {self.rollbacks} rollback(s) (train.max_rollbacks={self.max_rollbacks})"
             raise NonFiniteError(
                 f"training stopped at step {step}: {self.consecutive} anomalous step(s) in a row, {self.skipped} in all "
-                f"({self.counts()}); "
-                f"the first, step {self.first['step']}, had {_describe(self.first, self.spikes)} (train.nonfinite=stop, "
+                f"({self.counts()}); the first, step {self.first['step']}, had {_describe(self.first, self.spikes)} "
+                f"(train.nonfinite={self.policy}{rolled if self.policy == 'rollback' else ''}, "
                 f"train.max_nonfinite_steps={self.max_consecutive}). Their updates were skipped. {self.advice(checkpoints)}"
                 f"; or skip such steps and go on with train.nonfinite=skip"
             )
@@ -176,34 +187,50 @@ class NonFiniteGuard:
         """The skipped steps by cause: '1 non-finite, 2 spike(s)'."""
         return f"{self.skipped - self.spiked} non-finite, {self.spiked} spike(s)"
 
+    def safe_checkpoint(self, checkpoints: Path | None) -> Path | None:
+        """The newest complete checkpoint in ``checkpoints`` of a step ``<=`` `safe_step`; None
+        without an unresolved anomaly or such a checkpoint."""
+        safe = self.safe_step()
+        if safe is None or checkpoints is None:
+            return None
+        found = [p for p in step_checkpoints(checkpoints) if int(p.name[5:]) <= safe]
+        return found[-1] if found else None
+
+    def rolled_back(self) -> None:
+        """The Task reloaded `rollback_due`: the run goes on from there (the anomaly stays open, so
+        the checkpoint stays protected until the run recovers)."""
+        self.rollbacks += 1
+        self.consecutive, self.rollback_due = 0, None
+
     def advice(self, checkpoints: Path | None) -> str:
         """What to run next: continue from the newest checkpoint before the anomaly (`safe_step`)
         with a lower optim.lr, or start again when none precedes it."""
         first = int(self.first["step"]) if self.first is not None else 1
-        safe = self.safe_step() or 0
-        found = [p for p in step_checkpoints(checkpoints) if int(p.name[5:]) <= safe] if checkpoints is not None else []
+        found = self.safe_checkpoint(checkpoints)
         cause = f"Step {first}'s values were computed on the weights of step {first - 1}, which are suspect too"
-        if not found:
+        if found is None:
             return (
                 f"{cause}, and no checkpoint precedes them: start a new run with a lower optim.lr (the same seed gives "
                 f"the same initial weights)"
             )
         run_dir = checkpoints.parent if checkpoints is not None else None
         return (
-            f"{cause}: continue from {found[-1].name}, the newest checkpoint before them, with a lower optim.lr: "
-            f"run_dir={run_dir} resume={found[-1]} resume_override=[optim.lr] optim.lr=<lower>"
+            f"{cause}: continue from {found.name}, the newest checkpoint before them, with a lower optim.lr: "
+            f"run_dir={run_dir} resume={found} resume_override=[optim.lr] optim.lr=<lower>"
         )
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "consecutive": self.consecutive, "skipped": self.skipped, "spiked": self.spiked, "first": self.first,
-            "healthy": self.healthy, "spikes": self.spikes.state_dict() if self.spikes is not None else None,
+            "healthy": self.healthy, "rollbacks": self.rollbacks,
+            "spikes": self.spikes.state_dict() if self.spikes is not None else None,
         }  # fmt: skip
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.consecutive, self.skipped = int(state["consecutive"]), int(state["skipped"])
         # Checkpoints from before the spike rule hold only the two counts above.
         self.spiked, self.first, self.healthy = int(state.get("spiked", 0)), state.get("first"), int(state.get("healthy", 0))
+        self.rollbacks = int(state.get("rollbacks", 0))
         if self.spikes is not None and state.get("spikes") is not None:
             self.spikes.load_state_dict(state["spikes"])
 

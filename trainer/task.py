@@ -20,6 +20,7 @@ optimization is off because its closure scales losses by a fixed ``1/accumulate_
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -329,11 +330,43 @@ class Task(L.LightningModule):
         return [_EndOfStep()]
 
     def end_step(self) -> None:
-        """Evaluates when due and writes the step's row to the loggers."""
+        """Rolls back when the guard says so (`_roll_back`), evaluates when due and writes the
+        step's row to the loggers."""
+        if self.nonfinite.policy == "rollback":
+            self._read_pending()  # this step's verdict now: a host read each step, under rollback only
+        if self.nonfinite.rollback_due is not None:
+            self._roll_back()
         step = self.global_step
         if step == self.trainer.max_steps or self.data_ended() or (self.eval_every and step % self.eval_every == 0):
             self.evaluate()
         self._write_row()
+
+    def _roll_back(self) -> None:
+        """Reloads the weights and optimizer state of the checkpoint from before the anomaly
+        (`NonFiniteGuard.rollback_due`) into the live model, on every rank (DCP is collective;
+        the guard's state is equal on all of them). The step count, the LR schedule and the data
+        position go on: the next steps train on the data after the anomalous ones, as PaLM
+        restarted about 100 steps before a spike and skipped 200-500 batches."""
+        path = self.nonfinite.rollback_due
+        assert path is not None
+        # The checkpoint's param groups would also bring back its hyperparameters (a resumed run's
+        # resume_override=[optim.lr] among them): the run's own stay.
+        optimizers = [getattr(opt, "_optimizer", opt) for opt in self.trainer.optimizers]
+        groups = [[{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups] for opt in optimizers]
+        self.trainer.strategy.load_checkpoint(path)
+        for opt, kept in zip(optimizers, groups):
+            for group, hyper in zip(opt.param_groups, kept):
+                group.update(hyper)
+        self.nonfinite.rolled_back()
+        self.record({"train/rollbacks": float(self.nonfinite.rollbacks)})
+        if self.trainer.is_global_zero:
+            print(
+                f"plait: warning: rolled back at step {self.global_step} to {path.name}, the checkpoint before the "
+                f"anomalous steps from step {self.nonfinite.first['step'] if self.nonfinite.first else '?'} on "
+                f"({self.nonfinite.counts()} so far; rollback {self.nonfinite.rollbacks} of train.max_rollbacks="
+                f"{self.nonfinite.max_rollbacks}); training goes on with the data after them",
+                file=sys.stderr, flush=True,
+            )  # fmt: skip
 
     @override
     def on_train_epoch_end(self) -> None:

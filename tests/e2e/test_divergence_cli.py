@@ -105,3 +105,26 @@ def test_skip_says_what_it_skipped_and_stops_past_its_limit(tmp_path: Path) -> N
     error = _error(result)
     assert "stopped at step 5: 4 steps skipped" in error and "more than train.max_skipped_steps=3" in error
     assert (summary["stopped_by"], summary["skipped_steps"]) == ("nonfinite", 4)
+
+
+@pytest.mark.slow
+def test_rollback_reloads_the_checkpoint_before_the_divergence_and_stops_when_it_recurs(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    ckpt = ["callbacks.checkpoint.every_n_steps=1", "callbacks.checkpoint.keep_last=2"]
+    result, _ = _run(*ckpt, "trainer.max_steps=3", f"run_dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rollback = ("train.nonfinite=rollback", "train.max_rollbacks=2", "trainer.max_steps=20")
+    result, summary = _run(*ckpt, *rollback, "resume=last", "resume_override=[optim.lr]", "optim.lr=1e6", f"run_dir={run_dir}")
+    error = _error(result)
+    rows = _train_rows(run_dir)
+    first = _first_spike(rows, since=3)
+    back = [int(s) for s in re.findall(r"rolled back at step (\d+) to step_0000003", result.stderr)]
+    assert first == 5 and back[0] == first + 2 and len(back) == 2 == summary["rollbacks"], result.stderr[-3000:]
+    # The step after a rollback trains from step 3's weights: a live gradient again (the ruined
+    # weights give 0 or NaN), admitted by the rule recomputed from the steps before the anomaly.
+    after = rows[back[0] + 1]
+    norms = [float(rows[s]["train/grad_norm"]) for s in (1, 2, 3, 4)]
+    assert min(norms) / FACTOR <= float(after["train/grad_norm"]) <= FACTOR * max(norms), after
+    # The learning rate stays the run's (1e6 ruins it again): the third time it stops, naming step 3.
+    assert summary["stopped_by"] == "nonfinite" and "after 2 rollback(s)" in error and "continue from step_0000003" in error
+    assert "step_0000003" in {p.name for p in (run_dir / "checkpoints").glob("step_*")}

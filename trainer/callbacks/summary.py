@@ -16,7 +16,7 @@ or Ctrl-C ends it. Its keys, in groups (a later group adds keys; none is renamed
   ``{"val/rewards/accuracy": 0.97, "val/rewards/margin": 4.2}`` for DPO,
   ``{"val/exact_match/addition": 0.81}`` where an evaluator scores exact match; ``{}`` for none);
 - the steps whose update was skipped (`skipped_steps`): ``skipped_steps`` (non-finite or spiking,
-  `trainer.nonfinite`) and ``spike_steps`` (of which spikes).
+  `trainer.nonfinite`), ``spike_steps`` (of which spikes) and ``rollbacks``.
 """
 
 from __future__ import annotations
@@ -107,8 +107,9 @@ def interrupted_by(exception: BaseException, step: int) -> tuple[str, str] | Non
 
 def skipped_steps(guard: NonFiniteGuard) -> dict[str, int]:
     """``skipped_steps``: the steps whose update was skipped (`trainer.nonfinite`: non-finite or
-    a spike), and ``spike_steps``: of which spikes."""
-    return {"skipped_steps": guard.skipped, "spike_steps": guard.spiked}
+    a spike), ``spike_steps``: of which spikes, ``rollbacks``: checkpoints reloaded
+    (``train.nonfinite=rollback``)."""
+    return {"skipped_steps": guard.skipped, "spike_steps": guard.spiked, "rollbacks": guard.rollbacks}
 
 
 class Summary(L.Callback):
