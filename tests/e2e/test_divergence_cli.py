@@ -64,7 +64,7 @@ def test_lr_1e6_stops_at_the_first_spike_and_a_new_run_with_a_lower_lr_trains(tm
     assert summary["stopped_by"] == "nonfinite" and summary["skipped_steps"] == 3 and summary["steps"] == first + 2
     # The first spike accuses the weights of the step before it; no checkpoint precedes those.
     assert first == 2 and "no checkpoint precedes them: start a new run with a lower optim.lr" in error
-    result, summary = _run("optim.lr=1e-3", f"run_dir={tmp_path / 'again'}")
+    result, summary = _run("optim.lr=1e-3", "trainer.max_steps=4", f"run_dir={tmp_path / 'again'}")
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [float(r["train/loss"]) for _, r in sorted(_train_rows(tmp_path / "again").items())]
     assert summary["skipped_steps"] == 0 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
