@@ -1,5 +1,6 @@
-"""The spike rule (trainer.spikes): hand-computed verdicts, and a real run whose skipped steps are the
-ones the rule, recomputed here from its metrics.csv, calls spikes."""
+"""The spike rule (trainer.spikes): hand-computed verdicts, a real run whose skipped steps are the
+ones the rule, recomputed here from its metrics.csv, calls spikes, and the guard's choice of the
+checkpoint to roll back to."""
 
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import pytest
 import torch
 from harness import compose_config, fit
 
-from trainer.nonfinite import ADMITTED, NONFINITE, SPIKE, NonFiniteGuard
+from strategies.checkpoint import MANIFEST
+from trainer.nonfinite import ADMITTED, NONFINITE, SPIKE, NonFiniteError, NonFiniteGuard
+from trainer.rundir import step_dir
 from trainer.spikes import SpikeRule, apply_spike_rule
 
 SPIKED = 5  # the optimizer step whose logits the test scales
@@ -111,3 +115,20 @@ def test_a_run_skips_the_steps_the_rule_recomputed_from_metrics_csv_calls_spikes
     # plait's count of skipped steps rises exactly at the steps the reference skips.
     counts = [float(r["train/nonfinite_steps"] or 0) for r in rows]
     assert [int(r["step"]) for r, before, now in zip(rows, [0.0, *counts], counts) if now > before] == expected
+
+
+def test_rollback_names_the_newest_checkpoint_before_the_anomaly_and_stops_after_max_rollbacks(tmp_path: Path) -> None:
+    for step in (2, 4, 5, 6):  # step 6 unfinished (no manifest): never a checkpoint to load
+        step_dir(tmp_path, step).mkdir()
+        if step != 6:
+            (step_dir(tmp_path, step) / MANIFEST).write_text("{}")
+    guard = NonFiniteGuard("rollback", max_consecutive=2, max_rollbacks=1, spikes=SpikeRule(FACTOR, 2))
+    assert guard.admit(5, 3.0, 1.0, ADMITTED)
+    assert not guard.admit(7, 3.0, 0.0, SPIKE) and guard.rollback_due is None  # one in a row: only skipped
+    assert not guard.admit(8, math.nan, 1.0, NONFINITE, checkpoints=tmp_path)
+    assert guard.rollback_due == step_dir(tmp_path, 5)  # step 7 accuses step 6's weights: step 5 and older
+    guard.rolled_back()
+    assert (guard.rollbacks, guard.consecutive, guard.rollback_due, guard.safe_step()) == (1, 0, None, 5)
+    assert not guard.admit(9, math.nan, 1.0, NONFINITE, checkpoints=tmp_path)
+    with pytest.raises(NonFiniteError, match=r"after 1 rollback\(s\).*continue from step_0000005"):
+        guard.admit(10, math.nan, 1.0, NONFINITE, checkpoints=tmp_path)
