@@ -131,6 +131,7 @@ def _untrained_run(run_dir: Path) -> Path:
     return run_dir
 
 
+@pytest.mark.slow
 def test_chat_refuses_a_line_that_is_not_utf8(tmp_path: Path) -> None:
     """The first line is answered; the second, not UTF-8, ends the chat with one line naming it."""
     run_dir = _untrained_run(tmp_path / "run")

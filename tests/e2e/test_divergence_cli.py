@@ -53,6 +53,7 @@ def _error(result: subprocess.CompletedProcess[str]) -> str:
     return next(line for line in result.stderr.splitlines() if line.startswith("plait: error: training stopped"))
 
 
+@pytest.mark.slow  # the rule and the guard: tests/unit/test_spikes.py, fast
 def test_lr_1e6_stops_at_the_first_spike_and_a_new_run_with_a_lower_lr_trains(tmp_path: Path) -> None:
     result, summary = _run("optim.lr=1e6", f"run_dir={tmp_path / 'diverged'}")
     error = _error(result)
@@ -94,6 +95,7 @@ def test_the_checkpoint_before_a_divergence_survives_pruning_and_the_advised_res
     assert summary["skipped_steps"] == 0 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
 
 
+@pytest.mark.slow  # the count and the limit: tests/unit/test_nonfinite_steps.py, fast
 def test_skip_says_what_it_skipped_and_stops_past_its_limit(tmp_path: Path) -> None:
     result, summary = _run("optim.lr=1e6", "train.nonfinite=skip", "train.max_skipped_steps=20", f"run_dir={tmp_path / 'a'}")
     assert result.returncode == 0, result.stderr[-3000:]
