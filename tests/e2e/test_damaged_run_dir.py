@@ -117,6 +117,7 @@ def _hand_made_run(path: Path, steps: tuple[int, ...]) -> RunDir:
     return run
 
 
+@pytest.mark.slow
 def test_a_last_directory_is_refused_before_anything_is_written(tmp_path: Path) -> None:
     run = _hand_made_run(tmp_path / "run", (N,))
     run.last.unlink()
@@ -128,6 +129,7 @@ def test_a_last_directory_is_refused_before_anything_is_written(tmp_path: Path) 
     assert _tree(run.path) == before
 
 
+@pytest.mark.slow
 def test_a_meta_pt_of_another_step_is_refused_before_anything_is_written(tmp_path: Path) -> None:
     run = _hand_made_run(tmp_path / "run", (N, 2 * N))
     shutil.copy(run.step(N) / META_FILE, run.step(2 * N) / META_FILE)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import csv
 import json
 
+import pytest
+
 from harness import plait
 from trainer.rundir import RunDir
 
@@ -43,6 +45,7 @@ def test_a_source_that_keeps_no_supervised_token_ends_the_launch_with_one_line(t
     assert not run_dir.exists()
 
 
+@pytest.mark.slow
 def test_a_budget_search_with_nothing_to_train_on_is_refused_before_its_first_roll_out(tmp_path) -> None:
     # The search forks roll-outs that prepare the data themselves; the launcher prepares it first.
     run_dir = tmp_path / "run"
