@@ -43,7 +43,7 @@ def _first_spike(rows: dict[int, dict[str, str]], since: int = 1) -> int:
         losses = [float(rows[s]["train/loss"]) for s in steps[:i]]
         norms = [float(rows[s]["train/grad_norm"]) for s in steps[:i]]
         loss, norm = float(rows[step]["train/loss"]), float(rows[step]["train/grad_norm"])
-        # (The rule's floor, 1e-3 x the run's largest, never binds on these O(1) values.)
+        # (The rule's floor, 0.1 x the run's largest, does not bind on these steps' values.)
         if loss > FACTOR * max(losses) or norm > FACTOR * max(norms) or (norm < min(norms) / FACTOR and loss >= min(losses) / FACTOR):
             return step
     raise AssertionError(f"no spike in {rows}")

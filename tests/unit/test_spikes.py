@@ -17,7 +17,7 @@ from harness import compose_config, fit
 from strategies.checkpoint import MANIFEST
 from trainer.nonfinite import ADMITTED, NONFINITE, SPIKE, NonFiniteError, NonFiniteGuard
 from trainer.rundir import step_dir
-from trainer.spikes import SpikeRule, apply_spike_rule
+from trainer.spikes import SETTLED, SpikeRule, apply_spike_rule
 
 SPIKED = 5  # the optimizer step whose logits the test scales
 WINDOW, FACTOR = 3, 10.0
@@ -89,8 +89,8 @@ def _reference_skips(rows: list[dict[str, str]]) -> list[int]:
     for row in rows:
         loss, grad_norm = float(row["train/loss"]), float(row["train/grad_norm"])
         recent = admitted[-WINDOW:]
-        # Values below 1e-3 x the largest admitted so far are settled (never spikes).
-        settled = [1e-3 * max(r[k] for r in admitted) for k in (0, 1)] if admitted else [0.0, 0.0]
+        # Values below SETTLED x the largest admitted so far are settled (never spikes).
+        settled = [SETTLED * max(r[k] for r in admitted) for k in (0, 1)] if admitted else [0.0, 0.0]
         spike = bool(recent) and (
             loss > FACTOR * max(settled[0], *(r[0] for r in recent))
             or grad_norm > FACTOR * max(settled[1], *(r[1] for r in recent))
@@ -149,7 +149,7 @@ def test_values_settled_far_below_the_runs_scale_do_not_spike() -> None:
 
     assert not rule([5e-10, 3.6e-8])  # 2.5x and 12x the recent largest, far below the run's scale
     assert not rule([1e-11, 1e-10])  # the gradient falls with the loss: convergence, not collapse
-    assert rule([0.69 * 1e-3 * FACTOR * 1.1, 1e-9])  # above f x SETTLED x the scale: a spike
+    assert rule([0.69 * SETTLED * FACTOR * 1.1, 1e-9])  # above f x SETTLED x the scale: a spike
     # lr=1e6 on nano: the gradient norm collapses while the loss stays at ln(4096).
     assert _rule([8.31777, 0.0], [[8.3259, 0.68]])
 
