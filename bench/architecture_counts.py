@@ -1,0 +1,83 @@
+"""Architecture counts of plait's code, each an AST walk anyone can repeat (issue 33's "Done when").
+
+Invocation::
+
+    python bench/architecture_counts.py            # every count, one ``<name> <n>`` line each, then the sites
+    python bench/architecture_counts.py --quiet    # the count lines only
+
+Each count is a function ``<name>(root) -> list[str]`` returning the sites it counts
+(``path:line: what``); `COUNTS` lists them. A new count is one function and one entry there.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("trainer", "strategies")
+
+
+def python_files(root: Path, packages: tuple[str, ...] = PACKAGES) -> Iterator[Path]:
+    """Every ``.py`` file under ``root/<package>`` for each package, in path order."""
+    for package in packages:
+        yield from sorted((root / package).rglob("*.py"))
+
+
+def _import_text(node: ast.Import | ast.ImportFrom) -> str:
+    names = ", ".join(alias.name for alias in node.names)
+    if isinstance(node, ast.Import):
+        return f"import {names}"
+    return f"from {'.' * node.level}{node.module or ''} import {names}"
+
+
+def imports_in_functions(root: Path = ROOT) -> list[str]:
+    """Every ``import`` statement inside a function (or method) body in trainer/ and strategies/.
+
+    Returns:
+        ``path:line: import ...`` per statement (a statement importing several names counts once).
+    """
+    sites = []
+    for path in python_files(root):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for func in ast.walk(tree):
+            if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(func):
+                # a nested function's imports are reached from it too: count each statement once
+                if isinstance(node, (ast.Import, ast.ImportFrom)) and _innermost(func, node):
+                    sites.append(f"{path.relative_to(root)}:{node.lineno}: {_import_text(node)}")
+    return sites
+
+
+def _innermost(func: ast.AST, target: ast.AST) -> bool:
+    """Whether ``target`` lies in ``func`` and in no function nested inside ``func``."""
+    for child in ast.iter_child_nodes(func):
+        if child is target:
+            return True
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if _innermost(child, target):
+            return True
+    return False
+
+
+COUNTS: dict[str, Callable[[Path], list[str]]] = {
+    "imports_in_functions": imports_in_functions,
+}
+
+
+def main(argv: list[str]) -> None:
+    """Prints ``<name> <n>`` per count, then (without ``--quiet``) its sites indented below it."""
+    quiet = "--quiet" in argv
+    for name, count in COUNTS.items():
+        sites = count(ROOT)
+        print(f"{name} {len(sites)}")
+        if not quiet:
+            print("\n".join(f"  {site}" for site in sites))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
