@@ -1,7 +1,7 @@
 """Generation speed: 40 greedy tokens of the nano Llama with and without the KV cache, side by side.
 
 The model is ``conf/model/nano.yaml`` (random weights; speed does not depend on them) with the
-default tokenizer's 4096 ids. Both arms run `trainer.generate.sample` in this process, interleaved
+default tokenizer's 4096 ids. Both arms run `trainer.sampling.sample` in this process, interleaved
 (``--repeats`` rounds, the best of each arm), so contention hits both; the tokens of both arms are
 checked equal. Load and import time are not included (``plait generate`` adds them).
 
@@ -23,7 +23,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from trainer.compose import CONF_DIR
-from trainer.generate import sample
+from trainer.sampling import sample
 
 
 def main() -> None:

@@ -18,7 +18,8 @@ import sys
 import torch
 
 from trainer.compose import compose_command, fail
-from trainer.generate import chat_template, load_for_generation, reply, sample
+from trainer.generate import chat_template, load_for_generation, reply
+from trainer.sampling import sample
 
 
 def user_text(line: bytes, number: int) -> str:

@@ -230,7 +230,7 @@ def compose_command(
 
     Args:
         ranges: a function whose parameters declare the ranges (`strategies.ranges.Range`) of the
-            fields of the same names (``generate``'s ``top_k``: `trainer.generate.sample`'s).
+            fields of the same names (``generate``'s ``top_k``: `trainer.sampling.sample`'s).
 
     Raises:
         SystemExit: (exit 2, ``plait: error:`` with ``usage``) an argument does not parse or does

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trainer.data.chat import DEFAULT_CHAT_TEMPLATE, JinjaTemplate, default_segments, prompt_text
-from trainer.generate import NonFiniteLogitsError, sample
+from trainer.sampling import NonFiniteLogitsError, sample
 from trainer.models.llama import Llama
 
 VOCAB = 300

@@ -3,7 +3,7 @@
 A data module hands over, per source scored this way (SFT ``metric: exact_match``), the held-out
 prompts (token ids, rendered by the run's chat template up to the assistant's turn) and the
 expected answers (text). The model continues every prompt greedily for at most the longest
-answer's tokens + 2 (trainer.generate.greedy_batch); a prompt scores 1 when its continuation,
+answer's tokens + 2 (trainer.sampling.greedy_batch); a prompt scores 1 when its continuation,
 decoded and stripped, equals the answer. The Task calls `evaluate` on every rank, in eval mode,
 with no gradient: every rank decodes every prompt (identical results; FSDP needs every rank in
 each forward).
@@ -18,7 +18,7 @@ from torch import nn
 
 from trainer import protocols
 from trainer.data.tokenizer import Tokenizer
-from trainer.generate import greedy_batch
+from trainer.sampling import greedy_batch
 
 
 @dataclass(frozen=True)
