@@ -35,7 +35,7 @@ from strategies.planner.time import predict_time
 from trainer.build import build_run
 from trainer.compose import compose
 from trainer.config import validate
-from trainer.plan import calibrate, cluster_from_config, planner_inputs
+from trainer.planning import calibrate, cluster_from_config, planner_inputs
 
 LAYOUTS = {
     "ddp2": ["strategy=ddp", "trainer.devices=2"],

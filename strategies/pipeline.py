@@ -183,8 +183,8 @@ class PipelineParallel:
             12 layers; null: as ``split`` says.
         split: "layers" (the same number of blocks per stage) or "auto": stages balanced by the
             planner's predicted cost of each part (embedding, blocks, norm + head + loss;
-            `strategies.planner.time.auto_split_points`), resolved into ``split_points`` before
-            the run by ``trainer.plan.pipeline_split_points``.
+            `strategies.planner.time.auto_split_points`), resolved once into the run's
+            ``pp_split_points`` (`ResolvedRun`), which the builder passes here as ``split_points``.
         num_microbatches: micro-batches per schedule step; null: all of the optimizer step's
             micro-batches in one schedule step. Fewer run several schedule steps whose gradients
             accumulate (less activation memory for GPipe, a larger bubble).
@@ -237,8 +237,8 @@ class PipelineParallel:
         """
         if self.split == "auto" and self.split_points is None:
             raise ValueError(
-                "strategy.pipeline.split=auto needs its split points resolved from the run (trainer.plan."
-                "pipeline_split_points, done by trainer.build); pass split_points=[...] when building the plugin yourself"
+                "strategy.pipeline.split=auto needs its split points resolved from the run (ResolvedRun.pp_split_points, "
+                "passed by trainer.build.build_strategy); pass split_points=[...] when building the plugin yourself"
             )
         pp_mesh, schedule, device = meshes["pp"], meshes.pp_schedule, meshes.device
         pp, v = pp_mesh.size(), stages_per_rank_of(schedule, self.stages_per_rank)

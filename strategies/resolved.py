@@ -38,6 +38,9 @@ class ResolvedRun:
             schedules unless strategy.pipeline.stages_per_rank says otherwise).
         pp_microbatches: micro-batches per pipeline schedule step
             (strategy.pipeline.num_microbatches, or all of the step's).
+        pp_split_points: the first layer of every pipeline stage but the first: strategy.pipeline.split_points,
+            or with strategy.pipeline.split=auto the planner's cost-balanced points (`trainer.semantics.resolve`);
+            None: stages of equal layer counts (and always with pp == 1).
         cp_mode: context-parallel attention (strategy.cp_mode; used when cp > 1).
         seq_len: tokens per row (data.seq_len; 0 for a data node without one).
         vocab_size: the planned vocabulary: model.vocab_size, else the tokenizer file's size, else
@@ -59,6 +62,7 @@ class ResolvedRun:
     pp_schedule: str = "1F1B"
     pp_stages_per_rank: int = 1
     pp_microbatches: int = 1
+    pp_split_points: tuple[int, ...] | None = None
     cp_mode: str = "ring"
     seq_len: int = 0
     vocab_size: int | None = None

@@ -25,7 +25,6 @@ from trainer.data.base import DataModule
 from trainer.loggers import LogConfig
 from trainer.nonfinite import NonFiniteGuard
 from trainer.spikes import SpikeRule
-from trainer.plan import resolve_pipeline_split
 from trainer.rundir import RunDir
 from trainer.semantics import tokenizer_file
 from trainer.task import Task
@@ -104,10 +103,14 @@ def build_task(cfg: DictConfig, run: ResolvedRun, model: nn.Module) -> Task:
 
 
 def build_strategy(cfg: DictConfig, run: ResolvedRun, *, launcher: str = "subprocess") -> MeshStrategy:
+    """The strategy of ``cfg.strategy`` for the resolved run; its pipeline plugin takes the run's
+    split points (``ResolvedRun.pp_split_points``: with ``strategy.pipeline.split=auto``, the
+    planner's balanced stages)."""
+    split = {}
+    if run.pp_split_points is not None and isinstance(cfg.strategy.get("pipeline"), DictConfig):
+        split = {"pipeline": {"split_points": list(run.pp_split_points)}}
     # Hydra would read a dataclass keyword as config: the run is passed to the partial instead.
-    strategy = instantiate(cfg.strategy, _partial_=True, launcher=launcher)(run=run)
-    resolve_pipeline_split(cfg, run, strategy)  # strategy.pipeline.split=auto: the planner's balanced stages
-    return strategy
+    return instantiate(cfg.strategy, _partial_=True, launcher=launcher, **split)(run=run)
 
 
 def _with_dir(node: DictConfig, run_dir: Path, key: str, value: Any) -> Any:

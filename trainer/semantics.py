@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ from omegaconf import DictConfig, OmegaConf
 from strategies.mesh import MeshStrategy
 from strategies.parallel_dims import LayoutError
 from strategies.pipeline_layout import SCHEDULES, stages_per_rank_of
+from strategies.planner.layout import layout_of, workload_of
+from strategies.planner.time import Cluster, auto_split_points
 from strategies.ranges import optimizer_problem
 from strategies.resolved import ResolvedRun
 from strategies.shape import ModelShape
@@ -105,6 +108,38 @@ def _strategy(cfg: DictConfig, problems: list[str]) -> MeshStrategy | None:
         return None
 
 
+def cluster_of(cfg: DictConfig) -> Cluster | None:
+    """The `Cluster` of ``cfg.cluster`` (a CPU preset takes its ranks from trainer.devices/num_nodes); None without one."""
+    if cfg.get("cluster") is None:
+        return None
+    fields = OmegaConf.to_container(cfg.cluster, resolve=True)
+    if fields.get("device") == "cpu":
+        fields.update(devices_per_node=int(cfg.trainer.devices), num_nodes=int(cfg.trainer.num_nodes))
+    return Cluster(**fields)
+
+
+def pp_split_points(cfg: DictConfig, run: ResolvedRun, strategy: MeshStrategy) -> tuple[int, ...] | None:
+    """The pipeline's split points (`ResolvedRun.pp_split_points`): ``strategy.pipeline.split_points``
+    as given; with ``split=auto``, pp > 1 and a Llama-style model the planner's cost-balanced points
+    (`strategies.planner.time.auto_split_points`) for the run's layout and sequence length on
+    ``cfg.cluster`` (without one, the time model's defaults of the run's device: compute and memory
+    traffic only); otherwise None (equal layer counts)."""
+    pipeline = strategy.pipeline
+    if run.dims.pp == 1:
+        return None
+    if pipeline.split_points is not None:
+        return tuple(pipeline.split_points)
+    if pipeline.split != "auto" or run.shape is None:  # no shape: refused by PipelineParallel.problems
+        return None
+    cluster = cluster_of(cfg)
+    if cluster is None:
+        gpu = str(cfg.trainer.accelerator) in ("auto", "gpu", "cuda") and torch.cuda.is_available()
+        cluster = Cluster(device="cuda" if gpu else "cpu")
+    float8, async_tp = (bool(OmegaConf.select(cfg, f"planner.{key}", default=False)) for key in ("float8", "async_tp"))
+    workload = workload_of(run, strategy, float8=float8, async_tp=async_tp)
+    return tuple(auto_split_points(run.shape, layout_of(run, strategy), workload, cluster))
+
+
 def resolve(cfg: DictConfig, problems: list[str], broken: frozenset[str] = frozenset()) -> ResolvedRun | None:
     """The resolved run of ``cfg`` (schema-valid), appending what stops it to ``problems``.
 
@@ -173,7 +208,8 @@ def resolve(cfg: DictConfig, problems: list[str], broken: frozenset[str] = froze
         drop_last=bool(data.drop_last) if data is not None and "drop_last" in data else True,
     )
     problems.extend(strategy.problems(run, run.shape))
-    return run
+    # The split is planned for a layout that runs: a config with problems is refused anyway.
+    return run if problems else replace(run, pp_split_points=pp_split_points(cfg, run, strategy))
 
 
 def _lora_base_problems(init_from: str) -> list[str]:
@@ -192,7 +228,7 @@ def _lora_base_problems(init_from: str) -> list[str]:
 def decoding_problems(cfg: DictConfig, run: ResolvedRun) -> list[str]:
     """Layouts under which the greedy decoding of ``metric: exact_match`` sources cannot run.
 
-    `trainer.generate.greedy_batch` feeds whole, growing sequences to the model on every rank:
+    `trainer.sampling.greedy_batch` feeds whole, growing sequences to the model on every rank:
     a pipeline stage holds part of the layers, a context-parallel rank's attention expects its
     shard of a fixed-length sequence, and sequence-parallel TP shards the residual stream of a
     length tp need not divide. Tensor parallelism without it decodes (the logits are gathered).

@@ -170,7 +170,7 @@ def layout_of(run: ResolvedRun, strategy: Any) -> Layout:
         activation_offload=strategy.activation_offload.enabled,
         sequence_parallel=strategy.tensor_parallel.sequence_parallel,
         loss_parallel=strategy.tensor_parallel.loss_parallel, ep=strategy.expert_parallel.ep,
-        split_points=tuple(strategy.pipeline.split_points) if strategy.pipeline.split_points else None,
+        split_points=run.pp_split_points,
     )  # fmt: skip
 
 

@@ -18,7 +18,7 @@ import pytest
 from harness import MOE_SMALL, compose_config, fit
 from strategies.planner.memory import predict_rank
 from trainer.config import validate
-from trainer.plan import planner_inputs
+from trainer.planning import planner_inputs
 
 PROBE = ("+callbacks.mem._target_=strategies.planner.measure.MemoryProbe", "trainer.max_steps=2")
 # id -> (overrides, micro-batch forwards per rank per step)

@@ -9,7 +9,7 @@ from strategies.planner.search import SearchSpace, search
 from trainer.compose import compose
 from trainer.config import ConfigError, validate
 from strategies.shape import ModelShape
-from trainer.plan import check_memory, cluster_from_config, plan, planner_inputs
+from trainer.planning import check_memory, cluster_from_config, plan, planner_inputs
 
 def _inputs(cfg):
     """``(shape, layout, workload)`` of a composed run, as the planner receives them."""
@@ -136,3 +136,26 @@ def test_auto_split_balances_predicted_stage_costs():
     balanced = layout.with_(split_points=tuple(points))
     assert imbalance(stage_costs(shape, balanced, work, cluster)) <= 1.1
     assert f"strategy.pipeline.split_points=[{','.join(map(str, points))}]" in balanced.overrides()
+
+
+def test_auto_split_is_resolved_once_and_built_into_the_pipeline():
+    """strategy.pipeline.split=auto: the split points are a fact of the resolved run (the planner's
+    balanced points for the run's layout on cluster=), which the builder hands to the pipeline
+    plugin; the composed config and the run are left as they were."""
+    from strategies.planner.time import auto_split_points
+    from trainer.build import build_strategy
+
+    common = ["model=llama3_8b", "strategy=pp", "trainer.devices=4", "data.seq_len=8192",
+              "train.global_batch_size=32", "cluster=h100x8"]  # fmt: skip
+    cfg = compose("pretrain", [*common, "strategy.pipeline.split=auto"])
+    run = validate(cfg)
+    shape, layout, work = planner_inputs(cfg, run)
+    assert run.pp_split_points == tuple(auto_split_points(shape, layout.with_(split_points=None), work, cluster_from_config(cfg)))
+    assert run.pp_split_points != (8, 16, 24)  # the 128k-vocabulary head weighs: not the layer-count split
+    assert layout.split_points == run.pp_split_points
+    strategy = build_strategy(cfg, run)
+    assert strategy.pipeline.split_points == list(run.pp_split_points)
+    assert cfg.strategy.pipeline.split_points is None
+    given = validate(compose("pretrain", [*common, "strategy.pipeline.split_points=[4,12,20]"]))
+    assert given.pp_split_points == (4, 12, 20)
+    assert validate(compose("pretrain", common)).pp_split_points is None  # split=layers: equal layer counts

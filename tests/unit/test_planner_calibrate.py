@@ -8,7 +8,7 @@ import pytest
 from strategies.planner import calibrate as cal
 from trainer.compose import compose
 from trainer.config import ConfigError, validate
-from trainer.plan import cluster_from_config, plan
+from trainer.planning import cluster_from_config, plan
 
 
 @pytest.fixture

@@ -1,0 +1,111 @@
+"""The planner (`strategies.planner`) on a composed run: its inputs, the memory check
+(``planner.check``, before a launch) and the ranked layouts of ``plait plan``.
+
+The config is the run's (composed and validated as for training); ``cluster=`` names the
+machine. The pipeline's split points are a fact of the resolved run (`ResolvedRun.pp_split_points`,
+resolved by `trainer.semantics.resolve`), so nothing here changes a built object.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from strategies.planner.calibrate import calibrate_cluster, calibration_problem
+from strategies.planner.layout import Layout, Workload, layout_of, workload_of
+from strategies.planner.memory import predict_memory
+from strategies.planner.report import best_overrides, oom_message, table
+from strategies.planner.search import SearchSpace, search
+from strategies.planner.time import Cluster
+from strategies.resolved import ResolvedRun
+from strategies.shape import ModelShape
+from trainer.config import ConfigError
+from trainer.models.block import TransformerBlock
+from trainer.models.llama import Llama
+from trainer.models.rope import rope_tables
+from trainer.semantics import cluster_of
+
+
+def cluster_from_config(cfg: DictConfig) -> Cluster:
+    """The `Cluster` of ``cfg.cluster``; a CPU preset takes its ranks from trainer.devices/num_nodes.
+
+    Raises:
+        ConfigError: no cluster selected.
+    """
+    cluster = cluster_of(cfg)
+    if cluster is None:
+        raise ConfigError(["the planner needs a machine: add cluster=<preset> (conf/cluster/: h100x8, h100x64, cpu, ...)"])
+    return cluster
+
+
+def planner_inputs(cfg: DictConfig, run: ResolvedRun) -> tuple[ModelShape, Layout, Workload]:
+    """``(shape, layout, workload)``: the run as the planner sees it (`strategies.planner.layout`).
+
+    Raises:
+        ConfigError: the model has no Llama-style shape (the planner models only those).
+    """
+    if run.shape is None:
+        raise ConfigError(["the planner needs a Llama-style model (one with n_heads, n_layers, ...): model=tiny, llama3_8b, ..."])
+    strategy = instantiate(cfg.strategy, _partial_=True)(run=run)  # its plugins' knobs (as trainer.build.build_strategy)
+    workload = workload_of(run, strategy, float8=cfg.planner.float8, async_tp=cfg.planner.async_tp)
+    return run.shape, layout_of(run, strategy), workload
+
+
+def check_memory(cfg: DictConfig, run: ResolvedRun) -> None:
+    """``planner.check``: predicted per-device peak memory of the run's layout against the cluster's cap.
+
+    Raises:
+        ConfigError: the prediction is over the cap (the message holds the breakdown), or no cluster.
+    """
+    cluster = cluster_from_config(cfg)
+    shape, layout, workload = planner_inputs(cfg, run)
+    memory = predict_memory(shape, layout, workload, device=cluster.device)
+    if memory.total > cluster.memory_cap:
+        raise ConfigError([oom_message(memory, cluster, layout.label())])
+
+
+def _calibration_block() -> tuple[Any, tuple[Any, ...]]:
+    """A tiny Llama block and its one-token inputs: the host time per layer the planner calibrates."""
+    dim = 64
+    cos, sin = rope_tables(dim // 4, 1, 10000.0)
+    x = torch.randn(1, 1, dim, requires_grad=True)
+    return TransformerBlock(dim, 4, 2, 192, 1e-5), (x, cos[None, :, None, :], sin[None, :, None, :], None)
+
+
+def _calibration_model(vocab_size: int) -> Any:
+    """A one-layer Llama (seeded) for the planner's tensor-parallel dispatch probe."""
+    torch.manual_seed(0)
+    return Llama(vocab_size=vocab_size, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=16)
+
+
+def calibrate(cluster: Cluster) -> Cluster:
+    """``cluster`` with this machine's measured rates (`strategies.planner.calibrate`), probed with Llama blocks."""
+    return calibrate_cluster(cluster, block=_calibration_block(), model_fn=_calibration_model)
+
+
+def plan(cfg: DictConfig, run: ResolvedRun) -> str:
+    """The ranked table and the best layout's overrides for a composed config and its resolved run.
+
+    Raises:
+        ConfigError: no cluster, a model without a Llama-style shape, or ``planner.calibrate``
+            where this machine cannot calibrate.
+    """
+    cluster = cluster_from_config(cfg)
+    if cfg.planner.calibrate:
+        if (problem := calibration_problem(cluster)) is not None:
+            raise ConfigError([problem])  # before any probe forks a process
+        cluster = calibrate(cluster)
+    p = cfg.planner
+    space = SearchSpace(
+        schedules=tuple(p.schedules), cp_modes=tuple(p.cp_modes), ac_modes=tuple(p.ac_modes),
+        offload=p.offload, max_micro_batch=p.max_micro_batch, hsdp=p.hsdp,
+    )  # fmt: skip
+    shape, _, workload = planner_inputs(cfg, run)
+    plans = search(shape, workload, cluster, space)
+    header = f"cluster {cluster.name}: " + (
+        "calibrated on this machine" if cfg.planner.calibrate else "preset figures (planner.calibrate=true measures them)"
+    )
+    return "\n".join([header, table(plans, cluster, top=p.top), best_overrides(plans, cluster)])
