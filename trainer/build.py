@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
@@ -134,12 +135,18 @@ def build_loggers(cfg: DictConfig, run_dir: Path) -> list[Any]:
     return [_with_dir(node, run_dir, "save_dir", run_dir) for node in (cfg.logger or {}).values() if node is not None]
 
 
-def build_trainer(cfg: DictConfig, run: ResolvedRun, run_dir: Path, *, launcher: str = "subprocess") -> L.Trainer:
+def build_trainer(
+    cfg: DictConfig, run: ResolvedRun, run_dir: Path, *, launcher: str = "subprocess", callbacks: Sequence[L.Callback] = ()
+) -> L.Trainer:
+    """The Lightning trainer: ``cfg.callbacks`` and ``cfg.logger``, then ``callbacks`` (the launch's own,
+    e.g. `trainer.resume.ResumeRecord`), and the strategy (`build_strategy`).
+    """
     trainer_cfg = OmegaConf.to_container(cfg.trainer)
-    callbacks = build_callbacks(cfg, run_dir)
+    extra, callbacks = list(callbacks), build_callbacks(cfg, run_dir)
     loggers = build_loggers(cfg, run_dir)
     if loggers:
         callbacks.append(LogConfig(OmegaConf.to_container(cfg, resolve=True)))
+    callbacks += extra
     return L.Trainer(
         **trainer_cfg,
         strategy=build_strategy(cfg, run, launcher=launcher),
@@ -156,24 +163,50 @@ def build_trainer(cfg: DictConfig, run: ResolvedRun, run_dir: Path, *, launcher:
     )
 
 
+def prepared_data(cfg: DictConfig, run: ResolvedRun) -> DataModule:
+    """The data module, prepared (`DataModule.prepare`), after seeding every RNG from ``cfg.seed``:
+    the first half of `build_run`, for a launch that checks the data before it builds the rest.
+
+    Raises:
+        DataError: data that cannot be trained on.
+    """
+    # Python, NumPy and torch RNGs of every rank (Lightning re-seeds each process from PL_GLOBAL_SEED).
+    L.seed_everything(cfg.seed, verbose=False)
+    data = build_data(cfg, run)
+    data.prepare()
+    return data
+
+
+def build_fit(
+    cfg: DictConfig, run: ResolvedRun, run_dir: Path, data: DataModule, *, launcher: str = "subprocess",
+    callbacks: Sequence[L.Callback] = (),
+) -> tuple[L.Trainer, Task]:
+    """Model, task and trainer (with ``callbacks`` besides the config's) of one run, on ``data``
+    from `prepared_data`: the second half of `build_run`.
+
+    Raises:
+        ConfigError: the tokenizer does not fit the model (`build_model`).
+    """
+    model = build_model(cfg, run, vocab_size=data.tokenizer.vocab_size)
+    task = build_task(cfg, run, model)
+    return build_trainer(cfg, run, run_dir, launcher=launcher, callbacks=callbacks), task
+
+
 def build_run(
-    cfg: DictConfig, run_dir: Path, run: ResolvedRun | None = None, *, launcher: str = "subprocess"
+    cfg: DictConfig, run_dir: Path, run: ResolvedRun | None = None, *, launcher: str = "subprocess",
+    callbacks: Sequence[L.Callback] = (),
 ) -> tuple[L.Trainer, Task, DataModule]:
-    """Data (prepared), model, task and trainer of one run.
+    """Data (prepared), model, task and trainer of one run (`prepared_data`, then `build_fit`).
 
     Args:
         run: the config's resolved run (`trainer.config.validate`); None validates ``cfg`` here
             (scripts and tests that build in-process).
+        callbacks: the trainer's callbacks besides the config's.
 
     Raises:
         ConfigError: with ``run=None``, the problems of ``cfg``.
     """
     run = validate(cfg) if run is None else run
-    # Python, NumPy and torch RNGs of every rank (Lightning re-seeds each process from PL_GLOBAL_SEED).
-    L.seed_everything(cfg.seed, verbose=False)
-    data = build_data(cfg, run)
-    prepared = data.prepare()
-    model = build_model(cfg, run, vocab_size=prepared.tokenizer.vocab_size)
-    task = build_task(cfg, run, model)
-    trainer = build_trainer(cfg, run, run_dir, launcher=launcher)
+    data = prepared_data(cfg, run)
+    trainer, task = build_fit(cfg, run, run_dir, data, launcher=launcher, callbacks=callbacks)
     return trainer, task, data

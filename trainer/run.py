@@ -5,23 +5,30 @@ from __future__ import annotations
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import lightning as L
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from strategies.checkpoint import CheckpointError, NonFiniteStateError
 from strategies.launch import LAUNCH_ENV, launch_problems
 from strategies.resolved import ResolvedRun
 from strategies.watchdog import ABORT_EXIT
+from trainer.budget.driver import is_search, run_search
+from trainer.build import build_fit, prepared_data
 from trainer.checkpoint_step import step_problem
 from trainer.config import ConfigError, validate
 from trainer.data.base import DataError, DataModule
 from trainer.data.chat import ChatError
 from trainer.data.summary import describe
 from trainer.nonfinite import NonFiniteError
+from trainer.planning import check_memory
 from trainer.resume import ResumeRecord, check_resume
+from trainer.task import Task
 from trainer.run_length import plan_run_length
 from trainer.rundir import RunDir, last_link_problem, resolve_checkpoint
 
@@ -127,66 +134,72 @@ def check_launch(cfg: DictConfig, run_dir: Path | None = None) -> Launch:
     if unlaunchable:
         raise ConfigError(unlaunchable)
     if cfg.planner.check:  # a predicted out-of-memory fails here, before any process starts
-        from trainer.plan import check_memory
-
         check_memory(cfg, resolved)
-    if "budget" in cfg and cfg.budget is not None:
+    if is_search(cfg):  # its runs start fresh in directories of their own (trainer.budget.driver)
         return Launch(resolved, None)
     ckpt_path = check_run_dir(cfg, run_dir, report=_print if _is_launching_rank() else None)
     check_resume(cfg, ckpt_path)  # the recorded config against this one (the tokenizer once it is prepared)
     return Launch(resolved, ckpt_path)
 
 
+def start(cfg: DictConfig, run_dir: Path, launch: Launch, launching: bool) -> tuple[L.Trainer, Task, DataModule]:
+    """The data, prepared and checked (said on the launching rank), then model, task and trainer,
+    built with the callback that records the run (`trainer.resume.ResumeRecord`).
+
+    Raises:
+        DataError: data that cannot be trained on, or no batch under trainer.limit_train_batches.
+        ConfigError: the config against the one recorded in the run directory (`check_resume`).
+    """
+    data = prepared_data(cfg, launch.run)
+    check_train_batches(cfg, data)
+    if launching:
+        for line in describe(data):
+            _print(line)
+        early = plan_run_length(cfg.trainer.max_steps, data).launch_line()  # what ends the run first
+        if early is not None:
+            _print(early)
+        if (chat := data.chat_format()) is not None:
+            _print(chat.line())
+    overrides = check_resume(cfg, launch.ckpt_path, data.tokenizer)  # now with the tokenizer
+    # config.yaml and tokenizer.json (what generate builds from) are written once the checkpoint loaded.
+    record = ResumeRecord(cfg, data.tokenizer, run_dir, overrides, data.model_chat_template())
+    trainer, task = build_fit(cfg, launch.run, run_dir, data, callbacks=[record])
+    return trainer, task, data
+
+
+@contextmanager
+def _refused_start(run_dir: Path, launching: bool) -> Iterator[None]:
+    """A failed start leaves nothing behind, whatever failed; bad input (config, data, chat
+    template, checkpoint) exits 2 with one ``plait: error:`` line."""
+    fresh_dir = not any(run_dir.iterdir())
+    try:
+        yield
+    except BaseException as err:
+        if launching and fresh_dir and run_dir.is_dir() and not any(run_dir.iterdir()):
+            run_dir.rmdir()
+        if isinstance(err, (ConfigError, DataError, ChatError, CheckpointError)):
+            print(f"plait: error: {err}", file=sys.stderr)
+            raise SystemExit(2) from None
+        raise
+
+
 def run(cfg: DictConfig, launch: Launch | None = None) -> None:
-    """Trains the composed config ``cfg`` in the current Hydra job's output directory.
+    """Trains the composed config ``cfg`` in the current Hydra job's output directory (or, for a
+    budget search, hands the directory to it: `trainer.budget.driver`).
 
     Args:
         launch: what the launching process has already checked (`check_launch`) for this very
             config; None checks it here (child ranks, the jobs of a multirun sweep).
     """
-    from hydra.core.hydra_config import HydraConfig
-
-    from trainer.build import build_data, build_run
-
     run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
     launching = _is_launching_rank()
-    fresh_dir = not any(run_dir.iterdir())
-    try:
+    with _refused_start(run_dir, launching):
         launch = check_launch(cfg, run_dir) if launch is None else launch
-        if "budget" not in cfg or cfg.budget is None:
-            trainer, task, data = build_run(cfg, run_dir, launch.run)
-            check_train_batches(cfg, data)
-            if launching:
-                for line in describe(data):
-                    _print(line)
-                early = plan_run_length(cfg.trainer.max_steps, data).launch_line()  # what ends the run first
-                if early is not None:
-                    _print(early)
-                if (chat := data.chat_format()) is not None:
-                    _print(chat.line())
-            template = data.model_chat_template()
-            overrides = check_resume(cfg, launch.ckpt_path, data.tokenizer)  # now with the tokenizer
-        elif launching:
-            # A budget search's roll-outs prepare the same data in forked processes: it is prepared
-            # (and refused, and its cuts said) here first, as for a plain run.
-            for line in describe(build_data(cfg, launch.run)):
-                _print(line)
-    except BaseException as err:
-        if launching and fresh_dir and run_dir.is_dir() and not any(run_dir.iterdir()):
-            run_dir.rmdir()  # a failed start leaves nothing behind, whatever failed
-        if isinstance(err, (ConfigError, DataError, ChatError, CheckpointError)):
-            print(f"plait: error: {err}", file=sys.stderr)
-            raise SystemExit(2) from None
-        raise
-    if "budget" in cfg and cfg.budget is not None:
-        # A budget search (budget=msft) drives its own runs in this run directory (trainer/budget).
-        from hydra.utils import instantiate
-
-        instantiate(cfg.budget).run(cfg, run_dir)
-        return
+        if is_search(cfg):  # budget=msft: a search that fits runs of its own in run_dir
+            run_search(cfg, run_dir, launch.run, say=_print if launching else None)
+            return
+        trainer, task, data = start(cfg, run_dir, launch, launching)
     ckpt_path = launch.ckpt_path
-    # config.yaml and tokenizer.json (what generate builds from) are written once the checkpoint loaded.
-    trainer.callbacks.append(ResumeRecord(cfg, data.tokenizer, run_dir, overrides, template))
     try:
         trainer.fit(task, datamodule=data, ckpt_path=str(ckpt_path) if ckpt_path else None, weights_only=True)
     except (NonFiniteError, NonFiniteStateError) as err:  # the run diverged: exit 3, the message says why

@@ -84,3 +84,18 @@ def test_a_new_global_batch_size_is_refused_a_new_micro_batch_size_resumes() -> 
     assert "train.global_batch_size=16 differs from 8 in ckpt: the saved data position would index other rows" in problem
     assert "resume with train.global_batch_size=8" in problem and "model.init_from=ckpt" in problem
     assert resume_problems(record, _new(train__micro_batch_size=2), None, [], source="ckpt") == []
+
+
+def test_a_launch_builds_its_trainer_with_the_callback_that_records_the_run(tmp_path) -> None:
+    """`trainer.run.start` hands the run's `ResumeRecord` to the builder: the trainer is built with
+    it (once, after the config's callbacks), never appended to a built trainer."""
+    from harness import compose_config
+
+    from trainer.config import validate
+    from trainer.resume import ResumeRecord
+    from trainer.run import Launch, start
+
+    cfg = compose_config(["trainer.max_steps=2"])
+    trainer, _, data = start(cfg, tmp_path, Launch(validate(cfg), None), launching=False)
+    records = [c for c in trainer.callbacks if isinstance(c, ResumeRecord)]
+    assert len(records) == 1 and records[0].tokenizer is data.tokenizer
