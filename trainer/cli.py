@@ -30,7 +30,7 @@ if __name__ == "__main__":  # python -m put the current folder first on the path
     drop_current_folder()
 
 from trainer.commands import COMMANDS, dispatch  # noqa: E402
-from trainer.compose import HELP_FLAGS, bundled_recipes, config_groups, fail  # noqa: E402
+from trainer.catalog import HELP_FLAGS, bundled_recipes, config_groups, fail  # noqa: E402
 from trainer.quiet import quiet_third_party  # noqa: E402
 
 

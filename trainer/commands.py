@@ -1,7 +1,8 @@
 """The table of plait's commands: ``plait [CMD] [RECIPE] k=v`` runs ``COMMANDS[CMD]`` (train by default).
 
 Each command is a module with ``main(argv)`` (argv after the command's name), imported only when
-it runs, so ``plait generate`` does not import the trainer. Commands share `trainer.compose`
+it runs, so ``plait generate`` does not import the trainer and ``plait --help`` imports neither
+Hydra nor torch (it reads `trainer.catalog`). Commands share `trainer.compose`
 (recipes, ``compose``, the ``plait: error:`` exit) and `trainer.rundir` (a run directory's
 layout and its model); none imports the CLI. A new command is one row here and one module.
 """
@@ -12,7 +13,7 @@ import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from trainer.compose import CONF_DIR, HELP_FLAGS, config_groups
+from trainer.catalog import CONF_DIR, HELP_FLAGS, config_groups
 
 
 @dataclass(frozen=True)

@@ -14,59 +14,41 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Sequence
-from importlib.resources import files
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import yaml
-from omegaconf import DictConfig
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
+from strategies.ranges import declared_ranges, value_problem
+from trainer.catalog import ALIASES, CONF_DIR, DEFAULT_RECIPE, RECIPES_DIR, bundled_recipes, fail
+from trainer.models.init_from import take_run_model
+from trainer.rundir import job_dirname, run_name
 
-def _package_dir(name: str) -> Path:
-    # Installed: trainer.conf / trainer.recipes are packages. From a source tree on sys.path: repo dirs.
-    try:
-        return Path(str(files(f"trainer.{name}")))
-    except ModuleNotFoundError:
-        return Path(__file__).resolve().parents[1] / name
-
-
-CONF_DIR = _package_dir("conf")
-RECIPES_DIR = _package_dir("recipes")
-DEFAULT_RECIPE = "pretrain"
-HELP_FLAGS = ("-h", "--help")
 # Hydra's flags that take a value (``--info`` takes one only from its choices).
 _VALUED_FLAGS = ("--cfg", "-c", "--package", "-p", "--config-dir", "-cd", "--experimental-rerun")
 _INFO_CHOICES = ("all", "config", "defaults", "defaults-tree", "plugins", "searchpath")
 
-# alias -> (recipe, overrides it stands for, one-line description). The user's overrides come after.
-ALIASES: dict[str, tuple[str, tuple[str, ...], str]] = {
-    "dpo": ("preference", ("objective=dpo", "recipe=dpo"), "= plait preference objective=dpo: DPO's sigmoid loss against the initial policy"),
-    "ipo": ("preference", ("objective=ipo", "recipe=ipo"), "= plait preference objective=ipo: squared loss on length-averaged log-ratios"),
-    "simpo": ("preference", ("objective=simpo", "recipe=simpo"), "= plait preference objective=simpo: reference-free, length-normalised, target margin"),
-    "orpo": ("preference", ("objective=orpo", "recipe=orpo"), "= plait preference objective=orpo: chosen NLL plus an odds-ratio term, no reference"),
-    "kto": ("preference", ("objective=kto", "recipe=kto", "data.unpaired=true"), "= plait preference objective=kto data.unpaired=true: unpaired desirable/undesirable rows"),
-}  # fmt: skip
-
 
 def _task_overrides() -> list[str]:
     """The current Hydra job's overrides as typed (none outside a job: `compose`, preflight)."""
-    from hydra.core.hydra_config import HydraConfig
-
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
 def swept_keys(overrides: Sequence[str]) -> list[str]:
     """The keys that ``overrides`` sweep (``optim.lr=1e-3,3e-4``, ``model=nano,tiny``, ``range(...)``), no ``+``/``~``."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     parsed = OverridesParser.create().parse_overrides([o for o in overrides if "=" in o and not o.startswith("-")])
     return [o.get_key_element().lstrip("+~") for o in parsed if o.is_sweep_override()]
 
 
 def _run_name(recipe: str) -> str:
     """``${plait.run_name:${recipe}}``: the recipe and the job's overrides (`trainer.rundir.run_name`)."""
-    from trainer.rundir import run_name
-
     implied = set(ALIASES[recipe][1]) if recipe in ALIASES else set()
     return run_name(recipe, [o for o in _task_overrides() if o not in implied])
 
@@ -74,25 +56,15 @@ def _run_name(recipe: str) -> str:
 def _job_dir(num: int) -> str:
     """``${plait.job_dir:${hydra.job.num}}``: a sweep job's directory named by the values it sweeps
     (`trainer.rundir.job_dirname`); the sweep is the command line's (``sys.argv``, Hydra's argv)."""
-    from trainer.rundir import job_dirname
-
     swept = set(swept_keys(hydra_config(sys.argv[1:])[2])) if "--config-path" in sys.argv else set()
     return job_dirname(int(num), [o for o in _task_overrides() if o.split("=", 1)[0].lstrip("+~") in swept])
 
 
 def register_resolvers() -> None:
     """Registers ``${plait.run_name:...}`` and ``${plait.job_dir:...}`` (conf/logger, conf/plait_base.yaml)."""
-    from omegaconf import OmegaConf
-
     for name, resolver in (("plait.run_name", _run_name), ("plait.job_dir", _job_dir)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, resolver)
-
-
-def fail(message: str, code: int = 2) -> NoReturn:
-    """Prints ``plait: error: <message>`` to stderr and exits with ``code`` (2: bad input)."""
-    print(f"plait: error: {message}", file=sys.stderr)
-    raise SystemExit(code)
 
 
 def error_message(err: BaseException) -> str:
@@ -100,25 +72,6 @@ def error_message(err: BaseException) -> str:
     while not str(err).strip() and err.__cause__ is not None:
         err = err.__cause__
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
-
-
-def bundled_recipes() -> dict[str, str]:
-    """Recipe name -> its first comment line; aliases included (``dpo`` -> ``= plait preference ...``)."""
-    out = {}
-    for path in sorted(RECIPES_DIR.glob("*.yaml")):
-        first = path.read_text().splitlines()[0] if path.stat().st_size else ""
-        out[path.stem] = first.lstrip("# ").strip()
-    out.update({name: text for name, (_, _, text) in ALIASES.items()})
-    return dict(sorted(out.items()))
-
-
-def config_groups() -> dict[str, list[str]]:
-    """Config group -> its options (the YAML files of ``conf/<group>/``)."""
-    return {
-        p.name: sorted(q.stem for q in p.glob("*.yaml"))
-        for p in sorted(CONF_DIR.iterdir())
-        if p.is_dir() and not p.name.startswith("_") and any(p.glob("*.yaml"))
-    }
 
 
 def split_recipe(argv: Sequence[str]) -> tuple[str, list[str]]:
@@ -212,11 +165,6 @@ def compose(recipe: str = DEFAULT_RECIPE, overrides: Sequence[str] = ()) -> Dict
         trainer.targets.UntrustedTargetError: the run ``model.init_from`` names has a model node
             that names code outside plait and ``trust`` (nothing of it was built).
     """
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from trainer.models.init_from import take_run_model
-
     register_resolvers()
     config_dir, config_name, rest = hydra_config(to_hydra_argv([recipe, *overrides]))
     with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
@@ -238,12 +186,6 @@ def compose_command(
             field's default (`command_type_problems`; ``lists`` names fields that take a list), or
             a number is outside the range ``ranges`` declares for it.
     """
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = hydra_compose(name, overrides=list(argv))
@@ -252,8 +194,6 @@ def compose_command(
         fail(f"{error_message(err)} (usage: {usage}; a value with a comma or space needs inner quotes: key=\"'a, b'\")")
     problems = command_type_problems(cfg, yaml.safe_load((CONF_DIR / f"{name}.yaml").read_text()), lists=lists)
     if not problems and ranges is not None:
-        from strategies.ranges import declared_ranges, value_problem
-
         declared = declared_ranges(ranges).items()
         problems = [p for key, allowed in declared if key in cfg and (p := value_problem(key, cfg[key], allowed))]
     if problems:
@@ -268,8 +208,6 @@ def command_type_problems(cfg: DictConfig, defaults: dict, *, lists: Sequence[st
     (or a field named in ``lists``) a list of texts; null defaults are left to the command. Hydra parses ``prompt=42`` as an int and
     ``out=[a]`` as a list: without this check both end in a traceback far from the argument.
     """
-    from omegaconf import OmegaConf
-
     values = OmegaConf.to_container(cfg, resolve=True)
     problems = []
     for key, default in defaults.items():
