@@ -26,10 +26,11 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from strategies.ranges import declared_ranges, value_problem
 from trainer.catalog import ALIASES, CONF_DIR, DEFAULT_RECIPE, RECIPES_DIR, bundled_recipes, fail
-from trainer.models.init_from import take_run_model
-from trainer.rundir import job_dirname, run_name
+
+# trainer.rundir, trainer.models.init_from and strategies.ranges import torch (~3 s): they are
+# imported where used, so that plait compare, plait RECIPE --cfg job and a sweep's resolvers start in
+# a fraction of a second.
 
 # Hydra's flags that take a value (``--info`` takes one only from its choices).
 _VALUED_FLAGS = ("--cfg", "-c", "--package", "-p", "--config-dir", "-cd", "--experimental-rerun")
@@ -49,6 +50,8 @@ def swept_keys(overrides: Sequence[str]) -> list[str]:
 
 def _run_name(recipe: str) -> str:
     """``${plait.run_name:${recipe}}``: the recipe and the job's overrides (`trainer.rundir.run_name`)."""
+    from trainer.rundir import run_name  # lazy: torch (see the imports above)
+
     implied = set(ALIASES[recipe][1]) if recipe in ALIASES else set()
     return run_name(recipe, [o for o in _task_overrides() if o not in implied])
 
@@ -56,6 +59,8 @@ def _run_name(recipe: str) -> str:
 def _job_dir(num: int) -> str:
     """``${plait.job_dir:${hydra.job.num}}``: a sweep job's directory named by the values it sweeps
     (`trainer.rundir.job_dirname`); the sweep is the command line's (``sys.argv``, Hydra's argv)."""
+    from trainer.rundir import job_dirname  # lazy: torch (see the imports above)
+
     swept = set(swept_keys(hydra_config(sys.argv[1:])[2])) if "--config-path" in sys.argv else set()
     return job_dirname(int(num), [o for o in _task_overrides() if o.split("=", 1)[0].lstrip("+~") in swept])
 
@@ -165,10 +170,24 @@ def compose(recipe: str = DEFAULT_RECIPE, overrides: Sequence[str] = ()) -> Dict
         trainer.targets.UntrustedTargetError: the run ``model.init_from`` names has a model node
             that names code outside plait and ``trust`` (nothing of it was built).
     """
+    from trainer.models.init_from import take_run_model  # lazy: torch (see the imports above)
+
     register_resolvers()
     config_dir, config_name, rest = hydra_config(to_hydra_argv([recipe, *overrides]))
     with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
         return take_run_model(hydra_compose(config_name, overrides=rest), rest)
+
+
+def adopt_run_model(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
+    """`trainer.models.init_from.take_run_model`, its refusal of a run's model as one
+    ``plait: error:`` line (exit 2) where preflight has not checked it (children, sweeps, --help)."""
+    from trainer.models.init_from import take_run_model  # lazy: torch (see the imports above)
+    from trainer.targets import UntrustedTargetError  # lazy: torch (see the imports above)
+
+    try:
+        return take_run_model(cfg, overrides)
+    except UntrustedTargetError as err:
+        fail(str(err))
 
 
 def compose_command(
@@ -194,6 +213,8 @@ def compose_command(
         fail(f"{error_message(err)} (usage: {usage}; a value with a comma or space needs inner quotes: key=\"'a, b'\")")
     problems = command_type_problems(cfg, yaml.safe_load((CONF_DIR / f"{name}.yaml").read_text()), lists=lists)
     if not problems and ranges is not None:
+        from strategies.ranges import declared_ranges, value_problem  # lazy: torch (see the imports above)
+
         declared = declared_ranges(ranges).items()
         problems = [p for key, allowed in declared if key in cfg and (p := value_problem(key, cfg[key], allowed))]
     if problems:

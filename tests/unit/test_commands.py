@@ -12,7 +12,8 @@ from omegaconf import OmegaConf
 
 from trainer.cli import main
 from trainer.commands import COMMANDS, TRAIN, dispatch
-from trainer.compose import ALIASES, bundled_recipes, compose, config_groups, to_hydra_argv
+from trainer.catalog import ALIASES, bundled_recipes, config_groups
+from trainer.compose import compose, to_hydra_argv
 
 
 def test_dispatch_names_a_command_or_trains() -> None:
