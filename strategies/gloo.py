@@ -5,10 +5,17 @@ For code below the trainer (collectives, sharding, memory accounting) without Li
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
+import queue
+import tempfile
+import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+import torch.distributed as dist
 
 
 def run_gloo_ranks(world_size: int, fn: Callable[[int], Any], *, timeout_s: float = 60.0) -> list[Any]:
@@ -21,14 +28,6 @@ def run_gloo_ranks(world_size: int, fn: Callable[[int], Any], *, timeout_s: floa
     Raises:
         RuntimeError: a rank failed (its traceback is in the message) or did not finish in time.
     """
-    import multiprocessing as mp
-    import queue
-    import tempfile
-    import traceback
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     init_file = tempfile.NamedTemporaryFile(prefix="plait-gloo-", delete=False).name

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from hydra.core.hydra_config import HydraConfig
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -70,8 +71,6 @@ def launch_problems(accelerator: str, devices: int, num_nodes: int, environ: dic
 
 def child_command(local_rank: int) -> list[str]:
     """The command that runs rank ``local_rank`` of the current Hydra job (no sweep)."""
-    from hydra.core.hydra_config import HydraConfig
-
     hydra_cfg = HydraConfig.get()
     argv, selection = sys.argv[1:], []
     for i, arg in enumerate(argv):
@@ -219,8 +218,6 @@ def launcher_for(strategy: Any, kind: str) -> Any:
     (`HydraJobLauncher`), outside one (a user's own script) re-running argv as Lightning does."""
     if kind == "fork":
         return ForkLauncher(strategy)
-    from hydra.core.hydra_config import HydraConfig
-
     cls = HydraJobLauncher if HydraConfig.initialized() else SubprocessLauncher
     launcher = cls(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
     heartbeat = getattr(strategy, "heartbeat", None)

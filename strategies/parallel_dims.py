@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
 
+from torch.distributed.device_mesh import init_device_mesh
+
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
@@ -106,8 +108,6 @@ class ParallelDims:
         equivalent in 2.13, and the returned views are kept rather than sliced from the root again
         (slicing flattened axes from the root is deprecated).
         """
-        from torch.distributed.device_mesh import init_device_mesh
-
         sizes = tuple(getattr(self, axis) for axis in MESH_AXES)
         mesh = init_device_mesh(device_type, sizes, mesh_dim_names=MESH_AXES)
         views = {

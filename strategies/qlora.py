@@ -42,7 +42,7 @@ class NF4Linear(nn.Linear):
 
     def __init__(self, module: nn.Linear) -> None:
         try:
-            import bitsandbytes.functional as bnbf
+            import bitsandbytes.functional as bnbf  # optional dependency: pip install plait[qlora]
         except ImportError:
             raise ImportError("strategy.lora.quantize=nf4 needs bitsandbytes: pip install bitsandbytes") from None
         nn.Module.__init__(self)
@@ -56,7 +56,7 @@ class NF4Linear(nn.Linear):
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The ``[out, in]`` weight in ``dtype`` that `forward` multiplies by (bitsandbytes' own dequantisation)."""
-        import bitsandbytes.functional as bnbf
+        import bitsandbytes.functional as bnbf  # optional dependency (plait[qlora]), there once quantized
 
         self.quant_state.dtype = dtype
         return bnbf.dequantize_4bit(self.weight, self.quant_state)
@@ -64,7 +64,7 @@ class NF4Linear(nn.Linear):
     @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[..., in] -> [..., out]: x W^T (+ b), W dequantised from the module's state (in x's dtype)."""
-        import bitsandbytes as bnb
+        import bitsandbytes as bnb  # optional dependency (plait[qlora]), there once quantized
 
         self.quant_state.dtype = x.dtype
         return bnb.matmul_4bit(x, self.weight.t(), quant_state=self.quant_state, bias=self.bias)

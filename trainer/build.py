@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -25,9 +25,9 @@ from trainer.config import ConfigError, validate
 from trainer.data.base import DataModule
 from trainer.loggers import LogConfig
 from trainer.nonfinite import NonFiniteGuard
-from trainer.spikes import SpikeRule
 from trainer.rundir import RunDir
 from trainer.semantics import tokenizer_file
+from trainer.spikes import SpikeRule
 from trainer.task import Task
 
 

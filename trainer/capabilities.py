@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from strategies.resolved import ResolvedRun
@@ -28,8 +29,6 @@ EXPORTABLE = ("trainer.models.llama.Llama", "trainer.models.moe_transformer.MoET
 
 
 def _class(node: Any) -> type | None:
-    from hydra.utils import get_class
-
     if not isinstance(node, DictConfig) or not isinstance(node.get("_target_"), str):
         return None
     try:
@@ -40,8 +39,6 @@ def _class(node: Any) -> type | None:
 
 def exportable(model_cls: type) -> bool:
     """Whether plait can write a model of ``model_cls`` as a Hugging Face directory (`EXPORTABLE`)."""
-    from hydra.utils import get_class
-
     return any(issubclass(model_cls, get_class(name)) for name in EXPORTABLE)
 
 

@@ -27,7 +27,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from trainer.compose import compose_command, fail
+from trainer.figures import pyplot
 
 USAGE = "plait compare RUN_OR_FOLDER ... [out=compare.png]"
 SUMMARY_COLUMNS = (("steps", "steps"), ("final_val_loss", "val loss"), ("final_train_loss", "train loss"), ("tokens_per_s", "tokens/s"))
@@ -106,8 +109,6 @@ def _get(summary: dict[str, Any], key: str) -> Any:
 
 def table(runs: Sequence[Path]) -> str:
     """The comparison table: one row per run, the differing config fields, then the summary."""
-    from omegaconf import OmegaConf
-
     configs = [OmegaConf.to_container(OmegaConf.load(r / "config.yaml")) if (r / "config.yaml").is_file() else {} for r in runs]
     fields = differing_fields(configs)
     summaries = [json.loads((r / "summary.json").read_text()) if (r / "summary.json").is_file() else {} for r in runs]
@@ -130,11 +131,7 @@ def plot_val_losses(runs: Sequence[Path], labels: Sequence[str], out: Path) -> l
     Returns:
         The labels of the runs drawn: a run without a validation loss (crashed before its first
         evaluation, or ``data.val_fraction=0``) has no line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     drawn = []
     for run, label in zip(runs, labels):

@@ -19,10 +19,11 @@ from typing import Annotated, Any, Literal
 import torch
 import typing_extensions
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError, InterpolationToMissingValueError
 
+from strategies.ranges import NON_NEGATIVE, POSITIVE, Range, declared_ranges, value_problem
 from strategies.resolved import ResolvedRun
 from trainer.optim import DEFAULT_NO_DECAY
-from strategies.ranges import NON_NEGATIVE, POSITIVE, Range, declared_ranges, value_problem
 from trainer.semantics import _import, check_semantics
 
 
@@ -231,8 +232,6 @@ def validate(cfg: DictConfig) -> ResolvedRun:
 def _interpolation_problems(node: Any, prefix: str = "") -> list[str]:
     """One message per ``${...}`` of ``node`` that does not resolve: a group of another recipe
     (``plait sft data=stream``: the objective's ``${oc.dict.keys:data.sources}``) or a removed key."""
-    from omegaconf.errors import InterpolationResolutionError, InterpolationToMissingValueError
-
     problems: list[str] = []
     keys = node.keys() if isinstance(node, DictConfig) else range(len(node)) if isinstance(node, ListConfig) else ()
     for key in keys:

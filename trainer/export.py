@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig
+from safetensors.torch import save_file
 from torch import nn
 
 from strategies.checkpoint import CheckpointError
@@ -36,8 +37,8 @@ from trainer.data.chat import DEFAULT_CHAT_TEMPLATE, DEFAULT_DESCRIPTION, ChatEr
 from trainer.data.chat_files import TemplateFileError, find_chat_template, write_chat_template
 from trainer.data.tokenizer import Tokenizer
 from trainer.models.hf import FAMILIES, INDEX_FILE, HFError, family_of, hf_name, is_hf_dir, read_config
-from trainer.models.init_from import load_init_from
 from trainer.models.hf_moe import MOE_FAMILIES, export_family, moe_config_fields, split_experts
+from trainer.models.init_from import load_init_from
 from trainer.models.llama import Llama
 from trainer.models.moe_transformer import MoETransformer
 from trainer.peft_adapter import moe_adapter_problem, peft_target_modules
@@ -129,8 +130,6 @@ def hf_state_dict(
 def save_weights(state: dict[str, torch.Tensor], directory: str | os.PathLike, *, max_shard_bytes: int) -> list[Path]:
     """Writes Hugging Face-named tensors as ``model.safetensors``, or as shards of at most about
     ``max_shard_bytes`` plus ``model.safetensors.index.json``; returns the files written."""
-    from safetensors.torch import save_file
-
     directory = Path(directory)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -247,8 +246,6 @@ def write_peft_adapter(out: str | Path, model: nn.Module, *, dropout: float, bas
         HFError: an adapted layer has no Hugging Face name in ``family``, or peft would adapt
             other modules than plait did (`trainer.peft_adapter`); nothing is written then.
     """
-    from safetensors.torch import save_file
-
     tensors, adapted, ranks, alphas = {}, [], set(), set()
     for fqn, module in adapted_layers(model):
         hf_module = hf_name(f"{fqn}.weight", family).removesuffix(".weight")

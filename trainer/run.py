@@ -28,9 +28,9 @@ from trainer.data.summary import describe
 from trainer.nonfinite import NonFiniteError
 from trainer.planning import check_memory
 from trainer.resume import ResumeRecord, check_resume
-from trainer.task import Task
 from trainer.run_length import plan_run_length
 from trainer.rundir import RunDir, last_link_problem, resolve_checkpoint
+from trainer.task import Task
 
 
 def _is_launching_rank() -> bool:

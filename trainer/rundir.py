@@ -28,12 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from strategies.checkpoint import META_FILE, is_checkpoint, load_model_weights, verify_checkpoint
 from strategies.lora_targets import is_adapter
 from strategies.manifest import MANIFEST
+from trainer.data.tokenizer import Tokenizer
 from trainer.targets import check_targets
 
 LAST = "last"
@@ -297,8 +299,6 @@ def instantiate_saved(node: DictConfig, *, source: str, key: str, trust: Sequenc
     Raises:
         UntrustedTargetError: a ``_target_`` outside plait and ``trust``; nothing was built.
     """
-    from hydra.utils import instantiate
-
     check_targets(node, source=source, key=key, trust=trust)
     return instantiate(node, **kwargs)
 
@@ -355,8 +355,6 @@ def load_run_model(
         UntrustedTargetError: the run's config names a model outside plait and ``trust``.
         CheckpointError: the checkpoint refuses a safe load or holds NaN/inf.
     """
-    from trainer.data.tokenizer import Tokenizer
-
     ckpt = resolve_checkpoint(path)
     if ckpt is None:
         raise FileNotFoundError(f"{path} names no checkpoint; give a run directory or a step_* checkpoint")

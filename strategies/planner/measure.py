@@ -23,6 +23,7 @@ Each rank writes ``memory_rank<r>.json`` into ``dirpath``.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -142,13 +143,9 @@ class StepTimer(L.Callback):
         self._start = 0.0
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        import time
-
         self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        import time
-
         self.times.append(time.perf_counter() - self._start)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: Any) -> None:

@@ -19,11 +19,11 @@ bubble and stage-to-stage sends; the optimizer streams its state.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from strategies.pipeline_layout import balanced_split_points
 from strategies.planner.layout import Layout, Workload
-from strategies.shape import ModelShape
 from strategies.planner.memory import (
     layer_activation_bytes,
     rank_of,
@@ -31,6 +31,7 @@ from strategies.planner.memory import (
     stage_plan,
     state_bytes,
 )
+from strategies.shape import ModelShape
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -287,8 +288,6 @@ def predict_time(shape: ModelShape, layout: Layout, work: Workload, cluster: Clu
 
 
 def _numel(p, layout: Layout) -> int:
-    import math
-
     n = math.prod(p.shape)
     return n // layout.tp if p.tp_dim is not None and layout.tp > 1 else n
 

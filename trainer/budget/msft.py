@@ -39,6 +39,9 @@ from typing_extensions import override
 from strategies.checkpoint import META_FILE
 from strategies.launch import LAUNCH_ENV
 from strategies.safe_load import load_plain
+from trainer.budget.report import plot, table
+from trainer.build import build_data, build_model, build_run
+from trainer.config import validate
 from trainer.rundir import RunDir
 
 Scores = dict[str, float]
@@ -111,8 +114,6 @@ class SettledStop(L.Callback):
 
 def fit_run(cfg: DictConfig, run_dir: Path, *, ckpt_path: str | None = None) -> list[dict[str, Any]]:
     """Builds and fits ``cfg`` in a forked process; returns the Task's history."""
-    from trainer.build import build_run
-
     trainer, task, data = build_run(cfg, run_dir, launcher="fork")
     try:
         trainer.fit(task, datamodule=data, ckpt_path=ckpt_path)
@@ -183,8 +184,6 @@ class MSFT:
     # ------------------------------------------------------------------------------ the search
     def search(self, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         """Runs the roll-out / roll-back loop; returns the report (also ``<run_dir>/msft.json``)."""
-        from trainer.build import build_data
-
         data = build_data(cfg)
         sizes = {n: len(data.prepare().train[n]) for n in data.names}
         metric_of, names = self._metric_of(cfg), list(data.names)
@@ -242,8 +241,6 @@ class MSFT:
     def uniform(self, cfg: DictConfig, run_dir: Path, first_rollout: dict[str, Any] | None) -> dict[str, Any]:
         """The best uniform epoch count under ``compute`` epochs: the first roll-out when it ran in
         full (same run), else one run of its own."""
-        from trainer.build import build_data
-
         data = build_data(cfg)
         metric_of = self._metric_of(cfg)
         if first_rollout is not None and self.patience is None:
@@ -261,9 +258,6 @@ class MSFT:
 
     @staticmethod
     def _flops_per_token(cfg: DictConfig, data: Any) -> float:
-        from trainer.build import build_model
-        from trainer.config import validate
-
         model = build_model(cfg, validate(cfg), vocab_size=data.tokenizer.vocab_size)
         return float(model.flops_per_token(data.seq_len)) if hasattr(model, "flops_per_token") else 0.0
 
@@ -277,8 +271,6 @@ class MSFT:
 
     def run(self, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         """Search, baseline, ``msft.json``, ``msft.png`` and a printed table."""
-        from trainer.budget.report import plot, table
-
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         print(f"plait: {self.length_line(cfg)}", file=sys.stderr)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from trainer.figures import pyplot
+
 
 def table(report: dict[str, Any]) -> str:
     """mSFT's per-source stopping points and final scores, next to the best uniform baseline."""
@@ -28,11 +30,7 @@ def table(report: dict[str, Any]) -> str:
 
 def plot(report: dict[str, Any], path: Path) -> None:
     """Each source's score over global steps in every roll-out, with its stopping point marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     names = list(report["sources"])
     fig, axes = plt.subplots(1, len(names), figsize=(4 * len(names), 3.2), squeeze=False)
     for ax, name in zip(axes[0], names):

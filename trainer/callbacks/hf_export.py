@@ -7,9 +7,11 @@ from typing import Any
 
 import lightning as L
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from typing_extensions import override
 
 from trainer.data.chat import DEFAULT_CHAT_TEMPLATE
+from trainer.export import write_hf_dir
 from trainer.models.hf import is_hf_dir
 from trainer.rundir import RunDir
 
@@ -71,10 +73,6 @@ class HFExport(L.Callback):
 
     def export(self, trainer: L.Trainer, pl_module: L.LightningModule, out: Path) -> None:
         """Gathers the full weights (collective) and writes ``out`` on rank 0."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        from trainer.export import write_hf_dir
-
         model = pl_module.model
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if trainer.is_global_zero:

@@ -7,16 +7,13 @@ from pathlib import Path
 import lightning as L
 from typing_extensions import override
 
+from trainer.figures import pyplot
 from trainer.rundir import RunDir
 
 
 def plot_losses(history: list[dict[str, float]], path: Path, title: str = "") -> None:
     """Writes a PNG of train loss (per step) and validation loss (per evaluation) from a Task history."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     train = [(h["step"], h["loss"]) for h in history if "loss" in h]
     val = [(h["step"], h["val_loss"]) for h in history if "val_loss" in h]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)

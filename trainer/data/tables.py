@@ -61,7 +61,7 @@ class FormatProblem(ValueError):
 
 def _parquet_rows(file: str) -> int:
     """The row count in a parquet file's footer (an empty table's, which ``datasets`` cannot read)."""
-    import pyarrow.parquet
+    import pyarrow.parquet  # lazy: ~0.3 s to import, needed only by parquet sources
 
     return pyarrow.parquet.ParquetFile(file).metadata.num_rows
 
@@ -75,7 +75,7 @@ def _dataset(path: str, *, streaming: bool) -> Any:
             (`trainer.data.paths.check_path`), a DatasetDict saved with several splits, a table
             without rows, or a file ``datasets`` cannot parse (its message included).
     """
-    import datasets
+    import datasets  # lazy: ~2 s to import, needed only by parquet and Hugging Face dataset sources
 
     datasets.disable_progress_bars()
     root = check_path(path)

@@ -8,6 +8,7 @@ seconds. Any Hugging Face ``tokenizer.json`` loads through ``Tokenizer.from_file
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Callable, Iterable, Sequence
@@ -247,8 +248,6 @@ def load_or_train(
 
 def _hf_special_tokens(path: Path, eos_token: str, pad_token: str) -> tuple[str, str]:
     """``eos_token`` and ``pad_token`` of the ``tokenizer_config.json`` beside ``path`` (else the given ones)."""
-    import json
-
     config_file = path.with_name("tokenizer_config.json")
     config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
 

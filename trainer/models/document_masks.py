@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 
 def block_causal_mask(document_ids_bt: torch.Tensor) -> torch.Tensor:
@@ -123,8 +124,6 @@ def document_block_mask(document_ids_bt: torch.Tensor, *, compiled: bool = True)
     ``compiled`` builds it with a compiled kernel (CUDA; the eager build materialises ``[T, T]``
     per row transiently).
     """
-    from torch.nn.attention.flex_attention import create_block_mask
-
     B, T = document_ids_bt.shape
     docs_bt = document_ids_bt
 
@@ -136,8 +135,6 @@ def document_block_mask(document_ids_bt: torch.Tensor, *, compiled: bool = True)
 
 @functools.cache
 def _compiled_flex():  # noqa: ANN202
-    from torch.nn.attention.flex_attention import flex_attention
-
     return torch.compile(flex_attention, dynamic=False)
 
 
@@ -152,6 +149,6 @@ def flex_document_attention(
     if compiled:
         flex = _compiled_flex()
     else:
-        from torch.nn.attention.flex_attention import flex_attention as flex
+        flex = flex_attention
     q, k, v = (t.transpose(1, 2) for t in (q_bthe, k_btke, v_btke))
     return flex(q, k, v, block_mask=block_mask, enable_gqa=True).transpose(1, 2)

@@ -24,7 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from strategies.lora_targets import is_adapter
 from trainer.models.hf_moe import (
@@ -259,8 +262,6 @@ def weight_files(directory: str | os.PathLike) -> dict[str, Path]:
     Raises:
         HFError: no safetensors weights in ``directory``.
     """
-    from safetensors import safe_open
-
     directory = Path(directory).expanduser()
     index = directory / INDEX_FILE
     if index.is_file():
@@ -278,13 +279,9 @@ def weight_files(directory: str | os.PathLike) -> dict[str, Path]:
 
 def _local_slices(param: torch.Tensor) -> tuple[tuple[slice, ...], torch.Tensor]:
     """The global index range of this rank's shard of ``param`` and the local tensor to fill."""
-    from torch.distributed.tensor import DTensor
-
     if not isinstance(param, DTensor):
         return tuple(slice(0, n) for n in param.shape), param.data
     # Private but stable (DCP plans its reads with it): this rank's chunk of the global tensor.
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     local = param.to_local()
     if tuple(local.shape) != tuple(shape):
@@ -303,8 +300,6 @@ def load_hf_weights(model: nn.Module, directory: str | os.PathLike) -> None:
     Raises:
         HFError: a tensor of the directory has no plait name, a parameter has no tensor, or shapes differ.
     """
-    from safetensors import safe_open
-
     files = weight_files(directory)
     family = family_of(read_config(directory))
     unknown = [n for n in files if plait_name(n, family) is None and not n.endswith("rotary_emb.inv_freq")]

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 BLOCK_ELEMENTS = 1 << 22  # 16 MiB of fp32 per generated block: the transient of an init
 
@@ -32,8 +33,6 @@ def local_box(param: torch.Tensor) -> tuple[slice, ...]:
     """This rank's part of ``param`` as slices of the global tensor (all of it for a plain tensor)."""
     if not isinstance(param, DTensor):
         return tuple(slice(0, n) for n in param.shape)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     return tuple(slice(o, o + n) for o, n in zip(offset, shape))
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from strategies.lora_targets import is_adapter
 from trainer.models.hf import HFError, is_hf_dir, llama_kwargs, load_hf_weights, read_config, sliding_window, weight_files
+from trainer.rundir import RunDir, load_run_weights, resolve_checkpoint
 from trainer.targets import check_targets
 
 
@@ -36,8 +37,6 @@ def load_init_from(model: nn.Module) -> None:
     if is_hf_dir(source):
         load_hf_weights(model, source)
         return
-    from trainer.rundir import load_run_weights
-
     try:
         load_run_weights(source, model, keys=lambda fqn: not is_adapter(fqn))
     except FileNotFoundError:
@@ -51,8 +50,6 @@ FREE_FIELDS = frozenset({"init_from", "init_std", "max_seq_len"})
 def base_run(source: str | None) -> tuple[Path, DictConfig] | None:
     """(the run directory, its ``config.yaml``) of the plait run or checkpoint ``source`` names; None
     for a Hugging Face directory, no intact checkpoint, or a checkpoint outside a run directory."""
-    from trainer.rundir import RunDir, resolve_checkpoint
-
     if not source or is_hf_dir(source):
         return None
     ckpt = resolve_checkpoint(Path(source).expanduser())
@@ -166,8 +163,6 @@ def init_from_problems(model: Any, *, data: Any = None) -> list[str]:
         model: the composed ``model`` node (``init_from`` set).
         data: the ``data`` node (its ``seq_len`` against the checkpoint's context and window).
     """
-    from trainer.rundir import resolve_checkpoint
-
     source, target = str(model.init_from), str(model.get("_target_", ""))
     wants_hf = target.endswith("llama_from_hf")
     if not is_hf_dir(source):

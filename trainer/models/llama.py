@@ -24,7 +24,8 @@ from typing import Annotated, Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 from typing_extensions import override
 
 from strategies.ranges import NON_NEGATIVE, POSITIVE, Range
@@ -314,11 +315,6 @@ class Llama(nn.Module):
         ``loss_parallel`` the logits stay sharded by vocabulary ([B, T, V/tp] DTensor) for the
         cross-entropy under ``torch.distributed.tensor.parallel.loss_parallel``.
         """
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel,
-        )  # fmt: skip
-
         seq = Shard(1) if sequence_parallel else Replicate()
         logits = Shard(-1) if loss_parallel else Replicate()
         plan: dict = {

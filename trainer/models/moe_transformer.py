@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 from typing_extensions import override
 
 from trainer.models.llama import Llama
@@ -209,9 +211,6 @@ class MoETransformer(Llama):
         feed-forward runs whole on every tp rank (its weights replicated over tp): its input is
         gathered to the full sequence and its output, identical on all tp ranks, sliced back to
         this rank's part of the sequence under sequence parallelism."""
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import PrepareModuleInputOutput
-
         plan = super().tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
         dense_input = plan.pop("layers.*.feed_forward")
         seq = Shard(1) if sequence_parallel else Replicate()
