@@ -93,3 +93,33 @@ def test_strategies_never_import_trainer() -> None:
 
 def test_a_cycle_through_a_function_level_import_is_found() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def imports_in_functions() -> list[tuple[str, int, str]]:
+    """``(path, line, source line)`` of every import statement inside a function in trainer/ and strategies/."""
+    found = []
+    for path in sorted(p for package in PACKAGES for p in (ROOT / package).rglob("*.py")):
+        text = path.read_text()
+        lines = text.splitlines()
+        tree = ast.parse(text)
+        inner = {
+            id(node)
+            for func in ast.walk(tree)
+            if isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for node in ast.walk(func)
+            if isinstance(node, (ast.Import, ast.ImportFrom))
+        }
+        for node in ast.walk(tree):
+            if id(node) in inner:
+                source = " ".join(lines[node.lineno - 1 : node.end_lineno])
+                found.append((str(path.relative_to(ROOT)), node.lineno, source))
+    return found
+
+
+def test_an_import_inside_a_function_says_why() -> None:
+    """Imports go at the top of a module; one inside a function is an optional dependency or a
+    heavy module loaded lazily (CLI start-up), and its line says which in a comment. At most 40
+    (issue 33; `python bench/architecture_counts.py` lists them)."""
+    sites = imports_in_functions()
+    assert [f"{path}:{line}: {source.strip()}" for path, line, source in sites if "#" not in source] == []
+    assert len(sites) <= 40
