@@ -136,3 +136,24 @@ def test_search_removes_every_source_once(tmp_path):
     assert sorted(report["sources"]) == ["addition", "sorting"]
     assert len(report["rollouts"]) == 2 and report["flops"] > 0
     assert report["uniform"]["flops"] > 0 and (tmp_path / "msft.png").exists()
+
+
+class RecordingSearch:
+    """A ``budget`` node's object that records the run directory it was handed."""
+
+    def run(self, cfg: Any, run_dir: Any) -> dict[str, Any]:
+        return {"run_dir": str(run_dir), "sources": sorted(cfg.data.sources)}
+
+
+def test_the_budget_driver_prepares_the_data_then_hands_the_run_directory_to_the_search(tmp_path):
+    """`trainer.budget.driver.run_search`: the data is prepared and described on the launching
+    rank (its roll-outs fork), then ``cfg.budget``'s ``run`` gets the run directory."""
+    from trainer.budget.driver import is_search, run_search
+    from trainer.config import validate
+
+    cfg = _cfg(["+budget._target_=test_msft.RecordingSearch"])
+    assert is_search(cfg) and not is_search(_cfg())
+    said: list[str] = []
+    report = run_search(cfg, tmp_path, validate(cfg), say=said.append)
+    assert report == {"run_dir": str(tmp_path), "sources": ["addition", "sorting"]}
+    assert said and said[0].startswith("data: 48 training samples")  # trainer.data.summary.describe, 2 x 24 rows
