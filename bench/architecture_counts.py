@@ -4,6 +4,8 @@ Invocation::
 
     python bench/architecture_counts.py            # every count, one ``<name> <n>`` line each, then the sites
     python bench/architecture_counts.py --quiet    # the count lines only
+    git archive main trainer strategies | tar -x -C /tmp/main-tree
+    python bench/architecture_counts.py --root /tmp/main-tree   # another tree (e.g. before a change)
 
 Each count is a function ``<name>(root) -> list[str]`` returning the sites it counts
 (``path:line: what``); `COUNTS` lists them. A new count is one function and one entry there.
@@ -70,10 +72,12 @@ COUNTS: dict[str, Callable[[Path], list[str]]] = {
 
 
 def main(argv: list[str]) -> None:
-    """Prints ``<name> <n>`` per count, then (without ``--quiet``) its sites indented below it."""
+    """Prints ``<name> <n>`` per count, then (without ``--quiet``) its sites indented below it;
+    ``--root DIR`` counts the tree under DIR instead of this checkout."""
     quiet = "--quiet" in argv
+    root = Path(argv[argv.index("--root") + 1]) if "--root" in argv else ROOT
     for name, count in COUNTS.items():
-        sites = count(ROOT)
+        sites = count(root)
         print(f"{name} {len(sites)}")
         if not quiet:
             print("\n".join(f"  {site}" for site in sites))
