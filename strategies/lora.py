@@ -320,8 +320,14 @@ class LoRA:
         """Refuses a non-positive rank, dropout outside [0, 1), pipeline and local-SGD layouts
         (not composed with adapters yet), dropout under tp > 1 (each tp rank would draw its own
         mask of a replicated input), a target pattern that selects no linear layer of the model
-        (`target_problems`) and a tied output head as a target (its merge would change the embedding)."""
+        (`target_problems`), a tied output head as a target (its merge would change the embedding)
+        and a run without a base (``run.init_from``)."""
         out = []
+        if run.init_from is None:
+            out.append(
+                "strategy.lora trains adapters on a frozen base, and its checkpoints hold only the adapters: set "
+                "model.init_from=<a Hugging Face directory or a plait run> (the base)"
+            )
         if shape is not None and shape.linear_modules:
             out.extend(target_problems(shape.linear_modules, self.target_modules))
             if shape.tie_embeddings and any(selects("output", p) for p in self.target_modules):

@@ -52,6 +52,16 @@ class ResolvedRun:
         optimizer: the optimizer partial (``optim``, instantiated), for checks that need to know
             what state it keeps; None without one.
         drop_last: whether the data drops a last, partial global batch (data.drop_last).
+        row_kind: what a row of the data module's batches is: "tokens", "pairs" or "unpaired"
+            (the data class's ``row_kind_of(data node)``, `trainer.protocols.RowKind`); None when
+            unknown (no data node, or one whose class cannot be imported).
+        init_from: the weights the model starts from (model.init_from: a Hugging Face directory
+            or a plait run / checkpoint); None: a fresh initialisation.
+        compile: whether the blocks are compiled (strategy.compile.enabled).
+        sequence_parallel: whether tp > 1 shards the residual stream on the sequence dimension
+            (strategy.tensor_parallel.sequence_parallel under tp > 1).
+        cp_placement: where cp ranks place rows (strategy.context_parallel.placement: "split"
+            or "hybrid"; used when cp > 1).
     """
 
     world_size: int
@@ -70,3 +80,8 @@ class ResolvedRun:
     precision: str = "32-true"
     optimizer: Callable[..., torch.optim.Optimizer] | None = None
     drop_last: bool = True
+    row_kind: str | None = None
+    init_from: str | None = None
+    compile: bool = False
+    sequence_parallel: bool = False
+    cp_placement: str = "split"

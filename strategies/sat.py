@@ -129,8 +129,10 @@ class SAT:
         return ladder_rate(step, self.rate, self.ladder, self.total_steps)
 
     def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
-        """Configuration problems, each naming the fix (``run.dims``: the resolved degrees)."""
+        """Configuration problems, each naming the fix (``run.dims``: the resolved degrees; ``run.compile``)."""
         out = self._rate_problems()
+        if run.compile:
+            out.append("strategy.sat with strategy.compile.enabled=true is not supported; set one of them off")
         dims = run.dims
         if dims.tp > 1:
             out.append(

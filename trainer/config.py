@@ -180,6 +180,31 @@ INJECTED = {
     "strategy": {"launcher"},
 }
 TARGET_NODES = ("objective", "model", "data", "optim", "scheduler", "strategy", "budget")
+# The groups whose class validate asks for its own problems (`trainer.protocols.Component`); the
+# data module's evaluators are asked too (`DataModule.evaluator_types`), and the strategy asks its
+# plugins (`MeshStrategy.problems`, in `trainer.semantics.resolve`).
+COMPONENT_GROUPS = ("objective", "data")
+
+
+def component_problems(cfg: DictConfig, run: ResolvedRun | None) -> list[str]:
+    """Each component's own problems: ``cls.problems(run, node)`` of the objective's and the data
+    module's class, and of each evaluator class the data module builds (given the data node).
+
+    ``run`` is None when the layout did not resolve. A node whose ``_target_`` does not import is
+    skipped (the target checks report it)."""
+    problems: list[str] = []
+    for group in COMPONENT_GROUPS:
+        node = cfg.get(group)
+        if not isinstance(node, DictConfig) or not isinstance(node.get("_target_"), str):
+            continue
+        try:
+            cls = _import(node._target_)
+        except (ImportError, AttributeError, ValueError):
+            continue
+        components = [cls, *cls.evaluator_types(node)] if group == "data" else [cls]
+        for component in components:
+            problems.extend(component.problems(run, node))
+    return problems
 
 
 def validate(cfg: DictConfig) -> ResolvedRun:
@@ -212,6 +237,7 @@ def validate(cfg: DictConfig) -> ResolvedRun:
     run = None
     if not problems:
         run = check_semantics(cfg, problems)
+        problems += component_problems(cfg, run)
     else:
         # Every problem at once: check the semantics too, with mistyped run-wide fields at their
         # defaults (and no message about those fields, which are already reported).
@@ -219,7 +245,8 @@ def validate(cfg: DictConfig) -> ResolvedRun:
         semantic: list[str] = []
         broken = frozenset(p.removeprefix("unknown key ").split(".")[0].split("=")[0] for p in problems)
         try:
-            check_semantics(_well_typed(cfg, replaced), semantic, broken)
+            typed = _well_typed(cfg, replaced)
+            semantic += component_problems(typed, check_semantics(typed, semantic, broken))
         except Exception:  # noqa: BLE001 - a broken object node (already reported) stops these checks
             pass
         problems += [p for p in semantic if not any(f"{name}=" in p for name in replaced)]

@@ -10,16 +10,43 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import lightning as L
 import torch
 from torch import nn
 
 from strategies.parallel_dims import ParallelDims
+from strategies.resolved import ResolvedRun
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
+
+# What one row of a data module's batches is (`DataModule.row_kind_of`) and what an objective trains
+# on (`Objective.row_kind`): "tokens" (packed token rows: text, chat), "pairs" (preference pairs,
+# ``[P, 2, T]``) or "unpaired" (labelled completions with a mismatched row each, laid out as pairs).
+RowKind = Literal["tokens", "pairs", "unpaired"]
+ROW_NOUNS: dict[str, str] = {"tokens": "token rows", "pairs": "preference pairs", "unpaired": "unpaired rows"}
+
+
+class Component(Protocol):
+    """What `trainer.config.validate` asks of each component a config selects with ``_target_`` (the
+    objective, the data module, the evaluators the data module builds): its own problems, before any
+    process starts. The strategy's plugins have theirs too, on the model's shape (`strategies.plugin`).
+    """
+
+    @classmethod
+    def problems(cls, run: ResolvedRun | None, node: Any) -> list[str]:
+        """Messages, each naming the fix, of what this component cannot run in ``run``; [] when it fits.
+
+        Args:
+            run: the resolved run (degrees, micro-batches, the data's row kind, the model's shape,
+                ...); None when the layout itself did not resolve (its problems are reported
+                already): check what needs no layout.
+            node: this component's own config node (``cfg.objective``, ``cfg.data``); read other
+                groups only through ``run`` (a rule between groups belongs in `trainer.semantics`).
+        """
+        return []
 
 
 class Strategy(Protocol):
@@ -75,9 +102,13 @@ class Strategy(Protocol):
         ...
 
 
-class Objective(Protocol):
+class Objective(Component, Protocol):
     """A training objective (`trainer.objectives`): the Task divides `loss_sum` by the step's
-    global `num_tokens`, so micro-batches and ranks add up to one big batch."""
+    global `num_tokens`, so micro-batches and ranks add up to one big batch.
+
+    It holds no state across steps (a preference objective's reference log-probs live in the data
+    module, whose ``state_dict`` the checkpoint keeps): nothing of it is checkpointed.
+    """
 
     # What `num_tokens` counts: "tokens" (the loss is a mean negative log-likelihood per token, so
     # exp of the validation loss is a perplexity, logged as val/ppl) or "pairs" (a preference loss).
@@ -86,6 +117,20 @@ class Objective(Protocol):
     # beyond the loss (a preference objective's reward accuracy and margin): ``summary.json``'s
     # ``first_val_metrics`` / ``final_val_metrics`` and ``plait compare`` show them.
     headline_metrics: tuple[str, ...] = ()
+    # The rows it trains on: `problems` refuses a data module whose `DataModule.row_kind_of` differs.
+    row_kind: RowKind = "tokens"
+
+    @classmethod
+    def problems(cls, run: ResolvedRun | None, node: Any) -> list[str]:
+        """`Component.problems`; here: data whose rows are not this objective's `row_kind` (an
+        override should keep it: ``super().problems(run, node)``)."""
+        if run is None or run.row_kind is None or run.row_kind == cls.row_kind:
+            return []
+        need, given = ROW_NOUNS.get(cls.row_kind, cls.row_kind), ROW_NOUNS.get(run.row_kind, run.row_kind)
+        return [
+            f"objective {cls.__name__} trains on {need}, but the data module gives {given}; use a data group of "
+            f"{need} (`plait <recipe> --help` lists each group's choices)"
+        ]
 
     def num_tokens(self, batch: Batch) -> torch.Tensor:
         """The units ``batch``'s loss is averaged over (supervised tokens, pairs); 0-dim fp32."""
@@ -108,13 +153,6 @@ class Objective(Protocol):
         Args:
             task: the `trainer.task.Task` (its model, trainer, strategy, datamodule, micro_batch_size).
         """
-        return None
-
-    def state_dict(self) -> dict[str, Any]:
-        """State saved in each checkpoint (under ``checkpoint["plait"]["objective"]``)."""
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
         return None
 
 
@@ -145,8 +183,9 @@ class Loader(Protocol):
         ...
 
 
-class Evaluator(Protocol):
-    """Scores the model beyond the loss at each evaluation (e.g. held-out exact match)."""
+class Evaluator(Component, Protocol):
+    """Scores the model beyond the loss at each evaluation (e.g. held-out exact match). Its
+    `problems` get the node of the data module that builds it (`DataModule.evaluator_types`)."""
 
     @property
     def headline_metrics(self) -> Sequence[str]:
@@ -160,8 +199,22 @@ class Evaluator(Protocol):
         ...
 
 
-class DataModule(Protocol):
-    """What the Task asks of the data module, besides Lightning's ``train_dataloader``."""
+class DataModule(Component, Protocol):
+    """What the Task asks of the data module, besides Lightning's ``train_dataloader``, and what
+    validate asks of its class (`problems`, `row_kind_of`, `evaluator_types`)."""
+
+    row_kind: RowKind = "tokens"  # what its batches hold (see `RowKind`)
+
+    @classmethod
+    def row_kind_of(cls, node: Any) -> RowKind:
+        """The row kind a data node of this class gives (a setting may choose it, e.g. ``unpaired``)."""
+        return cls.row_kind
+
+    @classmethod
+    def evaluator_types(cls, node: Any) -> list[type[Evaluator]]:
+        """The classes of the evaluators a data node of this class builds (`evaluators`); validate
+        asks each for its `problems` with ``node``."""
+        return []
 
     def eval_dataloader(self) -> Iterable[Batch]: ...
 

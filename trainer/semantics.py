@@ -3,8 +3,10 @@ config (`check_semantics`). Called by `trainer.config.validate` after the schema
 checks; every problem names the override that fixes it.
 
 The layout's own problems come from the strategy's plugins (``problems(run, shape)``, on the
-model built on the meta device); this module checks what lies between config nodes (batch sizes
-against the layout, sequence length against the model, paths).
+model built on the meta device), and each component's from its class (``problems(run, node)``,
+`trainer.protocols.Component`, asked by `trainer.config.validate`); this module checks only what
+lies between config nodes (batch sizes against the layout, sequence length against the model,
+paths), and derives the facts the components read (`ResolvedRun`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from trainer.data.paths import DATA_SUFFIXES, PathProblem, check_path, data_file
 from trainer.data.tokenizer import TokenizerFileError, read_tokenizer_json
 from trainer.models.hf import is_hf_dir
 from trainer.models.init_from import init_from_problems, run_tokenizer
-from trainer.rundir import RunDir, resolve_checkpoint
 
 
 def _import(path: str) -> Any:
@@ -140,6 +141,18 @@ def pp_split_points(cfg: DictConfig, run: ResolvedRun, strategy: MeshStrategy) -
     return tuple(auto_split_points(run.shape, layout_of(run, strategy), workload, cluster))
 
 
+def _row_kind(data: Any) -> str | None:
+    """The row kind the data node gives (its class's ``row_kind_of``); None without a data node or
+    when its class cannot be imported (reported by the target checks)."""
+    if not isinstance(data, DictConfig) or "_target_" not in data:
+        return None
+    try:
+        data_cls = _import(data._target_)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    return data_cls.row_kind_of(data)
+
+
 def resolve(cfg: DictConfig, problems: list[str], broken: frozenset[str] = frozenset()) -> ResolvedRun | None:
     """The resolved run of ``cfg`` (schema-valid), appending what stops it to ``problems``.
 
@@ -190,6 +203,7 @@ def resolve(cfg: DictConfig, problems: list[str], broken: frozenset[str] = froze
         optimizer = None
     if problem := optimizer_problem(optimizer):
         problems.append(problem)
+    init_from = OmegaConf.select(cfg, "model.init_from", default=None, throw_on_missing=False)
     run = ResolvedRun(
         world_size=world_size,
         dims=dims,
@@ -206,51 +220,15 @@ def resolve(cfg: DictConfig, problems: list[str], broken: frozenset[str] = froze
         precision=str(trainer.precision),
         optimizer=optimizer,
         drop_last=bool(data.drop_last) if data is not None and "drop_last" in data else True,
+        row_kind=_row_kind(data),
+        init_from=str(init_from) if init_from else None,
+        compile=bool(strategy.compile_plugin.enabled),
+        sequence_parallel=dims.tp > 1 and bool(strategy.tensor_parallel.sequence_parallel),
+        cp_placement=str(strategy.context_parallel.placement),
     )
     problems.extend(strategy.problems(run, run.shape))
     # The split is planned for a layout that runs: a config with problems is refused anyway.
     return run if problems else replace(run, pp_split_points=pp_split_points(cfg, run, strategy))
-
-
-def _lora_base_problems(init_from: str) -> list[str]:
-    """A plait run trained with LoRA cannot be a base: its checkpoints hold only the adapters."""
-    ckpt = resolve_checkpoint(init_from)
-    if ckpt is None or not RunDir.of_checkpoint(ckpt).config.is_file():
-        return []  # init_from_problems reports a missing checkpoint
-    if OmegaConf.select(RunDir.of_checkpoint(ckpt).load_config(), "strategy.lora", throw_on_missing=False) is None:
-        return []
-    return [
-        f"model.init_from={init_from} is a LoRA run: its checkpoints hold only the adapters, not a base; export it "
-        f"(plait export ckpt={init_from} out=<dir>: the merged model) and use model=hf model.init_from=<dir>"
-    ]
-
-
-def decoding_problems(cfg: DictConfig, run: ResolvedRun) -> list[str]:
-    """Layouts under which the greedy decoding of ``metric: exact_match`` sources cannot run.
-
-    `trainer.sampling.greedy_batch` feeds whole, growing sequences to the model on every rank:
-    a pipeline stage holds part of the layers, a context-parallel rank's attention expects its
-    shard of a fixed-length sequence, and sequence-parallel TP shards the residual stream of a
-    length tp need not divide. Tensor parallelism without it decodes (the logits are gathered).
-    """
-    sources = OmegaConf.select(cfg, "data.sources", throw_on_missing=False)
-    if not isinstance(sources, DictConfig):
-        return []
-    decoded = [name for name, node in sources.items() if isinstance(node, DictConfig) and node.get("metric") == "exact_match"]
-    if not decoded:
-        return []
-    split = [f"strategy.{axis}={getattr(run.dims, axis)}" for axis in ("pp", "cp") if getattr(run.dims, axis) > 1]
-    fix = [f"strategy.{axis}=1" for axis in ("pp", "cp") if getattr(run.dims, axis) > 1]
-    if run.dims.tp > 1 and OmegaConf.select(cfg, "strategy.tensor_parallel.sequence_parallel", default=True):
-        split.append("strategy.tensor_parallel.sequence_parallel=true")
-        fix.append("strategy.tensor_parallel.sequence_parallel=false")
-    if not split:
-        return []
-    metric = ", ".join(f"data.sources.{name}.metric=loss" for name in decoded)
-    return [
-        f"data.sources.{decoded[0]}.metric=exact_match decodes greedily with whole sequences on every rank, which "
-        f"{' and '.join(split)} does not give; use {metric} (or {' and '.join(fix)})"
-    ]
 
 
 def check_semantics(cfg: DictConfig, problems: list[str], broken: frozenset[str] = frozenset()) -> ResolvedRun | None:
@@ -286,38 +264,12 @@ def check_semantics(cfg: DictConfig, problems: list[str], broken: frozenset[str]
     init_from = model is not None and OmegaConf.select(model, "init_from", throw_on_missing=False)
     if init_from:  # HF dir or plait checkpoint
         problems.extend(init_from_problems(model, data=data))
-    if OmegaConf.select(cfg, "strategy.lora", throw_on_missing=False) is not None and not init_from:
-        problems.append(
-            "strategy.lora trains adapters on a frozen base, and its checkpoints hold only the adapters: set "
-            "model.init_from=<a Hugging Face directory or a plait run> (the base)"
-        )
-    if init_from and not is_hf_dir(init_from):
-        problems.extend(_lora_base_problems(str(init_from)))
     run = resolve(cfg, problems, broken)
     problems.extend(capability_problems(cfg, run))  # tp_plan, a Hugging Face mapping (trainer.capabilities)
-    objective = cfg.get("objective")
-    if run is not None and run.dims.tp > 1 and isinstance(objective, DictConfig) and objective.get("loss_chunk_tokens"):
-        problems.append(
-            f"objective.loss_chunk_tokens={objective.loss_chunk_tokens} needs tp=1 (with tp > 1 loss parallel already "
-            "keeps the logits sharded by vocabulary); use objective.loss_chunk_tokens=0"
-        )
-    if run is not None:
-        problems.extend(decoding_problems(cfg, run))
-    if data is not None and "_target_" in data:
-        # A data module may check its own node (SFT sources and budgets: trainer.data.sft).
-        data_cls = _import(data._target_)
-        if hasattr(data_cls, "config_problems"):
-            problems.extend(data_cls.config_problems(cfg, run))
-    if isinstance(objective, DictConfig) and "_target_" in objective:
-        # An objective may check the layout and data it needs (preference pairs: trainer.objectives.preference).
-        objective_cls = _import(objective._target_)
-        if hasattr(objective_cls, "config_problems"):
-            problems.extend(objective_cls.config_problems(cfg, run))
     if data is not None and data.get("path"):
         problems.extend(_data_path_problems([data.path] if isinstance(data.path, str) else list(data.path)))
     if data is not None and data.get("tokenizer"):
         problems.extend(_tokenizer_problems(str(data.tokenizer)))
-    _check_step_plugins(cfg, problems)
     return run
 
 
@@ -347,13 +299,3 @@ def _tokenizer_problems(given: str) -> list[str]:
     except TokenizerFileError as err:
         return [f"data.tokenizer={given} is not a tokenizer.json ({err.reason}); give a Hugging Face tokenizer.json, or null to train one"]
     return []
-
-
-def _check_step_plugins(cfg: DictConfig, problems: list[str]) -> None:
-    """SAT against the rest of the config (its own ``problems`` checks the layout)."""
-    strategy = cfg.get("strategy")
-    if not isinstance(strategy, DictConfig):
-        return
-    compile_node = strategy.get("compile")
-    if isinstance(strategy.get("sat"), DictConfig) and isinstance(compile_node, DictConfig) and compile_node.get("enabled"):
-        problems.append("strategy.sat with strategy.compile.enabled=true is not supported; set one of them off")

@@ -76,6 +76,8 @@ def test_every_group_option_validates_in_the_default_recipe(group: str) -> None:
             overrides.append("trainer.devices=2" if option.stem == "tp" else "trainer.devices=4")
         # A budget search and the per-source SFT objective need the SFT recipe's named sources.
         recipe = "sft" if group == "budget" or (group, option.stem) == ("objective", "sft") else "pretrain"
+        if group == "data" and option.stem.startswith("preference"):  # pairs: an objective that trains on them
+            recipe = "dpo"
         if group == "paft" or (group == "objective" and option.stem in ("dpo", "ipo", "simpo", "orpo", "kto")):
             # PAFT arms; preference objectives need pairs (KTO: unpaired rows, its alias sets them)
             recipe = "paft" if group == "paft" else ("kto" if option.stem == "kto" else "dpo")

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from torch import nn
 
+from trainer.compose import compose
+from trainer.config import ConfigError, validate
 from trainer.objectives.kto import KTO
-from trainer.objectives.preference import DPO
 
 
 class Bigram(nn.Module):
@@ -87,11 +87,20 @@ def test_kto_loss_and_gradients_equal_trl_formula(beta, dw, uw, ref_shift):
     assert sums[0, 3].item() == pytest.approx(max(kl.item(), 0.0), abs=1e-5)
 
 
+def _refusals(recipe: str, *overrides: str) -> list[str]:
+    """The problems `trainer.config.validate` finds in ``plait <recipe> <overrides>`` ([] when valid)."""
+    try:
+        validate(compose(recipe, list(overrides)))
+    except ConfigError as err:
+        return err.problems
+    return []
+
+
 def test_kto_needs_unpaired_rows_and_pairs_refuse_them():
-    cfg = OmegaConf.create({"data": {"_target_": "trainer.data.preference.PreferenceDataModule", "unpaired": False}, "objective": {}})
-    assert any("data.unpaired=true" in p for p in KTO.config_problems(cfg, None))
-    cfg.data.unpaired = True
-    assert KTO.config_problems(cfg, None) == []
-    assert any("remove data.unpaired=true" in p for p in DPO.config_problems(cfg, None))
+    """The objective's declared row kind against the data module's (`DataModule.row_kind_of`):
+    mutating `PreferenceDataModule.row_kind_of` to ignore ``unpaired`` fails both refusals."""
+    assert any("objective KTO trains on unpaired rows; set data.unpaired=true" in p for p in _refusals("kto", "data.unpaired=false"))
+    assert _refusals("kto") == []
+    assert any("objective DPO trains on pairs; remove data.unpaired=true" in p for p in _refusals("dpo", "data.unpaired=true"))
     with pytest.raises(ValueError, match="objective.desirable_weight=0"):
         KTO(desirable_weight=0)

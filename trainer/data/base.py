@@ -106,15 +106,15 @@ class DataModule(L.LightningDataModule, protocols.DataModule):
         self._chat: ChatFormat | None = None  # set by chat_template while preparing
 
     @classmethod
-    def config_problems(cls, cfg: Any, run: ResolvedRun | None) -> list[str]:
-        """Problems of the run config's ``data`` node, for `trainer.config.validate` (before any
-        launch): the node's own (`node_problems`), a ``cache_dir`` that cannot hold the cache
-        (`trainer.data.cache.cache_dir_problem`), ``balance=work`` without dp ranks; ``run`` is
-        None when the layout itself is invalid."""
-        problems = cls.node_problems(cfg.data)
-        if "cache_dir" in cfg.data and (problem := cache_dir_problem(str(cfg.data.cache_dir))):
+    def problems(cls, run: ResolvedRun | None, node: Any) -> list[str]:
+        """`trainer.protocols.Component.problems` of a ``data`` node, for `trainer.config.validate`
+        (before any launch): the node's own (`node_problems`), a ``cache_dir`` that cannot hold the
+        cache (`trainer.data.cache.cache_dir_problem`), ``balance=work`` without dp ranks; ``run``
+        is None when the layout itself is invalid."""
+        problems = cls.node_problems(node)
+        if "cache_dir" in node and (problem := cache_dir_problem(str(node.cache_dir))):
             problems.append(problem)
-        balance = cfg.data.get("balance", "none")
+        balance = node.get("balance", "none")
         if balance == "work" and run is not None and run.dims.dp == 1:
             problems.append(
                 "data.balance=work has nothing to balance: one dp rank trains every row of the step; use "

@@ -45,6 +45,7 @@ from trainer.data.loader import RowBatches
 from trainer.data.sampler import GlobalBatchSampler
 from trainer.data.sources import PAIRS, Source
 from trainer.data.tokenizer import Tokenizer
+from trainer.protocols import RowKind
 
 SPLITS = ("train", "val")
 
@@ -94,9 +95,16 @@ class PreferenceDataModule(DataModule):
             raise DataError("; ".join(problems))
         self.sources: dict[str, Source] = {name: PAIRS.parse(name, dict(n or {})) for name, n in sources.items()}
         self.max_prompt_len, self.template_name, self.unpaired = max_prompt_len, template, unpaired
+        self.row_kind: RowKind = "unpaired" if unpaired else "pairs"
         self.reference_ready = False
         self.counts: dict[str, SourceCounts] = {}
         self.val_counts: dict[str, SourceCounts] = {}
+
+    @override
+    @classmethod
+    def row_kind_of(cls, node: Any) -> RowKind:
+        """Preference pairs, or unpaired rows with ``unpaired: true`` (KTO)."""
+        return "unpaired" if node.get("unpaired", False) else "pairs"
 
     @override
     @classmethod

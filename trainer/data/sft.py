@@ -132,6 +132,12 @@ class SFTDataModule(DataModule):
             problems.append(f"data.long_samples={node.get('long_samples')!r}: use one of {LONG_SAMPLES}")
         return problems
 
+    @override
+    @classmethod
+    def evaluator_types(cls, node: Any) -> list[type[ExactMatch]]:
+        """`ExactMatch` when a source of ``node`` has ``metric: exact_match``."""
+        return [ExactMatch] if ExactMatch.decoded_sources(node) else []
+
     # ------------------------------------------------------------------------------ preparation
     @override
     def _prepare(self) -> PreparedSFT:

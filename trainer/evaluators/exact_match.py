@@ -11,11 +11,14 @@ each forward).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
+from strategies.resolved import ResolvedRun
 from trainer import protocols
 from trainer.data.tokenizer import Tokenizer
 from trainer.sampling import greedy_batch
@@ -39,6 +42,39 @@ class ExactMatch(protocols.Evaluator):
 
     def __init__(self, sets: dict[str, GenerationSet], tokenizer: Tokenizer) -> None:
         self.sets, self.tokenizer = sets, tokenizer
+
+    @staticmethod
+    def decoded_sources(node: Any) -> list[str]:
+        """The names of the sources of a ``data`` node scored this way (``metric: exact_match``)."""
+        sources = node.get("sources") if isinstance(node, Mapping) else None
+        if not isinstance(sources, Mapping):
+            return []
+        return [name for name, source in sources.items() if isinstance(source, Mapping) and source.get("metric") == "exact_match"]
+
+    @classmethod
+    def problems(cls, run: ResolvedRun | None, node: Any) -> list[str]:
+        """Layouts under which the greedy decoding of the ``data`` node's exact-match sources cannot run.
+
+        `trainer.generate.greedy_batch` feeds whole, growing sequences to the model on every rank:
+        a pipeline stage holds part of the layers, a context-parallel rank's attention expects its
+        shard of a fixed-length sequence, and sequence-parallel TP shards the residual stream of a
+        length tp need not divide. Tensor parallelism without it decodes (the logits are gathered).
+        """
+        decoded = cls.decoded_sources(node)
+        if run is None or not decoded:
+            return []
+        split = [f"strategy.{axis}={getattr(run.dims, axis)}" for axis in ("pp", "cp") if getattr(run.dims, axis) > 1]
+        fix = [f"strategy.{axis}=1" for axis in ("pp", "cp") if getattr(run.dims, axis) > 1]
+        if run.sequence_parallel:
+            split.append("strategy.tensor_parallel.sequence_parallel=true")
+            fix.append("strategy.tensor_parallel.sequence_parallel=false")
+        if not split:
+            return []
+        metric = ", ".join(f"data.sources.{name}.metric=loss" for name in decoded)
+        return [
+            f"data.sources.{decoded[0]}.metric=exact_match decodes greedily with whole sequences on every rank, which "
+            f"{' and '.join(split)} does not give; use {metric} (or {' and '.join(fix)})"
+        ]
 
     @property
     def headline_metrics(self) -> list[str]:

@@ -18,7 +18,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
 from strategies.lora_targets import is_adapter
-from trainer.models.hf import HFError, is_hf_dir, llama_kwargs, load_hf_weights, read_config, sliding_window, weight_files
+from trainer.models.hf import (
+    HFError, is_hf_dir, llama_from_hf, llama_kwargs, load_hf_weights, read_config, sliding_window, weight_files,
+)
 from trainer.rundir import RunDir, load_run_weights, resolve_checkpoint
 from trainer.targets import check_targets
 
@@ -41,6 +43,15 @@ def load_init_from(model: nn.Module) -> None:
         load_run_weights(source, model, keys=lambda fqn: not is_adapter(fqn))
     except FileNotFoundError:
         raise HFError(f"model.init_from={source} is neither a Hugging Face directory nor a plait checkpoint") from None
+
+
+# The builder of a model whose architecture is a Hugging Face directory's (``model=hf``).
+HF_BUILDER = f"{llama_from_hf.__module__}.{llama_from_hf.__qualname__}"
+
+
+def builds_from_hf(node: Any) -> bool:
+    """Whether a model node (maybe another run's, never imported here) is built by `HF_BUILDER`."""
+    return str(node.get("_target_", "")) == HF_BUILDER
 
 
 # Model fields a run may set apart from the plait run it starts from: no weight changes shape.
@@ -106,7 +117,7 @@ def take_run_model(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
     if found is None or explicit is None or not isinstance(found[1].get("model"), DictConfig):
         return cfg
     saved = found[1].model
-    if str(saved.get("_target_", "")).endswith("llama_from_hf"):
+    if builds_from_hf(saved):
         return cfg  # validate refuses: the architecture lives in a Hugging Face directory
     taken = {k: v for k, v in OmegaConf.to_container(saved, resolve=False).items() if k not in explicit and k != "init_from"}
     check_targets(taken, source=str(found[0] / "config.yaml"), key="model", trust=cfg.trust)
@@ -125,22 +136,28 @@ def take_run_model(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
 
 
 def _run_problems(model: Any, data: Any, source: str) -> list[str]:
-    """Problems of a plait run as ``model.init_from``: another architecture, a model built from a
-    Hugging Face directory, or no tokenizer to take."""
+    """Problems of a plait run as ``model.init_from``: a run whose checkpoints hold only adapters
+    (its ``strategy.lora``), another architecture, a model built from a Hugging Face directory, or
+    no tokenizer to take."""
     found = base_run(source)
     if found is None:
         return []  # a bare checkpoint: its weights are checked when they load
     run_dir, saved_cfg = found
+    problems = []
+    if OmegaConf.select(saved_cfg, "strategy.lora", throw_on_missing=False) is not None:
+        problems.append(
+            f"model.init_from={source} is a LoRA run: its checkpoints hold only the adapters, not a base; export it "
+            f"(plait export ckpt={source} out=<dir>: the merged model) and use model=hf model.init_from=<dir>"
+        )
     saved = saved_cfg.get("model")
     if not isinstance(saved, DictConfig):
-        return []
-    if str(saved.get("_target_", "")).endswith("llama_from_hf"):
-        return [
+        return problems
+    if builds_from_hf(saved):
+        return problems + [
             f"model.init_from={source} is a run of a Hugging Face model ({saved.get('init_from')}), whose architecture "
             f"is in that directory: export it (plait export ckpt={source} out=<dir>) and use model=hf "
             "model.init_from=<dir>"
         ]
-    problems = []
     mine, theirs = OmegaConf.to_container(model, resolve=True), OmegaConf.to_container(saved, resolve=True)
     for key in sorted((set(mine) | set(theirs)) - FREE_FIELDS, key=str):
         if mine.get(key) != theirs.get(key):
@@ -163,8 +180,8 @@ def init_from_problems(model: Any, *, data: Any = None) -> list[str]:
         model: the composed ``model`` node (``init_from`` set).
         data: the ``data`` node (its ``seq_len`` against the checkpoint's context and window).
     """
-    source, target = str(model.init_from), str(model.get("_target_", ""))
-    wants_hf = target.endswith("llama_from_hf")
+    source = str(model.init_from)
+    wants_hf = builds_from_hf(model)
     if not is_hf_dir(source):
         if wants_hf:
             return [f"model.init_from={source} has no config.json; model=hf needs a Hugging Face model directory"]

@@ -24,8 +24,6 @@ the KL term is inactive) and ``kl`` (the mean estimate ``z``).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -91,7 +89,7 @@ class KTO(PreferenceObjective):
         ValueError: beta or a weight that is not positive.
     """
 
-    unpaired = True
+    row_kind = "unpaired"
     # Unpaired rows have no pairwise accuracy: the held-out rewards of the desirable rows rise
     # above those of the undesirable ones as the policy learns the labels.
     headline_metrics = ("rewards/chosen", "rewards/rejected")
@@ -133,12 +131,3 @@ class KTO(PreferenceObjective):
         """``(KTO_METRICS, [2, 4])``: this rank's metric sums since the last call and their counts."""
         sums, self._kto_sums = self._kto_sums, None
         return list(KTO_METRICS), torch.zeros(2, len(KTO_METRICS)) if sums is None else sums
-
-    @classmethod
-    def config_problems(cls, cfg: Any, run: Any) -> list[str]:
-        """The preference objectives' problems, and unpaired rows (``data.unpaired=true``)."""
-        problems = super().config_problems(cfg, run)
-        data_target = str(cfg.data.get("_target_", "")) if cfg.get("data") is not None else ""
-        if data_target.endswith("PreferenceDataModule") and not cfg.data.get("unpaired", False):  # else: use data=preference
-            problems.append("objective KTO trains on unpaired rows; set data.unpaired=true (plait kto does)")
-        return problems

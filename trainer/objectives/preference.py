@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from strategies.resolved import ResolvedRun
 from trainer.protocols import Objective
 
 IGNORE_INDEX = -100
@@ -210,38 +211,40 @@ class PreferenceObjective(Objective):
     count_unit = "pairs"
     # Held-out reward accuracy (chance 0.5) and margin show whether the policy learns the preferences.
     headline_metrics = ("rewards/accuracy", "rewards/margin")
-    unpaired = False  # trains on unpaired rows (data.unpaired=true; KTO, trainer.objectives.kto)
+    row_kind = "pairs"  # "unpaired" for KTO (data.unpaired=true; trainer.objectives.kto)
 
     def __init__(self) -> None:
         self._sums: torch.Tensor | None = None  # [len(METRICS) + 1]: metric sums and pairs
 
     @classmethod
-    def config_problems(cls, cfg: Any, run: Any) -> list[str]:
-        """Problems of a run config for `trainer.config.validate`: pairs need the preference data
-        module, and layouts that keep each row whole (no pp; cp only with hybrid placement, `_cp_problems`)."""
+    def problems(cls, run: ResolvedRun | None, node: Any) -> list[str]:
+        """`Objective.problems` for `trainer.config.validate`: pairs need preference data (the data
+        module's row kind, ``run.row_kind``), and layouts that keep each row whole (no pp; cp only
+        with hybrid placement, `_cp_problems`)."""
         problems = []
-        data_target = str(cfg.data.get("_target_", "")) if cfg.get("data") is not None else ""
-        if not data_target.endswith("PreferenceDataModule"):
+        given = run.row_kind if run is not None else None
+        if given is not None and given not in ("pairs", "unpaired"):
             problems.append(f"objective {cls.__name__} trains on preference pairs; use data=preference (or preference_synthetic)")
         if run is not None and run.dims.pp > 1:
             problems.append(f"objective {cls.__name__} does not support strategy.pp={run.dims.pp}; use strategy.pp=1")
         if run is not None and run.dims.cp > 1:
-            problems += cls._cp_problems(cfg, run)
-        if cfg.get("data") is not None and cfg.data.get("unpaired", False) and not cls.unpaired:
+            problems += cls._cp_problems(run)
+        if given == "unpaired" and cls.row_kind == "pairs":
             problems.append(f"objective {cls.__name__} trains on pairs; remove data.unpaired=true (unpaired rows: plait kto)")
-        if cfg.get("objective") is not None and cfg.objective.get("loss_chunk_tokens"):
+        if given == "pairs" and cls.row_kind == "unpaired":
+            problems.append(f"objective {cls.__name__} trains on unpaired rows; set data.unpaired=true (plait kto does)")
+        if node.get("loss_chunk_tokens"):
             problems.append("objective.loss_chunk_tokens is not used by preference objectives; remove it")
         return problems
 
     @classmethod
-    def _cp_problems(cls, cfg: Any, run: Any) -> list[str]:
+    def _cp_problems(cls, run: ResolvedRun) -> list[str]:
         """Pairs under cp train whole, ``1/cp`` of a dp rank's pairs on each cp rank (hybrid
         placement, `strategies.cp_placement`): a pair's log-probs sum over whole rows, so a pair is
         never split. That needs placement=hybrid, pairs per dp rank a multiple of cp and
         micro-batches of at least cp pairs (a whole micro-batch holds ``micro_batch_size // cp``)."""
-        cp, dp, name = run.dims.cp, run.dims.dp, cls.__name__
-        placement = (cfg.get("strategy") or {}).get("context_parallel", {}).get("placement", "split")
-        if cls.unpaired:  # KTO's KL estimate is a mean over a micro-batch's rows: not placed over cp ranks (not built)
+        cp, dp, name, placement = run.dims.cp, run.dims.dp, cls.__name__, run.cp_placement
+        if cls.row_kind == "unpaired":  # KTO's KL estimate is a mean over a micro-batch's rows: not placed over cp ranks (not built)
             return [f"objective {name} does not support strategy.cp={cp}; use strategy.cp=1"]
         if placement != "hybrid":
             return [

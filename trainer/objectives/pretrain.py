@@ -6,12 +6,15 @@ there is none), so nothing here shifts again (case C21).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from strategies.lora import linear_operands
+from strategies.resolved import ResolvedRun
 from trainer.objectives.chunked_loss import chunked_token_loss_sum
 from trainer.protocols import Objective
 
@@ -50,6 +53,18 @@ class CausalLM(Objective):
         if loss_chunk_tokens is not None and loss_chunk_tokens < 0:
             raise ValueError(f"objective.loss_chunk_tokens={loss_chunk_tokens} must be >= 0 (0: off, null: auto)")
         self.loss_chunk_tokens = loss_chunk_tokens
+
+    @classmethod
+    def problems(cls, run: ResolvedRun | None, node: Any) -> list[str]:
+        """`Objective.problems`, and ``loss_chunk_tokens`` under tp > 1 (loss parallel keeps the
+        logits sharded by vocabulary there; the chunked loss needs the whole head)."""
+        problems = super().problems(run, node)
+        if run is not None and run.dims.tp > 1 and node.get("loss_chunk_tokens"):
+            problems.append(
+                f"objective.loss_chunk_tokens={node.loss_chunk_tokens} needs tp=1 (with tp > 1 loss parallel already "
+                "keeps the logits sharded by vocabulary); use objective.loss_chunk_tokens=0"
+            )
+        return problems
 
     def chunk_tokens(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> int:
         """Tokens per loss chunk for this batch (0: whole logits); resolves the automatic None."""
