@@ -25,7 +25,7 @@ from strategies.pipeline_layout import SCHEDULES, stages_per_rank_of
 from strategies.ranges import optimizer_problem
 from strategies.resolved import ResolvedRun
 from strategies.shape import ModelShape
-from trainer.capabilities import capability_problems
+from trainer.capabilities import capability_problems, contract_problems
 from trainer.data.paths import DATA_SUFFIXES, PathProblem, check_path, data_files
 from trainer.data.tokenizer import TokenizerFileError, read_tokenizer_json
 from trainer.models.hf import is_hf_dir
@@ -73,8 +73,8 @@ def planned_vocab_size(cfg: DictConfig) -> int | None:
     return int(data.vocab_size) if data is not None and data.get("vocab_size") else None
 
 
-def _shape(cfg: DictConfig, vocab_size: int | None, problems: list[str]) -> ModelShape | None:
-    """The model of ``cfg`` built on the meta device and read (`ModelShape.of`); None without one.
+def _meta_model(cfg: DictConfig, vocab_size: int | None, problems: list[str]) -> Any:
+    """The model of ``cfg`` built on the meta device; None without one (or a vocabulary not known yet).
 
     A constructor's error (e.g. dim not divisible by n_heads) is a problem of the config."""
     model = cfg.get("model")
@@ -93,7 +93,7 @@ def _shape(cfg: DictConfig, vocab_size: int | None, problems: list[str]) -> Mode
         if not any(p.startswith("model.") for p in problems):  # not again what init_from reported
             problems.append(f"model: {_cause(err)}")
         return None
-    return ModelShape.of(built)
+    return built
 
 
 def _strategy(cfg: DictConfig, problems: list[str]) -> MeshStrategy | None:
@@ -155,6 +155,9 @@ def resolve(cfg: DictConfig, problems: list[str], broken: frozenset[str] = froze
         optimizer = None
     if problem := optimizer_problem(optimizer):
         problems.append(problem)
+    built = None if "model" in broken else _meta_model(cfg, vocab_size, problems)
+    # A model without the declared sizes has no shape: a layout that reads them is refused below.
+    shape = None if built is None or ModelShape.problem(built) else ModelShape.of(built)
     run = ResolvedRun(
         world_size=world_size,
         dims=dims,
@@ -167,12 +170,13 @@ def resolve(cfg: DictConfig, problems: list[str], broken: frozenset[str] = froze
         cp_mode=strategy.cp_mode,
         seq_len=int(data.seq_len) if data is not None and "seq_len" in data else 0,
         vocab_size=vocab_size,
-        shape=None if "model" in broken else _shape(cfg, vocab_size, problems),
+        shape=shape,
         precision=str(trainer.precision),
         optimizer=optimizer,
         drop_last=bool(data.drop_last) if data is not None and "drop_last" in data else True,
     )
     problems.extend(strategy.problems(run, run.shape))
+    problems.extend(contract_problems(cfg, run, built))  # what the layout reads off the model (never skipped)
     return run
 
 
@@ -258,7 +262,7 @@ def check_semantics(cfg: DictConfig, problems: list[str], broken: frozenset[str]
     if init_from and not is_hf_dir(init_from):
         problems.extend(_lora_base_problems(str(init_from)))
     run = resolve(cfg, problems, broken)
-    problems.extend(capability_problems(cfg, run))  # tp_plan, a Hugging Face mapping (trainer.capabilities)
+    problems.extend(capability_problems(cfg, run))  # a Hugging Face mapping (trainer.capabilities)
     objective = cfg.get("objective")
     if run is not None and run.dims.tp > 1 and isinstance(objective, DictConfig) and objective.get("loss_chunk_tokens"):
         problems.append(

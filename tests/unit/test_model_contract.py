@@ -1,0 +1,84 @@
+"""The model's declared contract (`strategies.model_contract`): a layout that reads a member the
+model does not declare is refused by validate, naming the member, never skipped."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from strategies.model_contract import DecoderModel, layout_problems
+from strategies.shape import ModelContractError, ModelShape
+from trainer.models.llama import Llama
+
+
+class Bare(nn.Module):
+    """Only what DDP and FSDP2 read: ``layers`` and ``forward`` (README "Your own model")."""
+
+    def __init__(self, vocab_size: int, dim: int = 16, max_seq_len: int = 256) -> None:
+        super().__init__()
+        self.max_seq_len = max_seq_len
+        self.tok_embeddings = nn.Embedding(vocab_size, dim)
+        self.layers = nn.ModuleDict({"0": nn.Linear(dim, dim)})
+        self.output = nn.Linear(dim, vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, position_ids_bt=None, document_ids_bt=None) -> torch.Tensor:
+        return self.output(self.layers["0"](self.tok_embeddings(input_ids)))
+
+
+class NoCore(Llama):
+    """A Llama whose attention cannot be swapped: everything but context parallelism's member."""
+
+    def __getattribute__(self, name: str):
+        if name == "set_attention_core":
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+
+def _problems(target: str, overrides: list[str]) -> list[str]:
+    from omegaconf import OmegaConf
+
+    from trainer.compose import compose
+    from trainer.config import ConfigError, validate
+
+    cfg = compose("pretrain", ["model=nano", *overrides])
+    if target != "nano":
+        OmegaConf.set_struct(cfg, False)
+        cfg.model = {"_target_": target, "dim": 16} if target.endswith("Bare") else {**cfg.model, "_target_": target}
+    try:
+        validate(cfg)
+    except ConfigError as err:
+        return err.problems
+    return []
+
+
+def test_model_shape_names_the_missing_size() -> None:
+    with pytest.raises(ModelContractError, match=r"model: Bare declares no vocab_size, dim, n_layers, n_heads"):
+        ModelShape.of(Bare(vocab_size=8))
+    assert ModelShape.problem(Llama(vocab_size=8, dim=8, n_layers=1, n_heads=2)) is None
+    assert isinstance(Llama(vocab_size=8, dim=8, n_layers=1, n_heads=2), DecoderModel)
+
+
+def test_layout_problems_name_each_member_per_axis() -> None:
+    bare = Bare(vocab_size=8)
+    assert layout_problems(bare, {"tp": 1, "cp": 1, "pp": 1}) == []  # DDP / FSDP2 read nothing more
+    pp = layout_problems(bare, {"pp": 2})
+    assert any(p.startswith("strategy.pp=2: Bare declares no norm; add self.norm") for p in pp), pp
+    assert any(p.startswith("strategy.pp=2: Bare declares no return_hidden; add a keyword") for p in pp), pp
+    assert any("declares no vocab_size, dim, n_layers, n_heads, n_kv_heads, ffn_dim, tie_embeddings" in p for p in pp), pp
+    assert layout_problems(bare, {"tp": 2}, tp_plan=False)[0].startswith("strategy.tp=2: Bare declares no vocab_size")
+    # A class (the model cannot be built yet): only the members a class declares.
+    assert layout_problems(Bare, {"tp": 2}) == [layout_problems(bare, {"tp": 2})[0]]
+    llama = Llama(vocab_size=8, dim=8, n_layers=1, n_heads=2)
+    assert layout_problems(llama, {"tp": 2, "cp": 2, "pp": 2}) == []
+
+
+def test_validate_refuses_a_layout_whose_members_the_model_lacks() -> None:
+    bare = f"{__name__}.Bare"
+    assert _problems(bare, ["trainer.max_steps=1"]) == []  # DDP: nothing more is read
+    pp = _problems(bare, ["strategy=pp", "trainer.devices=2"])
+    assert any(p.startswith("strategy.pp=2: Bare declares no norm") for p in pp), pp
+    assert any("strategy.pp=2: Bare declares no vocab_size, dim" in p for p in pp), pp
+    cp = _problems(f"{__name__}.NoCore", ["strategy=cp", "trainer.devices=2"])
+    assert any(p.startswith("strategy.cp=2: NoCore declares no set_attention_core; add") for p in cp), cp
+    assert not any("declares no" in p for p in _problems("nano", ["strategy=cp", "trainer.devices=2"]))
