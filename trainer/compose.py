@@ -199,7 +199,7 @@ def compose(recipe: str = DEFAULT_RECIPE, overrides: Sequence[str] = ()) -> Dict
 
     For the commands and for scripts and tests that build and fit in-process
     (``trainer.build.build_run``). A plait run as ``model.init_from`` brings its model node
-    (`trainer.models.init_from.take_run_model`). The config is not validated (``trainer.config.validate``
+    (`trainer.init_from.take_run_model`). The config is not validated (``trainer.config.validate``
     does that).
 
     Args:
@@ -215,7 +215,7 @@ def compose(recipe: str = DEFAULT_RECIPE, overrides: Sequence[str] = ()) -> Dict
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from trainer.models.init_from import take_run_model
+    from trainer.init_from import take_run_model
 
     register_resolvers()
     config_dir, config_name, rest = hydra_config(to_hydra_argv([recipe, *overrides]))

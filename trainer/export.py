@@ -36,7 +36,7 @@ from trainer.data.chat import DEFAULT_CHAT_TEMPLATE, DEFAULT_DESCRIPTION, ChatEr
 from trainer.data.chat_files import TemplateFileError, find_chat_template, write_chat_template
 from trainer.data.tokenizer import Tokenizer
 from trainer.models.hf import FAMILIES, INDEX_FILE, HFError, family_of, hf_name, is_hf_dir, read_config
-from trainer.models.init_from import load_init_from
+from trainer.init_from import load_init_from
 from trainer.models.hf_moe import MOE_FAMILIES, export_family, moe_config_fields, split_experts
 from trainer.models.llama import Llama
 from trainer.models.moe_transformer import MoETransformer

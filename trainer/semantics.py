@@ -28,8 +28,9 @@ from strategies.shape import ModelShape
 from trainer.capabilities import capability_problems, contract_problems
 from trainer.data.paths import DATA_SUFFIXES, PathProblem, check_path, data_files
 from trainer.data.tokenizer import TokenizerFileError, read_tokenizer_json
+from trainer.model_node import instantiate_model
 from trainer.models.hf import is_hf_dir
-from trainer.models.init_from import init_from_problems, run_tokenizer
+from trainer.init_from import init_from_problems, run_tokenizer
 from trainer.rundir import RunDir, resolve_checkpoint
 
 
@@ -88,7 +89,7 @@ def _meta_model(cfg: DictConfig, vocab_size: int | None, problems: list[str]) ->
         kwargs["vocab_size"] = vocab_size
     try:
         with torch.device("meta"):
-            built = instantiate(model, **kwargs)
+            built = instantiate_model(model, **kwargs)
     except Exception as err:  # noqa: BLE001 - the constructor's message names the bad value
         if not any(p.startswith("model.") for p in problems):  # not again what init_from reported
             problems.append(f"model: {_cause(err)}")

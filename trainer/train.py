@@ -100,7 +100,7 @@ def preflight(argv: list[str]) -> Launch | None:
 
     from strategies.checkpoint import CheckpointError
     from trainer.config import ConfigError
-    from trainer.models.init_from import take_run_model
+    from trainer.init_from import take_run_model
     from trainer.run import check_launch
     from trainer.targets import UntrustedTargetError
 
@@ -152,9 +152,9 @@ def preflight(argv: list[str]) -> Launch | None:
 
 
 def adopt_run_model(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
-    """`trainer.models.init_from.take_run_model`, its refusal of a run's model as one
+    """`trainer.init_from.take_run_model`, its refusal of a run's model as one
     ``plait: error:`` line (exit 2) where preflight has not checked it (children, sweeps, --help)."""
-    from trainer.models.init_from import take_run_model
+    from trainer.init_from import take_run_model
     from trainer.targets import UntrustedTargetError
 
     try:

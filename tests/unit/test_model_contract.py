@@ -82,3 +82,41 @@ def test_validate_refuses_a_layout_whose_members_the_model_lacks() -> None:
     cp = _problems(f"{__name__}.NoCore", ["strategy=cp", "trainer.devices=2"])
     assert any(p.startswith("strategy.cp=2: NoCore declares no set_attention_core; add") for p in cp), cp
     assert not any("declares no" in p for p in _problems("nano", ["strategy=cp", "trainer.devices=2"]))
+
+
+def test_init_from_is_read_off_the_node_never_by_the_model() -> None:
+    import inspect
+
+    from omegaconf import OmegaConf
+
+    from trainer.model_node import constructor_node, init_from_of, instantiate_model
+
+    node = OmegaConf.create({"_target_": "trainer.models.llama.Llama", "vocab_size": 8, "dim": 8, "n_layers": 1,
+                             "n_heads": 2, "init_from": "runs/base"})  # fmt: skip
+    model = instantiate_model(node)  # the constructor never sees init_from
+    assert "init_from" not in inspect.signature(Llama).parameters and "init_from" not in vars(model)
+    assert init_from_of(node) == "runs/base" and node.init_from == "runs/base"  # the node is not changed
+    # A factory that reads the architecture from that directory takes it.
+    hf = OmegaConf.create({"_target_": "trainer.models.hf.llama_from_hf", "init_from": "hf_dir"})
+    assert constructor_node(hf).init_from == "hf_dir"
+
+
+def test_models_import_no_technique_no_tokenizer_no_run_directory() -> None:
+    """trainer/models/ imports only the bottom layer of strategies/ (ranges, the model contract)."""
+    import ast
+    from pathlib import Path
+
+    allowed = {"strategies.ranges", "strategies.model_contract", "strategies.shape"}
+    # Known and left: SAT's sliced MLP reads LoRA adapters through strategies.lora.linear_slice.
+    known = {("block.py", "strategies.lora")}
+    found = []
+    for path in sorted((Path(__file__).parents[2] / "trainer" / "models").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                module = node.module
+                bad = (module.startswith("strategies.") and module not in allowed) or module.startswith(
+                    ("trainer.rundir", "trainer.data", "trainer.init_from")
+                )
+                if bad and (path.name, module) not in known:
+                    found.append(f"{path.name}: {module}")
+    assert found == []

@@ -6,8 +6,8 @@ or shards named by ``model.safetensors.index.json``) and the tokenizer (``tokeni
 ``tokenizer_config.json`` with its chat template). Reading needs only ``safetensors`` and json;
 ``transformers`` is the tests' independent reference, never imported here.
 
-Weights load after the strategy has parallelized the model (`load_init_from`, called by
-``Task.configure_model``): each rank reads, for each of its parameters, only the slice its
+Weights load after the strategy has parallelized the model (`trainer.init_from.load_init_from`,
+called by ``Task.configure_model``): each rank reads, for each of its parameters, only the slice its
 (FSDP and/or TP) shard holds, straight from the memory-mapped safetensors files. So no rank ever
 materialises a full copy of a sharded model, and pipeline stages read only their own layers.
 
@@ -21,12 +21,12 @@ import json
 import os
 import re
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from strategies.lora_targets import is_adapter
 from trainer.models.hf_moe import (
     MOE_FAMILIES, expert_hf_names, moe_config_problems, moe_kwargs, moe_plait_name, router_hf_name,
 )  # fmt: skip
@@ -175,8 +175,8 @@ def llama_from_hf(
     **router: float,
 ) -> Llama:
     """A `Llama` (or, for Qwen3-MoE and Mixtral, a `MoETransformer`) with the architecture of a
-    Hugging Face directory; its weights load later (`load_init_from`, after the strategy has
-    parallelized the model). The ``model=hf`` preset.
+    Hugging Face directory; its weights load later (after the strategy has
+    parallelized the model, `trainer.init_from.load_init_from`). The ``model=hf`` preset.
 
     Args:
         init_from: the Hugging Face model directory.
@@ -211,8 +211,8 @@ def llama_from_hf(
             raise HFError(f"model.max_seq_len={max_seq_len} exceeds the checkpoint's {kwargs['max_seq_len']}")
         kwargs["max_seq_len"] = max_seq_len
     if "num_experts" in kwargs:
-        return MoETransformer(**kwargs, **router, init_std=init_std, init_from=str(init_from))
-    return Llama(**kwargs, init_std=init_std, init_from=str(init_from))
+        return MoETransformer(**kwargs, **router, init_std=init_std)
+    return Llama(**kwargs, init_std=init_std)
 
 
 # ---------------------------------------------------------------------------------------------- names
@@ -293,8 +293,10 @@ def _local_slices(param: torch.Tensor) -> tuple[tuple[slice, ...], torch.Tensor]
 
 
 @torch.no_grad()
-def load_hf_weights(model: nn.Module, directory: str | os.PathLike) -> None:
-    """Fills every parameter ``model`` holds on this rank from a Hugging Face directory.
+def load_hf_weights(model: nn.Module, directory: str | os.PathLike, *, skip: Callable[[str], bool] | None = None) -> None:
+    """Fills every parameter ``model`` holds on this rank from a Hugging Face directory, but those
+    whose FQN ``skip`` selects (the caller's: LoRA adapters keep their initialisation,
+    `trainer.init_from.load_init_from`).
 
     Each parameter (plain tensor or FSDP/TP/EP DTensor shard) reads only its own slice of the
     memory-mapped file and is cast to its dtype; a stacked expert tensor reads only the experts
@@ -324,7 +326,7 @@ def load_hf_weights(model: nn.Module, directory: str | os.PathLike) -> None:
 
     try:
         for fqn, param in model.named_parameters():
-            if is_adapter(fqn):  # LoRA adapters keep their initialisation: the base is what loads
+            if skip is not None and skip(fqn):  # e.g. LoRA adapters: the base is what loads
                 continue
             index, local = _local_slices(param)
             experts = expert_hf_names(fqn, family, range(index[0].start, index[0].stop)) if family in MOE_FAMILIES else None

@@ -1,6 +1,10 @@
 """``model.init_from``: loading a Hugging Face directory or a plait checkpoint / run directory
 into a (possibly parallelized) model, and the checks `trainer.config.validate` makes of it first.
 
+The key is the user's on the model node, but models never read it (`trainer.model_node`):
+`trainer.build.build_task` hands it to `trainer.task.Task`, whose ``configure_model`` loads it
+after the strategy has parallelized the model (`load_init_from`).
+
 A plait run started from another plait run takes that run's architecture (its ``config.yaml``
 model node, `take_run_model`, applied where the config is composed) and its ``tokenizer.json``
 (`run_tokenizer`, unless ``data.tokenizer`` is given), so ``plait sft model.init_from=runs/pretrain/...``
@@ -19,25 +23,23 @@ from torch import nn
 
 from strategies.lora_targets import is_adapter
 from trainer.models.hf import HFError, is_hf_dir, llama_kwargs, load_hf_weights, read_config, sliding_window, weight_files
+from trainer.rundir import RunDir, load_run_weights, resolve_checkpoint
 from trainer.targets import check_targets
 
 
-def load_init_from(model: nn.Module) -> None:
-    """Loads ``model.init_from`` (a Hugging Face directory or a plait checkpoint / run directory)
-    into the (possibly parallelized) model; nothing when it is None. Every rank calls it. LoRA
-    adapters (`strategies.lora_targets.is_adapter`) are not loaded: the base is.
+def load_init_from(model: nn.Module, source: str | None) -> None:
+    """Loads ``source`` (``model.init_from``: a Hugging Face directory or a plait checkpoint / run
+    directory) into the (possibly parallelized) model; nothing when it is None. Every rank calls it.
+    LoRA adapters (`strategies.lora_targets.is_adapter`) are not loaded: the base is.
 
     Raises:
-        HFError: ``init_from`` is neither, or its weights do not fit the model.
+        HFError: ``source`` is neither, or its weights do not fit the model.
     """
-    source = getattr(model, "init_from", None)
     if not source:
         return
     if is_hf_dir(source):
-        load_hf_weights(model, source)
+        load_hf_weights(model, source, skip=is_adapter)
         return
-    from trainer.rundir import load_run_weights
-
     try:
         load_run_weights(source, model, keys=lambda fqn: not is_adapter(fqn))
     except FileNotFoundError:
@@ -51,8 +53,6 @@ FREE_FIELDS = frozenset({"init_from", "init_std", "max_seq_len"})
 def base_run(source: str | None) -> tuple[Path, DictConfig] | None:
     """(the run directory, its ``config.yaml``) of the plait run or checkpoint ``source`` names; None
     for a Hugging Face directory, no intact checkpoint, or a checkpoint outside a run directory."""
-    from trainer.rundir import RunDir, resolve_checkpoint
-
     if not source or is_hf_dir(source):
         return None
     ckpt = resolve_checkpoint(Path(source).expanduser())
@@ -166,8 +166,6 @@ def init_from_problems(model: Any, *, data: Any = None) -> list[str]:
         model: the composed ``model`` node (``init_from`` set).
         data: the ``data`` node (its ``seq_len`` against the checkpoint's context and window).
     """
-    from trainer.rundir import resolve_checkpoint
-
     source, target = str(model.init_from), str(model.get("_target_", ""))
     wants_hf = target.endswith("llama_from_hf")
     if not is_hf_dir(source):
