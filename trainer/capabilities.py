@@ -7,9 +7,9 @@ itself (README "Your own model"):
 - tensor, context and pipeline parallelism (``strategy.tp/cp/pp > 1``) read the members of the
   declared contract `strategies.model_contract.NEEDS` (the sizes; ``tp_plan`` unless the strategy's
   ``tensor_parallel`` plugin overrides ``plan``; ``set_attention_core``; the stage modules);
-- a Hugging Face export (``callbacks.hf_export``, ``plait export``) maps plait's Llama and
-  mixture-of-experts modules onto Hugging Face's (`trainer.export`): a model of another class
-  has no such mapping.
+- a Hugging Face export (``callbacks.hf_export``, ``plait export``) maps the classes of the
+  family registry (`trainer.models.families`) onto Hugging Face's: a model of another class has
+  no such mapping.
 
 Without them a run failed after launch (``LayoutError`` in ``parallelize``, an ``AttributeError``
 in the export); here they are config problems that name the fix.
@@ -24,8 +24,8 @@ from omegaconf import DictConfig, OmegaConf
 from strategies.model_contract import layout_problems
 from strategies.resolved import ResolvedRun
 from strategies.tensor import TensorParallel
+from trainer.models.families import EXPORTABLE, exportable
 
-EXPORTABLE = ("trainer.models.llama.Llama", "trainer.models.moe_transformer.MoETransformer")
 
 
 def _class(node: Any) -> type | None:
@@ -39,18 +39,12 @@ def _class(node: Any) -> type | None:
         return None
 
 
-def exportable(model_cls: type) -> bool:
-    """Whether plait can write a model of ``model_cls`` as a Hugging Face directory (`EXPORTABLE`)."""
-    from hydra.utils import get_class
-
-    return any(issubclass(model_cls, get_class(name)) for name in EXPORTABLE)
-
-
 def export_problem(model_cls: type, where: str) -> str:
     """The message for a model ``where`` asks to export that has no Hugging Face mapping."""
     return (
         f"{where}: {model_cls.__module__}.{model_cls.__qualname__} has no Hugging Face mapping (plait exports "
-        f"subclasses of {' and '.join(EXPORTABLE)}); subclass one of them, or load checkpoints/ with "
+        f"subclasses of {' and '.join(f'{c.__module__}.{c.__qualname__}' for c in EXPORTABLE)}, the classes of "
+        "trainer.models.families); subclass one of them, or load checkpoints/ with "
         "trainer.rundir.load_run_model and save the weights yourself"
     )
 

@@ -27,21 +27,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.models.hf_moe import (
-    MOE_FAMILIES, expert_hf_names, moe_config_problems, moe_kwargs, moe_plait_name, router_hf_name,
-)  # fmt: skip
+from trainer.models.families import FAMILIES, family_of
+from trainer.models.hf_moe import expert_hf_names, moe_config_problems, moe_plait_name, router_hf_name
 from trainer.models.llama import Llama
-from trainer.models.moe_transformer import MoETransformer
 from trainer.models.rope import rope_scaling_problems, rope_type
 
-# model_type -> architecture class name.
-FAMILIES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    **MOE_FAMILIES,
-}
 INDEX_FILE = "model.safetensors.index.json"
 # plait FQN pattern -> Hugging Face tensor name pattern (per layer: {i}).
 _LAYER_NAMES = {
@@ -83,11 +73,6 @@ def read_config(directory: str | os.PathLike) -> dict[str, Any]:
         raise HFError(f"{path}: cannot read a Hugging Face config ({err})") from None
 
 
-def family_of(config: dict[str, Any]) -> str | None:
-    archs = config.get("architectures") or [FAMILIES.get(config.get("model_type"), "")]
-    return next((t for t, a in FAMILIES.items() if archs == [a] and config.get("model_type", t) == t), None)
-
-
 def rope_of(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """``(rope_theta, rope_scaling)`` of a config, in the older (``rope_theta`` + ``rope_scaling``)
     or the newer (``rope_parameters``) Hugging Face layout; the scaling is None when there is none."""
@@ -100,7 +85,8 @@ def rope_of(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 def sliding_window(config: dict[str, Any]) -> int | None:
     """The attention window the checkpoint's own model would apply, or None (full attention)."""
     kinds = set(config.get("layer_types") or ["full_attention"])
-    if config.get("model_type") == "mistral" or config.get("use_sliding_window") or kinds != {"full_attention"}:
+    windowed = config.get("model_type") in FAMILIES and FAMILIES[config["model_type"]].windowed
+    if windowed or config.get("use_sliding_window") or kinds != {"full_attention"}:
         return config.get("sliding_window")
     return None
 
@@ -111,7 +97,7 @@ def config_problems(config: dict[str, Any], where: str = "config.json") -> list[
     if family is None:
         return [
             f"{where}: architectures={config.get('architectures')} (model_type={config.get('model_type')!r}) is not "
-            f"supported; supported: {', '.join(FAMILIES.values())}"
+            f"supported; supported: {', '.join(f.architecture for f in FAMILIES.values())}"
         ]
     problems = []
     unsupported = {
@@ -128,7 +114,7 @@ def config_problems(config: dict[str, Any], where: str = "config.json") -> list[
     _, scaling = rope_of(config)
     key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
     problems += [f"{where}: {p}" for p in rope_scaling_problems(scaling, where=key)]
-    if family in MOE_FAMILIES:
+    if FAMILIES[family].moe:
         problems += moe_config_problems(config, family, where)
     return problems
 
@@ -159,9 +145,7 @@ def llama_kwargs(config: dict[str, Any]) -> dict[str, Any]:
         "norm_eps": config.get("rms_norm_eps", 1e-6),
         "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
         "head_dim": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
-        "qkv_bias": family == "qwen2",
-        "qk_norm": family in ("qwen3", "qwen3_moe"),
-        **(moe_kwargs(config, family) if family in MOE_FAMILIES else {}),
+        **FAMILIES[family].import_kwargs(config),
     }
 
 
@@ -194,8 +178,9 @@ def llama_from_hf(
         HFError: an unsupported config, sizes beyond the checkpoint's, router knobs for a dense
             one, or ``tie_embeddings=true`` for an untied one.
     """
-    kwargs = llama_kwargs(read_config(init_from))
-    if router and "num_experts" not in kwargs:
+    config = read_config(init_from)
+    kwargs = llama_kwargs(config)
+    if router and not FAMILIES[family_of(config)].moe:
         raise HFError(f"{', '.join(f'model.{k}' for k in router)}: {init_from} is a dense model, without a router")
     if vocab_size is not None and vocab_size > kwargs["vocab_size"]:
         raise HFError(
@@ -210,9 +195,7 @@ def llama_from_hf(
         if max_seq_len > kwargs["max_seq_len"]:
             raise HFError(f"model.max_seq_len={max_seq_len} exceeds the checkpoint's {kwargs['max_seq_len']}")
         kwargs["max_seq_len"] = max_seq_len
-    if "num_experts" in kwargs:
-        return MoETransformer(**kwargs, **router, init_std=init_std)
-    return Llama(**kwargs, init_std=init_std)
+    return FAMILIES[family_of(config)].model_class(**kwargs, **router, init_std=init_std)
 
 
 # ---------------------------------------------------------------------------------------------- names
@@ -223,7 +206,7 @@ def hf_name(fqn: str, family: str | None = None) -> str:
     Raises:
         HFError: a name outside the family's modules (stacked experts: `hf_moe.expert_hf_names`).
     """
-    router = router_hf_name(fqn, family) if family in MOE_FAMILIES else None
+    router = router_hf_name(fqn, family) if family is not None and FAMILIES[family].moe else None
     if router is not None:
         return router
     module, _, leaf = fqn.rpartition(".")
@@ -238,7 +221,7 @@ def hf_name(fqn: str, family: str | None = None) -> str:
 def plait_name(name: str, family: str | None = None) -> str | None:
     """The plait FQN of a Hugging Face tensor name, or None (buffers such as ``rotary_emb.inv_freq``);
     an MoE ``family``'s router and expert tensors map to the router and stacked expert parameters."""
-    moe = moe_plait_name(name, family) if family in MOE_FAMILIES else None
+    moe = moe_plait_name(name, family) if family is not None and FAMILIES[family].moe else None
     if moe is not None:
         return moe
     module, _, leaf = name.rpartition(".")
@@ -329,7 +312,7 @@ def load_hf_weights(model: nn.Module, directory: str | os.PathLike, *, skip: Cal
             if skip is not None and skip(fqn):  # e.g. LoRA adapters: the base is what loads
                 continue
             index, local = _local_slices(param)
-            experts = expert_hf_names(fqn, family, range(index[0].start, index[0].stop)) if family in MOE_FAMILIES else None
+            experts = expert_hf_names(fqn, family, range(index[0].start, index[0].stop)) if family is not None and FAMILIES[family].moe else None
             if experts is not None:  # [E, out, in]: one checkpoint tensor per expert of this shard
                 for j, name in enumerate(experts):
                     local[j].copy_(tensor(name, fqn, list(param.shape[1:]))[index[1:]])
