@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from strategies.checkpoint import CheckpointError
+from strategies.model_contract import declares
 from strategies.ranges import NON_NEGATIVE, POSITIVE
 from trainer.compose import compose_command, fail
 from trainer.data.chat import ChatError, JinjaTemplate
@@ -204,7 +205,7 @@ def reply(run: RunModel, text: str, cfg: DictConfig) -> str:
 def caches(model: nn.Module) -> bool:
     """Whether ``model`` takes a KV cache (`trainer.models.kv_cache.kv_cache`: it swaps the model's
     attention core); a model of one's own without ``set_attention_core`` generates without one."""
-    return callable(getattr(model, "set_attention_core", None))
+    return declares(model, "set_attention_core")
 
 
 def main(argv: list[str]) -> None:
