@@ -5,7 +5,8 @@
 only what its run uses: DDP and FSDP2 need ``layers`` and ``forward``; each other feature needs the
 members of `NEEDS` (tensor parallelism a ``tp_plan``, context parallelism ``set_attention_core``,
 pipeline stages the four modules and ``forward(..., return_hidden=)``, expert parallelism the
-`MixtureOfExperts` sizes). `trainer.config.validate` refuses a layout whose members the model does
+`MixtureOfExperts` sizes, read through `optional`; its router hooks are `trainer.protocols.RoutedModel`,
+checked by the Task). `trainer.config.validate` refuses a layout whose members the model does
 not declare (`layout_problems`), naming each; nothing is skipped.
 
 This module is the one place that asks a model whether it has a member (`declares`, `optional`):
@@ -143,11 +144,6 @@ def optional(model: Any, member: str) -> Any:
         KeyError: ``member`` is not an optional member of the contract.
     """
     return getattr(model, member, OPTIONAL[member])
-
-
-def is_moe(model: Any) -> bool:
-    """Whether ``model`` declares the sizes of a mixture of experts with at least one expert."""
-    return isinstance(model, MixtureOfExperts) and bool(model.num_experts)
 
 
 def flops_per_token(model: Any, seq_len: int) -> float:
