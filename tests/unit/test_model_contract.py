@@ -120,3 +120,25 @@ def test_models_import_no_technique_no_tokenizer_no_run_directory() -> None:
                 if bad and (path.name, module) not in known:
                     found.append(f"{path.name}: {module}")
     assert found == []
+
+
+@pytest.mark.slow  # a CLI run; the rule is held by test_validate_refuses_a_layout_whose_members_the_model_lacks
+def test_the_cli_refuses_before_launch_naming_the_member(tmp_path) -> None:
+    """``plait pretrain`` with a user's model under pipeline stages: exit 2, the member named, nothing run."""
+    import inspect
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "my_lm.py").write_text("import torch\nfrom torch import nn\n\n\n" + inspect.getsource(Bare), encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PLAIT_USER_PATH")}
+    result = subprocess.run(
+        [str(Path(sys.executable).with_name("plait")), "--user-path", str(tmp_path), "pretrain", "~model",
+         "+model._target_=my_lm.Bare", "strategy=pp", "trainer.devices=2", f"run_dir={tmp_path / 'run'}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "strategy.pp=2: Bare declares no norm; add self.norm" in result.stderr, result.stderr
+    assert "strategy.pp=2: Bare declares no return_hidden" in result.stderr
+    assert not (tmp_path / "run").exists()
