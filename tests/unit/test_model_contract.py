@@ -142,3 +142,26 @@ def test_the_cli_refuses_before_launch_naming_the_member(tmp_path) -> None:
     assert "strategy.pp=2: Bare declares no norm; add self.norm" in result.stderr, result.stderr
     assert "strategy.pp=2: Bare declares no return_hidden" in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_every_model_in_conf_declares_the_whole_contract() -> None:
+    """conf/model/*.yaml (model=hf reads a directory: its classes are those of trainer.models.families)."""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from strategies.model_contract import MixtureOfExperts
+    from trainer.model_node import instantiate_model
+    from trainer.models.moe_transformer import MoETransformer
+
+    presets = sorted((Path(__file__).parents[2] / "conf" / "model").glob("*.yaml"))
+    assert len(presets) > 5
+    for preset in presets:
+        node = OmegaConf.load(preset)
+        if OmegaConf.is_missing(node, "init_from"):
+            continue
+        with torch.device("meta"):
+            model = instantiate_model(node, **({} if node.get("vocab_size") else {"vocab_size": 256}))
+        assert isinstance(model, DecoderModel), preset.name
+        assert layout_problems(model, {"tp": 2, "cp": 2, "pp": 2}) == [], preset.name
+        assert isinstance(model, MixtureOfExperts) == isinstance(model, MoETransformer), preset.name
