@@ -82,13 +82,13 @@ def rows(run_dir: Path) -> list[dict[str, str]]:
 
 def weights(run_dir: Path, like: Path) -> dict:
     """The final checkpoint's model weights (one process, any saved layout)."""
-    from hydra.utils import instantiate
+    from trainer.model_node import instantiate_model
     from omegaconf import OmegaConf
 
     from trainer.data.tokenizer import Tokenizer
 
     cfg = OmegaConf.load(like / "config.yaml")
-    model = instantiate(cfg.model, vocab_size=cfg.model.get("vocab_size") or Tokenizer.from_file(str(like / "tokenizer.json")).vocab_size)
+    model = instantiate_model(cfg.model, vocab_size=cfg.model.get("vocab_size") or Tokenizer.from_file(str(like / "tokenizer.json")).vocab_size)
     load_model_weights(run_dir / "checkpoints" / f"step_{STEPS:07d}", model)
     return {k: v.clone() for k, v in model.state_dict().items()}
 

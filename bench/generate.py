@@ -19,7 +19,7 @@ import argparse
 import time
 
 import torch
-from hydra.utils import instantiate
+from trainer.model_node import instantiate_model
 from omegaconf import OmegaConf
 
 from trainer.compose import CONF_DIR
@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.manual_seed(0)
-    model = instantiate(OmegaConf.load(CONF_DIR / "model" / "nano.yaml"), vocab_size=4096).eval()
+    model = instantiate_model(OmegaConf.load(CONF_DIR / "model" / "nano.yaml"), vocab_size=4096).eval()
     prompt = torch.randint(0, 4096, (args.prompt,)).tolist()
     kw = {"max_new_tokens": args.tokens, "temperature": 0.0, "top_k": None, "max_seq_len": model.max_seq_len}
     best = {True: float("inf"), False: float("inf")}

@@ -16,7 +16,7 @@ The last line is ``RESULT layers_max_over_mean=<x> auto_max_over_mean=<y>`` for 
 from __future__ import annotations
 
 import torch
-from hydra.utils import instantiate
+from trainer.model_node import instantiate_model
 from omegaconf import OmegaConf
 
 from strategies.planner.layout import Layout, Workload
@@ -45,7 +45,7 @@ def main() -> None:
         if preset == "nano":
             model.n_layers = 4
         with torch.device("meta"):
-            shape = ModelShape.from_model(instantiate(model, vocab_size=vocab))
+            shape = ModelShape.from_model(instantiate_model(model, vocab_size=vocab))
         cluster = Cluster(**OmegaConf.to_container(OmegaConf.load(f"conf/cluster/{cluster_name}.yaml")))
         work = Workload(seq_len=seq_len, global_batch_size=32, compute_dtype="fp32" if cluster.device == "cpu" else "bf16")
         layout = Layout(pp=pp, stages_per_rank=v, pp_schedule=schedule, micro_batch_size=rows)

@@ -37,6 +37,7 @@ from strategies.attention_blocks import block_kernels
 from strategies.cp_layout import CPLayout, build_cp_layout, build_sub_layouts
 from strategies.cp_placement import HybridPlacement, OnGroup, WholeRows, group_sizes, placement_problems
 from strategies.document_shards import shard_documents
+from strategies.model_contract import declares, optional
 from strategies.parallel_dims import Meshes, divisors
 from strategies.ring_attention import RingMasks, ring_attention
 from strategies.ulysses import heads_to_seq, seq_to_heads
@@ -222,7 +223,7 @@ def apply_context_parallel(
     ``model`` must offer ``set_attention_core`` (`trainer.models.llama.Llama`); a model without
     attention (a per-token test model) is left unchanged: per-token layers need no change under CP.
     """
-    if hasattr(model, "set_attention_core"):
+    if declares(model, "set_attention_core"):
         core = ContextParallelAttention(
             layout, load_balance=load_balance, kv_chunk=kv_chunk, kernel=kernel, whole=model.attention_core,
             sub_layouts=sub_layouts,
@@ -344,7 +345,7 @@ class ContextParallel(HybridPlacement):
             model, layout=layout, load_balance=self.load_balance, kv_chunk=self.kv_chunk, kernel=self.kernel,
             sub_layouts=sub_layouts,
         )  # fmt: skip
-        core = getattr(model, "attention_core", None)
+        core = optional(model, "attention_core")
         self.core = core if isinstance(core, ContextParallelAttention) else None
 
     def shard_batch(self, batch: dict[str, torch.Tensor], *, cp: int, rank: int) -> dict[str, torch.Tensor]:

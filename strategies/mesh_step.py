@@ -14,6 +14,7 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager, nullco
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from strategies.cp_placement import micro_batches_of
 from strategies.grad_norm import clip_grads_, global_grad_norm
@@ -116,7 +117,7 @@ class MeshStep:
         last = len(micro_batches) - 1
         self.compute_timer.start_step()
         for i, micro_batch in enumerate(micro_batches):
-            if hasattr(model, "set_requires_gradient_sync"):
+            if isinstance(model, FSDPModule):
                 # Reduce gradients once per step, after the last micro-batch, not once per micro-batch.
                 model.set_requires_gradient_sync(i == last)
             # loss parallel needs its context in forward and backward; whole rows attend on one cp rank

@@ -11,6 +11,7 @@ import itertools
 import torch
 from torch import nn
 
+from strategies.model_contract import declares, member_problem
 from strategies.ties import keep_ties
 
 
@@ -33,9 +34,8 @@ def materialize(model: nn.Module, device: torch.device) -> None:
     """
     if not is_meta(model):
         return
-    init_weights = getattr(model, "init_weights", None)
-    if not callable(init_weights):
-        raise TypeError(f"{type(model).__name__} was built on the meta device but has no init_weights() to fill it")
+    if not declares(model, "init_weights"):
+        raise TypeError(member_problem(model, ["init_weights"], "built on the meta device (META_INIT)"))
     with keep_ties(model):  # before init_weights, which then fills a tied tensor once
         model.to_empty(device=device)
-    init_weights()
+    model.init_weights()

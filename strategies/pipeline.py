@@ -33,6 +33,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.tensor import DTensor
 
+from strategies.model_contract import optional
 from strategies.parallel_dims import Meshes
 from strategies.pipeline_layout import SINGLE_STAGE, check_pipeline, local_stages, microbatch_problems, stage_layers, stage_owner, stages_per_rank_of
 
@@ -245,7 +246,7 @@ class PipelineParallel:
         problems = check_pipeline(
             pp=pp, schedule=schedule, stages_per_rank=self.stages_per_rank, split_points=self.split_points,
             num_microbatches=self.num_microbatches, microbatches_per_step=None, n_layers=len(model.layers),
-            tie_embeddings=bool(getattr(model, "tie_embeddings", False)),
+            tie_embeddings=bool(optional(model, "tie_embeddings")),
         )  # fmt: skip
         if problems:
             raise ValueError("\n".join(problems))

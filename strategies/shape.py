@@ -14,8 +14,11 @@ from dataclasses import dataclass
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-# The sizes `ModelShape.from_model` reads from a Llama-style model.
-SIZES = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings")
+from strategies.model_contract import SIZES, declares, member_problem, missing, optional
+
+
+class ModelContractError(ValueError):
+    """A model lacks a member of its declared contract (`strategies.model_contract`); the message names it."""
 
 
 @dataclass(frozen=True)
@@ -79,19 +82,34 @@ class ModelShape:
             return self.dim * (2 * q + 2 * kv) + 3 * self.dim * self.moe_ffn_dim * experts + self.dim * self.num_experts
         return self.dim * (2 * q + 2 * kv) + 3 * self.dim * self.ffn_dim
 
+    @staticmethod
+    def problem(model: nn.Module) -> str | None:
+        """Why ``model`` has no shape: the declared sizes (`strategies.model_contract.SIZES`) it lacks,
+        named with how to add them; None when it declares them all."""
+        lacking = missing(model, SIZES)
+        return member_problem(model, lacking, "model") if lacking else None
+
     @classmethod
-    def of(cls, model: nn.Module) -> "ModelShape | None":
-        """`from_model`, or None for a model without the Llama-style sizes (`SIZES`)."""
-        return cls.from_model(model) if all(hasattr(model, name) for name in SIZES) else None
+    def of(cls, model: nn.Module) -> "ModelShape":
+        """`from_model` of a model that declares the sizes.
+
+        Raises:
+            ModelContractError: ``model`` lacks a size; the message names it (`problem`).
+        """
+        problem = cls.problem(model)
+        if problem is not None:
+            raise ModelContractError(problem)
+        return cls.from_model(model)
 
     @classmethod
     def from_model(cls, model: nn.Module) -> "ModelShape":
         """Reads sizes and parameters of ``model`` (a `trainer.models.llama.Llama`, any device).
 
-        The tp dim of each parameter follows the model's ``tp_plan``: column-wise Linear and
-        row-wise Embedding shard dim 0, row-wise Linear and column-wise Embedding dim 1.
+        The tp dim of each parameter follows the model's ``tp_plan`` (none declared: every
+        parameter replicated): column-wise Linear and row-wise Embedding shard dim 0, row-wise
+        Linear and column-wise Embedding dim 1.
         """
-        plan = model.tp_plan() if hasattr(model, "tp_plan") else {}
+        plan = model.tp_plan() if declares(model, "tp_plan") else {}
         specs, seen = [], set()
         for module_name, module in model.named_modules():
             for pname, p in module.named_parameters(recurse=False):
@@ -112,8 +130,8 @@ class ModelShape:
         return cls(
             vocab_size=model.vocab_size, dim=model.dim, n_layers=model.n_layers, n_heads=model.n_heads,
             n_kv_heads=model.n_kv_heads, ffn_dim=model.ffn_dim, tie_embeddings=model.tie_embeddings,
-            params=tuple(specs), num_experts=getattr(model, "num_experts", 0), top_k=getattr(model, "top_k", 0),
-            moe_ffn_dim=getattr(model, "moe_ffn_dim", None), num_shared_experts=getattr(model, "num_shared_experts", 0),
-            n_dense_layers=getattr(model, "n_dense_layers", 0),
+            params=tuple(specs), num_experts=optional(model, "num_experts"), top_k=optional(model, "top_k"),
+            moe_ffn_dim=optional(model, "moe_ffn_dim"), num_shared_experts=optional(model, "num_shared_experts"),
+            n_dense_layers=optional(model, "n_dense_layers"),
             linear_modules=tuple(n for n, m in model.named_modules() if isinstance(m, nn.Linear)),
         )  # fmt: skip

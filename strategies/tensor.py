@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
 
+from strategies.model_contract import SIZES, declares, missing
 from strategies.parallel_dims import LayoutError, Meshes, divisors
 from strategies.ties import keep_ties
 
@@ -100,7 +101,7 @@ class TensorParallel:
 
     def plan(self, model: nn.Module) -> dict[str, ParallelStyle]:
         """The module-name -> ``ParallelStyle`` plan for ``model``; override to change it."""
-        if not hasattr(model, "tp_plan"):
+        if not declares(model, "tp_plan"):
             raise LayoutError(
                 f"{type(model).__name__} declares no tensor-parallel plan (a tp_plan method); use strategy.tp=1 "
                 "or subclass strategies.tensor.TensorParallel and override plan()"
@@ -122,14 +123,10 @@ class TensorParallel:
             LayoutError: listing the sizes that tp does not divide, with valid degrees.
         """
         tp_mesh = meshes["tp"]
-        sizes = {name: getattr(model, name, None) for name in ("n_heads", "n_kv_heads", "vocab_size", "ffn_dim")}
-        if sizes["n_heads"] is not None:
+        if not missing(model, SIZES):  # refused by validate otherwise (strategies.model_contract.NEEDS)
             problems = tp_divisibility_problems(
-                tp_mesh.size(),
-                n_heads=sizes["n_heads"],
-                n_kv_heads=sizes["n_kv_heads"] or sizes["n_heads"],
-                vocab_size=sizes["vocab_size"],
-                ffn_dim=sizes["ffn_dim"],
+                tp_mesh.size(), n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, vocab_size=model.vocab_size,
+                ffn_dim=model.ffn_dim,
             )
             if problems:
                 raise LayoutError("\n".join(problems))

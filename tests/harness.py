@@ -218,14 +218,14 @@ def reference_setup(
     ``(train rows, model with plait's initial weights, optimizer, global-batch sampler at dp=1)``.
     Iterate the sampler for each step's row indices. ``edit`` changes the model in place before
     the optimizer takes its parameters (a test's own tie, say)."""
-    from hydra.utils import instantiate
+    from trainer.model_node import instantiate_model
 
     from trainer.build import build_data
     from trainer.data.sampler import GlobalBatchSampler
 
     prepared = build_data(cfg).prepare()
     torch.manual_seed(cfg.seed)
-    model = instantiate(cfg.model, vocab_size=prepared.tokenizer.vocab_size)
+    model = instantiate_model(cfg.model, vocab_size=prepared.tokenizer.vocab_size)
     if edit is not None:
         edit(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr, momentum=cfg.optim.momentum)

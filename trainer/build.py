@@ -20,10 +20,12 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from strategies.mesh import MeshStrategy
+from strategies.model_contract import flops_per_token, optional
 from strategies.resolved import ResolvedRun
 from trainer.config import ConfigError, validate
 from trainer.data.base import DataModule
 from trainer.loggers import LogConfig
+from trainer.model_node import init_from_of, instantiate_model
 from trainer.nonfinite import NonFiniteGuard
 from trainer.rundir import RunDir
 from trainer.semantics import tokenizer_file
@@ -77,9 +79,9 @@ def build_model(cfg: DictConfig, run: ResolvedRun, *, vocab_size: int) -> nn.Mod
     # Sharded layouts build on the meta device: the strategy allocates and initialises only each
     # rank's shards after parallelizing (MeshStrategy.materialize), so no rank holds the whole model.
     target = get_object(cfg.model._target_) if isinstance(cfg.model.get("_target_"), str) else None
-    on_meta = run.world_size > 1 and inspect.isclass(target) and getattr(target, "META_INIT", False)
+    on_meta = run.world_size > 1 and inspect.isclass(target) and optional(target, "META_INIT")
     with torch.device("meta") if on_meta else contextlib.nullcontext():
-        return instantiate(cfg.model, vocab_size=planned or vocab_size)
+        return instantiate_model(cfg.model, vocab_size=planned or vocab_size)
 
 
 def build_task(cfg: DictConfig, run: ResolvedRun, model: nn.Module) -> Task:
@@ -94,7 +96,8 @@ def build_task(cfg: DictConfig, run: ResolvedRun, model: nn.Module) -> Task:
         weight_decay=cfg.optim.weight_decay,
         no_decay=tuple(cfg.train.no_decay),
         eval_every=cfg.train.eval_every,
-        flops_per_token=model.flops_per_token(run.seq_len) if hasattr(model, "flops_per_token") else 0.0,
+        flops_per_token=flops_per_token(model, run.seq_len),
+        init_from=init_from_of(cfg.model),
         nonfinite=NonFiniteGuard(
             cfg.train.nonfinite, cfg.train.max_nonfinite_steps, cfg.train.max_skipped_steps,
             spikes=SpikeRule(cfg.train.spike_factor, cfg.train.spike_window) if cfg.train.spike_factor else None,

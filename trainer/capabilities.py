@@ -1,15 +1,15 @@
 """What a model must offer for the features a config turns on, checked in `trainer.config.validate`.
 
 A model of one's own (``model._target_=my_pkg.MyModel``) trains with every layout that needs
-nothing from it (DDP, FSDP2, pipeline stages through its ``layers``); two features read the model
+nothing more from it than ``layers`` and ``forward`` (DDP, FSDP2); other features read the model
 itself (README "Your own model"):
 
-- tensor parallelism (``strategy.tp > 1``) applies the plan the model declares, a ``tp_plan``
-  method (`trainer.models.llama.Llama.tp_plan`), unless the strategy's ``tensor_parallel`` plugin
-  overrides ``plan``;
-- a Hugging Face export (``callbacks.hf_export``, ``plait export``) maps plait's Llama and
-  mixture-of-experts modules onto Hugging Face's (`trainer.export`): a model of another class
-  has no such mapping.
+- tensor, context and pipeline parallelism (``strategy.tp/cp/pp > 1``) read the members of the
+  declared contract `strategies.model_contract.NEEDS` (the sizes; ``tp_plan`` unless the strategy's
+  ``tensor_parallel`` plugin overrides ``plan``; ``set_attention_core``; the stage modules);
+- a Hugging Face export (``callbacks.hf_export``, ``plait export``) maps the classes of the
+  family registry (`trainer.models.families`) onto Hugging Face's: a model of another class has
+  no such mapping.
 
 Without them a run failed after launch (``LayoutError`` in ``parallelize``, an ``AttributeError``
 in the export); here they are config problems that name the fix.
@@ -22,10 +22,11 @@ from typing import Any
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
+from strategies.model_contract import layout_problems
 from strategies.resolved import ResolvedRun
 from strategies.tensor import TensorParallel
+from trainer.models.families import EXPORTABLE, exportable
 
-EXPORTABLE = ("trainer.models.llama.Llama", "trainer.models.moe_transformer.MoETransformer")
 
 
 def _class(node: Any) -> type | None:
@@ -37,35 +38,40 @@ def _class(node: Any) -> type | None:
         return None
 
 
-def exportable(model_cls: type) -> bool:
-    """Whether plait can write a model of ``model_cls`` as a Hugging Face directory (`EXPORTABLE`)."""
-    return any(issubclass(model_cls, get_class(name)) for name in EXPORTABLE)
-
-
 def export_problem(model_cls: type, where: str) -> str:
     """The message for a model ``where`` asks to export that has no Hugging Face mapping."""
     return (
         f"{where}: {model_cls.__module__}.{model_cls.__qualname__} has no Hugging Face mapping (plait exports "
-        f"subclasses of {' and '.join(EXPORTABLE)}); subclass one of them, or load checkpoints/ with "
+        f"subclasses of {' and '.join(f'{c.__module__}.{c.__qualname__}' for c in EXPORTABLE)}, the classes of "
+        "trainer.models.families); subclass one of them, or load checkpoints/ with "
         "trainer.rundir.load_run_model and save the weights yourself"
     )
 
 
+def contract_problems(cfg: DictConfig, run: ResolvedRun | None, model: Any = None) -> list[str]:
+    """The members the resolved layout reads that the model does not declare
+    (`strategies.model_contract.layout_problems`), each named with how to add it.
+
+    Args:
+        model: the model of ``cfg`` built on the meta device; None when it could not be built
+            (then its class is checked for the members a class declares).
+    """
+    model = model if model is not None else _class(cfg.get("model"))
+    if model is None or run is None:
+        return []
+    strategy = cfg.get("strategy")
+    plugin = _class(strategy.get("tensor_parallel")) if isinstance(strategy, DictConfig) else None
+    default_plan = plugin is None or plugin.plan is TensorParallel.plan
+    degrees = {"tp": run.dims.tp, "cp": run.dims.cp, "pp": run.dims.pp}
+    return layout_problems(model, degrees, tp_plan=default_plan)
+
+
 def capability_problems(cfg: DictConfig, run: ResolvedRun | None) -> list[str]:
-    """The features ``cfg`` turns on that its model class does not support, each with the fix."""
+    """The features ``cfg`` turns on that its model class does not support (a Hugging Face export), with the fix."""
     model_cls = _class(cfg.get("model"))
     if model_cls is None:
         return []
     problems = []
-    strategy = cfg.get("strategy")
-    plugin = _class(strategy.get("tensor_parallel")) if isinstance(strategy, DictConfig) else None
-    default_plan = plugin is None or plugin.plan is TensorParallel.plan
-    if run is not None and run.dims.tp > 1 and default_plan and not callable(getattr(model_cls, "tp_plan", None)):
-        problems.append(
-            f"strategy.tp={run.dims.tp}: {model_cls.__qualname__} declares no tensor-parallel plan; add a "
-            "tp_plan(sequence_parallel, loss_parallel) method (see trainer.models.llama.Llama.tp_plan), override "
-            "strategies.tensor.TensorParallel.plan (strategy.tensor_parallel._target_=...), or use strategy.tp=1"
-        )
     export = OmegaConf.select(cfg, "callbacks.hf_export", throw_on_missing=False)
     if isinstance(export, DictConfig) and (export.get("at_end") or (export.get("every_n_steps") or 0) > 0):
         if not exportable(model_cls):

@@ -28,7 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from trainer.catalog import ALIASES, CONF_DIR, DEFAULT_RECIPE, RECIPES_DIR, bundled_recipes, fail
 
-# trainer.rundir, trainer.models.init_from and strategies.ranges import torch (~3 s): they are
+# trainer.rundir, trainer.init_from and strategies.ranges import torch (~3 s): they are
 # imported where used, so that plait compare, plait RECIPE --cfg job and a sweep's resolvers start in
 # a fraction of a second.
 
@@ -157,7 +157,7 @@ def compose(recipe: str = DEFAULT_RECIPE, overrides: Sequence[str] = ()) -> Dict
 
     For the commands and for scripts and tests that build and fit in-process
     (``trainer.build.build_run``). A plait run as ``model.init_from`` brings its model node
-    (`trainer.models.init_from.take_run_model`). The config is not validated (``trainer.config.validate``
+    (`trainer.init_from.take_run_model`). The config is not validated (``trainer.config.validate``
     does that).
 
     Args:
@@ -170,7 +170,7 @@ def compose(recipe: str = DEFAULT_RECIPE, overrides: Sequence[str] = ()) -> Dict
         trainer.targets.UntrustedTargetError: the run ``model.init_from`` names has a model node
             that names code outside plait and ``trust`` (nothing of it was built).
     """
-    from trainer.models.init_from import take_run_model  # lazy: torch (see the imports above)
+    from trainer.init_from import take_run_model  # lazy: torch (see the imports above)
 
     register_resolvers()
     config_dir, config_name, rest = hydra_config(to_hydra_argv([recipe, *overrides]))
@@ -179,9 +179,9 @@ def compose(recipe: str = DEFAULT_RECIPE, overrides: Sequence[str] = ()) -> Dict
 
 
 def adopt_run_model(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
-    """`trainer.models.init_from.take_run_model`, its refusal of a run's model as one
+    """`trainer.init_from.take_run_model`, its refusal of a run's model as one
     ``plait: error:`` line (exit 2) where preflight has not checked it (children, sweeps, --help)."""
-    from trainer.models.init_from import take_run_model  # lazy: torch (see the imports above)
+    from trainer.init_from import take_run_model  # lazy: torch (see the imports above)
     from trainer.targets import UntrustedTargetError  # lazy: torch (see the imports above)
 
     try:

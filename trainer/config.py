@@ -14,6 +14,7 @@ import inspect
 import types
 import typing
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 import torch
@@ -24,6 +25,7 @@ from omegaconf.errors import InterpolationResolutionError, InterpolationToMissin
 from strategies.ranges import NON_NEGATIVE, POSITIVE, Range, declared_ranges, value_problem
 from strategies.resolved import ResolvedRun
 from trainer.optim import DEFAULT_NO_DECAY
+from trainer.model_node import NODE_KEYS
 from trainer.semantics import _import, check_semantics
 
 
@@ -179,6 +181,9 @@ INJECTED = {
     "scheduler": {"optimizer", "total_steps", "last_epoch"},
     "strategy": {"launcher"},
 }
+# Keys plait reads itself off a node, passed to its target only when the target takes them
+# (`trainer.model_node`: ``model.init_from``, loaded by the Task, not by the model).
+OWN_KEYS = {"model": NODE_KEYS}
 TARGET_NODES = ("objective", "model", "data", "optim", "scheduler", "strategy", "budget")
 # The groups whose class validate asks for its own problems (`trainer.protocols.Component`); the
 # data module's evaluators are asked too (`DataModule.evaluator_types`), and the strategy asks its
@@ -223,7 +228,7 @@ def validate(cfg: DictConfig) -> ResolvedRun:
     _check_dataclass(cfg, RunConfig, "", problems)
     for name in TARGET_NODES:
         if name in cfg and cfg[name] is not None:
-            _check_target(cfg[name], name, problems, injected=INJECTED.get(name, set()))
+            _check_target(cfg[name], name, problems, injected=INJECTED.get(name, set()), own=OWN_KEYS.get(name, ()))
     if "strategy" in cfg and isinstance(cfg.strategy, DictConfig):
         for key, plugin in cfg.strategy.items():  # fsdp, activation_checkpoint, compile, ...
             if isinstance(plugin, DictConfig) and "_target_" in plugin:
@@ -389,7 +394,9 @@ def _type_name(hint: Any) -> str:
     return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))
 
 
-def _check_target(node: Any, where: str, problems: list[str], injected: set[str] = frozenset()) -> None:
+def _check_target(
+    node: Any, where: str, problems: list[str], injected: set[str] = frozenset(), own: Sequence[str] = ()
+) -> None:
     if not isinstance(node, DictConfig) or "_target_" not in node:
         problems.append(f"{where} must be a mapping with a _target_ (a class or function path)")
         return
@@ -416,6 +423,11 @@ def _check_target(node: Any, where: str, problems: list[str], injected: set[str]
     ranges = declared_ranges(target)
     for key in node.keys():
         if str(key).startswith("_") and str(key).endswith("_"):
+            continue
+        if key in own and key not in params:  # read by plait itself: a path or null
+            value = OmegaConf.select(node, str(key), throw_on_missing=False)
+            if value is not None and not isinstance(value, str):
+                problems.append(f"{where}.{key}={value!r} must be a path (a string) or null")
             continue
         if key not in params:
             if not takes_kwargs:

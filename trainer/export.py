@@ -31,16 +31,17 @@ from torch import nn
 from strategies.checkpoint import CheckpointError
 from strategies.lora import adapted_layers, merge_lora
 from strategies.lora_targets import is_adapter
-from trainer.capabilities import export_problem, exportable
+from trainer.capabilities import export_problem
 from trainer.compose import compose_command, fail
 from trainer.data.chat import DEFAULT_CHAT_TEMPLATE, DEFAULT_DESCRIPTION, ChatError, JinjaTemplate, load_chat_template
 from trainer.data.chat_files import TemplateFileError, find_chat_template, write_chat_template
 from trainer.data.tokenizer import Tokenizer
-from trainer.models.hf import FAMILIES, INDEX_FILE, HFError, family_of, hf_name, is_hf_dir, read_config
-from trainer.models.hf_moe import MOE_FAMILIES, export_family, moe_config_fields, split_experts
-from trainer.models.init_from import load_init_from
+from trainer.init_from import load_init_from
+from trainer.models import families
+from trainer.models.families import FAMILIES, FamilyError, exportable
+from trainer.models.hf import INDEX_FILE, HFError, hf_name, is_hf_dir, read_config
+from trainer.models.hf_moe import split_experts
 from trainer.models.llama import Llama
-from trainer.models.moe_transformer import MoETransformer
 from trainer.peft_adapter import moe_adapter_problem, peft_target_modules
 from trainer.rundir import RunModel, load_run_model, resolve_checkpoint
 from trainer.semantics import tokenizer_file
@@ -54,24 +55,15 @@ ADAPTER_DIR = "adapter"
 
 
 def export_family_of(model: Llama, base: dict[str, Any] | None = None) -> str:
-    """The Hugging Face family ``model`` is written as: its source's, else the one its features fit.
+    """The Hugging Face family ``model`` is written as (`trainer.models.families.export_family_of`).
 
     Raises:
         HFError: no family of plait's has the model's features.
     """
-    if isinstance(model, MoETransformer):
-        try:
-            family = export_family(model)
-        except ValueError as err:
-            raise HFError(str(err)) from None
-        if base is not None and family_of(base) not in (None, family):
-            raise HFError(f"a {family} model cannot be written as its source's {family_of(base)}")
-        return family
-    if base is not None and family_of(base) is not None:
-        return family_of(base)
-    if model.qk_norm and model.qkv_bias:
-        raise HFError("a model with both qk_norm and qkv_bias has no Hugging Face architecture in plait's families")
-    return "qwen3" if model.qk_norm else "qwen2" if model.qkv_bias else "llama"
+    try:
+        return families.export_family_of(model, base)
+    except FamilyError as err:
+        raise HFError(str(err)) from None
 
 
 def hf_config(model: Llama, base: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
@@ -82,13 +74,11 @@ def hf_config(model: Llama, base: dict[str, Any] | None = None, **extra: Any) ->
     Raises:
         HFError: the model has a feature outside the chosen family.
     """
-    family = export_family_of(model, base)
-    if model.qk_norm != (family in ("qwen3", "qwen3_moe")) or model.qkv_bias != (family == "qwen2"):
-        raise HFError(f"qk_norm={model.qk_norm}, qkv_bias={model.qkv_bias} do not fit the {FAMILIES[family]} architecture")
+    family = FAMILIES[export_family_of(model, base)]
     config = dict(base or {})
     config.update(
-        architectures=[FAMILIES[family]],
-        model_type=family,
+        architectures=[family.architecture],
+        model_type=family.model_type,
         vocab_size=model.vocab_size,
         hidden_size=model.dim,
         intermediate_size=model.ffn_dim,
@@ -100,11 +90,8 @@ def hf_config(model: Llama, base: dict[str, Any] | None = None, **extra: Any) ->
         rms_norm_eps=model.norm_eps,
         tie_word_embeddings=model.tie_embeddings,
     )
-    if family in MOE_FAMILIES:
-        config.update(moe_config_fields(model, family))
+    config.update(family.export_fields(model))
     config.setdefault("max_position_embeddings", model.max_seq_len)
-    if family != "qwen2":
-        config["attention_bias"] = False
     if "rope_parameters" in config:  # the newer layout: keep it
         config["rope_parameters"] = {"rope_theta": model.rope_theta, **(model.rope_scaling or {"rope_type": "default"})}
     else:
@@ -122,7 +109,7 @@ def hf_state_dict(
     for fqn, tensor in state.items():
         if (tie_embeddings and fqn == "output.weight") or fqn.endswith("router.expert_bias"):
             continue
-        experts = split_experts(fqn, tensor, family) if family in MOE_FAMILIES else None
+        experts = split_experts(fqn, tensor, family) if family is not None and FAMILIES[family].moe else None
         out.update(experts if experts is not None else {hf_name(fqn, family): tensor.contiguous()})
     return out
 

@@ -21,7 +21,7 @@ from trainer.compose import compose_command, fail
 from trainer.data.chat import ChatError, JinjaTemplate
 from trainer.export import trained_chat_template
 from trainer.models.hf import HFError
-from trainer.models.init_from import load_init_from
+from trainer.init_from import load_init_from
 from trainer.rundir import RunModel, load_run_model
 from trainer.sampling import NonFiniteLogitsError, caches, continue_text, sample
 from trainer.targets import UntrustedTargetError

@@ -18,7 +18,7 @@ from strategies.checkpoint import CheckpointError
 from trainer.catalog import ALIASES, fail
 from trainer.compose import adopt_run_model, error_message, hydra_config
 from trainer.config import ConfigError
-from trainer.models.init_from import take_run_model
+from trainer.init_from import take_run_model
 from trainer.run import Launch, check_launch, run
 from trainer.targets import UntrustedTargetError
 

@@ -36,6 +36,7 @@ from strategies.checkpoint import META_FILE, is_checkpoint, load_model_weights, 
 from strategies.lora_targets import is_adapter
 from strategies.manifest import MANIFEST
 from trainer.data.tokenizer import Tokenizer
+from trainer.model_node import constructor_node, init_from_of
 from trainer.targets import check_targets
 
 LAST = "last"
@@ -339,13 +340,13 @@ class RunModel:
 
 
 def load_run_model(
-    path: str | os.PathLike, *, load_base: Callable[[nn.Module], None] | None = None, trust: Sequence[str] = ()
+    path: str | os.PathLike, *, load_base: Callable[[nn.Module, str], None] | None = None, trust: Sequence[str] = ()
 ) -> RunModel:
     """The model of the run (or checkpoint) ``path`` names, in one process, in eval mode.
 
     Args:
-        load_base: for a LoRA run, loads its base (``model.init_from``) into the model:
-            `trainer.models.init_from.load_init_from` (passed in: that module imports this one).
+        load_base: for a LoRA run, loads its base (the source ``model.init_from`` names) into the
+            model: `trainer.init_from.load_init_from` (passed in: that module imports this one).
         trust: packages besides plait whose classes the run's config may build (`instantiate_saved`).
 
     Raises:
@@ -365,7 +366,8 @@ def load_run_model(
     if vocab_size is None:
         raise FileNotFoundError(f"{run.path} has no {run.tokenizer.name} and its config sets no model.vocab_size")
     source = str(run.config)
-    model = instantiate_saved(cfg.model, source=source, key="model", trust=trust, vocab_size=vocab_size)
+    check_targets(cfg.model, source=source, key="model", trust=trust)  # before constructor_node imports it
+    model = instantiate_saved(constructor_node(cfg.model), source=source, key="model", trust=trust, vocab_size=vocab_size)
     lora = cfg.strategy.get("lora") if cfg.get("strategy") is not None else None
     if lora is None:
         load_run_weights(ckpt, model)
@@ -373,7 +375,7 @@ def load_run_model(
         raise ValueError(f"{ckpt} holds LoRA adapters (strategy.lora); export the run first (plait export) and use the export")
     else:  # a LoRA run's checkpoint holds the adapters; its base is model.init_from
         instantiate_saved(lora, source=source, key="strategy.lora", trust=trust).attach(model)
-        load_base(model)
+        load_base(model, init_from_of(cfg.model))
         load_run_weights(ckpt, model, keys=is_adapter)
     model.eval()
     return RunModel(model=model, tokenizer=tokenizer, config=cfg, run=run, checkpoint=ckpt)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from strategies.model_contract import declares
 from strategies.ranges import NON_NEGATIVE, POSITIVE
 from trainer.data.tokenizer import Tokenizer
 from trainer.models.kv_cache import kv_cache
@@ -146,7 +147,7 @@ def greedy_batch(
 def caches(model: nn.Module) -> bool:
     """Whether ``model`` takes a KV cache (`trainer.models.kv_cache.kv_cache`: it swaps the model's
     attention core); a model of one's own without ``set_attention_core`` generates without one."""
-    return callable(getattr(model, "set_attention_core", None))
+    return declares(model, "set_attention_core")
 
 
 def continue_text(

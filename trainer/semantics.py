@@ -30,11 +30,12 @@ from strategies.planner.time import Cluster, auto_split_points
 from strategies.ranges import optimizer_problem
 from strategies.resolved import ResolvedRun
 from strategies.shape import ModelShape
-from trainer.capabilities import capability_problems
+from trainer.capabilities import capability_problems, contract_problems
 from trainer.data.paths import DATA_SUFFIXES, PathProblem, check_path, data_files
 from trainer.data.tokenizer import TokenizerFileError, read_tokenizer_json
+from trainer.model_node import instantiate_model
 from trainer.models.hf import is_hf_dir
-from trainer.models.init_from import init_from_problems, run_tokenizer
+from trainer.init_from import init_from_problems, run_tokenizer
 
 
 def _import(path: str) -> Any:
@@ -77,8 +78,8 @@ def planned_vocab_size(cfg: DictConfig) -> int | None:
     return int(data.vocab_size) if data is not None and data.get("vocab_size") else None
 
 
-def _shape(cfg: DictConfig, vocab_size: int | None, problems: list[str]) -> ModelShape | None:
-    """The model of ``cfg`` built on the meta device and read (`ModelShape.of`); None without one.
+def _meta_model(cfg: DictConfig, vocab_size: int | None, problems: list[str]) -> Any:
+    """The model of ``cfg`` built on the meta device; None without one (or a vocabulary not known yet).
 
     A constructor's error (e.g. dim not divisible by n_heads) is a problem of the config."""
     model = cfg.get("model")
@@ -92,12 +93,12 @@ def _shape(cfg: DictConfig, vocab_size: int | None, problems: list[str]) -> Mode
         kwargs["vocab_size"] = vocab_size
     try:
         with torch.device("meta"):
-            built = instantiate(model, **kwargs)
+            built = instantiate_model(model, **kwargs)
     except Exception as err:  # noqa: BLE001 - the constructor's message names the bad value
         if not any(p.startswith("model.") for p in problems):  # not again what init_from reported
             problems.append(f"model: {_cause(err)}")
         return None
-    return ModelShape.of(built)
+    return built
 
 
 def _strategy(cfg: DictConfig, problems: list[str]) -> MeshStrategy | None:
@@ -204,6 +205,9 @@ def resolve(cfg: DictConfig, problems: list[str], broken: frozenset[str] = froze
     if problem := optimizer_problem(optimizer):
         problems.append(problem)
     init_from = OmegaConf.select(cfg, "model.init_from", default=None, throw_on_missing=False)
+    built = None if "model" in broken else _meta_model(cfg, vocab_size, problems)
+    # A model without the declared sizes has no shape: a layout that reads them is refused below.
+    shape = None if built is None or ModelShape.problem(built) else ModelShape.of(built)
     run = ResolvedRun(
         world_size=world_size,
         dims=dims,
@@ -216,7 +220,7 @@ def resolve(cfg: DictConfig, problems: list[str], broken: frozenset[str] = froze
         cp_mode=strategy.cp_mode,
         seq_len=int(data.seq_len) if data is not None and "seq_len" in data else 0,
         vocab_size=vocab_size,
-        shape=None if "model" in broken else _shape(cfg, vocab_size, problems),
+        shape=shape,
         precision=str(trainer.precision),
         optimizer=optimizer,
         drop_last=bool(data.drop_last) if data is not None and "drop_last" in data else True,
@@ -227,6 +231,7 @@ def resolve(cfg: DictConfig, problems: list[str], broken: frozenset[str] = froze
         cp_placement=str(strategy.context_parallel.placement),
     )
     problems.extend(strategy.problems(run, run.shape))
+    problems.extend(contract_problems(cfg, run, built))  # what the layout reads off the model (never skipped)
     # The split is planned for a layout that runs: a config with problems is refused anyway.
     return run if problems else replace(run, pp_split_points=pp_split_points(cfg, run, strategy))
 
@@ -265,7 +270,7 @@ def check_semantics(cfg: DictConfig, problems: list[str], broken: frozenset[str]
     if init_from:  # HF dir or plait checkpoint
         problems.extend(init_from_problems(model, data=data))
     run = resolve(cfg, problems, broken)
-    problems.extend(capability_problems(cfg, run))  # tp_plan, a Hugging Face mapping (trainer.capabilities)
+    problems.extend(capability_problems(cfg, run))  # a Hugging Face mapping (trainer.capabilities)
     if data is not None and data.get("path"):
         problems.extend(_data_path_problems([data.path] if isinstance(data.path, str) else list(data.path)))
     if data is not None and data.get("tokenizer"):

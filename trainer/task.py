@@ -33,7 +33,7 @@ from typing_extensions import override
 from strategies.lora import quantize_pending
 from trainer.data import accounting
 from trainer.loggers import is_logging_step
-from trainer.models.init_from import load_init_from
+from trainer.init_from import load_init_from
 from trainer.nonfinite import NonFiniteGuard
 from trainer.optim import build_optimizer
 from trainer.protocols import Objective, RoutedModel
@@ -67,6 +67,9 @@ class Task(L.LightningModule):
         flops_per_token: training FLOPs per token of the model, for throughput reporting.
         nonfinite: decides whether a step is applied: not when its loss or gradient norm is NaN,
             inf or a spike (`trainer.nonfinite.NonFiniteGuard`); None: the default guard.
+        init_from: the weights the model starts from (``model.init_from``: a Hugging Face directory
+            or a plait checkpoint / run), loaded in `configure_model` after parallelizing; None
+            keeps the model's initialisation.
     """
 
     def __init__(
@@ -83,6 +86,7 @@ class Task(L.LightningModule):
         eval_every: int,
         flops_per_token: float,
         nonfinite: NonFiniteGuard | None = None,
+        init_from: str | None = None,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -95,6 +99,7 @@ class Task(L.LightningModule):
         self.eval_every = eval_every
         self.flops_per_token = flops_per_token
         self.nonfinite = nonfinite or NonFiniteGuard()
+        self.init_from = init_from
         # Run state, saved in checkpoints (on_save_checkpoint).
         self.tokens_seen = 0
         self._history: list[dict[str, Any]] = []  # see `history`
@@ -113,7 +118,7 @@ class Task(L.LightningModule):
         # Models declare their structure; the strategy applies the layout.
         self.trainer.strategy.parallelize(self.model)
         # Pretrained weights go straight into the shards: each rank reads only what it holds.
-        load_init_from(self.model)
+        load_init_from(self.model, self.init_from)
         quantize_pending(self.model)  # QLoRA: the loaded base becomes 4-bit (before FSDP2's first forward)
         self._configured = True
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from hydra.utils import instantiate
+from trainer.model_node import instantiate_model
 from torch import nn
 
 from harness import compose_config
@@ -82,7 +82,7 @@ def test_default_grouping_decays_only_matmul_weights():
 
 
 def test_llama_grouping_and_configurable_exclusions():
-    model = instantiate(compose_config().model, vocab_size=64)
+    model = instantiate_model(compose_config().model, vocab_size=64)
     matmuls = [f"layers.{i}.{m}.weight" for i in range(2) for m in (
         "attention.wq", "attention.wk", "attention.wv", "attention.wo",
         "feed_forward.w1", "feed_forward.w2", "feed_forward.w3",
@@ -113,7 +113,7 @@ def test_llama_grouping_and_configurable_exclusions():
 def test_task_optimizer_groups_follow_the_config(overrides, decay, excluded):
     cfg = compose_config(overrides)
     torch.manual_seed(cfg.seed)
-    model = instantiate(cfg.model, vocab_size=64)
+    model = instantiate_model(cfg.model, vocab_size=64)
     task = build_task(cfg, validate(cfg), model)
     task.trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
     optimizer = task.configure_optimizers()["optimizer"]

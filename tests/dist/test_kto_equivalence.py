@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hydra.utils import instantiate
+from trainer.model_node import instantiate_model
 
 from harness import compose_config, fit, losses
 from trainer.build import build_data
@@ -57,7 +57,7 @@ def reference() -> dict:
     cfg = _cfg([])
     rows = build_data(cfg).prepare().train
     torch.manual_seed(cfg.seed)
-    model = instantiate(cfg.model)
+    model = instantiate_model(cfg.model)
     with torch.no_grad():
         ref = _logps(model, rows)
     beta, dw, uw = cfg.objective.beta, cfg.objective.desirable_weight, cfg.objective.undesirable_weight

@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 import torch
 from hydra.utils import instantiate
+from trainer.model_node import instantiate_model
 
 from harness import compose_config, fit, losses
 from trainer.build import build_data
@@ -118,7 +119,7 @@ def simulate(cfg, *, steps: int, algorithm, init_from: Path | None = None) -> di
     ``init_from``: a run directory whose last checkpoint's weights the islands start from."""
     prepared = build_data(cfg).prepare()
     torch.manual_seed(cfg.seed)
-    first = instantiate(cfg.model, vocab_size=prepared.tokenizer.vocab_size)
+    first = instantiate_model(cfg.model, vocab_size=prepared.tokenizer.vocab_size)
     if init_from is not None:
         from strategies.checkpoint import load_model_weights
 

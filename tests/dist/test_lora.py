@@ -72,7 +72,7 @@ class RefLoRA(nn.Module):
 
 
 def _reference(root) -> dict:
-    from hydra.utils import instantiate
+    from trainer.model_node import instantiate_model
 
     from trainer.data.packing import IGNORE_INDEX
     from trainer.data.sampler import GlobalBatchSampler
@@ -81,7 +81,7 @@ def _reference(root) -> dict:
     cfg = compose_config(_overrides(root))
     prepared = build_data(cfg).prepare()
     rows = prepared.train
-    model = instantiate(cfg.model, vocab_size=prepared.tokenizer.vocab_size)
+    model = instantiate_model(cfg.model, vocab_size=prepared.tokenizer.vocab_size)
     load_hf_weights(model, root / "hf")
     base = {n: p.detach().clone() for n, p in model.named_parameters()}
     model.requires_grad_(False)
@@ -168,7 +168,7 @@ def test_export_merges_and_writes_a_peft_adapter(runs, base, tmp_path):
 
     from trainer.export import export_checkpoint
     from trainer.models.hf import plait_name
-    from trainer.models.init_from import load_init_from
+    from trainer.init_from import load_init_from
     from trainer.rundir import load_run_model
 
     run = runs["tp2"]  # a checkpoint written by 2 tensor-parallel ranks

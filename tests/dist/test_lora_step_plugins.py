@@ -150,7 +150,7 @@ def _masked_mlp(ff: nn.Module, mask_f: list[torch.Tensor]):
 
 
 def _reference(cfg, base_dir) -> dict:
-    from hydra.utils import instantiate
+    from trainer.model_node import instantiate_model
 
     from trainer.build import build_data
     from trainer.data.packing import IGNORE_INDEX
@@ -159,7 +159,7 @@ def _reference(cfg, base_dir) -> dict:
 
     prepared = build_data(cfg).prepare()
     rows = prepared.train
-    model = instantiate(cfg.model, vocab_size=prepared.tokenizer.vocab_size)
+    model = instantiate_model(cfg.model, vocab_size=prepared.tokenizer.vocab_size)
     load_hf_weights(model, base_dir)
     base = {n: p.detach().clone() for n, p in model.named_parameters()}
     model.requires_grad_(False)

@@ -31,7 +31,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from hydra.utils import instantiate
+from trainer.model_node import instantiate_model
 
 from harness import compose_config, fit, losses
 from trainer.build import build_data
@@ -115,7 +115,7 @@ def plain_loop(recipe: str) -> dict:
     cfg = _cfg(recipe, [])
     prepared = build_data(cfg).prepare()
     torch.manual_seed(cfg.seed)
-    model = instantiate(cfg.model)  # vocab_size 288: a multiple of tp=2
+    model = instantiate_model(cfg.model)  # vocab_size 288: a multiple of tp=2
     initial = copy.deepcopy(model)
     rows = prepared.train
     with torch.no_grad():

@@ -112,7 +112,7 @@ def _untrained_run(run_dir: Path) -> Path:
     """A run directory as a run writes it (config, tokenizer, checkpoint), of an untrained 1-block model."""
     import torch
     import torch.distributed.checkpoint as dcp
-    from hydra.utils import instantiate
+    from trainer.model_node import instantiate_model
     from omegaconf import OmegaConf
 
     from strategies.checkpoint import seal
@@ -125,7 +125,7 @@ def _untrained_run(run_dir: Path) -> Path:
     ckpt.mkdir(parents=True)
     OmegaConf.save(cfg, run_dir / "config.yaml")
     tokenizer.save(run_dir / "tokenizer.json")
-    dcp.save({"model": instantiate(cfg.model, vocab_size=tokenizer.vocab_size).state_dict()}, checkpoint_id=ckpt)
+    dcp.save({"model": instantiate_model(cfg.model, vocab_size=tokenizer.vocab_size).state_dict()}, checkpoint_id=ckpt)
     torch.save({}, ckpt / "meta.pt")
     seal(ckpt)
     return run_dir

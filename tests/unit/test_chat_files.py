@@ -123,11 +123,11 @@ def test_an_export_writes_the_trained_template_where_transformers_5_reads_it(tmp
 
     from trainer.export import write_hf_dir
     from trainer.models.hf import llama_from_hf
-    from trainer.models.init_from import load_init_from
+    from trainer.init_from import load_init_from
 
     make_hf_dir("qwen3", tmp_path / "hf")  # its tokenizer_config.json holds another template (transformers 4's layout)
     model = llama_from_hf(str(tmp_path / "hf"))
-    load_init_from(model)
+    load_init_from(model, str(tmp_path / "hf"))
     tok = Tokenizer.from_file(tmp_path / "hf" / "tokenizer.json")
     for template, out in ((QWEN3_STYLE, tmp_path / "trained"), (None, tmp_path / "source")):
         write_hf_dir(out, model=model, state=model.state_dict(), tokenizer=tok, sources=[tmp_path / "hf"], chat_template=template)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from strategies.mesh import MeshStrategy
 
@@ -19,10 +20,17 @@ class _Model(torch.nn.Module):
         self.syncs.append(sync)
 
 
+def _sharded() -> _Model:
+    """A `_Model` whose class is swapped as ``fully_shard`` swaps it (an FSDPModule), recording its syncs."""
+    model = _Model()
+    model.__class__ = type("FSDP_Model", (_Model, FSDPModule), {})
+    return model
+
+
 def test_timer_counts_forward_and_backward_up_to_the_gradient_sync(monkeypatch):
     strategy = MeshStrategy()
     monkeypatch.setattr(MeshStrategy, "root_device", property(lambda self: torch.device("cpu")))
-    model = _Model()
+    model = _sharded()
 
     def loss_fn(model, micro_batch):
         time.sleep(0.05)

@@ -97,14 +97,14 @@ class Poison:
 def _adamw_reference(cfg: Any) -> dict[str, torch.Tensor]:
     """Plain PyTorch AdamW (torch's per-tensor loop, not fused): steps 1 and 3; step 2's batch is
     drawn but the optimizer never sees it (no update, no moment, no step count)."""
-    from hydra.utils import instantiate
+    from trainer.model_node import instantiate_model
 
     from trainer.build import build_data
     from trainer.data.sampler import GlobalBatchSampler
 
     rows = build_data(cfg).prepare()
     torch.manual_seed(cfg.seed)
-    model = instantiate(cfg.model, vocab_size=rows.tokenizer.vocab_size)
+    model = instantiate_model(cfg.model, vocab_size=rows.tokenizer.vocab_size)
     rows = rows.train
     sampler = GlobalBatchSampler(
         len(rows), global_batch_size=cfg.train.global_batch_size, dp_size=1,

@@ -18,7 +18,7 @@ from trainer.config import ConfigError, validate
 from trainer.data.tokenizer import Tokenizer
 from trainer.export import write_hf_dir
 from trainer.models.hf import llama_from_hf
-from trainer.models.init_from import load_init_from
+from trainer.init_from import load_init_from
 from trainer.models.llama import Llama
 
 TOL = 1e-5
@@ -26,7 +26,7 @@ TOL = 1e-5
 
 def _plait(directory) -> Llama:
     model = llama_from_hf(str(directory))
-    load_init_from(model)
+    load_init_from(model, str(directory))
     return model.eval()
 
 
@@ -180,7 +180,7 @@ def test_a_tied_checkpoint_under_pp_is_refused_with_a_fix_model_hf_takes(tmp_pat
         validate(compose("pretrain", pp))
     validate(compose("pretrain", [*pp, "model.tie_embeddings=false"]))  # the fix is accepted
     untied = llama_from_hf(str(tmp_path / "hf"), tie_embeddings=False)
-    load_init_from(untied)
+    load_init_from(untied, str(tmp_path / "hf"))
     assert untied.output.weight is not untied.tok_embeddings.weight
     assert torch.equal(untied.output.weight, untied.tok_embeddings.weight)  # starts as the tied model
     with torch.no_grad():

@@ -16,13 +16,13 @@ from hf_checkpoints import batch, make_hf_dir
 from trainer.data.tokenizer import Tokenizer
 from trainer.export import write_hf_dir
 from trainer.models.hf import HFError, llama_from_hf
-from trainer.models.init_from import load_init_from
+from trainer.init_from import load_init_from
 from trainer.models.moe_transformer import MoETransformer
 
 
 def _load(directory, **router):
     model = llama_from_hf(str(directory), **router)
-    load_init_from(model)
+    load_init_from(model, str(directory))
     return model.eval()
 
 

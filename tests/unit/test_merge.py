@@ -57,19 +57,19 @@ def _fake_run(path, state, cfg):
 
 
 def test_plait_merge_command_one_delta_reproduces_the_run(tmp_path, capsys):
-    from hydra.utils import instantiate
+    from trainer.model_node import instantiate_model
 
     from strategies.checkpoint import load_model_weights
 
     cfg = OmegaConf.create({"model": {"_target_": "trainer.models.llama.Llama", "dim": 32, "n_layers": 1, "n_heads": 2,
                                       "n_kv_heads": 2, "max_seq_len": 16, "vocab_size": 40}})  # fmt: skip
     torch.manual_seed(0)
-    base, tuned = instantiate(cfg.model), instantiate(cfg.model)
+    base, tuned = instantiate_model(cfg.model), instantiate_model(cfg.model)
     _fake_run(tmp_path / "base", base.state_dict(), cfg)
     _fake_run(tmp_path / "tuned", tuned.state_dict(), cfg)
     merge_main([f"base={tmp_path / 'base'}", f"deltas=[{tmp_path / 'tuned'}]", "method=task_arithmetic", f"out={tmp_path / 'out'}"])
     assert "delta" in capsys.readouterr().out
-    merged = instantiate(cfg.model)
+    merged = instantiate_model(cfg.model)
     load_model_weights(tmp_path / "out" / "checkpoints" / "last", merged)
     assert all(torch.equal(a, b) for a, b in zip(merged.state_dict().values(), tuned.state_dict().values()))
 

@@ -9,11 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from hf_checkpoints import randomize, transformers
 from trainer.callbacks.expert_bias import ExpertBiasUpdate
+from trainer.model_node import instantiate_model
 from trainer.models.moe_transformer import MoETransformer
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "model"
@@ -23,7 +23,7 @@ TINY = dict(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_
 
 def _meta(preset: str) -> MoETransformer:
     with torch.device("meta"):
-        return instantiate(OmegaConf.load(CONF / f"{preset}.yaml"))
+        return instantiate_model(OmegaConf.load(CONF / f"{preset}.yaml"))
 
 
 def _hf_meta(config_cls: str, **fields) -> int:

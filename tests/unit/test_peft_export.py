@@ -20,7 +20,7 @@ from hf_checkpoints import batch, make_hf_dir, transformers
 from strategies.lora import DEFAULT_TARGETS, apply_lora
 from trainer.export import write_peft_adapter
 from trainer.models.hf import llama_from_hf
-from trainer.models.init_from import load_init_from
+from trainer.init_from import load_init_from
 
 peft = pytest.importorskip("peft", reason="peft (the dev extra) is the reference for the adapter format")
 
@@ -69,7 +69,7 @@ def checkpoints(tmp_path_factory):
 def test_peft_adapts_exactly_what_plait_adapted(checkpoints, tmp_path, case):
     checkpoint, targets, count = CASES[case]
     model = llama_from_hf(str(checkpoints / checkpoint))
-    load_init_from(model)
+    load_init_from(model, str(checkpoints / checkpoint))
     names = apply_lora(model, rank=4, alpha=8.0, target_modules=targets)
     assert len(names) == count, names
     generator = torch.Generator().manual_seed(1)

@@ -115,7 +115,7 @@ def test_auto_split_balances_predicted_stage_costs():
     """Llama 3 8B on 4 stages: its 128k-vocabulary head costs about 5 blocks, so the layer-count
     split's last stage is the slowest (max/mean > 1.1); the auto split brings max/mean under 1.1."""
     import torch
-    from hydra.utils import instantiate
+    from trainer.model_node import instantiate_model
     from omegaconf import OmegaConf
 
     from strategies.planner.layout import Layout, Workload
@@ -124,7 +124,7 @@ def test_auto_split_balances_predicted_stage_costs():
 
     model_cfg = OmegaConf.load("conf/model/llama3_8b.yaml")
     with torch.device("meta"):
-        shape = ModelShape.from_model(instantiate(model_cfg, vocab_size=model_cfg.get("vocab_size") or 128256))
+        shape = ModelShape.from_model(instantiate_model(model_cfg, vocab_size=model_cfg.get("vocab_size") or 128256))
     work, cluster = Workload(seq_len=8192, global_batch_size=32, compute_dtype="bf16"), Cluster()
     layout = Layout(pp=4, dp_shard=2, micro_batch_size=1)
 

@@ -38,6 +38,7 @@ from typing_extensions import override
 
 from strategies.checkpoint import META_FILE
 from strategies.launch import LAUNCH_ENV
+from strategies.model_contract import flops_per_token
 from strategies.safe_load import load_plain
 from trainer.budget.report import plot, table
 from trainer.build import build_data, build_model, build_run
@@ -259,7 +260,7 @@ class MSFT:
     @staticmethod
     def _flops_per_token(cfg: DictConfig, data: Any) -> float:
         model = build_model(cfg, validate(cfg), vocab_size=data.tokenizer.vocab_size)
-        return float(model.flops_per_token(data.seq_len)) if hasattr(model, "flops_per_token") else 0.0
+        return flops_per_token(model, data.seq_len)
 
     def length_line(self, cfg: DictConfig) -> str:
         """What ends each roll-out, said at launch: the budgets, not ``trainer.max_steps``."""

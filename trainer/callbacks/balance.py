@@ -56,7 +56,10 @@ class BalanceTelemetry(L.Callback):
         if timer is not None:
             timer.enabled = self.enabled
         run = getattr(trainer.strategy, "run", None)  # MeshStrategy's resolved run; another strategy has none
-        shape = run.shape if run is not None else ModelShape.of(pl_module.model)
+        if run is not None:
+            shape = run.shape
+        else:  # a model without the declared sizes: causal pairs alone (WorkModel.of)
+            shape = None if ModelShape.problem(pl_module.model) else ModelShape.of(pl_module.model)
         self._model = WorkModel.of(shape)
 
     @override

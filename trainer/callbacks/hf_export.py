@@ -77,7 +77,7 @@ class HFExport(L.Callback):
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if trainer.is_global_zero:
             data = trainer.datamodule
-            sources = [Path(p).expanduser() for p in [getattr(model, "init_from", None)] if p and is_hf_dir(p)]
+            sources = [Path(p).expanduser() for p in [pl_module.init_from] if p and is_hf_dir(p)]
             tokenizer_path = getattr(data, "tokenizer_path", None)
             sources += [Path(tokenizer_path).expanduser().parent] if tokenizer_path else []
             template = data.model_chat_template()  # the one the data rendered with: the run's

@@ -6,8 +6,8 @@ or shards named by ``model.safetensors.index.json``) and the tokenizer (``tokeni
 ``tokenizer_config.json`` with its chat template). Reading needs only ``safetensors`` and json;
 ``transformers`` is the tests' independent reference, never imported here.
 
-Weights load after the strategy has parallelized the model (`load_init_from`, called by
-``Task.configure_model``): each rank reads, for each of its parameters, only the slice its
+Weights load after the strategy has parallelized the model (`trainer.init_from.load_init_from`,
+called by ``Task.configure_model``): each rank reads, for each of its parameters, only the slice its
 (FSDP and/or TP) shard holds, straight from the memory-mapped safetensors files. So no rank ever
 materialises a full copy of a sharded model, and pipeline stages read only their own layers.
 
@@ -21,6 +21,7 @@ import json
 import os
 import re
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,22 +30,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from strategies.lora_targets import is_adapter
-from trainer.models.hf_moe import (
-    MOE_FAMILIES, expert_hf_names, moe_config_problems, moe_kwargs, moe_plait_name, router_hf_name,
-)  # fmt: skip
+from trainer.models.families import FAMILIES, family_of
+from trainer.models.hf_moe import expert_hf_names, moe_config_problems, moe_plait_name, router_hf_name
 from trainer.models.llama import Llama
-from trainer.models.moe_transformer import MoETransformer
 from trainer.models.rope import rope_scaling_problems, rope_type
 
-# model_type -> architecture class name.
-FAMILIES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    **MOE_FAMILIES,
-}
 INDEX_FILE = "model.safetensors.index.json"
 # plait FQN pattern -> Hugging Face tensor name pattern (per layer: {i}).
 _LAYER_NAMES = {
@@ -86,11 +76,6 @@ def read_config(directory: str | os.PathLike) -> dict[str, Any]:
         raise HFError(f"{path}: cannot read a Hugging Face config ({err})") from None
 
 
-def family_of(config: dict[str, Any]) -> str | None:
-    archs = config.get("architectures") or [FAMILIES.get(config.get("model_type"), "")]
-    return next((t for t, a in FAMILIES.items() if archs == [a] and config.get("model_type", t) == t), None)
-
-
 def rope_of(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """``(rope_theta, rope_scaling)`` of a config, in the older (``rope_theta`` + ``rope_scaling``)
     or the newer (``rope_parameters``) Hugging Face layout; the scaling is None when there is none."""
@@ -103,7 +88,8 @@ def rope_of(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 def sliding_window(config: dict[str, Any]) -> int | None:
     """The attention window the checkpoint's own model would apply, or None (full attention)."""
     kinds = set(config.get("layer_types") or ["full_attention"])
-    if config.get("model_type") == "mistral" or config.get("use_sliding_window") or kinds != {"full_attention"}:
+    windowed = config.get("model_type") in FAMILIES and FAMILIES[config["model_type"]].windowed
+    if windowed or config.get("use_sliding_window") or kinds != {"full_attention"}:
         return config.get("sliding_window")
     return None
 
@@ -114,7 +100,7 @@ def config_problems(config: dict[str, Any], where: str = "config.json") -> list[
     if family is None:
         return [
             f"{where}: architectures={config.get('architectures')} (model_type={config.get('model_type')!r}) is not "
-            f"supported; supported: {', '.join(FAMILIES.values())}"
+            f"supported; supported: {', '.join(f.architecture for f in FAMILIES.values())}"
         ]
     problems = []
     unsupported = {
@@ -131,7 +117,7 @@ def config_problems(config: dict[str, Any], where: str = "config.json") -> list[
     _, scaling = rope_of(config)
     key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
     problems += [f"{where}: {p}" for p in rope_scaling_problems(scaling, where=key)]
-    if family in MOE_FAMILIES:
+    if FAMILIES[family].moe:
         problems += moe_config_problems(config, family, where)
     return problems
 
@@ -162,9 +148,7 @@ def llama_kwargs(config: dict[str, Any]) -> dict[str, Any]:
         "norm_eps": config.get("rms_norm_eps", 1e-6),
         "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
         "head_dim": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
-        "qkv_bias": family == "qwen2",
-        "qk_norm": family in ("qwen3", "qwen3_moe"),
-        **(moe_kwargs(config, family) if family in MOE_FAMILIES else {}),
+        **FAMILIES[family].import_kwargs(config),
     }
 
 
@@ -178,8 +162,8 @@ def llama_from_hf(
     **router: float,
 ) -> Llama:
     """A `Llama` (or, for Qwen3-MoE and Mixtral, a `MoETransformer`) with the architecture of a
-    Hugging Face directory; its weights load later (`load_init_from`, after the strategy has
-    parallelized the model). The ``model=hf`` preset.
+    Hugging Face directory; its weights load later (after the strategy has
+    parallelized the model, `trainer.init_from.load_init_from`). The ``model=hf`` preset.
 
     Args:
         init_from: the Hugging Face model directory.
@@ -197,8 +181,9 @@ def llama_from_hf(
         HFError: an unsupported config, sizes beyond the checkpoint's, router knobs for a dense
             one, or ``tie_embeddings=true`` for an untied one.
     """
-    kwargs = llama_kwargs(read_config(init_from))
-    if router and "num_experts" not in kwargs:
+    config = read_config(init_from)
+    kwargs = llama_kwargs(config)
+    if router and not FAMILIES[family_of(config)].moe:
         raise HFError(f"{', '.join(f'model.{k}' for k in router)}: {init_from} is a dense model, without a router")
     if vocab_size is not None and vocab_size > kwargs["vocab_size"]:
         raise HFError(
@@ -213,9 +198,7 @@ def llama_from_hf(
         if max_seq_len > kwargs["max_seq_len"]:
             raise HFError(f"model.max_seq_len={max_seq_len} exceeds the checkpoint's {kwargs['max_seq_len']}")
         kwargs["max_seq_len"] = max_seq_len
-    if "num_experts" in kwargs:
-        return MoETransformer(**kwargs, **router, init_std=init_std, init_from=str(init_from))
-    return Llama(**kwargs, init_std=init_std, init_from=str(init_from))
+    return FAMILIES[family_of(config)].model_class(**kwargs, **router, init_std=init_std)
 
 
 # ---------------------------------------------------------------------------------------------- names
@@ -226,7 +209,7 @@ def hf_name(fqn: str, family: str | None = None) -> str:
     Raises:
         HFError: a name outside the family's modules (stacked experts: `hf_moe.expert_hf_names`).
     """
-    router = router_hf_name(fqn, family) if family in MOE_FAMILIES else None
+    router = router_hf_name(fqn, family) if family is not None and FAMILIES[family].moe else None
     if router is not None:
         return router
     module, _, leaf = fqn.rpartition(".")
@@ -241,7 +224,7 @@ def hf_name(fqn: str, family: str | None = None) -> str:
 def plait_name(name: str, family: str | None = None) -> str | None:
     """The plait FQN of a Hugging Face tensor name, or None (buffers such as ``rotary_emb.inv_freq``);
     an MoE ``family``'s router and expert tensors map to the router and stacked expert parameters."""
-    moe = moe_plait_name(name, family) if family in MOE_FAMILIES else None
+    moe = moe_plait_name(name, family) if family is not None and FAMILIES[family].moe else None
     if moe is not None:
         return moe
     module, _, leaf = name.rpartition(".")
@@ -290,8 +273,10 @@ def _local_slices(param: torch.Tensor) -> tuple[tuple[slice, ...], torch.Tensor]
 
 
 @torch.no_grad()
-def load_hf_weights(model: nn.Module, directory: str | os.PathLike) -> None:
-    """Fills every parameter ``model`` holds on this rank from a Hugging Face directory.
+def load_hf_weights(model: nn.Module, directory: str | os.PathLike, *, skip: Callable[[str], bool] | None = None) -> None:
+    """Fills every parameter ``model`` holds on this rank from a Hugging Face directory, but those
+    whose FQN ``skip`` selects (the caller's: LoRA adapters keep their initialisation,
+    `trainer.init_from.load_init_from`).
 
     Each parameter (plain tensor or FSDP/TP/EP DTensor shard) reads only its own slice of the
     memory-mapped file and is cast to its dtype; a stacked expert tensor reads only the experts
@@ -319,10 +304,10 @@ def load_hf_weights(model: nn.Module, directory: str | os.PathLike) -> None:
 
     try:
         for fqn, param in model.named_parameters():
-            if is_adapter(fqn):  # LoRA adapters keep their initialisation: the base is what loads
+            if skip is not None and skip(fqn):  # e.g. LoRA adapters: the base is what loads
                 continue
             index, local = _local_slices(param)
-            experts = expert_hf_names(fqn, family, range(index[0].start, index[0].stop)) if family in MOE_FAMILIES else None
+            experts = expert_hf_names(fqn, family, range(index[0].start, index[0].stop)) if family is not None and FAMILIES[family].moe else None
             if experts is not None:  # [E, out, in]: one checkpoint tensor per expert of this shard
                 for j, name in enumerate(experts):
                     local[j].copy_(tensor(name, fqn, list(param.shape[1:]))[index[1:]])

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-MOE_FAMILIES = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 _BLOCK = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe"}
 _PROJ = {
     "qwen3_moe": {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"},
@@ -98,13 +97,9 @@ def moe_plait_name(name: str, family: str) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------- export
-def export_family(model: Any) -> str:
-    """``qwen3_moe`` (QK-norm) or ``mixtral``, after checking the model fits it.
-
-    Raises:
-        ValueError: the model has a feature neither architecture has; the message names it.
-    """
-    family = "qwen3_moe" if model.qk_norm else "mixtral"
+def moe_export_problems(model: Any, family: str) -> list[str]:
+    """The features of ``model`` that the MoE ``family`` (``qwen3_moe`` or ``mixtral``, chosen by
+    `trainer.models.families.export_family_of`) cannot hold; [] when it can be written."""
     problems = []
     if model.num_shared_experts or model.score_func != "softmax" or model.route_scale != 1.0 or model.qkv_bias:
         problems.append("shared experts, sigmoid scores, route_scale != 1 and q/k/v biases")
@@ -112,13 +107,11 @@ def export_family(model: Any) -> str:
         problems.append("dense blocks and unnormalised top-k weights without qk_norm (Mixtral)")
     if any(bool(moe.router.expert_bias.any()) for moe in model.moe_layers().values()):
         problems.append("a non-zero expert bias (trained with bias_update_rate > 0)")
-    if problems:
-        raise ValueError(f"no Hugging Face MoE architecture (Qwen3-MoE, Mixtral) has {'; '.join(problems)}")
-    return family
+    return problems
 
 
 def moe_config_fields(model: Any, family: str) -> dict[str, Any]:
-    """The MoE fields of a ``config.json`` for ``model`` (see `export_family`)."""
+    """The MoE fields of a ``config.json`` for ``model`` (see `moe_export_problems`)."""
     fields: dict[str, Any] = {"num_experts_per_tok": model.top_k, "output_router_logits": False}
     if family == "qwen3_moe":
         fields.update(num_experts=model.num_experts, moe_intermediate_size=model.moe_ffn_dim,

@@ -67,9 +67,6 @@ class Llama(nn.Module):
         qk_norm: RMSNorm of each q and k head before RoPE (Qwen3).
         rope_scaling: a RoPE context-extension scaling, ``{"rope_type": "linear" |
             "llama3" | "yarn", ...}`` as in Hugging Face configs (see `trainer.models.rope`).
-        init_from: where the weights come from: a Hugging Face model directory or a
-            plait checkpoint, loaded after the strategy has parallelized the model
-            (`trainer.models.init_from.load_init_from`); None keeps the random init.
 
     Raises:
         ValueError: if a size is not positive, the head counts do not divide or the RoPE
@@ -102,7 +99,6 @@ class Llama(nn.Module):
         qkv_bias: bool = False,
         qk_norm: bool = False,
         rope_scaling: dict[str, Any] | None = None,
-        init_from: str | None = None,
     ) -> None:
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
@@ -147,7 +143,6 @@ class Llama(nn.Module):
         self.tie_embeddings = tie_embeddings
         self.init_std = init_std
         self.qkv_bias, self.qk_norm, self.rope_scaling = qkv_bias, qk_norm, rope_scaling
-        self.init_from = init_from
         # One draw from torch's RNG (on CPU, also when built under a meta default device): the
         # seed of every weight (init_weights), so the weights are deterministic given the RNG state.
         self.init_seed = int(torch.randint(0, 2**62, (1,), device="cpu"))

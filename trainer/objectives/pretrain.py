@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from strategies.lora import linear_operands
 from strategies.resolved import ResolvedRun
+from strategies.model_contract import optional
 from trainer.objectives.chunked_loss import chunked_token_loss_sum
 from trainer.protocols import Objective
 
@@ -70,7 +71,7 @@ class CausalLM(Objective):
         """Tokens per loss chunk for this batch (0: whole logits); resolves the automatic None."""
         if self.loss_chunk_tokens is not None:
             return self.loss_chunk_tokens
-        head = getattr(model, "output", None)  # a pipeline stage's replay of its logits has no head
+        head = optional(model, "output")  # a pipeline stage's replay of its logits has no head
         plain = isinstance(head, nn.Linear) and not isinstance(head.weight, DTensor)
         return self.CUDA_CHUNK_TOKENS if plain and batch["input_ids"].is_cuda else 0
 

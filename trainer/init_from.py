@@ -1,6 +1,10 @@
 """``model.init_from``: loading a Hugging Face directory or a plait checkpoint / run directory
 into a (possibly parallelized) model, and the checks `trainer.config.validate` makes of it first.
 
+The key is the user's on the model node, but models never read it (`trainer.model_node`):
+`trainer.build.build_task` hands it to `trainer.task.Task`, whose ``configure_model`` loads it
+after the strategy has parallelized the model (`load_init_from`).
+
 A plait run started from another plait run takes that run's architecture (its ``config.yaml``
 model node, `take_run_model`, applied where the config is composed) and its ``tokenizer.json``
 (`run_tokenizer`, unless ``data.tokenizer`` is given), so ``plait sft model.init_from=runs/pretrain/...``
@@ -25,19 +29,18 @@ from trainer.rundir import RunDir, load_run_weights, resolve_checkpoint
 from trainer.targets import check_targets
 
 
-def load_init_from(model: nn.Module) -> None:
-    """Loads ``model.init_from`` (a Hugging Face directory or a plait checkpoint / run directory)
-    into the (possibly parallelized) model; nothing when it is None. Every rank calls it. LoRA
-    adapters (`strategies.lora_targets.is_adapter`) are not loaded: the base is.
+def load_init_from(model: nn.Module, source: str | None) -> None:
+    """Loads ``source`` (``model.init_from``: a Hugging Face directory or a plait checkpoint / run
+    directory) into the (possibly parallelized) model; nothing when it is None. Every rank calls it.
+    LoRA adapters (`strategies.lora_targets.is_adapter`) are not loaded: the base is.
 
     Raises:
-        HFError: ``init_from`` is neither, or its weights do not fit the model.
+        HFError: ``source`` is neither, or its weights do not fit the model.
     """
-    source = getattr(model, "init_from", None)
     if not source:
         return
     if is_hf_dir(source):
-        load_hf_weights(model, source)
+        load_hf_weights(model, source, skip=is_adapter)
         return
     try:
         load_run_weights(source, model, keys=lambda fqn: not is_adapter(fqn))

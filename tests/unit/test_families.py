@@ -1,0 +1,40 @@
+"""The family registry (`trainer.models.families`): each entry's import and export directions agree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.models.families import EXPORTABLE, FAMILIES, FamilyError, export_family_of, exportable, family_of
+from trainer.models.llama import Llama
+from trainer.models.moe_transformer import MoETransformer
+
+SIZES = dict(vocab_size=16, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, max_seq_len=8)
+MOE = dict(num_experts=2, top_k=1, moe_ffn_dim=8)
+CONFIG = {"num_experts_per_tok": 1, "num_experts": 2, "num_local_experts": 2, "moe_intermediate_size": 8, "intermediate_size": 8}
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_a_family_reads_back_what_it_writes(model_type: str) -> None:
+    family = FAMILIES[model_type]
+    assert family_of({"model_type": model_type, "architectures": [family.architecture]}) == model_type
+    kwargs = family.import_kwargs(CONFIG)
+    flags = {k: v for k, v in kwargs.items() if k in ("qkv_bias", "qk_norm")}
+    model = family.model_class(**SIZES, **flags, **(MOE if family.moe else {}))
+    assert family.fits(model)
+    # Exported from a checkpoint of this family: written as it; a model of one's own: as the chosen family it fits.
+    assert export_family_of(model, {"model_type": model_type, "architectures": [family.architecture]}) == model_type
+    assert FAMILIES[export_family_of(model)].fits(model)
+    assert export_family_of(model) == model_type or not family.chosen
+    assert ("attention_bias" in family.export_fields(model)) != family.qkv_bias
+
+
+def test_exportable_classes_come_from_the_registry() -> None:
+    assert EXPORTABLE == (Llama, MoETransformer)
+    assert exportable(type("Mine", (Llama,), {})) and not exportable(torch.nn.Linear)
+    with torch.device("meta"):
+        both = Llama(**SIZES, qk_norm=True, qkv_bias=True)
+    with pytest.raises(FamilyError, match=r"qk_norm=True, qkv_bias=True \(Llama\) fit no Hugging Face architecture"):
+        export_family_of(both)
+    with torch.device("meta"), pytest.raises(FamilyError, match=r"a llama model cannot be written as its source's qwen2"):
+        export_family_of(Llama(**SIZES), {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]})

@@ -1,0 +1,116 @@
+"""The Hugging Face model families plait reads and writes: one `Family` entry each, both directions.
+
+An entry names the ``config.json`` identity (``model_type``, ``architectures``), the plait class
+its checkpoints build, the architecture flags that tell the families apart (the constructor
+arguments an import sets, the test an export makes of a model) and whether plait picks it for a
+model of its own. The tensor names map in `trainer.models.hf` (dense: attention, norms,
+embeddings, both directions) and `trainer.models.hf_moe` (routers and experts). Importing reads
+`Family.import_kwargs` (`trainer.models.hf.llama_kwargs`); exporting chooses the family with
+`export_family_of` and writes `Family.export_fields` (`trainer.export.hf_config`).
+
+Adding a family whose architecture plait's `Llama` / `MoETransformer` flags already express is one
+entry here (plus, for new tensor names, their pattern in `hf` / `hf_moe`). No family sets its own
+chat template: an export writes the template the run trained with (`trainer.export`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from trainer.models.hf_moe import moe_config_fields, moe_export_problems, moe_kwargs
+from trainer.models.llama import Llama
+from trainer.models.moe_transformer import MoETransformer
+
+
+class FamilyError(ValueError):
+    """A model no family of plait's can be written as; the message names the feature."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """One Hugging Face family.
+
+    Attributes:
+        model_type: ``config.json``'s ``model_type``.
+        architecture: its ``architectures[0]`` (the transformers class).
+        model_class: the plait class its checkpoints build.
+        qkv_bias: q/k/v projections with biases (Qwen2).
+        qk_norm: RMSNorm of each q and k head (Qwen3).
+        windowed: the config's ``sliding_window`` applies even without ``use_sliding_window`` (Mistral).
+        chosen: an export picks it for a model that fits it (false: only when the source was one).
+    """
+
+    model_type: str
+    architecture: str
+    model_class: type[Llama]
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    windowed: bool = False
+    chosen: bool = True
+
+    @property
+    def moe(self) -> bool:
+        """Whether its checkpoints hold routed experts (`trainer.models.hf_moe`)."""
+        return issubclass(self.model_class, MoETransformer)
+
+    def import_kwargs(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The constructor arguments of ``model_class`` this family sets beyond the shared sizes."""
+        return {"qkv_bias": self.qkv_bias, "qk_norm": self.qk_norm, **(moe_kwargs(config, self.model_type) if self.moe else {})}
+
+    def fits(self, model: Llama) -> bool:
+        """Whether ``model`` has exactly this family's architecture flags and kind (dense or MoE)."""
+        return (model.qkv_bias, model.qk_norm, isinstance(model, MoETransformer)) == (self.qkv_bias, self.qk_norm, self.moe)
+
+    def export_fields(self, model: Llama) -> dict[str, Any]:
+        """The ``config.json`` fields this family adds for ``model`` beyond the shared sizes."""
+        fields = moe_config_fields(model, self.model_type) if self.moe else {}
+        return fields if self.qkv_bias else {**fields, "attention_bias": False}
+
+
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        Family("llama", "LlamaForCausalLM", Llama),
+        Family("mistral", "MistralForCausalLM", Llama, windowed=True, chosen=False),
+        Family("qwen2", "Qwen2ForCausalLM", Llama, qkv_bias=True),
+        Family("qwen3", "Qwen3ForCausalLM", Llama, qk_norm=True),
+        Family("qwen3_moe", "Qwen3MoeForCausalLM", MoETransformer, qk_norm=True),
+        Family("mixtral", "MixtralForCausalLM", MoETransformer),
+    )
+}
+# The plait classes a Hugging Face directory can be written from (their subclasses too).
+EXPORTABLE: tuple[type, ...] = tuple(dict.fromkeys(f.model_class for f in FAMILIES.values()))
+
+
+def family_of(config: dict[str, Any]) -> str | None:
+    """The family (``model_type``) of a Hugging Face ``config.json``; None when plait has none."""
+    archs = config.get("architectures") or [FAMILIES[config["model_type"]].architecture if config.get("model_type") in FAMILIES else ""]
+    return next((t for t, f in FAMILIES.items() if archs == [f.architecture] and config.get("model_type", t) == t), None)
+
+
+def exportable(model_cls: type) -> bool:
+    """Whether plait can write a model of ``model_cls`` as a Hugging Face directory (`EXPORTABLE`)."""
+    return issubclass(model_cls, EXPORTABLE)
+
+
+def export_family_of(model: Llama, base: dict[str, Any] | None = None) -> str:
+    """The family ``model`` is written as: its source's (``base``, the ``config.json`` it was
+    loaded from), else the one chosen family it fits.
+
+    Raises:
+        FamilyError: no family has the model's features, or its source's family does not fit it.
+    """
+    source = family_of(base) if base is not None else None
+    fitting = [f.model_type for f in FAMILIES.values() if f.chosen and f.fits(model)]
+    family = source if source is not None and FAMILIES[source].fits(model) else next(iter(fitting), None)
+    if family is None:
+        raise FamilyError(
+            f"qk_norm={model.qk_norm}, qkv_bias={model.qkv_bias} ({type(model).__name__}) fit no Hugging Face architecture "
+            f"in plait's families ({', '.join(f.architecture for f in FAMILIES.values())})"
+        )
+    if FAMILIES[family].moe and (problems := moe_export_problems(model, family)):
+        raise FamilyError(f"no Hugging Face MoE architecture (Qwen3-MoE, Mixtral) has {'; '.join(problems)}")
+    if source is not None and family != source:
+        raise FamilyError(f"a {family} model cannot be written as its source's {source}")
+    return family
