@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import Checkpoint
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from strategies.mesh import MeshStrategy
+from strategies.mesh import MeshStrategy, build_strategy as build_mesh_strategy
 from strategies.resolved import ResolvedRun
 from trainer.config import ConfigError, validate
 from trainer.data.base import DataModule
@@ -104,8 +104,7 @@ def build_task(cfg: DictConfig, run: ResolvedRun, model: nn.Module) -> Task:
 
 
 def build_strategy(cfg: DictConfig, run: ResolvedRun, *, launcher: str = "subprocess") -> MeshStrategy:
-    # Hydra would read a dataclass keyword as config: the run is passed to the partial instead.
-    strategy = instantiate(cfg.strategy, _partial_=True, launcher=launcher)(run=run)
+    strategy = build_mesh_strategy(cfg.strategy, run=run, launcher=launcher)
     resolve_pipeline_split(cfg, run, strategy)  # strategy.pipeline.split=auto: the planner's balanced stages
     return strategy
 

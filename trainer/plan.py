@@ -44,13 +44,12 @@ def planner_inputs(cfg: DictConfig, run: ResolvedRun) -> tuple[Any, Any, Any]:
     Raises:
         ConfigError: the model has no Llama-style shape (the planner models only those).
     """
-    from hydra.utils import instantiate
-
+    from strategies.mesh import build_strategy
     from strategies.planner.layout import layout_of, workload_of
 
     if run.shape is None:
         raise ConfigError(["the planner needs a Llama-style model (one with n_heads, n_layers, ...): model=tiny, llama3_8b, ..."])
-    strategy = instantiate(cfg.strategy, _partial_=True)(run=run)  # as trainer.build.build_strategy
+    strategy = build_strategy(cfg.strategy, run=run)  # as trainer.build.build_strategy
     resolve_pipeline_split(cfg, run, strategy)
     workload = workload_of(run, strategy, float8=cfg.planner.float8, async_tp=cfg.planner.async_tp)
     return run.shape, layout_of(run, strategy), workload
@@ -65,7 +64,7 @@ def resolve_pipeline_split(cfg: DictConfig, run: ResolvedRun, strategy: Any) -> 
     from strategies.planner.layout import layout_of, workload_of
     from strategies.planner.time import Cluster, auto_split_points
 
-    pipeline = getattr(strategy, "pipeline", None)
+    pipeline = strategy.plugins.get("pipeline")
     if pipeline is None or pipeline.split != "auto" or pipeline.split_points is not None or run.dims.pp == 1:
         return
     if run.shape is None:

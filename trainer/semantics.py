@@ -19,7 +19,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from strategies.mesh import MeshStrategy
+from strategies.mesh import MeshStrategy, build_strategy
 from strategies.parallel_dims import LayoutError
 from strategies.pipeline_layout import SCHEDULES, stages_per_rank_of
 from strategies.ranges import optimizer_problem
@@ -97,9 +97,9 @@ def _shape(cfg: DictConfig, vocab_size: int | None, problems: list[str]) -> Mode
 
 
 def _strategy(cfg: DictConfig, problems: list[str]) -> MeshStrategy | None:
-    """The strategy node instantiated (its plugins' constructors check their values), or None."""
+    """The strategy node built (its plugins' constructors check their values), or None."""
     try:
-        return instantiate(cfg.strategy)
+        return build_strategy(cfg.strategy)
     except Exception as err:  # noqa: BLE001 - a constructor's message (naming the key) is a config problem
         problems.extend(_cause(err).splitlines())
         return None
@@ -145,7 +145,8 @@ def resolve(cfg: DictConfig, problems: list[str], broken: frozenset[str] = froze
             f"train.global_batch_size={global_batch} must be a multiple of train.micro_batch_size={micro} x "
             f"dp={dims.dp}; e.g. train.global_batch_size={micro * dims.dp * max(1, per_rank // micro)}"
         )
-    schedule, pipeline = strategy.pp_schedule, strategy.pipeline
+    pipeline = strategy.plugins["pipeline"]
+    schedule = pipeline.schedule
     stages = stages_per_rank_of(schedule, pipeline.stages_per_rank) if schedule in SCHEDULES else 1
     vocab_size = planned_vocab_size(cfg)
     try:
@@ -161,10 +162,8 @@ def resolve(cfg: DictConfig, problems: list[str], broken: frozenset[str] = froze
         global_batch_size=global_batch,
         micro_batch_size=micro,
         num_micro_batches=num_micro,
-        pp_schedule=schedule,
         pp_stages_per_rank=stages,
         pp_microbatches=pipeline.num_microbatches or num_micro,
-        cp_mode=strategy.cp_mode,
         seq_len=int(data.seq_len) if data is not None and "seq_len" in data else 0,
         vocab_size=vocab_size,
         shape=None if "model" in broken else _shape(cfg, vocab_size, problems),

@@ -177,8 +177,12 @@ def _did_you_mean(cfg: DictConfig, override: str) -> str:
 
     from omegaconf import OmegaConf
 
+    from strategies.mesh import MOVED_KEYS  # only on a bad override: the strategy's renamed keys
+
     key = override.split("=", 1)[0].lstrip("+~")
     parent, _, leaf = key.rpartition(".")
+    if parent == "strategy" and leaf in MOVED_KEYS:
+        return f" (moved: use strategy.{MOVED_KEYS[leaf]}={override.partition('=')[2]})"
     node = OmegaConf.select(cfg, parent) if parent else cfg
     if not isinstance(node, DictConfig) or leaf in node:
         return ""
