@@ -86,25 +86,22 @@ class MeshStrategy(ModelParallelStrategy):
         plugins: the technique plugins by node key (None: off); the keys of `DEFAULTS` missing are
             their defaults. Walked in ``ORDER``, then the others in the given order.
         timeout_s: process-group timeout in seconds: a collective that waits longer fails.
-        heartbeat_s: a rank silent for this many seconds is named by the others while they wait
-            (`strategies.watchdog.Heartbeat`; 0 disables); below ``timeout_s``. A rank silent
-            for ``timeout_s`` ends the run (exit 4), whatever the backend does.
+        heartbeat_s: a rank silent this long is named by the others while they wait (0: off;
+            `strategies.watchdog.Heartbeat`); below ``timeout_s``, which ends the run (exit 4).
         launcher: "subprocess" (the CLI: one child per rank per Hydra job) or "fork" (tests).
-        cpu_allocator: on CPU, "keep_freed" makes glibc keep freed large blocks for reuse
-            (`strategies.host_allocator`); "system" leaves glibc's defaults.
-        run: the resolved run (`trainer.config.validate`), passed by the builder. None (a strategy
-            built by hand): ``dims``, resolved for the world size when the processes start.
+        cpu_allocator: on CPU, "keep_freed" (glibc keeps freed large blocks; `strategies.host_allocator`) or "system".
+        run: the resolved run (`trainer.config.validate`; the builder passes it). None (built by
+            hand): ``dims``, resolved for the world size when the processes start.
 
-    The ``strategy:`` config node is built by `from_node` (its degrees, plugin nodes and settings).
+    `from_node` builds it from a ``strategy:`` config node (degrees, plugin nodes, settings).
 
     Raises:
         LayoutError: a degree > 1 on an axis whose technique this class does not apply.
         ValueError: an unknown ``launcher`` or ``cpu_allocator``, or ``heartbeat_s >= timeout_s``.
     """
 
-    # Mesh axes whose parallelism the plugins apply. A degree > 1 on any other axis would build the
-    # mesh but run the whole model on each of its ranks: duplicated work and, for cp, wrong
-    # gradients. A subclass that applies fewer axes lists them here.
+    # Mesh axes the plugins apply (a degree > 1 on another would run the whole model on each of its
+    # ranks: duplicated work, wrong cp gradients). A subclass that applies fewer lists them here.
     supported_axes: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
     ORDER: ClassVar[tuple[str, ...]] = ORDER
 
@@ -150,30 +147,9 @@ class MeshStrategy(ModelParallelStrategy):
 
     @classmethod
     def from_node(cls, node: Mapping[str, Any], *, run: ResolvedRun | None = None, **settings: Any) -> MeshStrategy:
-        """The strategy of a ``strategy:`` config node: its degrees (``dp_replicate`` ... ``pp``), its
-        plugin nodes (a mapping with ``_target_``; null: off) and the rest, this class's settings.
-
-        Raises:
-            ValueError: a moved key (naming its new key), or a value neither a plugin nor a setting.
-        """
-        values = {str(k): v for k, v in node.items() if not (str(k).startswith("_") and str(k).endswith("_"))}
-        if moved := [f"strategy.{k} is now strategy.{MOVED_KEYS[k]}; use strategy.{MOVED_KEYS[k]}={values[k]}" for k in MOVED_KEYS if k in values]:
-            raise ValueError("\n".join(moved))
-        degrees = {axis: values.pop(axis) for axis in MESH_AXES if axis in values}
-        params = inspect.signature(cls).parameters
-        takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
-        plugins: dict[str, StrategyPlugin | None] = {}
-        for key, value in list(values.items()):
-            if isinstance(value, Mapping) and "_target_" in value:
-                plugins[key] = instantiate(value)
-            elif value is None and key not in params:
-                plugins[key] = None
-            elif key in ("dims", "plugins") or key not in params and not takes_any:
-                raise ValueError(f"strategy.{key}={value!r} is neither a plugin node (a mapping with _target_) nor a setting of {cls.__name__}")
-            else:
-                continue
-            del values[key]
-        return cls(ParallelDims(**degrees), plugins, run=run, **{**values, **settings})
+        """The strategy of a ``strategy:`` config node (`split_node`); ``settings`` override the node's."""
+        dims, plugins, values = split_node(cls, node)
+        return cls(dims, plugins, run=run, **{**values, **settings})
 
     @classmethod
     def unsupported_degrees(cls, dims: ParallelDims) -> list[str]:
@@ -337,13 +313,11 @@ class MeshStrategy(ModelParallelStrategy):
 
         Args:
             micro_batches: this rank's micro-batches, each a dict of [b, s] tensors.
-            loss_fn: returns the micro-batch loss, already divided by the step's global
-                supervised-token count (so the micro-batch losses of all ranks add up to the mean).
-            backward: the Task's ``manual_backward``.
+            loss_fn: the micro-batch loss, already divided by the step's global supervised-token count.
+            backward: the Task's ``manual_backward`` (unused when a plugin's `run_micro_batches` runs them).
 
         Returns:
-            0-dim tensor: the sum of this rank's micro-batch losses (detached). A plugin's
-            `run_micro_batches` (the pipeline schedule: ``backward`` unused) runs them when it does.
+            0-dim tensor: the sum of this rank's micro-batch losses (detached).
         """
         with self._stack(plugin.step_context(self.lightning_module.global_step) for plugin in self.active):
             with self.loss_context():
@@ -401,9 +375,8 @@ class MeshStrategy(ModelParallelStrategy):
         return {key: value for plugin in self.active for key, value in plugin.after_step(model, step, optimizer).items()}
 
     # ------------------------------------------------------------------------------ checkpoints
-    # Lightning gathers model and optimizer state into one dict; DCP instead writes each rank's
-    # shards once, so the two state hooks return nothing and the checkpoint hooks hand the live
-    # model and optimizers to `strategies.checkpoint` (or to a plugin's `checkpoint_io`).
+    # DCP writes each rank's shards once: the state hooks return nothing, and the checkpoint hooks hand
+    # the live model and optimizers to `strategies.checkpoint` (or to a plugin's `checkpoint_io`).
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return {}  # gathered by DCP in save_checkpoint, once
@@ -454,6 +427,34 @@ class MeshStrategy(ModelParallelStrategy):
         super().teardown()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def split_node(cls: type[MeshStrategy], node: Mapping[str, Any]) -> tuple[ParallelDims, dict[str, Any], dict[str, Any]]:
+    """``(degrees, plugins, settings)`` of a ``strategy:`` config node for the class ``cls``: the
+    degrees (``dp_replicate`` ... ``pp``), the plugin nodes (a mapping with ``_target_``, built;
+    null: off) and the rest, arguments of ``cls``.
+
+    Raises:
+        ValueError: a moved key (naming its new key), or a value neither a plugin nor a setting.
+    """
+    values = {str(k): v for k, v in node.items() if not (str(k).startswith("_") and str(k).endswith("_"))}
+    if moved := [f"strategy.{k} is now strategy.{MOVED_KEYS[k]}; use strategy.{MOVED_KEYS[k]}={values[k]}" for k in MOVED_KEYS if k in values]:
+        raise ValueError("\n".join(moved))
+    degrees = {axis: values.pop(axis) for axis in MESH_AXES if axis in values}
+    params = inspect.signature(cls).parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    plugins: dict[str, StrategyPlugin | None] = {}
+    for key, value in list(values.items()):
+        if isinstance(value, Mapping) and "_target_" in value:
+            plugins[key] = instantiate(value)
+        elif value is None and key not in params:
+            plugins[key] = None
+        elif key in ("dims", "plugins") or key not in params and not takes_any:
+            raise ValueError(f"strategy.{key}={value!r} is neither a plugin node (a mapping with _target_) nor a setting of {cls.__name__}")
+        else:
+            continue
+        del values[key]
+    return ParallelDims(**degrees), plugins, values
 
 
 def build_strategy(node: Mapping[str, Any], *, run: ResolvedRun | None = None, **settings: Any) -> MeshStrategy:
