@@ -385,7 +385,7 @@ class MeshStrategy(ModelParallelStrategy):
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return {}  # gathered by DCP in save_checkpoint, once
 
-    def _checkpoint_io(self) -> tuple[Any, Callable[[str], bool] | None]:
+    def _checkpoint_owner(self) -> tuple[Any, Callable[[str], bool] | None]:
         """(the plugin that owns checkpoint I/O or `strategies.checkpoint`, the saved-keys filter)."""
         owners = [io for plugin in self.active if (io := plugin.checkpoint_io()) is not None]
         filters = [keep for plugin in self.active if (keep := plugin.saved_keys()) is not None]
@@ -399,7 +399,7 @@ class MeshStrategy(ModelParallelStrategy):
         path = Path(self.broadcast(str(filepath)))
         checkpoint.pop("state_dict", None)
         checkpoint.pop("optimizer_states", None)
-        io, keys = self._checkpoint_io()
+        io, keys = self._checkpoint_owner()
         state = {"model": self.lightning_module.model, "optimizers": self._unwrapped_optimizers(), "meta": checkpoint}
         if io is not None:
             return io.save_checkpoint(path, **state)
@@ -408,7 +408,7 @@ class MeshStrategy(ModelParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
-        io, keys = self._checkpoint_io()
+        io, keys = self._checkpoint_owner()
         state = {"model": self.lightning_module.model, "optimizers": self._unwrapped_optimizers()}
         return io.load_checkpoint(path, **state) if io is not None else ckpt.load(path, **state, keys=keys)
 
