@@ -1,5 +1,5 @@
 """A parallelism plugin added from user code, with no edit of plait: a `StrategyPlugin` subclass and a
-``strategy.<key>`` node with its ``_target_`` (docs/architecture.md, "How to add a parallelism").
+``strategy.<key>`` node with its ``_target_`` (README, "Your own strategy").
 Validate checks its node, `MeshStrategy` walks it after the plugins of ``ORDER``, and each phase it
 declares runs: ``apply`` at parallelize, ``step_context`` around every step's forward/backward,
 ``after_step`` whose metrics reach the Task's history, ``problems`` before anything starts."""
