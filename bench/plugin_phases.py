@@ -2,7 +2,7 @@
 
 Usage (from the repo root)::
 
-    python bench/plugin_phases.py 1315a13      # before: mesh.py + mesh_step.py + mesh_checkpoint.py
+    python bench/plugin_phases.py main         # before (6df7b6f): mesh.py + mesh_step.py + mesh_checkpoint.py
     python bench/plugin_phases.py HEAD
 
 Prints, for the strategy class (``MeshStrategy`` and the mixins it inherits from plait, if any):

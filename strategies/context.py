@@ -288,7 +288,8 @@ class ContextParallel(HybridPlacement, StrategyPlugin):
             aligned group of 1, 2, 4, ... cp ranks that fits its longest document, whole on one
             rank at 1; preference pairs always whole: `strategies.cp_placement`).
         activation_offload: an alias of ``strategy.activation_offload.enabled`` (the
-            `strategies.activation_offload.ActivationOffload` plugin), kept for existing command lines.
+            `strategies.activation_offload.ActivationOffload` plugin), kept for existing command lines:
+            the preset's ``enabled`` follows it (conf/strategy/nd.yaml); this plugin reads it no more.
     """
 
     mode: CPMode = "ring"

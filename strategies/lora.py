@@ -299,7 +299,7 @@ class LoRA(StrategyPlugin):
     """The LoRA plugin (``strategy.lora``, off when null; preset ``+strategy/lora=default``).
 
     Applied after tensor and context parallelism and before activation checkpointing, compile
-    and FSDP (see `strategies.mesh.MeshStrategy.parallelize`). Checkpoints then hold only the
+    and FSDP (`strategies.mesh.ORDER`), on materialized weights (``needs_real_weights``). Checkpoints then hold only the
     adapters (and their optimizer state): the base comes from ``model.init_from``.
 
     Args:
