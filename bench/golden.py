@@ -34,7 +34,7 @@ RUNS: dict[str, list[str]] = {
     "fsdp2": ["pretrain", "strategy=fsdp", "trainer.devices=2"],
     "fsdp_tp4": ["pretrain", "strategy=fsdp_tp", "trainer.devices=4"],
     "pp2_1f1b": ["pretrain", "strategy=pp", "trainer.devices=2"],
-    "cp2_ring": ["pretrain", "strategy=cp", "strategy.cp_mode=ring", "trainer.devices=2"],
+    "cp2_ring": ["pretrain", "strategy=cp", "strategy.context_parallel.mode=ring", "trainer.devices=2"],
     "diloco2": ["pretrain", "strategy=diloco", "strategy.local_sgd.sync_every=4", "trainer.devices=2"],
     "sft": ["sft"],
     "dpo": ["dpo"],

@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from strategies.plugin import StrategyPlugin
+
 if TYPE_CHECKING:
     from strategies.parallel_dims import Meshes
     from strategies.resolved import ResolvedRun
@@ -104,7 +106,7 @@ def apply_activation_checkpointing(model: nn.Module, *, mode: Mode, every_k: int
 
 
 @dataclass
-class ActivationCheckpoint:
+class ActivationCheckpoint(StrategyPlugin):
     """The activation-checkpointing plugin: settings of `apply_activation_checkpointing`.
 
     Args:

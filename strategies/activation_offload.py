@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from strategies.plugin import StrategyPlugin
+
 if TYPE_CHECKING:
     from strategies.parallel_dims import Meshes
     from strategies.resolved import ResolvedRun
@@ -46,7 +48,7 @@ def apply_activation_offload(model: nn.Module) -> int:
 
 
 @dataclass
-class ActivationOffload:
+class ActivationOffload(StrategyPlugin):
     """The activation-offload plugin (``strategy.activation_offload.enabled``).
 
     Args:

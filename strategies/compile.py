@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from strategies.plugin import StrategyPlugin
+
 if TYPE_CHECKING:
     from strategies.parallel_dims import Meshes
     from strategies.resolved import ResolvedRun
@@ -34,7 +36,7 @@ def apply_compile(model: nn.Module, *, backend: str = "inductor", fullgraph: boo
 
 
 @dataclass
-class Compile:
+class Compile(StrategyPlugin):
     """The compile plugin: whether and how `apply_compile` compiles the blocks.
 
     Args:

@@ -15,7 +15,7 @@ global position and document id of every token, so packed rows stay block-diagon
 document straddles shards. Parameters are the same on every cp rank; FSDP shards them over
 dp_shard x cp and sums their gradients there (`MeshStrategy.dp_mesh`).
 
-Modes (``strategy.cp_mode``): ``ring`` (ring over all cp ranks), ``ulysses`` (all-to-all over all cp
+Modes (``strategy.context_parallel.mode``): ``ring`` (ring over all cp ranks), ``ulysses`` (all-to-all over all cp
 ranks; needs heads and kv heads per tp rank divisible by cp) and ``hybrid`` (``ulysses_degree``
 ranks per head group, ``cp / ulysses_degree`` groups in a ring). Rank ``c`` of a cp group has ring
 index ``c // ulysses_degree`` and Ulysses index ``c % ulysses_degree`` (head groups inside, where
@@ -25,7 +25,7 @@ links are fastest on a real cluster).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
@@ -38,7 +38,8 @@ from strategies.cp_layout import CPLayout, build_cp_layout, build_sub_layouts
 from strategies.cp_placement import HybridPlacement, OnGroup, WholeRows, group_sizes, placement_problems
 from strategies.document_shards import shard_documents
 from strategies.model_contract import declares, optional
-from strategies.parallel_dims import Meshes, divisors
+from strategies.parallel_dims import Meshes, ParallelDims, divisors
+from strategies.plugin import StrategyPlugin
 from strategies.ring_attention import RingMasks, ring_attention
 from strategies.ulysses import heads_to_seq, seq_to_heads
 
@@ -244,14 +245,14 @@ def context_parallel_problems(
     if cp <= 1:
         return []
     if mode not in CP_MODES:
-        return [f"strategy.cp_mode={mode!r} is unknown; use one of {', '.join(CP_MODES)}"]
+        return [f"strategy.context_parallel.mode={mode!r} is unknown; use one of {', '.join(CP_MODES)}"]
     problems = []
     u = ulysses_degree_for(mode, cp, ulysses_degree)
     if mode == "hybrid" and not (1 < u < cp and cp % u == 0):
         valid = [d for d in divisors(cp) if 1 < d < cp]
         problems.append(
             f"strategy.context_parallel.ulysses_degree={u} must divide cp={cp} and lie strictly between 1 and cp "
-            f"for cp_mode=hybrid; valid: {', '.join(map(str, valid)) or 'none (use cp_mode=ring or ulysses)'}"
+            f"for mode=hybrid; valid: {', '.join(map(str, valid)) or 'none (use strategy.context_parallel.mode=ring or ulysses)'}"
         )
     heads, kv_heads = n_heads // max(tp, 1), n_kv_heads // max(tp, 1)
     if u > 1 and (heads % u or kv_heads % u):
@@ -260,18 +261,22 @@ def context_parallel_problems(
         problems.append(
             f"{name}={u}: Ulysses splits the {heads} query heads and {kv_heads} kv heads per tp rank "
             f"(n_heads={n_heads}, n_kv_heads={n_kv_heads}, tp={tp}) evenly; valid Ulysses degrees: "
-            f"{', '.join(map(str, valid))} (or use strategy.cp_mode=ring)"
+            f"{', '.join(map(str, valid))} (or use strategy.context_parallel.mode=ring)"
         )
     return problems
 
 
 @dataclass
-class ContextParallel(HybridPlacement):
+class ContextParallel(HybridPlacement, StrategyPlugin):
     """The context-parallel plugin: settings of `apply_context_parallel` and `shard_batch`.
 
-    The mode is ``strategy.cp_mode`` (a `MeshStrategy` argument); the degree is ``strategy.cp``.
+    The degree is ``strategy.cp``; the plugin is active when it is above 1. It places each step's
+    rows (`place`: cp shards, or hybrid placement), marks the group a micro-batch attends over
+    (`micro_batch_context`), keeps preference pairs whole (`shard`, `whole_rows`) and reports the
+    hybrid placement's rows per group size (`after_step`).
 
     Args:
+        mode: ``ring``, ``ulysses`` or ``hybrid`` (Ulysses head groups inside, a ring across them).
         ulysses_degree: ranks per head group in ``hybrid`` mode (ignored by ring and ulysses).
         load_balance: zigzag sharding (even causal work per rank) instead of contiguous shards.
         sharding: with ``load_balance``: ``zigzag`` (chunks of the row) or ``document`` (each
@@ -284,9 +289,11 @@ class ContextParallel(HybridPlacement):
             aligned group of 1, 2, 4, ... cp ranks that fits its longest document, whole on one
             rank at 1; preference pairs always whole: `strategies.cp_placement`).
         activation_offload: an alias of ``strategy.activation_offload.enabled`` (the
-            `strategies.activation_offload.ActivationOffload` plugin), kept for existing command lines.
+            `strategies.activation_offload.ActivationOffload` plugin), kept for existing command lines:
+            the preset's ``enabled`` follows it (conf/strategy/nd.yaml); this plugin reads it no more.
     """
 
+    mode: CPMode = "ring"
     ulysses_degree: int = 2
     load_balance: bool = True
     sharding: Sharding = "zigzag"
@@ -327,16 +334,16 @@ class ContextParallel(HybridPlacement):
             )
         if shape is not None:
             problems += context_parallel_problems(
-                mode=run.cp_mode, cp=cp, tp=run.dims.tp, ulysses_degree=self.ulysses_degree,
+                mode=self.mode, cp=cp, tp=run.dims.tp, ulysses_degree=self.ulysses_degree,
                 n_heads=shape.n_heads, n_kv_heads=shape.n_kv_heads,
             )  # fmt: skip
         return problems
 
     def apply(self, model: nn.Module, meshes: Meshes) -> None:
-        """Context-parallel attention over the cp groups of ``meshes`` (in ``meshes.cp_mode``)."""
+        """Context-parallel attention over the cp groups of ``meshes`` (in ``self.mode``)."""
         cp_ranks = meshes.cp_ranks()
         cp = len(cp_ranks[0])
-        u = ulysses_degree_for(meshes.cp_mode, cp, self.ulysses_degree)
+        u = ulysses_degree_for(self.mode, cp, self.ulysses_degree)
         layout = build_cp_layout(cp_ranks, ulysses_degree=u)
         sub_layouts = {}
         if self.placement == "hybrid":  # the sub-groups hybrid placement may choose, created once here
@@ -350,3 +357,31 @@ class ContextParallel(HybridPlacement):
 
     def shard_batch(self, batch: dict[str, torch.Tensor], *, cp: int, rank: int) -> dict[str, torch.Tensor]:
         return shard_batch(batch, cp=cp, rank=rank, load_balance=self.load_balance, documents=self.sharding == "document")
+
+    # ------------------------------------------------------------------ phases (`strategies.plugin`)
+    def active(self, dims: ParallelDims, *, islands: bool) -> bool:
+        return dims.cp > 1
+
+    def shard(self, batch: dict[str, torch.Tensor], meshes: Meshes) -> dict[str, torch.Tensor]:
+        """This cp rank's slice of the sequence dimension (`shard_batch`). ``[B, 2, T]`` preference
+        pairs are never split: every cp rank evaluates them whole (`whole_rows`)."""
+        if batch["input_ids"].dim() != 2:
+            return batch
+        return self.shard_batch(batch, cp=meshes["cp"].size(), rank=meshes["cp"].get_local_rank())
+
+    def place(self, batch: dict[str, torch.Tensor], micro_batch_size: int, meshes: Meshes) -> list[dict[str, torch.Tensor]]:
+        """This cp rank's micro-batches (`micro_batches`: split, or hybrid placement)."""
+        cp_mesh = meshes["cp"]
+        return self.micro_batches(batch, cp=cp_mesh.size(), rank=cp_mesh.get_local_rank(), micro_batch_size=micro_batch_size)
+
+    def micro_batch_context(self, micro_batch: dict[str, torch.Tensor]) -> AbstractContextManager[dict[str, torch.Tensor]]:
+        """`training`: a micro-batch marked by hybrid placement attends over its group."""
+        return self.training(micro_batch)
+
+    def after_step(self, model: nn.Module, step: int, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+        """With hybrid placement: ``perf/cp_whole_rows`` (rows of this cp group trained whole in the
+        step) and ``perf/cp_rows_g<g>`` (its rows on groups of g ranks; g = cp: split over the group)."""
+        if self.placement != "hybrid":
+            return {}
+        rows = self.group_rows
+        return {"perf/cp_whole_rows": float(rows.get(1, 0)), **{f"perf/cp_rows_g{g}": float(n) for g, n in sorted(rows.items())}}

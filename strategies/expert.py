@@ -21,6 +21,8 @@ from torch.distributed.tensor import DTensor, Shard
 from strategies.expert_dispatch import EXPERT_WEIGHTS, AllToAllDispatch, expert_modules
 from strategies.least_loaded import LeastLoadedDispatch
 from strategies.parallel_dims import Meshes
+from strategies.pipeline_layout import SPLIT_BACKWARD_SCHEDULES  # noqa: F401 - the planner's name for it
+from strategies.plugin import StrategyPlugin
 
 if TYPE_CHECKING:
     from strategies.resolved import ResolvedRun
@@ -70,7 +72,6 @@ def expert_mesh(root: DeviceMesh, ep: int) -> DeviceMesh:
 
 
 # Pipeline schedules that run a stage's backward as separate input- and weight-gradient passes.
-SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBV", "DualPipeV")
 
 
 def _divisors(n: int) -> list[int]:
@@ -78,7 +79,7 @@ def _divisors(n: int) -> list[int]:
 
 
 @dataclass
-class ExpertParallel:
+class ExpertParallel(StrategyPlugin):
     """The ``strategy.expert_parallel`` plugin: ``ep`` ranks share the experts of each MoE block.
 
     Applied after tensor and context parallelism and before activation checkpointing and FSDP:
@@ -98,7 +99,6 @@ class ExpertParallel:
     least_loaded: bool = False
     capacity_ratio: float = 1.1
     min_tokens_per_gemm: int = 16
-    fsdp: Any = field(default=None, init=False, repr=False)  # the strategy's FSDP plugin (its policies)
     _dispatch: Any = field(default=None, init=False, repr=False)  # the dispatcher apply installed
 
     def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
@@ -108,12 +108,6 @@ class ExpertParallel:
             out.append(f"strategy.expert_parallel.capacity_ratio={self.capacity_ratio} must be >= 1 and "
                        f"min_tokens_per_gemm={self.min_tokens_per_gemm} >= 1")  # fmt: skip
         experts = shape.num_experts if shape is not None else 0
-        if experts and run.dims.pp > 1 and run.pp_schedule in SPLIT_BACKWARD_SCHEDULES:
-            # The router statistics are counted by the backward that reaches the gate's weight
-            # gradient (`trainer.models.moe`); these schedules run it apart from the input's.
-            out.append(f"strategy.pp_schedule={run.pp_schedule} splits backward into input and weight passes, "
-                       f"which a mixture of experts does not support yet; use strategy.pp_schedule=1F1B, GPipe "
-                       f"or Interleaved1F1B")  # fmt: skip
         if self.ep == 1:
             return out
         borrowed = run.dims.dp_shard * run.dims.cp
@@ -136,9 +130,8 @@ class ExpertParallel:
     def apply(self, model: nn.Module, meshes: Meshes) -> int:
         """Shards ``model``'s experts over the ep axis of `expert_mesh` (`apply_expert_parallel`)
         and gives each experts module its own FSDP over ``efsdp`` (with dp_replicate when the
-        blocks' FSDP mesh has it: HSDP), with the policies of the strategy's FSDP plugin
-        (``self.fsdp``, set by `strategies.mesh.MeshStrategy`); returns the modules sharded (0
-        when ep is 1)."""
+        blocks' FSDP mesh has it: HSDP), with the policies of the run's FSDP plugin
+        (``meshes.plugins["fsdp"]``); returns the modules sharded (0 when ep is 1)."""
         if self.ep == 1:
             return 0
         mesh = expert_mesh(meshes.root, self.ep)
@@ -146,9 +139,14 @@ class ExpertParallel:
         count = apply_expert_parallel(model, mesh["ep"], self._dispatch)
         replicate = "dp_replicate" in (meshes.fsdp.mesh_dim_names or ())
         fsdp_mesh = mesh["dp_replicate", "efsdp"] if replicate else mesh["efsdp"]
+        fsdp = meshes.plugins["fsdp"]
         for experts in expert_modules(model):
-            self.fsdp.shard_module(experts, fsdp_mesh)
+            fsdp.shard_module(experts, fsdp_mesh)
         return count
+
+    def after_step(self, model: nn.Module, step: int, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        """`rank_load_metrics`."""
+        return self.rank_load_metrics()
 
     def rank_load_metrics(self) -> dict[str, torch.Tensor]:
         """``ep/max_over_mean_rows``: the mean over this step's MoE calls of the most loaded ep

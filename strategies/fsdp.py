@@ -17,7 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from strategies.lora import quantize_later
-from strategies.parallel_dims import Meshes
+from strategies.parallel_dims import Meshes, ParallelDims
+from strategies.plugin import StrategyPlugin
 
 if TYPE_CHECKING:
     from strategies.resolved import ResolvedRun
@@ -75,7 +76,7 @@ def apply_fsdp(
 
 
 @dataclass
-class FSDP:
+class FSDP(StrategyPlugin):
     """The FSDP2 plugin: settings of `apply_fsdp` as a Hydra-configurable object.
 
     Args:
@@ -97,6 +98,13 @@ class FSDP:
                     f"strategy.fsdp.{name}={getattr(self, name)!r} is unknown; use one of "
                     f"{', '.join(str(k) for k in _DTYPES)}"
                 )
+
+    per_stage = True  # each pipeline stage is its own FSDP root
+
+    def active(self, dims: ParallelDims, *, islands: bool) -> bool:
+        """When more than one rank holds each parameter: dp_shard x cp (cp ranks hold the same
+        parameters), times dp_replicate unless local-SGD islands own that axis."""
+        return dims.dp_shard * dims.cp * (1 if islands else dims.dp_replicate) > 1
 
     def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
         """None: every layout FSDP is applied to can be sharded (the dtypes are checked on construction)."""

@@ -25,15 +25,18 @@ from __future__ import annotations
 import importlib.util
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from strategies.lora_targets import linear_layers, lora_targets, selects, target_problems, unadaptable
+from strategies.lora_targets import is_adapter, linear_layers, lora_targets, selects, target_problems, unadaptable
+from strategies.plugin import StrategyPlugin
 from strategies.qlora import QUANT_TYPES, NF4Linear, quantize_layers
 
 if TYPE_CHECKING:
@@ -292,11 +295,11 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 @dataclass
-class LoRA:
+class LoRA(StrategyPlugin):
     """The LoRA plugin (``strategy.lora``, off when null; preset ``+strategy/lora=default``).
 
     Applied after tensor and context parallelism and before activation checkpointing, compile
-    and FSDP (see `strategies.mesh.MeshStrategy.parallelize`). Checkpoints then hold only the
+    and FSDP (`strategies.mesh.ORDER`), on materialized weights (``needs_real_weights``). Checkpoints then hold only the
     adapters (and their optimizer state): the base comes from ``model.init_from``.
 
     Args:
@@ -308,6 +311,9 @@ class LoRA:
         quantize: "nf4" for QLoRA (the adapted layers' base in 4-bit NF4, bitsandbytes; one
             process or FSDP2, not TP); None: the base stays in its float dtype.
     """
+
+    needs_real_weights = True  # its adapters are created beside real base weights
+    conflicts = ("local_sgd",)
 
     rank: int = 8
     alpha: float = 16.0
@@ -371,6 +377,16 @@ class LoRA:
     def apply(self, model: nn.Module, meshes: Meshes) -> list[str]:
         """Adds the adapters to ``model`` (tensor-parallel already if tp > 1) and freezes the base."""
         return self.attach(model)
+
+    def after_step(self, model: nn.Module, step: int, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+        """`report` after the first step (printed on global rank 0)."""
+        if step != 1:
+            return {}
+        return self.report(model, optimizer, verbose=not dist.is_initialized() or dist.get_rank() == 0)
+
+    def saved_keys(self) -> Callable[[str], bool]:
+        """Checkpoints hold only the adapters (the frozen base is ``model.init_from``'s, loaded again on resume)."""
+        return is_adapter
 
     def report(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, verbose: bool) -> dict[str, float]:
         """What LoRA trains, after the first step (when the optimizer state exists): trainable and

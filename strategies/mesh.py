@@ -1,127 +1,116 @@
 """`MeshStrategy`: the one Lightning strategy for every layout, on one named N-D device mesh.
 
 Lightning's `ModelParallelStrategy` stops at a 2-D (data, tensor) mesh and leaves parallelism to the
-user's ``configure_model``. `MeshStrategy` builds the full (pp, dp_replicate, dp_shard, cp, tp) mesh,
-applies the technique plugins in a fixed order, and owns the parts of the optimizer step that a
-parallelism may replace (`forward_backward`, `grad_norm`, `after_optimizer_step`) and the
-checkpoint format (DCP, resharded on load).
+user's ``configure_model``. `MeshStrategy` builds the full (pp, dp_replicate, dp_shard, cp, tp) mesh
+and runs each phase of its technique plugins (`strategies.plugin.StrategyPlugin`, in ``ORDER``):
+their application to the model, this rank's micro-batches, the contexts of a step, the micro-batch
+loop (or a plugin's schedule), the work after an optimizer step, and the checkpoint format (DCP,
+resharded on load, unless a plugin owns it).
 
 Subclass it, override one method, and select the subclass with ``strategy._target_=my_pkg.MyStrategy``.
+A plugin of your own needs no subclass: a `StrategyPlugin` subclass and a ``strategy.<key>`` node
+with its ``_target_`` (after the plugins of ``ORDER``, in the node's order).
 """
 
 from __future__ import annotations
 
+import inspect
+import shutil
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from datetime import timedelta
-from typing import Annotated, Any, get_args
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, get_args
 
 import torch
 import torch.distributed as dist
+from hydra.utils import get_class, instantiate
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
-from strategies.ranges import NON_NEGATIVE, POSITIVE
+from strategies import checkpoint as ckpt
 from strategies.activation_checkpoint import ActivationCheckpoint
 from strategies.activation_offload import ActivationOffload
 from strategies.compile import Compile
 from strategies.compute_timer import ComputeTimer
-from strategies.context import ContextParallel, CPMode
-from strategies.cp_placement import placement_problems
+from strategies.context import ContextParallel
+from strategies.cp_placement import micro_batches_of
 from strategies.expert import ExpertParallel
 from strategies.fsdp import FSDP
+from strategies.grad_norm import clip_grads_, global_grad_norm
 from strategies.host_allocator import CPUAllocator, keep_freed_host_memory
 from strategies.launch import launcher_for
-from strategies.local_sgd import LocalSGD
-from strategies.mesh_checkpoint import MeshCheckpoints
-from strategies.mesh_step import MeshStep
 from strategies.meta_init import materialize
-from strategies.lora import LoRA
-from strategies.mixout import Mixout
-from strategies.parallel_dims import LayoutError, Meshes, ParallelDims
+from strategies.parallel_dims import MESH_AXES, LayoutError, Meshes, ParallelDims
 from strategies.pipeline import PipelineParallel
-from strategies.pipeline_layout import PPSchedule
-from strategies.plugin import Plugin
+from strategies.plugin import Batch, LossFn, StrategyPlugin
+from strategies.ranges import NON_NEGATIVE, POSITIVE
 from strategies.resolved import ResolvedRun
-from strategies.sat import SAT
 from strategies.shape import ModelShape
 from strategies.tensor import TensorParallel
 from strategies.watchdog import Heartbeat
 
+# The order every phase walks the plugins in (later techniques wrap what earlier ones produced):
+# the pipeline split first (each rank keeps its stages; the others then work on fewer layers), tensor
+# parallel (DTensor-shards the Linear weights), context-parallel attention (its core sees the tp
+# rank's heads of its cp shard), expert parallelism (an MoE block sees its rank's tokens; the experts
+# get their own FSDP, which the blocks' FSDP then leaves alone), LoRA (its adapters take the
+# placements of the tensor-parallel base weights; its hooks run inside every later wrapper),
+# activation offload (hooks around each block, kept by the checkpointed forward), activation
+# checkpointing (the recomputed forward is the TP/CP one), compile (each compiled block graph holds
+# the checkpoint), FSDP (shards whatever parameters the others left, each pipeline stage its own root;
+# its hooks stay outside the checkpointed function), SAT (finds the MLPs it works on in each step),
+# then local SGD and Mixout (in `setup`: they keep the parameter objects the optimizer holds, and their
+# anchors are the weights training starts from). Plugins of other keys come after, in node order.
+ORDER = (
+    "pipeline", "tensor_parallel", "context_parallel", "expert_parallel", "lora", "activation_offload",
+    "activation_checkpoint", "compile", "fsdp", "sat", "local_sgd", "mixout",
+)  # fmt: skip
+# The plugins a strategy built by hand holds when not given (each is off, or inactive, by default).
+DEFAULTS: dict[str, type[StrategyPlugin]] = {
+    "pipeline": PipelineParallel, "tensor_parallel": TensorParallel, "context_parallel": ContextParallel,
+    "expert_parallel": ExpertParallel, "activation_offload": ActivationOffload,
+    "activation_checkpoint": ActivationCheckpoint, "compile": Compile, "fsdp": FSDP,
+}  # fmt: skip
+# Keys that moved into their plugin's node: old key -> new key (refused by validate, naming the new one).
+MOVED_KEYS = {"cp_mode": "context_parallel.mode", "pp_schedule": "pipeline.schedule"}
 
-class MeshStrategy(MeshStep, MeshCheckpoints, ModelParallelStrategy):
+
+class MeshStrategy(ModelParallelStrategy):
     """Builds the device mesh, parallelizes the model and runs the parallel parts of a step.
 
     Args:
-        dp_replicate, dp_shard, cp, tp, pp: degrees (see `ParallelDims`); -1 fills the world.
-        fsdp: the FSDP2 plugin; used when dp_shard or dp_replicate > 1.
-        tensor_parallel: the tensor-parallel plugin (sequence and loss parallel); used when tp > 1.
-        activation_offload: the activation-offload plugin (default: off;
-            ``strategy.context_parallel.activation_offload=true`` also switches it on).
-        activation_checkpoint: the activation-checkpointing plugin (default: off).
-        compile: the per-block ``torch.compile`` plugin (default: off).
-        cp_mode: context-parallel attention when cp > 1: "ring", "ulysses" or "hybrid" (Ulysses
-            head groups inside, a ring across them).
-        context_parallel: the context-parallel plugin (sharding, hybrid degree, activation offload).
-        pp_schedule: the pipeline schedule when pp > 1: GPipe, 1F1B, Interleaved1F1B,
-            InterleavedZeroBubble, ZBV or DualPipeV.
-        pipeline: the pipeline plugin (stage split, stages per rank, micro-batches per schedule step).
-        expert_parallel: the expert-parallel plugin (mixture-of-experts models: experts sharded
-            over ep ranks borrowed from dp_shard x cp, LLEP); off when its ep is 1.
-        lora: the LoRA plugin (default: off): adapters on a frozen base; checkpoints then hold
-            only the adapters and their optimizer state.
-        local_sgd: a local-SGD plugin (DiLoCo, DES-LOC, ...; default: off). Its islands are the
-            dp_replicate axis: FSDP then shards and reduces over dp_shard (x cp) only, and the
-            islands synchronise through the plugin after the optimizer steps it chooses.
-        mixout: the Mixout fine-tuning regulariser (default: off): weights mixed with their
-            pretrained values around each step's forward and backward.
-        sat: sparsity-accelerated training (default: off): a fraction of every MLP's hidden
-            channels omitted in each step's forward and backward.
+        dims: the degrees (see `ParallelDims`; -1 fills the world); ``run.dims`` when ``run`` is given.
+        plugins: the technique plugins by node key (None: off); the keys of `DEFAULTS` missing are
+            their defaults. Walked in ``ORDER``, then the others in the given order.
         timeout_s: process-group timeout in seconds: a collective that waits longer fails.
-        heartbeat_s: a rank silent for this many seconds is named by the others while they wait
-            (`strategies.watchdog.Heartbeat`; 0 disables); below ``timeout_s``. A rank silent
-            for ``timeout_s`` ends the run (exit 4), whatever the backend does.
+        heartbeat_s: a rank silent this long is named by the others while they wait (0: off;
+            `strategies.watchdog.Heartbeat`); below ``timeout_s``, which ends the run (exit 4).
         launcher: "subprocess" (the CLI: one child per rank per Hydra job) or "fork" (tests).
-        cpu_allocator: on CPU, "keep_freed" makes glibc keep freed large blocks for reuse
-            (`strategies.host_allocator`: no page faults per step for the step's large tensors;
-            each process keeps its peak heap); "system" leaves glibc's defaults.
-        run: the resolved run (`trainer.config.validate`), passed by the builder; its degrees are
-            then the strategy's. None (a strategy built by hand): the degrees above, resolved
-            for the world size when the processes start.
+        cpu_allocator: on CPU, "keep_freed" (glibc keeps freed large blocks; `strategies.host_allocator`) or "system".
+        run: the resolved run (`trainer.config.validate`; the builder passes it). None (built by
+            hand): ``dims``, resolved for the world size when the processes start.
+
+    `from_node` builds it from a ``strategy:`` config node (degrees, plugin nodes, settings).
 
     Raises:
         LayoutError: a degree > 1 on an axis whose technique this class does not apply.
         ValueError: an unknown ``launcher`` or ``cpu_allocator``, or ``heartbeat_s >= timeout_s``.
     """
 
-    # Mesh axes whose parallelism `parallelize` applies. A degree > 1 on any other axis would
-    # build the mesh but run the whole model on each of its ranks: duplicated work and, for cp,
-    # wrong gradients (each row's tokens counted cp times). A subclass that applies an axis
-    # (or the plugin that implements it) adds it here.
+    # Mesh axes the plugins apply (a degree > 1 on another would run the whole model on each of its
+    # ranks: duplicated work, wrong cp gradients). A subclass that applies fewer lists them here.
     supported_axes: tuple[str, ...] = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+    ORDER: ClassVar[tuple[str, ...]] = ORDER
 
     def __init__(
         self,
-        dp_replicate: int = 1,
-        dp_shard: int = -1,
-        cp: int = 1,
-        tp: int = 1,
-        pp: int = 1,
+        dims: ParallelDims | None = None,
+        plugins: Mapping[str, StrategyPlugin | None] | None = None,
         *,
-        fsdp: FSDP | None = None,
-        tensor_parallel: TensorParallel | None = None,
-        activation_offload: ActivationOffload | None = None,
-        activation_checkpoint: ActivationCheckpoint | None = None,
-        compile: Compile | None = None,  # noqa: A002 - the config key users type
-        local_sgd: LocalSGD | None = None,
-        cp_mode: CPMode = "ring",
-        context_parallel: ContextParallel | None = None,
-        pp_schedule: PPSchedule = "1F1B",
-        pipeline: PipelineParallel | None = None,
-        expert_parallel: ExpertParallel | None = None,
-        lora: LoRA | None = None,
-        mixout: Mixout | None = None,
-        sat: SAT | None = None,
         timeout_s: Annotated[float, POSITIVE] = 600.0,
         heartbeat_s: Annotated[float, NON_NEGATIVE] = 60.0,
         launcher: str = "subprocess",
@@ -139,34 +128,29 @@ class MeshStrategy(MeshStep, MeshCheckpoints, ModelParallelStrategy):
                 "named before its collective times out); lower heartbeat_s (0 disables it)"
             )
         self.run = run
-        self.dims = run.dims if run is not None else ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp)
-        problems = self.unsupported_degrees(self.dims)
-        if problems:
+        self.dims = run.dims if run is not None else dims or ParallelDims()
+        if problems := self.unsupported_degrees(self.dims):
             raise LayoutError("\n".join(problems))
-        self.fsdp = fsdp or FSDP()
-        self.tensor_parallel = tensor_parallel or TensorParallel()
-        self.activation_checkpoint = activation_checkpoint or ActivationCheckpoint()
-        self.compile_plugin = compile or Compile()
-        self.cp_mode = cp_mode
-        self.context_parallel = context_parallel or ContextParallel()
-        self.activation_offload = activation_offload or ActivationOffload()
-        if self.context_parallel.activation_offload:  # the older spelling of the same switch
-            self.activation_offload = ActivationOffload(enabled=True)
-        self.pp_schedule = pp_schedule
-        self.pipeline = pipeline or PipelineParallel()
-        self.local_sgd = local_sgd
-        self.expert_parallel = expert_parallel or ExpertParallel()
-        self.expert_parallel.fsdp = self.fsdp  # the experts' own FSDP takes the blocks' policies
-        self.lora = lora
-        self.mixout, self.sat = mixout, sat
-        self.launcher_kind = launcher
-        self.cpu_allocator = cpu_allocator
+        given = {key: plugin for key, plugin in (plugins or {}).items() if plugin is not None}
+        given = {**{key: make() for key, make in DEFAULTS.items() if key not in given}, **given}
+        rank = {key: i for i, key in enumerate(self.ORDER)}
+        self.plugins: dict[str, StrategyPlugin] = dict(sorted(given.items(), key=lambda kv: rank.get(kv[0], len(rank))))
+        self.islands = any(plugin.islands for plugin in self.plugins.values())
+        resolved = min(getattr(self.dims, axis) for axis in MESH_AXES) > 0
+        self.active: tuple[StrategyPlugin, ...] = self.active_plugins(self.dims) if resolved else ()
+        self.launcher_kind, self.cpu_allocator = launcher, cpu_allocator
         self.heartbeat = (
             Heartbeat(stale_s=heartbeat_s, interval_s=min(5.0, heartbeat_s / 4), abort_s=timeout_s) if heartbeat_s else None
         )
         self._mesh_views: dict[str, DeviceMesh] = {}
         self.compute_timer = ComputeTimer()  # per-rank forward/backward seconds (balance telemetry)
         self.meshes: Meshes | None = None  # set with the mesh, in setup_environment
+
+    @classmethod
+    def from_node(cls, node: Mapping[str, Any], *, run: ResolvedRun | None = None, **settings: Any) -> MeshStrategy:
+        """The strategy of a ``strategy:`` config node (`split_node`); ``settings`` override the node's."""
+        dims, plugins, values = split_node(cls, node)
+        return cls(dims, plugins, run=run, **{**values, **settings})
 
     @classmethod
     def unsupported_degrees(cls, dims: ParallelDims) -> list[str]:
@@ -178,35 +162,20 @@ class MeshStrategy(MeshStep, MeshCheckpoints, ModelParallelStrategy):
             if axis not in cls.supported_axes and getattr(dims, axis) != 1
         ]
 
-    def plugins(self, dims: ParallelDims) -> list[Plugin]:
-        """The plugins a layout of resolved ``dims`` applies, in the order `parallelize` applies them."""
-        fsdp_ranks = dims.dp_shard * dims.cp * (dims.dp_replicate if self.local_sgd is None else 1)
-        chosen = [
-            (self.pipeline, dims.pp > 1),
-            (self.tensor_parallel, dims.tp > 1),
-            (self.context_parallel, dims.cp > 1),
-            (self.expert_parallel, True),  # off (apply does nothing) when its ep is 1
-            (self.lora, self.lora is not None),
-            (self.activation_offload, True),
-            (self.activation_checkpoint, True),
-            (self.compile_plugin, True),
-            (self.fsdp, fsdp_ranks > 1),  # cp ranks hold the same parameters: FSDP shards them too
-            (self.sat, self.sat is not None),
-            (self.mixout, self.mixout is not None),
-            (self.local_sgd, self.local_sgd is not None),
-        ]
-        return [plugin for plugin, used in chosen if used]
+    def active_plugins(self, dims: ParallelDims) -> tuple[StrategyPlugin, ...]:
+        """The plugins a layout of resolved ``dims`` applies, in ``ORDER``."""
+        return tuple(plugin for plugin in self.plugins.values() if plugin.active(dims, islands=self.islands))
 
     def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
         """Every problem of ``run`` (and the model's ``shape``) for this strategy's plugins, in
-        their order; [] when it runs. Called by `trainer.config.validate`, before any process starts."""
-        problems = [problem for plugin in self.plugins(run.dims) for problem in plugin.problems(run, shape)]
-        if self.lora is not None and self.local_sgd is not None:
-            problems.append("strategy.lora does not compose with strategy.local_sgd yet; use strategy.local_sgd=null")
-        if run.dims.cp <= 1:  # the cp plugin (which checks its placement) is not applied
-            placement = self.context_parallel.placement
-            problems += placement_problems(placement, cp=1, pp=run.dims.pp, micro_batch_size=run.micro_batch_size)
-        return problems
+        their order, active or not; [] when it runs. Called by `trainer.config.validate`."""
+        problems = [problem for plugin in self.plugins.values() for problem in plugin.problems(run, shape)]
+        return problems + [
+            f"strategy.{key} does not compose with strategy.{other} yet; use strategy.{other}=null"
+            for key, plugin in self.plugins.items()
+            for other in plugin.conflicts
+            if other in self.plugins
+        ]
 
     # ------------------------------------------------------------------------------ processes
     @override
@@ -219,20 +188,13 @@ class MeshStrategy(MeshStep, MeshCheckpoints, ModelParallelStrategy):
     def setup_environment(self) -> None:
         self._setup_distributed()  # ModelParallelStrategy's helper: process group + ranks (Lightning minor pinned)
         self.dims = self.dims.resolve(self.world_size)
-        if self.local_sgd is not None and self.dims.dp_replicate < 2:
-            raise LayoutError(
-                f"strategy.local_sgd needs at least 2 islands but strategy.dp_replicate={self.dims.dp_replicate}; "
-                f"use more ranks or a smaller strategy.dp_shard, or set strategy.local_sgd=null"
-            )
+        self.active = self.active_plugins(self.dims)
         if self.root_device.type == "cuda":
             torch.set_float32_matmul_precision("high")  # TF32 tensor cores for the fp32 matmuls left
         elif self.cpu_allocator == "keep_freed":
             keep_freed_host_memory()  # no page faults per step for the step's large tensors
         self._device_mesh, self._mesh_views = self.dims.build_mesh(self.root_device.type)
-        self.meshes = Meshes(
-            root=self._device_mesh, views=self._mesh_views, fsdp=self.dp_mesh(), device=self.root_device,
-            pp_schedule=self.pp_schedule, cp_mode=self.cp_mode,
-        )  # fmt: skip
+        self.meshes = Meshes(root=self._device_mesh, views=self._mesh_views, fsdp=self.dp_mesh(), device=self.root_device, plugins=self.plugins)
         self.lightning_module._device_mesh = self._device_mesh
         if self.heartbeat is not None:
             self.heartbeat.start()
@@ -245,13 +207,10 @@ class MeshStrategy(MeshStep, MeshCheckpoints, ModelParallelStrategy):
     @override
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)
-        if self.local_sgd is not None:
-            # After configure_model has loaded model.init_from and the model is on its device: the
-            # plugin's global parameters (DiLoCo's anchors) start from the weights training starts
-            # from. A resumed run then loads the plugin's saved state over them.
-            self.local_sgd.apply(self.lightning_module.model, self.meshes)
-        if self.mixout is not None:  # its anchors: the same weights, before a resume overwrites them
-            self.mixout.apply(self.lightning_module.model, self.meshes)
+        # The model is on its device and holds model.init_from's weights; a resume loads after this.
+        for plugin in self.active:
+            if plugin.when == "setup":
+                plugin.apply(self.lightning_module.model, self.meshes)
 
     @property
     @override
@@ -260,7 +219,7 @@ class MeshStrategy(MeshStep, MeshCheckpoints, ModelParallelStrategy):
         dp_mesh = self.submesh("dp")
         return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
 
-    def submesh(self, axis: str) -> "DeviceMesh":
+    def submesh(self, axis: str) -> DeviceMesh:
         """One mesh axis ("pp", "tp", ...) or flattened view ("dp", "dp_cp")."""
         return self._mesh_views[axis] if axis in self._mesh_views else self.device_mesh[axis]
 
@@ -268,89 +227,199 @@ class MeshStrategy(MeshStep, MeshCheckpoints, ModelParallelStrategy):
         """Process group of one mesh axis or flattened view ("dp", "dp_cp", "pp", ...)."""
         return self.submesh(axis).get_group()
 
+    def dp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP shards over: (dp_replicate, dp_shard) for HSDP, else dp_shard; with cp > 1
+        dp_shard x cp (flattened), whose ranks hold the same parameters and sum their gradients.
+        Under islands (local SGD) without dp_replicate: the islands do not reduce gradients together."""
+        replicas = self.dims.dp_replicate > 1 and not self.islands
+        if self.dims.cp > 1:
+            return self.device_mesh["dp_replicate", "dp_shard_cp"] if replicas else self.submesh("dp_shard_cp")
+        return self.device_mesh["dp_replicate", "dp_shard"] if replicas else self.device_mesh["dp_shard"]
+
     # ------------------------------------------------------------------------------ model
     def parallelize(self, model: nn.Module) -> None:
-        """Applies the plugins of `plugins` to ``model`` in place, in their fixed order.
-
-        Order (later techniques wrap what earlier ones produced): pipeline split first (each rank
-        keeps its stages; the others then work on fewer layers), then tensor parallel
-        (DTensor-shards the Linear weights), then context-parallel attention (its attention core
-        sees the tp rank's heads of its cp shard), then expert parallelism (an MoE block sees its
-        rank's tokens; the experts get their own FSDP over the ranks left of dp_shard x cp, which
-        the blocks' FSDP then leaves alone), then LoRA (its adapters take the placements of the
-        tensor-parallel base weights, and its hooks run inside every later wrapper), then activation offload (hooks around each
-        block, kept by the checkpointed forward). Activation checkpointing next, so the recomputed
-        forward is the TP/CP one. Compile after it, so each compiled block graph contains the
-        checkpoint (and the recomputation is compiled too). FSDP then shards whatever parameters
-        the others left, on the dp axes only, each pipeline stage as its own root; its per-block
-        hooks stay outside the checkpointed function (the recomputation uses the parameters FSDP
-        gathered for the backward instead of running the hooks again) and dynamo runs them eagerly
-        around the compiled graph. SAT then finds the MLPs it works on inside each step
-        (`forward_backward`). Mixout and local SGD last, in `setup`: they keep the parameter
-        objects the optimizer will hold, and their anchors (Mixout's pretrained weights, DiLoCo's
-        global parameters) must be the weights training starts from, loaded after this
-        (``model.init_from``) and before a resumed run's checkpoint.
-        """
-        stage_modules = [model]
-        for plugin in self.plugins(self.dims):
-            if plugin is self.local_sgd or plugin is self.mixout:
-                continue  # applied in `setup`, on the materialised weights model.init_from loaded
-            if plugin is self.lora:
-                # LoRA creates its adapters beside real base weights.
-                self.materialize(model)
-            if plugin is self.fsdp:
-                for module in stage_modules:
-                    plugin.apply(module, self.meshes)
+        """Applies the active plugins of ``when = "parallelize"`` to ``model`` in place, in ``ORDER``
+        (a ``splits_stages`` plugin's stage roots are what a ``per_stage`` one is applied to); the
+        ``when = "setup"`` ones follow in `setup`."""
+        stage_roots = [model]
+        for plugin in self.active:
+            if plugin.when != "parallelize":
                 continue
-            applied = plugin.apply(model, self.meshes)
-            if plugin is self.pipeline:
-                stage_modules = applied
+            if plugin.needs_real_weights:
+                self.materialize(model)
+            for root in stage_roots if plugin.per_stage else [model]:
+                applied = plugin.apply(root, self.meshes)
+            if plugin.splits_stages:
+                stage_roots = applied
         self.materialize(model)
 
     def materialize(self, model: nn.Module) -> None:
         """`strategies.meta_init.materialize` on this rank's device (nothing for a real model)."""
         materialize(model, self.root_device)
 
-    def dp_mesh(self) -> DeviceMesh:
-        """The mesh FSDP shards over: (dp_replicate, dp_shard) for HSDP, else dp_shard; with cp > 1
-        dp_shard x cp (flattened), whose ranks hold the same parameters and sum their gradients.
-        Under local SGD without dp_replicate: its islands do not reduce gradients with each other."""
-        if self.dims.cp > 1:
-            if self.dims.dp_replicate > 1 and self.local_sgd is None:
-                return self.device_mesh["dp_replicate", "dp_shard_cp"]
-            return self.submesh("dp_shard_cp")
-        if self.dims.dp_replicate > 1 and self.local_sgd is None:
-            return self.device_mesh["dp_replicate", "dp_shard"]
-        return self.device_mesh["dp_shard"]
+    # ------------------------------------------------------------------------------ step
+    @contextmanager
+    def _stack(self, contexts: Iterator[AbstractContextManager[Any]]) -> Iterator[None]:
+        with ExitStack() as stack:
+            for context in contexts:
+                stack.enter_context(context)
+            yield
 
-    # ------------------------------------------------------------------------------ after the step
-    def after_optimizer_step(self, model: nn.Module, step: int, optimizer: torch.optim.Optimizer) -> dict[str, float]:
-        """Hook after each optimizer step: the local-SGD synchronisations, LoRA's one report.
+    def shard_batch(self, batch: Batch) -> Batch:
+        """This rank's part of an evaluation batch of its dp rows (each plugin's `shard`: with cp its
+        slice of the sequence; preference pairs whole)."""
+        for plugin in self.active:
+            batch = plugin.shard(batch, self.meshes)
+        return batch
+
+    def micro_batches(self, batch: Batch, micro_batch_size: int) -> list[Batch]:
+        """This rank's micro-batches of its dp rows: the first plugin's `place` (cp: its shards, or
+        hybrid placement), else runs of ``micro_batch_size`` rows."""
+        for plugin in self.active:
+            if (placed := plugin.place(batch, micro_batch_size, self.meshes)) is not None:
+                return placed
+        return micro_batches_of(batch, micro_batch_size)
+
+    def whole_rows(self) -> AbstractContextManager[None]:
+        """Forwards inside attend over whole rows on this rank (every plugin's `whole_rows`)."""
+        return self._stack(plugin.whole_rows() for plugin in self.active)
+
+    def loss_context(self) -> AbstractContextManager[None]:
+        """Context for the loss and its backward (every plugin's `loss_context`: loss parallel)."""
+        return self._stack(plugin.loss_context() for plugin in self.active)
+
+    @contextmanager
+    def _micro_batch(self, micro_batch: Batch) -> Iterator[Batch]:
+        with ExitStack() as stack:
+            for plugin in self.active:
+                micro_batch = stack.enter_context(plugin.micro_batch_context(micro_batch))
+            yield micro_batch
+
+    def eval_loss_sum(self, model: nn.Module, batch: Batch, loss_sum: LossFn) -> torch.Tensor:
+        """Summed token loss of one (sharded) evaluation batch on this rank, without gradients: a
+        plugin's `eval_loss_sum` (pipeline: every pp rank returns the batch's loss), else the plain
+        forward. Preference pairs (``[B, 2, T]``) attend whole (`whole_rows`)."""
+        with self.loss_context():
+            for plugin in self.active:
+                if (total := plugin.eval_loss_sum(batch, loss_sum)) is not None:
+                    return total
+            with self.whole_rows() if batch["input_ids"].dim() == 3 else nullcontext():
+                return loss_sum(model, batch)
+
+    def forward_backward(
+        self, model: nn.Module, micro_batches: Sequence[Batch], loss_fn: LossFn, backward: Callable[[torch.Tensor], None]
+    ) -> torch.Tensor:
+        """Forward and backward of every micro-batch of one optimizer step, inside every plugin's
+        `step_context` (SAT's channels, Mixout's mixed weights).
 
         Args:
-            step: optimizer steps done (1 after the first).
-            optimizer: the Task's (inner) optimizer, possibly Lightning-wrapped.
+            micro_batches: this rank's micro-batches, each a dict of [b, s] tensors.
+            loss_fn: the micro-batch loss, already divided by the step's global supervised-token count.
+            backward: the Task's ``manual_backward`` (unused when a plugin's `run_micro_batches` runs them).
 
         Returns:
-            Metrics of the step for the loggers: ``comm/bytes_sent`` (bytes this rank sent to other
-            islands in this step) and ``comm/bytes_sent_total`` under local SGD;
-            ``ep/max_over_mean_rows`` under expert parallelism; with LoRA after the first step
-            ``lora/trainable_bytes`` and ``lora/optimizer_state_bytes``; with cp hybrid placement
-            ``perf/cp_whole_rows`` (rows of a cp group trained whole in the step) and ``perf/cp_rows_g<g>``
-            (its rows on groups of g ranks; g = cp: split over the whole group).
+            0-dim tensor: the sum of this rank's micro-batch losses (detached).
         """
-        metrics = self.expert_parallel.rank_load_metrics()
-        if self.dims.cp > 1 and self.context_parallel.placement == "hybrid":
-            rows = self.context_parallel.group_rows
-            metrics["perf/cp_whole_rows"] = float(rows.get(1, 0))
-            metrics.update({f"perf/cp_rows_g{g}": float(n) for g, n in sorted(rows.items())})
-        if self.lora is not None and step == 1:
-            metrics.update(
-                self.lora.report(self.lightning_module.model, getattr(optimizer, "_optimizer", optimizer), verbose=self.is_global_zero)
-            )
-        if self.local_sgd is None:
-            return metrics
-        return {**metrics, **self.local_sgd.after_optimizer_step(getattr(optimizer, "_optimizer", optimizer))}
+        with self._stack(plugin.step_context(self.lightning_module.global_step) for plugin in self.active):
+            with self.loss_context():
+                for plugin in self.active:
+                    if (total := plugin.run_micro_batches(micro_batches, loss_fn)) is not None:
+                        return total
+            return self._forward_backward(model, micro_batches, loss_fn, backward)
+
+    def _forward_backward(self, model: nn.Module, micro_batches: Sequence[Batch], loss_fn: LossFn, backward: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        total = torch.zeros((), device=self.root_device)
+        last = len(micro_batches) - 1
+        self.compute_timer.start_step()
+        for i, micro_batch in enumerate(micro_batches):
+            if isinstance(model, FSDPModule):
+                # Reduce gradients once per step, after the last micro-batch, not once per micro-batch.
+                model.set_requires_gradient_sync(i == last)
+            with self.loss_context(), self._micro_batch(micro_batch) as rows:
+                with self.compute_timer.measure(self.root_device):  # up to the gradient sync
+                    loss = loss_fn(model, rows)
+                    if i < last:
+                        backward(loss)
+                if i == last:
+                    backward(loss)
+            total += loss.detach()
+        return total
+
+    def grad_norm(self, parameters: Sequence[nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
+        """Global gradient norm over all shards, replicas and stages; equal on every rank."""
+        stage_groups = [self.group("pp")] if self.dims.pp > 1 else []
+        return global_grad_norm(parameters, norm_type=norm_type, stage_groups=stage_groups)
+
+    def clip_grads(self, parameters: Sequence[nn.Parameter], *, max_norm: float, total_norm: torch.Tensor) -> None:
+        clip_grads_(parameters, max_norm=max_norm, total_norm=total_norm)
+
+    @property
+    def token_axis(self) -> str:
+        """The mesh view whose ranks share one gradient and so count a step's supervised tokens
+        together: dp_cp, or one island's dp_shard (x cp) under islands (each island's gradient is
+        the mean over its own tokens; the plugin averages the replicas)."""
+        if not self.islands:
+            return "dp_cp"
+        return "dp_shard_cp" if self.dims.cp > 1 else "dp_shard"
+
+    def all_reduce_sum(self, tensor: torch.Tensor, axis: str = "dp_cp") -> torch.Tensor:
+        """In-place SUM over one mesh axis (a no-op on a single rank); returns ``tensor``."""
+        if self.submesh(axis).size() > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group(axis))
+        return tensor
+
+    def after_optimizer_step(self, model: nn.Module, step: int, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Every plugin's `after_step` (step: optimizer steps done, 1 after the first; the Task's
+        optimizer, unwrapped from Lightning's): e.g. ``comm/bytes_sent`` under local SGD,
+        ``ep/max_over_mean_rows``, ``lora/trainable_bytes`` after step 1, ``perf/cp_whole_rows``."""
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        return {key: value for plugin in self.active for key, value in plugin.after_step(model, step, optimizer).items()}
+
+    # ------------------------------------------------------------------------------ checkpoints
+    # DCP writes each rank's shards once: the state hooks return nothing, and the checkpoint hooks hand
+    # the live model and optimizers to `strategies.checkpoint` (or to a plugin's `checkpoint_io`).
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # gathered by DCP in save_checkpoint, once
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return {}  # gathered by DCP in save_checkpoint, once
+
+    def _checkpoint_owner(self) -> tuple[Any, Callable[[str], bool] | None]:
+        """(the plugin that owns checkpoint I/O or `strategies.checkpoint`, the saved-keys filter)."""
+        owners = [io for plugin in self.active if (io := plugin.checkpoint_io()) is not None]
+        filters = [keep for plugin in self.active if (keep := plugin.saved_keys()) is not None]
+        keys = None if not filters else filters[0] if len(filters) == 1 else lambda key: all(keep(key) for keep in filters)
+        return (owners[0] if owners else None), keys
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError("MeshStrategy.save_checkpoint does not take storage_options")
+        path = Path(self.broadcast(str(filepath)))
+        checkpoint.pop("state_dict", None)
+        checkpoint.pop("optimizer_states", None)
+        io, keys = self._checkpoint_owner()
+        state = {"model": self.lightning_module.model, "optimizers": self._unwrapped_optimizers(), "meta": checkpoint}
+        if io is not None:
+            return io.save_checkpoint(path, **state)
+        ckpt.save(path, **state, keys=keys)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        io, keys = self._checkpoint_owner()
+        state = {"model": self.lightning_module.model, "optimizers": self._unwrapped_optimizers()}
+        return io.load_checkpoint(path, **state) if io is not None else ckpt.load(path, **state, keys=keys)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            shutil.rmtree(filepath, ignore_errors=True)
+
+    def _unwrapped_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [getattr(opt, "_optimizer", opt) for opt in self.optimizers]
 
     @override
     def teardown(self) -> None:
@@ -360,3 +429,36 @@ class MeshStrategy(MeshStep, MeshCheckpoints, ModelParallelStrategy):
         if dist.is_initialized():
             dist.destroy_process_group()
 
+
+def split_node(cls: type[MeshStrategy], node: Mapping[str, Any]) -> tuple[ParallelDims, dict[str, Any], dict[str, Any]]:
+    """``(degrees, plugins, settings)`` of a ``strategy:`` config node for the class ``cls``: the
+    degrees (``dp_replicate`` ... ``pp``), the plugin nodes (a mapping with ``_target_``, built;
+    null: off) and the rest, arguments of ``cls``.
+
+    Raises:
+        ValueError: a moved key (naming its new key), or a value neither a plugin nor a setting.
+    """
+    values = {str(k): v for k, v in node.items() if not (str(k).startswith("_") and str(k).endswith("_"))}
+    if moved := [f"strategy.{k} is now strategy.{MOVED_KEYS[k]}; use strategy.{MOVED_KEYS[k]}={values[k]}" for k in MOVED_KEYS if k in values]:
+        raise ValueError("\n".join(moved))
+    degrees = {axis: values.pop(axis) for axis in MESH_AXES if axis in values}
+    params = inspect.signature(cls).parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    plugins: dict[str, StrategyPlugin | None] = {}
+    for key, value in list(values.items()):
+        if isinstance(value, Mapping) and "_target_" in value:
+            plugins[key] = instantiate(value)
+        elif value is None and key not in params:
+            plugins[key] = None
+        elif key in ("dims", "plugins") or key not in params and not takes_any:
+            raise ValueError(f"strategy.{key}={value!r} is neither a plugin node (a mapping with _target_) nor a setting of {cls.__name__}")
+        else:
+            continue
+        del values[key]
+    return ParallelDims(**degrees), plugins, values
+
+
+def build_strategy(node: Mapping[str, Any], *, run: ResolvedRun | None = None, **settings: Any) -> MeshStrategy:
+    """The strategy a ``strategy:`` node selects: its ``_target_`` (`MeshStrategy` or a subclass) built
+    by `MeshStrategy.from_node`; ``settings`` override the node's (e.g. ``launcher``)."""
+    return get_class(str(node["_target_"])).from_node(node, run=run, **settings)

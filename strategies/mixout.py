@@ -38,12 +38,14 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from strategies.plugin import StrategyPlugin
 
 if TYPE_CHECKING:
     from strategies.parallel_dims import Meshes
@@ -117,7 +119,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-class Mixout:
+class Mixout(StrategyPlugin):
     """The Mixout plugin: ``+strategy/mixout=default strategy.mixout.p=0.1`` (see the module docstring).
 
     Args:
@@ -130,6 +132,8 @@ class Mixout:
     Raises:
         ValueError: ``p`` outside [0, 1).
     """
+
+    when = "setup"  # its anchors: the weights training starts from (after model.init_from, before a resume)
 
     def __init__(self, p: float = 0.1, seed: int = 0, targets: Sequence[str] = ("attention.", "feed_forward.")) -> None:
         if not 0.0 <= p < 1.0:
@@ -155,6 +159,10 @@ class Mixout:
         }
         with torch.no_grad():
             self.anchors = {n: _local(p).detach().clone() for n, p in self.params.items()}
+
+    def step_context(self, step: int) -> AbstractContextManager[None]:
+        """`step`."""
+        return self.step(step)
 
     @contextmanager
     def step(self, step: int) -> Iterator[None]:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -129,16 +129,15 @@ class Meshes:
             "dp_shard_cp".
         fsdp: the mesh FSDP shards parameters over (chosen by the strategy: HSDP, cp, local SGD).
         device: this rank's device.
-        pp_schedule: how the pp axis runs (``strategy.pp_schedule``).
-        cp_mode: how the cp axis runs (``strategy.cp_mode``).
+        plugins: the strategy's configured plugins by node key, for a plugin that takes another's
+            settings (expert parallelism shards its experts with the ``fsdp`` plugin's policies).
     """
 
     root: "DeviceMesh"
     views: Mapping[str, "DeviceMesh"]
     fsdp: "DeviceMesh"
     device: "torch.device"
-    pp_schedule: str
-    cp_mode: str
+    plugins: Mapping[str, Any] = field(default_factory=dict)
 
     def __getitem__(self, axis: str) -> "DeviceMesh":
         """One mesh axis ("pp", "tp", ...) or flattened view ("dp", "dp_cp", "dp_shard_cp")."""

@@ -34,8 +34,9 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.tensor import DTensor
 
 from strategies.model_contract import optional
-from strategies.parallel_dims import Meshes
-from strategies.pipeline_layout import SINGLE_STAGE, check_pipeline, local_stages, microbatch_problems, stage_layers, stage_owner, stages_per_rank_of
+from strategies.parallel_dims import Meshes, ParallelDims
+from strategies.plugin import StrategyPlugin
+from strategies.pipeline_layout import SINGLE_STAGE, SPLIT_BACKWARD_SCHEDULES, PPSchedule, check_pipeline, local_stages, microbatch_problems, stage_layers, stage_owner, stages_per_rank_of
 
 if TYPE_CHECKING:
     from strategies.resolved import ResolvedRun
@@ -175,10 +176,15 @@ def _backward_initialized(schedule: Any) -> bool:
 
 # ---------------------------------------------------------------------------------- the plugin
 @dataclass
-class PipelineParallel:
+class PipelineParallel(StrategyPlugin):
     """The pipeline plugin: how the model is split and how micro-batches are scheduled.
 
+    Active when pp > 1: `apply` splits the model and returns its stage roots (``splits_stages``);
+    the schedule then runs the step's micro-batches (`run_micro_batches`) and evaluation's
+    forward (`eval_loss_sum`).
+
     Args:
+        schedule: GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble, ZBV or DualPipeV.
         stages_per_rank: stages (virtual stages) per rank; null: 1 for GPipe/1F1B, 2 otherwise.
         split_points: first layer of every stage but the first, e.g. [3, 6, 9] for 4 stages of
             12 layers; null: as ``split`` says.
@@ -190,29 +196,40 @@ class PipelineParallel:
             micro-batches in one schedule step. Fewer run several schedule steps whose gradients
             accumulate (less activation memory for GPipe, a larger bubble).
 
-    The schedule (``strategy.pp_schedule``) is a MeshStrategy argument. `apply` runs in
-    ``MeshStrategy.parallelize``; the torch stages and schedules are built at the first step,
+    `apply` runs in ``MeshStrategy.parallelize``; the torch stages and schedules are built at the first step,
     after Lightning has moved the model to its device.
     """
 
+    splits_stages = True
+
+    schedule: PPSchedule = "1F1B"
     stages_per_rank: int | None = None
     split_points: list[int] | None = None
     split: str = "layers"
     num_microbatches: int | None = None
     _state: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
 
+    def active(self, dims: ParallelDims, *, islands: bool) -> bool:
+        return dims.pp > 1
+
     def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
         """The layout against the model's layers and the step's micro-batches (`check_pipeline`),
-        and the data's last batch (a partial one cannot fill the schedule's micro-batches)."""
+        the data's last batch (a partial one cannot fill the schedule's micro-batches), and a
+        mixture of experts under a schedule that splits backward."""
         pp = run.dims.pp
         if pp <= 1:
             return []
         problems = []
+        if shape is not None and shape.num_experts and self.schedule in SPLIT_BACKWARD_SCHEDULES:
+            problems.append(
+                f"strategy.pipeline.schedule={self.schedule} splits backward into input and weight passes, which a "
+                "mixture of experts does not support yet; use strategy.pipeline.schedule=1F1B, GPipe or Interleaved1F1B"
+            )
         if shape is not None:
             if pp > shape.n_layers:
                 problems.append(f"strategy.pp={pp} exceeds the {shape.n_layers} layers; use strategy.pp<={shape.n_layers}")
             problems += check_pipeline(
-                pp=pp, schedule=run.pp_schedule, stages_per_rank=self.stages_per_rank, split_points=self.split_points,
+                pp=pp, schedule=self.schedule, stages_per_rank=self.stages_per_rank, split_points=self.split_points,
                 num_microbatches=self.num_microbatches, microbatches_per_step=run.num_micro_batches or None,
                 n_layers=shape.n_layers, tie_embeddings=shape.tie_embeddings, split=self.split,
             )  # fmt: skip
@@ -229,7 +246,7 @@ class PipelineParallel:
         return problems
 
     def apply(self, model: nn.Module, meshes: Meshes) -> list[nn.Module]:
-        """Splits ``model`` in place for this rank (over ``meshes["pp"]``, in ``meshes.pp_schedule``);
+        """Splits ``model`` in place for this rank (over ``meshes["pp"]``, in ``self.schedule``);
         returns its stage modules (each its own FSDP root).
 
         Raises:
@@ -241,7 +258,7 @@ class PipelineParallel:
                 "strategy.pipeline.split=auto needs its split points resolved from the run (ResolvedRun.pp_split_points, "
                 "passed by trainer.build.build_strategy); pass split_points=[...] when building the plugin yourself"
             )
-        pp_mesh, schedule, device = meshes["pp"], meshes.pp_schedule, meshes.device
+        pp_mesh, schedule, device = meshes["pp"], self.schedule, meshes.device
         pp, v = pp_mesh.size(), stages_per_rank_of(schedule, self.stages_per_rank)
         problems = check_pipeline(
             pp=pp, schedule=schedule, stages_per_rank=self.stages_per_rank, split_points=self.split_points,
@@ -292,6 +309,12 @@ class PipelineParallel:
             local = hidden.to_local() if isinstance(hidden, DTensor) else hidden
             return local.float().sum() * 0.0
         return stage_loss(s["loss_fn"], hidden, s["head"], s["keys"], targets)
+
+    def run_micro_batches(
+        self, micro_batches: Sequence[dict[str, torch.Tensor]], loss_fn: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
+    ) -> torch.Tensor:
+        """`forward_backward`: the schedule runs the step's micro-batches."""
+        return self.forward_backward(micro_batches, loss_fn)
 
     def forward_backward(
         self,

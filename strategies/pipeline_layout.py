@@ -14,6 +14,9 @@ from typing import Literal, get_args
 PPSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBV", "DualPipeV"]
 SCHEDULES: tuple[str, ...] = get_args(PPSchedule)
 SINGLE_STAGE = ("GPipe", "1F1B")  # one stage per rank
+# Schedules that run backward as separate input and weight passes (a mixture of experts counts its
+# router statistics in the backward that reaches the gate's weight gradient: `trainer.models.moe`).
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBV", "DualPipeV")
 V_SHAPED = ("ZBV", "DualPipeV")  # two stages per rank: rank r holds stages r and 2 pp - 1 - r
 
 
@@ -116,13 +119,13 @@ def microbatch_problems(schedule: str, *, pp: int, stages_per_rank: int, num_mic
     m, num_stages = num_microbatches, pp * stages_per_rank
     fix = "use more micro-batches per schedule step (strategy.pipeline.num_microbatches, or a smaller train.micro_batch_size)"
     if schedule == "1F1B" and m < pp:
-        return [f"strategy.pp_schedule=1F1B needs at least pp={pp} micro-batches per schedule step, got {m}; {fix}"]
+        return [f"strategy.pipeline.schedule=1F1B needs at least pp={pp} micro-batches per schedule step, got {m}; {fix}"]
     if schedule == "DualPipeV" and m < num_stages:
-        return [f"strategy.pp_schedule=DualPipeV needs at least 2 x pp={num_stages} micro-batches per schedule step, got {m}; {fix}"]
+        return [f"strategy.pipeline.schedule=DualPipeV needs at least 2 x pp={num_stages} micro-batches per schedule step, got {m}; {fix}"]
     if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and m % max(1, m // pp):
         rounds = max(1, m // pp)
         return [
-            f"strategy.pp_schedule={schedule} runs micro-batches in rounds of pp={pp}: {m} micro-batches per schedule "
+            f"strategy.pipeline.schedule={schedule} runs micro-batches in rounds of pp={pp}: {m} micro-batches per schedule "
             f"step is not a multiple of its {rounds} rounds; use {rounds * pp} or another multiple of pp"
         ]
     return []
@@ -149,19 +152,19 @@ def check_pipeline(
     if pp == 1:
         return []
     if schedule not in SCHEDULES:
-        return [f"strategy.pp_schedule={schedule!r} is unknown; use one of {', '.join(SCHEDULES)}"]
+        return [f"strategy.pipeline.schedule={schedule!r} is unknown; use one of {', '.join(SCHEDULES)}"]
     problems: list[str] = []
     v = stages_per_rank_of(schedule, stages_per_rank)
     if v < 1:
         return [f"strategy.pipeline.stages_per_rank={v} must be >= 1 (or null for the schedule's default)"]
     if schedule in SINGLE_STAGE and v != 1:
         problems.append(
-            f"strategy.pp_schedule={schedule} runs one stage per rank, got strategy.pipeline.stages_per_rank={v}; "
-            f"use strategy.pipeline.stages_per_rank=null or an interleaved schedule (strategy.pp_schedule=Interleaved1F1B)"
+            f"strategy.pipeline.schedule={schedule} runs one stage per rank, got strategy.pipeline.stages_per_rank={v}; "
+            f"use strategy.pipeline.stages_per_rank=null or an interleaved schedule (strategy.pipeline.schedule=Interleaved1F1B)"
         )
     if schedule in V_SHAPED and v != 2:
         problems.append(
-            f"strategy.pp_schedule={schedule} runs exactly 2 stages per rank (a V), got strategy.pipeline.stages_per_rank={v}; "
+            f"strategy.pipeline.schedule={schedule} runs exactly 2 stages per rank (a V), got strategy.pipeline.stages_per_rank={v}; "
             f"use strategy.pipeline.stages_per_rank=null"
         )
     num_stages = pp * v
@@ -169,7 +172,7 @@ def check_pipeline(
         problems.append(
             f"strategy.pp={pp} x {v} stages per rank = {num_stages} stages exceeds model.n_layers={n_layers}; "
             f"use model.n_layers >= {num_stages} or a smaller strategy.pp"
-            + (" or one stage per rank (strategy.pp_schedule=1F1B)" if v > 1 else "")
+            + (" or one stage per rank (strategy.pipeline.schedule=1F1B)" if v > 1 else "")
         )
     if split not in ("layers", "auto"):
         problems.append(f"strategy.pipeline.split={split!r} is unknown; use layers (by layer count) or auto (by predicted cost)")

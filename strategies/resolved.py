@@ -33,7 +33,6 @@ class ResolvedRun:
             null all of the rank's rows (with pp > 1: one row per pipeline micro-batch).
         num_micro_batches: micro-batches of one optimizer step on one dp rank
             (global_batch_size / (dp x micro_batch_size)).
-        pp_schedule: the pipeline schedule (strategy.pp_schedule; used when pp > 1).
         pp_stages_per_rank: pipeline stages per rank (1 for GPipe/1F1B, 2 for interleaved and V
             schedules unless strategy.pipeline.stages_per_rank says otherwise).
         pp_microbatches: micro-batches per pipeline schedule step
@@ -41,7 +40,6 @@ class ResolvedRun:
         pp_split_points: the first layer of every pipeline stage but the first: strategy.pipeline.split_points,
             or with strategy.pipeline.split=auto the planner's cost-balanced points (`trainer.semantics.resolve`);
             None: stages of equal layer counts (and always with pp == 1).
-        cp_mode: context-parallel attention (strategy.cp_mode; used when cp > 1).
         seq_len: tokens per row (data.seq_len; 0 for a data node without one).
         vocab_size: the planned vocabulary: model.vocab_size, else the tokenizer file's size, else
             the size of the BPE plait trains (data.vocab_size; the trained one may be smaller, so
@@ -69,11 +67,9 @@ class ResolvedRun:
     global_batch_size: int
     micro_batch_size: int
     num_micro_batches: int
-    pp_schedule: str = "1F1B"
     pp_stages_per_rank: int = 1
     pp_microbatches: int = 1
     pp_split_points: tuple[int, ...] | None = None
-    cp_mode: str = "ring"
     seq_len: int = 0
     vocab_size: int | None = None
     shape: ModelShape | None = None

@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+
+from strategies.plugin import StrategyPlugin
 
 if TYPE_CHECKING:
     from strategies.parallel_dims import Meshes
@@ -96,7 +98,7 @@ def ladder_rate(step: int, rate: float, ladder: Sequence[Sequence[float]] | None
     return rate * scale
 
 
-class SAT:
+class SAT(StrategyPlugin):
     """The SAT plugin: ``+strategy/sat=default [strategy.sat.rate=0.5]`` (see the module docstring).
 
     Args:
@@ -150,6 +152,10 @@ class SAT:
         self.mlps = sparse_mlps(model)
         if not self.mlps and any(True for _ in model.parameters()):
             raise ValueError(f"strategy.sat: {type(model).__name__} has no MLP with keep_channels(); use strategy.sat=null")
+
+    def step_context(self, step: int) -> AbstractContextManager[None]:
+        """`step`."""
+        return self.step(step)
 
     @contextmanager
     def step(self, step: int) -> Iterator[None]:

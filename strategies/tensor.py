@@ -24,7 +24,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
 
 from strategies.model_contract import SIZES, declares, missing
-from strategies.parallel_dims import LayoutError, Meshes, divisors
+from strategies.parallel_dims import LayoutError, Meshes, ParallelDims, divisors
+from strategies.plugin import StrategyPlugin
 from strategies.ties import keep_ties
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str,
 
 
 @dataclass
-class TensorParallel:
+class TensorParallel(StrategyPlugin):
     """The tensor-parallel plugin: Megatron column/row-wise linear pairs over the ``tp`` axis.
 
     Args:
@@ -98,6 +99,9 @@ class TensorParallel:
 
     sequence_parallel: bool = True
     loss_parallel: bool = True
+
+    def active(self, dims: ParallelDims, *, islands: bool) -> bool:
+        return dims.tp > 1
 
     def plan(self, model: nn.Module) -> dict[str, ParallelStyle]:
         """The module-name -> ``ParallelStyle`` plan for ``model``; override to change it."""

@@ -93,15 +93,15 @@ STRATEGIES: dict[str, tuple[str, ...]] = {
     "tp2_nosp": ("strategy=tp", "trainer.devices=2", "strategy.tensor_parallel.sequence_parallel=false"),
     "fsdp2_tp2": ("strategy=fsdp_tp", "trainer.devices=4"),
     **{
-        f"pp2_{schedule}": ("strategy=pp", "trainer.devices=2", f"strategy.pp_schedule={schedule}", *layers)
+        f"pp2_{schedule}": ("strategy=pp", "trainer.devices=2", f"strategy.pipeline.schedule={schedule}", *layers)
         for schedule, layers in (
             ("GPipe", ()), ("1F1B", ()), ("Interleaved1F1B", _LAYERS4), ("InterleavedZeroBubble", _LAYERS4),
             ("ZBV", _LAYERS4), ("DualPipeV", _LAYERS4),
         )
     },
-    "cp2_ring": ("strategy=cp", "trainer.devices=2", "strategy.cp_mode=ring"),
-    "cp2_ulysses": ("strategy=cp", "trainer.devices=2", "strategy.cp_mode=ulysses"),
-    "cp4_hybrid": ("strategy=cp", "trainer.devices=4", "strategy.cp_mode=hybrid"),
+    "cp2_ring": ("strategy=cp", "trainer.devices=2", "strategy.context_parallel.mode=ring"),
+    "cp2_ulysses": ("strategy=cp", "trainer.devices=2", "strategy.context_parallel.mode=ulysses"),
+    "cp4_hybrid": ("strategy=cp", "trainer.devices=4", "strategy.context_parallel.mode=hybrid"),
     "fsdp2_cp2": ("strategy=nd", "strategy.dp_shard=2", "strategy.cp=2", "trainer.devices=4"),
     "fsdp2_pp2": ("strategy=nd", "strategy.dp_shard=2", "strategy.pp=2", "trainer.devices=4"),
     "pp2_tp2": ("strategy=nd", "strategy.dp_shard=1", "strategy.pp=2", "strategy.tp=2", "trainer.devices=4"),

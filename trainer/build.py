@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from strategies.mesh import MeshStrategy
+from strategies.mesh import build_strategy as build_mesh_strategy
 from strategies.model_contract import flops_per_token, optional
 from strategies.resolved import ResolvedRun
 from trainer.config import ConfigError, validate
@@ -107,14 +108,13 @@ def build_task(cfg: DictConfig, run: ResolvedRun, model: nn.Module) -> Task:
 
 
 def build_strategy(cfg: DictConfig, run: ResolvedRun, *, launcher: str = "subprocess") -> MeshStrategy:
-    """The strategy of ``cfg.strategy`` for the resolved run; its pipeline plugin takes the run's
-    split points (``ResolvedRun.pp_split_points``: with ``strategy.pipeline.split=auto``, the
-    planner's balanced stages)."""
-    split = {}
-    if run.pp_split_points is not None and isinstance(cfg.strategy.get("pipeline"), DictConfig):
-        split = {"pipeline": {"split_points": list(run.pp_split_points)}}
-    # Hydra would read a dataclass keyword as config: the run is passed to the partial instead.
-    return instantiate(cfg.strategy, _partial_=True, launcher=launcher, **split)(run=run)
+    """The strategy of ``cfg.strategy`` for the resolved run (`strategies.mesh.build_strategy`); its
+    pipeline plugin takes the run's split points (``ResolvedRun.pp_split_points``: with
+    ``strategy.pipeline.split=auto``, the planner's balanced stages)."""
+    node = cfg.strategy
+    if run.pp_split_points is not None and isinstance(node.get("pipeline"), DictConfig):
+        node = OmegaConf.merge(node, {"pipeline": {"split_points": list(run.pp_split_points)}})
+    return build_mesh_strategy(node, run=run, launcher=launcher)
 
 
 def _with_dir(node: DictConfig, run_dir: Path, key: str, value: Any) -> Any:

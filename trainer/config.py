@@ -22,6 +22,8 @@ import typing_extensions
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, InterpolationToMissingValueError
 
+from strategies.mesh import MOVED_KEYS
+from strategies.parallel_dims import MESH_AXES, ParallelDims
 from strategies.ranges import NON_NEGATIVE, POSITIVE, Range, declared_ranges, value_problem
 from strategies.resolved import ResolvedRun
 from trainer.optim import DEFAULT_NO_DECAY
@@ -228,6 +230,9 @@ def validate(cfg: DictConfig) -> ResolvedRun:
     _check_dataclass(cfg, RunConfig, "", problems)
     for name in TARGET_NODES:
         if name in cfg and cfg[name] is not None:
+            if name == "strategy" and isinstance(cfg.strategy, DictConfig):
+                _check_strategy(cfg.strategy, problems)
+                continue
             _check_target(cfg[name], name, problems, injected=INJECTED.get(name, set()), own=OWN_KEYS.get(name, ()))
     if "strategy" in cfg and isinstance(cfg.strategy, DictConfig):
         for key, plugin in cfg.strategy.items():  # fsdp, activation_checkpoint, compile, ...
@@ -392,6 +397,19 @@ def _type_name(hint: Any) -> str:
     if args:
         return " or ".join(_type_name(a) for a in args)
     return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))
+
+
+def _check_strategy(node: DictConfig, problems: list[str]) -> None:
+    """The ``strategy`` node as `strategies.mesh.MeshStrategy.from_node` splits it: its degrees
+    against `ParallelDims`, its plugin nodes (null: off; each checked on its own), and the rest
+    against the ``_target_`` class's signature; a moved key names its new key."""
+    plugins = {str(k) for k, v in node.items_ex(resolve=False) if v is None or isinstance(v, DictConfig) and "_target_" in v}
+    problems += [
+        f"strategy.{old} is now strategy.{new}; use strategy.{new}={node[old]}" for old, new in MOVED_KEYS.items() if old in node
+    ]
+    _check_dataclass(OmegaConf.masked_copy(node, [a for a in MESH_AXES if a in node]), ParallelDims, "strategy.", problems)
+    settings = OmegaConf.masked_copy(node, [str(k) for k in node if k not in {*MESH_AXES, *MOVED_KEYS, *plugins}])
+    _check_target(settings, "strategy", problems)
 
 
 def _check_target(

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from strategies.mesh import build_strategy
 from strategies.planner.calibrate import calibrate_cluster, calibration_problem
 from strategies.planner.layout import Layout, Workload, layout_of, workload_of
 from strategies.planner.memory import predict_memory
@@ -49,7 +49,7 @@ def planner_inputs(cfg: DictConfig, run: ResolvedRun) -> tuple[ModelShape, Layou
     """
     if run.shape is None:
         raise ConfigError(["the planner needs a Llama-style model (one with n_heads, n_layers, ...): model=tiny, llama3_8b, ..."])
-    strategy = instantiate(cfg.strategy, _partial_=True)(run=run)  # its plugins' knobs (as trainer.build.build_strategy)
+    strategy = build_strategy(cfg.strategy, run=run)  # its plugins' knobs (as trainer.build.build_strategy)
     workload = workload_of(run, strategy, float8=cfg.planner.float8, async_tp=cfg.planner.async_tp)
     return run.shape, layout_of(run, strategy), workload
 

@@ -14,6 +14,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from strategies.mesh import MOVED_KEYS
 from strategies.checkpoint import CheckpointError
 from trainer.catalog import ALIASES, fail
 from trainer.compose import adopt_run_model, error_message, hydra_config
@@ -92,6 +93,8 @@ def _did_you_mean(cfg: DictConfig, override: str) -> str:
     """`` (unknown key; did you mean train.micro_batch_size?)`` for an override of a key ``cfg`` lacks."""
     key = override.split("=", 1)[0].lstrip("+~")
     parent, _, leaf = key.rpartition(".")
+    if parent == "strategy" and leaf in MOVED_KEYS:
+        return f" (moved: use strategy.{MOVED_KEYS[leaf]}={override.partition('=')[2]})"
     node = OmegaConf.select(cfg, parent) if parent else cfg
     if not isinstance(node, DictConfig) or leaf in node:
         return ""

@@ -22,7 +22,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from strategies.mesh import MeshStrategy
+from strategies.mesh import MeshStrategy, build_strategy
 from strategies.parallel_dims import LayoutError
 from strategies.pipeline_layout import SCHEDULES, stages_per_rank_of
 from strategies.planner.layout import layout_of, workload_of
@@ -102,9 +102,9 @@ def _meta_model(cfg: DictConfig, vocab_size: int | None, problems: list[str]) ->
 
 
 def _strategy(cfg: DictConfig, problems: list[str]) -> MeshStrategy | None:
-    """The strategy node instantiated (its plugins' constructors check their values), or None."""
+    """The strategy node built (its plugins' constructors check their values), or None."""
     try:
-        return instantiate(cfg.strategy)
+        return build_strategy(cfg.strategy)
     except Exception as err:  # noqa: BLE001 - a constructor's message (naming the key) is a config problem
         problems.extend(_cause(err).splitlines())
         return None
@@ -126,7 +126,7 @@ def pp_split_points(cfg: DictConfig, run: ResolvedRun, strategy: MeshStrategy) -
     (`strategies.planner.time.auto_split_points`) for the run's layout and sequence length on
     ``cfg.cluster`` (without one, the time model's defaults of the run's device: compute and memory
     traffic only); otherwise None (equal layer counts)."""
-    pipeline = strategy.pipeline
+    pipeline = strategy.plugins["pipeline"]
     if run.dims.pp == 1:
         return None
     if pipeline.split_points is not None:
@@ -194,7 +194,8 @@ def resolve(cfg: DictConfig, problems: list[str], broken: frozenset[str] = froze
             f"train.global_batch_size={global_batch} must be a multiple of train.micro_batch_size={micro} x "
             f"dp={dims.dp}; e.g. train.global_batch_size={micro * dims.dp * max(1, per_rank // micro)}"
         )
-    schedule, pipeline = strategy.pp_schedule, strategy.pipeline
+    pipeline = strategy.plugins["pipeline"]
+    schedule = pipeline.schedule
     stages = stages_per_rank_of(schedule, pipeline.stages_per_rank) if schedule in SCHEDULES else 1
     vocab_size = planned_vocab_size(cfg)
     try:
@@ -214,10 +215,8 @@ def resolve(cfg: DictConfig, problems: list[str], broken: frozenset[str] = froze
         global_batch_size=global_batch,
         micro_batch_size=micro,
         num_micro_batches=num_micro,
-        pp_schedule=schedule,
         pp_stages_per_rank=stages,
         pp_microbatches=pipeline.num_microbatches or num_micro,
-        cp_mode=strategy.cp_mode,
         seq_len=int(data.seq_len) if data is not None and "seq_len" in data else 0,
         vocab_size=vocab_size,
         shape=shape,
@@ -226,9 +225,9 @@ def resolve(cfg: DictConfig, problems: list[str], broken: frozenset[str] = froze
         drop_last=bool(data.drop_last) if data is not None and "drop_last" in data else True,
         row_kind=_row_kind(data),
         init_from=str(init_from) if init_from else None,
-        compile=bool(strategy.compile_plugin.enabled),
-        sequence_parallel=dims.tp > 1 and bool(strategy.tensor_parallel.sequence_parallel),
-        cp_placement=str(strategy.context_parallel.placement),
+        compile=bool(strategy.plugins["compile"].enabled),
+        sequence_parallel=dims.tp > 1 and bool(strategy.plugins["tensor_parallel"].sequence_parallel),
+        cp_placement=str(strategy.plugins["context_parallel"].placement),
     )
     problems.extend(strategy.problems(run, run.shape))
     problems.extend(contract_problems(cfg, run, built))  # what the layout reads off the model (never skipped)

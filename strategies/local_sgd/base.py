@@ -29,7 +29,8 @@ from torch.distributed.tensor import DTensor
 
 from strategies import checkpoint as ckpt
 from strategies.collective_device import collective_device
-from strategies.parallel_dims import Meshes
+from strategies.parallel_dims import LayoutError, Meshes
+from strategies.plugin import StrategyPlugin
 
 if TYPE_CHECKING:
     from strategies.resolved import ResolvedRun
@@ -75,11 +76,14 @@ def average_(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -
     return sent
 
 
-class LocalSGD:
+class LocalSGD(StrategyPlugin):
     """Base of the local-SGD plugins; a subclass implements `sync` (and saves what it adds).
 
-    The strategy calls `setup` once the model is parallelized, `after_optimizer_step` after each
-    inner optimizer step, and puts `state_dict` into every checkpoint. Select a subclass with
+    The plugin owns the dp_replicate axis (``islands``: FSDP and the token count stay inside one
+    island). The strategy applies it in `setup` (``when``), once the model is parallelized and
+    holds the weights training starts from; `after_step` runs `after_optimizer_step` after each
+    inner optimizer step; it writes and reads the checkpoints (`checkpoint_io`), with its
+    `state_dict` in every one. Select a subclass with
     ``strategy.local_sgd._target_``; override `sync` (or a subclass's ``outer_step``) to change
     the algorithm.
 
@@ -89,6 +93,9 @@ class LocalSGD:
         num_islands, island: size of the dp_replicate axis and this rank's position on it.
         params: the trainable parameters by name (DTensor shards under FSDP).
     """
+
+    when = "setup"  # its global parameters (DiLoCo's anchors) start from the weights training starts from
+    islands = True
 
     def __init__(self) -> None:
         self.step = 0
@@ -119,8 +126,25 @@ class LocalSGD:
         raise NotImplementedError
 
     def apply(self, model: nn.Module, meshes: Meshes) -> None:
-        """`setup` over the islands of ``meshes`` (its dp_replicate axis)."""
+        """`setup` over the islands of ``meshes`` (its dp_replicate axis).
+
+        Raises:
+            LayoutError: fewer than 2 islands (a strategy built without validate).
+        """
+        if (islands := meshes["dp_replicate"].size()) < 2:
+            raise LayoutError(
+                f"strategy.local_sgd needs at least 2 islands but strategy.dp_replicate={islands}; "
+                f"use more ranks or a smaller strategy.dp_shard, or set strategy.local_sgd=null"
+            )
         self.setup(model, group=meshes.group("dp_replicate"))
+
+    def after_step(self, model: nn.Module, step: int, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+        """`after_optimizer_step`."""
+        return self.after_optimizer_step(optimizer)
+
+    def checkpoint_io(self) -> "LocalSGD":
+        """This plugin: each island's state and its own (`save_checkpoint`, `load_checkpoint`)."""
+        return self
 
     def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
         """Configuration problems (each naming its fix) of the run's degrees, its inner optimizer

@@ -74,11 +74,11 @@ class Layout:
         """The Hydra overrides that run this layout with ``strategy=nd``."""
         out = ["strategy=nd"] + [f"strategy.{k}={getattr(self, k)}" for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")]
         if self.pp > 1:
-            out += [f"strategy.pp_schedule={self.pp_schedule}", f"strategy.pipeline.stages_per_rank={self.stages_per_rank}"]
+            out += [f"strategy.pipeline.schedule={self.pp_schedule}", f"strategy.pipeline.stages_per_rank={self.stages_per_rank}"]
             if self.split_points is not None:
                 out.append(f"strategy.pipeline.split_points=[{','.join(map(str, self.split_points))}]")
         if self.cp > 1:
-            out.append(f"strategy.cp_mode={self.cp_mode}")
+            out.append(f"strategy.context_parallel.mode={self.cp_mode}")
         if self.tp > 1 and not self.sequence_parallel:
             out.append("strategy.tensor_parallel.sequence_parallel=false")
         if self.ac != "none":
@@ -162,14 +162,14 @@ def optimizer_kind(optimizer: Callable[..., torch.optim.Optimizer] | None) -> st
 
 def layout_of(run: ResolvedRun, strategy: Any) -> Layout:
     """The layout a resolved run trains with, and the knobs of its strategy's plugins (a `MeshStrategy`)."""
-    dims, ac = run.dims, strategy.activation_checkpoint
+    dims, plugin = run.dims, strategy.plugins
+    ac, tp, pipeline = plugin["activation_checkpoint"], plugin["tensor_parallel"], plugin["pipeline"]
     return Layout(
         dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, cp=dims.cp, tp=dims.tp, pp=dims.pp,
-        pp_schedule=run.pp_schedule, stages_per_rank=run.pp_stages_per_rank, cp_mode=run.cp_mode,
+        pp_schedule=pipeline.schedule, stages_per_rank=run.pp_stages_per_rank, cp_mode=plugin["context_parallel"].mode,
         micro_batch_size=run.micro_batch_size, ac=ac.mode, ac_every_k=ac.every_k,
-        activation_offload=strategy.activation_offload.enabled,
-        sequence_parallel=strategy.tensor_parallel.sequence_parallel,
-        loss_parallel=strategy.tensor_parallel.loss_parallel, ep=strategy.expert_parallel.ep,
+        activation_offload=plugin["activation_offload"].enabled,
+        sequence_parallel=tp.sequence_parallel, loss_parallel=tp.loss_parallel, ep=plugin["expert_parallel"].ep,
         split_points=run.pp_split_points,
     )  # fmt: skip
 
@@ -177,10 +177,10 @@ def layout_of(run: ResolvedRun, strategy: Any) -> Layout:
 def workload_of(run: ResolvedRun, strategy: Any, *, float8: bool = False, async_tp: bool = False) -> Workload:
     """Sequence length, batch, dtypes, optimizer and kernels of a resolved run and its strategy."""
     param_dtype = "bf16" if run.precision == "bf16-true" else "fp32"
-    bf16_compute = run.precision.startswith("bf16") or strategy.fsdp.param_dtype == "bf16"
+    bf16_compute = run.precision.startswith("bf16") or strategy.plugins["fsdp"].param_dtype == "bf16"
     return Workload(
         seq_len=run.seq_len, global_batch_size=run.global_batch_size,
         param_dtype=param_dtype, compute_dtype="bf16" if bf16_compute else param_dtype,
-        optimizer=optimizer_kind(run.optimizer), document_masks=True, compile=strategy.compile_plugin.enabled,
+        optimizer=optimizer_kind(run.optimizer), document_masks=True, compile=strategy.plugins["compile"].enabled,
         float8=float8, async_tp=async_tp,
     )  # fmt: skip

@@ -26,6 +26,7 @@ from harness import compose_config, fit, losses
 from strategies.gloo import run_gloo_ranks
 from strategies.grad_norm import global_grad_norm
 from strategies.mesh import MeshStrategy
+from strategies.parallel_dims import ParallelDims
 
 # Gradients of each rank's parameters. Stage norms: 6 (stage 0 / rank 0) and 8 (stage 1 / rank 1).
 ONE_STAGE_PER_RANK = {0: [[6.0, 0.0]], 1: [[0.0, 8.0]]}
@@ -36,7 +37,7 @@ TWO_STAGES_PER_RANK = {0: [[3.6], [4.8]], 1: [[6.4], [4.8]]}
 
 def strategy_on_mesh(pp: int, dp_shard: int) -> MeshStrategy:
     """A MeshStrategy with its (pp, ..., dp_shard, ...) mesh built on the running gloo group."""
-    strategy = MeshStrategy(pp=pp, dp_shard=dp_shard, launcher="fork")
+    strategy = MeshStrategy(ParallelDims(pp=pp, dp_shard=dp_shard), launcher="fork")
     strategy.dims = strategy.dims.resolve(pp * dp_shard)
     strategy._device_mesh, strategy._mesh_views = strategy.dims.build_mesh("cpu")
     return strategy

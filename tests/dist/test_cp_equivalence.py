@@ -35,10 +35,10 @@ LAYOUTS = {
         "objective.loss_chunk_tokens=40",
     ],
     "cp2_ulysses_chunked_ce": [
-        "strategy=cp", "strategy.cp_mode=ulysses", "trainer.devices=2", "objective.loss_chunk_tokens=48",
+        "strategy=cp", "strategy.context_parallel.mode=ulysses", "trainer.devices=2", "objective.loss_chunk_tokens=48",
     ],
     "cp4_hybrid_checkpointed": [
-        "strategy=cp", "strategy.cp_mode=hybrid", "trainer.devices=4", "strategy.activation_checkpoint.mode=full",
+        "strategy=cp", "strategy.context_parallel.mode=hybrid", "trainer.devices=4", "strategy.activation_checkpoint.mode=full",
         "strategy.context_parallel.kv_chunk=8",
     ],
 }  # fmt: skip
@@ -89,10 +89,10 @@ def test_context_parallel_training_equals_one_process(tmp_path, corpus, referenc
 # Document-aware sharding (strategies.document_shards): every document of a row zigzagged on its own.
 _DOC = "strategy.context_parallel.sharding=document"
 DOCUMENT_LAYOUTS = {
-    "cp2_ring_document": ["strategy=cp", "strategy.cp_mode=ring", "trainer.devices=2", _DOC],
-    "cp2_ulysses_document": ["strategy=cp", "strategy.cp_mode=ulysses", "trainer.devices=2", _DOC],
+    "cp2_ring_document": ["strategy=cp", "strategy.context_parallel.mode=ring", "trainer.devices=2", _DOC],
+    "cp2_ulysses_document": ["strategy=cp", "strategy.context_parallel.mode=ulysses", "trainer.devices=2", _DOC],
     "cp4_hybrid_document": pytest.param(
-        ["strategy=cp", "strategy.cp_mode=hybrid", "trainer.devices=4", "strategy.context_parallel.kv_chunk=8", _DOC],
+        ["strategy=cp", "strategy.context_parallel.mode=hybrid", "trainer.devices=4", "strategy.context_parallel.kv_chunk=8", _DOC],
         marks=pytest.mark.slow,
     ),
 }

@@ -43,7 +43,7 @@ LAYOUTS = {
         id="fsdp2_x_cp2_ring_document",
     ),
     "cp4_ring_checkpointed": pytest.param(
-        ["strategy=cp", "strategy.cp_mode=ring", "trainer.devices=4", "train.micro_batch_size=4",
+        ["strategy=cp", "strategy.context_parallel.mode=ring", "trainer.devices=4", "train.micro_batch_size=4",
          "strategy.activation_checkpoint.mode=full"],
         id="cp4_ring_checkpointed", marks=pytest.mark.slow,
     ),

@@ -42,9 +42,9 @@ COMMON = (
     "+callbacks.params._target_=harness.ParamRecorder",
 )
 LAYOUTS = {
-    "cp4_ring": pytest.param(["strategy.cp_mode=ring"], id="cp4_ring"),
+    "cp4_ring": pytest.param(["strategy.context_parallel.mode=ring"], id="cp4_ring"),
     "cp4_hybrid_document": pytest.param(  # pairs of ranks: Ulysses; all four: 2 head groups in a ring
-        ["strategy.cp_mode=hybrid", "strategy.context_parallel.ulysses_degree=2", "strategy.context_parallel.sharding=document",
+        ["strategy.context_parallel.mode=hybrid", "strategy.context_parallel.ulysses_degree=2", "strategy.context_parallel.sharding=document",
          "strategy.activation_checkpoint.mode=full"],
         id="cp4_hybrid_document", marks=pytest.mark.slow,
     ),

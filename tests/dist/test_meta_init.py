@@ -75,8 +75,7 @@ def _moe_rank(rank: int, layout: str) -> dict:
         model = MoETransformer(**NANO_MOE)
     if ep > 1:
         plugin = ExpertParallel(ep=ep)
-        plugin.fsdp = FSDP()
-        meshes = Meshes(root, views, root["dp_shard"], torch.device("cpu"), "1F1B", "ring")
+        meshes = Meshes(root, views, root["dp_shard"], torch.device("cpu"), plugins={"fsdp": FSDP()})
         assert plugin.apply(model, meshes) == 1
     apply_fsdp(model, dp_mesh=root["dp_shard"])
     model.to_empty(device="cpu")

@@ -79,7 +79,7 @@ def assert_equivalent(run: dict, expected: dict, *, val: bool = True) -> None:
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_schedule_equals_one_process(tmp_path, corpus, schedule, one_process):
-    run = _run([*PP2, f"strategy.pp_schedule={schedule}", "train.micro_batch_size=2"], tmp_path, corpus)
+    run = _run([*PP2, f"strategy.pipeline.schedule={schedule}", "train.micro_batch_size=2"], tmp_path, corpus)
     assert_equivalent(run, one_process)
 
 
@@ -118,12 +118,12 @@ FOUR_STEPS = (
 def four_stages(tmp_path_factory, corpus) -> tuple:
     """Interleaved1F1B, 4 stages on 2 ranks, 4 steps; checkpoints at steps 2 and 4."""
     run_dir = tmp_path_factory.mktemp("four_stages")
-    history = _run_history([*PP2, "strategy.pp_schedule=Interleaved1F1B", *FOUR_STEPS], run_dir, corpus)
+    history = _run_history([*PP2, "strategy.pipeline.schedule=Interleaved1F1B", *FOUR_STEPS], run_dir, corpus)
     return run_dir / "checkpoints" / "step_0000002", history
 
 
 @pytest.mark.parametrize(
-    "layout", [("trainer.devices=1",), ("strategy=pp", "trainer.devices=2", "strategy.pp_schedule=1F1B")], ids=["pp1", "pp2_2stages"]
+    "layout", [("trainer.devices=1",), ("strategy=pp", "trainer.devices=2", "strategy.pipeline.schedule=1F1B")], ids=["pp1", "pp2_2stages"]
 )
 def test_checkpoint_of_4_stages_resumes_at_another_pp_degree(tmp_path, corpus, four_stages, layout):
     """DCP reshards the 4-stage checkpoint (parameters and momentum) to 1 stage or 2 stages."""

@@ -2,7 +2,7 @@
 train, evaluate and write a DCP checkpoint (parameters FSDP-sharded over the cp ranks), with the
 train and validation losses of a one-process run of the same command (rel 1e-5).
 
-The literal long-context command of the README, ``plait pretrain strategy=cp strategy.cp_mode=ring
+The literal long-context command of the README, ``plait pretrain strategy=cp strategy.context_parallel.mode=ring
 trainer.devices=2 data.seq_len=4096``, runs the same path with the default tiny model (max_seq_len
 4096); it takes minutes per step on 2 CPU cores, so this test uses the CLI's tiny settings.
 """
@@ -38,7 +38,7 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("mode", ["ring", "ulysses"])
 def test_context_parallel_run(tmp_path: Path, mode: str, one_process: Path) -> None:
     run_dir = tmp_path / "run"
-    result = plait("pretrain", *RUN, "strategy=cp", f"strategy.cp_mode={mode}", "trainer.devices=2", f"run_dir={run_dir}")
+    result = plait("pretrain", *RUN, "strategy=cp", f"strategy.context_parallel.mode={mode}", "trainer.devices=2", f"run_dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = train_rows(run_dir)
     assert sorted(rows) == [1, 2, 3, 4]

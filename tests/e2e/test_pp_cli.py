@@ -1,4 +1,4 @@
-"""`plait pretrain strategy=pp strategy.pp_schedule=1F1B trainer.devices=2` from the CLI, and its resume.
+"""`plait pretrain strategy=pp strategy.pipeline.schedule=1F1B trainer.devices=2` from the CLI, and its resume.
 
 Two stages in two subprocess ranks (Lightning's launcher through Hydra). The first run trains 4
 steps with checkpoints at steps 2 and 4; a second run resumes from the step-2 checkpoint into a new
@@ -15,7 +15,7 @@ from harness import CLI_TINY, plait, train_rows
 
 RUN = [o for o in CLI_TINY if not o.startswith("trainer.max_steps=")] + [
     "strategy=pp",
-    "strategy.pp_schedule=1F1B",
+    "strategy.pipeline.schedule=1F1B",
     "trainer.devices=2",
     "trainer.max_steps=4",
     "callbacks.checkpoint.every_n_steps=2",

@@ -15,25 +15,25 @@ def _problems(*overrides: str) -> str:
 
 def test_ulysses_degree_must_split_the_heads_evenly():
     # nano: 4 query heads, 2 kv heads; Ulysses over 4 ranks would need 4 kv heads.
-    message = _problems("strategy=cp", "strategy.cp_mode=ulysses", "trainer.devices=4")
+    message = _problems("strategy=cp", "strategy.context_parallel.mode=ulysses", "trainer.devices=4")
     assert "strategy.cp=4" in message and "valid Ulysses degrees: 1, 2" in message
 
 
 def test_hybrid_degree_must_lie_inside_cp():
-    message = _problems("strategy=cp", "strategy.cp_mode=hybrid", "trainer.devices=2")
+    message = _problems("strategy=cp", "strategy.context_parallel.mode=hybrid", "trainer.devices=2")
     assert "ulysses_degree=2 must divide cp=2 and lie strictly between 1 and cp" in message
 
 
 def test_bad_mode_is_reported_once():
-    message = _problems("strategy=cp", "strategy.cp_mode=zigzag", "trainer.devices=2")
-    assert message.count("cp_mode") == 1 and "ring, ulysses, hybrid" in message
+    message = _problems("strategy=cp", "strategy.context_parallel.mode=zigzag", "trainer.devices=2")
+    assert message.count("context_parallel.mode") == 1 and "ring, ulysses, hybrid" in message
 
 
 def test_valid_layouts_pass():
     for overrides in (
         ["strategy=cp", "trainer.devices=4"],
-        ["strategy=cp", "strategy.cp_mode=ulysses", "trainer.devices=2"],
-        ["strategy=cp", "strategy.cp_mode=hybrid", "trainer.devices=4"],
+        ["strategy=cp", "strategy.context_parallel.mode=ulysses", "trainer.devices=2"],
+        ["strategy=cp", "strategy.context_parallel.mode=hybrid", "trainer.devices=4"],
         ["strategy=nd", "strategy.cp=2", "strategy.dp_shard=2", "trainer.devices=4"],
     ):
         validate(compose_config(overrides))

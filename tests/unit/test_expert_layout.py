@@ -23,8 +23,8 @@ CASES = {  # id: (overrides, message)
     "top_k_above_experts": (["model.top_k=5"], "model.top_k=5 exceeds model.num_experts=4; valid top_k: 1..4"),
     "capacity_below_1": (["strategy.expert_parallel.capacity_ratio=0.5"], "capacity_ratio=0.5 must be >= 1"),
     "split_backward_schedule": (
-        ["strategy.pp=2", "strategy.pp_schedule=ZBV", "train.micro_batch_size=1"],
-        "use strategy.pp_schedule=1F1B, GPipe or Interleaved1F1B"),
+        ["strategy.pp=2", "strategy.pipeline.schedule=ZBV", "train.micro_batch_size=1"],
+        "use strategy.pipeline.schedule=1F1B, GPipe or Interleaved1F1B"),
 }  # fmt: skip
 
 

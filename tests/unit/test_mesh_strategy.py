@@ -7,8 +7,8 @@ from harness import compose_config
 
 from strategies.activation_checkpoint import ActivationCheckpoint
 from strategies.compile import Compile
-from strategies.mesh import MeshStrategy
-from strategies.parallel_dims import LayoutError
+from strategies.mesh import MeshStrategy, build_strategy
+from strategies.parallel_dims import LayoutError, ParallelDims
 from trainer.config import ConfigError, validate
 
 
@@ -18,16 +18,16 @@ def test_unapplied_axes_are_refused_with_the_fix() -> None:
 
     message = "strategy.cp=2: DataParallelOnly does not apply cp parallelism yet; use strategy.cp=1"
     with pytest.raises(LayoutError, match=message):
-        DataParallelOnly(dp_shard=1, cp=2)
-    DataParallelOnly(dp_replicate=2, dp_shard=-1)  # the data-parallel axes are applied
-    assert MeshStrategy(dp_shard=1, cp=2).dims.cp == 2  # context parallelism is applied (strategies.context)
+        DataParallelOnly(ParallelDims(dp_shard=1, cp=2))
+    DataParallelOnly(ParallelDims(dp_replicate=2, dp_shard=-1))  # the data-parallel axes are applied
+    assert MeshStrategy(ParallelDims(dp_shard=1, cp=2)).dims.cp == 2  # context parallelism is applied (strategies.context)
 
 
 def test_a_subclass_that_applies_an_axis_may_use_it() -> None:
     class WithTP(MeshStrategy):
         supported_axes = (*MeshStrategy.supported_axes, "tp")
 
-    assert WithTP(dp_shard=-1, tp=2).dims.tp == 2
+    assert WithTP(ParallelDims(dp_shard=-1, tp=2)).dims.tp == 2
 
 
 def test_validate_accepts_the_pipeline_axis() -> None:
@@ -38,8 +38,8 @@ def test_validate_accepts_the_pipeline_axis() -> None:
 
 def test_plugins_default_to_off() -> None:
     strategy = MeshStrategy()
-    assert strategy.activation_checkpoint == ActivationCheckpoint(mode="none")
-    assert strategy.compile_plugin == Compile(enabled=False)
+    assert strategy.plugins["activation_checkpoint"] == ActivationCheckpoint(mode="none")
+    assert strategy.plugins["compile"] == Compile(enabled=False)
 
 
 def test_validate_checks_every_plugin_node_before_launch() -> None:
@@ -57,3 +57,22 @@ def test_an_unknown_cpu_allocator_is_refused_naming_the_choices() -> None:
     assert err.value.problems == ["strategy.cpu_allocator='jemalloc' must be one of keep_freed, system"]
     with pytest.raises(ValueError, match="strategy.cpu_allocator='jemalloc' is unknown; use keep_freed or system"):
         MeshStrategy(cpu_allocator="jemalloc")  # a strategy built by hand, without validate
+
+
+def test_a_mode_key_that_moved_into_its_plugin_is_refused_naming_the_new_key() -> None:
+    with pytest.raises(ConfigError) as err:
+        validate(compose_config(["strategy=cp", "trainer.devices=2", "+strategy.cp_mode=ulysses", "+strategy.pp_schedule=ZBV"]))
+    assert err.value.problems == [
+        "strategy.cp_mode is now strategy.context_parallel.mode; use strategy.context_parallel.mode=ulysses",
+        "strategy.pp_schedule is now strategy.pipeline.schedule; use strategy.pipeline.schedule=ZBV",
+    ]
+    run = validate(compose_config(["strategy=cp", "trainer.devices=2", "strategy.context_parallel.mode=ulysses"]))
+    assert run.dims.cp == 2
+
+
+def test_the_strategy_node_is_split_into_degrees_plugins_and_settings() -> None:
+    strategy = build_strategy(compose_config(["strategy=pp", "strategy.pipeline.schedule=GPipe", "strategy.timeout_s=30", "strategy.heartbeat_s=0"]).strategy)
+    assert (strategy.dims.pp, strategy.dims.dp_shard, strategy.heartbeat) == (-1, 1, None)
+    assert strategy.plugins["pipeline"].schedule == "GPipe" and "lora" not in strategy.plugins
+    with pytest.raises(ValueError, match="strategy.tag='x' is neither a plugin node"):
+        build_strategy(compose_config(["+strategy.tag=x"]).strategy)

@@ -89,15 +89,15 @@ def _problems(overrides: list[str]) -> list[str]:
 
 
 def test_config_reports_every_pipeline_problem_before_launch() -> None:
-    validate(compose_config(["strategy=pp", "trainer.devices=2", "strategy.pp_schedule=GPipe"]))
+    validate(compose_config(["strategy=pp", "trainer.devices=2", "strategy.pipeline.schedule=GPipe"]))
     problems = _problems(["model.tie_embeddings=true", "train.micro_batch_size=8", "data.drop_last=false"])
     assert len(problems) == 3, problems
     assert any("needs at least pp=2 micro-batches per schedule step, got 1" in p for p in problems)
     assert any("use model.tie_embeddings=false or strategy.pp=1" in p for p in problems)
     assert any("use data.drop_last=true" in p for p in problems)
-    (bad_name,) = _problems(["strategy.pp_schedule=2F2B"])
-    assert bad_name.startswith("strategy.pp_schedule='2F2B' must be one of GPipe, 1F1B, Interleaved1F1B")
-    (too_few_layers,) = _problems(["strategy.pp_schedule=Interleaved1F1B"])  # nano: 2 layers, 4 stages
+    (bad_name,) = _problems(["strategy.pipeline.schedule=2F2B"])
+    assert bad_name.startswith("strategy.pipeline.schedule='2F2B' must be one of GPipe, 1F1B, Interleaved1F1B")
+    (too_few_layers,) = _problems(["strategy.pipeline.schedule=Interleaved1F1B"])  # nano: 2 layers, 4 stages
     assert "4 stages exceeds model.n_layers=2; use model.n_layers >= 4" in too_few_layers
 
 

@@ -154,7 +154,7 @@ def test_auto_split_is_resolved_once_and_built_into_the_pipeline():
     assert run.pp_split_points != (8, 16, 24)  # the 128k-vocabulary head weighs: not the layer-count split
     assert layout.split_points == run.pp_split_points
     strategy = build_strategy(cfg, run)
-    assert strategy.pipeline.split_points == list(run.pp_split_points)
+    assert strategy.plugins["pipeline"].split_points == list(run.pp_split_points)
     assert cfg.strategy.pipeline.split_points is None
     given = validate(compose("pretrain", [*common, "strategy.pipeline.split_points=[4,12,20]"]))
     assert given.pp_split_points == (4, 12, 20)

@@ -1,5 +1,6 @@
 """Every plugin reports its own problems for a resolved run and the model's shape (the plugin
-contract: ``problems(run, shape)``), and validate walks them before any process starts."""
+contract, `strategies.plugin.StrategyPlugin`: ``problems(run, shape)``), validate walks them before
+any process starts, and the strategy walks its plugins in one documented ORDER."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from harness import compose_config
 
 from strategies.context import ContextParallel
 from strategies.mesh import MeshStrategy
-from strategies.plugin import Plugin
+from strategies.plugin import StrategyPlugin
+from strategies.lora import LoRA
+from strategies.local_sgd import DiLoCo
 from strategies.parallel_dims import ParallelDims
 from strategies.pipeline import PipelineParallel
 from strategies.resolved import ResolvedRun
@@ -40,18 +43,34 @@ def test_pipeline_problems_use_the_model_shape() -> None:
 
 
 def test_every_plugin_implements_the_contract_and_the_walk_follows_the_documented_order() -> None:
-    strategy = MeshStrategy(local_sgd=None)
+    strategy = MeshStrategy(plugins={"local_sgd": None})
     dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=2, tp=2, pp=2)
-    names = [type(p).__name__ for p in strategy.plugins(dims)]
+    names = [type(p).__name__ for p in strategy.active_plugins(dims)]
     assert names == [
         "PipelineParallel", "TensorParallel", "ContextParallel", "ExpertParallel", "ActivationOffload",
         "ActivationCheckpoint", "Compile", "FSDP",
     ]  # fmt: skip
-    assert all(isinstance(p, Plugin) for p in strategy.plugins(dims))
+    assert all(isinstance(p, StrategyPlugin) for p in strategy.plugins.values())
     # One rank per axis: the always-on plugins only (each is a no-op when off).
-    assert [type(p).__name__ for p in strategy.plugins(ParallelDims(dp_shard=1))] == [
+    assert [type(p).__name__ for p in strategy.active_plugins(ParallelDims(dp_shard=1))] == [
         "ExpertParallel", "ActivationOffload", "ActivationCheckpoint", "Compile",
     ]  # fmt: skip
+
+
+def test_plugins_given_in_any_order_are_walked_in_order_and_islands_keep_fsdp_inside_one() -> None:
+    strategy = MeshStrategy(plugins={"local_sgd": DiLoCo(sync_every=2), "lora": LoRA()})
+    assert list(strategy.plugins) == [
+        "pipeline", "tensor_parallel", "context_parallel", "expert_parallel", "lora", "activation_offload",
+        "activation_checkpoint", "compile", "fsdp", "local_sgd",
+    ]  # fmt: skip
+    # Two islands of one rank each: no FSDP (the islands do not share gradients), local SGD last.
+    active = [type(p).__name__ for p in strategy.active_plugins(ParallelDims(dp_replicate=2, dp_shard=1))]
+    assert active[-2:] == ["Compile", "DiLoCo"] and strategy.token_axis == "dp_shard"
+    assert not strategy.plugins["fsdp"].active(ParallelDims(dp_replicate=2, dp_shard=1), islands=True)
+    assert strategy.plugins["fsdp"].active(ParallelDims(dp_replicate=2, dp_shard=1), islands=False)
+    # A declared conflict is reported with both keys.
+    run = _run(ParallelDims(dp_replicate=2, dp_shard=1))
+    assert "strategy.lora does not compose with strategy.local_sgd yet; use strategy.local_sgd=null" in strategy.problems(run, None)
 
 
 def test_validate_returns_the_resolved_run_with_the_model_shape() -> None:
