@@ -16,14 +16,14 @@ Per layout it prints max/mean work per rank (mean over steps of each step's max 
 total work and for attention work alone, both arms side by side, and the max/mean per micro-batch
 slot (FSDP synchronises every micro-batch). Then the dp x ``--cp`` pool: static + zigzag cp,
 balanced dp + zigzag cp, balanced dp + document-aware cp, balanced dp + hybrid placement
-(`strategies.cp_placement`) with whole rows only (groups of 1 and cp ranks) and with the cp
+(`strategies.context.placement`) with whole rows only (groups of 1 and cp ranks) and with the cp
 sub-groups too (each row on the smallest of 1, 2, 4, ... ranks that fits it and whose micro-batch
 holds a row at ``--micro-batch``; the same as whole rows at cp = 2). These are estimates.
 
 Measured in the same run (``--measure-steps``, 0 skips it): the four pool arms train a nano Llama
 with the real CLI on 4 gloo processes (FSDP 2 x CP 2, 256-token rows of a long-tail corpus), and
 the balance telemetry logs per step the max/mean over ranks of the forward/backward seconds before
-the gradient sync (`strategies.compute_timer`), of the whole step and of the estimated work of
+the gradient sync (`strategies.runtime.compute_timer`), of the whole step and of the estimated work of
 each dp rank's rows. On CPU the cp ring's exchanges and FSDP's gathers sit inside the forward, and
 dense-mask attention costs every row the same, so these ratios stay near 1; on a busy machine
 only their comparison within one run means anything.
@@ -56,10 +56,10 @@ from pathlib import Path
 
 import torch
 
-from strategies.context import shard_positions
-from strategies.cp_placement import Placement, fit_sizes, group_sizes, plan_placement, row_counts
-from strategies.document_shards import document_zigzag_order, rank_causal_work
-from strategies.shape import ModelShape
+from strategies.context.plugin import shard_positions
+from strategies.context.placement import Placement, fit_sizes, group_sizes, plan_placement, row_counts
+from strategies.context.document_shards import document_zigzag_order, rank_causal_work
+from strategies.core.shape import ModelShape
 from trainer.data import corpus
 from trainer.data.balance import WorkModel, cells, plan, step_cost
 from trainer.data.packing import pack
@@ -120,7 +120,7 @@ def cp_loads(docs_nt: torch.Tensor, model: WorkModel, *, dp: int, cp: int, docum
 def hybrid_loads(
     docs_nt: torch.Tensor, model: WorkModel, *, dp: int, cp: int, sizes: tuple[int, ...]
 ) -> tuple[torch.Tensor, dict[int, int]]:
-    """``[dp * cp]`` work of every rank, and the rows of a dp group per group size, under hybrid placement (`strategies.cp_placement`) on cp
+    """``[dp * cp]`` work of every rank, and the rows of a dp group per group size, under hybrid placement (`strategies.context.placement`) on cp
     groups of ``sizes`` ranks: the counts per size from the least prefix counts of the dp groups
     (`row_counts`, as the all-reduce gives them), each size's rows on its aligned sub-groups with
     document-aware sharding over the sub-group (whole at size 1), the rest split over all cp ranks."""

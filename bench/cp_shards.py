@@ -3,12 +3,12 @@
 Rows of ``--seq-len`` tokens packed from random documents of 32 to 4096 tokens (uniform lengths,
 the last one cut at the row's end, as in bench/cp_maxlen.py but with a longer tail). For each
 sharding the exact count of query-key pairs each cp rank's queries attend under the
-block-diagonal causal mask (`strategies.document_shards.rank_causal_work`), max over mean per row,
+block-diagonal causal mask (`strategies.context.document_shards.rank_causal_work`), max over mean per row,
 the worst row of ``--rows``:
 
-- ``zigzag``: chunks r and 2cp-1-r of the row (`strategies.context.shard_positions`);
+- ``zigzag``: chunks r and 2cp-1-r of the row (`strategies.context.plugin.shard_positions`);
 - ``contiguous``: the r-th T/cp tokens;
-- ``document``: every document zigzagged on its own (`strategies.document_shards`,
+- ``document``: every document zigzagged on its own (`strategies.context.document_shards`,
   ``strategy.context_parallel.sharding=document``).
 
 Invocation (a few seconds; no model runs)::
@@ -26,8 +26,8 @@ import random
 
 import torch
 
-from strategies.context import shard_positions
-from strategies.document_shards import document_zigzag_order, rank_causal_work
+from strategies.context.plugin import shard_positions
+from strategies.context.document_shards import document_zigzag_order, rank_causal_work
 
 
 def packed_row(seq_len: int, rng: random.Random) -> torch.Tensor:

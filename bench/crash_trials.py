@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from strategies.checkpoint import load_model_weights, verify_checkpoint  # noqa: E402
+from strategies.checkpoint.dcp import load_model_weights, verify_checkpoint  # noqa: E402
 from trainer.rundir import step_dirs  # noqa: E402
 
 STEPS = 8

@@ -31,7 +31,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from strategies.fsdp import apply_fsdp
-from strategies.gloo import run_gloo_ranks
+from strategies.runtime.gloo import run_gloo_ranks
 from trainer.models.llama import Llama
 
 

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ARM = """
 import json, sys, time, torch
 sys.path.insert(0, {root!r})
-from strategies.host_allocator import keep_freed_host_memory
+from strategies.runtime.host_allocator import keep_freed_host_memory
 from trainer.models.norm import RMSNorm
 from trainer.objectives.pretrain import token_loss_sum
 if {keep}:

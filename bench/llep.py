@@ -2,7 +2,7 @@
 
 On ``--ranks`` forked gloo ranks, one MoE layer's experts (``--experts`` SwiGLU experts of width
 ``--dim`` x ``--ffn``, top-``--top-k``) are sharded over ep = ranks by plait's
-`strategies.expert.ExpertParallel`, once with the standard all-to-all dispatch and once with LLEP
+`strategies.expert.plugin.ExpertParallel`, once with the standard all-to-all dispatch and once with LLEP
 (``--ratio``, ``--min-tokens``). Every rank routes ``--tokens`` tokens; a fraction ``--skew`` of
 the first choices go to expert 0 (the rest uniform), as a trained router's hot expert does.
 Per rank and method the script counts the rows the rank's grouped GEMMs compute and the bytes of
@@ -66,7 +66,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> Non
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from strategies.expert import ExpertParallel, apply_expert_parallel
+    from strategies.expert.plugin import ExpertParallel, apply_expert_parallel
     from trainer.models.moe import GroupedExperts, combine, sort_by_expert
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -52,7 +52,7 @@ from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank: the ranks share the cores
 
-from strategies.launch import LAUNCH_ENV  # noqa: E402
+from strategies.runtime.launch import LAUNCH_ENV  # noqa: E402
 from strategies.local_sgd import allreduce_bytes_sent  # noqa: E402
 from trainer.build import build_run  # noqa: E402
 from trainer.compose import compose  # noqa: E402

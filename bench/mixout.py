@@ -4,7 +4,7 @@ Lee, Cho and Kang 2020 report that Mixout makes fine-tuning a large pretrained m
 set much more stable across random seeds. Here: the pretrained tiny base of ``bench/msft.py``
 (pretrained once on the bundled corpus and cached), fine-tuned with the ``sft`` recipe on one small
 bundled source (``--source``, default champ: 270 math conversations) for ``--epochs`` epochs at a
-constant ``--lr`` (AdamW), once per seed with and without `strategies.mixout.Mixout` (``--p``).
+constant ``--lr`` (AdamW), once per seed with and without `strategies.transforms.mixout.Mixout` (``--p``).
 The held-out conversations (32, never trained on) are the same in every run; a seed is the order
 of the training conversations (and the Mixout masks). Reported per arm: the final held-out loss
 of every seed, their mean, standard deviation and variance.

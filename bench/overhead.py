@@ -63,7 +63,7 @@ from omegaconf import DictConfig  # noqa: E402
 from torch.optim.lr_scheduler import LambdaLR  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from strategies.launch import LAUNCH_ENV  # noqa: E402
+from strategies.runtime.launch import LAUNCH_ENV  # noqa: E402
 from trainer.build import build_data, build_model, build_run  # noqa: E402
 from trainer.compose import compose  # noqa: E402
 from trainer.config import validate  # noqa: E402

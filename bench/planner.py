@@ -29,7 +29,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from strategies.launch import LAUNCH_ENV
+from strategies.runtime.launch import LAUNCH_ENV
 from strategies.planner.memory import predict_rank
 from strategies.planner.time import predict_time
 from trainer.build import build_run

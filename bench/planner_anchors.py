@@ -18,7 +18,7 @@ from __future__ import annotations
 from omegaconf import OmegaConf
 
 from strategies.planner.layout import Layout, Workload
-from strategies.shape import ModelShape
+from strategies.core.shape import ModelShape
 from strategies.planner.memory import GiB, predict_memory
 from strategies.planner.time import Cluster, predict_time, tokens_per_second_per_device
 from trainer.compose import CONF_DIR

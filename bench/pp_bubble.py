@@ -5,7 +5,7 @@ runs a toy model whose stage work is a fixed sleep, so the figure measures the s
 communication, not a CPU that other processes share. Per rank and micro-batch the work is F = B =
 W = one unit (forward, input gradient, weight gradient; Qi et al. 2024's cost model), split evenly
 over the rank's stages (2 per rank for the interleaved and V schedules). The stages are placed,
-split and scheduled by plait's own `strategies.pipeline` functions (`local_stages`,
+split and scheduled by plait's own `strategies.pipeline.plugin` functions (`local_stages`,
 `build_schedule`), with torch's schedules underneath.
 
 Idle fraction of a rank = 1 - (time inside its stage computations) / (wall time of the step,
@@ -32,9 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from strategies.gloo import run_gloo_ranks
-from strategies.pipeline import build_schedule
-from strategies.pipeline_layout import SCHEDULES, local_stages, microbatch_problems, stages_per_rank_of
+from strategies.runtime.gloo import run_gloo_ranks
+from strategies.pipeline.plugin import build_schedule
+from strategies.pipeline.layout import SCHEDULES, local_stages, microbatch_problems, stages_per_rank_of
 
 
 class _Sleep(torch.autograd.Function):

@@ -20,7 +20,7 @@ from trainer.model_node import instantiate_model
 from omegaconf import OmegaConf
 
 from strategies.planner.layout import Layout, Workload
-from strategies.shape import ModelShape
+from strategies.core.shape import ModelShape
 from strategies.planner.time import Cluster, auto_split_points, stage_costs
 
 CASES = [  # (model preset, vocabulary, seq_len, micro-batch rows, cluster, pp, stages per rank, schedule)

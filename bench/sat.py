@@ -2,7 +2,7 @@
 
 Three copies of one tiny Llama (the same initial weights) train on the same rows of the bundled
 corpus (the ``pretrain`` recipe's data, seq 256) with AdamW, step by step in turn in this one
-process: one arm dense, one with `strategies.sat.SAT` omitting ``--rate`` of every MLP's hidden
+process: one arm dense, one with `strategies.transforms.sat.SAT` omitting ``--rate`` of every MLP's hidden
 channels at every step, one on the preset's ladder schedule (``rate`` x 1 for the first half of
 the steps, x 0.5 to 3/4, dense for the last quarter). The order of the arms rotates every step, so
 contention on a shared machine hits them alike; only ratios from one run mean anything.
@@ -41,7 +41,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from strategies.sat import SAT
+from strategies.transforms.sat import SAT
 from trainer.build import build_data, build_model
 from trainer.config import validate
 from trainer.compose import compose

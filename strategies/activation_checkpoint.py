@@ -27,9 +27,9 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from strategies.plugin import StrategyPlugin
 
 if TYPE_CHECKING:
-    from strategies.parallel_dims import Meshes
-    from strategies.resolved import ResolvedRun
-    from strategies.shape import ModelShape
+    from strategies.core.parallel_dims import Meshes
+    from strategies.core.resolved import ResolvedRun
+    from strategies.core.shape import ModelShape
 
 Mode = Literal["none", "full", "every_k", "selective"]
 MODES: tuple[str, ...] = get_args(Mode)

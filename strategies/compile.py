@@ -17,9 +17,9 @@ from torch import nn
 from strategies.plugin import StrategyPlugin
 
 if TYPE_CHECKING:
-    from strategies.parallel_dims import Meshes
-    from strategies.resolved import ResolvedRun
-    from strategies.shape import ModelShape
+    from strategies.core.parallel_dims import Meshes
+    from strategies.core.resolved import ResolvedRun
+    from strategies.core.shape import ModelShape
 
 
 def apply_compile(model: nn.Module, *, backend: str = "inductor", fullgraph: bool = False) -> None:

@@ -16,13 +16,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from strategies.lora import quantize_later
-from strategies.parallel_dims import Meshes, ParallelDims
+from strategies.transforms.lora import quantize_later
+from strategies.core.parallel_dims import Meshes, ParallelDims
 from strategies.plugin import StrategyPlugin
 
 if TYPE_CHECKING:
-    from strategies.resolved import ResolvedRun
-    from strategies.shape import ModelShape
+    from strategies.core.resolved import ResolvedRun
+    from strategies.core.shape import ModelShape
 
 _DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -55,7 +55,7 @@ def apply_fsdp(
     # pin_memory needs a CUDA device; without one the policy must not pin.
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     layers = list(model.layers.values()) if isinstance(model.layers, nn.ModuleDict) else list(model.layers)
-    ignored = set(quantize_later(model)) or None  # QLoRA: sharded once quantised (`strategies.lora.quantize_pending`)
+    ignored = set(quantize_later(model)) or None  # QLoRA: sharded once quantised (`strategies.transforms.lora.quantize_pending`)
     for i, block in enumerate(layers):
         # The last block is gathered again at once by the backward pass: keeping it saves one all-gather.
         fully_shard(

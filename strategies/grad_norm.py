@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import implicit_replication
 
-from strategies.collective_device import collective_device
+from strategies.runtime.collective_device import collective_device
 
 
 @torch.no_grad()
@@ -37,7 +37,7 @@ def global_grad_norm(
 
     Returns:
         0-dim fp32 tensor on the gradients' device, or on the device of the process groups'
-        backend when that cannot hold them (`strategies.collective_device`: FSDP's CPU offload
+        backend when that cannot hold them (`strategies.runtime.collective_device`: FSDP's CPU offload
         under NCCL gives the GPU); 0 when there are no gradients.
     """
     norms = []

@@ -31,27 +31,27 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
-from strategies import checkpoint as ckpt
+from strategies.checkpoint import dcp as ckpt
 from strategies.activation_checkpoint import ActivationCheckpoint
 from strategies.activation_offload import ActivationOffload
 from strategies.compile import Compile
-from strategies.compute_timer import ComputeTimer
-from strategies.context import ContextParallel
-from strategies.cp_placement import micro_batches_of
-from strategies.expert import ExpertParallel
+from strategies.runtime.compute_timer import ComputeTimer
+from strategies.context.plugin import ContextParallel
+from strategies.context.placement import micro_batches_of
+from strategies.expert.plugin import ExpertParallel
 from strategies.fsdp import FSDP
 from strategies.grad_norm import clip_grads_, global_grad_norm
-from strategies.host_allocator import CPUAllocator, keep_freed_host_memory
-from strategies.launch import launcher_for
+from strategies.runtime.host_allocator import CPUAllocator, keep_freed_host_memory
+from strategies.runtime.launch import launcher_for
 from strategies.meta_init import materialize
-from strategies.parallel_dims import MESH_AXES, LayoutError, Meshes, ParallelDims
-from strategies.pipeline import PipelineParallel
+from strategies.core.parallel_dims import MESH_AXES, LayoutError, Meshes, ParallelDims
+from strategies.pipeline.plugin import PipelineParallel
 from strategies.plugin import Batch, LossFn, StrategyPlugin
-from strategies.ranges import NON_NEGATIVE, POSITIVE
-from strategies.resolved import ResolvedRun
-from strategies.shape import ModelShape
+from strategies.core.ranges import NON_NEGATIVE, POSITIVE
+from strategies.core.resolved import ResolvedRun
+from strategies.core.shape import ModelShape
 from strategies.tensor import TensorParallel
-from strategies.watchdog import Heartbeat
+from strategies.runtime.watchdog import Heartbeat
 
 # The order every phase walks the plugins in (later techniques wrap what earlier ones produced):
 # the pipeline split first (each rank keeps its stages; the others then work on fewer layers), tensor
@@ -88,9 +88,9 @@ class MeshStrategy(ModelParallelStrategy):
             their defaults. Walked in ``ORDER``, then the others in the given order.
         timeout_s: process-group timeout in seconds: a collective that waits longer fails.
         heartbeat_s: a rank silent this long is named by the others while they wait (0: off;
-            `strategies.watchdog.Heartbeat`); below ``timeout_s``, which ends the run (exit 4).
+            `strategies.runtime.watchdog.Heartbeat`); below ``timeout_s``, which ends the run (exit 4).
         launcher: "subprocess" (the CLI: one child per rank per Hydra job) or "fork" (tests).
-        cpu_allocator: on CPU, "keep_freed" (glibc keeps freed large blocks; `strategies.host_allocator`) or "system".
+        cpu_allocator: on CPU, "keep_freed" (glibc keeps freed large blocks; `strategies.runtime.host_allocator`) or "system".
         run: the resolved run (`trainer.config.validate`; the builder passes it). None (built by
             hand): ``dims``, resolved for the world size when the processes start.
 
@@ -377,7 +377,7 @@ class MeshStrategy(ModelParallelStrategy):
 
     # ------------------------------------------------------------------------------ checkpoints
     # DCP writes each rank's shards once: the state hooks return nothing, and the checkpoint hooks hand
-    # the live model and optimizers to `strategies.checkpoint` (or to a plugin's `checkpoint_io`).
+    # the live model and optimizers to `strategies.checkpoint.dcp` (or to a plugin's `checkpoint_io`).
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return {}  # gathered by DCP in save_checkpoint, once
@@ -387,7 +387,7 @@ class MeshStrategy(ModelParallelStrategy):
         return {}  # gathered by DCP in save_checkpoint, once
 
     def _checkpoint_owner(self) -> tuple[Any, Callable[[str], bool] | None]:
-        """(the plugin that owns checkpoint I/O or `strategies.checkpoint`, the saved-keys filter)."""
+        """(the plugin that owns checkpoint I/O or `strategies.checkpoint.dcp`, the saved-keys filter)."""
         owners = [io for plugin in self.active if (io := plugin.checkpoint_io()) is not None]
         filters = [keep for plugin in self.active if (keep := plugin.saved_keys()) is not None]
         keys = None if not filters else filters[0] if len(filters) == 1 else lambda key: all(keep(key) for keep in filters)

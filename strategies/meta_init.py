@@ -11,8 +11,8 @@ import itertools
 import torch
 from torch import nn
 
-from strategies.model_contract import declares, member_problem
-from strategies.ties import keep_ties
+from strategies.core.model_contract import declares, member_problem
+from strategies.transforms.ties import keep_ties
 
 
 def is_meta(model: nn.Module) -> bool:
@@ -26,7 +26,7 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 
     ``init_weights`` must give every layout the same values (plait's Llama seeds each weight by its
     name: `trainer.models.init`). Weights tied on the meta device are one tensor after it
-    (`strategies.ties.keep_ties`): ``to_empty`` gives each plain (non-DTensor) parameter slot a new
+    (`strategies.transforms.ties.keep_ties`): ``to_empty`` gives each plain (non-DTensor) parameter slot a new
     tensor of its own, which untied the LM head under local SGD without FSDP.
 
     Raises:

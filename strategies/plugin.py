@@ -40,9 +40,9 @@ from typing import Any, ClassVar, Literal, Protocol
 import torch
 from torch import nn
 
-from strategies.parallel_dims import Meshes, ParallelDims
-from strategies.resolved import ResolvedRun
-from strategies.shape import ModelShape
+from strategies.core.parallel_dims import Meshes, ParallelDims
+from strategies.core.resolved import ResolvedRun
+from strategies.core.shape import ModelShape
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
@@ -119,7 +119,7 @@ class StrategyPlugin:
         return {}
 
     def checkpoint_io(self) -> CheckpointIO | None:
-        """The object that writes and reads checkpoints instead of `strategies.checkpoint`; None: the default."""
+        """The object that writes and reads checkpoints instead of `strategies.checkpoint.dcp`; None: the default."""
         return None
 
     def saved_keys(self) -> Callable[[str], bool] | None:

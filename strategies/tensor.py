@@ -23,14 +23,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
 
-from strategies.model_contract import SIZES, declares, missing
-from strategies.parallel_dims import LayoutError, Meshes, ParallelDims, divisors
+from strategies.core.model_contract import SIZES, declares, missing
+from strategies.core.parallel_dims import LayoutError, Meshes, ParallelDims, divisors
 from strategies.plugin import StrategyPlugin
-from strategies.ties import keep_ties
+from strategies.transforms.ties import keep_ties
 
 if TYPE_CHECKING:
-    from strategies.resolved import ResolvedRun
-    from strategies.shape import ModelShape
+    from strategies.core.resolved import ResolvedRun
+    from strategies.core.shape import ModelShape
 
 
 def tp_divisibility_problems(
@@ -69,7 +69,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str,
     """Applies ``plan`` to ``model`` in place over ``tp_mesh`` (1-D).
 
     Weights become DTensors sharded on ``tp_mesh``; a plan key may use ``*`` for one name level
-    (``layers.*.attention.wq``). Weights tied before stay tied (`strategies.ties.keep_ties`): the
+    (``layers.*.attention.wq``). Weights tied before stay tied (`strategies.transforms.ties.keep_ties`): the
     input embedding and the LM head are both sharded by vocabulary rows (``Shard(0)``), so the head
     is pointed back at the sharded embedding weight.
 
@@ -127,7 +127,7 @@ class TensorParallel(StrategyPlugin):
             LayoutError: listing the sizes that tp does not divide, with valid degrees.
         """
         tp_mesh = meshes["tp"]
-        if not missing(model, SIZES):  # refused by validate otherwise (strategies.model_contract.NEEDS)
+        if not missing(model, SIZES):  # refused by validate otherwise (strategies.core.model_contract.NEEDS)
             problems = tp_divisibility_problems(
                 tp_mesh.size(), n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, vocab_size=model.vocab_size,
                 ffn_dim=model.ffn_dim,

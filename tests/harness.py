@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig
 from torch.distributed.tensor import DTensor
 
-from strategies.launch import LAUNCH_ENV
+from strategies.runtime.launch import LAUNCH_ENV
 from trainer.build import build_run
 from trainer.compose import compose
 from trainer.rundir import RunDir

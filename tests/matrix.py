@@ -168,7 +168,7 @@ FAST = {
 def _history(cfg: DictConfig, run: Any, run_dir: Path) -> list[dict[str, Any]]:
     import os
 
-    from strategies.launch import LAUNCH_ENV
+    from strategies.runtime.launch import LAUNCH_ENV
     from trainer.build import build_run
 
     trainer, task, data = build_run(cfg, run_dir, run, launcher="fork")

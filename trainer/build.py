@@ -21,8 +21,8 @@ from torch import nn
 
 from strategies.mesh import MeshStrategy
 from strategies.mesh import build_strategy as build_mesh_strategy
-from strategies.model_contract import flops_per_token, optional
-from strategies.resolved import ResolvedRun
+from strategies.core.model_contract import flops_per_token, optional
+from strategies.core.resolved import ResolvedRun
 from trainer.config import ConfigError, validate
 from trainer.data.base import DataModule
 from trainer.loggers import LogConfig

@@ -5,7 +5,7 @@ nothing more from it than ``layers`` and ``forward`` (DDP, FSDP2); other feature
 itself (README "Your own model"):
 
 - tensor, context and pipeline parallelism (``strategy.tp/cp/pp > 1``) read the members of the
-  declared contract `strategies.model_contract.NEEDS` (the sizes; ``tp_plan`` unless the strategy's
+  declared contract `strategies.core.model_contract.NEEDS` (the sizes; ``tp_plan`` unless the strategy's
   ``tensor_parallel`` plugin overrides ``plan``; ``set_attention_core``; the stage modules);
 - a Hugging Face export (``callbacks.hf_export``, ``plait export``) maps the classes of the
   family registry (`trainer.models.families`) onto Hugging Face's: a model of another class has
@@ -22,8 +22,8 @@ from typing import Any
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
-from strategies.model_contract import layout_problems
-from strategies.resolved import ResolvedRun
+from strategies.core.model_contract import layout_problems
+from strategies.core.resolved import ResolvedRun
 from strategies.tensor import TensorParallel
 from trainer.models.families import EXPORTABLE, exportable
 
@@ -50,7 +50,7 @@ def export_problem(model_cls: type, where: str) -> str:
 
 def contract_problems(cfg: DictConfig, run: ResolvedRun | None, model: Any = None) -> list[str]:
     """The members the resolved layout reads that the model does not declare
-    (`strategies.model_contract.layout_problems`), each named with how to add it.
+    (`strategies.core.model_contract.layout_problems`), each named with how to add it.
 
     Args:
         model: the model of ``cfg`` built on the meta device; None when it could not be built

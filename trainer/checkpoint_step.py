@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from strategies.checkpoint import META_FILE, is_checkpoint
-from strategies.safe_load import UnsafePickleError, load_dcp, load_plain, read_dcp_metadata
+from strategies.checkpoint.dcp import META_FILE, is_checkpoint
+from strategies.checkpoint.safe_load import UnsafePickleError, load_dcp, load_plain, read_dcp_metadata
 
 _OPTIMIZER_STEP = re.compile(r"(?:^|\.)optimizer_0\.state\..+\.step$")
 

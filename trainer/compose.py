@@ -28,7 +28,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from trainer.catalog import ALIASES, CONF_DIR, DEFAULT_RECIPE, RECIPES_DIR, bundled_recipes, fail
 
-# trainer.rundir, trainer.init_from and strategies.ranges import torch (~3 s): they are
+# trainer.rundir, trainer.init_from and strategies.core.ranges import torch (~3 s): they are
 # imported where used, so that plait compare, plait RECIPE --cfg job and a sweep's resolvers start in
 # a fraction of a second.
 
@@ -196,7 +196,7 @@ def compose_command(
     """``conf/<name>.yaml`` with the ``key=value`` arguments of ``plait <name>``, every field given.
 
     Args:
-        ranges: a function whose parameters declare the ranges (`strategies.ranges.Range`) of the
+        ranges: a function whose parameters declare the ranges (`strategies.core.ranges.Range`) of the
             fields of the same names (``generate``'s ``top_k``: `trainer.sampling.sample`'s).
 
     Raises:
@@ -213,7 +213,7 @@ def compose_command(
         fail(f"{error_message(err)} (usage: {usage}; a value with a comma or space needs inner quotes: key=\"'a, b'\")")
     problems = command_type_problems(cfg, yaml.safe_load((CONF_DIR / f"{name}.yaml").read_text()), lists=lists)
     if not problems and ranges is not None:
-        from strategies.ranges import declared_ranges, value_problem  # lazy: torch (see the imports above)
+        from strategies.core.ranges import declared_ranges, value_problem  # lazy: torch (see the imports above)
 
         declared = declared_ranges(ranges).items()
         problems = [p for key, allowed in declared if key in cfg and (p := value_problem(key, cfg[key], allowed))]

@@ -23,9 +23,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, InterpolationToMissingValueError
 
 from strategies.mesh import MOVED_KEYS
-from strategies.parallel_dims import MESH_AXES, ParallelDims
-from strategies.ranges import NON_NEGATIVE, POSITIVE, Range, declared_ranges, value_problem
-from strategies.resolved import ResolvedRun
+from strategies.core.parallel_dims import MESH_AXES, ParallelDims
+from strategies.core.ranges import NON_NEGATIVE, POSITIVE, Range, declared_ranges, value_problem
+from strategies.core.resolved import ResolvedRun
 from trainer.optim import DEFAULT_NO_DECAY
 from trainer.model_node import NODE_KEYS
 from trainer.semantics import _import, check_semantics

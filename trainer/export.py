@@ -28,9 +28,9 @@ from omegaconf import DictConfig
 from safetensors.torch import save_file
 from torch import nn
 
-from strategies.checkpoint import CheckpointError
-from strategies.lora import adapted_layers, merge_lora
-from strategies.lora_targets import is_adapter
+from strategies.checkpoint.dcp import CheckpointError
+from strategies.transforms.lora import adapted_layers, merge_lora
+from strategies.transforms.lora_targets import is_adapter
 from trainer.capabilities import export_problem
 from trainer.compose import compose_command, fail
 from trainer.data.chat import DEFAULT_CHAT_TEMPLATE, DEFAULT_DESCRIPTION, ChatError, JinjaTemplate, load_chat_template
@@ -224,7 +224,7 @@ def write_peft_adapter(out: str | Path, model: nn.Module, *, dropout: float, bas
     (huggingface/peft, ``save_pretrained``).
 
     Args:
-        model: a plait model with adapters (`strategies.lora.apply_lora`), not merged.
+        model: a plait model with adapters (`strategies.transforms.lora.apply_lora`), not merged.
         dropout: the adapters' dropout (saved in the config; inference ignores it).
         base: the base model's path (``base_model_name_or_path``), or None.
         family: the Hugging Face family the base is written as (`export_family_of`).
@@ -282,7 +282,7 @@ def export_checkpoint(
     Raises:
         FileNotFoundError: ``path`` names no checkpoint, or the run has no tokenizer.json.
         HFError: the run's model class has no Hugging Face mapping (`trainer.capabilities.exportable`),
-            a LoRA run's adapters cannot be merged (`strategies.lora.merge_lora`) or written for
+            a LoRA run's adapters cannot be merged (`strategies.transforms.lora.merge_lora`) or written for
             peft (`write_peft_adapter`).
         UntrustedTargetError, CheckpointError: from `load_run_model` (``trust`` as there).
     """

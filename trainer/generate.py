@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from omegaconf import DictConfig
 
-from strategies.checkpoint import CheckpointError
+from strategies.checkpoint.dcp import CheckpointError
 from trainer.compose import compose_command, fail
 from trainer.data.chat import ChatError, JinjaTemplate
 from trainer.export import trained_chat_template

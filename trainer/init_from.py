@@ -21,7 +21,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
-from strategies.lora_targets import is_adapter
+from strategies.transforms.lora_targets import is_adapter
 from trainer.models.hf import (
     HFError, is_hf_dir, llama_from_hf, llama_kwargs, load_hf_weights, read_config, sliding_window, weight_files,
 )
@@ -32,7 +32,7 @@ from trainer.targets import check_targets
 def load_init_from(model: nn.Module, source: str | None) -> None:
     """Loads ``source`` (``model.init_from``: a Hugging Face directory or a plait checkpoint / run
     directory) into the (possibly parallelized) model; nothing when it is None. Every rank calls it.
-    LoRA adapters (`strategies.lora_targets.is_adapter`) are not loaded: the base is.
+    LoRA adapters (`strategies.transforms.lora_targets.is_adapter`) are not loaded: the base is.
 
     Raises:
         HFError: ``source`` is neither, or its weights do not fit the model.

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from strategies.checkpoint import META_FILE, CheckpointError, seal
+from strategies.checkpoint.dcp import META_FILE, CheckpointError, seal
 from trainer.compose import compose_command, fail
 from trainer.rundir import RunDir, load_run_model
 

@@ -10,7 +10,7 @@ the values and the verdict to the host before each optimizer step, and `admit` d
 skipped step still counts as a step (the data is consumed, the LR schedule advances), but its
 gradients are dropped (``set_to_none``): every torch optimizer leaves parameters without a gradient
 untouched, moments and step counts included, so the parameters and the optimizer state stay what
-they were. Checkpoints refuse non-finite state on their own (`strategies.checkpoint.save`).
+they were. Checkpoints refuse non-finite state on their own (`strategies.checkpoint.dcp.save`).
 
 A step's loss and gradient norm are computed on the weights the previous update made, so the
 first anomalous step ``k`` also accuses the weights of step ``k - 1``: the newest checkpoint of a

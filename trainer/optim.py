@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from strategies.ranges import FRACTION, NON_NEGATIVE
+from strategies.core.ranges import FRACTION, NON_NEGATIVE
 
 DEFAULT_NO_DECAY = ("tok_embeddings", "norm", "bias")
 

@@ -20,8 +20,8 @@ from strategies.planner.memory import predict_memory
 from strategies.planner.report import best_overrides, oom_message, table
 from strategies.planner.search import SearchSpace, search
 from strategies.planner.time import Cluster
-from strategies.resolved import ResolvedRun
-from strategies.shape import ModelShape
+from strategies.core.resolved import ResolvedRun
+from strategies.core.shape import ModelShape
 from trainer.config import ConfigError
 from trainer.models.block import TransformerBlock
 from trainer.models.llama import Llama

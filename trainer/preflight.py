@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from strategies.mesh import MOVED_KEYS
-from strategies.checkpoint import CheckpointError
+from strategies.checkpoint.dcp import CheckpointError
 from trainer.catalog import ALIASES, fail
 from trainer.compose import adopt_run_model, error_message, hydra_config
 from trainer.config import ConfigError

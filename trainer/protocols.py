@@ -16,8 +16,8 @@ import lightning as L
 import torch
 from torch import nn
 
-from strategies.parallel_dims import ParallelDims
-from strategies.resolved import ResolvedRun
+from strategies.core.parallel_dims import ParallelDims
+from strategies.core.resolved import ResolvedRun
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]

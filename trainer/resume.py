@@ -31,8 +31,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from typing_extensions import override
 
-from strategies.checkpoint import META_FILE
-from strategies.safe_load import UnsafePickleError, load_plain
+from strategies.checkpoint.dcp import META_FILE
+from strategies.checkpoint.safe_load import UnsafePickleError, load_plain
 from trainer.config import ConfigError
 from trainer.data.chat import JinjaTemplate
 from trainer.rundir import RunDir

@@ -14,10 +14,10 @@ import lightning as L
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from strategies.checkpoint import CheckpointError, NonFiniteStateError
-from strategies.launch import LAUNCH_ENV, launch_problems
-from strategies.resolved import ResolvedRun
-from strategies.watchdog import ABORT_EXIT
+from strategies.checkpoint.dcp import CheckpointError, NonFiniteStateError
+from strategies.runtime.launch import LAUNCH_ENV, launch_problems
+from strategies.core.resolved import ResolvedRun
+from strategies.runtime.watchdog import ABORT_EXIT
 from trainer.budget.driver import is_search, run_search
 from trainer.build import build_fit, prepared_data
 from trainer.checkpoint_step import step_problem
@@ -116,7 +116,7 @@ class Launch:
 
 def check_launch(cfg: DictConfig, run_dir: Path | None = None) -> Launch:
     """Everything a launch checks before it starts processes or writes files, once: `validate`,
-    whether the processes can be started here (`strategies.launch.launch_problems`), the
+    whether the processes can be started here (`strategies.runtime.launch.launch_problems`), the
     predicted memory (``planner.check``), the run directory (`check_run_dir`) and the resume
     (`trainer.resume.check_resume`).
 

@@ -7,7 +7,7 @@ Every run (``plait RECIPE``; a ``plait merge`` output too) is one directory::
     tokenizer_config.json  its special tokens (eos, pad, and those its chat template reads)
     chat_template.jinja    the tokenizer's own chat template, when the run's data rendered with it
                       (or, without chat data, the tokenizer had one); absent: plait's default
-    checkpoints/      step_0000100/ ... DCP checkpoints (strategies.checkpoint); ``last`` -> the newest
+    checkpoints/      step_0000100/ ... DCP checkpoints (strategies.checkpoint.dcp); ``last`` -> the newest
     metrics.csv       one row per logged step (trainer.loggers.RunCSVLogger, Lightning's CSV writer)
     summary.json      headline figures at the end (callbacks.summary)
     loss.png          train and validation loss curves (callbacks.plots)
@@ -32,9 +32,9 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from strategies.checkpoint import META_FILE, is_checkpoint, load_model_weights, verify_checkpoint
-from strategies.lora_targets import is_adapter
-from strategies.manifest import MANIFEST
+from strategies.checkpoint.dcp import META_FILE, is_checkpoint, load_model_weights, verify_checkpoint
+from strategies.transforms.lora_targets import is_adapter
+from strategies.checkpoint.manifest import MANIFEST
 from trainer.data.tokenizer import Tokenizer
 from trainer.model_node import constructor_node, init_from_of
 from trainer.targets import check_targets
@@ -238,7 +238,7 @@ def resolve_checkpoint(path: str | os.PathLike, report: Callable[[str], None] | 
     folder of runs (``runs/pretrain``, a ``--multirun`` sweep's folder: of the runs up to
     `RUN_DEPTH` levels below it, the one that saved last (`saved_at`) and holds an intact
     checkpoint). Every file of a candidate is
-    checked against its manifest (sizes and SHA-256, `strategies.checkpoint.verify_checkpoint`).
+    checked against its manifest (sizes and SHA-256, `strategies.checkpoint.dcp.verify_checkpoint`).
 
     Args:
         report: called with one line per checkpoint passed over and why (damaged, incomplete).

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from strategies.model_contract import declares
-from strategies.ranges import NON_NEGATIVE, POSITIVE
+from strategies.core.model_contract import declares
+from strategies.core.ranges import NON_NEGATIVE, POSITIVE
 from trainer.data.tokenizer import Tokenizer
 from trainer.models.kv_cache import kv_cache
 

@@ -23,13 +23,13 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from strategies.mesh import MeshStrategy, build_strategy
-from strategies.parallel_dims import LayoutError
-from strategies.pipeline_layout import SCHEDULES, stages_per_rank_of
+from strategies.core.parallel_dims import LayoutError
+from strategies.pipeline.layout import SCHEDULES, stages_per_rank_of
 from strategies.planner.layout import layout_of, workload_of
 from strategies.planner.time import Cluster, auto_split_points
-from strategies.ranges import optimizer_problem
-from strategies.resolved import ResolvedRun
-from strategies.shape import ModelShape
+from strategies.core.ranges import optimizer_problem
+from strategies.core.resolved import ResolvedRun
+from strategies.core.shape import ModelShape
 from trainer.capabilities import capability_problems, contract_problems
 from trainer.data.paths import DATA_SUFFIXES, PathProblem, check_path, data_files
 from trainer.data.tokenizer import TokenizerFileError, read_tokenizer_json

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from strategies.lora import quantize_pending
+from strategies.transforms.lora import quantize_pending
 from trainer.data import accounting
 from trainer.loggers import is_logging_step
 from trainer.init_from import load_init_from

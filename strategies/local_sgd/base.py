@@ -27,14 +27,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from strategies import checkpoint as ckpt
-from strategies.collective_device import collective_device
-from strategies.parallel_dims import LayoutError, Meshes
+from strategies.checkpoint import dcp as ckpt
+from strategies.runtime.collective_device import collective_device
+from strategies.core.parallel_dims import LayoutError, Meshes
 from strategies.plugin import StrategyPlugin
 
 if TYPE_CHECKING:
-    from strategies.resolved import ResolvedRun
-    from strategies.shape import ModelShape
+    from strategies.core.resolved import ResolvedRun
+    from strategies.core.shape import ModelShape
 
 
 def allreduce_bytes_sent(num_bytes: int, num_ranks: int) -> float:
@@ -52,7 +52,7 @@ def average_(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -
     """Replaces each tensor (its local shard) by its mean over the ranks of ``group``, in place.
 
     One flat all-reduce (SUM, then divide: gloo has no AVG) per dtype, on the device ``group``'s
-    backend serves (`strategies.collective_device`: host shards of FSDP's CPU offload go to the GPU
+    backend serves (`strategies.runtime.collective_device`: host shards of FSDP's CPU offload go to the GPU
     of an NCCL-only group and back). Every rank of ``group`` must pass tensors of the same shapes
     in the same order.
 
@@ -160,7 +160,7 @@ class LocalSGD(StrategyPlugin):
     def save_checkpoint(
         self, path: Path, *, model: nn.Module, optimizers: list[torch.optim.Optimizer], meta: dict[str, Any]
     ) -> None:
-        """`strategies.checkpoint.save` with this island's model and optimizer state under
+        """`strategies.checkpoint.dcp.save` with this island's model and optimizer state under
         `checkpoint_namespace` and the plugin's `state_dict` under "local_sgd"."""
         ckpt.save(
             path, model=model, optimizers=optimizers, meta=meta,

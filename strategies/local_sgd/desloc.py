@@ -24,8 +24,8 @@ from typing_extensions import override
 from strategies.local_sgd.base import LocalSGD, average_, local
 
 if TYPE_CHECKING:
-    from strategies.resolved import ResolvedRun
-    from strategies.shape import ModelShape
+    from strategies.core.resolved import ResolvedRun
+    from strategies.core.shape import ModelShape
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 

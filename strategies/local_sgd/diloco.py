@@ -22,8 +22,8 @@ from typing_extensions import override
 from strategies.local_sgd.base import LocalSGD, average_
 
 if TYPE_CHECKING:
-    from strategies.resolved import ResolvedRun
-    from strategies.shape import ModelShape
+    from strategies.core.resolved import ResolvedRun
+    from strategies.core.shape import ModelShape
 
 
 def default_outer_optimizer(params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:

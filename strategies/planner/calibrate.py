@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from strategies.gloo import run_gloo_ranks
+from strategies.runtime.gloo import run_gloo_ranks
 from strategies.planner.time import Cluster
 from strategies.tensor import TensorParallel
 

@@ -1,6 +1,6 @@
 """What the planner reasons about: one candidate layout and the workload, from a resolved run.
 
-The model is a `strategies.shape.ModelShape` (the run's, built on the meta device). `Layout` is
+The model is a `strategies.core.shape.ModelShape` (the run's, built on the meta device). `Layout` is
 one point of the search space and knows the Hydra overrides that select it. `Workload` holds what
 does not change between layouts (sequence length, global batch, dtypes, optimizer, kernels).
 `layout_of` and `workload_of` read them from a `ResolvedRun` and its strategy; nothing here reads
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from strategies.resolved import ResolvedRun
+from strategies.core.resolved import ResolvedRun
 
 # Adam keeps two moments per parameter plus a 4-byte fp32 `step` scalar per tensor; SGD with
 # momentum one buffer; plain SGD nothing.
@@ -27,7 +27,7 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 class Layout:
     """One parallel layout and its memory/time knobs (a point of the planner's search).
 
-    Degrees as in `strategies.parallel_dims.ParallelDims`; ``stages_per_rank`` is the virtual
+    Degrees as in `strategies.core.parallel_dims.ParallelDims`; ``stages_per_rank`` is the virtual
     stages of interleaved/V schedules; ``ac`` is "none", "full" or "every_k" (with ``ac_every_k``);
     ``ep`` is the expert-parallel degree of a mixture of experts (borrowed from dp_shard x cp).
     ``split_points`` the first layer of every pipeline stage but the first (None: by layer count).

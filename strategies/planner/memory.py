@@ -29,9 +29,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from strategies.pipeline_layout import local_stages, stage_layers
+from strategies.pipeline.layout import local_stages, stage_layers
 from strategies.planner.layout import OPTIMIZER_STATES, Layout, Workload
-from strategies.shape import ModelShape, ParamSpec
+from strategies.core.shape import ModelShape, ParamSpec
 
 GiB = 1024**3
 

@@ -14,13 +14,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import product
 
-from strategies.context import context_parallel_problems
-from strategies.expert import SPLIT_BACKWARD_SCHEDULES
-from strategies.parallel_dims import divisors
-from strategies.pipeline_layout import check_pipeline, stages_per_rank_of
-from strategies.pipeline_layout import SCHEDULES
+from strategies.context.plugin import context_parallel_problems
+from strategies.pipeline.layout import SPLIT_BACKWARD_SCHEDULES
+from strategies.core.parallel_dims import divisors
+from strategies.pipeline.layout import check_pipeline, stages_per_rank_of
+from strategies.pipeline.layout import SCHEDULES
 from strategies.planner.layout import Layout, Workload
-from strategies.shape import ModelShape
+from strategies.core.shape import ModelShape
 from strategies.planner.memory import MemoryBreakdown, predict_memory
 from strategies.planner.time import Cluster, StepTime, predict_time, tokens_per_second_per_device
 from strategies.tensor import tp_divisibility_problems
@@ -86,7 +86,7 @@ def candidate_layouts(shape: ModelShape, work: Workload, cluster: Cluster, space
         for micro in [b for b in divisors(per_rank) if b <= space.max_micro_batch]:
             for sched in space.schedules if pp > 1 else ["1F1B"]:
                 if shape.num_experts and sched in SPLIT_BACKWARD_SCHEDULES:
-                    continue  # refused for mixtures of experts (`strategies.expert.ExpertParallel.problems`)
+                    continue  # refused for mixtures of experts (`strategies.expert.plugin.ExpertParallel.problems`)
                 v = stages_per_rank_of(sched, None)
                 if pp > 1 and check_pipeline(
                     pp=pp, schedule=sched, stages_per_rank=None, split_points=None, num_microbatches=None,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from strategies.pipeline_layout import balanced_split_points
+from strategies.pipeline.layout import balanced_split_points
 from strategies.planner.layout import Layout, Workload
 from strategies.planner.memory import (
     layer_activation_bytes,
@@ -31,7 +31,7 @@ from strategies.planner.memory import (
     stage_plan,
     state_bytes,
 )
-from strategies.shape import ModelShape
+from strategies.core.shape import ModelShape
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -138,7 +138,7 @@ def layer_costs(shape: ModelShape, layout: Layout, work: Workload, cluster: Clus
     """Seconds of forward + backward (+ recomputation) of one micro-batch, per part of the model:
     ``(embedding, [each block], final norm + output head + loss)``. The parts a pipeline stage
     holds add up to its time (`stage_compute`), so they also choose cost-balanced stages
-    (`strategies.pipeline_layout.balanced_split_points`)."""
+    (`strategies.pipeline.layout.balanced_split_points`)."""
     tokens = layout.micro_batch_size * work.seq_len // layout.cp
     share = _rate_share(layout, cluster)
     mm_peak = (cluster.peak_flops_fp8 if work.float8 else cluster.peak_flops) * cluster.matmul_efficiency * share

@@ -2,8 +2,8 @@
 (pytorch/pytorch#129079, fixed by #129398; related #140900 on ``initial_lr``).
 
 Scenario: one parameter, SGD(lr=0.1) + StepLR(step_size=1, gamma=0.5) stepped 3 times, so the LR
-is 0.0125. Save with plait's `strategies.checkpoint.save`; build a fresh optimizer (lr=0.1) and
-scheduler; load with `strategies.checkpoint.load`.
+is 0.0125. Save with plait's `strategies.checkpoint.dcp.save`; build a fresh optimizer (lr=0.1) and
+scheduler; load with `strategies.checkpoint.dcp.load`.
 Expected: param_groups[0]['lr'] == 0.0125 and initial_lr == 0.1 (needed to rebuild the scheduler);
 the next two updates use 0.0125 and 0.00625. The bug leaves lr = 0.1, an 8x too large first update.
 Also through a real plait fit: the LR of every step after a resume equals the uninterrupted run's.
@@ -17,9 +17,7 @@ import torch
 from harness import compose_config, fit
 from torch import nn
 
-from strategies import checkpoint as ckpt
-
-
+from strategies.checkpoint import dcp as ckpt
 class OneParameter(nn.Module):
     def __init__(self) -> None:
         super().__init__()

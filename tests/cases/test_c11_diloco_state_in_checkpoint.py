@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from strategies.gloo import run_gloo_ranks
+from strategies.runtime.gloo import run_gloo_ranks
 from strategies.local_sgd import DiLoCo
 
 # Per-step decrement of each island's local value in rounds 1 and 2 (steps 1-2 and 3-4).

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from strategies.gloo import run_gloo_ranks
+from strategies.runtime.gloo import run_gloo_ranks
 from strategies.local_sgd import DiLoCo
 
 LOCAL = {0: 0.7, 1: 0.9}

@@ -8,7 +8,7 @@ changed). Variants: Partial(sum) gradients rank0 [1, 3] + rank1 [2, 1] = logical
 with HSDP replicate=2 (mesh 2x2, Replicate x Shard) the norm stays 5.0, not 5*sqrt(2) = 7.07.
 Each variant also runs on gradients that plait's own FSDP2 (`apply_fsdp`) produced by a backward.
 
-Real gloo processes, forked, one process group per test (`strategies.gloo.run_gloo_ranks`).
+Real gloo processes, forked, one process group per test (`strategies.runtime.gloo.run_gloo_ranks`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from strategies.gloo import run_gloo_ranks
+from strategies.runtime.gloo import run_gloo_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard

@@ -23,10 +23,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from harness import compose_config, fit, losses
-from strategies.gloo import run_gloo_ranks
+from strategies.runtime.gloo import run_gloo_ranks
 from strategies.grad_norm import global_grad_norm
 from strategies.mesh import MeshStrategy
-from strategies.parallel_dims import ParallelDims
+from strategies.core.parallel_dims import ParallelDims
 
 # Gradients of each rank's parameters. Stage norms: 6 (stage 0 / rank 0) and 8 (stage 1 / rank 1).
 ONE_STAGE_PER_RANK = {0: [[6.0, 0.0]], 1: [[0.0, 8.0]]}

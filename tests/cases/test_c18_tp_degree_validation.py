@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 from harness import compose_config
 
-from strategies.parallel_dims import LayoutError
+from strategies.core.parallel_dims import LayoutError
 from strategies.tensor import TensorParallel
 from trainer.config import ConfigError, validate
 from trainer.models.llama import Llama

@@ -17,7 +17,7 @@ from harness import CLI_TINY, compose_config, plait
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from strategies.checkpoint import is_checkpoint
+from strategies.checkpoint.dcp import is_checkpoint
 from trainer.config import validate
 
 ONE_STEP = [o for o in CLI_TINY if not o.startswith("trainer.max_steps=")] + [

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from hydra.utils import get_class
 
-from strategies.parallel_dims import ParallelDims
+from strategies.core.parallel_dims import ParallelDims
 from strategies.planner.search import SearchSpace
 from trainer.compose import CONF_DIR
 from trainer.config import PlannerConfig, RunConfig, TrainConfig, TrainerConfig

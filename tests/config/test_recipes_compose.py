@@ -43,7 +43,7 @@ def test_recipe_x_strategy_validates(recipe: str, strategy: str, devices: int) -
 
 
 def _resolved(cfg, devices: int, axis: str) -> int:
-    from strategies.parallel_dims import MESH_AXES, ParallelDims
+    from strategies.core.parallel_dims import MESH_AXES, ParallelDims
 
     return getattr(ParallelDims(**{a: cfg.strategy[a] for a in MESH_AXES}).resolve(devices), axis)
 

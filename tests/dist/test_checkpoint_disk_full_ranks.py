@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from strategies import checkpoint as ckpt
-from strategies.gloo import run_gloo_ranks
+from strategies.checkpoint import dcp as ckpt
+from strategies.runtime.gloo import run_gloo_ranks
 
 
 def _save_failing_on(root: Path, failing_rank: int, name: str) -> Any:

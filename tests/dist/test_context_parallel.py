@@ -20,10 +20,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from strategies.context import (
+from strategies.context.plugin import (
     ContextParallelAttention, build_cp_layout, causal_work, shard_batch, shard_positions, ulysses_degree_for,
 )  # fmt: skip
-from strategies.gloo import run_gloo_ranks
+from strategies.runtime.gloo import run_gloo_ranks
 
 B, T, H, K, E = 2, 32, 8, 4, 8
 DOC_LENGTHS = (5, 13, 9, 5)

@@ -86,7 +86,7 @@ def test_context_parallel_training_equals_one_process(tmp_path, corpus, referenc
     torch.testing.assert_close(params, reference["params"], **TOL)
 
 
-# Document-aware sharding (strategies.document_shards): every document of a row zigzagged on its own.
+# Document-aware sharding (strategies.context.document_shards): every document of a row zigzagged on its own.
 _DOC = "strategy.context_parallel.sharding=document"
 DOCUMENT_LAYOUTS = {
     "cp2_ring_document": ["strategy=cp", "strategy.context_parallel.mode=ring", "trainer.devices=2", _DOC],

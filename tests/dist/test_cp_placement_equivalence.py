@@ -1,4 +1,4 @@
-"""Hybrid cp placement (`strategies.cp_placement`) trains the same steps as one process.
+"""Hybrid cp placement (`strategies.context.placement`) trains the same steps as one process.
 
 With ``strategy.context_parallel.placement=hybrid`` the rows of a cp group whose documents fit one
 shard train whole on single cp ranks (like extra data parallelism) and the others are split over

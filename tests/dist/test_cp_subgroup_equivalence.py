@@ -1,4 +1,4 @@
-"""Hybrid cp placement over cp sub-groups (`strategies.cp_placement`) trains the same steps as one process.
+"""Hybrid cp placement over cp sub-groups (`strategies.context.placement`) trains the same steps as one process.
 
 With ``strategy.context_parallel.placement=hybrid`` at cp = 4 and ``micro_batch_size=4`` (16 tokens
 per shard of a 64-token row), a row whose longest document holds <= 16 tokens trains whole on one

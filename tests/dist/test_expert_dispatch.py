@@ -2,7 +2,7 @@
 loop written here on all ranks' tokens, and LLEP against standard EP under a 95% skew.
 
 Each rank routes its own 48 tokens (top-2 over 8 experts; 95% of the first choices go to expert 0,
-which rank 0 owns) through `GroupedExperts` sharded by `strategies.expert.apply_expert_parallel`.
+which rank 0 owns) through `GroupedExperts` sharded by `strategies.expert.plugin.apply_expert_parallel`.
 Outputs, input gradients and every expert weight's gradient are compared in fp32.
 """
 
@@ -64,7 +64,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        from strategies.expert import ExpertParallel, apply_expert_parallel
+        from strategies.expert.plugin import ExpertParallel, apply_expert_parallel
         from trainer.models.moe import GroupedExperts
 
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

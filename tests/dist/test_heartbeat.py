@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from strategies.watchdog import Heartbeat
+from strategies.runtime.watchdog import Heartbeat
 
 
 def _free_port() -> int:

@@ -121,7 +121,7 @@ def simulate(cfg, *, steps: int, algorithm, init_from: Path | None = None) -> di
     torch.manual_seed(cfg.seed)
     first = instantiate_model(cfg.model, vocab_size=prepared.tokenizer.vocab_size)
     if init_from is not None:
-        from strategies.checkpoint import load_model_weights
+        from strategies.checkpoint.dcp import load_model_weights
 
         load_model_weights(init_from / "checkpoints" / "last", first)
     models = [first, copy.deepcopy(first)]

@@ -150,7 +150,7 @@ def test_lora_fit_equals_a_plain_loop_and_keeps_the_base(runs, ref, layout):
 
 
 def test_checkpoint_holds_only_the_adapters(runs):
-    from strategies.checkpoint import saved_entries
+    from strategies.checkpoint.dcp import saved_entries
     from trainer.rundir import resolve_checkpoint
 
     ckpt = resolve_checkpoint(runs["fsdp2"]["run_dir"])

@@ -5,13 +5,13 @@ the one combination that cannot be honoured (an adapter on a tied LM head) is re
 An adapter lives in a forward hook on its linear layer, so code that multiplies by ``layer.weight``
 itself skips it in silence: SAT's sliced MLP (``F.linear(x, w1.weight[idx])``) left every MLP
 adapter's B at exactly 0, attention adapters training. Such paths now go through
-`strategies.lora.linear_slice` / `linear_operands`; these tests hold every path to it.
+`strategies.transforms.lora.linear_slice` / `linear_operands`; these tests hold every path to it.
 
 Bases: random Hugging Face checkpoints written by transformers (`hf_checkpoints.make_hf_dir`): a
 Llama 3, a Qwen3-MoE (a dense first block, routed experts in the second) and a tied Llama 2.
 
 The SAT reference is written here: each target projection of the loaded Llama becomes
-``F.linear(x, W + (alpha/r) B A)`` with its own A (drawn as `strategies.lora.apply_lora` documents:
+``F.linear(x, W + (alpha/r) B A)`` with its own A (drawn as `strategies.transforms.lora.apply_lora` documents:
 one ``torch.Generator().manual_seed(0)``, uniform(-1/sqrt(in), 1/sqrt(in)) per target in module
 order) and B = 0, and each MLP multiplies its hidden activation by the step's 0/1 channel mask
 (the kept channels from plait's `kept_channels`: the draw is shared on purpose, the test checks
@@ -33,7 +33,7 @@ from torch import nn
 
 from harness import EXACT_SGD, compose_config, fit, recorded
 from hf_checkpoints import make_hf_dir
-from strategies.sat import kept_channels
+from strategies.transforms.sat import kept_channels
 from trainer.config import ConfigError, validate
 
 STEPS = 3

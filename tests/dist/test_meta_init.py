@@ -6,7 +6,7 @@ Llama layouts: FSDP2 over 4 ranks (uneven dim-0 chunks: 97 vocabulary rows), TP 
 parallelism, and FSDP2 2 x TP 2 (2-D DTensors, the strided dim-0 shards of column-wise weights).
 MoE layouts (a dense block, then a block of 4 routed experts, a shared expert and latent attention):
 FSDP2 over 2 ranks, and expert parallelism 2 with the experts' own FSDP 2 over 4 ranks (each ep
-rank holds 2 experts, split again over efsdp), through `strategies.expert.ExpertParallel`.
+rank holds 2 experts, split again over efsdp), through `strategies.expert.plugin.ExpertParallel`.
 Each rank fills only its shards (`Llama.init_weights` after ``to_empty``); the test gathers every
 parameter with ``full_tensor`` and compares it with a plain model built on CPU. A block size
 smaller than the tensors makes every parameter span several seeded blocks.
@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strategies.gloo import run_gloo_ranks
+from strategies.runtime.gloo import run_gloo_ranks
 from trainer.models import init
 from trainer.models.llama import Llama
 from trainer.models.moe_transformer import MoETransformer
@@ -63,9 +63,9 @@ def _rank(rank: int, layout: str) -> dict:
 
 
 def _moe_rank(rank: int, layout: str) -> dict:
-    from strategies.expert import ExpertParallel
+    from strategies.expert.plugin import ExpertParallel
     from strategies.fsdp import FSDP, apply_fsdp
-    from strategies.parallel_dims import Meshes, ParallelDims
+    from strategies.core.parallel_dims import Meshes, ParallelDims
 
     init.BLOCK_ELEMENTS = BLOCK
     dp, ep = MOE_LAYOUTS[layout]

@@ -1,4 +1,4 @@
-"""Mixout (`strategies.mixout`): off at p=0, a sharded run equals an independent one-process
+"""Mixout (`strategies.transforms.mixout`): off at p=0, a sharded run equals an independent one-process
 reference that mixes with autograd, and a resumed run continues exactly as the uninterrupted one.
 
 fp32 nano Llama, the bundled corpus, global batch 8 of 64-token rows, 3 steps of SGD with momentum
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from harness import EXACT_SGD, compose_config, fit, losses, reference_setup
-from strategies.mixout import mixout_mask
+from strategies.transforms.mixout import mixout_mask
 from trainer.data.packing import IGNORE_INDEX
 
 STEPS = 3

@@ -4,7 +4,7 @@ loss falls, and the checkpoint holds only the adapters.
 
 Under FSDP2 each adapted layer's NF4 codes (float32 storage) are their own FSDP unit, sharded and
 all-gathered like a float parameter, and dequantised with the layer's own ``QuantState``
-(`strategies.qlora.NF4Linear`). The base is test_lora's random Llama-3 Hugging Face directory.
+(`strategies.transforms.qlora.NF4Linear`). The base is test_lora's random Llama-3 Hugging Face directory.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def test_fsdp2_qlora_equals_one_process(runs):
 
 
 def test_fsdp2_qlora_checkpoint_holds_only_the_adapters(runs):
-    from strategies.checkpoint import saved_entries
+    from strategies.checkpoint.dcp import saved_entries
     from trainer.rundir import resolve_checkpoint
 
     ckpt = resolve_checkpoint(runs["fsdp2"]["run_dir"])

@@ -1,4 +1,4 @@
-"""Sparsity-accelerated training (`strategies.sat`): dense at rate 0, and at rate 0.5 (constant, or
+"""Sparsity-accelerated training (`strategies.transforms.sat`): dense at rate 0, and at rate 0.5 (constant, or
 the ladder schedule) one process and FSDP on 2 ranks equal an independent reference that zeroes the
 omitted channels; the ladder's rates match a hand-written schedule, its dense last phase is exactly
 dense training, and a run resumed across its rungs is exact.
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from harness import EXACT_SGD, compose_config, fit, losses, reference_setup
-from strategies.sat import SAT, kept_channels
+from strategies.transforms.sat import SAT, kept_channels
 from trainer.data.packing import IGNORE_INDEX
 
 STEPS = 3

@@ -11,7 +11,7 @@ import lightning as L
 import pytest
 from harness import compose_config, fit
 
-from strategies.checkpoint import verify_checkpoint
+from strategies.checkpoint.dcp import verify_checkpoint
 from trainer.rundir import RunDir, step_dirs
 
 SIGNALLED = 2  # rank 0 receives SIGTERM at the start of this optimizer step

@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from strategies.gloo import run_gloo_ranks
+from strategies.runtime.gloo import run_gloo_ranks
 from strategies.tensor import TensorParallel
 
 ALL_REDUCE = "c10d_functional.all_reduce"

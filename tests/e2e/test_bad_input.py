@@ -115,7 +115,7 @@ def _untrained_run(run_dir: Path) -> Path:
     from trainer.model_node import instantiate_model
     from omegaconf import OmegaConf
 
-    from strategies.checkpoint import seal
+    from strategies.checkpoint.dcp import seal
     from trainer.data.tokenizer import train_bpe
 
     tokenizer = train_bpe(["hello there, how are you?"] * 4, vocab_size=300)

@@ -17,7 +17,7 @@ import pytest
 from harness import CLI_TINY, env_with_tests, plait, train_rows
 from omegaconf import OmegaConf
 
-from strategies.checkpoint import is_checkpoint
+from strategies.checkpoint.dcp import is_checkpoint
 from trainer.compose import CONF_DIR, bundled_recipes
 from trainer.data.tokenizer import Tokenizer
 

@@ -25,9 +25,9 @@ import torch
 from harness import CLI_TINY, assert_resumed_bit_exact, env_with_tests, plait
 from torch import nn
 
-from strategies import checkpoint as ckpt
-from strategies.checkpoint import META_FILE
-from strategies.manifest import MANIFEST
+from strategies.checkpoint import dcp as ckpt
+from strategies.checkpoint.dcp import META_FILE
+from strategies.checkpoint.manifest import MANIFEST
 from trainer.rundir import RunDir
 
 N = 3

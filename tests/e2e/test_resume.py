@@ -20,7 +20,7 @@ import pytest
 from harness import CLI_TINY, assert_resumed_bit_exact, plait, train_rows
 from omegaconf import OmegaConf
 
-from strategies.checkpoint import is_checkpoint
+from strategies.checkpoint.dcp import is_checkpoint
 from trainer.rundir import resolve_checkpoint
 from trainer.config import ConfigError
 from trainer.run import check_run_dir

@@ -27,7 +27,7 @@ import pytest
 import torch
 from harness import CLI_TINY, compose_config, plait, train_rows
 
-from strategies.checkpoint import is_checkpoint
+from strategies.checkpoint.dcp import is_checkpoint
 from trainer.build import build_data
 from trainer.config import validate
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from harness import CLI_TINY, plait, train_rows
 
-from strategies.checkpoint import is_checkpoint
+from strategies.checkpoint.dcp import is_checkpoint
 
 N = 3
 STEP_N = f"step_{N:07d}"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from harness import CLI_TINY, plait, train_rows
 
-from strategies.checkpoint import is_checkpoint
+from strategies.checkpoint.dcp import is_checkpoint
 
 BASE = [o for o in CLI_TINY if not o.startswith(("trainer.max_steps=", "data.eval_rows="))] + ["trainer.max_steps=100000"]
 BUDGETS = {"general": 900, "tool_use": 500, "code": 300, "math": 400, "instruction_following": 200}

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from harness import CLI_TINY, plait, train_rows
 
-from strategies.checkpoint import is_checkpoint
+from strategies.checkpoint.dcp import is_checkpoint
 
 STEPS = 3
 Start = Callable[[int, int, list[str]], tuple[list[str], dict[str, str]]]

@@ -20,9 +20,9 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from strategies import checkpoint as ckpt
-from strategies.checkpoint import META_FILE
-from strategies.manifest import MANIFEST
+from strategies.checkpoint import dcp as ckpt
+from strategies.checkpoint.dcp import META_FILE
+from strategies.checkpoint.manifest import MANIFEST
 
 
 def _disk_full(filename: object) -> OSError:

@@ -19,9 +19,9 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from strategies import checkpoint as ckpt
-from strategies.manifest import MANIFEST
-from strategies.safe_load import SafeLoadPlanner, UnsafePickleError
+from strategies.checkpoint import dcp as ckpt
+from strategies.checkpoint.manifest import MANIFEST
+from strategies.checkpoint.safe_load import SafeLoadPlanner, UnsafePickleError
 from trainer.callbacks.checkpoint import PeriodicCheckpoint
 from trainer.loggers import RunCSVLogger
 from trainer.rundir import RunDir, resolve_checkpoint, step_dir

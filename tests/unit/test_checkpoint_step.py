@@ -12,9 +12,9 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
-from strategies import checkpoint as ckpt
-from strategies.checkpoint import META_FILE, CheckpointError
-from strategies.manifest import MANIFEST
+from strategies.checkpoint import dcp as ckpt
+from strategies.checkpoint.dcp import META_FILE, CheckpointError
+from strategies.checkpoint.manifest import MANIFEST
 from trainer.checkpoint_step import meta_step, optimizer_step, step_problem
 from trainer.run import check_run_dir
 

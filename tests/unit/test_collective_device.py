@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import strategies.collective_device as cd
+import strategies.runtime.collective_device as cd
 from strategies import grad_norm
 from strategies.local_sgd import base
 

@@ -1,4 +1,4 @@
-"""The balance telemetry's compute timer (strategies/compute_timer.py) inside MeshStrategy's step:
+"""The balance telemetry's compute timer (strategies/runtime/compute_timer.py) inside MeshStrategy's step:
 forward/backward seconds up to the gradient sync, the last backward (where it waits) left out."""
 
 from __future__ import annotations

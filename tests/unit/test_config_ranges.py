@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from harness import compose_config
 
-from strategies.launch import launch_problems
-from strategies.ranges import Range, value_problem
+from strategies.runtime.launch import launch_problems
+from strategies.core.ranges import Range, value_problem
 from trainer.config import ConfigError, validate
 
 

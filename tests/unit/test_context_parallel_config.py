@@ -3,7 +3,7 @@
 import pytest
 
 from harness import compose_config
-from strategies.context import context_parallel_problems
+from strategies.context.plugin import context_parallel_problems
 from trainer.config import ConfigError, validate
 
 

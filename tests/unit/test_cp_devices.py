@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from strategies.context import ContextParallelAttention, CPLayout, shard_batch
+from strategies.context.plugin import ContextParallelAttention, CPLayout, shard_batch
 
 META = torch.device("meta")
 

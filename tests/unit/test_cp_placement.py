@@ -1,4 +1,4 @@
-"""Hybrid cp placement (strategies/cp_placement.py): which rows train on which cp group, on which ranks."""
+"""Hybrid cp placement (strategies/context/placement.py): which rows train on which cp group, on which ranks."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import itertools
 import pytest
 import torch
 
-from strategies.cp_placement import (
+from strategies.context.placement import (
     CP_GROUP, fit_sizes, group_sizes, micro_batches_of, place_rows, placement_problems, plan_placement, row_counts,
 )  # fmt: skip
-from strategies.document_runs import causal_pairs, longest_document  # fmt: skip
+from strategies.core.document_runs import causal_pairs, longest_document  # fmt: skip
 
 
 def _rows(*lengths_per_row: list[int]) -> torch.Tensor:
@@ -138,7 +138,7 @@ def test_sub_group_rows_balance_close_to_brute_force():
 
 
 def test_hybrid_micro_batches_run_as_many_forwards_on_every_rank():
-    from strategies.cp_placement import hybrid_micro_batches
+    from strategies.context.placement import hybrid_micro_batches
 
     docs = _rows(*[[8, 8, 8, 8, 8, 8, 8, 8]] * 4, [20, 20, 24], [30, 34], [24, 8, 32], [64])  # 4 fit 1, 2 fit 2
     batch = {"input_ids": docs * 100 + torch.arange(64), "document_ids": docs}

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from strategies.attention_blocks import FusedBlocks
+from strategies.context.attention_blocks import FusedBlocks
 from trainer.models.attention import DOCUMENT_CAUSAL
 from trainer.models.document_masks import (
     PackedDocuments, document_block_mask, flex_document_attention, pack_documents,

@@ -1,4 +1,4 @@
-"""Document-aware cp sharding (`strategies.document_shards`): a layout the zigzag masks read exactly,
+"""Document-aware cp sharding (`strategies.context.document_shards`): a layout the zigzag masks read exactly,
 with even causal work per rank on packed rows.
 
 The checks are written here: a token's causal work is its index in its document plus one (counted
@@ -13,8 +13,8 @@ import random
 import pytest
 import torch
 
-from strategies.context import ContextParallel, shard_batch, shard_positions
-from strategies.document_shards import document_zigzag_order, rank_causal_work
+from strategies.context.plugin import ContextParallel, shard_batch, shard_positions
+from strategies.context.document_shards import document_zigzag_order, rank_causal_work
 
 
 def packed(seq_len: int, rng: random.Random, low: int, high: int) -> torch.Tensor:

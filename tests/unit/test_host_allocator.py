@@ -20,7 +20,7 @@ import pytest
 import torch
 from harness import compose_config, env_with_tests, fit
 
-from strategies.host_allocator import is_glibc
+from strategies.runtime.host_allocator import is_glibc
 
 pytestmark = pytest.mark.skipif(not is_glibc(), reason="mallopt and mallinfo2 are glibc's")
 
@@ -66,7 +66,7 @@ def _fresh_probe(setup: str) -> dict[str, float]:
 def test_keep_freed_host_memory_keeps_large_blocks_in_the_heap() -> None:
     # glibc's default, the premise: a 64 MiB block gets a mapping of its own, unmapped at free.
     assert _fresh_probe("")["mapped_mib"] >= 64
-    kept = _fresh_probe("from strategies.host_allocator import keep_freed_host_memory\nassert keep_freed_host_memory()")
+    kept = _fresh_probe("from strategies.runtime.host_allocator import keep_freed_host_memory\nassert keep_freed_host_memory()")
     assert kept["mapped_mib"] == 0  # from the heap ...
     assert kept["kept_mib"] >= 128  # ... and still there after it is freed (not trimmed), for the next step
 

@@ -21,7 +21,7 @@ SMALL = ["data.seq_len=64", "trainer.max_steps=2"]
 @pytest.fixture(scope="module")
 def base_run(tmp_path_factory) -> Path:
     """A finished plait run of a 32-wide nano model: config.yaml, tokenizer.json, one intact checkpoint."""
-    from strategies.manifest import checkpoint_files, hash_files, write_manifest
+    from strategies.checkpoint.manifest import checkpoint_files, hash_files, write_manifest
 
     run = tmp_path_factory.mktemp("base") / "pretrain"
     step = run / "checkpoints" / "step_0000002"

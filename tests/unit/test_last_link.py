@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from strategies.checkpoint import CheckpointError
+from strategies.checkpoint.dcp import CheckpointError
 from trainer.callbacks.checkpoint import PeriodicCheckpoint
 from trainer.rundir import RunDir, last_link_problem
 from trainer.run import check_run_dir

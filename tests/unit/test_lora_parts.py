@@ -7,8 +7,8 @@ import pytest
 import torch
 from harness import compose_config
 
-from strategies.lora import apply_lora, merge_lora, trainable_bytes
-from strategies.lora_targets import is_adapter
+from strategies.transforms.lora import apply_lora, merge_lora, trainable_bytes
+from strategies.transforms.lora_targets import is_adapter
 from trainer.config import ConfigError, validate
 from trainer.models.llama import Llama
 
@@ -95,7 +95,7 @@ def test_validate_refuses_what_lora_does_not_run(overrides, problem) -> None:
 def test_a_lora_run_is_not_a_base(tmp_path) -> None:
     from omegaconf import OmegaConf
 
-    from strategies.manifest import checkpoint_files, hash_files, write_manifest
+    from strategies.checkpoint.manifest import checkpoint_files, hash_files, write_manifest
 
     run = tmp_path / "lora_run"
     step = run / "checkpoints" / "step_0000001"
@@ -123,7 +123,7 @@ def test_dropout_acts_on_the_adapter_input_in_training_only() -> None:
 
 
 def _adapted(quantize: str | None) -> torch.nn.Linear:
-    from strategies.lora import quantize_pending
+    from strategies.transforms.lora import quantize_pending
 
     torch.manual_seed(0)
     model = torch.nn.ModuleDict({"w1": torch.nn.Linear(64, 48, bias=False)})
@@ -139,7 +139,7 @@ def test_weight_reads_give_what_the_adapted_layer_computes(quantize) -> None:
     """`linear_slice` (SAT's sliced MLP) and `linear_operands` (the chunked head) against the layer's
     own forward (its base matmul, bitsandbytes' for NF4, plus the LoRA hook): the adapter and the
     4-bit base come along."""
-    from strategies.lora import linear_operands, linear_slice
+    from strategies.transforms.lora import linear_operands, linear_slice
 
     layer = _adapted(quantize)
     x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(1))
@@ -155,7 +155,7 @@ def test_weight_reads_give_what_the_adapted_layer_computes(quantize) -> None:
 
 
 def test_stacked_experts_named_by_the_targets_are_reported_unadapted() -> None:
-    from strategies.lora_targets import unadaptable
+    from strategies.transforms.lora_targets import unadaptable
     from trainer.models.moe_transformer import MoETransformer
 
     model = MoETransformer(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_dim=48, max_seq_len=16, num_experts=4, top_k=2,

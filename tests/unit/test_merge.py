@@ -46,7 +46,7 @@ def test_sparsity_counts_unchanged_entries():
 def _fake_run(path, state, cfg):
     import torch.distributed.checkpoint as dcp
 
-    from strategies.checkpoint import seal
+    from strategies.checkpoint.dcp import seal
 
     ckpt = path / "checkpoints" / "last"
     ckpt.mkdir(parents=True)
@@ -59,7 +59,7 @@ def _fake_run(path, state, cfg):
 def test_plait_merge_command_one_delta_reproduces_the_run(tmp_path, capsys):
     from trainer.model_node import instantiate_model
 
-    from strategies.checkpoint import load_model_weights
+    from strategies.checkpoint.dcp import load_model_weights
 
     cfg = OmegaConf.create({"model": {"_target_": "trainer.models.llama.Llama", "dim": 32, "n_layers": 1, "n_heads": 2,
                                       "n_kv_heads": 2, "max_seq_len": 16, "vocab_size": 40}})  # fmt: skip

@@ -8,7 +8,7 @@ from harness import compose_config
 from strategies.activation_checkpoint import ActivationCheckpoint
 from strategies.compile import Compile
 from strategies.mesh import MeshStrategy, build_strategy
-from strategies.parallel_dims import LayoutError, ParallelDims
+from strategies.core.parallel_dims import LayoutError, ParallelDims
 from trainer.config import ConfigError, validate
 
 
@@ -20,7 +20,7 @@ def test_unapplied_axes_are_refused_with_the_fix() -> None:
     with pytest.raises(LayoutError, match=message):
         DataParallelOnly(ParallelDims(dp_shard=1, cp=2))
     DataParallelOnly(ParallelDims(dp_replicate=2, dp_shard=-1))  # the data-parallel axes are applied
-    assert MeshStrategy(ParallelDims(dp_shard=1, cp=2)).dims.cp == 2  # context parallelism is applied (strategies.context)
+    assert MeshStrategy(ParallelDims(dp_shard=1, cp=2)).dims.cp == 2  # context parallelism is applied (strategies.context.plugin)
 
 
 def test_a_subclass_that_applies_an_axis_may_use_it() -> None:
@@ -31,7 +31,7 @@ def test_a_subclass_that_applies_an_axis_may_use_it() -> None:
 
 
 def test_validate_accepts_the_pipeline_axis() -> None:
-    # Pipeline parallelism is applied (strategies.pipeline); the refusal of an unapplied axis is
+    # Pipeline parallelism is applied (strategies.pipeline.plugin); the refusal of an unapplied axis is
     # tested above with a subclass that applies fewer axes.
     validate(compose_config(["strategy=nd", "strategy.pp=2", "trainer.devices=2"]))
 

@@ -1,11 +1,11 @@
-"""Mixout's mask and mixing (`strategies.mixout`): unbiased, Bernoulli(p), layout-independent."""
+"""Mixout's mask and mixing (`strategies.transforms.mixout`): unbiased, Bernoulli(p), layout-independent."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from strategies.mixout import global_index, mix_, mixout_mask
+from strategies.transforms.mixout import global_index, mix_, mixout_mask
 
 
 def test_monte_carlo_mean_of_mixed_weights_is_the_weight():

@@ -1,4 +1,4 @@
-"""The model's declared contract (`strategies.model_contract`): a layout that reads a member the
+"""The model's declared contract (`strategies.core.model_contract`): a layout that reads a member the
 model does not declare is refused by validate, naming the member, never skipped."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from strategies.model_contract import DecoderModel, layout_problems
-from strategies.shape import ModelContractError, ModelShape
+from strategies.core.model_contract import DecoderModel, layout_problems
+from strategies.core.shape import ModelContractError, ModelShape
 from trainer.models.llama import Llama
 
 
@@ -106,9 +106,9 @@ def test_models_import_no_technique_no_tokenizer_no_run_directory() -> None:
     import ast
     from pathlib import Path
 
-    allowed = {"strategies.ranges", "strategies.model_contract", "strategies.shape"}
-    # Known and left: SAT's sliced MLP reads LoRA adapters through strategies.lora.linear_slice.
-    known = {("block.py", "strategies.lora")}
+    allowed = {"strategies.core.ranges", "strategies.core.model_contract", "strategies.core.shape"}
+    # Known and left: SAT's sliced MLP reads LoRA adapters through strategies.transforms.lora.linear_slice.
+    known = {("block.py", "strategies.transforms.lora")}
     found = []
     for path in sorted((Path(__file__).parents[2] / "trainer" / "models").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -150,7 +150,7 @@ def test_every_model_in_conf_declares_the_whole_contract() -> None:
 
     from omegaconf import OmegaConf
 
-    from strategies.model_contract import MixtureOfExperts
+    from strategies.core.model_contract import MixtureOfExperts
     from trainer.model_node import instantiate_model
     from trainer.models.moe_transformer import MoETransformer
 

@@ -149,7 +149,7 @@ def test_flops_per_token_counts_the_active_experts_only():
 
 
 def test_the_planners_shape_counts_each_blocks_active_matmul_weights():
-    from strategies.shape import ModelShape
+    from strategies.core.shape import ModelShape
 
     model = MoETransformer(**TINY)  # block 0 dense, blocks 1 and 2 MoE
     shape, T = ModelShape.from_model(model), 16

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from strategies.parallel_dims import LayoutError, ParallelDims, divisors
+from strategies.core.parallel_dims import LayoutError, ParallelDims, divisors
 
 
 def test_fill_from_world_size() -> None:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hf_checkpoints import batch, make_hf_dir, transformers
-from strategies.lora import DEFAULT_TARGETS, apply_lora
+from strategies.transforms.lora import DEFAULT_TARGETS, apply_lora
 from trainer.export import write_peft_adapter
 from trainer.models.hf import llama_from_hf
 from trainer.init_from import load_init_from

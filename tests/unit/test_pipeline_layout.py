@@ -8,8 +8,8 @@ import torch
 from harness import compose_config
 from omegaconf import OmegaConf
 
-from strategies.pipeline import split_model
-from strategies.pipeline_layout import check_pipeline, local_stages, stage_layers, stage_owner
+from strategies.pipeline.plugin import split_model
+from strategies.pipeline.layout import check_pipeline, local_stages, stage_layers, stage_owner
 from trainer.config import ConfigError, validate
 from trainer.models.llama import Llama
 
@@ -113,7 +113,7 @@ def test_balanced_split_points():
     import itertools
     import random
 
-    from strategies.pipeline_layout import balanced_split_points
+    from strategies.pipeline.layout import balanced_split_points
 
     # Equal costs: exactly the layer-count split.
     for n, stages in [(4, 2), (10, 4), (7, 3), (16, 8)]:

@@ -8,7 +8,7 @@ from strategies.planner.memory import predict_memory
 from strategies.planner.search import SearchSpace, search
 from trainer.compose import compose
 from trainer.config import ConfigError, validate
-from strategies.shape import ModelShape
+from strategies.core.shape import ModelShape
 from trainer.planning import check_memory, cluster_from_config, plan, planner_inputs
 
 def _inputs(cfg):
@@ -120,7 +120,7 @@ def test_auto_split_balances_predicted_stage_costs():
 
     from strategies.planner.layout import Layout, Workload
     from strategies.planner.time import Cluster, auto_split_points, stage_costs
-    from strategies.shape import ModelShape
+    from strategies.core.shape import ModelShape
 
     model_cfg = OmegaConf.load("conf/model/llama3_8b.yaml")
     with torch.device("meta"):

@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 from harness import compose_config
 
-from strategies.context import ContextParallel
+from strategies.context.plugin import ContextParallel
 from strategies.mesh import MeshStrategy
 from strategies.plugin import StrategyPlugin
-from strategies.lora import LoRA
+from strategies.transforms.lora import LoRA
 from strategies.local_sgd import DiLoCo
-from strategies.parallel_dims import ParallelDims
-from strategies.pipeline import PipelineParallel
-from strategies.resolved import ResolvedRun
-from strategies.shape import ModelShape
+from strategies.core.parallel_dims import ParallelDims
+from strategies.pipeline.plugin import PipelineParallel
+from strategies.core.resolved import ResolvedRun
+from strategies.core.shape import ModelShape
 from trainer.config import ConfigError, validate
 
 

@@ -1,4 +1,4 @@
-"""`strategies.launch.RankObserver`: after a child rank exits non-zero, the ranks get ``grace_s`` to
+"""`strategies.runtime.launch.RankObserver`: after a child rank exits non-zero, the ranks get ``grace_s`` to
 end on their own, then the rest are killed and rank 0 ends with one line naming the lost rank and
 exit 4 (Lightning's observer SIGKILLs every rank at once, rank 0 included, with no plait line)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import subprocess
 import time
 
-from strategies.launch import RankObserver
+from strategies.runtime.launch import RankObserver
 
 
 def test_a_failed_child_rank_ends_the_others_after_the_grace_with_one_line(capsys) -> None:

@@ -7,9 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strategies import checkpoint as ckpt
-
-
+from strategies.checkpoint import dcp as ckpt
 class FakeCuda:
     """``visible`` GPUs, the current one ``current``; each device's generator state is a tensor."""
 

@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 
 from hf_checkpoints import corpus_texts
-from strategies.checkpoint import META_FILE, seal
+from strategies.checkpoint.dcp import META_FILE, seal
 from trainer.data.tokenizer import train_bpe
 from trainer.rundir import RunDir, load_run_model, resolve_checkpoint
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from harness import compose_config, fit
 
-from strategies.checkpoint import MANIFEST
+from strategies.checkpoint.dcp import MANIFEST
 from trainer.nonfinite import ADMITTED, NONFINITE, SPIKE, NonFiniteError, NonFiniteGuard
 from trainer.rundir import step_dir
 from trainer.spikes import SETTLED, SpikeRule, apply_spike_rule

@@ -1,4 +1,4 @@
-"""Weights tied before a re-materialisation are one tensor after it (`strategies.ties`,
+"""Weights tied before a re-materialisation are one tensor after it (`strategies.transforms.ties`,
 `strategies.meta_init.materialize`).
 
 torch's own ``to_empty`` is the hazard: from the meta device it stores a new ``Parameter`` in each
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from strategies.meta_init import materialize
-from strategies.ties import keep_ties, tied_slots
+from strategies.transforms.ties import keep_ties, tied_slots
 from trainer.models.llama import Llama
 
 NANO = dict(vocab_size=97, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)

@@ -15,10 +15,10 @@ import torch
 from harness import compose_config, fit, losses
 from torch import nn
 
-from strategies.parallel_dims import Meshes
+from strategies.core.parallel_dims import Meshes
 from strategies.plugin import StrategyPlugin
-from strategies.resolved import ResolvedRun
-from strategies.shape import ModelShape
+from strategies.core.resolved import ResolvedRun
+from strategies.core.shape import ModelShape
 from trainer.config import ConfigError, validate
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from harness import compose_config, fit, losses
 from torch import nn
 
-from strategies.resolved import ResolvedRun
+from strategies.core.resolved import ResolvedRun
 from trainer.compose import compose
 from trainer.config import ConfigError, validate
 from trainer.protocols import Objective

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from strategies.resolved import ResolvedRun
+from strategies.core.resolved import ResolvedRun
 from trainer.build import build_data
 from trainer.data.summary import describe
 

@@ -36,10 +36,10 @@ import lightning as L
 from omegaconf import DictConfig, OmegaConf, open_dict
 from typing_extensions import override
 
-from strategies.checkpoint import META_FILE
-from strategies.launch import LAUNCH_ENV
-from strategies.model_contract import flops_per_token
-from strategies.safe_load import load_plain
+from strategies.checkpoint.dcp import META_FILE
+from strategies.runtime.launch import LAUNCH_ENV
+from strategies.core.model_contract import flops_per_token
+from strategies.checkpoint.safe_load import load_plain
 from trainer.budget.report import plot, table
 from trainer.build import build_data, build_model, build_run
 from trainer.config import validate

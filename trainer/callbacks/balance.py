@@ -9,7 +9,7 @@ batch's start to its end: forward, backward, optimizer). One all-reduce of both
 - ``perf/balance_work_max_over_mean``: estimated work, slowest rank over the mean rank (1.0: even);
 - ``perf/balance_time_max_over_mean``: measured step time, the same ratio;
 - ``perf/balance_compute_max_over_mean``: measured forward/backward seconds before the step's
-  gradient sync (`strategies.compute_timer.ComputeTimer`, a strategy's ``compute_timer``), the
+  gradient sync (`strategies.runtime.compute_timer.ComputeTimer`, a strategy's ``compute_timer``), the
   same ratio; ``perf/compute_s_max`` and ``perf/compute_s_mean``: those seconds.
 
 Ranks that synchronise inside the step (FSDP gathers, DDP's all-reduce) wait for the slowest, so
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
-from strategies.shape import ModelShape
+from strategies.core.shape import ModelShape
 from trainer.data.balance import WorkModel
 from trainer.loggers import is_logging_step
 

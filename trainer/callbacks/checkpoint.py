@@ -2,7 +2,7 @@
 
 Lightning's ModelCheckpoint copies or links ``last.ckpt`` after a save and assumes single files;
 plait checkpoints are DCP directories written atomically by the strategy (with a manifest of
-checksums, `strategies.checkpoint`), so this callback only decides *when* to save, names the
+checksums, `strategies.checkpoint.dcp`), so this callback only decides *when* to save, names the
 directory, moves the ``last`` link atomically and prunes whole directories atomically.
 
 It is a Lightning ``Checkpoint``: Lightning runs it after every other callback, so the step's
@@ -24,8 +24,8 @@ import lightning as L
 from lightning.pytorch.callbacks import Checkpoint
 from typing_extensions import override
 
-from strategies.checkpoint import CheckpointError
-from strategies.ranges import NON_NEGATIVE
+from strategies.checkpoint.dcp import CheckpointError
+from strategies.core.ranges import NON_NEGATIVE
 
 from trainer.callbacks.preemption import StopSignals, Stopped, stop_message
 from trainer.loggers import RunCSVLogger
@@ -114,7 +114,7 @@ class PeriodicCheckpoint(Checkpoint):
         for logger in trainer.loggers:  # the step's row is durable before its checkpoint exists
             if isinstance(logger, RunCSVLogger):
                 logger.sync()
-        # Collective; atomic and verified (strategies.checkpoint.save). Lightning's weights_only=False:
+        # Collective; atomic and verified (strategies.checkpoint.dcp.save). Lightning's weights_only=False:
         # the loop, optimizer and callback states too, not only the weights.
         trainer.save_checkpoint(path, weights_only=False)
         self._last_saved = trainer.global_step

@@ -10,7 +10,7 @@ import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
 from typing_extensions import override
 
-from strategies.ranges import NON_NEGATIVE
+from strategies.core.ranges import NON_NEGATIVE
 
 
 class StepProgressBar(TQDMProgressBar):

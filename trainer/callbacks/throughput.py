@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import lightning as L
 from typing_extensions import override
 
-from strategies.ranges import POSITIVE
+from strategies.core.ranges import POSITIVE
 
 from trainer.loggers import is_logging_step
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from strategies.document_runs import causal_pairs as document_causal_pairs
-from strategies.shape import ModelShape
+from strategies.core.document_runs import causal_pairs as document_causal_pairs
+from strategies.core.shape import ModelShape
 
 BALANCE = ("none", "work")
 

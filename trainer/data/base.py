@@ -30,8 +30,8 @@ import torch
 from torch import Tensor
 from typing_extensions import Required, override
 
-from strategies.ranges import POSITIVE, Range
-from strategies.resolved import ResolvedRun
+from strategies.core.ranges import POSITIVE, Range
+from strategies.core.resolved import ResolvedRun
 from trainer import protocols
 from trainer.data.accounting import SourceCounts
 from trainer.data.balance import Balancer, WorkModel

@@ -29,7 +29,7 @@ import numpy as np
 from torch import Tensor
 from typing_extensions import Unpack, override
 
-from strategies.ranges import NON_NEGATIVE, POSITIVE
+from strategies.core.ranges import NON_NEGATIVE, POSITIVE
 
 from trainer.data import encode, tables
 from trainer.data.base import DataError, DataModule, Settings

@@ -19,7 +19,7 @@ from typing import Annotated
 from torch import Tensor
 from typing_extensions import Unpack, override
 
-from strategies.ranges import NON_NEGATIVE, Range
+from strategies.core.ranges import NON_NEGATIVE, Range
 
 from trainer.data import corpus, encode
 from trainer.data.base import DataError, DataModule, Settings

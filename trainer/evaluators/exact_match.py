@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from strategies.resolved import ResolvedRun
+from strategies.core.resolved import ResolvedRun
 from trainer import protocols
 from trainer.data.tokenizer import Tokenizer
 from trainer.sampling import greedy_batch

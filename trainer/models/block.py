@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strategies.lora import linear_slice
+from strategies.transforms.lora import linear_slice
 from trainer.models.attention import Attention
 from trainer.models.norm import RMSNorm
 
@@ -23,7 +23,7 @@ class FeedForward(nn.Module):
     """SwiGLU MLP: ``w2(silu(w1(x)) * w3(x))``, no biases.
 
     ``keep_channels(idx)`` restricts the next forwards (and their backward) to the hidden channels
-    ``idx`` (sparsity-accelerated training, `strategies.sat`): the omitted channels' rows of w1/w3
+    ``idx`` (sparsity-accelerated training, `strategies.transforms.sat`): the omitted channels' rows of w1/w3
     and columns of w2 are neither read nor given a gradient, nor are the matching rows of a LoRA
     adapter's B (w1/w3) and columns of its A (w2). None (the default) is the dense MLP.
     """

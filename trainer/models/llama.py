@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 from typing_extensions import override
 
-from strategies.ranges import NON_NEGATIVE, POSITIVE, Range
+from strategies.core.ranges import NON_NEGATIVE, POSITIVE, Range
 
 from trainer.models.attention import DOCUMENT_CAUSAL
 from trainer.models.block import TransformerBlock, llama_ffn_dim

@@ -209,7 +209,7 @@ class Dispatcher(Protocol):
     """Runs routed rows through the experts: rows ``[M, D]`` sorted by (global) expert id, ``counts_e``
     ``[E]`` rows per expert -> ``[M, D]`` outputs in the same order. `LocalDispatch` on one rank;
     expert parallelism exchanges the rows with the ranks that hold the experts
-    (`strategies.expert`)."""
+    (`strategies.expert.plugin`)."""
 
     def __call__(self, x_md: torch.Tensor, counts_e: torch.Tensor, experts: "GroupedExperts") -> torch.Tensor: ...
 

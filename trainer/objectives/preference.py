@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from strategies.resolved import ResolvedRun
+from strategies.core.resolved import ResolvedRun
 from trainer.protocols import Objective
 
 IGNORE_INDEX = -100
@@ -240,7 +240,7 @@ class PreferenceObjective(Objective):
     @classmethod
     def _cp_problems(cls, run: ResolvedRun) -> list[str]:
         """Pairs under cp train whole, ``1/cp`` of a dp rank's pairs on each cp rank (hybrid
-        placement, `strategies.cp_placement`): a pair's log-probs sum over whole rows, so a pair is
+        placement, `strategies.context.placement`): a pair's log-probs sum over whole rows, so a pair is
         never split. That needs placement=hybrid, pairs per dp rank a multiple of cp and
         micro-batches of at least cp pairs (a whole micro-batch holds ``micro_batch_size // cp``)."""
         cp, dp, name, placement = run.dims.cp, run.dims.dp, cls.__name__, run.cp_placement

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from strategies.lora import linear_operands
-from strategies.resolved import ResolvedRun
-from strategies.model_contract import optional
+from strategies.transforms.lora import linear_operands
+from strategies.core.resolved import ResolvedRun
+from strategies.core.model_contract import optional
 from trainer.objectives.chunked_loss import chunked_token_loss_sum
 from trainer.protocols import Objective
 

@@ -4,7 +4,7 @@ Sources: Liu et al. 2023, "Ring Attention with Blockwise Transformers for Near-I
 (key/value blocks rotate around the ring while each rank keeps its queries); Milakov & Gimelshein
 2018, "Online normalizer calculation for softmax", and Dao et al. 2022, "FlashAttention" (partial
 results merged with their log-sum-exp; the backward recomputes the probabilities from the saved
-log-sum-exp instead of saving them). The per-block kernels are `strategies.attention_blocks`
+log-sum-exp instead of saving them). The per-block kernels are `strategies.context.attention_blocks`
 (fused on CUDA, eager fp32 on CPU).
 
 Which key a query may attend is given by *positions* and *document ids*, not by the order of the
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from strategies.attention_blocks import NEG_INF, EagerBlocks, FusedBlocks, block_kernels, finite
+from strategies.context.attention_blocks import NEG_INF, EagerBlocks, FusedBlocks, block_kernels, finite
 
 
 
@@ -186,7 +186,7 @@ def ring_attention(
         scale: score scale (default ``E ** -0.5``).
         kv_chunk: keys per score block (0: the whole k/v block); bounds the ``[Q, chunk]``
             temporaries (scores, or the fused kernels' bias), not the saved memory.
-        blocks: the block kernels (`strategies.attention_blocks`); None: fused on CUDA, eager fp32
+        blocks: the block kernels (`strategies.context.attention_blocks`); None: fused on CUDA, eager fp32
             elsewhere.
 
     Returns:

@@ -3,7 +3,7 @@ ep ranks go, with copies of their experts' weights, to the least loaded ranks.
 
 Source: Nguyen et al. 2026, "LLEP: Least-Loaded Expert Parallelism" (arXiv 2601.17111;
 SalesforceAIResearch/LeastLoadedEP), read for the method, not copied. Trained routers stay uneven,
-so under standard expert parallelism (`strategies.expert_dispatch.AllToAllDispatch`) the rank that
+so under standard expert parallelism (`strategies.expert.dispatch.AllToAllDispatch`) the rank that
 owns a popular expert computes far more rows than the mean, and its step time and activation
 memory set everyone's. LLEP keeps the maths of standard EP (each row still meets its own expert's
 weights), and so its outputs and gradients, while bounding each rank's rows:
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from strategies.expert_dispatch import local_weights, source_major_to_expert_major
+from strategies.expert.dispatch import local_weights, source_major_to_expert_major
 
 
 @dataclass(frozen=True)

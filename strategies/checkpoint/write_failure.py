@@ -1,7 +1,7 @@
 """What a checkpoint save says when a file cannot be written: which file, why, and the space it needed.
 
 A full disk (ENOSPC) in the middle of a save used to end a run with DCP's 100-line traceback;
-`strategies.checkpoint.save` catches the OSError with `attempt_write`, removes its partial
+`strategies.checkpoint.dcp.save` catches the OSError with `attempt_write`, removes its partial
 ``.tmp`` directory and raises one line made by `write_failure_line`.
 """
 

@@ -1,11 +1,11 @@
 """Hybrid placement of packed rows under context parallelism: each row on the smallest cp group that fits it.
 
-Context parallelism (`strategies.context`) splits every row of a cp group over all its ranks, so
+Context parallelism (`strategies.context.plugin`) splits every row of a cp group over all its ranks, so
 every row pays the ring's (or Ulysses') communication even when its documents are short. ByteScale
 (Ge et al. 2025, "data-aware sharding") splits each sequence over just enough ranks and keeps short
 ones whole. Here, with ``strategy.context_parallel.placement=hybrid``, the groups are aligned
 blocks of ``g`` ranks of the cp dim, ``g`` in 1, 2, 4, ... below cp (`group_sizes`; the sub-groups
-are created once at setup, `strategies.cp_layout.build_sub_layouts`), and each step of a cp group:
+are created once at setup, `strategies.context.layout.build_sub_layouts`), and each step of a cp group:
 
 - **memory**: a forward holds at most what a split micro-batch holds, ``micro_batch_size T / cp``
   tokens per rank (activation memory is linear in tokens under blockwise attention): a group of
@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from strategies.document_runs import causal_pairs, longest_document
+from strategies.core.document_runs import causal_pairs, longest_document
 
 PLACEMENTS = ("split", "hybrid")
 CP_GROUP = "cp_group_size"  # 0-dim: the cp group size of a micro-batch's rows (popped by the strategy before the forward)
@@ -224,7 +224,7 @@ def hybrid_micro_batches(
 @dataclass(frozen=True)
 class WholeRows:
     """The mask of a forward over whole rows (no cp split): what the one-process core made
-    (`strategies.context.ContextParallelAttention` attends with that core when it sees one)."""
+    (`strategies.context.plugin.ContextParallelAttention` attends with that core when it sees one)."""
 
     mask: Any
 
@@ -232,14 +232,14 @@ class WholeRows:
 @dataclass(frozen=True)
 class OnGroup:
     """The masks of a forward over rows split on a cp sub-group, with the sub-group's layout
-    (`strategies.cp_layout.CPLayout`): the attention core runs over that layout's groups."""
+    (`strategies.context.layout.CPLayout`): the attention core runs over that layout's groups."""
 
     layout: Any
     masks: Any
 
 
 class HybridPlacement:
-    """The context-parallel plugin's step methods (`strategies.context.ContextParallel` mixes it
+    """The context-parallel plugin's step methods (`strategies.context.plugin.ContextParallel` mixes it
     in: ``placement``, ``core`` (its attention core, set by ``apply``), ``shard_batch`` and
     ``group_rows`` are the plugin's)."""
 

@@ -1,7 +1,7 @@
 """Pipeline layout: which layers each stage holds, which rank runs each stage, and the checks of
 a layout against the model and the step's micro-batches (before any process group exists).
 
-Pure functions, used by the `PipelineParallel` plugin (strategies/pipeline.py) and by
+Pure functions, used by the `PipelineParallel` plugin (strategies/pipeline/plugin.py) and by
 ``trainer.config.validate``. The conditions on micro-batches are those of the schedules in
 ``torch.distributed.pipelining`` (torch 2.13).
 """

@@ -48,9 +48,9 @@ from torch.distributed.tensor import DTensor
 from strategies.plugin import StrategyPlugin
 
 if TYPE_CHECKING:
-    from strategies.parallel_dims import Meshes
-    from strategies.resolved import ResolvedRun
-    from strategies.shape import ModelShape
+    from strategies.core.parallel_dims import Meshes
+    from strategies.core.resolved import ResolvedRun
+    from strategies.core.shape import ModelShape
 
 _M32 = 0xFFFFFFFF
 

@@ -1,9 +1,9 @@
 """This rank's context-parallel process groups: the cp group, its Ulysses head groups and its ring.
 
 `build_cp_layout` creates them for every cp group of the mesh (ring, Ulysses or hybrid head x
-context, `strategies.context`); `build_sub_layouts` creates, once at setup, the same for the
+context, `strategies.context.plugin`); `build_sub_layouts` creates, once at setup, the same for the
 aligned sub-groups of 2, 4, ... ranks of every cp group, among which hybrid placement
-(`strategies.cp_placement`) splits a row over the smallest that fits it. ``new_group`` is
+(`strategies.context.placement`) splits a row over the smallest that fits it. ``new_group`` is
 collective over the default group: every rank creates every group, in the same order.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from strategies.ring_attention import Ring
+from strategies.context.ring import Ring
 
 
 @dataclass(frozen=True)

@@ -33,19 +33,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from strategies.attention_blocks import block_kernels
-from strategies.cp_layout import CPLayout, build_cp_layout, build_sub_layouts
-from strategies.cp_placement import HybridPlacement, OnGroup, WholeRows, group_sizes, placement_problems
-from strategies.document_shards import shard_documents
-from strategies.model_contract import declares, optional
-from strategies.parallel_dims import Meshes, ParallelDims, divisors
+from strategies.context.attention_blocks import block_kernels
+from strategies.context.layout import CPLayout, build_cp_layout, build_sub_layouts
+from strategies.context.placement import HybridPlacement, OnGroup, WholeRows, group_sizes, placement_problems
+from strategies.context.document_shards import shard_documents
+from strategies.core.model_contract import declares, optional
+from strategies.core.parallel_dims import Meshes, ParallelDims, divisors
 from strategies.plugin import StrategyPlugin
-from strategies.ring_attention import RingMasks, ring_attention
-from strategies.ulysses import heads_to_seq, seq_to_heads
+from strategies.context.ring import RingMasks, ring_attention
+from strategies.context.ulysses import heads_to_seq, seq_to_heads
 
 if TYPE_CHECKING:
-    from strategies.resolved import ResolvedRun
-    from strategies.shape import ModelShape
+    from strategies.core.resolved import ResolvedRun
+    from strategies.core.shape import ModelShape
 
 CPMode = Literal["ring", "ulysses", "hybrid"]
 CP_MODES: tuple[str, ...] = get_args(CPMode)
@@ -83,7 +83,7 @@ def shard_batch(
     target with its position. Missing ``position_ids`` are filled with ``arange(T)`` first (the
     model would otherwise number the shard's tokens from 0). Other entries pass unchanged.
     With ``documents`` (and ``load_balance``) each document of a packed row is zigzagged on its
-    own (`strategies.document_shards`; rows without ``document_ids`` shard as plain zigzag).
+    own (`strategies.context.document_shards`; rows without ``document_ids`` shard as plain zigzag).
     """
     seq_len = batch["input_ids"].shape[1]
     if "position_ids" not in batch:
@@ -121,10 +121,10 @@ class ContextParallelAttention:
         layout: this rank's groups (`build_cp_layout`).
         load_balance: the sharding `shard_batch` used (zigzag or contiguous).
         kv_chunk: keys per score block in `ring_attention` (0: whole blocks).
-        kernel: the block kernels (`strategies.attention_blocks.block_kernels`): ``auto`` (fused
+        kernel: the block kernels (`strategies.context.attention_blocks.block_kernels`): ``auto`` (fused
             on CUDA, eager fp32 on CPU), ``fused`` or ``eager``.
         whole: the model's one-process core (whole rows); sub_layouts: this rank's cp sub-groups
-            by size (`strategies.cp_layout.build_sub_layouts`), both for hybrid placement.
+            by size (`strategies.context.layout.build_sub_layouts`), both for hybrid placement.
     """
 
     def __init__(
@@ -139,7 +139,7 @@ class ContextParallelAttention:
     @contextmanager
     def training_group(self, size: int) -> Iterator[None]:
         """While active, forwards attend over the rows of a cp group of ``size`` ranks
-        (`strategies.cp_placement`): 1 with the one-process core (whole rows), a sub-group size
+        (`strategies.context.placement`): 1 with the one-process core (whole rows), a sub-group size
         with its layout (``sub_layouts``), the cp degree as usual. The masks made then carry the
         choice, so a recompute under activation checkpointing attends the same way.
 
@@ -280,14 +280,14 @@ class ContextParallel(HybridPlacement, StrategyPlugin):
         ulysses_degree: ranks per head group in ``hybrid`` mode (ignored by ring and ulysses).
         load_balance: zigzag sharding (even causal work per rank) instead of contiguous shards.
         sharding: with ``load_balance``: ``zigzag`` (chunks of the row) or ``document`` (each
-            document of a packed row zigzagged on its own, `strategies.document_shards`: even
+            document of a packed row zigzagged on its own, `strategies.context.document_shards`: even
             causal work per rank on packed rows); ``contiguous`` = ``load_balance=false``.
         kv_chunk: keys per score block in ring attention (0: whole blocks); lowers peak memory.
         kernel: ring attention's block kernels: ``auto`` (fused SDPA kernels on CUDA, eager fp32
-            on CPU), ``fused`` or ``eager`` (`strategies.attention_blocks`).
+            on CPU), ``fused`` or ``eager`` (`strategies.context.attention_blocks`).
         placement: ``split`` (every row over all cp ranks) or ``hybrid`` (each row on the smallest
             aligned group of 1, 2, 4, ... cp ranks that fits its longest document, whole on one
-            rank at 1; preference pairs always whole: `strategies.cp_placement`).
+            rank at 1; preference pairs always whole: `strategies.context.placement`).
         activation_offload: an alias of ``strategy.activation_offload.enabled`` (the
             `strategies.activation_offload.ActivationOffload` plugin), kept for existing command lines:
             the preset's ``enabled`` follows it (conf/strategy/nd.yaml); this plugin reads it no more.

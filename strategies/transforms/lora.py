@@ -35,14 +35,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from strategies.lora_targets import is_adapter, linear_layers, lora_targets, selects, target_problems, unadaptable
+from strategies.transforms.lora_targets import is_adapter, linear_layers, lora_targets, selects, target_problems, unadaptable
 from strategies.plugin import StrategyPlugin
-from strategies.qlora import QUANT_TYPES, NF4Linear, quantize_layers
+from strategies.transforms.qlora import QUANT_TYPES, NF4Linear, quantize_layers
 
 if TYPE_CHECKING:
-    from strategies.parallel_dims import Meshes
-    from strategies.resolved import ResolvedRun
-    from strategies.shape import ModelShape
+    from strategies.core.parallel_dims import Meshes
+    from strategies.core.resolved import ResolvedRun
+    from strategies.core.shape import ModelShape
 
 DEFAULT_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 
@@ -114,7 +114,7 @@ def apply_lora(
         target_modules: name patterns of the layers to adapt (see `lora_targets`).
         seed: seed of A's initialisation.
         quantize: "nf4": QLoRA, the adapted layers' base weights in 4-bit NF4
-            (`strategies.qlora`), quantised at the model's first forward, once ``model.init_from``
+            (`strategies.transforms.qlora`), quantised at the model's first forward, once ``model.init_from``
             has loaded them (the plugins are applied before the weights load); None: float base.
 
     Returns:
@@ -200,7 +200,7 @@ def linear_slice(
     With ``rows`` ([F'] int64) the output keeps only those output features: ``x W[rows]^T`` plus
     ``s B[rows] A dropout(x)``. With ``cols`` (int64) ``x`` holds only those input features
     (``[..., len(cols)]``): ``x W[:, cols]^T`` plus ``s B A[:, cols] dropout(x)``. Both may be given.
-    This is `strategies.sat`'s omission of MLP channels (`trainer.models.block.FeedForward`):
+    This is `strategies.transforms.sat`'s omission of MLP channels (`trainer.models.block.FeedForward`):
     gate/up projections by rows, the down projection by columns.
 
     Args:

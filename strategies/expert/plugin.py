@@ -1,6 +1,6 @@
 """Expert parallelism, the ``strategy.expert_parallel`` plugin: each rank of an ``ep`` group holds
 ``E / ep`` experts of every MoE block (a DTensor ``Shard(0)`` of the stacked expert weights), and the
-routed rows travel to them (`strategies.expert_dispatch`, or LLEP's `strategies.least_loaded`).
+routed rows travel to them (`strategies.expert.dispatch`, or LLEP's `strategies.expert.least_loaded`).
 
 Sources: Lepikhin et al. 2020, "GShard"; torchtitan's expert parallelism (ep ranks borrowed from
 the data-parallel ranks dp_shard x cp, expert weights sharded over ep and FSDP over the rest), read
@@ -18,15 +18,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from strategies.expert_dispatch import EXPERT_WEIGHTS, AllToAllDispatch, expert_modules
-from strategies.least_loaded import LeastLoadedDispatch
-from strategies.parallel_dims import Meshes
-from strategies.pipeline_layout import SPLIT_BACKWARD_SCHEDULES  # noqa: F401 - the planner's name for it
+from strategies.expert.dispatch import EXPERT_WEIGHTS, AllToAllDispatch, expert_modules
+from strategies.expert.least_loaded import LeastLoadedDispatch
+from strategies.core.parallel_dims import Meshes
 from strategies.plugin import StrategyPlugin
 
 if TYPE_CHECKING:
-    from strategies.resolved import ResolvedRun
-    from strategies.shape import ModelShape
+    from strategies.core.resolved import ResolvedRun
+    from strategies.core.shape import ModelShape
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, dispatch: Any = None) -> int:
@@ -89,7 +88,7 @@ class ExpertParallel(StrategyPlugin):
     Args:
         ep: expert-parallel degree, taken from the dp_shard x cp ranks (1: off). Must divide the
             experts of every MoE block and dp_shard x cp.
-        least_loaded: LLEP (`strategies.least_loaded`): spill the most loaded ranks' excess rows,
+        least_loaded: LLEP (`strategies.expert.least_loaded`): spill the most loaded ranks' excess rows,
             with copies of their experts' weights, to the least loaded ranks every step.
         capacity_ratio: LLEP's cap on a rank's rows, as a multiple of the mean (>= 1).
         min_tokens_per_gemm: LLEP moves no fewer rows than this to a helper rank.

@@ -33,14 +33,14 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.tensor import DTensor
 
-from strategies.model_contract import optional
-from strategies.parallel_dims import Meshes, ParallelDims
+from strategies.core.model_contract import optional
+from strategies.core.parallel_dims import Meshes, ParallelDims
 from strategies.plugin import StrategyPlugin
-from strategies.pipeline_layout import SINGLE_STAGE, SPLIT_BACKWARD_SCHEDULES, PPSchedule, check_pipeline, local_stages, microbatch_problems, stage_layers, stage_owner, stages_per_rank_of
+from strategies.pipeline.layout import SINGLE_STAGE, SPLIT_BACKWARD_SCHEDULES, PPSchedule, check_pipeline, local_stages, microbatch_problems, stage_layers, stage_owner, stages_per_rank_of
 
 if TYPE_CHECKING:
-    from strategies.resolved import ResolvedRun
-    from strategies.shape import ModelShape
+    from strategies.core.resolved import ResolvedRun
+    from strategies.core.shape import ModelShape
 
 _CLASSES = {
     "GPipe": "ScheduleGPipe",

@@ -10,7 +10,7 @@ checked by the Task). `trainer.config.validate` refuses a layout whose members t
 not declare (`layout_problems`), naming each; nothing is skipped.
 
 This module is the one place that asks a model whether it has a member (`declares`, `optional`):
-code elsewhere reads the declared members directly. It lives beside `strategies.shape` because the
+code elsewhere reads the declared members directly. It lives beside `strategies.core.shape` because the
 plugins read it, and ``strategies/`` never imports ``trainer/``.
 """
 
@@ -22,11 +22,11 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-# The sizes `strategies.shape.ModelShape` reads (every plugin's shape checks and the planner).
+# The sizes `strategies.core.shape.ModelShape` reads (every plugin's shape checks and the planner).
 SIZES = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings")
 # The sizes of a mixture of experts (`MixtureOfExperts`); a dense model has none of them.
 MOE_SIZES = ("num_experts", "top_k", "moe_ffn_dim", "num_shared_experts", "n_dense_layers")
-# The modules pipeline stages split (`strategies.pipeline.split_model`): a stage sets the ones it
+# The modules pipeline stages split (`strategies.pipeline.plugin.split_model`): a stage sets the ones it
 # does not hold to None, and ``forward`` skips them.
 STAGE_MODULES = ("layers", "tok_embeddings", "norm", "output")
 
@@ -168,7 +168,7 @@ def member_problem(model: Any, members: list[str] | tuple[str, ...], why: str) -
 
 
 # What each layout axis above 1 reads off the model besides ``layers`` and ``forward``; every one
-# reads the sizes (its checks and the planner's work on `strategies.shape.ModelShape`).
+# reads the sizes (its checks and the planner's work on `strategies.core.shape.ModelShape`).
 NEEDS: dict[str, tuple[str, ...]] = {
     "tp": ("tp_plan", *SIZES),  # tp_plan: unless the tensor-parallel plugin overrides plan
     "cp": ("set_attention_core", "attention_core", *SIZES),

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from strategies.parallel_dims import ParallelDims
-from strategies.shape import ModelShape
+from strategies.core.parallel_dims import ParallelDims
+from strategies.core.shape import ModelShape
 
 if TYPE_CHECKING:
     import torch

@@ -11,9 +11,9 @@ A checkpoint is a directory::
 It is written to ``step_0000100.tmp`` and renamed once every rank has finished and the manifest
 is written, so a crash during a save leaves the previous checkpoint intact and no directory that
 looks complete; a save that fails to write (a full disk) removes its ``.tmp`` directory and says
-which file, why, and how much space it needed (`strategies.write_failure`). Nothing is written
+which file, why, and how much space it needed (`strategies.checkpoint.write_failure`). Nothing is written
 unless the whole state is finite. Loading trusts nothing on disk: the files must match the
-manifest, pickles go through allow-lists (`strategies.safe_load`), and a state with NaN or inf is
+manifest, pickles go through allow-lists (`strategies.checkpoint.safe_load`), and a state with NaN or inf is
 refused.
 """
 
@@ -44,9 +44,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from strategies.manifest import MANIFEST, checkpoint_files, hash_files, verify, write_manifest
-from strategies.safe_load import UnsafePickleError, load_dcp, load_plain, read_dcp_metadata
-from strategies.write_failure import attempt_write, write_failure_line
+from strategies.checkpoint.manifest import MANIFEST, checkpoint_files, hash_files, verify, write_manifest
+from strategies.checkpoint.safe_load import UnsafePickleError, load_dcp, load_plain, read_dcp_metadata
+from strategies.checkpoint.write_failure import attempt_write, write_failure_line
 
 META_FILE = "meta.pt"
 
@@ -138,7 +138,7 @@ def is_checkpoint(path: str | os.PathLike) -> bool:
 
 
 def verify_checkpoint(path: str | os.PathLike, *, checksums: bool = True) -> str | None:
-    """Why ``path`` is not an intact checkpoint, or None when it is (see `strategies.manifest`)."""
+    """Why ``path`` is not an intact checkpoint, or None when it is (see `strategies.checkpoint.manifest`)."""
     path = Path(path)
     if not path.is_dir():
         return "not a directory"

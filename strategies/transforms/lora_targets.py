@@ -16,7 +16,7 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
-from strategies.expert_dispatch import EXPERT_WEIGHTS, StackedExperts
+from strategies.expert.dispatch import EXPERT_WEIGHTS, StackedExperts
 
 ADAPTER_NAMES = ("lora_A", "lora_B")
 

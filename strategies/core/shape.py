@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from strategies.model_contract import SIZES, declares, member_problem, missing, optional
+from strategies.core.model_contract import SIZES, declares, member_problem, missing, optional
 
 
 class ModelContractError(ValueError):
-    """A model lacks a member of its declared contract (`strategies.model_contract`); the message names it."""
+    """A model lacks a member of its declared contract (`strategies.core.model_contract`); the message names it."""
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class ModelShape:
 
     @staticmethod
     def problem(model: nn.Module) -> str | None:
-        """Why ``model`` has no shape: the declared sizes (`strategies.model_contract.SIZES`) it lacks,
+        """Why ``model`` has no shape: the declared sizes (`strategies.core.model_contract.SIZES`) it lacks,
         named with how to add them; None when it declares them all."""
         lacking = missing(model, SIZES)
         return member_problem(model, lacking, "model") if lacking else None

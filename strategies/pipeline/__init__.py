@@ -1,0 +1,1 @@
+"""Pipeline parallelism: the plugin (torch.distributed.pipelining schedules) and the stage layout."""
