@@ -62,6 +62,16 @@ class TableLM(nn.Module):
         with torch.no_grad():
             self.layers[0].weight.copy_(table)
         self.num_train_forwards = 0
+        # The model contract (strategies.core.model_contract) context parallelism reads: the sizes,
+        # and an attention core to swap. A per-token table attends to nothing, so any core is right.
+        self.vocab_size, self.dim, self.n_layers, self.ffn_dim = vocab_size, 2, 1, 2
+        self.n_heads = self.n_kv_heads = 1
+        self.tie_embeddings = False
+        self.attention_core: Any = None
+
+    def set_attention_core(self, core: Any) -> None:
+        """Keeps ``core`` (context parallelism's ring attention); the table never calls it."""
+        self.attention_core = core
 
     def forward(
         self,
