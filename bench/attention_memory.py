@@ -36,7 +36,11 @@ class DenseMaskSDPA:
 
     def __call__(self, q, k, v, mask):  # noqa: ANN001, ANN204
         rep = q.shape[2] // k.shape[2]
-        q, k, v = q.transpose(1, 2), k.repeat_interleave(rep, 2).transpose(1, 2), v.repeat_interleave(rep, 2).transpose(1, 2)
+        q, k, v = (
+            q.transpose(1, 2),
+            k.repeat_interleave(rep, 2).transpose(1, 2),
+            v.repeat_interleave(rep, 2).transpose(1, 2),
+        )
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2)
 
 

@@ -27,8 +27,18 @@ TINY = [
     "model=nano", "data.seq_len=64", "data.eval_rows=8", "train.global_batch_size=8", "train.micro_batch_size=4",
     "train.eval_every=0", "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false", "trainer.max_steps=4",
 ]  # fmt: skip
-SFT = ["sft", "model=nano", "train.global_batch_size=8", "train.micro_batch_size=4", "train.eval_every=0",
-       "trainer.enable_progress_bar=false", "trainer.max_steps=2", "data.seq_len=64", "data.vocab_size=300", "~data.sources"]  # fmt: skip
+SFT = [
+    "sft",
+    "model=nano",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=4",
+    "train.eval_every=0",
+    "trainer.enable_progress_bar=false",
+    "trainer.max_steps=2",
+    "data.seq_len=64",
+    "data.vocab_size=300",
+    "~data.sources",
+]
 DPO = ["dpo", *SFT[1:8], "data.max_prompt_len=32", "data.vocab_size=300", "~data.sources"]
 
 
@@ -115,25 +125,50 @@ def run_case(name: str, tree: Path, work: Path, timeout: float) -> dict[str, obj
     args = [a.replace("{dir}", str(work)) for a in args]
     if not any(a.startswith("run_dir=") for a in args):
         args.append(f"run_dir={work / 'run'}")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PLAIT_CACHE_DIR": os.environ.get("PLAIT_CACHE_DIR", str(work / "cache"))}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PLAIT_CACHE_DIR": os.environ.get("PLAIT_CACHE_DIR", str(work / "cache")),
+    }
     start = time.monotonic()
     try:
-        done = subprocess.run([sys.executable, "-m", "trainer.cli", *args], cwd=tree, env=env, capture_output=True,
-                              text=True, timeout=timeout, stdin=subprocess.DEVNULL)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "trainer.cli", *args],
+            cwd=tree,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            stdin=subprocess.DEVNULL,
+        )
         code, out = done.returncode, done.stderr + done.stdout
     except subprocess.TimeoutExpired as err:
-        code, out = "timeout", (err.stderr or b"").decode(errors="replace") if isinstance(err.stderr, bytes) else (err.stderr or "")
+        code, out = (
+            "timeout",
+            (err.stderr or b"").decode(errors="replace") if isinstance(err.stderr, bytes) else (err.stderr or ""),
+        )
     all_lines = out.splitlines()
     errors = [line for line in all_lines if line.startswith("plait: error:")]
     if errors and errors[0].rstrip().endswith("invalid configuration:"):  # the problems follow, one per line
         at = all_lines.index(errors[0])
         errors[0] += " " + " ".join(line.strip() for line in all_lines[at + 1 : at + 3] if line.startswith("  - "))
     lines = [line for line in out.splitlines() if line.strip() and not line.startswith(("[W", "[rank"))]
-    first = errors[0] if errors else (next((l for l in reversed(lines) if "Error" in l or "error" in l), lines[-1] if lines else ""))
+    first = (
+        errors[0]
+        if errors
+        else (next((l for l in reversed(lines) if "Error" in l or "error" in l), lines[-1] if lines else ""))
+    )
     written = (work / "run").exists() or any(p.is_dir() for p in work.glob("a_file*"))
     clean = code == 2 and bool(errors) and "Traceback" not in out and not written
-    return {"name": name, "code": code, "first": first[:160], "traceback": "Traceback" in out, "written": written,
-            "seconds": round(time.monotonic() - start, 1), "clean": clean}  # fmt: skip
+    return {
+        "name": name,
+        "code": code,
+        "first": first[:160],
+        "traceback": "Traceback" in out,
+        "written": written,
+        "seconds": round(time.monotonic() - start, 1),
+        "clean": clean,
+    }
 
 
 def main() -> None:
@@ -151,7 +186,10 @@ def main() -> None:
             r = run_case(name, args.tree.resolve(), Path(tmp) / name, args.timeout)
             results.append(r)
             first = str(r["first"]).replace("|", "\\|")
-            print(f"| {name} | {r['code']} | {'yes' if r['traceback'] else 'no'} | {'yes' if r['written'] else 'no'} | {first} |", flush=True)
+            print(
+                f"| {name} | {r['code']} | {'yes' if r['traceback'] else 'no'} | {'yes' if r['written'] else 'no'} | {first} |",
+                flush=True,
+            )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
     unclean = [r["name"] for r in results if not r["clean"]]

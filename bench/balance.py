@@ -56,9 +56,9 @@ from pathlib import Path
 
 import torch
 
-from strategies.context.plugin import shard_positions
-from strategies.context.placement import Placement, fit_sizes, group_sizes, plan_placement, row_counts
 from strategies.context.document_shards import document_zigzag_order, rank_causal_work
+from strategies.context.placement import Placement, fit_sizes, group_sizes, plan_placement, row_counts
+from strategies.context.plugin import shard_positions
 from strategies.core.shape import ModelShape
 from trainer.data import corpus
 from trainer.data.balance import WorkModel, cells, plan, step_cost
@@ -78,7 +78,14 @@ def lengths(num_long: int, seed: int) -> list[int]:
 
 def shape(dim: int, layers: int, vocab: int, seq_len: int) -> ModelShape:
     with torch.device("meta"):
-        model = Llama(vocab_size=vocab, dim=dim, n_layers=layers, n_heads=dim // 128, n_kv_heads=max(1, dim // 512), max_seq_len=seq_len)
+        model = Llama(
+            vocab_size=vocab,
+            dim=dim,
+            n_layers=layers,
+            n_heads=dim // 128,
+            n_kv_heads=max(1, dim // 512),
+            max_seq_len=seq_len,
+        )
     return ModelShape.from_model(model)
 
 
@@ -93,7 +100,10 @@ def measure(document_ids: torch.Tensor, model: WorkModel, args: argparse.Namespa
     out: dict[str, list[float]] = {}
     for _, rows in zip(range(args.steps), sampler.global_from(0)):
         work = model.rows(document_ids[rows])
-        arms = {"static": torch.arange(len(rows)), "balanced": plan(work, dp_size=args.dp, micro_batch_size=args.micro_batch)}
+        arms = {
+            "static": torch.arange(len(rows)),
+            "balanced": plan(work, dp_size=args.dp, micro_batch_size=args.micro_batch),
+        }
         for arm, order in arms.items():
             ordered = document_ids[rows][order]
             total = cells(model.rows(ordered), dp_size=args.dp, micro_batch_size=args.micro_batch)  # [dp, micro]
@@ -151,10 +161,17 @@ def measure_cp(document_ids: torch.Tensor, model: WorkModel, args: argparse.Name
     for _, rows in zip(range(args.steps), sampler.global_from(0)):
         docs = document_ids[rows]
         balanced = docs[plan(model.rows(docs), dp_size=args.dp, micro_batch_size=args.micro_batch)]
-        for arm, batch, documents in (("static", docs, False), ("balanced", balanced, False), ("balanced_doc_cp", balanced, True)):
+        for arm, batch, documents in (
+            ("static", docs, False),
+            ("balanced", balanced, False),
+            ("balanced_doc_cp", balanced, True),
+        ):
             out.setdefault(arm, []).append(ratio(cp_loads(batch, model, dp=args.dp, cp=args.cp, documents=documents)))
         sizes = group_sizes(args.cp, args.micro_batch)  # the groups whose micro-batches hold a row
-        for arm, arm_sizes in (("balanced_hybrid_whole", tuple(g for g in sizes if g == 1)), ("balanced_hybrid", sizes)):
+        for arm, arm_sizes in (
+            ("balanced_hybrid_whole", tuple(g for g in sizes if g == 1)),
+            ("balanced_hybrid", sizes),
+        ):
             loads, rows_per_size = hybrid_loads(balanced, model, dp=args.dp, cp=args.cp, sizes=arm_sizes)
             out.setdefault(arm, []).append(ratio(loads))
         for size, n in rows_per_size.items():  # of the last arm: the rows of a dp group per group size
@@ -196,15 +213,29 @@ def measure_ranks(steps: int, seed: int) -> dict[str, dict[str, float]]:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         for arm, overrides in MEASURED_ARMS.items():
             run_dir = Path(tmp) / arm
-            args = [*MEASURED_COMMON, f"data.path={corpus_path}", f"trainer.max_steps={steps}", *overrides, f"run_dir={run_dir}"]
-            result = subprocess.run([sys.executable, "-m", "trainer.cli", *args], capture_output=True, text=True, env=env, timeout=1800)
+            args = [
+                *MEASURED_COMMON,
+                f"data.path={corpus_path}",
+                f"trainer.max_steps={steps}",
+                *overrides,
+                f"run_dir={run_dir}",
+            ]
+            result = subprocess.run(
+                [sys.executable, "-m", "trainer.cli", *args], capture_output=True, text=True, env=env, timeout=1800
+            )
             if result.returncode != 0:
                 raise RuntimeError(f"{arm}: exit {result.returncode}\n{result.stderr[-3000:]}")
             (metrics,) = run_dir.rglob("metrics.csv")
             with metrics.open() as f:
-                rows = [r for r in csv.DictReader(f) if r.get("perf/balance_compute_max_over_mean") and int(r["step"]) > 1]
-            keys = {"compute": "perf/balance_compute_max_over_mean", "step": "perf/balance_time_max_over_mean",
-                    "work": "perf/balance_work_max_over_mean", "compute_s": "perf/compute_s_mean"}  # fmt: skip
+                rows = [
+                    r for r in csv.DictReader(f) if r.get("perf/balance_compute_max_over_mean") and int(r["step"]) > 1
+                ]
+            keys = {
+                "compute": "perf/balance_compute_max_over_mean",
+                "step": "perf/balance_time_max_over_mean",
+                "work": "perf/balance_work_max_over_mean",
+                "compute_s": "perf/compute_s_mean",
+            }
             if arm == "balanced_hybrid":
                 keys["whole_rows"] = "perf/cp_whole_rows"  # per cp group and step, of 8
             out[arm] = {k: sum(float(r[key]) for r in rows) / len(rows) for k, key in keys.items()}
@@ -228,8 +259,10 @@ def main() -> None:
     docs = lengths(args.long, args.seed)
     rows = pack([([0] * n, [0] * n) for n in docs], seq_len=args.seq_len, pad_id=0)
     model = WorkModel.of(shape(args.dim, args.layers, 32000, args.seq_len))
-    print(f"{len(docs)} documents ({sum(docs)} tokens, {args.long} of 16k-32k) in {len(rows)} rows of {args.seq_len}; "
-          f"global batch {args.global_batch}, dp {args.dp}, micro-batch {args.micro_batch}; Llama {args.dim} x {args.layers}")  # fmt: skip
+    print(
+        f"{len(docs)} documents ({sum(docs)} tokens, {args.long} of 16k-32k) in {len(rows)} rows of {args.seq_len}; "
+        f"global batch {args.global_batch}, dp {args.dp}, micro-batch {args.micro_batch}; Llama {args.dim} x {args.layers}"
+    )
     print(f"{'max/mean per rank':32s} {'static':>10s} {'balanced':>10s}")
     results = {}
     for layout in [(args.dp, args.micro_batch), (2 * args.dp, args.micro_batch // 2 or 1), (args.dp, 1)]:
@@ -238,20 +271,32 @@ def main() -> None:
             continue
         r = measure(rows.document_ids, model, argparse.Namespace(**{**vars(args), "dp": dp, "micro_batch": micro}))
         results.setdefault("first", r)
-        for kind, label in (("total", "work (FLOPs)"), ("attention", "attention pairs"), ("micro", "synced per micro-batch")):
+        for kind, label in (
+            ("total", "work (FLOPs)"),
+            ("attention", "attention pairs"),
+            ("micro", "synced per micro-batch"),
+        ):
             print(f"dp={dp} micro={micro} {label:20s} {r[f'static_{kind}']:10.3f} {r[f'balanced_{kind}']:10.3f}")
     pool = measure_cp(rows.document_ids, model, args)
-    print(f"dp={args.dp} x cp={args.cp} pool, work per rank: static + zigzag cp {pool['static']:.3f}, balanced dp + "
-          f"zigzag cp {pool['balanced']:.3f}, balanced dp + document cp {pool['balanced_doc_cp']:.3f}")  # fmt: skip
-    print(f"dp={args.dp} x cp={args.cp} pool, balanced dp + hybrid placement: whole rows and cp {pool['balanced_hybrid_whole']:.3f}, "
-          f"on cp groups of {', '.join(map(str, (*group_sizes(args.cp, args.micro_batch), args.cp)))} ranks {pool['balanced_hybrid']:.3f} "
-          f"(rows of a dp group per group size, mean: {', '.join(f'{k[6:]}: {v:.2f}' for k, v in pool.items() if k.startswith('rows_g'))})")  # fmt: skip
+    print(
+        f"dp={args.dp} x cp={args.cp} pool, work per rank: static + zigzag cp {pool['static']:.3f}, balanced dp + "
+        f"zigzag cp {pool['balanced']:.3f}, balanced dp + document cp {pool['balanced_doc_cp']:.3f}"
+    )
+    print(
+        f"dp={args.dp} x cp={args.cp} pool, balanced dp + hybrid placement: whole rows and cp {pool['balanced_hybrid_whole']:.3f}, "
+        f"on cp groups of {', '.join(map(str, (*group_sizes(args.cp, args.micro_batch), args.cp)))} ranks {pool['balanced_hybrid']:.3f} "
+        f"(rows of a dp group per group size, mean: {', '.join(f'{k[6:]}: {v:.2f}' for k, v in pool.items() if k.startswith('rows_g'))})"
+    )
     first = results["first"]
     measured = ""
     if args.measure_steps:
         ranks = measure_ranks(args.measure_steps, args.seed)
-        print("measured, FSDP 2 x CP 2 on 4 gloo processes (nano Llama, 256-token rows), max/mean per rank, mean of steps 2..:")
-        print(f"{'arm':18s} {'fwd/bwd before sync':>20s} {'whole step':>11s} {'est. work of dp rows':>21s} {'compute s':>10s}")
+        print(
+            "measured, FSDP 2 x CP 2 on 4 gloo processes (nano Llama, 256-token rows), max/mean per rank, mean of steps 2..:"
+        )
+        print(
+            f"{'arm':18s} {'fwd/bwd before sync':>20s} {'whole step':>11s} {'est. work of dp rows':>21s} {'compute s':>10s}"
+        )
         for arm, r in ranks.items():
             whole = f"  (whole rows per cp group and step: {r['whole_rows']:.1f} of 8)" if "whole_rows" in r else ""
             print(f"{arm:18s} {r['compute']:20.3f} {r['step']:11.3f} {r['work']:21.3f} {r['compute_s']:10.3f}{whole}")

@@ -32,7 +32,13 @@ import random
 import torch
 import torch.distributed as dist
 
-from strategies.context.plugin import apply_context_parallel, build_cp_layout, causal_work, shard_batch, ulysses_degree_for
+from strategies.context.plugin import (
+    apply_context_parallel,
+    build_cp_layout,
+    causal_work,
+    shard_batch,
+    ulysses_degree_for,
+)
 from strategies.runtime.gloo import run_gloo_ranks
 from trainer.models.llama import Llama
 from trainer.objectives.pretrain import CausalLM

@@ -26,8 +26,8 @@ import random
 
 import torch
 
-from strategies.context.plugin import shard_positions
 from strategies.context.document_shards import document_zigzag_order, rank_causal_work
+from strategies.context.plugin import shard_positions
 
 
 def packed_row(seq_len: int, rng: random.Random) -> torch.Tensor:
@@ -42,7 +42,10 @@ def packed_row(seq_len: int, rng: random.Random) -> torch.Tensor:
 def imbalance(docs: torch.Tensor, cp: int, sharding: str) -> float:
     seq_len = docs.shape[0]
     order = document_zigzag_order(docs, cp) if sharding == "document" else torch.arange(seq_len)
-    work = [rank_causal_work(docs, order[shard_positions(seq_len, cp, r, load_balance=sharding != "contiguous")]) for r in range(cp)]
+    work = [
+        rank_causal_work(docs, order[shard_positions(seq_len, cp, r, load_balance=sharding != "contiguous")])
+        for r in range(cp)
+    ]
     return max(work) / (sum(work) / cp)
 
 

@@ -43,7 +43,12 @@ def _reach(point: str) -> None:
 
 
 def _install() -> None:
-    sync, write_manifest, rmtree, symlink_to = RunCSVLogger.sync, ckpt.write_manifest, shutil.rmtree, pathlib.Path.symlink_to
+    sync, write_manifest, rmtree, symlink_to = (
+        RunCSVLogger.sync,
+        ckpt.write_manifest,
+        shutil.rmtree,
+        pathlib.Path.symlink_to,
+    )
 
     def on_sync(self, *args, **kwargs):  # noqa: ANN001, ANN202
         sync(self, *args, **kwargs)

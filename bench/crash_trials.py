@@ -61,9 +61,14 @@ def _plait(args: list[str], run_dir: Path, env: dict[str, str] | None = None, en
     command = [str(ROOT / "bench" / "crash_entry.py")] if entry else ["-m", "trainer.cli"]
     return subprocess.Popen(
         [sys.executable, *command, *RUN, *args, f"run_dir={run_dir}"],
-        cwd=ROOT, env={**os.environ, **(env or {})}, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _finish(process: subprocess.Popen, timeout: float = 900) -> tuple[int, str]:
@@ -82,13 +87,16 @@ def rows(run_dir: Path) -> list[dict[str, str]]:
 
 def weights(run_dir: Path, like: Path) -> dict:
     """The final checkpoint's model weights (one process, any saved layout)."""
-    from trainer.model_node import instantiate_model
     from omegaconf import OmegaConf
 
     from trainer.data.tokenizer import Tokenizer
+    from trainer.model_node import instantiate_model
 
     cfg = OmegaConf.load(like / "config.yaml")
-    model = instantiate_model(cfg.model, vocab_size=cfg.model.get("vocab_size") or Tokenizer.from_file(str(like / "tokenizer.json")).vocab_size)
+    model = instantiate_model(
+        cfg.model,
+        vocab_size=cfg.model.get("vocab_size") or Tokenizer.from_file(str(like / "tokenizer.json")).vocab_size,
+    )
     load_model_weights(run_dir / "checkpoints" / f"step_{STEPS:07d}", model)
     return {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -116,7 +124,11 @@ def leftovers(run_dir: Path) -> str:
     for path in step_dirs(run_dir / "checkpoints"):
         reason = verify_checkpoint(path)
         found.append(f"{path.name}:{'ok' if reason is None else 'damaged'}")
-    extra = sorted(p.name for p in (run_dir / "checkpoints").glob("*") if p.name.endswith((".tmp", ".old")) or p.name.startswith(".pruned-"))
+    extra = sorted(
+        p.name
+        for p in (run_dir / "checkpoints").glob("*")
+        if p.name.endswith((".tmp", ".old")) or p.name.startswith(".pruned-")
+    )
     return " ".join(found + extra)
 
 
@@ -133,7 +145,9 @@ def resume(run_dir: Path, layout: list[str], reference: Path) -> tuple[bool, str
     return why is None, why or "bit-exact"
 
 
-def kill_trial(processes: int, point: str | None, count: int, reference: Path, work: Path, rng: random.Random) -> tuple[bool, str]:
+def kill_trial(
+    processes: int, point: str | None, count: int, reference: Path, work: Path, rng: random.Random
+) -> tuple[bool, str]:
     run_dir, layout = work / "run", LAYOUTS[processes]
     if point is not None:
         code, stderr = _finish(_plait(layout, run_dir, env={"PLAIT_CRASH_AT": f"{point}:{count}"}, entry=True))

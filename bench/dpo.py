@@ -69,12 +69,16 @@ def main() -> None:
         trainer.fit(task, datamodule=data)
     wall = time.perf_counter() - start
     # An evaluation's entry holds the objective's sums under "metrics" (Task.evaluate).
-    evals = [{"step": h["step"], **h["metrics"]} for h in task.history if "val/rewards/accuracy" in h.get("metrics", {})]
+    evals = [
+        {"step": h["step"], **h["metrics"]} for h in task.history if "val/rewards/accuracy" in h.get("metrics", {})
+    ]
     before, after = evals[0], evals[-1]
     ref = data.prepare().val_ref
     base_pref = ((ref[:, 0] > ref[:, 1]).float() + 0.5 * (ref[:, 0] == ref[:, 1]).float()).mean().item()
-    print(f"task={args.task} objective={args.objective} steps={args.steps} train_pairs={args.train_pairs} "
-          f"held-out pairs={len(ref)} wall={wall:.0f}s")  # fmt: skip
+    print(
+        f"task={args.task} objective={args.objective} steps={args.steps} train_pairs={args.train_pairs} "
+        f"held-out pairs={len(ref)} wall={wall:.0f}s"
+    )
     print(f"initial model's own preference accuracy (log pi_ref(chosen) > log pi_ref(rejected)): {base_pref:.3f}")
     for name, h in (("before", before), ("after", after)):
         print(

@@ -89,9 +89,13 @@ def main() -> None:
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args()
     model_kwargs = dict(
-        vocab_size=args.vocab_size, dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
-        n_kv_heads=args.n_kv_heads, max_seq_len=256,
-    )  # fmt: skip
+        vocab_size=args.vocab_size,
+        dim=args.dim,
+        n_layers=args.n_layers,
+        n_heads=args.n_heads,
+        n_kv_heads=args.n_kv_heads,
+        max_seq_len=256,
+    )
 
     # One process, no process group: the bytes each DDP rank holds.
     ctx = mp.get_context("fork")
@@ -99,10 +103,14 @@ def main() -> None:
         replicated = pool.apply(one_step, (model_kwargs, "replicated", 1))
     base = sum(replicated.values())
     print(f"model: {model_kwargs}")
-    print(f"replicated (DDP) per-rank bytes: {base:,} = params {replicated['params']:,} + grads "
-          f"{replicated['grads']:,} + optimizer state {replicated['optim']:,}")  # fmt: skip
+    print(
+        f"replicated (DDP) per-rank bytes: {base:,} = params {replicated['params']:,} + grads "
+        f"{replicated['grads']:,} + optimizer state {replicated['optim']:,}"
+    )
     print()
-    print("| N | layout | per-rank bytes (max) | params | grads | optimizer state | per-rank / DDP | N x per-rank / DDP |")
+    print(
+        "| N | layout | per-rank bytes (max) | params | grads | optimizer state | per-rank / DDP | N x per-rank / DDP |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     ratios: dict[int, float] = {}
     for n in args.world_sizes:
@@ -113,8 +121,10 @@ def main() -> None:
             if layout == "fsdp":
                 ratios[n] = ratio
             name = "FSDP2 (dp_shard=N)" if layout == "fsdp" else "DDP preset (dp_replicate=N, dp_shard=1)"
-            print(f"| {n} | {name} | {sum(worst.values()):,} | {worst['params']:,} | {worst['grads']:,} | "
-                  f"{worst['optim']:,} | {ratio / n:.4f} | {ratio:.4f} |")  # fmt: skip
+            print(
+                f"| {n} | {name} | {sum(worst.values()):,} | {worst['params']:,} | {worst['grads']:,} | "
+                f"{worst['optim']:,} | {ratio / n:.4f} | {ratio:.4f} |"
+            )
     print()
     print("RESULT " + " ".join(f"fsdp_bytes_ratio_n{n}={r:.6f}" for n, r in ratios.items()))
 

@@ -19,10 +19,10 @@ import argparse
 import time
 
 import torch
-from trainer.model_node import instantiate_model
 from omegaconf import OmegaConf
 
 from trainer.compose import CONF_DIR
+from trainer.model_node import instantiate_model
 from trainer.sampling import sample
 
 
@@ -44,8 +44,12 @@ def main() -> None:
             tokens[use_cache] = sample(model, prompt, use_cache=use_cache, **kw)
             best[use_cache] = min(best[use_cache], time.perf_counter() - start)
     assert tokens[True] == tokens[False], "the KV cache changed the greedy tokens"
-    print(f"{args.tokens} tokens after a {args.prompt}-token prompt: KV cache {best[True]:.3f} s, none {best[False]:.3f} s")
-    print(f"RESULT kv_s={best[True]:.4f} no_cache_s={best[False]:.4f} speedup={best[False] / best[True]:.2f} tokens={len(tokens[True])}")
+    print(
+        f"{args.tokens} tokens after a {args.prompt}-token prompt: KV cache {best[True]:.3f} s, none {best[False]:.3f} s"
+    )
+    print(
+        f"RESULT kv_s={best[True]:.4f} no_cache_s={best[False]:.4f} speedup={best[False] / best[True]:.2f} tokens={len(tokens[True])}"
+    )
 
 
 if __name__ == "__main__":

@@ -26,7 +26,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-COMMON = ["trainer.max_steps=10", "trainer.log_every_n_steps=1", "train.eval_every=5", "trainer.enable_progress_bar=false"]
+COMMON = [
+    "trainer.max_steps=10",
+    "trainer.log_every_n_steps=1",
+    "train.eval_every=5",
+    "trainer.enable_progress_bar=false",
+]
 
 # name -> CLI arguments (recipe first). Every layout of the list, 10 steps each.
 RUNS: dict[str, list[str]] = {
@@ -40,8 +45,15 @@ RUNS: dict[str, list[str]] = {
     "dpo": ["dpo"],
     # One mSFT search on the synthetic mixture: every roll-out's metrics.csv is compared.
     "msft": [
-        "sft", "data=synthetic", "model=nano", "model.max_seq_len=64", "train.global_batch_size=16",
-        "budget=msft", "budget.compute=0.5", "budget.eval_every=5", "budget.baseline=false",
+        "sft",
+        "data=synthetic",
+        "model=nano",
+        "model.max_seq_len=64",
+        "train.global_batch_size=16",
+        "budget=msft",
+        "budget.compute=0.5",
+        "budget.eval_every=5",
+        "budget.baseline=false",
     ],
 }
 KEYS = ("train/loss", "train/grad_norm", "train/lr", "val/loss")
@@ -53,7 +65,9 @@ def run_one(name: str, run_dir: Path) -> dict[str, dict[str, str]]:
     if name == "msft":
         args += ["trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false"]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    result = subprocess.run([sys.executable, "-m", "trainer.cli", *args], capture_output=True, text=True, env=env, timeout=1800)
+    result = subprocess.run(
+        [sys.executable, "-m", "trainer.cli", *args], capture_output=True, text=True, env=env, timeout=1800
+    )
     if result.returncode != 0:
         raise RuntimeError(f"{name}: exit {result.returncode}\n{result.stderr[-3000:]}")
     rows: dict[str, dict[str, str]] = {}
@@ -62,7 +76,10 @@ def run_one(name: str, run_dir: Path) -> dict[str, dict[str, str]]:
             for row in csv.DictReader(f):
                 values = {k: row[k] for k in KEYS if row.get(k) not in (None, "")}
                 if values:
-                    rows[f"{path.relative_to(run_dir)}:{row['step']}"] = {**rows.get(f"{path.relative_to(run_dir)}:{row['step']}", {}), **values}
+                    rows[f"{path.relative_to(run_dir)}:{row['step']}"] = {
+                        **rows.get(f"{path.relative_to(run_dir)}:{row['step']}", {}),
+                        **values,
+                    }
     if not rows:
         raise RuntimeError(f"{name}: no metrics rows under {run_dir}")
     return rows
@@ -96,7 +113,10 @@ def main() -> None:
             if golden.get(row, {}).get(key) != rows.get(row, {}).get(key)
         ]
         finite = all(math.isfinite(float(v)) for r in rows.values() for v in r.values())
-        print(f"{name}: {'bitwise equal' if not diffs else f'{len(diffs)} values differ'} ({len(rows)} rows{'' if finite else ', NON-FINITE'})", flush=True)
+        print(
+            f"{name}: {'bitwise equal' if not diffs else f'{len(diffs)} values differ'} ({len(rows)} rows{'' if finite else ', NON-FINITE'})",
+            flush=True,
+        )
         if diffs:
             differ.append(name)
             print("\n".join(diffs[:20]), flush=True)

@@ -66,7 +66,9 @@ class StepTimer(L.Callback):
         self.first_step_s = float("nan")
         self.peak_alloc = self.peak_reserved = 0.0
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: dict, *args: object) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: dict, *args: object
+    ) -> None:
         if self.causal:
             batch.pop("document_ids", None)
             batch.pop("position_ids", None)
@@ -112,10 +114,18 @@ def attention_kernel(spec: dict, n_heads: int, n_kv_heads: int, head_dim: int) -
 def overrides(spec: dict, seq_len: int, cuda: bool) -> list[str]:
     """The plait command line of one configuration (``cuda``: from the ``trainer=gpu`` preset)."""
     out = [
-        f"model={spec['model']}", f"data.seq_len={seq_len}", "data.val_fraction=0", "train.eval_every=0",
-        f"train.global_batch_size={spec['batch']}", f"trainer.max_steps={spec.get('steps', 12)}",
-        "trainer.devices=1", "trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1000",
-        "logger=none", "~callbacks.checkpoint", "~callbacks.plots",
+        f"model={spec['model']}",
+        f"data.seq_len={seq_len}",
+        "data.val_fraction=0",
+        "train.eval_every=0",
+        f"train.global_batch_size={spec['batch']}",
+        f"trainer.max_steps={spec.get('steps', 12)}",
+        "trainer.devices=1",
+        "trainer.enable_progress_bar=false",
+        "trainer.log_every_n_steps=1000",
+        "logger=none",
+        "~callbacks.checkpoint",
+        "~callbacks.plots",
         f"strategy.compile.enabled={str(spec.get('compile', cuda)).lower()}",
         f"strategy.activation_checkpoint.mode={spec.get('ac', 'none')}",
     ]
@@ -140,10 +150,20 @@ def run_one(name: str, seq_len: int) -> dict:
     cfg = compose("pretrain", overrides(spec, seq_len, cuda))
     m = cfg.model
     head_dim = m.dim // m.n_heads
-    result = {"config": name, "device": device, "torch": torch.__version__, "seq_len": seq_len,
-              "batch": spec["batch"], "layers": m.n_layers, "compile": cfg.strategy.compile.enabled,
-              "causal_rows": bool(spec.get("causal")), "ac": spec.get("ac", "none"),
-              "attention": attention_kernel({**spec, "seq_len": seq_len}, m.n_heads, m.get("n_kv_heads") or m.n_heads, head_dim)}
+    result = {
+        "config": name,
+        "device": device,
+        "torch": torch.__version__,
+        "seq_len": seq_len,
+        "batch": spec["batch"],
+        "layers": m.n_layers,
+        "compile": cfg.strategy.compile.enabled,
+        "causal_rows": bool(spec.get("causal")),
+        "ac": spec.get("ac", "none"),
+        "attention": attention_kernel(
+            {**spec, "seq_len": seq_len}, m.n_heads, m.get("n_kv_heads") or m.n_heads, head_dim
+        ),
+    }
     start = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory() as run_dir:
@@ -156,11 +176,18 @@ def run_one(name: str, seq_len: int) -> dict:
         tps = sum(timer.tokens) / sum(timer.times)
         tflops = tps * task.flops_per_token / 1e12
         result.update(
-            oom=0, params_b=round(task.model.num_params() / 1e9, 3), tokens_per_s=round(tps),
-            step_ms_median=round(1e3 * steps[len(steps) // 2], 1), step_ms_max=round(1e3 * steps[-1], 1),
-            tflops=round(tflops, 1), mfu=round(tflops / peak, 4), peak_alloc_gib=round(timer.peak_alloc, 2),
-            peak_reserved_gib=round(timer.peak_reserved, 2), first_step_s=round(timer.first_step_s, 1),
-            loss_last=round(timer.losses[-1], 4), loss_finite=all(math.isfinite(x) for x in timer.losses),
+            oom=0,
+            params_b=round(task.model.num_params() / 1e9, 3),
+            tokens_per_s=round(tps),
+            step_ms_median=round(1e3 * steps[len(steps) // 2], 1),
+            step_ms_max=round(1e3 * steps[-1], 1),
+            tflops=round(tflops, 1),
+            mfu=round(tflops / peak, 4),
+            peak_alloc_gib=round(timer.peak_alloc, 2),
+            peak_reserved_gib=round(timer.peak_reserved, 2),
+            first_step_s=round(timer.first_step_s, 1),
+            loss_last=round(timer.losses[-1], 4),
+            loss_finite=all(math.isfinite(x) for x in timer.losses),
         )
     except torch.OutOfMemoryError as err:
         result.update(oom=1, error=str(err).splitlines()[0][:160])
@@ -216,11 +243,15 @@ def main() -> None:
     for r in results:
         key = r["config"] + (f"_{r['seq_len']}" if CONFIGS[r["config"]].get("longest") else "")
         if r.get("oom") == 0:
-            summary.append(f"{key}_tps={r['tokens_per_s']} {key}_mfu={r['mfu']} {key}_gib={r['peak_alloc_gib']}"
-                           f" {key}_finite={int(r['loss_finite'])}")
+            summary.append(
+                f"{key}_tps={r['tokens_per_s']} {key}_mfu={r['mfu']} {key}_gib={r['peak_alloc_gib']}"
+                f" {key}_finite={int(r['loss_finite'])}"
+            )
         else:
             summary.append(f"{key}_failed={'oom' if r.get('oom') else 'error'}")
-    longest = max((r["seq_len"] for r in results if CONFIGS[r["config"]].get("longest") and r.get("oom") == 0), default=0)
+    longest = max(
+        (r["seq_len"] for r in results if CONFIGS[r["config"]].get("longest") and r.get("oom") == 0), default=0
+    )
     print("RESULT " + " ".join(summary) + (f" longest_seq_len={longest}" if longest else ""))
 
 

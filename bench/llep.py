@@ -79,9 +79,15 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> Non
     chosen = torch.stack([first] + [(first + k) % E for k in range(1, K)], 1)
     weights = torch.full((N, K), 1.0 / K)
     result = {}
-    for name, plugin in [("ep", ExpertParallel(ep=args.ranks)),
-                         ("llep", ExpertParallel(ep=args.ranks, least_loaded=True, capacity_ratio=args.ratio,
-                                                 min_tokens_per_gemm=args.min_tokens))]:  # fmt: skip
+    for name, plugin in [
+        ("ep", ExpertParallel(ep=args.ranks)),
+        (
+            "llep",
+            ExpertParallel(
+                ep=args.ranks, least_loaded=True, capacity_ratio=args.ratio, min_tokens_per_gemm=args.min_tokens
+            ),
+        ),
+    ]:
         torch.manual_seed(0)
         experts = GroupedExperts(args.dim, args.ffn, E)
         for w in (experts.w1, experts.w2, experts.w3):
@@ -101,8 +107,13 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> Non
         out = combine(experts(xs[order // K], counts), order, weights)
         out.square().sum().backward()
         loads = experts.dispatcher.pop_rank_loads()[0]
-        result[name] = {"out": out.detach(), "grad": xs.grad, "loads": loads, "act_bytes": peak["bytes"],
-                        "w1_grad": experts.w1.grad.full_tensor()}  # fmt: skip
+        result[name] = {
+            "out": out.detach(),
+            "grad": xs.grad,
+            "loads": loads,
+            "act_bytes": peak["bytes"],
+            "w1_grad": experts.w1.grad.full_tensor(),
+        }
     torch.save(result, f"{out_dir}/rank{rank}.pt")
     dist.barrier()
     os._exit(0)
@@ -126,11 +137,11 @@ def main() -> None:
         loads = results[0][name]["loads"].float()
         acts = [r[name]["act_bytes"] for r in results]
         figures[name] = (loads.max().item() / loads.mean().item(), max(acts) / 2**20)
-        print(f"{name:5s} rows per rank {loads.tolist()}  max/mean {figures[name][0]:.3f}  "
-              f"expert activation MiB per rank {[round(a / 2**20, 2) for a in acts]}")  # fmt: skip
-    diff = max(
-        max((r["ep"][k] - r["llep"][k]).abs().max().item() for k in ("out", "grad", "w1_grad")) for r in results
-    )
+        print(
+            f"{name:5s} rows per rank {loads.tolist()}  max/mean {figures[name][0]:.3f}  "
+            f"expert activation MiB per rank {[round(a / 2**20, 2) for a in acts]}"
+        )
+    diff = max(max((r["ep"][k] - r["llep"][k]).abs().max().item() for k in ("out", "grad", "w1_grad")) for r in results)
     print(f"max |EP - LLEP| over outputs, input and w1 gradients: {diff:.2e}")
     print(
         f"RESULT ep_max_over_mean={figures['ep'][0]:.3f} llep_max_over_mean={figures['llep'][0]:.3f} "

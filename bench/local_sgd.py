@@ -52,8 +52,8 @@ from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank: the ranks share the cores
 
-from strategies.runtime.launch import LAUNCH_ENV  # noqa: E402
 from strategies.local_sgd import allreduce_bytes_sent  # noqa: E402
+from strategies.runtime.launch import LAUNCH_ENV  # noqa: E402
 from trainer.build import build_run  # noqa: E402
 from trainer.compose import compose  # noqa: E402
 from trainer.config import validate  # noqa: E402
@@ -137,12 +137,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2400, help="steps of each method after the warm-up")
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument(
-        "--warmup-dir", type=Path, default=None,
+        "--warmup-dir",
+        type=Path,
+        default=None,
         help="keep the warm-up run here and reuse it when it is already there (probes from one warm-up)",
     )
     parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=list(METHODS))
     parser.add_argument(
-        "--extra", action="append", default=[], metavar="NAME=OVERRIDES",
+        "--extra",
+        action="append",
+        default=[],
+        metavar="NAME=OVERRIDES",
         help="one more run: a name, '=', then its space-separated strategy overrides",
     )
     args = parser.parse_args()
@@ -164,12 +169,18 @@ def main() -> None:
             warm_dir = args.warmup_dir or Path(tmp) / "warmup"
             if not (warm_dir / "summary.json").exists():
                 warm = train("warmup", args, warm_dir, steps=args.warmup, init_from=None)
-                print(f"warm-up (DDP, {args.warmup} steps): val_loss={warm['val_loss']:.4f} wall={warm['wall_s']:.0f}s", flush=True)
+                print(
+                    f"warm-up (DDP, {args.warmup} steps): val_loss={warm['val_loss']:.4f} wall={warm['wall_s']:.0f}s",
+                    flush=True,
+                )
             init_from = str(warm_dir)
         for method in args.methods:
             results[method] = train(method, args, Path(tmp) / method, steps=args.steps, init_from=init_from)
             r = results[method]
-            print(f"{method}: val_loss={r['val_loss_start']:.4f} -> {r['val_loss']:.4f} bytes_per_rank={r['bytes']:.4g} wall={r['wall_s']:.0f}s", flush=True)
+            print(
+                f"{method}: val_loss={r['val_loss_start']:.4f} -> {r['val_loss']:.4f} bytes_per_rank={r['bytes']:.4g} wall={r['wall_s']:.0f}s",
+                flush=True,
+            )
 
     ddp = results["ddp"]
     print(

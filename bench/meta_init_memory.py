@@ -45,7 +45,10 @@ class RSSProbe(pl.Callback):
         params = list(pl_module.parameters())
         local = sum((p.to_local() if hasattr(p, "to_local") else p).untyped_storage().nbytes() for p in params)
         total = sum(p.numel() for p in params)  # a DTensor's numel is the global one
-        print(f"RSSPROBE rank={trainer.global_rank} peak_rss_bytes={peak} global_params={total} local_param_bytes={local}", flush=True)
+        print(
+            f"RSSPROBE rank={trainer.global_rank} peak_rss_bytes={peak} global_params={total} local_param_bytes={local}",
+            flush=True,
+        )
         os._exit(0)  # no step: Adam's moments would be the next allocation
 
 
@@ -58,19 +61,34 @@ def main() -> None:
     plait = Path(sys.executable).with_name("plait")
     with tempfile.TemporaryDirectory() as run_dir:
         command = [
-            str(plait), "pretrain", f"run_dir={run_dir}/run", f"model={args.model}", f"strategy={args.strategy}",
-            f"trainer.devices={args.devices}", "trainer.max_steps=1", "data.seq_len=256",
-            f"train.global_batch_size={args.devices}", "+callbacks.rss._target_=meta_init_memory.RSSProbe",
+            str(plait),
+            "pretrain",
+            f"run_dir={run_dir}/run",
+            f"model={args.model}",
+            f"strategy={args.strategy}",
+            f"trainer.devices={args.devices}",
+            "trainer.max_steps=1",
+            "data.seq_len=256",
+            f"train.global_batch_size={args.devices}",
+            "+callbacks.rss._target_=meta_init_memory.RSSProbe",
         ]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+        env = dict(
+            os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
+        )
         out = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     rows = sorted((int(r), int(p), int(n), int(b)) for r, p, n, b in LINE.findall(out.stdout))
     if len(rows) != args.devices:
-        sys.exit(f"expected {args.devices} RSSPROBE lines, got {len(rows)}:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}")
+        sys.exit(
+            f"expected {args.devices} RSSPROBE lines, got {len(rows)}:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+        )
     model_bytes = 4 * rows[0][2]
-    print(f"{args.model}: {rows[0][2]:,} parameters, full fp32 model {model_bytes / 2**30:.2f} GiB; strategy={args.strategy}, {args.devices} ranks")
+    print(
+        f"{args.model}: {rows[0][2]:,} parameters, full fp32 model {model_bytes / 2**30:.2f} GiB; strategy={args.strategy}, {args.devices} ranks"
+    )
     for rank, peak, _, local in rows:
-        print(f"  rank {rank}: peak RSS {peak / 2**30:.2f} GiB = {peak / model_bytes:.3f} x model; local shards {local / 2**30:.2f} GiB")
+        print(
+            f"  rank {rank}: peak RSS {peak / 2**30:.2f} GiB = {peak / model_bytes:.3f} x model; local shards {local / 2**30:.2f} GiB"
+        )
     worst = max(peak for _, peak, _, _ in rows) / model_bytes
     print(f"RESULT peak_rss_over_model_bytes={worst:.3f} local_param_fraction={rows[0][3] / model_bytes:.4f}")
 

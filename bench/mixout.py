@@ -60,7 +60,9 @@ def write_split(source: str, seeds: int, tmp: Path) -> tuple[Path, list[Path]]:
     return write(tmp / "held_out.jsonl", held_out), train_files
 
 
-def finetune(args: argparse.Namespace, base: Path, data: tuple[Path, Path], seed: int, p: float | None, run_dir: Path) -> float:
+def finetune(
+    args: argparse.Namespace, base: Path, data: tuple[Path, Path], seed: int, p: float | None, run_dir: Path
+) -> float:
     """Final loss on the held-out conversations of one fine-tuning run.
 
     The split and the mixture's seed stay fixed; the seed orders the training file (and seeds Mixout)."""
@@ -107,8 +109,10 @@ def main() -> None:
                 finals[arm].append(finetune(args, base, data, seed, p, Path(tmp) / f"{arm}_{seed}"))
                 print(f"seed {seed} {arm}: final held-out loss {finals[arm][-1]:.4f}", flush=True)
     stats = {arm: (statistics.mean(v), statistics.stdev(v), statistics.variance(v)) for arm, v in finals.items()}
-    print(f"\n{args.source}, {args.epochs} epochs at lr {args.lr}, {args.seeds} seeds, Mixout p={args.p}; "
-          f"{time.perf_counter() - start:.0f} s")  # fmt: skip
+    print(
+        f"\n{args.source}, {args.epochs} epochs at lr {args.lr}, {args.seeds} seeds, Mixout p={args.p}; "
+        f"{time.perf_counter() - start:.0f} s"
+    )
     print("| arm | final held-out loss per seed | mean | std | variance |")
     print("|---|---|---|---|---|")
     for arm, (mean, std, var) in stats.items():

@@ -99,8 +99,10 @@ def pretrained_base(args: argparse.Namespace) -> Path:
     val = [h["val_loss"] for h in history if "val_loss" in h]
     seconds = time.perf_counter() - start
     done.write_text(json.dumps({"steps": args.base_steps, "val_loss": val[-1] if val else None, "seconds": seconds}))
-    print(f"base: step {stop or args.base_steps} of a {args.base_steps}-step schedule{' (resumed)' if partial else ''}, "
-          f"val loss {val}, {seconds:.0f} s")  # fmt: skip
+    print(
+        f"base: step {stop or args.base_steps} of a {args.base_steps}-step schedule{' (resumed)' if partial else ''}, "
+        f"val loss {val}, {seconds:.0f} s"
+    )
     return base
 
 
@@ -111,8 +113,13 @@ def finetune_overrides(args: argparse.Namespace, base: Path | None) -> list[str]
         "logger=csv", "~callbacks.plots",
     ]  # fmt: skip
     if args.regime == "synthetic":
-        return ["data=synthetic", "model=nano", "model.max_seq_len=64", *common,
-                *(f"data.sources.{n}.metric=loss" for n in ("reversal", "sorting", "addition"))]  # fmt: skip
+        return [
+            "data=synthetic",
+            "model=nano",
+            "model.max_seq_len=64",
+            *common,
+            *(f"data.sources.{n}.metric=loss" for n in ("reversal", "sorting", "addition")),
+        ]
     return [
         f"model={args.model}", f"model.init_from={base}", f"data.tokenizer={base / 'tokenizer.json'}",
         f"data.seq_len={args.seq_len}", *common, *(f"data.sources.{n}.val_size={args.val_size}" for n in SOURCES),
@@ -163,12 +170,16 @@ def main() -> None:
     msft_metric, uniform_metric = -report["final_mean"], -uniform["best_mean"]
     oracle_metric = -sum(oracle.values()) / len(oracle)
     ratio = report["flops"] / uniform["flops"]
-    print(f"\n{'source':<24} {'removed at':>10} {'loss then':>9} {'final':>7} {'forgot':>7} {'uniform':>8} {'oracle':>7}")
+    print(
+        f"\n{'source':<24} {'removed at':>10} {'loss then':>9} {'final':>7} {'forgot':>7} {'uniform':>8} {'oracle':>7}"
+    )
     for n in names:
         stop = report["sources"][n]
         then, final = -stop["score"], -report["final_scores"][n]
-        print(f"{n:<24} {stop['step']:>10} {then:>9.3f} {final:>7.3f} {final - then:>+7.3f} "
-              f"{-uniform['scores'][n]:>8.3f} {-oracle[n]:>7.3f}")  # fmt: skip
+        print(
+            f"{n:<24} {stop['step']:>10} {then:>9.3f} {final:>7.3f} {final - then:>+7.3f} "
+            f"{-uniform['scores'][n]:>8.3f} {-oracle[n]:>7.3f}"
+        )
     print(
         f"held-out loss: mSFT {msft_metric:.4f}, best uniform {uniform_metric:.4f} (step {uniform['best_step']} of "
         f"{uniform['steps']}), oracle {oracle_metric:.4f}; FLOPs mSFT/uniform {ratio:.3f}; "

@@ -133,7 +133,10 @@ class HandLoop:
             (decay if is_matmul else rest).append(param)
         groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": rest, "weight_decay": 0.0}]
         self.optimizer = torch.optim.AdamW(
-            [g for g in groups if g["params"]], lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
+            [g for g in groups if g["params"]],
+            lr=cfg.optim.lr,
+            betas=tuple(cfg.optim.betas),
+            eps=cfg.optim.eps,
             fused=cfg.optim.get("fused"),  # plait's default: one fused kernel (its rounding differs from the loop's)
         )
         sched = cfg.scheduler

@@ -29,9 +29,9 @@ import os
 import tempfile
 from pathlib import Path
 
-from strategies.runtime.launch import LAUNCH_ENV
 from strategies.planner.memory import predict_rank
 from strategies.planner.time import predict_time
+from strategies.runtime.launch import LAUNCH_ENV
 from trainer.build import build_run
 from trainer.compose import compose
 from trainer.config import validate
@@ -104,7 +104,9 @@ def main() -> None:
     clusters = {r["layout"].world_size: calibrate(cluster_from_config(r["cfg"])) for r in results.values()}
     shape = first["shape"]
     mem_exact, act_err_max, predicted, measured = True, 0.0, [], []
-    print(f"{'layout':<8} {'rank':>4} {'params':>10} {'grads':>10} {'optim':>10} {'act pred':>10} {'act meas':>10} {'err':>7}")
+    print(
+        f"{'layout':<8} {'rank':>4} {'params':>10} {'grads':>10} {'optim':>10} {'act pred':>10} {'act meas':>10} {'err':>7}"
+    )
     for name, r in results.items():
         layout, work = r["layout"], r["work"]
         for rank, m in enumerate(r["measured"]):
@@ -113,8 +115,10 @@ def main() -> None:
             err = abs(p.activations_per_microbatch / m["activations"] - 1)
             mem_exact &= exact
             act_err_max = max(act_err_max, err)
-            print(f"{name:<8} {rank:>4} {m['params']:>10} {m['grads']:>10} {m['optimizer']:>10} "
-                  f"{p.activations_per_microbatch:>10} {m['activations']:>10} {err:>7.4f}{'' if exact else '  STATES DIFFER'}")  # fmt: skip
+            print(
+                f"{name:<8} {rank:>4} {m['params']:>10} {m['grads']:>10} {m['optimizer']:>10} "
+                f"{p.activations_per_microbatch:>10} {m['activations']:>10} {err:>7.4f}{'' if exact else '  STATES DIFFER'}"
+            )
         step = predict_time(shape, layout, work, clusters[layout.world_size])
         predicted.append(step.total)
         measured.append(r["step_s"])

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
-from strategies.planner.layout import Layout, Workload
 from strategies.core.shape import ModelShape
+from strategies.planner.layout import Layout, Workload
 from strategies.planner.memory import GiB, predict_memory
 from strategies.planner.time import Cluster, predict_time, tokens_per_second_per_device
 from trainer.compose import CONF_DIR
@@ -40,18 +40,68 @@ def work(batch: int, **kernels: bool) -> Workload:
 SAC = {"ac": "every_k", "ac_every_k": 2}
 ROWS = [  # (table row, model, GPUs, layout, workload, published TPS/GPU, published GiB)
     ("T1 8B FSDP8", "llama3_8b", 8, Layout(dp_shard=8, micro_batch_size=2, **SAC), work(16), 5762, 82.4),
-    ("T1 8B FSDP8 +compile", "llama3_8b", 8, Layout(dp_shard=8, micro_batch_size=2, **SAC), work(16, compile=True), 6667, 77.0),
-    ("T1 8B FSDP8 +compile+fp8", "llama3_8b", 8, Layout(dp_shard=8, micro_batch_size=2, **SAC), work(16, compile=True, float8=True), 8532, 76.8),
+    (
+        "T1 8B FSDP8 +compile",
+        "llama3_8b",
+        8,
+        Layout(dp_shard=8, micro_batch_size=2, **SAC),
+        work(16, compile=True),
+        6667,
+        77.0,
+    ),
+    (
+        "T1 8B FSDP8 +compile+fp8",
+        "llama3_8b",
+        8,
+        Layout(dp_shard=8, micro_batch_size=2, **SAC),
+        work(16, compile=True, float8=True),
+        8532,
+        76.8,
+    ),
     ("T3 8B FSDP128", "llama3_8b", 128, Layout(dp_shard=128, micro_batch_size=2, **SAC), work(256), 5605, 67.0),
-    ("T4 70B FSDP32xTP8", "llama3_70b", 256, Layout(dp_shard=32, tp=8, micro_batch_size=16, ac="full"), work(512, compile=True, float8=True), 829, 71.9),
-    ("T4 70B FSDP32xTP8 +asyncTP", "llama3_70b", 256, Layout(dp_shard=32, tp=8, micro_batch_size=16, ac="full"), work(512, compile=True, float8=True, async_tp=True), 876, 67.6),
-    ("T5 405B FSDP8xTP8xPP8 1F1B", "llama3_405b", 512, Layout(dp_shard=8, tp=8, pp=8, micro_batch_size=1, ac="full"), work(256, compile=True, float8=True, async_tp=True), 100, 82.5),
-    ("T5 405B FSDP8xTP8xPP8 Interleaved1F1B", "llama3_405b", 512, Layout(dp_shard=8, tp=8, pp=8, pp_schedule="Interleaved1F1B", stages_per_rank=2, micro_batch_size=1, ac="full"), work(256, compile=True, float8=True, async_tp=True), 128, 72.7),
+    (
+        "T4 70B FSDP32xTP8",
+        "llama3_70b",
+        256,
+        Layout(dp_shard=32, tp=8, micro_batch_size=16, ac="full"),
+        work(512, compile=True, float8=True),
+        829,
+        71.9,
+    ),
+    (
+        "T4 70B FSDP32xTP8 +asyncTP",
+        "llama3_70b",
+        256,
+        Layout(dp_shard=32, tp=8, micro_batch_size=16, ac="full"),
+        work(512, compile=True, float8=True, async_tp=True),
+        876,
+        67.6,
+    ),
+    (
+        "T5 405B FSDP8xTP8xPP8 1F1B",
+        "llama3_405b",
+        512,
+        Layout(dp_shard=8, tp=8, pp=8, micro_batch_size=1, ac="full"),
+        work(256, compile=True, float8=True, async_tp=True),
+        100,
+        82.5,
+    ),
+    (
+        "T5 405B FSDP8xTP8xPP8 Interleaved1F1B",
+        "llama3_405b",
+        512,
+        Layout(dp_shard=8, tp=8, pp=8, pp_schedule="Interleaved1F1B", stages_per_rank=2, micro_batch_size=1, ac="full"),
+        work(256, compile=True, float8=True, async_tp=True),
+        128,
+        72.7,
+    ),
 ]
 
 
 def main() -> None:
-    print("| Published configuration | GPUs | published TPS/GPU | predicted TPS/GPU | error | published GiB | predicted GiB |")
+    print(
+        "| Published configuration | GPUs | published TPS/GPU | predicted TPS/GPU | error | published GiB | predicted GiB |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     errors = []
     for name, model, gpus, layout, wl, published, gib in ROWS:

@@ -48,7 +48,12 @@ def contract(rev: str) -> set[str]:
 
 def receiver(node: ast.expr) -> str | None:
     """The plugin an attribute is read on: ``self.<plugin attr>`` or a loop variable ``plugin``."""
-    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self" and node.attr in PLUGIN_ATTRS:
+    if (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+        and node.attr in PLUGIN_ATTRS
+    ):
         return node.attr
     if isinstance(node, ast.Name) and node.id == "plugin":
         return "plugin"
@@ -72,7 +77,10 @@ def main(rev: str) -> None:
             if isinstance(node, ast.Attribute) and (owner := receiver(node.value)) and node.attr not in hooks:
                 calls.add(f"{owner}.{node.attr}")
             if isinstance(node, ast.Compare) and any(isinstance(op, ast.Is) for op in node.ops):
-                is_self += sum(isinstance(c, ast.Attribute) and isinstance(c.value, ast.Name) and c.value.id == "self" for c in node.comparators)
+                is_self += sum(
+                    isinstance(c, ast.Attribute) and isinstance(c.value, ast.Name) and c.value.id == "self"
+                    for c in node.comparators
+                )
     init = next(f for f in classes["MeshStrategy"][1].body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
     init_args = len(init.args.args) - 1 + len(init.args.kwonlyargs)
     print(f"member_calls={len(calls)} {sorted(calls)}")

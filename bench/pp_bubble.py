@@ -32,9 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from strategies.runtime.gloo import run_gloo_ranks
-from strategies.pipeline.plugin import build_schedule
 from strategies.pipeline.layout import SCHEDULES, local_stages, microbatch_problems, stages_per_rank_of
+from strategies.pipeline.plugin import build_schedule
+from strategies.runtime.gloo import run_gloo_ranks
 
 
 class _Sleep(torch.autograd.Function):
@@ -79,9 +79,15 @@ def measure(rank: int, *, pp: int, schedule: str, m: int, unit_s: float, steps: 
     stages = local_stages(rank, pp=pp, stages_per_rank=v, schedule=schedule)
     modules = [SleepStage(16, unit_s / v) for _ in stages]
     sched = build_schedule(
-        modules, stages=stages, num_stages=pp * v, schedule=schedule, num_microbatches=m,
-        loss_fn=lambda out, target: (out * target).sum(), group=dist.group.WORLD, device=torch.device("cpu"),
-    )  # fmt: skip
+        modules,
+        stages=stages,
+        num_stages=pp * v,
+        schedule=schedule,
+        num_microbatches=m,
+        loss_fn=lambda out, target: (out * target).sum(),
+        group=dist.group.WORLD,
+        device=torch.device("cpu"),
+    )
     busy = [0.0]
     torch_stages = sched._stages if hasattr(sched, "_stages") else [sched._stage]
     for stage in torch_stages:
@@ -125,7 +131,9 @@ def main() -> None:
         for m in args.microbatches:
             theory = (pp - 1) / (m + pp - 1)
             for schedule in SCHEDULES:
-                if microbatch_problems(schedule, pp=pp, stages_per_rank=stages_per_rank_of(schedule, None), num_microbatches=m):
+                if microbatch_problems(
+                    schedule, pp=pp, stages_per_rank=stages_per_rank_of(schedule, None), num_microbatches=m
+                ):
                     print(f"{schedule:<22} {pp:>2} {m:>2} {theory:>7.3f}      n/a (too few micro-batches)")
                     continue
 

@@ -43,13 +43,15 @@ import torch.nn.functional as F
 
 from strategies.transforms.sat import SAT
 from trainer.build import build_data, build_model
-from trainer.config import validate
 from trainer.compose import compose
+from trainer.config import validate
 from trainer.data.packing import IGNORE_INDEX
 
 
 def loss_of(model: torch.nn.Module, rows, index) -> torch.Tensor:
-    logits = model(rows.input_ids[index], position_ids_bt=rows.position_ids[index], document_ids_bt=rows.document_ids[index])
+    logits = model(
+        rows.input_ids[index], position_ids_bt=rows.position_ids[index], document_ids_bt=rows.document_ids[index]
+    )
     labels = rows.labels[index]
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
 
@@ -98,7 +100,9 @@ def main() -> None:
     args = parser.parse_args()
     load_start = os.getloadavg()
 
-    cfg = compose("pretrain", [f"model={args.model}", f"data.seq_len={args.seq_len}", f"model.max_seq_len={args.seq_len}"])
+    cfg = compose(
+        "pretrain", [f"model={args.model}", f"data.seq_len={args.seq_len}", f"model.max_seq_len={args.seq_len}"]
+    )
     prepared = build_data(cfg).prepare()
     torch.manual_seed(0)
     template = build_model(cfg, validate(cfg), vocab_size=prepared.tokenizer.vocab_size)
@@ -150,16 +154,22 @@ def report(args, arms, plugins, times, ladder, load_start, val_rows) -> None:
     num_val = min(64, len(val_rows))
     losses = {name: val_loss(model, val_rows, num_val) for name, (model, _) in arms.items()}
     gap, ladder_gap = losses["sat"] - losses["dense"], losses["ladder"] - losses["dense"]
-    print(f"model={args.model} ({sum(p.numel() for p in dense.parameters())} parameters), {args.steps} AdamW steps of "
-          f"{args.batch} x {args.seq_len} tokens, SAT rate {args.rate}, ladder {list(map(list, ladder))} "
-          f"(mean rate {mean_rate:.3f}), torch threads {torch.get_num_threads()}")  # fmt: skip
+    print(
+        f"model={args.model} ({sum(p.numel() for p in dense.parameters())} parameters), {args.steps} AdamW steps of "
+        f"{args.batch} x {args.seq_len} tokens, SAT rate {args.rate}, ladder {list(map(list, ladder))} "
+        f"(mean rate {mean_rate:.3f}), torch threads {torch.get_num_threads()}"
+    )
     print(f"load average at start {load_start[0]:.2f}, at end {os.getloadavg()[0]:.2f}")
     for name in arms:
-        print(f"{name:>6}: median step {median[name] * 1e3:.1f} ms (/dense {median[name] / median['dense']:.3f}), "
-              f"total {total[name]:.1f} s (/dense {total[name] / total['dense']:.3f}), held-out loss {losses[name]:.4f}")  # fmt: skip
-    print(f"MLP share of the dense step: measured {share:.3f} (MLPs alone {median['mlp'] * 1e3:.1f} ms), of the matmul "
-          f"FLOPs {flops_share:.3f}; kept-channel MLPs alone {median['mlp_kept'] * 1e3:.1f} ms = {kept_ratio:.3f} x dense "
-          f"(ideal {1 - args.rate:.3f}); predicted ratio sat {predicted:.3f}, ladder {ladder_predicted:.3f}")  # fmt: skip
+        print(
+            f"{name:>6}: median step {median[name] * 1e3:.1f} ms (/dense {median[name] / median['dense']:.3f}), "
+            f"total {total[name]:.1f} s (/dense {total[name] / total['dense']:.3f}), held-out loss {losses[name]:.4f}"
+        )
+    print(
+        f"MLP share of the dense step: measured {share:.3f} (MLPs alone {median['mlp'] * 1e3:.1f} ms), of the matmul "
+        f"FLOPs {flops_share:.3f}; kept-channel MLPs alone {median['mlp_kept'] * 1e3:.1f} ms = {kept_ratio:.3f} x dense "
+        f"(ideal {1 - args.rate:.3f}); predicted ratio sat {predicted:.3f}, ladder {ladder_predicted:.3f}"
+    )
     print(f"held-out loss ({num_val} rows) gap to dense: sat {gap:+.4f}, ladder {ladder_gap:+.4f}")
     print(
         f"RESULT sat_step_time_ratio={ratio:.3f} ladder_time_ratio={ladder_ratio:.3f} predicted_ratio={predicted:.3f} "

@@ -37,13 +37,20 @@ MODES: tuple[str, ...] = get_args(Mode)
 _aten = torch.ops.aten
 # Ops whose outputs selective checkpointing keeps: the matmuls and every fused attention kernel.
 SAVED_OPS = frozenset(
-    op for op in (
-        _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.linear.default,
-        _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
-        _aten._scaled_dot_product_cudnn_attention.default, _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    op
+    for op in (
+        _aten.mm.default,
+        _aten.addmm.default,
+        _aten.bmm.default,
+        _aten.linear.default,
+        _aten._scaled_dot_product_flash_attention.default,
+        _aten._scaled_dot_product_efficient_attention.default,
+        _aten._scaled_dot_product_cudnn_attention.default,
+        _aten._scaled_dot_product_flash_attention_for_cpu.default,
         getattr(torch.ops.higher_order, "flex_attention", None),
-    ) if op is not None
-)  # fmt: skip
+    )
+    if op is not None
+)
 
 
 def _save_matmuls_and_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -59,7 +66,9 @@ def _checkpointed_forward(block: nn.Module, *args: Any, selective: bool = False,
     # outside it, so the recomputation in backward does not run them a second time.
     # Non-reentrant: works with keyword arguments, inputs that need no grad, FSDP2 and compile.
     if selective:
-        return checkpoint(type(block).forward, block, *args, use_reentrant=False, context_fn=_selective_contexts, **kwargs)
+        return checkpoint(
+            type(block).forward, block, *args, use_reentrant=False, context_fn=_selective_contexts, **kwargs
+        )
     return checkpoint(type(block).forward, block, *args, use_reentrant=False, **kwargs)
 
 

@@ -16,9 +16,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from strategies.transforms.lora import quantize_later
 from strategies.core.parallel_dims import Meshes, ParallelDims
 from strategies.plugin import StrategyPlugin
+from strategies.transforms.lora import quantize_later
 
 if TYPE_CHECKING:
     from strategies.core.resolved import ResolvedRun
@@ -55,7 +55,9 @@ def apply_fsdp(
     # pin_memory needs a CUDA device; without one the policy must not pin.
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     layers = list(model.layers.values()) if isinstance(model.layers, nn.ModuleDict) else list(model.layers)
-    ignored = set(quantize_later(model)) or None  # QLoRA: sharded once quantised (`strategies.transforms.lora.quantize_pending`)
+    ignored = (
+        set(quantize_later(model)) or None
+    )  # QLoRA: sharded once quantised (`strategies.transforms.lora.quantize_pending`)
     for i, block in enumerate(layers):
         # The last block is gathered again at once by the backward pass: keeping it saves one all-gather.
         fully_shard(
@@ -67,8 +69,13 @@ def apply_fsdp(
             ignored_params=ignored,
         )
     fully_shard(
-        model, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload, reshard_after_forward=False, ignored_params=ignored,
-    )  # fmt: skip
+        model,
+        mesh=dp_mesh,
+        mp_policy=mp_policy,
+        offload_policy=offload,
+        reshard_after_forward=False,
+        ignored_params=ignored,
+    )
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -111,7 +118,12 @@ class FSDP(StrategyPlugin):
         return []
 
     def shard_module(
-        self, module: nn.Module, mesh: DeviceMesh, *, cast: bool = True, ignored_params: set[nn.Parameter] | None = None,
+        self,
+        module: nn.Module,
+        mesh: DeviceMesh,
+        *,
+        cast: bool = True,
+        ignored_params: set[nn.Parameter] | None = None,
     ) -> None:
         """``fully_shard`` of one submodule with this plugin's policies and gradient sums (expert
         parallelism shards the experts over their own ranks this way, before the blocks).
@@ -122,7 +134,9 @@ class FSDP(StrategyPlugin):
             module,
             mesh=mesh,
             mp_policy=MixedPrecisionPolicy(param_dtype=dtypes[0], reduce_dtype=dtypes[1]),
-            offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.cpu_offload else OffloadPolicy(),
+            offload_policy=CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+            if self.cpu_offload
+            else OffloadPolicy(),
             reshard_after_forward=self.reshard_after_forward,
             ignored_params=ignored_params or None,
         )
@@ -133,7 +147,9 @@ class FSDP(StrategyPlugin):
         """Shards ``model`` (the whole model, or one pipeline stage) over ``meshes.fsdp``; a QLoRA
         model's 4-bit layers are sharded as their own units once quantised (``model.lora_shard``)."""
         if quantize_later(model):
-            model.lora_shard = lambda layer, ignored: self.shard_module(layer, meshes.fsdp, cast=False, ignored_params=ignored)
+            model.lora_shard = lambda layer, ignored: self.shard_module(
+                layer, meshes.fsdp, cast=False, ignored_params=ignored
+            )
         apply_fsdp(
             model,
             dp_mesh=meshes.fsdp,

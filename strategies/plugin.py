@@ -51,9 +51,13 @@ LossFn = Callable[[nn.Module, Batch], torch.Tensor]
 class CheckpointIO(Protocol):
     """A plugin's own checkpoint format (local SGD keeps each island's state and its own)."""
 
-    def save_checkpoint(self, path: Path, *, model: nn.Module, optimizers: list[torch.optim.Optimizer], meta: dict[str, Any]) -> None: ...
+    def save_checkpoint(
+        self, path: Path, *, model: nn.Module, optimizers: list[torch.optim.Optimizer], meta: dict[str, Any]
+    ) -> None: ...
 
-    def load_checkpoint(self, path: Path, *, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]: ...
+    def load_checkpoint(
+        self, path: Path, *, model: nn.Module, optimizers: list[torch.optim.Optimizer]
+    ) -> dict[str, Any]: ...
 
 
 class StrategyPlugin:

@@ -117,7 +117,11 @@ class TensorParallel(StrategyPlugin):
         if run.dims.tp <= 1 or shape is None:
             return []
         return tp_divisibility_problems(
-            run.dims.tp, n_heads=shape.n_heads, n_kv_heads=shape.n_kv_heads, vocab_size=shape.vocab_size, ffn_dim=shape.ffn_dim
+            run.dims.tp,
+            n_heads=shape.n_heads,
+            n_kv_heads=shape.n_kv_heads,
+            vocab_size=shape.vocab_size,
+            ffn_dim=shape.ffn_dim,
         )
 
     def apply(self, model: nn.Module, meshes: Meshes) -> None:
@@ -129,7 +133,10 @@ class TensorParallel(StrategyPlugin):
         tp_mesh = meshes["tp"]
         if not missing(model, SIZES):  # refused by validate otherwise (strategies.core.model_contract.NEEDS)
             problems = tp_divisibility_problems(
-                tp_mesh.size(), n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, vocab_size=model.vocab_size,
+                tp_mesh.size(),
+                n_heads=model.n_heads,
+                n_kv_heads=model.n_kv_heads,
+                vocab_size=model.vocab_size,
                 ffn_dim=model.ffn_dim,
             )
             if problems:

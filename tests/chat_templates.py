@@ -11,7 +11,15 @@ from __future__ import annotations
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
-SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+SPECIAL = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|begin_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+]
 # Qwen2's and Llama 3's pre-tokenizer split (letters, digits, punctuation runs, newline runs).
 SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
@@ -103,11 +111,18 @@ def raw_tokenizer() -> HFTokenizer:
     """A byte-level BPE with a Qwen-style split, trained on a few lines that use the templates' markers."""
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(SPLIT), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        [
+            pre_tokenizers.Split(Regex(SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
     )
     tok.decoder = decoders.ByteLevel()
-    corpus = [m["content"] for conv in CONVERSATIONS for m in conv] * 4 + ["assistant\n<think>\n\n</think>\n\n user system\n\n"] * 8
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    corpus = [m["content"] for conv in CONVERSATIONS for m in conv] * 4 + [
+        "assistant\n<think>\n\n</think>\n\n user system\n\n"
+    ] * 8
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(corpus, trainer=trainer)
     tok.add_tokens(["<think>", "</think>"])
     return tok

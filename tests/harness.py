@@ -39,11 +39,22 @@ TINY = (*_SMALL, "trainer.max_steps=3", "logger=none", "~callbacks.plots")
 # A mixture of experts of the nano size (width 64, 2 blocks, 4 experts of 32, top-2, one shared
 # expert, every block MoE) with all three router mechanisms on.
 MOE_SMALL = (
-    "model=moe_tiny", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-    "model.ffn_dim=128", "model.num_experts=4", "model.top_k=2", "model.moe_ffn_dim=32", "model.n_dense_layers=0",
-    "model.num_shared_experts=1", "model.balance_coef=0.01", "model.z_loss_coef=0.001", "model.bias_update_rate=0.01",
+    "model=moe_tiny",
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=128",
+    "model.num_experts=4",
+    "model.top_k=2",
+    "model.moe_ffn_dim=32",
+    "model.n_dense_layers=0",
+    "model.num_shared_experts=1",
+    "model.balance_coef=0.01",
+    "model.z_loss_coef=0.001",
+    "model.bias_update_rate=0.01",
     "model.max_seq_len=64",
-)  # fmt: skip
+)
 
 
 def compose_config(overrides: Sequence[str] = (), recipe: str = "pretrain", tiny: bool = True) -> DictConfig:
@@ -120,8 +131,11 @@ class TieRecorder(L.Callback):
 
         model = pl_module.model
         embedding, head = full(model.tok_embeddings.weight.data), full(model.output.weight.data)
-        mine = {"one_tensor": model.output.weight is model.tok_embeddings.weight,
-                "equal": torch.equal(embedding, head), "embedding": embedding.detach().clone()}  # fmt: skip
+        mine = {
+            "one_tensor": model.output.weight is model.tok_embeddings.weight,
+            "equal": torch.equal(embedding, head),
+            "embedding": embedding.detach().clone(),
+        }
         ranks: list[Any] = [mine]
         if dist.is_initialized():
             ranks = [None] * dist.get_world_size()
@@ -218,10 +232,9 @@ def reference_setup(
     ``(train rows, model with plait's initial weights, optimizer, global-batch sampler at dp=1)``.
     Iterate the sampler for each step's row indices. ``edit`` changes the model in place before
     the optimizer takes its parameters (a test's own tie, say)."""
-    from trainer.model_node import instantiate_model
-
     from trainer.build import build_data
     from trainer.data.sampler import GlobalBatchSampler
+    from trainer.model_node import instantiate_model
 
     prepared = build_data(cfg).prepare()
     torch.manual_seed(cfg.seed)
@@ -230,13 +243,19 @@ def reference_setup(
         edit(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr, momentum=cfg.optim.momentum)
     sampler = GlobalBatchSampler(
-        len(prepared.train), global_batch_size=cfg.train.global_batch_size, dp_size=1,
-        shuffle=cfg.data.shuffle, seed=cfg.data.seed, drop_last=cfg.data.drop_last,
-    )  # fmt: skip
+        len(prepared.train),
+        global_batch_size=cfg.train.global_batch_size,
+        dp_size=1,
+        shuffle=cfg.data.shuffle,
+        seed=cfg.data.seed,
+        drop_last=cfg.data.drop_last,
+    )
     return prepared.train, model, optimizer, sampler
 
 
-def reference_run(cfg: DictConfig, steps: int, *, edit: Callable[[torch.nn.Module], None] | None = None) -> dict[str, Any]:
+def reference_run(
+    cfg: DictConfig, steps: int, *, edit: Callable[[torch.nn.Module], None] | None = None
+) -> dict[str, Any]:
     """A plain one-process loop of ``steps`` steps (`reference_setup`, which applies ``edit``): one
     forward of each step's rows, token-sum cross-entropy over the supervised tokens / their count,
     backward, SGD step.
@@ -252,7 +271,9 @@ def reference_run(cfg: DictConfig, steps: int, *, edit: Callable[[torch.nn.Modul
     out: dict[str, Any] = {"loss": [], "grads": []}
     for _, index in zip(range(steps), sampler):
         labels = rows.labels[index]
-        logits = model(rows.input_ids[index], position_ids_bt=rows.position_ids[index], document_ids_bt=rows.document_ids[index])
+        logits = model(
+            rows.input_ids[index], position_ids_bt=rows.position_ids[index], document_ids_bt=rows.document_ids[index]
+        )
         loss_sum = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
         loss = loss_sum / (labels != IGNORE_INDEX).sum()
         optimizer.zero_grad(set_to_none=True)

@@ -17,7 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", reason="transformers (the dev extra) is the reference for HF checkpoints")
+transformers = pytest.importorskip(
+    "transformers", reason="transformers (the dev extra) is the reference for HF checkpoints"
+)
 
 VOCAB = 300  # even, so tp=2 divides the embedding rows
 CHAT_TEMPLATE = (
@@ -25,9 +27,15 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 _BASE = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6,
-)  # fmt: skip
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+)
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama3": ("LlamaConfig", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
@@ -56,7 +64,11 @@ def write_tokenizer(directory: Path) -> None:
     tok = train_bpe(corpus_texts(), vocab_size=VOCAB)
     assert tok.vocab_size <= VOCAB
     tok.save(directory / "tokenizer.json")
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|endoftext|>",
+        "chat_template": CHAT_TEMPLATE,
+    }
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
 
 

@@ -40,18 +40,38 @@ from harness import EXACT_SGD, compose_config  # noqa: E402
 TOL = 1e-5
 STEPS = 2
 _COMMON = (
-    *EXACT_SGD, f"trainer.max_steps={STEPS}", "train.micro_batch_size=null", "train.global_batch_size=8",
-    "train.eval_every=0", "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
-    "strategy.timeout_s=120", "logger=none", "~callbacks.plots", "~callbacks.checkpoint", "model=nano",
-)  # fmt: skip
+    *EXACT_SGD,
+    f"trainer.max_steps={STEPS}",
+    "train.micro_batch_size=null",
+    "train.global_batch_size=8",
+    "train.eval_every=0",
+    "trainer.log_every_n_steps=1",
+    "trainer.enable_progress_bar=false",
+    "strategy.timeout_s=120",
+    "logger=none",
+    "~callbacks.plots",
+    "~callbacks.checkpoint",
+    "model=nano",
+)
 _SFT_DATA = (
-    "+model.vocab_size=288", "data=synthetic", "data.seq_len=48", "data.sources.addition.limit=24", "data.sources.addition.val_size=4",
-    "data.sources.sorting.limit=24", "data.sources.sorting.val_size=4", "~data.sources.reversal",
-)  # fmt: skip
+    "+model.vocab_size=288",
+    "data=synthetic",
+    "data.seq_len=48",
+    "data.sources.addition.limit=24",
+    "data.sources.addition.val_size=4",
+    "data.sources.sorting.limit=24",
+    "data.sources.sorting.val_size=4",
+    "~data.sources.reversal",
+)
 _PREFERENCE_DATA = (
-    "+model.vocab_size=288", "data=preference_synthetic", "data.seq_len=24", "data.max_prompt_len=12",
-    "data.sources.copy.limit=24", "data.sources.copy.val_size=4", "optim.lr=0.5",
-)  # fmt: skip
+    "+model.vocab_size=288",
+    "data=preference_synthetic",
+    "data.seq_len=24",
+    "data.max_prompt_len=12",
+    "data.sources.copy.limit=24",
+    "data.sources.copy.val_size=4",
+    "optim.lr=0.5",
+)
 _METRIC_LOSS = ("data.sources.addition.metric=loss", "data.sources.sorting.metric=loss")
 
 # recipe id -> (recipe, overrides)
@@ -72,8 +92,11 @@ OPTIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "chunked": (tuple(RECIPES), ("++objective.loss_chunk_tokens=16",)),
     "exact_match": (("sft", "paft_sft"), ("data.sources.addition.metric=exact_match",)),
 }
-_SYNC_EVERY_STEP = ("strategy.local_sgd.outer_optimizer.lr=1.0", "strategy.local_sgd.outer_optimizer.momentum=0.0",
-                    "strategy.local_sgd.outer_optimizer.nesterov=false")  # fmt: skip
+_SYNC_EVERY_STEP = (
+    "strategy.local_sgd.outer_optimizer.lr=1.0",
+    "strategy.local_sgd.outer_optimizer.momentum=0.0",
+    "strategy.local_sgd.outer_optimizer.nesterov=false",
+)
 _LAYERS4 = ("model.n_layers=4",)  # two stages per rank for the interleaved and V schedules
 _ADAM = ("optim=adamw", "optim.weight_decay=0.0")  # DES-LOC averages Adam's moments
 # Strategy overrides that the one-process reference shares (the model and the optimizer).
@@ -138,7 +161,9 @@ class Combo:
         return [*_COMMON, *RECIPES[self.recipe][1], *OPTIONS[self.option][1], *shared]
 
     def config(self, reference: bool = False) -> DictConfig:
-        return compose_config(self.reference_overrides() if reference else self.overrides(), recipe=RECIPES[self.recipe][0], tiny=False)
+        return compose_config(
+            self.reference_overrides() if reference else self.overrides(), recipe=RECIPES[self.recipe][0], tiny=False
+        )
 
 
 def combos() -> list[Combo]:
@@ -246,7 +271,9 @@ def check(combo: Combo) -> Outcome:
     if combo.strategy in ISLANDS:
         later = [k for k in want if int(k.split(":")[0]) > 1 or k.endswith("grad_norm")]
         problems = [f"{k} not finite" for k in later if not math.isfinite(got.get(k, math.nan))]
-        problems += differences({k: v for k, v in got.items() if k not in later}, {k: v for k, v in want.items() if k not in later})
+        problems += differences(
+            {k: v for k, v in got.items() if k not in later}, {k: v for k, v in want.items() if k not in later}
+        )
     else:
         problems = differences(got, want)
     return Outcome(combo, "different" if problems else "equal", "; ".join(problems[:6]))
@@ -269,9 +296,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    import os
-
     import logging
+    import os
     import warnings
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -6,8 +6,8 @@ import math
 import torch
 from torch import nn
 
-from trainer.data.packing import IGNORE_INDEX
 from trainer.data.encode import pair_rows
+from trainer.data.packing import IGNORE_INDEX
 
 V = 16
 
@@ -38,7 +38,9 @@ class FixedLogits(nn.Module):
 
 
 def pair_batch(prompt_logp, chosen_logp, rejected_logp, *, prompt=3, chosen=2, rejected=3, seq_len=12):
-    rows, _ = pair_rows(list(range(2, 2 + prompt)), [7] * chosen, [8] * rejected, seq_len=seq_len, max_prompt_len=4, pad_id=1)
+    rows, _ = pair_rows(
+        list(range(2, 2 + prompt)), [7] * chosen, [8] * rejected, seq_len=seq_len, max_prompt_len=4, pad_id=1
+    )
     labels = rows["labels"]  # [2, T]
     per_token = torch.zeros(2, seq_len)
     per_token[:, : prompt - 1] = prompt_logp / (prompt - 1)  # positions that predict prompt tokens 2..prompt

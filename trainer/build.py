@@ -19,10 +19,10 @@ from lightning.pytorch.callbacks import Checkpoint
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from strategies.mesh import MeshStrategy
-from strategies.mesh import build_strategy as build_mesh_strategy
 from strategies.core.model_contract import flops_per_token, optional
 from strategies.core.resolved import ResolvedRun
+from strategies.mesh import MeshStrategy
+from strategies.mesh import build_strategy as build_mesh_strategy
 from trainer.config import ConfigError, validate
 from trainer.data.base import DataModule
 from trainer.loggers import LogConfig
@@ -66,16 +66,20 @@ def build_model(cfg: DictConfig, run: ResolvedRun, *, vocab_size: int) -> nn.Mod
     """
     planned = cfg.model.get("vocab_size")
     if planned is not None and planned < vocab_size:
-        raise ConfigError([
-            f"model.vocab_size={planned} is smaller than the tokenizer's {vocab_size} tokens; "
-            f"use model.vocab_size>={vocab_size} (a larger value pads the embedding)"
-        ])
+        raise ConfigError(
+            [
+                f"model.vocab_size={planned} is smaller than the tokenizer's {vocab_size} tokens; "
+                f"use model.vocab_size>={vocab_size} (a larger value pads the embedding)"
+            ]
+        )
     tp = run.dims.tp
     if planned is None and tp > 1 and vocab_size % tp:  # a trained tokenizer: its size is known only now
-        raise ConfigError([
-            f"strategy.tp={tp} does not divide the tokenizer's {vocab_size} tokens (the embedding and the LM head "
-            f"are sharded by vocabulary rows); pad them with +model.vocab_size={-(-vocab_size // tp) * tp}"
-        ])
+        raise ConfigError(
+            [
+                f"strategy.tp={tp} does not divide the tokenizer's {vocab_size} tokens (the embedding and the LM head "
+                f"are sharded by vocabulary rows); pad them with +model.vocab_size={-(-vocab_size // tp) * tp}"
+            ]
+        )
     torch.manual_seed(cfg.seed)
     # Sharded layouts build on the meta device: the strategy allocates and initialises only each
     # rank's shards after parallelizing (MeshStrategy.materialize), so no rank holds the whole model.
@@ -100,10 +104,13 @@ def build_task(cfg: DictConfig, run: ResolvedRun, model: nn.Module) -> Task:
         flops_per_token=flops_per_token(model, run.seq_len),
         init_from=init_from_of(cfg.model),
         nonfinite=NonFiniteGuard(
-            cfg.train.nonfinite, cfg.train.max_nonfinite_steps, cfg.train.max_skipped_steps,
+            cfg.train.nonfinite,
+            cfg.train.max_nonfinite_steps,
+            cfg.train.max_skipped_steps,
             spikes=SpikeRule(cfg.train.spike_factor, cfg.train.spike_window) if cfg.train.spike_factor else None,
-            recover_after=cfg.train.spike_window, max_rollbacks=cfg.train.max_rollbacks,
-        ),  # fmt: skip
+            recover_after=cfg.train.spike_window,
+            max_rollbacks=cfg.train.max_rollbacks,
+        ),
     )
 
 
@@ -139,7 +146,12 @@ def build_loggers(cfg: DictConfig, run_dir: Path) -> list[Any]:
 
 
 def build_trainer(
-    cfg: DictConfig, run: ResolvedRun, run_dir: Path, *, launcher: str = "subprocess", callbacks: Sequence[L.Callback] = ()
+    cfg: DictConfig,
+    run: ResolvedRun,
+    run_dir: Path,
+    *,
+    launcher: str = "subprocess",
+    callbacks: Sequence[L.Callback] = (),
 ) -> L.Trainer:
     """The Lightning trainer: ``cfg.callbacks`` and ``cfg.logger``, then ``callbacks`` (the launch's own,
     e.g. `trainer.resume.ResumeRecord`), and the strategy (`build_strategy`).
@@ -181,7 +193,12 @@ def prepared_data(cfg: DictConfig, run: ResolvedRun) -> DataModule:
 
 
 def build_fit(
-    cfg: DictConfig, run: ResolvedRun, run_dir: Path, data: DataModule, *, launcher: str = "subprocess",
+    cfg: DictConfig,
+    run: ResolvedRun,
+    run_dir: Path,
+    data: DataModule,
+    *,
+    launcher: str = "subprocess",
     callbacks: Sequence[L.Callback] = (),
 ) -> tuple[L.Trainer, Task]:
     """Model, task and trainer (with ``callbacks`` besides the config's) of one run, on ``data``
@@ -196,7 +213,11 @@ def build_fit(
 
 
 def build_run(
-    cfg: DictConfig, run_dir: Path, run: ResolvedRun | None = None, *, launcher: str = "subprocess",
+    cfg: DictConfig,
+    run_dir: Path,
+    run: ResolvedRun | None = None,
+    *,
+    launcher: str = "subprocess",
     callbacks: Sequence[L.Callback] = (),
 ) -> tuple[L.Trainer, Task, DataModule]:
     """Data (prepared), model, task and trainer of one run (`prepared_data`, then `build_fit`).

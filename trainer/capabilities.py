@@ -28,7 +28,6 @@ from strategies.tensor import TensorParallel
 from trainer.models.families import EXPORTABLE, exportable
 
 
-
 def _class(node: Any) -> type | None:
     if not isinstance(node, DictConfig) or not isinstance(node.get("_target_"), str):
         return None

@@ -31,7 +31,9 @@ def user_text(line: bytes, number: int) -> str:
     try:
         text = line.decode("utf-8")
     except UnicodeDecodeError as err:
-        fail(f"stdin line {number} is not UTF-8 text (byte {line[err.start]:#04x} at offset {err.start}); convert it to UTF-8 (iconv -t UTF-8)")
+        fail(
+            f"stdin line {number} is not UTF-8 text (byte {line[err.start]:#04x} at offset {err.start}); convert it to UTF-8 (iconv -t UTF-8)"
+        )
     return text.removesuffix("\n").removesuffix("\r")
 
 

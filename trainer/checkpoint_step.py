@@ -90,4 +90,6 @@ def _fix(checkpoint: Path) -> str:
     if not others:
         return f"move {checkpoint} out of {checkpoint.parent} and start a new run_dir (no earlier checkpoint to resume from)"
     earlier = max(others, key=lambda p: name_step(p) or 0)
-    return f"resume from the checkpoint before it with resume={earlier} (or move {checkpoint} out of {checkpoint.parent})"
+    return (
+        f"resume from the checkpoint before it with resume={earlier} (or move {checkpoint} out of {checkpoint.parent})"
+    )

@@ -29,8 +29,8 @@ from trainer.user_path import UserPathError, drop_current_folder, split_user_pat
 if __name__ == "__main__":  # python -m put the current folder first on the path: off it before any other import
     drop_current_folder()
 
-from trainer.commands import COMMANDS, dispatch  # noqa: E402
 from trainer.catalog import HELP_FLAGS, bundled_recipes, config_groups, fail  # noqa: E402
+from trainer.commands import COMMANDS, dispatch  # noqa: E402
 from trainer.quiet import quiet_third_party  # noqa: E402
 
 

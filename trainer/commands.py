@@ -61,9 +61,16 @@ COMMANDS: dict[str, Command] = {
         Command("plan", "trainer.plan", "rank parallel layouts of a recipe for a cluster, without training"),
         Command("generate", "trainer.generate", "sample a continuation from a run's checkpoint", config="generate"),
         Command("chat", "trainer.chat", "talk to a run's model (its chat template, stdin/stdout)", config="chat"),
-        Command("export", "trainer.export", "write a run's checkpoint as a Hugging Face model directory", config="export"),
+        Command(
+            "export", "trainer.export", "write a run's checkpoint as a Hugging Face model directory", config="export"
+        ),
         Command("merge", "trainer.merge", "merge fine-tuned runs' deltas into their base (PAFT)", config="merge"),
-        Command("compare", "trainer.compare", "runs side by side: their differing config, summary and validation losses", config="compare"),
+        Command(
+            "compare",
+            "trainer.compare",
+            "runs side by side: their differing config, summary and validation losses",
+            config="compare",
+        ),
     )
 }
 

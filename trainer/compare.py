@@ -33,7 +33,12 @@ from trainer.compose import compose_command, fail
 from trainer.figures import pyplot
 
 USAGE = "plait compare RUN_OR_FOLDER ... [out=compare.png]"
-SUMMARY_COLUMNS = (("steps", "steps"), ("final_val_loss", "val loss"), ("final_train_loss", "train loss"), ("tokens_per_s", "tokens/s"))
+SUMMARY_COLUMNS = (
+    ("steps", "steps"),
+    ("final_val_loss", "val loss"),
+    ("final_train_loss", "train loss"),
+    ("tokens_per_s", "tokens/s"),
+)
 # Config keys that differ between runs without changing what they trained (where and how they log).
 IGNORED_PREFIXES = ("run_dir", "resume", "logger")
 
@@ -48,7 +53,9 @@ def find_runs(paths: Sequence[str | os.PathLike]) -> list[Path]:
     for path in map(Path, paths):
         if not path.is_dir():
             raise FileNotFoundError(f"{path} is not a directory; give run directories or a folder of runs")
-        found = sorted({Path(root) for root, _, files in os.walk(path) if "config.yaml" in files or "metrics.csv" in files})
+        found = sorted(
+            {Path(root) for root, _, files in os.walk(path) if "config.yaml" in files or "metrics.csv" in files}
+        )
         found = [p for p in found if not any(q != p and q in p.parents for q in found)]  # a run's hf/ is no run
         if not found:
             raise FileNotFoundError(f"{path} holds no run (no config.yaml or metrics.csv below it)")
@@ -109,7 +116,9 @@ def _get(summary: dict[str, Any], key: str) -> Any:
 
 def table(runs: Sequence[Path]) -> str:
     """The comparison table: one row per run, the differing config fields, then the summary."""
-    configs = [OmegaConf.to_container(OmegaConf.load(r / "config.yaml")) if (r / "config.yaml").is_file() else {} for r in runs]
+    configs = [
+        OmegaConf.to_container(OmegaConf.load(r / "config.yaml")) if (r / "config.yaml").is_file() else {} for r in runs
+    ]
     fields = differing_fields(configs)
     summaries = [json.loads((r / "summary.json").read_text()) if (r / "summary.json").is_file() else {} for r in runs]
     root = Path(os.path.commonpath([r.resolve() for r in runs]))

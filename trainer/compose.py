@@ -108,7 +108,9 @@ def to_hydra_argv(argv: list[str]) -> list[str]:
         config = ["--config-path", str(path.parent), "--config-name", path.stem]
     else:
         if recipe not in bundled_recipes():
-            fail(f"unknown recipe {recipe!r}; bundled recipes: {', '.join(bundled_recipes())}, or a path to a .yaml file")
+            fail(
+                f"unknown recipe {recipe!r}; bundled recipes: {', '.join(bundled_recipes())}, or a path to a .yaml file"
+            )
         config = ["--config-path", str(RECIPES_DIR), "--config-name", recipe]
     search = f"hydra.searchpath=['file://{CONF_DIR}','file://{RECIPES_DIR}']"
     flags, overrides = _split_flags(rest)
@@ -136,7 +138,9 @@ def _split_flags(args: Sequence[str]) -> tuple[list[str], list[str]]:
             overrides.append(arg)
         else:
             flags.append(arg)
-            takes = arg in _VALUED_FLAGS or (arg in ("--info", "-i") and i + 1 < len(args) and args[i + 1] in _INFO_CHOICES)
+            takes = arg in _VALUED_FLAGS or (
+                arg in ("--info", "-i") and i + 1 < len(args) and args[i + 1] in _INFO_CHOICES
+            )
             if takes and i + 1 < len(args):
                 i += 1
                 flags.append(args[i])

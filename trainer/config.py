@@ -13,8 +13,8 @@ import difflib
 import inspect
 import types
 import typing
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 import torch
@@ -22,12 +22,12 @@ import typing_extensions
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, InterpolationToMissingValueError
 
-from strategies.mesh import MOVED_KEYS
 from strategies.core.parallel_dims import MESH_AXES, ParallelDims
 from strategies.core.ranges import NON_NEGATIVE, POSITIVE, Range, declared_ranges, value_problem
 from strategies.core.resolved import ResolvedRun
-from trainer.optim import DEFAULT_NO_DECAY
+from strategies.mesh import MOVED_KEYS
 from trainer.model_node import NODE_KEYS
+from trainer.optim import DEFAULT_NO_DECAY
 from trainer.semantics import _import, check_semantics
 
 
@@ -283,8 +283,10 @@ def _interpolation_problems(node: Any, prefix: str = "") -> list[str]:
                 continue
             except InterpolationResolutionError as err:
                 cause = str(err).splitlines()[0].split("resolving interpolation: ")[-1]
-                problems.append(f"{where}={child._value()} does not resolve ({cause}): a group of another recipe? "
-                                "`plait <recipe> --help` lists each group's choices")
+                problems.append(
+                    f"{where}={child._value()} does not resolve ({cause}): a group of another recipe? "
+                    "`plait <recipe> --help` lists each group's choices"
+                )
                 continue
         if isinstance(child, (DictConfig, ListConfig)):
             problems += _interpolation_problems(child, f"{where}.")
@@ -325,7 +327,9 @@ def _check_dataclass(node: Any, schema: type, prefix: str, problems: list[str]) 
     fields = {f.name: f for f in dataclasses.fields(schema)}
     for key in node.keys():
         if key not in fields and key != "hydra":
-            problems.append(f"unknown key {prefix}{key}{_close(str(key), list(fields))}; valid keys: {', '.join(fields)}")
+            problems.append(
+                f"unknown key {prefix}{key}{_close(str(key), list(fields))}; valid keys: {', '.join(fields)}"
+            )
     hints = typing.get_type_hints(schema)
     ranges = declared_ranges(schema)
     for name, f in fields.items():
@@ -403,11 +407,17 @@ def _check_strategy(node: DictConfig, problems: list[str]) -> None:
     """The ``strategy`` node as `strategies.mesh.MeshStrategy.from_node` splits it: its degrees
     against `ParallelDims`, its plugin nodes (null: off; each checked on its own), and the rest
     against the ``_target_`` class's signature; a moved key names its new key."""
-    plugins = {str(k) for k, v in node.items_ex(resolve=False) if v is None or isinstance(v, DictConfig) and "_target_" in v}
+    plugins = {
+        str(k) for k, v in node.items_ex(resolve=False) if v is None or isinstance(v, DictConfig) and "_target_" in v
+    }
     problems += [
-        f"strategy.{old} is now strategy.{new}; use strategy.{new}={node[old]}" for old, new in MOVED_KEYS.items() if old in node
+        f"strategy.{old} is now strategy.{new}; use strategy.{new}={node[old]}"
+        for old, new in MOVED_KEYS.items()
+        if old in node
     ]
-    _check_dataclass(OmegaConf.masked_copy(node, [a for a in MESH_AXES if a in node]), ParallelDims, "strategy.", problems)
+    _check_dataclass(
+        OmegaConf.masked_copy(node, [a for a in MESH_AXES if a in node]), ParallelDims, "strategy.", problems
+    )
     settings = OmegaConf.masked_copy(node, [str(k) for k in node if k not in {*MESH_AXES, *MOVED_KEYS, *plugins}])
     _check_target(settings, "strategy", problems)
 
@@ -436,7 +446,9 @@ def _check_target(
         declared = typing_extensions.get_args(hints.get(p.name)) if p.kind is p.VAR_KEYWORD else ()
         if declared and typing_extensions.is_typeddict(declared[0]):
             takes_kwargs, names = False, names + list(typing.get_type_hints(declared[0]))
-            params |= {k: inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None) for k in names if k not in params}
+            params |= {
+                k: inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None) for k in names if k not in params
+            }
             hints |= typing.get_type_hints(declared[0])
     ranges = declared_ranges(target)
     for key in node.keys():
@@ -449,7 +461,9 @@ def _check_target(
             continue
         if key not in params:
             if not takes_kwargs:
-                problems.append(f"unknown key {where}.{key}{_close(str(key), names)}; {node._target_} takes: {', '.join(names)}")
+                problems.append(
+                    f"unknown key {where}.{key}{_close(str(key), names)}; {node._target_} takes: {', '.join(names)}"
+                )
             else:  # passed on to a base class (``**settings``): its declared range still applies
                 value = OmegaConf.select(node, str(key), throw_on_missing=False)
                 if problem := value_problem(f"{where}.{key}", value, ranges.get(str(key))):
@@ -468,7 +482,12 @@ def _check_target(
     partial = bool(node.get("_partial_", False))
     for name, p in params.items():
         required = p.default is p.empty and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
-        if required and name not in node and name not in injected and not (partial and p.kind is p.POSITIONAL_OR_KEYWORD):
+        if (
+            required
+            and name not in node
+            and name not in injected
+            and not (partial and p.kind is p.POSITIONAL_OR_KEYWORD)
+        ):
             problems.append(f"{where}.{name} is required by {node._target_}; set {where}.{name}=...")
 
 
@@ -479,4 +498,8 @@ def _hints(target: Any) -> dict[str, Any]:
     except Exception:  # noqa: BLE001 - one unresolvable annotation (e.g. WandbLogger's experiment: "Run")
         # The annotations that are objects already are still checked (name: Optional[str], ...);
         # the strings that do not resolve are not.
-        return {n: p.annotation for n, p in inspect.signature(function).parameters.items() if not isinstance(p.annotation, str)}
+        return {
+            n: p.annotation
+            for n, p in inspect.signature(function).parameters.items()
+            if not isinstance(p.annotation, str)
+        }

@@ -244,10 +244,14 @@ def write_peft_adapter(out: str | Path, model: nn.Module, *, dropout: float, bas
             tensors[f"base_model.model.{hf_module}.{name}.weight"] = getattr(module, name).weight.detach().contiguous()
     (rank,), (alpha,) = ranks, alphas
     base_state = {k: v for k, v in model.state_dict().items() if not is_adapter(k)}
-    modules = list(hf_state_dict(base_state, tie_embeddings=model.tie_embeddings, family=family))  # as the base is written
+    modules = list(
+        hf_state_dict(base_state, tie_embeddings=model.tie_embeddings, family=family)
+    )  # as the base is written
     problem = moe_adapter_problem(adapted, modules, family)
     if problem:
-        raise HFError(f"{problem}; train without them (strategy.lora.target_modules), or export the merged model alone (adapter=false)")
+        raise HFError(
+            f"{problem}; train without them (strategy.lora.target_modules), or export the merged model alone (adapter=false)"
+        )
     try:
         targets = peft_target_modules(adapted, modules)
     except ValueError as err:
@@ -303,9 +307,15 @@ def export_checkpoint(
             written = f" (the adapter alone is in {Path(out) / ADAPTER_DIR})" if adapter else ""
             raise HFError(f"{err}; the merged model is not written{written}") from None
     return write_hf_dir(
-        out, model=run.model, state=run.model.state_dict(), tokenizer=run.tokenizer, sources=sources,
-        dtype=dtype, max_shard_mb=max_shard_mb, chat_template=trained_chat_template(run).source,
-    )  # fmt: skip
+        out,
+        model=run.model,
+        state=run.model.state_dict(),
+        tokenizer=run.tokenizer,
+        sources=sources,
+        dtype=dtype,
+        max_shard_mb=max_shard_mb,
+        chat_template=trained_chat_template(run).source,
+    )
 
 
 def trained_chat_template(run: RunModel) -> JinjaTemplate:
@@ -341,7 +351,9 @@ def main(argv: list[str]) -> None:
     if out.exists() and any(out.iterdir()):
         fail(f"out={out} is not empty; choose a new directory")
     try:
-        export_checkpoint(ckpt, out, dtype=cfg.dtype, max_shard_mb=cfg.max_shard_mb, trust=cfg.trust, adapter=cfg.adapter)
+        export_checkpoint(
+            ckpt, out, dtype=cfg.dtype, max_shard_mb=cfg.max_shard_mb, trust=cfg.trust, adapter=cfg.adapter
+        )
     except (HFError, FileNotFoundError, UntrustedTargetError, CheckpointError, ChatError, TemplateFileError) as err:
         fail(str(err))
     print(f"plait: wrote {out} (Hugging Face format) from {ckpt}")

@@ -20,8 +20,8 @@ from strategies.checkpoint.dcp import CheckpointError
 from trainer.compose import compose_command, fail
 from trainer.data.chat import ChatError, JinjaTemplate
 from trainer.export import trained_chat_template
-from trainer.models.hf import HFError
 from trainer.init_from import load_init_from
+from trainer.models.hf import HFError
 from trainer.rundir import RunModel, load_run_model
 from trainer.sampling import NonFiniteLogitsError, caches, continue_text, sample
 from trainer.targets import UntrustedTargetError
@@ -69,9 +69,14 @@ def chat_template(run: RunModel) -> JinjaTemplate:
 def reply(run: RunModel, text: str, cfg: DictConfig) -> str:
     """The model's continuation of ``text`` (sampled as ``cfg`` says, stopped at EOS), decoded."""
     return continue_text(
-        run.model, run.tokenizer, text, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-        top_k=cfg.top_k, use_cache=cfg.kv_cache,
-    )  # fmt: skip
+        run.model,
+        run.tokenizer,
+        text,
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_k=cfg.top_k,
+        use_cache=cfg.kv_cache,
+    )
 
 
 def main(argv: list[str]) -> None:
@@ -79,14 +84,25 @@ def main(argv: list[str]) -> None:
 
     ``chat=true`` sends the prompt as one user message through the run's chat template and prints
     the answer alone; otherwise the prompt is continued as text. Generation stops at EOS."""
-    cfg = compose_command("generate", argv, usage='plait generate ckpt=<run or checkpoint dir> prompt="..."', ranges=sample)
+    cfg = compose_command(
+        "generate", argv, usage='plait generate ckpt=<run or checkpoint dir> prompt="..."', ranges=sample
+    )
     run = load_for_generation(cfg.ckpt, cfg.trust)
     if cfg.kv_cache and not caches(run.model):
-        print(f"plait: {type(run.model).__name__} has no set_attention_core: generating without a KV cache", file=sys.stderr)
+        print(
+            f"plait: {type(run.model).__name__} has no set_attention_core: generating without a KV cache",
+            file=sys.stderr,
+        )
     torch.manual_seed(cfg.seed)
     try:
         if cfg.chat:
-            print(reply(run, chat_template(run).render([{"role": "user", "content": cfg.prompt}], add_generation_prompt=True), cfg))
+            print(
+                reply(
+                    run,
+                    chat_template(run).render([{"role": "user", "content": cfg.prompt}], add_generation_prompt=True),
+                    cfg,
+                )
+            )
         else:
             print(cfg.prompt + reply(run, cfg.prompt, cfg))
     except NonFiniteLogitsError as err:

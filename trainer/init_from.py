@@ -23,7 +23,14 @@ from torch import nn
 
 from strategies.transforms.lora_targets import is_adapter
 from trainer.models.hf import (
-    HFError, is_hf_dir, llama_from_hf, llama_kwargs, load_hf_weights, read_config, sliding_window, weight_files,
+    HFError,
+    is_hf_dir,
+    llama_from_hf,
+    llama_kwargs,
+    load_hf_weights,
+    read_config,
+    sliding_window,
+    weight_files,
 )
 from trainer.rundir import RunDir, load_run_weights, resolve_checkpoint
 from trainer.targets import check_targets
@@ -122,7 +129,9 @@ def take_run_model(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
     saved = found[1].model
     if builds_from_hf(saved):
         return cfg  # validate refuses: the architecture lives in a Hugging Face directory
-    taken = {k: v for k, v in OmegaConf.to_container(saved, resolve=False).items() if k not in explicit and k != "init_from"}
+    taken = {
+        k: v for k, v in OmegaConf.to_container(saved, resolve=False).items() if k not in explicit and k != "init_from"
+    }
     check_targets(taken, source=str(found[0] / "config.yaml"), key="model", trust=cfg.trust)
     node = copy.deepcopy(saved)
     with open_dict(node):
@@ -168,8 +177,15 @@ def _run_problems(model: Any, data: Any, source: str) -> list[str]:
                 f"model.{key}={mine.get(key)} differs from model.{key}={theirs.get(key)} of the run model.init_from "
                 f"names ({run_dir / 'config.yaml'}): drop the override (model.init_from takes the run's architecture)"
             )
-    if data is not None and "tokenizer" in data and data.tokenizer is None and not (run_dir / "tokenizer.json").is_file():
-        problems.append(f"model.init_from={source}: {run_dir} has no tokenizer.json; give its tokenizer with data.tokenizer=...")
+    if (
+        data is not None
+        and "tokenizer" in data
+        and data.tokenizer is None
+        and not (run_dir / "tokenizer.json").is_file()
+    ):
+        problems.append(
+            f"model.init_from={source}: {run_dir} has no tokenizer.json; give its tokenizer with data.tokenizer=..."
+        )
     return problems
 
 
@@ -218,5 +234,7 @@ def init_from_problems(model: Any, *, data: Any = None) -> list[str]:
         problems.append(f"data.seq_len={seq_len} exceeds the checkpoint's context of {max_seq_len}; lower data.seq_len")
     if data is not None and "tokenizer" in data and data.tokenizer is None:
         if not (Path(source).expanduser() / "tokenizer.json").is_file():
-            problems.append(f"model.init_from={source} has no tokenizer.json; give its tokenizer with data.tokenizer=...")
+            problems.append(
+                f"model.init_from={source} has no tokenizer.json; give its tokenizer with data.tokenizer=..."
+            )
     return problems

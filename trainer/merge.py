@@ -48,7 +48,9 @@ def _weights(weights: Sequence[float] | None, n: int) -> list[float]:
     return [float(w) for w in weights]
 
 
-def task_arithmetic(base: State, models: Sequence[State], *, weights: Sequence[float] | None = None, scale: float = 1.0) -> State:
+def task_arithmetic(
+    base: State, models: Sequence[State], *, weights: Sequence[float] | None = None, scale: float = 1.0
+) -> State:
     """``base + scale x sum_i w_i (model_i - base)`` per tensor (fp64, cast back to base dtype).
 
     Args:
@@ -77,7 +79,9 @@ def trim(delta: torch.Tensor, density: float) -> torch.Tensor:
     return torch.where(delta.abs() >= threshold, delta, torch.zeros_like(delta))
 
 
-def ties_delta(deltas: Sequence[torch.Tensor], *, density: float, weights: Sequence[float] | None = None) -> torch.Tensor:
+def ties_delta(
+    deltas: Sequence[torch.Tensor], *, density: float, weights: Sequence[float] | None = None
+) -> torch.Tensor:
     """TIES's merged delta of one tensor: trim, elect sign, disjoint mean.
 
     Args:
@@ -127,7 +131,9 @@ def merge_states(
         raise ValueError(f"density={density} must be in (0, 1]")
     for i, m in enumerate(models):
         if m.keys() != base.keys() or any(m[k].shape != base[k].shape for k in base):
-            raise ValueError(f"delta {i} has other parameters than the base (names or shapes differ): not the same architecture")
+            raise ValueError(
+                f"delta {i} has other parameters than the base (names or shapes differ): not the same architecture"
+            )
     if method == "task_arithmetic":
         return task_arithmetic(base, models, weights=weights, scale=scale)
     out = {}
@@ -187,9 +193,15 @@ def main(argv: list[str]) -> None:
         base, base_dir = _load(cfg.base, cfg.trust)
         models = [_load(path, cfg.trust)[0] for path in cfg.deltas]
         merged = merge_states(
-            base, models, method=cfg.method, weights=cfg.weights, scale=cfg.scale, density=cfg.density,
-            drop=cfg.drop, seed=cfg.seed,
-        )  # fmt: skip
+            base,
+            models,
+            method=cfg.method,
+            weights=cfg.weights,
+            scale=cfg.scale,
+            density=cfg.density,
+            drop=cfg.drop,
+            seed=cfg.seed,
+        )
     except (FileNotFoundError, ValueError, CheckpointError) as err:  # UntrustedTargetError is a ValueError
         fail(str(err))
     for path, model in zip(cfg.deltas, models):

@@ -76,7 +76,9 @@ class NonFiniteGuard:
         if max_consecutive < 1:
             raise ValueError(f"train.max_nonfinite_steps={max_consecutive}: use 1 or more")
         if max_skipped < 0 or recover_after < 1:
-            raise ValueError(f"train.max_skipped_steps={max_skipped} must be >= 0 and recover_after={recover_after} >= 1")
+            raise ValueError(
+                f"train.max_skipped_steps={max_skipped} must be >= 0 and recover_after={recover_after} >= 1"
+            )
         self.policy, self.max_consecutive, self.max_skipped = policy, max_consecutive, max_skipped
         self.spikes, self.recover_after, self.max_rollbacks = spikes, recover_after, max_rollbacks
         self.rollbacks = 0  # checkpoints reloaded by "rollback"
@@ -140,7 +142,9 @@ class NonFiniteGuard:
         of that step or older are safe to continue from); None when the run is healthy."""
         return None if self.first is None else max(int(self.first["step"]) - 2, 0)
 
-    def admit(self, step: int, loss: float, grad_norm: float, verdict: float, *, checkpoints: Path | None = None) -> bool:
+    def admit(
+        self, step: int, loss: float, grad_norm: float, verdict: float, *, checkpoints: Path | None = None
+    ) -> bool:
         """Whether optimizer step ``step`` (1 for the first) applies its update.
 
         Args:
@@ -229,7 +233,11 @@ class NonFiniteGuard:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.consecutive, self.skipped = int(state["consecutive"]), int(state["skipped"])
         # Checkpoints from before the spike rule hold only the two counts above.
-        self.spiked, self.first, self.healthy = int(state.get("spiked", 0)), state.get("first"), int(state.get("healthy", 0))
+        self.spiked, self.first, self.healthy = (
+            int(state.get("spiked", 0)),
+            state.get("first"),
+            int(state.get("healthy", 0)),
+        )
         self.rollbacks = int(state.get("rollbacks", 0))
         if self.spikes is not None and state.get("spikes") is not None:
             self.spikes.load_state_dict(state["spikes"])

@@ -20,9 +20,7 @@ from strategies.core.ranges import FRACTION, NON_NEGATIVE
 DEFAULT_NO_DECAY = ("tok_embeddings", "norm", "bias")
 
 
-def param_groups(
-    model: nn.Module, *, weight_decay: float, no_decay: Sequence[str] = DEFAULT_NO_DECAY
-) -> list[dict]:
+def param_groups(model: nn.Module, *, weight_decay: float, no_decay: Sequence[str] = DEFAULT_NO_DECAY) -> list[dict]:
     """Splits trainable parameters into a decayed and a non-decayed group.
 
     A parameter is decayed iff it has at least 2 dims and no entry of ``no_decay`` is a substring

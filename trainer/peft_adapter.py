@@ -60,7 +60,9 @@ def peft_target_modules(adapted: Collection[str], modules: Iterable[str]) -> lis
         targets += [kind] if reach(kind) == of_kind else sorted(of_kind)
     extra = set().union(*map(reach, targets)) - set(adapted) if targets else set()
     if extra:
-        raise ValueError(f"no PEFT target_modules select exactly the adapted modules; they would also adapt {sorted(extra)}")
+        raise ValueError(
+            f"no PEFT target_modules select exactly the adapted modules; they would also adapt {sorted(extra)}"
+        )
     return sorted(targets)
 
 

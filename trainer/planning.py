@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 
+from strategies.core.resolved import ResolvedRun
+from strategies.core.shape import ModelShape
 from strategies.mesh import build_strategy
 from strategies.planner.calibrate import calibrate_cluster, calibration_problem
 from strategies.planner.layout import Layout, Workload, layout_of, workload_of
@@ -20,8 +22,6 @@ from strategies.planner.memory import predict_memory
 from strategies.planner.report import best_overrides, oom_message, table
 from strategies.planner.search import SearchSpace, search
 from strategies.planner.time import Cluster
-from strategies.core.resolved import ResolvedRun
-from strategies.core.shape import ModelShape
 from trainer.config import ConfigError
 from trainer.models.block import TransformerBlock
 from trainer.models.llama import Llama
@@ -37,7 +37,9 @@ def cluster_from_config(cfg: DictConfig) -> Cluster:
     """
     cluster = cluster_of(cfg)
     if cluster is None:
-        raise ConfigError(["the planner needs a machine: add cluster=<preset> (conf/cluster/: h100x8, h100x64, cpu, ...)"])
+        raise ConfigError(
+            ["the planner needs a machine: add cluster=<preset> (conf/cluster/: h100x8, h100x64, cpu, ...)"]
+        )
     return cluster
 
 
@@ -48,7 +50,9 @@ def planner_inputs(cfg: DictConfig, run: ResolvedRun) -> tuple[ModelShape, Layou
         ConfigError: the model has no Llama-style shape (the planner models only those).
     """
     if run.shape is None:
-        raise ConfigError(["the planner needs a Llama-style model (one with n_heads, n_layers, ...): model=tiny, llama3_8b, ..."])
+        raise ConfigError(
+            ["the planner needs a Llama-style model (one with n_heads, n_layers, ...): model=tiny, llama3_8b, ..."]
+        )
     strategy = build_strategy(cfg.strategy, run=run)  # its plugins' knobs (as trainer.build.build_strategy)
     workload = workload_of(run, strategy, float8=cfg.planner.float8, async_tp=cfg.planner.async_tp)
     return run.shape, layout_of(run, strategy), workload
@@ -100,12 +104,18 @@ def plan(cfg: DictConfig, run: ResolvedRun) -> str:
         cluster = calibrate(cluster)
     p = cfg.planner
     space = SearchSpace(
-        schedules=tuple(p.schedules), cp_modes=tuple(p.cp_modes), ac_modes=tuple(p.ac_modes),
-        offload=p.offload, max_micro_batch=p.max_micro_batch, hsdp=p.hsdp,
-    )  # fmt: skip
+        schedules=tuple(p.schedules),
+        cp_modes=tuple(p.cp_modes),
+        ac_modes=tuple(p.ac_modes),
+        offload=p.offload,
+        max_micro_batch=p.max_micro_batch,
+        hsdp=p.hsdp,
+    )
     shape, _, workload = planner_inputs(cfg, run)
     plans = search(shape, workload, cluster, space)
     header = f"cluster {cluster.name}: " + (
-        "calibrated on this machine" if cfg.planner.calibrate else "preset figures (planner.calibrate=true measures them)"
+        "calibrated on this machine"
+        if cfg.planner.calibrate
+        else "preset figures (planner.calibrate=true measures them)"
     )
     return "\n".join([header, table(plans, cluster, top=p.top), best_overrides(plans, cluster)])

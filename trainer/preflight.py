@@ -14,8 +14,8 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from strategies.mesh import MOVED_KEYS
 from strategies.checkpoint.dcp import CheckpointError
+from strategies.mesh import MOVED_KEYS
 from trainer.catalog import ALIASES, fail
 from trainer.compose import adopt_run_model, error_message, hydra_config
 from trainer.config import ConfigError

@@ -69,7 +69,11 @@ class Strategy(Protocol):
         ...
 
     def forward_backward(
-        self, model: nn.Module, micro_batches: Sequence[Batch], loss_fn: LossFn, backward: Callable[[torch.Tensor], None]
+        self,
+        model: nn.Module,
+        micro_batches: Sequence[Batch],
+        loss_fn: LossFn,
+        backward: Callable[[torch.Tensor], None],
     ) -> torch.Tensor:
         """Forward and backward of the step's micro-batches; the 0-dim sum of their losses (detached)."""
         ...

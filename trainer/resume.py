@@ -67,7 +67,9 @@ def read_record(checkpoint: Path) -> dict[str, Any] | None:
     try:
         meta = load_plain(Path(checkpoint) / META_FILE)
     except (UnsafePickleError, OSError, RuntimeError) as err:
-        raise ConfigError([f"{checkpoint}/{META_FILE} cannot be read safely ({err}); resume from another checkpoint"]) from None
+        raise ConfigError(
+            [f"{checkpoint}/{META_FILE} cannot be read safely ({err}); resume from another checkpoint"]
+        ) from None
     return meta.get(RECORD_KEY) if isinstance(meta, dict) else None
 
 
@@ -87,7 +89,9 @@ def check_resume(cfg: DictConfig, checkpoint: Path | None, tokenizer: Any = None
     overrides = list(cfg.get("resume_override") or [])
     if checkpoint is None:
         if overrides:
-            raise ConfigError([f"resume_override={overrides} needs resume=last (or a checkpoint); drop it for a fresh start"])
+            raise ConfigError(
+                [f"resume_override={overrides} needs resume=last (or a checkpoint); drop it for a fresh start"]
+            )
         return {}
     record = read_record(checkpoint)
     if record is None:
@@ -115,7 +119,12 @@ class ResumeRecord(L.Callback):
     """
 
     def __init__(
-        self, cfg: DictConfig, tokenizer: Any, run_dir: Path, overrides: dict[str, Any], chat_template: JinjaTemplate | None = None
+        self,
+        cfg: DictConfig,
+        tokenizer: Any,
+        run_dir: Path,
+        overrides: dict[str, Any],
+        chat_template: JinjaTemplate | None = None,
     ) -> None:
         self.cfg, self.tokenizer, self.run_dir, self.overrides = cfg, tokenizer, Path(run_dir), overrides
         self.chat_template = chat_template
@@ -129,9 +138,11 @@ class ResumeRecord(L.Callback):
         if trainer.is_global_zero:
             template = self.chat_template
             RunDir(self.run_dir).write_config(
-                self.cfg, self.tokenizer, special_tokens=template.special if template else None,
+                self.cfg,
+                self.tokenizer,
+                special_tokens=template.special if template else None,
                 chat_template=template.source if template else None,
-            )  # fmt: skip
+            )
 
     @override
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -160,7 +171,12 @@ def differences(saved: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[A
 
 
 def resume_problems(
-    record: dict[str, Any], new: dict[str, Any], tokenizer_fingerprint: str | None, overrides: Sequence[str], *, source: str
+    record: dict[str, Any],
+    new: dict[str, Any],
+    tokenizer_fingerprint: str | None,
+    overrides: Sequence[str],
+    *,
+    source: str,
 ) -> list[str]:
     """Why the run ``new`` may not resume from a checkpoint recording ``record`` ([] if it may).
 

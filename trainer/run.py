@@ -15,8 +15,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from strategies.checkpoint.dcp import CheckpointError, NonFiniteStateError
-from strategies.runtime.launch import LAUNCH_ENV, launch_problems
 from strategies.core.resolved import ResolvedRun
+from strategies.runtime.launch import LAUNCH_ENV, launch_problems
 from strategies.runtime.watchdog import ABORT_EXIT
 from trainer.budget.driver import is_search, run_search
 from trainer.build import build_fit, prepared_data
@@ -43,7 +43,9 @@ def _is_launching_rank() -> bool:
     return all(os.environ.get(key, "0") == "0" for key in ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK"))
 
 
-def check_run_dir(cfg: DictConfig, run_dir: Path | None = None, report: Callable[[str], None] | None = None) -> Path | None:
+def check_run_dir(
+    cfg: DictConfig, run_dir: Path | None = None, report: Callable[[str], None] | None = None
+) -> Path | None:
     """The checkpoint to resume from (None for a fresh start): the newest one that verifies.
 
     Args:
@@ -74,7 +76,9 @@ def check_run_dir(cfg: DictConfig, run_dir: Path | None = None, report: Callable
     if found is None:
         where = f"run_dir={run_dir}" if cfg.resume == "last" else f"resume={cfg.resume}"
         why = f" ({'; '.join(skipped)})" if skipped else ""
-        raise ConfigError([f"{where} holds no intact checkpoint{why}; drop resume to start fresh, or point it at a run"])
+        raise ConfigError(
+            [f"{where} holds no intact checkpoint{why}; drop resume to start fresh, or point it at a run"]
+        )
     if (problem := step_problem(found)) is not None:
         raise CheckpointError(problem)
     for line in [*skipped, f"resuming from {found}"]:
@@ -220,9 +224,11 @@ def run(cfg: DictConfig, launch: Launch | None = None) -> None:
         print(heartbeat.lost_line(lost), file=sys.stderr, flush=True)
         os._exit(ABORT_EXIT)
     if trainer.is_global_zero and task.nonfinite.skipped:  # train.nonfinite=skip went on: say so
-        print(f"plait: warning: {task.nonfinite.skipped} of {trainer.global_step} steps skipped their update "
-              f"({task.nonfinite.counts()}; train.nonfinite={task.nonfinite.policy}, summary.json skipped_steps)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"plait: warning: {task.nonfinite.skipped} of {trainer.global_step} steps skipped their update "
+            f"({task.nonfinite.counts()}; train.nonfinite={task.nonfinite.policy}, summary.json skipped_steps)",
+            file=sys.stderr,
+        )
     if trainer.is_global_zero:
         summary = RunDir(run_dir).summary
         print(f"plait: run directory {run_dir}" + (f"\n{summary.read_text()}" if summary.exists() else ""))

@@ -33,8 +33,8 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from strategies.checkpoint.dcp import META_FILE, is_checkpoint, load_model_weights, verify_checkpoint
-from strategies.transforms.lora_targets import is_adapter
 from strategies.checkpoint.manifest import MANIFEST
+from strategies.transforms.lora_targets import is_adapter
 from trainer.data.tokenizer import Tokenizer
 from trainer.model_node import constructor_node, init_from_of
 from trainer.targets import check_targets
@@ -170,7 +170,12 @@ class RunDir:
         return bool(step_dirs(self.checkpoints)) or self.last.is_symlink() or self.last.exists()
 
     def write_config(
-        self, cfg: DictConfig, tokenizer: Any, *, special_tokens: Mapping[str, str] | None = None, chat_template: str | None = None
+        self,
+        cfg: DictConfig,
+        tokenizer: Any,
+        *,
+        special_tokens: Mapping[str, str] | None = None,
+        chat_template: str | None = None,
     ) -> None:
         """Writes ``config.yaml`` (resolved: no interpolation left), ``tokenizer.json``, its
         ``tokenizer_config.json`` and ``chat_template.jinja`` as transformers lays them out, so the
@@ -367,12 +372,16 @@ def load_run_model(
         raise FileNotFoundError(f"{run.path} has no {run.tokenizer.name} and its config sets no model.vocab_size")
     source = str(run.config)
     check_targets(cfg.model, source=source, key="model", trust=trust)  # before constructor_node imports it
-    model = instantiate_saved(constructor_node(cfg.model), source=source, key="model", trust=trust, vocab_size=vocab_size)
+    model = instantiate_saved(
+        constructor_node(cfg.model), source=source, key="model", trust=trust, vocab_size=vocab_size
+    )
     lora = cfg.strategy.get("lora") if cfg.get("strategy") is not None else None
     if lora is None:
         load_run_weights(ckpt, model)
     elif load_base is None:
-        raise ValueError(f"{ckpt} holds LoRA adapters (strategy.lora); export the run first (plait export) and use the export")
+        raise ValueError(
+            f"{ckpt} holds LoRA adapters (strategy.lora); export the run first (plait export) and use the export"
+        )
     else:  # a LoRA run's checkpoint holds the adapters; its base is model.init_from
         instantiate_saved(lora, source=source, key="strategy.lora", trust=trust).attach(model)
         load_base(model, init_from_of(cfg.model))

@@ -44,7 +44,9 @@ def _next_token(logits: torch.Tensor, *, temperature: float, top_k: int | None) 
         return int(logits.argmax())
     logits = logits / temperature
     if not bool(torch.isfinite(logits).all()):
-        raise NonFiniteLogitsError(f"temperature={temperature} makes the logits overflow; raise it, or use temperature=0 (greedy)")
+        raise NonFiniteLogitsError(
+            f"temperature={temperature} makes the logits overflow; raise it, or use temperature=0 (greedy)"
+        )
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -151,7 +153,13 @@ def caches(model: nn.Module) -> bool:
 
 
 def continue_text(
-    model: nn.Module, tokenizer: Tokenizer, text: str, *, max_new_tokens: int, temperature: float, top_k: int | None,
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    text: str,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
     use_cache: bool = True,
 ) -> str:
     """The model's continuation of ``text``, sampled as `sample` does (stopped at the tokenizer's
@@ -164,7 +172,13 @@ def continue_text(
         NonFiniteLogitsError: see `sample`.
     """
     new_ids = sample(
-        model, tokenizer.encode(text) or [tokenizer.eos_id], max_new_tokens=max_new_tokens, temperature=temperature,
-        top_k=top_k, max_seq_len=model.max_seq_len, eos_id=tokenizer.eos_id, use_cache=use_cache and caches(model),
-    )  # fmt: skip
+        model,
+        tokenizer.encode(text) or [tokenizer.eos_id],
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        max_seq_len=model.max_seq_len,
+        eos_id=tokenizer.eos_id,
+        use_cache=use_cache and caches(model),
+    )
     return tokenizer.decode(new_ids)

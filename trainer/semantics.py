@@ -22,20 +22,20 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from strategies.mesh import MeshStrategy, build_strategy
 from strategies.core.parallel_dims import LayoutError
-from strategies.pipeline.layout import SCHEDULES, stages_per_rank_of
-from strategies.planner.layout import layout_of, workload_of
-from strategies.planner.time import Cluster, auto_split_points
 from strategies.core.ranges import optimizer_problem
 from strategies.core.resolved import ResolvedRun
 from strategies.core.shape import ModelShape
+from strategies.mesh import MeshStrategy, build_strategy
+from strategies.pipeline.layout import SCHEDULES, stages_per_rank_of
+from strategies.planner.layout import layout_of, workload_of
+from strategies.planner.time import Cluster, auto_split_points
 from trainer.capabilities import capability_problems, contract_problems
 from trainer.data.paths import DATA_SUFFIXES, PathProblem, check_path, data_files
 from trainer.data.tokenizer import TokenizerFileError, read_tokenizer_json
+from trainer.init_from import init_from_problems, run_tokenizer
 from trainer.model_node import instantiate_model
 from trainer.models.hf import is_hf_dir
-from trainer.init_from import init_from_problems, run_tokenizer
 
 
 def _import(path: str) -> Any:
@@ -60,7 +60,9 @@ def tokenizer_file(cfg: DictConfig) -> str | None:
     init_from = cfg.model.get("init_from") if cfg.get("model") is not None else None
     if not init_from:
         return None
-    return str(Path(init_from).expanduser() / "tokenizer.json") if is_hf_dir(init_from) else run_tokenizer(str(init_from))
+    return (
+        str(Path(init_from).expanduser() / "tokenizer.json") if is_hf_dir(init_from) else run_tokenizer(str(init_from))
+    )
 
 
 def planned_vocab_size(cfg: DictConfig) -> int | None:
@@ -199,7 +201,9 @@ def resolve(cfg: DictConfig, problems: list[str], broken: frozenset[str] = froze
     stages = stages_per_rank_of(schedule, pipeline.stages_per_rank) if schedule in SCHEDULES else 1
     vocab_size = planned_vocab_size(cfg)
     try:
-        optimizer = instantiate(cfg.optim, _convert_="all") if cfg.get("optim") is not None and "optim" not in broken else None
+        optimizer = (
+            instantiate(cfg.optim, _convert_="all") if cfg.get("optim") is not None and "optim" not in broken else None
+        )
     except Exception as err:  # noqa: BLE001 - the optimizer's own message names the bad value
         problems.append(f"optim: {_cause(err)}")
         optimizer = None
@@ -287,7 +291,9 @@ def _data_path_problems(given: list[str]) -> list[str]:
             if root.is_dir():
                 data_files(root, DATA_SUFFIXES)
         except FileNotFoundError:
-            problems.append(f"data.path={path} does not exist; point data.path at a {'/'.join(DATA_SUFFIXES)} file or a directory")
+            problems.append(
+                f"data.path={path} does not exist; point data.path at a {'/'.join(DATA_SUFFIXES)} file or a directory"
+            )
         except PathProblem as err:
             problems.append(f"data.path={path}: {err}")
     return problems
@@ -301,5 +307,7 @@ def _tokenizer_problems(given: str) -> list[str]:
     try:
         read_tokenizer_json(path)
     except TokenizerFileError as err:
-        return [f"data.tokenizer={given} is not a tokenizer.json ({err.reason}); give a Hugging Face tokenizer.json, or null to train one"]
+        return [
+            f"data.tokenizer={given} is not a tokenizer.json ({err.reason}); give a Hugging Face tokenizer.json, or null to train one"
+        ]
     return []

@@ -40,7 +40,12 @@ SETTLED = 0.1
 
 
 def apply_spike_rule(
-    values: torch.Tensor, recent: torch.Tensor, num_recent: torch.Tensor, *, factor: float, scale: torch.Tensor | None = None
+    values: torch.Tensor,
+    recent: torch.Tensor,
+    num_recent: torch.Tensor,
+    *,
+    factor: float,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Whether ``values`` spike against the recent admitted steps (module docstring).
 
@@ -95,7 +100,11 @@ class SpikeRule:
             self._num_recent = torch.zeros((), dtype=torch.int64, device=device)
             self._scale = torch.zeros(2, device=device)
         elif self._recent.device != device:
-            self._recent, self._num_recent, self._scale = self._recent.to(device), self._num_recent.to(device), self._scale.to(device)
+            self._recent, self._num_recent, self._scale = (
+                self._recent.to(device),
+                self._num_recent.to(device),
+                self._scale.to(device),
+            )
         return self._recent, self._num_recent, self._scale
 
     def spikes(self, values: torch.Tensor, judged: torch.Tensor) -> torch.Tensor:
@@ -126,4 +135,6 @@ class SpikeRule:
             self._recent[self.window - len(rows) :] = torch.tensor(rows, dtype=torch.float32)
         self._num_recent = torch.tensor(len(rows), dtype=torch.int64)
         # A checkpoint written before the scale was kept: its window's largest.
-        self._scale = torch.tensor(state.get("scale") or (torch.tensor(rows).amax(0).tolist() if rows else [0.0, 0.0]), dtype=torch.float32)
+        self._scale = torch.tensor(
+            state.get("scale") or (torch.tensor(rows).amax(0).tolist() if rows else [0.0, 0.0]), dtype=torch.float32
+        )

@@ -32,8 +32,8 @@ from typing_extensions import override
 
 from strategies.transforms.lora import quantize_pending
 from trainer.data import accounting
-from trainer.loggers import is_logging_step
 from trainer.init_from import load_init_from
+from trainer.loggers import is_logging_step
 from trainer.nonfinite import NonFiniteGuard
 from trainer.optim import build_optimizer
 from trainer.protocols import Objective, RoutedModel
@@ -124,7 +124,9 @@ class Task(L.LightningModule):
 
     @override
     def configure_optimizers(self) -> Any:
-        optimizer = build_optimizer(self.model, self.optimizer_fn, weight_decay=self.weight_decay, no_decay=self.no_decay)
+        optimizer = build_optimizer(
+            self.model, self.optimizer_fn, weight_decay=self.weight_decay, no_decay=self.no_decay
+        )
         if self.scheduler_fn is None:
             return optimizer
         scheduler = self.scheduler_fn(optimizer, total_steps=self.total_steps())
@@ -260,17 +262,28 @@ class Task(L.LightningModule):
         self.last_step_tokens = step_tokens
         self.tokens_seen += self.last_step_tokens
         self._pending.add(
-            {"step": self.global_step, "loss": values[0], "grad_norm": values[1], "lr": lr, "_skip_on_device": on_device,
-             "_verdict": verdict, "train/supervised_tokens": num_tokens, **strategy_metrics, **data_metrics},
+            {
+                "step": self.global_step,
+                "loss": values[0],
+                "grad_norm": values[1],
+                "lr": lr,
+                "_skip_on_device": on_device,
+                "_verdict": verdict,
+                "train/supervised_tokens": num_tokens,
+                **strategy_metrics,
+                **data_metrics,
+            },
             objective_sums,
-        )  # fmt: skip
+        )
         if is_logging_step(self.trainer) or self._evaluates_now():
             self._log_read_steps()
 
     def _evaluates_now(self) -> bool:
         """Whether the step just done ends with an evaluation (`end_step`)."""
         step = self.global_step
-        return step == self.trainer.max_steps or self.data_ended() or bool(self.eval_every and step % self.eval_every == 0)
+        return (
+            step == self.trainer.max_steps or self.data_ended() or bool(self.eval_every and step % self.eval_every == 0)
+        )
 
     def _log_read_steps(self) -> None:
         """Reads the pending steps (the one host sync of the steps since the last read) and,
@@ -289,7 +302,13 @@ class Task(L.LightningModule):
         if self.nonfinite.skipped:  # every anomalous step: non-finite or spike
             last["train/nonfinite_steps"] = float(self.nonfinite.skipped)
         self.record(
-            {"train/loss": loss, "train/grad_norm": grad_norm, "train/lr": lr, **last, "train/tokens_seen": float(self.tokens_seen)}
+            {
+                "train/loss": loss,
+                "train/grad_norm": grad_norm,
+                "train/lr": lr,
+                **last,
+                "train/tokens_seen": float(self.tokens_seen),
+            }
         )
 
     # ------------------------------------------------------------------------------ logging
@@ -357,7 +376,9 @@ class Task(L.LightningModule):
         # The checkpoint's param groups would also bring back its hyperparameters (a resumed run's
         # resume_override=[optim.lr] among them): the run's own stay.
         optimizers = [getattr(opt, "_optimizer", opt) for opt in self.trainer.optimizers]
-        groups = [[{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups] for opt in optimizers]
+        groups = [
+            [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups] for opt in optimizers
+        ]
         self.trainer.strategy.load_checkpoint(path)
         for opt, kept in zip(optimizers, groups):
             for group, hyper in zip(opt.param_groups, kept):
@@ -370,8 +391,9 @@ class Task(L.LightningModule):
                 f"anomalous steps from step {self.nonfinite.first['step'] if self.nonfinite.first else '?'} on "
                 f"({self.nonfinite.counts()} so far; rollback {self.nonfinite.rollbacks} of train.max_rollbacks="
                 f"{self.nonfinite.max_rollbacks}); training goes on with the data after them",
-                file=sys.stderr, flush=True,
-            )  # fmt: skip
+                file=sys.stderr,
+                flush=True,
+            )
 
     @override
     def on_train_epoch_end(self) -> None:

@@ -46,7 +46,9 @@ def write_failure_line(path: Path, err: OSError, needed: int) -> str:
     line = f"not saving {path.name}: {err.strerror or err} ({code}) writing {where}"
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
         free = shutil.disk_usage(path.parent).free
-        line += f"; the checkpoint needs about {needed / 2**20:.1f} MiB, {free / 2**20:.1f} MiB are free in {path.parent}"
+        line += (
+            f"; the checkpoint needs about {needed / 2**20:.1f} MiB, {free / 2**20:.1f} MiB are free in {path.parent}"
+        )
     return line + (
         "; its partial files are removed and the checkpoints already written are kept: free space (or point "
         "run_dir elsewhere) and run again with resume=last"

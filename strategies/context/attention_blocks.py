@@ -45,9 +45,16 @@ class EagerBlocks:
         return out, lse
 
     def backward(
-        self, dout: torch.Tensor, q_bkrqe: torch.Tensor, k_bkse: torch.Tensor, v_bkse: torch.Tensor,
-        allowed: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        self,
+        dout: torch.Tensor,
+        q_bkrqe: torch.Tensor,
+        k_bkse: torch.Tensor,
+        v_bkse: torch.Tensor,
+        allowed: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The block's share of (dq ``[B, K, R, Q, E]``, dk, dv ``[B, K, S, E]``), fp32, from the merged out/lse."""
         with torch.autocast(q_bkrqe.device.type, enabled=False):
             dout, k, v = dout.float(), k_bkse.float()[:, :, None], v_bkse.float()[:, :, None]
@@ -97,9 +104,16 @@ class FusedBlocks:
         return out.view(B, K, R, Q, E), lse.view(B, K, R, Q)
 
     def backward(
-        self, dout: torch.Tensor, q_bkrqe: torch.Tensor, k_bkse: torch.Tensor, v_bkse: torch.Tensor,
-        allowed: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        self,
+        dout: torch.Tensor,
+        q_bkrqe: torch.Tensor,
+        k_bkse: torch.Tensor,
+        v_bkse: torch.Tensor,
+        allowed: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The block's share of (dq ``[B, K, R, Q, E]``, dk, dv ``[B, K, S, E]``), fp32, from the merged out/lse."""
         B, K, R, Q, E = q_bkrqe.shape
         q, dout, out = (t.reshape(B, K, R * Q, E).to(q_bkrqe.dtype) for t in (q_bkrqe, dout, out))

@@ -45,7 +45,9 @@ import torch.distributed as dist
 from strategies.core.document_runs import causal_pairs, longest_document
 
 PLACEMENTS = ("split", "hybrid")
-CP_GROUP = "cp_group_size"  # 0-dim: the cp group size of a micro-batch's rows (popped by the strategy before the forward)
+CP_GROUP = (
+    "cp_group_size"  # 0-dim: the cp group size of a micro-batch's rows (popped by the strategy before the forward)
+)
 Shard = Callable[[dict[str, torch.Tensor], int, int], dict[str, torch.Tensor]]  # (rows, group size, index) -> shard
 
 
@@ -173,7 +175,9 @@ def placement_problems(placement: str, *, cp: int, pp: int, micro_batch_size: in
         return [f"{key} places rows over cp ranks but strategy.cp={cp}; set strategy.cp > 1 or placement=split"]
     problems = []
     if pp > 1:
-        problems.append(f"{key} does not run under pipeline parallelism (strategy.pp={pp}); use strategy.pp=1 or placement=split")
+        problems.append(
+            f"{key} does not run under pipeline parallelism (strategy.pp={pp}); use strategy.pp=1 or placement=split"
+        )
     if not group_sizes(cp, micro_batch_size):
         least = cp // max(group_sizes(cp))
         problems.append(
@@ -254,6 +258,7 @@ class HybridPlacement:
         """This cp rank's micro-batches of its group's rows: every row sharded (``split``), or with
         ``hybrid`` placement on the smallest group that fits (`hybrid_micro_batches`; the group's
         rows per group size are kept in ``group_rows`` for the step's metrics)."""
+
         def shard(rows: dict[str, torch.Tensor], size: int, index: int) -> dict[str, torch.Tensor]:
             return self.shard_batch(rows, cp=size, rank=index)
 

@@ -34,14 +34,14 @@ import torch.distributed as dist
 from torch import nn
 
 from strategies.context.attention_blocks import block_kernels
+from strategies.context.document_shards import shard_documents
 from strategies.context.layout import CPLayout, build_cp_layout, build_sub_layouts
 from strategies.context.placement import HybridPlacement, OnGroup, WholeRows, group_sizes, placement_problems
-from strategies.context.document_shards import shard_documents
+from strategies.context.ring import RingMasks, ring_attention
+from strategies.context.ulysses import heads_to_seq, seq_to_heads
 from strategies.core.model_contract import declares, optional
 from strategies.core.parallel_dims import Meshes, ParallelDims, divisors
 from strategies.plugin import StrategyPlugin
-from strategies.context.ring import RingMasks, ring_attention
-from strategies.context.ulysses import heads_to_seq, seq_to_heads
 
 if TYPE_CHECKING:
     from strategies.core.resolved import ResolvedRun
@@ -87,7 +87,10 @@ def shard_batch(
     """
     seq_len = batch["input_ids"].shape[1]
     if "position_ids" not in batch:
-        batch = {**batch, "position_ids": torch.arange(seq_len, device=batch["input_ids"].device).expand_as(batch["input_ids"])}
+        batch = {
+            **batch,
+            "position_ids": torch.arange(seq_len, device=batch["input_ids"].device).expand_as(batch["input_ids"]),
+        }
     index = shard_positions(seq_len, cp, rank, load_balance=load_balance).to(batch["input_ids"].device)
     if documents and load_balance and "document_ids" in batch:
         return shard_documents(batch, index, cp)
@@ -128,9 +131,15 @@ class ContextParallelAttention:
     """
 
     def __init__(
-        self, layout: CPLayout, *, load_balance: bool = True, kv_chunk: int = 0, kernel: str = "auto", whole: Any = None,
+        self,
+        layout: CPLayout,
+        *,
+        load_balance: bool = True,
+        kv_chunk: int = 0,
+        kernel: str = "auto",
+        whole: Any = None,
         sub_layouts: dict[int, CPLayout] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         block_kernels(torch.device("cpu"), kernel)  # fails on an unknown kernel name
         self.layout, self.load_balance, self.kv_chunk, self.kernel = layout, load_balance, kv_chunk, kernel
         self.whole, self.sub_layouts = whole, dict(sub_layouts or {})  # the one-process core; cp sub-groups
@@ -147,7 +156,9 @@ class ContextParallelAttention:
             ValueError: no layout of that size (no one-process core for 1, or no such sub-group).
         """
         if size != self.layout.cp and not (size == 1 and self.whole is not None) and size not in self.sub_layouts:
-            raise ValueError(f"no cp group of {size} ranks (built: 1, {', '.join(map(str, sorted(self.sub_layouts)))}, {self.layout.cp})")
+            raise ValueError(
+                f"no cp group of {size} ranks (built: 1, {', '.join(map(str, sorted(self.sub_layouts)))}, {self.layout.cp})"
+            )
         self.group_size = size
         try:
             yield
@@ -184,10 +195,13 @@ class ContextParallelAttention:
         me = lay.index // u
         on_host = torch.device(device).type == "cpu"
         return RingMasks(
-            group_pos[me].to(device), None if group_docs is None else group_docs[me],
-            tuple(p.to(device) for p in group_pos), group_docs,
-            pos_kv_host=None if on_host else group_pos, last_query=int(group_pos[me].max()),
-        )  # fmt: skip
+            group_pos[me].to(device),
+            None if group_docs is None else group_docs[me],
+            tuple(p.to(device) for p in group_pos),
+            group_docs,
+            pos_kv_host=None if on_host else group_pos,
+            last_query=int(group_pos[me].max()),
+        )
 
     def __call__(
         self, q_bthe: torch.Tensor, k_btke: torch.Tensor, v_btke: torch.Tensor, masks: RingMasks
@@ -208,17 +222,27 @@ class ContextParallelAttention:
         K = k_btke.shape[2]
         q_bkrqe = q_bthe.view(B, T, K, H // K, E).permute(0, 2, 3, 1, 4)
         out = ring_attention(
-            q_bkrqe, k_btke.transpose(1, 2), v_btke.transpose(1, 2), ring=lay.ring, masks=masks,
-            kv_chunk=self.kv_chunk, blocks=block_kernels(q_bthe.device, self.kernel),
-        )  # fmt: skip
+            q_bkrqe,
+            k_btke.transpose(1, 2),
+            v_btke.transpose(1, 2),
+            ring=lay.ring,
+            masks=masks,
+            kv_chunk=self.kv_chunk,
+            blocks=block_kernels(q_bthe.device, self.kernel),
+        )
         out_bthe = out.permute(0, 3, 1, 2, 4).reshape(B, T, H, E)
         return heads_to_seq(out_bthe, lay.ulysses_group, u) if u > 1 else out_bthe
 
 
 def apply_context_parallel(
-    model: nn.Module, *, layout: CPLayout, load_balance: bool = True, kv_chunk: int = 0, kernel: str = "auto",
+    model: nn.Module,
+    *,
+    layout: CPLayout,
+    load_balance: bool = True,
+    kv_chunk: int = 0,
+    kernel: str = "auto",
     sub_layouts: dict[int, CPLayout] | None = None,
-) -> None:  # fmt: skip
+) -> None:
     """Makes every attention module of ``model`` context-parallel, in place.
 
     ``model`` must offer ``set_attention_core`` (`trainer.models.llama.Llama`); a model without
@@ -226,9 +250,13 @@ def apply_context_parallel(
     """
     if declares(model, "set_attention_core"):
         core = ContextParallelAttention(
-            layout, load_balance=load_balance, kv_chunk=kv_chunk, kernel=kernel, whole=model.attention_core,
+            layout,
+            load_balance=load_balance,
+            kv_chunk=kv_chunk,
+            kernel=kernel,
+            whole=model.attention_core,
             sub_layouts=sub_layouts,
-        )  # fmt: skip
+        )
         model.set_attention_core(core)
 
 
@@ -302,7 +330,9 @@ class ContextParallel(HybridPlacement, StrategyPlugin):
     placement: str = "split"
     activation_offload: bool = False
     core: ContextParallelAttention | None = field(default=None, init=False, repr=False)  # set by apply
-    group_rows: dict[int, int] = field(default_factory=dict, init=False)  # rows of this cp group per group size, last step
+    group_rows: dict[int, int] = field(
+        default_factory=dict, init=False
+    )  # rows of this cp group per group size, last step
 
     def __post_init__(self) -> None:
         if self.sharding not in SHARDINGS or (self.sharding == "document" and not self.load_balance):
@@ -334,9 +364,13 @@ class ContextParallel(HybridPlacement, StrategyPlugin):
             )
         if shape is not None:
             problems += context_parallel_problems(
-                mode=self.mode, cp=cp, tp=run.dims.tp, ulysses_degree=self.ulysses_degree,
-                n_heads=shape.n_heads, n_kv_heads=shape.n_kv_heads,
-            )  # fmt: skip
+                mode=self.mode,
+                cp=cp,
+                tp=run.dims.tp,
+                ulysses_degree=self.ulysses_degree,
+                n_heads=shape.n_heads,
+                n_kv_heads=shape.n_kv_heads,
+            )
         return problems
 
     def apply(self, model: nn.Module, meshes: Meshes) -> None:
@@ -349,14 +383,20 @@ class ContextParallel(HybridPlacement, StrategyPlugin):
         if self.placement == "hybrid":  # the sub-groups hybrid placement may choose, created once here
             sub_layouts = build_sub_layouts(cp_ranks, group_sizes(cp), ulysses_degree=u)
         apply_context_parallel(
-            model, layout=layout, load_balance=self.load_balance, kv_chunk=self.kv_chunk, kernel=self.kernel,
+            model,
+            layout=layout,
+            load_balance=self.load_balance,
+            kv_chunk=self.kv_chunk,
+            kernel=self.kernel,
             sub_layouts=sub_layouts,
-        )  # fmt: skip
+        )
         core = optional(model, "attention_core")
         self.core = core if isinstance(core, ContextParallelAttention) else None
 
     def shard_batch(self, batch: dict[str, torch.Tensor], *, cp: int, rank: int) -> dict[str, torch.Tensor]:
-        return shard_batch(batch, cp=cp, rank=rank, load_balance=self.load_balance, documents=self.sharding == "document")
+        return shard_batch(
+            batch, cp=cp, rank=rank, load_balance=self.load_balance, documents=self.sharding == "document"
+        )
 
     # ------------------------------------------------------------------ phases (`strategies.plugin`)
     def active(self, dims: ParallelDims, *, islands: bool) -> bool:
@@ -369,12 +409,18 @@ class ContextParallel(HybridPlacement, StrategyPlugin):
             return batch
         return self.shard_batch(batch, cp=meshes["cp"].size(), rank=meshes["cp"].get_local_rank())
 
-    def place(self, batch: dict[str, torch.Tensor], micro_batch_size: int, meshes: Meshes) -> list[dict[str, torch.Tensor]]:
+    def place(
+        self, batch: dict[str, torch.Tensor], micro_batch_size: int, meshes: Meshes
+    ) -> list[dict[str, torch.Tensor]]:
         """This cp rank's micro-batches (`micro_batches`: split, or hybrid placement)."""
         cp_mesh = meshes["cp"]
-        return self.micro_batches(batch, cp=cp_mesh.size(), rank=cp_mesh.get_local_rank(), micro_batch_size=micro_batch_size)
+        return self.micro_batches(
+            batch, cp=cp_mesh.size(), rank=cp_mesh.get_local_rank(), micro_batch_size=micro_batch_size
+        )
 
-    def micro_batch_context(self, micro_batch: dict[str, torch.Tensor]) -> AbstractContextManager[dict[str, torch.Tensor]]:
+    def micro_batch_context(
+        self, micro_batch: dict[str, torch.Tensor]
+    ) -> AbstractContextManager[dict[str, torch.Tensor]]:
         """`training`: a micro-batch marked by hybrid placement attends over its group."""
         return self.training(micro_batch)
 
@@ -384,4 +430,7 @@ class ContextParallel(HybridPlacement, StrategyPlugin):
         if self.placement != "hybrid":
             return {}
         rows = self.group_rows
-        return {"perf/cp_whole_rows": float(rows.get(1, 0)), **{f"perf/cp_rows_g{g}": float(n) for g, n in sorted(rows.items())}}
+        return {
+            "perf/cp_whole_rows": float(rows.get(1, 0)),
+            **{f"perf/cp_rows_g{g}": float(n) for g, n in sorted(rows.items())},
+        }

@@ -32,7 +32,6 @@ import torch.distributed as dist
 from strategies.context.attention_blocks import NEG_INF, EagerBlocks, FusedBlocks, block_kernels, finite
 
 
-
 @dataclass(frozen=True)
 class Ring:
     """The ranks a k/v block travels through, and this rank's place among them.
@@ -154,7 +153,9 @@ class _RingAttention(torch.autograd.Function):
                 mask = masks.allowed(src, a, b)
                 if not masks.live(src, a, b, mask):
                     continue
-                dq_b, dk_b, dv_b = blocks.backward(grad_out, q, kv[0, :, :, a:b], kv[1, :, :, a:b], mask, out, lse, scale)
+                dq_b, dk_b, dv_b = blocks.backward(
+                    grad_out, q, kv[0, :, :, a:b], kv[1, :, :, a:b], mask, out, lse, scale
+                )
                 dq += dq_b
                 dkv[0, :, :, a:b] += dk_b
                 dkv[1, :, :, a:b] += dv_b

@@ -56,7 +56,10 @@ HINTS: dict[str, str] = {
     "(see trainer.models.llama.Llama.set_attention_core)",
     "attention_core": "an attention_core attribute (the core set_attention_core swaps)",
     "init_weights": "an init_weights() method filling every parameter in place (see trainer.models.llama.Llama)",
-    **{name: f"the attribute self.{name} of a mixture of experts (see trainer.models.moe_transformer)" for name in MOE_SIZES},
+    **{
+        name: f"the attribute self.{name} of a mixture of experts (see trainer.models.moe_transformer)"
+        for name in MOE_SIZES
+    },
 }
 
 
@@ -175,7 +178,9 @@ NEEDS: dict[str, tuple[str, ...]] = {
     "pp": (*STAGE_MODULES, "return_hidden", *SIZES),
 }
 # Members a class declares (methods, class attributes): what can be checked before the model is built.
-CLASS_MEMBERS = frozenset({"tp_plan", "set_attention_core", "return_hidden", "init_weights", "flops_per_token", "META_INIT"})
+CLASS_MEMBERS = frozenset(
+    {"tp_plan", "set_attention_core", "return_hidden", "init_weights", "flops_per_token", "META_INIT"}
+)
 
 
 def layout_problems(model: Any, degrees: dict[str, int], *, tp_plan: bool = True) -> list[str]:
@@ -194,7 +199,9 @@ def layout_problems(model: Any, degrees: dict[str, int], *, tp_plan: bool = True
         degree = degrees.get(axis, 1)
         if degree <= 1:
             continue
-        needs = tuple(m for m in needs if (tp_plan or m != "tp_plan") and (not inspect.isclass(model) or m in CLASS_MEMBERS))
+        needs = tuple(
+            m for m in needs if (tp_plan or m != "tp_plan") and (not inspect.isclass(model) or m in CLASS_MEMBERS)
+        )
         lacking = missing(model, needs)
         why = f"strategy.{axis}={degree}"
         problems += [member_problem(model, [m], why) for m in lacking if m not in SIZES]

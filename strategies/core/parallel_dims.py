@@ -69,8 +69,7 @@ class ParallelDims:
         fill = [name for name, value in degrees.items() if value == -1]
         if len(fill) > 1:
             problems.append(
-                f"only one degree may be -1, got {', '.join(fill)}; set all but one of them, e.g. "
-                f"strategy.{fill[1]}=1"
+                f"only one degree may be -1, got {', '.join(fill)}; set all but one of them, e.g. strategy.{fill[1]}=1"
             )
         if problems:
             raise LayoutError("\n".join(problems))

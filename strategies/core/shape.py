@@ -128,10 +128,18 @@ class ModelShape:
                 replicated_grad = embedding and isinstance(style, RowwiseParallel)
                 specs.append(ParamSpec(f"{module_name}.{pname}", tuple(p.shape), tp_dim, layer, replicated_grad))
         return cls(
-            vocab_size=model.vocab_size, dim=model.dim, n_layers=model.n_layers, n_heads=model.n_heads,
-            n_kv_heads=model.n_kv_heads, ffn_dim=model.ffn_dim, tie_embeddings=model.tie_embeddings,
-            params=tuple(specs), num_experts=optional(model, "num_experts"), top_k=optional(model, "top_k"),
-            moe_ffn_dim=optional(model, "moe_ffn_dim"), num_shared_experts=optional(model, "num_shared_experts"),
+            vocab_size=model.vocab_size,
+            dim=model.dim,
+            n_layers=model.n_layers,
+            n_heads=model.n_heads,
+            n_kv_heads=model.n_kv_heads,
+            ffn_dim=model.ffn_dim,
+            tie_embeddings=model.tie_embeddings,
+            params=tuple(specs),
+            num_experts=optional(model, "num_experts"),
+            top_k=optional(model, "top_k"),
+            moe_ffn_dim=optional(model, "moe_ffn_dim"),
+            num_shared_experts=optional(model, "num_shared_experts"),
             n_dense_layers=optional(model, "n_dense_layers"),
             linear_modules=tuple(n for n, m in model.named_modules() if isinstance(m, nn.Linear)),
-        )  # fmt: skip
+        )

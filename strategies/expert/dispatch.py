@@ -41,7 +41,9 @@ class StackedExperts(Protocol):
     w3: nn.Parameter
     dispatcher: Any
 
-    def compute(self, x_md: torch.Tensor, counts_e: torch.Tensor, weights: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor: ...
+    def compute(
+        self, x_md: torch.Tensor, counts_e: torch.Tensor, weights: tuple[torch.Tensor, ...] | None = None
+    ) -> torch.Tensor: ...
 
 
 def expert_modules(model: nn.Module) -> Iterator[Any]:
@@ -109,5 +111,3 @@ def rank_loads(sent_r: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     loads = sent_r.detach().clone()
     dist.all_reduce(loads, group=group)
     return loads
-
-

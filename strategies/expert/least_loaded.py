@@ -91,13 +91,13 @@ def plan_spills(counts_re: list[list[int]], *, capacity_ratio: float, min_tokens
                 keep[e] -= amount
                 rank_load[r] -= amount
                 rank_load[helper] += amount
-    items = tuple(
-        tuple((e, 0, keep[e]) for e in range(r * J, (r + 1) * J)) + tuple(sorted(lent[r])) for r in range(R)
-    )
+    items = tuple(tuple((e, 0, keep[e]) for e in range(r * J, (r + 1) * J)) + tuple(sorted(lent[r])) for r in range(R))
     return SpillPlan(items=items, experts_per_rank=J)
 
 
-def _p2p(group: dist.ProcessGroup, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
+def _p2p(
+    group: dist.ProcessGroup, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]
+) -> None:
     """Point-to-point sends and receives (peers are ranks of ``group``), all in flight at once."""
     ops = [dist.P2POp(dist.isend, t, group=group, group_peer=p) for p, t in sends]
     ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=p) for p, t in recvs]
@@ -112,16 +112,26 @@ class _LendExperts(torch.autograd.Function):
     copies back, and each owner adds them to its own experts' gradients."""
 
     @staticmethod
-    def forward(ctx: Any, group: Any, lent: list[tuple[int, int]], borrowed: list[tuple[int, int]], J: int,
-                *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    def forward(
+        ctx: Any,
+        group: Any,
+        lent: list[tuple[int, int]],
+        borrowed: list[tuple[int, int]],
+        J: int,
+        *weights: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
         ctx.group, ctx.lent, ctx.borrowed, ctx.J = group, lent, borrowed, J
         ctx.shapes = [w.shape[1:] for w in weights]
         sends = [(h, torch.cat([w[e % J].reshape(-1) for w in weights])) for e, h in lent]
         numel = sum(math.prod(s) for s in ctx.shapes)
         recvs = [(o, weights[0].new_empty(numel)) for _, o in borrowed]
         _p2p(group, sends, recvs)
-        return tuple(torch.stack([_unpack(buf, ctx.shapes)[i] for _, buf in recvs]) if recvs else
-                     weights[i].new_empty(0, *ctx.shapes[i]) for i in range(len(weights)))  # fmt: skip
+        return tuple(
+            torch.stack([_unpack(buf, ctx.shapes)[i] for _, buf in recvs])
+            if recvs
+            else weights[i].new_empty(0, *ctx.shapes[i])
+            for i in range(len(weights))
+        )
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
@@ -176,7 +186,9 @@ class LeastLoadedDispatch:
         plan = plan_spills(counts_re, capacity_ratio=self.capacity_ratio, min_tokens_per_gemm=self.min_tokens_per_gemm)
         J = plan.experts_per_rank
         self.rank_loads.append(torch.tensor(plan.rank_loads()))
-        self.owner_loads.append(torch.tensor([sum(sum(row[r * J : (r + 1) * J]) for row in counts_re) for r in range(self.ep)]))
+        self.owner_loads.append(
+            torch.tensor([sum(sum(row[r * J : (r + 1) * J]) for row in counts_re) for r in range(self.ep)])
+        )
 
         send_idx, send, recv_ri = self._routes(counts_re, plan)
         index = torch.tensor(send_idx, dtype=torch.long, device=x_md.device)
@@ -210,6 +222,8 @@ class LeastLoadedDispatch:
                     first = local_start[e] + lo - before[me][e]
                     send_idx.extend(range(first, first + hi - lo))
                     send[r] += hi - lo
-        recv_ri = [[max(0, min(b, before[s][e] + counts_re[s][e]) - max(a, before[s][e])) for e, a, b in plan.items[me]]
-                   for s in range(R)]  # fmt: skip
+        recv_ri = [
+            [max(0, min(b, before[s][e] + counts_re[s][e]) - max(a, before[s][e])) for e, a, b in plan.items[me]]
+            for s in range(R)
+        ]
         return send_idx, send, recv_ri

@@ -18,9 +18,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from strategies.core.parallel_dims import Meshes
 from strategies.expert.dispatch import EXPERT_WEIGHTS, AllToAllDispatch, expert_modules
 from strategies.expert.least_loaded import LeastLoadedDispatch
-from strategies.core.parallel_dims import Meshes
 from strategies.plugin import StrategyPlugin
 
 if TYPE_CHECKING:
@@ -104,14 +104,19 @@ class ExpertParallel(StrategyPlugin):
         """ep against the borrowed ranks and the model's experts; [] when ep is 1 and LLEP is off."""
         out = []
         if self.capacity_ratio < 1 or self.min_tokens_per_gemm < 1:
-            out.append(f"strategy.expert_parallel.capacity_ratio={self.capacity_ratio} must be >= 1 and "
-                       f"min_tokens_per_gemm={self.min_tokens_per_gemm} >= 1")  # fmt: skip
+            out.append(
+                f"strategy.expert_parallel.capacity_ratio={self.capacity_ratio} must be >= 1 and "
+                f"min_tokens_per_gemm={self.min_tokens_per_gemm} >= 1"
+            )
         experts = shape.num_experts if shape is not None else 0
         if self.ep == 1:
             return out
         borrowed = run.dims.dp_shard * run.dims.cp
         if not experts:
-            return [*out, f"strategy.expert_parallel.ep={self.ep} needs a mixture-of-experts model (model=moe_tiny, ...)"]
+            return [
+                *out,
+                f"strategy.expert_parallel.ep={self.ep} needs a mixture-of-experts model (model=moe_tiny, ...)",
+            ]
         if self.ep < 1 or borrowed % self.ep or experts % self.ep:
             valid = [d for d in _divisors(borrowed) if experts % d == 0]
             out.append(
@@ -124,7 +129,9 @@ class ExpertParallel(StrategyPlugin):
         """The row exchange this plugin installs: all-to-all, or least-loaded spilling."""
         if not self.least_loaded:
             return AllToAllDispatch(group)
-        return LeastLoadedDispatch(group, capacity_ratio=self.capacity_ratio, min_tokens_per_gemm=self.min_tokens_per_gemm)
+        return LeastLoadedDispatch(
+            group, capacity_ratio=self.capacity_ratio, min_tokens_per_gemm=self.min_tokens_per_gemm
+        )
 
     def apply(self, model: nn.Module, meshes: Meshes) -> int:
         """Shards ``model``'s experts over the ep axis of `expert_mesh` (`apply_expert_parallel`)

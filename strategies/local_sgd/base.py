@@ -28,9 +28,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from strategies.checkpoint import dcp as ckpt
-from strategies.runtime.collective_device import collective_device
 from strategies.core.parallel_dims import LayoutError, Meshes
 from strategies.plugin import StrategyPlugin
+from strategies.runtime.collective_device import collective_device
 
 if TYPE_CHECKING:
     from strategies.core.resolved import ResolvedRun
@@ -163,8 +163,12 @@ class LocalSGD(StrategyPlugin):
         """`strategies.checkpoint.dcp.save` with this island's model and optimizer state under
         `checkpoint_namespace` and the plugin's `state_dict` under "local_sgd"."""
         ckpt.save(
-            path, model=model, optimizers=optimizers, meta=meta,
-            extra={"local_sgd": self.state_dict()}, namespace=self.checkpoint_namespace(),
+            path,
+            model=model,
+            optimizers=optimizers,
+            meta=meta,
+            extra={"local_sgd": self.state_dict()},
+            namespace=self.checkpoint_namespace(),
         )
 
     def load_checkpoint(

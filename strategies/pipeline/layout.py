@@ -51,7 +51,9 @@ def stage_layers(n_layers: int, num_stages: int, split_points: Sequence[int] | N
     return [range(start, start + size) for start, size in zip(starts, sizes)]
 
 
-def balanced_split_points(block_costs: Sequence[float], num_stages: int, *, first: float = 0.0, last: float = 0.0) -> list[int]:
+def balanced_split_points(
+    block_costs: Sequence[float], num_stages: int, *, first: float = 0.0, last: float = 0.0
+) -> list[int]:
     """Split points (first layer of every stage but the first) minimising the costliest stage.
 
     Stages are contiguous runs of at least one block; the first stage also pays ``first`` (the
@@ -119,9 +121,13 @@ def microbatch_problems(schedule: str, *, pp: int, stages_per_rank: int, num_mic
     m, num_stages = num_microbatches, pp * stages_per_rank
     fix = "use more micro-batches per schedule step (strategy.pipeline.num_microbatches, or a smaller train.micro_batch_size)"
     if schedule == "1F1B" and m < pp:
-        return [f"strategy.pipeline.schedule=1F1B needs at least pp={pp} micro-batches per schedule step, got {m}; {fix}"]
+        return [
+            f"strategy.pipeline.schedule=1F1B needs at least pp={pp} micro-batches per schedule step, got {m}; {fix}"
+        ]
     if schedule == "DualPipeV" and m < num_stages:
-        return [f"strategy.pipeline.schedule=DualPipeV needs at least 2 x pp={num_stages} micro-batches per schedule step, got {m}; {fix}"]
+        return [
+            f"strategy.pipeline.schedule=DualPipeV needs at least 2 x pp={num_stages} micro-batches per schedule step, got {m}; {fix}"
+        ]
     if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and m % max(1, m // pp):
         rounds = max(1, m // pp)
         return [
@@ -175,7 +181,9 @@ def check_pipeline(
             + (" or one stage per rank (strategy.pipeline.schedule=1F1B)" if v > 1 else "")
         )
     if split not in ("layers", "auto"):
-        problems.append(f"strategy.pipeline.split={split!r} is unknown; use layers (by layer count) or auto (by predicted cost)")
+        problems.append(
+            f"strategy.pipeline.split={split!r} is unknown; use layers (by layer count) or auto (by predicted cost)"
+        )
     elif split == "auto" and split_points is not None:
         problems.append(
             "strategy.pipeline.split=auto chooses the split points itself; use strategy.pipeline.split_points=null "
@@ -192,7 +200,9 @@ def check_pipeline(
             "live on the first and last stage); use model.tie_embeddings=false or strategy.pp=1"
         )
     if num_microbatches is not None and num_microbatches < 1:
-        problems.append(f"strategy.pipeline.num_microbatches={num_microbatches} must be >= 1 (or null: all of the step's)")
+        problems.append(
+            f"strategy.pipeline.num_microbatches={num_microbatches} must be >= 1 (or null: all of the step's)"
+        )
         return problems
     if microbatches_per_step is not None:
         m = num_microbatches or microbatches_per_step

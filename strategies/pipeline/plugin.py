@@ -35,8 +35,18 @@ from torch.distributed.tensor import DTensor
 
 from strategies.core.model_contract import optional
 from strategies.core.parallel_dims import Meshes, ParallelDims
+from strategies.pipeline.layout import (
+    SINGLE_STAGE,
+    SPLIT_BACKWARD_SCHEDULES,
+    PPSchedule,
+    check_pipeline,
+    local_stages,
+    microbatch_problems,
+    stage_layers,
+    stage_owner,
+    stages_per_rank_of,
+)
 from strategies.plugin import StrategyPlugin
-from strategies.pipeline.layout import SINGLE_STAGE, SPLIT_BACKWARD_SCHEDULES, PPSchedule, check_pipeline, local_stages, microbatch_problems, stage_layers, stage_owner, stages_per_rank_of
 
 if TYPE_CHECKING:
     from strategies.core.resolved import ResolvedRun
@@ -71,15 +81,19 @@ def build_schedule(
     Raises:
         ValueError: ``num_microbatches`` too few for the schedule (see `microbatch_problems`).
     """
-    problems = microbatch_problems(schedule, pp=group.size(), stages_per_rank=len(stages), num_microbatches=num_microbatches)
+    problems = microbatch_problems(
+        schedule, pp=group.size(), stages_per_rank=len(stages), num_microbatches=num_microbatches
+    )
     if problems:
         raise ValueError("\n".join(problems))
     torch_stages = [PipelineStage(m, s, num_stages, device, group=group) for m, s in zip(modules, stages)]
     cls = getattr(torch_schedules, _CLASSES[schedule])
     return cls(
         torch_stages[0] if schedule in SINGLE_STAGE else torch_stages,
-        n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=False,
-    )  # fmt: skip
+        n_microbatches=num_microbatches,
+        loss_fn=loss_fn,
+        scale_grads=False,
+    )
 
 
 def split_model(model: nn.Module, *, stages: Sequence[int], layers: Sequence[range]) -> list[nn.Module]:
@@ -142,7 +156,10 @@ def pack_targets(batch: dict[str, torch.Tensor]) -> tuple[list[str], torch.Tenso
     """The keys of ``batch`` the loss reads besides ``input_ids`` (labels first; source ids,
     positions, document ids, ...: every [b, s] key) and them stacked as one [b, s, K] int64 tensor:
     the pipeline schedule hands the last stage one target tensor per micro-batch."""
-    keys = ["labels", *(k for k, v in batch.items() if k not in ("input_ids", "labels") and v.shape == batch["labels"].shape)]
+    keys = [
+        "labels",
+        *(k for k, v in batch.items() if k not in ("input_ids", "labels") and v.shape == batch["labels"].shape),
+    ]
     return keys, torch.stack([batch[k].long() for k in keys], dim=-1)
 
 
@@ -171,7 +188,9 @@ def _backward_initialized(schedule: Any) -> bool:
     """Whether a torch pipeline schedule has inferred its stages' backward metadata (torch 2.13:
     ``_stage_backward_initialized`` on single-stage, ``_stages_backward_initialized`` on
     multi-stage schedules; True where neither exists)."""
-    return bool(getattr(schedule, "_stages_backward_initialized", getattr(schedule, "_stage_backward_initialized", True)))
+    return bool(
+        getattr(schedule, "_stages_backward_initialized", getattr(schedule, "_stage_backward_initialized", True))
+    )
 
 
 # ---------------------------------------------------------------------------------- the plugin
@@ -227,12 +246,20 @@ class PipelineParallel(StrategyPlugin):
             )
         if shape is not None:
             if pp > shape.n_layers:
-                problems.append(f"strategy.pp={pp} exceeds the {shape.n_layers} layers; use strategy.pp<={shape.n_layers}")
+                problems.append(
+                    f"strategy.pp={pp} exceeds the {shape.n_layers} layers; use strategy.pp<={shape.n_layers}"
+                )
             problems += check_pipeline(
-                pp=pp, schedule=self.schedule, stages_per_rank=self.stages_per_rank, split_points=self.split_points,
-                num_microbatches=self.num_microbatches, microbatches_per_step=run.num_micro_batches or None,
-                n_layers=shape.n_layers, tie_embeddings=shape.tie_embeddings, split=self.split,
-            )  # fmt: skip
+                pp=pp,
+                schedule=self.schedule,
+                stages_per_rank=self.stages_per_rank,
+                split_points=self.split_points,
+                num_microbatches=self.num_microbatches,
+                microbatches_per_step=run.num_micro_batches or None,
+                n_layers=shape.n_layers,
+                tie_embeddings=shape.tie_embeddings,
+                split=self.split,
+            )
         elif self.split == "auto" and self.split_points is None:
             problems.append(
                 "strategy.pipeline.split=auto balances the planner's per-layer costs, which it models for Llama-style "
@@ -261,10 +288,15 @@ class PipelineParallel(StrategyPlugin):
         pp_mesh, schedule, device = meshes["pp"], self.schedule, meshes.device
         pp, v = pp_mesh.size(), stages_per_rank_of(schedule, self.stages_per_rank)
         problems = check_pipeline(
-            pp=pp, schedule=schedule, stages_per_rank=self.stages_per_rank, split_points=self.split_points,
-            num_microbatches=self.num_microbatches, microbatches_per_step=None, n_layers=len(model.layers),
+            pp=pp,
+            schedule=schedule,
+            stages_per_rank=self.stages_per_rank,
+            split_points=self.split_points,
+            num_microbatches=self.num_microbatches,
+            microbatches_per_step=None,
+            n_layers=len(model.layers),
             tie_embeddings=bool(optional(model, "tie_embeddings")),
-        )  # fmt: skip
+        )
         if problems:
             raise ValueError("\n".join(problems))
         stages = local_stages(pp_mesh.get_local_rank(), pp=pp, stages_per_rank=v, schedule=schedule)
@@ -288,9 +320,15 @@ class PipelineParallel(StrategyPlugin):
         if num_microbatches not in s["schedules"]:
             self._refresh_view_buffers()
             s["schedules"][num_microbatches] = build_schedule(
-                s["modules"], stages=s["stages"], num_stages=s["num_stages"], schedule=s["schedule"],
-                num_microbatches=num_microbatches, loss_fn=self._loss, group=s["group"], device=s["device"],
-            )  # fmt: skip
+                s["modules"],
+                stages=s["stages"],
+                num_stages=s["num_stages"],
+                schedule=s["schedule"],
+                num_microbatches=num_microbatches,
+                loss_fn=self._loss,
+                group=s["group"],
+                device=s["device"],
+            )
         return s["schedules"][num_microbatches]
 
     def _refresh_view_buffers(self) -> None:
@@ -311,7 +349,9 @@ class PipelineParallel(StrategyPlugin):
         return stage_loss(s["loss_fn"], hidden, s["head"], s["keys"], targets)
 
     def run_micro_batches(
-        self, micro_batches: Sequence[dict[str, torch.Tensor]], loss_fn: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
+        self,
+        micro_batches: Sequence[dict[str, torch.Tensor]],
+        loss_fn: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor],
     ) -> torch.Tensor:
         """`forward_backward`: the schedule runs the step's micro-batches."""
         return self.forward_backward(micro_batches, loss_fn)

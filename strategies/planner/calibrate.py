@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from strategies.runtime.gloo import run_gloo_ranks
 from strategies.planner.time import Cluster
+from strategies.runtime.gloo import run_gloo_ranks
 from strategies.tensor import TensorParallel
 
 
@@ -76,6 +76,7 @@ def gloo_link(world_size: int = 2) -> tuple[float, float]:
 
     Medians, not minima: with more ranks than cores a collective waits for descheduled ranks, and
     that wait is part of what a step pays."""
+
     def probe(rank: int) -> tuple[float, float]:
         small, large = torch.zeros(1), torch.zeros(4 * 2**20)
         latency = _best(lambda: dist.all_reduce(small), repeats=7, inner=10, median=True)
@@ -95,6 +96,7 @@ def dtensor_overhead_factor(model_fn: Callable[[int], nn.Module], world_size: in
     Args:
         model_fn: builds the one-layer model (with a ``tp_plan``) for a vocabulary size, seeded.
     """
+
     def probe(rank: int) -> float:
         ids = torch.zeros(1, 2 * world_size, dtype=torch.long)
         plain, sharded = model_fn(64 * world_size), model_fn(64 * world_size)

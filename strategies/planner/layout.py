@@ -72,9 +72,14 @@ class Layout:
 
     def overrides(self, trainer_devices: int | None = None) -> list[str]:
         """The Hydra overrides that run this layout with ``strategy=nd``."""
-        out = ["strategy=nd"] + [f"strategy.{k}={getattr(self, k)}" for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")]
+        out = ["strategy=nd"] + [
+            f"strategy.{k}={getattr(self, k)}" for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+        ]
         if self.pp > 1:
-            out += [f"strategy.pipeline.schedule={self.pp_schedule}", f"strategy.pipeline.stages_per_rank={self.stages_per_rank}"]
+            out += [
+                f"strategy.pipeline.schedule={self.pp_schedule}",
+                f"strategy.pipeline.stages_per_rank={self.stages_per_rank}",
+            ]
             if self.split_points is not None:
                 out.append(f"strategy.pipeline.split_points=[{','.join(map(str, self.split_points))}]")
         if self.cp > 1:
@@ -95,7 +100,9 @@ class Layout:
         return out
 
     def label(self) -> str:
-        parts = [f"{k}{getattr(self, k)}" for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp") if getattr(self, k) > 1]
+        parts = [
+            f"{k}{getattr(self, k)}" for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp") if getattr(self, k) > 1
+        ]
         text = " ".join(parts) or "single"
         if self.pp > 1:
             text += f" {self.pp_schedule}" + (f"/v{self.stages_per_rank}" if self.stages_per_rank > 1 else "")
@@ -165,13 +172,23 @@ def layout_of(run: ResolvedRun, strategy: Any) -> Layout:
     dims, plugin = run.dims, strategy.plugins
     ac, tp, pipeline = plugin["activation_checkpoint"], plugin["tensor_parallel"], plugin["pipeline"]
     return Layout(
-        dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, cp=dims.cp, tp=dims.tp, pp=dims.pp,
-        pp_schedule=pipeline.schedule, stages_per_rank=run.pp_stages_per_rank, cp_mode=plugin["context_parallel"].mode,
-        micro_batch_size=run.micro_batch_size, ac=ac.mode, ac_every_k=ac.every_k,
+        dp_replicate=dims.dp_replicate,
+        dp_shard=dims.dp_shard,
+        cp=dims.cp,
+        tp=dims.tp,
+        pp=dims.pp,
+        pp_schedule=pipeline.schedule,
+        stages_per_rank=run.pp_stages_per_rank,
+        cp_mode=plugin["context_parallel"].mode,
+        micro_batch_size=run.micro_batch_size,
+        ac=ac.mode,
+        ac_every_k=ac.every_k,
         activation_offload=plugin["activation_offload"].enabled,
-        sequence_parallel=tp.sequence_parallel, loss_parallel=tp.loss_parallel, ep=plugin["expert_parallel"].ep,
+        sequence_parallel=tp.sequence_parallel,
+        loss_parallel=tp.loss_parallel,
+        ep=plugin["expert_parallel"].ep,
         split_points=run.pp_split_points,
-    )  # fmt: skip
+    )
 
 
 def workload_of(run: ResolvedRun, strategy: Any, *, float8: bool = False, async_tp: bool = False) -> Workload:
@@ -179,8 +196,13 @@ def workload_of(run: ResolvedRun, strategy: Any, *, float8: bool = False, async_
     param_dtype = "bf16" if run.precision == "bf16-true" else "fp32"
     bf16_compute = run.precision.startswith("bf16") or strategy.plugins["fsdp"].param_dtype == "bf16"
     return Workload(
-        seq_len=run.seq_len, global_batch_size=run.global_batch_size,
-        param_dtype=param_dtype, compute_dtype="bf16" if bf16_compute else param_dtype,
-        optimizer=optimizer_kind(run.optimizer), document_masks=True, compile=strategy.plugins["compile"].enabled,
-        float8=float8, async_tp=async_tp,
-    )  # fmt: skip
+        seq_len=run.seq_len,
+        global_batch_size=run.global_batch_size,
+        param_dtype=param_dtype,
+        compute_dtype="bf16" if bf16_compute else param_dtype,
+        optimizer=optimizer_kind(run.optimizer),
+        document_masks=True,
+        compile=strategy.plugins["compile"].enabled,
+        float8=float8,
+        async_tp=async_tp,
+    )

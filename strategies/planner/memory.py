@@ -29,9 +29,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from strategies.core.shape import ModelShape, ParamSpec
 from strategies.pipeline.layout import local_stages, stage_layers
 from strategies.planner.layout import OPTIMIZER_STATES, Layout, Workload
-from strategies.core.shape import ModelShape, ParamSpec
 
 GiB = 1024**3
 
@@ -197,7 +197,9 @@ def stage_activation_bytes(
     total = 0
     for i in layers:
         checkpointed = layout.ac == "full" or layout.ac == "every_k" and i % layout.ac_every_k == 0
-        total += block_input if checkpointed else layer_activation_bytes(shape, layout, work, tokens, device=device, layer=i)
+        total += (
+            block_input if checkpointed else layer_activation_bytes(shape, layout, work, tokens, device=device, layer=i)
+        )
     if layout.activation_offload:
         total = 0  # saved tensors wait in host memory
     total += tokens * shape.head_dim * 4  # RoPE cos and sin rows gathered by position ids (fp32)
@@ -229,7 +231,9 @@ def inflight_microbatches(layout: Layout, pp_rank: int, num_microbatches: int) -
     return (warmup + 1) / v
 
 
-def predict_rank(shape: ModelShape, layout: Layout, work: Workload, rank: int, *, device: str = "cuda") -> MemoryBreakdown:
+def predict_rank(
+    shape: ModelShape, layout: Layout, work: Workload, rank: int, *, device: str = "cuda"
+) -> MemoryBreakdown:
     """Predicted memory of one global rank."""
     params, grads, optim = state_bytes(shape, layout, work, rank)
     c = rank_coords(layout, rank)
@@ -241,11 +245,19 @@ def predict_rank(shape: ModelShape, layout: Layout, work: Workload, rank: int, *
         for s in stages
     )
     inflight = inflight_microbatches(layout, c["pp"], work.microbatches(layout))
-    return MemoryBreakdown(params, grads, optim, per_mb, inflight, _transient(shape, layout, work, stages, layers, num_stages, device))
+    return MemoryBreakdown(
+        params, grads, optim, per_mb, inflight, _transient(shape, layout, work, stages, layers, num_stages, device)
+    )
 
 
 def _transient(
-    shape: ModelShape, layout: Layout, work: Workload, stages: list[int], layers: list[range], num_stages: int, device: str
+    shape: ModelShape,
+    layout: Layout,
+    work: Workload,
+    stages: list[int],
+    layers: list[range],
+    num_stages: int,
+    device: str,
 ) -> int:
     tokens = layout.micro_batch_size * work.seq_len // layout.cp
     out = 0

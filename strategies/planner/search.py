@@ -15,12 +15,10 @@ from dataclasses import dataclass
 from itertools import product
 
 from strategies.context.plugin import context_parallel_problems
-from strategies.pipeline.layout import SPLIT_BACKWARD_SCHEDULES
 from strategies.core.parallel_dims import divisors
-from strategies.pipeline.layout import check_pipeline, stages_per_rank_of
-from strategies.pipeline.layout import SCHEDULES
-from strategies.planner.layout import Layout, Workload
 from strategies.core.shape import ModelShape
+from strategies.pipeline.layout import SCHEDULES, SPLIT_BACKWARD_SCHEDULES, check_pipeline, stages_per_rank_of
+from strategies.planner.layout import Layout, Workload
 from strategies.planner.memory import MemoryBreakdown, predict_memory
 from strategies.planner.time import Cluster, StepTime, predict_time, tokens_per_second_per_device
 from strategies.tensor import tp_divisibility_problems
@@ -58,7 +56,9 @@ class SearchSpace:
     hsdp: bool = True
 
 
-def _degrees(world: int, shape: ModelShape, work: Workload, devices_per_node: int, hsdp: bool) -> Iterator[tuple[int, ...]]:
+def _degrees(
+    world: int, shape: ModelShape, work: Workload, devices_per_node: int, hsdp: bool
+) -> Iterator[tuple[int, ...]]:
     for tp in divisors(world):
         if tp > devices_per_node or tp_divisibility_problems(
             tp, n_heads=shape.n_heads, n_kv_heads=shape.n_kv_heads, vocab_size=shape.vocab_size, ffn_dim=shape.ffn_dim
@@ -79,7 +79,9 @@ def _degrees(world: int, shape: ModelShape, work: Workload, devices_per_node: in
 
 def candidate_layouts(shape: ModelShape, work: Workload, cluster: Cluster, space: SearchSpace) -> Iterator[Layout]:
     """Every valid layout of ``space`` on ``cluster.world_size`` ranks (with every valid ep for an MoE model)."""
-    for dp_replicate, dp_shard, cp, tp, pp in _degrees(cluster.world_size, shape, work, cluster.devices_per_node, space.hsdp):
+    for dp_replicate, dp_shard, cp, tp, pp in _degrees(
+        cluster.world_size, shape, work, cluster.devices_per_node, space.hsdp
+    ):
         per_rank = work.global_batch_size // (dp_replicate * dp_shard)
         base = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp)
         eps = [d for d in divisors(dp_shard * cp) if shape.num_experts % d == 0] if shape.num_experts else [1]
@@ -89,9 +91,15 @@ def candidate_layouts(shape: ModelShape, work: Workload, cluster: Cluster, space
                     continue  # refused for mixtures of experts (`strategies.expert.plugin.ExpertParallel.problems`)
                 v = stages_per_rank_of(sched, None)
                 if pp > 1 and check_pipeline(
-                    pp=pp, schedule=sched, stages_per_rank=None, split_points=None, num_microbatches=None,
-                    microbatches_per_step=per_rank // micro, n_layers=shape.n_layers, tie_embeddings=shape.tie_embeddings,
-                ):  # fmt: skip
+                    pp=pp,
+                    schedule=sched,
+                    stages_per_rank=None,
+                    split_points=None,
+                    num_microbatches=None,
+                    microbatches_per_step=per_rank // micro,
+                    n_layers=shape.n_layers,
+                    tie_embeddings=shape.tie_embeddings,
+                ):
                     continue
                 for mode in space.cp_modes if cp > 1 else ["ring"]:
                     if context_parallel_problems(
@@ -101,18 +109,24 @@ def candidate_layouts(shape: ModelShape, work: Workload, cluster: Cluster, space
                     for ac in space.ac_modes:
                         for offload, ep in product((False, True) if space.offload else (False,), eps):
                             yield base.with_(
-                                pp_schedule=sched, stages_per_rank=v if pp > 1 else 1, cp_mode=mode,
-                                micro_batch_size=micro, ac="every_k" if ac.startswith("every_") else ac,
+                                pp_schedule=sched,
+                                stages_per_rank=v if pp > 1 else 1,
+                                cp_mode=mode,
+                                micro_batch_size=micro,
+                                ac="every_k" if ac.startswith("every_") else ac,
                                 ac_every_k=int(ac.split("_")[1]) if ac.startswith("every_") else 1,
-                                activation_offload=offload, ep=ep,
-                            )  # fmt: skip
+                                activation_offload=offload,
+                                ep=ep,
+                            )
 
 
 def evaluate(shape: ModelShape, layout: Layout, work: Workload, cluster: Cluster) -> Plan:
     """Predictions of one layout."""
     memory = predict_memory(shape, layout, work, device=cluster.device)
     step = predict_time(shape, layout, work, cluster)
-    return Plan(layout, memory, step, tokens_per_second_per_device(layout, work, step), memory.total <= cluster.memory_cap)
+    return Plan(
+        layout, memory, step, tokens_per_second_per_device(layout, work, step), memory.total <= cluster.memory_cap
+    )
 
 
 def search(shape: ModelShape, work: Workload, cluster: Cluster, space: SearchSpace = SearchSpace()) -> list[Plan]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from strategies.core.shape import ModelShape
 from strategies.pipeline.layout import balanced_split_points
 from strategies.planner.layout import Layout, Workload
 from strategies.planner.memory import (
@@ -31,7 +32,6 @@ from strategies.planner.memory import (
     stage_plan,
     state_bytes,
 )
-from strategies.core.shape import ModelShape
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -134,7 +134,9 @@ def _rate_share(layout: Layout, cluster: Cluster) -> float:
     return min(1.0, cluster.cores / ranks_per_node)
 
 
-def layer_costs(shape: ModelShape, layout: Layout, work: Workload, cluster: Cluster) -> tuple[float, list[float], float]:
+def layer_costs(
+    shape: ModelShape, layout: Layout, work: Workload, cluster: Cluster
+) -> tuple[float, list[float], float]:
     """Seconds of forward + backward (+ recomputation) of one micro-batch, per part of the model:
     ``(embedding, [each block], final norm + output head + loss)``. The parts a pipeline stage
     holds add up to its time (`stage_compute`), so they also choose cost-balanced stages
@@ -157,7 +159,11 @@ def layer_costs(shape: ModelShape, layout: Layout, work: Workload, cluster: Clus
         blocks.append(cost + fwd_passes * (passes * layer_bytes / cluster.hbm_bandwidth + dispatch) / share)
     # The lookup writes the hidden states; its backward adds them into a dense [V/tp, D] gradient.
     vocab = shape.vocab_size / layout.tp
-    embedding = (3 * tokens * shape.dim * work.act_bytes + 2 * vocab * shape.dim * work.param_bytes) / cluster.hbm_bandwidth / share
+    embedding = (
+        (3 * tokens * shape.dim * work.act_bytes + 2 * vocab * shape.dim * work.param_bytes)
+        / cluster.hbm_bandwidth
+        / share
+    )
     head_mm = 2 * tokens * shape.dim * vocab
     head = 3 * head_mm / mm_peak + 3 * tokens * 4 * vocab * 2 / cluster.hbm_bandwidth / share
     return embedding, blocks, head
@@ -216,7 +222,13 @@ def predict_time(shape: ModelShape, layout: Layout, work: Workload, cluster: Clu
     if layout.tp > 1:  # all-gather + reduce-scatter around attention and MLP, per pass
         per = tokens * shape.dim * a * (layout.tp - 1) / layout.tp
         bw = axis_bandwidth(layout, cluster, ("tp",))
-        tp_comm = m * n_layers * passes * _collective(4 * per, 4, bw, cluster) * (1.0 - cluster.async_tp_overlap if work.async_tp else 1.0)
+        tp_comm = (
+            m
+            * n_layers
+            * passes
+            * _collective(4 * per, 4, bw, cluster)
+            * (1.0 - cluster.async_tp_overlap if work.async_tp else 1.0)
+        )
 
     cp_comm = 0.0
     if layout.cp > 1:
@@ -228,9 +240,19 @@ def predict_time(shape: ModelShape, layout: Layout, work: Workload, cluster: Clu
         else:  # ring: k and v blocks (and their gradients in backward) pass cp - 1 times, under the attention
             kv_bytes = tokens * 2 * kv * e * a * (layout.cp - 1)
             ring = _collective(kv_bytes * passes, 2 * passes * (layout.cp - 1), bw, cluster)
-            attn = passes * 2 * tokens * work.seq_len * shape.dim / layout.tp / (cluster.peak_flops * cluster.attention_efficiency * _rate_share(layout, cluster))
+            attn = (
+                passes
+                * 2
+                * tokens
+                * work.seq_len
+                * shape.dim
+                / layout.tp
+                / (cluster.peak_flops * cluster.attention_efficiency * _rate_share(layout, cluster))
+            )
             hidden = 0.0 if cluster.cores is not None else attn  # CPU: the cores that compute also send
-            cp_comm = m * n_layers * max(0.0, ring - hidden) + m * n_layers * 2 * passes * (layout.cp - 1) * cluster.latency_s
+            cp_comm = (
+                m * n_layers * max(0.0, ring - hidden) + m * n_layers * 2 * passes * (layout.cp - 1) * cluster.latency_s
+            )
 
     ep_comm = 0.0
     stages, layers, _ = stage_plan(shape, layout, slowest)
@@ -247,7 +269,9 @@ def predict_time(shape: ModelShape, layout: Layout, work: Workload, cluster: Clu
     rank = rank_of(layout, pp=slowest)
     params_rank = sum(_numel(p, layout) for p in rank_params(shape, layout, slowest))
     # What FSDP gathers and reduce-scatters: a rank's experts are 1/ep of a block's (its shard is not).
-    gathered = sum(_numel(p, layout) // (layout.ep if ".experts." in p.name else 1) for p in rank_params(shape, layout, slowest))
+    gathered = sum(
+        _numel(p, layout) // (layout.ep if ".experts." in p.name else 1) for p in rank_params(shape, layout, slowest)
+    )
     if layout.uses_fsdp:
         s, r = layout.fsdp_shards, layout.dp_replicate
         bw = axis_bandwidth(layout, cluster, ("dp_shard", "cp") if s > 1 else ("dp_replicate",))
@@ -277,7 +301,9 @@ def predict_time(shape: ModelShape, layout: Layout, work: Workload, cluster: Clu
     params_b, grads_b, optim_b = state_bytes(shape, layout, work, rank)
     optimizer = (params_b + grads_b + 2 * optim_b) / cluster.hbm_bandwidth / _rate_share(layout, cluster)
     optimizer += len(rank_params(shape, layout, slowest)) * cluster.layer_overhead_s / 4
-    step = StepTime(compute, tp_comm, cp_comm, fsdp_comm, pp_bubble, pp_comm, optimizer, cluster.step_overhead_s, ep_comm)
+    step = StepTime(
+        compute, tp_comm, cp_comm, fsdp_comm, pp_bubble, pp_comm, optimizer, cluster.step_overhead_s, ep_comm
+    )
     share = _rate_share(layout, cluster)
     if share < 1.0:
         # CPU ranks beyond the cores: gloo's copies and reductions and the host's dispatch and

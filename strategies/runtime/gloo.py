@@ -36,7 +36,10 @@ def run_gloo_ranks(world_size: int, fn: Callable[[int], Any], *, timeout_s: floa
         code = 0
         try:
             dist.init_process_group(
-                "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                "gloo",
+                init_method=f"file://{init_file}",
+                rank=rank,
+                world_size=world_size,
                 timeout=timedelta(seconds=timeout_s),
             )
             results.put((rank, True, fn(rank)))

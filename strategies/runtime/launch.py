@@ -61,7 +61,9 @@ def launch_problems(accelerator: str, devices: int, num_nodes: int, environ: dic
     if accelerator in ("gpu", "cuda"):
         visible = torch.cuda.device_count()
         if visible == 0:
-            problems.append(f"trainer.accelerator={accelerator} but no CUDA device is visible; use trainer.accelerator=cpu")
+            problems.append(
+                f"trainer.accelerator={accelerator} but no CUDA device is visible; use trainer.accelerator=cpu"
+            )
         elif devices > visible and not any(key in environ for key in (*MULTI_NODE_ENV, "LOCAL_RANK")):
             problems.append(
                 f"trainer.devices={devices} but {visible} GPU(s) are visible on this node; use trainer.devices={visible}"
@@ -83,12 +85,17 @@ def child_command(local_rank: int) -> list[str]:
     main = sys.modules["__main__"]
     spec = getattr(main, "__spec__", None)
     exe = [sys.executable, "-m", spec.name] if spec is not None else [sys.executable, os.path.abspath(sys.argv[0])]
-    return exe + selection + overrides + [
-        f"run_dir={run_dir}",
-        f"hydra.run.dir={run_dir}",
-        f"hydra.job.name={hydra_cfg.job.name}_rank{local_rank}",
-        "hydra.output_subdir=null",
-    ]
+    return (
+        exe
+        + selection
+        + overrides
+        + [
+            f"run_dir={run_dir}",
+            f"hydra.run.dir={run_dir}",
+            f"hydra.job.name={hydra_cfg.job.name}_rank{local_rank}",
+            "hydra.output_subdir=null",
+        ]
+    )
 
 
 class RankObserver(threading.Thread):

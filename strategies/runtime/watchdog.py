@@ -94,7 +94,13 @@ class Heartbeat:
             raise ValueError(f"heartbeat interval_s={interval_s} must be > 0 and below stale_s={stale_s}")
         if abort_s is not None and abort_s <= stale_s:
             raise ValueError(f"heartbeat abort_s={abort_s} must be above stale_s={stale_s}")
-        self.stale_s, self.interval_s, self.abort_s, self.report, self.abort = stale_s, interval_s, abort_s, report, abort
+        self.stale_s, self.interval_s, self.abort_s, self.report, self.abort = (
+            stale_s,
+            interval_s,
+            abort_s,
+            report,
+            abort,
+        )
         self.step = 0
         self._moved = threading.Event()  # set_step was called: publish at once
         self.rank, self.world_size = 0, 1
@@ -139,7 +145,9 @@ class Heartbeat:
         if self._threads:
             self._threads = []
             # Bounded: a stopped store host would block the write (and this rank's exit) for a day.
-            _within(lambda: self._store.set(_KEY.format(self.rank), f"{self._beats} {self.step} ended"), 2 * self.interval_s)  # type: ignore[union-attr]
+            _within(
+                lambda: self._store.set(_KEY.format(self.rank), f"{self._beats} {self.step} ended"), 2 * self.interval_s
+            )  # type: ignore[union-attr]
 
     def set_step(self, step: int) -> None:
         """The optimizer step this rank is in (read by the threads; a plain int, no lock needed);

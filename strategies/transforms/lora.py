@@ -35,8 +35,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from strategies.transforms.lora_targets import is_adapter, linear_layers, lora_targets, selects, target_problems, unadaptable
 from strategies.plugin import StrategyPlugin
+from strategies.transforms.lora_targets import (
+    is_adapter,
+    linear_layers,
+    lora_targets,
+    selects,
+    target_problems,
+    unadaptable,
+)
 from strategies.transforms.qlora import QUANT_TYPES, NF4Linear, quantize_layers
 
 if TYPE_CHECKING:
@@ -72,7 +79,9 @@ def _lora_hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -
     h = module.lora_A(module.lora_dropout(args[0]))
     if isinstance(h, DTensor) and any(p.is_partial() for p in h.placements):
         # Row-wise base: reduce the rank-r partial sums straight to the output's placement.
-        target = output.placements[0] if isinstance(output, DTensor) else _output_placement(h.shape[:-1], output.shape[:-1])
+        target = (
+            output.placements[0] if isinstance(output, DTensor) else _output_placement(h.shape[:-1], output.shape[:-1])
+        )
         h = h.redistribute(placements=[target])
     delta = module.lora_B(h) * module.lora_scaling
     if isinstance(delta, DTensor) and not isinstance(output, DTensor):
@@ -242,7 +251,9 @@ def linear_operands(layer: nn.Linear, x: torch.Tensor) -> tuple[torch.Tensor, to
     if not is_adapted(layer):
         return x, weight
     low_rank = layer.lora_A(layer.lora_dropout(x)) * layer.lora_scaling
-    return torch.cat([x, low_rank.to(x.dtype)], dim=-1), torch.cat([weight, layer.lora_B.weight.to(weight.dtype)], dim=1)
+    return torch.cat([x, low_rank.to(x.dtype)], dim=-1), torch.cat(
+        [weight, layer.lora_B.weight.to(weight.dtype)], dim=1
+    )
 
 
 @torch.no_grad()
@@ -290,7 +301,10 @@ def trainable_bytes(model: nn.Module) -> tuple[int, int]:
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the tensors in ``optimizer``'s state (global sizes: DTensors count whole)."""
     return sum(
-        t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)
+        t.numel() * t.element_size()
+        for state in optimizer.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor)
     )
 
 
@@ -351,7 +365,9 @@ class LoRA(StrategyPlugin):
         if self.quantize is not None:
             out.extend(self._quantize_problems(run))
         if self.dropout > 0 and run.dims.tp > 1:
-            out.append("strategy.lora.dropout>0 with strategy.tp>1 would draw a different mask per tp rank; use strategy.lora.dropout=0")
+            out.append(
+                "strategy.lora.dropout>0 with strategy.tp>1 would draw a different mask per tp rank; use strategy.lora.dropout=0"
+            )
         return out
 
     def _quantize_problems(self, run: ResolvedRun) -> list[str]:
@@ -370,9 +386,14 @@ class LoRA(StrategyPlugin):
     def attach(self, model: nn.Module) -> list[str]:
         """`apply_lora` with this plugin's settings (also used to rebuild a LoRA run's model)."""
         return apply_lora(
-            model, rank=self.rank, alpha=self.alpha, dropout=self.dropout,
-            target_modules=tuple(self.target_modules), seed=self.seed, quantize=self.quantize,
-        )  # fmt: skip
+            model,
+            rank=self.rank,
+            alpha=self.alpha,
+            dropout=self.dropout,
+            target_modules=tuple(self.target_modules),
+            seed=self.seed,
+            quantize=self.quantize,
+        )
 
     def apply(self, model: nn.Module, meshes: Meshes) -> list[str]:
         """Adds the adapters to ``model`` (tensor-parallel already if tp > 1) and freezes the base."""
@@ -398,7 +419,9 @@ class LoRA(StrategyPlugin):
         trainable, total = trainable_bytes(model)
         state = optimizer_state_bytes(optimizer)
         if verbose:
-            print(f"plait: lora trains {trainable} of {total} parameter bytes ({100 * trainable / total:.2f}%); optimizer state {state} bytes")
+            print(
+                f"plait: lora trains {trainable} of {total} parameter bytes ({100 * trainable / total:.2f}%); optimizer state {state} bytes"
+            )
             if stacked := unadaptable(model, self.target_modules):
                 print(
                     f"plait: lora: {len(stacked)} stacked expert weights that strategy.lora.target_modules names stay frozen "

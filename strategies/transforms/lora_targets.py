@@ -58,7 +58,6 @@ def lora_targets(model: nn.Module, target_modules: tuple[str, ...] | list[str]) 
     return [(n, m) for n, m in linear_layers(model) if any(selects(n, p) for p in target_modules)]
 
 
-
 def unadaptable(model: nn.Module, target_modules: tuple[str, ...] | list[str]) -> list[str]:
     """The stacked routed-expert weights (``...experts.w1`` ``[E, out, in]``, `StackedExperts`) that
     ``target_modules`` names: parameters, not ``nn.Linear`` layers, so `apply_lora` adapts none of them."""

@@ -48,9 +48,12 @@ class NF4Linear(nn.Linear):
         nn.Module.__init__(self)
         self.in_features, self.out_features = module.in_features, module.out_features
         packed, self.quant_state = bnbf.quantize_4bit(
-            module.weight.detach().to(torch.float32), blocksize=BLOCKSIZE, compress_statistics=False,
-            quant_type="nf4", quant_storage=STORAGE,
-        )  # fmt: skip
+            module.weight.detach().to(torch.float32),
+            blocksize=BLOCKSIZE,
+            compress_statistics=False,
+            quant_type="nf4",
+            quant_storage=STORAGE,
+        )
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.bias = None if module.bias is None else nn.Parameter(module.bias.detach().clone(), requires_grad=False)
 
@@ -80,14 +83,17 @@ def quantize_linear(module: nn.Linear, *, hook: Callable[..., Any]) -> nn.Module
 
 
 def quantize_layers(
-    model: nn.Module, names: list[str], *, hook: Callable[..., Any],
+    model: nn.Module,
+    names: list[str],
+    *,
+    hook: Callable[..., Any],
     shard: Callable[[nn.Module, set[nn.Parameter]], None] | None = None,
 ) -> None:
     """Replaces each named layer of ``model`` by its `quantize_linear` form, in place; ``shard``
-    (FSDP2's, when the model is sharded) then shards each new layer's packed weight (and bias) as its
-own unit, leaving out the given parameters: the adapters, which their block's unit shards already.
-    Under FSDP2 the float weights being replaced are FSDP's ``ignored_params`` (whole on every rank),
-    so each rank quantises the whole layer and the new unit keeps its own slice of the codes.
+        (FSDP2's, when the model is sharded) then shards each new layer's packed weight (and bias) as its
+    own unit, leaving out the given parameters: the adapters, which their block's unit shards already.
+        Under FSDP2 the float weights being replaced are FSDP's ``ignored_params`` (whole on every rank),
+        so each rank quantises the whole layer and the new unit keeps its own slice of the codes.
     """
     for name in names:
         parent, _, leaf = name.rpartition(".")

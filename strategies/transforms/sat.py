@@ -55,13 +55,17 @@ class SparseMLP(Protocol):
     def keep_channels(self, idx_f: torch.Tensor | None) -> None: ...
 
 
-def kept_channels(ffn_dim: int, rate: float, *, seed: int, step: int, name: str, device: torch.device | str = "cpu") -> torch.Tensor:
+def kept_channels(
+    ffn_dim: int, rate: float, *, seed: int, step: int, name: str, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """The ``round((1 - rate) * ffn_dim)`` kept channels of one MLP at one step, sorted ([F'] int64).
 
     A uniformly random subset from a generator seeded by (seed, step, name): the same on every rank.
     """
     keep = max(1, round((1.0 - rate) * ffn_dim))
-    generator = torch.Generator().manual_seed(((seed * 1_000_003 + step) * 4_294_967_311 + zlib.crc32(name.encode())) % 2**63)
+    generator = torch.Generator().manual_seed(
+        ((seed * 1_000_003 + step) * 4_294_967_311 + zlib.crc32(name.encode())) % 2**63
+    )
     idx = torch.randperm(ffn_dim, generator=generator)[:keep]
     return idx.sort().values.to(device)
 
@@ -151,7 +155,9 @@ class SAT(StrategyPlugin):
         """
         self.mlps = sparse_mlps(model)
         if not self.mlps and any(True for _ in model.parameters()):
-            raise ValueError(f"strategy.sat: {type(model).__name__} has no MLP with keep_channels(); use strategy.sat=null")
+            raise ValueError(
+                f"strategy.sat: {type(model).__name__} has no MLP with keep_channels(); use strategy.sat=null"
+            )
 
     def step_context(self, step: int) -> AbstractContextManager[None]:
         """`step`."""

@@ -31,8 +31,10 @@ def tied_slots(model: nn.Module) -> list[list[Slot]]:
     ``tok_embeddings.weight`` before ``output.weight``)."""
     by_id: dict[int, list[Slot]] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
-        own = (module.named_parameters(recurse=False, remove_duplicate=False),
-               module.named_buffers(recurse=False, remove_duplicate=False))  # fmt: skip
+        own = (
+            module.named_parameters(recurse=False, remove_duplicate=False),
+            module.named_buffers(recurse=False, remove_duplicate=False),
+        )
         for attr, tensor in (pair for named in own for pair in named):
             by_id.setdefault(id(tensor), []).append((module_name, attr))
     return [slots for slots in by_id.values() if len(slots) > 1]

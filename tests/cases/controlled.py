@@ -23,9 +23,8 @@ from hydra.utils import get_method
 from torch import nn
 from typing_extensions import override
 
-from trainer.data.text import PreparedData, TextDataModule
 from trainer.data.packing import IGNORE_INDEX, PackedRows
-
+from trainer.data.text import PreparedData, TextDataModule
 
 # One SGD step at its full LR, unclipped, recording the gradients: updates stay exactly lr x grad.
 ONE_SGD_STEP = (

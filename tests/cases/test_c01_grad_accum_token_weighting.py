@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from controlled import ONE_SGD_STEP, TableLM, data_overrides, row, rows_from, table_overrides, token_ce
 from harness import compose_config, fit, losses
+
 from trainer.data.packing import IGNORE_INDEX
 
 SEQ_LEN = 8

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from controlled import ONE_SGD_STEP, TableLM, data_overrides, row, rows_from, table_overrides, token_ce
 from harness import compose_config, fit, losses
+
 from trainer.data.packing import IGNORE_INDEX
 
 SEQ_LEN = 10
@@ -29,7 +29,10 @@ LAYOUTS = {
     "ddp2": ["strategy=ddp", "trainer.devices=2", "train.micro_batch_size=2"],
     "fsdp2": ["strategy=fsdp", "trainer.devices=2", "train.micro_batch_size=1"],
     "hsdp2x2": [
-        "strategy=fsdp", "strategy.dp_replicate=2", "strategy.dp_shard=2", "trainer.devices=4",
+        "strategy=fsdp",
+        "strategy.dp_replicate=2",
+        "strategy.dp_shard=2",
+        "trainer.devices=4",
         "train.micro_batch_size=1",
     ],
 }

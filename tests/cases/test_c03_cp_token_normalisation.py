@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from controlled import ONE_SGD_STEP, TableLM, data_overrides, rows_from, table_overrides, token_ce
 from harness import compose_config, fit, losses
+
 from strategies.context.plugin import shard_batch
 from trainer.data.packing import IGNORE_INDEX
 from trainer.objectives.pretrain import CausalLM
@@ -61,7 +61,11 @@ def union_grad(rows) -> torch.Tensor:
 
 
 def cp(n: int, *, load_balance: bool = False) -> list[str]:
-    return ["strategy=cp", f"trainer.devices={n}", f"strategy.context_parallel.load_balance={str(load_balance).lower()}"]
+    return [
+        "strategy=cp",
+        f"trainer.devices={n}",
+        f"strategy.context_parallel.load_balance={str(load_balance).lower()}",
+    ]
 
 
 def test_scenario_by_hand():

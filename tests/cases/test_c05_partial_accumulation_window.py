@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from controlled import TableLM, data_overrides, row, rows_from, table_overrides, token_ce
 from harness import compose_config, fit
+
 from trainer.data.packing import IGNORE_INDEX
 from trainer.data.sampler import GlobalBatchSampler
 

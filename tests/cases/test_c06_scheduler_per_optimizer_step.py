@@ -19,9 +19,8 @@ from typing import Any
 
 import lightning as L
 import pytest
-from typing_extensions import override
-
 from harness import compose_config, fit
+from typing_extensions import override
 
 PEAK, WARMUP, GA = 1e-3, 16, 4
 
@@ -74,7 +73,9 @@ def test_lr_after_optimizer_steps(history):
     assert after[1] == pytest.approx(1.25e-4, rel=1e-9)
     assert after[4] == pytest.approx(3.125e-4, rel=1e-9)
     assert after[16] == pytest.approx(1e-3, rel=1e-9)
-    assert [after[k] for k in range(1, 17)] == pytest.approx([PEAK * min(k + 1, WARMUP) / WARMUP for k in range(1, 17)], rel=1e-9)
+    assert [after[k] for k in range(1, 17)] == pytest.approx(
+        [PEAK * min(k + 1, WARMUP) / WARMUP for k in range(1, 17)], rel=1e-9
+    )
 
 
 def test_lr_used_by_each_step_is_the_one_after_the_previous_step(history):

@@ -17,10 +17,9 @@ import json
 from typing import Any
 
 import lightning as L
-from typing_extensions import override
-
 from controlled import data_overrides, rows_from
 from harness import TINY, compose_config, fit
+from typing_extensions import override
 
 NUM, SEQ_LEN, CKPT_STEP = 10, 8, 4
 

@@ -24,11 +24,10 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
-from torch import nn
-from typing_extensions import override
-
 from controlled import data_overrides, rows_from
 from harness import compose_config, fit
+from torch import nn
+from typing_extensions import override
 
 SEQ_LEN, VOCAB, NUM_ROWS, STEPS_PER_EPOCH = 16, 16, 16, 4
 

@@ -18,6 +18,8 @@ from harness import compose_config, fit
 from torch import nn
 
 from strategies.checkpoint import dcp as ckpt
+
+
 class OneParameter(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -19,8 +19,8 @@ import pytest
 import torch
 from torch import nn
 
-from strategies.runtime.gloo import run_gloo_ranks
 from strategies.local_sgd import DiLoCo
+from strategies.runtime.gloo import run_gloo_ranks
 
 # Per-step decrement of each island's local value in rounds 1 and 2 (steps 1-2 and 3-4).
 DECREMENT = {0: (0.15, 0.075), 1: (0.05, 0.025)}

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from strategies.runtime.gloo import run_gloo_ranks
 from strategies.local_sgd import DiLoCo
+from strategies.runtime.gloo import run_gloo_ranks
 
 LOCAL = {0: 0.7, 1: 0.9}
 

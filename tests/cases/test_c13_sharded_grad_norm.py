@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 import torch
-from strategies.runtime.gloo import run_gloo_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from strategies.fsdp import apply_fsdp
 from strategies.grad_norm import clip_grads_, global_grad_norm
+from strategies.runtime.gloo import run_gloo_ranks
 
 LOGICAL = torch.tensor([3.0, 0.0, 0.0, 4.0])
 CLIPPED = [0.6, 0.0, 0.0, 0.8]

@@ -19,14 +19,14 @@ from typing import Any
 
 import pytest
 import torch
+from harness import compose_config, fit, losses
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from harness import compose_config, fit, losses
-from strategies.runtime.gloo import run_gloo_ranks
+from strategies.core.parallel_dims import ParallelDims
 from strategies.grad_norm import global_grad_norm
 from strategies.mesh import MeshStrategy
-from strategies.core.parallel_dims import ParallelDims
+from strategies.runtime.gloo import run_gloo_ranks
 
 # Gradients of each rank's parameters. Stage norms: 6 (stage 0 / rank 0) and 8 (stage 1 / rank 1).
 ONE_STAGE_PER_RANK = {0: [[6.0, 0.0]], 1: [[0.0, 8.0]]}
@@ -99,7 +99,9 @@ def test_fsdp_sharded_stages() -> None:
 def test_pp_fit_with_clipping_equals_one_process(tmp_path) -> None:
     """1F1B on 2 stages, max_grad_norm far below the raw norm: the same clipped step as one process."""
     corpus = tmp_path / "corpus.jsonl"  # small: its tokenizer trains in a moment
-    corpus.write_text("".join(json.dumps({"text": f"document {i} of a small corpus " * (i % 7 + 1)}) + "\n" for i in range(400)))
+    corpus.write_text(
+        "".join(json.dumps({"text": f"document {i} of a small corpus " * (i % 7 + 1)}) + "\n" for i in range(400))
+    )
     common = [
         f"data.path={corpus}",
         "model.n_layers=4", "optim=sgd", "scheduler=constant", "scheduler.warmup_steps=0", "train.max_grad_norm=0.05",

@@ -17,12 +17,12 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from trainer.model_node import instantiate_model
+from harness import compose_config
 from torch import nn
 
-from harness import compose_config
 from trainer.build import build_task
 from trainer.config import validate
+from trainer.model_node import instantiate_model
 from trainer.optim import param_groups
 
 UNSEEN = 7  # the token that never appears
@@ -83,10 +83,19 @@ def test_default_grouping_decays_only_matmul_weights():
 
 def test_llama_grouping_and_configurable_exclusions():
     model = instantiate_model(compose_config().model, vocab_size=64)
-    matmuls = [f"layers.{i}.{m}.weight" for i in range(2) for m in (
-        "attention.wq", "attention.wk", "attention.wv", "attention.wo",
-        "feed_forward.w1", "feed_forward.w2", "feed_forward.w3",
-    )] + ["output.weight"]
+    matmuls = [
+        f"layers.{i}.{m}.weight"
+        for i in range(2)
+        for m in (
+            "attention.wq",
+            "attention.wk",
+            "attention.wv",
+            "attention.wo",
+            "feed_forward.w1",
+            "feed_forward.w2",
+            "feed_forward.w3",
+        )
+    ] + ["output.weight"]
     decayed, rest = param_groups(model, weight_decay=0.1)
     assert names(model, decayed["params"]) == sorted(matmuls)
     assert "tok_embeddings.weight" in names(model, rest["params"])

@@ -28,9 +28,16 @@ SCENARIOS = [
 @pytest.mark.parametrize(("n_heads", "n_kv_heads", "dim", "tp", "valid"), SCENARIOS)
 def test_validate_names_tp_and_lists_the_valid_degrees(n_heads, n_kv_heads, dim, tp, valid) -> None:
     cfg = compose_config(
-        ["strategy=tp", f"trainer.devices={tp}", f"model.dim={dim}", f"model.n_heads={n_heads}",
-         f"model.n_kv_heads={n_kv_heads}", "train.global_batch_size=8", "train.micro_batch_size=8"]
-    )  # fmt: skip
+        [
+            "strategy=tp",
+            f"trainer.devices={tp}",
+            f"model.dim={dim}",
+            f"model.n_heads={n_heads}",
+            f"model.n_kv_heads={n_kv_heads}",
+            "train.global_batch_size=8",
+            "train.micro_batch_size=8",
+        ]
+    )
     with pytest.raises(ConfigError) as err:
         validate(cfg)
     assert f"strategy.tp={tp} does not divide n_heads={n_heads} and n_kv_heads={n_kv_heads}; {valid}" in str(err.value)
@@ -40,12 +47,16 @@ def test_validate_names_tp_and_lists_the_valid_degrees(n_heads, n_kv_heads, dim,
 def test_plugin_refuses_before_sharding(n_heads, n_kv_heads, dim, tp, valid) -> None:
     model = Llama(vocab_size=64 * tp, dim=dim, n_layers=1, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn_dim=8 * tp)
     with pytest.raises(LayoutError, match=valid):
-        TensorParallel().apply(model, {"tp": SimpleNamespace(size=lambda: tp)})  # fails on sizes, before the mesh is used
+        TensorParallel().apply(
+            model, {"tp": SimpleNamespace(size=lambda: tp)}
+        )  # fails on sizes, before the mesh is used
 
 
 def test_vocabulary_must_split_or_be_padded() -> None:
     cfg = compose_config(["strategy=tp", "trainer.devices=2", "data.vocab_size=4095"])
-    with pytest.raises(ConfigError, match=r"strategy.tp=2 does not divide the vocabulary size 4095 .* \+model.vocab_size=4096"):
+    with pytest.raises(
+        ConfigError, match=r"strategy.tp=2 does not divide the vocabulary size 4095 .* \+model.vocab_size=4096"
+    ):
         validate(cfg)
     validate(compose_config(["strategy=tp", "trainer.devices=2", "data.vocab_size=4095", "+model.vocab_size=4096"]))
 

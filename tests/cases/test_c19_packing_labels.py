@@ -110,7 +110,9 @@ def test_changing_document_a_changes_no_logit_of_b():
     rows = pack([(A, shift_labels(A)), (B, shift_labels(B))], seq_len=8, pad_id=0)
     other = pack([([1, 2, 3], shift_labels([1, 2, 3])), (B, shift_labels(B))], seq_len=8, pad_id=0)
     with torch.no_grad():
-        logits = [model(r.input_ids, position_ids_bt=r.position_ids, document_ids_bt=r.document_ids) for r in (rows, other)]
+        logits = [
+            model(r.input_ids, position_ids_bt=r.position_ids, document_ids_bt=r.document_ids) for r in (rows, other)
+        ]
         naive = [model(r.input_ids) for r in (rows, other)]
     assert (logits[0][:, 3:] - logits[1][:, 3:]).abs().max().item() == 0.0
     assert (naive[0][:, 3:] - naive[1][:, 3:]).abs().max().item() > 1e-3

@@ -39,8 +39,11 @@ def test_missing_template_raises():
 def test_zero_supervised_tokens_give_loss_zero_not_nan():
     objective = SFT(groups=["only"])
     model = lambda ids, **_: torch.zeros(*ids.shape, 60, requires_grad=True)  # noqa: E731
-    batch = {"input_ids": torch.tensor([SEQUENCE]), "labels": torch.full((1, 8), IGNORE_INDEX),
-             "source_ids": torch.zeros(1, 8, dtype=torch.long)}  # fmt: skip
+    batch = {
+        "input_ids": torch.tensor([SEQUENCE]),
+        "labels": torch.full((1, 8), IGNORE_INDEX),
+        "source_ids": torch.zeros(1, 8, dtype=torch.long),
+    }
     loss = objective.loss_sum(model, batch) / objective.num_tokens(batch).clamp(min=1.0)  # as the Task divides
     assert loss.item() == 0.0 and not torch.isnan(loss)
     names, sums = objective.pop_sums()

@@ -2,8 +2,8 @@
 (OpenRLHF#294 masked the prompt of the chosen rows only)."""
 
 import pytest
-
 from preference_pairs import FixedLogits, pair_batch
+
 from trainer.objectives.preference import DPO, dpo_loss, sequence_logps
 
 

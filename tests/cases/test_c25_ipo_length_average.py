@@ -3,8 +3,8 @@ when every completion is twice as long."""
 
 import pytest
 import torch
-
 from preference_pairs import FixedLogits, pair_batch
+
 from trainer.objectives.preference import IPO, ipo_loss
 
 t = torch.tensor

@@ -73,8 +73,17 @@ def test_error_policy_rejects_the_long_sample_by_length():
         fit_long_samples(_samples([121]), seq_len=SEQ_LEN, policy="error")
     assert "data.long_samples=split" in str(err.value)
     kept, counts = fit_long_samples(_samples([30] * 10), seq_len=SEQ_LEN, policy="error")
-    assert len(kept) == 10 and (counts.samples, counts.dropped, counts.truncated, counts.supervised_tokens_lost) == (10, 0, 0, 0)
+    assert len(kept) == 10 and (counts.samples, counts.dropped, counts.truncated, counts.supervised_tokens_lost) == (
+        10,
+        0,
+        0,
+        0,
+    )
     kept, counts = fit_long_samples(_samples([121, 30]), seq_len=SEQ_LEN, policy="truncate")
     assert [len(ids) for ids, _ in kept] == [60, 30] and (counts.truncated, counts.supervised_tokens_lost) == (1, 60)
     kept, counts = fit_long_samples(_samples([121, 30]), seq_len=SEQ_LEN, policy="drop")
-    assert [len(ids) for ids, _ in kept] == [30] and (counts.dropped, counts.truncated, counts.supervised_tokens_lost) == (1, 0, 120)
+    assert [len(ids) for ids, _ in kept] == [30] and (
+        counts.dropped,
+        counts.truncated,
+        counts.supervised_tokens_lost,
+    ) == (1, 0, 120)

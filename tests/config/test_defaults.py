@@ -36,7 +36,9 @@ def _disagreements(node: dict, defaults: dict, where: str) -> list[str]:
     return [
         f"{where}.{key}: {value!r} in conf/ but {defaults[key]!r} in code"
         for key, value in node.items()
-        if key in defaults and not isinstance(value, dict) and value != defaults[key]
+        if key in defaults
+        and not isinstance(value, dict)
+        and value != defaults[key]
         and not (isinstance(value, str) and value.startswith("${"))  # follows another key (an alias)
     ]
 
@@ -46,7 +48,9 @@ def test_the_base_layer_agrees_with_the_run_config_dataclasses() -> None:
     problems = _disagreements(base, _dataclass_defaults(RunConfig), "plait_base")
     problems += _disagreements(base["train"], _dataclass_defaults(TrainConfig), "plait_base.train")
     problems += _disagreements(base["planner"], _dataclass_defaults(PlannerConfig), "plait_base.planner")
-    problems += _disagreements(_yaml(CONF_DIR / "trainer" / "default.yaml"), _dataclass_defaults(TrainerConfig), "trainer/default")
+    problems += _disagreements(
+        _yaml(CONF_DIR / "trainer" / "default.yaml"), _dataclass_defaults(TrainerConfig), "trainer/default"
+    )
     assert problems == []
     assert set(base["train"]) == {f.name for f in dataclasses.fields(TrainConfig)}  # every field has its base value
     assert tuple(TrainConfig().no_decay) == DEFAULT_NO_DECAY
@@ -66,7 +70,9 @@ def _signature_defaults(target: str) -> dict:
 @pytest.mark.parametrize("name", ["nd"])
 def test_the_strategy_base_agrees_with_mesh_strategy_and_its_plugins(name: str) -> None:
     node = _yaml(CONF_DIR / "strategy" / f"{name}.yaml")
-    problems = _disagreements(node, _signature_defaults(node["_target_"]) | _dataclass_defaults(ParallelDims), f"strategy/{name}")
+    problems = _disagreements(
+        node, _signature_defaults(node["_target_"]) | _dataclass_defaults(ParallelDims), f"strategy/{name}"
+    )
     for key, sub in node.items():
         if isinstance(sub, dict) and "_target_" in sub:
             problems += _disagreements(sub, _signature_defaults(sub["_target_"]), f"strategy/{name}.{key}")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
-from omegaconf import OmegaConf
 from harness import compose_config
+from omegaconf import OmegaConf
 
 from trainer.compose import CONF_DIR, bundled_recipes
 from trainer.config import ConfigError, validate
@@ -35,7 +35,10 @@ def test_recipe_x_strategy_validates(recipe: str, strategy: str, devices: int) -
     elif cfg.model.n_heads % _resolved(cfg, devices, "tp") or cfg.model.n_kv_heads % _resolved(cfg, devices, "tp"):
         with pytest.raises(ConfigError, match="valid tp: "):  # the tiny model's 6 heads / 2 kv heads: tp <= 2
             validate(cfg)
-    elif cfg.objective._target_.rsplit(".", 2)[-2] in ("preference", "kto") and max(_resolved(cfg, devices, "cp"), _resolved(cfg, devices, "pp")) > 1:
+    elif (
+        cfg.objective._target_.rsplit(".", 2)[-2] in ("preference", "kto")
+        and max(_resolved(cfg, devices, "cp"), _resolved(cfg, devices, "pp")) > 1
+    ):
         with pytest.raises(ConfigError, match="does not support strategy"):  # pairs are not split by cp or pp
             validate(cfg)
     else:
@@ -60,7 +63,9 @@ def test_every_preset_starts_with_a_comment_and_extends_nd() -> None:
             assert set(base) <= set(composed), preset.name
 
 
-@pytest.mark.parametrize("group", sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and not p.name.startswith("_")))
+@pytest.mark.parametrize(
+    "group", sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and not p.name.startswith("_"))
+)
 def test_every_group_option_validates_in_the_default_recipe(group: str) -> None:
     for option in sorted((CONF_DIR / group).glob("*.yaml")):
         overrides = [f"{group}={option.stem}"]

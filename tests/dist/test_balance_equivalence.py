@@ -47,7 +47,7 @@ LAYOUTS = {
     "fsdp2_x_cp2": pytest.param(
         ["strategy=nd", "strategy.dp_shard=2", "strategy.cp=2", "trainer.devices=4", "train.micro_batch_size=2"],
         id="fsdp2_x_cp2", marks=pytest.mark.slow,
-    ),  # fmt: skip
+    ),
     "hsdp2x2": pytest.param(
         ["strategy=hsdp", "trainer.devices=4", "train.micro_batch_size=1"], id="hsdp2x2", marks=pytest.mark.slow
     ),

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from strategies.context.plugin import (
     ContextParallelAttention, build_cp_layout, causal_work, shard_batch, shard_positions, ulysses_degree_for,
-)  # fmt: skip
+)
 from strategies.runtime.gloo import run_gloo_ranks
 
 B, T, H, K, E = 2, 32, 8, 4, 8

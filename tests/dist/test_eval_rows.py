@@ -31,7 +31,7 @@ def _val_loss(rows: int, devices: int, tmp_path) -> float:
     cfg = compose_config(
         [*EXACT_SGD, "strategy=fsdp", f"trainer.devices={devices}", "train.global_batch_size=6",
          "train.micro_batch_size=null", f"data.eval_rows={rows}", "trainer.max_steps=1", "~callbacks.checkpoint"]
-    )  # fmt: skip
+    )
     run_dir = tmp_path / f"rows{rows}_devices{devices}"
     run_dir.mkdir()
     _, task = fit(cfg, run_dir)

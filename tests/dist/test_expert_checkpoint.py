@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow  # the suite's budget: run with -m slow
 RUN = (
     *MOE_SMALL, "optim=sgd", "trainer.max_steps=4", "train.micro_batch_size=1", "callbacks.checkpoint.every_n_steps=2",
     "callbacks.checkpoint.keep_last=0", "+callbacks.params._target_=harness.ParamRecorder",
-)  # fmt: skip
+)
 
 
 def step_losses(history: list[dict[str, Any]]) -> dict[int, float]:

@@ -73,7 +73,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         x, experts_nk, weights_nk = _skewed_routing(rank)
         results = {}
         for name, plugin in [("ep", ExpertParallel(ep=world)),
-                             ("llep", ExpertParallel(ep=world, least_loaded=True, capacity_ratio=1.1, min_tokens_per_gemm=1))]:  # fmt: skip
+                             ("llep", ExpertParallel(ep=world, least_loaded=True, capacity_ratio=1.1, min_tokens_per_gemm=1))]:
             experts = GroupedExperts(D, FF, E)
             with torch.no_grad():
                 for p, w in zip((experts.w1, experts.w2, experts.w3), _full_weights()):

@@ -29,7 +29,7 @@ BALANCE, ZLOSS, RATE = 0.01, 0.001, 0.01  # MOE_SMALL's router settings
 COMMON = (
     *EXACT_SGD, *MOE_SMALL, f"trainer.max_steps={STEPS}",
     "+callbacks.grads._target_=harness.GradRecorder", "+callbacks.params._target_=harness.ParamRecorder",
-)  # fmt: skip
+)
 LAYOUTS = {  # dp_shard fills the ranks the other degrees leave; ep borrows 2 of them
     "ep2": ["strategy=nd", "trainer.devices=2", "strategy.expert_parallel.ep=2", "train.micro_batch_size=2"],
     "ep2_x_fsdp2": ["strategy=nd", "trainer.devices=4", "strategy.expert_parallel.ep=2", "train.micro_batch_size=1"],
@@ -85,7 +85,7 @@ def mixture(x, P, i, bias, k=2):
     mask = torch.zeros_like(probs).scatter(-1, chosen, 1.0)
     weights = probs * mask / (probs * mask).sum(-1, keepdim=True)
     out = sum(weights[..., e : e + 1] * swiglu(x, P[f + "experts.w1"][e], P[f + "experts.w2"][e], P[f + "experts.w3"][e])
-              for e in range(E))  # fmt: skip
+              for e in range(E))
     out = out + swiglu(x, *(P[f + f"shared_experts.{w}.weight"] for w in ("w1", "w2", "w3")))
     share = mask.sum(1) * E / (k * T)  # [B, E]: the row's routed share of each expert, times E/K
     balance = (share[:, None, :] * probs).sum()
@@ -101,7 +101,7 @@ def reference(cfg) -> dict:
     out = {"loss": [], "grads": []}
     for _, index in zip(range(STEPS), sampler):
         ids, pos, docs, labels = (rows.input_ids[index], rows.position_ids[index], rows.document_ids[index],
-                                  rows.labels[index])  # fmt: skip
+                                  rows.labels[index])
         h = P["tok_embeddings.weight"][ids]
         router_loss, loads = 0.0, []
         for i in range(2):

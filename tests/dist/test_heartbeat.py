@@ -27,7 +27,7 @@ def _free_port() -> int:
 def _rank(rank: int, port: int, out: Path) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))  # fmt: skip
+                            timeout=timedelta(seconds=60))
     lines = out / f"rank{rank}.txt"
     heartbeat = Heartbeat(stale_s=1.0, interval_s=0.2, report=lambda line: lines.open("a").write(line + "\n"))
     heartbeat.start()
@@ -78,7 +78,7 @@ def _stalling_rank(rank: int, port: int, out: Path, stall_rank: int, stall_step:
     ``stall_step``. The watcher's abort writes its exit code and ends the process as plait's does."""
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=120))  # fmt: skip
+                            timeout=timedelta(seconds=120))
     lines = out / f"rank{rank}.txt"
 
     def report(line: str) -> None:

@@ -28,7 +28,7 @@ def runs(tmp_path_factory) -> dict:
     make_hf_dir("qwen3_moe", root / "hf", max_position_embeddings=64)
     rng = random.Random(0)
     (root / "docs.jsonl").write_text("\n".join(json.dumps({"text": " ".join(rng.choices(WORDS, k=rng.randint(3, 30)))})
-                                               for _ in range(400)) + "\n")  # fmt: skip
+                                               for _ in range(400)) + "\n")
     common = [
         "model=hf", f"model.init_from={root / 'hf'}", f"data.path={root / 'docs.jsonl'}", "optim=sgd",
         "scheduler=constant", "scheduler.warmup_steps=0", "train.max_grad_norm=0", "trainer.max_steps=2",
@@ -37,11 +37,11 @@ def runs(tmp_path_factory) -> dict:
     out = {}
     for name, layout in {"one": ["train.micro_batch_size=8"],
                          "ep2": ["strategy=nd", "trainer.devices=2", "strategy.expert_parallel.ep=2",
-                                 "callbacks.hf_export.at_end=true"]}.items():  # fmt: skip
+                                 "callbacks.hf_export.at_end=true"]}.items():
         run_dir = tmp_path_factory.mktemp(name)
         _, task = fit(compose_config([*common, *layout]), run_dir)
         out[name] = {"loss": losses(task.history), "params": [h["params"] for h in task.history if "params" in h][0],
-                     "run_dir": run_dir}  # fmt: skip
+                     "run_dir": run_dir}
     return out
 
 

@@ -30,7 +30,7 @@ COMMON = (
     "optim=sgd", "optim.lr=1.0", "scheduler=constant", "scheduler.warmup_steps=0", "train.max_grad_norm=0",
     f"trainer.max_steps={STEPS}", "+callbacks.params._target_=harness.ParamRecorder",
     "objective.beta=0.5", "objective.undesirable_weight=0.2",  # KL estimates > 0 at steps 2 and 3
-)  # fmt: skip
+)
 LAYOUTS = {
     "one_process": ["train.micro_batch_size=8"],
     "fsdp2": ["strategy=fsdp", "trainer.devices=2", "train.micro_batch_size=4"],

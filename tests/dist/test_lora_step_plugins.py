@@ -50,16 +50,16 @@ _RUN = (
     "strategy.timeout_s=120", "logger=none", "~callbacks.plots", "~callbacks.checkpoint", *EXACT_SGD,
     "+strategy/lora=default", f"strategy.lora.rank={RANK}", f"strategy.lora.alpha={ALPHA}",
     "+callbacks.grads._target_=harness.GradRecorder", "+callbacks.params._target_=harness.ParamRecorder",
-)  # fmt: skip
+)
 _SFT = (
     "data=synthetic", "data.seq_len=96", "~data.sources.reversal", "data.sources.addition.limit=24",
     "data.sources.addition.val_size=4", "data.sources.sorting.limit=24", "data.sources.sorting.val_size=4",
     "data.sources.addition.metric=loss", "data.sources.sorting.metric=loss",
-)  # fmt: skip
+)
 _PREFERENCE = (
     "data=preference_synthetic", "data.seq_len=48", "data.max_prompt_len=24", "data.sources.copy.limit=24",
     "data.sources.copy.val_size=4",
-)  # fmt: skip
+)
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from trainer.models.moe_transformer import MoETransformer
 NANO = dict(vocab_size=97, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32, qkv_bias=True)
 MLA = dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16)
 NANO_MOE = dict(NANO, num_experts=4, top_k=2, moe_ffn_dim=32, n_dense_layers=1, num_shared_experts=1,
-                latent_attention=MLA)  # fmt: skip
+                latent_attention=MLA)
 LAYOUTS = {"fsdp4": (4, 1), "tp2": (1, 2), "fsdp2_tp2": (2, 2)}  # (dp_shard, tp); world = their product
 MOE_LAYOUTS = {"moe_fsdp2": (2, 1), "moe_fsdp2_ep2": (4, 2)}  # (dp_shard, ep)
 BLOCK = 1000  # elements per seeded block: several blocks per weight (64 x 64 = 4096; an expert 2048)

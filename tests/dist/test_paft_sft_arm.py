@@ -22,7 +22,7 @@ from trainer.merge import sparsity
 RUN = (
     *_COMMON, *_SFT_DATA, *_METRIC_LOSS, "optim.lr=0.05", "trainer.max_steps=3", "strategy=fsdp", "trainer.devices=2",
     "+callbacks.initial_params._target_=harness.InitialParamRecorder", "+callbacks.params._target_=harness.ParamRecorder",
-)  # fmt: skip
+)
 
 
 def block_delta_sparsity(strength: float, tmp_path) -> float:  # noqa: ANN001

@@ -111,7 +111,7 @@ def test_accumulation_over_schedule_steps_equals_no_pp(tmp_path, corpus, k, one_
 FOUR_STEPS = (
     "callbacks.checkpoint.every_n_steps=2", "callbacks.checkpoint.keep_last=0", "train.micro_batch_size=2",
     "trainer.max_steps=4",
-)  # fmt: skip
+)
 
 
 @pytest.fixture(scope="module")

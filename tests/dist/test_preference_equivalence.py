@@ -47,16 +47,16 @@ COMMON = (
     "strategy.timeout_s=120", "logger=none", "~callbacks.plots", "~callbacks.checkpoint",
     "optim=sgd", "scheduler=constant", "scheduler.warmup_steps=0", "train.max_grad_norm=0",
     f"trainer.max_steps={STEPS}", "+callbacks.params._target_=harness.ParamRecorder",
-)  # fmt: skip
+)
 ONE = ["train.micro_batch_size=8"]
 FSDP2_GA2 = ["strategy=fsdp", "trainer.devices=2", "train.micro_batch_size=2"]
 DDP2 = ["strategy=ddp", "trainer.devices=2", "train.micro_batch_size=4"]
 TP2_LP = ["strategy=tp", "trainer.devices=2", "strategy.tensor_parallel.sequence_parallel=false"]
 # cp hybrid placement: each pair whole on one cp rank (2 of a dp rank's 4 per cp rank), FSDP over all 4
 FSDP2_CP2_HYBRID = ["strategy=nd", "strategy.dp_shard=2", "strategy.cp=2", "trainer.devices=4", "train.micro_batch_size=2",
-                    "strategy.context_parallel.placement=hybrid", f"train.eval_every={STEPS}"]  # fmt: skip
+                    "strategy.context_parallel.placement=hybrid", f"train.eval_every={STEPS}"]
 CP2_HYBRID = ["strategy=cp", "trainer.devices=2", "train.micro_batch_size=2", "strategy.context_parallel.placement=hybrid",
-              f"train.eval_every={STEPS}"]  # fmt: skip
+              f"train.eval_every={STEPS}"]
 CASES = {
     "dpo-one_process": ("dpo", ONE),
     "dpo-fsdp2_ga2": ("dpo", FSDP2_GA2),

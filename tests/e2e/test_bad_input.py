@@ -29,7 +29,10 @@ def _tree(root: Path) -> dict[str, tuple[int, str]]:
         if path.is_symlink():
             state[str(path.relative_to(root))] = (path.lstat().st_mtime_ns, "-> " + os.readlink(path))
         elif path.is_file():
-            state[str(path.relative_to(root))] = (path.stat().st_mtime_ns, hashlib.sha256(path.read_bytes()).hexdigest())
+            state[str(path.relative_to(root))] = (
+                path.stat().st_mtime_ns,
+                hashlib.sha256(path.read_bytes()).hexdigest(),
+            )
         else:
             state[str(path.relative_to(root))] = (path.stat().st_mtime_ns, "dir")
     return state
@@ -39,7 +42,9 @@ def test_a_data_group_of_another_recipe_names_the_group_not_its_field(tmp_path: 
     """``plait kto data=stream data.path=x``: data.path is stream's field, so the refusal is the
     objective's (use data=preference), not 'Could not override data.path', and the alias's own
     data.unpaired=true, which stream lacks, adds no line of its own."""
-    stderr = _assert_clean_failure(plait("kto", "data=stream", "data.path=x", f"run_dir={tmp_path / 'run'}", cwd=tmp_path))
+    stderr = _assert_clean_failure(
+        plait("kto", "data=stream", "data.path=x", f"run_dir={tmp_path / 'run'}", cwd=tmp_path)
+    )
     problems = [line for line in stderr.splitlines() if line.startswith("  - ")]
     assert [p for p in problems if "data.path=x" not in p] == [
         "  - objective KTO trains on preference pairs; use data=preference (or preference_synthetic)"
@@ -64,7 +69,9 @@ def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_missing_data_path_names_the_fix(tmp_path: Path) -> None:
-    stderr = _assert_clean_failure(plait(*CLI_TINY, "data.path=/nonexistent", f"run_dir={tmp_path / 'run'}", cwd=tmp_path))
+    stderr = _assert_clean_failure(
+        plait(*CLI_TINY, "data.path=/nonexistent", f"run_dir={tmp_path / 'run'}", cwd=tmp_path)
+    )
     assert "data.path=/nonexistent does not exist" in stderr
     assert "point data.path at" in stderr
     assert list(tmp_path.iterdir()) == []
@@ -73,9 +80,14 @@ def test_missing_data_path_names_the_fix(tmp_path: Path) -> None:
 def test_a_fifo_as_data_path_is_refused_before_the_run_directory(tmp_path: Path) -> None:
     """Reading a FIFO blocks until a writer comes: it hung after the run directory was made."""
     os.mkfifo(tmp_path / "corpus.txt")
-    stderr = _assert_clean_failure(plait(*CLI_TINY, "data.path=corpus.txt", f"run_dir={tmp_path / 'run'}", cwd=tmp_path, timeout=120))
+    stderr = _assert_clean_failure(
+        plait(*CLI_TINY, "data.path=corpus.txt", f"run_dir={tmp_path / 'run'}", cwd=tmp_path, timeout=120)
+    )
     assert stderr.count("plait: error:") == 1
-    assert "data.path=corpus.txt: corpus.txt is a FIFO, not a regular file or a folder; copy the data into a file" in stderr
+    assert (
+        "data.path=corpus.txt: corpus.txt is a FIFO, not a regular file or a folder; copy the data into a file"
+        in stderr
+    )
     assert [p.name for p in tmp_path.iterdir()] == ["corpus.txt"]
 
 
@@ -112,11 +124,11 @@ def _untrained_run(run_dir: Path) -> Path:
     """A run directory as a run writes it (config, tokenizer, checkpoint), of an untrained 1-block model."""
     import torch
     import torch.distributed.checkpoint as dcp
-    from trainer.model_node import instantiate_model
     from omegaconf import OmegaConf
 
     from strategies.checkpoint.dcp import seal
     from trainer.data.tokenizer import train_bpe
+    from trainer.model_node import instantiate_model
 
     tokenizer = train_bpe(["hello there, how are you?"] * 4, vocab_size=300)
     model = {"_target_": "trainer.models.llama.Llama", "dim": 16, "n_layers": 1, "n_heads": 2, "max_seq_len": 32}
@@ -137,9 +149,14 @@ def test_chat_refuses_a_line_that_is_not_utf8(tmp_path: Path) -> None:
     run_dir = _untrained_run(tmp_path / "run")
     result = subprocess.run(
         [sys.executable, "-m", "trainer.cli", "chat", f"ckpt={run_dir}", "max_new_tokens=2", "temperature=0"],
-        input=b"hello\nhow \xff are you\n", capture_output=True, timeout=300, cwd=tmp_path,
-    )  # fmt: skip
-    stderr = _assert_clean_failure(subprocess.CompletedProcess(result.args, result.returncode, result.stdout.decode(), result.stderr.decode()))
+        input=b"hello\nhow \xff are you\n",
+        capture_output=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    stderr = _assert_clean_failure(
+        subprocess.CompletedProcess(result.args, result.returncode, result.stdout.decode(), result.stderr.decode())
+    )
     assert stderr.count("plait: error:") == 1
     assert "plait: error: stdin line 2 is not UTF-8 text (byte 0xff at offset 4); convert it to UTF-8" in stderr, stderr
     assert len(result.stdout.decode().splitlines()) >= 1  # the answer to line 1

@@ -36,12 +36,17 @@ def sft_run(tmp_path_factory) -> Path:
 def test_chat_and_generate_answer_with_the_template(sft_run: Path) -> None:
     chat = subprocess.run(
         [sys.executable, "-m", "trainer.cli", "chat", f"ckpt={sft_run}", "max_new_tokens=8", "temperature=0"],
-        input="reverse abc\nsort 3 1 2\n", capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        input="reverse abc\nsort 3 1 2\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     _ok(chat)
     assert "plait: loaded" in chat.stderr and "step_" in chat.stderr
     assert len(chat.stdout.splitlines()) >= 2, chat.stdout  # one answer per line read (answers may hold newlines)
-    generated = _ok(plait("generate", f"ckpt={sft_run}", "prompt=reverse abc", "chat=true", "max_new_tokens=8", "temperature=0"))
+    generated = _ok(
+        plait("generate", f"ckpt={sft_run}", "prompt=reverse abc", "chat=true", "max_new_tokens=8", "temperature=0")
+    )
     assert "plait: loaded" in generated.stderr
 
 

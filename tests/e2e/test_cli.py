@@ -41,7 +41,9 @@ def _check_throughput(run_dir: Path, outer_wall_s: float) -> None:
     summary = json.loads((run_dir / "summary.json").read_text())
     assert STEPS * SLEEP_S <= summary["wall_time_s"] <= outer_wall_s, (summary, outer_wall_s)
     warm_tokens = (STEPS - 1) * TOKENS_PER_STEP
-    assert warm_tokens / summary["wall_time_s"] <= summary["tokens_per_s"] <= warm_tokens / ((STEPS - 1) * SLEEP_S), summary
+    assert warm_tokens / summary["wall_time_s"] <= summary["tokens_per_s"] <= warm_tokens / ((STEPS - 1) * SLEEP_S), (
+        summary
+    )
 
 
 def _ok(result: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
@@ -167,7 +169,9 @@ def test_two_processes_train_one_run(tmp_path: Path, pretrain_run: tuple[Path, s
     run_dir = runs[0]
     _check_throughput(run_dir, wall_s)  # the tokens of both ranks per second, not one rank's
     assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
-    assert [p.relative_to(tmp_path) for p in tmp_path.rglob("metrics.csv")] == [run_dir.relative_to(tmp_path) / "metrics.csv"]
+    assert [p.relative_to(tmp_path) for p in tmp_path.rglob("metrics.csv")] == [
+        run_dir.relative_to(tmp_path) / "metrics.csv"
+    ]
     assert result.stdout.count("plait: run directory") == 1  # rank 0 reports, rank 1 does not
     # Both ranks wrote their part of the checkpoint.
     step = run_dir / "checkpoints" / "step_0000004"
@@ -177,7 +181,9 @@ def test_two_processes_train_one_run(tmp_path: Path, pretrain_run: tuple[Path, s
     single, double = train_rows(pretrain_run[0]), train_rows(run_dir)
     assert sorted(double) == sorted(single) == [1, 2, 3, 4]
     for step_index in single:
-        assert float(double[step_index]["train/loss"]) == pytest.approx(float(single[step_index]["train/loss"]), rel=1e-5)
+        assert float(double[step_index]["train/loss"]) == pytest.approx(
+            float(single[step_index]["train/loss"]), rel=1e-5
+        )
     assert float(double[4]["train/tokens_seen"]) == 4 * TOKENS_PER_STEP
     assert json.loads((run_dir / "summary.json").read_text())["tokens_seen"] == 4 * TOKENS_PER_STEP
 

@@ -38,7 +38,14 @@ def one_process(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("mode", ["ring", "ulysses"])
 def test_context_parallel_run(tmp_path: Path, mode: str, one_process: Path) -> None:
     run_dir = tmp_path / "run"
-    result = plait("pretrain", *RUN, "strategy=cp", f"strategy.context_parallel.mode={mode}", "trainer.devices=2", f"run_dir={run_dir}")
+    result = plait(
+        "pretrain",
+        *RUN,
+        "strategy=cp",
+        f"strategy.context_parallel.mode={mode}",
+        "trainer.devices=2",
+        f"run_dir={run_dir}",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = train_rows(run_dir)
     assert sorted(rows) == [1, 2, 3, 4]

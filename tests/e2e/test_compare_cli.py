@@ -19,8 +19,16 @@ SWEEP = [o for o in CLI_TINY if not o.startswith("trainer.max_steps=")] + [
     f"trainer.max_steps={STEPS}", f"train.eval_every={STEPS}", "logger=[csv,tensorboard,wandb]",
 ]  # fmt: skip
 JOBS = {"job0_optim.lr:0.001": 0.001, "job1_optim.lr:0.0003": 0.0003}
-BANNERS = ("GPU available", "TPU available", "litlogger", "Initializing distributed", "distributed_backend=",
-           "LeafSpec", "`Trainer.fit` stopped", "torch.distributed is disabled")  # fmt: skip
+BANNERS = (
+    "GPU available",
+    "TPU available",
+    "litlogger",
+    "Initializing distributed",
+    "distributed_backend=",
+    "LeafSpec",
+    "`Trainer.fit` stopped",
+    "torch.distributed is disabled",
+)
 
 
 def _ok(result: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
@@ -45,7 +53,12 @@ def wandb_records(run_dir: Path) -> tuple[str, dict]:
             records.append(pb.Record.FromString(chunk))
             chunk = b""
     name = next(r.run.display_name for r in records if r.WhichOneof("record_type") == "run")
-    config = {i.key: json.loads(i.value_json) for r in records if r.WhichOneof("record_type") == "config" for i in r.config.update}
+    config = {
+        i.key: json.loads(i.value_json)
+        for r in records
+        if r.WhichOneof("record_type") == "config"
+        for i in r.config.update
+    }
     return name, config
 
 
@@ -62,7 +75,9 @@ def sweep(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env["HOME"] = str(root / "home")  # no credentials, no writes to the real home
     folder = root / "runs" / "pretrain" / "sweep"
-    result = _ok(plait("pretrain", "--multirun", "optim.lr=1e-3,3e-4", *SWEEP, f"run_dir={folder}", env=env, timeout=400))
+    result = _ok(
+        plait("pretrain", "--multirun", "optim.lr=1e-3,3e-4", *SWEEP, f"run_dir={folder}", env=env, timeout=400)
+    )
     return folder, result.stdout + result.stderr
 
 

@@ -81,20 +81,26 @@ def test_a_nul_tail_of_metrics_is_dropped_and_the_resume_is_bit_exact(straight: 
         file.write(b"\0" * 300)  # the size reached the disk, the data did not
     result = assert_resumed_bit_exact(run.path, straight, RUN, resumed_from=N)
     said = [line for line in result.stderr.splitlines() if "damaged line" in line]
-    assert said == [f"plait: {run.metrics}: dropped 1 damaged line(s) of 300 bytes (NUL bytes, what a power cut "
-                    f"leaves) after the row of step {2 * N}; the other rows are kept"], result.stderr[-3000:]  # fmt: skip
+    assert said == [
+        f"plait: {run.metrics}: dropped 1 damaged line(s) of 300 bytes (NUL bytes, what a power cut "
+        f"leaves) after the row of step {2 * N}; the other rows are kept"
+    ], result.stderr[-3000:]
     assert b"\0" not in run.metrics.read_bytes()
 
 
 @pytest.mark.slow
-def test_a_full_disk_during_a_save_says_one_line_and_keeps_the_earlier_checkpoint(straight: Path, tmp_path: Path) -> None:
+def test_a_full_disk_during_a_save_says_one_line_and_keeps_the_earlier_checkpoint(
+    straight: Path, tmp_path: Path
+) -> None:
     run = _killed_copy(straight, tmp_path / "run")
     full = ("+callbacks.full._target_=harness.DiskFullAt", f"+callbacks.full.step={2 * N}")
     result = plait(*RUN, *full, f"run_dir={run.path}", "resume=last", env=env_with_tests())
     errors = [line for line in result.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
     assert result.returncode == 2 and len(errors) == 1, result.stderr[-3000:]
     tmp = f"{run.step(2 * N)}.tmp"
-    assert errors[0].startswith(f"plait: error: not saving step_{2 * N:07d}: No space left on device (ENOSPC) writing {tmp}/")
+    assert errors[0].startswith(
+        f"plait: error: not saving step_{2 * N:07d}: No space left on device (ENOSPC) writing {tmp}/"
+    )
     assert "the checkpoint needs about" in errors[0] and "resume=last" in errors[0]
     assert sorted(p.name for p in run.checkpoints.iterdir()) == ["last", run.step(N).name]  # no .tmp, no .last.tmp
     assert ckpt.verify_checkpoint(run.step(N)) is None and run.last.resolve() == run.step(N).resolve()

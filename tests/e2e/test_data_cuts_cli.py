@@ -8,20 +8,32 @@ import csv
 import json
 
 import pytest
-
 from harness import plait
+
 from trainer.rundir import RunDir
 
-
-SMALL = ("model=nano", "train.global_batch_size=8", "train.eval_every=0", "trainer.enable_progress_bar=false", "~callbacks.plots")
+SMALL = (
+    "model=nano",
+    "train.global_batch_size=8",
+    "train.eval_every=0",
+    "trainer.enable_progress_bar=false",
+    "~callbacks.plots",
+)
 
 
 def test_dpo_with_cut_prompts_warns_and_records_the_counts(tmp_path) -> None:
     run_dir = tmp_path / "run"
     result = plait(
-        "dpo", *SMALL, "data=preference_synthetic", "data.seq_len=32", "data.max_prompt_len=4",
-        "data.sources.copy.limit=64", "data.sources.copy.val_size=8", "trainer.max_steps=1", f"run_dir={run_dir}",
-    )  # fmt: skip
+        "dpo",
+        *SMALL,
+        "data=preference_synthetic",
+        "data.seq_len=32",
+        "data.max_prompt_len=4",
+        "data.sources.copy.limit=64",
+        "data.sources.copy.val_size=8",
+        "trainer.max_steps=1",
+        f"run_dir={run_dir}",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     warnings = [line for line in result.stderr.splitlines() if line.startswith("plait: warning: data.sources.copy:")]
     assert len(warnings) == 1, result.stderr[-3000:]
@@ -29,8 +41,12 @@ def test_dpo_with_cut_prompts_warns_and_records_the_counts(tmp_path) -> None:
     assert "raise data.seq_len (now 32;" in warnings[0] and "data.max_prompt_len=4" in warnings[0]
     summary = json.loads(RunDir(run_dir).summary.read_text())
     assert summary["data"]["copy"]["samples"] == 64 and summary["data"]["copy"]["prompts_cut"] == 64
-    assert summary["data"]["copy"]["held_out"]["samples"] == 8 and summary["data"]["copy"]["held_out"]["prompts_cut"] == 8
-    assert "plait: data cuts (held-out, scored as cut): data.sources.copy: 8 pairs: 8 with the prompt cut" in result.stderr
+    assert (
+        summary["data"]["copy"]["held_out"]["samples"] == 8 and summary["data"]["copy"]["held_out"]["prompts_cut"] == 8
+    )
+    assert (
+        "plait: data cuts (held-out, scored as cut): data.sources.copy: 8 pairs: 8 with the prompt cut" in result.stderr
+    )
     with open(RunDir(run_dir).metrics, newline="") as file:
         row0 = next(r for r in csv.DictReader(file) if r["step"] == "0")
     assert float(row0["data/prompts_cut/copy"]) == 64.0

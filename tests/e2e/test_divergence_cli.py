@@ -44,7 +44,11 @@ def _first_spike(rows: dict[int, dict[str, str]], since: int = 1) -> int:
         norms = [float(rows[s]["train/grad_norm"]) for s in steps[:i]]
         loss, norm = float(rows[step]["train/loss"]), float(rows[step]["train/grad_norm"])
         # (The rule's floor, 0.1 x the run's largest, does not bind on these steps' values.)
-        if loss > FACTOR * max(losses) or norm > FACTOR * max(norms) or (norm < min(norms) / FACTOR and loss >= min(losses) / FACTOR):
+        if (
+            loss > FACTOR * max(losses)
+            or norm > FACTOR * max(norms)
+            or (norm < min(norms) / FACTOR and loss >= min(losses) / FACTOR)
+        ):
             return step
     raise AssertionError(f"no spike in {rows}")
 
@@ -62,7 +66,9 @@ def test_lr_1e6_stops_at_the_first_spike_and_a_new_run_with_a_lower_lr_trains(tm
     first = _first_spike(rows)
     assert all(math.isfinite(float(r["train/loss"])) for r in rows.values())  # it stopped before any NaN
     # Three anomalous steps in a row (train.max_nonfinite_steps=3) from the first spike on.
-    assert f"stopped at step {first + 2}: 3 anomalous step(s) in a row" in error and f"the first, step {first}," in error
+    assert (
+        f"stopped at step {first + 2}: 3 anomalous step(s) in a row" in error and f"the first, step {first}," in error
+    )
     assert summary["stopped_by"] == "nonfinite" and summary["skipped_steps"] == 3 and summary["steps"] == first + 2
     # The first spike accuses the weights of the step before it; no checkpoint precedes those.
     assert first == 2 and "no checkpoint precedes them: start a new run with a lower optim.lr" in error
@@ -98,13 +104,17 @@ def test_the_checkpoint_before_a_divergence_survives_pruning_and_the_advised_res
 
 @pytest.mark.slow  # the count and the limit: tests/unit/test_nonfinite_steps.py, fast
 def test_skip_says_what_it_skipped_and_stops_past_its_limit(tmp_path: Path) -> None:
-    result, summary = _run("optim.lr=1e6", "train.nonfinite=skip", "train.max_skipped_steps=20", f"run_dir={tmp_path / 'a'}")
+    result, summary = _run(
+        "optim.lr=1e6", "train.nonfinite=skip", "train.max_skipped_steps=20", f"run_dir={tmp_path / 'a'}"
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = _train_rows(tmp_path / "a")
     skipped = int(float(rows[10]["train/nonfinite_steps"]))
     assert skipped == 10 - _first_spike(rows) + 1 == summary["skipped_steps"]  # every step from the first spike on
     assert f"plait: warning: {skipped} of 10 steps skipped their update" in result.stderr
-    result, summary = _run("optim.lr=1e6", "train.nonfinite=skip", "train.max_skipped_steps=3", f"run_dir={tmp_path / 'b'}")
+    result, summary = _run(
+        "optim.lr=1e6", "train.nonfinite=skip", "train.max_skipped_steps=3", f"run_dir={tmp_path / 'b'}"
+    )
     error = _error(result)
     assert "stopped at step 5: 4 steps skipped" in error and "more than train.max_skipped_steps=3" in error
     assert (summary["stopped_by"], summary["skipped_steps"]) == ("nonfinite", 4)
@@ -117,7 +127,9 @@ def test_rollback_reloads_the_checkpoint_before_the_divergence_and_stops_when_it
     result, _ = _run(*ckpt, "trainer.max_steps=3", f"run_dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
     rollback = ("train.nonfinite=rollback", "train.max_rollbacks=2", "trainer.max_steps=20")
-    result, summary = _run(*ckpt, *rollback, "resume=last", "resume_override=[optim.lr]", "optim.lr=1e6", f"run_dir={run_dir}")
+    result, summary = _run(
+        *ckpt, *rollback, "resume=last", "resume_override=[optim.lr]", "optim.lr=1e6", f"run_dir={run_dir}"
+    )
     error = _error(result)
     rows = _train_rows(run_dir)
     first = _first_spike(rows, since=3)
@@ -129,5 +141,9 @@ def test_rollback_reloads_the_checkpoint_before_the_divergence_and_stops_when_it
     norms = [float(rows[s]["train/grad_norm"]) for s in (1, 2, 3, 4)]
     assert min(norms) / FACTOR <= float(after["train/grad_norm"]) <= FACTOR * max(norms), after
     # The learning rate stays the run's (1e6 ruins it again): the third time it stops, naming step 3.
-    assert summary["stopped_by"] == "nonfinite" and "after 2 rollback(s)" in error and "continue from step_0000003" in error
+    assert (
+        summary["stopped_by"] == "nonfinite"
+        and "after 2 rollback(s)" in error
+        and "continue from step_0000003" in error
+    )
     assert "step_0000003" in {p.name for p in (run_dir / "checkpoints").glob("step_*")}

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 from harness import plait
 
-transformers = pytest.importorskip("transformers", reason="transformers (the dev extra) saves and reads the directories")
+transformers = pytest.importorskip(
+    "transformers", reason="transformers (the dev extra) saves and reads the directories"
+)
 
 # ChatML whose assistant turns are {% generation %} blocks (TRL's training templates mark them so).
 TEMPLATE = (
@@ -20,9 +22,24 @@ TEMPLATE = (
     "{% endgeneration %}{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-QUIET = ["data=synthetic", "data.template=auto", "data.seq_len=128", "data.long_samples=split", "train.global_batch_size=4", "train.micro_batch_size=4", "train.eval_every=0",
-         "trainer.max_steps=2", "trainer.enable_progress_bar=false", "logger=none", "~callbacks.plots",
-         *(f"data.sources.{s}.{k}={n}" for s in ("reversal", "sorting", "addition") for k, n in (("limit", 12), ("val_size", 2)))]  # fmt: skip
+QUIET = [
+    "data=synthetic",
+    "data.template=auto",
+    "data.seq_len=128",
+    "data.long_samples=split",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=4",
+    "train.eval_every=0",
+    "trainer.max_steps=2",
+    "trainer.enable_progress_bar=false",
+    "logger=none",
+    "~callbacks.plots",
+    *(
+        f"data.sources.{s}.{k}={n}"
+        for s in ("reversal", "sorting", "addition")
+        for k, n in (("limit", 12), ("val_size", 2))
+    ),
+]
 
 
 def _ok(result: subprocess.CompletedProcess[str]) -> subprocess.CompletedProcess[str]:
@@ -44,7 +61,10 @@ def test_sft_of_a_transformers_5_directory_trains_and_exports_its_template(tmp_p
 
     run = tmp_path / "run"
     result = _ok(plait("sft", "model=hf", f"model.init_from={hf_dir}", *QUIET, f"run_dir={run}"))
-    assert f"plait: chat template: {hf_dir / 'chat_template.jinja'} (supervised: its {{% generation %}} blocks)" in result.stderr
+    assert (
+        f"plait: chat template: {hf_dir / 'chat_template.jinja'} (supervised: its {{% generation %}} blocks)"
+        in result.stderr
+    )
     assert (run / "chat_template.jinja").read_text() == TEMPLATE
 
     _ok(plait("export", f"ckpt={run}", f"out={tmp_path / 'export'}"))

@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from harness import CLI_TINY, env_with_tests
 
 pytestmark = pytest.mark.slow
@@ -46,9 +45,13 @@ class _Run:
         self.run_dir, self.lines = run_dir, []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "trainer.cli", *RUN, f"trainer.max_steps={steps}", f"run_dir={run_dir}"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            start_new_session=True, env=env_with_tests(),
-        )  # fmt: skip
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            env=env_with_tests(),
+        )
         threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True).start()
 
     def wait_for_step(self, step: int, timeout: float = 240) -> None:
@@ -119,7 +122,10 @@ def test_a_stopped_store_host_is_ended_past_the_timeout_and_exits_when_continued
     finally:
         run.end()
     assert run.proc.returncode == 4, (run.proc.returncode, run.stderr())
-    assert re.search(r"plait: rank 0 \(it hosts the heartbeat store\) has not answered for \d+ s \(its last heartbeat was at step \d+\)", run.stderr())
+    assert re.search(
+        r"plait: rank 0 \(it hosts the heartbeat store\) has not answered for \d+ s \(its last heartbeat was at step \d+\)",
+        run.stderr(),
+    )
     # Rank 1 ends by its watchdog or, when the backend's timeout comes first, by its lost-rank line.
     ended = (
         rf"plait: error: rank 0 has not answered for \d+ s \(in step \d+\), past strategy.timeout_s={TIMEOUT_S}",
@@ -143,5 +149,8 @@ def test_a_rank_stopped_briefly_is_named_then_answers_and_the_run_equals_an_unin
     finally:
         run.end()
     assert run.proc.returncode == 0, run.stderr()
-    assert re.search(r"plait: rank 1 has not answered for \d+ s", run.stderr()) and "plait: rank 1 answers again" in run.stderr(), run.stderr()
+    assert (
+        re.search(r"plait: rank 1 has not answered for \d+ s", run.stderr())
+        and "plait: rank 1 answers again" in run.stderr()
+    ), run.stderr()
     assert _losses(run.run_dir) == _losses(straight.run_dir) and len(_losses(straight.run_dir)) == steps

@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from harness import CLI_TINY, plait, train_rows
 
 MOE = ("model=moe_tiny", "model.dim=64", "model.n_heads=4", "model.n_layers=2", "model.max_seq_len=64")
@@ -16,9 +15,20 @@ MOE = ("model=moe_tiny", "model.dim=64", "model.n_heads=4", "model.n_layers=2", 
 @pytest.mark.slow
 @pytest.mark.parametrize("llep", [False, True], ids=["ep2", "llep2"])
 def test_pretrain_moe_under_expert_parallelism(tmp_path: Path, llep: bool) -> None:
-    extra = ["strategy.expert_parallel.least_loaded=true", "strategy.expert_parallel.min_tokens_per_gemm=1"] if llep else []
-    result = plait("pretrain", *CLI_TINY, *MOE, "strategy=nd", "trainer.devices=2", "strategy.expert_parallel.ep=2",
-                   *extra, f"run_dir={tmp_path}", timeout=600)  # fmt: skip
+    extra = (
+        ["strategy.expert_parallel.least_loaded=true", "strategy.expert_parallel.min_tokens_per_gemm=1"] if llep else []
+    )
+    result = plait(
+        "pretrain",
+        *CLI_TINY,
+        *MOE,
+        "strategy=nd",
+        "trainer.devices=2",
+        "strategy.expert_parallel.ep=2",
+        *extra,
+        f"run_dir={tmp_path}",
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = train_rows(tmp_path)
     last = rows[max(rows)]

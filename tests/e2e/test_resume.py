@@ -21,9 +21,9 @@ from harness import CLI_TINY, assert_resumed_bit_exact, plait, train_rows
 from omegaconf import OmegaConf
 
 from strategies.checkpoint.dcp import is_checkpoint
-from trainer.rundir import resolve_checkpoint
 from trainer.config import ConfigError
 from trainer.run import check_run_dir
+from trainer.rundir import resolve_checkpoint
 
 N = 3
 RUN = [o for o in CLI_TINY if not o.startswith("trainer.max_steps=")] + [
@@ -66,7 +66,9 @@ def killed(tmp_path_factory: pytest.TempPathFactory) -> Path:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
         _, stderr = process.communicate(timeout=60)
-    assert process.returncode == -signal.SIGKILL, f"the run ended on its own (exit {process.returncode}):\n{stderr[-3000:]}"
+    assert process.returncode == -signal.SIGKILL, (
+        f"the run ended on its own (exit {process.returncode}):\n{stderr[-3000:]}"
+    )
     assert is_checkpoint(step_n), "no step-N checkpoint before the kill"
     assert not (run_dir / "checkpoints" / STEP_2N).exists() and not (run_dir / "summary.json").exists(), (
         "the kill came after the run had finished; the resume would have nothing to do"
@@ -128,7 +130,9 @@ def test_crash_before_the_last_link_moves(killed: Path, tmp_path: Path) -> None:
     shutil.copytree(checkpoints / STEP_N, checkpoints / f"step_{2 * N + 1:07d}.old")  # complete-looking leftovers
     shutil.copytree(checkpoints / STEP_N, checkpoints / f"step_{2 * N + 2:07d}.tmp")
     assert resolve_checkpoint(run_dir) == (checkpoints / STEP_N).resolve()
-    assert check_run_dir(OmegaConf.create({"run_dir": str(run_dir), "resume": "last"})) == (checkpoints / STEP_N).resolve()
+    assert (
+        check_run_dir(OmegaConf.create({"run_dir": str(run_dir), "resume": "last"})) == (checkpoints / STEP_N).resolve()
+    )
     with pytest.raises(ConfigError, match="already holds checkpoints"):
         check_run_dir(OmegaConf.create({"run_dir": str(run_dir), "resume": None}))
 
@@ -154,6 +158,14 @@ def test_resume_refuses_another_run_and_applies_an_override(killed: Path, tmp_pa
     sched = cfg.scheduler
     for step in range(N + 1, 2 * N + 1):
         expected = 1e-3 * lr_factor(
-            step - 1, warmup_steps=sched.warmup_steps, total_steps=2 * N, decay=sched.decay, min_lr_ratio=sched.min_lr_ratio
+            step - 1,
+            warmup_steps=sched.warmup_steps,
+            total_steps=2 * N,
+            decay=sched.decay,
+            min_lr_ratio=sched.min_lr_ratio,
         )
-        assert float(rows[step]["train/lr"]) == pytest.approx(expected, rel=1e-6), (step, rows[step]["train/lr"], expected)
+        assert float(rows[step]["train/lr"]) == pytest.approx(expected, rel=1e-6), (
+            step,
+            rows[step]["train/lr"],
+            expected,
+        )

@@ -71,8 +71,11 @@ def test_balanced_kill_and_resume_is_bit_exact(tmp_path: Path) -> None:
     killed = tmp_path / "killed"
     process = subprocess.Popen(
         [sys.executable, "-m", "trainer.cli", *run, f"run_dir={killed}"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-    )  # fmt: skip
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     step_n, deadline = killed / "checkpoints" / f"step_{N:07d}", time.monotonic() + 300
     try:
         while not is_checkpoint(step_n) and process.poll() is None and time.monotonic() < deadline:
@@ -81,7 +84,9 @@ def test_balanced_kill_and_resume_is_bit_exact(tmp_path: Path) -> None:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
         _, stderr = process.communicate(timeout=60)
-    assert process.returncode == -signal.SIGKILL, f"the run ended on its own (exit {process.returncode}):\n{stderr[-3000:]}"
+    assert process.returncode == -signal.SIGKILL, (
+        f"the run ended on its own (exit {process.returncode}):\n{stderr[-3000:]}"
+    )
     _ok(plait(*run, f"run_dir={killed}", "resume=last"))
     reference, resumed = train_rows(straight), train_rows(killed)
     for row in range(N + 1, 2 * N + 1):

@@ -40,7 +40,9 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     scenes = corpus.load_bundled(["shakespeare"])[:20]
     docs = [p for d in scenes for p in d.text.split("\n\n") if len(p) > 80][:180]
     for s in range(3):
-        datasets.Dataset.from_dict({"text": docs[s * 60 : (s + 1) * 60]}).to_parquet(str(root / f"part-{s:03d}.parquet"))
+        datasets.Dataset.from_dict({"text": docs[s * 60 : (s + 1) * 60]}).to_parquet(
+            str(root / f"part-{s:03d}.parquet")
+        )
     return root
 
 
@@ -51,17 +53,26 @@ def _ok(result: subprocess.CompletedProcess[str]) -> None:
 def _kill_after_step_n(args: list[str], run_dir: Path) -> None:
     process = subprocess.Popen(
         [sys.executable, "-m", "trainer.cli", *args, f"run_dir={run_dir}"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-    )  # fmt: skip
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 300
     try:
-        while not is_checkpoint(run_dir / "checkpoints" / STEP_N) and process.poll() is None and time.monotonic() < deadline:
+        while (
+            not is_checkpoint(run_dir / "checkpoints" / STEP_N)
+            and process.poll() is None
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.02)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
         _, stderr = process.communicate(timeout=60)
-    assert process.returncode == -signal.SIGKILL, f"the run ended on its own (exit {process.returncode}):\n{stderr[-3000:]}"
+    assert process.returncode == -signal.SIGKILL, (
+        f"the run ended on its own (exit {process.returncode}):\n{stderr[-3000:]}"
+    )
     assert not (run_dir / "summary.json").exists(), "the kill came after the run had finished"
 
 
@@ -77,6 +88,8 @@ def test_kill_and_resume_is_bit_exact(source: str, shards: Path, tmp_path: Path)
     for row in range(N + 1, 2 * N + 1):
         for key in ("train/loss", "train/grad_norm", "train/lr"):
             assert resumed[row][key] == reference[row][key], (source, row, key, resumed[row][key], reference[row][key])
-    assert len({reference[row]["train/loss"] for row in range(1, 2 * N + 1)}) == 2 * N  # distinct batches, not one repeated
+    assert (
+        len({reference[row]["train/loss"] for row in range(1, 2 * N + 1)}) == 2 * N
+    )  # distinct batches, not one repeated
     with open(killed / "metrics.csv", newline="") as file:  # it resumed: step 1 was trained once, by the killed run
         assert len([r for r in csv.DictReader(file) if r["step"] == "1" and r["train/loss"]]) == 1

@@ -30,9 +30,27 @@ from trainer.user_path import USER_PATH_ENV
 # Optional modules that torch, Lightning, Hydra and their dependencies try to import during these
 # commands when they are absent (found with a sys.meta_path finder recording the failed lookups).
 LAZY_MODULES = (
-    "pynvml", "opt_einsum", "torchcomms", "triton", "colorama", "zstandard", "tree", "wcwidth", "scipy",
-    "sentencepiece", "torchvision", "hypothesis", "xarray", "onnx", "pydot", "lz4", "brotli", "h2", "trio", "mpi4py",
-)  # fmt: skip
+    "pynvml",
+    "opt_einsum",
+    "torchcomms",
+    "triton",
+    "colorama",
+    "zstandard",
+    "tree",
+    "wcwidth",
+    "scipy",
+    "sentencepiece",
+    "torchvision",
+    "hypothesis",
+    "xarray",
+    "onnx",
+    "pydot",
+    "lz4",
+    "brotli",
+    "h2",
+    "trio",
+    "mpi4py",
+)
 # config.yaml nodes that get a payload: (dotted key of the new node, what the test calls it).
 NODES = {
     "model": ["model.rope_scaling"],
@@ -56,7 +74,9 @@ def plant_modules(folder: Path, markers: Path) -> None:
             f"open({str(markers / name)!r}, 'w').close()\nraise ModuleNotFoundError({name!r}, name={name!r})\n"
         )
     (folder / "hydra_plugins" / "planted").mkdir(parents=True)
-    (folder / "hydra_plugins" / "planted" / "__init__.py").write_text(f"open({str(markers / 'hydra_plugins')!r}, 'w').close()\n")
+    (folder / "hydra_plugins" / "planted" / "__init__.py").write_text(
+        f"open({str(markers / 'hydra_plugins')!r}, 'w').close()\n"
+    )
 
 
 def plant_targets(run: Path, markers: Path, keys: list[str]) -> None:
@@ -64,7 +84,9 @@ def plant_targets(run: Path, markers: Path, keys: list[str]) -> None:
     when built (``builtins.open``: any callable would do; Hydra's own policy lets this one through)."""
     cfg = OmegaConf.load(run / "config.yaml")
     for key in keys:
-        OmegaConf.update(cfg, key, {"_target_": "builtins.open", "file": str(markers / key), "mode": "w"}, force_add=True)
+        OmegaConf.update(
+            cfg, key, {"_target_": "builtins.open", "file": str(markers / key), "mode": "w"}, force_add=True
+        )
     OmegaConf.save(cfg, run / "config.yaml")
 
 
@@ -99,9 +121,14 @@ def _plait(*args: str, cwd: Path, module: bool = False, stdin: str | None = None
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", USER_PATH_ENV)}
     command = [sys.executable, "-m", "trainer.cli"] if module else [str(Path(sys.executable).with_name("plait"))]
     return subprocess.run(
-        [*command, *args], cwd=cwd, env=env, input=stdin if stdin is not None else "", capture_output=True, text=True,
+        [*command, *args],
+        cwd=cwd,
+        env=env,
+        input=stdin if stdin is not None else "",
+        capture_output=True,
+        text=True,
         timeout=300,
-    )  # fmt: skip
+    )
 
 
 def _command(name: str, run: str, out: Path) -> tuple[list[str], str | None]:
@@ -115,8 +142,16 @@ def _command(name: str, run: str, out: Path) -> tuple[list[str], str | None]:
         "compare": (["compare", run, f"out={out / 'compare.png'}"], None),
         "plan": (["plan", f"model.init_from={run}", "cluster=cpu"], None),  # validates the run's model, as a run does
         # the run's architecture is taken (no model=...); a fresh run of one step
-        "init_from": (["pretrain", *(o for o in TRAINED if o != "model=nano"), "trainer.max_steps=1",
-                       f"model.init_from={run}", f"run_dir={out / 'init'}"], None),  # fmt: skip
+        "init_from": (
+            [
+                "pretrain",
+                *(o for o in TRAINED if o != "model=nano"),
+                "trainer.max_steps=1",
+                f"model.init_from={run}",
+                f"run_dir={out / 'init'}",
+            ],
+            None,
+        ),
         "resume": (["pretrain", *TRAINED, "trainer.max_steps=3", f"run_dir={run}", "resume=last"], None),
     }[name]
 
@@ -146,7 +181,9 @@ CASES = [("other", "work", False), ("other", "run", True), ("model", "run", Fals
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant,cwd,module", CASES, ids=[f"{v}-nodes-cwd={c}{'-python-m' if m else ''}" for v, c, m in CASES])
+@pytest.mark.parametrize(
+    "variant,cwd,module", CASES, ids=[f"{v}-nodes-cwd={c}{'-python-m' if m else ''}" for v, c, m in CASES]
+)
 @pytest.mark.parametrize("name", COMMANDS)
 def test_no_payload_runs(planted: Planted, tmp_path: Path, name: str, variant: str, cwd: str, module: bool) -> None:
     run = planted.runs[variant]

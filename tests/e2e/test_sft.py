@@ -16,7 +16,9 @@ from harness import CLI_TINY, plait, train_rows
 
 from strategies.checkpoint.dcp import is_checkpoint
 
-BASE = [o for o in CLI_TINY if not o.startswith(("trainer.max_steps=", "data.eval_rows="))] + ["trainer.max_steps=100000"]
+BASE = [o for o in CLI_TINY if not o.startswith(("trainer.max_steps=", "data.eval_rows="))] + [
+    "trainer.max_steps=100000"
+]
 BUDGETS = {"general": 900, "tool_use": 500, "code": 300, "math": 400, "instruction_following": 200}
 
 
@@ -70,8 +72,11 @@ def test_kill_mid_mixture_and_resume_matches_the_straight_run(straight, tmp_path
     step = run_dir / "checkpoints" / "step_0000003"
     process = subprocess.Popen(
         [sys.executable, "-m", "trainer.cli", "sft", *SYNTHETIC, f"run_dir={run_dir}"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-    )  # fmt: skip
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 300
     try:
         while not is_checkpoint(step) and process.poll() is None and time.monotonic() < deadline:

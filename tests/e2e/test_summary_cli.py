@@ -23,7 +23,9 @@ import torch
 from harness import CLI_TINY, env_with_tests, plait
 
 MAX_STEPS = 20
-BASE = [o for o in CLI_TINY if not o.startswith(("trainer.max_steps=", "data.eval_rows="))] + [f"trainer.max_steps={MAX_STEPS}"]
+BASE = [o for o in CLI_TINY if not o.startswith(("trainer.max_steps=", "data.eval_rows="))] + [
+    f"trainer.max_steps={MAX_STEPS}"
+]
 
 
 STOP_AT = 2  # the optimizer step at which the test's callbacks stop a run
@@ -81,10 +83,19 @@ def sft_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 def dpo_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """4 DPO steps on the synthetic copy pairs, evaluated at steps 0, 2 and 4."""
     run_dir = tmp_path_factory.mktemp("dpo") / "run"
-    _ok(plait(
-        "dpo", *BASE, "data=preference_synthetic", "data.seq_len=64", "data.sources.copy.limit=64",
-        "data.sources.copy.val_size=16", "trainer.max_steps=4", "train.eval_every=2", f"run_dir={run_dir}",
-    ))  # fmt: skip
+    _ok(
+        plait(
+            "dpo",
+            *BASE,
+            "data=preference_synthetic",
+            "data.seq_len=64",
+            "data.sources.copy.limit=64",
+            "data.sources.copy.val_size=16",
+            "trainer.max_steps=4",
+            "train.eval_every=2",
+            f"run_dir={run_dir}",
+        )
+    )
     return run_dir
 
 
@@ -144,7 +155,9 @@ def test_compare_shows_each_runs_own_measure(dpo_run: Path, sft_run: tuple[Path,
     assert dpo["exact_match/mine"] == "-"
 
 
-def _stopped_run(tmp_path: Path, callback: str, *overrides: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+def _stopped_run(
+    tmp_path: Path, callback: str, *overrides: str
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
     env = env_with_tests()
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env["PYTHONPATH"]])
     args = [*BASE, "trainer.max_steps=6", "logger=none", "~callbacks.plots"]

@@ -30,9 +30,24 @@ def _free_port() -> int:
 
 def _torchrun(node: int, port: int, args: list[str]) -> tuple[list[str], dict[str, str]]:
     """``torchrun -m trainer.cli *args`` on node ``node`` of 2, 1 process per node, static rendezvous."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-               "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-               "-m", "trainer.cli", *args]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--node-rank",
+        str(node),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        "-m",
+        "trainer.cli",
+        *args,
+    ]
     return command, {}
 
 
@@ -55,9 +70,13 @@ def _two_nodes(start: Start, args: list[str], timeout: float = 120) -> list[subp
         command, env = start(node, port, args)
         procs.append(
             subprocess.Popen(
-                command, env={**base, **env}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, text=True,
-            )  # fmt: skip
+                command,
+                env={**base, **env},
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
         )
     results = []
     try:
@@ -85,10 +104,18 @@ def single_process(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[s
 def test_two_nodes_equal_one_process(start: Start, single_process: dict[int, dict[str, str]], tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     # Replicas across the nodes: strategy.dp_shard would be the accelerators of one node.
-    layout = ["strategy=hsdp", "strategy.dp_shard=1", "strategy.dp_replicate=2", "trainer.num_nodes=2", "trainer.devices=1"]
+    layout = [
+        "strategy=hsdp",
+        "strategy.dp_shard=1",
+        "strategy.dp_replicate=2",
+        "trainer.num_nodes=2",
+        "trainer.devices=1",
+    ]
     nodes = _two_nodes(start, ["pretrain", *TINY_3, *layout, f"run_dir={run_dir}"])
     for node, result in enumerate(nodes):
-        assert result.returncode == 0, f"node {node}: exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+        assert result.returncode == 0, (
+            f"node {node}: exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+        )
 
     # One run directory, written once: global rank 0 prints it, the other node only trains.
     assert [f"plait: run directory {run_dir}" in r.stdout for r in nodes] == [True, False]

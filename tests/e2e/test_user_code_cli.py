@@ -18,15 +18,22 @@ MY_ADAM = "optim._target_=my_pkg.opt.MyAdam"
 BAD_STEPS = "trainer.max_steps=abc"  # the one problem left when my_pkg imports: nothing trains, nothing is written
 
 
-def _plait(*args: str, cwd: Path, module: bool = False, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _plait(
+    *args: str, cwd: Path, module: bool = False, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """The console script, as a user runs it, or ``python -m trainer.cli`` (which puts the folder
     first on the path itself); the environment without PYTHONPATH or PLAIT_USER_PATH unless given."""
     base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", USER_PATH_ENV)}
     command = [sys.executable, "-m", "trainer.cli"] if module else [str(Path(sys.executable).with_name("plait"))]
     return subprocess.run(
-        [*command, *args], cwd=cwd, env={**base, **(env or {})}, capture_output=True, text=True, timeout=300,
+        [*command, *args],
+        cwd=cwd,
+        env={**base, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,
         stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+    )
 
 
 def _user_folder(folder: Path, trainer_py: bool = True) -> Path:
@@ -56,7 +63,11 @@ def test_the_current_folder_is_not_searched(tmp_path: Path, module: bool) -> Non
     problems = _problems(_plait("pretrain", MY_ADAM, BAD_STEPS, cwd=tmp_path, module=module))
     assert len(problems) == 2 and "my_pkg.opt.MyAdam cannot be imported" in problems[1], problems
     assert "plait --user-path DIR" in problems[1]  # the message names the opt-in
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["my_pkg", "strategies.py", *(["trainer.py"] if not module else [])]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "my_pkg",
+        "strategies.py",
+        *(["trainer.py"] if not module else []),
+    ]
 
 
 @pytest.mark.parametrize("how", ["flag", "env"])  # the flag's other spellings: tests/unit/test_user_path.py
@@ -104,10 +115,21 @@ def test_the_ranks_plait_starts_import_from_the_named_folder(tmp_path: Path) -> 
     work = tmp_path / "work"
     work.mkdir()
     result = _plait(
-        "--user-path", str(user), "pretrain", *CLI_TINY, "trainer.max_steps=1", "logger=none", "~callbacks.plots",
-        "strategy=ddp", "trainer.devices=2", "strategy._target_=my_pkg.strategy.MarkingStrategy",
-        f"run_dir={tmp_path / 'run'}", cwd=work,
-    )  # fmt: skip
+        "--user-path",
+        str(user),
+        "pretrain",
+        *CLI_TINY,
+        "trainer.max_steps=1",
+        "logger=none",
+        "~callbacks.plots",
+        "strategy=ddp",
+        "trainer.devices=2",
+        "strategy._target_=my_pkg.strategy.MarkingStrategy",
+        f"run_dir={tmp_path / 'run'}",
+        cwd=work,
+    )
     output = f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     assert sorted(p.name for p in (user / "my_pkg").glob("rank*")) == ["rank0", "rank1"], output
-    assert "plait: run directory" in result.stdout, output  # trained to the end (not the exit code: gloo may abort at exit)
+    assert "plait: run directory" in result.stdout, (
+        output
+    )  # trained to the end (not the exit code: gloo may abort at exit)

@@ -15,7 +15,9 @@ SFT_TINY = tuple(a for a in CLI_TINY if not a.startswith("data.eval_rows"))
 def test_malformed_row_of_a_replacing_source_is_a_clean_error(tmp_path: Path) -> None:
     rows = [{"prompt": "hi", "completion": "yo"}, {"question": "hi", "answer": "yo"}]
     (tmp_path / "mine.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    result = plait("sft", *SFT_TINY, "data.sources={mine: {source: mine.jsonl}}", f"run_dir={tmp_path / 'run'}", cwd=tmp_path)
+    result = plait(
+        "sft", *SFT_TINY, "data.sources={mine: {source: mine.jsonl}}", f"run_dir={tmp_path / 'run'}", cwd=tmp_path
+    )
     assert result.returncode == 2, result.stderr[-3000:]
     assert "plait: error: data.sources.mine: mine.jsonl, line 2: has fields ['answer', 'question']" in result.stderr
     assert "'prompt' and 'completion'" in result.stderr and "Traceback" not in result.stderr

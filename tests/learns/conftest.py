@@ -19,7 +19,9 @@ _RESULTS: dict[str, dict] = {}
 def _selected(session: pytest.Session) -> list[str]:
     """The entries whose tier tests this session runs (``-k dpo`` trains dpo and its base only);
     other tests' parameters named ``name`` are not entries."""
-    return sorted({item.callspec.params["name"] for item in session.items if "tier_results" in getattr(item, "fixturenames", ())})
+    return sorted(
+        {item.callspec.params["name"] for item in session.items if "tier_results" in getattr(item, "fixturenames", ())}
+    )
 
 
 @pytest.fixture(scope="session")
@@ -33,9 +35,12 @@ def tier_results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     # ran a test, and a timeout stops all of them.
     proc = subprocess.Popen(
         [sys.executable, str(TIER), "--work", str(work / "runs"), "--json", str(out), "--only", ",".join(names)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    )
     try:
         stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:

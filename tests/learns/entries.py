@@ -127,23 +127,41 @@ class Entry:
 # ------------------------------------------------------------------------------------------ tasks
 NANO = ("model=nano", "model.max_seq_len=64")
 COPY_SFT = (
-    "data=synthetic", "~data.sources.reversal", "~data.sources.sorting", "~data.sources.addition",
+    "data=synthetic",
+    "~data.sources.reversal",
+    "~data.sources.sorting",
+    "~data.sources.addition",
     "+data.sources.copy={source: copy, limit: 2000, val_size: 64, max_epochs: 10}",
-)  # fmt: skip
+)
 REVERSAL_SFT = (
-    "data=synthetic", "~data.sources.sorting", "~data.sources.addition",
+    "data=synthetic",
+    "~data.sources.sorting",
+    "~data.sources.addition",
     "data.sources.reversal={source: reversal, limit: 1000, val_size: 64, max_epochs: 10}",
-)  # fmt: skip
+)
 MSFT_DATA = (
-    "data=synthetic", "~data.sources.addition", "data.sources.reversal.limit=300", "data.sources.sorting.limit=300",
-    "data.sources.reversal.metric=loss", "data.sources.sorting.metric=loss",
-)  # fmt: skip
+    "data=synthetic",
+    "~data.sources.addition",
+    "data.sources.reversal.limit=300",
+    "data.sources.sorting.limit=300",
+    "data.sources.reversal.metric=loss",
+    "data.sources.sorting.metric=loss",
+)
 PAIRS = ("data=preference_synthetic", "data.sources.copy.limit=2000")
 TEXT = ("data.seq_len=64", "data.eval_rows=32", "trainer.max_steps=80", "optim.lr=3e-3")
 MOE = (
-    "model=moe_tiny", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
-    "model.num_experts=4", "model.top_k=2", "model.moe_ffn_dim=64", "model.n_dense_layers=0", "model.max_seq_len=64",
-)  # fmt: skip
+    "model=moe_tiny",
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=128",
+    "model.num_experts=4",
+    "model.top_k=2",
+    "model.moe_ffn_dim=64",
+    "model.n_dense_layers=0",
+    "model.max_seq_len=64",
+)
 STEADY = ("scheduler=constant", "scheduler.warmup_steps=5", "train.global_batch_size=32")
 
 
@@ -162,41 +180,71 @@ ENTRIES: dict[str, Entry] = {
     # The README's verifiable-pairs DPO (plait dpo data=preference_synthetic model=nano
     # objective.beta=1.0) from scratch, as bench/dpo.py runs it for 2000 steps.
     "dpo_preset": Entry(
-        "dpo", ("model=nano", "data=preference_synthetic", "data.sources.copy.limit=4000", "data.sources.copy.val_size=256",
-                "objective.beta=1.0", "train.global_batch_size=32", "optim.lr=3e-3", "scheduler=constant",
-                "scheduler.warmup_steps=20", "trainer.max_steps=350"),
+        "dpo",
+        (
+            "model=nano",
+            "data=preference_synthetic",
+            "data.sources.copy.limit=4000",
+            "data.sources.copy.val_size=256",
+            "objective.beta=1.0",
+            "train.global_batch_size=32",
+            "optim.lr=3e-3",
+            "scheduler=constant",
+            "scheduler.warmup_steps=20",
+            "trainer.max_steps=350",
+        ),
         (at_least(final_val("val/rewards/accuracy"), 0.8), at_most(final_val("val/rewards/rejected"), -3.0)),
-    ),  # fmt: skip
+    ),
     # Chat SFT (default template, loss on the assistant tokens only) from scratch: the base below.
     "sft": Entry(
-        "sft", (*NANO, *COPY_SFT, "train.global_batch_size=32", "optim.lr=3e-3", "scheduler=constant", "scheduler.warmup_steps=10",
-                "trainer.max_steps=250"),
+        "sft",
+        (
+            *NANO,
+            *COPY_SFT,
+            "train.global_batch_size=32",
+            "optim.lr=3e-3",
+            "scheduler=constant",
+            "scheduler.warmup_steps=10",
+            "trainer.max_steps=250",
+        ),
         (at_most(final_val("val/loss"), 1.5),),
-    ),  # fmt: skip
+    ),
     # Preference objectives from the SFT base, which already prefers the chosen answers: each must
     # push the rejected ones down, which training on the chosen answers alone does not.
     "dpo": Entry(
-        "dpo", _pairs("dpo", "objective.beta=1.0"),
-        (at_least(final_val("val/rewards/accuracy"), 0.75), at_most(final_val("val/rewards/rejected"), -1.0)), base="sft",
-    ),  # fmt: skip
-    "ipo": Entry(
-        "ipo", _pairs("ipo"), (at_least(final_val("val/rewards/accuracy"), 0.7), at_most(final_val("val/rewards/rejected"), -0.1)),
+        "dpo",
+        _pairs("dpo", "objective.beta=1.0"),
+        (at_least(final_val("val/rewards/accuracy"), 0.75), at_most(final_val("val/rewards/rejected"), -1.0)),
         base="sft",
-    ),  # fmt: skip
+    ),
+    "ipo": Entry(
+        "ipo",
+        _pairs("ipo"),
+        (at_least(final_val("val/rewards/accuracy"), 0.7), at_most(final_val("val/rewards/rejected"), -0.1)),
+        base="sft",
+    ),
     "simpo": Entry(
-        "simpo", _pairs("simpo"),
-        (at_least(val_change("val/rewards/margin"), 0.4), at_most(val_change("val/rewards/rejected"), -1.0)), base="sft",
-    ),  # fmt: skip
+        "simpo",
+        _pairs("simpo"),
+        (at_least(val_change("val/rewards/margin"), 0.4), at_most(val_change("val/rewards/rejected"), -1.0)),
+        base="sft",
+    ),
     # ORPO's odds-ratio term at the paper's lambda = 0.1 is lost under its NLL term from a base
     # that already prefers the chosen answers (the run equals NLL alone to 3 digits): lambda 1.
     "orpo": Entry(
-        "orpo", _pairs("orpo", "objective.lam=1.0"),
-        (at_least(val_change("val/rewards/margin"), 0.2), at_most(val_change("val/rewards/rejected"), -0.03)), base="sft",
-    ),  # fmt: skip
-    "kto": Entry("kto", _pairs("kto"), (at_least(kto_margin, 0.08), at_most(final_val("val/rewards/rejected"), -0.5)), base="sft"),
+        "orpo",
+        _pairs("orpo", "objective.lam=1.0"),
+        (at_least(val_change("val/rewards/margin"), 0.2), at_most(val_change("val/rewards/rejected"), -0.03)),
+        base="sft",
+    ),
+    "kto": Entry(
+        "kto", _pairs("kto"), (at_least(kto_margin, 0.08), at_most(final_val("val/rewards/rejected"), -0.5)), base="sft"
+    ),
     # Fine-tunes of the SFT base on a new task (reversal).
     "lora_sft": Entry("sft", _reversal("+strategy/lora=default"), (VAL_LOSS_REVERSAL,), base="sft"),
-    "qlora_sft": Entry("sft", _reversal("+strategy/lora=default", "strategy.lora.quantize=nf4"), (VAL_LOSS_REVERSAL,), base="sft"),
+    "qlora_sft": Entry(
+        "sft", _reversal("+strategy/lora=default", "strategy.lora.quantize=nf4"), (VAL_LOSS_REVERSAL,), base="sft"
+    ),
     "mixout_sft": Entry("sft", _reversal("+strategy/mixout=default"), (VAL_LOSS_REVERSAL,), base="sft"),
     "sat_sft": Entry("sft", _reversal("+strategy/sat=default"), (VAL_LOSS_REVERSAL,), base="sft"),
     # PAFT: its SFT arm (more copy SFT, L1 on the delta) and its DPO arm (the dpo entry: the paft
@@ -204,28 +252,54 @@ ENTRIES: dict[str, Entry] = {
     # the base, scored on both arms' held-out data. (An SFT arm on another task, reversal or
     # sorting, makes the base forget copying, and the merge then undoes the DPO arm's gain.)
     "paft_sft": Entry(
-        "paft", ("paft=sft", *COPY_SFT, *STEADY, "optim.lr=3e-3", "trainer.max_steps=60"), (at_most(final_val("val/loss"), 1.0),),
+        "paft",
+        ("paft=sft", *COPY_SFT, *STEADY, "optim.lr=3e-3", "trainer.max_steps=60"),
+        (at_most(final_val("val/loss"), 1.0),),
         base="sft",
-    ),  # fmt: skip
-    "paft_merge": Entry("merge", ("method=ties",), (at_least(merged_gain, 0.3),), base="sft", merge=("paft_sft", "dpo")),
+    ),
+    "paft_merge": Entry(
+        "merge", ("method=ties",), (at_least(merged_gain, 0.3),), base="sft", merge=("paft_sft", "dpo")
+    ),
     # Pretraining on the bundled corpus; local SGD must have sent its islands' bytes (local training
     # alone reaches the loss too). DES-LOC averages every 4 steps, inside the golden curve; DiLoCo
     # every 10 (every 4 leaves its outer Nesterov step too little inner progress: 6.82 at step 80).
     "pretrain": Entry("pretrain", (*NANO, *TEXT), (VAL_LOSS_PRETRAIN,)),
-    "moe_ep": Entry("pretrain", (*MOE, *TEXT, "strategy=nd", "strategy.expert_parallel.ep=2"), (VAL_LOSS_PRETRAIN,), devices=2),
+    "moe_ep": Entry(
+        "pretrain", (*MOE, *TEXT, "strategy=nd", "strategy.expert_parallel.ep=2"), (VAL_LOSS_PRETRAIN,), devices=2
+    ),
     "diloco": Entry(
-        "pretrain", (*NANO, *TEXT, "strategy=diloco", "strategy.local_sgd.sync_every=10"),
-        (VAL_LOSS_PRETRAIN, at_least(bytes_sent, 1.0)), devices=2,
-    ),  # fmt: skip
+        "pretrain",
+        (*NANO, *TEXT, "strategy=diloco", "strategy.local_sgd.sync_every=10"),
+        (VAL_LOSS_PRETRAIN, at_least(bytes_sent, 1.0)),
+        devices=2,
+    ),
     "desloc": Entry(
-        "pretrain", (*NANO, *TEXT, "strategy=desloc", "strategy.local_sgd.param_every=4", "strategy.local_sgd.exp_avg_every=8",
-                     "strategy.local_sgd.exp_avg_sq_every=16"),
-        (VAL_LOSS_PRETRAIN, at_least(bytes_sent, 1.0)), devices=2,
-    ),  # fmt: skip
+        "pretrain",
+        (
+            *NANO,
+            *TEXT,
+            "strategy=desloc",
+            "strategy.local_sgd.param_every=4",
+            "strategy.local_sgd.exp_avg_every=8",
+            "strategy.local_sgd.exp_avg_sq_every=16",
+        ),
+        (VAL_LOSS_PRETRAIN, at_least(bytes_sent, 1.0)),
+        devices=2,
+    ),
     # The mSFT budget search on two synthetic sources, from the SFT base.
     "msft": Entry(
-        "sft", (*MSFT_DATA, "budget=msft", "budget.compute=1.0", "budget.eval_every=10", "budget.patience=2", "budget.baseline=false",
-                *STEADY, "optim.lr=3e-3"),
-        (at_most(msft_final_loss, 3.0),), base="sft",
-    ),  # fmt: skip
+        "sft",
+        (
+            *MSFT_DATA,
+            "budget=msft",
+            "budget.compute=1.0",
+            "budget.eval_every=10",
+            "budget.patience=2",
+            "budget.baseline=false",
+            *STEADY,
+            "optim.lr=3e-3",
+        ),
+        (at_most(msft_final_loss, 3.0),),
+        base="sft",
+    ),
 }

@@ -34,7 +34,8 @@ def test_first_steps_equal_the_golden_curve(tier_results: dict, name: str) -> No
     assert stored is not None, f"no golden curve for {name}: python tests/learns/tier.py --update-golden"
     problems = curve_mismatch(stored, result["curve"])
     assert not problems, (
-        f"{name}'s first steps moved (relative tolerance {GOLDEN_RTOL:g}):\n  " + "\n  ".join(problems)
+        f"{name}'s first steps moved (relative tolerance {GOLDEN_RTOL:g}):\n  "
+        + "\n  ".join(problems)
         + "\nIf the change is meant to move numerics, rewrite the curves in the same commit and say why in its message: "
         "python tests/learns/tier.py --update-golden"
     )

@@ -58,13 +58,33 @@ GOLDEN_STEPS = 8
 # by at most 1.8e-7) without hiding a changed number.
 GOLDEN_RTOL = 1e-6
 GOLDEN_KEYS = (
-    "train/loss", "train/rewards/accuracy", "train/rewards/margin", "train/rewards/chosen", "train/rewards/rejected",
-    "train/rewards/mismatched", "train/kl",
-)  # fmt: skip
+    "train/loss",
+    "train/rewards/accuracy",
+    "train/rewards/margin",
+    "train/rewards/chosen",
+    "train/rewards/rejected",
+    "train/rewards/mismatched",
+    "train/kl",
+)
 # Every run: quiet, every step logged (the golden curves), one evaluation at the start and one at the end.
-COMMON = ("trainer.enable_progress_bar=false", "trainer.log_every_n_steps=1", "train.eval_every=0", "~callbacks.plots", "seed=0")
+COMMON = (
+    "trainer.enable_progress_bar=false",
+    "trainer.log_every_n_steps=1",
+    "train.eval_every=0",
+    "~callbacks.plots",
+    "seed=0",
+)
 # Variables a launcher around this script may have set; each run's ranks pick their own port.
-LAUNCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+LAUNCH_ENV = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "NODE_RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+)
 
 
 # ------------------------------------------------------------------------------------------ one run
@@ -113,7 +133,9 @@ def _logps(model: Any, rows: dict[str, Any], micro_batch_size: int = 64) -> tupl
     with torch.no_grad():
         for i in range(0, len(rows["input_ids"]), micro_batch_size):
             part = {k: v[i : i + micro_batch_size] for k, v in rows.items()}
-            logits = model(part["input_ids"], position_ids_bt=part["position_ids"], document_ids_bt=part["document_ids"])
+            logits = model(
+                part["input_ids"], position_ids_bt=part["position_ids"], document_ids_bt=part["document_ids"]
+            )
             lp, n = sequence_logps(logits, part["labels"])
             logps.append(lp)
             counts.append(n)
@@ -131,13 +153,17 @@ def merge_and_score(name: str, work: Path) -> dict[str, float]:
     entry = ENTRIES[name]
     base, (sft_arm, dpo_arm), out = work / str(entry.base), entry.merge, work / name
     merge([f"base={base}", f"deltas=[{work / sft_arm},{work / dpo_arm}]", *entry.overrides, f"out={out}"])
-    models = {key: load_run_model(path).model for key, path in (("base", base), ("merged", out), ("sft_arm", work / sft_arm))}
+    models = {
+        key: load_run_model(path).model for key, path in (("base", base), ("merged", out), ("sft_arm", work / sft_arm))
+    }
     sft_rows = build_data(compose_entry(sft_arm, out / "unused", base)).eval_rows()
     nll = {}
     for key, model in models.items():
         logps, counts = _logps(model, sft_rows)
         nll[key] = float(-logps.sum() / counts.sum())
-    pairs = {k: v.flatten(0, 1) for k, v in build_data(compose_entry(dpo_arm, out / "unused", base)).pairs("val").items()}
+    pairs = {
+        k: v.flatten(0, 1) for k, v in build_data(compose_entry(dpo_arm, out / "unused", base)).pairs("val").items()
+    }
     ratio = (_logps(models["merged"], pairs)[0] - _logps(models["base"], pairs)[0]).view(-1, 2)
     accuracy = float(((ratio[:, 0] > ratio[:, 1]).float() + 0.5 * (ratio[:, 0] == ratio[:, 1]).float()).mean())
     arm_accuracy = json.loads((work / f"{dpo_arm}.json").read_text())["evals"][-1]["val/rewards/accuracy"]
@@ -172,8 +198,12 @@ def run_entry(name: str, work: Path) -> Result:
             train(cfg, run_dir, entry.devices)
             metrics_dir = run_dir
         evals, steps = _read_metrics(metrics_dir)
-        curve = {key: [steps[s][key] for s in range(1, GOLDEN_STEPS + 1) if key in steps.get(s, {})] for key in GOLDEN_KEYS}
-        result.update(evals=evals, curve={k: v for k, v in curve.items() if v}, last_step=steps[max(steps)] if steps else {})
+        curve = {
+            key: [steps[s][key] for s in range(1, GOLDEN_STEPS + 1) if key in steps.get(s, {})] for key in GOLDEN_KEYS
+        }
+        result.update(
+            evals=evals, curve={k: v for k, v in curve.items() if v}, last_step=steps[max(steps)] if steps else {}
+        )
     result["values"] = [check.measure(result) for check in entry.checks]
     result["wall_s"] = round(time.perf_counter() - start, 1)
     return result
@@ -232,7 +262,9 @@ def run_tier(
     ctx = multiprocessing.get_context("fork")
     todo, running, results = needed(names), {}, {}
     for name in [n for n in todo if n not in names] if reuse else ():
-        if (work / f"{name}.json").exists() and "error" not in (found := json.loads((work / f"{name}.json").read_text())):
+        if (work / f"{name}.json").exists() and "error" not in (
+            found := json.loads((work / f"{name}.json").read_text())
+        ):
             todo.remove(name)
             results[name] = found
     deadline = time.monotonic() + timeout_s
@@ -293,14 +325,18 @@ def line(name: str, result: Result) -> str:
         f"{v:.4g} {'<=' if c.lower_is_better else '>='} {c.threshold:g} {c.describes}{'' if c.passes(v) else ' (MISSED)'}"
         for c, v in zip(ENTRIES[name].checks, result["values"])
     ]
-    return f"learns: {name:<11} {'ok' if passed(name, result) else 'FAILED':<7} {'; '.join(parts)}  ({result['wall_s']} s)"
+    return (
+        f"learns: {name:<11} {'ok' if passed(name, result) else 'FAILED':<7} {'; '.join(parts)}  ({result['wall_s']} s)"
+    )
 
 
 def golden_curves() -> dict[str, dict[str, list[float]]]:
     return json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
 
 
-def curve_mismatch(stored: dict[str, list[float]], curve: dict[str, list[float]], rtol: float = GOLDEN_RTOL) -> list[str]:
+def curve_mismatch(
+    stored: dict[str, list[float]], curve: dict[str, list[float]], rtol: float = GOLDEN_RTOL
+) -> list[str]:
     """Where ``curve`` differs from ``stored`` by more than ``rtol`` (relative; an absolute floor of
     ``rtol`` for values near 0), one line per key."""
     problems = []
@@ -334,7 +370,9 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated entries (default: all)")
     parser.add_argument("--jobs", type=int, default=2, help="entries trained at once (one thread each)")
     parser.add_argument("--work", type=Path, default=None, help="where the runs go (default: a temporary folder)")
-    parser.add_argument("--update-golden", action="store_true", help="write the passing runs' curves to tests/learns/golden.json")
+    parser.add_argument(
+        "--update-golden", action="store_true", help="write the passing runs' curves to tests/learns/golden.json"
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write every result here")
     parser.add_argument("--reuse", action="store_true", help="keep the bases' results already in --work (calibration)")
     args = parser.parse_args()
@@ -355,7 +393,9 @@ def main() -> None:
     for text in update_golden(results) if args.update_golden else ():
         print(text)
     failed = [name for name, r in results.items() if not passed(name, r)]
-    print(f"RESULT passed={len(results) - len(failed)} failed={','.join(failed) or '-'} wall_s={time.perf_counter() - start:.0f}")
+    print(
+        f"RESULT passed={len(results) - len(failed)} failed={','.join(failed) or '-'} wall_s={time.perf_counter() - start:.0f}"
+    )
     sys.exit(1 if failed else 0)
 
 

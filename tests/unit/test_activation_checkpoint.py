@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 
-from strategies.checkpoint import dcp as ckpt
 from strategies.activation_checkpoint import ActivationCheckpoint, apply_activation_checkpointing, is_checkpointed
+from strategies.checkpoint import dcp as ckpt
 from strategies.compile import Compile
 from trainer.models.llama import Llama
 

@@ -23,14 +23,18 @@ def _records(catalog, path: Path, rows: list) -> list:
 
 def test_an_empty_sft_file_is_refused(tmp_path: Path) -> None:
     # Before: zero conversations, the run trained nothing and exited 0.
-    with pytest.raises(DataError, match=r"data.sources.mine: .*d.jsonl has no rows; add rows or remove data.sources.mine"):
+    with pytest.raises(
+        DataError, match=r"data.sources.mine: .*d.jsonl has no rows; add rows or remove data.sources.mine"
+    ):
         _records(CONVERSATIONS, tmp_path / "d.jsonl", [])
 
 
 def test_a_conversation_without_an_assistant_turn_names_file_and_line(tmp_path: Path) -> None:
     # Before: a ChatError at encoding without the file or line ("a conversation without an assistant message ...").
     rows = [CHAT, {"messages": [{"role": "user", "content": "hi"}]}]
-    with pytest.raises(DataError, match=r"d.jsonl, line 2: 'messages' has no assistant turn.*add the assistant's answer"):
+    with pytest.raises(
+        DataError, match=r"d.jsonl, line 2: 'messages' has no assistant turn.*add the assistant's answer"
+    ):
         _records(CONVERSATIONS, tmp_path / "d.jsonl", rows)
 
 
@@ -47,4 +51,6 @@ def test_pairs_with_equal_answers_are_dropped_with_a_count(tmp_path: Path, capsy
     kept = _records(PAIRS, tmp_path / "d.jsonl", rows)
     assert [p["chosen"] for p in kept] == ["a0", "a1", "a2"]
     err = capsys.readouterr().err
-    assert "plait: data.sources.mine: dropped 2 of 5 rows: 'chosen' equals 'rejected'" in err and "d.jsonl, line 2)" in err
+    assert (
+        "plait: data.sources.mine: dropped 2 of 5 rows: 'chosen' equals 'rejected'" in err and "d.jsonl, line 2)" in err
+    )

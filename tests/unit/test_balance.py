@@ -42,7 +42,10 @@ def test_work_of_a_record_of_several_sequences_sums_them():
 
 
 def brute_force_cost(work: torch.Tensor, dp: int, micro: int) -> float:
-    return min(step_cost(cells(work[list(p)], dp_size=dp, micro_batch_size=micro)) for p in itertools.permutations(range(len(work))))
+    return min(
+        step_cost(cells(work[list(p)], dp_size=dp, micro_batch_size=micro))
+        for p in itertools.permutations(range(len(work)))
+    )
 
 
 @pytest.mark.parametrize("dp,micro", [(2, 1), (2, 2), (3, 1)])
@@ -107,8 +110,14 @@ def test_packed_batches_balanced_train_the_same_rows_per_step():
     make = lambda: Packer(SampleList(samples), seq_len=32, pad_id=0, policy="whole")  # noqa: E731
 
     def steps(balancer: Balancer | None) -> list[torch.Tensor]:
-        its = [PackedBatches(make, names=["a"], global_batch_size=8, dp_rank=r, dp_size=2, balancer=balancer) for r in range(2)]
-        return [torch.cat([b["document_ids"] for b, _, _ in per_rank]) for per_rank in zip(*(s.batches(s.start()) for s in its))]
+        its = [
+            PackedBatches(make, names=["a"], global_batch_size=8, dp_rank=r, dp_size=2, balancer=balancer)
+            for r in range(2)
+        ]
+        return [
+            torch.cat([b["document_ids"] for b, _, _ in per_rank])
+            for per_rank in zip(*(s.batches(s.start()) for s in its))
+        ]
 
     plain, balanced = steps(None), steps(Balancer(WorkModel(), micro_batch_size=1))
     assert len(plain) == len(balanced)
@@ -124,6 +133,8 @@ def test_validate_refuses_balance_that_cannot_apply():
 
     validate(compose_config(["data.balance=work", "strategy=ddp", "trainer.devices=2"]))  # two dp ranks: accepted
     with pytest.raises(ConfigError, match="data.balance=work has nothing to balance"):
-        validate(compose_config(["data.balance=work", "train.micro_batch_size=2"]))  # one rank: the order changes nothing
+        validate(
+            compose_config(["data.balance=work", "train.micro_batch_size=2"])
+        )  # one rank: the order changes nothing
     with pytest.raises(ConfigError, match="data.balance='tokens' must be one of none, work"):
         validate(compose_config(["data.balance=tokens"]))

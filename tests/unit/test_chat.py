@@ -45,7 +45,7 @@ def _targets(tok, ids, labels):
 
 def test_default_template_supervises_every_assistant_turn_and_its_eos():
     tok = byte_tokenizer()
-    (ids, labels), = encode_conversations(tok, [CONVERSATION])
+    ((ids, labels),) = encode_conversations(tok, [CONVERSATION])
     assert len(ids) == len(labels) and labels[-1] == IGNORE_INDEX
     assert _targets(tok, ids, labels) == ["Hello!<|endoftext|>", "4<|endoftext|>"]
     assert tok.decode(ids).startswith("<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\nHello!")
@@ -65,7 +65,7 @@ def test_tokenizer_chat_template_spans_are_supervised(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|endoftext|>"}))
     template = load_chat_template(str(tmp_path / "tokenizer.json"), tok)
     assert template is not None
-    (ids, labels), = encode_conversations(tok, [CONVERSATION], template)
+    ((ids, labels),) = encode_conversations(tok, [CONVERSATION], template)
     assert _targets(tok, ids, labels) == ["Hello!<|im_end|>\n", "4<|im_end|>\n"]
     assert tok.decode(ids) == template.render(CONVERSATION)
 

@@ -17,13 +17,18 @@ from trainer.data.chat import ChatError, load_chat_template
 from trainer.data.packing import IGNORE_INDEX
 from trainer.data.tokenizer import Tokenizer
 
-transformers = pytest.importorskip("transformers", reason="transformers (the dev extra) is the reference for chat templates")
+transformers = pytest.importorskip(
+    "transformers", reason="transformers (the dev extra) is the reference for chat templates"
+)
 
 
 def save_pretrained(directory: Path, template: str | None) -> Path:
     """A tokenizer directory as transformers writes it (``chat_template.jinja`` beside ``tokenizer.json``)."""
     hf = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=raw_tokenizer(), eos_token="<|endoftext|>", bos_token="<|begin_of_text|>", chat_template=template
+        tokenizer_object=raw_tokenizer(),
+        eos_token="<|endoftext|>",
+        bos_token="<|begin_of_text|>",
+        chat_template=template,
     )
     hf.save_pretrained(directory)
     return directory
@@ -36,7 +41,10 @@ def _sft_data(tmp_path: Path, *overrides: str):
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CONVERSATIONS * 4))
     source = "{mine: {source: '%s', val_size: 2}}" % chats
-    cfg = compose("sft", [f"data.sources={source}", f"data.cache_dir={tmp_path / 'cache'}", "train.global_batch_size=2", *overrides])
+    cfg = compose(
+        "sft",
+        [f"data.sources={source}", f"data.cache_dir={tmp_path / 'cache'}", "train.global_batch_size=2", *overrides],
+    )
     return build_data(cfg)
 
 
@@ -47,7 +55,10 @@ def test_sft_data_renders_with_the_template_transformers_5_saved(tmp_path: Path)
 
     data = _sft_data(tmp_path, f"data.tokenizer={hf_dir / 'tokenizer.json'}")
     prepared = data.prepare()
-    assert data.chat_format().line() == f"chat template: {hf_dir / 'chat_template.jinja'} (supervised: its {{% generation %}} blocks)"
+    assert (
+        data.chat_format().line()
+        == f"chat template: {hf_dir / 'chat_template.jinja'} (supervised: its {{% generation %}} blocks)"
+    )
 
     # Every sample is one conversation as transformers tokenizes and masks it.
     hf = transformers.AutoTokenizer.from_pretrained(hf_dir)
@@ -55,7 +66,12 @@ def test_sft_data_renders_with_the_template_transformers_5_saved(tmp_path: Path)
     for messages in CONVERSATIONS:
         out = hf.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
-        expected.add((tuple(ids), tuple([ids[t + 1] if mask[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)] + [IGNORE_INDEX])))
+        expected.add(
+            (
+                tuple(ids),
+                tuple([ids[t + 1] if mask[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)] + [IGNORE_INDEX]),
+            )
+        )
     samples = [split["mine"].sample(i) for split in (prepared.train, prepared.val) for i in range(len(split["mine"]))]
     assert len(samples) == 4 * len(CONVERSATIONS)
     assert {(tuple(ids.tolist()), tuple(labels.tolist())) for ids, labels in samples} == expected
@@ -69,9 +85,16 @@ def test_without_a_template_the_launch_line_says_default_and_why(tmp_path: Path)
     line = auto.chat_format().line()
     assert line.startswith("chat template: plait's default (<|user|> / <|assistant|> lines") and str(hf_dir) in line
     # data.template=tokenizer asks for one: refused, naming where it looked and the fix.
-    with pytest.raises(DataError, match=r"data.template=tokenizer but there is no chat template beside .*chat_template.jinja.*data.template=auto or default"):
+    with pytest.raises(
+        DataError,
+        match=r"data.template=tokenizer but there is no chat template beside .*chat_template.jinja.*data.template=auto or default",
+    ):
         _sft_data(tmp_path, f"data.tokenizer={hf_dir / 'tokenizer.json'}", "data.template=tokenizer").prepare()
-    chosen = _sft_data(tmp_path, f"data.tokenizer={save_pretrained(tmp_path / 'own', LLAMA3_STYLE) / 'tokenizer.json'}", "data.template=default")
+    chosen = _sft_data(
+        tmp_path,
+        f"data.tokenizer={save_pretrained(tmp_path / 'own', LLAMA3_STYLE) / 'tokenizer.json'}",
+        "data.template=default",
+    )
     assert chosen.chat_format().line().endswith("(data.template=default)")
 
 
@@ -82,8 +105,14 @@ def _layouts(directory: Path) -> dict[str, Path]:
     layouts = {
         "jinja_over_config": ({"chat_template.jinja": one}, {"chat_template": two}),
         "config_only": ({}, {"chat_template": two}),
-        "config_named_list": ({}, {"chat_template": [{"name": "tool_use", "template": one}, {"name": "default", "template": two}]}),
-        "named_files_over_config": ({"additional_chat_templates/default.jinja": one, "additional_chat_templates/rag.jinja": two}, {"chat_template": two}),
+        "config_named_list": (
+            {},
+            {"chat_template": [{"name": "tool_use", "template": one}, {"name": "default", "template": two}]},
+        ),
+        "named_files_over_config": (
+            {"additional_chat_templates/default.jinja": one, "additional_chat_templates/rag.jinja": two},
+            {"chat_template": two},
+        ),
         "jinja_and_named_files": ({"chat_template.jinja": two, "additional_chat_templates/tool_use.jinja": one}, {}),
     }
     out = {}
@@ -110,7 +139,9 @@ def test_named_templates_without_a_default_are_refused_as_transformers_refuses_t
     directory = save_pretrained(tmp_path / "tok", None)
     (directory / "additional_chat_templates").mkdir()
     (directory / "additional_chat_templates" / "rag.jinja").write_text(LLAMA3_STYLE)
-    (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": QWEN3_STYLE, "eos_token": "<|endoftext|>"}))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": QWEN3_STYLE, "eos_token": "<|endoftext|>"})
+    )
     with pytest.raises(ValueError):
         transformers.AutoTokenizer.from_pretrained(directory).get_chat_template()
     tok = Tokenizer.from_file(directory / "tokenizer.json")
@@ -122,15 +153,17 @@ def test_an_export_writes_the_trained_template_where_transformers_5_reads_it(tmp
     from hf_checkpoints import make_hf_dir
 
     from trainer.export import write_hf_dir
-    from trainer.models.hf import llama_from_hf
     from trainer.init_from import load_init_from
+    from trainer.models.hf import llama_from_hf
 
     make_hf_dir("qwen3", tmp_path / "hf")  # its tokenizer_config.json holds another template (transformers 4's layout)
     model = llama_from_hf(str(tmp_path / "hf"))
     load_init_from(model, str(tmp_path / "hf"))
     tok = Tokenizer.from_file(tmp_path / "hf" / "tokenizer.json")
     for template, out in ((QWEN3_STYLE, tmp_path / "trained"), (None, tmp_path / "source")):
-        write_hf_dir(out, model=model, state=model.state_dict(), tokenizer=tok, sources=[tmp_path / "hf"], chat_template=template)
+        write_hf_dir(
+            out, model=model, state=model.state_dict(), tokenizer=tok, sources=[tmp_path / "hf"], chat_template=template
+        )
         assert "chat_template" not in json.loads((out / "tokenizer_config.json").read_text())
         expected = template or json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["chat_template"]
         assert transformers.AutoTokenizer.from_pretrained(out).chat_template == expected
@@ -146,7 +179,9 @@ def _run(tmp_path: Path, *, recorded: str | None | bool, template: str = "auto")
 
     source = save_pretrained(tmp_path / "tok", LLAMA3_STYLE)
     tok = Tokenizer.from_file(source / "tokenizer.json")
-    cfg = OmegaConf.create({"model": {"init_from": None}, "data": {"tokenizer": str(source / "tokenizer.json"), "template": template}})
+    cfg = OmegaConf.create(
+        {"model": {"init_from": None}, "data": {"tokenizer": str(source / "tokenizer.json"), "template": template}}
+    )
     run = RunDir(tmp_path / "run")
     run.path.mkdir()
     if recorded is False:
@@ -168,7 +203,10 @@ def test_a_run_records_the_template_it_trained_with_and_exports_that(tmp_path: P
     assert trained_chat_template(_run(tmp_path / "default", recorded=None)).source == DEFAULT_CHAT_TEMPLATE
     # A run from before the record: where its data found it (transformers 5's file), unless it chose the default.
     assert trained_chat_template(_run(tmp_path / "old", recorded=False)).source == LLAMA3_STYLE
-    assert trained_chat_template(_run(tmp_path / "old_default", recorded=False, template="default")).source == DEFAULT_CHAT_TEMPLATE
+    assert (
+        trained_chat_template(_run(tmp_path / "old_default", recorded=False, template="default")).source
+        == DEFAULT_CHAT_TEMPLATE
+    )
 
 
 def test_a_run_tokenizer_without_plaits_eos_reads_back(tmp_path: Path) -> None:

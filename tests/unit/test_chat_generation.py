@@ -16,20 +16,26 @@ from trainer.data.chat import ChatError, JinjaTemplate
 from trainer.data.packing import IGNORE_INDEX
 from trainer.data.tokenizer import Tokenizer
 
-transformers = pytest.importorskip("transformers", reason="transformers (the dev extra) is the reference for chat templates")
+transformers = pytest.importorskip(
+    "transformers", reason="transformers (the dev extra) is the reference for chat templates"
+)
 
 
 @pytest.fixture(scope="module")
 def tokenizers_pair() -> tuple[Tokenizer, object]:
     """plait's tokenizer and transformers' fast tokenizer over the same ``tokenizers`` object."""
     raw = raw_tokenizer()
-    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>", bos_token="<|begin_of_text|>")
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=raw, eos_token="<|endoftext|>", bos_token="<|begin_of_text|>"
+    )
     return Tokenizer(HFTokenizer.from_str(raw.to_str())), hf
 
 
 def _reference(hf, source: str, messages) -> tuple[list[int], list[int]]:
     """transformers' ids and pre-shifted labels (written here): label t is id t+1 where token t+1 is masked in."""
-    out = hf.apply_chat_template(messages, chat_template=source, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    out = hf.apply_chat_template(
+        messages, chat_template=source, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
     ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
     return ids, [ids[t + 1] if mask[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)] + [IGNORE_INDEX]
 
@@ -65,9 +71,12 @@ def test_a_preference_pair_takes_the_final_generation_block_as_its_response(toke
     prompt, chosen, rejected = encode.pair(tok, record, template)
     for answer, response in ((record["chosen"], chosen), (record["rejected"], rejected)):
         out = hf.apply_chat_template(
-            [*record["messages"], {"role": "assistant", "content": answer}], chat_template=QWEN3_STYLE, tokenize=True,
-            return_dict=True, return_assistant_tokens_mask=True,
-        )  # fmt: skip
+            [*record["messages"], {"role": "assistant", "content": answer}],
+            chat_template=QWEN3_STYLE,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+        )
         ids, mask = list(out["input_ids"]), list(out["assistant_masks"])
         start = max(t for t in range(len(mask)) if mask[t] and (t == 0 or not mask[t - 1]))  # the last masked run
         end = start + next((k for k, m in enumerate(mask[start:]) if not m), len(mask) - start)
@@ -88,8 +97,14 @@ def test_renders_as_transformers_does(tokenizers_pair) -> None:
     ``{% break %}`` works, as in transformers."""
     _, hf = tokenizers_pair
     source = "{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}{{ m | tojson }}\n{% endfor %}"
-    messages = [{"role": "user", "content": "<b>café</b> & co"}, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "x"}]
-    assert JinjaTemplate(source).render(messages) == hf.apply_chat_template(messages, chat_template=source, tokenize=False)
+    messages = [
+        {"role": "user", "content": "<b>café</b> & co"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "x"},
+    ]
+    assert JinjaTemplate(source).render(messages) == hf.apply_chat_template(
+        messages, chat_template=source, tokenize=False
+    )
 
 
 def test_a_template_that_is_not_jinja_names_its_origin() -> None:

@@ -67,6 +67,7 @@ def _full_at(monkeypatch: pytest.MonkeyPatch, name: str) -> Iterator[None]:
     """``torch.save`` of ``name`` (meta.pt) or the manifest's write raise ENOSPC."""
     with monkeypatch.context() as patch:
         if name == MANIFEST:
+
             def write_manifest(directory: Path, entries: dict) -> None:
                 raise _disk_full(Path(directory) / MANIFEST)
 
@@ -120,6 +121,8 @@ def test_another_write_error_names_its_errno(tmp_path: Path, monkeypatch: pytest
         real(obj, f, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", denied)
-    with pytest.raises(ckpt.CheckpointWriteError, match=r"Permission denied \(EACCES\) writing .*rank_00000\.pt") as raised:
+    with pytest.raises(
+        ckpt.CheckpointWriteError, match=r"Permission denied \(EACCES\) writing .*rank_00000\.pt"
+    ) as raised:
         _save(tmp_path / "step_0000001", 1)
     assert "needs about" not in str(raised.value) and not any(tmp_path.iterdir())

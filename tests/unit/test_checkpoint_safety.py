@@ -169,7 +169,12 @@ def test_prune_is_atomic_and_never_counts_damaged_checkpoints(tmp_path: Path, mo
     monkeypatch.setattr(shutil, "rmtree", lambda path, **kwargs: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):
         callback._prune()
-    assert sorted(p.name for p in root.iterdir()) == [".pruned-step_0000001", "step_0000002", "step_0000003", "step_0000004"]
+    assert sorted(p.name for p in root.iterdir()) == [
+        ".pruned-step_0000001",
+        "step_0000002",
+        "step_0000003",
+        "step_0000004",
+    ]
     assert resolve_checkpoint(root) == step_dir(root, 4).resolve()
 
 
@@ -224,16 +229,26 @@ def test_planted_config_yaml_target_does_not_run(tmp_path: Path) -> None:
 
     run, marker = RunDir(tmp_path / "run"), tmp_path / "ran"
     _save(run.step(1))
-    OmegaConf.save(OmegaConf.create({"model": {"_target_": "test_checkpoint_safety.Marker", "marker": str(marker),
-                                               "vocab_size": 8}}), run.config)  # fmt: skip
-    with pytest.raises(UntrustedTargetError, match=r"model\._target_=test_checkpoint_safety.Marker.*trust=\[test_checkpoint_safety\]"):
+    OmegaConf.save(
+        OmegaConf.create(
+            {"model": {"_target_": "test_checkpoint_safety.Marker", "marker": str(marker), "vocab_size": 8}}
+        ),
+        run.config,
+    )
+    with pytest.raises(
+        UntrustedTargetError, match=r"model\._target_=test_checkpoint_safety.Marker.*trust=\[test_checkpoint_safety\]"
+    ):
         load_run_model(run.path)  # generate, export and merge build the model this way
     assert not marker.exists()
     with pytest.raises(AttributeError):  # trusted by name: built (then it is no model)
         load_run_model(run.path, trust=["test_checkpoint_safety"])
     assert marker.exists()
-    for target, why in [("trainer.build.Path", "defined outside"), ("trainer.run.run", "neither a class"),
-                        ("torch.load", "outside plait's packages"), ("${oc.env:HOME}", "interpolation")]:  # fmt: skip
+    for target, why in [
+        ("trainer.build.Path", "defined outside"),
+        ("trainer.run.run", "neither a class"),
+        ("torch.load", "outside plait's packages"),
+        ("${oc.env:HOME}", "interpolation"),
+    ]:
         with pytest.raises(UntrustedTargetError, match=why):
             check_targets(OmegaConf.create({"_target_": target}), source="config.yaml", key="model")
     check_targets(OmegaConf.create({"_target_": "trainer.models.hf.llama_from_hf"}), source="config.yaml", key="model")
@@ -247,12 +262,22 @@ def test_init_from_checks_the_run_model_before_it_is_taken(tmp_path: Path) -> No
 
     run, marker = RunDir(tmp_path / "run"), tmp_path / "ran"
     _save(run.step(1))
-    saved = {"_target_": "trainer.models.llama.Llama", "dim": 48, "n_layers": 1, "n_heads": 4, "init_from": None,
-             "rope_scaling": {"_target_": "builtins.open", "file": str(marker), "mode": "w"}}  # fmt: skip
+    saved = {
+        "_target_": "trainer.models.llama.Llama",
+        "dim": 48,
+        "n_layers": 1,
+        "n_heads": 4,
+        "init_from": None,
+        "rope_scaling": {"_target_": "builtins.open", "file": str(marker), "mode": "w"},
+    }
     OmegaConf.save(OmegaConf.create({"model": saved}), run.config)
-    with pytest.raises(UntrustedTargetError, match=r"model\.rope_scaling\._target_=builtins\.open is in Python's standard library"):
+    with pytest.raises(
+        UntrustedTargetError, match=r"model\.rope_scaling\._target_=builtins\.open is in Python's standard library"
+    ):
         compose("pretrain", [f"model.init_from={run.path}"])
-    taken = compose("pretrain", [f"model.init_from={run.path}", "+model.rope_scaling=null"]).model  # the user's own field
+    taken = compose(
+        "pretrain", [f"model.init_from={run.path}", "+model.rope_scaling=null"]
+    ).model  # the user's own field
     assert (taken.dim, taken.n_layers, taken.rope_scaling) == (48, 1, None)  # the rest is the run's (tiny has dim 256)
 
     saved["rope_scaling"] = {"_target_": f"{__name__}.Marker", "marker": str(marker)}  # a package the user may trust

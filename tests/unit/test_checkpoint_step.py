@@ -60,22 +60,33 @@ def test_a_meta_pt_of_another_checkpoint_is_refused(checkpoints: Path) -> None:
     _reseal(step_4)
     problem = step_problem(step_4)
     assert problem is not None and "\n" not in problem
-    assert f"{step_4}/meta.pt records step 2, its directory name says step 4, its optimizer state counts 4 updates: its weights" in problem
+    assert (
+        f"{step_4}/meta.pt records step 2, its directory name says step 4, its optimizer state counts 4 updates: its weights"
+        in problem
+    )
     assert f"resume={step_2}" in problem  # the fix: the checkpoint before it
     cfg = OmegaConf.create({"run_dir": str(checkpoints.parent), "resume": "last"})
     with pytest.raises(CheckpointError, match="records step 2"):
         check_run_dir(cfg)
-    assert check_run_dir(OmegaConf.create({"run_dir": str(checkpoints.parent), "resume": str(step_2)})) == step_2.resolve()
+    assert (
+        check_run_dir(OmegaConf.create({"run_dir": str(checkpoints.parent), "resume": str(step_2)})) == step_2.resolve()
+    )
 
 
 def test_a_renamed_directory_is_refused(checkpoints: Path) -> None:
     (checkpoints / "step_0000004").rename(checkpoints / "step_0000009")
     problem = step_problem(checkpoints / "step_0000009")
-    assert problem is not None and "records step 4, its directory name says step 9, its optimizer state counts 4 updates" in problem
+    assert (
+        problem is not None
+        and "records step 4, its directory name says step 9, its optimizer state counts 4 updates" in problem
+    )
 
 
 def test_an_optimizer_state_ahead_of_the_loop_is_refused(tmp_path: Path) -> None:
     ahead = _save(tmp_path / "step_0000002", updates=3, global_step=2)
     problem = step_problem(ahead)
-    assert problem is not None and "records step 2, its directory name says step 2, its optimizer state counts 3 updates" in problem
+    assert (
+        problem is not None
+        and "records step 2, its directory name says step 2, its optimizer state counts 3 updates" in problem
+    )
     assert "start a new run_dir (no earlier checkpoint" in problem

@@ -37,7 +37,9 @@ def test_no_supervised_token_gives_exactly_zero():
 
 def test_chunk_must_be_positive():
     with pytest.raises(ValueError, match="chunk_tokens must be positive"):
-        chunked_token_loss_sum(torch.zeros(1, 1, 2), torch.zeros(3, 2), torch.zeros(1, 1, dtype=torch.long), chunk_tokens=0)
+        chunked_token_loss_sum(
+            torch.zeros(1, 1, 2), torch.zeros(3, 2), torch.zeros(1, 1, dtype=torch.long), chunk_tokens=0
+        )
 
 
 def test_no_host_sync_and_autocast_precision_in_backward():
@@ -55,7 +57,10 @@ def test_no_host_sync_and_autocast_precision_in_backward():
             return func(*args, **(kwargs or {}))
 
     g = torch.Generator().manual_seed(0)
-    hidden, weight = torch.randn(2, 6, 8, generator=g, requires_grad=True), torch.randn(11, 8, generator=g, requires_grad=True)
+    hidden, weight = (
+        torch.randn(2, 6, 8, generator=g, requires_grad=True),
+        torch.randn(11, 8, generator=g, requires_grad=True),
+    )
     labels = torch.randint(0, 11, (2, 6), generator=g)
     labels[0, :3] = IGNORE_INDEX
     with Record() as rec:

@@ -36,7 +36,9 @@ def _session(tmp_path: Path, ci: str) -> subprocess.CompletedProcess[str]:
 def test_a_missing_dependency_fails_a_ci_session(tmp_path: Path) -> None:
     result = _session(tmp_path, "true")
     assert result.returncode != 0
-    assert "required test dependencies do not import: wandb (ImportError: broken install)" in result.stdout + result.stderr
+    assert (
+        "required test dependencies do not import: wandb (ImportError: broken install)" in result.stdout + result.stderr
+    )
 
 
 def test_outside_ci_the_session_runs(tmp_path: Path) -> None:

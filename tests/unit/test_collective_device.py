@@ -25,9 +25,15 @@ def _record(tensor: torch.Tensor, *args: object, **kwargs: object) -> None:
 
 @pytest.mark.parametrize(
     "config, expected",
-    [("cuda:nccl", torch.device("cuda", 0)), ("cpu:gloo,cuda:nccl", torch.device("cpu")), ("cpu:gloo,cuda:gloo", torch.device("cpu"))],
+    [
+        ("cuda:nccl", torch.device("cuda", 0)),
+        ("cpu:gloo,cuda:nccl", torch.device("cpu")),
+        ("cpu:gloo,cuda:gloo", torch.device("cpu")),
+    ],
 )
-def test_collective_device_follows_the_backend(monkeypatch: pytest.MonkeyPatch, config: str, expected: torch.device) -> None:
+def test_collective_device_follows_the_backend(
+    monkeypatch: pytest.MonkeyPatch, config: str, expected: torch.device
+) -> None:
     monkeypatch.setattr(cd.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(cd.dist, "get_backend_config", lambda group=None: config)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)

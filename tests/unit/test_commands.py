@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from trainer.catalog import ALIASES, bundled_recipes, config_groups
 from trainer.cli import main
 from trainer.commands import COMMANDS, TRAIN, dispatch
-from trainer.catalog import ALIASES, bundled_recipes, config_groups
 from trainer.compose import compose, to_hydra_argv
 
 
@@ -51,7 +51,12 @@ def test_flags_never_split_the_overrides() -> None:
 def test_command_help_lists_its_options(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     main([name, "--help"])
     out = capsys.readouterr().out
-    expected = {"generate": ["ckpt:", "prompt:", "chat:"], "chat": ["ckpt:", "system:"], "export": ["ckpt:", "out:", "dtype:"], "merge": ["base:", "deltas:", "method:"]}
+    expected = {
+        "generate": ["ckpt:", "prompt:", "chat:"],
+        "chat": ["ckpt:", "system:"],
+        "export": ["ckpt:", "out:", "dtype:"],
+        "merge": ["base:", "deltas:", "method:"],
+    }
     for word in expected.get(name, [f"{group} " for group in config_groups()]):
         assert word in out, (name, word)
 
@@ -86,8 +91,14 @@ def test_preference_recipe_is_one_file_and_the_aliases_compose_as_before() -> No
     "argv, expected",
     [
         (["generate", "ckpt=/nonexistent", "prompt=42"], "prompt=42 must be text; quote it: prompt=\"'42'\""),
-        (["generate", "ckpt=/nonexistent", "prompt=[a,b]"], "prompt=['a', 'b'] must be one text, not a list; give one value: prompt=..."),
-        (["generate", "ckpt=/nonexistent", "temperature=hot"], "temperature='hot' must be a number, e.g. temperature=0.8"),
+        (
+            ["generate", "ckpt=/nonexistent", "prompt=[a,b]"],
+            "prompt=['a', 'b'] must be one text, not a list; give one value: prompt=...",
+        ),
+        (
+            ["generate", "ckpt=/nonexistent", "temperature=hot"],
+            "temperature='hot' must be a number, e.g. temperature=0.8",
+        ),
         (["generate", "ckpt=/nonexistent", "chat=maybe"], "chat='maybe' must be true or false"),
         (["export", "ckpt=/nonexistent", "out=[a]"], "out=['a'] must be one text, not a list"),
         (["export", "ckpt=/nonexistent", "out=7"], "out=7 must be text"),
@@ -95,7 +106,9 @@ def test_preference_recipe_is_one_file_and_the_aliases_compose_as_before() -> No
         (["chat", "ckpt=/nonexistent", "trust=numpy"], "trust='numpy' must be a list of texts"),
     ],
 )
-def test_a_command_argument_of_the_wrong_type_is_one_error(argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_command_argument_of_the_wrong_type_is_one_error(
+    argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Before: ``prompt=42`` reached ``cfg.prompt + reply(...)`` (TypeError), ``out=[a]`` ``Path([...])``."""
     with pytest.raises(SystemExit) as exit_info:
         main(argv)

@@ -29,11 +29,23 @@ def test_measure_columns_appear_only_when_a_run_has_them(tmp_path: Path, capsys:
     _run(tmp_path / "old", "0,,8.3\n2,8.1,8.0\n")  # a summary.json written before the measures existed
     (tmp_path / "old" / "summary.json").write_text(json.dumps({"steps": 2, "final_val_loss": 8.0}))
     main([str(tmp_path / "old"), f"out={tmp_path / 'c.png'}"])
-    assert capsys.readouterr().out.splitlines()[0].split() == ["run", "steps", "val", "loss", "train", "loss", "tokens/s"]
+    assert capsys.readouterr().out.splitlines()[0].split() == [
+        "run",
+        "steps",
+        "val",
+        "loss",
+        "train",
+        "loss",
+        "tokens/s",
+    ]
     _run(tmp_path / "dpo", "0,,0.69\n2,0.6,0.5\n")
     measures = {"val/rewards/accuracy": 0.875, "val/rewards/margin": 1.25}
-    (tmp_path / "dpo" / "summary.json").write_text(json.dumps({"steps": 2, "stopped_by": "max_steps", "final_val_metrics": measures}))
+    (tmp_path / "dpo" / "summary.json").write_text(
+        json.dumps({"steps": 2, "stopped_by": "max_steps", "final_val_metrics": measures})
+    )
     main([str(tmp_path / "old"), str(tmp_path / "dpo"), f"out={tmp_path / 'c.png'}"])
     header, _, old, dpo = capsys.readouterr().out.splitlines()[:4]
-    assert header.split()[-2:] == ["rewards/accuracy", "rewards/margin"] and "stopped" not in header  # none stopped early
+    assert (
+        header.split()[-2:] == ["rewards/accuracy", "rewards/margin"] and "stopped" not in header
+    )  # none stopped early
     assert old.split()[-2:] == ["-", "-"] and dpo.split()[-2:] == ["0.875", "1.25"]

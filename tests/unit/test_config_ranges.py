@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from harness import compose_config
 
-from strategies.runtime.launch import launch_problems
 from strategies.core.ranges import Range, value_problem
+from strategies.runtime.launch import launch_problems
 from trainer.config import ConfigError, validate
 
 
@@ -22,8 +22,11 @@ from trainer.config import ConfigError, validate
         ("data.vocab_size=10", "data.vocab_size=10 must be >= 258"),  # declared by the base, passed as **settings
         ("train.max_grad_norm=-1", "train.max_grad_norm=-1 must be >= 0"),
         ("strategy.heartbeat_s=900", "strategy.heartbeat_s=900 must be below strategy.timeout_s=120"),
-        ("optim.betas=[0.9,0.95,0.99]", "optim: its first step fails (too many values to unpack (expected 2)) with "
-         "lr=0.003, betas=[0.9, 0.95, 0.99]"),  # read only by step()
+        (
+            "optim.betas=[0.9,0.95,0.99]",
+            "optim: its first step fails (too many values to unpack (expected 2)) with "
+            "lr=0.003, betas=[0.9, 0.95, 0.99]",
+        ),  # read only by step()
         ("scheduler.decay=cosin", "scheduler.decay='cosin' must be one of cosine, linear, constant"),
         ("trainer.accelerator=tpu", "trainer.accelerator='tpu' must be one of auto, cpu, gpu, cuda"),
         ("model.max_seq_len=10000000000", "model.max_seq_len=10000000000 must be in [1, 16777216]"),
@@ -39,8 +42,11 @@ def test_out_of_range_values_are_refused(override: str, message: str) -> None:
 def test_an_unknown_compile_backend_is_refused_when_compiling() -> None:
     with pytest.raises(ConfigError) as err:
         validate(compose_config(["strategy.compile.enabled=true", "strategy.compile.backend=inductr"]))
-    assert any(p.startswith("strategy.compile.backend='inductr' is not a torch.compile backend; use one of") and
-               "inductor" in p for p in err.value.problems), err.value.problems
+    assert any(
+        p.startswith("strategy.compile.backend='inductr' is not a torch.compile backend; use one of")
+        and "inductor" in p
+        for p in err.value.problems
+    ), err.value.problems
     validate(compose_config(["strategy.compile.enabled=true", "strategy.compile.backend=aot_eager"]))
 
 

@@ -1,8 +1,8 @@
 """Context-parallel layouts are checked before launch, naming the fix (valid Ulysses degrees)."""
 
 import pytest
-
 from harness import compose_config
+
 from strategies.context.plugin import context_parallel_problems
 from trainer.config import ConfigError, validate
 

@@ -118,7 +118,11 @@ def test_split_is_stable_across_processes():
     )
     outs = {
         subprocess.run(
-            [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
+            [sys.executable, "-c", code],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
             env={**os.environ, "PYTHONHASHSEED": seed},
         ).stdout
         for seed in ("1", "2")
@@ -128,7 +132,9 @@ def test_split_is_stable_across_processes():
 
 def test_load_files_txt_jsonl_and_directories(tmp_path):
     (tmp_path / "one.txt").write_text("Whole file.\n\nStill the same document.\n")
-    (tmp_path / "many.txt").write_text("first doc\n<|endoftext|>\nsecond\ndoc\n  <|endoftext|>  \n\n<|endoftext|>\nthird\n")
+    (tmp_path / "many.txt").write_text(
+        "first doc\n<|endoftext|>\nsecond\ndoc\n  <|endoftext|>  \n\n<|endoftext|>\nthird\n"
+    )
     (tmp_path / "rows.jsonl").write_text(
         json.dumps({"text": "alpha", "id": 1}) + "\n\n" + json.dumps({"text": "beta"}) + "\n"
     )
@@ -146,7 +152,13 @@ def test_load_files_txt_jsonl_and_directories(tmp_path):
 
     everything = load_files([str(tmp_path)])
     assert [d.title for d in everything] == [
-        "many.txt#0", "many.txt#1", "many.txt#3", "one.txt", "rows.jsonl:1", "rows.jsonl:3", "sub/deeper/z.txt",
+        "many.txt#0",
+        "many.txt#1",
+        "many.txt#3",
+        "one.txt",
+        "rows.jsonl:1",
+        "rows.jsonl:3",
+        "sub/deeper/z.txt",
     ]
     assert all(d.source == str(tmp_path) for d in everything)
     assert fingerprint_documents(everything) == fingerprint_documents(load_files([str(tmp_path)]))

@@ -21,6 +21,9 @@ def test_ring_masks_without_document_ids_are_on_the_activations_device() -> None
 
 
 def test_shard_batch_fills_positions_on_the_batch_device() -> None:
-    batch = {"input_ids": torch.empty(2, 8, dtype=torch.long, device=META), "labels": torch.empty(2, 8, dtype=torch.long, device=META)}
+    batch = {
+        "input_ids": torch.empty(2, 8, dtype=torch.long, device=META),
+        "labels": torch.empty(2, 8, dtype=torch.long, device=META),
+    }
     shard = shard_batch(batch, cp=2, rank=0)
     assert shard["position_ids"].device == META and shard["position_ids"].shape == (2, 4)

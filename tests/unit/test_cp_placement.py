@@ -8,9 +8,16 @@ import pytest
 import torch
 
 from strategies.context.placement import (
-    CP_GROUP, fit_sizes, group_sizes, micro_batches_of, place_rows, placement_problems, plan_placement, row_counts,
-)  # fmt: skip
-from strategies.core.document_runs import causal_pairs, longest_document  # fmt: skip
+    CP_GROUP,
+    fit_sizes,
+    group_sizes,
+    micro_batches_of,
+    place_rows,
+    placement_problems,
+    plan_placement,
+    row_counts,
+)
+from strategies.core.document_runs import causal_pairs, longest_document
 
 
 def _rows(*lengths_per_row: list[int]) -> torch.Tensor:
@@ -33,9 +40,7 @@ def test_whole_rows_equal_count_and_balanced():
     assert [len(p) for p in placed] == [3, 3]
     loads = [float(work[p].sum()) for p in placed]
     assert max(loads) - min(loads) <= 1.0  # {9, 2, 5} / {8, 1, 5}: 16 vs 14 would be worse
-    best = min(
-        abs(float(work[list(c)].sum()) * 2 - float(work.sum())) for c in itertools.combinations(range(6), 3)
-    )
+    best = min(abs(float(work[list(c)].sum()) * 2 - float(work.sum())) for c in itertools.combinations(range(6), 3))
     assert abs(loads[0] - loads[1]) <= best + 2.0
 
 
@@ -68,11 +73,24 @@ def test_validate_refuses_hybrid_placement_that_cannot_apply():
     validate(compose_config([f"{key}=hybrid", "strategy=cp", "trainer.devices=2", "train.micro_batch_size=2"]))
     with pytest.raises(ConfigError, match="strategy.cp=1; set strategy.cp > 1 or placement=split"):
         validate(compose_config([f"{key}=hybrid"]))
-    with pytest.raises(ConfigError, match="train.micro_batch_size=1 leaves no group at cp=2; set train.micro_batch_size >= 2"):
+    with pytest.raises(
+        ConfigError, match="train.micro_batch_size=1 leaves no group at cp=2; set train.micro_batch_size >= 2"
+    ):
         validate(compose_config([f"{key}=hybrid", "strategy=cp", "trainer.devices=2", "train.micro_batch_size=1"]))
     with pytest.raises(ConfigError, match="pipeline parallelism"):
-        validate(compose_config([f"{key}=hybrid", "strategy=nd", "strategy.cp=2", "strategy.pp=2", "strategy.dp_shard=1",
-                                 "trainer.devices=4", "train.micro_batch_size=2"]))  # fmt: skip
+        validate(
+            compose_config(
+                [
+                    f"{key}=hybrid",
+                    "strategy=nd",
+                    "strategy.cp=2",
+                    "strategy.pp=2",
+                    "strategy.dp_shard=1",
+                    "trainer.devices=4",
+                    "train.micro_batch_size=2",
+                ]
+            )
+        )
     with pytest.raises(ConfigError, match="'spread' is unknown; use one of split, hybrid"):
         validate(compose_config([f"{key}=spread", "strategy=cp", "trainer.devices=2"]))
 
@@ -105,7 +123,9 @@ def test_row_counts_equal_brute_force(cp):
     sizes = group_sizes(cp)
     options = torch.tensor([*sizes, cp])
     for _ in range(40):
-        fit = options[torch.randint(len(options), (int(torch.randint(1, 7, (1,), generator=rng)),), generator=rng)].tolist()
+        fit = options[
+            torch.randint(len(options), (int(torch.randint(1, 7, (1,), generator=rng)),), generator=rng)
+        ].tolist()
         prefix = [sum(f <= g for f in fit) for g in sizes]
         counts = row_counts(prefix, cp, sizes)
         assert tuple(counts[g] for g in sizes) == _brute_counts(fit, cp, sizes), fit
@@ -132,7 +152,8 @@ def test_sub_group_rows_balance_close_to_brute_force():
     placed = place_rows(work, 2)
     worst = max(float(work[p].sum()) for p in placed)
     best = min(
-        max(float(work[list(c)].sum()), float(work.sum() - work[list(c)].sum())) for c in itertools.combinations(range(8), 4)
+        max(float(work[list(c)].sum()), float(work.sum() - work[list(c)].sum()))
+        for c in itertools.combinations(range(8), 4)
     )
     assert sorted(itertools.chain(*placed)) == list(range(8)) and worst <= best * 4 / 3
 
@@ -167,14 +188,38 @@ def test_validate_accepts_preference_pairs_under_cp_only_whole():
 
     from trainer.config import ConfigError, validate
 
-    dpo = ("model=nano", "data=preference_synthetic", "train.global_batch_size=8", "strategy=cp", "trainer.devices=2",
-           "train.micro_batch_size=2")  # fmt: skip
+    dpo = (
+        "model=nano",
+        "data=preference_synthetic",
+        "train.global_batch_size=8",
+        "strategy=cp",
+        "trainer.devices=2",
+        "train.micro_batch_size=2",
+    )
     hybrid = "strategy.context_parallel.placement=hybrid"
     validate(compose_config([*dpo, hybrid], recipe="dpo", tiny=False))
-    with pytest.raises(ConfigError, match="does not support strategy.cp=2 with placement=split .*context_parallel.placement=hybrid"):
+    with pytest.raises(
+        ConfigError, match="does not support strategy.cp=2 with placement=split .*context_parallel.placement=hybrid"
+    ):
         validate(compose_config(list(dpo), recipe="dpo", tiny=False))
     with pytest.raises(ConfigError, match="train.micro_batch_size=1 < cp=2; set train.micro_batch_size >= 2"):
         validate(compose_config([*dpo, hybrid, "train.micro_batch_size=1"], recipe="dpo", tiny=False))
-    with pytest.raises(ConfigError, match="gives 3 pairs per dp rank, not a multiple of cp=2; use a multiple of dp x cp = 4"):
-        validate(compose_config([*dpo, hybrid, "strategy=nd", "strategy.dp_shard=2", "strategy.cp=2", "trainer.devices=4",
-                                 "train.global_batch_size=6", "train.micro_batch_size=3"], recipe="dpo", tiny=False))  # fmt: skip
+    with pytest.raises(
+        ConfigError, match="gives 3 pairs per dp rank, not a multiple of cp=2; use a multiple of dp x cp = 4"
+    ):
+        validate(
+            compose_config(
+                [
+                    *dpo,
+                    hybrid,
+                    "strategy=nd",
+                    "strategy.dp_shard=2",
+                    "strategy.cp=2",
+                    "trainer.devices=4",
+                    "train.global_batch_size=6",
+                    "train.micro_batch_size=3",
+                ],
+                recipe="dpo",
+                tiny=False,
+            )
+        )

@@ -32,7 +32,9 @@ def test_a_truncated_cache_file_is_rebuilt(tmp_path: Path, capsys) -> None:
 
 def test_a_truncated_tokenizer_cache_is_trained_again(tmp_path: Path, capsys) -> None:
     def load():
-        return load_or_train(path=None, texts=["to be or not to be"] * 8, vocab_size=300, cache_dir=tmp_path, corpus_fingerprint="c")
+        return load_or_train(
+            path=None, texts=["to be or not to be"] * 8, vocab_size=300, cache_dir=tmp_path, corpus_fingerprint="c"
+        )
 
     trained = load()
     (cache_file,) = tmp_path.glob("tokenizer-*.json")
@@ -45,7 +47,9 @@ def test_rows_with_a_token_id_beyond_the_vocabulary_are_rebuilt(tmp_path: Path, 
     rng = random.Random(0)
     words = "to be or not that is the question whether tis nobler in mind suffer slings arrows".split()
     (tmp_path / "corpus.txt").write_text("\n".join(" ".join(rng.choice(words) for _ in range(40)) for _ in range(120)))
-    cfg = compose_config([f"data.path={tmp_path / 'corpus.txt'}", f"data.cache_dir={tmp_path / 'cache'}", "data.vocab_size=300"])
+    cfg = compose_config(
+        [f"data.path={tmp_path / 'corpus.txt'}", f"data.cache_dir={tmp_path / 'cache'}", "data.vocab_size=300"]
+    )
     rows = build_data(cfg).prepare().train
     (cache_file,) = (tmp_path / "cache").glob("rows-*.pt")
     saved = torch.load(cache_file)
@@ -60,9 +64,20 @@ def test_rows_with_a_token_id_beyond_the_vocabulary_are_rebuilt(tmp_path: Path, 
 
 
 def test_sft_samples_with_a_token_id_beyond_the_vocabulary_are_rebuilt(tmp_path: Path, capsys) -> None:
-    cfg = compose_config(["model=nano", "data.seq_len=64", "data=synthetic", "data.sources.reversal.limit=40",
-                          "data.sources.sorting.limit=40", "data.sources.addition.limit=40", f"data.cache_dir={tmp_path}",
-                          "data.vocab_size=300"], recipe="sft", tiny=False)  # fmt: skip
+    cfg = compose_config(
+        [
+            "model=nano",
+            "data.seq_len=64",
+            "data=synthetic",
+            "data.sources.reversal.limit=40",
+            "data.sources.sorting.limit=40",
+            "data.sources.addition.limit=40",
+            f"data.cache_dir={tmp_path}",
+            "data.vocab_size=300",
+        ],
+        recipe="sft",
+        tiny=False,
+    )
     samples = build_data(cfg).prepare().train
     (cache_file,) = tmp_path.glob("sft-*.pt")
     saved = torch.load(cache_file)

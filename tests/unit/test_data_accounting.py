@@ -33,7 +33,9 @@ def _prompt_kept(row_ids: list[int], row_labels: list[int]) -> int:
 
 
 def test_cut_prompts_are_counted_from_the_rows_and_warned_about() -> None:
-    data = _data("dpo", ["data=preference_synthetic", "data.seq_len=32", "data.max_prompt_len=16", "data.sources.copy.limit=200"])
+    data = _data(
+        "dpo", ["data=preference_synthetic", "data.seq_len=32", "data.max_prompt_len=16", "data.sources.copy.limit=200"]
+    )
     prepared, counts = data.prepare(), data.data_counts()["copy"]
     pairs, _ = data._records("copy", data.sources["copy"])
     template = data.chat_template(data.template_name, prepared.tokenizer)
@@ -53,17 +55,27 @@ def test_the_shipped_presets_keep_every_sample_whole() -> None:
     # synthetic SFT preset refuses long samples, and the default SFT recipe splits them.
     for recipe, overrides in (("dpo", ["data=preference_synthetic"]), ("sft", ["data=synthetic"]), ("sft", [])):
         counts = _data(recipe, overrides).data_counts()
-        assert counts and all(c.affected == 0 and c.supervised_tokens_lost == 0 for c in counts.values()), (recipe, overrides)
+        assert counts and all(c.affected == 0 and c.supervised_tokens_lost == 0 for c in counts.values()), (
+            recipe,
+            overrides,
+        )
 
 
 def test_truncated_conversations_count_the_supervised_tokens_the_samples_lose(tmp_path) -> None:
     def text(n: int, base: int) -> str:
         return " ".join(str(base + i) for i in range(n))
 
-    rows = [{"messages": [{"role": "user", "content": text(n, 0)}, {"role": "assistant", "content": text(n, 500)}]} for n in (4, 40, 80, 6)]
+    rows = [
+        {"messages": [{"role": "user", "content": text(n, 0)}, {"role": "assistant", "content": text(n, 500)}]}
+        for n in (4, 40, 80, 6)
+    ]
     path = tmp_path / "chats.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    overrides = [f"data.sources={{mine: {{source: {path}, val_size: 0}}}}", "data.seq_len=64", "train.global_batch_size=1"]
+    overrides = [
+        f"data.sources={{mine: {{source: {path}, val_size: 0}}}}",
+        "data.seq_len=64",
+        "train.global_batch_size=1",
+    ]
     whole = _data("sft", [*overrides, "data.long_samples=split"])
     cut = _data("sft", [*overrides, "data.long_samples=truncate"])
 
@@ -77,12 +89,17 @@ def test_truncated_conversations_count_the_supervised_tokens_the_samples_lose(tm
     assert counts.supervised_tokens == supervised(cut)
     assert counts.supervised_tokens + counts.supervised_tokens_lost == supervised(whole)
     warning = next(line for line in describe(cut) if line.startswith("warning:"))
-    assert "data.sources.mine: 2 of 4 training conversations (50.0%)" in warning and "data.long_samples=split" in warning
+    assert (
+        "data.sources.mine: 2 of 4 training conversations (50.0%)" in warning and "data.long_samples=split" in warning
+    )
 
 
 def test_a_source_that_keeps_no_supervised_token_is_refused_naming_it() -> None:
     data = _data("sft", ["data.long_samples=drop", "data.seq_len=64"])
-    with pytest.raises(DataError, match=r"data.sources.tool_use: none of its \d+ training conversations keeps a supervised token.*data.seq_len \(now 64"):
+    with pytest.raises(
+        DataError,
+        match=r"data.sources.tool_use: none of its \d+ training conversations keeps a supervised token.*data.seq_len \(now 64",
+    ):
         data.prepare()
 
 
@@ -91,14 +108,23 @@ def _chats_with_long_held_out(tmp_path, data, *, n: int = 8, val_size: int = 2) 
     an answer of 60 numbers (longer than data.seq_len=64 tokens), the training ones of 4."""
     _, held = hold_out(list(range(n)), val_size, seed=data.seed, name="mine")
     rows = [
-        {"messages": [{"role": "user", "content": "0 1 2 3"}, {"role": "assistant", "content": " ".join(str(500 + j) for j in range(k))}]}
+        {
+            "messages": [
+                {"role": "user", "content": "0 1 2 3"},
+                {"role": "assistant", "content": " ".join(str(500 + j) for j in range(k))},
+            ]
+        }
         for k in (60 if i in held else 4 for i in range(n))
     ]
     (tmp_path / "chats.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
 
 
 def _sft_on_file(tmp_path, policy: str):
-    overrides = [f"data.sources={{mine: {{source: {tmp_path / 'chats.jsonl'}, val_size: 2}}}}", "data.seq_len=64", "train.global_batch_size=1"]
+    overrides = [
+        f"data.sources={{mine: {{source: {tmp_path / 'chats.jsonl'}, val_size: 2}}}}",
+        "data.seq_len=64",
+        "train.global_batch_size=1",
+    ]
     (tmp_path / "chats.jsonl").write_text("")
     return _data("sft", [*overrides, f"data.long_samples={policy}"])
 
@@ -111,12 +137,18 @@ def test_held_out_cuts_are_counted_from_the_held_out_rows_and_printed(tmp_path) 
     assert train.affected == 0 and train.samples == 6
     assert held_out.samples == 2 and held_out.truncated == 2 and held_out.supervised_tokens == kept > 0
     lines = describe(data)
-    assert any(line.startswith("data cuts (held-out, scored as cut): data.sources.mine: 2 conversations: 2 truncated") for line in lines), lines
+    assert any(
+        line.startswith("data cuts (held-out, scored as cut): data.sources.mine: 2 conversations: 2 truncated")
+        for line in lines
+    ), lines
     assert not any(line.startswith("warning:") for line in lines)  # the training split is whole
 
 
 def test_a_source_whose_held_out_samples_are_all_dropped_is_refused_naming_it(tmp_path) -> None:
     data = _sft_on_file(tmp_path, "drop")
     _chats_with_long_held_out(tmp_path, data)
-    with pytest.raises(DataError, match=r"data.sources.mine: none of its 2 held-out conversations keeps a supervised token \(nothing left to score"):
+    with pytest.raises(
+        DataError,
+        match=r"data.sources.mine: none of its 2 held-out conversations keeps a supervised token \(nothing left to score",
+    ):
         data.prepare()

@@ -61,7 +61,9 @@ def test_only_logging_and_evaluation_steps_read_the_device(tmp_path: Path, monke
     common = ["trainer.max_steps=6", "train.eval_every=5", "logger=csv"]
     _, task = fit(compose_config([*common, "trainer.log_every_n_steps=3"]), tmp_path / "every3")
     reads = {h["reads_of_step"]: h["reads"] for h in task.history if "reads_of_step" in h}
-    assert [s for s, n in reads.items() if n] == [3, 5, 6], [h["where"] for h in task.history if "where" in h][:2]  # log (3), evaluate (5), last (6)
+    assert [s for s, n in reads.items() if n] == [3, 5, 6], [h["where"] for h in task.history if "where" in h][
+        :2
+    ]  # log (3), evaluate (5), last (6)
     _, every_step = fit(compose_config([*common, "trainer.log_every_n_steps=1"]), tmp_path / "every1")
     steps = lambda t: [{k: v for k, v in h.items()} for h in t.history if "loss" in h]  # noqa: E731
     assert steps(task) == steps(every_step)  # the same floats, read later
@@ -73,13 +75,18 @@ def test_only_logging_and_evaluation_steps_read_the_device(tmp_path: Path, monke
 def test_pending_steps_read_in_one_transfer_and_keep_integers() -> None:
     pending = PendingSteps()
     sums = torch.tensor([[3.0, 5.0, 1.0], [2.0, 0.0, 4.0]])
-    pending.add({"step": 1, "loss": torch.tensor(2.5), "tokens": torch.tensor(2**40 + 1)}, [NamedMeans.of_sums("train", ["a", "b", "c"], sums)])
+    pending.add(
+        {"step": 1, "loss": torch.tensor(2.5), "tokens": torch.tensor(2**40 + 1)},
+        [NamedMeans.of_sums("train", ["a", "b", "c"], sums)],
+    )
     pending.add({"step": 2, "loss": torch.tensor(math.nan), "lr": 0.5})
     with _HostReads() as mode:
         first, second = pending.read()
     assert [r.split()[0] for r in mode.reads] == ["tolist"] and len(pending) == 0
     assert first == {"step": 1, "loss": 2.5, "tokens": 2**40 + 1, "train/a": 1.5, "train/c": 0.25}  # count 0: left out
-    assert isinstance(first["tokens"], int) and second["step"] == 2 and math.isnan(second["loss"]) and second["lr"] == 0.5
+    assert (
+        isinstance(first["tokens"], int) and second["step"] == 2 and math.isnan(second["loss"]) and second["lr"] == 0.5
+    )
 
 
 POISONED, STEPS = 2, 3
@@ -97,26 +104,36 @@ class Poison:
 def _adamw_reference(cfg: Any) -> dict[str, torch.Tensor]:
     """Plain PyTorch AdamW (torch's per-tensor loop, not fused): steps 1 and 3; step 2's batch is
     drawn but the optimizer never sees it (no update, no moment, no step count)."""
-    from trainer.model_node import instantiate_model
-
     from trainer.build import build_data
     from trainer.data.sampler import GlobalBatchSampler
+    from trainer.model_node import instantiate_model
 
     rows = build_data(cfg).prepare()
     torch.manual_seed(cfg.seed)
     model = instantiate_model(cfg.model, vocab_size=rows.tokenizer.vocab_size)
     rows = rows.train
     sampler = GlobalBatchSampler(
-        len(rows), global_batch_size=cfg.train.global_batch_size, dp_size=1,
-        shuffle=cfg.data.shuffle, seed=cfg.data.seed, drop_last=cfg.data.drop_last,
-    )  # fmt: skip
+        len(rows),
+        global_batch_size=cfg.train.global_batch_size,
+        dp_size=1,
+        shuffle=cfg.data.shuffle,
+        seed=cfg.data.seed,
+        drop_last=cfg.data.drop_last,
+    )
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, weight_decay=0.0, foreach=False
+        model.parameters(),
+        lr=cfg.optim.lr,
+        betas=tuple(cfg.optim.betas),
+        eps=cfg.optim.eps,
+        weight_decay=0.0,
+        foreach=False,
     )
     for step, index in zip(range(1, STEPS + 1), sampler):
         if step == POISONED:
             continue
-        logits = model(rows.input_ids[index], position_ids_bt=rows.position_ids[index], document_ids_bt=rows.document_ids[index])
+        logits = model(
+            rows.input_ids[index], position_ids_bt=rows.position_ids[index], document_ids_bt=rows.document_ids[index]
+        )
         labels = rows.labels[index]
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
         optimizer.zero_grad(set_to_none=True)

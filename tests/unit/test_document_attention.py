@@ -17,8 +17,11 @@ import torch.nn.functional as F
 from strategies.context.attention_blocks import FusedBlocks
 from trainer.models.attention import DOCUMENT_CAUSAL
 from trainer.models.document_masks import (
-    PackedDocuments, document_block_mask, flex_document_attention, pack_documents,
-)  # fmt: skip
+    PackedDocuments,
+    document_block_mask,
+    flex_document_attention,
+    pack_documents,
+)
 
 B, T, H, K, E = 2, 64, 8, 4, 16
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -26,7 +29,11 @@ CPU = torch.device("cpu")
 
 
 def dense_reference(q, k, v, docs):  # noqa: ANN001, ANN201
-    qh, kh, vh = q.transpose(1, 2), k.repeat_interleave(H // K, 2).transpose(1, 2), v.repeat_interleave(H // K, 2).transpose(1, 2)
+    qh, kh, vh = (
+        q.transpose(1, 2),
+        k.repeat_interleave(H // K, 2).transpose(1, 2),
+        v.repeat_interleave(H // K, 2).transpose(1, 2),
+    )
     mask = (docs[:, :, None] == docs[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril()
     return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask[:, None]).transpose(1, 2)
 
@@ -86,7 +93,9 @@ def test_ids_that_come_back_use_the_dense_mask():
     """Document 0 resumes after document 1: attention follows the ids, not the runs."""
     docs = torch.tensor([[0] * 20 + [1] * 24 + [0] * 20] * B)
     q, k, v, _ = tensors(3)
-    torch.testing.assert_close(DOCUMENT_CAUSAL(q, k, v, DOCUMENT_CAUSAL.mask(docs, T, CPU)), dense_reference(q, k, v, docs), **TOL)
+    torch.testing.assert_close(
+        DOCUMENT_CAUSAL(q, k, v, DOCUMENT_CAUSAL.mask(docs, T, CPU)), dense_reference(q, k, v, docs), **TOL
+    )
 
 
 def test_gqa_saves_no_repeated_keys():
@@ -115,7 +124,13 @@ def test_fused_block_kernels_cuda_calls_on_meta():
 def test_value_head_dim_may_differ_from_the_query_one():
     # Multi-head latent attention (trainer.models.mla): q/k of 24 features, values of 16.
     g = torch.Generator().manual_seed(3)
-    q, k, v = torch.randn(B, T, H, 24, generator=g), torch.randn(B, T, H, 24, generator=g), torch.randn(B, T, H, 16, generator=g)
+    q, k, v = (
+        torch.randn(B, T, H, 24, generator=g),
+        torch.randn(B, T, H, 24, generator=g),
+        torch.randn(B, T, H, 16, generator=g),
+    )
     mask = (PACKED[:, :, None] == PACKED[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril()
-    want = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=mask[:, None]).transpose(1, 2)
+    want = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=mask[:, None]).transpose(
+        1, 2
+    )
     torch.testing.assert_close(DOCUMENT_CAUSAL(q, k, v, DOCUMENT_CAUSAL.mask(PACKED, T, CPU)), want, **TOL)

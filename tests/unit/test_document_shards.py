@@ -13,8 +13,8 @@ import random
 import pytest
 import torch
 
-from strategies.context.plugin import ContextParallel, shard_batch, shard_positions
 from strategies.context.document_shards import document_zigzag_order, rank_causal_work
+from strategies.context.plugin import ContextParallel, shard_batch, shard_positions
 
 
 def packed(seq_len: int, rng: random.Random, low: int, high: int) -> torch.Tensor:
@@ -72,7 +72,11 @@ def test_causal_work_is_even_on_packed_rows_of_random_documents(cp):
 def test_sharded_rows_hold_every_token_once():
     rng = random.Random(5)
     docs = torch.stack([packed(32, rng, 1, 12) for _ in range(3)])
-    batch = {"input_ids": torch.arange(96).view(3, 32), "document_ids": docs, "labels": torch.arange(96).view(3, 32) + 1000}
+    batch = {
+        "input_ids": torch.arange(96).view(3, 32),
+        "document_ids": docs,
+        "labels": torch.arange(96).view(3, 32) + 1000,
+    }
     parts = [shard_batch(batch, cp=2, rank=r, documents=True) for r in range(2)]
     ids = torch.cat([p["input_ids"] for p in parts], dim=1)
     assert torch.equal(ids.sort(dim=1).values, batch["input_ids"])

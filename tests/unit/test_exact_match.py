@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
+from test_chat import byte_tokenizer
 from torch import nn
 
-from test_chat import byte_tokenizer
 from trainer.evaluators.exact_match import ExactMatch, GenerationSet
 
 

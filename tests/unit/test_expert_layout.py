@@ -4,8 +4,8 @@ each problem naming the degrees that would work."""
 from __future__ import annotations
 
 import pytest
-
 from harness import MOE_SMALL, compose_config
+
 from trainer.config import ConfigError, validate
 
 FOUR_RANKS = (*MOE_SMALL, "strategy=nd", "trainer.devices=4", "train.global_batch_size=16")

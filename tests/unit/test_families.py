@@ -11,7 +11,13 @@ from trainer.models.moe_transformer import MoETransformer
 
 SIZES = dict(vocab_size=16, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, max_seq_len=8)
 MOE = dict(num_experts=2, top_k=1, moe_ffn_dim=8)
-CONFIG = {"num_experts_per_tok": 1, "num_experts": 2, "num_local_experts": 2, "moe_intermediate_size": 8, "intermediate_size": 8}
+CONFIG = {
+    "num_experts_per_tok": 1,
+    "num_experts": 2,
+    "num_local_experts": 2,
+    "moe_intermediate_size": 8,
+    "intermediate_size": 8,
+}
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
@@ -36,5 +42,8 @@ def test_exportable_classes_come_from_the_registry() -> None:
         both = Llama(**SIZES, qk_norm=True, qkv_bias=True)
     with pytest.raises(FamilyError, match=r"qk_norm=True, qkv_bias=True \(Llama\) fit no Hugging Face architecture"):
         export_family_of(both)
-    with torch.device("meta"), pytest.raises(FamilyError, match=r"a llama model cannot be written as its source's qwen2"):
+    with (
+        torch.device("meta"),
+        pytest.raises(FamilyError, match=r"a llama model cannot be written as its source's qwen2"),
+    ):
         export_family_of(Llama(**SIZES), {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]})

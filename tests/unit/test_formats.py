@@ -32,12 +32,19 @@ def test_trl_sft_formats(tmp_path):
     rows = [
         {"messages": [{"role": U, "content": "hi"}, {"role": A, "content": "yo"}]},
         {"prompt": "2+2?", "completion": "4"},
-        {"prompt": [{"role": "system", "content": "be terse"}, {"role": U, "content": "3+3?"}], "completion": [{"role": A, "content": "6"}]},
+        {
+            "prompt": [{"role": "system", "content": "be terse"}, {"role": U, "content": "3+3?"}],
+            "completion": [{"role": A, "content": "6"}],
+        },
         {"prompt": "name?", "response": "plait"},
     ]
     got = _records(CONVERSATIONS, _jsonl(tmp_path / "sft.jsonl", rows))
     assert got[1] == [{"role": U, "content": "2+2?"}, {"role": A, "content": "4"}]
-    assert got[2] == [{"role": "system", "content": "be terse"}, {"role": U, "content": "3+3?"}, {"role": A, "content": "6"}]
+    assert got[2] == [
+        {"role": "system", "content": "be terse"},
+        {"role": U, "content": "3+3?"},
+        {"role": A, "content": "6"},
+    ]
     assert got[3][1] == {"role": A, "content": "plait"} and got[0][1]["content"] == "yo"
 
 
@@ -50,10 +57,19 @@ def test_trl_preference_formats(tmp_path):
     ]
     want = {"messages": prompt, "chosen": "blue", "rejected": "green"}
     assert _records(PAIRS, _jsonl(tmp_path / "pairs.jsonl", rows)) == [want] * 3
-    turns = [{"role": "system", "content": "terse"}, *prompt, {"role": A, "content": "blue"}, {"role": U, "content": "sure?"}]
+    turns = [
+        {"role": "system", "content": "terse"},
+        *prompt,
+        {"role": A, "content": "blue"},
+        {"role": U, "content": "sure?"},
+    ]
     multi = {"chosen": [*turns, {"role": A, "content": "yes"}], "rejected": [*turns, {"role": A, "content": "no"}]}
-    assert _records(PAIRS, _jsonl(tmp_path / "multi.jsonl", [multi])) == [{"messages": turns, "chosen": "yes", "rejected": "no"}]
-    unpaired = _records(PAIRS, _jsonl(tmp_path / "kto.jsonl", [{"prompt": "sky?", "completion": "blue", "label": True}]))
+    assert _records(PAIRS, _jsonl(tmp_path / "multi.jsonl", [multi])) == [
+        {"messages": turns, "chosen": "yes", "rejected": "no"}
+    ]
+    unpaired = _records(
+        PAIRS, _jsonl(tmp_path / "kto.jsonl", [{"prompt": "sky?", "completion": "blue", "label": True}])
+    )
     assert unpaired == [{"messages": prompt, "completion": "blue", "label": True}]
 
 
@@ -63,18 +79,36 @@ def test_trl_preference_formats(tmp_path):
         (CONVERSATIONS, {"question": "x", "answer": "y"}, "'prompt' and 'completion'"),
         (CONVERSATIONS, {"prompt": "x", "completion": 3}, "'completion' is int"),
         (PAIRS, {"prompt": "x", "chosen": "y"}, "'prompt', 'chosen' and 'rejected'"),
-        (PAIRS, {"prompt": "x", "chosen": [{"role": U, "content": "y"}], "rejected": [{"role": A, "content": "z"}]},
-         "'chosen' must be one assistant turn"),
-        (PAIRS, {"prompt": "x", "chosen": [{"role": A, "content": "y"}], "rejected": "z"},
-         "'chosen' is a message list and 'rejected' a string; give both as strings or both as message lists"),
-        (PAIRS, {"chosen": [{"role": A, "content": "y"}], "rejected": [{"role": A, "content": "z"}]}, "share no prompt turn"),
+        (
+            PAIRS,
+            {"prompt": "x", "chosen": [{"role": U, "content": "y"}], "rejected": [{"role": A, "content": "z"}]},
+            "'chosen' must be one assistant turn",
+        ),
+        (
+            PAIRS,
+            {"prompt": "x", "chosen": [{"role": A, "content": "y"}], "rejected": "z"},
+            "'chosen' is a message list and 'rejected' a string; give both as strings or both as message lists",
+        ),
+        (
+            PAIRS,
+            {"chosen": [{"role": A, "content": "y"}], "rejected": [{"role": A, "content": "z"}]},
+            "share no prompt turn",
+        ),
         (PAIRS, {"prompt": "x", "completion": "y", "label": "good"}, "use true (desirable)"),
-        (PAIRS, {"prompt": "x", "completion": "y", "lable": True}, "'completion' (strings or message lists) and 'label'"),
+        (
+            PAIRS,
+            {"prompt": "x", "completion": "y", "lable": True},
+            "'completion' (strings or message lists) and 'label'",
+        ),
         (PAIRS, {"prompt": "x", "label": False}, "'completion' (strings or message lists) and 'label'"),
     ],
 )
 def test_a_malformed_row_names_file_line_and_fix(tmp_path, catalog, row, says):
-    good = {"prompt": "a", "completion": "b"} if catalog is CONVERSATIONS else {"prompt": "a", "chosen": "b", "rejected": "c"}
+    good = (
+        {"prompt": "a", "completion": "b"}
+        if catalog is CONVERSATIONS
+        else {"prompt": "a", "chosen": "b", "rejected": "c"}
+    )
     path = _jsonl(tmp_path / "bad.jsonl", [good, row])
     with pytest.raises(DataError, match="data.sources.mine: .*bad.jsonl, line 2: ") as err:
         _records(catalog, path)
@@ -118,11 +152,23 @@ def test_a_budget_on_a_parquet_source_is_exact(tmp_path):
     from trainer.build import build_data
 
     n = 40
-    rows = {"prompt": [f"say {i} {i + 1}" for i in range(n)], "completion": [f"{i} {i + 1} {i + 2} done" for i in range(n)]}
+    rows = {
+        "prompt": [f"say {i} {i + 1}" for i in range(n)],
+        "completion": [f"{i} {i + 1} {i + 2} done" for i in range(n)],
+    }
     datasets.Dataset.from_dict(rows).to_parquet(str(tmp_path / "a.parquet"))
     source = "{mine: {source: %s, max_tokens: 333, max_epochs: null, val_size: 2}}" % (tmp_path / "a.parquet")
-    cfg = compose("sft", [f"data.sources={source}", "data.vocab_size=300", f"data.cache_dir={tmp_path / 'cache'}",
-                          "data.seq_len=32", "train.global_batch_size=4", "model=nano"])  # fmt: skip
+    cfg = compose(
+        "sft",
+        [
+            f"data.sources={source}",
+            "data.vocab_size=300",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            "data.seq_len=32",
+            "train.global_batch_size=4",
+            "model=nano",
+        ],
+    )
     data = build_data(cfg)
     batches = data.train_batches(0, 1)
     position = batches.start()

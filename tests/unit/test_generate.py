@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from trainer.data.chat import DEFAULT_CHAT_TEMPLATE, JinjaTemplate, default_segments, prompt_text
-from trainer.sampling import NonFiniteLogitsError, sample
 from trainer.models.llama import Llama
+from trainer.sampling import NonFiniteLogitsError, sample
 
 VOCAB = 300
 
@@ -60,7 +60,9 @@ def test_default_chat_template_is_the_trained_text() -> None:
         {"role": "assistant", "content": "hello"}, {"role": "user", "content": "again?"},
     ]  # fmt: skip
     template = JinjaTemplate(DEFAULT_CHAT_TEMPLATE, eos_token="<|endoftext|>")
-    trained = "".join(text + ("<|endoftext|>" if supervised else "") for text, supervised in default_segments(messages[:3]))
+    trained = "".join(
+        text + ("<|endoftext|>" if supervised else "") for text, supervised in default_segments(messages[:3])
+    )
     assert template.render(messages[:3]) == trained
     assert template.render(messages, add_generation_prompt=True) == trained + prompt_text(messages[3:])
 
@@ -81,7 +83,9 @@ def test_export_has_a_chat_template_transformers_uses(tmp_path) -> None:
     ids = tokenizer.encode(text)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     generated = hf_model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False)[0, len(ids) :].tolist()
-    plait_ids = sample(model, ids, max_new_tokens=20, temperature=0.0, top_k=None, max_seq_len=128, eos_id=tokenizer.eos_id)
+    plait_ids = sample(
+        model, ids, max_new_tokens=20, temperature=0.0, top_k=None, max_seq_len=128, eos_id=tokenizer.eos_id
+    )
     assert generated[: len(plait_ids)] == plait_ids
 
 
@@ -101,9 +105,12 @@ def test_overflowing_logits_name_the_fix_instead_of_a_multinomial_traceback() ->
 
 @pytest.mark.parametrize(
     ("option", "message"),
-    [("max_new_tokens=-5", "max_new_tokens=-5 must be > 0"), ("temperature=-1", "temperature=-1 must be >= 0"),
-     ("top_k=0", "top_k=0 must be > 0")],
-)  # fmt: skip
+    [
+        ("max_new_tokens=-5", "max_new_tokens=-5 must be > 0"),
+        ("temperature=-1", "temperature=-1 must be >= 0"),
+        ("top_k=0", "top_k=0 must be > 0"),
+    ],
+)
 def test_sampling_options_out_of_range_are_refused_before_loading(option: str, message: str, capsys) -> None:
     """`sample`'s declared ranges hold for ``plait generate``'s options, checked before the checkpoint loads."""
     from trainer.generate import main

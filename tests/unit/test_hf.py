@@ -12,13 +12,13 @@ import json
 
 import pytest
 import torch
-
 from hf_checkpoints import FAMILIES, batch, make_hf_dir, transformers
+
 from trainer.config import ConfigError, validate
 from trainer.data.tokenizer import Tokenizer
 from trainer.export import write_hf_dir
-from trainer.models.hf import llama_from_hf
 from trainer.init_from import load_init_from
+from trainer.models.hf import llama_from_hf
 from trainer.models.llama import Llama
 
 TOL = 1e-5
@@ -43,9 +43,13 @@ def test_load_matches_transformers_and_export_round_trips(family, tmp_path):
     # Export (sharded for one family: the index path both ways), then transformers reads it back.
     shard_mb = 0.05 if family == "qwen3" else 5000
     write_hf_dir(
-        tmp_path / "out", model=model, state=model.state_dict(), tokenizer=Tokenizer.from_file(tmp_path / "hf" / "tokenizer.json"),
-        sources=[tmp_path / "hf"], max_shard_mb=shard_mb,
-    )  # fmt: skip
+        tmp_path / "out",
+        model=model,
+        state=model.state_dict(),
+        tokenizer=Tokenizer.from_file(tmp_path / "hf" / "tokenizer.json"),
+        sources=[tmp_path / "hf"],
+        max_shard_mb=shard_mb,
+    )
     assert (tmp_path / "out" / "model.safetensors.index.json").is_file() == (family == "qwen3")
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
     assert type(reloaded) is type(hf)
@@ -64,20 +68,34 @@ def test_an_export_in_another_dtype_says_so_where_transformers_5_reads_it(tmp_pa
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "float32"
     model = _plait(tmp_path / "hf")
     write_hf_dir(
-        tmp_path / "out", model=model, state=model.state_dict(), tokenizer=Tokenizer.from_file(tmp_path / "hf" / "tokenizer.json"),
-        sources=[tmp_path / "hf"], dtype="bfloat16",
-    )  # fmt: skip
+        tmp_path / "out",
+        model=model,
+        state=model.state_dict(),
+        tokenizer=Tokenizer.from_file(tmp_path / "hf" / "tokenizer.json"),
+        sources=[tmp_path / "hf"],
+        dtype="bfloat16",
+    )
     assert transformers.AutoConfig.from_pretrained(tmp_path / "out").dtype == torch.bfloat16
+
 
 def test_plait_model_exports_to_transformers(tmp_path):
     """A model plait trained from scratch (QK-norm, own head dim, tied) becomes a Qwen3 directory."""
-    from trainer.data.tokenizer import train_bpe
-
     from hf_checkpoints import corpus_texts
 
+    from trainer.data.tokenizer import train_bpe
+
     torch.manual_seed(0)
-    model = Llama(vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=24, qk_norm=True,
-                  tie_embeddings=True, max_seq_len=64).eval()  # fmt: skip
+    model = Llama(
+        vocab_size=300,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=24,
+        qk_norm=True,
+        tie_embeddings=True,
+        max_seq_len=64,
+    ).eval()
     tok = train_bpe(corpus_texts(), vocab_size=300)
     write_hf_dir(tmp_path / "out", model=model, state=model.state_dict(), tokenizer=tok, sources=[])
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
@@ -89,6 +107,7 @@ def test_plait_model_exports_to_transformers(tmp_path):
 
 def _config(tmp_path, *overrides, **edits):
     from hf_checkpoints import write_tokenizer
+
     from trainer.compose import compose
 
     make_hf_dir("llama3", tmp_path / "hf")
@@ -103,8 +122,14 @@ def _config(tmp_path, *overrides, **edits):
 @pytest.mark.parametrize(
     "edits, named",
     [
-        ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "rope_parameters.rope_type='dynamic'"),
-        ({"rope_parameters": {"rope_type": "llama3", "factor": 2.0, "rope_theta": 1e4}}, "rope_parameters.low_freq_factor is required"),
+        (
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+            "rope_parameters.rope_type='dynamic'",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "llama3", "factor": 2.0, "rope_theta": 1e4}},
+            "rope_parameters.low_freq_factor is required",
+        ),
         ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "architectures=['GPT2LMHeadModel']"),
         ({"mlp_bias": True}, "mlp_bias=True"),
     ],
@@ -150,11 +175,21 @@ def test_validate_guides_the_model_choice(tmp_path):
 def test_checkpoint_tokenizer_and_chat_template_feed_the_data(tmp_path):
     """With data.tokenizer=null the data module takes the checkpoint's tokenizer and chat template."""
     from hf_checkpoints import CHAT_TEMPLATE
+
     from trainer.build import build_data
     from trainer.compose import compose
 
     make_hf_dir("qwen3", tmp_path / "hf")
-    cfg = compose("sft", ["data=synthetic", "data.template=auto", "data.long_samples=split", "model=hf", f"model.init_from={tmp_path / 'hf'}"])
+    cfg = compose(
+        "sft",
+        [
+            "data=synthetic",
+            "data.template=auto",
+            "data.long_samples=split",
+            "model=hf",
+            f"model.init_from={tmp_path / 'hf'}",
+        ],
+    )
     validate(cfg)
     data = build_data(cfg)
     assert data.tokenizer_path == str(tmp_path / "hf" / "tokenizer.json")

@@ -11,12 +11,12 @@ import json
 
 import pytest
 import torch
-
 from hf_checkpoints import batch, make_hf_dir
+
 from trainer.data.tokenizer import Tokenizer
 from trainer.export import write_hf_dir
-from trainer.models.hf import HFError, llama_from_hf
 from trainer.init_from import load_init_from
+from trainer.models.hf import HFError, llama_from_hf
 from trainer.models.moe_transformer import MoETransformer
 
 

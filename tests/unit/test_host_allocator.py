@@ -28,9 +28,21 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
-    )]  # fmt: skip
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def probe() -> dict[str, float]:
@@ -66,16 +78,24 @@ def _fresh_probe(setup: str) -> dict[str, float]:
 def test_keep_freed_host_memory_keeps_large_blocks_in_the_heap() -> None:
     # glibc's default, the premise: a 64 MiB block gets a mapping of its own, unmapped at free.
     assert _fresh_probe("")["mapped_mib"] >= 64
-    kept = _fresh_probe("from strategies.runtime.host_allocator import keep_freed_host_memory\nassert keep_freed_host_memory()")
+    kept = _fresh_probe(
+        "from strategies.runtime.host_allocator import keep_freed_host_memory\nassert keep_freed_host_memory()"
+    )
     assert kept["mapped_mib"] == 0  # from the heap ...
     assert kept["kept_mib"] >= 128  # ... and still there after it is freed (not trimmed), for the next step
 
 
 @pytest.mark.parametrize(("allocator", "mapped"), [(None, False), ("system", True)])
-def test_a_cpu_fit_keeps_freed_blocks_unless_told_otherwise(tmp_path: Path, allocator: str | None, mapped: bool) -> None:
+def test_a_cpu_fit_keeps_freed_blocks_unless_told_otherwise(
+    tmp_path: Path, allocator: str | None, mapped: bool
+) -> None:
     # The default of every strategy preset (conf/strategy/nd.yaml), applied by setup_environment in
     # the process that trains; strategy.cpu_allocator=system leaves glibc's defaults.
-    overrides = ["trainer.max_steps=1", "~callbacks.checkpoint", "+callbacks.malloc._target_=test_host_allocator.MallocProbe"]
+    overrides = [
+        "trainer.max_steps=1",
+        "~callbacks.checkpoint",
+        "+callbacks.malloc._target_=test_host_allocator.MallocProbe",
+    ]
     if allocator is not None:
         overrides.append(f"strategy.cpu_allocator={allocator}")
     _, task = fit(compose_config(overrides), tmp_path)

@@ -88,7 +88,9 @@ def test_no_import_cycles() -> None:
 
 def test_strategies_never_import_trainer() -> None:
     graph = import_graph()
-    assert sorted((a, b) for a in graph for b in graph[a] if a.startswith("strategies") and b.startswith("trainer")) == []
+    assert (
+        sorted((a, b) for a in graph for b in graph[a] if a.startswith("strategies") and b.startswith("trainer")) == []
+    )
 
 
 def test_a_cycle_through_a_function_level_import_is_found() -> None:

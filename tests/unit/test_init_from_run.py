@@ -70,7 +70,9 @@ def test_a_one_file_corpus_holds_out_rows(tmp_path: Path) -> None:
     folder = tmp_path / "corpus"
     folder.mkdir()
     (folder / "book.txt").write_text("".join(f"Line {i} of the only book, with some words.\n" for i in range(400)))
-    cfg = compose("pretrain", ["model=nano", f"data.path={folder}", "data.vocab_size=300", f"data.cache_dir={tmp_path}", *SMALL])
+    cfg = compose(
+        "pretrain", ["model=nano", f"data.path={folder}", "data.vocab_size=300", f"data.cache_dir={tmp_path}", *SMALL]
+    )
     prepared = build_data(cfg).prepare()
     rows = len(prepared.train) + len(prepared.val)
     assert len(prepared.val) == max(1, round(0.02 * rows)) and len(prepared.train) >= 8

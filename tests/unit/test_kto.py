@@ -57,7 +57,9 @@ def _batch(pairs=6, length=9, vocab=11, seed=0):
     }  # fmt: skip
 
 
-@pytest.mark.parametrize(("beta", "dw", "uw", "ref_shift"), [(0.1, 1.0, 1.0, 0.0), (0.5, 1.33, 0.7, 0.0), (0.3, 1.0, 2.0, 40.0)])
+@pytest.mark.parametrize(
+    ("beta", "dw", "uw", "ref_shift"), [(0.1, 1.0, 1.0, 0.0), (0.5, 1.33, 0.7, 0.0), (0.3, 1.0, 2.0, 40.0)]
+)
 def test_kto_loss_and_gradients_equal_trl_formula(beta, dw, uw, ref_shift):
     # ref_shift 40 makes the mismatched rows' mean log-ratio negative: the KL clamps at 0.
     # ref_shift 0 (ref log-probs well below the policy's) gives a positive KL.
@@ -74,7 +76,9 @@ def test_kto_loss_and_gradients_equal_trl_formula(beta, dw, uw, ref_shift):
 
     logps = summed_logps(expected_model.table, batch["input_ids"], batch["labels"])
     labels = [bool(x) for x in batch["desirable"]]
-    want = trl_kto(logps[:, 0], logps[:, 1], batch["ref_logps"][:, 0], batch["ref_logps"][:, 1], labels, beta=beta, dw=dw, uw=uw)
+    want = trl_kto(
+        logps[:, 0], logps[:, 1], batch["ref_logps"][:, 0], batch["ref_logps"][:, 1], labels, beta=beta, dw=dw, uw=uw
+    )
     want.backward()
     kl = (logps[:, 1] - batch["ref_logps"][:, 1]).mean()
     assert (kl > 0) == (ref_shift == 0.0)  # both regimes of the clamp are exercised
@@ -83,7 +87,9 @@ def test_kto_loss_and_gradients_equal_trl_formula(beta, dw, uw, ref_shift):
     names, sums = objective.pop_sums()
     assert names == ["rewards/chosen", "rewards/rejected", "rewards/mismatched", "kl"]
     assert sums[1].tolist() == [3.0, 3.0, 6.0, 1.0]
-    assert sums[0, 2].item() / 6 == pytest.approx(beta * kl.item(), abs=1e-5)  # the mismatched rows' mean reward, unclamped
+    assert sums[0, 2].item() / 6 == pytest.approx(
+        beta * kl.item(), abs=1e-5
+    )  # the mismatched rows' mean reward, unclamped
     assert sums[0, 3].item() == pytest.approx(max(kl.item(), 0.0), abs=1e-5)
 
 
@@ -99,8 +105,13 @@ def _refusals(recipe: str, *overrides: str) -> list[str]:
 def test_kto_needs_unpaired_rows_and_pairs_refuse_them():
     """The objective's declared row kind against the data module's (`DataModule.row_kind_of`):
     mutating `PreferenceDataModule.row_kind_of` to ignore ``unpaired`` fails both refusals."""
-    assert any("objective KTO trains on unpaired rows; set data.unpaired=true" in p for p in _refusals("kto", "data.unpaired=false"))
+    assert any(
+        "objective KTO trains on unpaired rows; set data.unpaired=true" in p
+        for p in _refusals("kto", "data.unpaired=false")
+    )
     assert _refusals("kto") == []
-    assert any("objective DPO trains on pairs; remove data.unpaired=true" in p for p in _refusals("dpo", "data.unpaired=true"))
+    assert any(
+        "objective DPO trains on pairs; remove data.unpaired=true" in p for p in _refusals("dpo", "data.unpaired=true")
+    )
     with pytest.raises(ValueError, match="objective.desirable_weight=0"):
         KTO(desirable_weight=0)

@@ -41,7 +41,7 @@ def _check_kl_rows(rows: list[dict]) -> None:
 
 def test_no_kl_row_of_the_bundled_pairs_meets_its_own_prompt() -> None:
     data = _kto_data([])
-    (name, source), = data.sources.items()
+    ((name, source),) = data.sources.items()
     train, val = data._records(name, source)
     assert len(train) == 2 * (300 - 16)  # every pair gives a desirable and an undesirable row
     for rows in (train, val):
@@ -55,7 +55,9 @@ def test_no_kl_row_of_the_bundled_pairs_meets_its_own_prompt() -> None:
 def test_repeated_prompts_never_meet_their_own_answers(tmp_path) -> None:
     # Unpaired rows where one prompt has three completions and others one or two.
     rows = [{"prompt": "p0", "completion": f"a{i}", "label": i % 2 == 0} for i in range(3)]
-    rows += [{"prompt": f"p{k}", "completion": f"b{k}{i}", "label": i == 0} for k in range(1, 5) for i in range(1 + k % 2)]
+    rows += [
+        {"prompt": f"p{k}", "completion": f"b{k}{i}", "label": i == 0} for k in range(1, 5) for i in range(1 + k % 2)
+    ]
     path = tmp_path / "kto.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     data = _kto_data([f"data.sources={{mine: {{source: {path}, val_size: 0}}}}", "train.global_batch_size=2"])
@@ -70,5 +72,7 @@ def test_a_prompt_holding_most_rows_is_refused_naming_the_source(tmp_path) -> No
     path = tmp_path / "kto.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     data = _kto_data([f"data.sources={{mine: {{source: {path}, val_size: 0}}}}", "train.global_batch_size=2"])
-    with pytest.raises(DataError, match=r"data.sources.mine: 3 of its 4 train rows share one prompt.*add rows with other prompts"):
+    with pytest.raises(
+        DataError, match=r"data.sources.mine: 3 of its 4 train rows share one prompt.*add rows with other prompts"
+    ):
         data.prepare()

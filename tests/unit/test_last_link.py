@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 
 from strategies.checkpoint.dcp import CheckpointError
 from trainer.callbacks.checkpoint import PeriodicCheckpoint
-from trainer.rundir import RunDir, last_link_problem
 from trainer.run import check_run_dir
+from trainer.rundir import RunDir, last_link_problem
 
 
 def _run_with_last(tmp_path: Path, kind: str) -> RunDir:

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from trainer.models.document_masks import block_causal_mask
 from trainer.models.block import llama_ffn_dim
+from trainer.models.document_masks import block_causal_mask
 from trainer.models.llama import Llama
 
 VOCAB = 97

@@ -63,6 +63,11 @@ def test_desloc_needs_adam_moments() -> None:
 
 
 def test_bad_periods_and_fragments_are_reported() -> None:
-    assert any("sync_every=0 must be >= 1" in p for p in _problems("strategy=diloco", "trainer.devices=2", "strategy.local_sgd.sync_every=0"))
+    assert any(
+        "sync_every=0 must be >= 1" in p
+        for p in _problems("strategy=diloco", "trainer.devices=2", "strategy.local_sgd.sync_every=0")
+    )
     problems = _problems("strategy=streaming_diloco", "trainer.devices=2", "strategy.local_sgd.num_fragments=3")
-    assert any("num_fragments=3 exceeds the model's 2 blocks; use strategy.local_sgd.num_fragments<=2" in p for p in problems)
+    assert any(
+        "num_fragments=3 exceeds the model's 2 blocks; use strategy.local_sgd.num_fragments<=2" in p for p in problems
+    )

@@ -6,6 +6,7 @@ import csv
 from types import SimpleNamespace
 
 from harness import compose_config, fit
+
 from trainer.loggers import is_logging_step
 
 

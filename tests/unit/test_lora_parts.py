@@ -23,11 +23,18 @@ def test_adapters_start_at_the_base_and_merge_into_it() -> None:
     with torch.no_grad():
         before = model(ids)
     names = apply_lora(model, rank=4, alpha=8.0, target_modules=["wq", "layers.1.feed_forward.*"])
-    assert names == ["layers.0.attention.wq", "layers.1.attention.wq", "layers.1.feed_forward.w1",
-                     "layers.1.feed_forward.w3", "layers.1.feed_forward.w2"]  # fmt: skip
+    assert names == [
+        "layers.0.attention.wq",
+        "layers.1.attention.wq",
+        "layers.1.feed_forward.w1",
+        "layers.1.feed_forward.w3",
+        "layers.1.feed_forward.w2",
+    ]
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable == {f"{n}.lora_{k}.weight" for n in names for k in "AB"} and all(map(is_adapter, trainable))
-    assert trainable_bytes(model)[0] == 4 * sum(4 * (m.in_features + m.out_features) for m in map(model.get_submodule, names))
+    assert trainable_bytes(model)[0] == 4 * sum(
+        4 * (m.in_features + m.out_features) for m in map(model.get_submodule, names)
+    )
     with torch.no_grad():
         torch.testing.assert_close(model(ids), before, rtol=0, atol=0)  # B = 0
         for name in names:
@@ -77,13 +84,22 @@ def test_merging_into_a_tied_head_is_refused_and_changes_nothing() -> None:
     ("overrides", "problem"),
     [
         ([], "strategy.lora trains adapters on a frozen base"),
-        (["strategy=pp", "trainer.devices=2", "train.micro_batch_size=1"], "strategy.lora does not compose with pipeline parallelism"),
+        (
+            ["strategy=pp", "trainer.devices=2", "train.micro_batch_size=1"],
+            "strategy.lora does not compose with pipeline parallelism",
+        ),
         (["strategy=tp", "trainer.devices=2", "strategy.lora.dropout=0.1"], "use strategy.lora.dropout=0"),
         (["strategy=diloco", "trainer.devices=2"], "strategy.lora does not compose with strategy.local_sgd"),
         (["strategy.lora.rank=0"], "strategy.lora.rank=0 must be >= 1"),
         (["strategy=tp", "trainer.devices=2", "strategy.lora.quantize=nf4"], "use strategy.tp=1 (FSDP2 shards them"),
-        (["strategy.lora.target_modules=[wq,q_proj]"], "'q_proj' matches no linear layer; the model has ['output', 'w1'"),
-        (["model.tie_embeddings=true", "strategy.lora.target_modules=[wq,output]"], "leave 'output' out of strategy.lora"),
+        (
+            ["strategy.lora.target_modules=[wq,q_proj]"],
+            "'q_proj' matches no linear layer; the model has ['output', 'w1'",
+        ),
+        (
+            ["model.tie_embeddings=true", "strategy.lora.target_modules=[wq,output]"],
+            "leave 'output' out of strategy.lora",
+        ),
     ],
 )
 def test_validate_refuses_what_lora_does_not_run(overrides, problem) -> None:
@@ -106,7 +122,9 @@ def test_a_lora_run_is_not_a_base(tmp_path) -> None:
     OmegaConf.save(compose_config(["+strategy/lora=default", "model.init_from=/some/base"]), run / "config.yaml")
     with pytest.raises(ConfigError) as err:
         validate(compose_config([f"model.init_from={run}"]))
-    assert any(f"model.init_from={run} is a LoRA run" in p and "plait export" in p for p in err.value.problems), err.value.problems
+    assert any(f"model.init_from={run} is a LoRA run" in p and "plait export" in p for p in err.value.problems), (
+        err.value.problems
+    )
 
 
 def test_dropout_acts_on_the_adapter_input_in_training_only() -> None:
@@ -158,8 +176,18 @@ def test_stacked_experts_named_by_the_targets_are_reported_unadapted() -> None:
     from strategies.transforms.lora_targets import unadaptable
     from trainer.models.moe_transformer import MoETransformer
 
-    model = MoETransformer(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_dim=48, max_seq_len=16, num_experts=4, top_k=2,
-                           moe_ffn_dim=16, n_dense_layers=1)  # fmt: skip
+    model = MoETransformer(
+        vocab_size=64,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        ffn_dim=48,
+        max_seq_len=16,
+        num_experts=4,
+        top_k=2,
+        moe_ffn_dim=16,
+        n_dense_layers=1,
+    )
     names = apply_lora(model, rank=4, alpha=8.0)
     assert "layers.0.feed_forward.w1" in names and not any(".experts" in n for n in names)
     assert unadaptable(model, ["w1", "w2", "w3"]) == [f"layers.1.feed_forward.experts.{w}" for w in ("w1", "w2", "w3")]

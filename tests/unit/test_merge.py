@@ -21,9 +21,15 @@ def test_ties_three_parameter_hand_example():
     # Trim to 2 of 3 entries each: [.5,-.2,0], [-.3,-.4,0], [0,.3,-.6]; elected signs of the sum
     # [.2,-.3,-.6]: + - -; disjoint means: .5, (-.2-.4)/2 = -.3, -.6.
     f64 = {"dtype": torch.float64}
-    deltas = [torch.tensor([0.5, -0.2, 0.1], **f64), torch.tensor([-0.3, -0.4, 0.05], **f64), torch.tensor([0.1, 0.3, -0.6], **f64)]
+    deltas = [
+        torch.tensor([0.5, -0.2, 0.1], **f64),
+        torch.tensor([-0.3, -0.4, 0.05], **f64),
+        torch.tensor([0.1, 0.3, -0.6], **f64),
+    ]
     assert trim(deltas[0], 2 / 3).tolist() == [0.5, -0.2, 0.0]
-    torch.testing.assert_close(ties_delta(deltas, density=2 / 3), torch.tensor([0.5, -0.3, -0.6], **f64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        ties_delta(deltas, density=2 / 3), torch.tensor([0.5, -0.3, -0.6], **f64), rtol=0, atol=1e-12
+    )
     base = {"p": torch.tensor([1.0, 2.0, 3.0])}
     merged = merge_states(base, [{"p": base["p"] + d} for d in deltas], method="ties", density=2 / 3)
     torch.testing.assert_close(merged["p"], torch.tensor([1.5, 1.7, 2.4]), rtol=0, atol=1e-6)
@@ -57,17 +63,34 @@ def _fake_run(path, state, cfg):
 
 
 def test_plait_merge_command_one_delta_reproduces_the_run(tmp_path, capsys):
+    from strategies.checkpoint.dcp import load_model_weights
     from trainer.model_node import instantiate_model
 
-    from strategies.checkpoint.dcp import load_model_weights
-
-    cfg = OmegaConf.create({"model": {"_target_": "trainer.models.llama.Llama", "dim": 32, "n_layers": 1, "n_heads": 2,
-                                      "n_kv_heads": 2, "max_seq_len": 16, "vocab_size": 40}})  # fmt: skip
+    cfg = OmegaConf.create(
+        {
+            "model": {
+                "_target_": "trainer.models.llama.Llama",
+                "dim": 32,
+                "n_layers": 1,
+                "n_heads": 2,
+                "n_kv_heads": 2,
+                "max_seq_len": 16,
+                "vocab_size": 40,
+            }
+        }
+    )
     torch.manual_seed(0)
     base, tuned = instantiate_model(cfg.model), instantiate_model(cfg.model)
     _fake_run(tmp_path / "base", base.state_dict(), cfg)
     _fake_run(tmp_path / "tuned", tuned.state_dict(), cfg)
-    merge_main([f"base={tmp_path / 'base'}", f"deltas=[{tmp_path / 'tuned'}]", "method=task_arithmetic", f"out={tmp_path / 'out'}"])
+    merge_main(
+        [
+            f"base={tmp_path / 'base'}",
+            f"deltas=[{tmp_path / 'tuned'}]",
+            "method=task_arithmetic",
+            f"out={tmp_path / 'out'}",
+        ]
+    )
     assert "delta" in capsys.readouterr().out
     merged = instantiate_model(cfg.model)
     load_model_weights(tmp_path / "out" / "checkpoints" / "last", merged)
@@ -80,4 +103,6 @@ def test_plait_merge_without_deltas_is_refused_before_loading(capsys):
     with pytest.raises(SystemExit) as exited:
         merge_main(["base=no_such_run", "deltas=[]"])
     assert exited.value.code == 2
-    assert capsys.readouterr().err.startswith("plait: error: deltas=[] names no fine-tuned run to merge; give at least one")
+    assert capsys.readouterr().err.startswith(
+        "plait: error: deltas=[] names no fine-tuned run to merge; give at least one"
+    )

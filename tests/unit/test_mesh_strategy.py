@@ -7,8 +7,8 @@ from harness import compose_config
 
 from strategies.activation_checkpoint import ActivationCheckpoint
 from strategies.compile import Compile
-from strategies.mesh import MeshStrategy, build_strategy
 from strategies.core.parallel_dims import LayoutError, ParallelDims
+from strategies.mesh import MeshStrategy, build_strategy
 from trainer.config import ConfigError, validate
 
 
@@ -20,7 +20,9 @@ def test_unapplied_axes_are_refused_with_the_fix() -> None:
     with pytest.raises(LayoutError, match=message):
         DataParallelOnly(ParallelDims(dp_shard=1, cp=2))
     DataParallelOnly(ParallelDims(dp_replicate=2, dp_shard=-1))  # the data-parallel axes are applied
-    assert MeshStrategy(ParallelDims(dp_shard=1, cp=2)).dims.cp == 2  # context parallelism is applied (strategies.context.plugin)
+    assert (
+        MeshStrategy(ParallelDims(dp_shard=1, cp=2)).dims.cp == 2
+    )  # context parallelism is applied (strategies.context.plugin)
 
 
 def test_a_subclass_that_applies_an_axis_may_use_it() -> None:
@@ -61,7 +63,11 @@ def test_an_unknown_cpu_allocator_is_refused_naming_the_choices() -> None:
 
 def test_a_mode_key_that_moved_into_its_plugin_is_refused_naming_the_new_key() -> None:
     with pytest.raises(ConfigError) as err:
-        validate(compose_config(["strategy=cp", "trainer.devices=2", "+strategy.cp_mode=ulysses", "+strategy.pp_schedule=ZBV"]))
+        validate(
+            compose_config(
+                ["strategy=cp", "trainer.devices=2", "+strategy.cp_mode=ulysses", "+strategy.pp_schedule=ZBV"]
+            )
+        )
     assert err.value.problems == [
         "strategy.cp_mode is now strategy.context_parallel.mode; use strategy.context_parallel.mode=ulysses",
         "strategy.pp_schedule is now strategy.pipeline.schedule; use strategy.pipeline.schedule=ZBV",
@@ -71,7 +77,11 @@ def test_a_mode_key_that_moved_into_its_plugin_is_refused_naming_the_new_key() -
 
 
 def test_the_strategy_node_is_split_into_degrees_plugins_and_settings() -> None:
-    strategy = build_strategy(compose_config(["strategy=pp", "strategy.pipeline.schedule=GPipe", "strategy.timeout_s=30", "strategy.heartbeat_s=0"]).strategy)
+    strategy = build_strategy(
+        compose_config(
+            ["strategy=pp", "strategy.pipeline.schedule=GPipe", "strategy.timeout_s=30", "strategy.heartbeat_s=0"]
+        ).strategy
+    )
     assert (strategy.dims.pp, strategy.dims.dp_shard, strategy.heartbeat) == (-1, 1, None)
     assert strategy.plugins["pipeline"].schedule == "GPipe" and "lora" not in strategy.plugins
     with pytest.raises(ValueError, match="strategy.tag='x' is neither a plugin node"):

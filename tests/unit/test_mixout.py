@@ -57,7 +57,9 @@ def test_refused_combinations_name_the_fix(overrides, message):
         validate(compose_config(overrides))
 
 
-@pytest.mark.parametrize(("overrides", "recipe"), [(["resume=last"], "pretrain"), (["data=synthetic", "budget=msft"], "sft")])
+@pytest.mark.parametrize(
+    ("overrides", "recipe"), [(["resume=last"], "pretrain"), (["data=synthetic", "budget=msft"], "sft")]
+)
 def test_mixout_resumes_and_rolls_back(overrides, recipe, tmp_path):
     """Resume and budget=msft (whose roll-backs resume) are accepted: the anchors come back from
     ``model.init_from`` (tests/dist/test_mixout_equivalence.py::test_resume_equals_the_uninterrupted_run)."""
@@ -65,5 +67,7 @@ def test_mixout_resumes_and_rolls_back(overrides, recipe, tmp_path):
 
     from trainer.config import validate
 
-    cfg = compose_config(["+strategy/mixout=default", f"run_dir={tmp_path}", *overrides], recipe=recipe, tiny=recipe == "pretrain")
+    cfg = compose_config(
+        ["+strategy/mixout=default", f"run_dir={tmp_path}", *overrides], recipe=recipe, tiny=recipe == "pretrain"
+    )
     validate(cfg)

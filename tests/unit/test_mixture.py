@@ -163,7 +163,10 @@ def test_weights_one_to_three_give_one_to_three_shares():
     from trainer.data.sft import parse_source
 
     assert parse_source("b", {"source": "addition", "weight": 3})[2].weight == 3.0  # data.sources.b.weight=3
-    unlimited = {"a": SourceSpec(weight=1.0, max_tokens=10**9, max_epochs=None), "b": SourceSpec(weight=3.0, max_tokens=10**9, max_epochs=None)}
+    unlimited = {
+        "a": SourceSpec(weight=1.0, max_tokens=10**9, max_epochs=None),
+        "b": SourceSpec(weight=3.0, max_tokens=10**9, max_epochs=None),
+    }
     mixture = Mixture({"a": _constant_samples(10, 1), "b": _constant_samples(10, 50)}, unlimited, seed=0)
     sources = [mixture.draw().source for _ in range(400)]
     assert (sources.count(0), sources.count(1)) == (100, 300)

@@ -65,7 +65,9 @@ def test_layout_problems_name_each_member_per_axis() -> None:
     pp = layout_problems(bare, {"pp": 2})
     assert any(p.startswith("strategy.pp=2: Bare declares no norm; add self.norm") for p in pp), pp
     assert any(p.startswith("strategy.pp=2: Bare declares no return_hidden; add a keyword") for p in pp), pp
-    assert any("declares no vocab_size, dim, n_layers, n_heads, n_kv_heads, ffn_dim, tie_embeddings" in p for p in pp), pp
+    assert any(
+        "declares no vocab_size, dim, n_layers, n_heads, n_kv_heads, ffn_dim, tie_embeddings" in p for p in pp
+    ), pp
     assert layout_problems(bare, {"tp": 2}, tp_plan=False)[0].startswith("strategy.tp=2: Bare declares no vocab_size")
     # A class (the model cannot be built yet): only the members a class declares.
     assert layout_problems(Bare, {"tp": 2}) == [layout_problems(bare, {"tp": 2})[0]]
@@ -91,8 +93,16 @@ def test_init_from_is_read_off_the_node_never_by_the_model() -> None:
 
     from trainer.model_node import constructor_node, init_from_of, instantiate_model
 
-    node = OmegaConf.create({"_target_": "trainer.models.llama.Llama", "vocab_size": 8, "dim": 8, "n_layers": 1,
-                             "n_heads": 2, "init_from": "runs/base"})  # fmt: skip
+    node = OmegaConf.create(
+        {
+            "_target_": "trainer.models.llama.Llama",
+            "vocab_size": 8,
+            "dim": 8,
+            "n_layers": 1,
+            "n_heads": 2,
+            "init_from": "runs/base",
+        }
+    )
     model = instantiate_model(node)  # the constructor never sees init_from
     assert "init_from" not in inspect.signature(Llama).parameters and "init_from" not in vars(model)
     assert init_from_of(node) == "runs/base" and node.init_from == "runs/base"  # the node is not changed
@@ -131,13 +141,29 @@ def test_the_cli_refuses_before_launch_naming_the_member(tmp_path) -> None:
     import sys
     from pathlib import Path
 
-    (tmp_path / "my_lm.py").write_text("import torch\nfrom torch import nn\n\n\n" + inspect.getsource(Bare), encoding="utf-8")
+    (tmp_path / "my_lm.py").write_text(
+        "import torch\nfrom torch import nn\n\n\n" + inspect.getsource(Bare), encoding="utf-8"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PLAIT_USER_PATH")}
     result = subprocess.run(
-        [str(Path(sys.executable).with_name("plait")), "--user-path", str(tmp_path), "pretrain", "~model",
-         "+model._target_=my_lm.Bare", "strategy=pp", "trainer.devices=2", f"run_dir={tmp_path / 'run'}"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            str(Path(sys.executable).with_name("plait")),
+            "--user-path",
+            str(tmp_path),
+            "pretrain",
+            "~model",
+            "+model._target_=my_lm.Bare",
+            "strategy=pp",
+            "trainer.devices=2",
+            f"run_dir={tmp_path / 'run'}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
     assert result.returncode == 2, result.stdout + result.stderr
     assert "strategy.pp=2: Bare declares no norm; add self.norm" in result.stderr, result.stderr
     assert "strategy.pp=2: Bare declares no return_hidden" in result.stderr

@@ -12,8 +12,13 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from trainer.models.moe import (
-    MoE, balance_loss_sum, expert_swiglu, grouped_mm_supported, route, z_loss_sum,
-)  # fmt: skip
+    MoE,
+    balance_loss_sum,
+    expert_swiglu,
+    grouped_mm_supported,
+    route,
+    z_loss_sum,
+)
 
 
 def log(*values: float) -> torch.Tensor:
@@ -66,8 +71,11 @@ def test_z_loss_by_hand():
 # ---------------------------------------------------------------------------------------------- experts
 def _weights(E: int, D: int, Fh: int, seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(E, Fh, D, generator=g) / D**0.5, torch.randn(E, D, Fh, generator=g) / Fh**0.5,
-            torch.randn(E, Fh, D, generator=g) / D**0.5]  # fmt: skip
+    return [
+        torch.randn(E, Fh, D, generator=g) / D**0.5,
+        torch.randn(E, D, Fh, generator=g) / Fh**0.5,
+        torch.randn(E, Fh, D, generator=g) / D**0.5,
+    ]
 
 
 @pytest.mark.parametrize("counts", [[5, 0, 7, 4], [0, 0, 16, 0], [1, 2, 3, 10]])
@@ -131,8 +139,15 @@ def test_moe_layer_equals_a_per_token_loop(grouped):
     x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(3), requires_grad=True)
     grad = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(4))
     moe(x).backward(grad)
-    params = [moe.router.gate.weight, moe.experts.w1, moe.experts.w2, moe.experts.w3,
-              moe.shared_experts.w1.weight, moe.shared_experts.w2.weight, moe.shared_experts.w3.weight]  # fmt: skip
+    params = [
+        moe.router.gate.weight,
+        moe.experts.w1,
+        moe.experts.w2,
+        moe.experts.w3,
+        moe.shared_experts.w1.weight,
+        moe.shared_experts.w2.weight,
+        moe.shared_experts.w3.weight,
+    ]
     refs = [p.detach().clone().requires_grad_() for p in params]
     x_ref = x.detach().clone().requires_grad_()
     ref = reference_moe(x_ref, *refs[:4], refs[4:], top_k=2)

@@ -9,16 +9,27 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hf_checkpoints import randomize, transformers
 from omegaconf import OmegaConf
 
-from hf_checkpoints import randomize, transformers
 from trainer.callbacks.expert_bias import ExpertBiasUpdate
 from trainer.model_node import instantiate_model
 from trainer.models.moe_transformer import MoETransformer
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "model"
-TINY = dict(vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, max_seq_len=32, num_experts=4, top_k=2,
-            moe_ffn_dim=16, n_dense_layers=1, num_shared_experts=1)  # fmt: skip
+TINY = dict(
+    vocab_size=64,
+    dim=32,
+    n_layers=3,
+    n_heads=4,
+    n_kv_heads=2,
+    max_seq_len=32,
+    num_experts=4,
+    top_k=2,
+    moe_ffn_dim=16,
+    n_dense_layers=1,
+    num_shared_experts=1,
+)
 
 
 def _meta(preset: str) -> MoETransformer:
@@ -34,9 +45,20 @@ def _hf_meta(config_cls: str, **fields) -> int:
 
 def test_qwen3_30b_a3b_preset_has_the_published_parameter_counts():
     model = _meta("qwen3_30b_a3b")
-    hf = _hf_meta("Qwen3MoeConfig", vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                  num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
-                  num_experts_per_tok=8, tie_word_embeddings=False)  # fmt: skip
+    hf = _hf_meta(
+        "Qwen3MoeConfig",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        tie_word_embeddings=False,
+    )
     assert model.num_params() == hf == 30_532_122_624
     # Model card: 30.5B in total, 3.3B activated (3.35B, truncated).
     assert round(model.num_params() / 1e9, 1) == 30.5 and 3.3e9 <= model.num_active_params() < 3.4e9
@@ -44,11 +66,26 @@ def test_qwen3_30b_a3b_preset_has_the_published_parameter_counts():
 
 def test_deepseek_v3_preset_has_the_published_parameter_counts():
     model = _meta("deepseek_v3_671b")
-    hf = _hf_meta("DeepseekV3Config", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
-                  moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
-                  n_shared_experts=1, n_routed_experts=256, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
-                  v_head_dim=128, qk_nope_head_dim=128, num_experts_per_tok=8, first_k_dense_replace=3,
-                  tie_word_embeddings=False)  # fmt: skip
+    hf = _hf_meta(
+        "DeepseekV3Config",
+        vocab_size=129280,
+        hidden_size=7168,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_hidden_layers=61,
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        n_shared_experts=1,
+        n_routed_experts=256,
+        kv_lora_rank=512,
+        q_lora_rank=1536,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        qk_nope_head_dim=128,
+        num_experts_per_tok=8,
+        first_k_dense_replace=3,
+        tie_word_embeddings=False,
+    )
     assert model.num_params() == hf == 671_026_404_352
     # Report: 671B total, 37B activated per token (37.55B, truncated).
     assert round(model.num_params() / 1e9) == 671 and 37e9 <= model.num_active_params() < 38e9
@@ -56,11 +93,13 @@ def test_deepseek_v3_preset_has_the_published_parameter_counts():
 
 @pytest.mark.parametrize(
     ("change", "message"),
-    [({"top_k": 5}, "top_k=5 exceeds model.num_experts=4; valid top_k: 1..4"),
-     ({"n_dense_layers": 3}, "n_dense_layers=3 leaves no MoE block"),
-     ({"score_func": "relu"}, "score_func='relu' is not one of softmax, sigmoid"),
-     ({"latent_attention": {"kv_lora_rank": 8}}, "latent_attention.q_lora_rank must be an int")],
-)  # fmt: skip
+    [
+        ({"top_k": 5}, "top_k=5 exceeds model.num_experts=4; valid top_k: 1..4"),
+        ({"n_dense_layers": 3}, "n_dense_layers=3 leaves no MoE block"),
+        ({"score_func": "relu"}, "score_func='relu' is not one of softmax, sigmoid"),
+        ({"latent_attention": {"kv_lora_rank": 8}}, "latent_attention.q_lora_rank must be an int"),
+    ],
+)
 def test_bad_shapes_name_the_field(change, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
         MoETransformer(**{**TINY, **change})
@@ -68,9 +107,20 @@ def test_bad_shapes_name_the_field(change, message):
 
 def _hf_deepseek_state(hf: torch.nn.Module, n_dense: int) -> dict[str, torch.Tensor]:
     """transformers' DeepSeek-V3 weights under plait's names (written out here, independently of plait)."""
-    names = {"q_a_proj": "wq_a", "q_a_layernorm": "q_norm", "q_b_proj": "wq_b", "kv_a_proj_with_mqa": "wkv_a",
-             "kv_a_layernorm": "kv_norm", "kv_b_proj": "wkv_b", "o_proj": "wo", "gate_proj": "w1", "up_proj": "w3",
-             "down_proj": "w2", "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm"}  # fmt: skip
+    names = {
+        "q_a_proj": "wq_a",
+        "q_a_layernorm": "q_norm",
+        "q_b_proj": "wq_b",
+        "kv_a_proj_with_mqa": "wkv_a",
+        "kv_a_layernorm": "kv_norm",
+        "kv_b_proj": "wkv_b",
+        "o_proj": "wo",
+        "gate_proj": "w1",
+        "up_proj": "w3",
+        "down_proj": "w2",
+        "input_layernorm": "attention_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
     out = {}
     for name, t in hf.state_dict().items():
         parts = name.removeprefix("model.").split(".")
@@ -90,7 +140,10 @@ def _hf_deepseek_state(hf: torch.nn.Module, n_dense: int) -> dict[str, torch.Ten
             out[f"layers.{parts[1]}.feed_forward.shared_experts.{names[parts[4]]}.weight"] = t
         elif parts[4] == "gate_up_proj":  # [E, 2F, D]: gate rows, then up rows
             gate, up = t.chunk(2, dim=1)
-            out[f"layers.{parts[1]}.feed_forward.experts.w1"], out[f"layers.{parts[1]}.feed_forward.experts.w3"] = gate, up
+            out[f"layers.{parts[1]}.feed_forward.experts.w1"], out[f"layers.{parts[1]}.feed_forward.experts.w3"] = (
+                gate,
+                up,
+            )
         else:
             out[f"layers.{parts[1]}.feed_forward.experts.w2"] = t
     return out
@@ -99,23 +152,54 @@ def _hf_deepseek_state(hf: torch.nn.Module, n_dense: int) -> dict[str, torch.Ten
 @torch.no_grad()
 def test_latent_attention_sigmoid_routing_and_shared_experts_match_transformers_deepseek_v3():
     config = transformers.DeepseekV3Config(
-        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, kv_lora_rank=16,
-        q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=8, num_experts_per_tok=2,
-        first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-        rope_interleave=False, max_position_embeddings=32, tie_word_embeddings=False, rms_norm_eps=1e-6,
-    )  # fmt: skip
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=8,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        qk_nope_head_dim=8,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        rope_interleave=False,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+    )
     hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
     randomize(hf)
     for name, buffer in hf.named_buffers():
         if name.endswith("e_score_correction_bias"):
             buffer.copy_(torch.linspace(-0.05, 0.05, buffer.numel()))
     model = MoETransformer(
-        vocab_size=64, dim=32, n_layers=3, n_heads=4, ffn_dim=48, max_seq_len=32, norm_eps=1e-6, num_experts=8,
-        top_k=2, moe_ffn_dim=16, n_dense_layers=1, num_shared_experts=1, score_func="sigmoid", route_scale=2.5,
-        bias_update_rate=1e-3, latent_attention=dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
-                                                     qk_rope_head_dim=8, v_head_dim=12),
-    ).eval()  # fmt: skip
+        vocab_size=64,
+        dim=32,
+        n_layers=3,
+        n_heads=4,
+        ffn_dim=48,
+        max_seq_len=32,
+        norm_eps=1e-6,
+        num_experts=8,
+        top_k=2,
+        moe_ffn_dim=16,
+        n_dense_layers=1,
+        num_shared_experts=1,
+        score_func="sigmoid",
+        route_scale=2.5,
+        bias_update_rate=1e-3,
+        latent_attention=dict(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12),
+    ).eval()
     model.load_state_dict(_hf_deepseek_state(hf, 1))
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     assert (model(ids) - hf(ids).logits).abs().max().item() < 1e-5

@@ -3,9 +3,8 @@ source removed, and a whole search on two tiny synthetic sources."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from types import SimpleNamespace
+from typing import Any
 
 import lightning as L
 import pytest
@@ -44,7 +43,11 @@ def test_a_removed_source_does_not_end_a_roll_out(tmp_path):
     removed = {"addition": {"max_tokens": 100, "max_epochs": None}, "sorting": {"max_tokens": None, "max_epochs": 3.0}}
     cfg = MSFT(compute=2.0, eval_every=2, patience=2).rollout_config(
         _cfg(["data.sources.addition.metric=loss", "data.sources.sorting.metric=loss"]),
-        tmp_path, removed, since=10, start={"addition": -1.0, "sorting": -3.0}, active=["sorting"],
+        tmp_path,
+        removed,
+        since=10,
+        start={"addition": -1.0, "sorting": -3.0},
+        active=["sorting"],
     )
     stop = instantiate(cfg.callbacks.settled)
     trainer, module = SimpleNamespace(should_stop=False), SimpleNamespace(history=[])
@@ -56,7 +59,9 @@ def test_a_removed_source_does_not_end_a_roll_out(tmp_path):
         module.history.append({"step": step, "metrics": {"val/loss/addition": 3.0, "val/loss/sorting": 2.75}})
         stop.on_train_batch_end(trainer, module)
     assert trainer.should_stop
-    assert stop.stop_reason == "budget.patience=2: the earliest optimum, sorting's at step 16, is settled"  # summary.json's
+    assert (
+        stop.stop_reason == "budget.patience=2: the earliest optimum, sorting's at step 16, is settled"
+    )  # summary.json's
 
 
 def _cfg(extra=()):
@@ -90,7 +95,9 @@ class StateProbe(L.Callback):
         optimizer = trainer.strategy._unwrapped_optimizers()[0]
         state = {
             "params": {n: p.detach().clone() for n, p in pl_module.model.named_parameters()},
-            "optim": {n: {k: v.clone() for k, v in optimizer.state[p].items()} for n, p in pl_module.model.named_parameters()},
+            "optim": {
+                n: {k: v.clone() for k, v in optimizer.state[p].items()} for n, p in pl_module.model.named_parameters()
+            },
             "sched": trainer.lr_scheduler_configs[0].scheduler.state_dict()["last_epoch"],
         }
         pl_module.history.append({"probe": when, **state})
@@ -115,9 +122,13 @@ def test_roll_back_restores_weights_and_optimizer_state_bitwise(tmp_path):
     checkpoint = tmp_path / "r0" / "checkpoints" / "step_0000002"
     mixture = loader_state(checkpoint)["packer"]["mixture"]
     # Roll back to step 2 and remove "sorting": the same restore the search does.
-    budgets = {"sorting": {"max_tokens": mixture["sorting"]["consumed"], "max_epochs": None},
-               "addition": {"max_tokens": None, "max_epochs": 1.0}}  # fmt: skip
-    history = fit_run(controller.rollout_config(cfg, tmp_path / "r1", budgets, 2), tmp_path / "r1", ckpt_path=str(checkpoint))
+    budgets = {
+        "sorting": {"max_tokens": mixture["sorting"]["consumed"], "max_epochs": None},
+        "addition": {"max_tokens": None, "max_epochs": 1.0},
+    }
+    history = fit_run(
+        controller.rollout_config(cfg, tmp_path / "r1", budgets, 2), tmp_path / "r1", ckpt_path=str(checkpoint)
+    )
     (restored,) = [h for h in history if h.get("probe") == "restored"]
     for name, value in saved["params"].items():
         assert torch.equal(restored["params"][name], value), name

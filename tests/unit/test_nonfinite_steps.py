@@ -46,7 +46,9 @@ class ProbeCheckpoint(PeriodicCheckpoint):
     def save(self, trainer: L.Trainer) -> Path:
         with open(Path(trainer.default_root_dir) / "metrics.csv", newline="") as file:
             steps = {int(row["step"]) for row in csv.DictReader(file)}
-        trainer.lightning_module.history.append({"probe": trainer.global_step, "row_written": trainer.global_step in steps})
+        trainer.lightning_module.history.append(
+            {"probe": trainer.global_step, "row_written": trainer.global_step in steps}
+        )
         return super().save(trainer)
 
 

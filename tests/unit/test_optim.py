@@ -36,7 +36,9 @@ def test_scheduler_matches_closed_form_and_restores() -> None:
         opt.step()
         sched.step()
         lrs.append(opt.param_groups[0]["lr"])
-    expected = [2.0 * lr_factor(k, warmup_steps=4, total_steps=20, decay="cosine", min_lr_ratio=0.0) for k in range(1, 9)]
+    expected = [
+        2.0 * lr_factor(k, warmup_steps=4, total_steps=20, decay="cosine", min_lr_ratio=0.0) for k in range(1, 9)
+    ]
     assert lrs == pytest.approx(expected)
     state = sched.state_dict()
     opt2 = torch.optim.SGD([param], lr=2.0)
@@ -63,7 +65,12 @@ def test_param_groups_split_by_rank_and_name() -> None:
     decayed, rest = param_groups(model, weight_decay=0.1)
     names = {id(p): n for n, p in model.named_parameters()}
     assert [names[id(p)] for p in decayed["params"]] == ["proj.weight"]
-    assert sorted(names[id(p)] for p in rest["params"]) == ["norm.bias", "norm.weight", "proj.bias", "tok_embeddings.weight"]
+    assert sorted(names[id(p)] for p in rest["params"]) == [
+        "norm.bias",
+        "norm.weight",
+        "proj.bias",
+        "tok_embeddings.weight",
+    ]
     assert rest["weight_decay"] == 0.0 and decayed["weight_decay"] == 0.1
     (only,) = param_groups(model, weight_decay=0.1, no_decay=("proj", "tok_embeddings", "norm"))
     assert only["weight_decay"] == 0.0
@@ -77,7 +84,9 @@ def test_resume_keeps_the_new_schedule_settings() -> None:
     for _ in range(5):
         opt.step()
         short.step()
-    longer = WarmupDecayLR(torch.optim.SGD([param], lr=1.0), total_steps=20, warmup_steps=0, decay="linear", min_lr_ratio=0.0)
+    longer = WarmupDecayLR(
+        torch.optim.SGD([param], lr=1.0), total_steps=20, warmup_steps=0, decay="linear", min_lr_ratio=0.0
+    )
     longer.load_state_dict(short.state_dict())
     assert longer.total_steps == 20 and longer.last_epoch == 5
     assert longer.get_lr()[0] == pytest.approx(0.75)

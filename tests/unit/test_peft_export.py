@@ -15,12 +15,12 @@ import re
 
 import pytest
 import torch
-
 from hf_checkpoints import batch, make_hf_dir, transformers
+
 from strategies.transforms.lora import DEFAULT_TARGETS, apply_lora
 from trainer.export import write_peft_adapter
-from trainer.models.hf import llama_from_hf
 from trainer.init_from import load_init_from
+from trainer.models.hf import llama_from_hf
 
 peft = pytest.importorskip("peft", reason="peft (the dev extra) is the reference for the adapter format")
 
@@ -81,7 +81,11 @@ def test_peft_adapts_exactly_what_plait_adapted(checkpoints, tmp_path, case):
 
     hf_base = transformers.AutoModelForCausalLM.from_pretrained(checkpoints / checkpoint, attn_implementation="eager")
     peft_model = peft.PeftModel.from_pretrained(hf_base.eval(), tmp_path / "adapter").eval()
-    wrapped = {n.removeprefix("base_model.model.") for n, m in peft_model.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)}
+    wrapped = {
+        n.removeprefix("base_model.model.")
+        for n, m in peft_model.named_modules()
+        if isinstance(m, peft.tuners.lora.LoraLayer)
+    }
     assert wrapped == {_hf_module(n) for n in names}, "peft adapts exactly plait's adapted layers"
     ids = batch(seq_len=24)
     with torch.no_grad():
@@ -120,5 +124,9 @@ def test_an_adapter_peft_would_load_elsewhere_is_refused(checkpoints, tmp_path, 
     hf_base = transformers.AutoModelForCausalLM.from_pretrained(checkpoints / family)
     full_names = sorted(_hf_module(n) for n in names)
     peft_model = peft.get_peft_model(hf_base, peft.LoraConfig(r=4, target_modules=full_names))
-    wrapped = {n.removeprefix("base_model.model.") for n, m in peft_model.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)}
+    wrapped = {
+        n.removeprefix("base_model.model.")
+        for n, m in peft_model.named_modules()
+        if isinstance(m, peft.tuners.lora.LoraLayer)
+    }
     assert wrapped != set(full_names), "peft adapts these names as written now: the refusal can go"

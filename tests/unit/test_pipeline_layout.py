@@ -8,8 +8,8 @@ import torch
 from harness import compose_config
 from omegaconf import OmegaConf
 
-from strategies.pipeline.plugin import split_model
 from strategies.pipeline.layout import check_pipeline, local_stages, stage_layers, stage_owner
+from strategies.pipeline.plugin import split_model
 from trainer.config import ConfigError, validate
 from trainer.models.llama import Llama
 
@@ -62,8 +62,15 @@ def test_split_keeps_global_names_and_views_share_the_modules() -> None:
 
 def test_check_pipeline_names_the_fix() -> None:
     def problems(**kw):
-        args = dict(pp=2, schedule="1F1B", stages_per_rank=None, split_points=None, num_microbatches=None,
-                    microbatches_per_step=4, n_layers=4)  # fmt: skip
+        args = dict(
+            pp=2,
+            schedule="1F1B",
+            stages_per_rank=None,
+            split_points=None,
+            num_microbatches=None,
+            microbatches_per_step=4,
+            n_layers=4,
+        )
         return "\n".join(check_pipeline(**{**args, **kw}))
 
     assert problems() == "" and problems(pp=1, schedule="nope") == ""
@@ -142,7 +149,13 @@ def test_balanced_split_points():
 
 def test_auto_split_with_split_points_is_refused():
     problems = check_pipeline(
-        pp=2, schedule="1F1B", stages_per_rank=None, split_points=[1], num_microbatches=None,
-        microbatches_per_step=None, n_layers=4, split="auto",
-    )  # fmt: skip
+        pp=2,
+        schedule="1F1B",
+        stages_per_rank=None,
+        split_points=[1],
+        num_microbatches=None,
+        microbatches_per_step=None,
+        n_layers=4,
+        split="auto",
+    )
     assert any("split=auto chooses the split points itself" in p for p in problems)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from strategies.core.shape import ModelShape
 from strategies.planner.memory import predict_memory
 from strategies.planner.search import SearchSpace, search
 from trainer.compose import compose
 from trainer.config import ConfigError, validate
-from strategies.core.shape import ModelShape
 from trainer.planning import check_memory, cluster_from_config, plan, planner_inputs
+
 
 def _inputs(cfg):
     """``(shape, layout, workload)`` of a composed run, as the planner receives them."""
@@ -35,14 +36,18 @@ def test_layout_overrides_round_trip():
     assert all(p.layout.world_size == 64 for p in plans)
     for p in [q for q in plans if q.fits][:4]:
         devices = ["trainer.devices=8", "trainer.num_nodes=8"]
-        again = compose("pretrain", ["model=llama3_8b", "data.seq_len=8192", "train.global_batch_size=64",
-                                     *p.layout.overrides(), *devices])  # fmt: skip
+        again = compose(
+            "pretrain",
+            ["model=llama3_8b", "data.seq_len=8192", "train.global_batch_size=64", *p.layout.overrides(), *devices],
+        )
         assert _inputs(again)[1] == p.layout
 
 
 def test_memory_drops_with_sharding_and_checkpointing():
-    cfg = compose("pretrain", ["model=llama3_8b", "data.seq_len=8192", "train.global_batch_size=8",
-                               "trainer.precision=bf16-mixed"])  # fmt: skip
+    cfg = compose(
+        "pretrain",
+        ["model=llama3_8b", "data.seq_len=8192", "train.global_batch_size=8", "trainer.precision=bf16-mixed"],
+    )
     shape, _, work = _inputs(cfg)
     from strategies.planner.layout import Layout
 
@@ -54,15 +59,35 @@ def test_memory_drops_with_sharding_and_checkpointing():
 
 
 def test_plan_prints_table_and_overrides():
-    cfg = compose("pretrain", ["model=llama3_8b", "cluster=h100x8", "data.seq_len=8192", "train.global_batch_size=16",
-                               "trainer.precision=bf16-mixed", "planner.max_micro_batch=1", "planner.hsdp=false"])  # fmt: skip
+    cfg = compose(
+        "pretrain",
+        [
+            "model=llama3_8b",
+            "cluster=h100x8",
+            "data.seq_len=8192",
+            "train.global_batch_size=16",
+            "trainer.precision=bf16-mixed",
+            "planner.max_micro_batch=1",
+            "planner.hsdp=false",
+        ],
+    )
     text = plan(cfg, validate(cfg))
     assert "tok/s/dev" in text and "overrides: strategy=nd" in text and "trainer.devices=8" in text
 
 
 def test_check_fails_a_predicted_oom_with_the_breakdown():
-    big = compose("pretrain", ["model=llama3_8b", "cluster=h100x8", "trainer.devices=1", "data.seq_len=8192",
-                               "train.global_batch_size=1", "strategy=fsdp", "planner.check=true"])  # fmt: skip
+    big = compose(
+        "pretrain",
+        [
+            "model=llama3_8b",
+            "cluster=h100x8",
+            "trainer.devices=1",
+            "data.seq_len=8192",
+            "train.global_batch_size=1",
+            "strategy=fsdp",
+            "planner.check=true",
+        ],
+    )
     with pytest.raises(ConfigError, match=r"planner.check: .* GiB per device.*optimizer"):
         check_memory(big, validate(big))
     fits = compose("pretrain", ["model=nano", "data.seq_len=64", "cluster=cpu", "planner.check=true"])
@@ -93,8 +118,10 @@ def test_a_mixture_of_experts_plan_tries_ep_and_avoids_the_schedules_validate_re
     assert shape.num_experts == 128 and plans and {p.layout.ep for p in plans} >= {1, 2, 4, 8}
     assert not [p for p in plans if p.layout.pp_schedule in ("ZBV", "InterleavedZeroBubble", "DualPipeV")]
     best = plans[0].layout
-    again = compose("pretrain", ["model=qwen3_30b_a3b", "data.seq_len=4096", *best.overrides(), "trainer.devices=8",
-                                 "trainer.num_nodes=8"])  # fmt: skip
+    again = compose(
+        "pretrain",
+        ["model=qwen3_30b_a3b", "data.seq_len=4096", *best.overrides(), "trainer.devices=8", "trainer.num_nodes=8"],
+    )
     assert _inputs(again)[1] == best  # the plan's overrides validate and resolve to its layout, ep included
 
 
@@ -115,12 +142,12 @@ def test_auto_split_balances_predicted_stage_costs():
     """Llama 3 8B on 4 stages: its 128k-vocabulary head costs about 5 blocks, so the layer-count
     split's last stage is the slowest (max/mean > 1.1); the auto split brings max/mean under 1.1."""
     import torch
-    from trainer.model_node import instantiate_model
     from omegaconf import OmegaConf
 
+    from strategies.core.shape import ModelShape
     from strategies.planner.layout import Layout, Workload
     from strategies.planner.time import Cluster, auto_split_points, stage_costs
-    from strategies.core.shape import ModelShape
+    from trainer.model_node import instantiate_model
 
     model_cfg = OmegaConf.load("conf/model/llama3_8b.yaml")
     with torch.device("meta"):
@@ -145,12 +172,20 @@ def test_auto_split_is_resolved_once_and_built_into_the_pipeline():
     from strategies.planner.time import auto_split_points
     from trainer.build import build_strategy
 
-    common = ["model=llama3_8b", "strategy=pp", "trainer.devices=4", "data.seq_len=8192",
-              "train.global_batch_size=32", "cluster=h100x8"]  # fmt: skip
+    common = [
+        "model=llama3_8b",
+        "strategy=pp",
+        "trainer.devices=4",
+        "data.seq_len=8192",
+        "train.global_batch_size=32",
+        "cluster=h100x8",
+    ]
     cfg = compose("pretrain", [*common, "strategy.pipeline.split=auto"])
     run = validate(cfg)
     shape, layout, work = planner_inputs(cfg, run)
-    assert run.pp_split_points == tuple(auto_split_points(shape, layout.with_(split_points=None), work, cluster_from_config(cfg)))
+    assert run.pp_split_points == tuple(
+        auto_split_points(shape, layout.with_(split_points=None), work, cluster_from_config(cfg))
+    )
     assert run.pp_split_points != (8, 16, 24)  # the 128k-vocabulary head weighs: not the layer-count split
     assert layout.split_points == run.pp_split_points
     strategy = build_strategy(cfg, run)

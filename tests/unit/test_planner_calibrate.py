@@ -27,7 +27,9 @@ def probes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_a_gpu_preset_is_refused_before_any_probe(probes: list[int]) -> None:
     # Before: h100x512's rates became this CPU's, after forking 512 gloo processes.
     cfg = compose("pretrain", ["model=tiny", "cluster=h100x512", "planner.calibrate=true"])
-    with pytest.raises(ConfigError, match=r"would replace cluster=h100x512's cuda figures.*use planner.calibrate=false"):
+    with pytest.raises(
+        ConfigError, match=r"would replace cluster=h100x512's cuda figures.*use planner.calibrate=false"
+    ):
         plan(cfg, validate(cfg))
     assert probes == []
 

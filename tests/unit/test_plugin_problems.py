@@ -8,24 +8,30 @@ import pytest
 from harness import compose_config
 
 from strategies.context.plugin import ContextParallel
-from strategies.mesh import MeshStrategy
-from strategies.plugin import StrategyPlugin
-from strategies.transforms.lora import LoRA
-from strategies.local_sgd import DiLoCo
 from strategies.core.parallel_dims import ParallelDims
-from strategies.pipeline.plugin import PipelineParallel
 from strategies.core.resolved import ResolvedRun
 from strategies.core.shape import ModelShape
+from strategies.local_sgd import DiLoCo
+from strategies.mesh import MeshStrategy
+from strategies.pipeline.plugin import PipelineParallel
+from strategies.plugin import StrategyPlugin
+from strategies.transforms.lora import LoRA
 from trainer.config import ConfigError, validate
 
 
 def _run(dims: ParallelDims, **fields) -> ResolvedRun:
-    return ResolvedRun(world_size=dims.world_size, dims=dims, global_batch_size=8, micro_batch_size=1, num_micro_batches=8, **fields)
+    return ResolvedRun(
+        world_size=dims.world_size, dims=dims, global_batch_size=8, micro_batch_size=1, num_micro_batches=8, **fields
+    )
 
 
 def test_the_context_parallel_rule_is_the_plugins_own() -> None:
     # Load-balanced shards cut the sequence into 2 cp chunks; contiguous ones into cp (shard_positions).
-    validate(compose_config(["strategy=cp", "trainer.devices=2", "data.seq_len=66", "strategy.context_parallel.load_balance=false"]))
+    validate(
+        compose_config(
+            ["strategy=cp", "trainer.devices=2", "data.seq_len=66", "strategy.context_parallel.load_balance=false"]
+        )
+    )
     with pytest.raises(ConfigError) as err:
         validate(compose_config(["strategy=cp", "trainer.devices=2", "data.seq_len=66"]))
     assert err.value.problems == [
@@ -70,7 +76,10 @@ def test_plugins_given_in_any_order_are_walked_in_order_and_islands_keep_fsdp_in
     assert strategy.plugins["fsdp"].active(ParallelDims(dp_replicate=2, dp_shard=1), islands=False)
     # A declared conflict is reported with both keys.
     run = _run(ParallelDims(dp_replicate=2, dp_shard=1))
-    assert "strategy.lora does not compose with strategy.local_sgd yet; use strategy.local_sgd=null" in strategy.problems(run, None)
+    assert (
+        "strategy.lora does not compose with strategy.local_sgd yet; use strategy.local_sgd=null"
+        in strategy.problems(run, None)
+    )
 
 
 def test_validate_returns_the_resolved_run_with_the_model_shape() -> None:

@@ -4,11 +4,11 @@ import math
 
 import pytest
 import torch
+from preference_pairs import FixedLogits, V, pair_batch
 
-from preference_pairs import V, FixedLogits, pair_batch
-from trainer.data.packing import IGNORE_INDEX
 from trainer.data.encode import pair as encode_pair
 from trainer.data.encode import pair_rows
+from trainer.data.packing import IGNORE_INDEX
 from trainer.objectives.preference import DPO, SimPO, dpo_loss, ipo_loss, orpo_loss, simpo_loss
 
 t = torch.tensor
@@ -84,7 +84,11 @@ def test_encode_pair_shares_the_prompt_and_supervises_only_the_final_answer():
 
     tok = byte_tokenizer()
     pair = {
-        "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hey"}, {"role": "user", "content": "2+2?"}],
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hey"},
+            {"role": "user", "content": "2+2?"},
+        ],
         "chosen": "4",
         "rejected": "5",
     }
@@ -123,5 +127,7 @@ def test_orpo_keeps_the_odds_ratio_gradient_of_confident_rows():
 
 
 def test_orpo_row_without_targets_is_finite():
-    loss, _, _ = orpo_loss(torch.zeros(2), torch.tensor([-3.0, 0.0]), torch.tensor([0.0, 2.0]), torch.tensor([2.0, 0.0]), lam=0.1)
+    loss, _, _ = orpo_loss(
+        torch.zeros(2), torch.tensor([-3.0, 0.0]), torch.tensor([0.0, 2.0]), torch.tensor([2.0, 0.0]), lam=0.1
+    )
     assert torch.isfinite(loss).all()

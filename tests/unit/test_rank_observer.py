@@ -14,7 +14,9 @@ def test_a_failed_child_rank_ends_the_others_after_the_grace_with_one_line(capsy
     procs = [subprocess.Popen(["sleep", "60"]), subprocess.Popen(["sh", "-c", "sleep 0.2; kill -9 $$"])]
     ended: list[tuple[int, float]] = []
     start = time.monotonic()
-    observer = RankObserver(procs, grace_s=1.5, step=lambda: 7, poll_s=0.1, end=lambda code: ended.append((code, time.monotonic() - start)))
+    observer = RankObserver(
+        procs, grace_s=1.5, step=lambda: 7, poll_s=0.1, end=lambda code: ended.append((code, time.monotonic() - start))
+    )
     observer.start()
     observer.join(timeout=30)
     assert ended and ended[0][0] == 4 and ended[0][1] >= 0.2 + 1.5, ended  # the grace was given

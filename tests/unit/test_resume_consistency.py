@@ -51,8 +51,15 @@ def test_every_difference_is_listed_with_its_fix() -> None:
 def test_override_allows_optimizer_fields_only() -> None:
     record = run_record(SAVED, "f" * 64)
     assert resume_problems(record, _new(optim__lr=1e-3), "f" * 64, ["optim.lr"], source="ckpt") == []
-    assert resume_problems(record, _new(optim__lr=1e-3, scheduler__warmup_steps=0), None, ["optim", "scheduler"], source="c") == []
-    assert len(resume_problems(record, _new(optim__lr=1e-3, scheduler__warmup_steps=0), None, ["optim"], source="c")) == 1
+    assert (
+        resume_problems(
+            record, _new(optim__lr=1e-3, scheduler__warmup_steps=0), None, ["optim", "scheduler"], source="c"
+        )
+        == []
+    )
+    assert (
+        len(resume_problems(record, _new(optim__lr=1e-3, scheduler__warmup_steps=0), None, ["optim"], source="c")) == 1
+    )
     problems = resume_problems(record, _new(model__dim=32), None, ["model.dim"], source="ckpt")
     assert any("only optim, scheduler, train.max_grad_norm" in p for p in problems), problems
 
@@ -81,7 +88,9 @@ def test_a_new_global_batch_size_is_refused_a_new_micro_batch_size_resumes() -> 
     # would have skipped half an epoch's rows (and the micro-batch size only splits the same batch).
     record = run_record(SAVED, "f" * 64)
     (problem,) = resume_problems(record, _new(train__global_batch_size=16), None, [], source="ckpt")
-    assert "train.global_batch_size=16 differs from 8 in ckpt: the saved data position would index other rows" in problem
+    assert (
+        "train.global_batch_size=16 differs from 8 in ckpt: the saved data position would index other rows" in problem
+    )
     assert "resume with train.global_batch_size=8" in problem and "model.init_from=ckpt" in problem
     assert resume_problems(record, _new(train__micro_batch_size=2), None, [], source="ckpt") == []
 

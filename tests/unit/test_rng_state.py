@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from strategies.checkpoint import dcp as ckpt
+
+
 class FakeCuda:
     """``visible`` GPUs, the current one ``current``; each device's generator state is a tensor."""
 
@@ -55,4 +57,6 @@ def test_a_checkpoint_of_every_visible_gpu_loads_on_one(monkeypatch: pytest.Monk
     legacy = ckpt.rng_state() | {"cuda": [torch.full((8,), i, dtype=torch.uint8) for i in range(8)]}
     fake = FakeCuda(monkeypatch, visible=2, current=1)
     ckpt.set_rng_state(legacy)
-    assert torch.equal(fake.states[1], legacy["cuda"][1]) and torch.equal(fake.states[0], torch.zeros(8, dtype=torch.uint8))
+    assert torch.equal(fake.states[1], legacy["cuda"][1]) and torch.equal(
+        fake.states[0], torch.zeros(8, dtype=torch.uint8)
+    )

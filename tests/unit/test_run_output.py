@@ -24,7 +24,9 @@ def test_the_bar_shows_the_newest_validation_loss(monkeypatch: pytest.MonkeyPatc
     from lightning.pytorch.callbacks import TQDMProgressBar
 
     monkeypatch.setattr(TQDMProgressBar, "get_metrics", lambda self, t, m: {"train/loss": 8.3, "v_num": "abcd"})
-    task = SimpleNamespace(_history=[{"step": 0, "val_loss": 8.33}, {"step": 1, "loss": 8.3}, {"step": 5, "val_loss": 8.27}])
+    task = SimpleNamespace(
+        _history=[{"step": 0, "val_loss": 8.33}, {"step": 1, "loss": 8.3}, {"step": 5, "val_loss": 8.27}]
+    )
     task.latest_val_loss = Task.latest_val_loss.fget(task)
     assert StepProgressBar().get_metrics(None, task) == {"train/loss": 8.3, "val/loss": 8.27}
     task._history = [{"step": 1, "loss": 8.3}]  # no evaluation yet (data.val_fraction=0)
@@ -58,14 +60,19 @@ def test_the_data_summary_counts_each_kind_of_data() -> None:
     assert data_summary(text) == (
         "data: 10 training rows (80 tokens), 2 held-out rows (16 tokens); 7 training and 1 held-out documents; vocabulary 4,096"
     )
-    assert data_summary(text, evaluated=1).startswith("data: 10 training rows (80 tokens), 2 held-out rows (16 tokens; 1 evaluated);")
+    assert data_summary(text, evaluated=1).startswith(
+        "data: 10 training rows (80 tokens), 2 held-out rows (16 tokens; 1 evaluated);"
+    )
     assert data_summary(text, evaluated=2) == data_summary(text)  # all of them: nothing to add
     sft = SimpleNamespace(
         tokenizer=tokenizer,
         train={"a": SourceSamples([[1, 2, 3]] * 4, [[1, 2, 3]] * 4), "b": SourceSamples([[1, 2]], [[1, 2]])},
         val={"a": SourceSamples([[1, 2, 3]], [[1, 2, 3]])},
     )
-    assert data_summary(sft) == "data: 5 training samples (14 tokens), 1 held-out samples (3 tokens); 2 sources; vocabulary 4,096"
+    assert (
+        data_summary(sft)
+        == "data: 5 training samples (14 tokens), 1 held-out samples (3 tokens); 2 sources; vocabulary 4,096"
+    )
     pairs = SimpleNamespace(
         tokenizer=tokenizer, train={"input_ids": torch.zeros(6, 2, 4)}, val={"input_ids": torch.zeros(2, 2, 4)}
     )
@@ -80,7 +87,11 @@ def test_perplexity_only_for_a_per_token_nll() -> None:
     from trainer.task import val_metrics
 
     for objective in (CausalLM(), SFT()):
-        assert val_metrics(objective, 2.0, {"val/x": 1.0}) == {"val/loss": 2.0, "val/ppl": pytest.approx(7.389056), "val/x": 1.0}
+        assert val_metrics(objective, 2.0, {"val/x": 1.0}) == {
+            "val/loss": 2.0,
+            "val/ppl": pytest.approx(7.389056),
+            "val/x": 1.0,
+        }
     for objective in (DPO(), ORPO(), KTO()):  # exp of a pair loss is no perplexity
         assert val_metrics(objective, 0.69, {}) == {"val/loss": 0.69}
 
@@ -124,5 +135,7 @@ def test_a_user_model_without_what_a_feature_needs_is_refused_in_validate() -> N
     export = _problems(user, ["callbacks.hf_export.at_end=true"])
     assert any(p.startswith("callbacks.hf_export: ") and "no Hugging Face mapping" in p for p in export), export
     # plait's Llama has both: neither problem.
-    assert not any("declares no" in p or "Hugging Face mapping" in p
-                   for p in _problems("nano", ["strategy=tp", "trainer.devices=2", "callbacks.hf_export.at_end=true"]))  # fmt: skip
+    assert not any(
+        "declares no" in p or "Hugging Face mapping" in p
+        for p in _problems("nano", ["strategy=tp", "trainer.devices=2", "callbacks.hf_export.at_end=true"])
+    )

@@ -9,17 +9,26 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from hf_checkpoints import corpus_texts
 from omegaconf import OmegaConf
 
-from hf_checkpoints import corpus_texts
 from strategies.checkpoint.dcp import META_FILE, seal
 from trainer.data.tokenizer import train_bpe
 from trainer.rundir import RunDir, load_run_model, resolve_checkpoint
 
-MODEL = {"_target_": "trainer.models.llama.Llama", "dim": 32, "n_layers": 1, "n_heads": 2, "n_kv_heads": 2, "max_seq_len": 16}
+MODEL = {
+    "_target_": "trainer.models.llama.Llama",
+    "dim": 32,
+    "n_layers": 1,
+    "n_heads": 2,
+    "n_kv_heads": 2,
+    "max_seq_len": 16,
+}
 
 
-def _write_run(path: Path, state: dict[str, torch.Tensor], *, steps: tuple[int, ...], tokenizer=None, vocab_size=None) -> RunDir:
+def _write_run(
+    path: Path, state: dict[str, torch.Tensor], *, steps: tuple[int, ...], tokenizer=None, vocab_size=None
+) -> RunDir:
     """A run directory as training leaves it: step checkpoints, ``last`` -> the newest, config, tokenizer."""
     run = RunDir(path)
     for step in steps:
@@ -92,7 +101,10 @@ def test_a_sweep_job_directory_names_its_swept_values() -> None:
 
     typed = ["model=nano", "optim.lr=1e-3,3e-4", "data.path=/a/b", "+x=range(2)"]
     assert swept_keys(typed) == ["optim.lr", "x"]
-    assert job_dirname(1, ["optim.lr=0.0003", "data.path=/a/b", "x=[1,2]"]) == "job1_optim.lr:0.0003_data.path:%a%b_x:%1%2%"
+    assert (
+        job_dirname(1, ["optim.lr=0.0003", "data.path=/a/b", "x=[1,2]"])
+        == "job1_optim.lr:0.0003_data.path:%a%b_x:%1%2%"
+    )
     assert job_dirname(0, []) == "job0"
     named = ["recipe=dpo", "model=nano", "run_dir=/x", "optim.lr=3e-4", "logger=wandb", "logger.wandb.offline=false"]
     assert run_name("pretrain", named) == "pretrain model=nano optim.lr=3e-4"

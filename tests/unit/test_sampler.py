@@ -9,7 +9,10 @@ from trainer.data.sampler import GlobalBatchSampler
 
 
 def _global_batches(num_rows: int, gbs: int, dp_size: int, **kw) -> list[list[int]]:
-    per_rank = [list(GlobalBatchSampler(num_rows, global_batch_size=gbs, dp_rank=r, dp_size=dp_size, **kw)) for r in range(dp_size)]
+    per_rank = [
+        list(GlobalBatchSampler(num_rows, global_batch_size=gbs, dp_rank=r, dp_size=dp_size, **kw))
+        for r in range(dp_size)
+    ]
     return [sum((per_rank[r][k] for r in range(dp_size)), []) for k in range(len(per_rank[0]))]
 
 

@@ -55,7 +55,9 @@ def test_the_window_keeps_the_last_admitted_steps() -> None:
 
 def test_the_guard_counts_spikes_and_protects_the_step_before_the_anomaly() -> None:
     guard = NonFiniteGuard("skip", max_skipped=5, spikes=SpikeRule(FACTOR, 2), recover_after=2)
-    verdicts = [guard.verdict(torch.tensor(v), judged=torch.tensor(True)) for v in ([3.0, 1.0], [3.0, 30.0], [math.nan, 1.0])]
+    verdicts = [
+        guard.verdict(torch.tensor(v), judged=torch.tensor(True)) for v in ([3.0, 1.0], [3.0, 30.0], [math.nan, 1.0])
+    ]
     assert [float(v) for v in verdicts] == [ADMITTED, SPIKE, NONFINITE]
     assert guard.admit(6, 3.0, 1.0, ADMITTED) and guard.safe_step() is None
     assert not guard.admit(7, 3.0, 30.0, SPIKE) and guard.safe_step() == 5  # step 7 accuses step 6's weights
@@ -94,7 +96,11 @@ def _reference_skips(rows: list[dict[str, str]]) -> list[int]:
         spike = bool(recent) and (
             loss > FACTOR * max(settled[0], *(r[0] for r in recent))
             or grad_norm > FACTOR * max(settled[1], *(r[1] for r in recent))
-            or (grad_norm < min(r[1] for r in recent) / FACTOR and loss >= min(r[0] for r in recent) / FACTOR and loss > settled[0])
+            or (
+                grad_norm < min(r[1] for r in recent) / FACTOR
+                and loss >= min(r[0] for r in recent) / FACTOR
+                and loss > settled[0]
+            )
         )
         if spike or not (math.isfinite(loss) and math.isfinite(grad_norm)):
             skipped.append(int(row["step"]))

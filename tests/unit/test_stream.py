@@ -29,9 +29,21 @@ def shards(tmp_path_factory):
 
 
 def _data(shards, *extra):
-    cfg = compose("pretrain", ["data=stream", f"data.path={shards}", "data.text_key=body", "data.eval_docs=3", "data.seq_len=16",
-                               "data.vocab_size=300", "train.global_batch_size=4", "model=nano",
-                               f"data.cache_dir={shards.parent / 'cache'}", *extra])  # fmt: skip
+    cfg = compose(
+        "pretrain",
+        [
+            "data=stream",
+            f"data.path={shards}",
+            "data.text_key=body",
+            "data.eval_docs=3",
+            "data.seq_len=16",
+            "data.vocab_size=300",
+            "train.global_batch_size=4",
+            "model=nano",
+            f"data.cache_dir={shards.parent / 'cache'}",
+            *extra,
+        ],
+    )
     return build_data(cfg)
 
 
@@ -39,7 +51,9 @@ def test_tables_as_documents(shards):
     by_shards = corpus.load_files([str(shards)], text_key="body")
     assert [d.text for d in by_shards] == DOCS and by_shards[0].title == "part-0.parquet:1"
     assert [d.text for d in corpus.load_files([str(shards.parent / "saved")], text_key="body")] == DOCS
-    with pytest.raises(ValueError, match=r"part-0.parquet, row 1: no column 'text' \(columns: \['body'\]\); set data.text_key="):
+    with pytest.raises(
+        ValueError, match=r"part-0.parquet, row 1: no column 'text' \(columns: \['body'\]\); set data.text_key="
+    ):
         corpus.load_files([str(shards)])
 
 

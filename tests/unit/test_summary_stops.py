@@ -51,7 +51,14 @@ def test_a_stream_that_ends_before_max_steps_is_named_when_it_ends(tmp_path: Pat
     with open(docs, "w") as file:
         for i in range(40):
             file.write(json.dumps({"text": " ".join(f"w{(i + j) % 30}" for j in range(60))}) + "\n")
-    _fit(tmp_path / "run", "data=stream", f"data.path={docs}", "data.eval_docs=4", "data.eval_rows=4", "trainer.max_steps=1000")
+    _fit(
+        tmp_path / "run",
+        "data=stream",
+        f"data.path={docs}",
+        "data.eval_docs=4",
+        "data.eval_rows=4",
+        "trainer.max_steps=1000",
+    )
     summary = _summary(tmp_path / "run")
     assert (summary["planned_steps"], summary["stopped_by"]) == (1000, "data_exhausted")
     assert 0 < summary["steps"] < 1000
@@ -75,7 +82,9 @@ def test_the_budgets_that_end_a_mixture_are_named_with_their_settings(tmp_path: 
         f"data.sources={{a: {{source: {a}, max_tokens: 40, max_epochs: null}}, b: {{source: {b}, max_epochs: 0.5}}, "
         f"c: {{source: {b}, weight: 0}}}}"
     )
-    cfg = compose_config(["model=nano", "data.seq_len=64", "train.global_batch_size=4", sources], recipe="sft", tiny=False)
+    cfg = compose_config(
+        ["model=nano", "data.seq_len=64", "train.global_batch_size=4", sources], recipe="sft", tiny=False
+    )
     data = build_data(cfg, validate(cfg))
     steps = data.finite_steps()
     length = plan_run_length(10_000, data)

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import torch
 
-from trainer.step_metrics import read_means
 from trainer.objectives.pretrain import CausalLM
 from trainer.protocols import Objective
+from trainer.step_metrics import read_means
 from trainer.task import Task
 
 
@@ -24,9 +24,17 @@ class _Sums(CausalLM):
 
 def _task(objective: Objective, calls: list[str]) -> Task:
     task = Task(
-        model=torch.nn.Linear(2, 2), objective=objective, optimizer=torch.optim.SGD, scheduler=None,
-        micro_batch_size=1, max_grad_norm=None, weight_decay=0.0, no_decay=(), eval_every=0, flops_per_token=0.0,
-    )  # fmt: skip
+        model=torch.nn.Linear(2, 2),
+        objective=objective,
+        optimizer=torch.optim.SGD,
+        scheduler=None,
+        micro_batch_size=1,
+        max_grad_norm=None,
+        weight_decay=0.0,
+        no_decay=(),
+        eval_every=0,
+        flops_per_token=0.0,
+    )
     strategy = SimpleNamespace(
         parallelize=lambda model: calls.append("parallelize"),
         all_reduce_sum=lambda tensor, axis: calls.append(axis) or tensor * 2,  # as if two ranks held the same sums
@@ -39,7 +47,10 @@ def _task(objective: Objective, calls: list[str]) -> Task:
 def test_pop_sums_are_reduced_once_and_divided_by_their_counts() -> None:
     calls: list[str] = []
     task = _task(_Sums(torch.tensor([[3.0, 5.0, 1.0], [2.0, 0.0, 4.0]])), calls)
-    assert read_means(task._pop_sums("val")) == {"val/loss/a": 1.5, "val/rewards/margin": 0.25}  # a count of 0 logs nothing
+    assert read_means(task._pop_sums("val")) == {
+        "val/loss/a": 1.5,
+        "val/rewards/margin": 0.25,
+    }  # a count of 0 logs nothing
     assert calls == ["dp_cp"]
 
 
@@ -74,5 +85,7 @@ def test_every_declared_headline_metric_is_one_the_objective_logs() -> None:
         names, _ = objective.pop_sums()
         assert objective.headline_metrics and set(objective.headline_metrics) <= set(names), type(objective).__name__
     task = _task(DPO(), [])
-    task._trainer.datamodule = SimpleNamespace(evaluators=lambda: [SimpleNamespace(headline_metrics=["val/exact_match/a"])])
+    task._trainer.datamodule = SimpleNamespace(
+        evaluators=lambda: [SimpleNamespace(headline_metrics=["val/exact_match/a"])]
+    )
     assert task.headline_metrics() == ["val/rewards/accuracy", "val/rewards/margin", "val/exact_match/a"]

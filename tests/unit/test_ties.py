@@ -53,7 +53,9 @@ def test_keep_ties_reties_parameters_and_buffers():
 
 def test_keep_ties_refuses_tied_slots_laid_out_apart():
     model = Shared()
-    with pytest.raises(ValueError, match=r"embed\.weight and head\.weight are one tied tensor.*model\.tie_embeddings=false"):
+    with pytest.raises(
+        ValueError, match=r"embed\.weight and head\.weight are one tied tensor.*model\.tie_embeddings=false"
+    ):
         with keep_ties(model):
             model.head.weight = nn.Parameter(torch.zeros(5, 4))
 

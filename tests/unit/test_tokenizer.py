@@ -40,7 +40,11 @@ def test_train_bpe_is_deterministic_across_thread_counts(texts, tok):
         f"print(train_bpe([d.text for d in load_shakespeare()[:40]], vocab_size={VOCAB}).fingerprint)\n"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
         env={**os.environ, "RAYON_NUM_THREADS": "1", "PYTHONHASHSEED": "123"},
     )
     assert out.stdout.strip() == tok.fingerprint
@@ -87,7 +91,9 @@ def test_from_file_errors(tmp_path, texts):
     other = train_bpe(texts[:5], vocab_size=300, eos_token="</s>", pad_token="<unused>")
     path = tmp_path / "other.json"
     other.save(path)
-    with pytest.raises(ValueError, match=r"'<\|endoftext\|>' is not in the tokenizer's vocabulary.*data\.tokenizer\.eos_token="):
+    with pytest.raises(
+        ValueError, match=r"'<\|endoftext\|>' is not in the tokenizer's vocabulary.*data\.tokenizer\.eos_token="
+    ):
         Tokenizer.from_file(path)
     loaded = Tokenizer.from_file(path, eos_token="</s>")
     assert loaded.eos_id == 0
@@ -154,9 +160,13 @@ def test_a_line_without_whitespace_trains_and_encodes_in_linear_time(tok):
 
 @pytest.mark.parametrize(
     ("content", "reason"),
-    [(b'{"model": {"type": "BPE", ', "EOF while parsing"), (b"", "EOF while parsing a value"),
-     (b"not json{", "expected ident"), (b"\xff\xfe\x00\x01binary", "stream did not contain valid UTF-8")],
-)  # fmt: skip
+    [
+        (b'{"model": {"type": "BPE", ', "EOF while parsing"),
+        (b"", "EOF while parsing a value"),
+        (b"not json{", "expected ident"),
+        (b"\xff\xfe\x00\x01binary", "stream did not contain valid UTF-8"),
+    ],
+)
 def test_a_tokenizer_file_that_does_not_parse_is_refused_by_validate(tmp_path, content, reason):
     """Truncated, empty, bad JSON, binary: one problem naming the file and the fix (was a traceback)."""
     from harness import compose_config
@@ -168,4 +178,6 @@ def test_a_tokenizer_file_that_does_not_parse_is_refused_by_validate(tmp_path, c
     with pytest.raises(ConfigError) as err:
         validate(compose_config([f"data.tokenizer={path}"]))
     found = [p for p in err.value.problems if p.startswith(f"data.tokenizer={path} is not a tokenizer.json ({reason}")]
-    assert found and found[0].endswith("); give a Hugging Face tokenizer.json, or null to train one"), err.value.problems
+    assert found and found[0].endswith("); give a Hugging Face tokenizer.json, or null to train one"), (
+        err.value.problems
+    )

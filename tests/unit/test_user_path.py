@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from trainer.user_path import USER_PATH_ENV, UserPathError, drop_current_folder, split_user_path, use_user_path, user_folders
+from trainer.user_path import (
+    USER_PATH_ENV,
+    UserPathError,
+    drop_current_folder,
+    split_user_path,
+    use_user_path,
+    user_folders,
+)
 
 
 def test_the_flag_is_taken_out_wherever_it_stands() -> None:
@@ -23,7 +30,9 @@ def test_folders_from_the_flag_then_the_environment_each_once(tmp_path: Path) ->
     a, b = tmp_path / "a", tmp_path / "b"
     for folder in (a, b):
         folder.mkdir()
-    environ = {USER_PATH_ENV: os.pathsep.join(["", str(b), str(a), ""])}  # empty entries: no folder (not the current one)
+    environ = {
+        USER_PATH_ENV: os.pathsep.join(["", str(b), str(a), ""])
+    }  # empty entries: no folder (not the current one)
     assert user_folders([str(a)], environ) == [str(a.resolve()), str(b.resolve())]
     assert user_folders([], {}) == []
     with pytest.raises(UserPathError, match=rf"^{USER_PATH_ENV}=.*: {tmp_path / 'c'} is not a directory"):

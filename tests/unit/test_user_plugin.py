@@ -16,9 +16,9 @@ from harness import compose_config, fit, losses
 from torch import nn
 
 from strategies.core.parallel_dims import Meshes
-from strategies.plugin import StrategyPlugin
 from strategies.core.resolved import ResolvedRun
 from strategies.core.shape import ModelShape
+from strategies.plugin import StrategyPlugin
 from trainer.config import ConfigError, validate
 
 
@@ -50,7 +50,11 @@ class StepCounter(StrategyPlugin):
         assert not self.running and isinstance(optimizer, torch.optim.Optimizer)  # unwrapped from Lightning's
         if step % self.every:
             return {}
-        return {"toy/steps_inside": float(len(self.inside)), "toy/last_inside": float(self.inside[-1]), "toy/applied": float(len(self.applied_to))}
+        return {
+            "toy/steps_inside": float(len(self.inside)),
+            "toy/last_inside": float(self.inside[-1]),
+            "toy/applied": float(len(self.applied_to)),
+        }
 
 
 TOY = [f"+strategy.toy._target_={__name__}.StepCounter", "+strategy.toy.every=1"]
@@ -61,7 +65,10 @@ def test_a_plugin_from_user_code_runs_every_phase_it_declares(tmp_path) -> None:
     validate(cfg)
     _, task = fit(cfg, tmp_path / "toy")
     steps = [h for h in task.history if "toy/steps_inside" in h]
-    assert [(h["toy/steps_inside"], h["toy/last_inside"], h["toy/applied"]) for h in steps] == [(1.0, 0.0, 1.0), (2.0, 1.0, 1.0)]
+    assert [(h["toy/steps_inside"], h["toy/last_inside"], h["toy/applied"]) for h in steps] == [
+        (1.0, 0.0, 1.0),
+        (2.0, 1.0, 1.0),
+    ]
     _, reference = fit(compose_config(["trainer.max_steps=2", "optim=sgd"]), tmp_path / "ref")
     assert losses(task.history) == losses(reference.history)  # the toy changes no numerics
 

@@ -48,7 +48,9 @@ class Toy(Objective):
 
     def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         logits = model(batch["input_ids"], position_ids_bt=batch["position_ids"], document_ids_bt=batch["document_ids"])
-        ce = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100, reduction="sum")
+        ce = F.cross_entropy(
+            logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100, reduction="sum"
+        )
         return self.weight * ce
 
 
@@ -95,7 +97,10 @@ def test_a_declared_row_kind_is_checked_against_the_data() -> None:
     ]
     assert _problems("dpo", *pairs_toy) == []
     causal = _problems("pretrain", "data=preference_synthetic")
-    assert any(p.startswith("objective CausalLM trains on token rows, but the data module gives preference pairs; use ") for p in causal), causal
+    assert any(
+        p.startswith("objective CausalLM trains on token rows, but the data module gives preference pairs; use ")
+        for p in causal
+    ), causal
 
 
 def test_a_data_module_declares_its_evaluators_and_each_is_asked() -> None:
@@ -108,7 +113,9 @@ def test_a_data_module_declares_its_evaluators_and_each_is_asked() -> None:
         "data.sources.sorting.metric=loss, data.sources.addition.metric=loss "
         "(or strategy.tensor_parallel.sequence_parallel=false)"
     ]
-    assert not any("decodes greedily" in p for p in _problems("sft", *sp, "strategy.tensor_parallel.sequence_parallel=false"))
+    assert not any(
+        "decodes greedily" in p for p in _problems("sft", *sp, "strategy.tensor_parallel.sequence_parallel=false")
+    )
     pp = [p for p in _problems("sft", "data=synthetic", "strategy=pp", "trainer.devices=2") if "decodes greedily" in p]
     assert len(pp) == 1 and "strategy.pp=2 does not give" in pp[0] and "(or strategy.pp=1)" in pp[0], pp
     metrics = [f"data.sources.{name}.metric=loss" for name in compose("sft", ["data=synthetic"]).data.sources]
@@ -123,9 +130,13 @@ def test_the_moved_rules_come_out_of_validate_with_their_messages() -> None:
     chunked = _problems("pretrain", *tiny, "strategy=tp", "trainer.devices=2", "objective.loss_chunk_tokens=64")
     assert any(p.startswith("objective.loss_chunk_tokens=64 needs tp=1") for p in chunked), chunked  # CausalLM.problems
     sat = _problems("pretrain", *tiny, "+strategy/sat=default", "strategy.compile.enabled=true")
-    assert "strategy.sat with strategy.compile.enabled=true is not supported; set one of them off" in sat, sat  # SAT.problems
+    assert "strategy.sat with strategy.compile.enabled=true is not supported; set one of them off" in sat, (
+        sat
+    )  # SAT.problems
     lora = _problems("pretrain", *tiny, "+strategy/lora=default")
     assert any(p.startswith("strategy.lora trains adapters on a frozen base") for p in lora), lora  # LoRA.problems
     dpo = _problems("dpo", "data=text")  # PreferenceObjective.problems, on the data's declared row kind
     assert "objective DPO trains on preference pairs; use data=preference (or preference_synthetic)" in dpo, dpo
-    assert not any(p.startswith("objective DPO trains on preference pairs, but") for p in dpo), dpo  # its own message only
+    assert not any(p.startswith("objective DPO trains on preference pairs, but") for p in dpo), (
+        dpo
+    )  # its own message only

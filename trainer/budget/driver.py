@@ -32,7 +32,9 @@ def is_search(cfg: DictConfig) -> bool:
     return cfg.get("budget") is not None
 
 
-def run_search(cfg: DictConfig, run_dir: Path, run: ResolvedRun, *, say: Callable[[str], None] | None) -> dict[str, Any]:
+def run_search(
+    cfg: DictConfig, run_dir: Path, run: ResolvedRun, *, say: Callable[[str], None] | None
+) -> dict[str, Any]:
     """Prepares the data, saying what it holds (`trainer.data.summary.describe`) when ``say`` is
     given (the launching rank), then runs ``cfg.budget``'s search in ``run_dir``.
 

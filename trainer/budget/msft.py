@@ -37,9 +37,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from typing_extensions import override
 
 from strategies.checkpoint.dcp import META_FILE
-from strategies.runtime.launch import LAUNCH_ENV
-from strategies.core.model_contract import flops_per_token
 from strategies.checkpoint.safe_load import load_plain
+from strategies.core.model_contract import flops_per_token
+from strategies.runtime.launch import LAUNCH_ENV
 from trainer.budget.report import plot, table
 from trainer.build import build_data, build_model, build_run
 from trainer.config import validate
@@ -58,7 +58,9 @@ def scores_of(metrics: dict[str, float], metric_of: dict[str, str]) -> Scores:
     return out
 
 
-def evaluations(history: list[dict[str, Any]], metric_of: dict[str, str], *, since: int = 0) -> list[tuple[int, Scores]]:
+def evaluations(
+    history: list[dict[str, Any]], metric_of: dict[str, str], *, since: int = 0
+) -> list[tuple[int, Scores]]:
     """``(step, scores)`` of every evaluation at or after step ``since``, in step order (the last wins)."""
     by_step = {h["step"]: scores_of(h["metrics"], metric_of) for h in history if "metrics" in h and h["step"] >= since}
     return sorted(by_step.items())
@@ -98,7 +100,9 @@ class SettledStop(L.Callback):
     """Stops a roll-out once `settled` names the earliest optimum (``patience`` set); its
     ``stop_reason`` then says so (the roll-out's ``summary.json``)."""
 
-    def __init__(self, metric_of: dict[str, str], patience: int, since: int, start: dict[str, float] | None = None) -> None:
+    def __init__(
+        self, metric_of: dict[str, str], patience: int, since: int, start: dict[str, float] | None = None
+    ) -> None:
         self.metric_of, self.patience, self.since = dict(metric_of), patience, since
         self.start = [(since, dict(start))] if start else []
         self.stop_reason: str | None = None
@@ -110,7 +114,9 @@ class SettledStop(L.Callback):
         if name is not None:
             trainer.should_stop = True
             step = best_steps(evals, [name])[name][0]
-            self.stop_reason = f"budget.patience={self.patience}: the earliest optimum, {name}'s at step {step}, is settled"
+            self.stop_reason = (
+                f"budget.patience={self.patience}: the earliest optimum, {name}'s at step {step}, is settled"
+            )
 
 
 def fit_run(cfg: DictConfig, run_dir: Path, *, ckpt_path: str | None = None) -> list[dict[str, Any]]:
@@ -140,7 +146,9 @@ class MSFT:
         baseline: also report the uniform-epochs baseline under the same compute.
     """
 
-    def __init__(self, *, compute: float = 3.0, eval_every: int = 10, patience: int | None = None, baseline: bool = True) -> None:
+    def __init__(
+        self, *, compute: float = 3.0, eval_every: int = 10, patience: int | None = None, baseline: bool = True
+    ) -> None:
         if compute <= 0 or eval_every <= 0 or (patience is not None and patience < 1):
             raise ValueError("budget.compute and budget.eval_every must be positive, budget.patience >= 1 or null")
         self.compute, self.eval_every, self.patience, self.baseline = compute, eval_every, patience, baseline
@@ -174,8 +182,13 @@ class MSFT:
             if self.patience is not None and since >= 0:
                 metric_of = {n: m for n, m in self._metric_of(cfg).items() if active is None or n in active}
                 start = {n: v for n, v in start.items() if n in metric_of} if start else None
-                out.callbacks.settled = {"_target_": f"{__name__}.SettledStop", "metric_of": metric_of,
-                                         "patience": self.patience, "since": since, "start": start}  # fmt: skip
+                out.callbacks.settled = {
+                    "_target_": f"{__name__}.SettledStop",
+                    "metric_of": metric_of,
+                    "patience": self.patience,
+                    "since": since,
+                    "start": start,
+                }
         return out
 
     @staticmethod
@@ -223,7 +236,9 @@ class MSFT:
                 "tokens": stop["tokens"].get(chosen, 0),
                 "epochs": stop["packer"]["mixture"].get(chosen, {}).get("emitted", 0) / sizes[chosen],
             }
-            rollouts.append({"start": start_step, "end": last_step, "active": list(active), "removed": chosen, "curve": evals})
+            rollouts.append(
+                {"start": start_step, "end": last_step, "active": list(active), "removed": chosen, "curve": evals}
+            )
             start_step, start_scores = stop_step, dict(evals)[stop_step]
             active.remove(chosen)
         flops_per_token = self._flops_per_token(cfg, data)
@@ -254,8 +269,14 @@ class MSFT:
         means = [(step, sum(s.values()) / len(s)) for step, s in evals]
         best_step, best_mean = max(means, key=lambda x: (x[1], -x[0]))
         flops = end * cfg.train.global_batch_size * data.seq_len * self._flops_per_token(cfg, data)
-        return {"best_step": best_step, "best_mean": best_mean, "scores": dict(evals)[best_step], "flops": flops,
-                "steps": end, "curve": evals}  # fmt: skip
+        return {
+            "best_step": best_step,
+            "best_mean": best_mean,
+            "scores": dict(evals)[best_step],
+            "flops": flops,
+            "steps": end,
+            "curve": evals,
+        }
 
     @staticmethod
     def _flops_per_token(cfg: DictConfig, data: Any) -> float:

@@ -18,7 +18,9 @@ def table(report: dict[str, Any]) -> str:
             f"{name:<24} {stop['step']:>9} {stop['epochs']:>7.2f} {stop['tokens']:>9} "
             f"{report['final_scores'][name]:>10.4f} {'' if u is None else f'{u:.4f}':>8}"
         )
-    lines.append(f"mSFT: mean score {report['final_mean']:.4f}, training FLOPs {report['flops']:.3e} ({report['trained_steps']} steps)")
+    lines.append(
+        f"mSFT: mean score {report['final_mean']:.4f}, training FLOPs {report['flops']:.3e} ({report['trained_steps']} steps)"
+    )
     if "uniform" in report:
         u = report["uniform"]
         lines.append(

@@ -63,7 +63,9 @@ class BalanceTelemetry(L.Callback):
         self._model = WorkModel.of(shape)
 
     @override
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self.enabled and self._model is not None and "document_ids" in batch:
             self._work = float(self._model.rows(batch["document_ids"].cpu()).sum())
         self._start = time.perf_counter()

@@ -26,8 +26,7 @@ from typing_extensions import override
 
 from strategies.checkpoint.dcp import CheckpointError
 from strategies.core.ranges import NON_NEGATIVE
-
-from trainer.callbacks.preemption import StopSignals, Stopped, stop_message
+from trainer.callbacks.preemption import Stopped, StopSignals, stop_message
 from trainer.loggers import RunCSVLogger
 from trainer.rundir import LAST, last_link_problem, step_checkpoints, step_dir, step_dirs
 from trainer.task import Task
@@ -63,7 +62,6 @@ class PeriodicCheckpoint(Checkpoint):
         every_n_steps: Annotated[int, NON_NEGATIVE] = 100,
         keep_last: Annotated[int, NON_NEGATIVE] = 2,
         save_on_signal: bool = True,
-    
     ) -> None:
         if every_n_steps < 0 or keep_last < 0:
             raise ValueError("callbacks.checkpoint.every_n_steps and keep_last must be >= 0")

@@ -61,7 +61,9 @@ class HFExport(L.Callback):
             )
 
     @override
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step
         if self.every_n_steps and step % self.every_n_steps == 0:
             self.export(trainer, pl_module, RunDir(self.dirpath).hf_step(step))
@@ -82,8 +84,14 @@ class HFExport(L.Callback):
             sources += [Path(tokenizer_path).expanduser().parent] if tokenizer_path else []
             template = data.model_chat_template()  # the one the data rendered with: the run's
             write_hf_dir(
-                out, model=model, state=state, tokenizer=data.tokenizer, sources=sources, dtype=self.dtype,
-                max_shard_mb=self.max_shard_mb, chat_template=DEFAULT_CHAT_TEMPLATE if template is None else template.source,
-            )  # fmt: skip
+                out,
+                model=model,
+                state=state,
+                tokenizer=data.tokenizer,
+                sources=sources,
+                dtype=self.dtype,
+                max_shard_mb=self.max_shard_mb,
+                chat_template=DEFAULT_CHAT_TEMPLATE if template is None else template.source,
+            )
         if dist.is_initialized():
             dist.barrier()

@@ -45,7 +45,9 @@ class StepProgressBar(TQDMProgressBar):
         return min(total, done_in_epoch + max_steps - self.trainer.global_step)
 
     @override
-    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, int | str | float | dict[str, float]]:
+    def get_metrics(
+        self, trainer: L.Trainer, pl_module: L.LightningModule
+    ) -> dict[str, int | str | float | dict[str, float]]:
         metrics = super().get_metrics(trainer, pl_module)
         metrics.pop("v_num", None)
         val_loss = getattr(pl_module, "latest_val_loss", None)

@@ -40,7 +40,12 @@ from trainer.rundir import RunDir
 
 
 def headline(
-    history: list[dict[str, float]], *, tokens_seen: int, wall_time_s: float, steps: int, warm: tuple[int, float] = (0, 0.0)
+    history: list[dict[str, float]],
+    *,
+    tokens_seen: int,
+    wall_time_s: float,
+    steps: int,
+    warm: tuple[int, float] = (0, 0.0),
 ) -> dict[str, Any]:
     """First and final validation loss, tokens seen, wall time and tokens/s of a run's history, and
     with local SGD the bytes each rank sent to other islands (total and per step).
@@ -60,7 +65,11 @@ def headline(
         "final_train_loss": train[-1] if train else None,
         "tokens_seen": tokens_seen,
         "wall_time_s": round(wall_time_s, 3),
-        "tokens_per_s": round(warm[0] / warm[1], 1) if warm[1] > 0 else round(tokens_seen / wall_time_s, 1) if wall_time_s > 0 else None,
+        "tokens_per_s": round(warm[0] / warm[1], 1)
+        if warm[1] > 0
+        else round(tokens_seen / wall_time_s, 1)
+        if wall_time_s > 0
+        else None,
         **extra,
     }
 
@@ -68,13 +77,20 @@ def headline(
 def stop_fields(length: RunLength, stopped_by: str, reason: str | None) -> dict[str, Any]:
     """``max_steps``, ``planned_steps`` (`trainer.run_length.RunLength`), ``stopped_by`` (one of
     the causes of `trainer.run_length`) and ``stop_reason`` (None when ``max_steps`` ended it)."""
-    return {"max_steps": length.max_steps, "planned_steps": length.planned_steps, "stopped_by": stopped_by, "stop_reason": reason}
+    return {
+        "max_steps": length.max_steps,
+        "planned_steps": length.planned_steps,
+        "stopped_by": stopped_by,
+        "stop_reason": reason,
+    }
 
 
 def val_measures(history: list[dict[str, Any]], names: Sequence[str]) -> dict[str, dict[str, float]]:
     """``first_val_metrics`` and ``final_val_metrics``: the ``names`` of the first and the last
     evaluation of ``history`` (`trainer.task.Task.history`) that recorded any of them."""
-    scored = [{n: h["metrics"][n] for n in names if n in h["metrics"]} for h in history if "val_loss" in h and "metrics" in h]
+    scored = [
+        {n: h["metrics"][n] for n in names if n in h["metrics"]} for h in history if "val_loss" in h and "metrics" in h
+    ]
     scored = [metrics for metrics in scored if metrics]
     return {"first_val_metrics": scored[0] if scored else {}, "final_val_metrics": scored[-1] if scored else {}}
 
@@ -87,7 +103,11 @@ def ended_by(trainer: L.Trainer, pl_module: Any) -> tuple[str, str | None]:
         return MAX_STEPS, None
     if pl_module.data_ended():  # planned at launch, or found when it happens (a stream's length is unknown ahead)
         end_reason = getattr(trainer.datamodule, "end_reason", None)
-        late = end_reason(trainer.global_step) if end_reason else f"the training data ended after step {trainer.global_step}"
+        late = (
+            end_reason(trainer.global_step)
+            if end_reason
+            else f"the training data ended after step {trainer.global_step}"
+        )
         return DATA_EXHAUSTED, pl_module.run_length().reason or late
     reasons = [r for c in trainer.callbacks if (r := getattr(c, "stop_reason", None))]
     return CALLBACK, reasons[0] if reasons else f"a callback set trainer.should_stop after step {trainer.global_step}"
@@ -188,9 +208,16 @@ class Summary(L.Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         warm_tokens, warm_s = self._warm(self._tokens_now)
-        return {"wall_time_s": self._elapsed() if self._since else self.wall_time_s, "warm_tokens": warm_tokens, "warm_s": warm_s}
+        return {
+            "wall_time_s": self._elapsed() if self._since else self.wall_time_s,
+            "warm_tokens": warm_tokens,
+            "warm_s": warm_s,
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.wall_time_s = state_dict["wall_time_s"]
-        self.warm_tokens, self.warm_s = state_dict.get("warm_tokens", 0), state_dict.get("warm_s", 0.0)  # older runs: none
+        self.warm_tokens, self.warm_s = (
+            state_dict.get("warm_tokens", 0),
+            state_dict.get("warm_s", 0.0),
+        )  # older runs: none

@@ -15,7 +15,6 @@ import lightning as L
 from typing_extensions import override
 
 from strategies.core.ranges import POSITIVE
-
 from trainer.loggers import is_logging_step
 
 
@@ -35,7 +34,9 @@ class Throughput(L.Callback):
             H100 SXM in bf16); None: MFU is not reported.
     """
 
-    def __init__(self, window: Annotated[int, POSITIVE] = 10, peak_tflops: Annotated[float, POSITIVE] | None = None) -> None:
+    def __init__(
+        self, window: Annotated[int, POSITIVE] = 10, peak_tflops: Annotated[float, POSITIVE] | None = None
+    ) -> None:
         if window < 1:
             raise ValueError("callbacks.throughput.window must be >= 1")
         self.window, self.peak_tflops = window, peak_tflops

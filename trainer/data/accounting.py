@@ -47,7 +47,9 @@ class SourceCounts:
     affected: int = 0  # samples that lost supervised or prompt tokens, each counted once
     fix: str = field(default="", compare=False)
 
-    def add(self, *, supervised_kept: int, supervised_lost: int = 0, prompt_lost: int = 0, dropped: bool = False) -> None:
+    def add(
+        self, *, supervised_kept: int, supervised_lost: int = 0, prompt_lost: int = 0, dropped: bool = False
+    ) -> None:
         """Counts one sample: its supervised tokens kept and lost, its prompt tokens lost, and
         whether it was left out whole (its supervised tokens are then all lost)."""
         self.samples += 1
@@ -85,7 +87,9 @@ def _cuts(c: SourceCounts, noun: str) -> str:
     return f"{c.samples:,} {noun}: {cut}{lost}"
 
 
-def report_lines(counts: dict[str, SourceCounts], noun: str = "samples", held_out: dict[str, SourceCounts] | None = None) -> list[str]:
+def report_lines(
+    counts: dict[str, SourceCounts], noun: str = "samples", held_out: dict[str, SourceCounts] | None = None
+) -> list[str]:
     """The launch lines: one ``data cuts: ...`` line when anything was cut (and one for the held-out
     split), and one ``warning:`` line per source whose training samples lost supervised or prompt
     tokens above `WARN_FRACTION`.
@@ -97,7 +101,10 @@ def report_lines(counts: dict[str, SourceCounts], noun: str = "samples", held_ou
     """
     lines = []
     if any(c.affected for c in counts.values()):
-        lines.append("data cuts: " + "; ".join(f"data.sources.{name}: {_cuts(c, noun)}" for name, c in counts.items() if c.affected))
+        lines.append(
+            "data cuts: "
+            + "; ".join(f"data.sources.{name}: {_cuts(c, noun)}" for name, c in counts.items() if c.affected)
+        )
     if held_out and any(c.affected for c in held_out.values()):
         cut = "; ".join(f"data.sources.{name}: {_cuts(c, noun)}" for name, c in held_out.items() if c.affected)
         lines.append(f"data cuts (held-out, scored as cut): {cut}")
@@ -110,7 +117,9 @@ def report_lines(counts: dict[str, SourceCounts], noun: str = "samples", held_ou
     return lines
 
 
-def problems(counts: dict[str, SourceCounts], noun: str = "samples", held_out: dict[str, SourceCounts] | None = None) -> list[str]:
+def problems(
+    counts: dict[str, SourceCounts], noun: str = "samples", held_out: dict[str, SourceCounts] | None = None
+) -> list[str]:
     """Sources whose training samples keep no supervised token at all (nothing to train on), and
     sources whose held-out samples keep none (nothing to score), each with its fix."""
     out = [
@@ -132,9 +141,13 @@ def metrics(counts: dict[str, SourceCounts]) -> dict[str, float]:
     return {f"data/{key}/{name}": float(getattr(c, key)) for name, c in counts.items() for key in COUNTS}
 
 
-def as_json(counts: dict[str, SourceCounts], held_out: dict[str, SourceCounts] | None = None) -> dict[str, dict[str, Any]]:
+def as_json(
+    counts: dict[str, SourceCounts], held_out: dict[str, SourceCounts] | None = None
+) -> dict[str, dict[str, Any]]:
     """``{source: {count: value, ..., "held_out": {count: value}}}`` for ``summary.json``."""
-    out: dict[str, dict[str, Any]] = {name: {k: v for k, v in asdict(c).items() if k in COUNTS} for name, c in counts.items()}
+    out: dict[str, dict[str, Any]] = {
+        name: {k: v for k, v in asdict(c).items() if k in COUNTS} for name, c in counts.items()
+    }
     for name, c in (held_out or {}).items():
         out.setdefault(name, {})["held_out"] = {k: v for k, v in asdict(c).items() if k in COUNTS}
     return out

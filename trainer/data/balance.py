@@ -112,7 +112,9 @@ def plan(work: Tensor, *, dp_size: int, micro_batch_size: int) -> Tensor:
     for k, size in enumerate(sizes):
         cell_work = [0.0] * dp_size
         for i in heavy_first[start : start + dp_size * size]:
-            r = min((r for r in range(dp_size) if len(placed[r][k]) < size), key=lambda r: (cell_work[r], rank_work[r], r))
+            r = min(
+                (r for r in range(dp_size) if len(placed[r][k]) < size), key=lambda r: (cell_work[r], rank_work[r], r)
+            )
             placed[r][k].append(i)
             cell_work[r] += float(work[i])
             rank_work[r] += float(work[i])

@@ -149,9 +149,12 @@ class DataModule(L.LightningDataModule, protocols.DataModule):
     def load_tokenizer(self, texts: Callable[[], Iterable[str]] | Sequence[str], fingerprint: str) -> Tokenizer:
         """``data.tokenizer``, else a BPE trained on ``texts`` (cached under ``fingerprint``)."""
         return load_or_train(
-            path=self.tokenizer_path, texts=texts, vocab_size=self.vocab_size, cache_dir=self.cache_dir,
+            path=self.tokenizer_path,
+            texts=texts,
+            vocab_size=self.vocab_size,
+            cache_dir=self.cache_dir,
             corpus_fingerprint=fingerprint,
-        )  # fmt: skip
+        )
 
     def chat_template(self, name: str, tokenizer: Tokenizer) -> JinjaTemplate | None:
         """The chat template ``data.template=name`` selects (None: the default template); the
@@ -165,13 +168,19 @@ class DataModule(L.LightningDataModule, protocols.DataModule):
             self._chat = ChatFormat(None, "data.template=default")
             return None
         template = load_chat_template(self.tokenizer_path, tokenizer)
-        where = f"beside {self.tokenizer_path}" if self.tokenizer_path else "with the BPE plait trains (data.tokenizer=null)"
+        where = (
+            f"beside {self.tokenizer_path}"
+            if self.tokenizer_path
+            else "with the BPE plait trains (data.tokenizer=null)"
+        )
         if template is None and name == "tokenizer":
             raise DataError(
                 f"data.template=tokenizer but there is no chat template {where} (looked for {PLACES}); "
                 "use data.template=auto or default, or give a data.tokenizer=<dir>/tokenizer.json that has one"
             )
-        self._chat = ChatFormat(template, "" if template is not None else f"data.template={name}: no chat template {where}")
+        self._chat = ChatFormat(
+            template, "" if template is not None else f"data.template={name}: no chat template {where}"
+        )
         return template
 
     def chat_format(self) -> ChatFormat | None:

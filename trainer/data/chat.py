@@ -129,7 +129,11 @@ class JinjaTemplate:
 
     def _render(self, template: Any, messages: Sequence[Message], add_generation_prompt: bool) -> str:
         return template.render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt, tools=None, documents=None, **self.special
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            tools=None,
+            documents=None,
+            **self.special,
         )
 
     def segments(self, messages: Sequence[Message]) -> list[tuple[str, bool]]:

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.data import tables
-from trainer.data.paths import check_path, data_files
 from trainer.data.cache import digest, fingerprint
+from trainer.data.paths import check_path, data_files
 
 EOT_SEPARATOR = "<|endoftext|>"
 """A line holding only this string separates documents inside a ``.txt`` file."""
@@ -85,10 +85,9 @@ def _title_from_stem(stem: str) -> str:
 
 
 def _section_name(heading: str) -> str:
-    """"SCENE II. A room in the castle." -> "Scene II"; "PROLOGUE" -> "Prologue"."""
+    """ "SCENE II. A room in the castle." -> "Scene II"; "PROLOGUE" -> "Prologue"."""
     name = heading.split(".")[0].strip()
-    return " ".join(w.capitalize() if w.isalpha() and not re.fullmatch(r"[IVXL]+", w) else w
-                    for w in name.split())
+    return " ".join(w.capitalize() if w.isalpha() and not re.fullmatch(r"[IVXL]+", w) else w for w in name.split())
 
 
 def _split_play(markdown: str, fallback_title: str) -> list[tuple[str, str]]:
@@ -265,7 +264,11 @@ def _read_table(path: Path, source: str, title: str, text_key: str) -> list[Docu
     for where, row in tables.read_rows(str(path)):
         text = row.get(text_key)
         if not isinstance(text, str):
-            found = f"no column {text_key!r} (columns: {sorted(row)})" if text is None else f"column {text_key!r} is {type(text).__name__}"
+            found = (
+                f"no column {text_key!r} (columns: {sorted(row)})"
+                if text is None
+                else f"column {text_key!r} is {type(text).__name__}"
+            )
             raise ValueError(f"{where}: {found}; set data.text_key= to the column that holds the document text")
         if text.strip():
             docs.append(Document(text=text, source=source, title=f"{title}:{where.rsplit(' ', 1)[-1]}"))
@@ -304,7 +307,9 @@ def load_files(paths: Sequence[str], *, text_key: str = "text") -> list[Document
         elif root.suffix in (*_SUFFIXES, *_TABLES):
             titled = [(root, root.name)]
         else:
-            raise ValueError(f"data path {given!r}: unsupported file type; use {', '.join((*_SUFFIXES, *_TABLES))} or a directory")
+            raise ValueError(
+                f"data path {given!r}: unsupported file type; use {', '.join((*_SUFFIXES, *_TABLES))} or a directory"
+            )
         for path, title in titled:
             if path.suffix == ".txt":
                 docs += _read_txt(path, str(given), title)

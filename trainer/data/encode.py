@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from trainer.data.chat import JinjaTemplate, Message, default_segments
 from trainer.data.base import DataError
+from trainer.data.chat import JinjaTemplate, Message, default_segments
 from trainer.data.packing import IGNORE_INDEX, rows_to_tensors
 from trainer.data.tokenizer import Tokenizer
 
@@ -60,7 +60,9 @@ def labels_from_mask(input_ids: Sequence[int], supervised: Sequence[bool]) -> li
     The first token is never a target (nothing precedes it within the sample).
     """
     n = len(input_ids)
-    return [input_ids[t + 1] if supervised[t + 1] else IGNORE_INDEX for t in range(n - 1)] + ([IGNORE_INDEX] if n else [])
+    return [input_ids[t + 1] if supervised[t + 1] else IGNORE_INDEX for t in range(n - 1)] + (
+        [IGNORE_INDEX] if n else []
+    )
 
 
 def _segment_ids(
@@ -96,7 +98,9 @@ def conversations(
     return out
 
 
-def pair(tokenizer: Tokenizer, record: dict[str, Any], template: JinjaTemplate | None = None) -> tuple[list[int], list[int], list[int]]:
+def pair(
+    tokenizer: Tokenizer, record: dict[str, Any], template: JinjaTemplate | None = None
+) -> tuple[list[int], list[int], list[int]]:
     """``(prompt_ids, chosen_ids, rejected_ids)`` of one pair in the chat format: the prompt is the
     conversation up to the final supervised span (earlier assistant turns are context, never
     targets), each response is that span: the final turn's, or with a template's
@@ -149,11 +153,16 @@ def pair_rows(
     rows = []
     for response in (chosen[:room], rejected[:room]):
         labels = [IGNORE_INDEX] * (len(prompt) - 1) + response + [IGNORE_INDEX]
-        rows.append([(0, np.asarray(prompt + response, np.int64), np.asarray(labels[: len(prompt) + len(response)], np.int64))])
+        rows.append(
+            [(0, np.asarray(prompt + response, np.int64), np.asarray(labels[: len(prompt) + len(response)], np.int64))]
+        )
     tensors = rows_to_tensors(rows, num_rows=2, seq_len=seq_len, pad_id=pad_id)
     return {k: tensors[k] for k in PAIR_KEYS}, cut
 
 
 def stack_rows(rows: list[dict[str, Tensor]], seq_len: int) -> dict[str, Tensor]:
     """``[N, 2, seq_len]`` tensors of N pairs' rows (an empty split gives N = 0)."""
-    return {k: torch.stack([r[k] for r in rows]) if rows else torch.zeros(0, 2, seq_len, dtype=torch.long) for k in PAIR_KEYS}
+    return {
+        k: torch.stack([r[k] for r in rows]) if rows else torch.zeros(0, 2, seq_len, dtype=torch.long)
+        for k in PAIR_KEYS
+    }

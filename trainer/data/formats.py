@@ -28,7 +28,9 @@ from trainer.data.chat import ROLES, Message
 
 SFT_FIX = "write 'messages' (a list of {role, content}), or 'prompt' and 'completion' (strings or message lists)"
 PAIR_FIX = "write 'prompt', 'chosen' and 'rejected' (strings or message lists), or 'chosen' and 'rejected' message lists that share their prompt"
-UNPAIRED_FIX = "write 'prompt', 'completion' (strings or message lists) and 'label' (true: desirable, false: undesirable)"
+UNPAIRED_FIX = (
+    "write 'prompt', 'completion' (strings or message lists) and 'label' (true: desirable, false: undesirable)"
+)
 
 
 class FormatError(ValueError):
@@ -67,7 +69,9 @@ def conversation(row: Mapping[str, Any]) -> list[Message]:
     if "messages" in row:
         turns = messages(row["messages"], "messages", role="user")
         if not any(m["role"] == "assistant" for m in turns):
-            raise FormatError("'messages' has no assistant turn, so no token to train on; add the assistant's answer or remove the row")
+            raise FormatError(
+                "'messages' has no assistant turn, so no token to train on; add the assistant's answer or remove the row"
+            )
         return turns
     for answer in ("completion", "response"):
         if "prompt" in row and answer in row:
@@ -87,7 +91,9 @@ def pair(row: Mapping[str, Any]) -> dict[str, Any]:
         raise FormatError(f"has fields {sorted(row)}; {PAIR_FIX}")
     if {type(row["chosen"]), type(row["rejected"])} == {str, list}:  # another type: `messages` names it
         text, listed = ("chosen", "rejected") if isinstance(row["chosen"], str) else ("rejected", "chosen")
-        raise FormatError(f"'{listed}' is a message list and '{text}' a string; give both as strings or both as message lists")
+        raise FormatError(
+            f"'{listed}' is a message list and '{text}' a string; give both as strings or both as message lists"
+        )
     prompt_field = "prompt" if "prompt" in row else ("messages" if "messages" in row else None)
     if prompt_field is not None:
         prompt = messages(row[prompt_field], prompt_field, role="user")

@@ -47,7 +47,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -61,7 +63,9 @@ def compile_template(source: str, *, marks: tuple[str, str] = ("", "")) -> tuple
     Raises:
         ValueError: ``source`` is not valid Jinja (the message gives the line).
     """
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlock, loopcontrols]
+    )
     env.generation_marks = marks  # type: ignore[attr-defined]
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
@@ -70,7 +74,8 @@ def compile_template(source: str, *, marks: tuple[str, str] = ("", "")) -> tuple
     except jinja2.exceptions.TemplateSyntaxError as err:
         raise ValueError(f"not a valid Jinja template (line {err.lineno}: {err.message})") from None
     has_generation = any(
-        isinstance(block.call.node, nodes.ExtensionAttribute) and block.call.node.identifier == GenerationBlock.identifier
+        isinstance(block.call.node, nodes.ExtensionAttribute)
+        and block.call.node.identifier == GenerationBlock.identifier
         for block in tree.find_all(nodes.CallBlock)
         if isinstance(block.call, nodes.Call)
     )

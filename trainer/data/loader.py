@@ -136,7 +136,11 @@ class RowBatches:
 
     def batches(self, position: Position) -> Iterator[tuple[Batch, Position, bool]]:
         epoch = self.sampler.epoch
-        first = position["trained"] if position["epoch"] == epoch and position["trained"] < self.sampler.num_batches() else 0
+        first = (
+            position["trained"]
+            if position["epoch"] == epoch and position["trained"] < self.sampler.num_batches()
+            else 0
+        )
         for k, indices in enumerate(self._indices(first), start=first + 1):
             yield {key: value[indices] for key, value in self.rows.items()}, {"epoch": epoch, "trained": k}, False
 
@@ -247,7 +251,9 @@ class PackedBatches:
             mine = rows[self.dp_rank * local : (self.dp_rank + 1) * local]
             return rows_to_tensors(mine, num_rows=local, seq_len=packer.seq_len, pad_id=packer.pad_id)
         batch = rows_to_tensors(rows, num_rows=self.global_batch_size, seq_len=packer.seq_len, pad_id=packer.pad_id)
-        order = self.balancer.order(batch["document_ids"], self.dp_size)[self.dp_rank * local : (self.dp_rank + 1) * local]
+        order = self.balancer.order(batch["document_ids"], self.dp_size)[
+            self.dp_rank * local : (self.dp_rank + 1) * local
+        ]
         return {key: value[order] for key, value in batch.items()}
 
     def num_batches(self, position: Position) -> int:

@@ -62,7 +62,9 @@ class SourceSamples:
         lengths = np.array([len(x) for x in ids], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         self.ids = np.concatenate([np.asarray(x, np.int64) for x in ids]) if len(ids) else np.empty(0, np.int64)
-        self.labels = np.concatenate([np.asarray(x, np.int64) for x in labels]) if len(labels) else np.empty(0, np.int64)
+        self.labels = (
+            np.concatenate([np.asarray(x, np.int64) for x in labels]) if len(labels) else np.empty(0, np.int64)
+        )
         supervised = np.concatenate([[0], np.cumsum(self.labels != IGNORE_INDEX)])
         self.supervised = (supervised[self.offsets[1:]] - supervised[self.offsets[:-1]]).astype(np.int64)
         self._total = int(self.supervised.sum())

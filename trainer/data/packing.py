@@ -214,11 +214,17 @@ def rows_to_tensors(rows: list[list[Piece]], *, num_rows: int, seq_len: int, pad
     total = int(lengths.sum())
     offset = np.arange(total) - np.repeat(starts, lengths)
     flat = np.repeat(row_of * seq_len + col, lengths) + offset
-    concat = (lambda k: np.concatenate([p[k] for _, p in pieces]).astype(np.int64)) if count else (lambda k: np.empty(0, np.int64))
+    concat = (
+        (lambda k: np.concatenate([p[k] for _, p in pieces]).astype(np.int64))
+        if count
+        else (lambda k: np.empty(0, np.int64))
+    )
     input_ids.reshape(-1)[flat], labels.reshape(-1)[flat] = concat(1), concat(2)
     position_ids.reshape(-1)[flat] = offset
     document_ids.reshape(-1)[flat] = np.repeat(doc, lengths)
-    source_ids.reshape(-1)[flat] = np.repeat(np.fromiter((p[0] for _, p in pieces), dtype=np.int64, count=count), lengths)
+    source_ids.reshape(-1)[flat] = np.repeat(
+        np.fromiter((p[0] for _, p in pieces), dtype=np.int64, count=count), lengths
+    )
     columns = (input_ids, labels, position_ids, document_ids, source_ids)
     return {k: torch.from_numpy(v) for k, v in zip(ROW_KEYS, columns)}
 

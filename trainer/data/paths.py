@@ -14,7 +14,6 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path
 
-
 # What plait reads as data: text and jsonl (trainer.data.corpus) and the tables of trainer.data.tables.
 DATA_SUFFIXES = (".txt", ".jsonl", ".parquet", ".arrow", ".json", ".csv")
 

@@ -132,7 +132,10 @@ class PreferenceDataModule(DataModule):
         tokenizer = self.load_tokenizer(texts, fingerprint("preference", json.dumps(split, sort_keys=True)))
         template = self.chat_template(self.template_name, tokenizer)
         prepared: dict[str, Any] = {"tokenizer": tokenizer}
-        self.counts, self.val_counts = {name: SourceCounts() for name in split}, {name: SourceCounts() for name in split}
+        self.counts, self.val_counts = (
+            {name: SourceCounts() for name in split},
+            {name: SourceCounts() for name in split},
+        )
         counts = {"train": self.counts, "val": self.val_counts}
         lengths: dict[str, dict[str, list[int]]] = {part: {name: [] for name in split} for part in SPLITS}
         for index, part in enumerate(SPLITS):
@@ -141,14 +144,21 @@ class PreferenceDataModule(DataModule):
                 for pair in pairs[index]:
                     prompt, chosen, rejected = encode.pair(tokenizer, pair, template)
                     r, cut = encode.pair_rows(
-                        prompt, chosen, rejected, seq_len=self.seq_len, max_prompt_len=self.max_prompt_len, pad_id=tokenizer.pad_id
+                        prompt,
+                        chosen,
+                        rejected,
+                        seq_len=self.seq_len,
+                        max_prompt_len=self.max_prompt_len,
+                        pad_id=tokenizer.pad_id,
                     )
                     rows.append(r)
                     lengths[part][name].append(len(prompt) + max(len(chosen), len(rejected)))
                     # Unpaired rows supervise their completion only: the other row is the KL estimate's.
                     lost = cut.chosen + (0 if self.unpaired else cut.rejected)
                     supervised = len(chosen) + (0 if self.unpaired else len(rejected))
-                    counts[part][name].add(supervised_kept=supervised - lost, supervised_lost=lost, prompt_lost=cut.prompt)
+                    counts[part][name].add(
+                        supervised_kept=supervised - lost, supervised_lost=lost, prompt_lost=cut.prompt
+                    )
             prepared[part] = encode.stack_rows(rows, self.seq_len)
             if self.unpaired:
                 labels = [p["desirable"] for pairs in split.values() for p in pairs[index]]
@@ -158,7 +168,8 @@ class PreferenceDataModule(DataModule):
             for name, c in counts[part].items():
                 c.fix = accounting.seq_len_fix(lengths[part][name], self.seq_len, self.noun) + (
                     f", or data.max_prompt_len={self.max_prompt_len} (the tokens a prompt keeps when its pair does not fit)"
-                    if c.prompts_cut else ""
+                    if c.prompts_cut
+                    else ""
                 )
         if problems := accounting.problems(self.counts, self.noun, self.val_counts):
             raise DataError("; ".join(problems))
@@ -179,7 +190,9 @@ class PreferenceDataModule(DataModule):
         records = PAIRS.records(source, seed=self.seed)
         if not self.unpaired:
             if any("label" in r for part in records for r in part):
-                raise DataError(f"data.sources.{name}: rows of prompt, completion and label are unpaired (KTO); train them with plait kto")
+                raise DataError(
+                    f"data.sources.{name}: rows of prompt, completion and label are unpaired (KTO); train them with plait kto"
+                )
             return records
         return tuple(_kl_rows(_unpair(part), name=name, split=split) for part, split in zip(records, SPLITS))
 
@@ -215,7 +228,11 @@ class PreferenceDataModule(DataModule):
     @override
     def state_dict(self) -> dict[str, Any]:
         prepared = self.prepare()
-        return {"train_ref": prepared.train_ref.clone(), "val_ref": prepared.val_ref.clone(), "ready": self.reference_ready}
+        return {
+            "train_ref": prepared.train_ref.clone(),
+            "val_ref": prepared.val_ref.clone(),
+            "ready": self.reference_ready,
+        }
 
     @override
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -229,9 +246,13 @@ class PreferenceDataModule(DataModule):
     def train_batches(self, dp_rank: int, dp_size: int) -> RowBatches:
         prepared = self.prepare()
         sampler = GlobalBatchSampler(
-            len(prepared.train["input_ids"]), global_batch_size=self.global_batch_size,
-            dp_rank=dp_rank, dp_size=dp_size, shuffle=True, seed=self.seed,
-        )  # fmt: skip
+            len(prepared.train["input_ids"]),
+            global_batch_size=self.global_batch_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            shuffle=True,
+            seed=self.seed,
+        )
         return RowBatches({**prepared.train, "ref_logps": prepared.train_ref}, sampler, self.balancer)
 
     @override
@@ -247,7 +268,9 @@ def _unpair(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if "label" in r:
             out.append(r)
         else:
-            out += [{"messages": r["messages"], "completion": r[k], "label": k == "chosen"} for k in ("chosen", "rejected")]
+            out += [
+                {"messages": r["messages"], "completion": r[k], "label": k == "chosen"} for k in ("chosen", "rejected")
+            ]
     return out
 
 
@@ -276,6 +299,11 @@ def _kl_rows(rows: list[dict[str, Any]], *, name: str, split: str) -> list[dict[
         )
     donor = {order[p]: order[(p + shift) % len(order)] for p in range(len(order))}
     return [
-        {"messages": r["messages"], "chosen": r["completion"], "rejected": rows[donor[i]]["completion"], "desirable": float(r["label"])}
+        {
+            "messages": r["messages"],
+            "chosen": r["completion"],
+            "rejected": rows[donor[i]]["completion"],
+            "desirable": float(r["label"]),
+        }
         for i, r in enumerate(rows)
     ]

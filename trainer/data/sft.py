@@ -153,7 +153,10 @@ class SFTDataModule(DataModule):
         template = self.chat_template(self.template_name, tokenizer)
         # The template's text and tokens are in the key: an edited chat_template.jinja must not reuse stale samples.
         source = "" if template is None else json.dumps([template.source, template.special], sort_keys=True)
-        key = fingerprint(json.dumps(convs, sort_keys=True), tokenizer.fingerprint, self.template_name, str(template is None), source)
+        key = fingerprint(
+            json.dumps(convs, sort_keys=True), tokenizer.fingerprint, self.template_name, str(template is None), source
+        )
+
         def damage(encoded: dict[str, list]) -> str | None:  # a cache file overwritten by other samples
             samples = [ids for parts in encoded.values() for part in parts for ids, _ in part if ids]
             low, high = min(map(min, samples), default=0), max(map(max, samples), default=0)
@@ -172,7 +175,11 @@ class SFTDataModule(DataModule):
         problems += Mixture(train, self.specs, seed=self.seed).check_reachable() if not problems else []
         if problems:
             raise DataError("; ".join(problems))
-        prompts = {n: self._generation_set(convs[n][1], tokenizer, template) for n in self.names if self.metrics[n] == "exact_match"}
+        prompts = {
+            n: self._generation_set(convs[n][1], tokenizer, template)
+            for n in self.names
+            if self.metrics[n] == "exact_match"
+        }
         return PreparedSFT(tokenizer=tokenizer, template=template, train=train, val=val, prompts=prompts)
 
     def _fit(self, name: str, samples: list, into: dict[str, SourceCounts]) -> SourceSamples:
@@ -204,12 +211,18 @@ class SFTDataModule(DataModule):
         self.prepare()
         return self.val_counts
 
-    def _generation_set(self, val: list[list[Message]], tokenizer: Tokenizer, template: JinjaTemplate | None) -> GenerationSet:
+    def _generation_set(
+        self, val: list[list[Message]], tokenizer: Tokenizer, template: JinjaTemplate | None
+    ) -> GenerationSet:
         prompts, answers = [], []
         for messages in val:
             if messages[-1]["role"] != "assistant":
                 continue
-            text = prompt_text(messages[:-1]) if template is None else template.render(messages[:-1], add_generation_prompt=True)
+            text = (
+                prompt_text(messages[:-1])
+                if template is None
+                else template.render(messages[:-1], add_generation_prompt=True)
+            )
             prompts.append(tokenizer.encode(text))
             answers.append(messages[-1]["content"].strip())
         return GenerationSet(prompts, answers)
@@ -224,10 +237,13 @@ class SFTDataModule(DataModule):
         prepared = self.prepare()
         return PackedBatches(
             lambda: self._packer(prepared.train, self.specs),
-            names=self.names, global_batch_size=self.global_batch_size, dp_rank=dp_rank, dp_size=dp_size,
+            names=self.names,
+            global_batch_size=self.global_batch_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
             dropped={n: c.supervised_tokens_lost for n, c in self.counts.items() if c.supervised_tokens_lost},
             balancer=self.balancer,
-        )  # fmt: skip
+        )
 
     @override
     def finite_steps(self) -> int:
@@ -240,10 +256,14 @@ class SFTDataModule(DataModule):
         lengthen it: each drawn source's ``max_tokens`` if set (then ``max_epochs`` only bounds
         it, `Mixture.check_reachable`), else its ``max_epochs``."""
         train = self.prepare().train
-        spent = [(n, _budget(self.specs[n])) for n in self.names if self.specs[n].weight > 0 and train[n].total_supervised()]
+        spent = [
+            (n, _budget(self.specs[n])) for n in self.names if self.specs[n].weight > 0 and train[n].total_supervised()
+        ]
         if len(spent) == 1:
             [(name, (field, value))] = spent
-            return f"data.sources.{name} is spent after {field}={value} ({steps} steps); raise data.sources.{name}.{field}"
+            return (
+                f"data.sources.{name} is spent after {field}={value} ({steps} steps); raise data.sources.{name}.{field}"
+            )
         budgets = ", ".join(f"{name} {field}={value}" for name, (field, value) in spent)
         fixes = " or ".join(f"data.sources.{name}.{field}" for name, (field, value) in spent)
         return f"every source of data.sources is spent after {steps} steps ({budgets}); raise {fixes}"

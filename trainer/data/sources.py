@@ -78,7 +78,6 @@ class Catalog:
     example: str
     useless: Callable[[Any], str | None] = lambda record: None
 
-
     def names(self) -> list[str]:
         return sorted(self.bundled) + sorted(self.synthetic)
 
@@ -116,10 +115,14 @@ class Catalog:
             raise ValueError(problem)
         columns = node.get("columns") or {}
         if not (hasattr(columns, "items") and all(isinstance(v, str) for v in columns.values())):
-            raise ValueError(f"data.sources.{name}.columns={columns!r}: map each format field to a column name, e.g. {{messages: conversation}}")
+            raise ValueError(
+                f"data.sources.{name}.columns={columns!r}: map each format field to a column name, e.g. {{messages: conversation}}"
+            )
         try:
             limit, val_size = as_int(node.get("limit")), as_int(node.get("val_size", 16))
-            return Source(name, source, limit=limit, val_size=val_size, columns=tuple((str(k), v) for k, v in columns.items()))
+            return Source(
+                name, source, limit=limit, val_size=val_size, columns=tuple((str(k), v) for k, v in columns.items())
+            )
         except ValueError as err:
             raise ValueError(f"data.sources.{name}: {err}") from None
 

@@ -30,12 +30,11 @@ from torch import Tensor
 from typing_extensions import Unpack, override
 
 from strategies.core.ranges import NON_NEGATIVE, POSITIVE
-
 from trainer.data import encode, tables
 from trainer.data.base import DataError, DataModule, Settings
 from trainer.data.cache import fingerprint
 from trainer.data.loader import PackedBatches, Position
-from trainer.data.packing import IGNORE_INDEX, Draw, Packer, PackedRows, pack
+from trainer.data.packing import IGNORE_INDEX, Draw, PackedRows, Packer, pack
 from trainer.data.tokenizer import Tokenizer
 
 STREAM_BATCHES = 2**40  # the length a stream reports (unknown ahead; max_steps or its end stop the run)
@@ -85,7 +84,9 @@ def document_text(row: dict[str, Any], text_key: str, path: str) -> str:
     """
     text = row.get(text_key)
     if not isinstance(text, str):
-        raise DataError(f"data.path={path}: a row has no string column {text_key!r} (columns: {sorted(row)}); set data.text_key")
+        raise DataError(
+            f"data.path={path}: a row has no string column {text_key!r} (columns: {sorted(row)}); set data.text_key"
+        )
     return text
 
 
@@ -152,22 +153,30 @@ class StreamDataModule(DataModule):
         val_texts = self._texts(0, self.eval_docs)
         head = self._texts(self.eval_docs, self.tokenizer_docs)
         if not head:
-            raise DataError(f"data.path={self.path}: no training documents after the data.eval_docs={self.eval_docs} held out")
+            raise DataError(
+                f"data.path={self.path}: no training documents after the data.eval_docs={self.eval_docs} held out"
+            )
         tokenizer = self.load_tokenizer(head, fingerprint("stream", *head))
         val = pack(encode.documents(tokenizer, val_texts), seq_len=self.seq_len, pad_id=tokenizer.pad_id)
         return PreparedStream(tokenizer=tokenizer, val=val)
 
     def _packer(self) -> Packer:
-        stream = DocumentStream(self.path, text_key=self.text_key, skip=self.eval_docs, tokenizer=self.prepare().tokenizer)
+        stream = DocumentStream(
+            self.path, text_key=self.text_key, skip=self.eval_docs, tokenizer=self.prepare().tokenizer
+        )
         return Packer(stream, seq_len=self.seq_len, pad_id=self.tokenizer.pad_id, policy="split")
 
     @override
     def train_batches(self, dp_rank: int, dp_size: int) -> StreamBatches:
         self.prepare()
         return StreamBatches(
-            self._packer, names=DocumentStream.names, global_batch_size=self.global_batch_size,
-            dp_rank=dp_rank, dp_size=dp_size, balancer=self.balancer,
-        )  # fmt: skip
+            self._packer,
+            names=DocumentStream.names,
+            global_batch_size=self.global_batch_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            balancer=self.balancer,
+        )
 
     @override
     def finite_steps(self) -> int | None:

@@ -44,7 +44,9 @@ def data_summary(prepared: Any, evaluated: int | None = None) -> str:
     if prepared.train is None:  # a stream (trainer.data.stream): its length is not known ahead
         parts = [f"training rows streamed, {n_val:,} held-out {noun} ({t_val:,} tokens{scored})"]
     else:
-        parts = [f"{n_train:,} training {noun} ({t_train:,} tokens), {n_val:,} held-out {noun} ({t_val:,} tokens{scored})"]
+        parts = [
+            f"{n_train:,} training {noun} ({t_train:,} tokens), {n_val:,} held-out {noun} ({t_val:,} tokens{scored})"
+        ]
     documents = getattr(prepared, "documents", None)
     if documents is not None:
         parts.append(f"{documents[0]:,} training and {documents[1]:,} held-out documents")

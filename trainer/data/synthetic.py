@@ -54,7 +54,12 @@ def addition(rng: random.Random) -> Example:
     return f"add: {_spaced(str(a))} + {_spaced(str(b))}", _spaced(str(a + b))
 
 
-TASKS: dict[str, Callable[[random.Random], Example]] = {"copy": copy, "reversal": reversal, "sorting": sorting, "addition": addition}
+TASKS: dict[str, Callable[[random.Random], Example]] = {
+    "copy": copy,
+    "reversal": reversal,
+    "sorting": sorting,
+    "addition": addition,
+}
 SPLITS = ("train", "val", "test")
 
 

@@ -51,7 +51,9 @@ def _shards(root: Path) -> tuple[str, list[str]]:
     kinds = {FORMATS[p.suffix] for p in files}
     if len(kinds) != 1:
         found = "no data files" if not kinds else f"files of several formats ({sorted(kinds)})"
-        raise FormatProblem(f"{root}: {found}; a folder holds shards of one format ({', '.join(FORMATS)}) or a save_to_disk dataset")
+        raise FormatProblem(
+            f"{root}: {found}; a folder holds shards of one format ({', '.join(FORMATS)}) or a save_to_disk dataset"
+        )
     return kinds.pop(), [str(p) for p in files]
 
 
@@ -84,7 +86,9 @@ def _dataset(path: str, *, streaming: bool) -> Any:
             data = datasets.load_from_disk(str(root))
             if isinstance(data, datasets.DatasetDict):
                 if "train" not in data:
-                    raise FormatProblem(f"{path}: a saved DatasetDict without a 'train' split (has {sorted(data)}); point at one split's folder")
+                    raise FormatProblem(
+                        f"{path}: a saved DatasetDict without a 'train' split (has {sorted(data)}); point at one split's folder"
+                    )
                 data = data["train"]
             return data.to_iterable_dataset(num_shards=max(1, len(data.cache_files))) if streaming else data
         if root.is_dir():
@@ -92,7 +96,9 @@ def _dataset(path: str, *, streaming: bool) -> Any:
         elif root.suffix in FORMATS:
             builder, files = FORMATS[root.suffix], [str(root)]
         else:
-            raise FormatProblem(f"{path}: unsupported file type; use {', '.join(FORMATS)}, a folder of shards or a save_to_disk folder")
+            raise FormatProblem(
+                f"{path}: unsupported file type; use {', '.join(FORMATS)}, a folder of shards or a save_to_disk folder"
+            )
         if builder == "parquet" and not sum(_parquet_rows(f) for f in files):
             raise FormatProblem(f"{path}: has no rows; add rows or point at another table")
         return datasets.load_dataset(builder, data_files=files, split="train", streaming=streaming)
@@ -101,7 +107,9 @@ def _dataset(path: str, *, streaming: bool) -> Any:
             raise
         if "corresponds to no data" in str(err):  # a header-only csv, an empty json list
             raise FormatProblem(f"{path}: has no rows; add rows or point at another table") from None
-        raise ValueError(f"{path}: datasets cannot read it ({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
+        raise ValueError(
+            f"{path}: datasets cannot read it ({str(err).splitlines()[0] if str(err) else type(err).__name__})"
+        ) from None
 
 
 def rename(row: Mapping[str, Any], columns: Mapping[str, str] | None, where: str) -> dict[str, Any]:
@@ -115,7 +123,9 @@ def rename(row: Mapping[str, Any], columns: Mapping[str, str] | None, where: str
     out = dict(row)
     for field, column in columns.items():
         if column not in row:
-            raise ValueError(f"{where}: no column {column!r} (mapped to {field!r}); its columns are {sorted(row)}; fix data.sources.<name>.columns")
+            raise ValueError(
+                f"{where}: no column {column!r} (mapped to {field!r}); its columns are {sorted(row)}; fix data.sources.<name>.columns"
+            )
         out[field] = out.pop(column)
     return out
 
@@ -137,7 +147,9 @@ def read_rows(path: str, columns: Mapping[str, str] | None = None) -> Iterator[t
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as err:
-                    raise ValueError(f"{where}: not valid JSON ({err.msg}, column {err.colno}); write one JSON object per line") from None
+                    raise ValueError(
+                        f"{where}: not valid JSON ({err.msg}, column {err.colno}); write one JSON object per line"
+                    ) from None
                 if not isinstance(row, dict):
                     raise ValueError(f"{where}: a {type(row).__name__}, not a JSON object; write one object per line")
                 yield where, rename(row, columns, where)

@@ -20,7 +20,6 @@ from torch import Tensor
 from typing_extensions import Unpack, override
 
 from strategies.core.ranges import NON_NEGATIVE, Range
-
 from trainer.data import corpus, encode
 from trainer.data.base import DataError, DataModule, Settings
 from trainer.data.cache import cached, fingerprint
@@ -89,9 +88,13 @@ class TextDataModule(DataModule):
         # Keyed by the documents it is trained on: another seed or val_fraction is another split.
         tokenizer = self.load_tokenizer([d.text for d in train_docs], corpus.fingerprint_documents(train_docs))
         key = fingerprint(
-            corpus.fingerprint_documents(documents), tokenizer.fingerprint, str(self.seq_len), str(self.val_fraction),
-            str(self.seed), *(["rows"] if by_rows else []),
-        )  # fmt: skip
+            corpus.fingerprint_documents(documents),
+            tokenizer.fingerprint,
+            str(self.seq_len),
+            str(self.val_fraction),
+            str(self.seed),
+            *(["rows"] if by_rows else []),
+        )
 
         def build() -> dict[str, dict[str, Tensor]]:
             packed = [
@@ -115,7 +118,11 @@ class TextDataModule(DataModule):
 
     def _documents(self) -> list[corpus.Document]:
         try:
-            documents = corpus.load_files(self.paths, text_key=self.text_key) if self.paths else corpus.load_bundled(self.sources)
+            documents = (
+                corpus.load_files(self.paths, text_key=self.text_key)
+                if self.paths
+                else corpus.load_bundled(self.sources)
+            )
         except (FileNotFoundError, ValueError) as err:
             if not self.paths:
                 raise DataError(f"data.sources={self.sources}: {err}") from None
@@ -140,9 +147,14 @@ class TextDataModule(DataModule):
     def train_batches(self, dp_rank: int, dp_size: int) -> RowBatches:
         train = self.prepare().train
         sampler = GlobalBatchSampler(
-            len(train), global_batch_size=self.global_batch_size, dp_rank=dp_rank, dp_size=dp_size,
-            shuffle=self.shuffle, seed=self.seed, drop_last=self.drop_last,
-        )  # fmt: skip
+            len(train),
+            global_batch_size=self.global_batch_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            drop_last=self.drop_last,
+        )
         return RowBatches(vars(train), sampler, self.balancer)
 
     @override

@@ -142,7 +142,9 @@ class Tokenizer:
         write_atomic(Path(path), lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike, eos_token: str = DEFAULT_EOS, pad_token: str = DEFAULT_PAD) -> Tokenizer:
+    def from_file(
+        cls, path: str | os.PathLike, eos_token: str = DEFAULT_EOS, pad_token: str = DEFAULT_PAD
+    ) -> Tokenizer:
         """Load any Hugging Face ``tokenizer.json``.
 
         Raises:
@@ -189,7 +191,9 @@ def train_bpe(
     """
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab_size <= len(alphabet) + 2:
-        raise ValueError(f"vocab_size={vocab_size} is too small for a byte-level BPE; it must exceed {len(alphabet) + 2}")
+        raise ValueError(
+            f"vocab_size={vocab_size} is too small for a byte-level BPE; it must exceed {len(alphabet) + 2}"
+        )
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

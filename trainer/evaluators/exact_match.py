@@ -49,7 +49,11 @@ class ExactMatch(protocols.Evaluator):
         sources = node.get("sources") if isinstance(node, Mapping) else None
         if not isinstance(sources, Mapping):
             return []
-        return [name for name, source in sources.items() if isinstance(source, Mapping) and source.get("metric") == "exact_match"]
+        return [
+            name
+            for name, source in sources.items()
+            if isinstance(source, Mapping) and source.get("metric") == "exact_match"
+        ]
 
     @classmethod
     def problems(cls, run: ResolvedRun | None, node: Any) -> list[str]:

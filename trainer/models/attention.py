@@ -14,9 +14,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.models.document_masks import (
-    PackedDocuments, block_causal_mask, document_block_mask, document_runs_are_contiguous, flex_document_attention,
-    pack_documents, packed_document_attention,
-)  # fmt: skip
+    PackedDocuments,
+    block_causal_mask,
+    document_block_mask,
+    document_runs_are_contiguous,
+    flex_document_attention,
+    pack_documents,
+    packed_document_attention,
+)
 from trainer.models.norm import RMSNorm
 
 

@@ -74,9 +74,7 @@ class TransformerBlock(nn.Module):
         # A SwiGLU, unless the model gives another [B, T, D] -> [B, T, D] module (a routed MoE).
         self.feed_forward = FeedForward(dim, ffn_dim) if feed_forward is None else feed_forward
 
-    def forward(
-        self, x_btd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any
-    ) -> torch.Tensor:
+    def forward(self, x_btd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any) -> torch.Tensor:
         h_btd = x_btd + self.attention(self.attention_norm(x_btd), cos, sin, mask)
         return h_btd + self.feed_forward(self.ffn_norm(h_btd))
 

@@ -139,7 +139,12 @@ def _compiled_flex():  # noqa: ANN202
 
 
 def flex_document_attention(
-    q_bthe: torch.Tensor, k_btke: torch.Tensor, v_btke: torch.Tensor, block_mask, *, compiled: bool = True  # noqa: ANN001
+    q_bthe: torch.Tensor,
+    k_btke: torch.Tensor,
+    v_btke: torch.Tensor,
+    block_mask,
+    *,
+    compiled: bool = True,  # noqa: ANN001
 ) -> torch.Tensor:
     """FlexAttention under ``block_mask`` (`document_block_mask`): ``[B, T, H, E]``, GQA through ``enable_gqa``.
 

@@ -56,11 +56,19 @@ class Family:
 
     def import_kwargs(self, config: dict[str, Any]) -> dict[str, Any]:
         """The constructor arguments of ``model_class`` this family sets beyond the shared sizes."""
-        return {"qkv_bias": self.qkv_bias, "qk_norm": self.qk_norm, **(moe_kwargs(config, self.model_type) if self.moe else {})}
+        return {
+            "qkv_bias": self.qkv_bias,
+            "qk_norm": self.qk_norm,
+            **(moe_kwargs(config, self.model_type) if self.moe else {}),
+        }
 
     def fits(self, model: Llama) -> bool:
         """Whether ``model`` has exactly this family's architecture flags and kind (dense or MoE)."""
-        return (model.qkv_bias, model.qk_norm, isinstance(model, MoETransformer)) == (self.qkv_bias, self.qk_norm, self.moe)
+        return (model.qkv_bias, model.qk_norm, isinstance(model, MoETransformer)) == (
+            self.qkv_bias,
+            self.qk_norm,
+            self.moe,
+        )
 
     def export_fields(self, model: Llama) -> dict[str, Any]:
         """The ``config.json`` fields this family adds for ``model`` beyond the shared sizes."""
@@ -85,8 +93,12 @@ EXPORTABLE: tuple[type, ...] = tuple(dict.fromkeys(f.model_class for f in FAMILI
 
 def family_of(config: dict[str, Any]) -> str | None:
     """The family (``model_type``) of a Hugging Face ``config.json``; None when plait has none."""
-    archs = config.get("architectures") or [FAMILIES[config["model_type"]].architecture if config.get("model_type") in FAMILIES else ""]
-    return next((t for t, f in FAMILIES.items() if archs == [f.architecture] and config.get("model_type", t) == t), None)
+    archs = config.get("architectures") or [
+        FAMILIES[config["model_type"]].architecture if config.get("model_type") in FAMILIES else ""
+    ]
+    return next(
+        (t for t, f in FAMILIES.items() if archs == [f.architecture] and config.get("model_type", t) == t), None
+    )
 
 
 def exportable(model_cls: type) -> bool:

@@ -20,8 +20,8 @@ from __future__ import annotations
 import json
 import os
 import re
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -192,7 +192,9 @@ def llama_from_hf(
         )
     if tie_embeddings is not None:
         if tie_embeddings and not kwargs["tie_embeddings"]:
-            raise HFError(f"model.tie_embeddings=true: {init_from} has a separate output head; use model.tie_embeddings=null")
+            raise HFError(
+                f"model.tie_embeddings=true: {init_from} has a separate output head; use model.tie_embeddings=null"
+            )
         kwargs["tie_embeddings"] = tie_embeddings
     if max_seq_len is not None:
         if max_seq_len > kwargs["max_seq_len"]:
@@ -252,7 +254,9 @@ def weight_files(directory: str | os.PathLike) -> dict[str, Path]:
         return {name: directory / file for name, file in weight_map.items()}
     files = sorted(directory.glob("*.safetensors"))
     if not files:
-        raise HFError(f"{directory} has no *.safetensors weights (pytorch_model.bin is not read; re-save with safetensors)")
+        raise HFError(
+            f"{directory} has no *.safetensors weights (pytorch_model.bin is not read; re-save with safetensors)"
+        )
     out = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
@@ -273,7 +277,9 @@ def _local_slices(param: torch.Tensor) -> tuple[tuple[slice, ...], torch.Tensor]
 
 
 @torch.no_grad()
-def load_hf_weights(model: nn.Module, directory: str | os.PathLike, *, skip: Callable[[str], bool] | None = None) -> None:
+def load_hf_weights(
+    model: nn.Module, directory: str | os.PathLike, *, skip: Callable[[str], bool] | None = None
+) -> None:
     """Fills every parameter ``model`` holds on this rank from a Hugging Face directory, but those
     whose FQN ``skip`` selects (the caller's: LoRA adapters keep their initialisation,
     `trainer.init_from.load_init_from`).
@@ -307,7 +313,11 @@ def load_hf_weights(model: nn.Module, directory: str | os.PathLike, *, skip: Cal
             if skip is not None and skip(fqn):  # e.g. LoRA adapters: the base is what loads
                 continue
             index, local = _local_slices(param)
-            experts = expert_hf_names(fqn, family, range(index[0].start, index[0].stop)) if family is not None and FAMILIES[family].moe else None
+            experts = (
+                expert_hf_names(fqn, family, range(index[0].start, index[0].stop))
+                if family is not None and FAMILIES[family].moe
+                else None
+            )
             if experts is not None:  # [E, out, in]: one checkpoint tensor per expert of this shard
                 for j, name in enumerate(experts):
                     local[j].copy_(tensor(name, fqn, list(param.shape[1:]))[index[1:]])

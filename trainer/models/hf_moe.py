@@ -114,9 +114,14 @@ def moe_config_fields(model: Any, family: str) -> dict[str, Any]:
     """The MoE fields of a ``config.json`` for ``model`` (see `moe_export_problems`)."""
     fields: dict[str, Any] = {"num_experts_per_tok": model.top_k, "output_router_logits": False}
     if family == "qwen3_moe":
-        fields.update(num_experts=model.num_experts, moe_intermediate_size=model.moe_ffn_dim,
-                      intermediate_size=model.ffn_dim, norm_topk_prob=model.norm_topk, decoder_sparse_step=1,
-                      mlp_only_layers=list(range(model.n_dense_layers)))  # fmt: skip
+        fields.update(
+            num_experts=model.num_experts,
+            moe_intermediate_size=model.moe_ffn_dim,
+            intermediate_size=model.ffn_dim,
+            norm_topk_prob=model.norm_topk,
+            decoder_sparse_step=1,
+            mlp_only_layers=list(range(model.n_dense_layers)),
+        )
     else:
         fields.update(num_local_experts=model.num_experts, intermediate_size=model.moe_ffn_dim, router_jitter_noise=0.0)
     return fields

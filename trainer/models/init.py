@@ -48,7 +48,9 @@ def seeded_normal_(param: torch.Tensor, name: str, *, std: float, seed: int) -> 
 
 
 @torch.no_grad()
-def _fill_blocks(param: torch.Tensor, name: str, seed: int, draw: Callable[[torch.Tensor, torch.Generator], None]) -> None:
+def _fill_blocks(
+    param: torch.Tensor, name: str, seed: int, draw: Callable[[torch.Tensor, torch.Generator], None]
+) -> None:
     local = param.to_local() if isinstance(param, DTensor) else param
     if local.is_meta:
         raise ValueError(f"parameter {name} is on the meta device: materialise the model (to_empty) before init")

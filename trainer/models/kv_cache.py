@@ -53,7 +53,9 @@ class KVCache:
         keys_s = torch.arange(past + seq_len, device=device)
         return (keys_s[None, :] <= past + torch.arange(seq_len, device=device)[:, None])[None, None]
 
-    def __call__(self, q_bthe: torch.Tensor, k_btke: torch.Tensor, v_btke: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def __call__(
+        self, q_bthe: torch.Tensor, k_btke: torch.Tensor, v_btke: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
         """Appends this layer's new keys/values and attends the new queries to all cached ones."""
         i = self._layer
         self._layer += 1
@@ -62,7 +64,9 @@ class KVCache:
             v_btke = torch.cat([self.values[i], v_btke], dim=1)
         self.keys[i], self.values[i] = k_btke, v_btke
         if mask is None and q_bthe.shape[1] == 1:
-            mask = torch.ones(1, 1, 1, k_btke.shape[1], dtype=torch.bool, device=q_bthe.device)  # the last token sees all
+            mask = torch.ones(
+                1, 1, 1, k_btke.shape[1], dtype=torch.bool, device=q_bthe.device
+            )  # the last token sees all
         return DOCUMENT_CAUSAL(q_bthe, k_btke, v_btke, mask)
 
 

@@ -29,7 +29,6 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from typing_extensions import override
 
 from strategies.core.ranges import NON_NEGATIVE, POSITIVE, Range
-
 from trainer.models.attention import DOCUMENT_CAUSAL
 from trainer.models.block import TransformerBlock, llama_ffn_dim
 from trainer.models.init import seeded_normal_
@@ -105,10 +104,15 @@ class Llama(nn.Module):
         rope_scaling = dict(rope_scaling) if rope_scaling else None
         ffn_dim = llama_ffn_dim(dim) if ffn_dim is None else ffn_dim
         for name, value in [
-            ("vocab_size", vocab_size), ("dim", dim), ("n_layers", n_layers), ("n_heads", n_heads),
-            ("n_kv_heads", n_kv_heads), ("ffn_dim", ffn_dim), ("max_seq_len", max_seq_len),
+            ("vocab_size", vocab_size),
+            ("dim", dim),
+            ("n_layers", n_layers),
+            ("n_heads", n_heads),
+            ("n_kv_heads", n_kv_heads),
+            ("ffn_dim", ffn_dim),
+            ("max_seq_len", max_seq_len),
             ("head_dim", 2 if head_dim is None else head_dim),
-        ]:  # fmt: skip
+        ]:
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         for name, value in [("rope_theta", rope_theta), ("norm_eps", norm_eps), ("init_std", init_std)]:
@@ -149,11 +153,21 @@ class Llama(nn.Module):
 
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(vocab_size, dim)
         attention = {"head_dim": self.head_dim, "qkv_bias": qkv_bias, "qk_norm": qk_norm}
-        self.layers = nn.ModuleDict({
-            str(i): TransformerBlock(dim, n_heads, n_kv_heads, ffn_dim, norm_eps, self.make_feed_forward(i),
-                                     self.make_attention(i), **attention)  # fmt: skip
-            for i in range(n_layers)
-        })
+        self.layers = nn.ModuleDict(
+            {
+                str(i): TransformerBlock(
+                    dim,
+                    n_heads,
+                    n_kv_heads,
+                    ffn_dim,
+                    norm_eps,
+                    self.make_feed_forward(i),
+                    self.make_attention(i),
+                    **attention,
+                )
+                for i in range(n_layers)
+            }
+        )
         self.attention_core: Any = DOCUMENT_CAUSAL  # see set_attention_core
         self.norm: RMSNorm | None = RMSNorm(dim, norm_eps)
         self.output: nn.Linear | None = nn.Linear(dim, vocab_size, bias=False)
@@ -332,13 +346,22 @@ class Llama(nn.Module):
         )
         plan["layers.*.feed_forward"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
         if sequence_parallel:
-            plan.update({"norm": SequenceParallel(), "layers.*.attention_norm": SequenceParallel(),
-                         "layers.*.ffn_norm": SequenceParallel()})  # fmt: skip
+            plan.update(
+                {
+                    "norm": SequenceParallel(),
+                    "layers.*.attention_norm": SequenceParallel(),
+                    "layers.*.ffn_norm": SequenceParallel(),
+                }
+            )
         if self.qk_norm:
             # [B, T, heads/tp, E] per rank: the norm weight a replicated DTensor, so its gradient,
             # a partial sum over this rank's heads, is summed over tp.
-            plan.update({f"layers.*.attention.{n}": SequenceParallel(sequence_dim=2, use_local_output=True)
-                         for n in ("q_norm", "k_norm")})  # fmt: skip
+            plan.update(
+                {
+                    f"layers.*.attention.{n}": SequenceParallel(sequence_dim=2, use_local_output=True)
+                    for n in ("q_norm", "k_norm")
+                }
+            )
         # Pipeline stages drop some of these modules: plan only those present.
         present = {"tok_embeddings": self.tok_embeddings, "output": self.output, "norm": self.norm}
         return {k: v for k, v in plan.items() if present.get(k, True) is not None}

@@ -55,9 +55,17 @@ class LatentAttention(nn.Module):
     """
 
     def __init__(
-        self, dim: int, n_heads: int, *, q_lora_rank: int, kv_lora_rank: int, qk_nope_head_dim: int,
-        qk_rope_head_dim: int, v_head_dim: int, norm_eps: float = 1e-6,
-    ) -> None:  # fmt: skip
+        self,
+        dim: int,
+        n_heads: int,
+        *,
+        q_lora_rank: int,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        norm_eps: float = 1e-6,
+    ) -> None:
         super().__init__()
         self.n_heads, self.q_lora_rank, self.kv_lora_rank = n_heads, q_lora_rank, kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim

@@ -127,8 +127,14 @@ class TopKRouter(nn.Module):
     def forward(self, x_nd: torch.Tensor, *, use_bias: bool = True) -> Routing:
         """``[N, D]`` tokens -> their `Routing`."""
         bias = self.expert_bias if use_bias else None
-        return route(self.gate(x_nd), top_k=self.top_k, score_func=self.score_func, expert_bias_e=bias,
-                     norm_topk=self.norm_topk, route_scale=self.route_scale)  # fmt: skip
+        return route(
+            self.gate(x_nd),
+            top_k=self.top_k,
+            score_func=self.score_func,
+            expert_bias_e=bias,
+            norm_topk=self.norm_topk,
+            route_scale=self.route_scale,
+        )
 
     @torch.no_grad()
     def update_expert_bias(self, tokens_per_expert_e: torch.Tensor, rate: float) -> None:
@@ -161,7 +167,9 @@ def pad_groups(counts_e: torch.Tensor, align: int) -> tuple[torch.Tensor, torch.
     the rows, which the weight-gradient GEMM contracts over (torchtitan pads to 8 bf16 rows too)."""
     padded_e = (counts_e + align - 1) // align * align
     shift_e = torch.cumsum(padded_e - counts_e, 0) - (padded_e - counts_e)
-    return padded_e, torch.arange(int(counts_e.sum()), device=counts_e.device) + torch.repeat_interleave(shift_e, counts_e)
+    return padded_e, torch.arange(int(counts_e.sum()), device=counts_e.device) + torch.repeat_interleave(
+        shift_e, counts_e
+    )
 
 
 def expert_swiglu(
@@ -278,7 +286,9 @@ class _RouterAccounting(torch.autograd.Function):
     inputs, towards its stage inputs only) does not count."""
 
     @staticmethod
-    def forward(ctx: Any, out: torch.Tensor, router_loss: torch.Tensor, stats: torch.Tensor, moe: "MoE") -> torch.Tensor:
+    def forward(
+        ctx: Any, out: torch.Tensor, router_loss: torch.Tensor, stats: torch.Tensor, moe: "MoE"
+    ) -> torch.Tensor:
         ctx.stats, ctx.moe, ctx.num_tokens, ctx.counted = stats, moe, out.shape[0], False
         gate = moe.router.gate.weight
         ctx.gate_node = torch.autograd.graph.get_gradient_edge(gate).node if gate.requires_grad else None
@@ -336,8 +346,9 @@ class MoE(nn.Module):
         bias_update_rate: float = 0.0,
     ) -> None:
         super().__init__()
-        self.router = TopKRouter(dim, num_experts, top_k, score_func=score_func, norm_topk=norm_topk,
-                                 route_scale=route_scale)  # fmt: skip
+        self.router = TopKRouter(
+            dim, num_experts, top_k, score_func=score_func, norm_topk=norm_topk, route_scale=route_scale
+        )
         self.experts = GroupedExperts(dim, moe_ffn_dim, num_experts)
         self.shared_experts = FeedForward(dim, num_shared_experts * moe_ffn_dim) if num_shared_experts else None
         self.balance_coef, self.z_loss_coef, self.bias_update_rate = balance_coef, z_loss_coef, bias_update_rate

@@ -30,13 +30,24 @@ SCORE_FUNCS = ("softmax", "sigmoid")
 
 
 def moe_problems(
-    *, num_experts: Any, top_k: Any, moe_ffn_dim: Any, n_dense_layers: Any, n_layers: Any, score_func: Any,
+    *,
+    num_experts: Any,
+    top_k: Any,
+    moe_ffn_dim: Any,
+    n_dense_layers: Any,
+    n_layers: Any,
+    score_func: Any,
     num_shared_experts: Any = 0,
-) -> list[str]:  # fmt: skip
+) -> list[str]:
     """What is wrong with a mixture-of-experts shape, each message naming the field to change."""
     problems = []
-    for name, value, low in [("num_experts", num_experts, 1), ("top_k", top_k, 1), ("moe_ffn_dim", moe_ffn_dim, 1),
-                             ("n_dense_layers", n_dense_layers, 0), ("num_shared_experts", num_shared_experts, 0)]:
+    for name, value, low in [
+        ("num_experts", num_experts, 1),
+        ("top_k", top_k, 1),
+        ("moe_ffn_dim", moe_ffn_dim, 1),
+        ("n_dense_layers", n_dense_layers, 0),
+        ("num_shared_experts", num_shared_experts, 0),
+    ]:
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             problems.append(f"model.{name} must be an int >= {low}, got {value!r}")
     if not problems and top_k > num_experts:
@@ -97,9 +108,15 @@ class MoETransformer(Llama):
         latent_attention: dict[str, int] | None = None,
         **llama: Any,
     ) -> None:
-        problems = moe_problems(num_experts=num_experts, top_k=top_k, moe_ffn_dim=moe_ffn_dim,
-                                n_dense_layers=n_dense_layers, n_layers=llama.get("n_layers"), score_func=score_func,
-                                num_shared_experts=num_shared_experts)  # fmt: skip
+        problems = moe_problems(
+            num_experts=num_experts,
+            top_k=top_k,
+            moe_ffn_dim=moe_ffn_dim,
+            n_dense_layers=n_dense_layers,
+            n_layers=llama.get("n_layers"),
+            score_func=score_func,
+            num_shared_experts=num_shared_experts,
+        )
         self.latent_attention = dict(latent_attention) if latent_attention else None
         problems += mla_problems(self.latent_attention) if self.latent_attention else []
         if problems:
@@ -116,10 +133,18 @@ class MoETransformer(Llama):
         if layer < self.n_dense_layers:
             return None
         return MoE(
-            self.dim, self.moe_ffn_dim, self.num_experts, self.top_k, score_func=self.score_func,
-            norm_topk=self.norm_topk, route_scale=self.route_scale, num_shared_experts=self.num_shared_experts,
-            balance_coef=self.balance_coef, z_loss_coef=self.z_loss_coef, bias_update_rate=self.bias_update_rate,
-        )  # fmt: skip
+            self.dim,
+            self.moe_ffn_dim,
+            self.num_experts,
+            self.top_k,
+            score_func=self.score_func,
+            norm_topk=self.norm_topk,
+            route_scale=self.route_scale,
+            num_shared_experts=self.num_shared_experts,
+            balance_coef=self.balance_coef,
+            z_loss_coef=self.z_loss_coef,
+            bias_update_rate=self.bias_update_rate,
+        )
 
     @override
     def make_attention(self, layer: int) -> nn.Module | None:
@@ -217,9 +242,12 @@ class MoETransformer(Llama):
         for name, layer in self.layers.items():
             if isinstance(layer.feed_forward, MoE):
                 plan[f"layers.{name}.feed_forward"] = PrepareModuleInputOutput(
-                    input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_input=True,
-                    output_layouts=(Replicate(),), desired_output_layouts=(seq,),
-                )  # fmt: skip
+                    input_layouts=(seq,),
+                    desired_input_layouts=(Replicate(),),
+                    use_local_input=True,
+                    output_layouts=(Replicate(),),
+                    desired_output_layouts=(seq,),
+                )
             else:
                 plan[f"layers.{name}.feed_forward"] = dense_input
         return plan

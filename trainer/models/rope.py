@@ -51,7 +51,9 @@ def rope_scaling_problems(scaling: Mapping[str, Any] | None, where: str = "model
     required, optional = ROPE_TYPES[name]
     keys = set(scaling or {})
     problems = [f"{where}.{k} is required by rope_type={name}" for k in sorted(required - keys)]
-    problems += [f"{where}.{k} is not a field of rope_type={name}" for k in sorted(keys - required - optional - _IGNORED)]
+    problems += [
+        f"{where}.{k} is not a field of rope_type={name}" for k in sorted(keys - required - optional - _IGNORED)
+    ]
     if "factor" in keys and not (isinstance(scaling["factor"], (int, float)) and scaling["factor"] >= 1):
         problems.append(f"{where}.factor={scaling['factor']!r} must be a number >= 1")
     return problems

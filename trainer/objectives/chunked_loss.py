@@ -51,7 +51,13 @@ class _ChunkedLinearCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total):  # noqa: ANN001
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_total.to(grad_hidden.dtype), (grad_weight * grad_total).to(ctx.weight_dtype), None, None, None
+        return (
+            grad_hidden * grad_total.to(grad_hidden.dtype),
+            (grad_weight * grad_total).to(ctx.weight_dtype),
+            None,
+            None,
+            None,
+        )
 
 
 def chunked_token_loss_sum(

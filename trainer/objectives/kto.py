@@ -44,7 +44,12 @@ def kl_estimate(mismatched_logratio: torch.Tensor) -> torch.Tensor:
         0-dim fp32 tensor (the same on every rank). Tensor- and sequence-parallel ranks hold the
         same rows as their data-parallel peers, which leaves the mean unchanged.
     """
-    sums = torch.stack([mismatched_logratio.detach().float().sum(), mismatched_logratio.new_tensor(mismatched_logratio.numel(), dtype=torch.float32)])
+    sums = torch.stack(
+        [
+            mismatched_logratio.detach().float().sum(),
+            mismatched_logratio.new_tensor(mismatched_logratio.numel(), dtype=torch.float32),
+        ]
+    )
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(sums)
     return (sums[0] / sums[1].clamp(min=1)).clamp(min=0)
@@ -96,7 +101,11 @@ class KTO(PreferenceObjective):
 
     def __init__(self, beta: float = 0.1, desirable_weight: float = 1.0, undesirable_weight: float = 1.0) -> None:
         super().__init__()
-        for name, value in (("beta", beta), ("desirable_weight", desirable_weight), ("undesirable_weight", undesirable_weight)):
+        for name, value in (
+            ("beta", beta),
+            ("desirable_weight", desirable_weight),
+            ("undesirable_weight", undesirable_weight),
+        ):
             if not value > 0:
                 raise ValueError(f"objective.{name}={value} must be positive")
         self.beta, self.desirable_weight, self.undesirable_weight = beta, desirable_weight, undesirable_weight
@@ -114,9 +123,13 @@ class KTO(PreferenceObjective):
         kl = kl_estimate(ratio[:, 1])
         desirable = batch["desirable"] > 0.5
         losses, rewards = kto_loss(
-            ratio[:, 0], kl, desirable, beta=self.beta,
-            desirable_weight=self.desirable_weight, undesirable_weight=self.undesirable_weight,
-        )  # fmt: skip
+            ratio[:, 0],
+            kl,
+            desirable,
+            beta=self.beta,
+            desirable_weight=self.desirable_weight,
+            undesirable_weight=self.undesirable_weight,
+        )
         rewards, d = rewards.detach().float(), desirable.float()
         mismatched = self.beta * ratio[:, 1].detach().float()
         sums = torch.stack([

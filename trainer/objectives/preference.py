@@ -187,7 +187,9 @@ def reference_logps(task: Any, rows: dict[str, torch.Tensor], score: Any) -> tor
     mine = range(dp["rank"] * per_rank, min(num, (dp["rank"] + 1) * per_rank))
     table = torch.zeros(num, 2, device=task.device)
     step = max(1, task.micro_batch_size)
-    whole = strategy.whole_rows if strategy.dims.cp > 1 else contextlib.nullcontext  # cp: every cp rank scores them whole
+    whole = (
+        strategy.whole_rows if strategy.dims.cp > 1 else contextlib.nullcontext
+    )  # cp: every cp rank scores them whole
     for start in range(0, per_rank, step):
         idx = [mine[min(j, len(mine) - 1)] if len(mine) else 0 for j in range(start, min(per_rank, start + step))]
         batch = {k: v[idx].to(task.device) for k, v in rows.items()}
@@ -224,15 +226,21 @@ class PreferenceObjective(Objective):
         problems = []
         given = run.row_kind if run is not None else None
         if given is not None and given not in ("pairs", "unpaired"):
-            problems.append(f"objective {cls.__name__} trains on preference pairs; use data=preference (or preference_synthetic)")
+            problems.append(
+                f"objective {cls.__name__} trains on preference pairs; use data=preference (or preference_synthetic)"
+            )
         if run is not None and run.dims.pp > 1:
             problems.append(f"objective {cls.__name__} does not support strategy.pp={run.dims.pp}; use strategy.pp=1")
         if run is not None and run.dims.cp > 1:
             problems += cls._cp_problems(run)
         if given == "unpaired" and cls.row_kind == "pairs":
-            problems.append(f"objective {cls.__name__} trains on pairs; remove data.unpaired=true (unpaired rows: plait kto)")
+            problems.append(
+                f"objective {cls.__name__} trains on pairs; remove data.unpaired=true (unpaired rows: plait kto)"
+            )
         if given == "pairs" and cls.row_kind == "unpaired":
-            problems.append(f"objective {cls.__name__} trains on unpaired rows; set data.unpaired=true (plait kto does)")
+            problems.append(
+                f"objective {cls.__name__} trains on unpaired rows; set data.unpaired=true (plait kto does)"
+            )
         if node.get("loss_chunk_tokens"):
             problems.append("objective.loss_chunk_tokens is not used by preference objectives; remove it")
         return problems
@@ -244,7 +252,9 @@ class PreferenceObjective(Objective):
         never split. That needs placement=hybrid, pairs per dp rank a multiple of cp and
         micro-batches of at least cp pairs (a whole micro-batch holds ``micro_batch_size // cp``)."""
         cp, dp, name, placement = run.dims.cp, run.dims.dp, cls.__name__, run.cp_placement
-        if cls.row_kind == "unpaired":  # KTO's KL estimate is a mean over a micro-batch's rows: not placed over cp ranks (not built)
+        if (
+            cls.row_kind == "unpaired"
+        ):  # KTO's KL estimate is a mean over a micro-batch's rows: not placed over cp ranks (not built)
             return [f"objective {name} does not support strategy.cp={cp}; use strategy.cp=1"]
         if placement != "hybrid":
             return [
@@ -319,7 +329,9 @@ class PreferenceObjective(Objective):
     def _accumulate(self, rewards_c: torch.Tensor, rewards_r: torch.Tensor) -> None:
         diff = rewards_c - rewards_r
         accuracy = (diff > 0).float() + 0.5 * (diff == 0).float()
-        sums = torch.stack([rewards_c.sum(), rewards_r.sum(), accuracy.sum(), diff.sum(), diff.new_tensor(diff.numel())])
+        sums = torch.stack(
+            [rewards_c.sum(), rewards_r.sum(), accuracy.sum(), diff.sum(), diff.new_tensor(diff.numel())]
+        )
         self._sums = sums if self._sums is None else self._sums + sums
 
     @override
@@ -330,7 +342,6 @@ class PreferenceObjective(Objective):
         if sums is None:
             sums = torch.zeros(len(METRICS) + 1)
         return list(METRICS), torch.stack([sums[:-1], sums[-1].expand(len(METRICS))])
-
 
 
 class _WithBeta(PreferenceObjective):

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from strategies.transforms.lora import linear_operands
-from strategies.core.resolved import ResolvedRun
 from strategies.core.model_contract import optional
+from strategies.core.resolved import ResolvedRun
+from strategies.transforms.lora import linear_operands
 from trainer.objectives.chunked_loss import chunked_token_loss_sum
 from trainer.protocols import Objective
 
