@@ -31,27 +31,27 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
-from strategies.checkpoint import dcp as ckpt
 from strategies.activation_checkpoint import ActivationCheckpoint
 from strategies.activation_offload import ActivationOffload
+from strategies.checkpoint import dcp as ckpt
 from strategies.compile import Compile
-from strategies.runtime.compute_timer import ComputeTimer
-from strategies.context.plugin import ContextParallel
 from strategies.context.placement import micro_batches_of
-from strategies.expert.plugin import ExpertParallel
-from strategies.fsdp import FSDP
-from strategies.grad_norm import clip_grads_, global_grad_norm
-from strategies.runtime.host_allocator import CPUAllocator, keep_freed_host_memory
-from strategies.runtime.launch import launcher_for
-from strategies.meta_init import materialize
+from strategies.context.plugin import ContextParallel
 from strategies.core.parallel_dims import MESH_AXES, LayoutError, Meshes, ParallelDims
-from strategies.pipeline.plugin import PipelineParallel
-from strategies.plugin import Batch, LossFn, StrategyPlugin
 from strategies.core.ranges import NON_NEGATIVE, POSITIVE
 from strategies.core.resolved import ResolvedRun
 from strategies.core.shape import ModelShape
-from strategies.tensor import TensorParallel
+from strategies.expert.plugin import ExpertParallel
+from strategies.fsdp import FSDP
+from strategies.grad_norm import clip_grads_, global_grad_norm
+from strategies.meta_init import materialize
+from strategies.pipeline.plugin import PipelineParallel
+from strategies.plugin import Batch, LossFn, StrategyPlugin
+from strategies.runtime.compute_timer import ComputeTimer
+from strategies.runtime.host_allocator import CPUAllocator, keep_freed_host_memory
+from strategies.runtime.launch import launcher_for
 from strategies.runtime.watchdog import Heartbeat
+from strategies.tensor import TensorParallel
 
 # The order every phase walks the plugins in (later techniques wrap what earlier ones produced):
 # the pipeline split first (each rank keeps its stages; the others then work on fewer layers), tensor
@@ -66,9 +66,19 @@ from strategies.runtime.watchdog import Heartbeat
 # then local SGD and Mixout (in `setup`: they keep the parameter objects the optimizer holds, and their
 # anchors are the weights training starts from). Plugins of other keys come after, in node order.
 ORDER = (
-    "pipeline", "tensor_parallel", "context_parallel", "expert_parallel", "lora", "activation_offload",
-    "activation_checkpoint", "compile", "fsdp", "sat", "local_sgd", "mixout",
-)  # fmt: skip
+    "pipeline",
+    "tensor_parallel",
+    "context_parallel",
+    "expert_parallel",
+    "lora",
+    "activation_offload",
+    "activation_checkpoint",
+    "compile",
+    "fsdp",
+    "sat",
+    "local_sgd",
+    "mixout",
+)
 # The plugins a strategy built by hand holds when not given (each is off, or inactive, by default).
 DEFAULTS: dict[str, type[StrategyPlugin]] = {
     "pipeline": PipelineParallel, "tensor_parallel": TensorParallel, "context_parallel": ContextParallel,
@@ -118,30 +128,17 @@ class MeshStrategy(ModelParallelStrategy):
         run: ResolvedRun | None = None,
     ) -> None:
         super().__init__(timeout=timedelta(seconds=timeout_s))
-        if launcher not in ("subprocess", "fork"):
-            raise ValueError(f"strategy.launcher={launcher!r} is unknown; use subprocess or fork")
-        if cpu_allocator not in get_args(CPUAllocator):
-            raise ValueError(f"strategy.cpu_allocator={cpu_allocator!r} is unknown; use {' or '.join(get_args(CPUAllocator))}")
-        if heartbeat_s >= timeout_s:
-            raise ValueError(
-                f"strategy.heartbeat_s={heartbeat_s:g} must be below strategy.timeout_s={timeout_s:g} (a stalled rank is "
-                "named before its collective times out); lower heartbeat_s (0 disables it)"
-            )
+        check_settings(timeout_s=timeout_s, heartbeat_s=heartbeat_s, launcher=launcher, cpu_allocator=cpu_allocator)
         self.run = run
         self.dims = run.dims if run is not None else dims or ParallelDims()
         if problems := self.unsupported_degrees(self.dims):
             raise LayoutError("\n".join(problems))
-        given = {key: plugin for key, plugin in (plugins or {}).items() if plugin is not None}
-        given = {**{key: make() for key, make in DEFAULTS.items() if key not in given}, **given}
-        rank = {key: i for i, key in enumerate(self.ORDER)}
-        self.plugins: dict[str, StrategyPlugin] = dict(sorted(given.items(), key=lambda kv: rank.get(kv[0], len(rank))))
+        self.plugins: dict[str, StrategyPlugin] = ordered_plugins(plugins or {}, self.ORDER)
         self.islands = any(plugin.islands for plugin in self.plugins.values())
         resolved = min(getattr(self.dims, axis) for axis in MESH_AXES) > 0
         self.active: tuple[StrategyPlugin, ...] = self.active_plugins(self.dims) if resolved else ()
         self.launcher_kind, self.cpu_allocator = launcher, cpu_allocator
-        self.heartbeat = (
-            Heartbeat(stale_s=heartbeat_s, interval_s=min(5.0, heartbeat_s / 4), abort_s=timeout_s) if heartbeat_s else None
-        )
+        self.heartbeat = heartbeat_of(heartbeat_s, timeout_s)
         self._mesh_views: dict[str, DeviceMesh] = {}
         self.compute_timer = ComputeTimer()  # per-rank forward/backward seconds (balance telemetry)
         self.meshes: Meshes | None = None  # set with the mesh, in setup_environment
@@ -194,7 +191,13 @@ class MeshStrategy(ModelParallelStrategy):
         elif self.cpu_allocator == "keep_freed":
             keep_freed_host_memory()  # no page faults per step for the step's large tensors
         self._device_mesh, self._mesh_views = self.dims.build_mesh(self.root_device.type)
-        self.meshes = Meshes(root=self._device_mesh, views=self._mesh_views, fsdp=self.dp_mesh(), device=self.root_device, plugins=self.plugins)
+        self.meshes = Meshes(
+            root=self._device_mesh,
+            views=self._mesh_views,
+            fsdp=self.dp_mesh(),
+            device=self.root_device,
+            plugins=self.plugins,
+        )
         self.lightning_module._device_mesh = self._device_mesh
         if self.heartbeat is not None:
             self.heartbeat.start()
@@ -307,7 +310,11 @@ class MeshStrategy(ModelParallelStrategy):
                 return loss_sum(model, batch)
 
     def forward_backward(
-        self, model: nn.Module, micro_batches: Sequence[Batch], loss_fn: LossFn, backward: Callable[[torch.Tensor], None]
+        self,
+        model: nn.Module,
+        micro_batches: Sequence[Batch],
+        loss_fn: LossFn,
+        backward: Callable[[torch.Tensor], None],
     ) -> torch.Tensor:
         """Forward and backward of every micro-batch of one optimizer step, inside every plugin's
         `step_context` (SAT's channels, Mixout's mixed weights).
@@ -327,7 +334,13 @@ class MeshStrategy(ModelParallelStrategy):
                         return total
             return self._forward_backward(model, micro_batches, loss_fn, backward)
 
-    def _forward_backward(self, model: nn.Module, micro_batches: Sequence[Batch], loss_fn: LossFn, backward: Callable[[torch.Tensor], None]) -> torch.Tensor:
+    def _forward_backward(
+        self,
+        model: nn.Module,
+        micro_batches: Sequence[Batch],
+        loss_fn: LossFn,
+        backward: Callable[[torch.Tensor], None],
+    ) -> torch.Tensor:
         total = torch.zeros((), device=self.root_device)
         last = len(micro_batches) - 1
         self.compute_timer.start_step()
@@ -373,7 +386,9 @@ class MeshStrategy(ModelParallelStrategy):
         optimizer, unwrapped from Lightning's): e.g. ``comm/bytes_sent`` under local SGD,
         ``ep/max_over_mean_rows``, ``lora/trainable_bytes`` after step 1, ``perf/cp_whole_rows``."""
         optimizer = getattr(optimizer, "_optimizer", optimizer)
-        return {key: value for plugin in self.active for key, value in plugin.after_step(model, step, optimizer).items()}
+        return {
+            key: value for plugin in self.active for key, value in plugin.after_step(model, step, optimizer).items()
+        }
 
     # ------------------------------------------------------------------------------ checkpoints
     # DCP writes each rank's shards once: the state hooks return nothing, and the checkpoint hooks hand
@@ -386,13 +401,6 @@ class MeshStrategy(ModelParallelStrategy):
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return {}  # gathered by DCP in save_checkpoint, once
 
-    def _checkpoint_owner(self) -> tuple[Any, Callable[[str], bool] | None]:
-        """(the plugin that owns checkpoint I/O or `strategies.checkpoint.dcp`, the saved-keys filter)."""
-        owners = [io for plugin in self.active if (io := plugin.checkpoint_io()) is not None]
-        filters = [keep for plugin in self.active if (keep := plugin.saved_keys()) is not None]
-        keys = None if not filters else filters[0] if len(filters) == 1 else lambda key: all(keep(key) for keep in filters)
-        return (owners[0] if owners else None), keys
-
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if storage_options is not None:
@@ -400,7 +408,7 @@ class MeshStrategy(ModelParallelStrategy):
         path = Path(self.broadcast(str(filepath)))
         checkpoint.pop("state_dict", None)
         checkpoint.pop("optimizer_states", None)
-        io, keys = self._checkpoint_owner()
+        io, keys = checkpoint_owner(self.active)
         state = {"model": self.lightning_module.model, "optimizers": self._unwrapped_optimizers(), "meta": checkpoint}
         if io is not None:
             return io.save_checkpoint(path, **state)
@@ -409,7 +417,7 @@ class MeshStrategy(ModelParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
-        io, keys = self._checkpoint_owner()
+        io, keys = checkpoint_owner(self.active)
         state = {"model": self.lightning_module.model, "optimizers": self._unwrapped_optimizers()}
         return io.load_checkpoint(path, **state) if io is not None else ckpt.load(path, **state, keys=keys)
 
@@ -430,6 +438,50 @@ class MeshStrategy(ModelParallelStrategy):
             dist.destroy_process_group()
 
 
+def check_settings(*, timeout_s: float, heartbeat_s: float, launcher: str, cpu_allocator: str) -> None:
+    """Checks `MeshStrategy`'s own settings.
+
+    Raises:
+        ValueError: an unknown ``launcher`` or ``cpu_allocator``, or ``heartbeat_s >= timeout_s``.
+    """
+    if launcher not in ("subprocess", "fork"):
+        raise ValueError(f"strategy.launcher={launcher!r} is unknown; use subprocess or fork")
+    if cpu_allocator not in get_args(CPUAllocator):
+        raise ValueError(
+            f"strategy.cpu_allocator={cpu_allocator!r} is unknown; use {' or '.join(get_args(CPUAllocator))}"
+        )
+    if heartbeat_s >= timeout_s:
+        raise ValueError(
+            f"strategy.heartbeat_s={heartbeat_s:g} must be below strategy.timeout_s={timeout_s:g} (a stalled rank is "
+            "named before its collective times out); lower heartbeat_s (0 disables it)"
+        )
+
+
+def ordered_plugins(plugins: Mapping[str, StrategyPlugin | None], order: Sequence[str]) -> dict[str, StrategyPlugin]:
+    """``plugins`` (a None one: not given) completed with `DEFAULTS` for the keys not given, in
+    ``order`` (keys it does not list last, as given)."""
+    given = {key: plugin for key, plugin in plugins.items() if plugin is not None}
+    given = {**{key: make() for key, make in DEFAULTS.items() if key not in given}, **given}
+    rank = {key: i for i, key in enumerate(order)}
+    return dict(sorted(given.items(), key=lambda kv: rank.get(kv[0], len(rank))))
+
+
+def heartbeat_of(heartbeat_s: float, timeout_s: float) -> Heartbeat | None:
+    """The watchdog of ``strategy.heartbeat_s`` (None: 0, off); a stalled rank aborts at ``timeout_s``."""
+    if not heartbeat_s:
+        return None
+    return Heartbeat(stale_s=heartbeat_s, interval_s=min(5.0, heartbeat_s / 4), abort_s=timeout_s)
+
+
+def checkpoint_owner(active: Sequence[StrategyPlugin]) -> tuple[Any, Callable[[str], bool] | None]:
+    """``(io, keys)`` of the active plugins: the plugin that owns checkpoint I/O (`StrategyPlugin.checkpoint_io`;
+    None: `strategies.checkpoint.dcp`), and the filter of the keys saved (every plugin's `saved_keys` at once)."""
+    owners = [io for plugin in active if (io := plugin.checkpoint_io()) is not None]
+    filters = [keep for plugin in active if (keep := plugin.saved_keys()) is not None]
+    keys = None if not filters else filters[0] if len(filters) == 1 else lambda key: all(keep(key) for keep in filters)
+    return (owners[0] if owners else None), keys
+
+
 def split_node(cls: type[MeshStrategy], node: Mapping[str, Any]) -> tuple[ParallelDims, dict[str, Any], dict[str, Any]]:
     """``(degrees, plugins, settings)`` of a ``strategy:`` config node for the class ``cls``: the
     degrees (``dp_replicate`` ... ``pp``), the plugin nodes (a mapping with ``_target_``, built;
@@ -439,7 +491,11 @@ def split_node(cls: type[MeshStrategy], node: Mapping[str, Any]) -> tuple[Parall
         ValueError: a moved key (naming its new key), or a value neither a plugin nor a setting.
     """
     values = {str(k): v for k, v in node.items() if not (str(k).startswith("_") and str(k).endswith("_"))}
-    if moved := [f"strategy.{k} is now strategy.{MOVED_KEYS[k]}; use strategy.{MOVED_KEYS[k]}={values[k]}" for k in MOVED_KEYS if k in values]:
+    if moved := [
+        f"strategy.{k} is now strategy.{MOVED_KEYS[k]}; use strategy.{MOVED_KEYS[k]}={values[k]}"
+        for k in MOVED_KEYS
+        if k in values
+    ]:
         raise ValueError("\n".join(moved))
     degrees = {axis: values.pop(axis) for axis in MESH_AXES if axis in values}
     params = inspect.signature(cls).parameters
@@ -451,7 +507,9 @@ def split_node(cls: type[MeshStrategy], node: Mapping[str, Any]) -> tuple[Parall
         elif value is None and key not in params:
             plugins[key] = None
         elif key in ("dims", "plugins") or key not in params and not takes_any:
-            raise ValueError(f"strategy.{key}={value!r} is neither a plugin node (a mapping with _target_) nor a setting of {cls.__name__}")
+            raise ValueError(
+                f"strategy.{key}={value!r} is neither a plugin node (a mapping with _target_) nor a setting of {cls.__name__}"
+            )
         else:
             continue
         del values[key]
