@@ -88,7 +88,7 @@ class Strategy(Protocol):
 
     def whole_rows(self) -> AbstractContextManager[None]:
         """The context whose forwards see whole rows on this rank (cp > 1: preference pairs are
-        never split); called only when ``dims.cp > 1``."""
+        never split); a no-op without cp. Entered around the forward of ``[B, 2, T]`` pairs."""
         ...
 
     def grad_norm(self, parameters: Sequence[nn.Parameter]) -> torch.Tensor:

@@ -59,7 +59,7 @@ class ExactMatch(protocols.Evaluator):
     def problems(cls, run: ResolvedRun | None, node: Any) -> list[str]:
         """Layouts under which the greedy decoding of the ``data`` node's exact-match sources cannot run.
 
-        `trainer.generate.greedy_batch` feeds whole, growing sequences to the model on every rank:
+        `trainer.sampling.greedy_batch` feeds whole, growing sequences to the model on every rank:
         a pipeline stage holds part of the layers, a context-parallel rank's attention expects its
         shard of a fixed-length sequence, and sequence-parallel TP shards the residual stream of a
         length tp need not divide. Tensor parallelism without it decodes (the logits are gathered).
