@@ -14,6 +14,7 @@ Each count is a function ``<name>(root) -> list[str]`` returning the sites it co
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -66,8 +67,66 @@ def _innermost(func: ast.AST, target: ast.AST) -> bool:
     return False
 
 
+def model_probes(root: Path = ROOT) -> list[str]:
+    """Every ``getattr``/``hasattr`` call whose object is a model or module (a name or attribute
+    ending in ``model``, ``module``, ``stage`` or ``stage_module``) in trainer/ and strategies/.
+
+    Returns:
+        ``path:line: call`` per probe (the protocol's own, in ``model_contract.py``, included).
+    """
+    sites = []
+    for path in python_files(root):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr")
+            ):
+                target = ast.unparse(node.args[0]) if node.args else ""
+                if re.search(r"(^|\.)(model|module|stage|stage_module)$", target):
+                    sites.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)[:80]}")
+    return sites
+
+
+def technique_names_in_semantics(root: Path = ROOT) -> list[str]:
+    """Names of single techniques (LoRA, SAT, exact match, loss chunking) in trainer/semantics.py,
+    whose rules belong to their components.
+
+    Returns:
+        ``path:line: name`` per occurrence.
+    """
+    path = root / "trainer" / "semantics.py"
+    if not path.exists():
+        return []
+    pattern = re.compile(r"\b(lora|LoRA|sat|SAT|exact_match|ExactMatch|loss_chunk_tokens|chunk)\b")
+    return [
+        f"trainer/semantics.py:{i}: {m.group(0)}"
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        for m in pattern.finditer(line)
+    ]
+
+
+def class_path_endswith(root: Path = ROOT) -> list[str]:
+    """``endswith(...)`` checks on class paths (a capitalised name, or on a ``_target_``): a
+    capability matched by name instead of declared.
+
+    Returns:
+        ``path:line: text`` per check.
+    """
+    pattern = re.compile(r"endswith\([\"'][A-Z]\w+[\"']\)|_target_.*endswith\(")
+    return [
+        f"{path.relative_to(root)}:{i}: {line.strip()[:80]}"
+        for path in python_files(root)
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+
+
 COUNTS: dict[str, Callable[[Path], list[str]]] = {
     "imports_in_functions": imports_in_functions,
+    "model_probes": model_probes,
+    "technique_names_in_semantics": technique_names_in_semantics,
+    "class_path_endswith": class_path_endswith,
 }
 
 
