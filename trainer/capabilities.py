@@ -17,9 +17,9 @@ in the export); here they are config problems that name the fix.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
 from strategies.core.model_contract import layout_problems
@@ -29,12 +29,17 @@ from trainer.models.families import EXPORTABLE, exportable
 
 
 def _class(node: Any) -> type | None:
+    """The class a node's ``_target_`` names; None for a factory function (``model=hf``'s
+    ``llama_from_hf``: its model is checked when built) or a target that does not import (reported by
+    the target checks). Imported directly: Hydra's ``get_class`` logs an error for a function."""
     if not isinstance(node, DictConfig) or not isinstance(node.get("_target_"), str):
         return None
+    module, _, name = node._target_.rpartition(".")
     try:
-        return get_class(node._target_)
-    except Exception:  # noqa: BLE001 - an unimportable target is reported by the target checks
+        target = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
         return None
+    return target if isinstance(target, type) else None
 
 
 def export_problem(model_cls: type, where: str) -> str:

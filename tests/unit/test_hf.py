@@ -9,6 +9,7 @@ fields fail in ``validate`` with a message naming the field.
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -220,3 +221,14 @@ def test_a_tied_checkpoint_under_pp_is_refused_with_a_fix_model_hf_takes(tmp_pat
     assert torch.equal(untied.output.weight, untied.tok_embeddings.weight)  # starts as the tied model
     with torch.no_grad():
         assert (untied.eval()(batch()) - hf(batch()).logits).abs().max().item() < TOL
+
+
+def test_a_valid_model_hf_config_logs_no_error(tmp_path, caplog):
+    """validate of a model=hf config says nothing at ERROR level (Hydra's get_class logged one for the
+    factory function llama_from_hf, which a user took for a failure)."""
+    from trainer.config import validate
+
+    cfg = _config(tmp_path)
+    with caplog.at_level(logging.ERROR):
+        validate(cfg)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
