@@ -24,9 +24,12 @@ LossFn = Callable[[nn.Module, Batch], torch.Tensor]
 
 # What one row of a data module's batches is (`DataModule.row_kind_of`) and what an objective trains
 # on (`Objective.row_kind`): "tokens" (packed token rows: text, chat), "pairs" (preference pairs,
-# ``[P, 2, T]``) or "unpaired" (labelled completions with a mismatched row each, laid out as pairs).
-RowKind = Literal["tokens", "pairs", "unpaired"]
-ROW_NOUNS: dict[str, str] = {"tokens": "token rows", "pairs": "preference pairs", "unpaired": "unpaired rows"}
+# ``[P, 2, T]``), "unpaired" (labelled completions with a mismatched row each, laid out as pairs) or
+# "prompts" (prompt indices whose rows an online objective samples from the policy: `Objective.step_rows`).
+RowKind = Literal["tokens", "pairs", "unpaired", "prompts"]
+ROW_NOUNS: dict[str, str] = {
+    "tokens": "token rows", "pairs": "preference pairs", "unpaired": "unpaired rows", "prompts": "prompts"
+}  # fmt: skip
 
 
 class Component(Protocol):
@@ -110,8 +113,9 @@ class Objective(Component, Protocol):
     """A training objective (`trainer.objectives`): the Task divides `loss_sum` by the step's
     global `num_tokens`, so micro-batches and ranks add up to one big batch.
 
-    It holds no state across steps (a preference objective's reference log-probs live in the data
-    module, whose ``state_dict`` the checkpoint keeps): nothing of it is checkpointed.
+    It holds no state a checkpoint needs (a preference objective's reference log-probs live in the
+    data module, whose ``state_dict`` the checkpoint keeps). An online objective keeps its rollout's
+    rows for the steps that reuse them (`step_rows`); they are sampled again on resume.
     """
 
     # What `num_tokens` counts: "tokens" (the loss is a mean negative log-likelihood per token, so
@@ -135,6 +139,13 @@ class Objective(Component, Protocol):
             f"objective {cls.__name__} trains on {need}, but the data module gives {given}; use a data group of "
             f"{need} (`plait <recipe> --help` lists each group's choices)"
         ]
+
+    def step_rows(self, task: L.LightningModule, batch: Batch) -> Batch:
+        """The rows this rank trains on this step, made from the loader's ``batch`` (on the device):
+        the batch itself for an objective of a fixed dataset; an online objective (GRPO,
+        `trainer.objectives.grpo`) samples them from the policy here, after the previous step's
+        update (the loader runs a batch ahead, so it cannot)."""
+        return batch
 
     def num_tokens(self, batch: Batch) -> torch.Tensor:
         """The units ``batch``'s loss is averaged over (supervised tokens, pairs); 0-dim fp32."""

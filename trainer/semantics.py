@@ -232,6 +232,8 @@ def resolve(cfg: DictConfig, problems: list[str], broken: frozenset[str] = froze
         compile=bool(strategy.plugins["compile"].enabled),
         sequence_parallel=dims.tp > 1 and bool(strategy.plugins["tensor_parallel"].sequence_parallel),
         cp_placement=str(strategy.plugins["context_parallel"].placement),
+        adapters=strategy.plugins.get("lora") is not None,
+        islands=strategy.islands,
     )
     problems.extend(strategy.problems(run, run.shape))
     problems.extend(contract_problems(cfg, run, built))  # what the layout reads off the model (never skipped)

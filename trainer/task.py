@@ -212,6 +212,7 @@ class Task(L.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         strategy = self.trainer.strategy
         optimizer = self.optimizers()
+        batch = self.objective.step_rows(self, batch)  # an online objective samples its rows here
         step_tokens = batch["input_ids"].numel() * strategy.dims.dp  # before a cp rank keeps its slice
         micro_batches = strategy.micro_batches(batch, self.micro_batch_size)  # e.g. each cp rank's slices
         if isinstance(self.model, RoutedModel):
@@ -424,8 +425,11 @@ class Task(L.LightningModule):
                 extra.update(evaluator.evaluate(self.model, self.device))
         strategy.all_reduce_sum(totals, "dp_cp")
         self.model.train(was_training)
-        if totals[1].item() == 0:
-            return None  # no validation data (data.val_fraction=0): no figure, rather than 0.0
+        if totals[1].item() == 0:  # no validation rows (data.val_fraction=0): no loss figure, rather than 0.0
+            if extra:  # the evaluators' scores still count (held-out rewards of prompts without answers)
+                self.record(extra)
+                self.history.append({"step": self.global_step, "val_loss": None, "metrics": extra})
+            return None
         val_loss = (totals[0] / totals[1]).item()
         self.record(val_metrics(self.objective, val_loss, extra))
         entry = {"step": self.global_step, "val_loss": val_loss}

@@ -60,6 +60,9 @@ class ResolvedRun:
             (strategy.tensor_parallel.sequence_parallel under tp > 1).
         cp_placement: where cp ranks place rows (strategy.context_parallel.placement: "split"
             or "hybrid"; used when cp > 1).
+        adapters: whether the strategy trains LoRA adapters on a frozen base (strategy.lora): the
+            base alone, adapters off, is the initial policy.
+        islands: whether dp replicas train apart and synchronise now and then (local SGD).
     """
 
     world_size: int
@@ -81,3 +84,5 @@ class ResolvedRun:
     compile: bool = False
     sequence_parallel: bool = False
     cp_placement: str = "split"
+    adapters: bool = False
+    islands: bool = False

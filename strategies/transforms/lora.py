@@ -25,7 +25,8 @@ from __future__ import annotations
 import importlib.util
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -185,6 +186,28 @@ def is_adapted(layer: nn.Module) -> bool:
 def adapted_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     """The layers of ``model`` that carry adapters (`apply_lora`), with their FQNs."""
     return [(name, m) for name, m in model.named_modules() if is_adapted(m)]
+
+
+@contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """Runs ``model`` as its frozen base: every adapter's scaling is 0 inside (its output adds an
+    exact 0), restored on exit. The reference model of an objective that needs one (GRPO's KL
+    term) without a second copy of the weights, as TRL does with PEFT's ``disable_adapter``.
+
+    Raises:
+        ValueError: ``model`` carries no adapters.
+    """
+    layers = [layer for _, layer in adapted_layers(model)]
+    if not layers:
+        raise ValueError("the model carries no LoRA adapters, so it has no frozen base to switch to")
+    scalings = [layer.lora_scaling for layer in layers]
+    for layer in layers:
+        layer.lora_scaling = 0.0
+    try:
+        yield
+    finally:
+        for layer, scaling in zip(layers, scalings):
+            layer.lora_scaling = scaling
 
 
 # ---------------------------------------------------------------------------------------------- weight reads

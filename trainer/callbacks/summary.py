@@ -54,7 +54,7 @@ def headline(
     their ratio, so start-up, compilation and the first step's warm-up do not count (a 2-step run
     read 114 tokens/s against 2059 for the same job warm). A run of one step per process has no
     warm part and falls back to ``tokens_seen / wall_time_s``."""
-    val = [h["val_loss"] for h in history if "val_loss" in h]
+    val = [h["val_loss"] for h in history if h.get("val_loss") is not None]
     train = [h["loss"] for h in history if "loss" in h]
     comm = [h["comm/bytes_sent_total"] for h in history if "comm/bytes_sent_total" in h]
     extra = {"comm_bytes_sent_per_rank": comm[-1], "comm_bytes_sent_per_step": comm[-1] / steps} if comm else {}

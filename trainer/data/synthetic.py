@@ -10,7 +10,9 @@ whose optima differ):
   pairs, trainer.data.preference_sources);
 - ``reversal``: reverse 3-5 letters of a-j (easy);
 - ``sorting``: sort 4-6 digits (medium);
-- ``addition``: add two 1-2 digit numbers (hard for a tiny model: carries).
+- ``addition``: add two 1-2 digit numbers (hard for a tiny model: carries);
+- ``countdown``: reach a target from three numbers with + - * (`trainer.data.countdown`; its
+  answer is one solution of several: scored by the verifier in online RL, `trainer.rl.rewards`).
 
 Train, validation and test examples never overlap: each split draws from its own generator and
 an example whose prompt appeared in an earlier split is drawn again.
@@ -22,6 +24,7 @@ import random
 from collections.abc import Callable
 from typing import TypeVar
 
+from trainer.data import countdown
 from trainer.data.cache import digest
 from trainer.data.chat import Message
 
@@ -54,11 +57,24 @@ def addition(rng: random.Random) -> Example:
     return f"add: {_spaced(str(a))} + {_spaced(str(b))}", _spaced(str(a + b))
 
 
+def countdown_problem(rng: random.Random) -> tuple[str, str, list[int], int]:
+    """A Countdown problem: (prompt, one solution, numbers, target)."""
+    made = countdown.make(rng)
+    numbers = " ".join(map(str, made["numbers"]))
+    return f"countdown: {numbers} -> {made['target']}", made["solution"], made["numbers"], made["target"]
+
+
+def countdown_example(rng: random.Random) -> Example:
+    prompt, answer, _, _ = countdown_problem(rng)
+    return prompt, answer
+
+
 TASKS: dict[str, Callable[[random.Random], Example]] = {
     "copy": copy,
     "reversal": reversal,
     "sorting": sorting,
     "addition": addition,
+    "countdown": countdown_example,
 }
 SPLITS = ("train", "val", "test")
 

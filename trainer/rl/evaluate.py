@@ -1,0 +1,88 @@
+"""`RewardEvaluator`: held-out prompts answered greedily and scored by the run's rewards.
+
+At each evaluation the model continues every held-out prompt greedily (temperature 0, the KV-cache
+sampler `trainer.sampling.sample_batch`, at most ``max_new_tokens``) and the run's reward
+functions score the completions: ``val/reward`` (the weighted sum, mean over prompts) and
+``val/reward/<name>`` per function. With the exact-answer reward, ``val/reward/<name>`` is the
+held-out exact-match accuracy. Every rank decodes every prompt (identical results; FSDP needs
+every rank in each forward), as `trainer.evaluators.exact_match` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainer import protocols
+from trainer.data.tokenizer import Tokenizer
+from trainer.rl.rewards import Reward, score, total
+from trainer.sampling import sample_batch
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    """One prompt: its source, its text as the chat template rendered it, its token ids and the
+    fields its rewards read (``answer``, ``numbers``, ...)."""
+
+    source: str
+    text: str
+    ids: list[int]
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+def fields_of(items: Sequence[PromptItem], repeat: int = 1) -> dict[str, list[Any]]:
+    """Each field's values, one per completion (every item ``repeat`` times in a row); a field some
+    items lack is None for them."""
+    names = sorted({name for item in items for name in item.fields})
+    return {name: [item.fields.get(name) for item in items for _ in range(repeat)] for name in names}
+
+
+def completion_text(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
+    """A completion's text: its ids without a trailing EOS, decoded."""
+    ids = list(ids)
+    return tokenizer.decode(ids[:-1] if ids and ids[-1] == tokenizer.eos_id else ids)
+
+
+class RewardEvaluator(protocols.Evaluator):
+    """Greedy completions of held-out prompts, scored by the rewards (see module docstring).
+
+    Args:
+        items: the held-out prompts.
+        rewards: the run's reward functions.
+        tokenizer: decodes the completions.
+        max_new_tokens: tokens per completion at most.
+    """
+
+    def __init__(
+        self, items: Sequence[PromptItem], rewards: Sequence[Reward], tokenizer: Tokenizer, *, max_new_tokens: int
+    ) -> None:
+        self.items, self.rewards, self.tokenizer, self.max_new_tokens = list(items), list(rewards), tokenizer, max_new_tokens
+
+    @property
+    def headline_metrics(self) -> list[str]:
+        return ["val/reward", *(f"val/reward/{r.name}" for r in self.rewards)]
+
+    def completions(self, model: nn.Module, device: torch.device) -> list[str]:
+        """The greedy completion of every held-out prompt, decoded."""
+        new = sample_batch(
+            model,
+            [item.ids for item in self.items],
+            max_new_tokens=self.max_new_tokens,
+            eos_id=self.tokenizer.eos_id,
+            temperature=0.0,
+            device=device,
+        )
+        return [completion_text(self.tokenizer, ids) for ids in new]
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, device: torch.device) -> dict[str, float]:
+        texts = self.completions(model, device)
+        values = score(self.rewards, [item.text for item in self.items], texts, fields_of(self.items))
+        n = len(texts)
+        out = {"val/reward": sum(total(self.rewards, values)) / n}
+        out.update({f"val/reward/{name}": sum(v) / n for name, v in values.items()})
+        return out

@@ -1,0 +1,70 @@
+"""The rows a rollout trains on, and the pieces of a rollout that are not the sampler.
+
+A rollout row is ``prompt + completion + padding`` (``width`` tokens, right padding): the forward
+is plain causal attention from position 0, so the padding after a row's last token changes
+nothing before it, and every row computes what it computes alone. ``labels[t]`` is the completion
+token at t + 1 (its EOS included), -100 elsewhere (pre-shifted, as every plait label is): the
+policy loss covers exactly the completion's tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from trainer.data.cache import digest
+from trainer.data.packing import IGNORE_INDEX
+from trainer.data.tokenizer import Tokenizer
+
+
+def completion_seed(seed: int, rollout: int, prompt_index: int, sample: int) -> int:
+    """The sampling seed of completion ``sample`` of prompt ``prompt_index`` in rollout ``rollout``
+    (a 63-bit int from sha256): the same wherever the prompt is sampled (any rank, any batch)."""
+    return int.from_bytes(digest("rollout", seed, rollout, prompt_index, sample)[:8], "big") >> 1
+
+
+def cut_at_stop(ids: Sequence[int], tokenizer: Tokenizer, stop: Sequence[str]) -> list[int]:
+    """``ids`` up to and including the first token whose text completes a stop string (the shortest
+    prefix whose decoded text contains one); ``ids`` unchanged without one."""
+    ids = list(ids)
+    if not stop or not any(s in tokenizer.decode(ids) for s in stop):
+        return ids
+    for end in range(1, len(ids) + 1):
+        if any(s in tokenizer.decode(ids[:end]) for s in stop):
+            return ids[:end]
+    return ids
+
+
+def rollout_rows(
+    prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], *, width: int, pad_id: int
+) -> dict[str, torch.Tensor]:
+    """``{"input_ids", "labels"}`` ``[R, width]`` of the rollout rows (module docstring).
+
+    Raises:
+        ValueError: a prompt + completion longer than ``width``.
+    """
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(prompts), width), IGNORE_INDEX, dtype=torch.long)
+    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+        ids = list(prompt) + list(completion)
+        if len(ids) > width:
+            raise ValueError(f"a prompt of {len(prompt)} + completion of {len(completion)} tokens exceeds {width}")
+        input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        if completion:
+            labels[row, len(prompt) - 1 : len(ids) - 1] = torch.tensor(list(completion), dtype=torch.long)
+    return {"input_ids": input_ids, "labels": labels}
+
+
+def token_logps(logits_btv: torch.Tensor, labels_bt: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` fp32 log-probability of each label under the logits (0 where the label is -100)."""
+    logps = torch.log_softmax(logits_btv.float(), dim=-1)
+    picked = logps.gather(-1, labels_bt.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(labels_bt != IGNORE_INDEX, picked, torch.zeros_like(picked))
+
+
+def token_entropy(logits_btv: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` fp32 entropy (nats) of each position's next-token distribution (no gradient)."""
+    with torch.no_grad():
+        logps = torch.log_softmax(logits_btv.float(), dim=-1)
+        return -(logps.exp() * logps).sum(-1)
