@@ -172,8 +172,8 @@ def policy_loss(
 
     Raises:
         ValueError: every invalid argument at once (unknown names, negative epsilons or beta,
-            ``beta > 0`` without ``ref_logps``, ``dr_grpo`` without ``max_completion_length``,
-            mismatched shapes, a non-bool mask).
+            ``beta > 0`` without ``ref_logps``, ``dr_grpo`` without ``max_completion_length`` or
+            with one below the width ``T``, mismatched shapes, a non-bool mask).
     """
     others = {"old_logps": old_logps, "ref_logps": ref_logps}
     _check(
@@ -209,6 +209,7 @@ def policy_loss(
         kl = torch.exp(ref_minus) - ref_minus - 1
         if beta > 0:
             per_token = per_token + beta * kl
+    # Masked-out positions hold -A (ratio 1) and, under "sequence", the row's term broadcast: drop them.
     per_token = torch.where(mask, per_token, zero)
 
     if aggregation == "grpo":
