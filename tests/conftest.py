@@ -20,8 +20,9 @@ def plait_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 # What CI installs and some tests would otherwise skip without (the Hugging Face reference,
-# the wandb logger): under CI=true a missing or broken one fails the run instead.
-REQUIRED_UNDER_CI = ("transformers", "wandb")
+# the wandb logger), and trl (tests/unit/test_grpo_loss.py's reference, imported there at module
+# level): under CI=true a missing or broken one fails the run instead.
+REQUIRED_UNDER_CI = ("transformers", "wandb", "trl")
 
 
 def missing_required(modules: tuple[str, ...] = REQUIRED_UNDER_CI) -> list[str]:

@@ -1,0 +1,416 @@
+"""GRPO-family advantages and the clipped policy-ratio loss (`trainer.rl.advantages`,
+`trainer.rl.policy_loss`) against two references, within 1e-6:
+
+- an independent one written here: per-group loops for the advantages (``statistics.stdev``,
+  Bessel-corrected, as TRL's ``nanstd``), per-token loops for the loss with the clip written
+  piecewise (``A >= 0: -A min(w, 1 + eps_high)``, ``A < 0: -A max(w, 1 - eps)``) instead of PPO's
+  ``-min(wA, clip(w)A)``, and the three aggregations written as TRL's documentation states them;
+- TRL's own code: ``GRPOTrainer._compute_loss`` driven on given log-probs (no model, no
+  generation), ``trl.trainer.utils.nanstd`` in TRL's advantage lines, and RLOOTrainer's baseline.
+
+TRL is a declared dev dependency (pyproject.toml) and required under CI (tests/conftest.py): it is
+imported at module level, so without it this file fails to collect rather than skipping.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+from trl.trainer.grpo_trainer import GRPOTrainer
+from trl.trainer.utils import nanstd
+
+from trainer.rl.advantages import group_advantages, group_stats
+from trainer.rl.policy_loss import AGGREGATIONS, count_units, policy_loss
+
+# ---------------------------------------------------------------------------------------------
+# Advantages
+
+
+def _rewards(groups: int = 5, size: int = 4, seed: int = 0) -> torch.Tensor:
+    """Rewards with a group of equal rewards (zero std), a binary group and continuous groups."""
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.randn(groups * size, generator=g)
+    rewards[:size] = 1.0  # every completion right: zero std
+    rewards[size : 2 * size] = torch.tensor([1.0, 0.0, 0.0, 1.0])[:size]
+    return rewards
+
+
+def reference_advantages(rewards: list[float], size: int, scale: str, baseline: str) -> list[float]:
+    """Per-group loops: the mean or leave-one-out baseline, divided by (stdev + 1e-4) for "group"."""
+    out = []
+    for start in range(0, len(rewards), size):
+        group = rewards[start : start + size]
+        std = statistics.stdev(group)  # Bessel-corrected: TRL's nanstd
+        for i, r in enumerate(group):
+            others = group[:i] + group[i + 1 :]
+            base = sum(others) / len(others) if baseline == "leave_one_out" else sum(group) / len(group)
+            out.append((r - base) / (std + 1e-4) if scale == "group" else r - base)
+    return out
+
+
+@pytest.mark.parametrize("baseline", ["mean", "leave_one_out"])
+@pytest.mark.parametrize("scale", ["group", "none"])
+def test_group_advantages_equal_per_group_loops(scale, baseline):
+    """GRPO (group, mean), Dr. GRPO (none, mean), RLOO (none, leave_one_out) and RLOO scaled.
+    Mutation: the std without Bessel's correction (``n`` in place of ``n - 1``) fails "group"."""
+    rewards = _rewards()
+    got = group_advantages(rewards, 4, scale=scale, baseline=baseline)
+    want = torch.tensor(reference_advantages(rewards.tolist(), 4, scale, baseline))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert got[:4].abs().max() == 0  # the zero-std group carries no signal in every variant
+
+
+def test_group_advantages_equal_trl_formulas():
+    """TRL's lines: GRPOTrainer (sum_then_normalize, scale_rewards group / none) and RLOOTrainer's
+    leave-one-out baseline (normalize_advantages=False), with TRL's own ``nanstd``.
+    Mutation: leave-one-out dividing by ``G`` instead of ``G - 1`` fails the RLOO comparison."""
+    size = 4
+    rewards = _rewards(groups=6, size=size, seed=3)
+    grouped = rewards.view(-1, size)
+    mean = torch.nanmean(grouped, dim=1).repeat_interleave(size, dim=0)
+    std = nanstd(grouped, dim=1).repeat_interleave(size, dim=0)
+    trl_grpo = (rewards - mean) / (std + 1e-4)
+    trl_dr_grpo = rewards - mean
+    counts = (~torch.isnan(grouped)).sum(dim=1, keepdim=True)
+    trl_rloo = rewards - ((torch.nansum(grouped, dim=1, keepdim=True) - grouped) / (counts - 1)).view(-1)
+
+    torch.testing.assert_close(group_advantages(rewards, size), trl_grpo, rtol=0, atol=1e-6)
+    torch.testing.assert_close(group_advantages(rewards, size, scale="none"), trl_dr_grpo, rtol=0, atol=1e-6)
+    got_rloo = group_advantages(rewards, size, scale="none", baseline="leave_one_out")
+    torch.testing.assert_close(got_rloo, trl_rloo, rtol=0, atol=1e-6)
+    is_std_zero = torch.isclose(std, torch.zeros_like(std))  # TRL's frac_reward_zero_std, per row
+    stats = group_stats(rewards, size)
+    assert stats["num_zero_std_groups"].item() == is_std_zero.sum().item() / size == 1
+
+
+def test_group_stats_sums():
+    """Mutation: counting zero-std groups per row (``N`` units) instead of per group fails it."""
+    rewards = _rewards(groups=5, size=4)
+    rewards[16:] = 0.5  # a second all-equal group
+    stats = group_stats(rewards, 4)
+    assert {k: v.item() for k, v in stats.items() if k.startswith("num_")} == {
+        "num_rows": 20.0,
+        "num_groups": 5.0,
+        "num_zero_std_groups": 2.0,
+    }
+    assert stats["reward_sum"].item() == pytest.approx(rewards.sum().item(), abs=1e-6)
+    assert stats["reward_sq_sum"].item() == pytest.approx((rewards**2).sum().item(), abs=1e-5)
+
+
+def test_group_advantages_refuse_bad_layouts():
+    """Mutation: dropping the divisibility check lets ``view`` raise a RuntimeError instead."""
+    with pytest.raises(ValueError, match="10 rewards are not a whole number of groups of group_size=4"):
+        group_advantages(torch.zeros(10), 4)
+    with pytest.raises(ValueError, match="leave_one_out' needs group_size >= 2"):
+        group_advantages(torch.zeros(6), 1, baseline="leave_one_out")
+    with pytest.raises(ValueError, match="scale='batch'"):
+        group_advantages(torch.zeros(8), 4, scale="batch")
+    with pytest.raises(ValueError, match="must be 1-D"):
+        group_advantages(torch.zeros(2, 4), 4)
+    # G = 1: TRL's std is 0 (eval with num_generations_eval=1), the advantage 0, never NaN.
+    assert group_advantages(torch.arange(3.0), 1).tolist() == [0.0, 0.0, 0.0]
+
+
+# ---------------------------------------------------------------------------------------------
+# The policy loss
+
+ROW_LENGTHS = (7, 3, 5, 1, 6, 0, 4, 2)  # row 5 has no completion tokens
+# logps - old_logps per row (+-0.1 noise per token), with advantages whose signs put rows 0 and 7
+# above 1 + eps_high with A > 0 (high clip), rows 1 and 6 below 1 - eps with A < 0 (low clip),
+# and rows 2 and 3 outside the range on the side where the clip does not bind.
+ROW_SHIFTS = (0.4, -0.4, 0.35, -0.3, 0.0, 0.1, -0.35, 0.38)
+ADVANTAGES = (1.2, -0.7, -1.1, 0.9, 0.0, 0.5, -0.6, 1.3)
+MAX_COMPLETION_LENGTH = 9
+
+
+def _batch(seed: int = 0, garbage: str = "nonfinite"):
+    """logps, old_logps, ref_logps ``[8, 7]``, advantages ``[8]``, mask with a gap in row 0.
+
+    ``garbage``: what fills the positions outside the mask ("nonfinite": -inf, NaN and +inf;
+    "finite": large finite values, for TRL, which multiplies by the mask).
+    """
+    g = torch.Generator().manual_seed(seed)
+    rows, width = len(ROW_LENGTHS), max(ROW_LENGTHS)
+    mask = torch.arange(width).unsqueeze(0) < torch.tensor(ROW_LENGTHS).unsqueeze(1)
+    mask[0, 2] = False  # a masked token inside a completion (a tool's output)
+    logps = -torch.rand(rows, width, generator=g) * 3 - 0.05
+    noise = (torch.rand(rows, width, generator=g) - 0.5) * 0.2
+    old = logps - torch.tensor(ROW_SHIFTS).unsqueeze(1) - noise
+    ref = logps + (torch.rand(rows, width, generator=g) - 0.5)
+    if garbage == "nonfinite":
+        logps, old, ref = (
+            logps.masked_fill(~mask, -math.inf),
+            old.masked_fill(~mask, math.nan),
+            ref.masked_fill(~mask, math.inf),
+        )
+    else:
+        logps, old, ref = logps.masked_fill(~mask, -40.0), old.masked_fill(~mask, 3.0), ref.masked_fill(~mask, -7.0)
+    return logps, old, ref, torch.tensor(ADVANTAGES), mask
+
+
+def reference_loss(logps, old, ref, adv, mask, *, eps, eps_high, importance, beta, aggregation, max_len):
+    """The loss written token by token in float64; returns (loss, low-clipped count, high-clipped count).
+
+    ``logps`` is a float64 leaf; only masked-in positions are ever read."""
+    eps_high = eps if eps_high is None else eps_high
+    rows, width = mask.shape
+    row_losses, low, high = [], 0, 0
+    for i in range(rows):
+        tokens = [t for t in range(width) if mask[i, t]]
+        seq_log_ratio = sum((logps[i, t] - old[i, t] for t in tokens), torch.zeros((), dtype=torch.float64))
+        seq_log_ratio = seq_log_ratio / max(len(tokens), 1)
+        terms = []
+        for t in tokens:
+            w = torch.exp(seq_log_ratio if importance == "sequence" else logps[i, t] - old[i, t])
+            a = adv[i].item()
+            if a >= 0:
+                term = -a * (w if w.item() <= 1 + eps_high else torch.tensor(1 + eps_high, dtype=torch.float64))
+                high += a > 0 and w.item() > 1 + eps_high
+            else:
+                term = -a * (w if w.item() >= 1 - eps else torch.tensor(1 - eps, dtype=torch.float64))
+                low += w.item() < 1 - eps
+            if beta:
+                d = ref[i, t] - logps[i, t]
+                term = term + beta * (torch.exp(d) - d - 1)
+            terms.append(term)
+        row_losses.append(terms)
+    token_sum = sum((sum(terms) for terms in row_losses if terms), torch.zeros((), dtype=torch.float64))
+    if aggregation == "grpo":  # mean over each row's tokens, then over rows (empty rows count, as 0)
+        loss = sum((sum(terms) / len(terms) for terms in row_losses if terms), torch.zeros((), dtype=torch.float64))
+        loss = loss / rows
+    elif aggregation == "dr_grpo":  # every row as if max_len long
+        loss = token_sum / (rows * max_len)
+    else:  # dapo: mean over all completion tokens
+        loss = token_sum / sum(len(terms) for terms in row_losses)
+    return loss, low, high
+
+
+@pytest.mark.parametrize("eps_high", [None, 0.28])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("importance", ["token", "sequence"])
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_policy_loss_and_gradient_equal_reference(aggregation, importance, beta, eps_high):
+    """Mutations: clipping the high side at ``1 + epsilon`` instead of ``1 + epsilon_high`` fails
+    eps_high=0.28; the per-token mean in place of the per-row mean fails grpo; the token log ratios
+    summed instead of averaged fails sequence; multiplying by the mask lets NaN through."""
+    logps, old, ref, adv, mask = _batch()
+    leaf = logps.clone().requires_grad_(True)
+    got = policy_loss(
+        leaf,
+        old,
+        adv,
+        mask,
+        epsilon=0.2,
+        epsilon_high=eps_high,
+        importance=importance,
+        beta=beta,
+        ref_logps=ref,
+        aggregation=aggregation,
+        max_completion_length=MAX_COMPLETION_LENGTH,
+    )
+    loss = got.loss_sum / count_units(mask, aggregation)
+    loss.backward()
+
+    ref_leaf = logps.double().requires_grad_(True)
+    want, low, high = reference_loss(
+        ref_leaf,
+        old.double(),
+        ref.double(),
+        adv.double(),
+        mask,
+        eps=0.2,
+        eps_high=eps_high,
+        importance=importance,
+        beta=beta,
+        aggregation=aggregation,
+        max_len=MAX_COMPLETION_LENGTH,
+    )
+    want.backward()
+    assert low > 0 and high > 0  # both sides of the clip bind somewhere
+    torch.testing.assert_close(loss.double(), want.detach(), rtol=0, atol=1e-6)
+    want_grad = torch.where(mask, ref_leaf.grad, 0.0).float()  # the reference never reads masked-out positions
+    torch.testing.assert_close(leaf.grad, want_grad, rtol=0, atol=1e-6)
+    tokens = mask.sum().item()
+    assert got.sums["clip_ratio/low"][0].item() == low and got.sums["clip_ratio/high"][0].item() == high
+    assert got.sums["clip_ratio/region"][0].item() == low + high
+    assert {count.item() for _, count in got.sums.values()} == {tokens}
+
+
+def _trl_loss(logps, old, ref, adv, mask, *, loss_type, importance, beta, eps_high):
+    """TRL 1.16's ``GRPOTrainer._compute_loss`` on these log-probs, one process, no accumulation.
+
+    Returns (loss, the trainer's _metrics["train"])."""
+    trainer = GRPOTrainer.__new__(GRPOTrainer)  # no __init__: no model, tokenizer or datasets
+    rows, width = logps.shape
+    trainer.loss_type = loss_type
+    trainer.importance_sampling_level = importance
+    trainer.epsilon_low, trainer.epsilon_high = 0.2, eps_high
+    trainer.beta = beta
+    trainer.args = SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1)
+    trainer.off_policy_mask_threshold = None
+    trainer.top_entropy_quantile = 1.0
+    trainer.use_vllm = False
+    trainer._entropy_bonus_enabled = False
+    trainer.aux_loss_enabled = False
+    trainer.model = SimpleNamespace(training=True)
+    trainer.accelerator = SimpleNamespace(
+        num_processes=1, gather=lambda x: x, gather_for_metrics=lambda x: x, reduce=lambda x, reduction: x
+    )
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.max_completion_length = MAX_COMPLETION_LENGTH
+    trainer._metrics = defaultdict(lambda: defaultdict(list))
+    entropies = torch.rand(rows, width)
+    trainer._get_per_token_logps_and_entropies = lambda *args, **kwargs: (logps, entropies, None)
+    inputs = {
+        "prompt_ids": torch.zeros(rows, 3, dtype=torch.long),
+        "prompt_mask": torch.ones(rows, 3, dtype=torch.long),
+        "completion_ids": torch.zeros(rows, width, dtype=torch.long),
+        "completion_mask": mask.long(),
+        "advantages": adv,
+        "old_per_token_logps": old,
+        "ref_per_token_logps": ref,
+        # TRL: the generation batch's completion tokens over all processes (gather(loss_mask.sum()).sum())
+        "num_items_in_batch": mask.sum(),
+    }
+    return trainer._compute_loss(None, inputs), trainer._metrics["train"]
+
+
+@pytest.mark.parametrize("eps_high", [0.2, 0.28])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("importance", ["token", "sequence"])
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_policy_loss_equals_trl_compute_loss(aggregation, importance, beta, eps_high):
+    """TRL only warns about sequence importance with dr_grpo and dapo (in __init__), so every
+    combination runs. Mutations: ``count_units`` for dapo returning rows fails dapo; dr_grpo's
+    ``loss_sum`` divided by the completions' width ``T`` instead of ``max_completion_length``
+    fails dr_grpo; the k3 estimator written as ``exp(logp - ref) - (logp - ref) - 1`` fails beta>0."""
+    logps, old, ref, adv, mask = _batch(seed=1, garbage="finite")
+    trl_leaf = logps.clone().requires_grad_(True)
+    want, metrics = _trl_loss(
+        trl_leaf, old, ref, adv, mask, loss_type=aggregation, importance=importance, beta=beta, eps_high=eps_high
+    )
+    want.backward()
+    leaf = logps.clone().requires_grad_(True)
+    got = policy_loss(
+        leaf,
+        old,
+        adv,
+        mask,
+        epsilon=0.2,
+        epsilon_high=eps_high,
+        importance=importance,
+        beta=beta,
+        ref_logps=ref if beta else None,
+        aggregation=aggregation,
+        max_completion_length=MAX_COMPLETION_LENGTH,
+    )
+    loss = got.loss_sum / count_units(mask, aggregation)
+    loss.backward()
+    torch.testing.assert_close(loss, want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(leaf.grad, trl_leaf.grad, rtol=0, atol=1e-6)
+    assert ("kl" in got.sums) == (beta > 0)
+    if beta:
+        kl_sum, kl_count = got.sums["kl"]
+        assert (kl_sum / kl_count).item() == pytest.approx(metrics["kl"][0], abs=1e-6)
+    if importance == "token":  # under "sequence" TRL counts the clip flags once per row, plait per token
+        for name in ("low", "high", "region"):
+            total, count = got.sums[f"clip_ratio/{name}"]
+            assert (total / count).item() == pytest.approx(metrics[f"clip_ratio/{name}_mean"][0], abs=1e-6)
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_masked_positions_change_nothing(aggregation):
+    """inf and NaN outside the mask: the same loss and gradient as finite values there, gradient
+    exactly 0 there, and 0 everywhere for the row without tokens. Mutation: masking the log ratio
+    (or the k3 term) by multiplying with the mask turns 0 * inf into NaN and fails it."""
+    results = []
+    for garbage in ("nonfinite", "finite"):
+        logps, old, ref, adv, mask = _batch(seed=2, garbage=garbage)
+        leaf = logps.clone().requires_grad_(True)
+        for importance in ("token", "sequence"):
+            out = policy_loss(
+                leaf,
+                old,
+                adv,
+                mask,
+                importance=importance,
+                beta=0.04,
+                ref_logps=ref,
+                aggregation=aggregation,
+                max_completion_length=MAX_COMPLETION_LENGTH,
+            )
+            out.loss_sum.backward()
+            results.append((out.loss_sum.detach(), {k: torch.stack(v) for k, v in out.sums.items()}))
+        assert torch.isfinite(leaf.grad).all()
+        assert leaf.grad[~mask].abs().max() == 0 and leaf.grad[5].abs().max() == 0
+        results.append(leaf.grad)
+    half = len(results) // 2
+    for nonfinite, finite in zip(results[:half], results[half:]):
+        torch.testing.assert_close(nonfinite, finite, rtol=0, atol=0)
+
+
+def test_on_policy_ratio_is_one():
+    """``old_logps=None``: ratio exactly 1, nothing clipped, and the grpo gradient of each token is
+    ``-A / (tokens of its row * rows)`` (the policy gradient). Mutation: ``old = logps`` without
+    ``detach`` makes the ratio's gradient 0 and fails it."""
+    logps, _, _, adv, mask = _batch(seed=3, garbage="finite")
+    leaf = logps.clone().requires_grad_(True)
+    out = policy_loss(leaf, None, adv, mask, epsilon=0.0)
+    (out.loss_sum / count_units(mask, "grpo")).backward()
+    tokens = mask.sum().float()
+    assert out.sums["ratio"][0].item() == tokens.item() and out.sums["clip_ratio/region"][0].item() == 0
+    per_row = mask.sum(-1).clamp(min=1).float()
+    want = torch.where(mask, (-adv / per_row / mask.shape[0]).unsqueeze(-1).expand_as(mask), 0.0)
+    torch.testing.assert_close(leaf.grad, want, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_micro_batches_add_up_to_the_batch(aggregation):
+    """The Task's contract: summed ``loss_sum`` over micro-batches divided by summed ``count_units``
+    is the loss of the whole batch. Mutation: dapo's ``loss_sum`` as the token mean (dividing by
+    the micro-batch's own tokens) fails it, since the halves hold different numbers of tokens."""
+    logps, old, ref, adv, mask = _batch(seed=4, garbage="finite")
+    kwargs = {"beta": 0.04, "epsilon_high": 0.28, "aggregation": aggregation}
+    kwargs["max_completion_length"] = MAX_COMPLETION_LENGTH
+    whole = policy_loss(logps, old, adv, mask, ref_logps=ref, **kwargs)
+    parts = [
+        policy_loss(logps[s], old[s], adv[s], mask[s], ref_logps=ref[s], **kwargs) for s in (slice(0, 3), slice(3, 8))
+    ]
+    units = [count_units(mask[s], aggregation) for s in (slice(0, 3), slice(3, 8))]
+    split = sum(p.loss_sum for p in parts) / sum(units)
+    torch.testing.assert_close(split, whole.loss_sum / count_units(mask, aggregation), rtol=0, atol=1e-6)
+
+
+def test_count_units():
+    mask = torch.tensor([[True, True, False], [False, False, False], [True, False, False]])
+    assert [count_units(mask, a).item() for a in AGGREGATIONS] == [3.0, 3.0, 3.0]
+    mask[0, 2] = True
+    assert [count_units(mask, a).item() for a in AGGREGATIONS] == [3.0, 3.0, 4.0]
+    with pytest.raises(ValueError, match="aggregation='bnpo'; use one of"):
+        count_units(mask, "bnpo")
+
+
+def test_policy_loss_refusals_name_the_fix():
+    """Every problem at once. Mutation: returning after the first problem fails the joint message."""
+    logps, old, _, adv, mask = _batch(garbage="finite")
+    with pytest.raises(ValueError) as err:
+        policy_loss(logps, old, adv, mask, beta=0.1, aggregation="dr_grpo", epsilon=-0.1)
+    message = str(err.value)
+    assert "beta=0.1 weighs a KL to the reference: pass ref_logps, or set beta=0" in message
+    assert "aggregation='dr_grpo' divides by max_completion_length: pass it" in message
+    assert "epsilon=-0.1 must be >= 0" in message
+    with pytest.raises(ValueError, match="aggregation='luspo'; use one of"):
+        policy_loss(logps, old, adv, mask, aggregation="luspo")
+    with pytest.raises(ValueError, match="importance='tokens'; use one of"):
+        policy_loss(logps, old, adv, mask, importance="tokens")
+    with pytest.raises(ValueError, match="max_completion_length=4 is below the completions' width 7"):
+        policy_loss(logps, old, adv, mask, aggregation="dr_grpo", max_completion_length=4)
+    with pytest.raises(ValueError, match="mask must be a bool tensor"):
+        policy_loss(logps, old, adv, mask.long())
+    with pytest.raises(ValueError, match=r"advantages must be \[R\]"):
+        policy_loss(logps, old, adv[:3], mask)
