@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.models.kv_cache import kv_cache
+from trainer.models.kv_cache import KVCache, kv_cache
 from trainer.models.llama import Llama
-from trainer.sampling import NonFiniteLogitsError, _filtered, sample, sample_batch
+from trainer.sampling import NonFiniteLogitsError, _filtered, greedy_batch, sample, sample_batch
 
 VOCAB, NEW = 50, 12
 # Prompts of 1..9 tokens: up to 8 pad tokens in a batch.
@@ -73,6 +73,10 @@ def test_greedy_cached_batch_is_sample_with_the_eos_kept() -> None:
     for prompt, row in zip(PROMPTS, batched):
         alone = sample(model, prompt, max_new_tokens=NEW, temperature=0.0, top_k=None, max_seq_len=64, eos_id=eos)
         assert row == (alone + [eos] if len(alone) < NEW else alone)
+    # greedy_batch (the exact-match evaluator's, uncached) leaves the EOS out.
+    assert greedy_batch(model, PROMPTS, max_new_tokens=NEW, eos_id=eos) == [
+        r[:-1] if r[-1] == eos else r for r in batched
+    ]
 
 
 def test_all_done_keeps_every_row_decoding_until_it_says_so() -> None:
@@ -96,6 +100,18 @@ def test_all_done_keeps_every_row_decoding_until_it_says_so() -> None:
     assert never == [free[: k + 1]] and len(calls) == NEW  # max_new_tokens bounds the loop
 
 
+def _assert_mask_is_padded_causal(cache: KVCache, pad_b: torch.Tensor, *, past: int, num_new: int) -> None:
+    """Query t of row b sees keys pad_b[b] .. past + t; a pad query sees itself alone, never nothing
+    (SDPA's NaN for an empty row on some backends; torch 2.13's CPU kernels give 0 instead)."""
+    mask = cache.mask(None, num_new, torch.device("cpu"))
+    assert mask.shape == (len(pad_b), 1, num_new, past + num_new)
+    for b, pad in enumerate(pad_b.tolist()):
+        for t in range(num_new):
+            q = past + t
+            seen = [s for s in range(past + num_new) if pad <= s <= q] if q >= pad else [q]
+            assert mask[b, 0, t].nonzero().flatten().tolist() == seen, (b, t)
+
+
 def test_pad_keys_get_no_attention_and_positions_start_at_each_rows_first_token() -> None:
     model = _model()
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[4]]
@@ -106,7 +122,12 @@ def test_pad_keys_get_no_attention_and_positions_start_at_each_rows_first_token(
         for i, p in enumerate(prompts):
             ids_bt[i, 9 - len(p) :] = torch.tensor(p)
         with torch.no_grad(), kv_cache(model, pad_b) as cache:
+            # RoPE is relative: unshifted positions change the logits by rounding only, so check them.
+            assert cache.position_ids(9).tolist() == [[0] * 8 + [0], list(range(9)), [0] * 7 + [0, 1]]
+            _assert_mask_is_padded_causal(cache, pad_b, past=0, num_new=9)
             prefill = model(ids_bt, position_ids_bt=cache.position_ids(9))
+            assert cache.position_ids(1).tolist() == [[1], [9], [2]]
+            _assert_mask_is_padded_causal(cache, pad_b, past=9, num_new=1)
             step = model(torch.tensor([[3], [4], [5]]), position_ids_bt=cache.position_ids(1))
         assert torch.isfinite(prefill).all() and torch.isfinite(step).all(), "a pad query's NaN leaked"
         logits.append((prefill, step))

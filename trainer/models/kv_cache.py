@@ -58,8 +58,9 @@ class KVCache:
         [1, 1, T, S] (query t, at position length + t, sees keys 0 .. length + t), None for one token.
 
         With ``pad_b`` the mask is ``[B, 1, T, S]``: query t of row b sees key s iff
-        ``pad_b[b] <= s <= length + t``, and a pad query sees itself alone (SDPA gives NaN for a
-        query that sees nothing; a pad query's output is never attended, so nothing reaches real rows).
+        ``pad_b[b] <= s <= length + t``, and a pad query sees itself alone: a query that sees nothing
+        gets NaN from some SDPA backends (torch 2.13's CPU kernels give 0), which the next layer's
+        pad keys would carry into real rows (0 weight x NaN value); a pad query's own output is unused.
 
         Raises:
             ValueError: with ``document_ids_bt`` (packed rows are not decoded with a cache).
