@@ -4,7 +4,8 @@ The model swaps its attention computation through ``set_attention_core`` (contex
 does the same); `KVCache` keeps each layer's keys and values (after RoPE) from earlier forwards
 and attends the new queries to all of them, so each generated token runs the model on that one
 token instead of the whole context (Pope et al. 2022, "Efficiently Scaling Transformer
-Inference", section 2). Plain causal attention over one sequence: no packing, no padding.
+Inference", section 2). Causal attention over one sequence, or over a batch of left-padded rows
+(``pad_b``: row b's first ``pad_b[b]`` tokens are padding that no query attends); no packing.
 
 Shape suffixes: B batch, T new tokens, S cached + new tokens, H query heads, K kv heads, E head dim.
 """
@@ -24,12 +25,19 @@ class KVCache:
     """Per-layer keys and values of the tokens seen so far; the blocks call it in layer order.
 
     Use through `kv_cache` (it installs and removes the core). Each forward must give
-    ``position_ids_bt`` = ``arange(length, length + T)``: the cache does not move RoPE positions.
+    ``position_ids_bt`` = `position_ids` (``arange(length, length + T)`` without padding): the
+    cache does not move RoPE positions.
+
+    Args:
+        num_layers: the model's blocks.
+        pad_b: ``[B]`` (int) leading pad tokens of each left-padded row; None: one plain sequence
+            (any B, no padding). Every forward then feeds all B rows, the same T new tokens each.
     """
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, pad_b: torch.Tensor | None = None) -> None:
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.pad_b = pad_b
         self._layer = 0
 
     @property
@@ -37,21 +45,40 @@ class KVCache:
         """Tokens cached (S of the last forward)."""
         return 0 if self.keys[-1] is None else self.keys[-1].shape[1]
 
+    def position_ids(self, num_new: int) -> torch.Tensor:
+        """RoPE positions of the next ``num_new`` tokens: ``[1, T]`` = ``arange(length, length + T)``;
+        with ``pad_b`` ``[B, T]``, shifted so each row's first real token is at 0 (pad tokens at 0),
+        so a row computes what it computes alone."""
+        device = None if self.pad_b is None else self.pad_b.device
+        cached_t = torch.arange(self.length, self.length + num_new, device=device)[None]
+        return cached_t if self.pad_b is None else (cached_t - self.pad_b[:, None]).clamp_min(0)
+
     def mask(self, document_ids_bt: torch.Tensor | None, seq_len: int, device: torch.device) -> torch.Tensor | None:
         """Once per forward (before the blocks): starts at layer 0; the new tokens' causal mask
         [1, 1, T, S] (query t, at position length + t, sees keys 0 .. length + t), None for one token.
+
+        With ``pad_b`` the mask is ``[B, 1, T, S]``: query t of row b sees key s iff
+        ``pad_b[b] <= s <= length + t``, and a pad query sees itself alone: a query that sees nothing
+        gets NaN from some SDPA backends (torch 2.13's CPU kernels give 0), which the next layer's
+        pad keys would carry into real rows (0 weight x NaN value); a pad query's own output is unused.
 
         Raises:
             ValueError: with ``document_ids_bt`` (packed rows are not decoded with a cache).
         """
         if document_ids_bt is not None:
-            raise ValueError("KVCache decodes one plain sequence; call the model without document_ids_bt")
+            raise ValueError("KVCache decodes plain or left-padded rows; call the model without document_ids_bt")
         self._layer = 0
-        if seq_len == 1:
+        if seq_len == 1 and self.pad_b is None:
             return None
         past = self.length
         keys_s = torch.arange(past + seq_len, device=device)
-        return (keys_s[None, :] <= past + torch.arange(seq_len, device=device)[:, None])[None, None]
+        queries_t = past + torch.arange(seq_len, device=device)
+        causal_ts = keys_s[None, :] <= queries_t[:, None]
+        if self.pad_b is None:
+            return causal_ts[None, None]
+        real_bs = keys_s[None, :] >= self.pad_b.to(device)[:, None]
+        itself_ts = keys_s[None, :] == queries_t[:, None]
+        return ((real_bs[:, None, :] & causal_ts[None]) | itself_ts[None])[:, None]
 
     def __call__(
         self, q_bthe: torch.Tensor, k_btke: torch.Tensor, v_btke: torch.Tensor, mask: torch.Tensor | None
@@ -71,10 +98,10 @@ class KVCache:
 
 
 @contextmanager
-def kv_cache(model: nn.Module) -> Iterator[KVCache]:
+def kv_cache(model: nn.Module, pad_b: torch.Tensor | None = None) -> Iterator[KVCache]:
     """Runs ``model`` (a `llama.Llama`) with a fresh `KVCache` as its attention core, then puts
-    its own core back."""
-    cache, previous = KVCache(len(model.layers)), model.attention_core
+    its own core back; ``pad_b``: see `KVCache`."""
+    cache, previous = KVCache(len(model.layers), pad_b), model.attention_core
     model.set_attention_core(cache)
     try:
         yield cache
