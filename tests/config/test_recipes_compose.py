@@ -41,6 +41,11 @@ def test_recipe_x_strategy_validates(recipe: str, strategy: str, devices: int) -
     ):
         with pytest.raises(ConfigError, match="does not support strategy"):  # pairs are not split by cp or pp
             validate(cfg)
+    elif recipe == "grpo" and (
+        cfg.strategy.local_sgd is not None or max(_resolved(cfg, devices, a) for a in ("cp", "pp", "tp")) > 1
+    ):
+        with pytest.raises(ConfigError, match="objective GRPO"):  # rollouts need whole sequences, no islands
+            validate(cfg)
     else:
         validate(cfg)
 
@@ -86,4 +91,8 @@ def test_every_group_option_validates_in_the_default_recipe(group: str) -> None:
         if group == "paft" or (group == "objective" and option.stem in ("dpo", "ipo", "simpo", "orpo", "kto")):
             # PAFT arms; preference objectives need pairs (KTO: unpaired rows, its alias sets them)
             recipe = "paft" if group == "paft" else ("kto" if option.stem == "kto" else "dpo")
+        if (group, option.stem) in (("data", "prompts"), ("data", "countdown")) or (
+            group == "objective" and option.stem in ("grpo", "dr_grpo", "dapo", "gspo", "rloo")
+        ):  # prompts and the online objectives that sample their rows
+            recipe = "grpo"
         validate(compose_config(overrides, recipe=recipe, tiny=False))

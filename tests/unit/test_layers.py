@@ -24,6 +24,10 @@ ALLOWED = {
     ("strategies.transforms.lora_targets", "strategies.expert.dispatch"): "the stacked expert weights' names",
     # A source with metric: exact_match is scored by greedy decoding: the SFT data module declares its evaluator.
     ("trainer.data.sft", "trainer.evaluators.exact_match"): "the evaluator an SFT source declares",
+    # Online RL's prompt data is the task's environment: its prompts, the verifiers that score their completions
+    # (data.rewards) and the evaluator that scores held-out greedy completions with them.
+    ("trainer.data.prompts", "trainer.rl.rewards"): "the verifiers a prompt source carries",
+    ("trainer.data.prompts", "trainer.rl.evaluate"): "the evaluator prompt data declares",
 }
 
 

@@ -53,6 +53,7 @@ from trainer.data.tokenizer import Tokenizer
 from trainer.protocols import Evaluator, RowKind
 from trainer.rl.evaluate import PromptItem, RewardEvaluator
 from trainer.rl.rewards import Reward, RewardError, build_rewards
+from trainer.rl.rewards import node_problems as reward_problems
 
 
 def prompt_row(row: Mapping[str, Any]) -> dict[str, Any]:
@@ -152,7 +153,7 @@ class PromptDataModule(DataModule):
 
     Args:
         sources: name -> ``{source, limit, val_size, columns}``.
-        rewards: name -> ``{_target_, _partial_: true, weight, ...}`` (`trainer.rl.rewards`).
+        rewards: name -> ``{fn, weight}`` (`trainer.rl.rewards`; Hydra has built each ``fn``).
         template: "auto", "default" or "tokenizer" (as `trainer.data.sft.SFTDataModule`).
         group_size: completions per prompt (set from ``objective.num_generations``): the global
             batch of ``train.global_batch_size`` rows holds global_batch_size / group_size prompts.
@@ -195,16 +196,7 @@ class PromptDataModule(DataModule):
     def node_problems(cls, node: Any) -> list[str]:
         """The sources, the rewards' targets, and the room a completion has in a row."""
         problems = named_source_problems(node, lambda name, spec: PROMPTS.parse(name, spec), PROMPTS.empty_problem())
-        rewards = node.get("rewards") if hasattr(node, "get") else None
-        if not rewards:
-            problems.append(
-                "data.rewards is empty; add one, e.g. data.rewards.answer={_target_: trainer.rl.rewards.exact_answer, "
-                "_partial_: true, weight: 1.0}"
-            )
-        else:
-            for name, spec in rewards.items():
-                if not hasattr(spec, "get") or "_target_" not in spec:
-                    problems.append(f"data.rewards.{name} has no _target_; e.g. _target_: trainer.rl.rewards.exact_answer, _partial_: true")  # fmt: skip
+        problems += reward_problems(node.get("rewards") if hasattr(node, "get") else None)
         seq_len, completion = node.get("seq_len", 0), node.get("completion_len", 0)
         if isinstance(seq_len, int) and isinstance(completion, int) and seq_len and completion >= seq_len:
             problems.append(
@@ -258,9 +250,7 @@ class PromptDataModule(DataModule):
                     file=sys.stderr,
                 )
             if long == len(kept):
-                problems.append(
-                    f"data.sources.{name}: every prompt is longer than {room} tokens; raise data.seq_len"
-                )
+                problems.append(f"data.sources.{name}: every prompt is longer than {room} tokens; raise data.seq_len")
             train += [item for item in kept if len(item.ids) <= room]
             val += [item for r in val_records if len((item := self._item(name, r, tokenizer, template)).ids) <= room]
         if problems:

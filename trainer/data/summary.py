@@ -3,7 +3,8 @@
 Reads a data module's prepared data (`trainer.data.base.DataModule.prepare`): its ``train`` and
 ``val`` splits are packed rows (``PackedRows``: pretraining), tokenized samples per source
 (``dict[str, SourceSamples]``: SFT) or ``[N, 2, T]`` pair tensors (``dict[str, Tensor]``:
-preference; KTO's labelled rows, with their KL rows, counted once). Only counts, no second pass over the data.
+preference; KTO's labelled rows, with their KL rows, counted once) or prompts (a list of
+``PromptItem``: online RL). Only counts, no second pass over the data.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def _split(split: Any) -> tuple[int, int, str]:
         if "desirable" in split:  # KTO's unpaired rows: [N, 2, T], the completion and its KL row
             return ids.shape[0], ids[:, 0].numel(), "labelled rows"
         return ids.shape[0], ids.numel(), "pairs" if ids.dim() == 3 else "rows"
+    if isinstance(split, list) and split and isinstance(getattr(split[0], "ids", None), list):  # prompts
+        return len(split), sum(len(item.ids) for item in split), "prompts"
     return 0, 0, "rows"
 
 

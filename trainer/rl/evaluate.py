@@ -60,7 +60,12 @@ class RewardEvaluator(protocols.Evaluator):
     def __init__(
         self, items: Sequence[PromptItem], rewards: Sequence[Reward], tokenizer: Tokenizer, *, max_new_tokens: int
     ) -> None:
-        self.items, self.rewards, self.tokenizer, self.max_new_tokens = list(items), list(rewards), tokenizer, max_new_tokens
+        self.items, self.rewards, self.tokenizer, self.max_new_tokens = (
+            list(items),
+            list(rewards),
+            tokenizer,
+            max_new_tokens,
+        )
 
     @property
     def headline_metrics(self) -> list[str]:

@@ -7,12 +7,14 @@ name, the list of the prompts' values of every other column of the prompt table 
 ``numbers``, ``target``, ...), one per completion. It returns one float per completion; a
 function should take ``**fields`` so that columns it does not use pass through.
 
-Select them in the data node, each with a weight (the reward of a completion is the weighted sum)::
+Select them in the data node, each a function (``fn``, built by Hydra: ``_partial_: true`` and
+the function's own settings beside ``_target_``) and a weight (the reward of a completion is the
+weighted sum)::
 
     data:
       rewards:
-        answer: {_target_: trainer.rl.rewards.exact_answer, _partial_: true, weight: 1.0}
-        mine: {_target_: my_package.rewards.brevity, _partial_: true, weight: 0.1}   # your code
+        answer: {fn: {_target_: trainer.rl.rewards.exact_answer, _partial_: true}, weight: 1.0}
+        mine: {fn: {_target_: my_package.rewards.brevity, _partial_: true}, weight: 0.1}   # your code
 
 Shipped: `exact_answer`, `countdown` (the Countdown verifier, `trainer.data.countdown.check`),
 `format_match` (a regular expression over the whole completion) and `length_penalty`.
@@ -25,12 +27,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hydra.utils import instantiate
+
 from trainer.data import countdown as countdown_task
 
 RewardFn = Callable[..., Sequence[float]]
 
 
-def exact_answer(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[str], **fields: Any) -> list[float]:
+def exact_answer(
+    prompts: Sequence[str], completions: Sequence[str], answer: Sequence[str], **fields: Any
+) -> list[float]:
     """1.0 where the completion, stripped, equals the ``answer`` field, stripped; else 0.0."""
     return [float(c.strip() == str(a).strip()) for c, a in zip(completions, answer)]
 
@@ -69,32 +75,49 @@ class RewardError(ValueError):
     """A reward function that cannot be built or returned something unusable; names the fix."""
 
 
+EXAMPLE = "data.rewards.answer={fn: {_target_: trainer.rl.rewards.exact_answer, _partial_: true}, weight: 1.0}"
+
+
+def node_problems(node: Any) -> list[str]:
+    """Problems of a ``data.rewards`` node before anything is built (each naming the fix)."""
+    if not node:
+        return [f"data.rewards is empty; add one, e.g. {EXAMPLE}"]
+    problems = []
+    for name, spec in node.items():
+        fn = spec.get("fn") if isinstance(spec, Mapping) else None
+        if not (isinstance(fn, Mapping) and "_target_" in fn) and not callable(fn):
+            problems.append(f"data.rewards.{name} needs fn: {{_target_: <module.function>, _partial_: true}} and a "
+                            f"weight, e.g. {EXAMPLE}")  # fmt: skip
+        unknown = set(spec) - {"fn", "weight"} if isinstance(spec, Mapping) else set()
+        if unknown:
+            problems.append(f"data.rewards.{name}: unknown keys {sorted(unknown)}; give fn and weight (the "
+                            "function's own settings go inside fn)")  # fmt: skip
+    return problems
+
+
 def build_rewards(node: Mapping[str, Any]) -> list[Reward]:
-    """The rewards of a ``data.rewards`` node (name -> ``{_target_, _partial_: true, weight, ...}``).
+    """The rewards of a ``data.rewards`` node: name -> ``{fn, weight}``, ``fn`` a function or a
+    Hydra node that builds one (``_partial_: true``).
 
     Raises:
-        RewardError: an empty node, a missing ``_target_``, or a target Hydra cannot build.
+        RewardError: a problem of `node_problems`, a target Hydra cannot build, or one that does
+            not build a function.
     """
-    from hydra.utils import instantiate
-
-    if not node:
-        raise RewardError("data.rewards is empty; add one, e.g. data.rewards.answer={_target_: "
-                          "trainer.rl.rewards.exact_answer, _partial_: true, weight: 1.0}")  # fmt: skip
+    if problems := node_problems(node):
+        raise RewardError("; ".join(problems))
     rewards = []
     for name, spec in node.items():
-        spec = dict(spec)
-        weight = float(spec.pop("weight", 1.0))
-        if "_target_" not in spec:
-            raise RewardError(f"data.rewards.{name} has no _target_; give the function, e.g. _target_: "
-                              "trainer.rl.rewards.exact_answer, _partial_: true")  # fmt: skip
-        try:
-            fn = instantiate(spec)
-        except Exception as err:  # Hydra wraps the import or call error
-            raise RewardError(f"data.rewards.{name}: {err}") from None
+        fn = spec["fn"]
+        if isinstance(fn, Mapping):
+            try:
+                fn = instantiate(fn)
+            except Exception as err:  # noqa: BLE001 - Hydra wraps the import or call error
+                raise RewardError(f"data.rewards.{name}.fn: {err}") from None
         if not callable(fn):
-            raise RewardError(f"data.rewards.{name}: {spec['_target_']} built a {type(fn).__name__}, not a function; "
-                              "a function needs _partial_: true")  # fmt: skip
-        rewards.append(Reward(str(name), fn, weight))
+            raise RewardError(
+                f"data.rewards.{name}.fn built a {type(fn).__name__}, not a function; add _partial_: true"
+            )
+        rewards.append(Reward(str(name), fn, float(spec.get("weight", 1.0))))
     return rewards
 
 
