@@ -16,6 +16,7 @@ The tasks (all synthetic and verifiable but the corpus):
   entries start from the SFT base (and its BPE); ``dpo_preset`` trains the preset as the README
   runs it, from scratch on the preset's own BPE and lengths (a preset that cuts the prompts, as
   83bde6a's did, leaves it near chance);
+- ``addition`` SFT stopped early, then GRPO on the same prompts (``grpo``: online RL, exact-answer reward);
 - ``reversal`` SFT: the fine-tuning entries' new skill (LoRA, QLoRA, Mixout, SAT from the base);
   ``reversal`` and ``sorting``: the mSFT search's two sources;
 - the bundled corpus (Shakespeare + King James Bible) for the pretraining entries.
@@ -138,6 +139,13 @@ REVERSAL_SFT = (
     "~data.sources.sorting",
     "~data.sources.addition",
     "data.sources.reversal={source: reversal, limit: 1000, val_size: 64, max_epochs: 10}",
+)
+ADDITION_SFT = (
+    "data=synthetic",
+    "~data.sources.reversal",
+    "~data.sources.sorting",
+    "data.sources.addition.limit=4000",
+    "data.sources.addition.val_size=256",
 )
 MSFT_DATA = (
     "data=synthetic",
@@ -285,6 +293,39 @@ ENTRIES: dict[str, Entry] = {
         ),
         (VAL_LOSS_PRETRAIN, at_least(bytes_sent, 1.0)),
         devices=2,
+    ),
+    # Online RL: an addition SFT model stopped early (about a quarter of the held-out sums right),
+    # then GRPO on the same task's prompts with the exact-answer reward; the share of held-out
+    # prompts whose greedy completion is exactly the sum must rise (bench/grpo.py runs it longer).
+    "sft_addition": Entry(
+        "sft",
+        (
+            *NANO,
+            *ADDITION_SFT,
+            "data.sources.addition.max_epochs=12",
+            "train.global_batch_size=32",
+            "optim.lr=3e-3",
+            "scheduler=constant",
+            "scheduler.warmup_steps=20",
+            "trainer.max_steps=320",
+        ),
+        (at_least(final_val("val/exact_match/addition"), 0.1),),
+    ),
+    "grpo": Entry(
+        "grpo",
+        (
+            *NANO,
+            "data.sources.addition.limit=4000",
+            "data.sources.addition.val_size=256",
+            "objective.max_new_tokens=8",
+            "train.global_batch_size=128",
+            "optim.lr=3e-4",
+            "scheduler=cosine",
+            "scheduler.warmup_steps=0",
+            "trainer.max_steps=150",
+        ),
+        (at_least(val_change("val/reward/answer"), 0.25),),
+        base="sft_addition",
     ),
     # The mSFT budget search on two synthetic sources, from the SFT base.
     "msft": Entry(

@@ -65,6 +65,7 @@ GOLDEN_KEYS = (
     "train/rewards/rejected",
     "train/rewards/mismatched",
     "train/kl",
+    "train/reward",
 )
 # Every run: quiet, every step logged (the golden curves), one evaluation at the start and one at the end.
 COMMON = (

@@ -250,7 +250,12 @@ class PromptDataModule(DataModule):
                     file=sys.stderr,
                 )
             if long == len(kept):
-                problems.append(f"data.sources.{name}: every prompt is longer than {room} tokens; raise data.seq_len")
+                shortest = min(len(item.ids) for item in kept)
+                problems.append(
+                    f"data.sources.{name}: every prompt is longer than data.seq_len - objective.max_new_tokens = "
+                    f"{room} tokens (the shortest has {shortest}); raise data.seq_len to at least "
+                    f"{shortest + self.completion_len}"
+                )
             train += [item for item in kept if len(item.ids) <= room]
             val += [item for r in val_records if len((item := self._item(name, r, tokenizer, template)).ids) <= room]
         if problems:
