@@ -1,0 +1,201 @@
+"""The pieces of plait's online RL around the loss (tests/unit/test_grpo_loss.py) and the sampler
+(tests/unit/test_sample_batch.py): Countdown's verifier, the reward functions and their errors, the
+rollout rows, the prompt data and its repeated batches, what validate refuses, and a LoRA run
+whose KL term reads the base with the adapters off."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from harness import compose_config, fit, plait
+
+from trainer.build import build_data
+from trainer.config import ConfigError, validate
+from trainer.data.base import DataError
+from trainer.data.countdown import check, make
+from trainer.data.loader import RowBatches
+from trainer.data.prompts import RepeatedBatches
+from trainer.data.sampler import GlobalBatchSampler
+from trainer.rl.rewards import RewardError, build_rewards, exact_answer, format_match, length_penalty, score
+from trainer.rl.rollout import completion_seed, cut_at_stop, rollout_rows
+
+GRPO_SMALL = (
+    "model=nano", "model.max_seq_len=64", "data.seq_len=48", "data.sources.addition.limit=64",
+    "data.sources.addition.val_size=8", "objective.max_new_tokens=6", "objective.num_generations=4",
+    "train.global_batch_size=16", "train.eval_every=0", "trainer.log_every_n_steps=1",
+    "trainer.enable_progress_bar=false", "logger=none", "~callbacks.plots", "~callbacks.checkpoint",
+)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------ Countdown
+def test_countdown_solutions_verify_and_other_answers_do_not() -> None:
+    rng = random.Random(0)
+    for _ in range(500):
+        problem = make(rng)
+        assert check(problem["solution"], problem["numbers"], problem["target"])
+        assert problem["target"] >= 1 and len(problem["numbers"]) == 3
+    assert check("(3 - 2) * 5 = 5", [3, 2, 5], 5)  # an "= target" after the expression is ignored
+    assert not check("5", [3, 2, 5], 5)  # every number once
+    assert not check("(3 - 2) * 5 * 1", [3, 2, 5], 5)  # a number that was not given
+    assert not check("3 * 3 - 2 - 2", [3, 2, 5], 5)  # a number twice
+    assert not check("__import__('os').system('true')", [1], 1)  # never evaluated
+    assert not check("5 / (3 - 3) + 2", [5, 3, 3, 2], 2)  # division by zero is just wrong
+    assert not check("", [1], 1)
+
+
+# ------------------------------------------------------------------------------------------ rewards
+def test_shipped_rewards() -> None:
+    assert exact_answer(["p", "p"], [" 4 2 ", "4 3"], ["4 2", "4 2"]) == [1.0, 0.0]
+    assert format_match(["p", "p"], ["1 2", "1 a"], pattern="[0-9 ]+") == [1.0, 0.0]
+    assert length_penalty(["p", "p"], ["ab", "abcdef"], limit=3) == [0.0, -1.0]
+
+
+def test_rewards_are_built_from_nodes_and_user_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "my_rewards.py").write_text(
+        "def brevity(prompts, completions, **fields):\n    return [-len(c) for c in completions]\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rewards = build_rewards({
+        "answer": {"fn": {"_target_": "trainer.rl.rewards.exact_answer", "_partial_": True}, "weight": 1.0},
+        "short": {"fn": {"_target_": "my_rewards.brevity", "_partial_": True}, "weight": 0.5},
+    })  # fmt: skip
+    values = score(rewards, ["p", "p"], ["1", "22"], {"answer": ["1", "1"]})
+    assert values == {"answer": [1.0, 0.0], "short": [-1.0, -2.0]}
+    sys.modules.pop("my_rewards", None)
+
+
+def test_reward_problems_name_the_fix() -> None:
+    with pytest.raises(RewardError, match="data.rewards is empty"):
+        build_rewards({})
+    with pytest.raises(RewardError, match=r"data.rewards.mine needs fn: \{_target_"):
+        build_rewards({"mine": {"_target_": "trainer.rl.rewards.exact_answer", "weight": 1.0}})
+    with pytest.raises(RewardError, match="not a function; add _partial_: true"):
+        build_rewards({"mine": {"fn": {"_target_": "builtins.dict"}}})
+    short = build_rewards({"x": {"fn": lambda prompts, completions, **f: [1.0]}})
+    with pytest.raises(RewardError, match="returned 1 values for 2 completions"):
+        score(short, ["a", "b"], ["a", "b"], {})
+    nan = build_rewards({"x": {"fn": lambda prompts, completions, **f: [float("nan")] * len(completions)}})
+    with pytest.raises(RewardError, match="not finite"):
+        score(nan, ["a"], ["a"], {})
+
+
+# ------------------------------------------------------------------------------------------ rollout rows
+def test_rollout_rows_put_the_completion_tokens_in_the_labels() -> None:
+    rows = rollout_rows([[5, 6, 7], [8]], [[1, 2, 0], []], width=6, pad_id=9)
+    assert rows["input_ids"].tolist() == [[5, 6, 7, 1, 2, 0], [8, 9, 9, 9, 9, 9]]
+    # labels[t] is the token at t + 1 where that token is the completion's (EOS 0 included)
+    assert rows["labels"].tolist() == [[-100, -100, 1, 2, 0, -100], [-100] * 6]
+    with pytest.raises(ValueError, match="exceeds 3"):
+        rollout_rows([[1, 2]], [[3, 4]], width=3, pad_id=0)
+
+
+def test_stop_strings_cut_after_the_token_that_completes_them() -> None:
+    class Chars:  # one character per id
+        def decode(self, ids):
+            return "".join(chr(i) for i in ids)
+
+    ids = [ord(c) for c in "ab;cd"]
+    assert cut_at_stop(ids, Chars(), [";"]) == ids[:3]
+    assert cut_at_stop(ids, Chars(), ["x"]) == ids
+    assert cut_at_stop(ids, Chars(), []) == ids
+
+
+def test_completion_seeds_depend_on_the_prompt_not_the_rank() -> None:
+    seeds = {completion_seed(0, r, p, g) for r in range(3) for p in range(5) for g in range(4)}
+    assert len(seeds) == 60 and all(0 <= s < 2**63 for s in seeds)
+    assert completion_seed(0, 1, 2, 3) == completion_seed(0, 1, 2, 3) != completion_seed(1, 1, 2, 3)
+
+
+# ------------------------------------------------------------------------------------------ prompt data
+def test_repeated_batches_hand_each_prompt_batch_num_iterations_times_and_resume_inside() -> None:
+    rows = {"prompt_index": torch.arange(12)}
+    stream = RepeatedBatches(RowBatches(rows, GlobalBatchSampler(12, global_batch_size=4, seed=0)), 3)
+    got = [
+        (b["prompt_index"].tolist(), int(b["iteration"][0]), p["trained"]) for b, p, _ in stream.batches(stream.start())
+    ]
+    assert len(got) == 9 and [g[1] for g in got] == [0, 1, 2] * 3 and [g[2] for g in got] == list(range(1, 10))
+    assert got[0][0] == got[1][0] == got[2][0] != got[3][0]
+    resumed = [
+        (b["prompt_index"].tolist(), int(b["iteration"][0])) for b, _, _ in stream.batches({"epoch": 0, "trained": 4})
+    ]
+    assert resumed == [(g[0], g[1]) for g in got[4:]]
+    assert stream.restore({"epoch": 0, "trained": 9}) == {"epoch": 1, "trained": 0}
+
+
+def test_a_user_prompt_table_keeps_its_columns_for_the_rewards(tmp_path: Path) -> None:
+    table = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": f"what is {i} + {i}?", "answer": str(2 * i), "difficulty": i % 3} for i in range(20)]
+    table.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = compose_config(
+        [*GRPO_SMALL, "~data.sources.addition", f"+data.sources.mine={{source: {table}, val_size: 4}}"],
+        recipe="grpo",
+        tiny=False,
+    )
+    data = build_data(cfg)
+    items = data.prepare().train
+    assert len(items) == 16 and len(data.prepare().val) == 4
+    assert {"answer", "difficulty"} == set(items[0].fields) and items[0].text.startswith("<|user|>")
+    assert data.eval_rows()["input_ids"].shape == (4, 48)
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "x", "answer": "1"}) + "\n")
+    cfg = compose_config(
+        [*GRPO_SMALL, "~data.sources.addition", f"+data.sources.mine={{source: {bad}}}"], recipe="grpo", tiny=False
+    )
+    with pytest.raises(DataError, match="needs a 'prompt' column"):
+        build_data(cfg).prepare()
+
+
+# ------------------------------------------------------------------------------------------ validate
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (["strategy=tp", "trainer.devices=2"], r"objective GRPO samples whole sequences .* strategy.tp=2"),
+        (["objective.beta=0.04"], r"objective.beta=0.04 needs a reference policy.*\+strategy/lora=default"),
+        (["strategy=diloco", "trainer.devices=2"], "objective GRPO under local SGD"),
+        (["train.global_batch_size=10"], r"multiple of objective.num_generations=4 x dp=1"),
+        (
+            ["strategy=ddp", "trainer.devices=2", "train.global_batch_size=4"],
+            r"multiple of objective.num_generations=4 x dp=2",
+        ),
+        (["objective.num_generations=1"], "objective.num_generations must be >= 2"),
+        (["objective.max_new_tokens=48"], "leaves no room for a prompt in data.seq_len=48"),
+    ],
+)
+def test_validate_refuses_what_grpo_cannot_run(overrides: list[str], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        validate(compose_config([*GRPO_SMALL, *overrides], recipe="grpo", tiny=False))
+
+
+def test_an_objective_of_token_rows_is_refused_prompts() -> None:
+    overrides = [o for o in GRPO_SMALL if not o.startswith("objective.")]
+    with pytest.raises(ConfigError, match="trains on token rows, but the data module gives prompts"):
+        validate(compose_config([*overrides, "objective=sft"], recipe="grpo", tiny=False))
+
+
+@pytest.mark.parametrize("objective", ["grpo", "dr_grpo", "dapo", "gspo", "rloo"])
+def test_every_variant_validates(objective: str) -> None:
+    validate(compose_config([*GRPO_SMALL, f"objective={objective}"], recipe="grpo", tiny=False))
+
+
+# ------------------------------------------------------------------------------------------ LoRA + KL
+def test_lora_run_takes_its_kl_against_the_base_with_adapters_off(tmp_path: Path) -> None:
+    base = tmp_path / "base"  # a checkpoint the adapters train on (one plain GRPO step)
+    keep = [o for o in GRPO_SMALL if o != "~callbacks.checkpoint"]
+    result = plait("grpo", *keep, "trainer.max_steps=1", f"run_dir={base}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    overrides = [
+        *GRPO_SMALL, "+strategy/lora=default", f"model.init_from={base}", "objective.beta=0.5", "trainer.max_steps=3", "optim.lr=1e-2",
+        "data.rewards.answer.fn._target_=trainer.rl.rewards.length_penalty", "+data.rewards.answer.fn.limit=3",
+    ]  # fmt: skip
+    cfg = compose_config(overrides, recipe="grpo", tiny=False)
+    validate(cfg)
+    _, task = fit(cfg, tmp_path)
+    kl = [h["train/kl"] for h in task.history if "loss" in h]
+    # Step 1: the adapters' B is 0, so the policy is the base (KL exactly 0); then the adapters move it.
+    assert kl[0] == 0.0 and kl[-1] > 0.0, kl
