@@ -179,8 +179,16 @@ def test_an_objective_of_token_rows_is_refused_prompts() -> None:
 
 
 @pytest.mark.parametrize("objective", ["grpo", "dr_grpo", "dapo", "gspo", "rloo"])
-def test_every_variant_validates(objective: str) -> None:
-    validate(compose_config([*GRPO_SMALL, f"objective={objective}"], recipe="grpo", tiny=False))
+def test_every_variant_validates_and_trains(objective: str, tmp_path: Path) -> None:
+    overrides = [
+        *GRPO_SMALL, f"objective={objective}", "objective.num_iterations=2", "trainer.max_steps=2",
+        "data.rewards.answer.fn._target_=trainer.rl.rewards.length_penalty", "+data.rewards.answer.fn.limit=3",
+    ]  # fmt: skip
+    cfg = compose_config(overrides, recipe="grpo", tiny=False)
+    validate(cfg)
+    _, task = fit(cfg, tmp_path)
+    steps = [h for h in task.history if "loss" in h]
+    assert len(steps) == 2 and all(h["grad_norm"] > 0 for h in steps), steps
 
 
 # ------------------------------------------------------------------------------------------ LoRA + KL
