@@ -408,8 +408,11 @@ def test_policy_loss_refusals_name_the_fix():
         policy_loss(logps, old, adv, mask, aggregation="luspo")
     with pytest.raises(ValueError, match="importance='tokens'; use one of"):
         policy_loss(logps, old, adv, mask, importance="tokens")
-    with pytest.raises(ValueError, match="max_completion_length=4 is below the completions' width 7"):
+    with pytest.raises(ValueError, match="max_completion_length=4 is below a row's 6 completion tokens"):
         policy_loss(logps, old, adv, mask, aggregation="dr_grpo", max_completion_length=4)
+    # The width is not the limit: rollout rows hold the prompt and padding too (T = data.seq_len).
+    wide = [torch.cat([t, t.new_zeros(len(t), 5)], dim=1) for t in (logps, old, mask)]
+    policy_loss(*wide[:2], adv, wide[2], aggregation="dr_grpo", max_completion_length=6)
     with pytest.raises(ValueError, match="mask must be a bool tensor"):
         policy_loss(logps, old, adv, mask.long())
     with pytest.raises(ValueError, match=r"advantages must be \[R\]"):

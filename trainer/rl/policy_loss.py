@@ -124,11 +124,16 @@ def _check(
     if aggregation == "dr_grpo":
         if max_completion_length is None:
             problems.append("aggregation='dr_grpo' divides by max_completion_length: pass it (the generation limit)")
-        elif max_completion_length < logps.shape[-1]:
-            problems.append(
-                f"max_completion_length={max_completion_length} is below the completions' width "
-                f"{logps.shape[-1]}: pass the generation limit the rows were sampled with"
-            )
+        elif mask.shape == logps.shape and mask.numel():
+            # The completion tokens of a row, not the width T: plait's rollout rows hold the prompt
+            # and padding too (T = data.seq_len), TRL's hold the completion alone. One host read,
+            # dr_grpo only: a rollout step reads its rewards on the host anyway.
+            longest = int(mask.sum(-1).max())
+            if max_completion_length < longest:
+                problems.append(
+                    f"max_completion_length={max_completion_length} is below a row's {longest} completion "
+                    "tokens: pass the generation limit the rows were sampled with"
+                )
     if problems:
         raise ValueError("policy_loss: " + "; ".join(problems))
 
@@ -165,7 +170,8 @@ def policy_loss(
         beta: weight of the k3 KL to the reference; 0 leaves it out of the loss.
         ref_logps: ``[R, T]`` reference log-probs; needed when ``beta > 0``, logged as ``kl`` when given.
         aggregation: one of ``AGGREGATIONS``; the Task divides ``loss_sum`` by the global `count_units`.
-        max_completion_length: the generation limit in tokens; needed by ``dr_grpo``.
+        max_completion_length: the generation limit in tokens, at least every row's completion
+            tokens (``mask.sum(-1)``; the width ``T`` may be larger); needed by ``dr_grpo``.
 
     Returns:
         `PolicyLoss`: ``loss_sum`` and the metric sums.
@@ -173,7 +179,7 @@ def policy_loss(
     Raises:
         ValueError: every invalid argument at once (unknown names, negative epsilons or beta,
             ``beta > 0`` without ``ref_logps``, ``dr_grpo`` without ``max_completion_length`` or
-            with one below the width ``T``, mismatched shapes, a non-bool mask).
+            with one below a row's completion tokens, mismatched shapes, a non-bool mask).
     """
     others = {"old_logps": old_logps, "ref_logps": ref_logps}
     _check(
