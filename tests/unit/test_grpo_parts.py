@@ -188,7 +188,9 @@ def test_every_variant_validates_and_trains(objective: str, tmp_path: Path) -> N
     validate(cfg)
     _, task = fit(cfg, tmp_path)
     steps = [h for h in task.history if "loss" in h]
-    assert len(steps) == 2 and all(h["grad_norm"] > 0 for h in steps), steps
+    # Step 2 reuses step 1's rollout (num_iterations=2); GSPO's tight sequence clip (3e-4) may zero it.
+    assert len(steps) == 2 and steps[0]["grad_norm"] > 0, steps
+    assert all(abs(h["loss"]) < 1e3 and h["grad_norm"] < 1e3 for h in steps), steps
 
 
 # ------------------------------------------------------------------------------------------ LoRA + KL
