@@ -209,3 +209,11 @@ def test_lora_run_takes_its_kl_against_the_base_with_adapters_off(tmp_path: Path
     kl = [h["train/kl"] for h in task.history if "loss" in h]
     # Step 1: the adapters' B is 0, so the policy is the base (KL exactly 0); then the adapters move it.
     assert kl[0] == 0.0 and kl[-1] > 0.0, kl
+
+
+def test_a_run_without_any_learning_signal_says_so(tmp_path: Path) -> None:
+    # A fresh model never writes the exact sum: every group's rewards are equal (all 0).
+    result = plait("grpo", *GRPO_SMALL, "trainer.max_steps=10", f"run_dir={tmp_path / 'run'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "the last 10 rollouts gave every group of completions the same reward" in result.stderr
+    assert "model.init_from=<an SFT run>" in result.stderr

@@ -49,6 +49,7 @@ from trainer.rl.rewards import score, total
 from trainer.rl.rollout import completion_seed, cut_at_stop, rollout_rows, token_entropy, token_logps
 
 IGNORE_INDEX = -100
+FLAT_ROLLOUTS = 10  # rollouts in a row without any learning signal before the run says so
 
 
 class GRPO(Objective):
@@ -109,6 +110,7 @@ class GRPO(Objective):
         self._sums: dict[str, list[float]] = {}
         self._reward_names: list[str] = []
         self._warned_resume = False
+        self._flat_rollouts = 0  # rollouts in a row in which no group of this rank had a learning signal
 
     @staticmethod
     def node_problems(node: Any) -> list[str]:
@@ -217,8 +219,25 @@ class GRPO(Objective):
             with adapters_off(model):
                 out["ref_logps"] = self._logps(task, out)
         self._record_rollout(datamodule.rewards, values, rewards, completions, rollout_s)
+        self._warn_if_flat(task, rewards)
         self.engine.sync_weights(model)
         return out
+
+    def _warn_if_flat(self, task: L.LightningModule, rewards: torch.Tensor) -> None:
+        """Says once (rank 0) when FLAT_ROLLOUTS rollouts in a row gave every group equal rewards:
+        their advantages are all 0, so the run trains nothing (a fresh model that never hits the answer)."""
+        groups = rewards.view(-1, self.num_generations)
+        flat = bool((groups.max(1).values == groups.min(1).values).all())
+        self._flat_rollouts = self._flat_rollouts + 1 if flat else 0
+        if self._flat_rollouts == FLAT_ROLLOUTS and task.trainer.is_global_zero:
+            print(
+                f"plait: warning: the last {FLAT_ROLLOUTS} rollouts gave every group of completions the same reward "
+                f"(mean {float(rewards.mean()):.3g}), so every advantage is 0 and the policy does not change; start "
+                "from a model that solves some prompts (model.init_from=<an SFT run>), raise objective.temperature or "
+                "objective.num_generations, or add a reward that tells completions apart (data.rewards)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _logps(self, task: L.LightningModule, rows: Batch) -> torch.Tensor:
         """Per-token log-probs ``[R, T]`` of the rows' labels under the current model, without
