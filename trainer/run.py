@@ -28,6 +28,7 @@ from trainer.data.summary import describe
 from trainer.nonfinite import NonFiniteError
 from trainer.planning import check_memory
 from trainer.resume import ResumeRecord, check_resume
+from trainer.rl.rewards import RewardError
 from trainer.run_length import plan_run_length
 from trainer.rundir import RunDir, last_link_problem, resolve_checkpoint
 from trainer.task import Task
@@ -210,6 +211,9 @@ def run(cfg: DictConfig, launch: Launch | None = None) -> None:
         if launching:
             print(f"plait: error: {err}", file=sys.stderr)
         raise SystemExit(3) from None
+    except RewardError as err:  # a reward function of the data failed on the run's completions: exit 2
+        print(f"plait: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     except CheckpointError as err:  # the checkpoint to resume from refused to load, or a save failed to write: exit 2
         if launching:
             print(f"plait: error: {err}", file=sys.stderr)

@@ -6,6 +6,7 @@ whose KL term reads the base with the adapters off."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -79,6 +80,12 @@ def test_reward_problems_name_the_fix() -> None:
     short = build_rewards({"x": {"fn": lambda prompts, completions, **f: [1.0]}})
     with pytest.raises(RewardError, match="returned 1 values for 2 completions"):
         score(short, ["a", "b"], ["a", "b"], {})
+    none = build_rewards({"x": {"fn": lambda prompts, completions, **f: [None] * len(completions)}})
+    with pytest.raises(RewardError, match=r"returned \[None\]; return one float per completion"):
+        score(none, ["a"], ["a"], {})
+    narrow = build_rewards({"x": {"fn": lambda prompts, completions: [1.0] * len(completions)}})
+    with pytest.raises(RewardError, match=r"raised TypeError.*take \*\*fields"):
+        score(narrow, ["a"], ["a"], {"answer": ["1"]})
     nan = build_rewards({"x": {"fn": lambda prompts, completions, **f: [float("nan")] * len(completions)}})
     with pytest.raises(RewardError, match="not finite"):
         score(nan, ["a"], ["a"], {})
@@ -217,3 +224,20 @@ def test_a_run_without_any_learning_signal_says_so(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "the last 10 rollouts gave every group of completions the same reward" in result.stderr
     assert "model.init_from=<an SFT run>" in result.stderr
+
+
+def test_a_reward_target_that_does_not_import_is_refused_by_validate() -> None:
+    overrides = [*GRPO_SMALL, "data.rewards.answer.fn._target_=no_such_module.reward"]
+    with pytest.raises(ConfigError, match=r"data.rewards.answer.fn: .*no_such_module"):
+        validate(compose_config(overrides, recipe="grpo", tiny=False))
+
+
+def test_a_reward_that_fails_during_the_run_is_one_error_line(tmp_path: Path) -> None:
+    (tmp_path / "bad_rewards.py").write_text(
+        "def broken(prompts, completions, **fields):\n    return [None] * len(completions)\n"
+    )
+    target = "data.rewards.answer.fn._target_=bad_rewards.broken"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    result = plait("grpo", *GRPO_SMALL, target, "trainer.max_steps=2", f"run_dir={tmp_path / 'run'}", env=env)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "plait: error: data.rewards.answer returned [None" in result.stderr and "Traceback" not in result.stderr

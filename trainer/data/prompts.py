@@ -196,7 +196,14 @@ class PromptDataModule(DataModule):
     def node_problems(cls, node: Any) -> list[str]:
         """The sources, the rewards' targets, and the room a completion has in a row."""
         problems = named_source_problems(node, lambda name, spec: PROMPTS.parse(name, spec), PROMPTS.empty_problem())
-        problems += reward_problems(node.get("rewards") if hasattr(node, "get") else None)
+        rewards = node.get("rewards") if hasattr(node, "get") else None
+        shape = reward_problems(rewards)
+        problems += shape
+        if not shape:  # build them now: a target that does not import is found before any process starts
+            try:
+                build_rewards(rewards)
+            except RewardError as err:
+                problems.append(str(err))
         seq_len, completion = node.get("seq_len", 0), node.get("completion_len", 0)
         if isinstance(seq_len, int) and isinstance(completion, int) and seq_len and completion >= seq_len:
             problems.append(

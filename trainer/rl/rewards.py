@@ -127,12 +127,25 @@ def score(
     """Each reward function's values, by name, one per completion.
 
     Raises:
-        RewardError: a function that returned another number of values, or values that are not
-            finite numbers.
+        RewardError: a function that raised, or returned another number of values, or values that
+            are not finite numbers.
     """
     out = {}
     for reward in rewards:
-        values = [float(v) for v in reward.fn(list(prompts), list(completions), **fields)]
+        try:
+            returned = reward.fn(list(prompts), list(completions), **fields)
+        except Exception as err:  # noqa: BLE001 - the user's function: name it, keep its traceback
+            raise RewardError(
+                f"data.rewards.{reward.name} raised {type(err).__name__}: {err} (it gets prompts, completions and "
+                f"the fields {sorted(fields)} as keyword arguments; take **fields for the ones it does not use)"
+            ) from err
+        try:
+            values = [float(v) for v in returned]
+        except (TypeError, ValueError):
+            raise RewardError(
+                f"data.rewards.{reward.name} returned {str(returned)[:80]}; return one float per completion "
+                "(None, to skip a completion, is not supported)"
+            ) from None
         if len(values) != len(completions):
             raise RewardError(
                 f"data.rewards.{reward.name} returned {len(values)} values for {len(completions)} completions; "
