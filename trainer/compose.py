@@ -119,11 +119,12 @@ def to_hydra_argv(argv: list[str]) -> list[str]:
 
 def replace_sources(override: str) -> list[str]:
     """``data.sources={mine: {...}}`` -> ``~data.sources +data.sources={mine: {...}}``: a mapping
-    given for ``data.sources`` replaces the preset's named sources (Hydra would merge it into them,
-    and refuse the new name in struct mode); any other override is kept as it is."""
+    given for ``data.sources`` (or a prompt data's ``data.rewards``) replaces the preset's named
+    entries (Hydra would merge it into them, and refuse a new name in struct mode); any other
+    override is kept as it is."""
     key, _, value = override.partition("=")
-    if key.strip() == "data.sources" and value.lstrip().startswith("{"):
-        return ["~data.sources", f"+data.sources={value}"]
+    if key.strip() in ("data.sources", "data.rewards") and value.lstrip().startswith("{"):
+        return [f"~{key.strip()}", f"+{key.strip()}={value}"]
     return [override]
 
 

@@ -241,3 +241,29 @@ def test_a_reward_that_fails_during_the_run_is_one_error_line(tmp_path: Path) ->
     result = plait("grpo", *GRPO_SMALL, target, "trainer.max_steps=2", f"run_dir={tmp_path / 'run'}", env=env)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "plait: error: data.rewards.answer returned [None" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_countdown_prompts_train_and_steps_that_reuse_a_rollout_log_its_rewards(tmp_path: Path) -> None:
+    overrides = [o for o in GRPO_SMALL if not o.startswith("data.sources.")]
+    cfg = compose_config(
+        [*overrides, "data=countdown", "data.sources.countdown.limit=64", "data.sources.countdown.val_size=8",
+         "objective.num_iterations=2", "trainer.max_steps=2"],
+        recipe="grpo", tiny=False,
+    )  # fmt: skip
+    assert list(cfg.data.sources) == ["countdown"]
+    _, task = fit(cfg, tmp_path)
+    steps = [h for h in task.history if "loss" in h]
+    assert all("train/reward" in h and "train/completion_length" in h for h in steps), steps
+    assert steps[0]["train/reward"] == steps[1]["train/reward"]  # step 2 trains on step 1's rows
+
+
+def test_too_few_prompts_for_one_step_are_refused(tmp_path: Path) -> None:
+    cfg = compose_config([*GRPO_SMALL, "data.sources.addition.limit=3"], recipe="grpo", tiny=False)
+    with pytest.raises(DataError, match=r"3 training prompts, but a step takes .* = 16 / 4 = 4"):
+        build_data(cfg).prepare()
+
+
+def test_a_mapping_for_data_rewards_replaces_the_presets() -> None:
+    given = "data.rewards={short: {fn: {_target_: trainer.rl.rewards.length_penalty, _partial_: true, limit: 3}}}"
+    cfg = compose_config([*GRPO_SMALL, given], recipe="grpo", tiny=False)
+    assert list(cfg.data.rewards) == ["short"]

@@ -159,6 +159,8 @@ class PromptDataModule(DataModule):
             batch of ``train.global_batch_size`` rows holds global_batch_size / group_size prompts.
         completion_len: tokens per completion at most (set from ``objective.max_new_tokens``).
         num_iterations: optimizer steps per prompt batch (set from ``objective.num_iterations``).
+        stop: strings that end a completion (set from ``objective.stop``): the held-out greedy
+            completions are cut as the training ones are.
         **settings: ``seq_len`` (prompt + completion + padding), ``tokenizer``, ``vocab_size``,
             ``seed``, ``cache_dir``, ``run`` (`DataModule`).
 
@@ -177,6 +179,7 @@ class PromptDataModule(DataModule):
         group_size: int = 8,
         completion_len: int = 16,
         num_iterations: int = 1,
+        stop: Sequence[str] = (),
         **settings: Unpack[Settings],
     ) -> None:
         super().__init__(**settings)
@@ -188,6 +191,7 @@ class PromptDataModule(DataModule):
         self.reward_nodes = rewards
         self.template_name = template
         self.group_size, self.completion_len, self.num_iterations = group_size, completion_len, num_iterations
+        self.stop = tuple(stop)
         self.prompts_per_step = self.global_batch_size // group_size
         self._rewards: list[Reward] | None = None
 
@@ -264,7 +268,20 @@ class PromptDataModule(DataModule):
                     f"{shortest + self.completion_len}"
                 )
             train += [item for item in kept if len(item.ids) <= room]
-            val += [item for r in val_records if len((item := self._item(name, r, tokenizer, template)).ids) <= room]
+            held_out = [self._item(name, r, tokenizer, template) for r in val_records]
+            if long_val := sum(len(item.ids) > room for item in held_out):
+                print(
+                    f"plait: data.sources.{name}: dropped {long_val} of {len(held_out)} held-out prompts longer than "
+                    f"{room} tokens",
+                    file=sys.stderr,
+                )
+            val += [item for item in held_out if len(item.ids) <= room]
+        if not problems and len(train) < self.prompts_per_step:
+            problems.append(
+                f"{len(train)} training prompts, but a step takes train.global_batch_size / objective.num_generations "
+                f"= {self.global_batch_size} / {self.group_size} = {self.prompts_per_step}; add prompts, or lower "
+                "train.global_batch_size"
+            )
         if problems:
             raise DataError("; ".join(problems))
         return PreparedPrompts(tokenizer=tokenizer, template=template, train=train, val=val, dropped=dropped)
@@ -334,7 +351,11 @@ class PromptDataModule(DataModule):
         prepared = self.prepare()
         if not prepared.val:
             return []
-        return [RewardEvaluator(prepared.val, self.rewards, prepared.tokenizer, max_new_tokens=self.completion_len)]
+        return [
+            RewardEvaluator(
+                prepared.val, self.rewards, prepared.tokenizer, max_new_tokens=self.completion_len, stop=self.stop
+            )
+        ]
 
     @property
     @override

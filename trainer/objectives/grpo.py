@@ -107,6 +107,7 @@ class GRPO(Objective):
         self.num_iterations, self.seed = num_iterations, seed
         self.engine: GenerationEngine = engine if engine is not None else InProcessEngine()
         self._rollout: Batch | None = None
+        self._rollout_sums: dict[str, tuple[float, float]] = {}
         self._sums: dict[str, list[float]] = {}
         self._reward_names: list[str] = []
         self._warned_resume = False
@@ -175,6 +176,8 @@ class GRPO(Objective):
                 )
                 self._warned_resume = True
             self._rollout = self._roll_out(task, batch)
+        else:
+            self._add_rollout_sums()  # the same rows: the same rewards, logged at this step too
         return self._rollout
 
     def _all_done(self, task: L.LightningModule) -> Callable[[bool], bool] | None:
@@ -297,17 +300,25 @@ class GRPO(Objective):
         self, rewards: Sequence[Any], values: dict[str, list[float]], total_: torch.Tensor,
         completions: Sequence[Sequence[int]], rollout_s: float,
     ) -> None:  # fmt: skip
+        """The rollout's metrics, kept for the steps that reuse its rows (each step logs the rewards of
+        the rows it trained on, whichever steps the loggers write); its sampling time once."""
         n, G = len(completions), self.num_generations
         self._reward_names = [r.name for r in rewards]
-        self._add("reward", float(total_.sum()), n)
-        for name, v in values.items():
-            self._add(f"reward/{name}", sum(v), n)
         groups = total_.view(-1, G)
-        self._add("reward_std", float(groups.std(dim=1).sum()), len(groups))
-        self._add("zero_std_groups", float((groups.max(1).values == groups.min(1).values).sum()), len(groups))
-        self._add("completion_length", float(sum(map(len, completions))), n)
-        self._add("truncated", float(sum(len(c) >= self.params.max_new_tokens for c in completions)), n)
+        self._rollout_sums = {
+            "reward": (float(total_.sum()), n),
+            **{f"reward/{name}": (sum(v), n) for name, v in values.items()},
+            "reward_std": (float(groups.std(dim=1).sum()), len(groups)),
+            "zero_std_groups": (float((groups.max(1).values == groups.min(1).values).sum()), len(groups)),
+            "completion_length": (float(sum(map(len, completions))), n),
+            "truncated": (float(sum(len(c) >= self.params.max_new_tokens for c in completions)), n),
+        }
+        self._add_rollout_sums()
         self._add("time/rollout_s", rollout_s, 1)
+
+    def _add_rollout_sums(self) -> None:
+        for name, (value, count) in self._rollout_sums.items():
+            self._add(name, value, count)
 
     def _names(self) -> list[str]:
         fixed = ["reward", *(f"reward/{n}" for n in self._reward_names), "reward_std", "zero_std_groups"]

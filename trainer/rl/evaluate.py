@@ -20,6 +20,7 @@ from torch import nn
 from trainer import protocols
 from trainer.data.tokenizer import Tokenizer
 from trainer.rl.rewards import Reward, score, total
+from trainer.rl.rollout import cut_at_stop
 from trainer.sampling import sample_batch
 
 
@@ -55,17 +56,20 @@ class RewardEvaluator(protocols.Evaluator):
         rewards: the run's reward functions.
         tokenizer: decodes the completions.
         max_new_tokens: tokens per completion at most.
+        stop: strings that end a completion (cut as `trainer.rl.rollout.cut_at_stop` cuts the training ones).
     """
 
     def __init__(
-        self, items: Sequence[PromptItem], rewards: Sequence[Reward], tokenizer: Tokenizer, *, max_new_tokens: int
+        self,
+        items: Sequence[PromptItem],
+        rewards: Sequence[Reward],
+        tokenizer: Tokenizer,
+        *,
+        max_new_tokens: int,
+        stop: Sequence[str] = (),
     ) -> None:
-        self.items, self.rewards, self.tokenizer, self.max_new_tokens = (
-            list(items),
-            list(rewards),
-            tokenizer,
-            max_new_tokens,
-        )
+        self.items, self.rewards, self.tokenizer = list(items), list(rewards), tokenizer
+        self.max_new_tokens, self.stop = max_new_tokens, tuple(stop)
 
     @property
     def headline_metrics(self) -> list[str]:
@@ -81,7 +85,7 @@ class RewardEvaluator(protocols.Evaluator):
             temperature=0.0,
             device=device,
         )
-        return [completion_text(self.tokenizer, ids) for ids in new]
+        return [completion_text(self.tokenizer, cut_at_stop(ids, self.tokenizer, self.stop)) for ids in new]
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, device: torch.device) -> dict[str, float]:

@@ -1,8 +1,9 @@
 """Reward functions of online RL with verifiable rewards, and the weighted set a run uses.
 
-A reward function is any callable ``fn(prompts, completions, **fields) -> list[float]`` (TRL's
-``reward_funcs`` signature): ``prompts`` and ``completions`` are lists of texts (the prompt as the
-chat template rendered it, the completion decoded without its EOS), and ``fields`` holds, per
+A reward function is any callable ``fn(prompts, completions, **fields) -> list[float]`` (the shape
+of TRL's ``reward_funcs``, with texts for both: not TRL's message lists of conversational data):
+``prompts`` and ``completions`` are lists of strings (the prompt as the chat template rendered it,
+the completion decoded without its EOS), and ``fields`` holds, per
 name, the list of the prompts' values of every other column of the prompt table (``answer``,
 ``numbers``, ``target``, ...), one per completion. It returns one float per completion; a
 function should take ``**fields`` so that columns it does not use pass through.
@@ -117,7 +118,11 @@ def build_rewards(node: Mapping[str, Any]) -> list[Reward]:
             raise RewardError(
                 f"data.rewards.{name}.fn built a {type(fn).__name__}, not a function; add _partial_: true"
             )
-        rewards.append(Reward(str(name), fn, float(spec.get("weight", 1.0))))
+        try:
+            weight = float(spec.get("weight", 1.0))
+        except (TypeError, ValueError):
+            raise RewardError(f"data.rewards.{name}.weight={spec.get('weight')!r}: give a number, e.g. 1.0") from None
+        rewards.append(Reward(str(name), fn, weight))
     return rewards
 
 
