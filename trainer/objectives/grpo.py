@@ -46,7 +46,7 @@ from trainer.rl.engine import GenerationEngine, InProcessEngine, SamplingParams
 from trainer.rl.evaluate import completion_text, fields_of
 from trainer.rl.policy_loss import AGGREGATIONS, count_units, policy_loss
 from trainer.rl.rewards import score, total
-from trainer.rl.rollout import completion_seed, cut_at_stop, rollout_rows, token_entropy, token_logps
+from trainer.rl.rollout import completion_seed, cut_at_stop, rollout_rows, token_logps, token_logps_and_entropy
 
 IGNORE_INDEX = -100
 FLAT_ROLLOUTS = 10  # rollouts in a row without any learning signal before the run says so
@@ -269,7 +269,7 @@ class GRPO(Objective):
             return token_loss_sum(logits, batch["labels"])
         labels = batch["labels"]
         mask = labels != IGNORE_INDEX
-        logps = token_logps(logits, labels)
+        logps, entropy = token_logps_and_entropy(logits, labels)
         out = policy_loss(
             logps,
             batch.get("old_logps"),
@@ -285,7 +285,6 @@ class GRPO(Objective):
         )
         for name, (total_, count) in out.sums.items():
             self._add(name, total_.detach(), count)
-        entropy = token_entropy(logits)
         self._add("entropy", torch.where(mask, entropy, 0.0).sum(), mask.sum())
         return out.loss_sum
 

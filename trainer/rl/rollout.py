@@ -58,13 +58,19 @@ def rollout_rows(
 
 def token_logps(logits_btv: torch.Tensor, labels_bt: torch.Tensor) -> torch.Tensor:
     """``[B, T]`` fp32 log-probability of each label under the logits (0 where the label is -100)."""
+    return _picked(torch.log_softmax(logits_btv.float(), dim=-1), labels_bt)
+
+
+def token_logps_and_entropy(logits_btv: torch.Tensor, labels_bt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logps` and the ``[B, T]`` entropy (nats, no gradient) of each position's next-token
+    distribution, from one log-softmax over the vocabulary."""
     logps = torch.log_softmax(logits_btv.float(), dim=-1)
-    picked = logps.gather(-1, labels_bt.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return torch.where(labels_bt != IGNORE_INDEX, picked, torch.zeros_like(picked))
-
-
-def token_entropy(logits_btv: torch.Tensor) -> torch.Tensor:
-    """``[B, T]`` fp32 entropy (nats) of each position's next-token distribution (no gradient)."""
     with torch.no_grad():
-        logps = torch.log_softmax(logits_btv.float(), dim=-1)
-        return -(logps.exp() * logps).sum(-1)
+        detached = logps.detach()
+        entropy = -(detached.exp() * detached).sum(-1)
+    return _picked(logps, labels_bt), entropy
+
+
+def _picked(logps_btv: torch.Tensor, labels_bt: torch.Tensor) -> torch.Tensor:
+    picked = logps_btv.gather(-1, labels_bt.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(labels_bt != IGNORE_INDEX, picked, torch.zeros_like(picked))
