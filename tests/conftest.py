@@ -20,7 +20,7 @@ def plait_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 # What CI installs and some tests would otherwise skip without (the Hugging Face reference,
-# the wandb logger), and trl (tests/unit/test_grpo_loss.py's reference, imported there at module
+# the wandb logger), and trl (tests/unit/test_grpo_loss_trl.py's reference, imported there at module
 # level): under CI=true a missing or broken one fails the run instead.
 REQUIRED_UNDER_CI = ("transformers", "wandb", "trl")
 
