@@ -22,6 +22,8 @@ from trainer.data.countdown import check, make
 from trainer.data.loader import RowBatches
 from trainer.data.prompts import RepeatedBatches
 from trainer.data.sampler import GlobalBatchSampler
+from trainer.rl import evaluate
+from trainer.rl.evaluate import PromptItem
 from trainer.rl.rewards import RewardError, build_rewards, exact_answer, format_match, length_penalty, score
 from trainer.rl.rollout import completion_seed, cut_at_stop, rollout_rows
 
@@ -267,3 +269,27 @@ def test_a_mapping_for_data_rewards_replaces_the_presets() -> None:
     given = "data.rewards={short: {fn: {_target_: trainer.rl.rewards.length_penalty, _partial_: true, limit: 3}}}"
     cfg = compose_config([*GRPO_SMALL, given], recipe="grpo", tiny=False)
     assert list(cfg.data.rewards) == ["short"]
+
+
+def test_every_prompt_too_long_is_refused_naming_the_seq_len_that_fits() -> None:
+    cfg = compose_config([*GRPO_SMALL, "data.seq_len=16"], recipe="grpo", tiny=False)
+    with pytest.raises(
+        DataError,
+        match=r"every prompt is longer than .* = 10 tokens \(the shortest has \d+\); raise data.seq_len to at least \d+",
+    ):
+        build_data(cfg).prepare()
+
+
+def test_held_out_completions_are_cut_at_the_stop_strings(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Chars:  # one character per id
+        eos_id = 0
+
+        def decode(self, ids):
+            return "".join(chr(i) for i in ids)
+
+    item = PromptItem(source="s", text="p", ids=[1], fields={"answer": "12"})
+    monkeypatch.setattr(evaluate, "sample_batch", lambda *a, **k: [[ord(c) for c in "12;34"] + [0]])
+    answer = build_rewards({"answer": {"fn": exact_answer}})
+    cut = evaluate.RewardEvaluator([item], answer, Chars(), max_new_tokens=8, stop=[";"])
+    assert cut.completions(None, "cpu") == ["12;"]
+    assert evaluate.RewardEvaluator([item], answer, Chars(), max_new_tokens=8).completions(None, "cpu") == ["12;34"]
