@@ -30,7 +30,6 @@ from __future__ import annotations
 import ast
 import random
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 NUM = r"\d+"
@@ -203,12 +202,6 @@ def _ops_list(text: str) -> list[str]:
     return value
 
 
-def _lines(trace: str) -> Iterator[tuple[int, str]]:
-    body = trace.rstrip("\n")
-    for i, line in enumerate(body.split("\n")):
-        yield i, line
-
-
 def verify(trace: str, numbers: list[int], target: int) -> Verdict:
     """Checks a trace line by line against the problem (never raises).
 
@@ -222,7 +215,7 @@ def verify(trace: str, numbers: list[int], target: int) -> Verdict:
     """
     nodes: dict[str, tuple[list[int], list[str]]] = {"0": (list(numbers), [])}
     visited, current, pending = {"0"}, "0", None  # pending: what the previous line requires next
-    lines = list(_lines(trace))
+    lines = list(enumerate(trace.rstrip("\n").split("\n")))
     complete = trace.endswith("\n")
 
     settled = 0  # the end of the last line after which no second line is pending
