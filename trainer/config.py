@@ -148,6 +148,8 @@ class RunConfig:
             ``trust`` likewise).
         objective, model, data, optim, scheduler, strategy: ``_target_`` nodes.
         budget: an optional ``_target_`` node of a budget search (``budget=msft``) that drives runs.
+        rest: an optional ``_target_`` node of self-training rounds (``plait rest``) that drive runs;
+            each round writes its own ``data.sources`` (`trainer.rest.driver`).
         logger: named ``_target_`` nodes of Lightning loggers.
         callbacks: named ``_target_`` nodes of Lightning callbacks.
         cluster: a machine preset (``cluster=h100x8``, conf/cluster/) for the planner.
@@ -169,6 +171,7 @@ class RunConfig:
     logger: Any = None
     callbacks: Any = None
     budget: Any = None
+    rest: Any = None
     cluster: Any = None
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -186,7 +189,7 @@ INJECTED = {
 # Keys plait reads itself off a node, passed to its target only when the target takes them
 # (`trainer.model_node`: ``model.init_from``, loaded by the Task, not by the model).
 OWN_KEYS = {"model": NODE_KEYS}
-TARGET_NODES = ("objective", "model", "data", "optim", "scheduler", "strategy", "budget")
+TARGET_NODES = ("objective", "model", "data", "optim", "scheduler", "strategy", "budget", "rest")
 # The groups whose class validate asks for its own problems (`trainer.protocols.Component`); the
 # data module's evaluators are asked too (`DataModule.evaluator_types`), and the strategy asks its
 # plugins (`MeshStrategy.problems`, in `trainer.semantics.resolve`).
@@ -198,10 +201,13 @@ def component_problems(cfg: DictConfig, run: ResolvedRun | None) -> list[str]:
     module's class, and of each evaluator class the data module builds (given the data node).
 
     ``run`` is None when the layout did not resolve. A node whose ``_target_`` does not import is
-    skipped (the target checks report it)."""
+    skipped (the target checks report it). The data node of ``plait rest`` is checked by each
+    round's own launch, once the round has written its sources (`trainer.rest.driver`)."""
     problems: list[str] = []
     for group in COMPONENT_GROUPS:
         node = cfg.get(group)
+        if group == "data" and cfg.get("rest") is not None:
+            continue
         if not isinstance(node, DictConfig) or not isinstance(node.get("_target_"), str):
             continue
         try:

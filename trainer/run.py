@@ -18,7 +18,7 @@ from strategies.checkpoint.dcp import CheckpointError, NonFiniteStateError
 from strategies.core.resolved import ResolvedRun
 from strategies.runtime.launch import LAUNCH_ENV, launch_problems
 from strategies.runtime.watchdog import ABORT_EXIT
-from trainer.budget.driver import is_search, run_search
+from trainer.budget.driver import DriverError, is_search, run_search
 from trainer.build import build_fit, prepared_data
 from trainer.checkpoint_step import step_problem
 from trainer.config import ConfigError, validate
@@ -200,8 +200,12 @@ def run(cfg: DictConfig, launch: Launch | None = None) -> None:
     launching = _is_launching_rank()
     with _refused_start(run_dir, launching):
         launch = check_launch(cfg, run_dir) if launch is None else launch
-        if is_search(cfg):  # budget=msft: a search that fits runs of its own in run_dir
-            run_search(cfg, run_dir, launch.run, say=_print if launching else None)
+        if is_search(cfg):  # budget=msft, plait rest: a driver that fits runs of its own in run_dir
+            try:
+                run_search(cfg, run_dir, launch.run, say=_print if launching else None)
+            except DriverError as err:
+                print(f"plait: error: {err}", file=sys.stderr)
+                raise SystemExit(1) from None
             return
         trainer, task, data = start(cfg, run_dir, launch, launching)
     ckpt_path = launch.ckpt_path
