@@ -193,7 +193,7 @@ TARGET_NODES = ("objective", "model", "data", "optim", "scheduler", "strategy", 
 # The groups whose class validate asks for its own problems (`trainer.protocols.Component`); the
 # data module's evaluators are asked too (`DataModule.evaluator_types`), and the strategy asks its
 # plugins (`MeshStrategy.problems`, in `trainer.semantics.resolve`).
-COMPONENT_GROUPS = ("objective", "data")
+COMPONENT_GROUPS = ("objective", "data", "rest")
 
 
 def component_problems(cfg: DictConfig, run: ResolvedRun | None) -> list[str]:

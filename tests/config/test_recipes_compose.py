@@ -95,4 +95,6 @@ def test_every_group_option_validates_in_the_default_recipe(group: str) -> None:
             group == "objective" and option.stem in ("grpo", "dr_grpo", "dapo", "gspo", "rloo")
         ):  # prompts and the online objectives that sample their rows
             recipe = "grpo"
+        if (group, option.stem) == ("data", "rest"):  # a ReST round's traces: the rounds write its sources
+            recipe = "rest"
         validate(compose_config(overrides, recipe=recipe, tiny=False))

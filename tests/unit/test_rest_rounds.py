@@ -5,6 +5,7 @@ driver's options are refused with their fix."""
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -86,6 +87,8 @@ def test_held_out_problems_are_not_training_problems():
     train, held_out = problems(0, train=300, held_out=100, count=3, high=10, max_target=50)
     key = lambda p: (tuple(sorted(p["numbers"])), p["target"])  # noqa: E731
     assert len({key(p) for p in train + held_out}) == 400
+    with pytest.raises(ConfigError, match="distinct problems found of the 500 asked for"):
+        problems(0, train=400, held_out=100, count=3, high=4, max_target=20)
 
 
 @pytest.mark.parametrize(
@@ -116,3 +119,26 @@ def test_a_run_directory_with_rounds_needs_resume_and_resume_needs_rounds(tmp_pa
     with pytest.raises(ConfigError, match="resumes its own run directory"):
         driver.check_run_dir(OmegaConf.create({"resume": "runs/x"}), tmp_path / "old")
     driver.check_run_dir(OmegaConf.create({"resume": "last"}), tmp_path / "old")
+    OmegaConf.save({"resume": None, "rest": {"samples": 4}}, tmp_path / "old" / "config.yaml")
+    driver.check_run_dir(OmegaConf.create({"resume": "last", "rest": {"samples": 4}}), tmp_path / "old")
+    with pytest.raises(ConfigError, match=r"rest\.samples: 4 when .* started, 2 now"):
+        driver.check_run_dir(OmegaConf.create({"resume": "last", "rest": {"samples": 2}}), tmp_path / "old")
+
+
+@pytest.mark.parametrize(
+    ("override", "fix"),
+    [
+        ("rest.max_new_tokens=600", "raise data.seq_len to at least 664"),
+        ("rest.problems.train=5000", "lower rest.problems.train"),
+        ("+rest.problems.size=4", "rest.problems.size: not a difficulty knob"),
+        ("rest.init=first", "rest.init=first"),
+    ],
+)
+def test_validate_refuses_a_rest_run_before_any_run_directory(override, fix):
+    from harness import compose_config
+
+    from trainer.config import validate
+
+    validate(compose_config([], recipe="rest", tiny=False))
+    with pytest.raises(ConfigError, match=re.escape(fix)):
+        validate(compose_config([override], recipe="rest", tiny=False))

@@ -45,6 +45,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from strategies.core.resolved import ResolvedRun
 from trainer.budget.driver import DriverError
 from trainer.config import ConfigError
 from trainer.export import trained_chat_template
@@ -55,6 +56,8 @@ from trainer.rest.sos import make_problem, search_trace
 from trainer.rundir import RunDir, load_run_model
 
 ARMS = ("guided", "unguided")
+DIFFICULTY = ("count", "high", "max_target")  # make_problem's knobs
+PROMPT_ROOM = 64  # tokens of a row kept for the chat-rendered prompt (about 30 with a round-0 BPE)
 
 
 def _die_with_parent() -> None:
@@ -68,14 +71,33 @@ def _die_with_parent() -> None:
 
 def problems(seed: int, *, train: int, held_out: int, **difficulty: Any) -> tuple[list[dict], list[dict]]:
     """Distinct training and held-out problems (no held-out problem's numbers and target among the
-    training ones), drawn from ``seed`` with `make_problem`'s difficulty knobs."""
-    rng, seen, out = random.Random(f"rest-{seed}"), set(), []
+    training ones), drawn from ``seed`` with `make_problem`'s difficulty knobs.
+
+    Raises:
+        ConfigError: the difficulty has too few distinct problems (no new one in a row of 10 draws
+            per problem asked for).
+    """
+    unknown = sorted(set(difficulty) - set(DIFFICULTY))
+    if unknown:
+        raise ConfigError([f"rest.problems.{k}: not a difficulty knob; use {', '.join(DIFFICULTY)}" for k in unknown])
+    rng, seen, out, misses = random.Random(f"rest-{seed}"), set(), [], 0
     while len(out) < train + held_out:
         p = make_problem(rng, **difficulty)
         key = (tuple(sorted(p["numbers"])), p["target"])
-        if key not in seen:
-            seen.add(key)
-            out.append(p)
+        if key in seen:
+            misses += 1
+            if misses > 10 * (train + held_out):
+                raise ConfigError(
+                    [
+                        f"rest.problems: {len(out)} distinct problems found of the {train + held_out} asked for "
+                        f"(train {train} + held_out {held_out}) at {difficulty}; lower rest.problems.train, or raise "
+                        "rest.problems.high or rest.problems.max_target"
+                    ]
+                )
+            continue
+        seen.add(key)
+        out.append(p)
+        misses = 0
     return out[:train], out[train:]
 
 
@@ -99,6 +121,22 @@ def _write_traces(path: Path, problem_list: Sequence[dict], records: Sequence[di
             }
             f.write(json.dumps(row) + "\n")
     os.replace(tmp, path)
+
+
+def _changed(saved: DictConfig, cfg: DictConfig) -> list[tuple[str, Any, Any]]:
+    """``(key, saved value, value now)`` of every leaf that differs, but those that do not change
+    what the rounds compute (``run_dir``, ``resume``, the progress bar, the cache folder)."""
+    ignore = ("run_dir", "resume", "trainer.enable_progress_bar", "data.cache_dir")
+
+    def leaves(node: Any, prefix: str = "") -> dict[str, Any]:
+        if isinstance(node, dict):
+            return {k: v for key, sub in node.items() for k, v in leaves(sub, f"{prefix}{key}.").items()}
+        return {prefix[:-1]: node}
+
+    before = leaves(OmegaConf.to_container(saved, resolve=True))
+    now = leaves(OmegaConf.to_container(cfg, resolve=True))
+    keys = sorted(set(before) | set(now))
+    return [(k, before.get(k), now.get(k)) for k in keys if k not in ignore and before.get(k) != now.get(k)]
 
 
 class GuidedReST:
@@ -160,6 +198,27 @@ class GuidedReST:
         self.samples, self.guidance_iterations, self.max_per_problem = samples, guidance_iterations, max_per_problem
         self.temperature, self.max_new_tokens, self.budgets = temperature, max_new_tokens, sorted(budgets)
         self.init, self.round0_steps, self.steps = init, round0_steps, steps
+
+    @classmethod
+    def problems(cls, run: ResolvedRun | None, node: Any) -> list[str]:
+        """`trainer.protocols.Component.problems` of the ``rest`` node, for `trainer.config.validate`:
+        the options (the constructor's checks), whether the difficulty has the problems asked for,
+        and room in a row for a trace of ``max_new_tokens`` after its prompt."""
+        args = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if k != "_target_"}
+        try:
+            driver = cls(**args)
+            _ = problems(0, **driver.problem_args)
+        except ConfigError as err:
+            return list(err.problems)
+        except TypeError:  # a missing or unknown argument: the target checks report it
+            return []
+        if run is not None and driver.max_new_tokens + PROMPT_ROOM > run.seq_len:
+            return [
+                f"rest.max_new_tokens={driver.max_new_tokens} leaves no room for the prompt in data.seq_len="
+                f"{run.seq_len} (a trained row holds both): raise data.seq_len to at least "
+                f"{driver.max_new_tokens + PROMPT_ROOM} or lower rest.max_new_tokens"
+            ]
+        return []
 
     # ---------------------------------------------------------------------------------- stages
     def round_config(
@@ -296,6 +355,16 @@ class GuidedReST:
             )
         if cfg.resume == "last" and not started:
             raise ConfigError([f"run_dir={run_dir} holds no ReST round to resume; drop resume to start fresh"])
+        if cfg.resume == "last" and (run_dir / "config.yaml").is_file():
+            changed = _changed(OmegaConf.load(run_dir / "config.yaml"), cfg)
+            if changed:
+                raise ConfigError(
+                    [
+                        f"{key}: {old} when {run_dir} started, {new} now; a resumed ReST run continues with its own "
+                        f"config (resume=last {key}={old}), or start a new run_dir"
+                        for key, old, new in changed
+                    ]
+                )
 
     def run(self, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         """Every round of every arm, then ``rest.json``, ``rest.png`` and the printed table."""
@@ -306,7 +375,8 @@ class GuidedReST:
         report: dict[str, Any] = {"arms": {}, "budgets": self.budgets, "problems": self.problem_args}
         round0 = run_dir / "round_0"
         round0.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+        if not (run_dir / "config.yaml").is_file():
+            OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)  # what check_run_dir holds a resume to
         stats0 = self.symbolic_traces(round0, train)
         say(
             f"round 0: the searcher solved {stats0['solved']} of {stats0['sampled']} training problems; training on them"
@@ -328,6 +398,7 @@ class GuidedReST:
             "stats": stats0,
             "solve_rate": eval0["solve_rate"],
             "valid": eval0["valid"],
+            "legal_lines": eval0["legal_lines"],
             "train_tokens": self._tokens(round0),
         }
         for arm in self.arms:
@@ -367,6 +438,7 @@ class GuidedReST:
                         "stats": stats,
                         "solve_rate": result["solve_rate"],
                         "valid": result["valid"],
+                        "legal_lines": result["legal_lines"],
                         "train_tokens": self._tokens(round_dir),
                     }
                 )

@@ -11,8 +11,9 @@ from trainer.figures import pyplot
 def table(report: dict[str, Any]) -> str:
     """One line per arm and round: the round's data and the held-out solve rate at every budget."""
     budgets = [str(b) for b in report["budgets"]]
-    head = f"{'arm':<9} {'round':>5} {'sampled':>7} {'solved':>7} {'kept':>6} {'train tok':>9} " + " ".join(
-        f"{'@' + b:>6}" for b in budgets
+    head = (
+        f"{'arm':<9} {'round':>5} {'sampled':>7} {'solved':>7} {'kept':>6} {'train tok':>9} {'valid':>6} {'lines':>6} "
+        + " ".join(f"{'@' + b:>6}" for b in budgets)
     )
     lines = [head]
     for arm, entries in report["arms"].items():
@@ -20,9 +21,13 @@ def table(report: dict[str, Any]) -> str:
             s = e["stats"]
             rates = " ".join(f"{e['solve_rate'][b]:>6.3f}" for b in budgets)
             lines.append(
-                f"{arm:<9} {e['round']:>5} {s['sampled']:>7} {s['solved']:>7} {s['kept']:>6} {e['train_tokens']:>9} {rates}"
+                f"{arm:<9} {e['round']:>5} {s['sampled']:>7} {s['solved']:>7} {s['kept']:>6} {e['train_tokens']:>9} "
+                f"{e['valid']:>6.3f} {e['legal_lines']:>6.1f} {rates}"
             )
-    lines.append(f"held-out solve rate within @N generated tokens ({report['problems']['held_out']} problems, greedy)")
+    lines.append(
+        f"held-out, greedy ({report['problems']['held_out']} problems): valid traces, legal lines before the first "
+        "wrong one, solve rate within @N generated tokens"
+    )
     return "\n".join(lines)
 
 

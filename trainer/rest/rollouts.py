@@ -60,7 +60,7 @@ class Generator:
     """
 
     def __init__(
-        self, model: nn.Module, tokenizer: Tokenizer, template: JinjaTemplate, *, batch_rows: int = 64
+        self, model: nn.Module, tokenizer: Tokenizer, template: JinjaTemplate, *, batch_rows: int = 256
     ) -> None:
         self.model, self.tokenizer, self.template, self.batch_rows = model, tokenizer, template, batch_rows
 
@@ -162,7 +162,8 @@ def keep(traces: Sequence[Trace], *, max_per_problem: int) -> list[Trace]:
 
 def solve_rates(gen: Generator, problems: Sequence[dict], budgets: Sequence[int]) -> dict:
     """The greedy traces of ``problems`` and the share solved within each budget (generated tokens):
-    ``{"solve_rate": {budget: share}, "valid": share, "mean_tokens": ..., "traces": [...]}``.
+    ``{"solve_rate": {budget: share}, "valid": share, "legal_lines": mean lines before the first
+    wrong one, "mean_tokens": ..., "traces": [...]}``.
 
     Greedy decoding makes a shorter budget's trace a prefix of a longer one's, so one decode at
     the largest budget gives every budget's rate.
@@ -176,6 +177,9 @@ def solve_rates(gen: Generator, problems: Sequence[dict], budgets: Sequence[int]
     return {
         "solve_rate": {str(b): sum(v.solved and len(row) <= b for v, row in zip(verdicts, ids)) / n for b in budgets},
         "valid": sum(v.valid for v in verdicts) / n,
+        # how far the model writes the search language before its first wrong line (a partial credit
+        # that moves long before whole traces are right)
+        "legal_lines": sum(gen.tokenizer.decode(row)[: v.prefix].count("\n") for v, row in zip(verdicts, ids)) / n,
         "mean_tokens": sum(len(row) for row in ids) / n,
         "traces": [
             {"problem": i, "text": gen.tokenizer.decode(row), "tokens": len(row), "solved": v.solved}
