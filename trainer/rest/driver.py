@@ -371,7 +371,7 @@ class GuidedReST:
         run_dir = Path(run_dir)
         self.check_run_dir(cfg, run_dir)
         train, held_out = problems(cfg.seed, **self.problem_args)
-        say = lambda line: print(f"plait: rest: {line}", file=sys.stderr, flush=True)  # noqa: E731
+        say = lambda line: print(f"plait: rest: {line}", file=sys.stderr, flush=True)
         report: dict[str, Any] = {"arms": {}, "budgets": self.budgets, "problems": self.problem_args}
         round0 = run_dir / "round_0"
         round0.mkdir(parents=True, exist_ok=True)

@@ -55,6 +55,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         label="round 0",
     )
     left.set(xlabel="round", ylabel=f"held-out solve rate (@{top} tokens)")
+    left.set_xticks(sorted({e["round"] for entries in report["arms"].values() for e in entries}))
     right.set(xlabel="generation budget (tokens)", ylabel="held-out solve rate")
     left.legend(fontsize=7)
     right.legend(fontsize=7)
