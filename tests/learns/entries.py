@@ -19,6 +19,8 @@ The tasks (all synthetic and verifiable but the corpus):
 - ``addition`` SFT stopped early, then GRPO on the same prompts (``grpo``: online RL, exact-answer reward);
 - ``reversal`` SFT: the fine-tuning entries' new skill (LoRA, QLoRA, Mixout, SAT from the base);
   ``reversal`` and ``sorting``: the mSFT search's two sources;
+- Countdown search traces (trainer.rest.sos) for ``rest``: round 0 on the symbolic searcher's traces,
+  one guided self-training round, scored by the legal lines of held-out greedy traces;
 - the bundled corpus (Shakespeare + King James Bible) for the pretraining entries.
 
 Measured values and the controls behind the thresholds: docs/benchmarks.md ("The learning tier").
@@ -65,6 +67,14 @@ def kto_margin(result: Result) -> float:
 def bytes_sent(result: Result) -> float:
     """bytes each rank sent to the other islands"""
     return result["last_step"].get("comm/bytes_sent_total", 0.0)
+
+
+def rest_legal_lines(result: Result) -> float:
+    """held-out legal lines per greedy trace after the guided round
+
+    The lines a Countdown search trace holds before its first wrong one (trainer.rest.sos.verify):
+    a short run writes the search's language long before it solves problems."""
+    return result["rest"]["arms"]["guided"][-1]["legal_lines"]
 
 
 def msft_final_loss(result: Result) -> float:
@@ -326,6 +336,26 @@ ENTRIES: dict[str, Entry] = {
         ),
         (at_least(val_change("val/reward/answer"), 0.25),),
         base="sft_addition",
+    ),
+    # Guided-ReST on Countdown: round 0 on the symbolic searcher's traces from scratch, then one
+    # guided round on the model's own traces with the solutions' landmarks inserted.
+    "rest": Entry(
+        "rest",
+        (
+            "rest.rounds=1",
+            "rest.arms=[guided]",
+            "rest.problems.train=800",
+            "rest.searcher.breadth=1",
+            "rest.searcher.max_explored=6",
+            "rest.problems.held_out=50",
+            "rest.samples=1",
+            "rest.max_new_tokens=128",
+            "rest.budgets=[128]",
+            "rest.round0_steps=150",
+            "rest.steps=20",
+            "train.global_batch_size=8",
+        ),
+        (at_least(rest_legal_lines, 0.5),),
     ),
     # The mSFT budget search on two synthetic sources, from the SFT base.
     "msft": Entry(

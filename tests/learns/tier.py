@@ -195,6 +195,11 @@ def run_entry(name: str, work: Path) -> Result:
 
             result["msft"] = instantiate(cfg.budget).run(cfg, run_dir)
             metrics_dir = run_dir / "rollout_0"
+        elif cfg.get("rest") is not None:  # self-training rounds (round 0's curve is kept)
+            from hydra.utils import instantiate
+
+            result["rest"] = instantiate(cfg.rest).run(cfg, run_dir)
+            metrics_dir = run_dir / "round_0" / "train"
         else:
             train(cfg, run_dir, entry.devices)
             metrics_dir = run_dir

@@ -85,7 +85,7 @@ def test_keep_drops_unsolved_and_duplicates_and_keeps_the_shortest():
 
 def test_held_out_problems_are_not_training_problems():
     train, held_out = problems(0, train=300, held_out=100, count=3, high=10, max_target=50)
-    key = lambda p: (tuple(sorted(p["numbers"])), p["target"])  # noqa: E731
+    key = lambda p: (tuple(sorted(p["numbers"])), p["target"])
     assert len({key(p) for p in train + held_out}) == 400
     with pytest.raises(ConfigError, match="distinct problems found of the 500 asked for"):
         problems(0, train=400, held_out=100, count=3, high=4, max_target=20)
