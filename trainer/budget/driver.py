@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
@@ -55,6 +56,12 @@ def run_search(
         DataError: data that cannot be trained on (before any roll-out starts).
     """
     node = driver_node(cfg)
+    if node == "budget":
+        # The roll-outs fit in forked children of this process (Lightning's fork launcher). A fork of a
+        # process whose OpenMP pool has run hangs in its first parallel region (`plait sft data=synthetic
+        # budget=msft` with the tiny model did, in roll-out 0's first forward), so this process never
+        # starts one: one thread here, inherited by the roll-outs. (ReST fits in processes of its own.)
+        torch.set_num_threads(1)
     if say is not None and node == "budget":
         # The roll-outs prepare the same data in forked processes: it is prepared (and refused,
         # and its cuts said) here first, as for a plain run.
