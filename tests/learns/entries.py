@@ -355,7 +355,7 @@ ENTRIES: dict[str, Entry] = {
             "rest.steps=20",
             "train.global_batch_size=8",
         ),
-        (at_least(rest_legal_lines, 0.5),),
+        (at_least(rest_legal_lines, 0.3),),
     ),
     # The mSFT budget search on two synthetic sources, from the SFT base.
     "msft": Entry(
