@@ -60,13 +60,21 @@ DIFFICULTY = ("count", "high", "max_target")  # make_problem's knobs
 PROMPT_ROOM = 64  # tokens of a row kept for the chat-rendered prompt (about 30 with a round-0 BPE)
 
 
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:  # not glibc: a fit then ends on its own when the driver dies
+        return None
+
+
+_LIBC = _libc()  # loaded here: the forked child of a threaded process must not dlopen before its exec
+
+
 def _die_with_parent() -> None:
     """The fit's process gets SIGKILL when the driver dies (Linux' PR_SET_PDEATHSIG): a killed
     driver leaves no fit running into the run directory it resumes."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
-    except OSError:  # not glibc: the fit then ends on its own
-        pass
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGKILL)
 
 
 def problems(seed: int, *, train: int, held_out: int, **difficulty: Any) -> tuple[list[dict], list[dict]]:
