@@ -56,8 +56,11 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """One line per entry of the tier: its checks' values and thresholds, the verdict."""
     if not _RESULTS:
         return
-    from learns.tier import line
+    from learns.tier import golden_line, line
 
     terminalreporter.section("learning tier (tests/learns)")
     for name, result in _RESULTS.items():
         terminalreporter.write_line(line(name, result))
+    for name in _RESULTS:
+        if text := golden_line(name, _RESULTS):
+            terminalreporter.write_line(text)
