@@ -3,10 +3,11 @@
 Each line read is a user message; the whole conversation so far is rendered with the run's chat
 template (`trainer.generate.chat_template`, the one its data used and `plait export` writes),
 the model answers with a KV cache until EOS, and the answer joins the conversation. Ends at EOF.
+``system=`` takes any text as typed (commas, quotes, apostrophes), as ``plait generate``'s prompt.
 
 Invocation::
 
-    plait chat ckpt=runs/sft temperature=0
+    plait chat ckpt=runs/sft temperature=0 system="You're terse, and exact."
     echo "What is 2+2?" | plait chat ckpt=runs/sft/checkpoints/step_0000100
 """
 
@@ -18,7 +19,7 @@ import sys
 import torch
 
 from trainer.compose import compose_command, fail
-from trainer.generate import chat_template, load_for_generation, reply
+from trainer.generate import chat_template, load_for_generation, reply, take_text
 from trainer.sampling import sample
 
 
@@ -39,11 +40,13 @@ def user_text(line: bytes, number: int) -> str:
 
 def main(argv: list[str]) -> None:
     """Entry of ``plait chat``: ``key=value`` arguments of conf/chat.yaml; exit 2 on bad input."""
-    cfg = compose_command("chat", argv, usage="plait chat ckpt=<run or checkpoint dir>", ranges=sample)
+    given, rest = take_text(argv, ("system",))  # any text: Hydra's grammar never sees it
+    cfg = compose_command("chat", rest, usage="plait chat ckpt=<run or checkpoint dir>", ranges=sample)
+    system = given.get("system", cfg.system)
     run = load_for_generation(cfg.ckpt, cfg.trust)
     template = chat_template(run)
     torch.manual_seed(cfg.seed)
-    messages = [{"role": "system", "content": cfg.system}] if cfg.system else []
+    messages = [{"role": "system", "content": system}] if system else []
     interactive = sys.stdin.isatty()
     for number in itertools.count(1):
         if interactive:

@@ -2,16 +2,25 @@
 temperature), with a KV cache, stopped at EOS; ``chat=true`` answers the prompt as a user message.
 The sampling itself is `trainer.sampling`; this module parses the arguments and loads the run.
 
+The prompt is any text: ``prompt=`` takes everything after its ``=`` as it is (commas, quotes,
+apostrophes, ``$``; the shell's quoting is all it needs), ``prompt_file=PATH`` the whole file
+(UTF-8, one prompt: a multi-line prompt keeps its lines; its final newline is dropped) and
+``prompt=-`` the whole of stdin. For several prompts, run once per prompt, or use ``plait chat``
+(one user message per line of stdin).
+
 Invocation::
 
     plait generate ckpt=runs/pretrain prompt="To be"
-    plait generate ckpt=runs/sft prompt="What is 2+2?" chat=true temperature=0
+    plait generate ckpt=runs/sft prompt="What's 2+2, exactly?" chat=true temperature=0
+    plait generate ckpt=runs/sft prompt_file=question.txt chat=true
+    echo "What's 2+2?" | plait generate ckpt=runs/sft prompt=- chat=true
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
@@ -25,6 +34,64 @@ from trainer.models.hf import HFError
 from trainer.rundir import RunModel, load_run_model
 from trainer.sampling import NonFiniteLogitsError, caches, continue_text, sample
 from trainer.targets import UntrustedTargetError
+
+TEXT_KEYS = ("prompt", "prompt_file")  # generate's arguments taken as raw text, never parsed by Hydra
+
+
+def take_text(argv: Sequence[str], keys: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    """(``key -> text`` of each ``key=text`` argument in ``keys``, the other arguments): the text is
+    everything after the first ``=``, as the shell passed it. Hydra's override grammar would refuse
+    an apostrophe or read a comma as a sweep (``prompt="What's 2+2?"``), so these never reach it.
+
+    Raises:
+        SystemExit: (exit 2, ``plait: error:``) a key given twice.
+    """
+    taken: dict[str, str] = {}
+    rest = []
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        if eq and key in keys:
+            if key in taken:
+                fail(f"{key}= is given twice; give it once")
+            taken[key] = value
+        else:
+            rest.append(arg)
+    return taken, rest
+
+
+def read_text(path: str, what: str) -> str:
+    """The text of ``path`` (``-``: stdin), UTF-8, without one final newline.
+
+    Raises:
+        SystemExit: (exit 2, ``plait: error:``) the file is missing or not UTF-8 text.
+    """
+    try:
+        data = sys.stdin.buffer.read() if path == "-" else Path(path).expanduser().read_bytes()
+        text = data.decode("utf-8")
+    except OSError as err:
+        fail(f"{what}={path}: {err.strerror or err}; give an existing file (or {what}=- for stdin)")
+    except UnicodeDecodeError as err:
+        fail(
+            f"{what}={path} is not UTF-8 text (byte {data[err.start]:#04x} at offset {err.start}); convert it (iconv -t UTF-8)"
+        )
+    return text.removesuffix("\n").removesuffix("\r")
+
+
+def prompt_of(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    """(the prompt ``prompt=``, ``prompt=-`` or ``prompt_file=`` gives, None without one; the other
+    arguments, for Hydra).
+
+    Raises:
+        SystemExit: (exit 2, ``plait: error:``) both ``prompt`` and ``prompt_file``, or an unreadable file.
+    """
+    taken, rest = take_text(argv, TEXT_KEYS)
+    if len(taken) == 2:
+        fail("prompt= and prompt_file= are both given; give one (prompt=- reads stdin)")
+    if "prompt_file" in taken:
+        return read_text(taken["prompt_file"], "prompt_file"), rest
+    if taken.get("prompt") == "-":
+        return read_text("-", "prompt"), rest
+    return taken.get("prompt"), rest
 
 
 def load_for_generation(ckpt: str, trust: Sequence[str] = ()) -> RunModel:
@@ -83,10 +150,14 @@ def main(argv: list[str]) -> None:
     """Entry of ``plait generate``: ``key=value`` arguments of conf/generate.yaml; exit 2 on bad input.
 
     ``chat=true`` sends the prompt as one user message through the run's chat template and prints
-    the answer alone; otherwise the prompt is continued as text. Generation stops at EOS."""
+    the answer alone; otherwise the prompt is continued as text. Generation stops at EOS. The
+    prompt (``prompt=``, ``prompt_file=``, ``prompt=-``) is read before Hydra sees the rest
+    (`prompt_of`)."""
+    given, rest = prompt_of(argv)
     cfg = compose_command(
-        "generate", argv, usage='plait generate ckpt=<run or checkpoint dir> prompt="..."', ranges=sample
+        "generate", rest, usage='plait generate ckpt=<run or checkpoint dir> prompt="..."', ranges=sample
     )
+    prompt = cfg.prompt if given is None else given
     run = load_for_generation(cfg.ckpt, cfg.trust)
     if cfg.kv_cache and not caches(run.model):
         print(
@@ -99,11 +170,11 @@ def main(argv: list[str]) -> None:
             print(
                 reply(
                     run,
-                    chat_template(run).render([{"role": "user", "content": cfg.prompt}], add_generation_prompt=True),
+                    chat_template(run).render([{"role": "user", "content": prompt}], add_generation_prompt=True),
                     cfg,
                 )
             )
         else:
-            print(cfg.prompt + reply(run, cfg.prompt, cfg))
+            print(prompt + reply(run, prompt, cfg))
     except NonFiniteLogitsError as err:
         fail(f"{run.checkpoint}: {err}")

@@ -90,11 +90,8 @@ def test_preference_recipe_is_one_file_and_the_aliases_compose_as_before() -> No
 @pytest.mark.parametrize(
     "argv, expected",
     [
-        (["generate", "ckpt=/nonexistent", "prompt=42"], "prompt=42 must be text; quote it: prompt=\"'42'\""),
-        (
-            ["generate", "ckpt=/nonexistent", "prompt=[a,b]"],
-            "prompt=['a', 'b'] must be one text, not a list; give one value: prompt=...",
-        ),
+        (["generate", "ckpt=42"], "ckpt=42 must be text; quote it: ckpt=\"'42'\""),
+        (["generate", "ckpt=[a,b]"], "ckpt=['a', 'b'] must be one text, not a list; give one value: ckpt=..."),
         (
             ["generate", "ckpt=/nonexistent", "temperature=hot"],
             "temperature='hot' must be a number, e.g. temperature=0.8",
@@ -109,7 +106,8 @@ def test_preference_recipe_is_one_file_and_the_aliases_compose_as_before() -> No
 def test_a_command_argument_of_the_wrong_type_is_one_error(
     argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Before: ``prompt=42`` reached ``cfg.prompt + reply(...)`` (TypeError), ``out=[a]`` ``Path([...])``."""
+    """Before: ``prompt=42`` reached ``cfg.prompt + reply(...)`` (TypeError; the prompt is now taken as
+    typed, ``"42"``: tests/unit/test_generate_prompts.py), ``out=[a]`` ``Path([...])``."""
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
     err = capsys.readouterr().err
