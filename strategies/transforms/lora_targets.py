@@ -2,7 +2,9 @@
 
 A pattern selects a layer FQN equal to it, ending in ``.<pattern>`` (PEFT's rule: ``wq`` selects
 every ``layers.*.attention.wq``), or matching it as an ``fnmatch`` glob of the whole FQN
-(``layers.0.*``). Every pattern must select a layer (`target_problems`: a dead pattern is a typo or
+(``layers.0.*``), by plait's name or by the layer's Hugging Face name (`strategies.core.hf_names`),
+which is what PEFT's ``target_modules`` hold: ``q_proj`` selects every ``layers.*.attention.wq``,
+``model.layers.0.self_attn.q_proj`` only block 0's. Every pattern must select a layer (`target_problems`: a dead pattern is a typo or
 another model's name, never one to skip in silence), and the stacked routed experts of a mixture
 of experts, parameters rather than ``nn.Linear`` layers, are named when a pattern names them
 (`unadaptable`). The adapters' own parameters are ``<layer>.lora_A.weight`` / ``<layer>.lora_B.weight``
@@ -16,6 +18,7 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
+from strategies.core.hf_names import hf_module_name
 from strategies.expert.dispatch import EXPERT_WEIGHTS, StackedExperts
 
 ADAPTER_NAMES = ("lora_A", "lora_B")
@@ -29,8 +32,13 @@ def is_adapter(fqn: str) -> bool:
 def selects(name: str, pattern: str) -> bool:
     """Whether ``pattern`` of ``strategy.lora.target_modules`` selects the layer FQN ``name``: equal
     to it, ending in ``.<pattern>`` (PEFT's rule: ``wq`` selects every ``layers.*.attention.wq``), or
-    an ``fnmatch`` glob of the whole FQN (``layers.0.*``; case-sensitive on every platform)."""
-    return name == pattern or name.endswith("." + pattern) or fnmatchcase(name, pattern)
+    an ``fnmatch`` glob of the whole FQN (``layers.0.*``; case-sensitive on every platform); the same
+    against the layer's Hugging Face name (``q_proj``, ``mlp.*``: `hf_module_name`)."""
+    return any(
+        candidate == pattern or candidate.endswith("." + pattern) or fnmatchcase(candidate, pattern)
+        for candidate in (name, hf_module_name(name))
+        if candidate is not None
+    )
 
 
 def target_problems(names: Sequence[str], target_modules: Sequence[str]) -> list[str]:
@@ -41,10 +49,13 @@ def target_problems(names: Sequence[str], target_modules: Sequence[str]) -> list
     if not dead:
         return []
     kinds = sorted({n.rpartition(".")[2] for n in names})
+    hf_kinds = sorted({hf.rpartition(".")[2] for n in names if (hf := hf_module_name(n)) is not None})
     example = next((n for n in names if n.startswith("layers.0.")), names[0] if names else "")
     return [
         f"strategy.lora.target_modules: {', '.join(map(repr, dead))} {'matches' if len(dead) == 1 else 'match'} no linear "
-        f"layer; the model has {kinds} (full names such as {example!r}, or globs such as 'layers.0.*')"
+        f"layer; the model has {kinds}"
+        + (f" (Hugging Face/PEFT names: {hf_kinds})" if hf_kinds else "")
+        + f" (full names such as {example!r}, or globs such as 'layers.0.*')"
     ]
 
 

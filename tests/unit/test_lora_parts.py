@@ -51,8 +51,37 @@ def test_adapters_start_at_the_base_and_merge_into_it() -> None:
 
 
 def test_no_matching_layer_names_the_model_layers() -> None:
-    with pytest.raises(ValueError, match=r"matches no linear layer; the model has \['output', 'w1'"):
-        apply_lora(_model(), rank=4, alpha=8.0, target_modules=["q_proj"])
+    with pytest.raises(ValueError) as err:
+        apply_lora(_model(), rank=4, alpha=8.0, target_modules=["qproj"])
+    assert "matches no linear layer; the model has ['output', 'w1'" in str(err.value)
+    assert "(Hugging Face/PEFT names: ['down_proj', 'gate_proj', 'k_proj', 'lm_head', 'o_proj', 'q_proj'" in str(
+        err.value
+    )
+
+
+@pytest.mark.parametrize(
+    ("peft", "plait"),
+    [
+        (["q_proj", "v_proj"], ["wq", "wv"]),
+        (["gate_proj", "up_proj", "down_proj", "lm_head"], ["w1", "w3", "w2", "output"]),
+        (["model.layers.1.self_attn.o_proj", "self_attn.k_proj"], ["layers.1.attention.wo", "wk"]),
+        (["model.layers.0.mlp.*"], ["layers.0.feed_forward.*"]),
+    ],
+)
+def test_peft_names_select_the_layers_plait_names_do(peft, plait) -> None:
+    """``target_modules`` as PEFT users write them (transformers' module names) adapt the same
+    layers as plait's names: the adapted model computes the same logits."""
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    logits = []
+    for patterns in (peft, plait):
+        model = _model()
+        names = apply_lora(model, rank=4, alpha=8.0, target_modules=patterns)
+        with torch.no_grad():
+            for name in names:
+                model.get_submodule(name).lora_B.weight.normal_(std=0.1, generator=torch.Generator().manual_seed(2))
+            logits.append((names, model(ids)))
+    assert logits[0][0] == logits[1][0]
+    torch.testing.assert_close(logits[0][1], logits[1][1], rtol=0, atol=0)
 
 
 def test_every_pattern_must_select_a_layer() -> None:
@@ -60,8 +89,8 @@ def test_every_pattern_must_select_a_layer() -> None:
     is an error naming it, not a run that adapts fewer layers than asked."""
     model = _model()
     with pytest.raises(ValueError) as err:
-        apply_lora(model, rank=4, alpha=8.0, target_modules=["wq", "q_proj", "attention.*"])
-    assert "target_modules: 'q_proj', 'attention.*' match no linear layer; the model has ['output'" in str(err.value)
+        apply_lora(model, rank=4, alpha=8.0, target_modules=["wq", "q_prj", "attention.*"])
+    assert "target_modules: 'q_prj', 'attention.*' match no linear layer; the model has ['output'" in str(err.value)
     assert not any(is_adapter(n) for n, _ in model.named_parameters())
 
 
@@ -93,11 +122,15 @@ def test_merging_into_a_tied_head_is_refused_and_changes_nothing() -> None:
         (["strategy.lora.rank=0"], "strategy.lora.rank=0 must be >= 1"),
         (["strategy=tp", "trainer.devices=2", "strategy.lora.quantize=nf4"], "use strategy.tp=1 (FSDP2 shards them"),
         (
-            ["strategy.lora.target_modules=[wq,q_proj]"],
-            "'q_proj' matches no linear layer; the model has ['output', 'w1'",
+            ["strategy.lora.target_modules=[wq,query]"],
+            "'query' matches no linear layer; the model has ['output', 'w1'",
         ),
         (
             ["model.tie_embeddings=true", "strategy.lora.target_modules=[wq,output]"],
+            "leave 'output' out of strategy.lora",
+        ),
+        (
+            ["model.tie_embeddings=true", "strategy.lora.target_modules=[q_proj,lm_head]"],
             "leave 'output' out of strategy.lora",
         ),
     ],
@@ -192,3 +225,32 @@ def test_stacked_experts_named_by_the_targets_are_reported_unadapted() -> None:
     assert "layers.0.feed_forward.w1" in names and not any(".experts" in n for n in names)
     assert unadaptable(model, ["w1", "w2", "w3"]) == [f"layers.1.feed_forward.experts.{w}" for w in ("w1", "w2", "w3")]
     assert unadaptable(model, ["wq"]) == []
+
+
+@pytest.mark.parametrize(
+    "switch",
+    [
+        ["strategy.lora.rank=16"],
+        ["strategy/lora=default", "strategy.lora.rank=16"],
+        ["+strategy/lora=default", "strategy.lora.rank=16"],
+    ],
+)
+def test_lora_switches_on_without_hydras_plus(switch) -> None:
+    """``strategy.lora.rank=16`` (a LoRA setting, as PEFT users write it) and ``strategy/lora=default``
+    select LoRA as ``+strategy/lora=default`` does (`trainer.compose.select_transforms`); validate
+    then asks for the base, not for Hydra's syntax."""
+    cfg = compose_config(["model=nano", *switch], recipe="sft", tiny=False)
+    assert cfg.strategy.lora.rank == 16 and cfg.strategy.lora._target_ == "strategies.transforms.lora.LoRA"
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert any("set model.init_from=" in p for p in err.value.problems), err.value.problems
+
+
+def test_a_recipe_that_lists_lora_keeps_hydras_rules(tmp_path) -> None:
+    """A recipe with ``strategy/lora`` in its defaults list takes ``strategy/lora=...`` as Hydra does."""
+    recipe = tmp_path / "my_lora.yaml"
+    recipe.write_text("defaults:\n  - sft\n  - /strategy/lora@strategy.lora: default\n  - _self_\n")
+    cfg = compose_config(
+        ["model=nano", "strategy/lora=default", "strategy.lora.rank=4"], recipe=str(recipe), tiny=False
+    )
+    assert cfg.strategy.lora.rank == 4

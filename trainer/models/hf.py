@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,27 +29,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from strategies.core.hf_names import hf_module_name, plait_module_name
 from trainer.models.families import FAMILIES, family_of
 from trainer.models.hf_moe import expert_hf_names, moe_config_problems, moe_plait_name, router_hf_name
 from trainer.models.llama import Llama
 from trainer.models.rope import rope_scaling_problems, rope_type
 
 INDEX_FILE = "model.safetensors.index.json"
-# plait FQN pattern -> Hugging Face tensor name pattern (per layer: {i}).
-_LAYER_NAMES = {
-    "attention.wq": "self_attn.q_proj",
-    "attention.wk": "self_attn.k_proj",
-    "attention.wv": "self_attn.v_proj",
-    "attention.wo": "self_attn.o_proj",
-    "attention.q_norm": "self_attn.q_norm",
-    "attention.k_norm": "self_attn.k_norm",
-    "feed_forward.w1": "mlp.gate_proj",
-    "feed_forward.w3": "mlp.up_proj",
-    "feed_forward.w2": "mlp.down_proj",
-    "attention_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_TOP_NAMES = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
 
 
 class HFError(ValueError):
@@ -215,11 +200,9 @@ def hf_name(fqn: str, family: str | None = None) -> str:
     if router is not None:
         return router
     module, _, leaf = fqn.rpartition(".")
-    if module in _TOP_NAMES:
-        return f"{_TOP_NAMES[module]}.{leaf}"
-    match = re.fullmatch(r"layers\.(\d+)\.(.+)", module)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.{leaf}"
+    hf_module = hf_module_name(module)
+    if hf_module is not None:
+        return f"{hf_module}.{leaf}"
     raise HFError(f"parameter {fqn} has no Hugging Face name")
 
 
@@ -230,14 +213,8 @@ def plait_name(name: str, family: str | None = None) -> str | None:
     if moe is not None:
         return moe
     module, _, leaf = name.rpartition(".")
-    for plait, hf in _TOP_NAMES.items():
-        if module == hf:
-            return f"{plait}.{leaf}"
-    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", module)
-    inverse = {hf: plait for plait, hf in _LAYER_NAMES.items()}
-    if match and match.group(2) in inverse:
-        return f"layers.{match.group(1)}.{inverse[match.group(2)]}.{leaf}"
-    return None
+    plait_module = plait_module_name(module)
+    return None if plait_module is None else f"{plait_module}.{leaf}"
 
 
 # ---------------------------------------------------------------------------------------------- weights

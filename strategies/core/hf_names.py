@@ -1,0 +1,53 @@
+"""The Hugging Face names of a Llama-style decoder's modules: the one table plait's import and
+export (`trainer.models.hf`) and LoRA's ``target_modules`` (`strategies.transforms.lora_targets`) read.
+
+plait's modules are ``tok_embeddings``, ``layers.<i>.attention.wq`` ... ``layers.<i>.feed_forward.w2``,
+``norm`` and ``output``; transformers' Llama, Mistral and Qwen families name them
+``model.embed_tokens``, ``model.layers.<i>.self_attn.q_proj`` ... ``model.layers.<i>.mlp.down_proj``,
+``model.norm`` and ``lm_head`` (transformers ``modeling_llama.py``). The routers and stacked experts
+of the mixture-of-experts families are named per family (`trainer.models.hf_moe`).
+"""
+
+from __future__ import annotations
+
+import re
+
+# plait module path inside a block -> the Hugging Face one.
+LAYER_NAMES = {
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "attention.q_norm": "self_attn.q_norm",
+    "attention.k_norm": "self_attn.k_norm",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj",
+    "attention_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+# plait module outside the blocks -> the Hugging Face one.
+TOP_NAMES = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
+
+
+def hf_module_name(module: str) -> str | None:
+    """The Hugging Face name of plait module ``module`` (``layers.0.attention.wq`` ->
+    ``model.layers.0.self_attn.q_proj``), or None for a module the table does not name."""
+    if module in TOP_NAMES:
+        return TOP_NAMES[module]
+    match = re.fullmatch(r"layers\.(\d+)\.(.+)", module)
+    if match and match.group(2) in LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{LAYER_NAMES[match.group(2)]}"
+    return None
+
+
+def plait_module_name(module: str) -> str | None:
+    """The plait name of Hugging Face module ``module`` (the inverse of `hf_module_name`), or None."""
+    for plait, hf in TOP_NAMES.items():
+        if module == hf:
+            return plait
+    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", module)
+    inverse = {hf: plait for plait, hf in LAYER_NAMES.items()}
+    if match and match.group(2) in inverse:
+        return f"layers.{match.group(1)}.{inverse[match.group(2)]}"
+    return None
