@@ -114,7 +114,47 @@ def to_hydra_argv(argv: list[str]) -> list[str]:
         config = ["--config-path", str(RECIPES_DIR), "--config-name", recipe]
     search = f"hydra.searchpath=['file://{CONF_DIR}','file://{RECIPES_DIR}']"
     flags, overrides = _split_flags(rest)
+    recipe_file = Path(config[1]) / f"{config[3]}.yaml"
+    overrides = select_transforms(overrides, _defaults_keys(recipe_file))
     return config + flags + [a for o in overrides for a in replace_sources(o)] + [search]
+
+
+def transform_groups() -> tuple[str, ...]:
+    """The model transforms a run adds to its strategy (``conf/strategy/<name>/``: lora, mixout, sat)."""
+    return tuple(sorted(p.name for p in (CONF_DIR / "strategy").iterdir() if p.is_dir()))
+
+
+def _defaults_keys(recipe_file: Path) -> set[str]:
+    """The group keys of a recipe file's defaults list (``strategy/lora`` from ``- /strategy/lora: default``)."""
+    try:
+        defaults = (yaml.safe_load(recipe_file.read_text()) or {}).get("defaults") or []
+    except (OSError, yaml.YAMLError, AttributeError):
+        return set()  # Hydra reports an unreadable recipe itself
+    keys = (next(iter(entry)) for entry in defaults if isinstance(entry, dict) and entry)
+    return {key.removeprefix("override ").strip().strip("/").split("@")[0] for key in keys}
+
+
+def select_transforms(overrides: Sequence[str], recipe_defaults: set[str]) -> list[str]:
+    """A transform group switched on without Hydra's ``+``: ``strategy/lora=default`` ->
+    ``+strategy/lora=default``, and a field of one not selected (``strategy.lora.rank=16``) selects
+    its ``default`` option first (``+strategy/lora=default strategy.lora.rank=16``), as users of
+    PEFT expect a LoRA setting to turn LoRA on. A recipe whose defaults list holds the group, or an
+    override that selects it (with or without ``+``), is left to Hydra's own rules."""
+    out: list[str] = []
+    keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    for override in overrides:
+        key = override.split("=", 1)[0]
+        for name in transform_groups():
+            group = f"strategy/{name}"
+            if group in recipe_defaults:
+                continue
+            if key == group and "=" in override:
+                override = "+" + override
+            elif key.lstrip("+").startswith(f"strategy.{name}.") and group not in keys:
+                out.append(f"+{group}=default")
+                keys.add(group)
+        out.append(override)
+    return out
 
 
 def replace_sources(override: str) -> list[str]:
