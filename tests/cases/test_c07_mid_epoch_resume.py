@@ -92,6 +92,7 @@ def test_sft_mixture_loader_resumes_mid_epoch(tmp_path):
             f"+data.sources.ten.source={source}",
             "+data.sources.ten.val_size=1",
             "+data.sources.ten.max_epochs=2",
+            "+data.sources.ten.string_rows=chat",  # string rows as chat turns: one row each (plain text packs several)
             "data.long_samples=error",
             "data.vocab_size=300",
             *_common(1000),

@@ -37,15 +37,18 @@ def test_trl_sft_formats(tmp_path):
             "completion": [{"role": A, "content": "6"}],
         },
         {"prompt": "name?", "response": "plait"},
+        {"text": "The sky is blue."},
     ]
     got = _records(CONVERSATIONS, _jsonl(tmp_path / "sft.jsonl", rows))
-    assert got[1] == [{"role": U, "content": "2+2?"}, {"role": A, "content": "4"}]
+    # TRL's rule: string rows are standard (plain text, no chat template; tests/unit/test_sft_string_rows.py)
+    assert got[1] == {"prompt": "2+2?", "completion": "4"}
     assert got[2] == [
         {"role": "system", "content": "be terse"},
         {"role": U, "content": "3+3?"},
         {"role": A, "content": "6"},
     ]
-    assert got[3][1] == {"role": A, "content": "plait"} and got[0][1]["content"] == "yo"
+    assert got[3] == {"prompt": "name?", "completion": "plait"} and got[0][1]["content"] == "yo"
+    assert got[4] == {"prompt": "", "completion": "The sky is blue."}
 
 
 def test_trl_preference_formats(tmp_path):
@@ -132,7 +135,7 @@ def test_parquet_saved_dataset_and_column_mapping(tmp_path):
     datasets.Dataset.from_dict(rows).to_parquet(str(tmp_path / "qa.parquet"))
     datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "saved"))
     columns = {"columns": {"prompt": "question", "completion": "answer"}}
-    want = [[{"role": U, "content": q}, {"role": A, "content": a}] for q, a in zip(rows["question"], rows["answer"])]
+    want = [{"prompt": q, "completion": a} for q, a in zip(rows["question"], rows["answer"])]  # strings: standard
     assert _records(CONVERSATIONS, str(tmp_path / "qa.parquet"), **columns) == want
     assert _records(CONVERSATIONS, str(tmp_path / "saved"), **columns) == want
     with pytest.raises(DataError, match=r"qa.parquet, row 1: no column 'query' \(mapped to 'prompt'\)"):

@@ -1,7 +1,9 @@
 """Chat formatting for SFT: conversations -> ``(text, supervised)`` segments (encoded by trainer.data.encode).
 
 A conversation is a list of ``{"role": ..., "content": ...}`` messages; roles are ``system``,
-``user``, ``assistant`` and ``tool`` (a tool's output).
+``user``, ``assistant`` and ``tool`` (a tool's output). A row of TRL's standard format (`Text`:
+string ``prompt`` and ``completion``, or ``text``) is no conversation: its segments are the prompt
+then the completion, as they are (`text_segments`), and no template renders it.
 
 Two templates:
 
@@ -37,7 +39,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from trainer.data.chat_files import TemplateFileError, find_chat_template, read_tokenizer_config
 from trainer.data.jinja_env import compile_template
@@ -47,6 +49,17 @@ ROLES = ("system", "user", "assistant", "tool")
 MARKERS = {role: f"<|{role}|>\n" for role in ROLES}
 
 Message = dict[str, str]
+
+
+class Text(TypedDict):
+    """An SFT row of TRL's standard format (strings): ``prompt`` (context; empty for a ``text``
+    row) then ``completion`` (supervised), joined as they are: no chat template renders it."""
+
+    prompt: str
+    completion: str
+
+
+Record = list[Message] | Text  # one SFT record: a conversation (chat template) or standard text
 
 # The default template as a Hugging Face ``chat_template`` (what `plait export` writes, and what
 # `plait chat` renders): the same text as `default_segments` / `prompt_text`, EOS after each
@@ -85,6 +98,19 @@ def default_segments(messages: Sequence[Message]) -> list[tuple[str, bool]]:
         else:
             segments.append((MARKERS[m["role"]] + m["content"] + "\n", False))
     return segments
+
+
+def text_segments(record: Text) -> list[tuple[str, bool]]:
+    """A standard row as ``(text, supervised)`` segments: the prompt (if any), then the completion."""
+    return ([(record["prompt"], False)] if record["prompt"] else []) + [(record["completion"], True)]
+
+
+def as_conversation(record: Record) -> list[Message]:
+    """A standard row as a user turn (its prompt, if any) and an assistant turn; a conversation as it is."""
+    if not isinstance(record, dict):
+        return list(record)
+    user = [{"role": "user", "content": record["prompt"]}] if record["prompt"] else []
+    return [*user, {"role": "assistant", "content": record["completion"]}]
 
 
 def prompt_text(messages: Sequence[Message]) -> str:

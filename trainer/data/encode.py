@@ -6,7 +6,9 @@ One encoder per record kind; each is where a new format of that kind plugs in:
   predicts nothing, so no target crosses a document boundary (C19);
 - chat (`conversations`): the chat template's segments (trainer.data.chat), loss only on the
   assistant tokens (or on a template's ``{% generation %}`` blocks); the default template ends
-  every assistant turn with EOS;
+  every assistant turn with EOS. A standard row (`trainer.data.chat.Text`, TRL's standard
+  format) is its prompt then its completion, no template, loss on the completion, which ends with
+  EOS (added unless its text ends with the EOS token: TRL's ``add_eos``);
 - pair (`pair`, `pair_rows`): a preference pair, chosen and rejected with the **same prompt ids**
   and labels only on the final response (case C24).
 
@@ -24,7 +26,7 @@ import torch
 from torch import Tensor
 
 from trainer.data.base import DataError
-from trainer.data.chat import JinjaTemplate, Message, default_segments
+from trainer.data.chat import JinjaTemplate, Record, default_segments, text_segments
 from trainer.data.packing import IGNORE_INDEX, rows_to_tensors
 from trainer.data.tokenizer import Tokenizer
 
@@ -65,27 +67,49 @@ def labels_from_mask(input_ids: Sequence[int], supervised: Sequence[bool]) -> li
     )
 
 
+def segments(record: Record, template: JinjaTemplate | None) -> list[tuple[str, bool]]:
+    """The ``(text, supervised)`` segments of one record: a standard row's own (no template), a
+    conversation's by ``template`` (None: the default template)."""
+    if isinstance(record, dict):
+        return text_segments(record)
+    return default_segments(record) if template is None else template.segments(record)
+
+
+def _ends_with_eos(record: Record, template: JinjaTemplate | None, tokenizer: Tokenizer) -> bool:
+    """Whether an EOS id follows each supervised segment: always after the default template's
+    answers, never in a tokenizer's template (it writes its own end of turn), after a standard
+    row's completion unless its text already ends with the EOS token (TRL's ``add_eos``)."""
+    if isinstance(record, dict):
+        return not record["completion"].endswith(tokenizer.eos_token)
+    return template is None
+
+
 def _segment_ids(
-    tokenizer: Tokenizer, conversations: Sequence[Sequence[Message]], template: JinjaTemplate | None
+    tokenizer: Tokenizer, records: Sequence[Record], template: JinjaTemplate | None
 ) -> list[list[tuple[list[int], bool]]]:
-    """Per conversation, ``(ids, supervised)`` of each template segment, with one batched
-    tokenizer call; the default template adds EOS after each supervised segment."""
-    per_conv = [default_segments(m) if template is None else template.segments(m) for m in conversations]
-    flat = [text for segments in per_conv for text, _ in segments]
+    """Per record, ``(ids, supervised)`` of each segment (`segments`), with one batched tokenizer
+    call; an EOS follows each supervised segment where `_ends_with_eos` says."""
+    per_record = [segments(r, template) for r in records]
+    flat = [text for parts in per_record for text, _ in parts]
     encoded = iter(tokenizer.encode_batch(flat) if flat else [])
-    eos = [tokenizer.eos_id] if template is None else []
-    return [[(next(encoded) + (eos if sup else []), sup) for _, sup in segments] for segments in per_conv]
+    out = []
+    for record, parts in zip(records, per_record):
+        eos = [tokenizer.eos_id] if _ends_with_eos(record, template, tokenizer) else []
+        out.append([(next(encoded) + (eos if sup else []), sup) for _, sup in parts])
+    return out
 
 
 def conversations(
-    tokenizer: Tokenizer, convs: Sequence[Sequence[Message]], template: JinjaTemplate | None = None
+    tokenizer: Tokenizer, convs: Sequence[Record], template: JinjaTemplate | None = None
 ) -> list[tuple[list[int], list[int]]]:
-    """``(input_ids, labels)`` of each conversation, labels -100 off assistant tokens.
+    """``(input_ids, labels)`` of each record, labels -100 off the supervised tokens (assistant
+    tokens of a conversation, a standard row's completion).
 
     Args:
         tokenizer: encodes each segment (no special tokens added).
-        convs: conversations (each with at least one assistant message).
-        template: the tokenizer's chat template, or None for the default template.
+        convs: conversations (each with at least one assistant message) or standard rows.
+        template: the tokenizer's chat template, or None for the default template (standard rows
+            never use it).
 
     Raises:
         ChatError: a malformed conversation or a template without prefix-consistent rendering.

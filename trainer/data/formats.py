@@ -5,16 +5,18 @@ returns plait's record, or raises `FormatError` with the fix; `read` adds the fi
 TRL's formats (https://huggingface.co/docs/trl/dataset_formats), standard (strings) and
 conversational (message lists ``[{"role", "content"}]``):
 
-- SFT (`conversation`): ``messages``; ``prompt`` + ``completion`` (each a string or a message
-  list); plait's ``prompt`` + ``response`` (strings). A string prompt is a user turn, a string
-  completion an assistant turn.
+- SFT (`conversation`), TRL's rule: a conversational row (``messages``, or ``prompt`` +
+  ``completion`` where either is a message list) goes through the chat template; a standard row
+  (``prompt`` + ``completion`` strings, plait's ``prompt`` + ``response`` strings, or ``text``) is
+  plain text, prompt then completion as they are, loss on the completion (`trainer.data.chat.Text`;
+  ``data.sources.<name>.string_rows=chat`` renders it as a user and an assistant turn instead).
 - preference (`pair`): ``prompt`` + ``chosen`` + ``rejected`` (strings or message lists; plait's
   ``messages`` may stand for the prompt), or the implicit-prompt form: ``chosen`` and ``rejected``
   message lists that share their prompt turns and end in one assistant turn each.
 - unpaired preference (`unpaired`, KTO): ``prompt`` + ``completion`` + ``label`` (true:
   desirable).
 
-plait's records: a conversation is a message list; a pair is ``{"messages", "chosen", "rejected"}``
+plait's records: a conversation is a message list, a standard SFT row a `Text`; a pair is ``{"messages", "chosen", "rejected"}``
 (the prompt turns and two final assistant answers); an unpaired row is ``{"messages",
 "completion", "label"}``.
 """
@@ -24,9 +26,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from trainer.data.chat import ROLES, Message
+from trainer.data.chat import ROLES, Message, Record, Text
 
-SFT_FIX = "write 'messages' (a list of {role, content}), or 'prompt' and 'completion' (strings or message lists)"
+SFT_FIX = (
+    "write 'messages' (a list of {role, content}), 'prompt' and 'completion' (strings or message lists), or 'text'"
+)
 PAIR_FIX = "write 'prompt', 'chosen' and 'rejected' (strings or message lists), or 'chosen' and 'rejected' message lists that share their prompt"
 UNPAIRED_FIX = (
     "write 'prompt', 'completion' (strings or message lists) and 'label' (true: desirable, false: undesirable)"
@@ -59,8 +63,8 @@ def _answer(turns: list[Message], field: str) -> str:
     return turns[0]["content"]
 
 
-def conversation(row: Mapping[str, Any]) -> list[Message]:
-    """The conversation of an SFT row (module docstring).
+def conversation(row: Mapping[str, Any]) -> Record:
+    """The record of an SFT row: a conversation, or a standard row's `Text` (module docstring).
 
     Raises:
         FormatError: no accepted field set, a field of the wrong type, or messages without an
@@ -75,7 +79,13 @@ def conversation(row: Mapping[str, Any]) -> list[Message]:
         return turns
     for answer in ("completion", "response"):
         if "prompt" in row and answer in row:
+            if isinstance(row["prompt"], str) and isinstance(row[answer], str):
+                return Text(prompt=row["prompt"], completion=row[answer])
             return messages(row["prompt"], "prompt", role="user") + messages(row[answer], answer, role="assistant")
+    if "text" in row:
+        if not isinstance(row["text"], str):
+            raise FormatError(f"'text' is {type(row['text']).__name__}, not a string")
+        return Text(prompt="", completion=row["text"])
     raise FormatError(f"has fields {sorted(row)}; {SFT_FIX}")
 
 

@@ -14,6 +14,13 @@ default 1000); ``val_size`` conversations are held out per source; ``metric`` is
 score for the mSFT controller: ``loss`` (validation loss, lower is better) or ``exact_match``
 (greedy decoding of the held-out prompts, higher is better; single-turn sources).
 
+A user's rows follow TRL's rule (trainer.data.formats): conversational rows (message lists) are
+rendered with the chat template; standard rows (string ``prompt`` + ``completion``, or ``text``)
+are plain text, prompt then completion, loss on the completion and its EOS, no template.
+``string_rows: chat`` (per source) renders standard rows as a user and an assistant turn instead,
+for string data meant for a chat model (``plait chat`` and ``generate chat=true`` prompt through
+the template).
+
 Samples longer than ``seq_len`` follow ``long_samples``: ``split`` (continue in the next rows,
 nothing lost; case C29), ``truncate`` (keep the first ``seq_len`` tokens), ``drop`` (leave the
 sample out) or ``error``. Whatever is cut is counted per source (trainer.data.accounting: printed
@@ -35,7 +42,7 @@ from trainer.data import accounting, encode
 from trainer.data.accounting import SourceCounts
 from trainer.data.base import DataError, DataModule, Settings, named_source_problems
 from trainer.data.cache import cached, fingerprint
-from trainer.data.chat import JinjaTemplate, Message, default_segments, prompt_text
+from trainer.data.chat import JinjaTemplate, Record, as_conversation, prompt_text
 from trainer.data.loader import PackedBatches
 from trainer.data.mixture import Mixture, SourceSamples, SourceSpec
 from trainer.data.packing import LONG_SAMPLES, Packer, fit_long_samples, rows_to_tensors
@@ -43,8 +50,9 @@ from trainer.data.sources import CONVERSATIONS, SOURCE_FIELDS, Source, as_int
 from trainer.data.tokenizer import Tokenizer
 from trainer.evaluators.exact_match import ExactMatch, GenerationSet
 
-FIELDS = (*SOURCE_FIELDS, "weight", "max_tokens", "max_epochs", "metric")
+FIELDS = (*SOURCE_FIELDS, "weight", "max_tokens", "max_epochs", "metric", "string_rows")
 METRICS = ("loss", "exact_match")
+STRING_ROWS = ("text", "chat")  # standard rows as they are (TRL), or as chat turns
 
 
 def parse_source(name: str, node: Mapping[str, Any]) -> tuple[Source, str, SourceSpec]:
@@ -57,6 +65,11 @@ def parse_source(name: str, node: Mapping[str, Any]) -> tuple[Source, str, Sourc
     metric = node.get("metric", "loss")
     if metric not in METRICS:
         raise ValueError(f"data.sources.{name}.metric={metric!r}: use one of {METRICS}")
+    if node.get("string_rows", "text") not in STRING_ROWS:
+        raise ValueError(
+            f"data.sources.{name}.string_rows={node.get('string_rows')!r}: use text (string prompt/completion rows as "
+            "they are, TRL's standard format) or chat (as a user and an assistant turn through the chat template)"
+        )
     try:
         spec = SourceSpec(
             weight=float(node.get("weight", 1.0)),
@@ -116,6 +129,7 @@ class SFTDataModule(DataModule):
             raise DataError("; ".join(problems))
         parsed = {name: parse_source(name, dict(node or {})) for name, node in sources.items()}
         self.sources = {name: p[0] for name, p in parsed.items()}
+        self.chat_strings = {name: (node or {}).get("string_rows", "text") == "chat" for name, node in sources.items()}
         self.metrics = {name: p[1] for name, p in parsed.items()}
         self.specs = {name: p[2] for name, p in parsed.items()}
         self.names = list(sources)
@@ -147,8 +161,8 @@ class SFTDataModule(DataModule):
             DataError: missing data packages, a budget the epochs cannot reach, or a long sample
                 under ``long_samples=error``.
         """
-        convs = {name: CONVERSATIONS.records(self.sources[name], seed=self.seed) for name in self.names}
-        train_texts = ["".join(t for t, _ in default_segments(c)) for tr, _ in convs.values() for c in tr]
+        convs = {name: self._records(name) for name in self.names}
+        train_texts = ["".join(t for t, _ in encode.segments(c, None)) for tr, _ in convs.values() for c in tr]
         tokenizer = self.load_tokenizer(train_texts, fingerprint("sft", *train_texts))
         template = self.chat_template(self.template_name, tokenizer)
         # The template's text and tokens are in the key: an edited chat_template.jinja must not reuse stale samples.
@@ -182,6 +196,13 @@ class SFTDataModule(DataModule):
         }
         return PreparedSFT(tokenizer=tokenizer, template=template, train=train, val=val, prompts=prompts)
 
+    def _records(self, name: str) -> tuple[list[Record], list[Record]]:
+        """``(train, val)`` records of one source; with ``string_rows: chat``, standard rows as chat turns."""
+        train, val = CONVERSATIONS.records(self.sources[name], seed=self.seed)
+        if self.chat_strings[name]:
+            return [as_conversation(r) for r in train], [as_conversation(r) for r in val]
+        return train, val
+
     def _fit(self, name: str, samples: list, into: dict[str, SourceCounts]) -> SourceSamples:
         """Fit one source's split to ``data.seq_len`` by ``long_samples``, its counts into ``into[name]``."""
         try:
@@ -211,11 +232,14 @@ class SFTDataModule(DataModule):
         self.prepare()
         return self.val_counts
 
-    def _generation_set(
-        self, val: list[list[Message]], tokenizer: Tokenizer, template: JinjaTemplate | None
-    ) -> GenerationSet:
+    def _generation_set(self, val: list[Record], tokenizer: Tokenizer, template: JinjaTemplate | None) -> GenerationSet:
         prompts, answers = [], []
         for messages in val:
+            if isinstance(messages, dict):  # a standard row: its prompt as it is, no template
+                if messages["prompt"]:
+                    prompts.append(tokenizer.encode(messages["prompt"]))
+                    answers.append(messages["completion"].strip())
+                continue
             if messages[-1]["role"] != "assistant":
                 continue
             text = (

@@ -255,6 +255,8 @@ class GuidedReST:
                     "max_tokens": budget,
                     "max_epochs": None,
                     "val_size": 0,
+                    # the rows' prompt and completion are strings; the rollouts prompt through the chat template
+                    "string_rows": "chat",
                 }
             }
             out.data.tokenizer = tokenizer
