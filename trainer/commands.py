@@ -59,6 +59,11 @@ COMMANDS: dict[str, Command] = {
     for c in (
         TRAIN,
         Command("plan", "trainer.plan", "rank parallel layouts of a recipe for a cluster, without training"),
+        Command(
+            "data",
+            "trainer.preview",
+            "print a recipe's training samples as the model sees them, supervised tokens marked",
+        ),
         Command("generate", "trainer.generate", "sample a continuation from a run's checkpoint", config="generate"),
         Command("chat", "trainer.chat", "talk to a run's model (its chat template, stdin/stdout)", config="chat"),
         Command(

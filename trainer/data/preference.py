@@ -218,6 +218,13 @@ class PreferenceDataModule(DataModule):
         """The ``[N, 2, T]`` rows of ``split`` (``train`` or ``val``), for scoring by the objective."""
         return getattr(self.prepare(), split)
 
+    def row_sources(self, split: str) -> list[str]:
+        """The source of each row of `pairs` (``split``): `_prepare` lays the rows out source by
+        source, in the order of ``data.sources``, and counts each source's (``SourceCounts.samples``)."""
+        self.prepare()
+        counts = self.counts if split == "train" else self.val_counts
+        return [name for name, c in counts.items() for _ in range(c.samples)]
+
     def set_reference(self, split: str, logps: Tensor) -> None:
         """Stores the reference log-probs ``[N, 2]`` (chosen, rejected) of ``split``'s pairs; once
         both splits have theirs, `reference_ready` is True."""
