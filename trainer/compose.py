@@ -27,6 +27,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer.catalog import ALIASES, CONF_DIR, DEFAULT_RECIPE, RECIPES_DIR, bundled_recipes, fail
+from trainer.finetune_defaults import choose_lr
+from trainer.model_node import init_from_of
 
 # trainer.rundir, trainer.init_from and strategies.core.ranges import torch (~3 s): they are
 # imported where used, so that plait compare, plait RECIPE --cfg job and a sweep's resolvers start in
@@ -66,8 +68,9 @@ def _job_dir(num: int) -> str:
 
 
 def register_resolvers() -> None:
-    """Registers ``${plait.run_name:...}`` and ``${plait.job_dir:...}`` (conf/logger, conf/plait_base.yaml)."""
-    for name, resolver in (("plait.run_name", _run_name), ("plait.job_dir", _job_dir)):
+    """Registers ``${plait.run_name:...}``, ``${plait.job_dir:...}`` (conf/logger, conf/plait_base.yaml)
+    and ``${plait.lr:...}`` (the recipes' learning rates: `trainer.finetune_defaults`)."""
+    for name, resolver in (("plait.run_name", _run_name), ("plait.job_dir", _job_dir), ("plait.lr", choose_lr)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, resolver)
 
@@ -226,6 +229,8 @@ def compose(recipe: str = DEFAULT_RECIPE, overrides: Sequence[str] = ()) -> Dict
 def adopt_run_model(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
     """`trainer.init_from.take_run_model`, its refusal of a run's model as one
     ``plait: error:`` line (exit 2) where preflight has not checked it (children, sweeps, --help)."""
+    if init_from_of(cfg.get("model")) is None:
+        return cfg  # no run to take a model from: plait RECIPE --help answers without torch
     from trainer.init_from import take_run_model  # lazy: torch (see the imports above)
     from trainer.targets import UntrustedTargetError  # lazy: torch (see the imports above)
 

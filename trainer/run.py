@@ -25,6 +25,7 @@ from trainer.config import ConfigError, validate
 from trainer.data.base import DataError, DataModule
 from trainer.data.chat import ChatError
 from trainer.data.summary import describe
+from trainer.finetune_defaults import lr_line
 from trainer.nonfinite import NonFiniteError
 from trainer.planning import check_memory
 from trainer.resume import ResumeRecord, check_resume
@@ -165,6 +166,8 @@ def start(cfg: DictConfig, run_dir: Path, launch: Launch, launching: bool) -> tu
             _print(early)
         if (chat := data.chat_format()) is not None:
             _print(chat.line())
+        if cfg.model.get("init_from") is not None and (lr := lr_line(cfg)) is not None:
+            _print(lr)
     overrides = check_resume(cfg, launch.ckpt_path, data.tokenizer)  # now with the tokenizer
     # config.yaml and tokenizer.json (what generate builds from) are written once the checkpoint loaded.
     record = ResumeRecord(cfg, data.tokenizer, run_dir, overrides, data.model_chat_template())

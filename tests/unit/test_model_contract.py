@@ -112,11 +112,17 @@ def test_init_from_is_read_off_the_node_never_by_the_model() -> None:
 
 
 def test_models_import_no_technique_no_tokenizer_no_run_directory() -> None:
-    """trainer/models/ imports only the bottom layer of strategies/ (ranges, the model contract)."""
+    """trainer/models/ imports only the bottom layer of strategies/ (ranges, the model contract, the
+    modules' Hugging Face names)."""
     import ast
     from pathlib import Path
 
-    allowed = {"strategies.core.ranges", "strategies.core.model_contract", "strategies.core.shape"}
+    allowed = {
+        "strategies.core.ranges",
+        "strategies.core.model_contract",
+        "strategies.core.shape",
+        "strategies.core.hf_names",
+    }
     # Known and left: SAT's sliced MLP reads LoRA adapters through strategies.transforms.lora.linear_slice.
     known = {("block.py", "strategies.transforms.lora")}
     found = []
