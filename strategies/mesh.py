@@ -45,6 +45,7 @@ from strategies.expert.plugin import ExpertParallel
 from strategies.fsdp import FSDP
 from strategies.grad_norm import clip_grads_, global_grad_norm
 from strategies.meta_init import materialize
+from strategies.moved_keys import MOVED_KEYS  # refused by validate, naming the new key
 from strategies.pipeline.plugin import PipelineParallel
 from strategies.plugin import Batch, LossFn, StrategyPlugin
 from strategies.runtime.compute_timer import ComputeTimer
@@ -85,8 +86,6 @@ DEFAULTS: dict[str, type[StrategyPlugin]] = {
     "expert_parallel": ExpertParallel, "activation_offload": ActivationOffload,
     "activation_checkpoint": ActivationCheckpoint, "compile": Compile, "fsdp": FSDP,
 }  # fmt: skip
-# Keys that moved into their plugin's node: old key -> new key (refused by validate, naming the new one).
-MOVED_KEYS = {"cp_mode": "context_parallel.mode", "pp_schedule": "pipeline.schedule"}
 
 
 class MeshStrategy(ModelParallelStrategy):

@@ -1,17 +1,21 @@
 """The table of plait's commands: ``plait [CMD] [RECIPE] k=v`` runs ``COMMANDS[CMD]`` (train by default).
 
 Each command is a module with ``main(argv)`` (argv after the command's name), imported only when
-it runs, so ``plait generate`` does not import the trainer and ``plait --help`` imports neither
-Hydra nor torch (it reads `trainer.catalog`). Commands share `trainer.compose`
-(recipes, ``compose``, the ``plait: error:`` exit) and `trainer.rundir` (a run directory's
-layout and its model); none imports the CLI. A new command is one row here and one module.
+it runs, so ``plait generate`` does not import the trainer, ``plait --help`` imports neither
+Hydra nor torch (it reads `trainer.catalog`) and ``plait COMMAND --help`` reads the module's
+docstring from its source (`module_docstring`). Commands share `trainer.compose` (recipes,
+``compose``, the ``plait: error:`` exit) and `trainer.rundir` (a run directory's layout and its
+model); none imports the CLI. A new command is one row here and one module.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from trainer.catalog import CONF_DIR, HELP_FLAGS, config_groups
 
@@ -41,7 +45,7 @@ class Command:
 
     def help(self) -> str:
         """The module's docstring, then the command's options (its conf file) or the config groups."""
-        doc = (importlib.import_module(self.module).__doc__ or self.summary).strip()
+        doc = (module_docstring(self.module) or self.summary).strip()
         lines = [doc, ""]
         if self.config is not None:
             lines.append(f"Options (key=value; defaults from conf/{self.config}.yaml, ??? = required):")
@@ -51,6 +55,15 @@ class Command:
             lines.append("Config groups (GROUP=OPTION; every field is also an override, e.g. optim.lr=1e-3):")
             lines += [f"  {group:<12} {', '.join(options)}" for group, options in config_groups().items()]
         return "\n".join(lines)
+
+
+def module_docstring(module: str) -> str | None:
+    """The docstring of ``module``, read from its source: ``plait generate --help`` does not import
+    the command (torch, Lightning: seconds) to print it."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        return None
+    return ast.get_docstring(ast.parse(Path(spec.origin).read_text()))
 
 
 TRAIN = Command("train", "trainer.train", "train a recipe (the default: plait RECIPE ... is plait train RECIPE ...)")

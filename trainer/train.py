@@ -1,8 +1,9 @@
 """``plait [train] [RECIPE] overrides``: the train command (the default of the command table).
 
 Flow, top to bottom: RECIPE -> Hydra's own flags (so the argv that Lightning re-runs in child
-processes is self-describing) -> compose and validate before anything is launched or written ->
-Hydra runs `trainer.run.run`, which prepares data, builds everything (trainer/build.py) and fits.
+processes is self-describing) -> compose, refusing every override that does not apply before the
+trainer loads (`trainer.overrides`, Hydra only) -> validate before anything is launched or written
+(`trainer.preflight`) -> Hydra runs `trainer.run.run`, which prepares data, builds everything (trainer/build.py) and fits.
 
 ``plait RECIPE --help`` prints the recipe's config groups (the option it picks and the others)
 and its composed config; Hydra's other flags (``--cfg job``, ``--info``, ``--multirun``, ...)
@@ -23,6 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from trainer.catalog import HELP_FLAGS, bundled_recipes, config_groups, fail
 from trainer.compose import adopt_run_model, error_message, hydra_config, register_resolvers, to_hydra_argv
+from trainer.overrides import compose_overrides
 
 # trainer.preflight imports the whole trainer (Lightning, ~5 s): imported where a launch needs it,
 # so that plait RECIPE --cfg job (and Hydra's other info flags) answer at once.
@@ -41,9 +43,11 @@ def main(argv: list[str]) -> None:
     launched_child = "LOCAL_RANK" in os.environ and os.environ.get("LOCAL_RANK") != "0"
     launch = None
     if not launched_child and not any(a in _MULTIRUN + _HYDRA_INFO for a in argv):
+        composed = compose_overrides(argv)
+        composed.refuse_typed()  # a mistyped override answers at once, before the trainer loads
         from trainer.preflight import preflight  # lazy: the whole trainer (see the imports above)
 
-        launch = preflight(argv)
+        launch = preflight(composed)
 
     def hydra_task(cfg: DictConfig) -> None:
         from trainer.preflight import run_job  # lazy: the whole trainer (see the imports above)

@@ -54,13 +54,20 @@ def test_a_data_group_of_another_recipe_names_the_group_not_its_field(tmp_path: 
 
 @pytest.mark.slow
 def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
+    """Every override that does not apply at once, before the trainer loads (trainer.overrides);
+    once they apply, every problem of the config at once (trainer.preflight)."""
     run_dir = tmp_path / "run"
-    bad = ["train.micro_batch=3", "trainer.max_steps=abc", "train.global_batch_size=7", "data.seq_len=4096"]
+    typos = ["train.micro_batch=3", "optim.learning_rate=1e-4"]
+    bad = ["trainer.max_steps=abc", "train.global_batch_size=7", "data.seq_len=4096"]
+    stderr = _assert_clean_failure(plait(*CLI_TINY, *typos, *bad, f"run_dir={run_dir}", cwd=tmp_path))
+    problems = [line for line in stderr.splitlines() if line.startswith("  - ")]
+    assert len(problems) == 2, stderr
+    assert any("train.micro_batch" in p and "train.micro_batch_size" in p for p in problems), stderr  # did you mean
+    assert any("use optim.lr=1e-4" in p for p in problems), stderr  # TRL's name (trainer.foreign_names)
     stderr = _assert_clean_failure(plait(*CLI_TINY, *bad, f"run_dir={run_dir}", cwd=tmp_path))
     assert "invalid configuration" in stderr
     problems = [line for line in stderr.splitlines() if line.startswith("  - ")]
-    assert len(problems) == 4, stderr
-    assert any("train.micro_batch" in p and "train.micro_batch_size" in p for p in problems), stderr  # did you mean
+    assert len(problems) == 3, stderr
     assert any("trainer.max_steps='abc'" in p and "int" in p for p in problems), stderr
     assert any("train.global_batch_size=7" in p and "multiple" in p for p in problems), stderr
     assert any("data.seq_len=4096" in p and "model.max_seq_len=256" in p for p in problems), stderr

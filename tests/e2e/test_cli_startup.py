@@ -1,0 +1,45 @@
+"""``plait COMMAND --help`` and a mistyped override answer without importing torch or Lightning
+(seconds of start-up; docs/benchmarks.md has the figures): checked on ``python -X importtime``'s
+list of the modules the command imported, not on a clock."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+HEAVY = ("torch", "lightning")
+
+
+def _imported(*argv: str) -> tuple[subprocess.CompletedProcess[str], set[str]]:
+    """The result of ``python -X importtime -m trainer.cli *argv`` and the top-level packages it imported."""
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "trainer.cli", *argv],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = [line.rpartition("|")[2].strip() for line in result.stderr.splitlines() if line.startswith("import time:")]
+    return result, {name.split(".")[0] for name in lines}
+
+
+@pytest.mark.parametrize(
+    "argv", [("--help",), ("sft", "--help"), ("dpo", "--help"), ("generate", "--help"), ("plan", "--help")]
+)
+def test_help_imports_neither_torch_nor_lightning(argv: tuple[str, ...]) -> None:
+    """Before: plait sft --help imported torch (trainer.init_from) and plait generate --help the
+    whole command (torch), 4-6 s on 2 cores."""
+    result, imported = _imported(*argv)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "plait" in result.stdout
+    assert imported.isdisjoint(HEAVY), sorted(imported & set(HEAVY))
+
+
+def test_a_mistyped_override_is_refused_before_torch_loads() -> None:
+    """Before: the train command imported the whole trainer (Lightning) before composing."""
+    result, imported = _imported("sft", "optim.lerning_rate=1e-4", "train.micro_batch=2")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "did you mean optim.lr=1e-4?" in result.stderr and "did you mean train.micro_batch_size?" in result.stderr
+    assert imported.isdisjoint(HEAVY), sorted(imported & set(HEAVY))

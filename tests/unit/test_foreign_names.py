@@ -1,0 +1,79 @@
+"""Option names from TRL, LitGPT and torchtune are refused naming plait's override (trainer.foreign_names),
+through the CLI's own error path (trainer.overrides), and every row of the table names a real override."""
+
+from __future__ import annotations
+
+import re
+
+from harness import plait
+from omegaconf import DictConfig
+
+from trainer.catalog import config_groups
+from trainer.compose import compose, to_hydra_argv
+from trainer.foreign_names import FOREIGN_NAMES
+from trainer.overrides import compose_overrides
+
+
+def _problems(recipe: str, *overrides: str) -> list[str]:
+    return compose_overrides(to_hydra_argv([recipe, *overrides])).problems
+
+
+def test_foreign_options_are_refused_naming_plait_overrides() -> None:
+    """Before: ``plait dpo learning_rate=1e-6`` said only "(unknown key)"."""
+    typed = ["learning_rate=1e-6", "per_device_train_batch_size=4", "lora_r=16", "max_seq_length=512"]
+    result = plait("dpo", *typed, "model_name_or_path=/models/qwen", "trainer.max_steps=2")
+    assert result.returncode == 2, result.stderr
+    problems = [line for line in result.stderr.splitlines() if line.startswith("  - ")]
+    assert len(problems) == 5, result.stderr
+    for given, fix in zip(
+        [*typed, "model_name_or_path=/models/qwen"],
+        [
+            "use optim.lr=1e-6",
+            "use train.micro_batch_size=4",
+            "use strategy.lora.rank=16",
+            "use data.seq_len=512",
+            "use model=hf model.init_from=/models/qwen",
+        ],
+    ):
+        assert any(p.startswith(f"  - {given}:") and fix in p for p in problems), (given, fix, result.stderr)
+
+
+def test_a_close_spelling_of_plait_key_and_a_misspelt_foreign_name() -> None:
+    assert _problems("sft", "train.micro_batch=3") == [
+        "train.micro_batch=3: Could not override 'train.micro_batch'. (unknown key; did you mean train.micro_batch_size?)"
+    ]
+    assert _problems("sft", "optim.lerning_rate=1")[0].endswith("(unknown key; did you mean optim.lr=1?)")
+    assert _problems("pretrain", "strategy.cp_mode=ring")[0].endswith(
+        "use strategy.context_parallel.mode=ring; moved into its plugin's node)"
+    )
+    # a foreign name that is plait's own key where it is missing is not "fixed" into itself
+    assert _problems("sft", "objective.beta=0.1")[0].endswith("(unknown key)")
+
+
+def _has(cfg: DictConfig, key: str) -> bool:
+    """Whether the dotted ``key`` is a field of ``cfg`` (``<name>``: the first child of that node)."""
+    node = cfg
+    for part in key.split("."):
+        if not isinstance(node, DictConfig):
+            return False
+        if part == "<name>":
+            part = next(iter(node))
+        if part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def test_each_row_names_overrides_plait_takes() -> None:
+    """A renamed field of conf/ (or a typo in the table) fails here, not in front of a user."""
+    recipes = [compose("dpo", ["strategy.lora.rank=8"]), compose("sft")]  # objective.beta, LoRA on; SFT sources
+    wrong = []
+    for name, row in FOREIGN_NAMES.items():
+        for key in re.findall(r"(?:^|\s)([\w.<>]+)=", row.split(";")[0]):
+            if "." in key:
+                found = any(_has(cfg, key) for cfg in recipes)
+            else:  # a config group or a top-level field
+                found = key in config_groups() or key in recipes[0]
+            if not found:
+                wrong.append(f"{name}: {key}")
+    assert wrong == []

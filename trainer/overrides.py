@@ -1,0 +1,116 @@
+"""The train command's first check, Hydra and OmegaConf only: the recipe composed with every
+override that does not apply reported at once, each with its fix (a close spelling, a key that
+moved, plait's name for a TRL/LitGPT/torchtune option: `trainer.foreign_names`).
+
+A mistyped override of the user's is refused here, before anything imports torch or Lightning
+(`trainer.preflight`, seconds): ``plait sft optim.learning_rate=1e-4`` answers in well under 2 s.
+The semantic checks (batch sizes, lengths, the layout) run in preflight once the overrides apply.
+An alias's own override that fails (``plait kto data=stream``: ``data.unpaired``) goes on to
+preflight, where the objective's check names the real fix (see `Composed.implied`).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NoReturn
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from trainer.catalog import ALIASES, fail
+from trainer.compose import error_message, hydra_config
+from trainer.foreign_names import FOREIGN_NAMES, plait_override
+
+
+@dataclass(frozen=True)
+class Composed:
+    """A recipe composed from a Hydra argv (`trainer.compose.to_hydra_argv`).
+
+    Args:
+        cfg: the config with every override that applies (the failed ones left out).
+        overrides: the argv's overrides, as typed (with the alias's and the search path).
+        problems: one line per override that does not apply, with its fix.
+        implied: those of ``problems`` that come from an alias's own overrides.
+    """
+
+    cfg: DictConfig
+    overrides: list[str]
+    problems: list[str] = field(default_factory=list)
+    implied: list[str] = field(default_factory=list)
+
+    def refuse_typed(self) -> None:
+        """Exits 2 listing the `problems` of overrides the user typed, when there are any (an
+        alias's own are then noise: see `implied_failures`)."""
+        if typed := [p for p in self.problems if p not in self.implied]:
+            refuse(typed)
+
+
+def refuse(problems: Sequence[str]) -> NoReturn:
+    """``plait: error: invalid configuration:`` and one ``  - problem`` line each; exit 2."""
+    fail("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def compose_overrides(argv: list[str]) -> Composed:
+    """Composes the recipe of ``argv``; when Hydra refuses, tries each override alone to name every
+    bad one (a field override under the group choices that compose: ``data=stream data.path=x``
+    checks the path as stream's), then composes the rest.
+
+    Raises:
+        SystemExit: (exit 2) overrides that fail only together, listed.
+    """
+    config_dir, config_name, overrides = hydra_config(argv)
+    with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
+        try:
+            return Composed(compose(config_name, overrides=overrides), overrides)
+        except (HydraException, OmegaConfBaseException) as err:
+            failed = err
+        searchpath = [o for o in overrides if o.startswith("hydra.searchpath")]
+        groups = [o for o in overrides if o not in searchpath and "." not in o.split("=")[0]]
+        bad, problems = [], []
+        for override in sorted(overrides, key=lambda o: o not in groups):
+            if override in searchpath:
+                continue
+            context = [] if override in groups else [g for g in groups if g not in bad]
+            try:
+                compose(config_name, overrides=searchpath + context + [override])
+            except (HydraException, OmegaConfBaseException) as one:
+                bad.append(override)
+                problems.append(f"{override}: {error_message(one)}")
+        try:
+            cfg = compose(config_name, overrides=[o for o in overrides if o not in bad])
+        except (HydraException, OmegaConfBaseException):  # overrides that only clash together
+            refuse(problems or [error_message(failed)])
+    problems = [p + did_you_mean(cfg, o) for p, o in zip(problems, bad)] or [error_message(failed)]
+    return Composed(cfg, overrides, problems, implied_failures(problems, bad))
+
+
+def implied_failures(problems: list[str], bad: list[str]) -> list[str]:
+    """The problems of an alias's own field overrides (``plait kto`` adds ``data.unpaired=true``).
+    Under a data group they do not fit (``data=stream``) the objective's check names the fix (use
+    data=preference), so their "Could not override" is noise, left out unless nothing else is wrong."""
+    implied = {o for _, alias_overrides, _ in ALIASES.values() for o in alias_overrides if "." in o.split("=")[0]}
+    return [p for p, o in zip(problems, bad) if o in implied] if len(problems) == len(bad) else []
+
+
+def did_you_mean(cfg: DictConfig, override: str) -> str:
+    """The fix for an override of a key ``cfg`` lacks: plait's name for a foreign option or a moved
+    key (`trainer.foreign_names`), else the closest key of the same node, else the foreign name
+    closest in spelling; `` (unknown key)`` when none is close."""
+    key, _, value = override.partition("=")
+    key = key.lstrip("+~")
+    if (plait := plait_override(key, value)) is not None:
+        return f" (unknown key; use {plait})"
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    if not isinstance(node, DictConfig) or leaf in node:
+        return ""
+    if match := difflib.get_close_matches(leaf, [str(k) for k in node], n=1):
+        return f" (unknown key; did you mean {parent + '.' if parent else ''}{match[0]}?)"
+    near = difflib.get_close_matches(leaf, list(FOREIGN_NAMES), n=1, cutoff=0.8)
+    if near and (plait := plait_override(near[0], value)) is not None and plait.partition("=")[0] != key:
+        return f" (unknown key; did you mean {plait}?)"
+    return " (unknown key)"
