@@ -220,12 +220,16 @@ def component_problems(cfg: DictConfig, run: ResolvedRun | None) -> list[str]:
     return problems
 
 
-def validate(cfg: DictConfig) -> ResolvedRun:
+def validate(cfg: DictConfig, *, for_launch: bool = True) -> ResolvedRun:
     """Checks a composed config before anything is launched or written; returns its resolved run.
 
     The returned `ResolvedRun` (degrees, micro-batches, the model's shape, ...) is what the
     builders, the strategy, its plugins, the planner and the data modules receive: call this once
     per launch and pass the result on.
+
+    Args:
+        for_launch: False for a config that is only planned (``plait plan``): what only a launch
+            needs, such as LoRA's base (``model.init_from``), is not asked for.
 
     Raises:
         ConfigError: listing every problem found, each with the override that fixes it.
@@ -252,7 +256,7 @@ def validate(cfg: DictConfig) -> ResolvedRun:
                     _check_target(sub, f"{group}.{key}", problems, injected={"save_dir", "dirpath"})
     run = None
     if not problems:
-        run = check_semantics(cfg, problems)
+        run = check_semantics(cfg, problems, for_launch=for_launch)
         problems += component_problems(cfg, run)
     else:
         # Every problem at once: check the semantics too, with mistyped run-wide fields at their
@@ -262,7 +266,7 @@ def validate(cfg: DictConfig) -> ResolvedRun:
         broken = frozenset(p.removeprefix("unknown key ").split(".")[0].split("=")[0] for p in problems)
         try:
             typed = _well_typed(cfg, replaced)
-            semantic += component_problems(typed, check_semantics(typed, semantic, broken))
+            semantic += component_problems(typed, check_semantics(typed, semantic, broken, for_launch=for_launch))
         except Exception:  # noqa: BLE001 - a broken object node (already reported) stops these checks
             pass
         problems += [p for p in semantic if not any(f"{name}=" in p for name in replaced)]

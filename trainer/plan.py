@@ -27,7 +27,7 @@ def main(argv: list[str]) -> None:
     recipe, overrides = split_recipe(argv)
     try:
         cfg = compose(recipe, overrides)
-        print(plan(cfg, validate(cfg)))
+        print(plan(cfg, validate(cfg, for_launch=False)))  # the shape, not the weights: LoRA plans without a base
     except ConfigError as err:
         fail("invalid configuration:\n" + "\n".join(f"  - {p}" for p in err.problems))
     except UntrustedTargetError as err:  # model.init_from's run names code outside plait: nothing of it was built

@@ -156,7 +156,9 @@ def _row_kind(data: Any) -> str | None:
     return data_cls.row_kind_of(data)
 
 
-def resolve(cfg: DictConfig, problems: list[str], broken: frozenset[str] = frozenset()) -> ResolvedRun | None:
+def resolve(
+    cfg: DictConfig, problems: list[str], broken: frozenset[str] = frozenset(), *, for_launch: bool = True
+) -> ResolvedRun | None:
     """The resolved run of ``cfg`` (schema-valid), appending what stops it to ``problems``.
 
     The only place that derives degrees, world size and micro-batches from the config. Returns
@@ -164,6 +166,7 @@ def resolve(cfg: DictConfig, problems: list[str], broken: frozenset[str] = froze
 
     Args:
         broken: top-level nodes whose schema check failed (already reported): not instantiated.
+        for_launch: False for a run that is only planned (`ResolvedRun.for_launch`).
     """
     train, trainer, data = cfg.train, cfg.trainer, cfg.get("data")
     if trainer.devices < 1 or trainer.num_nodes < 1:  # reported by their declared range (trainer.config)
@@ -234,6 +237,7 @@ def resolve(cfg: DictConfig, problems: list[str], broken: frozenset[str] = froze
         cp_placement=str(strategy.plugins["context_parallel"].placement),
         adapters=strategy.plugins.get("lora") is not None,
         islands=strategy.islands,
+        for_launch=for_launch,
     )
     problems.extend(strategy.problems(run, run.shape))
     problems.extend(contract_problems(cfg, run, built))  # what the layout reads off the model (never skipped)
@@ -241,11 +245,14 @@ def resolve(cfg: DictConfig, problems: list[str], broken: frozenset[str] = froze
     return run if problems else replace(run, pp_split_points=pp_split_points(cfg, run, strategy))
 
 
-def check_semantics(cfg: DictConfig, problems: list[str], broken: frozenset[str] = frozenset()) -> ResolvedRun | None:
+def check_semantics(
+    cfg: DictConfig, problems: list[str], broken: frozenset[str] = frozenset(), *, for_launch: bool = True
+) -> ResolvedRun | None:
     """Appends the semantic problems of ``cfg`` to ``problems``; returns its resolved run.
 
     Args:
         broken: top-level nodes whose schema check failed (reported already; see `resolve`).
+        for_launch: False for a run that is only planned (`ResolvedRun.for_launch`).
     """
     train, trainer = cfg.train, cfg.trainer
     if trainer.max_steps <= 0:
@@ -274,7 +281,7 @@ def check_semantics(cfg: DictConfig, problems: list[str], broken: frozenset[str]
     init_from = model is not None and OmegaConf.select(model, "init_from", throw_on_missing=False)
     if init_from:  # HF dir or plait checkpoint
         problems.extend(init_from_problems(model, data=data))
-    run = resolve(cfg, problems, broken)
+    run = resolve(cfg, problems, broken, for_launch=for_launch)
     problems.extend(capability_problems(cfg, run))  # a Hugging Face mapping (trainer.capabilities)
     if data is not None and data.get("path"):
         problems.extend(_data_path_problems([data.path] if isinstance(data.path, str) else list(data.path)))

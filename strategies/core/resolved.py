@@ -63,6 +63,9 @@ class ResolvedRun:
         adapters: whether the strategy trains LoRA adapters on a frozen base (strategy.lora): the
             base alone, adapters off, is the initial policy.
         islands: whether dp replicas train apart and synchronise now and then (local SGD).
+        for_launch: whether the run is to be launched; False when it is only planned (``plait
+            plan``, which needs the model's shape, not its weights): checks of what only a launch
+            needs (LoRA's base in ``init_from``) are left out.
     """
 
     world_size: int
@@ -86,3 +89,4 @@ class ResolvedRun:
     cp_placement: str = "split"
     adapters: bool = False
     islands: bool = False
+    for_launch: bool = True

@@ -364,9 +364,9 @@ class LoRA(StrategyPlugin):
         (not composed with adapters yet), dropout under tp > 1 (each tp rank would draw its own
         mask of a replicated input), a target pattern that selects no linear layer of the model
         (`target_problems`), a tied output head as a target (its merge would change the embedding)
-        and a run without a base (``run.init_from``)."""
+        and a run to launch without a base (``run.init_from``; a planned run needs only the shape)."""
         out = []
-        if run.init_from is None:
+        if run.init_from is None and run.for_launch:
             out.append(
                 "strategy.lora trains adapters on a frozen base, and its checkpoints hold only the adapters: set "
                 "model.init_from=<a Hugging Face directory or a plait run> (the base)"
