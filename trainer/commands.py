@@ -71,6 +71,9 @@ COMMANDS: dict[str, Command] = {
     c.name: c
     for c in (
         TRAIN,
+        Command(
+            "resume", "trainer.resume_run", "continue a run directory from its newest checkpoint, with its own config"
+        ),
         Command("plan", "trainer.plan", "rank parallel layouts of a recipe for a cluster, without training"),
         Command(
             "data",

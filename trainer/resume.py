@@ -22,6 +22,7 @@ Every refused difference is listed with both values and the fix.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from trainer.config import ConfigError
 from trainer.data.chat import JinjaTemplate
 from trainer.rundir import RunDir
 
+RESUMES_FILE = "resumes.jsonl"  # one line per resume of a run directory: its step, checkpoint, changes
 RECORD_KEY = "plait_run"  # the checkpoint dict's entry (hence meta.pt's) holding the `run_record`
 
 FIXED = ("model", "objective", "data", "seed", "train.global_batch_size")
@@ -116,6 +118,9 @@ class ResumeRecord(L.Callback):
         overrides: `check_resume`'s values (``{}`` for a fresh start).
         chat_template: the tokenizer's own template that goes with the model
             (`trainer.data.base.DataModule.model_chat_template`); None: plait's default.
+        changes: on a resume, `resume_changes` (recorded as one line of ``resumes.jsonl``:
+            the step, the checkpoint, ``{key: [old, new]}``).
+        checkpoint: the checkpoint a resume starts from (None: a fresh start).
     """
 
     def __init__(
@@ -125,9 +130,11 @@ class ResumeRecord(L.Callback):
         run_dir: Path,
         overrides: dict[str, Any],
         chat_template: JinjaTemplate | None = None,
+        changes: dict[str, tuple[Any, Any]] | None = None,
+        checkpoint: Path | None = None,
     ) -> None:
         self.cfg, self.tokenizer, self.run_dir, self.overrides = cfg, tokenizer, Path(run_dir), overrides
-        self.chat_template = chat_template
+        self.chat_template, self.changes, self.checkpoint = chat_template, changes or {}, checkpoint
         self.record = run_record(OmegaConf.to_container(cfg, resolve=True), tokenizer_fingerprint(tokenizer))
 
     @override
@@ -136,6 +143,11 @@ class ResumeRecord(L.Callback):
             configs = trainer.lr_scheduler_configs
             apply_overrides(trainer.optimizers[0], configs[0].scheduler if configs else None, self.overrides)
         if trainer.is_global_zero:
+            if self.checkpoint is not None:  # what this resume changed, beside the config.yaml it rewrites
+                line = {"step": trainer.global_step, "checkpoint": str(self.checkpoint)}
+                line["changed"] = {key: list(values) for key, values in self.changes.items()}
+                with open(self.run_dir / RESUMES_FILE, "a", encoding="utf-8") as file:
+                    file.write(json.dumps(line, default=str) + "\n")
             template = self.chat_template
             RunDir(self.run_dir).write_config(
                 self.cfg,
@@ -147,6 +159,34 @@ class ResumeRecord(L.Callback):
     @override
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
         checkpoint[RECORD_KEY] = self.record
+
+
+# A resume's own settings: they differ on every resume by design.
+RESUME_KEYS = ("run_dir", "resume", "resume_override")
+
+
+def free_changes(saved: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """``{dotted key: (saved value, new value)}`` of the fields a resume may change freely (the
+    layout, ``trainer.*`` such as ``max_steps`` and the checkpoint interval, logging, callbacks,
+    evaluation) that differ from the checkpoint's run: said at launch and recorded in the run
+    directory's ``resumes.jsonl`` (`ResumeRecord`)."""
+    compared = (*FIXED, *OVERRIDABLE, *RESUME_KEYS)
+    a = {k: v for k, v in _flat(saved) if not _under(k, compared)}
+    b = {k: v for k, v in _flat(new) if not _under(k, compared)}
+    missing = object()
+    return {k: (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k, missing) != b.get(k, missing)}
+
+
+def resume_changes(cfg: DictConfig, checkpoint: Path | None) -> dict[str, tuple[Any, Any]]:
+    """Every field of ``cfg`` that differs from the run ``checkpoint`` recorded ({} for a fresh
+    start or a checkpoint without a record): `free_changes` and the ``resume_override`` ones."""
+    record = read_record(checkpoint) if checkpoint is not None else None
+    if record is None:
+        return {}
+    new = OmegaConf.to_container(cfg, resolve=True)
+    overrides = list(cfg.get("resume_override") or [])
+    overridden = {k: v for k, v in differences(record["config"], new).items() if _under(k, overrides)}
+    return {**free_changes(record["config"], new), **overridden}
 
 
 def _flat(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:

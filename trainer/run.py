@@ -28,7 +28,7 @@ from trainer.data.summary import describe
 from trainer.finetune_defaults import lr_line
 from trainer.nonfinite import NonFiniteError
 from trainer.planning import check_memory
-from trainer.resume import ResumeRecord, check_resume
+from trainer.resume import RESUMES_FILE, ResumeRecord, check_resume, resume_changes
 from trainer.rl.rewards import RewardError
 from trainer.run_length import plan_run_length
 from trainer.rundir import RunDir, last_link_problem, resolve_checkpoint
@@ -169,8 +169,14 @@ def start(cfg: DictConfig, run_dir: Path, launch: Launch, launching: bool) -> tu
         if cfg.model.get("init_from") is not None and (lr := lr_line(cfg)) is not None:
             _print(lr)
     overrides = check_resume(cfg, launch.ckpt_path, data.tokenizer)  # now with the tokenizer
+    changes = resume_changes(cfg, launch.ckpt_path)
+    if launching:
+        for key, (old, new) in changes.items():
+            _print(f"resume: {key}: {old!r} -> {new!r} (recorded in {run_dir / RESUMES_FILE})")
     # config.yaml and tokenizer.json (what generate builds from) are written once the checkpoint loaded.
-    record = ResumeRecord(cfg, data.tokenizer, run_dir, overrides, data.model_chat_template())
+    record = ResumeRecord(
+        cfg, data.tokenizer, run_dir, overrides, data.model_chat_template(), changes, launch.ckpt_path
+    )
     trainer, task = build_fit(cfg, launch.run, run_dir, data, callbacks=[record])
     return trainer, task, data
 

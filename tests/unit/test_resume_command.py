@@ -1,0 +1,70 @@
+"""``plait resume RUN_DIR``: the run's own config as the recipe (`trainer.resume_run`), and what a
+resume changed (`trainer.resume.free_changes`). The CLI round trip is tests/e2e/test_cli_resume.py (slow)."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from trainer.compose import compose
+from trainer.resume import free_changes
+from trainer.resume_run import main, recipe_for
+
+
+def _run_dir(tmp_path):
+    cfg = compose("sft", ["model=nano", "data=synthetic", "optim.lr=1e-3", "strategy.lora.rank=4"])
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)  # as trainer.rundir.RunDir.write_config
+    return run_dir, OmegaConf.to_container(cfg, resolve=True)
+
+
+def test_the_saved_config_is_the_recipe(tmp_path) -> None:
+    """Composing the run's recipe gives every value it was started with: no override typed again."""
+    run_dir, saved = _run_dir(tmp_path)
+    again = OmegaConf.to_container(
+        compose(str(recipe_for(run_dir)), [f"run_dir={run_dir}", "resume=last"]), resolve=True
+    )
+    assert {k: v for k, v in again.items() if k not in ("run_dir", "resume")} == {
+        k: v for k, v in saved.items() if k not in ("run_dir", "resume")
+    }
+    assert again["run_dir"] == str(run_dir) and again["resume"] == "last"
+
+
+def test_free_changes_name_what_a_resume_changed() -> None:
+    saved = {
+        "trainer": {"max_steps": 100},
+        "model": {"dim": 8},
+        "run_dir": "a",
+        "callbacks": {"checkpoint": {"every_n_steps": 50}},
+    }
+    new = {
+        "trainer": {"max_steps": 200},
+        "model": {"dim": 16},
+        "run_dir": "b",
+        "callbacks": {"checkpoint": {"every_n_steps": 25}},
+    }
+    assert free_changes(saved, new) == {
+        "callbacks.checkpoint.every_n_steps": (50, 25),
+        "trainer.max_steps": (100, 200),
+    }  # model.* is check_resume's (refused), run_dir the resume's own
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["model=tiny"], "model: a resumed run keeps the options it was started with"),
+        (["strategy/lora=default"], "strategy/lora: a resumed run keeps the options"),
+    ],
+)
+def test_group_choices_are_refused_before_anything_starts(tmp_path, capsys, argv, message) -> None:
+    run_dir, _ = _run_dir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main([str(run_dir), *argv])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_folder_without_a_config_is_not_a_run(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit):
+        main([str(tmp_path)])
+    assert "is not a plait run directory (no config.yaml" in capsys.readouterr().err
