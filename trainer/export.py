@@ -145,9 +145,13 @@ def source_dirs(run_cfg: DictConfig) -> list[Path]:
     """Directories whose tokenizer/generation files describe this run's model: the Hugging Face
     ``model.init_from`` and the directory of ``data.tokenizer`` (first found wins per file)."""
     out = []
-    init_from = run_cfg.model.get("init_from") if run_cfg.model is not None else None
-    if init_from and is_hf_dir(init_from):
-        out.append(Path(init_from).expanduser())
+    model = run_cfg.model if run_cfg.model is not None else {}
+    for directory in (
+        model.get("init_from"),
+        model.get("config_from"),
+    ):  # config_from: a chain from a Hugging Face model
+        if directory and is_hf_dir(directory):
+            out.append(Path(directory).expanduser())
     tokenizer = run_cfg.data.get("tokenizer") if run_cfg.get("data") is not None else None
     if tokenizer:
         out.append(Path(tokenizer).expanduser().parent)

@@ -4,7 +4,8 @@ plait's recipes are tuned for its own models trained from scratch on CPU (SFT at
 pretrained Hugging Face model fine-tuned at such a rate is ruined in a few steps. So a recipe
 states three rates, ``optim.lr: ${plait.lr:<scratch>,<hub>,<hub with LoRA>}``: the first from
 scratch or from a plait run (``model.init_from=runs/...``, a base trained at plait's scale), the
-second from a Hugging Face directory (``model=hf model.init_from=DIR``: TRL's defaults, 2e-5 for
+second from a Hugging Face directory (``model=hf model.init_from=DIR``, or a plait run of one:
+TRL's defaults, 2e-5 for
 SFT, 1e-6 for DPO and GRPO), the third from one with LoRA (adapters take about 10x: PEFT's and
 LitGPT's LoRA recipes use 1e-4 to 3e-4). ``optim.lr=...`` on the command line replaces the
 choice; `lr_line` says at launch which rate was taken and why.
@@ -18,8 +19,11 @@ from omegaconf import DictConfig, OmegaConf
 
 
 def _from_hub(root: DictConfig) -> bool:
-    """Whether the run starts from a Hugging Face directory (its ``config.json``)."""
+    """Whether the run starts from a Hugging Face directory (its ``config.json``), or from a plait
+    run of one (``model.config_from``: `trainer.init_from.take_run_model`)."""
     init_from = OmegaConf.select(root, "model.init_from", default=None, throw_on_missing=False)
+    if OmegaConf.select(root, "model.config_from", default=None, throw_on_missing=False):
+        return True
     return isinstance(init_from, str) and (Path(init_from).expanduser() / "config.json").is_file()
 
 

@@ -25,14 +25,13 @@ from strategies.transforms.lora_targets import is_adapter
 from trainer.models.hf import (
     HFError,
     is_hf_dir,
-    llama_from_hf,
     llama_kwargs,
     load_hf_weights,
     read_config,
     sliding_window,
     weight_files,
 )
-from trainer.rundir import RunDir, load_run_weights, resolve_checkpoint
+from trainer.rundir import HF_BUILDER, RunDir, load_run_weights, resolve_checkpoint
 from trainer.targets import check_targets
 
 
@@ -55,17 +54,13 @@ def load_init_from(model: nn.Module, source: str | None) -> None:
         raise HFError(f"model.init_from={source} is neither a Hugging Face directory nor a plait checkpoint") from None
 
 
-# The builder of a model whose architecture is a Hugging Face directory's (``model=hf``).
-HF_BUILDER = f"{llama_from_hf.__module__}.{llama_from_hf.__qualname__}"
-
-
 def builds_from_hf(node: Any) -> bool:
     """Whether a model node (maybe another run's, never imported here) is built by `HF_BUILDER`."""
     return str(node.get("_target_", "")) == HF_BUILDER
 
 
 # Model fields a run may set apart from the plait run it starts from: no weight changes shape.
-FREE_FIELDS = frozenset({"init_from", "init_std", "max_seq_len"})
+FREE_FIELDS = frozenset({"init_from", "config_from", "init_std", "max_seq_len"})
 
 
 def base_run(source: str | None) -> tuple[Path, DictConfig] | None:
@@ -127,14 +122,14 @@ def take_run_model(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
     if found is None or explicit is None or not isinstance(found[1].get("model"), DictConfig):
         return cfg
     saved = found[1].model
-    if builds_from_hf(saved):
-        return cfg  # validate refuses: the architecture lives in a Hugging Face directory
     taken = {
         k: v for k, v in OmegaConf.to_container(saved, resolve=False).items() if k not in explicit and k != "init_from"
     }
     check_targets(taken, source=str(found[0] / "config.yaml"), key="model", trust=cfg.trust)
     node = copy.deepcopy(saved)
     with open_dict(node):
+        if builds_from_hf(saved):  # a run of a Hugging Face model: the architecture stays in that directory
+            node.config_from = saved.get("config_from") or saved.init_from
         node.init_from = model.init_from
         for key in explicit:
             if key in model:
@@ -149,8 +144,8 @@ def take_run_model(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
 
 def _run_problems(model: Any, data: Any, source: str) -> list[str]:
     """Problems of a plait run as ``model.init_from``: a run whose checkpoints hold only adapters
-    (its ``strategy.lora``), another architecture, a model built from a Hugging Face directory, or
-    no tokenizer to take."""
+    (its ``strategy.lora``), another architecture, or no tokenizer to take. (A run of a Hugging Face
+    model is a base like any other: `take_run_model` keeps its architecture's directory.)"""
     found = base_run(source)
     if found is None:
         return []  # a bare checkpoint: its weights are checked when they load
@@ -164,12 +159,6 @@ def _run_problems(model: Any, data: Any, source: str) -> list[str]:
     saved = saved_cfg.get("model")
     if not isinstance(saved, DictConfig):
         return problems
-    if builds_from_hf(saved):
-        return problems + [
-            f"model.init_from={source} is a run of a Hugging Face model ({saved.get('init_from')}), whose architecture "
-            f"is in that directory: export it (plait export ckpt={source} out=<dir>) and use model=hf "
-            "model.init_from=<dir>"
-        ]
     mine, theirs = OmegaConf.to_container(model, resolve=True), OmegaConf.to_container(saved, resolve=True)
     for key in sorted((set(mine) | set(theirs)) - FREE_FIELDS, key=str):
         if mine.get(key) != theirs.get(key):
@@ -202,8 +191,11 @@ def init_from_problems(model: Any, *, data: Any = None) -> list[str]:
     source = str(model.init_from)
     wants_hf = builds_from_hf(model)
     if not is_hf_dir(source):
-        if wants_hf:
+        config_from = model.get("config_from") if wants_hf else None
+        if wants_hf and not config_from:
             return [f"model.init_from={source} has no config.json; model=hf needs a Hugging Face model directory"]
+        if config_from and not is_hf_dir(config_from):
+            return [f"model.config_from={config_from} has no config.json; name the Hugging Face directory of the model"]
         if resolve_checkpoint(Path(source).expanduser()) is None:
             return [
                 f"model.init_from={source} is neither a Hugging Face model directory (config.json) nor a plait "

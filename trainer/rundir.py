@@ -37,6 +37,7 @@ from strategies.checkpoint.manifest import MANIFEST
 from strategies.transforms.lora_targets import is_adapter
 from trainer.data.tokenizer import Tokenizer
 from trainer.model_node import constructor_node, init_from_of
+from trainer.models.hf import is_hf_dir, llama_from_hf, load_hf_weights
 from trainer.targets import check_targets
 
 LAST = "last"
@@ -344,6 +345,27 @@ class RunModel:
     checkpoint: Path
 
 
+def load_hf_model(path: str | os.PathLike) -> RunModel:
+    """A Hugging Face model directory as a run's model (``plait generate``/``chat`` ``ckpt=DIR``):
+    the architecture of its ``config.json`` (the ``model=hf`` builder), its safetensors weights,
+    the ``tokenizer.json`` and chat template beside them (its directory stands for the run's).
+
+    Raises:
+        HFError: the directory's config or weights are not a family plait reads.
+    """
+    directory = Path(path).expanduser()
+    model = llama_from_hf(str(directory))
+    load_hf_weights(model, directory)
+    tokenizer = Tokenizer.from_file(directory / "tokenizer.json") if (directory / "tokenizer.json").is_file() else None
+    config = OmegaConf.create({"model": {"_target_": HF_BUILDER, "init_from": str(directory)}})
+    model.eval()
+    return RunModel(model=model, tokenizer=tokenizer, config=config, run=RunDir(directory), checkpoint=directory)
+
+
+# The builder of a model whose architecture is a Hugging Face directory's (``model=hf``).
+HF_BUILDER = f"{llama_from_hf.__module__}.{llama_from_hf.__qualname__}"
+
+
 def load_run_model(
     path: str | os.PathLike, *, load_base: Callable[[nn.Module, str], None] | None = None, trust: Sequence[str] = ()
 ) -> RunModel:
@@ -361,9 +383,13 @@ def load_run_model(
         UntrustedTargetError: the run's config names a model outside plait and ``trust``.
         CheckpointError: the checkpoint refuses a safe load or holds NaN/inf.
     """
+    if is_hf_dir(path):
+        return load_hf_model(path)
     ckpt = resolve_checkpoint(path)
     if ckpt is None:
-        raise FileNotFoundError(f"{path} names no checkpoint; give a run directory or a step_* checkpoint")
+        raise FileNotFoundError(
+            f"{path} names no checkpoint; give a run directory, a step_* checkpoint or a Hugging Face model directory"
+        )
     run = RunDir.of_checkpoint(ckpt)
     cfg = run.load_config()
     tokenizer = Tokenizer.from_file(str(run.tokenizer)) if run.tokenizer.is_file() else None

@@ -140,6 +140,7 @@ def llama_kwargs(config: dict[str, Any]) -> dict[str, Any]:
 def llama_from_hf(
     init_from: str,
     *,
+    config_from: str | None = None,
     vocab_size: int | None = None,
     max_seq_len: int | None = None,
     init_std: float = 0.02,
@@ -151,7 +152,10 @@ def llama_from_hf(
     parallelized the model, `trainer.init_from.load_init_from`). The ``model=hf`` preset.
 
     Args:
-        init_from: the Hugging Face model directory.
+        init_from: the Hugging Face model directory (or, with ``config_from``, the plait run of
+            one whose weights the run starts from: `trainer.init_from.take_run_model` sets both).
+        config_from: the Hugging Face directory whose ``config.json`` sets the architecture; None:
+            ``init_from``.
         vocab_size: the tokenizer's size (passed by the trainer); must not exceed the checkpoint's.
         max_seq_len: RoPE table length; None: the checkpoint's ``max_position_embeddings`` (capped
             at its sliding window). Must not exceed them.
@@ -166,6 +170,7 @@ def llama_from_hf(
         HFError: an unsupported config, sizes beyond the checkpoint's, router knobs for a dense
             one, or ``tie_embeddings=true`` for an untied one.
     """
+    init_from = config_from or init_from  # the architecture's directory, named in the messages
     config = read_config(init_from)
     kwargs = llama_kwargs(config)
     if router and not FAMILIES[family_of(config)].moe:

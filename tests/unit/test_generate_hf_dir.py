@@ -1,0 +1,40 @@
+"""``plait generate``/``chat`` ``ckpt=<Hugging Face directory>``: the directory's model, weights and
+tokenizer (`trainer.rundir.load_hf_model`), equal to transformers' own model of it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_checkpoints import make_hf_dir
+
+from trainer.generate import main as generate
+from trainer.rundir import load_run_model
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("hub") / "llama"
+    return directory, make_hf_dir("llama3", directory)
+
+
+def test_the_directory_loads_as_transformers_builds_it(hub) -> None:
+    directory, reference = hub
+    run = load_run_model(directory)
+    ids = torch.randint(0, run.tokenizer.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(run.model(ids), reference(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_generate_reads_the_directory(hub, capsys) -> None:
+    """Greedy decoding through the command equals transformers' greedy ``generate``."""
+    directory, reference = hub
+    run = load_run_model(directory)
+    prompt = "hello world"
+    ids = torch.tensor([run.tokenizer.encode(prompt)])
+    with torch.no_grad():
+        out = reference.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    expected = prompt + run.tokenizer.decode(out[0, ids.shape[1] :].tolist())
+    generate([f"ckpt={directory}", f"prompt={prompt}", "max_new_tokens=6", "temperature=0"])
+    captured = capsys.readouterr()
+    assert f"plait: loaded {directory}" in captured.err
+    assert captured.out.rstrip("\n") == expected

@@ -1,0 +1,49 @@
+"""A run started from a Hugging Face model is the next stage's ``model.init_from`` without an export:
+its architecture stays in the Hugging Face directory (``model.config_from``, `trainer.init_from.take_run_model`),
+its weights come from the run, and the next stage fine-tunes at the Hugging Face rate."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from hf_checkpoints import make_hf_dir
+from hydra.utils import instantiate
+
+from trainer.build import build_run
+from trainer.compose import compose
+from trainer.config import validate
+from trainer.init_from import load_init_from
+from trainer.model_node import constructor_node
+from trainer.resume import ResumeRecord
+from trainer.rundir import load_run_model
+
+
+def test_dpo_starts_from_an_sft_run_of_a_hub_model(tmp_path) -> None:
+    hub, sft = tmp_path / "hub", tmp_path / "sft"
+    make_hf_dir("llama3", hub)
+    cfg = compose(
+        "sft",
+        ["model=hf", f"model.init_from={hub}", "data=synthetic", "trainer.max_steps=1", "train.eval_every=0",
+         "optim.lr=1e-2", f"run_dir={sft}"],
+    )  # fmt: skip
+    trainer, task, data = build_run(cfg, sft, launcher="fork")
+    trainer.callbacks.append(ResumeRecord(cfg, data.tokenizer, sft, {}))
+    try:
+        trainer.fit(task, datamodule=data)
+    finally:
+        for key in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "WORLD_SIZE", "RANK", "NODE_RANK"):
+            os.environ.pop(key, None)
+
+    dpo = compose("dpo", [f"model.init_from={sft}", "data=preference_synthetic"])
+    assert dpo.model.config_from == str(hub) and dpo.model.init_from == str(sft)
+    assert dpo.optim.lr == 1e-6  # the Hugging Face rate: the chain started from a hub model
+    validate(dpo)
+    model = instantiate(constructor_node(dpo.model), vocab_size=data.tokenizer.vocab_size)
+    load_init_from(model, dpo.model.init_from)
+    trained = load_run_model(sft).model.state_dict()
+    hub_weights = load_run_model(hub).model.state_dict()
+    state = model.state_dict()
+    assert state.keys() == trained.keys()
+    assert all(torch.equal(state[k], trained[k]) for k in state)  # the sft run's weights, not the hub's
+    assert any(not torch.equal(state[k], hub_weights[k]) for k in state)
