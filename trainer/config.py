@@ -26,6 +26,7 @@ from strategies.core.parallel_dims import MESH_AXES, ParallelDims
 from strategies.core.ranges import NON_NEGATIVE, POSITIVE, Range, declared_ranges, value_problem
 from strategies.core.resolved import ResolvedRun
 from strategies.mesh import MOVED_KEYS
+from trainer.foreign_names import plait_override
 from trainer.model_node import NODE_KEYS
 from trainer.optim import DEFAULT_NO_DECAY
 from trainer.semantics import _import, check_semantics
@@ -325,9 +326,13 @@ def _well_typed(cfg: DictConfig, replaced: list[str]) -> DictConfig:
     return cfg
 
 
-def _close(name: str, options: list[str]) -> str:
-    match = difflib.get_close_matches(name, options, n=1)
-    return f" (did you mean {match[0]}?)" if match else ""
+def _close(node: DictConfig, key: str, options: list[str], where: str) -> str:
+    """`` (did you mean X?)`` for the unknown ``key`` of ``node`` among ``options``; else `` (use optim.lr=...)``
+    when ``where`` (its dotted key) is an option name of TRL, LitGPT or torchtune (`trainer.foreign_names`)."""
+    if match := difflib.get_close_matches(key, options, n=1):
+        return f" (did you mean {match[0]}?)"
+    plait = plait_override(where, str(OmegaConf.select(node, key, throw_on_missing=False)))
+    return f" (use {plait})" if plait is not None else ""
 
 
 def _check_dataclass(node: Any, schema: type, prefix: str, problems: list[str]) -> None:
@@ -338,7 +343,8 @@ def _check_dataclass(node: Any, schema: type, prefix: str, problems: list[str]) 
     for key in node.keys():
         if key not in fields and key != "hydra":
             problems.append(
-                f"unknown key {prefix}{key}{_close(str(key), list(fields))}; valid keys: {', '.join(fields)}"
+                f"unknown key {prefix}{key}{_close(node, str(key), list(fields), f'{prefix}{key}')}; "
+                f"valid keys: {', '.join(fields)}"
             )
     hints = typing.get_type_hints(schema)
     ranges = declared_ranges(schema)
@@ -472,7 +478,8 @@ def _check_target(
         if key not in params:
             if not takes_kwargs:
                 problems.append(
-                    f"unknown key {where}.{key}{_close(str(key), names)}; {node._target_} takes: {', '.join(names)}"
+                    f"unknown key {where}.{key}{_close(node, str(key), names, f'{where}.{key}')}; "
+                    f"{node._target_} takes: {', '.join(names)}"
                 )
             else:  # passed on to a base class (``**settings``): its declared range still applies
                 value = OmegaConf.select(node, str(key), throw_on_missing=False)

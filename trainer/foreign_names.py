@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from strategies.moved_keys import MOVED_KEYS
 
+# plait counts optimizer steps; an SFT source's passes are its own setting.
+EPOCHS = "data.sources.<name>.max_epochs={value}; passes over an SFT source; trainer.max_steps ends the run too"
 FOREIGN_NAMES: dict[str, str] = {
     # the optimizer and its schedule
     "learning_rate": "optim.lr={value}",
@@ -41,10 +43,9 @@ FOREIGN_NAMES: dict[str, str] = {
     # how long and how often
     "max_steps": "trainer.max_steps={value}",
     "max_iters": "trainer.max_steps={value}",
-    "num_train_epochs": (
-        "data.sources.<name>.max_epochs={value}; passes over an SFT source; trainer.max_steps ends the run too"
-    ),
-    "epochs": "data.sources.<name>.max_epochs={value}; passes over an SFT source; trainer.max_steps ends the run too",
+    "num_train_epochs": EPOCHS,
+    "epochs": EPOCHS,
+    "max_epochs": EPOCHS,
     "eval_steps": "train.eval_every={value}",
     "eval_interval": "train.eval_every={value}",
     "logging_steps": "trainer.log_every_n_steps={value}",
@@ -77,11 +78,17 @@ FOREIGN_NAMES: dict[str, str] = {
 }
 
 
-def plait_override(key: str, value: str) -> str | None:
-    """The plait override that a foreign option ``key=value`` means (`FOREIGN_NAMES`: the whole key
-    first, then its last part); None when the key is not a known foreign name, or names itself."""
+def plait_override(key: str, value: str, *, by_last_part: bool = True) -> str | None:
+    """The plait override that a foreign option ``key=value`` means (`FOREIGN_NAMES`: the whole key,
+    then its last part unless ``by_last_part`` is false); None when the key is not a known foreign
+    name, or names itself.
+
+    Callers try the whole key first, then the closest key of plait's own node (``model.max_seq_length``
+    means ``model.max_seq_len`` there, not LitGPT's ``data.seq_len``), then the last part."""
     key = key.lstrip("+~")
-    row = FOREIGN_NAMES.get(key) or FOREIGN_NAMES.get(key.rpartition(".")[2])
+    row = FOREIGN_NAMES.get(key)
+    if row is None and by_last_part:
+        row = FOREIGN_NAMES.get(key.rpartition(".")[2])
     if row is None or row.partition("=")[0] == key:
         return None
     return row.replace("{value}", value)

@@ -25,6 +25,10 @@ from trainer.catalog import ALIASES, fail
 from trainer.compose import error_message, hydra_config
 from trainer.foreign_names import FOREIGN_NAMES, plait_override
 
+# difflib's ratio above which a key is a misspelling of another (max_seq_length/max_seq_len 0.88,
+# micro_batch/micro_batch_size 0.81) rather than a loose likeness (num_train_epochs/limit_train_batches 0.63).
+CLOSE = 0.8
+
 
 @dataclass(frozen=True)
 class Composed:
@@ -97,20 +101,27 @@ def implied_failures(problems: list[str], bad: list[str]) -> list[str]:
 
 
 def did_you_mean(cfg: DictConfig, override: str) -> str:
-    """The fix for an override of a key ``cfg`` lacks: plait's name for a foreign option or a moved
-    key (`trainer.foreign_names`), else the closest key of the same node, else the foreign name
-    closest in spelling; `` (unknown key)`` when none is close."""
+    """The fix for an override of a key ``cfg`` lacks, the first found of: plait's name for a foreign
+    option or a moved key (`trainer.foreign_names`); a key of the same node close in spelling
+    (``model.max_seq_length``: model.max_seq_len); plait's name for the key's last part
+    (``trainer.num_train_epochs``: not the loosely close trainer.limit_train_batches); a key of the
+    node less close; the foreign name closest in spelling. `` (unknown key)`` when none is."""
     key, _, value = override.partition("=")
     key = key.lstrip("+~")
-    if (plait := plait_override(key, value)) is not None:
+    if (plait := plait_override(key, value, by_last_part=False)) is not None:
         return f" (unknown key; use {plait})"
     parent, _, leaf = key.rpartition(".")
     node = OmegaConf.select(cfg, parent) if parent else cfg
     if not isinstance(node, DictConfig) or leaf in node:
         return ""
-    if match := difflib.get_close_matches(leaf, [str(k) for k in node], n=1):
-        return f" (unknown key; did you mean {parent + '.' if parent else ''}{match[0]}?)"
-    near = difflib.get_close_matches(leaf, list(FOREIGN_NAMES), n=1, cutoff=0.8)
+    keys, prefix = [str(k) for k in node], parent + "." if parent else ""
+    if match := difflib.get_close_matches(leaf, keys, n=1, cutoff=CLOSE):
+        return f" (unknown key; did you mean {prefix}{match[0]}?)"
+    if (plait := plait_override(key, value)) is not None:
+        return f" (unknown key; use {plait})"
+    if match := difflib.get_close_matches(leaf, keys, n=1):
+        return f" (unknown key; did you mean {prefix}{match[0]}?)"
+    near = difflib.get_close_matches(leaf, list(FOREIGN_NAMES), n=1, cutoff=CLOSE)
     if near and (plait := plait_override(near[0], value)) is not None and plait.partition("=")[0] != key:
         return f" (unknown key; did you mean {plait}?)"
     return " (unknown key)"

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from harness import plait
 from omegaconf import DictConfig
 
 from trainer.catalog import config_groups
 from trainer.compose import compose, to_hydra_argv
+from trainer.config import ConfigError, validate
 from trainer.foreign_names import FOREIGN_NAMES
 from trainer.overrides import compose_overrides
 
@@ -40,12 +42,16 @@ def test_foreign_options_are_refused_naming_plait_overrides() -> None:
 
 def test_a_close_spelling_of_plait_key_and_a_misspelt_foreign_name() -> None:
     assert _problems("sft", "train.micro_batch=3") == [
-        "train.micro_batch=3: Could not override 'train.micro_batch'. (unknown key; did you mean train.micro_batch_size?)"
+        "train.micro_batch=3: Could not override 'train.micro_batch'. "
+        "(unknown key; did you mean train.micro_batch_size?)"
     ]
     assert _problems("sft", "optim.lerning_rate=1")[0].endswith("(unknown key; did you mean optim.lr=1?)")
     assert _problems("pretrain", "strategy.cp_mode=ring")[0].endswith(
         "use strategy.context_parallel.mode=ring; moved into its plugin's node)"
     )
+    # a key close to one of its node's is a misspelling; a loose likeness loses to a foreign name
+    assert _problems("sft", "model.max_seq_length=512")[0].endswith("did you mean model.max_seq_len?)")
+    assert "use data.sources.<name>.max_epochs=3" in _problems("sft", "trainer.num_train_epochs=3")[0]
     # a foreign name that is plait's own key where it is missing is not "fixed" into itself
     assert _problems("sft", "objective.beta=0.1")[0].endswith("(unknown key)")
 
@@ -77,3 +83,14 @@ def test_each_row_names_overrides_plait_takes() -> None:
             if not found:
                 wrong.append(f"{name}: {key}")
     assert wrong == []
+
+
+def test_a_foreign_name_added_with_plus_is_named_by_validate() -> None:
+    """``+learning_rate=...`` composes (Hydra adds the key); validate refuses it naming optim.lr."""
+    with pytest.raises(ConfigError) as err:
+        validate(compose("sft", ["model=nano", "+learning_rate=2e-5", "+optim.warmup_ratio=0.1"]))
+    assert any(p.startswith("unknown key learning_rate (use optim.lr=2e-05);") for p in err.value.problems)
+    assert any(
+        p.startswith("unknown key optim.warmup_ratio (use scheduler.warmup_steps=<warmup_ratio x trainer.max_steps>")
+        for p in err.value.problems
+    ), err.value.problems
