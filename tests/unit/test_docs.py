@@ -28,12 +28,14 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 GUIDES = ("getting-started.md", "fine-tuning.md")
 SHORT = "trainer.max_steps=2"  # appended to every training command of the guides
-COMMANDS = ("generate", "chat", "export", "merge", "compare", "plan")  # plait's commands that train nothing
+COMMANDS = ("generate", "chat", "export", "merge", "compare", "plan", "data")  # plait's commands that train nothing
+RESUME_SHORT = "trainer.max_steps=4"  # plait resume RUN_DIR: two steps past the guide's short run
 # bash's `plait`: training commands get the short settings, the other commands and --help run as written.
 PRELUDE = f"""
 plait() {{
   case "${{1:-}}" in
     {"|".join(COMMANDS)}|-*) command plait "$@" ;;
+    resume) command plait "$@" {RESUME_SHORT} ;;
     *) command plait "$@" {SHORT} ;;
   esac
 }}
@@ -129,7 +131,9 @@ def test_guides_training_commands_compose() -> None:
     from trainer.compose import compose, split_recipe
 
     commands = [argv for page in GUIDES for block in code_blocks(page) for argv in plait_commands(block)]
-    training = [argv for argv in commands if not argv or (argv[0] not in COMMANDS and not argv[0].startswith("-"))]
+    training = [
+        argv for argv in commands if not argv or (argv[0] not in (*COMMANDS, "resume") and not argv[0].startswith("-"))
+    ]  # plait resume composes from a run directory: the slow test runs it
     assert len(training) >= 8, training
     failed = []
     for argv in training:
