@@ -16,15 +16,21 @@ from __future__ import annotations
 
 import sys
 
-from trainer.compose import compose, fail, split_recipe
-from trainer.config import ConfigError, validate
-from trainer.planning import plan
-from trainer.targets import UntrustedTargetError
+from trainer.compose import compose, fail, split_recipe, to_hydra_argv
+from trainer.overrides import compose_overrides
+
+# trainer.config, trainer.planning and trainer.targets import torch and Lightning (~5 s): imported
+# once the overrides apply, so that a mistyped one is answered at once, as by the train command.
 
 
 def main(argv: list[str]) -> None:
     """Entry of ``plait plan``: compose like a run, validate, print the plan; exit 2 on bad config."""
     recipe, overrides = split_recipe(argv)
+    compose_overrides(to_hydra_argv(argv)).refuse_typed()  # every mistyped override, each with its fix
+    from trainer.config import ConfigError, validate  # lazy: Lightning (see the imports above)
+    from trainer.planning import plan  # lazy: Lightning (see the imports above)
+    from trainer.targets import UntrustedTargetError  # lazy: torch (see the imports above)
+
     try:
         cfg = compose(recipe, overrides)
         print(plan(cfg, validate(cfg, for_launch=False)))  # the shape, not the weights: LoRA plans without a base
