@@ -27,7 +27,13 @@ from __future__ import annotations
 import os
 import sys
 
+from trainer.build import prepared_data
 from trainer.compose import compose, fail, split_recipe
+from trainer.config import ConfigError, validate
+from trainer.data.base import DataError
+from trainer.data.chat import ChatError
+from trainer.data.preview import COLOR, PLAIN, preview_lines
+from trainer.targets import UntrustedTargetError
 
 OPTIONS = {"n": "3", "count": "true"}  # plait data's own arguments, taken out before Hydra composes
 
@@ -56,13 +62,6 @@ def main(argv: list[str]) -> None:
     """Entry of ``plait data``: compose like a run, prepare the data, print; exit 2 on bad input."""
     n, count, rest = options(argv)
     recipe, overrides = split_recipe(rest)
-    # The trainer imports Lightning and torch (~6 s): after the arguments are checked, and never for --help.
-    from trainer.build import prepared_data
-    from trainer.config import ConfigError, validate
-    from trainer.data.base import DataError
-    from trainer.data.chat import ChatError
-    from trainer.data.preview import COLOR, PLAIN, preview_lines
-    from trainer.targets import UntrustedTargetError
 
     style = COLOR if sys.stdout.isatty() and not os.environ.get("NO_COLOR") else PLAIN
     try:
