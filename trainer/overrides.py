@@ -100,6 +100,32 @@ def implied_failures(problems: list[str], bad: list[str]) -> list[str]:
     return [p for p, o in zip(problems, bad) if o in implied] if len(problems) == len(bad) else []
 
 
+# Keys users bring for "my data file" to a recipe whose data reads named sources.
+_FILE_KEYS = ("data.path", "data.file", "data.dataset", "data.train_file", "data.data_files", "data.dataset_path")
+
+
+def own_data_fix(cfg: DictConfig, key: str, value: str) -> str | None:
+    """The fix for a near miss at one's own data in a recipe whose data reads ``data.sources``
+    (SFT, preference, prompt data): a file key (``data.path=mine.jsonl``, pretraining's) or a field
+    of a source the preset does not have (``data.sources.mine.source=...`` without ``+``); None
+    for any other key."""
+    sources = OmegaConf.select(cfg, "data.sources")
+    if not isinstance(sources, DictConfig):
+        return None
+    parts = key.split(".")
+    if key in _FILE_KEYS:
+        name, field = "mine", "source"
+    elif len(parts) >= 4 and parts[:2] == ["data", "sources"] and parts[2] not in sources:
+        name, field = parts[2], ".".join(parts[3:])
+    else:
+        return None
+    preset = ", ".join(map(str, sources)) or "none"
+    return (
+        f"this data reads named sources (the preset's: {preset}); your file alone: "
+        f"'data.sources={{{name}: {{{field}: {value}}}}}', or beside the preset's: +data.sources.{name}.{field}={value}"
+    )
+
+
 def did_you_mean(cfg: DictConfig, override: str) -> str:
     """The fix for an override of a key ``cfg`` lacks, the first found of: plait's name for a foreign
     option or a moved key (`trainer.foreign_names`); a key of the same node close in spelling
@@ -108,6 +134,8 @@ def did_you_mean(cfg: DictConfig, override: str) -> str:
     node less close; the foreign name closest in spelling. `` (unknown key)`` when none is."""
     key, _, value = override.partition("=")
     key = key.lstrip("+~")
+    if (fix := own_data_fix(cfg, key, value)) is not None:
+        return f" ({fix})"
     if (plait := plait_override(key, value, by_last_part=False)) is not None:
         return f" (unknown key; use {plait})"
     parent, _, leaf = key.rpartition(".")

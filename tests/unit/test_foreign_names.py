@@ -94,3 +94,12 @@ def test_a_foreign_name_added_with_plus_is_named_by_validate() -> None:
         p.startswith("unknown key optim.warmup_ratio (use scheduler.warmup_steps=<warmup_ratio x trainer.max_steps>")
         for p in err.value.problems
     ), err.value.problems
+
+
+def test_near_misses_at_ones_own_data_name_both_forms() -> None:
+    """Before: ``plait sft data.path=mine.jsonl`` (pretraining's key) and ``data.sources.mine.source=...``
+    (a new source without ``+``) said only "Could not override"."""
+    both = "your file alone: 'data.sources={mine: {source: mine.jsonl}}', or beside the preset's: +data.sources.mine.source=mine.jsonl"
+    assert _problems("sft", "data.path=mine.jsonl")[0].endswith(f"{both})")
+    assert _problems("sft", "data.sources.mine.source=mine.jsonl")[0].endswith(f"{both})")
+    assert "the preset's: copy" in _problems("dpo", "data=preference_synthetic", "data.sources.pairs.source=p.jsonl")[0]
