@@ -38,6 +38,7 @@ from trainer.config import ConfigError
 from trainer.data.chat import JinjaTemplate
 from trainer.rundir import RunDir
 
+SHOWN = 3  # refused differences listed before the rest are counted
 RESUMES_FILE = "resumes.jsonl"  # one line per resume of a run directory: its step, checkpoint, changes
 RECORD_KEY = "plait_run"  # the checkpoint dict's entry (hence meta.pt's) holding the `run_record`
 
@@ -101,6 +102,14 @@ def check_resume(cfg: DictConfig, checkpoint: Path | None, tokenizer: Any = None
     new = OmegaConf.to_container(cfg, resolve=True)
     fingerprint = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
     if problems := resume_problems(record, new, fingerprint, overrides, source=str(checkpoint)):
+        if len(problems) > SHOWN:  # another composed config (overrides not typed again), not a changed field
+            run_dir = Path(checkpoint).parent.parent
+            problems = [
+                f"this config differs from the one {run_dir} was trained with in {len(problems)} fields; continue "
+                f"the run with its own config: plait resume {run_dir} [overrides]",
+                *problems[:SHOWN],
+                f"... and {len(problems) - SHOWN} more",
+            ]
         raise ConfigError(problems)
     return {key: now for key, (_, now) in differences(record["config"], new).items() if _under(key, overrides)}
 
@@ -173,8 +182,11 @@ def free_changes(saved: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[
     compared = (*FIXED, *OVERRIDABLE, *RESUME_KEYS)
     a = {k: v for k, v in _flat(saved) if not _under(k, compared)}
     b = {k: v for k, v in _flat(new) if not _under(k, compared)}
-    missing = object()
-    return {k: (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k, missing) != b.get(k, missing)}
+    return {
+        k: (a.get(k, ABSENT), b.get(k, ABSENT))
+        for k in sorted(a.keys() | b.keys())
+        if a.get(k, ABSENT) != b.get(k, ABSENT)
+    }
 
 
 def resume_changes(cfg: DictConfig, checkpoint: Path | None) -> dict[str, tuple[Any, Any]]:
@@ -201,13 +213,29 @@ def _under(key: str, roots: Sequence[str]) -> bool:
     return any(key == root or key.startswith(root + ".") for root in roots)
 
 
+class _Absent:
+    """A field one of two configs does not have (shown as such, not as None)."""
+
+    def __repr__(self) -> str:
+        return "(absent)"
+
+    __str__ = __repr__
+
+
+ABSENT = _Absent()
+
+
 def differences(saved: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """``{dotted key: (saved value, new value)}`` of the compared fields that differ."""
+    """``{dotted key: (saved value, new value)}`` of the compared fields that differ (`ABSENT` for a
+    field one side lacks)."""
     roots = (*FIXED, *OVERRIDABLE)
     a = {k: v for k, v in _flat(saved) if _under(k, roots) and not _under(k, IGNORED)}
     b = {k: v for k, v in _flat(new) if _under(k, roots) and not _under(k, IGNORED)}
-    missing = object()
-    return {k: (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k, missing) != b.get(k, missing)}
+    return {
+        k: (a.get(k, ABSENT), b.get(k, ABSENT))
+        for k in sorted(a.keys() | b.keys())
+        if a.get(k, ABSENT) != b.get(k, ABSENT)
+    }
 
 
 def resume_problems(

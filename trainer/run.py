@@ -12,7 +12,7 @@ from pathlib import Path
 
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from strategies.checkpoint.dcp import CheckpointError, NonFiniteStateError
 from strategies.core.resolved import ResolvedRun
@@ -20,7 +20,7 @@ from strategies.runtime.launch import LAUNCH_ENV, launch_problems
 from strategies.runtime.watchdog import ABORT_EXIT
 from trainer.budget.driver import DriverError, is_search, run_search
 from trainer.build import build_fit, prepared_data
-from trainer.checkpoint_step import step_problem
+from trainer.checkpoint_step import meta_step, step_problem
 from trainer.config import ConfigError, validate
 from trainer.data.base import DataError, DataModule
 from trainer.data.chat import ChatError
@@ -68,7 +68,10 @@ def check_run_dir(
     if cfg.resume is None:
         if RunDir(run_dir).holds_checkpoints():
             raise ConfigError(
-                [f"run_dir={run_dir} already holds checkpoints; continue it with resume=last, or choose a new run_dir"]
+                [
+                    f"run_dir={run_dir} already holds checkpoints; continue it with plait resume {run_dir} (its own "
+                    "config), or choose a new run_dir"
+                ]
             )
         return None
     if (problem := last_link_problem(RunDir(run_dir).checkpoints)) is not None:
@@ -83,6 +86,13 @@ def check_run_dir(
         )
     if (problem := step_problem(found)) is not None:
         raise CheckpointError(problem)
+    step, max_steps = meta_step(found), OmegaConf.select(cfg, "trainer.max_steps", default=None)
+    if step is not None and isinstance(max_steps, int) and 0 <= max_steps <= step:
+        raise ConfigError(
+            [
+                f"{found} is at step {step} and trainer.max_steps={max_steps}: the resume would train nothing; raise trainer.max_steps"
+            ]
+        )
     for line in [*skipped, f"resuming from {found}"]:
         if report is not None:
             report(line)

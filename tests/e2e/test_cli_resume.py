@@ -42,3 +42,10 @@ def test_resume_continues_the_run_from_its_config(tmp_path) -> None:
         {int(float(r.split(",")[header.index("step")])) for r in rows[1:] if r.split(",")[header.index("train/loss")]}
     )
     assert trained[-1] == 6
+    # Past max_steps: refused, not a silent no-op; the old form typed without the run's overrides: pointed here.
+    short = _plait("resume", str(run_dir), "trainer.max_steps=3", cwd=tmp_path)
+    assert (
+        short.returncode == 2 and "is at step 6 and trainer.max_steps=3: the resume would train nothing" in short.stderr
+    )
+    bare = _plait("sft", f"run_dir={run_dir}", "resume=last", cwd=tmp_path)
+    assert bare.returncode == 2 and f"plait resume {run_dir} [overrides]" in bare.stderr, bare.stderr[-2000:]

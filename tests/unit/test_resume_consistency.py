@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from trainer.optim import WarmupDecayLR, lr_factor
@@ -44,7 +45,7 @@ def test_every_difference_is_listed_with_its_fix() -> None:
     text = "\n".join(problems)
     assert len(problems) == 6, text  # tokenizer, model.dim, data.sources.a.weight + .b.weight, optim.lr, seed
     assert "tokenizer differs" in text and "model.dim=128 differs from 64" in text
-    assert "data.sources.b.weight=1.0 differs from None" in text and "model.init_from=ckpt" in text
+    assert "data.sources.b.weight=1.0 differs from (absent)" in text and "model.init_from=ckpt" in text
     assert "resume_override=[optim.lr]" in text and "seed=1 differs from 0" in text
 
 
@@ -108,3 +109,22 @@ def test_a_launch_builds_its_trainer_with_the_callback_that_records_the_run(tmp_
     trainer, _, data = start(cfg, tmp_path, Launch(validate(cfg), None), launching=False)
     records = [c for c in trainer.callbacks if isinstance(c, ResumeRecord)]
     assert len(records) == 1 and records[0].tokenizer is data.tokenizer
+
+
+def test_another_composed_config_is_pointed_at_plait_resume(tmp_path) -> None:
+    """``run_dir=RUN resume=last`` typed without the run's overrides differs in many fields: the
+    refusal leads with ``plait resume RUN`` (the run's own config) and lists three, not forty."""
+    from omegaconf import OmegaConf
+
+    from trainer.config import ConfigError
+    from trainer.resume import RECORD_KEY, check_resume
+
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_0000004"
+    checkpoint.mkdir(parents=True)
+    torch.save({RECORD_KEY: run_record(SAVED, "f" * 64)}, checkpoint / "meta.pt")
+    new = OmegaConf.create(_new(model__dim=128, model__n_layers=9, data__sources={"b": {"weight": 1.0}}, seed=1))
+    with pytest.raises(ConfigError) as err:
+        check_resume(new, checkpoint)
+    problems = err.value.problems
+    assert problems[0].endswith(f"continue the run with its own config: plait resume {tmp_path / 'run'} [overrides]")
+    assert len(problems) == 5 and problems[-1] == "... and 2 more", problems
