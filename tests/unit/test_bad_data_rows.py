@@ -54,3 +54,17 @@ def test_pairs_with_equal_answers_are_dropped_with_a_count(tmp_path: Path, capsy
     assert (
         "plait: data.sources.mine: dropped 2 of 5 rows: 'chosen' equals 'rejected'" in err and "d.jsonl, line 2)" in err
     )
+
+
+def test_a_small_file_mostly_held_out_is_said(tmp_path: Path, capsys) -> None:
+    """Before: 10 rows at the default val_size=16 trained on 1 row without a word."""
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(CHAT) + "\n" for _ in range(10)))
+    train, val = CONVERSATIONS.records(CONVERSATIONS.parse("mine", {"source": str(path)}), seed=0)
+    assert (len(train), len(val)) == (1, 9)
+    assert (
+        "plait: warning: data.sources.mine: 9 of its 10 rows are held out for validation (val_size=16) and 1 train; "
+        "lower data.sources.mine.val_size" in capsys.readouterr().err
+    )
+    CONVERSATIONS.records(CONVERSATIONS.parse("mine", {"source": str(path), "val_size": 2}), seed=0)
+    assert "warning" not in capsys.readouterr().err

@@ -153,6 +153,13 @@ class Catalog:
             raise DataError(f"data.sources.{source.name}: {err}") from None
         records = drop_useless(records, wheres, self.useless, name=source.name)
         train, val = hold_out(records, source.val_size, seed=seed, name=source.name)
+        if len(val) >= len(train):  # a small file: most of it would never be trained on, unsaid
+            print(
+                f"plait: warning: data.sources.{source.name}: {len(val)} of its {len(records)} rows are held out for "
+                f"validation (val_size={source.val_size}) and {len(train)} train; lower "
+                f"data.sources.{source.name}.val_size",
+                file=sys.stderr,
+            )
         return (train[: source.limit] if source.limit else train), val
 
 
