@@ -24,6 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from trainer.catalog import HELP_FLAGS, bundled_recipes, config_groups, fail
 from trainer.compose import adopt_run_model, error_message, hydra_config, register_resolvers, to_hydra_argv
+from trainer.finetune_defaults import lr_line
 from trainer.overrides import compose_overrides
 
 # trainer.preflight imports the whole trainer (Lightning, ~5 s): imported where a launch needs it,
@@ -78,4 +79,6 @@ def print_recipe_help(argv: list[str]) -> None:
         shown = [f"*{o}" if o == chosen else o for o in options]
         lines.append(f"  {group:<12} {', '.join(shown)}" + ("" if chosen in options else "  (none chosen)"))
     lines += ["", "Composed config (every field is an override, e.g. optim.lr=1e-3):", OmegaConf.to_yaml(cfg).rstrip()]
+    if (lr := lr_line(cfg)) is not None:  # ${plait.lr:...} above: the rate this command line gets
+        lines += ["", lr]
     print("\n".join(lines))

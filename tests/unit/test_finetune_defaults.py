@@ -31,3 +31,18 @@ def test_the_rate_follows_the_start(hub, tmp_path, recipe, scratch, hub_lr, hub_
     assert with_lora.optim.lr == hub_lora and "with LoRA (" in lr_line(with_lora)
     chosen = compose(recipe, ["model=hf", f"model.init_from={hub}", "optim.lr=3e-5"])
     assert chosen.optim.lr == 3e-5 and lr_line(chosen) is None
+
+
+def test_recipe_help_names_the_rate_the_command_line_gets(hub, capsys) -> None:
+    """``plait sft ... --help`` shows ``lr: ${plait.lr:...}`` in the config; the line after it says which."""
+    from trainer.compose import register_resolvers, to_hydra_argv
+    from trainer.train import print_recipe_help
+
+    register_resolvers()
+    print_recipe_help(to_hydra_argv(["sft", "model=hf", f"model.init_from={hub}", "--help"]))
+    assert (
+        capsys.readouterr()
+        .out.rstrip()
+        .splitlines()[-1]
+        .startswith("optim.lr=2e-05: the sft recipe's rate fine-tuning")
+    )
