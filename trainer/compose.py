@@ -128,13 +128,22 @@ def transform_groups() -> tuple[str, ...]:
 
 
 def _defaults_keys(recipe_file: Path) -> set[str]:
-    """The group keys of a recipe file's defaults list (``strategy/lora`` from ``- /strategy/lora: default``)."""
+    """The group keys a recipe file selects: its defaults list's (``strategy/lora`` from ``- /strategy/lora:
+    default``) and each transform it writes out itself (``strategy: {lora: {...}}``, as the run's own
+    config.yaml does under ``plait resume``)."""
     try:
-        defaults = (yaml.safe_load(recipe_file.read_text()) or {}).get("defaults") or []
+        recipe = yaml.safe_load(recipe_file.read_text()) or {}
+        defaults = recipe.get("defaults") or []
+        strategy = recipe.get("strategy") or {}
     except (OSError, yaml.YAMLError, AttributeError):
         return set()  # Hydra reports an unreadable recipe itself
     keys = (next(iter(entry)) for entry in defaults if isinstance(entry, dict) and entry)
-    return {key.removeprefix("override ").strip().strip("/").split("@")[0] for key in keys}
+    written = (
+        {f"strategy/{name}" for name, node in strategy.items() if isinstance(node, dict)}
+        if isinstance(strategy, dict)
+        else set()
+    )
+    return {key.removeprefix("override ").strip().strip("/").split("@")[0] for key in keys} | written
 
 
 def select_transforms(overrides: Sequence[str], recipe_defaults: set[str]) -> list[str]:
@@ -156,6 +165,8 @@ def select_transforms(overrides: Sequence[str], recipe_defaults: set[str]) -> li
             elif key.lstrip("+").startswith(f"strategy.{name}.") and group not in keys:
                 out.append(f"+{group}=default")
                 keys.add(group)
+                if override.startswith("+") and not override.startswith("++"):
+                    override = override[1:]  # the field exists once the group is selected
         out.append(override)
     return out
 

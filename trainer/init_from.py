@@ -195,7 +195,10 @@ def init_from_problems(model: Any, *, data: Any = None) -> list[str]:
         if wants_hf and not config_from:
             return [f"model.init_from={source} has no config.json; model=hf needs a Hugging Face model directory"]
         if config_from and not is_hf_dir(config_from):
-            return [f"model.config_from={config_from} has no config.json; name the Hugging Face directory of the model"]
+            return [
+                f"model.config_from={config_from} (the Hugging Face directory the run model.init_from={source} started "
+                f"from) has no config.json; if it moved, name it: +model.config_from=<its new directory>"
+            ]
         if resolve_checkpoint(Path(source).expanduser()) is None:
             return [
                 f"model.init_from={source} is neither a Hugging Face model directory (config.json) nor a plait "

@@ -42,13 +42,14 @@ SHOWN = 3  # refused differences listed before the rest are counted
 RESUMES_FILE = "resumes.jsonl"  # one line per resume of a run directory: its step, checkpoint, changes
 RECORD_KEY = "plait_run"  # the checkpoint dict's entry (hence meta.pt's) holding the `run_record`
 
-FIXED = ("model", "objective", "data", "seed", "train.global_batch_size")
+# strategy.lora: the adapters' shapes, targets and scaling are what a LoRA checkpoint holds.
+FIXED = ("model", "objective", "data", "seed", "train.global_batch_size", "strategy.lora")
 DATA_POSITION = ("data", "seed", "train.global_batch_size")  # fields the saved data position depends on
 OVERRIDABLE = ("optim", "scheduler", "train.max_grad_norm")
 # Keys of the fixed groups that do not change what is trained: where a file is cached, where
 # the initial weights came from (the checkpoint holds them now), the tokenizer path (compared
 # by the tokenizer's fingerprint instead).
-IGNORED = ("data.cache_dir", "model.init_from", "data.tokenizer")
+IGNORED = ("data.cache_dir", "model.init_from", "data.tokenizer", "model.config_from")
 
 
 def run_record(config: dict[str, Any], tokenizer_fingerprint: str) -> dict[str, Any]:

@@ -18,6 +18,7 @@ Invocations::
 from __future__ import annotations
 
 import hashlib
+import os
 import tempfile
 from pathlib import Path
 
@@ -49,10 +50,11 @@ def recipe_for(run_dir: Path) -> Path:
         recipe = (yaml.safe_load(text) or {}).get("recipe") or "run"
     except yaml.YAMLError as err:
         fail(f"{config} does not parse ({err}); it is not a config plait wrote")
-    folder = Path(tempfile.gettempdir()) / "plait-resume" / hashlib.sha256(text.encode()).hexdigest()[:16]
-    folder.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    folder = Path(tempfile.gettempdir()) / f"plait-resume-{os.getuid()}" / digest  # this user's own folder
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     path = folder / f"{recipe}.yaml"
-    if not path.is_file():
+    if not path.is_file() or path.read_text(encoding="utf-8") != _HEADER + text:
         path.write_text(_HEADER + text, encoding="utf-8")
     return path
 
@@ -70,6 +72,8 @@ def main(argv: list[str]) -> None:
     if not argv or argv[0].startswith("-") or "=" in argv[0]:
         fail("plait resume needs a run directory first: plait resume RUN_DIR [overrides]")
     run_dir, overrides = Path(argv[0]).expanduser(), argv[1:]
+    if any(a in ("-m", "--multirun") for a in overrides):
+        fail("plait resume continues one run; a sweep (--multirun) starts new runs: plait RECIPE --multirun ...")
     if picked := group_overrides(overrides):
         fail(
             f"{', '.join(picked)}: a resumed run keeps the options it was started with; change one of their "

@@ -82,7 +82,9 @@ def check_run_dir(
         where = f"run_dir={run_dir}" if cfg.resume == "last" else f"resume={cfg.resume}"
         why = f" ({'; '.join(skipped)})" if skipped else ""
         raise ConfigError(
-            [f"{where} holds no intact checkpoint{why}; drop resume to start fresh, or point it at a run"]
+            [
+                f"{where} holds no intact checkpoint{why}; start fresh without resume (plait resume needs one), or point it at a run"
+            ]
         )
     if (problem := step_problem(found)) is not None:
         raise CheckpointError(problem)

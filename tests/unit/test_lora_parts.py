@@ -254,3 +254,20 @@ def test_a_recipe_that_lists_lora_keeps_hydras_rules(tmp_path) -> None:
         ["model=nano", "strategy/lora=default", "strategy.lora.rank=4"], recipe=str(recipe), tiny=False
     )
     assert cfg.strategy.lora.rank == 4
+
+
+def test_a_recipe_that_writes_lora_out_keeps_its_settings(tmp_path) -> None:
+    """A recipe holding ``strategy.lora`` itself (a run's config.yaml under ``plait resume``) takes a LoRA
+    field as a change of its own settings, not as a switch to the preset's (which reset the others)."""
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text(
+        "defaults:\n  - sft\n  - _self_\nstrategy:\n  lora:\n    _target_: strategies.transforms.lora.LoRA\n"
+        "    rank: 4\n    alpha: 3.0\n    target_modules: [wq]\n"
+    )
+    cfg = compose_config(["model=nano", "strategy.lora.rank=6"], recipe=str(recipe), tiny=False)
+    assert (cfg.strategy.lora.rank, cfg.strategy.lora.alpha, list(cfg.strategy.lora.target_modules)) == (6, 3.0, ["wq"])
+
+
+def test_a_plus_on_a_lora_field_still_switches_it_on() -> None:
+    cfg = compose_config(["model=nano", "+strategy.lora.rank=16"], recipe="sft", tiny=False)
+    assert cfg.strategy.lora.rank == 16

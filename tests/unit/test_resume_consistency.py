@@ -128,3 +128,17 @@ def test_another_composed_config_is_pointed_at_plait_resume(tmp_path) -> None:
     problems = err.value.problems
     assert problems[0].endswith(f"continue the run with its own config: plait resume {tmp_path / 'run'} [overrides]")
     assert len(problems) == 5 and problems[-1] == "... and 2 more", problems
+
+
+def test_lora_settings_belong_to_the_run() -> None:
+    """A LoRA checkpoint holds adapters of the run's rank and targets: another rank (or LoRA off) is
+    refused before the load, not reported as a damaged checkpoint."""
+    saved = {**SAVED, "strategy": {"lora": {"rank": 4, "target_modules": ["wq"]}}}
+    new = {**saved, "strategy": {"lora": {"rank": 16, "target_modules": ["wq"]}}}
+    problems = resume_problems(run_record(saved, "f" * 64), new, "f" * 64, [], source="ckpt")
+    assert problems == [
+        "strategy.lora.rank=16 differs from 4 in ckpt: the checkpoint's weights and loss belong to "
+        "strategy.lora.rank=4; resume with it, or start a new run_dir"
+    ]
+    off = resume_problems(run_record(saved, "f" * 64), {**saved, "strategy": {}}, "f" * 64, [], source="ckpt")
+    assert len(off) == 2 and "differs from 4" in off[0]
