@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
@@ -37,7 +38,7 @@ from strategies.checkpoint.manifest import MANIFEST
 from strategies.transforms.lora_targets import is_adapter
 from trainer.data.tokenizer import Tokenizer
 from trainer.model_node import constructor_node, init_from_of
-from trainer.models.hf import is_hf_dir, llama_from_hf, load_hf_weights
+from trainer.models.hf import HFError, is_hf_dir, llama_from_hf, load_hf_weights
 from trainer.targets import check_targets
 
 LAST = "last"
@@ -305,9 +306,19 @@ def instantiate_saved(node: DictConfig, *, source: str, key: str, trust: Sequenc
 
     Raises:
         UntrustedTargetError: a ``_target_`` outside plait and ``trust``; nothing was built.
+        HFError: the node builds from a Hugging Face directory that cannot be read now (moved or
+            deleted since the run: ``model.config_from``/``init_from`` of ``source``).
     """
     check_targets(node, source=source, key=key, trust=trust)
-    return instantiate(node, **kwargs)
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as err:
+        if isinstance(err.__cause__, HFError):  # the run's architecture lives in that directory
+            raise HFError(
+                f"{source} ({key}) builds from a Hugging Face directory that cannot be read: {err.__cause__}; if "
+                "it moved, set its new path in that config.yaml (model.config_from, or model.init_from)"
+            ) from None
+        raise
 
 
 def load_run_weights(path: str | os.PathLike, model: nn.Module, keys: Callable[[str], bool] | None = None) -> Path:

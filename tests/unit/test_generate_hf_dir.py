@@ -38,3 +38,20 @@ def test_generate_reads_the_directory(hub, capsys) -> None:
     captured = capsys.readouterr()
     assert f"plait: loaded {directory}" in captured.err
     assert captured.out.rstrip("\n") == expected
+
+
+def test_a_run_whose_hub_folder_moved_is_one_error_naming_it(tmp_path) -> None:
+    """A run of a Hugging Face model builds from that folder (model.config_from / init_from): once it
+    has moved, generate/export/merge say so in one line, not a Hydra traceback."""
+    from omegaconf import OmegaConf
+
+    from trainer.models.hf import HFError
+    from trainer.rundir import HF_BUILDER, instantiate_saved
+
+    node = OmegaConf.create({"_target_": HF_BUILDER, "init_from": "runs/sft", "config_from": str(tmp_path / "gone")})
+    with pytest.raises(HFError) as err:
+        instantiate_saved(node, source="runs/dpo/config.yaml", key="model", vocab_size=8)
+    assert str(err.value).startswith(
+        "runs/dpo/config.yaml (model) builds from a Hugging Face directory that cannot be read"
+    )
+    assert "set its new path in that config.yaml (model.config_from, or model.init_from)" in str(err.value)
