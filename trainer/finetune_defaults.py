@@ -42,13 +42,10 @@ def lr_line(cfg: DictConfig) -> str | None:
     """The launch line naming the learning rate a recipe chose (`choose_lr`), or None when
     ``optim.lr`` is not such a choice (set on the command line or by a recipe file as a number)."""
     node = cfg.get("optim")
-    if (
-        node is None
-        or not OmegaConf.is_interpolation(node, "lr")
-        or "plait.lr:" not in str(node._get_node("lr")._value())
-    ):
+    written = str(OmegaConf.to_container(node, resolve=False).get("lr")) if node is not None else ""
+    if not written.startswith("${plait.lr:"):
         return None
-    scratch, hub, hub_lora = str(node._get_node("lr")._value()).split("plait.lr:", 1)[1].rstrip("}").split(",")
+    scratch, hub, hub_lora = written.removeprefix("${plait.lr:").rstrip("}").split(",")
     if not _from_hub(cfg):
         why = "from scratch or a plait run"
     else:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -181,13 +181,7 @@ def free_changes(saved: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[
     evaluation) that differ from the checkpoint's run: said at launch and recorded in the run
     directory's ``resumes.jsonl`` (`ResumeRecord`)."""
     compared = (*FIXED, *OVERRIDABLE, *RESUME_KEYS)
-    a = {k: v for k, v in _flat(saved) if not _under(k, compared)}
-    b = {k: v for k, v in _flat(new) if not _under(k, compared)}
-    return {
-        k: (a.get(k, ABSENT), b.get(k, ABSENT))
-        for k in sorted(a.keys() | b.keys())
-        if a.get(k, ABSENT) != b.get(k, ABSENT)
-    }
+    return _changed(saved, new, lambda k: not _under(k, compared))
 
 
 def resume_changes(cfg: DictConfig, checkpoint: Path | None) -> dict[str, tuple[Any, Any]]:
@@ -230,8 +224,13 @@ def differences(saved: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[A
     """``{dotted key: (saved value, new value)}`` of the compared fields that differ (`ABSENT` for a
     field one side lacks)."""
     roots = (*FIXED, *OVERRIDABLE)
-    a = {k: v for k, v in _flat(saved) if _under(k, roots) and not _under(k, IGNORED)}
-    b = {k: v for k, v in _flat(new) if _under(k, roots) and not _under(k, IGNORED)}
+    return _changed(saved, new, lambda k: _under(k, roots) and not _under(k, IGNORED))
+
+
+def _changed(saved: dict[str, Any], new: dict[str, Any], keep: Callable[[str], bool]) -> dict[str, tuple[Any, Any]]:
+    """``{dotted key: (saved, new)}`` of the leaves ``keep`` selects whose values differ (`ABSENT`: one side lacks it)."""
+    a = {k: v for k, v in _flat(saved) if keep(k)}
+    b = {k: v for k, v in _flat(new) if keep(k)}
     return {
         k: (a.get(k, ABSENT), b.get(k, ABSENT))
         for k in sorted(a.keys() | b.keys())

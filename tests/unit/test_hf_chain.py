@@ -10,6 +10,7 @@ import torch
 from hf_checkpoints import make_hf_dir
 from hydra.utils import instantiate
 
+from strategies.runtime.launch import LAUNCH_ENV
 from trainer.build import build_run
 from trainer.compose import compose
 from trainer.config import validate
@@ -32,7 +33,7 @@ def test_dpo_starts_from_an_sft_run_of_a_hub_model(tmp_path) -> None:
     try:
         trainer.fit(task, datamodule=data)
     finally:
-        for key in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "WORLD_SIZE", "RANK", "NODE_RANK"):
+        for key in LAUNCH_ENV:  # the next fit in this process must not look "launched externally"
             os.environ.pop(key, None)
 
     dpo = compose("dpo", [f"model.init_from={sft}", "data=preference_synthetic"])
