@@ -56,7 +56,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """One line per entry of the tier: its checks' values and thresholds, the verdict."""
     if not _RESULTS:
         return
-    from learns.tier import golden_line, line
+    from learns.golden import golden_line
+    from learns.tier import line
 
     terminalreporter.section("learning tier (tests/learns)")
     for name, result in _RESULTS.items():

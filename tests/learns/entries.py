@@ -28,6 +28,7 @@ Measured values and the controls behind the thresholds: docs/benchmarks.md ("The
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -378,3 +379,9 @@ ENTRIES: dict[str, Entry] = {
         base="sft",
     ),
 }
+
+
+def passed(name: str, result: Result) -> bool:
+    """Whether entry ``name``'s run reached every one of its checks (finite values only)."""
+    values = result.get("values")
+    return values is not None and all(math.isfinite(v) and c.passes(v) for c, v in zip(ENTRIES[name].checks, values))

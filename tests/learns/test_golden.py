@@ -1,4 +1,4 @@
-"""The golden curves' rules (`learns.tier.golden_verdict`, `update_golden`) on made-up results: an
+"""The golden curves' rules (`learns.golden.golden_verdict`, `update_golden`) on made-up results: an
 entry from a base is compared with the variant its base's end state gave, and never passes a
 changed curve. (No training: these run in the default suite's first seconds.)"""
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from learns import tier
+from learns import golden as tier
 
 CURVE = {"train/loss": [1.0, 0.9, 0.8]}
 MOVED = {"train/loss": [1.0, 0.9, 0.81]}

@@ -1,6 +1,6 @@
 """The learning tier (tests/learns/entries.py, run by tests/learns/tier.py): every recipe passes its
 held-out checks, and its first steps equal the stored golden curve (for an entry started from a
-base, the curve its base's end state gave: `learns.tier.golden_verdict`).
+base, the curve its base's end state gave: `learns.golden.golden_verdict`).
 
 The selected entries train once per session, two at a time, in one subprocess (`tier_results`);
 each test reads its entry's result. The values are printed at the end of the session, one line per entry
@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import pytest
 
-from learns.entries import ENTRIES
-from learns.tier import GOLDEN_RTOL, golden_verdict, line, passed
+from learns.entries import ENTRIES, passed
+from learns.golden import GOLDEN_RTOL, golden_verdict
+from learns.tier import line
 
 TRAINED = [name for name, entry in ENTRIES.items() if not entry.merge]
 
