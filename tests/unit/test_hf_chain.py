@@ -48,3 +48,16 @@ def test_dpo_starts_from_an_sft_run_of_a_hub_model(tmp_path) -> None:
     assert state.keys() == trained.keys()
     assert all(torch.equal(state[k], trained[k]) for k in state)  # the sft run's weights, not the hub's
     assert any(not torch.equal(state[k], hub_weights[k]) for k in state)
+
+
+def test_a_moved_architecture_folder_is_named_with_the_fix(tmp_path) -> None:
+    from omegaconf import OmegaConf
+
+    from trainer.init_from import init_from_problems
+    from trainer.rundir import HF_BUILDER
+
+    model = OmegaConf.create({"_target_": HF_BUILDER, "init_from": "runs/sft", "config_from": str(tmp_path / "gone")})
+    assert init_from_problems(model) == [
+        f"model.config_from={tmp_path / 'gone'} (the Hugging Face directory the run model.init_from=runs/sft started "
+        "from) has no config.json; if it moved, name it: +model.config_from=<its new directory>"
+    ]

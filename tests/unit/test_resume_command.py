@@ -68,3 +68,10 @@ def test_a_folder_without_a_config_is_not_a_run(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit):
         main([str(tmp_path)])
     assert "is not a plait run directory (no config.yaml" in capsys.readouterr().err
+
+
+def test_a_sweep_is_refused(tmp_path, capsys) -> None:
+    run_dir, _ = _run_dir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main([str(run_dir), "--multirun", "trainer.max_steps=3,4"])
+    assert exit_.value.code == 2 and "plait resume continues one run; a sweep (--multirun)" in capsys.readouterr().err
