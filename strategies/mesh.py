@@ -42,6 +42,7 @@ from strategies.core.ranges import NON_NEGATIVE, POSITIVE
 from strategies.core.resolved import ResolvedRun
 from strategies.core.shape import ModelShape
 from strategies.expert.plugin import ExpertParallel
+from strategies.float8 import Float8
 from strategies.fsdp import FSDP
 from strategies.grad_norm import clip_grads_, global_grad_norm
 from strategies.meta_init import materialize
@@ -55,18 +56,22 @@ from strategies.runtime.watchdog import Heartbeat
 from strategies.tensor import TensorParallel
 
 # The order every phase walks the plugins in (later techniques wrap what earlier ones produced):
-# the pipeline split first (each rank keeps its stages; the others then work on fewer layers), tensor
-# parallel (DTensor-shards the Linear weights), context-parallel attention (its core sees the tp
-# rank's heads of its cp shard), expert parallelism (an MoE block sees its rank's tokens; the experts
-# get their own FSDP, which the blocks' FSDP then leaves alone), LoRA (its adapters take the
-# placements of the tensor-parallel base weights; its hooks run inside every later wrapper),
-# activation offload (hooks around each block, kept by the checkpointed forward), activation
-# checkpointing (the recomputed forward is the TP/CP one), compile (each compiled block graph holds
-# the checkpoint), FSDP (shards whatever parameters the others left, each pipeline stage its own root;
-# its hooks stay outside the checkpointed function), SAT (finds the MLPs it works on in each step),
-# then local SGD and Mixout (in `setup`: they keep the parameter objects the optimizer holds, and their
-# anchors are the weights training starts from). Plugins of other keys come after, in node order.
+# float8 first (it swaps the Linear modules of the whole model for float8 ones under the same names,
+# which every later technique then splits, shards and wraps as it would the plain ones; FSDP then
+# all-gathers their weights in float8), the pipeline split (each rank keeps its stages; the others
+# then work on fewer layers), tensor parallel (DTensor-shards the Linear weights), context-parallel
+# attention (its core sees the tp rank's heads of its cp shard), expert parallelism (an MoE block
+# sees its rank's tokens; the experts get their own FSDP, which the blocks' FSDP then leaves alone),
+# LoRA (its adapters take the placements of the tensor-parallel base weights; its hooks run inside
+# every later wrapper), activation offload (hooks around each block, kept by the checkpointed
+# forward), activation checkpointing (the recomputed forward is the TP/CP one), compile (each
+# compiled block graph holds the checkpoint), FSDP (shards whatever parameters the others left, each
+# pipeline stage its own root; its hooks stay outside the checkpointed function), SAT (finds the
+# MLPs it works on in each step), then local SGD and Mixout (in `setup`: they keep the parameter
+# objects the optimizer holds, and their anchors are the weights training starts from). Plugins of
+# other keys come after, in node order.
 ORDER = (
+    "float8",
     "pipeline",
     "tensor_parallel",
     "context_parallel",
@@ -82,8 +87,8 @@ ORDER = (
 )
 # The plugins a strategy built by hand holds when not given (each is off, or inactive, by default).
 DEFAULTS: dict[str, type[StrategyPlugin]] = {
-    "pipeline": PipelineParallel, "tensor_parallel": TensorParallel, "context_parallel": ContextParallel,
-    "expert_parallel": ExpertParallel, "activation_offload": ActivationOffload,
+    "float8": Float8, "pipeline": PipelineParallel, "tensor_parallel": TensorParallel,
+    "context_parallel": ContextParallel, "expert_parallel": ExpertParallel, "activation_offload": ActivationOffload,
     "activation_checkpoint": ActivationCheckpoint, "compile": Compile, "fsdp": FSDP,
 }  # fmt: skip
 

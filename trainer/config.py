@@ -117,7 +117,8 @@ class PlannerConfig:
         offload: also search activation offload.
         max_micro_batch: largest micro-batch size searched.
         hsdp: also search dp_replicate > 1.
-        float8, async_tp: kernels the time model assumes (torchtitan's; plait trains bf16/fp32).
+        float8, async_tp: kernels the time model assumes (torchtitan's), what-ifs of ``plait plan``: a run
+            with strategy.float8.recipe set is planned with float8 matmuls without planner.float8.
     """
 
     check: bool = False

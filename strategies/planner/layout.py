@@ -123,7 +123,7 @@ class Workload:
         optimizer: key of `OPTIMIZER_STATES`.
         document_masks: packed rows with document ids (block-causal masks) instead of plain causal.
         compile: blocks compiled (fused elementwise kernels).
-        float8: matmuls of the Linear layers in float8 (time model only; plait trains bf16/fp32).
+        float8: matmuls of the Linear layers in float8 (strategy.float8.recipe set, or planner.float8's what-if).
         async_tp: tensor-parallel collectives overlapped with the matmuls.
     """
 
@@ -192,7 +192,8 @@ def layout_of(run: ResolvedRun, strategy: Any) -> Layout:
 
 
 def workload_of(run: ResolvedRun, strategy: Any, *, float8: bool = False, async_tp: bool = False) -> Workload:
-    """Sequence length, batch, dtypes, optimizer and kernels of a resolved run and its strategy."""
+    """Sequence length, batch, dtypes, optimizer and kernels of a resolved run and its strategy
+    (``float8``: planner.float8, a what-if; the strategy's float8 plugin, when on, sets it too)."""
     param_dtype = "bf16" if run.precision == "bf16-true" else "fp32"
     bf16_compute = run.precision.startswith("bf16") or strategy.plugins["fsdp"].param_dtype == "bf16"
     return Workload(
@@ -203,6 +204,6 @@ def workload_of(run: ResolvedRun, strategy: Any, *, float8: bool = False, async_
         optimizer=optimizer_kind(run.optimizer),
         document_masks=True,
         compile=strategy.plugins["compile"].enabled,
-        float8=float8,
+        float8=float8 or strategy.plugins["float8"].recipe is not None,
         async_tp=async_tp,
     )

@@ -66,7 +66,7 @@ def test_every_plugin_implements_the_contract_and_the_walk_follows_the_documente
 def test_plugins_given_in_any_order_are_walked_in_order_and_islands_keep_fsdp_inside_one() -> None:
     strategy = MeshStrategy(plugins={"local_sgd": DiLoCo(sync_every=2), "lora": LoRA()})
     assert list(strategy.plugins) == [
-        "pipeline", "tensor_parallel", "context_parallel", "expert_parallel", "lora", "activation_offload",
+        "float8", "pipeline", "tensor_parallel", "context_parallel", "expert_parallel", "lora", "activation_offload",
         "activation_checkpoint", "compile", "fsdp", "local_sgd",
     ]  # fmt: skip
     # Two islands of one rank each: no FSDP (the islands do not share gradients), local SGD last.

@@ -1,0 +1,228 @@
+"""float8 training: the model's Linear layers compute their matmuls in float8 through torchao.
+
+Source: Micikevicius et al. 2022, "FP8 Formats for Deep Learning" (e4m3 for activations and
+weights, e5m2 for gradients, one dynamic scale ``finfo.max / amax`` per tensor); torchao's
+``torchao.float8`` (``convert_to_float8_training``, its ``tensorwise`` and ``rowwise`` recipes, the
+float8 all-gather under FSDP2 with the weights' scales precomputed in one all-reduce after each
+optimizer step), applied the way torchtitan's float8 converter applies it.
+
+Each chosen ``nn.Linear`` becomes torchao's ``Float8Linear`` under the same name (checkpoints,
+``train.no_decay`` and the seeded initialisation see the same keys): its input, weight and output
+gradient are cast to float8 with dynamic scales at every matmul and the master weights stay in their
+own dtype. Layers stay in high precision when their name matches a ``keep_high_precision`` pattern
+(by default the LM head and the MoE routers: the logits and the routing decide the loss directly),
+when a dimension is not a multiple of 16 (the float8 kernels cannot take them) or when their weight
+is tied to another module (the embedding lookup cannot read a float8-cast weight). Without a CUDA
+GPU of SM 8.9+ (CPU runs) torchao emulates the float8 matmul: the same casts, then the product of
+the dequantized values in fp32, so CPU tests run the path a GPU runs, slower.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from fnmatch import fnmatchcase
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import nn
+
+from strategies.plugin import StrategyPlugin
+
+if TYPE_CHECKING:
+    from strategies.core.parallel_dims import Meshes
+    from strategies.core.resolved import ResolvedRun
+    from strategies.core.shape import ModelShape
+
+Recipe = Literal["tensorwise", "rowwise"]
+RECIPES: tuple[str, ...] = ("tensorwise", "rowwise")
+# The LM head and the MoE routers (`trainer.models.moe`: layers.<i>.feed_forward.router.gate).
+KEEP_HIGH_PRECISION: tuple[str, ...] = ("output", "*.router.*")
+MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (SM 8.9), Hopper (SM 9.0) and later
+
+
+def _torchao_float8() -> Any:
+    """``torchao.float8``, imported when a run converts a model (its import is slow and logs the
+    CUDA kernels a CPU build lacks, which float8 training does not use)."""
+    quiet = logging.getLogger("torchao")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        import torchao.float8  # lazily: 1.5 s of import, and only a float8 run needs it
+    finally:
+        quiet.setLevel(level)
+    return torchao.float8
+
+
+def converts(module: nn.Module, fqn: str, keep_high_precision: Sequence[str], tied: set[int]) -> bool:
+    """Whether `apply_float8` converts ``module`` (named ``fqn`` in the model): an ``nn.Linear``
+    whose weight dims are multiples of 16, not tied (``tied``: ids of weights shared with another
+    module) and whose name matches no ``keep_high_precision`` glob pattern."""
+    if not isinstance(module, nn.Linear) or id(module.weight) in tied:
+        return False
+    out_dim, in_dim = module.weight.shape
+    if out_dim % 16 or in_dim % 16:
+        return False
+    return not any(fnmatchcase(fqn, pattern) for pattern in keep_high_precision)
+
+
+def _tied_weights(model: nn.Module) -> set[int]:
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners[id(param)] = owners.get(id(param), 0) + 1
+    return {key for key, count in owners.items() if count > 1}
+
+
+def apply_float8(
+    model: nn.Module,
+    *,
+    recipe: Recipe,
+    keep_high_precision: Sequence[str] = KEEP_HIGH_PRECISION,
+    emulate: bool = False,
+    fsdp_float8_all_gather: bool = False,
+) -> list[str]:
+    """Swaps the chosen ``nn.Linear`` layers of ``model`` for torchao's ``Float8Linear``, in place.
+
+    Args:
+        model: any module (on the meta device or materialized; before TP and FSDP).
+        recipe: "tensorwise" (one scale per tensor; e4m3 forward, e5m2 gradients) or "rowwise"
+            (one scale per row, powers of 2; e4m3 everywhere).
+        keep_high_precision: glob patterns of module names left in high precision (`converts`).
+        emulate: the float8 matmul in fp32 on the dequantized values (devices without float8 kernels).
+        fsdp_float8_all_gather: FSDP2 all-gathers the weights already cast to float8 (tensorwise only;
+            pair it with `precompute_float8_scales` after each optimizer step).
+
+    Returns:
+        The names of the converted layers.
+
+    Raises:
+        ValueError: an unknown recipe, or the float8 all-gather with a recipe other than tensorwise.
+    """
+    if recipe not in RECIPES:
+        raise ValueError(f"strategy.float8.recipe={recipe!r} is unknown; use one of {', '.join(RECIPES)} or null")
+    if fsdp_float8_all_gather and recipe != "tensorwise":
+        raise ValueError("the float8 all-gather needs strategy.float8.recipe=tensorwise (one scale per weight)")
+    float8 = _torchao_float8()
+    config = replace(
+        float8.Float8LinearConfig.from_recipe_name(recipe),
+        emulate=emulate,
+        enable_fsdp_float8_all_gather=fsdp_float8_all_gather,
+    )
+    tied = _tied_weights(model)
+    chosen = [fqn for fqn, module in model.named_modules() if converts(module, fqn, keep_high_precision, tied)]
+    keep = set(chosen)
+    float8.convert_to_float8_training(model, module_filter_fn=lambda _module, fqn: fqn in keep, config=config)
+    return chosen
+
+
+def precompute_float8_scales(model: nn.Module) -> None:
+    """Computes the float8 scales of every FSDP-sharded float8 weight of ``model`` in one all-reduce
+    of their amaxes (instead of one per weight in the next forward's all-gathers); after each
+    optimizer step, while the float8 all-gather is on."""
+    _torchao_float8().precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def is_cuda(accelerator: str) -> bool:
+    """Whether a run of Lightning's ``trainer.accelerator`` value runs on a CUDA GPU of this machine."""
+    return accelerator in ("gpu", "cuda") or accelerator == "auto" and torch.cuda.is_available()
+
+
+@dataclass
+class Float8(StrategyPlugin):
+    """The float8 plugin: `apply_float8` on the model before the parallelisms, and the scale
+    precompute after each optimizer step under the float8 all-gather.
+
+    Args:
+        recipe: "tensorwise", "rowwise", or None (off: the model trains in its own precision).
+        keep_high_precision: glob patterns of Linear names kept out of float8 (fnmatch, whole name:
+            ``output`` is the LM head, ``layers.0.*`` the first block).
+        fsdp_float8_all_gather: FSDP2 all-gathers float8 weights (half the bytes of bf16): None
+            (auto) turns it on for tensorwise when FSDP shards the weights; True needs tensorwise.
+        emulate: the float8 matmul emulated in fp32; None (auto): emulated unless on a CUDA GPU.
+        accelerator: the run's ``trainer.accelerator`` (the device validate checks the recipe for).
+    """
+
+    recipe: Recipe | None = None
+    keep_high_precision: list[str] = field(default_factory=lambda: list(KEEP_HIGH_PRECISION))
+    fsdp_float8_all_gather: bool | None = None
+    emulate: bool | None = None
+    accelerator: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.recipe is not None and self.recipe not in RECIPES:
+            raise ValueError(
+                f"strategy.float8.recipe={self.recipe!r} is unknown; use one of {', '.join(RECIPES)} or null (off)"
+            )
+        self.keep_high_precision = [str(pattern) for pattern in self.keep_high_precision]
+        self._all_gather = False  # set by apply: whether the weights are all-gathered in float8
+
+    def active(self, dims: Any, *, islands: bool) -> bool:
+        return self.recipe is not None
+
+    def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
+        """What the device or the layout cannot run: float8 kernels below SM 8.9 (or none, on CPU)
+        without emulation, rowwise with the float8 all-gather, TP, compile of the emulation, LoRA."""
+        if self.recipe is None:
+            return []
+        out = []
+        cuda = is_cuda(self.accelerator)
+        if self.emulate is False and not cuda:
+            out.append(
+                f"strategy.float8.emulate=false needs a CUDA GPU (trainer.accelerator={self.accelerator}); "
+                "use strategy.float8.emulate=null (emulated in fp32 on CPU)"
+            )
+        elif cuda and not self.emulate and torch.cuda.is_available():
+            capability = torch.cuda.get_device_capability()
+            if capability < MIN_CAPABILITY:
+                out.append(
+                    f"strategy.float8 needs float8 tensor cores (SM 8.9+: L4, L40, H100, ...); this GPU is SM "
+                    f"{capability[0]}.{capability[1]}; use strategy.float8.recipe=null (or strategy.float8.emulate=true: "
+                    "exact but slower than bf16)"
+                )
+        if self.fsdp_float8_all_gather and self.recipe != "tensorwise":
+            out.append(
+                f"strategy.float8.fsdp_float8_all_gather=true needs one scale per weight, and recipe={self.recipe} "
+                "has one per row; use strategy.float8.recipe=tensorwise or strategy.float8.fsdp_float8_all_gather=null"
+            )
+        if run.dims.tp > 1:
+            out.append(
+                f"strategy.float8 does not compose with tensor parallelism yet (strategy.tp={run.dims.tp}: the model's "
+                "plan holds plain TP styles, not torchao's float8 ones, and no equivalence test covers it); use "
+                "strategy.tp=1 (FSDP: strategy=fsdp) or strategy.float8.recipe=null"
+            )
+        if run.compile and (self.emulate or self.emulate is None and not cuda):
+            out.append(
+                "strategy.float8 emulated (no float8 GPU) does not compile (torchao's emulation runs eagerly); "
+                "use strategy.compile.enabled=false or a GPU of SM 8.9+"
+            )
+        if run.adapters:
+            out.append(
+                "strategy.float8 does not compose with strategy.lora yet (the adapters wrap plain Linear "
+                "layers); use strategy.float8.recipe=null"
+            )
+        return out
+
+    def apply(self, model: nn.Module, meshes: Meshes) -> list[str]:
+        """Converts ``model``'s chosen Linear layers (emulated unless ``meshes.device`` is CUDA);
+        returns their names."""
+        emulate = self.emulate if self.emulate is not None else meshes.device.type != "cuda"
+        sharded = meshes.fsdp.shape[-1] > 1  # FSDP shards (dp_shard x cp > 1): weights are all-gathered
+        if self.fsdp_float8_all_gather is None:
+            self._all_gather = self.recipe == "tensorwise" and sharded
+        else:
+            self._all_gather = self.fsdp_float8_all_gather and sharded
+        return apply_float8(
+            model,
+            recipe=self.recipe,
+            keep_high_precision=self.keep_high_precision,
+            emulate=emulate,
+            fsdp_float8_all_gather=self._all_gather,
+        )
+
+    def after_step(self, model: nn.Module, step: int, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The next step's float8 weight scales, from the updated weights (float8 all-gather only)."""
+        if self._all_gather:
+            precompute_float8_scales(model)
+        return {}
