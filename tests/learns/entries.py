@@ -126,6 +126,8 @@ class Entry:
         base: the entry whose run this one starts from (``model.init_from``).
         devices: processes (2: a layout that needs two ranks).
         merge: PAFT: the two arm entries whose deltas are merged into ``base``.
+        long: an entry several times longer than the others: the tier starts it first, so the
+            rest of the tier runs beside it instead of after it.
     """
 
     recipe: str
@@ -134,6 +136,7 @@ class Entry:
     base: str | None = None
     devices: int = 1
     merge: tuple[str, ...] = field(default=())
+    long: bool = False
 
 
 # ------------------------------------------------------------------------------------------ tasks
@@ -359,6 +362,7 @@ ENTRIES: dict[str, Entry] = {
             "train.global_batch_size=8",
         ),
         (at_least(rest_legal_lines, 0.3),),
+        long=True,  # about 180 s on 2 CPUs, half the tier's summed time
     ),
     # The mSFT budget search on two synthetic sources, from the SFT base: 3 epochs of compute at
     # lr 1e-3, scored every 5 steps (at 1 epoch, lr 3e-3 and every 10 steps, reversal's first

@@ -251,6 +251,7 @@ def run_tier(
 
     ctx = multiprocessing.get_context("fork")
     todo, running, results = needed(names), {}, {}
+    todo.sort(key=lambda name: not ENTRIES[name].long)  # stable: the long ones first, the rest in order
     for name in [n for n in todo if n not in names] if reuse else ():
         if (work / f"{name}.json").exists() and "error" not in (
             found := json.loads((work / f"{name}.json").read_text())
