@@ -2,11 +2,14 @@
 
 Weight decay applies only to matmul weights: embeddings, norm gains and biases go into a group
 with weight_decay=0 (case C16; Loshchilov and Hutter 2019 "Decoupled Weight Decay Regularization";
-the Llama and GPT-3 recipes). Schedules step once per *optimizer* step (case C06).
+the Llama and GPT-3 recipes). Schedules step once per *optimizer* step (case C06). A
+`strategies.muon.Muon` (``optim=muon``) also gets the parameters' names: it tells the hidden
+matrices from the embedding and the LM head by name.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Annotated, Literal
@@ -16,30 +19,41 @@ from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
 from strategies.core.ranges import FRACTION, NON_NEGATIVE
+from strategies.muon import Muon
 
 DEFAULT_NO_DECAY = ("tok_embeddings", "norm", "bias")
 
 
-def param_groups(model: nn.Module, *, weight_decay: float, no_decay: Sequence[str] = DEFAULT_NO_DECAY) -> list[dict]:
+def param_groups(
+    model: nn.Module, *, weight_decay: float, no_decay: Sequence[str] = DEFAULT_NO_DECAY, names: bool = False
+) -> list[dict]:
     """Splits trainable parameters into a decayed and a non-decayed group.
 
     A parameter is decayed iff it has at least 2 dims and no entry of ``no_decay`` is a substring
     of its name. Tied parameters appear once.
 
+    Args:
+        names: each group also lists its parameters' names under ``param_names``.
+
     Returns:
         ``[{"params": decayed, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]``,
         empty groups omitted.
     """
-    decay, rest = [], []
+    decay: dict[str, nn.Parameter] = {}
+    rest: dict[str, nn.Parameter] = {}
     for name, param in model.named_parameters():  # named_parameters() yields a tied tensor once
         if not param.requires_grad:
             continue
         if param.ndim >= 2 and not any(pattern in name for pattern in no_decay):
-            decay.append(param)
+            decay[name] = param
         else:
-            rest.append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
+            rest[name] = param
+    groups = [(decay, weight_decay), (rest, 0.0)]
+    return [
+        {"params": list(g.values()), "weight_decay": wd, **({"param_names": list(g)} if names else {})}
+        for g, wd in groups
+        if g
+    ]
 
 
 def build_optimizer(
@@ -49,8 +63,11 @@ def build_optimizer(
     weight_decay: float,
     no_decay: Sequence[str] = DEFAULT_NO_DECAY,
 ) -> torch.optim.Optimizer:
-    """``optimizer`` is a partial (Hydra ``_partial_: true``) taking param groups and the other kwargs."""
-    return optimizer(param_groups(model, weight_decay=weight_decay, no_decay=no_decay))
+    """``optimizer`` is a partial (Hydra ``_partial_: true``) taking param groups and the other kwargs; a
+    `strategies.muon.Muon` gets the groups' ``param_names`` too."""
+    target = optimizer.func if isinstance(optimizer, functools.partial) else optimizer
+    names = isinstance(target, type) and issubclass(target, Muon)
+    return optimizer(param_groups(model, weight_decay=weight_decay, no_decay=no_decay, names=names))
 
 
 def lr_factor(step: int, *, warmup_steps: int, total_steps: int, decay: str, min_lr_ratio: float) -> float:

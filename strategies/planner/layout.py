@@ -16,10 +16,15 @@ from typing import Any
 import torch
 
 from strategies.core.resolved import ResolvedRun
+from strategies.muon import Muon
 
 # Adam keeps two moments per parameter plus a 4-byte fp32 `step` scalar per tensor; SGD with
-# momentum one buffer; plain SGD nothing.
-OPTIMIZER_STATES = {"adamw": (2, True), "adam": (2, True), "sgd_momentum": (1, False), "sgd": (0, False)}
+# momentum one buffer; plain SGD nothing. Muon: AdamW's for the parameters it leaves to AdamW, one
+# momentum buffer per hidden matrix (`strategies.muon.takes_muon`; `MUON_MATRIX_STATES`).
+OPTIMIZER_STATES = {
+    "adamw": (2, True), "adam": (2, True), "sgd_momentum": (1, False), "sgd": (0, False), "muon": (2, True)
+}  # fmt: skip
+MUON_MATRIX_STATES = (1, False)
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -154,12 +159,15 @@ class Workload:
 # ---------------------------------------------------------------------------------- from a resolved run
 def optimizer_kind(optimizer: Callable[..., torch.optim.Optimizer] | None) -> str:
     """The key of `OPTIMIZER_STATES` for the state an optimizer partial keeps, found by stepping it
-    on one scalar parameter: two moments (Adam family), a momentum buffer, or nothing."""
+    on one scalar parameter: two moments (Adam family), a momentum buffer, or nothing; "muon" for a
+    `strategies.muon.Muon` (its state depends on each parameter)."""
     if optimizer is None:
         return "sgd"
     param = torch.nn.Parameter(torch.zeros(1))
     param.grad = torch.ones(1)
     probe = optimizer([param])
+    if isinstance(probe, Muon):
+        return "muon"
     probe.step()
     state = probe.state[param]
     if "exp_avg" in state and "exp_avg_sq" in state:

@@ -30,8 +30,9 @@ import math
 from dataclasses import asdict, dataclass
 
 from strategies.core.shape import ModelShape, ParamSpec
+from strategies.muon import takes_muon
 from strategies.pipeline.layout import local_stages, stage_layers
-from strategies.planner.layout import OPTIMIZER_STATES, Layout, Workload
+from strategies.planner.layout import MUON_MATRIX_STATES, OPTIMIZER_STATES, Layout, Workload
 
 GiB = 1024**3
 
@@ -138,16 +139,15 @@ def state_bytes(shape: ModelShape, layout: Layout, work: Workload, rank: int) ->
     """
     c = rank_coords(layout, rank)
     shard_index = c["dp_shard"] * layout.cp + c["cp"]
-    n_states, has_step = OPTIMIZER_STATES[work.optimizer]
     params = grads = optim = 0
-    specs = rank_params(shape, layout, c["pp"])
-    for p in specs:
+    for p in rank_params(shape, layout, c["pp"]):
         numel, padded = local_numel(p, layout, shard_index)
         params += padded * work.param_bytes
         whole = p.grad_tp_replicated and layout.tp > 1 and not layout.uses_fsdp
         grads += (math.prod(p.shape) if whole else padded) * work.param_bytes
-        optim += n_states * numel * work.param_bytes
-    optim += 4 * len(specs) if has_step else 0
+        muon = work.optimizer == "muon" and takes_muon(p.name, len(p.shape))
+        n_states, has_step = MUON_MATRIX_STATES if muon else OPTIMIZER_STATES[work.optimizer]
+        optim += n_states * numel * work.param_bytes + (4 if has_step else 0)
     return params, grads, optim
 
 

@@ -23,6 +23,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from strategies.core.shape import ModelShape
+from strategies.muon import newton_schulz_flops, takes_muon
 from strategies.pipeline.layout import balanced_split_points
 from strategies.planner.layout import Layout, Workload
 from strategies.planner.memory import (
@@ -198,6 +199,26 @@ def _collective(volume: float, count: int, bandwidth: float, cluster: Cluster) -
     return volume / bandwidth + count * cluster.latency_s
 
 
+def muon_time(shape: ModelShape, layout: Layout, work: Workload, cluster: Cluster, pp_rank: int) -> float:
+    """Seconds of Muon's orthogonalisation on a rank of ``pp_rank`` (`strategies.muon.orthogonalize`).
+
+    Each hidden matrix is orthogonalised once among the ranks that shard it (dp_shard x cp, x tp
+    when tp splits it; every DDP replica does all of its own): `newton_schulz_flops` / those ranks
+    at the matmul rate, plus two all_to_all per batch of that many matrices, each rank sending its
+    shard of the others' matrices ((n - 1) / n of its shard, in the parameters' dtype).
+    """
+    rate = cluster.peak_flops * cluster.matmul_efficiency * _rate_share(layout, cluster)
+    flops = volume = batches = 0.0
+    for p in rank_params(shape, layout, pp_rank):
+        if takes_muon(p.name, len(p.shape)):
+            owners = layout.dp_shard * layout.cp * (layout.tp if p.tp_dim is not None else 1)
+            flops += newton_schulz_flops(p.shape) / owners
+            volume += 2 * math.prod(p.shape) / owners * (owners - 1) / owners * work.param_bytes
+            batches += 1 / owners if owners > 1 else 0
+    bw = axis_bandwidth(layout, cluster, ("dp_shard", "cp", "tp"))
+    return flops / rate + _collective(volume, 2 * math.ceil(batches), bw, cluster)
+
+
 def predict_time(shape: ModelShape, layout: Layout, work: Workload, cluster: Cluster) -> StepTime:
     """Predicted time of one optimizer step (seconds), on the slowest pipeline rank."""
     m = work.microbatches(layout)
@@ -301,6 +322,8 @@ def predict_time(shape: ModelShape, layout: Layout, work: Workload, cluster: Clu
     params_b, grads_b, optim_b = state_bytes(shape, layout, work, rank)
     optimizer = (params_b + grads_b + 2 * optim_b) / cluster.hbm_bandwidth / _rate_share(layout, cluster)
     optimizer += len(rank_params(shape, layout, slowest)) * cluster.layer_overhead_s / 4
+    if work.optimizer == "muon":
+        optimizer += muon_time(shape, layout, work, cluster, slowest)
     step = StepTime(
         compute, tp_comm, cp_comm, fsdp_comm, pp_bubble, pp_comm, optimizer, cluster.step_overhead_s, ep_comm
     )
