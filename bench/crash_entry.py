@@ -5,6 +5,8 @@ node would) the ``n``-th time rank 0 reaches ``<point>``:
 
 - ``row``: the step's metrics row is written, its checkpoint not begun;
 - ``files``: every rank wrote its DCP shards, RNG and meta files into ``step_*.tmp``, no manifest yet;
+- ``background``: (``callbacks.checkpoint.async_save=true``) rank 0's background thread has written
+  its shards and starts hashing them while training goes on; no manifest yet;
 - ``rename``: the manifest is written, the ``.tmp`` directory not renamed;
 - ``link``: the checkpoint is renamed, the ``last`` link not moved;
 - ``prune``: an old checkpoint is renamed to ``.pruned-*``, not yet deleted.
@@ -25,7 +27,8 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from strategies import checkpoint as ckpt  # noqa: E402
+from strategies.checkpoint import async_save  # noqa: E402
+from strategies.checkpoint import dcp as ckpt  # noqa: E402
 from trainer.callbacks import checkpoint as callback  # noqa: E402
 from trainer.loggers import RunCSVLogger  # noqa: E402
 
@@ -43,9 +46,10 @@ def _reach(point: str) -> None:
 
 
 def _install() -> None:
-    sync, write_manifest, rmtree, symlink_to = (
+    sync, write_manifest, hash_files, rmtree, symlink_to = (
         RunCSVLogger.sync,
         ckpt.write_manifest,
+        async_save.hash_files,
         shutil.rmtree,
         pathlib.Path.symlink_to,
     )
@@ -59,6 +63,10 @@ def _install() -> None:
         write_manifest(root, files)
         _reach("rename")
 
+    def on_hash(root, names):  # noqa: ANN001, ANN202
+        _reach("background")
+        return hash_files(root, names)
+
     def on_rmtree(path, *args, **kwargs):  # noqa: ANN001, ANN202
         if pathlib.Path(path).name.startswith(".pruned-"):
             _reach("prune")
@@ -71,6 +79,7 @@ def _install() -> None:
 
     RunCSVLogger.sync = on_sync
     ckpt.write_manifest = on_manifest
+    async_save.hash_files = on_hash
     callback.shutil.rmtree = on_rmtree
     pathlib.Path.symlink_to = on_symlink
 

@@ -16,6 +16,8 @@ Invocation (~25 minutes on 2 idle cores)::
 
     python bench/crash_trials.py                 # all trials
     python bench/crash_trials.py --random 4      # fewer random kills
+    python bench/crash_trials.py --async-save    # the killed runs save in the background
+                                                 # (callbacks.checkpoint.async_save=true; references synchronous)
 
 The last line is ``RESULT kill_trials=<n> kill_ok=<n> corruption_trials=<n> corruption_ok=<n>``.
 """
@@ -55,12 +57,18 @@ PLANTED = [
     (1, "link", 4), (1, "prune", 1), (1, "prune", 2),
     (2, "row", 2), (2, "files", 2), (2, "rename", 3), (2, "link", 1), (2, "prune", 1),
 ]  # fmt: skip
+# With --async-save: killed while the background write of the second save is under way (training goes on).
+PLANTED_ASYNC = [(1, "background", 2), (1, "background", 3), (2, "background", 2)]
+OPTIONS: list[str] = []  # added to the killed and resumed runs (not to the references)
 
 
-def _plait(args: list[str], run_dir: Path, env: dict[str, str] | None = None, entry: bool = False) -> subprocess.Popen:
+def _plait(
+    args: list[str], run_dir: Path, env: dict[str, str] | None = None, entry: bool = False, reference: bool = False
+) -> subprocess.Popen:
     command = [str(ROOT / "bench" / "crash_entry.py")] if entry else ["-m", "trainer.cli"]
+    options = [] if reference else OPTIONS
     return subprocess.Popen(
-        [sys.executable, *command, *RUN, *args, f"run_dir={run_dir}"],
+        [sys.executable, *command, *RUN, *options, *args, f"run_dir={run_dir}"],
         cwd=ROOT,
         env={**os.environ, **(env or {})},
         stdin=subprocess.DEVNULL,
@@ -198,7 +206,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--random", type=int, default=8, help="random-moment kills (half 1 process, half 2)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--async-save", action="store_true", help="killed runs save in the background")
     args = parser.parse_args()
+    if args.async_save:
+        OPTIONS.append("callbacks.checkpoint.async_save=true")
     rng = random.Random(args.seed)
     results: list[tuple[str, bool, str]] = []
     with tempfile.TemporaryDirectory(prefix="plait-crash-") as tmp:
@@ -206,10 +217,11 @@ def main() -> None:
         references = {}
         for processes, layout in LAYOUTS.items():
             references[processes] = tmp_path / f"reference{processes}"
-            code, stderr = _finish(_plait(layout, references[processes]))
+            code, stderr = _finish(_plait(layout, references[processes], reference=True))
             if code != 0:
                 raise SystemExit(f"reference run ({processes} processes) failed: {stderr[-2000:]}")
-        trials = [*PLANTED, *[(1 + i % 2, None, 0) for i in range(args.random)]]
+        planted = [*PLANTED, *(PLANTED_ASYNC if args.async_save else [])]
+        trials = [*planted, *[(1 + i % 2, None, 0) for i in range(args.random)]]
         for i, (processes, point, count) in enumerate(trials):
             work = tmp_path / f"kill{i}"
             passed, detail = kill_trial(processes, point, count, references[processes], work, rng)

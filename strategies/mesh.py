@@ -34,6 +34,7 @@ from typing_extensions import override
 from strategies.activation_checkpoint import ActivationCheckpoint
 from strategies.activation_offload import ActivationOffload
 from strategies.checkpoint import dcp as ckpt
+from strategies.checkpoint.async_save import AsyncWriter
 from strategies.compile import Compile
 from strategies.context.placement import micro_batches_of
 from strategies.context.plugin import ContextParallel
@@ -407,16 +408,18 @@ class MeshStrategy(ModelParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        if storage_options is not None:
-            raise TypeError("MeshStrategy.save_checkpoint does not take storage_options")
+        """Writes the checkpoint through DCP (or the plugin that owns checkpoints); ``storage_options``:
+        None, or an `AsyncWriter` that writes it in the background (`strategies.checkpoint.async_save`)."""
+        if storage_options is not None and not isinstance(storage_options, AsyncWriter):
+            raise TypeError("MeshStrategy.save_checkpoint takes storage_options=None or an AsyncWriter")
         path = Path(self.broadcast(str(filepath)))
         checkpoint.pop("state_dict", None)
         checkpoint.pop("optimizer_states", None)
         io, keys = checkpoint_owner(self.active)
         state = {"model": self.lightning_module.model, "optimizers": self._unwrapped_optimizers(), "meta": checkpoint}
         if io is not None:
-            return io.save_checkpoint(path, **state)
-        ckpt.save(path, **state, keys=keys)
+            return io.save_checkpoint(path, **state, writer=storage_options)
+        ckpt.save(path, **state, keys=keys, writer=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

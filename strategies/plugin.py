@@ -40,6 +40,7 @@ from typing import Any, ClassVar, Literal, Protocol
 import torch
 from torch import nn
 
+from strategies.checkpoint.async_save import AsyncWriter
 from strategies.core.parallel_dims import Meshes, ParallelDims
 from strategies.core.resolved import ResolvedRun
 from strategies.core.shape import ModelShape
@@ -52,7 +53,13 @@ class CheckpointIO(Protocol):
     """A plugin's own checkpoint format (local SGD keeps each island's state and its own)."""
 
     def save_checkpoint(
-        self, path: Path, *, model: nn.Module, optimizers: list[torch.optim.Optimizer], meta: dict[str, Any]
+        self,
+        path: Path,
+        *,
+        model: nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        meta: dict[str, Any],
+        writer: AsyncWriter | None = None,
     ) -> None: ...
 
     def load_checkpoint(

@@ -19,6 +19,7 @@ refused.
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import os
@@ -44,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from strategies.checkpoint.async_save import AsyncWriter
 from strategies.checkpoint.manifest import MANIFEST, checkpoint_files, hash_files, verify, write_manifest
 from strategies.checkpoint.safe_load import UnsafePickleError, load_dcp, load_plain, read_dcp_metadata
 from strategies.checkpoint.write_failure import attempt_write, write_failure_line
@@ -75,23 +77,23 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def _barrier() -> None:
+def _barrier(group: Any = None) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
-def _gather(value: Any) -> list[Any]:
-    """Every rank's ``value`` (object all-gather on the default group; [value] without one)."""
+def _gather(value: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``value`` (object all-gather on ``group``, None: the default; [value] without one)."""
     if not dist.is_initialized():
         return [value]
-    values: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
+    values: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
     return values
 
 
-def _agree(problem: str | None) -> str | None:
+def _agree(problem: Any, group: Any = None) -> Any:
     """The first of all ranks' ``problem``s, so that every rank raises or none does."""
-    return next((p for p in _gather(problem) if p is not None), None)
+    return next((p for p in _gather(problem, group) if p is not None), None)
 
 
 def rng_state() -> dict[str, Any]:
@@ -197,6 +199,7 @@ def save(
     extra: dict[str, Any] | None = None,
     namespace: str | None = None,
     keys: Callable[[str], bool] | None = None,
+    writer: AsyncWriter | None = None,
 ) -> None:
     """Collectively and atomically writes a verified checkpoint of ``model`` and ``optimizers``.
 
@@ -208,15 +211,21 @@ def save(
         namespace: the key this rank's "model" and "optimizer_i" go under; None: the top level.
             Ranks whose model state differs from rank 0's (local-SGD islands) keep their own.
         keys: which model state entries (FQNs) to write; None: all (LoRA: only the adapters).
+        writer: write in the background (`strategies.checkpoint.async_save`): the save it holds
+            is finished first; this one returns once the state is copied (``meta.pt`` and the RNG
+            states are written now), and the checkpoint is complete after ``writer.finish()``.
 
     Raises:
         NonFiniteStateError: some rank's state holds NaN or inf; nothing was written.
         TypeError: ``meta`` holds a value a weights-only load cannot read; nothing was written.
         CheckpointWriteError: a file could not be written (ENOSPC: the disk is full); the
-            ``.tmp`` directory is removed, the checkpoints already written are kept.
+            ``.tmp`` directory is removed, the checkpoints already written are kept. With a
+            ``writer``, a failed background write raises from ``writer.finish()``.
     """
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
+    if writer is not None:
+        writer.finish()  # at most one save in flight
     state = _state(model, optimizers, extra, namespace, keys)
     if problem := _agree(_check_plain(meta)):
         raise TypeError(f"checkpoint meta (loop and callback state) would not load safely: {problem}")
@@ -230,18 +239,40 @@ def save(
     if _rank() == 0 and tmp.exists():
         shutil.rmtree(tmp)  # left by a crash during an earlier save
     _barrier()
-    failed = _agree(attempt_write(_write_files, tmp, state, meta))  # every rank has written (or failed) now
-    if failed is None:
-        names = checkpoint_files(tmp)  # every rank sees every file now
-        shares = _gather(hash_files(tmp, names[_rank() :: _world_size()]))
-        entries = {name: entry for share in shares for name, entry in share.items()}
-        failed = _agree(attempt_write(write_manifest, tmp, entries) if _rank() == 0 else None)
+    needed = _num_bytes(state)
+    if writer is None:
+        failed = _agree(attempt_write(_write_files, tmp, state, meta))  # every rank has written (or failed) now
+        share = None if failed is not None else hash_files(tmp, checkpoint_files(tmp)[_rank() :: _world_size()])
+        _commit(path, tmp, needed, failed, share)
+        return
+    failed = _agree(attempt_write(_write_small_files, tmp, meta))
     if failed is not None:
-        needed = sum(_gather(_num_bytes(state)))
+        _commit(path, tmp, needed, failed, None)
+    writer.start(path, tmp, state, functools.partial(_commit, path, tmp, needed))
+
+
+def _commit(
+    path: Path,
+    tmp: Path,
+    needed: int,
+    failed: OSError | None,
+    share: dict[str, dict[str, int | str]] | None,
+    group: Any = None,
+) -> None:
+    """Seals the written ``tmp`` as ``path`` (every rank, collective on ``group``): rank 0 writes the
+    manifest from every rank's ``share`` of it and renames; after a failed write (``failed`` on some
+    rank) removes ``tmp`` and raises CheckpointWriteError naming the file and the space needed."""
+    failed = _agree(failed, group)
+    if failed is None:
+        shares = _gather(share, group)
+        entries = {name: entry for share in shares for name, entry in share.items()}
+        failed = _agree(attempt_write(write_manifest, tmp, entries) if _rank() == 0 else None, group)
+    if failed is not None:
+        total = sum(_gather(needed, group))
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        _barrier()
-        raise CheckpointWriteError(write_failure_line(path, failed, needed))
+        _barrier(group)
+        raise CheckpointWriteError(write_failure_line(path, failed, total))
     if _rank() == 0:
         old = path.with_name(path.name + ".old")
         if path.exists():
@@ -250,13 +281,18 @@ def save(
         _fsync_dir(path.parent)
         if old.exists():
             shutil.rmtree(old)
-    _barrier()
+    _barrier(group)
 
 
 def _write_files(tmp: Path, state: dict[str, Any], meta: dict[str, Any]) -> None:
     """This rank's files of a save into ``tmp``: its DCP shards (collective), its RNG state, and
     on rank 0 ``meta.pt``. No barrier at the end: a rank that failed must reach `_agree` too."""
     dcp.save(state, checkpoint_id=tmp)
+    _write_small_files(tmp, meta)
+
+
+def _write_small_files(tmp: Path, meta: dict[str, Any]) -> None:
+    """This rank's RNG state and, on rank 0, ``meta.pt`` into ``tmp``: the state of the moment of the save."""
     (tmp / "rng").mkdir(parents=True, exist_ok=True)
     torch.save(rng_state(), tmp / "rng" / f"rank_{_rank():05d}.pt")
     if _rank() == 0:

@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from strategies.checkpoint import dcp as ckpt
+from strategies.checkpoint.async_save import AsyncWriter
 from strategies.core.parallel_dims import LayoutError, Meshes
 from strategies.plugin import StrategyPlugin
 from strategies.runtime.collective_device import collective_device
@@ -158,10 +159,16 @@ class LocalSGD(StrategyPlugin):
 
     # ------------------------------------------------------------------------------ checkpoints
     def save_checkpoint(
-        self, path: Path, *, model: nn.Module, optimizers: list[torch.optim.Optimizer], meta: dict[str, Any]
+        self,
+        path: Path,
+        *,
+        model: nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        meta: dict[str, Any],
+        writer: AsyncWriter | None = None,
     ) -> None:
         """`strategies.checkpoint.dcp.save` with this island's model and optimizer state under
-        `checkpoint_namespace` and the plugin's `state_dict` under "local_sgd"."""
+        `checkpoint_namespace` and the plugin's `state_dict` under "local_sgd" (``writer``: in the background)."""
         ckpt.save(
             path,
             model=model,
@@ -169,6 +176,7 @@ class LocalSGD(StrategyPlugin):
             meta=meta,
             extra={"local_sgd": self.state_dict()},
             namespace=self.checkpoint_namespace(),
+            writer=writer,
         )
 
     def load_checkpoint(

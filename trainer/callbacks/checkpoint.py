@@ -9,6 +9,12 @@ It is a Lightning ``Checkpoint``: Lightning runs it after every other callback, 
 metrics row (written at the end of each step, `trainer.task.Task`) is on disk before the
 checkpoint of that step exists; a resumed run drops the rows after its checkpoint
 (`trainer.loggers`), so ``metrics.csv`` equals an uninterrupted run's: no lost, no duplicated rows.
+
+With ``async_save``, a periodic save blocks the step only for the copy of the state
+(`strategies.checkpoint.async_save`); the write goes on during the next steps. The step whose start
+found every rank's write done seals the checkpoint (manifest, rename), then moves ``last`` and
+prunes; a save waits for the one in flight first, and the end of training, a stop signal and an
+error finish it. Until sealed, a checkpoint is a ``.tmp`` directory that ``resume=last`` ignores.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Checkpoint
 from typing_extensions import override
 
+from strategies.checkpoint.async_save import AsyncWriter
 from strategies.checkpoint.dcp import CheckpointError
 from strategies.core.ranges import NON_NEGATIVE
 from trainer.callbacks.preemption import Stopped, StopSignals, stop_message
@@ -54,6 +61,8 @@ class PeriodicCheckpoint(Checkpoint):
         every_n_steps: save interval in optimizer steps (0: only at the end).
         keep_last: how many complete step_* checkpoints to keep (0 keeps all).
         save_on_signal: save and stop on SIGTERM / SIGUSR1 (False: Lightning's handling).
+        async_save: periodic saves write in the background; training waits only for the copy of
+            the state (the saves at the end of training and on a signal stay synchronous).
     """
 
     def __init__(
@@ -62,6 +71,7 @@ class PeriodicCheckpoint(Checkpoint):
         every_n_steps: Annotated[int, NON_NEGATIVE] = 100,
         keep_last: Annotated[int, NON_NEGATIVE] = 2,
         save_on_signal: bool = True,
+        async_save: bool = False,
     ) -> None:
         if every_n_steps < 0 or keep_last < 0:
             raise ValueError("callbacks.checkpoint.every_n_steps and keep_last must be >= 0")
@@ -69,6 +79,8 @@ class PeriodicCheckpoint(Checkpoint):
         self.every_n_steps, self.keep_last = every_n_steps, keep_last
         self.stop_signals = StopSignals() if save_on_signal else None
         self._last_saved = -1
+        self.async_save = async_save
+        self._writer: AsyncWriter | None = None  # made at the first background save (its groups are collective)
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -79,13 +91,18 @@ class PeriodicCheckpoint(Checkpoint):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         if self.stop_signals is not None:
             self.stop_signals.start_step()
+        if self._writer is not None:
+            self._writer.begin_poll()  # overlaps the step; its answer is read at the step's end
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         step = trainer.global_step
         signum = self.stop_signals.agreed() if self.stop_signals is not None else None
+        if self._writer is not None and self._writer.all_written():
+            self._finish(trainer)
         if signum is not None or (self.every_n_steps and step % self.every_n_steps == 0):
-            path = self.save(trainer)
+            background = self.async_save and signum is None  # a signal's save is complete before the exit
+            path = self.save(trainer, background=True) if background else self.save(trainer)
         if signum is not None:
             if trainer.is_global_zero:
                 print(stop_message(signum, step, str(path)), file=sys.stderr, flush=True)
@@ -93,17 +110,32 @@ class PeriodicCheckpoint(Checkpoint):
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._finish(trainer)
         if trainer.global_step != self._last_saved:
             self.save(trainer)
 
-    def save(self, trainer: L.Trainer) -> Path:
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        # The other ranks may not be here (an error on one rank): seal only if all come, publish without a barrier.
+        path = self._writer.finish_after_error() if self._writer is not None else None
+        if path is not None and trainer.is_global_zero:
+            self._move_last(path)
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def save(self, trainer: L.Trainer, background: bool = False) -> Path:
         """Writes the checkpoint of the current step (every rank), then moves ``last`` to it and
-        prunes (rank 0).
+        prunes (rank 0); a save in the background does those once it is written (`_finish`).
 
         Raises:
             CheckpointError: ``last`` is not a link this save can move (checked before writing,
                 on every rank), or the checkpoint could not be written (a full disk).
         """
+        self._finish(trainer)  # at most one save in flight
         assert self.dirpath is not None, "PeriodicCheckpoint needs dirpath"
         problem = last_link_problem(self.dirpath) if trainer.is_global_zero else None
         if (problem := trainer.strategy.broadcast(problem)) is not None:
@@ -114,22 +146,40 @@ class PeriodicCheckpoint(Checkpoint):
                 logger.sync()
         # Collective; atomic and verified (strategies.checkpoint.dcp.save). Lightning's weights_only=False:
         # the loop, optimizer and callback states too, not only the weights.
+        if background:
+            self._writer = self._writer or AsyncWriter()
+            trainer.save_checkpoint(path, weights_only=False, storage_options=self._writer)  # sealed by `_finish`
+            self._last_saved = trainer.global_step
+            return path
         trainer.save_checkpoint(path, weights_only=False)
         self._last_saved = trainer.global_step
+        self._publish(trainer, path)
+        return path
+
+    def _finish(self, trainer: L.Trainer) -> None:
+        """Seals the save in flight, if any (every rank; waits for its write), then publishes it."""
+        if self._writer is not None and (path := self._writer.finish()) is not None:
+            self._publish(trainer, path)
+
+    def _publish(self, trainer: L.Trainer, path: Path) -> None:
+        """Moves ``last`` to the complete checkpoint ``path`` and prunes (rank 0); then a barrier."""
         if trainer.is_global_zero:
-            link = self.dirpath / LAST
-            tmp = self.dirpath / f".{LAST}.tmp"
-            if tmp.is_symlink() or tmp.exists():
-                tmp.unlink()
-            try:
-                tmp.symlink_to(path.name)
-                os.replace(tmp, link)  # atomic: `last` always names a complete checkpoint
-            finally:
-                tmp.unlink(missing_ok=True)  # left only when the move failed
+            self._move_last(path)
             task = trainer.lightning_module
             self._prune(protect=task.nonfinite.safe_step() if isinstance(task, Task) else None)
         trainer.strategy.barrier()
-        return path
+
+    def _move_last(self, path: Path) -> None:
+        assert self.dirpath is not None
+        link = self.dirpath / LAST
+        tmp = self.dirpath / f".{LAST}.tmp"
+        if tmp.is_symlink() or tmp.exists():
+            tmp.unlink()
+        try:
+            tmp.symlink_to(path.name)
+            os.replace(tmp, link)  # atomic: `last` always names a complete checkpoint
+        finally:
+            tmp.unlink(missing_ok=True)  # left only when the move failed
 
     def _prune(self, protect: int | None = None) -> None:
         """Keeps the ``keep_last`` newest complete checkpoints; removes every step_* directory
