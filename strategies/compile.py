@@ -1,16 +1,18 @@
-"""``torch.compile`` per transformer block.
+"""``torch.compile`` per transformer block (``scope=block``) or of the whole model (``scope=model``).
 
 Compiling each block rather than the whole model keeps graphs small (every block has the same
 code, so one compiled graph serves all of them), lets FSDP2 put its all-gather and reduce-scatter
-between blocks, and composes with activation checkpointing inside the block. ``Module.compile``
-compiles in place, so parameter names and checkpoints are the same as without compile (no
-``_orig_mod`` prefix, unlike ``torch.compile(module)``).
+between blocks, and composes with activation checkpointing inside the block. Compiling the whole
+model (as LitGPT does) also fuses the embedding, the final norm and the LM head into the graph;
+FSDP2's hooks then break it at every block (dynamo skips them), so under FSDP it is per-block
+compile plus the model's ends. ``Module.compile`` compiles in place, so parameter names and
+checkpoints are the same as without compile (no ``_orig_mod`` prefix, unlike ``torch.compile(module)``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from torch import nn
 
@@ -22,17 +24,36 @@ if TYPE_CHECKING:
     from strategies.core.shape import ModelShape
 
 
-def apply_compile(model: nn.Module, *, backend: str = "inductor", fullgraph: bool = False) -> None:
-    """Compiles every block in ``model.layers`` in place with ``torch.compile``.
+# What the model scope cannot compile as one graph yet, and why (the block scope runs there).
+_MODEL_SCOPE_REFUSED = {
+    "pp": "the pipeline schedule runs each stage's module, not the model's forward",
+    "tp": "per-block graphs are the tested path for tensor-parallel DTensors",
+    "cp": "context-parallel attention swaps the attention inside each block per step",
+}
+
+
+def apply_compile(
+    model: nn.Module, *, backend: str = "inductor", fullgraph: bool = False, scope: Literal["block", "model"] = "block"
+) -> None:
+    """Compiles ``model`` in place with ``torch.compile``: every block in ``model.layers``, or the whole model.
 
     Args:
         model: a module with an ``nn.ModuleDict``/``ModuleList`` named ``layers``.
         backend: a ``torch.compile`` backend: "inductor" (generated kernels), "aot_eager"
             (traced but not code-generated: checks graphs fast), ...
         fullgraph: fail on any graph break instead of falling back to eager for that part.
+        scope: "block" (one graph per block, shared by all of them) or "model" (the whole forward).
+
+    Raises:
+        ValueError: an unknown ``scope``.
     """
-    for block in model.layers.children():
-        block.compile(backend=backend, fullgraph=fullgraph)
+    if scope == "model":
+        model.compile(backend=backend, fullgraph=fullgraph)
+    elif scope == "block":
+        for block in model.layers.children():
+            block.compile(backend=backend, fullgraph=fullgraph)
+    else:
+        raise ValueError(f"strategy.compile.scope={scope!r} is unknown; use block or model")
 
 
 @dataclass
@@ -40,19 +61,31 @@ class Compile(StrategyPlugin):
     """The compile plugin: whether and how `apply_compile` compiles the blocks.
 
     Args:
-        enabled: compile the blocks (the first steps then include the compile time).
+        enabled: compile (the first steps then include the compile time).
         backend: ``torch.compile`` backend.
         fullgraph: fail on graph breaks.
+        scope: "block" (each transformer block) or "model" (the whole forward, one process,
+            DDP and FSDP layouts).
     """
 
     enabled: bool = False
     backend: str = "inductor"
     fullgraph: bool = False
+    scope: Literal["block", "model"] = "block"
 
     def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
-        """A ``backend`` torch does not know, when enabled (else it would fail at the first step)."""
+        """A ``backend`` torch does not know, and ``scope=model`` on a layout it cannot compile as one
+        graph (pipeline, tensor or context parallel), when enabled (else it would fail at the first step)."""
         if not self.enabled:
             return []
+        refused = [
+            f"strategy.compile.scope=model does not run with {axis}={getattr(run.dims, axis)} ({why}); "
+            "use strategy.compile.scope=block"
+            for axis, why in _MODEL_SCOPE_REFUSED.items()
+            if self.scope == "model" and getattr(run.dims, axis) > 1
+        ]
+        if refused:
+            return refused
         from torch._dynamo import list_backends  # imported only when compiling: dynamo is slow to import
 
         if self.backend in list_backends(exclude_tags=()):  # the debugging ones too (aot_eager, eager)
@@ -62,4 +95,4 @@ class Compile(StrategyPlugin):
 
     def apply(self, model: nn.Module, meshes: Meshes | None = None) -> None:
         if self.enabled:
-            apply_compile(model, backend=self.backend, fullgraph=self.fullgraph)
+            apply_compile(model, backend=self.backend, fullgraph=self.fullgraph, scope=self.scope)

@@ -14,7 +14,9 @@ Each plait run (`Task` + `MeshStrategy` in forked gloo ranks) is compared with o
 micro-batch 8 and with the reference: losses and gradients at each step, parameters after the 5
 steps. Tolerances (``TOL``): rtol 1e-6 and atol 1e-6 for every layout, FSDP (also with CPU offload), HSDP, TP (with and
 without sequence and loss parallel), FSDP x TP and PP x TP included (each pipeline schedule is
-tested in test_pipeline.py).
+tested in test_pipeline.py); whole-model compile under FSDP2 traced by aot_eager. The layouts compiled
+by inductor (``COMPILED``, slow: a C++ build per graph) are compared with ``COMPILED_TOL``: inductor
+fuses elementwise chains and reorders reductions, so a compiled step rounds differently.
 Reported gradient norms agree to 1e-4 relative only: torch's fp32 ``vector_norm`` of a large CPU
 tensor (the 4096 x 64 output head) is off by up to ~6e-5 relative, and FSDP takes the norm of
 smaller shards, so the layouts round differently although their gradients are equal.
@@ -28,8 +30,8 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-
 from harness import EXACT_SGD, compose_config, fit, losses, reference_setup
+
 from trainer.build import build_data
 from trainer.data.packing import IGNORE_INDEX
 
@@ -41,6 +43,7 @@ COMMON = (
     "+callbacks.grads._target_=harness.GradRecorder",
     "+callbacks.params._target_=harness.ParamRecorder",
 )
+_COMPILE_MODEL = ("strategy.compile.enabled=true", "strategy.compile.scope=model", "strategy.compile.backend=aot_eager")
 _TP_OFF = ("strategy.tensor_parallel.sequence_parallel=false", "strategy.tensor_parallel.loss_parallel=false")
 # id -> overrides. Global batch 8 = micro-batch x grad-accum x dp in each.
 LAYOUTS = {
@@ -49,7 +52,10 @@ LAYOUTS = {
     "fsdp2_ga2": ["strategy=fsdp", "trainer.devices=2", "train.micro_batch_size=2"],
     # FSDP's CPUOffloadPolicy (pin_memory=False without a GPU): shards, gradients and optimizer state on CPU.
     "fsdp2_cpu_offload": [
-        "strategy=fsdp", "trainer.devices=2", "train.micro_batch_size=2", "strategy.fsdp.cpu_offload=true",
+        "strategy=fsdp",
+        "trainer.devices=2",
+        "train.micro_batch_size=2",
+        "strategy.fsdp.cpu_offload=true",
         "+callbacks.offload._target_=harness.OffloadRecorder",
     ],  # fmt: skip
     "fsdp4": ["strategy=fsdp", "trainer.devices=4", "train.micro_batch_size=2"],
@@ -61,9 +67,16 @@ LAYOUTS = {
     "fsdp2_x_tp2_sp_lp": ["strategy=fsdp_tp", "trainer.devices=4", "train.micro_batch_size=2"],
     # Pipeline x tensor parallel: stages pass [B, T/tp, D] sequence-parallel hidden states.
     "pp2_x_tp2_sp_lp": [
-        "strategy=nd", "strategy.pp=2", "strategy.tp=2", "strategy.dp_shard=1", "trainer.devices=4",
+        "strategy=nd",
+        "strategy.pp=2",
+        "strategy.tp=2",
+        "strategy.dp_shard=1",
+        "trainer.devices=4",
         "train.micro_batch_size=2",
     ],
+    # Whole-model compile under FSDP2 (dynamo breaks the graph at each block's FSDP hooks). aot_eager
+    # traces and partitions the graphs without generating code; inductor's layouts are in COMPILED.
+    "fsdp2_compile_model": ["strategy=fsdp", "trainer.devices=2", "train.micro_batch_size=2", *_COMPILE_MODEL],
 }
 
 
@@ -156,3 +169,32 @@ def test_layout_equals_one_process(tmp_path, corpus, layout, one_process, ref):
         assert run["offload"] == [["CPUOffloadPolicy(pin_memory=False)"]]
     assert_equivalent(run, one_process)
     assert_equivalent(run, ref)
+
+
+COMPILED_TOL = {"rtol": 1e-4, "atol": 1e-5}
+_INDUCTOR = ("strategy.compile.enabled=true", "strategy.compile.backend=inductor")
+COMPILED = {
+    "one_process_block": ["train.micro_batch_size=8", *_INDUCTOR],
+    "one_process_model": ["train.micro_batch_size=8", *_INDUCTOR, "strategy.compile.scope=model"],
+    "fsdp2_model": [
+        "strategy=fsdp",
+        "trainer.devices=2",
+        "train.micro_batch_size=4",
+        *_INDUCTOR,
+        "strategy.compile.scope=model",
+    ],
+    "tp2_sp_lp_block": ["strategy=tp", "trainer.devices=2", *_INDUCTOR],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(COMPILED), ids=list(COMPILED))
+def test_compiled_layout_equals_reference(tmp_path, corpus, layout, ref):
+    run = _run(corpus, COMPILED[layout], tmp_path)
+    assert len(run["loss"]) == STEPS
+    for step in range(STEPS):
+        torch.testing.assert_close(run["loss"][step], ref["loss"][step], **COMPILED_TOL, msg=f"loss at step {step + 1}")
+        torch.testing.assert_close(
+            run["grads"][step], ref["grads"][step], **COMPILED_TOL, msg=f"grads at step {step + 1}"
+        )
+    torch.testing.assert_close(run["params"], ref["params"], **COMPILED_TOL, msg=f"parameters after {STEPS} SGD steps")
