@@ -11,7 +11,8 @@ and Adam's 1/sqrt(v) magnify the gradients' last-bit differences).
 
 Resume: the FSDP2 run checkpoints at step 2; resumed on 2 ranks it continues bitwise as the
 uninterrupted run (Muon's momentum and AdamW's moments restored), resumed on 1 rank (DCP
-reshards the state) it continues within the tolerance.
+reshards the state) it continues within the tolerance. About a minute on 2 CPU cores: marked slow
+(test_muon_step.py checks the same layouts below the trainer in seconds, in the default run).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Any
 import pytest
 import torch
 from harness import compose_config, fit
+
+pytestmark = pytest.mark.slow
 
 STEPS = 4
 TOL = {"rtol": 1e-5, "atol": 1e-5}

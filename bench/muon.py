@@ -1,0 +1,71 @@
+"""Muon against AdamW at equal steps on the default pretrain recipe: final validation loss of each.
+
+The ``pretrain`` recipe as it is (tiny Llama, bundled Shakespeare + King James Bible corpus, 8 rows of
+256 tokens per step, warm-up + cosine, clipping at 1.0) with ``optim=adamw`` and with ``optim=muon``
+(Muon on the blocks' matrices, AdamW on the embedding, head and norms; Moonlight's update scale,
+so AdamW's rates carry over). Each optimizer's peak learning rate is tuned briefly first: a run of
+``--tune-steps`` steps (the same schedule, over those steps) at each rate of ``--adamw-lrs`` and
+``--muon-lrs``; the rate with the lowest validation loss then trains ``--steps`` steps (the recipe's
+400 by default). Both see the same rows in the same order from the same initial weights.
+
+Invocations::
+
+    python bench/muon.py                                          # ~25 min on 2 shared CPU cores
+    python bench/muon.py --steps 200 --tune-steps 50 --muon-lrs 3e-3 6e-3   # shorter
+    python bench/muon.py --extra optim.ns_dtype=float32           # more overrides for both
+
+The last line is ``RESULT muon_val_loss=<x> adamw_val_loss=<y> muon_lr=<a> adamw_lr=<b> muon_over_adamw=<x/y>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def train(optim: str, lr: float, steps: int, root: Path, extra: list[str]) -> dict[str, float]:
+    """One ``plait pretrain`` run; its final validation loss and wall time (``summary.json``)."""
+    run_dir = root / f"{optim}_lr{lr:g}_s{steps}"
+    args = [f"optim={optim}", f"optim.lr={lr}", f"trainer.max_steps={steps}", "logger=none", "~callbacks.plots"]
+    command = [sys.executable, "-m", "trainer.cli", "pretrain", *args, *extra, f"run_dir={run_dir}"]
+    done = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    row = {"val_loss": summary["final_val_loss"], "wall_s": summary["wall_time_s"]}
+    print(
+        f"{optim:6s} lr={lr:<8g} steps={steps:4d} val_loss={row['val_loss']:.4f} wall={row['wall_s']:.0f}s", flush=True
+    )
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=400, help="steps of the compared runs (the recipe's 400)")
+    parser.add_argument("--tune-steps", type=int, default=100, help="steps of each tuning run")
+    parser.add_argument("--adamw-lrs", type=float, nargs="+", default=[1.5e-3, 3e-3, 6e-3])
+    parser.add_argument("--muon-lrs", type=float, nargs="+", default=[1.5e-3, 3e-3, 6e-3])
+    parser.add_argument("--extra", nargs="*", default=[], help="more overrides for every run")
+    args = parser.parse_args()
+    start = time.time()
+    with tempfile.TemporaryDirectory(prefix="plait_muon_") as tmp:
+        root, best = Path(tmp), {}
+        for optim, lrs in (("adamw", args.adamw_lrs), ("muon", args.muon_lrs)):
+            tuned = {lr: train(optim, lr, args.tune_steps, root, args.extra)["val_loss"] for lr in lrs}
+            best[optim] = min(tuned, key=tuned.__getitem__)
+        final = {optim: train(optim, best[optim], args.steps, root, args.extra) for optim in ("adamw", "muon")}
+    print(f"bench time {time.time() - start:.0f}s")
+    muon, adamw = final["muon"]["val_loss"], final["adamw"]["val_loss"]
+    print(
+        f"RESULT muon_val_loss={muon:.4f} adamw_val_loss={adamw:.4f} muon_lr={best['muon']:g} "
+        f"adamw_lr={best['adamw']:g} muon_over_adamw={muon / adamw:.4f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

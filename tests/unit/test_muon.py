@@ -1,0 +1,178 @@
+"""plait's Muon (`strategies.muon.Muon`, ``optim=muon``) on one process equals an independent Muon
+written here, its state round-trips a checkpoint bitwise, and the planner counts that state.
+
+The reference follows Keller Jordan's ``muon.py`` (github.com/KellerJordan/Muon,
+``zeropower_via_newtonschulz5`` and ``muon_update``): momentum ``lerp``, Nesterov, the quintic
+Newton-Schulz iteration (fp32 here, plait's ``ns_dtype=float32``), Moonlight's ``0.2 sqrt(max(A, B))``
+update scale and decoupled weight decay, on the blocks' 2-D matrices; torch's own AdamW
+(``foreach=False``) on the embedding, the LM head (decayed) and the norms (not decayed).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from strategies.core.ranges import optimizer_problem
+from strategies.core.shape import ModelShape
+from strategies.muon import Muon
+from strategies.planner.layout import Layout, Workload, optimizer_kind
+from strategies.planner.memory import state_bytes
+from trainer.models.llama import Llama
+from trainer.optim import build_optimizer
+
+LR, MU, WD, BETAS, EPS = 0.01, 0.95, 0.1, (0.9, 0.95), 1e-8
+VOCAB = 97
+
+
+def _model() -> Llama:
+    torch.manual_seed(0)
+    model = Llama(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, max_seq_len=16)
+    model.init_weights()
+    return model
+
+
+def _plait_muon(model: Llama, **kwargs) -> torch.optim.Optimizer:
+    muon = functools.partial(Muon, lr=LR, momentum=MU, betas=BETAS, eps=EPS, ns_dtype="float32", **kwargs)
+    return build_optimizer(model, muon, weight_decay=WD, no_decay=("tok_embeddings", "norm", "bias"))
+
+
+def _loss(model: Llama, step: int) -> torch.Tensor:
+    tokens = torch.randint(0, VOCAB, (4, 17), generator=torch.Generator().manual_seed(step))
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def _train(model: Llama, optimizer: torch.optim.Optimizer, steps: range) -> None:
+    for step in steps:
+        optimizer.zero_grad(set_to_none=True)
+        _loss(model, step).backward()
+        optimizer.step()
+
+
+def reference_newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """Keller Jordan's ``zeropower_via_newtonschulz5``, in fp32."""
+    a, b, c = (3.4445, -4.7750, 2.0315)
+    x = g.float()
+    if g.size(-2) > g.size(-1):
+        x = x.mT
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    if g.size(-2) > g.size(-1):
+        x = x.mT
+    return x
+
+
+class ReferenceMuon:
+    """Muon on ``matrices`` (Keller Jordan's ``muon_update``, Nesterov) and torch's AdamW on ``others``."""
+
+    def __init__(self, matrices: list[torch.nn.Parameter], decayed: list, undecayed: list, *, nesterov: bool = True):
+        self.matrices, self.nesterov = matrices, nesterov
+        self.momentum = [torch.zeros_like(p) for p in matrices]
+        self.adamw = torch.optim.AdamW(
+            [{"params": decayed, "weight_decay": WD}, {"params": undecayed, "weight_decay": 0.0}],
+            lr=LR, betas=BETAS, eps=EPS, foreach=False,
+        )  # fmt: skip
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.adamw.zero_grad(set_to_none=set_to_none)
+        for p in self.matrices:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for p, buf in zip(self.matrices, self.momentum):
+            buf.lerp_(p.grad, 1 - MU)
+            update = p.grad.lerp(buf, MU) if self.nesterov else buf
+            p.mul_(1 - LR * WD)
+            p.add_(reference_newton_schulz(update), alpha=-LR * 0.2 * math.sqrt(max(p.shape)))
+        self.adamw.step()
+
+
+def _reference(model: Llama) -> ReferenceMuon:
+    named = dict(model.named_parameters())
+    matrices = [p for n, p in named.items() if n.startswith("layers.") and p.ndim == 2]
+    norms = [p for n, p in named.items() if p.ndim == 1]
+    return ReferenceMuon(matrices, [named["output.weight"]], [named["tok_embeddings.weight"], *norms])
+
+
+def test_groups_split_hidden_matrices_from_the_rest() -> None:
+    model = _model()
+    optimizer = _plait_muon(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    kinds = {
+        (g["use_muon"], g["weight_decay"]): sorted(names[id(p)] for p in g["params"]) for g in optimizer.param_groups
+    }
+    assert set(kinds) == {(True, WD), (False, WD), (False, 0.0)}
+    assert kinds[(False, WD)] == ["output.weight"]
+    assert all(n.startswith("layers.") and n.endswith("weight") and "norm" not in n for n in kinds[(True, WD)])
+    assert len(kinds[(True, WD)]) == 2 * 7  # wq, wk, wv, wo, w1, w2, w3 per block
+    assert "tok_embeddings.weight" in kinds[(False, 0.0)]
+    assert optimizer.param_groups[0]["use_muon"]  # the logged lr is Muon's
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_steps_equal_an_independent_muon(steps: int) -> None:
+    model = _model()
+    reference_model = copy.deepcopy(model)
+    _train(model, _plait_muon(model), range(steps))
+    _train(reference_model, _reference(reference_model), range(steps))
+    moved = dict(_model().named_parameters())
+    for name, param in reference_model.named_parameters():
+        torch.testing.assert_close(dict(model.named_parameters())[name], param, rtol=1e-6, atol=1e-7, msg=name)
+        assert not torch.equal(param, moved[name]), name  # every parameter trained
+
+
+def test_nesterov_false_is_plain_momentum() -> None:
+    model = _model()
+    reference_model = copy.deepcopy(model)
+    _train(model, _plait_muon(model, nesterov=False), range(2))
+    named = dict(reference_model.named_parameters())
+    ref = _reference(reference_model)
+    ref.nesterov = False
+    _train(reference_model, ref, range(2))
+    torch.testing.assert_close(dict(model.named_parameters()), named, rtol=1e-6, atol=1e-7)
+
+
+def test_resume_from_state_dict_is_bit_exact() -> None:
+    """2 steps, save, a fresh model and optimizer load both, 2 more = 4 uninterrupted steps, bitwise."""
+    straight = _model()
+    _train(straight, _plait_muon(straight), range(4))
+    first = _model()
+    optimizer = _plait_muon(first)
+    _train(first, optimizer, range(2))
+    saved = copy.deepcopy({"model": first.state_dict(), "optimizer": optimizer.state_dict()})
+    resumed = _model()
+    resumed.load_state_dict(saved["model"])
+    optimizer = _plait_muon(resumed)
+    optimizer.load_state_dict(saved["optimizer"])
+    _train(resumed, optimizer, range(2, 4))
+    for (name, param), expected in zip(resumed.named_parameters(), straight.parameters()):
+        assert torch.equal(param, expected), name
+
+
+def test_planner_counts_the_state_it_keeps() -> None:
+    """`state_bytes` for ``optim=muon`` = the bytes of the state plait's Muon holds after a step:
+    one momentum buffer per hidden matrix, AdamW's two moments and a 4-byte step for the others."""
+    model = _model()
+    optimizer = _plait_muon(model)
+    _train(model, optimizer, range(1))
+    held = sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values())
+    assert optimizer_kind(functools.partial(Muon, lr=LR)) == "muon"
+    shape, layout = ModelShape.from_model(model), Layout(micro_batch_size=1)
+    _, _, predicted = state_bytes(shape, layout, Workload(seq_len=16, global_batch_size=4, optimizer="muon"), 0)
+    _, _, adamw = state_bytes(shape, layout, Workload(seq_len=16, global_batch_size=4, optimizer="adamw"), 0)
+    assert predicted == held < adamw
+
+
+def test_bad_settings_are_refused_before_launch() -> None:
+    assert "use match_rms_adamw or original" in optimizer_problem(functools.partial(Muon, scale="spectral"))
+    assert "use bfloat16 or float32" in optimizer_problem(functools.partial(Muon, ns_dtype="fp8"))
+    assert "must be >= 0" in optimizer_problem(functools.partial(Muon, momentum=-0.9))
