@@ -143,6 +143,9 @@ def leftovers(run_dir: Path) -> str:
 def resume(run_dir: Path, layout: list[str], reference: Path) -> tuple[bool, str]:
     """``resume=last`` to the end; (passed, detail). Every damaged checkpoint must be reported."""
     damaged = [p.name for p in step_dirs(run_dir / "checkpoints") if verify_checkpoint(p) is not None]
+    if f"step_{STEPS:07d}" in [p.name for p in step_dirs(run_dir / "checkpoints") if p.name not in damaged]:
+        why = compare(run_dir, reference)  # killed after its last checkpoint: a resume would train nothing (refused)
+        return why is None, f"complete at step {STEPS}, nothing to resume: {why or 'bit-exact'}"
     code, stderr = _finish(_plait([*layout, "resume=last"], run_dir))
     if code != 0:
         return False, f"resume exit {code}: {stderr.strip().splitlines()[-1] if stderr.strip() else ''}"
