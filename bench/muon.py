@@ -33,7 +33,7 @@ def train(optim: str, lr: float, steps: int, root: Path, extra: list[str]) -> di
     run_dir = root / f"{optim}_lr{lr:g}_s{steps}"
     args = [f"optim={optim}", f"optim.lr={lr}", f"trainer.max_steps={steps}", "logger=none", "~callbacks.plots"]
     command = [sys.executable, "-m", "trainer.cli", "pretrain", *args, *extra, f"run_dir={run_dir}"]
-    done = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    done = subprocess.run(command, check=False, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -9,6 +9,8 @@ each rank orthogonalises the whole matrices it owns and returns the others their
 Tolerance 1e-5 (test_equivalence.py's 1e-6 for SGD, x10: the orthogonalisation's normalisation
 and Adam's 1/sqrt(v) magnify the gradients' last-bit differences).
 
+FSDP2 x tp on 4 ranks (2 x 2) too: there the matrices are sharded over two mesh axes.
+
 Resume: the FSDP2 run checkpoints at step 2; resumed on 2 ranks it continues bitwise as the
 uninterrupted run (Muon's momentum and AdamW's moments restored), resumed on 1 rank (DCP
 reshards the state) it continues within the tolerance. About a minute on 2 CPU cores: marked slow
@@ -76,6 +78,12 @@ def test_fsdp2_equals_one_process(fsdp2, one_process) -> None:
 
 def test_tp2_equals_one_process(tmp_path: Path, one_process) -> None:
     assert_close_runs(_fit(["strategy=tp", "trainer.devices=2", *_TP_OFF], tmp_path), one_process, **TOL)
+
+
+def test_fsdp2_x_tp2_equals_one_process(tmp_path: Path, one_process) -> None:
+    """4 ranks: the matrices sharded over dp_shard and tp go through DTensor's re-sharding."""
+    run = _fit(["strategy=fsdp_tp", "trainer.devices=4", "train.micro_batch_size=2"], tmp_path)
+    assert_close_runs(run, one_process, **TOL)
 
 
 def test_fsdp2_resume_is_bit_exact(tmp_path: Path, fsdp2) -> None:
