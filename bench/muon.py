@@ -3,16 +3,16 @@
 The ``pretrain`` recipe as it is (tiny Llama, bundled Shakespeare + King James Bible corpus, 8 rows of
 256 tokens per step, warm-up + cosine, clipping at 1.0) with ``optim=adamw`` and with ``optim=muon``
 (Muon on the blocks' matrices, AdamW on the embedding, head and norms; Moonlight's update scale,
-so AdamW's rates carry over). Each optimizer's peak learning rate is tuned briefly first: a run of
-``--tune-steps`` steps (the same schedule, over those steps) at each rate of ``--adamw-lrs`` and
-``--muon-lrs``; the rate with the lowest validation loss then trains ``--steps`` steps (the recipe's
-400 by default). Both see the same rows in the same order from the same initial weights.
+so AdamW's rates carry over). Each optimizer's peak learning rate is tuned by a small sweep: one
+run of ``--steps`` steps (the recipe's schedule over those steps) at each rate of ``--adamw-lrs``
+and ``--muon-lrs``; each optimizer's figure is its best rate's (all rates are printed). Every run
+sees the same rows in the same order from the same initial weights.
 
 Invocations::
 
-    python bench/muon.py                                          # ~25 min on 2 shared CPU cores
-    python bench/muon.py --steps 200 --tune-steps 50 --muon-lrs 3e-3 6e-3   # shorter
-    python bench/muon.py --extra optim.ns_dtype=float32           # more overrides for both
+    python bench/muon.py                                          # 6 x 400 steps: ~20 min on 2 quiet cores
+    python bench/muon.py --steps 100 --adamw-lrs 3e-3 6e-3 --muon-lrs 3e-3 6e-3   # shorter
+    python bench/muon.py --extra optim.ns_dtype=float32           # more overrides for every run
 
 The last line is ``RESULT muon_val_loss=<x> adamw_val_loss=<y> muon_lr=<a> adamw_lr=<b> muon_over_adamw=<x/y>``.
 """
@@ -46,8 +46,7 @@ def train(optim: str, lr: float, steps: int, root: Path, extra: list[str]) -> di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=400, help="steps of the compared runs (the recipe's 400)")
-    parser.add_argument("--tune-steps", type=int, default=100, help="steps of each tuning run")
+    parser.add_argument("--steps", type=int, default=400, help="steps of every run (the recipe's 400)")
     parser.add_argument("--adamw-lrs", type=float, nargs="+", default=[1.5e-3, 3e-3, 6e-3])
     parser.add_argument("--muon-lrs", type=float, nargs="+", default=[1.5e-3, 3e-3, 6e-3])
     parser.add_argument("--extra", nargs="*", default=[], help="more overrides for every run")
@@ -56,14 +55,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="plait_muon_") as tmp:
         root, best = Path(tmp), {}
         for optim, lrs in (("adamw", args.adamw_lrs), ("muon", args.muon_lrs)):
-            tuned = {lr: train(optim, lr, args.tune_steps, root, args.extra)["val_loss"] for lr in lrs}
-            best[optim] = min(tuned, key=tuned.__getitem__)
-        final = {optim: train(optim, best[optim], args.steps, root, args.extra) for optim in ("adamw", "muon")}
+            swept = {lr: train(optim, lr, args.steps, root, args.extra)["val_loss"] for lr in lrs}
+            best[optim] = min(swept.items(), key=lambda item: item[1])
     print(f"bench time {time.time() - start:.0f}s")
-    muon, adamw = final["muon"]["val_loss"], final["adamw"]["val_loss"]
+    (muon_lr, muon), (adamw_lr, adamw) = best["muon"], best["adamw"]
     print(
-        f"RESULT muon_val_loss={muon:.4f} adamw_val_loss={adamw:.4f} muon_lr={best['muon']:g} "
-        f"adamw_lr={best['adamw']:g} muon_over_adamw={muon / adamw:.4f}"
+        f"RESULT muon_val_loss={muon:.4f} adamw_val_loss={adamw:.4f} muon_lr={muon_lr:g} "
+        f"adamw_lr={adamw_lr:g} muon_over_adamw={muon / adamw:.4f} steps={args.steps}"
     )
 
 

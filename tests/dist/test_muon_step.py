@@ -1,7 +1,7 @@
 """Distributed Muon below the trainer (fast; the whole runs are in test_muon.py, marked slow).
 
 On 2 gloo ranks, a tiny Llama laid out by plait's FSDP2 (`strategies.fsdp.apply_fsdp`: Shard(0)
-over dp_shard) or tensor parallelism (`strategies.tensor.apply_tensor_parallel`: Shard(0) / Shard(1)
+over dp_shard; HSDP 2 x 2 on 4 ranks) or tensor parallelism (`strategies.tensor.apply_tensor_parallel`: Shard(0) / Shard(1)
 over tp, the embedding and head by vocabulary) takes 2 steps of plait's Muon with given gradients
 (the same full gradients on every layout, each rank its shard); its parameters equal one process'
 bitwise: the momentum and AdamW are elementwise on shards and each matrix's Newton-Schulz (fp32)
@@ -59,6 +59,8 @@ def _sharded_run(layout: str, expected: dict[str, torch.Tensor]) -> tuple[list[s
     model = _model()
     if layout == "fsdp2":
         apply_fsdp(model, dp_mesh=init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",)))
+    elif layout == "hsdp2x2":
+        apply_fsdp(model, dp_mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard")))
     else:
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
         apply_tensor_parallel(model, mesh, model.tp_plan(sequence_parallel=False, loss_parallel=False))
@@ -78,13 +80,21 @@ def one_process() -> dict[str, torch.Tensor]:
     return _train(_model())
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", "tp2"])
+PLACEMENTS = {
+    "fsdp2": ["(Shard(dim=0),)"],
+    "tp2": ["(Shard(dim=0),)", "(Shard(dim=1),)"],
+    "hsdp2x2": ["(Replicate(), Shard(dim=0))"],  # each replica's dp_shard pair exchanges on its own
+}
+
+
+@pytest.mark.parametrize("layout", list(PLACEMENTS))
 def test_sharded_steps_equal_one_process(layout: str, one_process) -> None:
-    for differ, calls, placements in run_gloo_ranks(2, lambda rank: _sharded_run(layout, one_process)):
+    world = 4 if layout == "hsdp2x2" else 2
+    for differ, calls, placements in run_gloo_ranks(world, lambda rank: _sharded_run(layout, one_process)):
         assert differ == []
-        # 14 hidden matrices in batches of 2: 7 batches x 2 all_to_all per step.
+        # 14 hidden matrices in batches of 2 (the sharding axis' size): 7 batches x 2 all_to_all per step.
         assert calls == STEPS * 7 * 2
-        assert placements == (["(Shard(dim=0),)"] if layout == "fsdp2" else ["(Shard(dim=0),)", "(Shard(dim=1),)"])
+        assert placements == PLACEMENTS[layout]
 
 
 def _two_axes(rank: int) -> list[bool]:
