@@ -19,6 +19,7 @@ gloo group for ``dcp.async_save``, a wait on the previous future before the next
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -96,7 +97,11 @@ class AsyncWriter:
         )
 
         def written() -> Written:
-            failed = attempt_write(upload.result)
+            try:
+                failed = attempt_write(upload.result)
+            except BaseException as err:  # noqa: BLE001  (DCP's CheckpointException): every rank must agree
+                first = str(err).splitlines()[0] if str(err) else ""
+                failed = OSError(errno.EIO, f"the background write failed ({type(err).__name__}: {first})")
             if failed is not None:
                 return failed, None
             # DCP's last collective (rank 0 writes .metadata) is done: every rank's files are there.
@@ -159,9 +164,10 @@ class AsyncWriter:
         return self.finish()
 
     def close(self) -> None:
-        """Releases the host copy and the thread (a pending save is abandoned: call `finish` first)."""
+        """Releases the host copy and the thread; a save still pending (abandoned after an error) is not
+        waited for (its thread ends with its write, or with the group's timeout when a rank is gone)."""
         self._stager.close()
-        self._hasher.shutdown(wait=True)
+        self._hasher.shutdown(wait=False, cancel_futures=True)
 
 
 def _distributed() -> bool:

@@ -8,7 +8,10 @@ in flight at the end of training is finished by it, with ``last`` moved to it.
 
 from __future__ import annotations
 
+import errno
+import os
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -133,3 +136,23 @@ def test_a_run_ends_with_its_last_background_save_complete(tmp_path: Path) -> No
     assert sorted(p.name for p in checkpoints.iterdir()) == ["last", "step_0000002"]
     assert (checkpoints / "last").readlink() == Path("step_0000002")
     assert ckpt.verify_checkpoint(checkpoints / "step_0000002") is None
+
+
+def test_a_failed_background_write_ends_with_the_write_failure_line(tmp_path: Path, monkeypatch) -> None:
+    model, optimizer = _trained()
+    writer = AsyncWriter()
+    ckpt.save(tmp_path / "step_1", model=model, optimizers=[optimizer], meta={"global_step": 1}, writer=writer)
+
+    def full_disk(state: Any, **kwargs: Any) -> Future:
+        (kwargs["checkpoint_id"] / "__0_0.distcp").write_bytes(b"partial")
+        failed: Future = Future()
+        failed.set_exception(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(kwargs["checkpoint_id"])))
+        return failed
+
+    monkeypatch.setattr(async_save.dcp, "async_save", full_disk)
+    ckpt.save(tmp_path / "step_2", model=model, optimizers=[optimizer], meta={"global_step": 2}, writer=writer)
+    with pytest.raises(ckpt.CheckpointWriteError, match="not saving step_2: .*ENOSPC.*checkpoints already written"):
+        writer.finish()
+    writer.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]  # its .tmp removed, step_1 kept
+    assert ckpt.verify_checkpoint(tmp_path / "step_1") is None
