@@ -90,6 +90,7 @@ def run_arm(background: bool, args: argparse.Namespace, root: Path) -> dict[str,
         assert ckpt.verify_checkpoint(path) is None, path
     return {
         "blocked": statistics.mean(blocked),
+        "each": blocked,
         "step_overlapped": statistics.mean(overlapped) if overlapped else float("nan"),
         "step_quiet": statistics.median(quiet),
         "wall": wall,
@@ -118,7 +119,8 @@ def main() -> None:
         print(
             f"{name:>5}: blocked {r['blocked']:.3f} s per save ({r['state_mb']:.0f} MB of state, "
             f"{r['disk_mb']:.0f} MB on disk); step {r['step_quiet'] * 1e3:.0f} ms without a write in flight, "
-            f"{r['step_overlapped'] * 1e3:.0f} ms with one; {r['wall']:.1f} s for {args.steps} steps",
+            f"{r['step_overlapped'] * 1e3:.0f} ms with one; {r['wall']:.1f} s for {args.steps} steps; "
+            f"each save: {', '.join(f'{b:.3f}' for b in r['each'])} s",
             flush=True,
         )
     sync, asyn = results["sync"], results["async"]

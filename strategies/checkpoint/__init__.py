@@ -1,1 +1,2 @@
-"""Checkpoints: the distributed checkpoint (DCP) writer and reader, its manifest, safe loading and write failures."""
+"""Checkpoints: the distributed checkpoint (DCP) writer and reader, its background saves, the finiteness
+check, its manifest, safe loading and write failures."""

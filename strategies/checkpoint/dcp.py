@@ -12,7 +12,9 @@ It is written to ``step_0000100.tmp`` and renamed once every rank has finished a
 is written, so a crash during a save leaves the previous checkpoint intact and no directory that
 looks complete; a save that fails to write (a full disk) removes its ``.tmp`` directory and says
 which file, why, and how much space it needed (`strategies.checkpoint.write_failure`). Nothing is written
-unless the whole state is finite. Loading trusts nothing on disk: the files must match the
+unless the whole state is finite (`strategies.checkpoint.finite`). A save given an `AsyncWriter` returns
+once the state is copied and seals the checkpoint (manifest, rename) once its background write is
+done (`strategies.checkpoint.async_save`). Loading trusts nothing on disk: the files must match the
 manifest, pickles go through allow-lists (`strategies.checkpoint.safe_load`), and a state with NaN or inf is
 refused.
 """
@@ -21,12 +23,11 @@ from __future__ import annotations
 
 import functools
 import io
-import math
 import os
 import pickle
 import random
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +44,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 from strategies.checkpoint.async_save import AsyncWriter
+from strategies.checkpoint.finite import non_finite_entry, tensors
 from strategies.checkpoint.manifest import MANIFEST, checkpoint_files, hash_files, verify, write_manifest
 from strategies.checkpoint.safe_load import UnsafePickleError, load_dcp, load_plain, read_dcp_metadata
 from strategies.checkpoint.write_failure import attempt_write, write_failure_line
@@ -145,45 +146,6 @@ def verify_checkpoint(path: str | os.PathLike, *, checksums: bool = True) -> str
     if not path.is_dir():
         return "not a directory"
     return verify(path, checksums=checksums)
-
-
-def _tensors(state: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """(dotted key, value) of every tensor and float in a nested state; DTensors as their local shard."""
-    if isinstance(state, dict):
-        for key, value in state.items():
-            yield from _tensors(value, f"{prefix}{key}.")
-    elif isinstance(state, (list, tuple)):
-        for i, value in enumerate(state):
-            yield from _tensors(value, f"{prefix}{i}.")
-    elif isinstance(state, DTensor):
-        yield prefix[:-1], state.to_local()
-    elif isinstance(state, (torch.Tensor, float)):
-        yield prefix[:-1], state
-
-
-def non_finite_entry(state: dict[str, Any]) -> str | None:
-    """The key of the first NaN or inf in this rank's part of ``state``, or None."""
-    keys, flags = [], []
-    for key, value in _tensors(state):
-        if isinstance(value, float):
-            if not math.isfinite(value):
-                return key
-        elif value.is_floating_point() and value.numel():
-            keys.append(key)
-            flags.append(_all_finite(value))
-    if not flags:
-        return None
-    bad = (~torch.stack([f.to(flags[0].device) for f in flags])).nonzero().flatten().tolist()  # one host sync
-    return keys[bad[0]] if bad else None
-
-
-def _all_finite(value: torch.Tensor) -> torch.Tensor:
-    """A 0-dim bool tensor: ``value`` holds no NaN or inf. Through its min and max (NaN propagates into
-    both): one reduction pass, where ``isfinite(value).all()`` first writes a mask as large as ``value``
-    (20x slower on CPU; most of a background save's blocked time)."""
-    if value.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        return torch.isfinite(torch.stack(torch.aminmax(value))).all()
-    return torch.isfinite(value).all()
 
 
 def _check_plain(meta: dict[str, Any]) -> str | None:
@@ -310,7 +272,7 @@ def _write_small_files(tmp: Path, meta: dict[str, Any]) -> None:
 
 def _num_bytes(state: dict[str, Any]) -> int:
     """About the bytes this rank's part of ``state`` takes on disk (its tensors; 8 per float)."""
-    return sum(v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 8 for _, v in _tensors(state))
+    return sum(v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 8 for _, v in tensors(state))
 
 
 def seal(path: Path) -> None:
