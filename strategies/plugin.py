@@ -18,7 +18,7 @@ Phases, in the order a run meets them:
    wins), ``step_context(step)`` around the whole forward/backward, ``run_micro_batches`` (a
    plugin that runs the micro-batches itself, e.g. a pipeline schedule; else the strategy's loop),
    per micro-batch ``loss_context()`` and ``micro_batch_context(micro_batch)``, then after the
-   optimizer step ``after_step(model, step, optimizer)`` -> metrics.
+   optimizer step ``observe_loss(step, loss)`` and ``after_step(model, step, optimizer)`` -> metrics.
 5. Evaluation: ``shard(batch, meshes)``, then ``eval_loss_sum`` (or the plain loss) inside
    ``loss_context()`` and, for preference pairs, ``whole_rows()``.
 6. Checkpoints: ``checkpoint_io()`` (a plugin that writes and reads the checkpoint itself) and
@@ -124,6 +124,10 @@ class StrategyPlugin:
     def eval_loss_sum(self, batch: Batch, loss_sum: LossFn) -> torch.Tensor | None:
         """Summed loss of one evaluation batch when this plugin runs the forward itself; None: the plain forward."""
         return None
+
+    def observe_loss(self, step: int, loss: torch.Tensor) -> None:
+        """The training loss of optimizer step ``step`` (0-dim, on the device: the token-weighted mean
+        over every rank and island, the same value on every rank), before `after_step` (DASO's plateau test)."""
 
     def after_step(self, model: nn.Module, step: int, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Work after optimizer step ``step`` (1 after the first; ``optimizer`` unwrapped); metrics for the loggers."""

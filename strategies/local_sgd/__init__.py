@@ -1,9 +1,9 @@
 """The local-SGD family: islands (the dp_replicate axis) train apart and synchronise now and then.
 
 One technique per file: `DiLoCo` (and Streaming DiLoCo, its ``num_fragments``) in diloco.py,
-`DESLOC` (and Local Adam, its equal periods) in desloc.py, `Hierarchical` (DASO-like) in
+`DESLOC` (and Local Adam, its equal periods) in desloc.py, `Hierarchical` (DASO) in
 hierarchical.py, and what they share (`LocalSGD`, byte accounting) in base.py. Select one with
-``strategy=diloco`` (or streaming_diloco, desloc, local_adam, hierarchical) or
+``strategy=diloco`` (or streaming_diloco, desloc, local_adam, hierarchical, daso) or
 ``strategy.local_sgd._target_=strategies.local_sgd.DiLoCo``.
 """
 

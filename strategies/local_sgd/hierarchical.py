@@ -1,44 +1,261 @@
-"""Hierarchical (DASO-like) data parallelism: every step inside a node, every B steps across nodes.
+"""DASO: every step inside a node, every B steps across nodes, non-blocking, applied S steps late.
 
 Source: Coquelin et al. 2022, "Accelerating neural network training with distributed asynchronous
-and selective optimization (DASO)", J. Big Data 9:14 (arXiv 2104.05588). Islands (dp_replicate) are
-the node groups; inside one, FSDP over dp_shard reduces gradients every step. Across them the
-parameters are averaged every B steps, and every step during a synchronous warm-up. DASO's
-non-blocking sends applied S steps late, its bf16 downcast and its plateau-driven choice of B are
-not implemented: the global average here is blocking, in the parameters' dtype, with a fixed B.
+and selective optimization (DASO)", J. Big Data 9:14 (arXiv 2104.05588), and the authors'
+implementation (``heat.optim.DASO`` in helmholtz-analytics/heat: ``_gs_send_params``,
+``_gs_rcv_update_params``, ``epoch_loss_logic``). Islands (dp_replicate) are the node groups;
+inside one, FSDP over dp_shard reduces gradients every step. Across them:
+
+- **global synchronisation every B steps**, each step during a synchronous warm-up;
+- **non-blocking, S steps late** (``delay``): the islands' parameters are summed by an
+  asynchronous all-reduce started after the sending step; S steps later each island merges the
+  sum Σ (of the P islands' parameters as sent) with its current parameters x as
+  ``x <- (2S x + Σ) / (P + 2S)`` (the paper's weighting of the local, newer parameters against the
+  stale average). S = 0 is a blocking average, ``x <- Σ / P``;
+- **low-precision messages** (``global_dtype``): the parameters travel (and are summed) in bf16;
+- **plateau-driven B and S** (``adaptive``): every ``plateau_every`` steps the mean training loss
+  of that window (the token-weighted loss of all islands: every rank sees the same value, so
+  every rank takes the same decision) is tested for a plateau (no relative improvement of
+  ``stability`` over the best for ``patience`` windows). On a plateau B halves and S drops by one
+  (at least 1); at B = 1 a plateau resets B to ``max_sync_every`` and S to ``max_sync_every // 4``
+  (heat's ``epoch_loss_logic``: the loss stalls, so the islands synchronise more often, until the
+  cycle starts again). The warm-up keeps B = 1, S = 0.
+
+A message in flight when a checkpoint is written is waited for and its sum saved, so a resumed run
+merges it at the same step as an uninterrupted one. Bytes: a message of ``n`` elements counts
+``allreduce_bytes_sent(n * itemsize(global_dtype), P)`` (base.py).
 """
 
 from __future__ import annotations
 
-import torch
+import math
+from collections.abc import Mapping
+from typing import Any, Literal
 
-from strategies.local_sgd.base import LocalSGD, average_
+import torch
+import torch.distributed as dist
+
+from strategies.local_sgd.base import LocalSGD, allreduce_bytes_sent, local
+from strategies.runtime.collective_device import collective_device
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+class Plateau:
+    """The loss-plateau test: no relative improvement of ``threshold`` over the best loss for
+    ``patience`` consecutive windows (heat's ``DetectMetricPlateau`` in "min" mode).
+
+    Args:
+        patience: windows without improvement that make a plateau.
+        threshold: relative improvement that counts (0.05: 5% below the best).
+    """
+
+    def __init__(self, *, patience: int = 2, threshold: float = 0.05) -> None:
+        self.patience, self.threshold = patience, threshold
+        self.best, self.bad = float("inf"), 0
+
+    def stalled(self, loss: float) -> bool:
+        """Records one window's ``loss``; True on a plateau (the count of bad windows then restarts)."""
+        if loss < self.best * (1.0 - self.threshold):
+            self.best, self.bad = loss, 0
+            return False
+        self.bad += 1
+        if self.bad >= self.patience:
+            self.bad = 0
+            return True
+        return False
 
 
 class Hierarchical(LocalSGD):
-    """Averages the parameters over the islands after every ``sync_every``-th inner step.
+    """DASO across the islands: parameters summed every B steps, merged S steps later.
 
-    Inner optimizer state stays local (any optimizer works). With sync_every = 1 and SGD
-    (with momentum) this equals data parallelism over all ranks when the islands' supervised-token
+    Inner optimizer state stays local (any optimizer works). With B = 1, S = 0, fp32 messages and
+    SGD (with momentum) this equals data parallelism over all ranks when the islands' supervised-token
     counts are equal (each island's gradient is its own token mean, averaged uniformly).
 
     Args:
-        sync_every: B, inner steps between global parameter averages.
-        warmup_steps: the first steps average after every step (DASO's synchronous warm-up).
+        sync_every: B, inner steps between global synchronisations (counted from the last one).
+        warmup_steps: the first steps synchronise after every step, blocking (DASO's warm-up).
+        delay: S, steps between a synchronisation's send and its merge; 0: blocking.
+        global_dtype: dtype of the global messages, "fp32" or "bf16" (the paper's downcast).
+        adaptive: change B and S at loss plateaus (see the module docstring).
+        max_sync_every: B after a plateau at B = 1 (S becomes ``max_sync_every // 4``, at least 1).
+        plateau_every: steps per window of the plateau test.
+        patience: windows without improvement that make a plateau.
+        stability: relative improvement of the window loss that counts.
 
     Raises:
-        ValueError: sync_every < 1 or warmup_steps < 0.
+        ValueError: a count below its minimum, ``delay > sync_every`` (two messages would be in
+            flight) or an unknown ``global_dtype``.
     """
 
-    def __init__(self, *, sync_every: int = 8, warmup_steps: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        sync_every: int = 8,
+        warmup_steps: int = 0,
+        delay: int = 0,
+        global_dtype: Literal["fp32", "bf16"] = "fp32",
+        adaptive: bool = False,
+        max_sync_every: int = 8,
+        plateau_every: int = 50,
+        patience: int = 2,
+        stability: float = 0.05,
+    ) -> None:
         super().__init__()
-        if sync_every < 1:
-            raise ValueError(f"strategy.local_sgd.sync_every={sync_every} must be >= 1")
-        if warmup_steps < 0:
-            raise ValueError(f"strategy.local_sgd.warmup_steps={warmup_steps} must be >= 0")
-        self.sync_every, self.warmup_steps = sync_every, warmup_steps
+        for key, value, least in (
+            ("sync_every", sync_every, 1), ("warmup_steps", warmup_steps, 0), ("delay", delay, 0),
+            ("max_sync_every", max_sync_every, 1), ("plateau_every", plateau_every, 1), ("patience", patience, 1),
+        ):  # fmt: skip
+            if value < least:
+                raise ValueError(f"strategy.local_sgd.{key}={value} must be >= {least}")
+        if delay > sync_every:
+            raise ValueError(
+                f"strategy.local_sgd.delay={delay} is above sync_every={sync_every}: a synchronisation would start "
+                f"before the last one is merged; use a delay of at most sync_every"
+            )
+        if global_dtype not in DTYPES:
+            raise ValueError(
+                f"strategy.local_sgd.global_dtype={global_dtype!r} is unknown; use one of {sorted(DTYPES)}"
+            )
+        self.sync_every, self.warmup_steps, self.delay = sync_every, warmup_steps, delay
+        self.global_dtype, self.adaptive, self.max_sync_every = global_dtype, adaptive, max_sync_every
+        self.plateau_every = plateau_every
+        self.plateau = Plateau(patience=patience, threshold=stability)
+        self.since_sync = 0  # inner steps since the last send (or the warm-up's end)
+        self.window: list[torch.Tensor] = []  # this window's step losses, on their device (read once per window)
+        self.window_loss = 0.0  # the summed losses of the steps a checkpoint restored
+        self.window_steps = 0
+        # A message in flight: (merge step, its delay, the all-reduce's work, [(flat sum, params)]), or
+        # one restored from a checkpoint: sums by parameter name, already received.
+        self.in_flight: tuple[int, int, Any, list[tuple[torch.Tensor, list[str]]]] | None = None
+
+    # ------------------------------------------------------------------------------ the algorithm
+    def observe_loss(self, step: int, loss: torch.Tensor) -> None:
+        """Adds step ``step``'s training loss (every island's token-weighted mean) to the plateau window."""
+        if self.adaptive and step > self.warmup_steps:
+            self.window.append(loss.detach().reshape(()))
 
     def sync(self, optimizer: torch.optim.Optimizer, step: int) -> float:
-        if step <= self.warmup_steps or step % self.sync_every == 0:
-            return average_(list(self.params.values()), self.group)
+        if self.in_flight is not None and self.in_flight[0] == step:
+            self._merge()
+        if step <= self.warmup_steps:
+            return self._send(step, delay=0)
+        self._adapt(step)
+        self.since_sync += 1
+        if self.since_sync >= self.sync_every:
+            self.since_sync = 0
+            return self._send(step, delay=self.delay)
         return 0.0
+
+    def _adapt(self, step: int) -> None:
+        """At a window's end, `adapt` to the window's mean loss."""
+        if not self.adaptive or (step - self.warmup_steps) % self.plateau_every:
+            return
+        losses = torch.stack(self.window).double().sum().item() if self.window else 0.0
+        mean = (losses + self.window_loss) / max(len(self.window) + self.window_steps, 1)
+        self.window, self.window_loss, self.window_steps = [], 0.0, 0
+        self.adapt(mean)
+
+    def adapt(self, window_loss: float) -> None:
+        """One window's plateau test (``window_loss``: its mean training loss) and the change of B
+        and S it calls for (heat's ``epoch_loss_logic``): on a plateau B halves and S drops by one
+        (at least 1), and at B = 1 they reset to ``max_sync_every`` and ``max_sync_every // 4``.
+        A blocking run (S = 0) stays blocking."""
+        if not self.plateau.stalled(window_loss):
+            return
+        if self.sync_every > 1:
+            self.sync_every //= 2
+            self.delay = max(self.delay - 1, 1) if self.delay else 0
+        else:
+            self.sync_every = self.max_sync_every
+            self.delay = max(self.max_sync_every // 4, 1) if self.delay else 0
+        self.since_sync = min(self.since_sync, self.sync_every - 1)
+
+    @torch.no_grad()
+    def _send(self, step: int, *, delay: int) -> float:
+        """Sums the islands' parameters in ``global_dtype``: merged now (``delay`` 0) or at ``step + delay``."""
+        names = list(self.params)
+        shards = [local(self.params[n]) for n in names]
+        dtype = DTYPES[self.global_dtype]
+        groups: list[tuple[torch.Tensor, list[str]]] = []
+        for source in dict.fromkeys(s.dtype for s in shards):
+            same = [n for n, s in zip(names, shards) if s.dtype == source]
+            flat = torch.cat([local(self.params[n]).reshape(-1) for n in same]).to(dtype)
+            groups.append((flat.to(collective_device(self.group, flat.device)), same))
+        works = [
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=delay > 0) for flat, _ in groups
+        ]
+        self.in_flight = (step + delay, delay, works, groups)
+        if delay == 0:
+            self._merge()
+        return sum(allreduce_bytes_sent(flat.numel() * flat.element_size(), self.num_islands) for flat, _ in groups)
+
+    @torch.no_grad()
+    def _merge(self) -> None:
+        """``x <- (2S x + sum) / (P + 2S)`` for the message in flight (S its delay; 0: the mean)."""
+        _, delay, works, groups = self.in_flight
+        for work in works or ():
+            if work is not None:
+                work.wait()
+        weight = 2.0 * delay
+        for flat, names in groups:
+            for name, total in zip(names, torch.split(flat, [local(self.params[n]).numel() for n in names])):
+                shard = local(self.params[name])
+                merged = (weight * shard.double() + total.view_as(shard).to(shard.device).double()) / (
+                    self.num_islands + weight
+                )
+                shard.copy_(merged)
+        self.in_flight = None
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def state_dict(self, saved: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Counters, B and S, the plateau test, the window's losses and a message in flight (waited
+        for, its sum by parameter name, sharded like the parameter)."""
+        state = super().state_dict()
+        losses = torch.stack(self.window).double().sum().item() if self.window else 0.0
+        state.update(
+            sync_every=self.sync_every, delay=self.delay, since_sync=self.since_sync,
+            seen=int(math.isfinite(self.plateau.best)), bad=self.plateau.bad,
+            best=self.plateau.best if math.isfinite(self.plateau.best) else 0.0,  # a checkpoint holds no inf
+            window_loss=losses + self.window_loss, window_steps=len(self.window) + self.window_steps,
+        )  # fmt: skip
+        pending: dict[str, torch.Tensor] = {}
+        if saved is not None:  # a fresh run loading: allocate the sums the checkpoint holds
+            dtype = DTYPES[self.global_dtype]
+            for entry in saved:
+                if entry.startswith("pending."):
+                    name = entry[len("pending.") :]
+                    pending[name] = torch.zeros_like(self.params[name], dtype=dtype)
+            state["pending_step"] = state["pending_delay"] = 0
+        elif self.in_flight is not None:
+            merge_step, delay, works, groups = self.in_flight
+            for work in works or ():
+                if work is not None:
+                    work.wait()
+            self.in_flight = (merge_step, delay, None, groups)
+            for flat, names in groups:
+                for name, total in zip(names, torch.split(flat, [local(self.params[n]).numel() for n in names])):
+                    pending[name] = torch.zeros_like(self.params[name], dtype=flat.dtype)
+                    local(pending[name]).copy_(total.view_as(local(pending[name])))
+            state["pending_step"], state["pending_delay"] = merge_step, delay
+        else:
+            state["pending_step"] = state["pending_delay"] = 0
+        state["pending"] = pending
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.sync_every, self.delay, self.since_sync = (
+            int(state["sync_every"]),
+            int(state["delay"]),
+            int(state["since_sync"]),
+        )
+        self.plateau.best = float(state["best"]) if int(state["seen"]) else float("inf")
+        self.plateau.bad = int(state["bad"])
+        self.window, self.window_loss, self.window_steps = [], float(state["window_loss"]), int(state["window_steps"])
+        self.in_flight = None
+        if int(state["pending_step"]):
+            names = list(state["pending"])
+            flat = torch.cat([local(state["pending"][n]).reshape(-1) for n in names])
+            self.in_flight = (int(state["pending_step"]), int(state["pending_delay"]), None, [(flat, names)])

@@ -15,6 +15,10 @@
 3. Resume (case C11 at the trainer level): DiLoCo (H = 4, AdamW inner, Nesterov outer) checkpointed
    every 2 steps; resuming at step 2 (mid-round), 4 (sync boundary) and 6 (mid-round, with outer
    momentum and islands that differ) reproduces the uninterrupted losses and parameters exactly.
+4. DASO (strategy=hierarchical with delay, global_dtype, adaptive): B = 2, S = 1 after a blocking
+   warm-up step, fp32 and bf16 messages, equals a simulation written here (sums merged one step
+   late as (2S x + sum) / (P + 2S)); its plateau test changes B at the steps it should, and a
+   resume from a checkpoint written with a message in flight is bitwise exact.
 """
 
 from __future__ import annotations
@@ -214,10 +218,57 @@ class DiLoCoSim:
             p1.copy_(anchor)
 
 
+class DASOSim:
+    """DASO (Coquelin et al. 2022) for two islands: sums every ``sync_every`` steps after a blocking
+    warm-up, in ``dtype``, merged ``delay`` steps later as (2S x + sum) / (2 + 2S)."""
+
+    def __init__(self, *, sync_every: int, delay: int, warmup: int, dtype: torch.dtype) -> None:
+        self.sync_every, self.delay, self.warmup, self.dtype = sync_every, delay, warmup, dtype
+
+    def start(self, models) -> None:
+        self.pending, self.since = None, 0
+
+    @torch.no_grad()
+    def after(self, step, models, optimizers) -> None:
+        pairs = list(zip(*(m.parameters() for m in models)))
+        if self.pending is not None and self.pending[0] == step:
+            self._merge(pairs)
+        if step > self.warmup:
+            self.since += 1
+            if self.since < self.sync_every:
+                return
+            self.since = 0
+        delay = 0 if step <= self.warmup else self.delay
+        self.pending = (step + delay, delay, [p0.to(self.dtype) + p1.to(self.dtype) for p0, p1 in pairs])
+        if delay == 0:
+            self._merge(pairs)
+
+    def _merge(self, pairs) -> None:
+        _, delay, sums = self.pending
+        for pair, total in zip(pairs, sums):
+            for p in pair:
+                p.copy_((2 * delay * p.double() + total.double()) / (2 + 2 * delay))
+        self.pending = None
+
+
+DASO_B2_S1 = [
+    "strategy=hierarchical",
+    "strategy.dp_shard=1",
+    "strategy.local_sgd.sync_every=2",
+    "strategy.local_sgd.delay=1",
+    "strategy.local_sgd.warmup_steps=1",
+]
 DESLOC_236 = ["strategy=desloc", *(f"strategy.local_sgd.{k}" for k in ("param_every=2", "exp_avg_every=3", "exp_avg_sq_every=6"))]
 SIMULATED = {  # id -> (overrides, simulated algorithm, parameter tolerance)
     "desloc_2_3_6": (DESLOC_236, lambda: DESLOCSim(param=2, exp_avg=3, exp_avg_sq=6), TOL_ADAM),
     "diloco_h3": (["strategy=diloco", "strategy.local_sgd.sync_every=3"], lambda: DiLoCoSim(sync_every=3), TOL_ADAM),
+    # DASO: a blocking warm-up step, then sums every 2 steps merged 1 step late (fp32 and bf16 messages).
+    "daso_b2_s1": (DASO_B2_S1, lambda: DASOSim(sync_every=2, delay=1, warmup=1, dtype=torch.float32), TOL_ADAM),
+    "daso_b2_s1_bf16": (
+        [*DASO_B2_S1, "strategy.local_sgd.global_dtype=bf16"],
+        lambda: DASOSim(sync_every=2, delay=1, warmup=1, dtype=torch.bfloat16),
+        TOL_ADAM,
+    ),
     # FSDP islands sum their gradients over 2 shard ranks (other rounding than one 4-row forward,
     # which Adam magnifies to ~2e-5 in a few elements): SGD + momentum inner keeps 1e-6.
     "diloco_h3_fsdp_islands_sgd": (
@@ -269,5 +320,38 @@ def test_resume_is_exact(step: int, short_documents, uninterrupted, tmp_path: Pa
     assert resumed["steps"] == reference["steps"] == list(range(1, 9))
     assert resumed["loss"] == reference["loss"]  # steps after the checkpoint trained again, bitwise equal
     assert resumed["bytes"][step:] == reference["bytes"][step:]
+    for name, value in reference["params"].items():
+        assert torch.equal(resumed["params"][name], value), name
+
+
+# DASO with bf16 messages merged 1 step late and a plateau test every 2 steps that fires at each window
+# after the first (a 50% improvement needed): B goes 3 -> 1 (step 5) -> reset to 4 (step 7), so the sends
+# (non-zero bytes) fall on steps 1 (warm-up), 4, 5 and 6; the checkpoints at steps 4 and 6 hold a message in flight.
+DASO_RESUME = [
+    *DASO_B2_S1, "strategy.local_sgd.sync_every=3", "strategy.local_sgd.global_dtype=bf16", "strategy.local_sgd.adaptive=true",
+    "strategy.local_sgd.plateau_every=2", "strategy.local_sgd.patience=1", "strategy.local_sgd.stability=0.5",
+    "strategy.local_sgd.max_sync_every=4", "trainer.max_steps=8", "callbacks.checkpoint.every_n_steps=2",
+    "callbacks.checkpoint.keep_last=0",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def daso_uninterrupted(short_documents, tmp_path_factory) -> tuple[Path, dict[str, Any]]:
+    run_dir = tmp_path_factory.mktemp("daso_uninterrupted")
+    return run_dir / "checkpoints", _run([*short_documents, *DASO_RESUME], run_dir)
+
+
+def test_daso_plateaus_change_the_period(daso_uninterrupted) -> None:
+    _, run = daso_uninterrupted
+    assert [step for step, sent in zip(run["steps"], run["bytes"]) if sent] == [1, 4, 5, 6]
+    params = sum(p.numel() for p in run["params"].values())
+    assert set(run["bytes"]) - {0.0} == {2.0 * params}  # bf16 messages: 2 bytes a parameter, 2 (n-1)/n = 1 at 2 islands
+
+
+@pytest.mark.parametrize("step", [4, 6], ids=["in_flight_at_period_3", "in_flight_at_period_1"])
+def test_daso_resume_is_exact(step: int, short_documents, daso_uninterrupted, tmp_path: Path) -> None:
+    checkpoints, reference = daso_uninterrupted
+    resumed = _run([*short_documents, *DASO_RESUME], tmp_path, ckpt_path=str(checkpoints / f"step_{step:07d}"))
+    assert resumed["loss"] == reference["loss"] and resumed["bytes"][step:] == reference["bytes"][step:]
     for name, value in reference["params"].items():
         assert torch.equal(resumed["params"][name], value), name

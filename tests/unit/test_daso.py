@@ -1,0 +1,47 @@
+"""DASO's plateau-driven period and delay (strategies.local_sgd.hierarchical), and its settings' checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from strategies.local_sgd.hierarchical import Hierarchical, Plateau
+
+
+def test_a_plateau_is_patience_windows_without_a_relative_improvement() -> None:
+    plateau = Plateau(patience=2, threshold=0.05)
+    assert [plateau.stalled(x) for x in (4.0, 3.0, 2.9, 2.95, 2.0, 1.99, 1.98, 1.97)] == [
+        False, False, False, True, False, False, True, False,
+    ]  # fmt: skip
+
+
+def test_plateaus_halve_the_period_then_reset_it_as_heat_does() -> None:
+    daso = Hierarchical(sync_every=4, delay=1, adaptive=True, max_sync_every=8, patience=2, stability=0.05)
+    trajectory = []
+    for loss in (3.0, 2.0, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.0):
+        daso.adapt(loss)
+        trajectory.append((daso.sync_every, daso.delay))
+    assert trajectory == [
+        (4, 1), (4, 1), (4, 1), (4, 1),  # improving, then the first flat window
+        (2, 1), (2, 1), (1, 1), (1, 1),  # a plateau every second flat window: B halves, S stays >= 1
+        (8, 2), (8, 2), (8, 2),  # at B = 1: reset to max_sync_every and max_sync_every // 4
+    ]  # fmt: skip
+
+
+def test_a_blocking_run_stays_blocking() -> None:
+    daso = Hierarchical(sync_every=2, delay=0, adaptive=True, max_sync_every=8, patience=1)
+    for loss in (1.0, 1.0, 1.0, 1.0):
+        daso.adapt(loss)
+    assert daso.delay == 0
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"sync_every": 2, "delay": 3}, "delay=3 is above sync_every=2"),
+        ({"global_dtype": "fp16"}, "global_dtype='fp16' is unknown"),
+        ({"plateau_every": 0}, "plateau_every=0 must be >= 1"),
+    ],
+)
+def test_bad_settings_name_the_key(settings: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Hierarchical(**settings)
