@@ -2,17 +2,18 @@
 
 One process trains a stack of Linear layers with AdamW (``--layers`` x [dim, 4 dim] + [4 dim, dim];
 the default: 25M parameters, 302 MB of model and optimizer state) for ``--steps`` steps and saves a
-checkpoint every ``--every`` steps through `strategies.checkpoint.dcp.save`, as
-`trainer.callbacks.checkpoint.PeriodicCheckpoint` does: synchronously, or with an `AsyncWriter`
-(each step asks whether the write is done and, once it is, seals the checkpoint; a save finishes the
-one in flight first; the loop's end finishes the last). Blocked time is what the training loop
-spends inside those calls: the whole write for a synchronous save; the staging copy plus the seal
-(manifest, rename) for an asynchronous one. Each checkpoint is verified afterwards.
+checkpoint every ``--every`` steps but the last (each save has steps after it to overlap) through
+`strategies.checkpoint.dcp.save`, as `trainer.callbacks.checkpoint.PeriodicCheckpoint` does:
+synchronously, or with an `AsyncWriter` (each step asks whether the write is done and, once it is,
+seals the checkpoint; a save finishes the one in flight first). Blocked time is what the training
+loop spends inside those calls: the whole write for a synchronous save; the checks, the staging copy
+and the seal (manifest, rename) for an asynchronous one. The wait for the last write at the end of
+the loop is printed apart. Each checkpoint is verified afterwards.
 
 Also printed: the mean step time while a background write runs and while none does (the write
 competes with training for the cores), and each arm's wall time.
 
-    python bench/async_ckpt.py                 # ~1 minute on 2 cores
+    python bench/async_ckpt.py                 # ~2 minutes on 2 cores
     python bench/async_ckpt.py --layers 4      # a smaller state
 
 The last line is ``RESULT blocked_ratio=<async blocked per save / sync blocked per save> ...``.
@@ -73,18 +74,18 @@ def run_arm(background: bool, args: argparse.Namespace, root: Path) -> dict[str,
             t1 = time.perf_counter()
             writer.finish()
             blocked[-1] += time.perf_counter() - t1
-        if step % args.every == 0:
+        if step % args.every == 0 and step < args.steps:  # periodic saves; each has steps after it to overlap
             t1 = time.perf_counter()
             if writer is not None and writer.pending:  # the save would wait for it: counted against this save
                 writer.finish()
             path = root / f"step_{step:07d}"
             ckpt.save(path, model=model, optimizers=[optimizer], meta={"global_step": step}, writer=writer)
             blocked.append(time.perf_counter() - t1)
+    t1 = time.perf_counter()
     if writer is not None:
-        t1 = time.perf_counter()
-        writer.finish()  # the end of training
-        blocked[-1] += time.perf_counter() - t1
+        writer.finish()  # the end of training: no step is left to overlap (reported, not counted per save)
         writer.close()
+    end_wait = time.perf_counter() - t1
     wall = time.perf_counter() - start
     for path in sorted(root.glob("step_*")):
         assert ckpt.verify_checkpoint(path) is None, path
@@ -94,6 +95,7 @@ def run_arm(background: bool, args: argparse.Namespace, root: Path) -> dict[str,
         "step_overlapped": statistics.mean(overlapped) if overlapped else float("nan"),
         "step_quiet": statistics.median(quiet),
         "wall": wall,
+        "end_wait": end_wait,
         "state_mb": _state_bytes(model, optimizer) / 1e6,
         "disk_mb": sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) / 1e6 / len(blocked),
     }
@@ -104,7 +106,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--rows", type=int, default=8, help="rows per training step")
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--every", type=int, default=10, help="steps between saves")
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary directory)")
     args = parser.parse_args()
@@ -119,7 +121,8 @@ def main() -> None:
         print(
             f"{name:>5}: blocked {r['blocked']:.3f} s per save ({r['state_mb']:.0f} MB of state, "
             f"{r['disk_mb']:.0f} MB on disk); step {r['step_quiet'] * 1e3:.0f} ms without a write in flight, "
-            f"{r['step_overlapped'] * 1e3:.0f} ms with one; {r['wall']:.1f} s for {args.steps} steps; "
+            f"{r['step_overlapped'] * 1e3:.0f} ms with one; {r['wall']:.1f} s for {args.steps} steps "
+            f"({r['end_wait']:.2f} s of it waiting for the last write at the end); "
             f"each save: {', '.join(f'{b:.3f}' for b in r['each'])} s",
             flush=True,
         )
