@@ -51,7 +51,7 @@ def newton_schulz(
     Args:
         g: ``[A, B]`` matrix.
         steps: iterations.
-        dtype: the iteration's dtype (bf16 in the reference; fp32 on CPU is both exact and faster).
+        dtype: the iteration's dtype (bf16 in the reference; fp32 rounds less).
         eps: floor of the norm (an all-zero ``g`` returns zeros).
 
     Returns:
