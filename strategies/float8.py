@@ -44,14 +44,17 @@ MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (SM 8.9), Hopper (SM 9.0) an
 
 def _torchao_float8() -> Any:
     """``torchao.float8``, imported when a run converts a model (its import is slow and logs the
-    CUDA kernels a CPU build lacks, which float8 training does not use)."""
-    quiet = logging.getLogger("torchao")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
+    CUDA kernels a CPU build lacks, which float8 training does not use, and a deprecation of torch's
+    pytree that is torchao's to fix: warnings a user can do nothing about, on every rank)."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
         import torchao.float8  # lazily: 1.5 s of import, and only a float8 run needs it
     finally:
-        quiet.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
     return torchao.float8
 
 
@@ -163,7 +166,8 @@ class Float8(StrategyPlugin):
 
     def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
         """What the device or the layout cannot run: float8 kernels below SM 8.9 (or none, on CPU)
-        without emulation, rowwise with the float8 all-gather, TP, compile of the emulation, LoRA."""
+        without emulation, rowwise with the float8 all-gather, TP, LoRA. (Compile takes the
+        emulation too: a compiled emulated Linear equals the eager one bitwise on CPU.)"""
         if self.recipe is None:
             return []
         out = []
@@ -191,11 +195,6 @@ class Float8(StrategyPlugin):
                 f"strategy.float8 does not compose with tensor parallelism yet (strategy.tp={run.dims.tp}: the model's "
                 "plan holds plain TP styles, not torchao's float8 ones, and no equivalence test covers it); use "
                 "strategy.tp=1 (FSDP: strategy=fsdp) or strategy.float8.recipe=null"
-            )
-        if run.compile and (self.emulate or self.emulate is None and not cuda):
-            out.append(
-                "strategy.float8 emulated (no float8 GPU) does not compile (torchao's emulation runs eagerly); "
-                "use strategy.compile.enabled=false or a GPU of SM 8.9+"
             )
         if run.adapters:
             out.append(

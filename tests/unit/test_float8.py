@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from strategies.float8 import Float8, apply_float8
+from strategies.mesh import build_strategy
+from strategies.planner.layout import workload_of
 from trainer.compose import compose
 from trainer.config import ConfigError, validate
 
@@ -138,9 +140,6 @@ def test_validate_refuses_what_float8_cannot_run_naming_the_fix(monkeypatch: pyt
     assert "use strategy.float8.recipe=tensorwise or strategy.float8.fsdp_float8_all_gather=null" in message
     assert "strategy.float8.emulate=false needs a CUDA GPU" in message
     assert "does not compose with tensor parallelism yet (strategy.tp=2" in message and "use strategy.tp=1" in message
-    assert "emulated (no float8 GPU) does not compile" in refusals(
-        "strategy.float8.recipe=tensorwise", "strategy.compile.enabled=true"
-    )
     assert "strategy.float8.recipe='bf8' must be one of tensorwise, rowwise or null" in refusals(
         "strategy.float8.recipe=bf8"
     )
@@ -153,3 +152,13 @@ def test_validate_refuses_what_float8_cannot_run_naming_the_fix(monkeypatch: pyt
     assert "SM 8.9+" in problem and "this GPU is SM 8.0" in problem and "strategy.float8.recipe=null" in problem
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))
     assert plugin.problems(run, None) == []
+
+
+def test_the_planner_times_the_float8_setting_and_keeps_the_what_if() -> None:
+    def workload_float8(recipe: str, what_if: bool) -> bool:
+        cfg = compose("pretrain", [f"strategy.float8.recipe={recipe}"])
+        run = validate(cfg)
+        return workload_of(run, build_strategy(cfg.strategy, run=run), float8=what_if).float8
+
+    assert workload_float8("tensorwise", what_if=False)
+    assert not workload_float8("null", what_if=False) and workload_float8("null", what_if=True)
