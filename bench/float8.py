@@ -12,6 +12,7 @@ Invocations::
 
     OMP_NUM_THREADS=2 python bench/float8.py                   # 200 steps each (the figure)
     python bench/float8.py --steps 50 --recipe rowwise         # a quick check of the other recipe
+    python bench/float8.py --arms float8                       # one arm (no RESULT line): runs side by side
 
 The last line is ``RESULT float8_over_bf16_val_loss=<float8 / bf16 final validation loss>
 float8_val_loss=<x> bf16_val_loss=<y> float8_wall_s=<a> bf16_wall_s=<b>``.
@@ -64,13 +65,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--recipe", default="tensorwise", choices=["tensorwise", "rowwise"])
+    parser.add_argument("--arms", nargs="+", default=["bf16", "float8"], choices=["bf16", "float8"])
     args = parser.parse_args()
     build_data(compose("pretrain", [])).prepare()  # tokenizer and rows cached: neither arm's wall time holds them
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for arm, overrides in [("bf16", []), ("float8", [f"strategy.float8.recipe={args.recipe}"])]:
-            results[arm] = train(overrides, Path(tmp) / arm, args.steps)
-            print(f"{arm}: {results[arm]}", flush=True)
+            if arm in args.arms:
+                results[arm] = train(overrides, Path(tmp) / arm, args.steps)
+                print(f"{arm}: {results[arm]}", flush=True)
+    if len(results) < 2:
+        return  # one arm (--arms): its line above
     f8, bf16 = results["float8"], results["bf16"]
     print(
         f"{args.steps} steps, recipe {args.recipe}: val loss float8 {f8['val_loss']:.4f} vs bf16 {bf16['val_loss']:.4f}; "
