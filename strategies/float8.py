@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -148,7 +148,7 @@ class Float8(StrategyPlugin):
     """
 
     recipe: Recipe | None = None
-    keep_high_precision: list[str] = field(default_factory=lambda: list(KEEP_HIGH_PRECISION))
+    keep_high_precision: Sequence[str] = KEEP_HIGH_PRECISION
     fsdp_float8_all_gather: bool | None = None
     emulate: bool | None = None
     accelerator: str = "auto"

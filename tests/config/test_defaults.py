@@ -38,7 +38,7 @@ def _disagreements(node: dict, defaults: dict, where: str) -> list[str]:
         for key, value in node.items()
         if key in defaults
         and not isinstance(value, dict)
-        and value != defaults[key]
+        and value != (list(defaults[key]) if isinstance(defaults[key], tuple) else defaults[key])  # YAML lists
         and not (isinstance(value, str) and value.startswith("${"))  # follows another key (an alias)
     ]
 
