@@ -19,7 +19,9 @@ inside one, FSDP over dp_shard reduces gradients every step. Across them:
   ``stability`` over the best for ``patience`` windows). On a plateau B halves and S drops by one
   (at least 1); at B = 1 a plateau resets B to ``max_sync_every`` and S to ``max_sync_every // 4``
   (heat's ``epoch_loss_logic``: the loss stalls, so the islands synchronise more often, until the
-  cycle starts again). The warm-up keeps B = 1, S = 0.
+  cycle starts again). The warm-up keeps B = 1, S = 0;
+- **synchronous warm-up and cool-down**: the first ``warmup_steps`` and the last ``cooldown_steps``
+  (of ``total_steps``) synchronise after every step, blocking, so the run ends on one model.
 
 A message in flight when a checkpoint is written is waited for and its sum saved, so a resumed run
 merges it at the same step as an uninterrupted one. Bytes: a message of ``n`` elements counts
@@ -76,6 +78,9 @@ class Hierarchical(LocalSGD):
     Args:
         sync_every: B, inner steps between global synchronisations (counted from the last one).
         warmup_steps: the first steps synchronise after every step, blocking (DASO's warm-up).
+        cooldown_steps: the last steps (of ``total_steps``) do too (DASO's cool-down).
+        total_steps: optimizer steps of the run (the presets pass ``trainer.max_steps``); needed
+            by ``cooldown_steps`` only.
         delay: S, steps between a synchronisation's send and its merge; 0: blocking.
         global_dtype: dtype of the global messages, "fp32" or "bf16" (the paper's downcast).
         adaptive: change B and S at loss plateaus (see the module docstring).
@@ -94,6 +99,8 @@ class Hierarchical(LocalSGD):
         *,
         sync_every: int = 8,
         warmup_steps: int = 0,
+        cooldown_steps: int = 0,
+        total_steps: int | None = None,
         delay: int = 0,
         global_dtype: Literal["fp32", "bf16"] = "fp32",
         adaptive: bool = False,
@@ -105,6 +112,7 @@ class Hierarchical(LocalSGD):
         super().__init__()
         for key, value, least in (
             ("sync_every", sync_every, 1), ("warmup_steps", warmup_steps, 0), ("delay", delay, 0),
+            ("cooldown_steps", cooldown_steps, 0),
             ("max_sync_every", max_sync_every, 1), ("plateau_every", plateau_every, 1), ("patience", patience, 1),
         ):  # fmt: skip
             if value < least:
@@ -114,11 +122,18 @@ class Hierarchical(LocalSGD):
                 f"strategy.local_sgd.delay={delay} is above sync_every={sync_every}: a synchronisation would start "
                 f"before the last one is merged; use a delay of at most sync_every"
             )
+        if cooldown_steps and total_steps is None:
+            raise ValueError(
+                f"strategy.local_sgd.cooldown_steps={cooldown_steps} needs strategy.local_sgd.total_steps "
+                f"(e.g. strategy.local_sgd.total_steps=${{trainer.max_steps}})"
+            )
         if global_dtype not in DTYPES:
             raise ValueError(
                 f"strategy.local_sgd.global_dtype={global_dtype!r} is unknown; use one of {sorted(DTYPES)}"
             )
         self.sync_every, self.warmup_steps, self.delay = sync_every, warmup_steps, delay
+        # The first step of the cool-down (never reached without one).
+        self.cooldown_from = total_steps - cooldown_steps + 1 if cooldown_steps else float("inf")
         self.global_dtype, self.adaptive, self.max_sync_every = global_dtype, adaptive, max_sync_every
         self.plateau_every = plateau_every
         self.plateau = Plateau(patience=patience, threshold=stability)
@@ -139,7 +154,7 @@ class Hierarchical(LocalSGD):
     def sync(self, optimizer: torch.optim.Optimizer, step: int) -> float:
         if self.in_flight is not None and self.in_flight[0] == step:
             self._merge()
-        if step <= self.warmup_steps:
+        if step <= self.warmup_steps or step >= self.cooldown_from:
             return self._send(step, delay=0)
         self._adapt(step)
         self.since_sync += 1
@@ -174,7 +189,10 @@ class Hierarchical(LocalSGD):
 
     @torch.no_grad()
     def _send(self, step: int, *, delay: int) -> float:
-        """Sums the islands' parameters in ``global_dtype``: merged now (``delay`` 0) or at ``step + delay``."""
+        """Sums the islands' parameters in ``global_dtype``: merged now (``delay`` 0) or at ``step + delay``
+        (a message still in flight is merged first: the cool-down may start before it is due)."""
+        if self.in_flight is not None:
+            self._merge()
         names = list(self.params)
         shards = [local(self.params[n]) for n in names]
         dtype = DTYPES[self.global_dtype]

@@ -222,8 +222,9 @@ class DASOSim:
     """DASO (Coquelin et al. 2022) for two islands: sums every ``sync_every`` steps after a blocking
     warm-up, in ``dtype``, merged ``delay`` steps later as (2S x + sum) / (2 + 2S)."""
 
-    def __init__(self, *, sync_every: int, delay: int, warmup: int, dtype: torch.dtype) -> None:
+    def __init__(self, *, sync_every: int, delay: int, warmup: int, dtype: torch.dtype, cooldown_from: int = 99) -> None:
         self.sync_every, self.delay, self.warmup, self.dtype = sync_every, delay, warmup, dtype
+        self.cooldown_from = cooldown_from
 
     def start(self, models) -> None:
         self.pending, self.since = None, 0
@@ -233,12 +234,15 @@ class DASOSim:
         pairs = list(zip(*(m.parameters() for m in models)))
         if self.pending is not None and self.pending[0] == step:
             self._merge(pairs)
-        if step > self.warmup:
+        blocking = step <= self.warmup or step >= self.cooldown_from
+        if not blocking:
             self.since += 1
             if self.since < self.sync_every:
                 return
             self.since = 0
-        delay = 0 if step <= self.warmup else self.delay
+        delay = 0 if blocking else self.delay
+        if self.pending is not None:  # the cool-down began before it was due
+            self._merge(pairs)
         self.pending = (step + delay, delay, [p0.to(self.dtype) + p1.to(self.dtype) for p0, p1 in pairs])
         if delay == 0:
             self._merge(pairs)
@@ -267,6 +271,12 @@ SIMULATED = {  # id -> (overrides, simulated algorithm, parameter tolerance)
     "daso_b2_s1_bf16": (
         [*DASO_B2_S1, "strategy.local_sgd.global_dtype=bf16"],
         lambda: DASOSim(sync_every=2, delay=1, warmup=1, dtype=torch.bfloat16),
+        TOL_ADAM,
+    ),
+    # S = 2 and a cool-down from step 4: the sum sent at step 3 (due 5) is merged early, then every step blocks.
+    "daso_b2_s2_cooldown3": (
+        [*DASO_B2_S1, "strategy.local_sgd.delay=2", "strategy.local_sgd.cooldown_steps=3", "strategy.local_sgd.total_steps=6"],
+        lambda: DASOSim(sync_every=2, delay=2, warmup=1, dtype=torch.float32, cooldown_from=4),
         TOL_ADAM,
     ),
     # FSDP islands sum their gradients over 2 shard ranks (other rounding than one 4-row forward,
