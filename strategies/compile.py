@@ -27,9 +27,15 @@ if TYPE_CHECKING:
 # What the model scope cannot compile as one graph yet, and why (the block scope runs there).
 _MODEL_SCOPE_REFUSED = {
     "pp": "the pipeline schedule runs each stage's module, not the model's forward",
-    "tp": "per-block graphs are the tested path for tensor-parallel DTensors",
     "cp": "context-parallel attention swaps the attention inside each block per step",
 }
+# Compiled tensor-parallel blocks fail their first backward with torch 2.13 on CPU (aot_eager and
+# inductor, with and without sequence and loss parallel): a DTensor redistribute's backward gets a
+# plain tensor from the compiled graph ("'Tensor' object has no attribute '_local_tensor'").
+_TP_REFUSED = (
+    "strategy.compile.enabled=true does not train with tp={tp}: the first backward of compiled tensor-parallel "
+    "blocks fails in torch's DTensor redistribute; use strategy.compile.enabled=false with tensor parallelism"
+)
 
 
 def apply_compile(
@@ -65,7 +71,7 @@ class Compile(StrategyPlugin):
         backend: ``torch.compile`` backend.
         fullgraph: fail on graph breaks.
         scope: "block" (each transformer block) or "model" (the whole forward, one process,
-            DDP and FSDP layouts).
+            DDP and FSDP layouts). Neither runs with tensor parallelism yet (refused at validate).
     """
 
     enabled: bool = False
@@ -74,11 +80,12 @@ class Compile(StrategyPlugin):
     scope: Literal["block", "model"] = "block"
 
     def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
-        """A ``backend`` torch does not know, and ``scope=model`` on a layout it cannot compile as one
-        graph (pipeline, tensor or context parallel), when enabled (else it would fail at the first step)."""
+        """A ``backend`` torch does not know, tensor parallelism, and ``scope=model`` on a layout it cannot
+        compile as one graph (pipeline or context parallel), when enabled (else it would fail at the first step)."""
         if not self.enabled:
             return []
-        refused = [
+        refused = [_TP_REFUSED.format(tp=run.dims.tp)] if run.dims.tp > 1 else []
+        refused += [
             f"strategy.compile.scope=model does not run with {axis}={getattr(run.dims, axis)} ({why}); "
             "use strategy.compile.scope=block"
             for axis, why in _MODEL_SCOPE_REFUSED.items()

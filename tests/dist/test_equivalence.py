@@ -14,7 +14,8 @@ Each plait run (`Task` + `MeshStrategy` in forked gloo ranks) is compared with o
 micro-batch 8 and with the reference: losses and gradients at each step, parameters after the 5
 steps. Tolerances (``TOL``): rtol 1e-6 and atol 1e-6 for every layout, FSDP (also with CPU offload), HSDP, TP (with and
 without sequence and loss parallel), FSDP x TP and PP x TP included (each pipeline schedule is
-tested in test_pipeline.py); whole-model compile under FSDP2 traced by aot_eager. The layouts compiled
+tested in test_pipeline.py); whole-model compile under FSDP2 traced by aot_eager (compile with tensor parallelism is refused
+at validate: its first backward fails in torch 2.13). The layouts compiled
 by inductor (``COMPILED``, slow: a C++ build per graph) are compared with ``COMPILED_TOL``: inductor
 fuses elementwise chains and reorders reductions, so a compiled step rounds differently.
 Reported gradient norms agree to 1e-4 relative only: torch's fp32 ``vector_norm`` of a large CPU
@@ -183,7 +184,6 @@ COMPILED = {
         *_INDUCTOR,
         "strategy.compile.scope=model",
     ],
-    "tp2_sp_lp_block": ["strategy=tp", "trainer.devices=2", *_INDUCTOR],
 }
 
 
