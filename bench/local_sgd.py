@@ -15,7 +15,10 @@ step; the probes in docs/benchmarks.md show the gap to DDP shrinking with the pe
 - ``diloco10``, ``diloco50``, ``diloco100``: DiLoCo, H = 10, 50, 100, outer Nesterov SGD lr 0.7
   (the paper's) with momentum 0.5 (``OUTER``; the paper's 0.9 is worse here, see ``OUTER``);
 - ``desloc``: DES-LOC with K_x / K_u / K_v = 16 / 48 / 96;
-- ``local_adam``: Local Adam, parameters and both moments every 16 steps.
+- ``local_adam``: Local Adam, parameters and both moments every 16 steps;
+- ``daso``: DASO (Coquelin et al. 2022) with B = 4, S = 1 and bf16 messages, no warm-up and a fixed
+  period (the `daso` preset's plateau rule off): one eighth of DDP's bytes. Its last sum is sent at
+  the last step and never merged, so its final loss is the islands' token-weighted mean.
 
 Bytes are bytes each rank sends to the other replicas over the whole run, counted as a ring
 all-reduce (2 (n - 1) / n x message bytes, `strategies.local_sgd.allreduce_bytes_sent`): for the
@@ -30,13 +33,15 @@ Invocations::
     OMP_NUM_THREADS=1 python bench/local_sgd.py                      # CPU, nano: ~1 h on 2 contended cores
     python bench/local_sgd.py --warmup-dir /tmp/w2400 --steps 500 --methods ddp diloco50  # probe; warm-up kept
     python bench/local_sgd.py --warmup 0 --steps 400 --global-batch-size 8 --methods ddp diloco10 diloco50
+    python bench/local_sgd.py --warmup 400 --steps 400 --methods ddp daso   # DASO against DDP, ~10 minutes
     python bench/local_sgd.py --methods ddp --extra "nesterov09=strategy=diloco strategy.local_sgd.sync_every=50
         strategy.local_sgd.outer_optimizer.momentum=0.9"              # another setting, next to DDP
 
 ``--warmup-dir DIR`` keeps the warm-up run in DIR and reuses it when DIR already holds one (it does
 not check that the warm-up's flags match this invocation's: that is the caller's to keep).
 The last line is ``RESULT diloco50_bytes_ratio=<x> diloco50_loss_ratio=<y> diloco100_bytes_ratio=
-diloco100_loss_ratio= desloc_bytes_ratio=<z> desloc_loss_ratio=<w>``.
+diloco100_loss_ratio= desloc_bytes_ratio=<z> desloc_loss_ratio=<w>`` (and ``daso_bytes_ratio``,
+``daso_loss_ratio`` when daso runs), for the methods run.
 """
 
 from __future__ import annotations
@@ -69,9 +74,16 @@ METHODS = {
     "diloco100": ["strategy=diloco", "strategy.local_sgd.sync_every=100", *OUTER],
     "desloc": ["strategy=desloc"],  # 16 / 48 / 96
     "local_adam": ["strategy=local_adam"],  # 16
+    # DASO with one rank per group (the bench's replicas): sums every 4 steps in bf16, merged 1 step late.
+    "daso": [
+        "strategy=daso",
+        "strategy.dp_shard=1",
+        "strategy.local_sgd.warmup_steps=0",
+        "strategy.local_sgd.adaptive=false",
+    ],  # fmt: skip
 }
 # Steps between the syncs each method's final loss and bytes depend on (DES-LOC: its slowest state).
-SYNC_PERIOD = {"ddp": 1, "diloco10": 10, "diloco50": 50, "diloco100": 100, "desloc": 96, "local_adam": 16}
+SYNC_PERIOD = {"ddp": 1, "diloco10": 10, "diloco50": 50, "diloco100": 100, "desloc": 96, "local_adam": 16, "daso": 4}
 DEFAULT_METHODS = ["ddp", "diloco50", "diloco100", "desloc", "local_adam"]
 
 
@@ -195,7 +207,7 @@ def main() -> None:
             f"{r['bytes'] / ddp['bytes']:.4f} | {r['wall_s']:.0f} |"
         )
     headline = []
-    for method in ("diloco50", "diloco100", "desloc"):
+    for method in ("diloco50", "diloco100", "desloc", "daso"):
         if method in results:
             r = results[method]
             headline += [
