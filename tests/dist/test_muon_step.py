@@ -1,4 +1,4 @@
-"""Distributed Muon below the trainer (fast; the whole runs are in test_muon.py, marked slow).
+"""Distributed Muon below the trainer (fast; the whole runs are in test_muon_runs.py, marked slow).
 
 On 2 gloo ranks, a tiny Llama laid out by plait's FSDP2 (`strategies.fsdp.apply_fsdp`: Shard(0)
 over dp_shard; HSDP 2 x 2 on 4 ranks) or tensor parallelism (`strategies.tensor.apply_tensor_parallel`: Shard(0) / Shard(1)
