@@ -16,7 +16,7 @@ inside one, FSDP over dp_shard reduces gradients every step. Across them:
 - **plateau-driven B and S** (``adaptive``): every ``plateau_every`` steps the mean training loss
   of that window (the token-weighted loss of all islands: every rank sees the same value, so
   every rank takes the same decision) is tested for a plateau (no relative improvement of
-  ``stability`` over the best for ``patience`` windows). On a plateau B halves and S drops by one
+  ``stability`` over the best for more than ``patience`` windows). On a plateau B halves and S drops by one
   (at least 1); at B = 1 a plateau resets B to ``max_sync_every`` and S to ``max_sync_every // 4``
   (heat's ``epoch_loss_logic``: the loss stalls, so the islands synchronise more often, until the
   cycle starts again). The warm-up keeps B = 1, S = 0;
@@ -44,11 +44,11 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 class Plateau:
-    """The loss-plateau test: no relative improvement of ``threshold`` over the best loss for
-    ``patience`` consecutive windows (heat's ``DetectMetricPlateau`` in "min" mode).
+    """The loss-plateau test: no relative improvement of ``threshold`` over the best loss for more
+    than ``patience`` consecutive windows (heat's ``DetectMetricPlateau`` in "min" mode).
 
     Args:
-        patience: windows without improvement that make a plateau.
+        patience: windows without improvement allowed; one more makes a plateau.
         threshold: relative improvement that counts (0.05: 5% below the best).
     """
 
@@ -62,7 +62,7 @@ class Plateau:
             self.best, self.bad = loss, 0
             return False
         self.bad += 1
-        if self.bad >= self.patience:
+        if self.bad > self.patience:  # heat: num_bad_epochs > patience
             self.bad = 0
             return True
         return False
@@ -86,7 +86,7 @@ class Hierarchical(LocalSGD):
         adaptive: change B and S at loss plateaus (see the module docstring).
         max_sync_every: B after a plateau at B = 1 (S becomes ``max_sync_every // 4``, at least 1).
         plateau_every: steps per window of the plateau test.
-        patience: windows without improvement that make a plateau.
+        patience: windows without improvement allowed; one more makes a plateau.
         stability: relative improvement of the window loss that counts.
 
     Raises:
@@ -113,7 +113,7 @@ class Hierarchical(LocalSGD):
         for key, value, least in (
             ("sync_every", sync_every, 1), ("warmup_steps", warmup_steps, 0), ("delay", delay, 0),
             ("cooldown_steps", cooldown_steps, 0),
-            ("max_sync_every", max_sync_every, 1), ("plateau_every", plateau_every, 1), ("patience", patience, 1),
+            ("max_sync_every", max_sync_every, 1), ("plateau_every", plateau_every, 1), ("patience", patience, 0),
         ):  # fmt: skip
             if value < least:
                 raise ValueError(f"strategy.local_sgd.{key}={value} must be >= {least}")
@@ -138,18 +138,23 @@ class Hierarchical(LocalSGD):
         self.plateau_every = plateau_every
         self.plateau = Plateau(patience=patience, threshold=stability)
         self.since_sync = 0  # inner steps since the last send (or the warm-up's end)
-        self.window: list[torch.Tensor] = []  # this window's step losses, on their device (read once per window)
-        self.window_loss = 0.0  # the summed losses of the steps a checkpoint restored
-        self.window_steps = 0
+        # This window's finite step losses, summed in step order in float64 and counted, on the loss's device
+        # (read to the host once per window; a resumed run continues the same sum, so it is bitwise the same).
+        self.window_sum: torch.Tensor | float = 0.0
+        self.window_steps: torch.Tensor | int = 0
         # A message in flight: (merge step, its delay, the all-reduce's work, [(flat sum, params)]), or
         # one restored from a checkpoint: sums by parameter name, already received.
         self.in_flight: tuple[int, int, Any, list[tuple[torch.Tensor, list[str]]]] | None = None
 
     # ------------------------------------------------------------------------------ the algorithm
     def observe_loss(self, step: int, loss: torch.Tensor) -> None:
-        """Adds step ``step``'s training loss (every island's token-weighted mean) to the plateau window."""
+        """Adds step ``step``'s training loss (every island's token-weighted mean) to the plateau window;
+        a non-finite loss (a step the non-finite guard skipped) is left out."""
         if self.adaptive and step > self.warmup_steps:
-            self.window.append(loss.detach().reshape(()))
+            loss = loss.detach().reshape(()).double()
+            finite = torch.isfinite(loss)
+            self.window_sum = self.window_sum + torch.where(finite, loss, torch.zeros_like(loss))
+            self.window_steps = self.window_steps + finite.long()
 
     def sync(self, optimizer: torch.optim.Optimizer, step: int) -> float:
         if self.in_flight is not None and self.in_flight[0] == step:
@@ -167,10 +172,10 @@ class Hierarchical(LocalSGD):
         """At a window's end, `adapt` to the window's mean loss."""
         if not self.adaptive or (step - self.warmup_steps) % self.plateau_every:
             return
-        losses = torch.stack(self.window).double().sum().item() if self.window else 0.0
-        mean = (losses + self.window_loss) / max(len(self.window) + self.window_steps, 1)
-        self.window, self.window_loss, self.window_steps = [], 0.0, 0
-        self.adapt(mean)
+        total, count = float(self.window_sum), int(self.window_steps)
+        self.window_sum, self.window_steps = 0.0, 0
+        if count:  # a window whose every step was skipped says nothing of the trend
+            self.adapt(total / count)
 
     def adapt(self, window_loss: float) -> None:
         """One window's plateau test (``window_loss``: its mean training loss) and the change of B
@@ -185,6 +190,7 @@ class Hierarchical(LocalSGD):
         else:
             self.sync_every = self.max_sync_every
             self.delay = max(self.max_sync_every // 4, 1) if self.delay else 0
+        self.delay = min(self.delay, self.sync_every)  # a halved B may not wait longer than it sends
         self.since_sync = min(self.since_sync, self.sync_every - 1)
 
     @torch.no_grad()
@@ -231,12 +237,11 @@ class Hierarchical(LocalSGD):
         """Counters, B and S, the plateau test, the window's losses and a message in flight (waited
         for, its sum by parameter name, sharded like the parameter)."""
         state = super().state_dict()
-        losses = torch.stack(self.window).double().sum().item() if self.window else 0.0
         state.update(
             sync_every=self.sync_every, delay=self.delay, since_sync=self.since_sync,
             seen=int(math.isfinite(self.plateau.best)), bad=self.plateau.bad,
             best=self.plateau.best if math.isfinite(self.plateau.best) else 0.0,  # a checkpoint holds no inf
-            window_loss=losses + self.window_loss, window_steps=len(self.window) + self.window_steps,
+            window_sum=float(self.window_sum), window_steps=int(self.window_steps),
         )  # fmt: skip
         pending: dict[str, torch.Tensor] = {}
         if saved is not None:  # a fresh run loading: allocate the sums the checkpoint holds
@@ -271,7 +276,7 @@ class Hierarchical(LocalSGD):
         )
         self.plateau.best = float(state["best"]) if int(state["seen"]) else float("inf")
         self.plateau.bad = int(state["bad"])
-        self.window, self.window_loss, self.window_steps = [], float(state["window_loss"]), int(state["window_steps"])
+        self.window_sum, self.window_steps = float(state["window_sum"]), int(state["window_steps"])
         self.in_flight = None
         if int(state["pending_step"]):
             names = list(state["pending"])

@@ -335,11 +335,11 @@ def test_resume_is_exact(step: int, short_documents, uninterrupted, tmp_path: Pa
 
 
 # DASO with bf16 messages merged 1 step late and a plateau test every 2 steps that fires at each window
-# after the first (a 50% improvement needed): B goes 3 -> 1 (step 5) -> reset to 4 (step 7), so the sends
+# after the first (patience 0, a 50% improvement needed): B goes 3 -> 1 (step 5) -> reset to 4 (step 7), so the sends
 # (non-zero bytes) fall on steps 1 (warm-up), 4, 5 and 6; the checkpoints at steps 4 and 6 hold a message in flight.
 DASO_RESUME = [
     *DASO_B2_S1, "strategy.local_sgd.sync_every=3", "strategy.local_sgd.global_dtype=bf16", "strategy.local_sgd.adaptive=true",
-    "strategy.local_sgd.plateau_every=2", "strategy.local_sgd.patience=1", "strategy.local_sgd.stability=0.5",
+    "strategy.local_sgd.plateau_every=2", "strategy.local_sgd.patience=0", "strategy.local_sgd.stability=0.5",
     "strategy.local_sgd.max_sync_every=4", "trainer.max_steps=8", "callbacks.checkpoint.every_n_steps=2",
     "callbacks.checkpoint.keep_last=0",
 ]  # fmt: skip

@@ -8,23 +8,30 @@ from strategies.local_sgd.hierarchical import Hierarchical, Plateau
 
 
 def test_a_plateau_is_patience_windows_without_a_relative_improvement() -> None:
-    plateau = Plateau(patience=2, threshold=0.05)
-    assert [plateau.stalled(x) for x in (4.0, 3.0, 2.9, 2.95, 2.0, 1.99, 1.98, 1.97)] == [
-        False, False, False, True, False, False, True, False,
+    plateau = Plateau(patience=2, threshold=0.05)  # heat: a plateau once the bad windows exceed patience
+    assert [plateau.stalled(x) for x in (4.0, 3.0, 2.9, 2.95, 2.96, 2.0, 1.99, 1.98, 1.97)] == [
+        False, False, False, False, True, False, False, False, True,
     ]  # fmt: skip
 
 
 def test_plateaus_halve_the_period_then_reset_it_as_heat_does() -> None:
-    daso = Hierarchical(sync_every=4, delay=1, adaptive=True, max_sync_every=8, patience=2, stability=0.05)
+    daso = Hierarchical(sync_every=4, delay=1, adaptive=True, max_sync_every=8, patience=1, stability=0.05)
     trajectory = []
     for loss in (3.0, 2.0, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.5, 1.0):
         daso.adapt(loss)
         trajectory.append((daso.sync_every, daso.delay))
     assert trajectory == [
         (4, 1), (4, 1), (4, 1), (4, 1),  # improving, then the first flat window
-        (2, 1), (2, 1), (1, 1), (1, 1),  # a plateau every second flat window: B halves, S stays >= 1
+        (2, 1), (2, 1), (1, 1), (1, 1),  # patience 1: a plateau every second flat window; B halves, S stays >= 1
         (8, 2), (8, 2), (8, 2),  # at B = 1: reset to max_sync_every and max_sync_every // 4
     ]  # fmt: skip
+
+
+def test_the_delay_never_exceeds_the_halved_period() -> None:
+    daso = Hierarchical(sync_every=8, delay=8, adaptive=True, patience=0)
+    for loss in (1.0, 1.0):  # the second window is a plateau
+        daso.adapt(loss)
+    assert (daso.sync_every, daso.delay) == (4, 4)
 
 
 def test_a_blocking_run_stays_blocking() -> None:
@@ -45,3 +52,16 @@ def test_a_blocking_run_stays_blocking() -> None:
 def test_bad_settings_name_the_key(settings: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         Hierarchical(**settings)
+
+
+def test_a_skipped_non_finite_step_stays_out_of_the_window_and_the_checkpoint() -> None:
+    import torch
+
+    from strategies.checkpoint.finite import non_finite_entry
+
+    daso = Hierarchical(adaptive=True, plateau_every=50)
+    for step, loss in enumerate((3.0, float("nan"), 5.0), start=1):
+        daso.observe_loss(step, torch.tensor(loss))
+    state = daso.state_dict()
+    assert (state["window_sum"], state["window_steps"]) == (8.0, 2)
+    assert non_finite_entry({"local_sgd": state}) is None
