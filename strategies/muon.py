@@ -242,8 +242,11 @@ class Muon(torch.optim.Optimizer):
         update_scale((1, 1), scale)  # raises on an unknown rule
         if ns_dtype not in ("bfloat16", "float32"):
             raise ValueError(f"optim.ns_dtype={ns_dtype!r} is unknown; use bfloat16 or float32")
-        if min(lr, momentum, ns_steps, eps, weight_decay, *betas) < 0 or (adamw_lr is not None and adamw_lr < 0):
-            raise ValueError("optim: lr, adamw_lr, momentum, ns_steps, betas, eps and weight_decay must be >= 0")
+        settings = {"lr": lr, "adamw_lr": adamw_lr, "momentum": momentum, "ns_steps": ns_steps, "eps": eps}
+        settings.update({"weight_decay": weight_decay, "betas": tuple(betas)})
+        for key, value in settings.items():
+            if value is not None and min(value if isinstance(value, tuple) else (value,)) < 0:
+                raise ValueError(f"optim.{key}={value} must be >= 0")
         defaults = {
             "lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov, "ns_steps": ns_steps,
             "ns_dtype": ns_dtype, "scale": scale, "betas": tuple(betas), "eps": eps,

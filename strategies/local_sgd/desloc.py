@@ -32,7 +32,13 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 def keeps_adam_moments(optimizer: Callable[..., torch.optim.Optimizer]) -> bool:
     """Whether optimizers built by the partial ``optimizer`` keep ``exp_avg`` and ``exp_avg_sq`` per
-    parameter (Adam, AdamW, NAdam, RAdam, ...), tried on one scalar parameter."""
+    parameter (Adam, AdamW, NAdam, RAdam, ...), tried on one scalar parameter. Muon is not: its
+    matrices keep a momentum buffer only (its AdamW part would pass the probe)."""
+    from strategies.muon import Muon  # imported here: only a DES-LOC run asks
+
+    target = getattr(optimizer, "func", optimizer)  # the class of a Hydra partial
+    if isinstance(target, type) and issubclass(target, Muon):
+        return False
     param = torch.nn.Parameter(torch.zeros(1))
     param.grad = torch.ones(1)
     try:
@@ -80,7 +86,7 @@ class DESLOC(LocalSGD):
         if run.optimizer is not None and not keeps_adam_moments(run.optimizer):
             problems.append(
                 f"strategy.local_sgd={type(self).__name__} averages Adam's moments, but the inner optimizer keeps no "
-                f"exp_avg/exp_avg_sq; use optim=adamw (or strategy=diloco / strategy=hierarchical for SGD)"
+                f"exp_avg/exp_avg_sq for every parameter; use optim=adamw (or strategy=diloco / strategy=hierarchical for SGD and Muon)"
             )
         return problems
 

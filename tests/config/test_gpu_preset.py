@@ -55,3 +55,12 @@ def test_automatic_loss_chunks_by_device() -> None:
     assert objective.chunk_tokens(head, cuda_batch) == CausalLM.CUDA_CHUNK_TOKENS
     assert objective.chunk_tokens(SimpleNamespace(output=torch.zeros(1)), cuda_batch) == 0  # a pipeline replay
     assert CausalLM(loss_chunk_tokens=0).chunk_tokens(head, cuda_batch) == 0
+
+
+@pytest.mark.parametrize("optim", ["adamw", "sgd", "muon"])
+def test_the_gpu_preset_builds_every_optimizer(optim: str) -> None:
+    """The preset sets no optimizer key: AdamW's ``fused`` given to Muon failed its build at validate."""
+    from strategies.core.ranges import optimizer_problem
+
+    cfg = compose("pretrain", [f"optim={optim}", "trainer=gpu"])
+    assert optimizer_problem(instantiate(cfg.optim, _convert_="all")) is None

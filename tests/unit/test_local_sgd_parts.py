@@ -58,8 +58,14 @@ def test_one_island_is_rejected_with_the_fix() -> None:
 
 def test_desloc_needs_adam_moments() -> None:
     problems = _problems("strategy=desloc", "trainer.devices=2", "optim=sgd")
-    assert any("keeps no exp_avg/exp_avg_sq; use optim=adamw" in p for p in problems)
+    assert any("keeps no exp_avg/exp_avg_sq for every parameter; use optim=adamw" in p for p in problems)
     validate(compose_config(["strategy=desloc", "trainer.devices=2", "optim=adamw"]))
+
+
+def test_desloc_refuses_muon_whose_matrices_keep_a_momentum_buffer_only() -> None:
+    """Muon's AdamW part (scalars, embeddings) would pass a probe on one scalar parameter."""
+    problems = _problems("strategy=desloc", "trainer.devices=2", "optim=muon")
+    assert any("keeps no exp_avg/exp_avg_sq for every parameter" in p for p in problems)
 
 
 def test_bad_periods_and_fragments_are_reported() -> None:

@@ -175,4 +175,4 @@ def test_planner_counts_the_state_it_keeps() -> None:
 def test_bad_settings_are_refused_before_launch() -> None:
     assert "use match_rms_adamw or original" in optimizer_problem(functools.partial(Muon, scale="spectral"))
     assert "use bfloat16 or float32" in optimizer_problem(functools.partial(Muon, ns_dtype="fp8"))
-    assert "must be >= 0" in optimizer_problem(functools.partial(Muon, momentum=-0.9))
+    assert "optim.momentum=-0.9 must be >= 0" in optimizer_problem(functools.partial(Muon, momentum=-0.9))
