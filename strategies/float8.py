@@ -23,7 +23,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -146,6 +146,9 @@ class Float8(StrategyPlugin):
         emulate: the float8 matmul emulated in fp32; None (auto): emulated unless on a CUDA GPU.
         accelerator: the run's ``trainer.accelerator`` (the device validate checks the recipe for).
     """
+
+    # The scales are read from the weights as the step leaves them: after local SGD's averages and merges.
+    after_others: ClassVar[bool] = True
 
     recipe: Recipe | None = None
     keep_high_precision: Sequence[str] = KEEP_HIGH_PRECISION

@@ -397,9 +397,10 @@ class MeshStrategy(ModelParallelStrategy):
         if loss is not None:
             for plugin in self.active:
                 plugin.observe_loss(step, loss)
-        return {
-            key: value for plugin in self.active for key, value in plugin.after_step(model, step, optimizer).items()
-        }
+        metrics: dict[str, Any] = {}
+        for plugin in sorted(self.active, key=lambda p: p.after_others):  # stable: ORDER, then the readers
+            metrics.update(plugin.after_step(model, step, optimizer))
+        return metrics
 
     # ------------------------------------------------------------------------------ checkpoints
     # DCP writes each rank's shards once: the state hooks return nothing, and the checkpoint hooks hand

@@ -25,7 +25,7 @@ Phases, in the order a run meets them:
    ``saved_keys()`` (which model keys a checkpoint holds).
 
 Declared properties (class attributes): ``when``, ``needs_real_weights``, ``splits_stages``,
-``per_stage``, ``islands`` (the plugin owns the dp_replicate axis: replicas do not reduce
+``per_stage``, ``after_others`` (its ``after_step`` runs after every other plugin's), ``islands`` (the plugin owns the dp_replicate axis: replicas do not reduce
 gradients together, so FSDP and the token count stay inside one island), ``conflicts`` (node keys
 of plugins this one does not compose with yet).
 """
@@ -76,6 +76,9 @@ class StrategyPlugin:
     splits_stages: ClassVar[bool] = False  # apply returns the model's stage roots (pipeline parallelism)
     per_stage: ClassVar[bool] = False  # applied to each stage root, not the model (FSDP: each stage its own root)
     islands: ClassVar[bool] = False  # owns the dp_replicate axis (local SGD)
+    # its after_step reads the weights every other plugin's after_step may still change (float8's scales
+    # after local SGD's averages): it runs after them
+    after_others: ClassVar[bool] = False
     conflicts: ClassVar[tuple[str, ...]] = ()  # node keys of plugins it does not compose with yet
 
     def active(self, dims: ParallelDims, *, islands: bool) -> bool:

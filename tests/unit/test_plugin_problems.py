@@ -11,6 +11,7 @@ from strategies.context.plugin import ContextParallel
 from strategies.core.parallel_dims import ParallelDims
 from strategies.core.resolved import ResolvedRun
 from strategies.core.shape import ModelShape
+from strategies.float8 import Float8
 from strategies.local_sgd import DiLoCo
 from strategies.mesh import MeshStrategy
 from strategies.pipeline.plugin import PipelineParallel
@@ -87,3 +88,26 @@ def test_validate_returns_the_resolved_run_with_the_model_shape() -> None:
     assert (run.world_size, run.dims.dp_shard, run.dims.tp) == (4, 2, 2)
     assert isinstance(run.shape, ModelShape) and (run.shape.n_layers, run.shape.vocab_size) == (2, 4096)
     assert (run.global_batch_size, run.micro_batch_size, run.num_micro_batches) == (8, 4, 1)
+
+
+def test_a_plugin_that_reads_the_final_weights_steps_after_the_others() -> None:
+    """float8's scale precompute (after_others) runs after local SGD has averaged the weights."""
+    calls: list[str] = []
+
+    class Reader(StrategyPlugin):
+        after_others = True
+
+        def after_step(self, model, step, optimizer):  # noqa: ANN001, ANN201
+            calls.append("reader")
+            return {"read": step}
+
+    class Writer(StrategyPlugin):
+        def after_step(self, model, step, optimizer):  # noqa: ANN001, ANN201
+            calls.append("writer")
+            return {"written": step}
+
+    strategy = MeshStrategy(plugins={"a_reader": Reader(), "b_writer": Writer()})
+    strategy.active = [strategy.plugins["a_reader"], strategy.plugins["b_writer"]]
+    assert strategy.after_optimizer_step(None, 3, None) == {"read": 3, "written": 3}
+    assert calls == ["writer", "reader"]
+    assert Float8.after_others
