@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -105,8 +106,11 @@ class AsyncWriter:
             if failed is not None:
                 return failed, None
             # DCP's last collective (rank 0 writes .metadata) is done: every rank's files are there.
-            names = checkpoint_files(tmp)
-            return None, hash_files(tmp, names[rank::world])
+            try:
+                names = checkpoint_files(tmp)
+                return None, hash_files(tmp, names[rank::world])
+            except OSError as err:  # a file that cannot be read back: this rank's failure, agreed at the seal
+                return err, None
 
         self.path, self._commit = path, commit
         self._written = self._hasher.submit(written)
@@ -155,10 +159,10 @@ class AsyncWriter:
         if self._written is None:
             return None
         if self._write_group is not None:
-            self._written.result()  # this rank's part; DCP's thread goes on while the others live
-            try:
+            try:  # this rank's part (its write waits on the other ranks' too), then the others, each bounded
+                self._written.result(timeout=wait_s)
                 dist.monitored_barrier(group=self._write_group, timeout=timedelta(seconds=wait_s))
-            except RuntimeError:
+            except (RuntimeError, FuturesTimeout):
                 self._written, self.path, self._commit = None, None, None
                 return None
         return self.finish()
