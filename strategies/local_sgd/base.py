@@ -18,7 +18,7 @@ are not.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -65,16 +65,28 @@ def average_(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -
         return 0.0
     shards = [local(t) for t in tensors]
     sent = 0.0
-    for dtype in dict.fromkeys(s.dtype for s in shards):
-        same = [s for s in shards if s.dtype == dtype]
-        flat = torch.cat([s.reshape(-1) for s in same])
-        flat = flat.to(collective_device(group, flat.device))  # host shards under FSDP CPU offload
+    for flat, index in flat_messages(shards, group):
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         flat.div_(num_ranks)
-        for shard, value in zip(same, torch.split(flat, [s.numel() for s in same])):
-            shard.copy_(value.view_as(shard))
+        for i, value in zip(index, torch.split(flat, [shards[i].numel() for i in index])):
+            shards[i].copy_(value.view_as(shards[i]))
         sent += allreduce_bytes_sent(flat.numel() * flat.element_size(), num_ranks)
     return sent
+
+
+def flat_messages(
+    shards: Sequence[torch.Tensor], group: dist.ProcessGroup | None, dtype: torch.dtype | None = None
+) -> list[tuple[torch.Tensor, list[int]]]:
+    """One flat copy of ``shards`` per dtype (in the order the dtypes first appear), cast to ``dtype``
+    when given, on the device ``group``'s backend serves (host shards under FSDP CPU offload go to the
+    GPU of an NCCL-only group), each with the indices of the shards it holds, in order."""
+    messages = []
+    for source in dict.fromkeys(s.dtype for s in shards):
+        index = [i for i, s in enumerate(shards) if s.dtype == source]
+        flat = torch.cat([shards[i].reshape(-1) for i in index])
+        flat = flat.to(collective_device(group, flat.device), dtype=dtype or flat.dtype)
+        messages.append((flat, index))
+    return messages
 
 
 class LocalSGD(StrategyPlugin):

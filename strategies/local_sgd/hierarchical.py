@@ -37,8 +37,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from strategies.local_sgd.base import LocalSGD, allreduce_bytes_sent, local
-from strategies.runtime.collective_device import collective_device
+from strategies.local_sgd.base import LocalSGD, allreduce_bytes_sent, flat_messages, local
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -201,15 +200,12 @@ class Hierarchical(LocalSGD):
             self._merge()
         names = list(self.params)
         shards = [local(self.params[n]) for n in names]
-        dtype = DTYPES[self.global_dtype]
-        groups: list[tuple[torch.Tensor, list[str]]] = []
-        for source in dict.fromkeys(s.dtype for s in shards):
-            same = [n for n, s in zip(names, shards) if s.dtype == source]
-            flat = torch.cat([local(self.params[n]).reshape(-1) for n in same]).to(dtype)
-            groups.append((flat.to(collective_device(self.group, flat.device)), same))
-        works = [
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=delay > 0) for flat, _ in groups
+        groups = [
+            (flat, [names[i] for i in index])
+            for flat, index in flat_messages(shards, self.group, DTYPES[self.global_dtype])
         ]
+        # Started without blocking either way: a blocking synchronisation (delay 0) is merged, waiting, at once.
+        works = [dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True) for flat, _ in groups]
         self.in_flight = (step + delay, delay, works, groups)
         if delay == 0:
             self._merge()
@@ -218,19 +214,24 @@ class Hierarchical(LocalSGD):
     @torch.no_grad()
     def _merge(self) -> None:
         """``x <- (2S x + sum) / (P + 2S)`` for the message in flight (S its delay; 0: the mean)."""
-        _, delay, works, groups = self.in_flight
-        for work in works or ():
-            if work is not None:
-                work.wait()
+        delay = self.in_flight[1]
         weight = 2.0 * delay
+        for name, total in self._received().items():
+            shard = local(self.params[name])
+            shard.copy_((weight * shard.double() + total.to(shard.device).double()) / (self.num_islands + weight))
+        self.in_flight = None
+
+    def _received(self) -> dict[str, torch.Tensor]:
+        """The message in flight's sums by parameter name, shaped like this rank's shards (waited for)."""
+        merge_step, delay, works, groups = self.in_flight
+        for work in works or ():
+            work.wait()
+        self.in_flight = (merge_step, delay, None, groups)
+        sums = {}
         for flat, names in groups:
             for name, total in zip(names, torch.split(flat, [local(self.params[n]).numel() for n in names])):
-                shard = local(self.params[name])
-                merged = (weight * shard.double() + total.view_as(shard).to(shard.device).double()) / (
-                    self.num_islands + weight
-                )
-                shard.copy_(merged)
-        self.in_flight = None
+                sums[name] = total.view_as(local(self.params[name]))
+        return sums
 
     # ------------------------------------------------------------------------------ checkpoints
     def state_dict(self, saved: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -252,16 +253,10 @@ class Hierarchical(LocalSGD):
                     pending[name] = torch.zeros_like(self.params[name], dtype=dtype)
             state["pending_step"] = state["pending_delay"] = 0
         elif self.in_flight is not None:
-            merge_step, delay, works, groups = self.in_flight
-            for work in works or ():
-                if work is not None:
-                    work.wait()
-            self.in_flight = (merge_step, delay, None, groups)
-            for flat, names in groups:
-                for name, total in zip(names, torch.split(flat, [local(self.params[n]).numel() for n in names])):
-                    pending[name] = torch.zeros_like(self.params[name], dtype=flat.dtype)
-                    local(pending[name]).copy_(total.view_as(local(pending[name])))
-            state["pending_step"], state["pending_delay"] = merge_step, delay
+            for name, total in self._received().items():
+                pending[name] = torch.zeros_like(self.params[name], dtype=total.dtype)
+                local(pending[name]).copy_(total)
+            state["pending_step"], state["pending_delay"] = self.in_flight[0], self.in_flight[1]
         else:
             state["pending_step"] = state["pending_delay"] = 0
         state["pending"] = pending
