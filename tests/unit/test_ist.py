@@ -2,7 +2,7 @@
 
 The two islands run in two threads of this process; their all-gather is a stand-in that hands each
 thread both islands' messages (the rest is plait's code: `IST.split_` and `IST.reassemble_`). The
-collective itself, the shared average and training are covered in gloo ranks by tests/dist/test_ist.py.
+collective itself, the shared average and training are covered in gloo ranks by tests/dist/test_ist_runs.py.
 """
 
 from __future__ import annotations
