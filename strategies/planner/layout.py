@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from strategies.core.resolved import ResolvedRun
+from strategies.local_sgd.ist import IST
 from strategies.muon import Muon
 
 # Adam keeps two moments per parameter plus a 4-byte fp32 `step` scalar per tensor; SGD with
@@ -36,6 +37,8 @@ class Layout:
     stages of interleaved/V schedules; ``ac`` is "none", "full" or "every_k" (with ``ac_every_k``);
     ``ep`` is the expert-parallel degree of a mixture of experts (borrowed from dp_shard x cp).
     ``split_points`` the first layer of every pipeline stage but the first (None: by layer count).
+    ``ist_islands``: Independent Subnet Training (strategy=ist) keeps 1 / ist_islands of every
+    dense MLP's hidden units on each rank (1: off).
     """
 
     dp_replicate: int = 1
@@ -54,6 +57,7 @@ class Layout:
     loss_parallel: bool = True
     ep: int = 1
     split_points: tuple[int, ...] | None = None
+    ist_islands: int = 1
 
     @property
     def world_size(self) -> int:
@@ -196,6 +200,7 @@ def layout_of(run: ResolvedRun, strategy: Any) -> Layout:
         loss_parallel=tp.loss_parallel,
         ep=plugin["expert_parallel"].ep,
         split_points=run.pp_split_points,
+        ist_islands=dims.dp_replicate if isinstance(plugin.get("local_sgd"), IST) else 1,
     )
 
 

@@ -22,6 +22,13 @@ projections, the SiLU output and the product; the head the log-softmax output (f
 parallel shards the norms' tensors by tp, heads and ffn features are sharded by tp, context
 parallel shards every token-wise tensor by cp (ring attention keeps no mask and copies its output
 once more). Full activation checkpointing keeps the block input only.
+
+Independent Subnet Training (``Layout.ist_islands`` = P > 1) keeps 1 / P of every dense MLP's
+hidden units on each rank during a round: its gate/up rows, down columns, their gradients,
+optimizer state and SwiGLU activations. At a reassembly (no gradients, no activations) a rank
+briefly holds, besides its narrow MLPs, one flat copy of them, the P messages received and the
+full tensors built from those: (1 + 2P) x its narrow MLP parameters and optimizer state, counted
+as the transient when it exceeds the step's.
 """
 
 from __future__ import annotations
@@ -142,6 +149,8 @@ def state_bytes(shape: ModelShape, layout: Layout, work: Workload, rank: int) ->
     params = grads = optim = 0
     for p in rank_params(shape, layout, c["pp"]):
         numel, padded = local_numel(p, layout, shard_index)
+        if is_ist_unit(p, shape, layout):
+            numel, padded = numel // layout.ist_islands, padded // layout.ist_islands
         params += padded * work.param_bytes
         whole = p.grad_tp_replicated and layout.tp > 1 and not layout.uses_fsdp
         grads += (math.prod(p.shape) if whole else padded) * work.param_bytes
@@ -149,6 +158,22 @@ def state_bytes(shape: ModelShape, layout: Layout, work: Workload, rank: int) ->
         n_states, has_step = MUON_MATRIX_STATES if muon else OPTIMIZER_STATES[work.optimizer]
         optim += n_states * numel * work.param_bytes + (4 if has_step else 0)
     return params, grads, optim
+
+
+def is_ist_unit(p: ParamSpec, shape: ModelShape, layout: Layout) -> bool:
+    """Whether ``p`` is indexed by the hidden units IST splits: a dense block's gate/up weight or bias, or its down weight."""
+    if layout.ist_islands == 1 or p.layer is None or shape.is_moe(p.layer):
+        return False
+    return p.name.endswith(("feed_forward.w1.weight", "feed_forward.w3.weight", "feed_forward.w2.weight",
+                            "feed_forward.w1.bias", "feed_forward.w3.bias"))  # fmt: skip
+
+
+def ist_reassembly_extra(shape: ModelShape, layout: Layout, work: Workload) -> int:
+    """Bytes a rank adds at an IST reassembly to its narrow state: (1 + 2P) x its narrow MLP
+    parameters and optimizer state (see the module docstring)."""
+    n_states, _ = OPTIMIZER_STATES[work.optimizer]
+    narrow = sum(math.prod(p.shape) // layout.ist_islands for p in shape.params if is_ist_unit(p, shape, layout))
+    return (1 + 2 * layout.ist_islands) * narrow * (1 + n_states) * work.param_bytes
 
 
 # ---------------------------------------------------------------------------------- activations
@@ -171,7 +196,7 @@ def layer_activation_bytes(
     if layer is not None and shape.is_moe(layer):
         per_token += moe_activation_bytes_per_token(shape, a)
     else:
-        per_token += 4 * (f // tp) * a  # w1 and w3 outputs, SiLU output, their product
+        per_token += 4 * (f // tp // layout.ist_islands) * a  # w1 and w3 outputs, SiLU output, their product
     return int(tokens * per_token)
 
 
@@ -245,9 +270,11 @@ def predict_rank(
         for s in stages
     )
     inflight = inflight_microbatches(layout, c["pp"], work.microbatches(layout))
-    return MemoryBreakdown(
-        params, grads, optim, per_mb, inflight, _transient(shape, layout, work, stages, layers, num_stages, device)
-    )
+    transient = _transient(shape, layout, work, stages, layers, num_stages, device)
+    if layout.ist_islands > 1:  # a reassembly frees the gradients and activations, then gathers the MLPs
+        reassembly = ist_reassembly_extra(shape, layout, work) - grads - int(per_mb * inflight)
+        transient = max(transient, reassembly)
+    return MemoryBreakdown(params, grads, optim, per_mb, inflight, transient)
 
 
 def _transient(

@@ -16,10 +16,14 @@ import torch
 from harness import compose_config
 
 import strategies.local_sgd.ist as ist_module
+from strategies.core.shape import ModelShape
 from strategies.local_sgd import IST
 from strategies.local_sgd.ist import allgather_bytes_sent, split_units
+from strategies.planner.layout import Layout, Workload
+from strategies.planner.memory import predict_rank, state_bytes
 from trainer.config import ConfigError, validate
 from trainer.models.llama import Llama
+from trainer.planning import planner_inputs
 
 MLP = ("w1", "w2", "w3")
 
@@ -188,3 +192,31 @@ def test_ist_refuses_a_mixture_of_experts() -> None:
 
 def test_ist_validates() -> None:
     validate(compose_config(["strategy=ist", "trainer.devices=2"]))
+
+
+def test_the_planner_counts_the_state_an_island_holds() -> None:
+    """Parameters, gradients and AdamW state of island 0 after its split and one step, byte for
+    byte as `state_bytes` predicts them for a layout of 2 IST islands; activations and the total
+    go down against DDP, and the reassembly's gathered MLPs are the transient."""
+    model = _model()
+    shape, work = ModelShape.from_model(model), Workload(seq_len=8, global_batch_size=4)
+    plugin, island, opt = _islands(model, torch.optim.AdamW(model.parameters(), lr=1e-2))[0]
+    plugin.split_(opt)
+    island(torch.randint(0, 256, (2, 8))).float().logsumexp(-1).mean().backward()
+    grads = sum(4 * p.grad.numel() for p in island.parameters())
+    opt.step()
+    held = sum(4 * p.numel() for p in island.parameters())
+    state = sum(4 * t.numel() for s in opt.state.values() for t in s.values())  # moments and the fp32 step
+    assert state_bytes(shape, Layout(dp_replicate=2, ist_islands=2), work, 0) == (held, grads, state)
+    ist, ddp = (predict_rank(shape, Layout(dp_replicate=2, ist_islands=i), work, 0, device="cpu") for i in (2, 1))
+    assert ist.activations < ddp.activations and ist.params < ddp.params
+    mlp = 2 * 3 * 64 * 96 * 4 * 3  # island 0's half of the MLPs, weights and two moments, fp32
+    assert ist.transient == max(ddp.transient, 5 * mlp - ist.grads - ist.activations)
+
+
+def test_the_planner_reads_ist_from_the_run() -> None:
+    cfg = compose_config(["strategy=ist", "trainer.devices=2"])
+    _, layout, _ = planner_inputs(cfg, validate(cfg))
+    assert layout.ist_islands == 2
+    cfg = compose_config(["strategy=diloco", "trainer.devices=2"])
+    assert planner_inputs(cfg, validate(cfg))[1].ist_islands == 1
