@@ -175,8 +175,10 @@ def _problems(*overrides: str) -> list[str]:
         (["optim=muon"], "use optim=adamw"),
         (["trainer.devices=5", "train.global_batch_size=10"], "use a number of islands that divides 192"),
         (["+strategy/sat=default"], "does not compose with strategy.sat yet; use strategy.sat=null"),
+        (["+strategy/mixout=default"], "does not compose with strategy.mixout yet; use strategy.mixout=null"),
+        (["+strategy/lora=default"], "strategy=ist trains the base weights; set strategy.lora=null"),
     ],
-    ids=["dp_shard", "compile", "muon", "indivisible", "sat"],
+    ids=["dp_shard", "compile", "muon", "indivisible", "sat", "mixout", "lora"],
 )
 def test_what_ist_does_not_support_is_refused_naming_the_fix(overrides: list[str], message: str) -> None:
     problems = _problems("strategy=ist", "trainer.devices=2", *overrides)
