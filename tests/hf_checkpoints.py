@@ -3,8 +3,9 @@
 Each family's config is as small as a CPU test allows while still exercising what sets it apart:
 GQA and llama3 RoPE scaling (Llama 3), tied embeddings and linear scaling without GQA (Llama 2),
 q/k/v biases and YaRN (Qwen2), QK-norm and a head dim other than hidden/heads (Qwen3), a
-sliding window longer than the context (Mistral), routed experts with a dense first block (Qwen3-MoE)
-and renormalised top-2 routing (Mixtral). Every parameter, biases and norm scales
+sliding window longer than the context (Mistral), routed experts with a dense first block (Qwen3-MoE),
+renormalised top-2 routing (Mixtral), post-norm blocks with QK-norm over whole projections (OLMo 2)
+and a layer without RoPE between two with it (SmolLM3). Every parameter, biases and norm scales
 included, is drawn at random, so a wrong mapping cannot hide behind a default init.
 """
 
@@ -49,6 +50,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 32, "moe_intermediate_size": 48, "num_experts": 4,
                                      "num_experts_per_tok": 2, "norm_topk_prob": True, "mlp_only_layers": [0]}),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48}),
+    "olmo2": ("Olmo2Config", {}),
+    # no_rope_layer_interval=2 over 3 layers: config.json's no_rope_layers = [1, 0, 1] (layer 1 is NoPE).
+    "smollm3": ("SmolLM3Config", {"num_hidden_layers": 3, "no_rope_layer_interval": 2, "pad_token_id": None,
+                                  "bos_token_id": None, "eos_token_id": None}),
 }  # fmt: skip
 
 

@@ -4,13 +4,17 @@ export (`trainer.models.hf`) and LoRA's ``target_modules`` (`strategies.transfor
 plait's modules are ``tok_embeddings``, ``layers.<i>.attention.wq`` ... ``layers.<i>.feed_forward.w2``,
 ``norm`` and ``output``; transformers' Llama, Mistral and Qwen families name them
 ``model.embed_tokens``, ``model.layers.<i>.self_attn.q_proj`` ... ``model.layers.<i>.mlp.down_proj``,
-``model.norm`` and ``lm_head`` (transformers ``modeling_llama.py``). The routers and stacked experts
-of the mixture-of-experts families are named per family (`trainer.models.hf_moe`).
+``model.norm`` and ``lm_head`` (transformers ``modeling_llama.py``). A post-norm block's norms
+(OLMo 2) have their own names (`POST_NORM_LAYER_NAMES`, transformers ``modeling_olmo2.py``): there
+``post_attention_layernorm`` is the norm of the attention output, not Llama's norm before the MLP.
+The routers and stacked experts of the mixture-of-experts families are named per family
+(`trainer.models.hf_moe`).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 # plait module path inside a block -> the Hugging Face one.
 LAYER_NAMES = {
@@ -26,28 +30,35 @@ LAYER_NAMES = {
     "attention_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# The same for a post-norm block (OLMo 2): its two norms on the sublayers' outputs, no pre-norms.
+POST_NORM_LAYER_NAMES = {
+    **{k: v for k, v in LAYER_NAMES.items() if k not in ("attention_norm", "ffn_norm")},
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffn_norm": "post_feedforward_layernorm",
+}
 # plait module outside the blocks -> the Hugging Face one.
 TOP_NAMES = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
 
 
-def hf_module_name(module: str) -> str | None:
+def hf_module_name(module: str, layer_names: Mapping[str, str] = LAYER_NAMES) -> str | None:
     """The Hugging Face name of plait module ``module`` (``layers.0.attention.wq`` ->
-    ``model.layers.0.self_attn.q_proj``), or None for a module the table does not name."""
+    ``model.layers.0.self_attn.q_proj``), or None for a module the table does not name.
+    ``layer_names``: the block's table (`POST_NORM_LAYER_NAMES` for a post-norm family)."""
     if module in TOP_NAMES:
         return TOP_NAMES[module]
     match = re.fullmatch(r"layers\.(\d+)\.(.+)", module)
-    if match and match.group(2) in LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{LAYER_NAMES[match.group(2)]}"
+    if match and match.group(2) in layer_names:
+        return f"model.layers.{match.group(1)}.{layer_names[match.group(2)]}"
     return None
 
 
-def plait_module_name(module: str) -> str | None:
+def plait_module_name(module: str, layer_names: Mapping[str, str] = LAYER_NAMES) -> str | None:
     """The plait name of Hugging Face module ``module`` (the inverse of `hf_module_name`), or None."""
     for plait, hf in TOP_NAMES.items():
         if module == hf:
             return plait
     match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", module)
-    inverse = {hf: plait for plait, hf in LAYER_NAMES.items()}
+    inverse = {hf: plait for plait, hf in layer_names.items()}
     if match and match.group(2) in inverse:
         return f"layers.{match.group(1)}.{inverse[match.group(2)]}"
     return None

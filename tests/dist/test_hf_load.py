@@ -9,6 +9,11 @@ parameters after the 3 steps match the one-process run (rtol/atol 1e-6, as tests
 test_equivalence.py). The FSDP run's sharded DCP checkpoint exports with ``plait export``, the
 FSDP x TP run exports live through the ``hf_export`` callback, and both exports hold the
 one-process parameters (atol 1e-6).
+
+The families whose blocks differ from Qwen3's train the same 3 steps on one process, under
+``strategy=fsdp trainer.devices=2`` and ``strategy=tp trainer.devices=2`` (sequence and loss
+parallel): OLMo 2 (post-norm, QK-norm over whole projections: its mean of squares crosses the tp
+ranks) and SmolLM3 (a NoPE layer, tied embeddings); each equals one process as above.
 """
 
 from __future__ import annotations
@@ -19,10 +24,9 @@ import shutil
 
 import pytest
 import torch
-from omegaconf import OmegaConf
-
 from harness import compose_config, fit, losses, plait
 from hf_checkpoints import make_hf_dir
+from omegaconf import OmegaConf
 
 STEPS = 3
 TOL = {"rtol": 1e-6, "atol": 1e-6}
@@ -30,18 +34,29 @@ WORDS = "thou art more lovely and temperate rough winds do shake the darling bud
 LAYOUTS = {
     "one_process": ["train.micro_batch_size=8"],
     "fsdp2": ["strategy=fsdp", "trainer.devices=2"],
-    "fsdp2_x_tp2": ["strategy=fsdp_tp", "trainer.devices=4", "train.micro_batch_size=2", "callbacks.hf_export.at_end=true"],
+    "fsdp2_x_tp2": [
+        "strategy=fsdp_tp",
+        "trainer.devices=4",
+        "train.micro_batch_size=2",
+        "callbacks.hf_export.at_end=true",
+    ],
 }
+# Family (tests/hf_checkpoints.py) -> its sharded layouts besides Qwen3's (``fsdp2_x_tp2``, above).
+FAMILY_LAYOUTS = {"olmo2": ("fsdp2", "tp2"), "smollm3": ("fsdp2", "tp2")}
+TP2 = ["strategy=tp", "trainer.devices=2"]
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hf_load")
-    make_hf_dir("qwen3", root / "hf", max_position_embeddings=64)
+def _make_setup(root, family: str):
+    make_hf_dir(family, root / "hf", max_position_embeddings=64)
     rng = random.Random(0)
     lines = [json.dumps({"text": " ".join(rng.choices(WORDS, k=rng.randint(3, 30)))}) for _ in range(400)]
     (root / "docs.jsonl").write_text("\n".join(lines) + "\n")
     return root
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    return _make_setup(tmp_path_factory.mktemp("hf_load"), "qwen3")
 
 
 def _overrides(root) -> list[str]:
@@ -61,7 +76,9 @@ def runs(setup, tmp_path_factory) -> dict:
         _, task = fit(cfg, run_dir)
         # What `plait` writes into a run directory, for the export from its checkpoint.
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
-        shutil.copyfile(setup / "hf" / "tokenizer.json", run_dir / "tokenizer.json")  # data.tokenizer=null: the checkpoint's
+        shutil.copyfile(
+            setup / "hf" / "tokenizer.json", run_dir / "tokenizer.json"
+        )  # data.tokenizer=null: the checkpoint's
         params = [h["params"] for h in task.history if "params" in h][0]
         out[name] = {"loss": losses(task.history), "params": params, "run_dir": run_dir}
     return out
@@ -69,10 +86,32 @@ def runs(setup, tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("layout", ["fsdp2", "fsdp2_x_tp2"])
 def test_sharded_load_trains_like_one_process(runs, layout):
-    expected, run = runs["one_process"], runs[layout]
+    _assert_trains_alike(runs[layout], runs["one_process"])
+
+
+def _assert_trains_alike(run: dict, expected: dict) -> None:
     assert len(run["loss"]) == STEPS
     torch.testing.assert_close(run["loss"], expected["loss"], **TOL, msg="losses (the first: the loaded weights)")
     torch.testing.assert_close(run["params"], expected["params"], **TOL, msg=f"parameters after {STEPS} SGD steps")
+
+
+_FAMILY_RUNS: dict[str, dict] = {}  # family -> layout -> run (the one-process run shared by its layouts)
+
+
+@pytest.mark.parametrize("family, layout", [(f, layout) for f, layouts in FAMILY_LAYOUTS.items() for layout in layouts])
+def test_each_family_trains_sharded_like_one_process(family, layout, tmp_path_factory):
+    if family not in _FAMILY_RUNS:
+        root = _make_setup(tmp_path_factory.mktemp(f"hf_{family}"), family)
+        _FAMILY_RUNS[family] = {"root": root, "one_process": _run(root, LAYOUTS["one_process"], tmp_path_factory)}
+    runs = _FAMILY_RUNS[family]
+    _assert_trains_alike(
+        _run(runs["root"], TP2 if layout == "tp2" else LAYOUTS[layout], tmp_path_factory), runs["one_process"]
+    )
+
+
+def _run(root, layout: list[str], tmp_path_factory) -> dict:
+    _, task = fit(compose_config([*_overrides(root), *layout]), tmp_path_factory.mktemp("run"))
+    return {"loss": losses(task.history), "params": [h["params"] for h in task.history if "params" in h][0]}
 
 
 def _exported(directory) -> dict[str, torch.Tensor]:

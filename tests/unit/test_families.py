@@ -17,7 +17,10 @@ CONFIG = {
     "num_local_experts": 2,
     "moe_intermediate_size": 8,
     "intermediate_size": 8,
+    "num_hidden_layers": 2,
+    "no_rope_layers": [1, 0],  # SmolLM3: layer 1 without RoPE
 }
+FLAGS = ("qkv_bias", "qk_norm", "qk_norm_scope", "norm_placement", "nope_layers")
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
@@ -25,7 +28,7 @@ def test_a_family_reads_back_what_it_writes(model_type: str) -> None:
     family = FAMILIES[model_type]
     assert family_of({"model_type": model_type, "architectures": [family.architecture]}) == model_type
     kwargs = family.import_kwargs(CONFIG)
-    flags = {k: v for k, v in kwargs.items() if k in ("qkv_bias", "qk_norm")}
+    flags = {k: v for k, v in kwargs.items() if k in FLAGS}
     model = family.model_class(**SIZES, **flags, **(MOE if family.moe else {}))
     assert family.fits(model)
     # Exported from a checkpoint of this family: written as it; a model of one's own: as the chosen family it fits.
@@ -47,3 +50,32 @@ def test_exportable_classes_come_from_the_registry() -> None:
         pytest.raises(FamilyError, match=r"a llama model cannot be written as its source's qwen2"),
     ):
         export_family_of(Llama(**SIZES), {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]})
+
+
+def test_the_new_families_flags_pick_them_and_only_them() -> None:
+    """A post-norm model with QK-norm per head, or one with NoPE layers and QK-norm, fits no
+    family: the message names the flags; OLMo 2's and SmolLM3's own flags pick their family."""
+    with torch.device("meta"):
+        olmo2 = Llama(**SIZES, qk_norm=True, qk_norm_scope="projection", norm_placement="post")
+        post_head = Llama(**SIZES, qk_norm=True, norm_placement="post")
+        smollm3 = Llama(**SIZES, nope_layers=[1])
+        nope_qwen3 = Llama(**SIZES, qk_norm=True, nope_layers=[0])
+    assert (export_family_of(olmo2), export_family_of(smollm3)) == ("olmo2", "smollm3")
+    assert export_family_of(Llama(**SIZES, nope_layers=[])) == "llama"  # no NoPE layer: a Llama
+    with pytest.raises(FamilyError, match=r"qk_norm=True, qkv_bias=False, norm_placement='post' \(Llama\) fit no"):
+        export_family_of(post_head)
+    with pytest.raises(FamilyError, match=r"qk_norm=True, qkv_bias=False, nope_layers=\[0\] \(Llama\) fit no"):
+        export_family_of(nope_qwen3)
+
+
+@pytest.mark.parametrize(
+    "kwargs, named",
+    [
+        ({"norm_placement": "sandwich"}, "norm_placement='sandwich' is not one of pre, post"),
+        ({"qk_norm": True, "qk_norm_scope": "tensor"}, "qk_norm_scope='tensor' is not one of head, projection"),
+        ({"nope_layers": [2]}, r"nope_layers=\[2\] must hold block indices in 0..1"),
+    ],
+)
+def test_the_new_flags_refuse_unknown_values(kwargs, named) -> None:
+    with pytest.raises(ValueError, match=named):
+        Llama(**SIZES, **kwargs)

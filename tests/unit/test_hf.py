@@ -62,6 +62,25 @@ def test_load_matches_transformers_and_export_round_trips(family, tmp_path):
     assert "chat_template" not in json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_packed_rows_match_each_document_run_alone(family, tmp_path):
+    """Rows packing several documents (ids and positions restarting per document) give, document by
+    document, transformers' logits of that document run alone."""
+    hf = make_hf_dir(family, tmp_path / "hf")
+    ids = batch(seq_len=40)
+    lengths = [[7, 21, 12], [25, 15]]
+    document_ids = torch.tensor([[d for d, n in enumerate(row) for _ in range(n)] for row in lengths])
+    positions = torch.tensor([[t for n in row for t in range(n)] for row in lengths])
+    with torch.no_grad():
+        got = _plait(tmp_path / "hf")(ids, position_ids_bt=positions, document_ids_bt=document_ids)
+        for b, row in enumerate(lengths):
+            start = 0
+            for n in row:
+                alone = hf(ids[b : b + 1, start : start + n]).logits[0]
+                assert (got[b, start : start + n] - alone).abs().max().item() < TOL, (b, start)
+                start += n
+
+
 def test_an_export_in_another_dtype_says_so_where_transformers_5_reads_it(tmp_path):
     """A source saved by transformers 5 has ``dtype`` in its config.json; a bfloat16 export kept that
     float32 beside a new ``torch_dtype``, and transformers 5 reads ``dtype`` first."""

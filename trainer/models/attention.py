@@ -22,7 +22,10 @@ from trainer.models.document_masks import (
     pack_documents,
     packed_document_attention,
 )
-from trainer.models.norm import RMSNorm
+from trainer.models.norm import ProjectionRMSNorm, RMSNorm
+
+# Where QK-norm normalises: each head's E features (Qwen3) or each projection's heads x E at once (OLMo 2).
+QK_NORM_SCOPES = ("head", "projection")
 
 
 def apply_rope(x_bthe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -90,7 +93,9 @@ class Attention(nn.Module):
     Each of the ``n_kv_heads`` key/value heads serves ``n_heads // n_kv_heads``
     consecutive query heads (kv head j serves query heads j*r .. j*r + r - 1). ``head_dim`` E
     defaults to ``dim // n_heads``; ``qkv_bias`` adds biases to the q/k/v projections (Qwen2);
-    ``qk_norm`` RMS-normalises each q and k head before RoPE (Qwen3, eps ``norm_eps``).
+    ``qk_norm`` RMS-normalises q and k before RoPE (eps ``norm_eps``): each head with
+    ``qk_norm_scope="head"`` (Qwen3), the whole projection with ``"projection"`` (OLMo 2). ``rope=False``
+    leaves q and k unrotated (a NoPE layer: SmolLM3).
     """
 
     def __init__(
@@ -102,7 +107,9 @@ class Attention(nn.Module):
         head_dim: int | None = None,
         qkv_bias: bool = False,
         qk_norm: bool = False,
+        qk_norm_scope: str = "head",
         norm_eps: float = 1e-6,
+        rope: bool = True,
     ) -> None:
         super().__init__()
         self.n_heads = n_heads
@@ -112,9 +119,18 @@ class Attention(nn.Module):
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=qkv_bias)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
-        # QK-norm (Qwen3): RMSNorm of each query and key head over its E features, before RoPE.
-        self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
+        # QK-norm before RoPE: of each query and key head over its E features (Qwen3), or of each
+        # projection over all its heads' features (OLMo 2), which ties the heads together.
+        if qk_norm_scope not in QK_NORM_SCOPES:
+            raise ValueError(f"qk_norm_scope={qk_norm_scope!r} is not one of {', '.join(QK_NORM_SCOPES)}")
+        self.qk_norm_scope = qk_norm_scope if qk_norm else None
+        if self.qk_norm_scope == "projection":
+            self.q_norm = ProjectionRMSNorm(n_heads * self.head_dim, norm_eps)
+            self.k_norm = ProjectionRMSNorm(n_kv_heads * self.head_dim, norm_eps)
+        else:
+            self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
+            self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
+        self.rope = rope
         # The attention computation proper (q, k, v -> output); context parallelism replaces it.
         self.core: Any = DOCUMENT_CAUSAL
 
@@ -122,13 +138,17 @@ class Attention(nn.Module):
         """``x`` ``[B, T, D]`` -> ``[B, T, D]``; ``mask`` is what ``self.core.mask`` built for this forward."""
         B, T, _ = x_btd.shape
         # -1 heads: under tensor parallelism each rank holds n_heads/tp and n_kv_heads/tp of them.
-        q_bthe = self.wq(x_btd).view(B, T, -1, self.head_dim)
-        k_btke = self.wk(x_btd).view(B, T, -1, self.head_dim)
+        q_btf, k_btf = self.wq(x_btd), self.wk(x_btd)
+        if self.qk_norm_scope == "projection":
+            q_btf, k_btf = self.q_norm(q_btf), self.k_norm(k_btf)
+        q_bthe = q_btf.view(B, T, -1, self.head_dim)
+        k_btke = k_btf.view(B, T, -1, self.head_dim)
         v_btke = self.wv(x_btd).view(B, T, -1, self.head_dim)
-        if self.q_norm is not None:
+        if self.qk_norm_scope == "head":
             q_bthe, k_btke = self.q_norm(q_bthe), self.k_norm(k_btke)
-        q_bthe = apply_rope(q_bthe, cos, sin)
-        k_btke = apply_rope(k_btke, cos, sin)
+        if self.rope:
+            q_bthe = apply_rope(q_bthe, cos, sin)
+            k_btke = apply_rope(k_btke, cos, sin)
 
         out_btd = self.core(q_bthe, k_btke, v_btke, mask).reshape(B, T, -1)
         return self.wo(out_btd)

@@ -1,7 +1,9 @@
-"""The Llama block: a pre-norm transformer block of grouped-query attention and a SwiGLU MLP.
+"""The Llama block: a transformer block of grouped-query attention and a SwiGLU MLP, its norms
+before each sublayer (pre-norm) or on each sublayer's output (post-norm, OLMo 2).
 
 Sources: Touvron et al. 2023, "LLaMA" (pre-norm RMSNorm, SwiGLU, no biases); Shazeer 2020, "GLU
-Variants Improve Transformer" (SwiGLU, and the 8/3 hidden-size rule); Ainslie et al. 2023, "GQA".
+Variants Improve Transformer" (SwiGLU, and the 8/3 hidden-size rule); Ainslie et al. 2023, "GQA";
+Team OLMo 2024, "2 OLMo 2 Furious" (the norm on each sublayer's output, inside the residual).
 The model around it (embeddings, RoPE tables, masks, head) is `trainer.models.llama.Llama`.
 
 Shape suffixes on variable names: B batch, T sequence length, D model dim, F ffn dim.
@@ -50,8 +52,18 @@ class FeedForward(nn.Module):
         return linear_slice(self.w2, h_btf, cols=idx)
 
 
+# Where a block's norms sit: before each sublayer (Llama) or on each sublayer's output (OLMo 2).
+NORM_PLACEMENTS = ("pre", "post")
+
+
 class TransformerBlock(nn.Module):
-    """Pre-norm block: ``h = x + attn(norm(x)); out = h + ffn(norm(h))``."""
+    """A residual block of attention and feed-forward, its RMSNorms placed by ``norm_placement``.
+
+    ``"pre"``: ``h = x + attn(attention_norm(x)); out = h + ffn(ffn_norm(h))``.
+    ``"post"``: ``h = x + post_attention_norm(attn(x)); out = h + post_ffn_norm(ffn(h))``; the
+    residual stream itself is never normalised (only the final norm before the head sees it).
+    The norms a placement does not use are None.
+    """
 
     def __init__(
         self,
@@ -62,21 +74,33 @@ class TransformerBlock(nn.Module):
         norm_eps: float,
         feed_forward: nn.Module | None = None,
         attention_layer: nn.Module | None = None,
+        norm_placement: str = "pre",
         **attention: Any,
     ) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(dim, norm_eps)
+        if norm_placement not in NORM_PLACEMENTS:
+            raise ValueError(f"norm_placement={norm_placement!r} is not one of {', '.join(NORM_PLACEMENTS)}")
+        pre, post = norm_placement == "pre", norm_placement == "post"
+        self.attention_norm = RMSNorm(dim, norm_eps) if pre else None
         # Grouped-query attention, unless the model gives another (multi-head latent attention).
         if attention_layer is None:
             attention_layer = Attention(dim, n_heads, n_kv_heads, norm_eps=norm_eps, **attention)
         self.attention = attention_layer
-        self.ffn_norm = RMSNorm(dim, norm_eps)
+        self.post_attention_norm = RMSNorm(dim, norm_eps) if post else None
+        self.ffn_norm = RMSNorm(dim, norm_eps) if pre else None
         # A SwiGLU, unless the model gives another [B, T, D] -> [B, T, D] module (a routed MoE).
         self.feed_forward = FeedForward(dim, ffn_dim) if feed_forward is None else feed_forward
+        self.post_ffn_norm = RMSNorm(dim, norm_eps) if post else None
 
     def forward(self, x_btd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any) -> torch.Tensor:
-        h_btd = x_btd + self.attention(self.attention_norm(x_btd), cos, sin, mask)
-        return h_btd + self.feed_forward(self.ffn_norm(h_btd))
+        h_btd = x_btd + _norm(
+            self.post_attention_norm, self.attention(_norm(self.attention_norm, x_btd), cos, sin, mask)
+        )
+        return h_btd + _norm(self.post_ffn_norm, self.feed_forward(_norm(self.ffn_norm, h_btd)))
+
+
+def _norm(norm: nn.Module | None, x_btd: torch.Tensor) -> torch.Tensor:
+    return x_btd if norm is None else norm(x_btd)
 
 
 def llama_ffn_dim(dim: int, multiple_of: int = 64) -> int:

@@ -15,9 +15,11 @@ chat template: an export writes the template the run trained with (`trainer.expo
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from strategies.core.hf_names import LAYER_NAMES, POST_NORM_LAYER_NAMES
 from trainer.models.hf_moe import moe_config_fields, moe_export_problems, moe_kwargs
 from trainer.models.llama import Llama
 from trainer.models.moe_transformer import MoETransformer
@@ -36,7 +38,10 @@ class Family:
         architecture: its ``architectures[0]`` (the transformers class).
         model_class: the plait class its checkpoints build.
         qkv_bias: q/k/v projections with biases (Qwen2).
-        qk_norm: RMSNorm of each q and k head (Qwen3).
+        qk_norm: RMSNorm of q and k (Qwen3: each head; OLMo 2: each projection).
+        qk_norm_scope: what ``qk_norm`` normalises (`Llama`'s ``qk_norm_scope``).
+        norm_placement: ``"pre"`` (Llama) or ``"post"`` (OLMo 2) norms (`Llama`'s ``norm_placement``).
+        nope: its configs name layers without RoPE (``no_rope_layers``, SmolLM3).
         windowed: the config's ``sliding_window`` applies even without ``use_sliding_window`` (Mistral).
         chosen: an export picks it for a model that fits it (false: only when the source was one).
     """
@@ -46,6 +51,9 @@ class Family:
     model_class: type[Llama]
     qkv_bias: bool = False
     qk_norm: bool = False
+    qk_norm_scope: str = "head"
+    norm_placement: str = "pre"
+    nope: bool = False
     windowed: bool = False
     chosen: bool = True
 
@@ -54,26 +62,55 @@ class Family:
         """Whether its checkpoints hold routed experts (`trainer.models.hf_moe`)."""
         return issubclass(self.model_class, MoETransformer)
 
+    @property
+    def layer_names(self) -> Mapping[str, str]:
+        """plait block module -> its Hugging Face name (`strategies.core.hf_names`)."""
+        return POST_NORM_LAYER_NAMES if self.norm_placement == "post" else LAYER_NAMES
+
     def import_kwargs(self, config: dict[str, Any]) -> dict[str, Any]:
         """The constructor arguments of ``model_class`` this family sets beyond the shared sizes."""
         return {
             "qkv_bias": self.qkv_bias,
             "qk_norm": self.qk_norm,
+            "qk_norm_scope": self.qk_norm_scope,
+            "norm_placement": self.norm_placement,
+            **({"nope_layers": nope_layers_of(config)} if self.nope else {}),
             **(moe_kwargs(config, self.model_type) if self.moe else {}),
         }
 
     def fits(self, model: Llama) -> bool:
-        """Whether ``model`` has exactly this family's architecture flags and kind (dense or MoE)."""
-        return (model.qkv_bias, model.qk_norm, isinstance(model, MoETransformer)) == (
+        """Whether ``model`` has exactly this family's architecture flags and kind (dense or MoE);
+        a family with ``nope`` also fits a model whose layers all apply RoPE."""
+        return (self.nope or not model.nope_layers) and _flags(model) == (
             self.qkv_bias,
             self.qk_norm,
+            self.qk_norm_scope if self.qk_norm else None,
+            self.norm_placement,
             self.moe,
         )
 
     def export_fields(self, model: Llama) -> dict[str, Any]:
         """The ``config.json`` fields this family adds for ``model`` beyond the shared sizes."""
         fields = moe_config_fields(model, self.model_type) if self.moe else {}
+        if self.nope:  # 1: the layer applies RoPE (transformers' SmolLM3Config)
+            fields["no_rope_layers"] = [int(i not in model.nope_layers) for i in range(model.n_layers)]
         return fields if self.qkv_bias else {**fields, "attention_bias": False}
+
+
+def _flags(model: Llama) -> tuple:
+    scope = model.qk_norm_scope if model.qk_norm else None
+    return model.qkv_bias, model.qk_norm, scope, model.norm_placement, isinstance(model, MoETransformer)
+
+
+def nope_layers_of(config: dict[str, Any]) -> list[int]:
+    """The layers a SmolLM3 ``config.json`` runs without RoPE: the 0s of ``no_rope_layers``, else
+    every ``no_rope_layer_interval``-th layer (transformers' default interval: 4)."""
+    n_layers = config["num_hidden_layers"]
+    uses_rope = config.get("no_rope_layers")
+    if uses_rope is None:
+        interval = config.get("no_rope_layer_interval", 4)
+        uses_rope = [int((i + 1) % interval != 0) for i in range(n_layers)]
+    return [i for i in range(n_layers) if not uses_rope[i]]
 
 
 FAMILIES: dict[str, Family] = {
@@ -85,6 +122,8 @@ FAMILIES: dict[str, Family] = {
         Family("qwen3", "Qwen3ForCausalLM", Llama, qk_norm=True),
         Family("qwen3_moe", "Qwen3MoeForCausalLM", MoETransformer, qk_norm=True),
         Family("mixtral", "MixtralForCausalLM", MoETransformer),
+        Family("olmo2", "Olmo2ForCausalLM", Llama, qk_norm=True, qk_norm_scope="projection", norm_placement="post"),
+        Family("smollm3", "SmolLM3ForCausalLM", Llama, nope=True),
     )
 }
 # The plait classes a Hugging Face directory can be written from (their subclasses too).
@@ -117,8 +156,12 @@ def export_family_of(model: Llama, base: dict[str, Any] | None = None) -> str:
     fitting = [f.model_type for f in FAMILIES.values() if f.chosen and f.fits(model)]
     family = source if source is not None and FAMILIES[source].fits(model) else next(iter(fitting), None)
     if family is None:
+        others = [f"norm_placement={model.norm_placement!r}"] if model.norm_placement != "pre" else []
+        others += [f"qk_norm_scope={model.qk_norm_scope!r}"] if model.qk_norm and model.qk_norm_scope != "head" else []
+        others += [f"nope_layers={list(model.nope_layers)}"] if model.nope_layers else []
         raise FamilyError(
-            f"qk_norm={model.qk_norm}, qkv_bias={model.qkv_bias} ({type(model).__name__}) fit no Hugging Face architecture "
+            f"qk_norm={model.qk_norm}, qkv_bias={model.qkv_bias}{''.join(', ' + o for o in others)} "
+            f"({type(model).__name__}) fit no Hugging Face architecture "
             f"in plait's families ({', '.join(f.architecture for f in FAMILIES.values())})"
         )
     if FAMILIES[family].moe and (problems := moe_export_problems(model, family)):

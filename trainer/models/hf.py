@@ -1,5 +1,6 @@
-"""Hugging Face checkpoints in and out of `llama.Llama`: Llama 2/3, Mistral, Qwen2 and Qwen3; and of
-`moe_transformer.MoETransformer`: Qwen3-MoE and Mixtral (their expert names: `trainer.models.hf_moe`).
+"""Hugging Face checkpoints in and out of `llama.Llama`: Llama 2/3, Mistral, Qwen2, Qwen3, OLMo 2
+and SmolLM3; and of `moe_transformer.MoETransformer`: Qwen3-MoE and Mixtral (their expert names:
+`trainer.models.hf_moe`). The families and what sets each apart: `trainer.models.families`.
 
 A Hugging Face model directory holds ``config.json``, the weights as ``*.safetensors`` (one file,
 or shards named by ``model.safetensors.index.json``) and the tokenizer (``tokenizer.json``,
@@ -205,7 +206,7 @@ def hf_name(fqn: str, family: str | None = None) -> str:
     if router is not None:
         return router
     module, _, leaf = fqn.rpartition(".")
-    hf_module = hf_module_name(module)
+    hf_module = hf_module_name(module, *_layer_names(family))
     if hf_module is not None:
         return f"{hf_module}.{leaf}"
     raise HFError(f"parameter {fqn} has no Hugging Face name")
@@ -218,8 +219,13 @@ def plait_name(name: str, family: str | None = None) -> str | None:
     if moe is not None:
         return moe
     module, _, leaf = name.rpartition(".")
-    plait_module = plait_module_name(module)
+    plait_module = plait_module_name(module, *_layer_names(family))
     return None if plait_module is None else f"{plait_module}.{leaf}"
+
+
+def _layer_names(family: str | None) -> tuple:
+    # The block's name table of the family (post-norm blocks name their norms otherwise); none: Llama's.
+    return () if family is None else (FAMILIES[family].layer_names,)
 
 
 # ---------------------------------------------------------------------------------------------- weights

@@ -4,7 +4,10 @@ Sources: Touvron et al. 2023, "LLaMA" (pre-norm RMSNorm, SwiGLU, RoPE, no biases
 (grouped-query attention); Llama Team 2024, "The Llama 3 Herd of Models" (GQA everywhere,
 rope_theta 500000, attention kept within each document of a packed sequence); Su et al. 2021,
 "RoFormer" (RoPE); Ainslie et al. 2023, "GQA"; Shazeer 2020, "GLU Variants Improve Transformer"
-(SwiGLU); Zhang & Sennrich 2019, "Root Mean Square Layer Normalization".
+(SwiGLU); Zhang & Sennrich 2019, "Root Mean Square Layer Normalization". The families' variants:
+Team OLMo 2024, "2 OLMo 2 Furious" (post-norm blocks, QK-norm over each whole projection); Hugging
+Face 2025, SmolLM3 (every fourth layer without RoPE, "NoPE": Kazemnejad et al. 2023, "The Impact of
+Positional Encoding on Length Generalization in Transformers").
 
 Shape suffixes on variable names: B batch, T sequence length, D model dim,
 H query heads, K key/value heads, E head dim, F ffn dim, V vocabulary.
@@ -16,11 +19,14 @@ checkpoint in Meta's original layout needs its wq/wk rows permuted to load.
 
 Module names (the FQNs other code relies on):
 ``tok_embeddings``, ``layers.<i>.attention_norm``, ``layers.<i>.attention.{wq,wk,wv,wo}``,
-``layers.<i>.ffn_norm``, ``layers.<i>.feed_forward.{w1,w2,w3}``, ``norm``, ``output``.
+``layers.<i>.ffn_norm``, ``layers.<i>.feed_forward.{w1,w2,w3}``, ``norm``, ``output``; post-norm
+blocks have ``layers.<i>.post_attention_norm`` and ``layers.<i>.post_ffn_norm`` instead of the two
+pre-norms; QK-norm adds ``layers.<i>.attention.{q_norm,k_norm}``.
 """
 
 import math
-from typing import Annotated, Any
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
 
 import torch
 from torch import nn
@@ -29,8 +35,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from typing_extensions import override
 
 from strategies.core.ranges import NON_NEGATIVE, POSITIVE, Range
-from trainer.models.attention import DOCUMENT_CAUSAL
-from trainer.models.block import TransformerBlock, llama_ffn_dim
+from trainer.models.attention import DOCUMENT_CAUSAL, QK_NORM_SCOPES
+from trainer.models.block import NORM_PLACEMENTS, TransformerBlock, llama_ffn_dim
 from trainer.models.init import seeded_normal_
 from trainer.models.norm import RMSNorm
 from trainer.models.rope import rope_scaling_problems, rope_tables
@@ -63,13 +69,18 @@ class Llama(nn.Module):
         head_dim: per-head width E; None means ``dim // n_heads`` (Qwen3 and some
             Mistral checkpoints set their own).
         qkv_bias: biases on the q/k/v projections (Qwen2).
-        qk_norm: RMSNorm of each q and k head before RoPE (Qwen3).
+        qk_norm: RMSNorm of q and k before RoPE (Qwen3, OLMo 2).
         rope_scaling: a RoPE context-extension scaling, ``{"rope_type": "linear" |
             "llama3" | "yarn", ...}`` as in Hugging Face configs (see `trainer.models.rope`).
+        norm_placement: ``"pre"``: RMSNorm before attention and feed-forward (Llama);
+            ``"post"``: on their outputs, before each residual add (OLMo 2; `trainer.models.block`).
+        qk_norm_scope: what ``qk_norm`` normalises: ``"head"``, each head's E features (Qwen3);
+            ``"projection"``, each projection's heads x E features at once (OLMo 2).
+        nope_layers: blocks (0-based) whose attention applies no RoPE (SmolLM3: every fourth).
 
     Raises:
-        ValueError: if a size is not positive, the head counts do not divide or the RoPE
-            scaling is unsupported.
+        ValueError: if a size is not positive, the head counts do not divide, the RoPE
+            scaling is unsupported, a choice is unknown or a NoPE layer is out of range.
 
     Pipeline stages may set ``tok_embeddings``, ``norm`` or ``output`` to None
     and delete entries of ``layers``; ``forward`` then takes and/or returns
@@ -98,6 +109,9 @@ class Llama(nn.Module):
         qkv_bias: bool = False,
         qk_norm: bool = False,
         rope_scaling: dict[str, Any] | None = None,
+        norm_placement: Literal["pre", "post"] = "pre",
+        qk_norm_scope: Literal["head", "projection"] = "head",
+        nope_layers: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
@@ -133,6 +147,15 @@ class Llama(nn.Module):
                 f"n_heads ({n_heads}) must be divisible by n_kv_heads ({n_kv_heads}); "
                 "pick n_kv_heads among the divisors of n_heads"
             )
+        for name, value, choices in [
+            ("norm_placement", norm_placement, NORM_PLACEMENTS),
+            ("qk_norm_scope", qk_norm_scope, QK_NORM_SCOPES),
+        ]:
+            if value not in choices:
+                raise ValueError(f"{name}={value!r} is not one of {', '.join(choices)}")
+        nope_layers = tuple(sorted(set(nope_layers or ())))
+        if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n_layers for i in nope_layers):
+            raise ValueError(f"nope_layers={list(nope_layers)} must hold block indices in 0..{n_layers - 1}")
 
         self.vocab_size = vocab_size
         self.dim = dim
@@ -147,12 +170,18 @@ class Llama(nn.Module):
         self.tie_embeddings = tie_embeddings
         self.init_std = init_std
         self.qkv_bias, self.qk_norm, self.rope_scaling = qkv_bias, qk_norm, rope_scaling
+        self.norm_placement, self.qk_norm_scope, self.nope_layers = norm_placement, qk_norm_scope, nope_layers
         # One draw from torch's RNG (on CPU, also when built under a meta default device): the
         # seed of every weight (init_weights), so the weights are deterministic given the RNG state.
         self.init_seed = int(torch.randint(0, 2**62, (1,), device="cpu"))
 
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(vocab_size, dim)
-        attention = {"head_dim": self.head_dim, "qkv_bias": qkv_bias, "qk_norm": qk_norm}
+        attention = {
+            "head_dim": self.head_dim,
+            "qkv_bias": qkv_bias,
+            "qk_norm": qk_norm,
+            "qk_norm_scope": qk_norm_scope,
+        }
         self.layers = nn.ModuleDict(
             {
                 str(i): TransformerBlock(
@@ -163,6 +192,8 @@ class Llama(nn.Module):
                     norm_eps,
                     self.make_feed_forward(i),
                     self.make_attention(i),
+                    norm_placement=norm_placement,
+                    rope=i not in nope_layers,
                     **attention,
                 )
                 for i in range(n_layers)
@@ -345,7 +376,7 @@ class Llama(nn.Module):
             input_layouts=(seq, None, None, None), desired_input_layouts=(Replicate(), None, None, None)
         )
         plan["layers.*.feed_forward"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
-        if sequence_parallel:
+        if sequence_parallel and self.norm_placement == "pre":
             plan.update(
                 {
                     "norm": SequenceParallel(),
@@ -353,9 +384,17 @@ class Llama(nn.Module):
                     "layers.*.ffn_norm": SequenceParallel(),
                 }
             )
+        elif sequence_parallel:
+            # A post-norm takes the row-wise wo/w2 output (sharded on T) and gives a local tensor,
+            # as the residual stream between blocks is: the residual add mixes no DTensor in.
+            plan["norm"] = SequenceParallel()
+            for name in ("post_attention_norm", "post_ffn_norm"):
+                plan[f"layers.*.{name}"] = SequenceParallel(use_local_output=True)
         if self.qk_norm:
-            # [B, T, heads/tp, E] per rank: the norm weight a replicated DTensor, so its gradient,
-            # a partial sum over this rank's heads, is summed over tp.
+            # [B, T, heads/tp, E] per rank (a projection-wide norm: [B, T, heads/tp x E], sharded on
+            # the features it normalises: ProjectionRMSNorm's mean of squares is then one all-reduce
+            # over tp). The norm weight a replicated DTensor, so its gradient, a partial sum over
+            # this rank's heads, is summed over tp.
             plan.update(
                 {
                     f"layers.*.attention.{n}": SequenceParallel(sequence_dim=2, use_local_output=True)

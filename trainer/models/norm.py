@@ -21,3 +21,20 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
+
+
+class ProjectionRMSNorm(RMSNorm):
+    """RMSNorm over a whole projection's features, every head at once (OLMo 2's QK-norm).
+
+    The formula written out (as transformers' ``Olmo2RMSNorm``), not the fused kernel: under tensor
+    parallelism the features arrive sharded by head as a DTensor (``Shard(-1)``), and DTensor
+    turns the mean of squares into one all-reduce of ``[..., 1]`` per call, where the fused
+    kernel's sharding rule has no strategy for a sharded normalised dim.
+
+    Shapes: input ``[B, T, heads * E]`` -> output ``[B, T, heads * E]``.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * normed).to(x.dtype)
