@@ -241,10 +241,13 @@ class IST(LocalSGD):
         sent = average_(self.shared, self.group)
         full, sent_gather = self._gather(optimizer)
         self._install(full, optimizer)
+        self._drop_split()
+        return sent + sent_gather
+
+    def _drop_split(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks, self.groups = [], None
-        return sent + sent_gather
 
     def _unit_tensors(self, optimizer: torch.optim.Optimizer | None) -> list[tuple[int, nn.Parameter, str | None, int]]:
         """(MLP index, parameter, state key or None for the parameter itself, unit dim) of every
@@ -316,10 +319,17 @@ class IST(LocalSGD):
     def load_checkpoint(
         self, path: Path, *, model: nn.Module, optimizers: list[torch.optim.Optimizer]
     ) -> dict[str, Any]:
-        """Loads a full-shape checkpoint (`LocalSGD.load_checkpoint`); the next step splits it again."""
-        if self.groups is not None:
-            raise RuntimeError("strategy=ist loads a checkpoint into the full model, before its first step")
+        """Loads a full-shape checkpoint (`LocalSGD.load_checkpoint`); the next step splits it again.
+
+        In the middle of a round (a rollback of ``train.nonfinite=rollback``) the narrow tensors are
+        first replaced by full-shape ones: the checkpoint then sets every value.
+        """
         self.optimizer = optimizers[0] if optimizers else None
+        if self.groups is not None:
+            tensors = self._unit_tensors(self.optimizer)
+            narrow = [p.data if key is None else self.optimizer.state[p][key] for _, p, key, _ in tensors]
+            self._install([_widened(t, dim, self.num_islands) for t, (*_, dim) in zip(narrow, tensors)], self.optimizer)
+            self._drop_split()
         return super().load_checkpoint(path, model=model, optimizers=optimizers)
 
     @override
@@ -349,6 +359,13 @@ def _unit_state(optimizer: torch.optim.Optimizer | None, param: nn.Parameter) ->
         return []
     state = optimizer.state.get(param, {})
     return [(k, state[k]) for k in sorted(state) if torch.is_tensor(state[k]) and state[k].shape == param.shape]
+
+
+def _widened(tensor: torch.Tensor, dim: int, factor: int) -> torch.Tensor:
+    """Zeros shaped like ``tensor`` with ``factor`` times its size along ``dim``."""
+    shape = list(tensor.shape)
+    shape[dim] *= factor
+    return tensor.new_zeros(shape)
 
 
 def _is_muon(optimizer: Any) -> bool:

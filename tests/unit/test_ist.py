@@ -222,3 +222,19 @@ def test_the_planner_reads_ist_from_the_run() -> None:
     assert layout.ist_islands == 2
     cfg = compose_config(["strategy=diloco", "trainer.devices=2"])
     assert planner_inputs(cfg, validate(cfg))[1].ist_islands == 1
+
+
+def test_a_load_in_the_middle_of_a_round_restores_the_full_checkpoint(tmp_path) -> None:
+    """A rollback (train.nonfinite=rollback) loads a checkpoint while the MLPs are narrow: the
+    full-shape weights and moments come back exactly, and the next step splits them again."""
+    model = _model()
+    optimizer = _adamw_after_one_step(model)
+    plugin, island, opt = _islands(model, optimizer)[0]
+    plugin.save_checkpoint(tmp_path / "ckpt", model=island, optimizers=[opt], meta={"global_step": 1})
+    plugin.split_(opt)
+    plugin.load_checkpoint(tmp_path / "ckpt", model=island, optimizers=[opt])
+    assert plugin.groups is None
+    for (name, p), p0 in zip(island.named_parameters(), model.parameters()):
+        assert torch.equal(p, p0), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][key], optimizer.state[p0][key]), (name, key)
