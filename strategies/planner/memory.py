@@ -21,7 +21,10 @@ on CPU one pair of int64 token indices per forward); SwiGLU its two
 projections, the SiLU output and the product; the head the log-softmax output (fp32). Sequence
 parallel shards the norms' tensors by tp, heads and ffn features are sharded by tp, context
 parallel shards every token-wise tensor by cp (ring attention keeps no mask and copies its output
-once more). Full activation checkpointing keeps the block input only.
+once more). Full activation checkpointing keeps the block input only. QK-norm (Qwen3 per head,
+OLMo 2 per projection) keeps the same three tensors over q's and k's features; a post-norm block
+(OLMo 2) saves what a pre-norm one does (its norms take the sublayers' outputs, its projections
+the block input), so it needs no term of its own.
 
 Independent Subnet Training (``Layout.ist_islands`` = P > 1) keeps 1 / P of every dense MLP's
 hidden units on each rank during a round: its gate/up rows, down columns, their gradients,
@@ -193,11 +196,28 @@ def layer_activation_bytes(
     per_token += (2 * heads + 2 * kv_heads) * e * a + heads * 4  # q, k, v, out; log-sum-exp (fp32)
     if ring:
         per_token += heads * e * a  # the attention output copied into the wo input
+    per_token += qk_norm_bytes_per_token(shape, layer, tp)
     if layer is not None and shape.is_moe(layer):
         per_token += moe_activation_bytes_per_token(shape, a)
     else:
         per_token += 4 * (f // tp // layout.ist_islands) * a  # w1 and w3 outputs, SiLU output, their product
     return int(tokens * per_token)
+
+
+def qk_norm_bytes_per_token(shape: ModelShape, layer: int | None, tp: int) -> int:
+    """Saved bytes per token of block ``layer``'s QK-norms (``attention.{q,k}_norm`` after
+    ``attention.{wq,wk}``), read off their weights: each keeps its fp32 input and normalised output
+    (the projection's features on this rank) and one fp32 1/rms per normalised row: per head for a
+    head-wise norm (Qwen3), one per token for a projection-wide one (OLMo 2, whose rows span the
+    tp ranks). None (a dense block of unknown index) or no such norm: 0."""
+    specs = {p.name.removeprefix(f"layers.{layer}.attention."): p.shape for p in shape.params if p.layer == layer}
+    total = 0
+    for proj, norm in (("wq", "q_norm"), ("wk", "k_norm")):
+        if f"{norm}.weight" in specs and f"{proj}.weight" in specs:
+            features = specs[f"{proj}.weight"][0] // tp
+            rows = max(1, features // specs[f"{norm}.weight"][0])
+            total += (2 * features + rows) * 4
+    return total
 
 
 def moe_activation_bytes_per_token(shape: ModelShape, a: int) -> float:

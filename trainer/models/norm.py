@@ -3,6 +3,7 @@
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 
 class RMSNorm(nn.Module):
@@ -35,6 +36,10 @@ class ProjectionRMSNorm(RMSNorm):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
+        x32, weight = x.float(), self.weight
+        if isinstance(x, DTensor) and isinstance(weight, DTensor):
+            # This rank's slice of the replicated weight, taken explicitly: its gradient then comes
+            # back replicated, as the weight is (DTensor's implicit slice leaves it sharded).
+            weight = weight.redistribute(weight.device_mesh, [Shard(0)])
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * normed).to(x.dtype)
+        return (weight.float() * normed).to(x.dtype)
