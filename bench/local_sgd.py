@@ -19,6 +19,11 @@ step; the probes in docs/benchmarks.md show the gap to DDP shrinking with the pe
 - ``daso``: DASO (Coquelin et al. 2022) with B = 4, S = 1 and bf16 messages, no warm-up and a fixed
   period (the `daso` preset's plateau rule off): one eighth of DDP's bytes. Its last sum is sent at
   the last step and never merged, so its final loss is the islands' token-weighted mean.
+- ``ist``: Independent Subnet Training (Yuan et al. 2022; the ``ist`` preset, L = 10): each island
+  trains half of every MLP's hidden units, reassembled every 10 steps. Its steps are cheaper than
+  DDP's, so IST is also compared at equal wall-clock time: after the equal-steps run, a second IST
+  run (``ist_time``) gets the steps that DDP's training time buys at IST's measured tokens/s
+  (rounded down to a multiple of L; the LR schedule spans its own steps).
 
 Bytes are bytes each rank sends to the other replicas over the whole run, counted as a ring
 all-reduce (2 (n - 1) / n x message bytes, `strategies.local_sgd.allreduce_bytes_sent`): for the
@@ -34,6 +39,8 @@ Invocations::
     python bench/local_sgd.py --warmup-dir /tmp/w2400 --steps 500 --methods ddp diloco50  # probe; warm-up kept
     python bench/local_sgd.py --warmup 0 --steps 400 --global-batch-size 8 --methods ddp diloco10 diloco50
     python bench/local_sgd.py --warmup 400 --steps 400 --methods ddp daso   # DASO against DDP, ~10 minutes
+    python bench/local_sgd.py --model tiny --seq-len 256 --global-batch-size 8 --warmup 0 --steps 400 \
+        --methods ddp ist                                           # IST on the pretrain recipe's sizes
     python bench/local_sgd.py --methods ddp --extra "nesterov09=strategy=diloco strategy.local_sgd.sync_every=50
         strategy.local_sgd.outer_optimizer.momentum=0.9"              # another setting, next to DDP
 
@@ -41,12 +48,15 @@ Invocations::
 not check that the warm-up's flags match this invocation's: that is the caller's to keep).
 The last line is ``RESULT diloco50_bytes_ratio=<x> diloco50_loss_ratio=<y> diloco100_bytes_ratio=
 diloco100_loss_ratio= desloc_bytes_ratio=<z> desloc_loss_ratio=<w>`` (and ``daso_bytes_ratio``,
-``daso_loss_ratio`` when daso runs), for the methods run.
+``daso_loss_ratio`` when daso runs; ``ist_bytes_ratio``, ``ist_loss_ratio`` (both of the equal
+wall-clock run) and ``ist_tokens_per_s_ratio``, ``ist_steps_loss_ratio`` (equal steps) when ist
+runs), for the methods run.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -81,9 +91,19 @@ METHODS = {
         "strategy.local_sgd.warmup_steps=0",
         "strategy.local_sgd.adaptive=false",
     ],  # fmt: skip
+    "ist": ["strategy=ist"],  # L = 10, half of every MLP's units per island
 }
 # Steps between the syncs each method's final loss and bytes depend on (DES-LOC: its slowest state).
-SYNC_PERIOD = {"ddp": 1, "diloco10": 10, "diloco50": 50, "diloco100": 100, "desloc": 96, "local_adam": 16, "daso": 4}
+SYNC_PERIOD = {
+    "ddp": 1,
+    "diloco10": 10,
+    "diloco50": 50,
+    "diloco100": 100,
+    "desloc": 96,
+    "local_adam": 16,
+    "daso": 4,
+    "ist": 10,
+}
 DEFAULT_METHODS = ["ddp", "diloco50", "diloco100", "desloc", "local_adam"]
 
 
@@ -122,6 +142,7 @@ def train(method: str, args: argparse.Namespace, run_dir: Path, *, steps: int, i
     finally:
         for key in LAUNCH_ENV:  # the next fit in this process must not look "launched externally"
             os.environ.pop(key, None)
+    summary = json.loads((run_dir / "summary.json").read_text())
     steps = [h for h in task.history if "loss" in h]
     num_params = sum(p.numel() for p in task.model.parameters())
     if method in ("ddp", "warmup"):
@@ -135,6 +156,7 @@ def train(method: str, args: argparse.Namespace, run_dir: Path, *, steps: int, i
         "steps": len(steps),
         "params": num_params,
         "wall_s": time.perf_counter() - start,
+        "tokens_per_s": summary["tokens_per_s"],  # after each rank's first step (trainer.callbacks.summary)
     }
 
 
@@ -186,13 +208,21 @@ def main() -> None:
                     flush=True,
                 )
             init_from = str(warm_dir)
-        for method in args.methods:
-            results[method] = train(method, args, Path(tmp) / method, steps=args.steps, init_from=init_from)
+        runs = [(m, args.steps) for m in sorted(args.methods, key=lambda m: m != "ddp")]  # DDP first
+        while runs:
+            method, steps = runs.pop(0)
+            results[method] = train(
+                method.removesuffix("_time"), args, Path(tmp) / method, steps=steps, init_from=init_from
+            )
             r = results[method]
             print(
-                f"{method}: val_loss={r['val_loss_start']:.4f} -> {r['val_loss']:.4f} bytes_per_rank={r['bytes']:.4g} wall={r['wall_s']:.0f}s",
+                f"{method}: {steps} steps, val_loss={r['val_loss_start']:.4f} -> {r['val_loss']:.4f} "
+                f"bytes_per_rank={r['bytes']:.4g} tokens/s={r['tokens_per_s']} wall={r['wall_s']:.0f}s",
                 flush=True,
             )
+            if method == "ist":  # then at DDP's training time: the steps its tokens/s buys in that time
+                ratio = r["tokens_per_s"] / results["ddp"]["tokens_per_s"]
+                runs.append(("ist_time", int(args.steps * ratio) // SYNC_PERIOD["ist"] * SYNC_PERIOD["ist"]))
 
     ddp = results["ddp"]
     print(
@@ -214,6 +244,15 @@ def main() -> None:
                 f"{method}_bytes_ratio={r['bytes'] / ddp['bytes']:.5f}",
                 f"{method}_loss_ratio={r['val_loss'] / ddp['val_loss']:.4f}",
             ]
+    if "ist_time" in results:
+        timed, steps = results["ist_time"], results["ist"]
+        headline += [
+            f"ist_bytes_ratio={timed['bytes'] / ddp['bytes']:.5f}",
+            f"ist_loss_ratio={timed['val_loss'] / ddp['val_loss']:.4f}",
+            f"ist_tokens_per_s_ratio={steps['tokens_per_s'] / ddp['tokens_per_s']:.4f}",
+            f"ist_steps={timed['steps']}",
+            f"ist_steps_loss_ratio={steps['val_loss'] / ddp['val_loss']:.4f}",
+        ]
     print("RESULT " + " ".join(headline))
 
 
