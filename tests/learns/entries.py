@@ -184,6 +184,8 @@ MOE = (
     "model.n_dense_layers=0",
     "model.max_seq_len=64",
 )
+# The families' presets at the nano size (width 64, 2 blocks); SmolLM3's NoPE layer is its second.
+FAMILY_NANO = ("model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=64")
 STEADY = ("scheduler=constant", "scheduler.warmup_steps=5", "train.global_batch_size=32")
 
 
@@ -288,6 +290,11 @@ ENTRIES: dict[str, Entry] = {
     # alone reaches the loss too). DES-LOC averages every 4 steps, inside the golden curve; DiLoCo
     # every 10 (every 4 leaves its outer Nesterov step too little inner progress: 6.82 at step 80).
     "pretrain": Entry("pretrain", (*NANO, *TEXT), (VAL_LOSS_PRETRAIN,)),
+    # The model families whose blocks differ from Llama's (post-norm + projection QK-norm; NoPE).
+    "olmo2": Entry("pretrain", ("model=olmo2_tiny", *FAMILY_NANO, *TEXT), (VAL_LOSS_PRETRAIN,)),
+    "smollm3": Entry(
+        "pretrain", ("model=smollm3_tiny", *FAMILY_NANO, "model.nope_layers=[1]", *TEXT), (VAL_LOSS_PRETRAIN,)
+    ),
     "moe_ep": Entry(
         "pretrain", (*MOE, *TEXT, "strategy=nd", "strategy.expert_parallel.ep=2"), (VAL_LOSS_PRETRAIN,), devices=2
     ),
