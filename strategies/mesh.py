@@ -227,6 +227,38 @@ class MeshStrategy(ModelParallelStrategy):
         dp_mesh = self.submesh("dp")
         return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
 
+    @property
+    def train_sampler_kwargs(self) -> dict[str, int]:
+        """`distributed_sampler_kwargs` of the training rows: with replica groups (a plugin's
+        `data_share`), each world trains its own share of every global batch; evaluation rows
+        stay split over this world only (each group evaluates all of them)."""
+        index, count = next((p.data_share() for p in self.active if p.data_share() != (0, 1)), (0, 1))
+        kwargs = self.distributed_sampler_kwargs
+        return {"num_replicas": kwargs["num_replicas"] * count, "rank": index * kwargs["num_replicas"] + kwargs["rank"]}
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        for plugin in self.active:
+            plugin.join(self.lightning_module.trainer)
+
+    def reduce_tokens(self, num_tokens: torch.Tensor) -> torch.Tensor:
+        """The step's supervised tokens summed over other worlds too (the first active plugin's
+        `StrategyPlugin.reduce_tokens`: replica groups); else ``num_tokens``."""
+        for plugin in self.active:
+            if (reduced := plugin.reduce_tokens(num_tokens)) is not None:
+                return reduced
+        return num_tokens
+
+    def reduce_gradients(self, parameters: Sequence[nn.Parameter], loss: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """Gradients and loss summed over other worlds too (the first active plugin's
+        `StrategyPlugin.reduce_gradients`: replica groups) and whether the update applies; else
+        ``loss`` and True."""
+        for plugin in self.active:
+            if (reduced := plugin.reduce_gradients(parameters, loss)) is not None:
+                return reduced
+        return loss, True
+
     def submesh(self, axis: str) -> DeviceMesh:
         """One mesh axis ("pp", "tp", ...) or flattened view ("dp", "dp_cp")."""
         return self._mesh_views[axis] if axis in self._mesh_views else self.device_mesh[axis]
@@ -447,6 +479,8 @@ class MeshStrategy(ModelParallelStrategy):
     def teardown(self) -> None:
         if self.heartbeat is not None:
             self.heartbeat.stop()  # a tombstone: this rank ended on purpose
+        for plugin in self.active:
+            plugin.teardown()
         super().teardown()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -24,6 +24,12 @@ Phases, in the order a run meets them:
 6. Checkpoints: ``checkpoint_io()`` (a plugin that writes and reads the checkpoint itself) and
    ``saved_keys()`` (which model keys a checkpoint holds).
 
+A plugin that joins this world to others (torchft's replica groups, `strategies.fault_tolerance`)
+also takes ``data_share()`` (this world's share of each global batch), ``join(trainer)`` (at the
+start of training, before the first batch is read), ``reduce_tokens(num_tokens)`` (before the
+forward), ``reduce_gradients(parameters, loss)`` (after the backward, before the gradient norm and
+the optimizer step) and ``teardown()``.
+
 Declared properties (class attributes): ``when``, ``needs_real_weights``, ``splits_stages``,
 ``per_stage``, ``after_others`` (its ``after_step`` runs after every other plugin's), ``islands`` (the plugin owns the dp_replicate axis: replicas do not reduce
 gradients together, so FSDP and the token count stay inside one island), ``conflicts`` (node keys
@@ -135,6 +141,31 @@ class StrategyPlugin:
     def after_step(self, model: nn.Module, step: int, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Work after optimizer step ``step`` (1 after the first; ``optimizer`` unwrapped); metrics for the loggers."""
         return {}
+
+    def data_share(self) -> tuple[int, int]:
+        """``(index, count)``: this world's place among the worlds that split each global batch
+        (replica groups); (0, 1): the world trains the whole batch."""
+        return 0, 1
+
+    def join(self, trainer: Any) -> None:
+        """At the start of training, before the first batch is read (``trainer``: Lightning's): join
+        the worlds this one trains with, possibly taking their state (replica groups)."""
+
+    def reduce_tokens(self, num_tokens: torch.Tensor) -> torch.Tensor | None:
+        """Before the forward: this world's supervised tokens of the step (0-dim) summed with other
+        worlds' (replica groups). None: not this plugin's to reduce."""
+        return None
+
+    def reduce_gradients(
+        self, parameters: Sequence[nn.Parameter], loss: torch.Tensor
+    ) -> tuple[torch.Tensor, bool] | None:
+        """After the backward: sums this world's gradients (already divided by every world's tokens)
+        and its ``loss`` with other worlds' in place; returns the summed loss and whether to apply
+        the update. None: not this plugin's to reduce."""
+        return None
+
+    def teardown(self) -> None:
+        """At the end of the run, before the process group is destroyed."""
 
     def checkpoint_io(self) -> CheckpointIO | None:
         """The object that writes and reads checkpoints instead of `strategies.checkpoint.dcp`; None: the default."""

@@ -111,6 +111,14 @@ class ParamRecorder(L.Callback):
         pl_module.history.append({"params": all_stages(trainer, params)})
 
 
+class RowRecorder(L.Callback):
+    """Appends ``{"rows": this rank's input_ids of the step}`` at every training batch (rank 0's in
+    the history). Add with ``+callbacks.rows._target_=harness.RowRecorder``."""
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        pl_module.history.append({"rows": batch["input_ids"].detach().clone()})
+
+
 class InitialParamRecorder(L.Callback):
     """Appends ``{"initial_params": {name: full parameter}}`` at the start of training.
     Add with ``+callbacks.initial_params._target_=harness.InitialParamRecorder``."""

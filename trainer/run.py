@@ -28,6 +28,7 @@ from trainer.data.summary import describe
 from trainer.finetune_defaults import lr_line
 from trainer.nonfinite import NonFiniteError
 from trainer.planning import check_memory
+from trainer.replica_groups import launches_groups, run_replica_groups
 from trainer.resume import RESUMES_FILE, ResumeRecord, check_resume, resume_changes
 from trainer.rl.rewards import RewardError
 from trainer.run_length import plan_run_length
@@ -228,6 +229,8 @@ def run(cfg: DictConfig, launch: Launch | None = None) -> None:
                 print(f"plait: error: {err}", file=sys.stderr)
                 raise SystemExit(1) from None
             return
+        if launches_groups(cfg):  # strategy=ft: this process starts the replica groups and waits for them
+            raise SystemExit(run_replica_groups(cfg, run_dir, say=_print))
         trainer, task, data = start(cfg, run_dir, launch, launching)
     ckpt_path = launch.ckpt_path
     try:

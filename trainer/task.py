@@ -213,7 +213,8 @@ class Task(L.LightningModule):
         strategy = self.trainer.strategy
         optimizer = self.optimizers()
         batch = self.objective.step_rows(self, batch)  # an online objective samples its rows here
-        step_tokens = batch["input_ids"].numel() * strategy.dims.dp  # before a cp rank keeps its slice
+        # before a cp rank keeps its slice; every replica group's share (fault tolerance) counted
+        step_tokens = batch["input_ids"].numel() * strategy.train_sampler_kwargs["num_replicas"]
         micro_batches = strategy.micro_batches(batch, self.micro_batch_size)  # e.g. each cp rank's slices
         if isinstance(self.model, RoutedModel):
             # Router losses average over the step's routed tokens on every rank that shares the gradient.
@@ -223,6 +224,7 @@ class Task(L.LightningModule):
         num_tokens = torch.stack([self.objective.num_tokens(mb) for mb in micro_batches]).sum()
         # The ranks that share one gradient: dp x cp, or one island's under local SGD.
         num_tokens = strategy.all_reduce_sum(num_tokens.to(self.device), strategy.token_axis)
+        num_tokens = strategy.reduce_tokens(num_tokens)  # replica groups (fault tolerance): theirs too
         # A step without supervised tokens contributes exactly 0 gradient, never 0/0 = NaN.
         denominator = num_tokens.clamp(min=1.0)
 
@@ -238,6 +240,8 @@ class Task(L.LightningModule):
             loss, num_tokens = totals[0] / totals[1].clamp(min=1.0), totals[1]
 
         parameters = [p for p in self.model.parameters() if p.requires_grad]
+        # Replica groups (fault tolerance) sum their gradients here; an update a group cannot commit is dropped.
+        loss, commit = strategy.reduce_gradients(parameters, loss)
         grad_norm = strategy.grad_norm(parameters)
         islands = None if strategy.token_axis == "dp_cp" else lambda t: strategy.all_reduce_sum(t, "dp_replicate")
         values = self.nonfinite.combine(loss, grad_norm, islands=islands)
@@ -250,6 +254,8 @@ class Task(L.LightningModule):
             optimizer.zero_grad(set_to_none=True)  # the optimizer then leaves every parameter as it is
         elif self.max_grad_norm:  # (a skipped step's NaN gradients: its update is skipped anyway)
             strategy.clip_grads(parameters, max_norm=self.max_grad_norm, total_norm=grad_norm)
+        if not commit:
+            optimizer.zero_grad(set_to_none=True)
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -21,7 +21,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -71,14 +71,15 @@ def launch_problems(accelerator: str, devices: int, num_nodes: int, environ: dic
     return problems
 
 
-def child_command(local_rank: int) -> list[str]:
-    """The command that runs rank ``local_rank`` of the current Hydra job (no sweep)."""
+def child_command(local_rank: int, *, run_dir: str | None = None, extra: Sequence[str] = ()) -> list[str]:
+    """The command that runs rank ``local_rank`` of the current Hydra job (no sweep), in ``run_dir``
+    (None: the job's) with the ``extra`` overrides (a replica group's, `trainer.replica_groups`)."""
     hydra_cfg = HydraConfig.get()
     argv, selection = sys.argv[1:], []
     for i, arg in enumerate(argv):
         if arg.startswith(_CONFIG_FLAGS):
             selection += [arg] if "=" in arg else [arg, argv[i + 1]]
-    run_dir = hydra_cfg.runtime.output_dir
+    run_dir = run_dir or hydra_cfg.runtime.output_dir
     overrides = [o for o in hydra_cfg.overrides.task if not o.startswith(("run_dir=", "hydra."))]
     # Hydra files hydra.* overrides apart from the task's; the child needs the conf/ search path.
     overrides += [o for o in hydra_cfg.overrides.hydra if o.startswith("hydra.searchpath=")]
@@ -89,6 +90,7 @@ def child_command(local_rank: int) -> list[str]:
         exe
         + selection
         + overrides
+        + list(extra)
         + [
             f"run_dir={run_dir}",
             f"hydra.run.dir={run_dir}",

@@ -222,7 +222,11 @@ class DataModule(L.LightningDataModule, protocols.DataModule):
 
     @override
     def train_dataloader(self) -> Loader:
-        return Loader(self.train_batches(*self.dp()), pin_memory=torch.cuda.is_available())
+        if self.trainer is None:
+            return Loader(self.train_batches(0, 1), pin_memory=torch.cuda.is_available())
+        strategy = self.trainer.strategy  # with replica groups: this group's share of each batch
+        share = getattr(strategy, "train_sampler_kwargs", strategy.distributed_sampler_kwargs)
+        return Loader(self.train_batches(share["rank"], share["num_replicas"]), pin_memory=torch.cuda.is_available())
 
     def eval_dataloader(self) -> list[Batch]:
         """This dp rank's share of `eval_rows` in micro-batches (`shard_rows`: every row once, the

@@ -1,0 +1,322 @@
+"""Replica groups that survive losing one: torchft's per-step quorum, fault-tolerant all-reduce and live recovery.
+
+Each replica group is one plait world (its own processes, process group and mesh, FSDP inside
+it); the groups together are the replicate axis that HSDP's ``dp_replicate`` otherwise is, but they
+share no process group that one lost process could break. A torchft ``Lighthouse`` (started by
+`trainer.replica_groups` for a single-machine run) forms a quorum of the groups alive; a torchft
+``Manager`` in each group does the rest. Per optimizer step:
+
+1. `reduce_tokens`, before the forward: the quorum (synchronous, ``use_async_quorum=False``; the
+   groups present reconfigure torchft's gloo group when the membership changed), then one
+   fault-tolerant all-reduce of the step's supervised-token count: each group divides its loss by
+   the tokens of all groups present, as HSDP divides by those of all replicas.
+2. Forward and backward inside the group as usual.
+3. `reduce_gradients`: one fault-tolerant all-reduce (SUM) of the loss and one per gradient dtype:
+   with every group present this is HSDP's gradient, bit for bit on one process per group. A
+   group that is healing contributes zeros.
+4. ``should_commit``: the optimizer step runs only if every rank of the group saw its collectives
+   succeed; a step whose all-reduce failed (a peer died during it) drops its update on the
+   groups that saw the failure (counted: ``ft/uncommitted_steps``) and the next quorum goes on
+   without the lost group.
+
+A group that (re)starts joins at the start of training (`join`): its first quorum finds the others
+ahead, torchft fetches a healthy peer's state over HTTP (this rank's shards of the model and the
+optimizer, the LR schedulers, the data position, Lightning's loop counters and the task's
+counters: `ReplicaGroups.state`), and the group starts its loop at the peer's step, the step the
+peer is in: from then on every group holds the same parameters. A running group that falls behind
+(its update dropped while the others committed) ends with an error naming the restart that
+recovers it. The data: each group trains its own share of every global batch (the sampler's rank
+is ``group x dp + dp_rank`` of ``groups x dp``); a lost group's share of the steps it missed is not
+trained (``ft/participants`` says how many groups each step had).
+
+Implements the FT-HSDP scheme of pytorch/torchft (``Manager``, ``ProcessGroupGloo``, ``HTTPTransport``;
+the PyTorch blog "Fault Tolerant Llama", 2025) on torchft's public API, pinned to 0.2.0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Annotated, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from strategies.core.parallel_dims import ParallelDims
+from strategies.core.ranges import POSITIVE
+from strategies.local_sgd.base import allreduce_bytes_sent, local
+from strategies.plugin import StrategyPlugin
+
+if TYPE_CHECKING:
+    from strategies.core.resolved import ResolvedRun
+    from strategies.core.shape import ModelShape
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable: the Lighthouse's address
+
+
+class FellBehind(RuntimeError):
+    """A running replica group must take a peer's state mid-run (its update was dropped while the
+    others committed): restarting the group recovers it (`ReplicaGroups.join`)."""
+
+
+class ReplicaGroups(StrategyPlugin):
+    """This world as one torchft replica group of ``num_replica_groups`` (module docstring).
+
+    Args:
+        num_replica_groups: the groups the run starts with (each one plait world of
+            ``trainer.devices`` processes).
+        replica_group: this world's group, ``0 .. num_replica_groups - 1`` (set by the launcher,
+            `trainer.replica_groups`; None at validate before launch).
+        lighthouse: the Lighthouse's address (``http://host:port``); None: ``$TORCHFT_LIGHTHOUSE``.
+        min_replica_size: groups a step needs to commit its update.
+        timeout_s: seconds a cross-group collective, commit or state transfer may take before the
+            step fails (and its update is dropped).
+        quorum_timeout_s: seconds a group waits for a quorum.
+        max_restarts, join_timeout_s: the launcher's (`trainer.replica_groups`): restarts of a group
+            that dies; seconds the Lighthouse waits for every live group before a quorum without one.
+
+    Raises:
+        ValueError: a count below 1 or ``replica_group`` outside ``0 .. num_replica_groups - 1``.
+    """
+
+    when = "setup"
+    conflicts = ("local_sgd",)  # DiLoCo's replica groups (quorum per outer step) are not built yet
+
+    def __init__(
+        self,
+        *,
+        num_replica_groups: int = 2,
+        replica_group: int | None = None,
+        lighthouse: str | None = None,
+        min_replica_size: int = 1,
+        timeout_s: Annotated[float, POSITIVE] = 60.0,
+        quorum_timeout_s: Annotated[float, POSITIVE] = 300.0,
+        max_restarts: int = 3,
+        join_timeout_s: Annotated[float, POSITIVE] = 30.0,
+    ) -> None:
+        if num_replica_groups < 1 or min_replica_size < 1:
+            raise ValueError(
+                f"strategy.fault_tolerance.num_replica_groups={num_replica_groups} and min_replica_size="
+                f"{min_replica_size} must be at least 1"
+            )
+        if replica_group is not None and not 0 <= replica_group < num_replica_groups:
+            raise ValueError(
+                f"strategy.fault_tolerance.replica_group={replica_group} is not one of 0..{num_replica_groups - 1}"
+            )
+        self.num_replica_groups, self.replica_group = num_replica_groups, replica_group
+        self.lighthouse, self.min_replica_size = lighthouse, min_replica_size
+        self.timeout, self.quorum_timeout = timedelta(seconds=timeout_s), timedelta(seconds=quorum_timeout_s)
+        self.max_restarts, self.join_timeout_s = max_restarts, join_timeout_s
+        self.manager: Any = None
+        self.trainer: Any = None
+        self._quorum_ready = False  # `join` formed the first step's quorum
+        self._joining = False
+        self.uncommitted_steps = 0
+        self.bytes_sent = 0.0
+        self.participants = 0
+
+    # ------------------------------------------------------------------------------ validate
+    def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
+        dims = run.dims
+        problems = []
+        if dims.dp_replicate > 1:
+            problems.append(
+                f"strategy.dp_replicate={dims.dp_replicate} with strategy.fault_tolerance: the replica groups are the "
+                "replicate axis (each group shards with dp_shard); use strategy.dp_replicate=1 and "
+                "strategy.fault_tolerance.num_replica_groups"
+            )
+        for axis in ("tp", "pp", "cp"):
+            if getattr(dims, axis) > 1:
+                problems.append(
+                    f"strategy.{axis}={getattr(dims, axis)}: strategy.fault_tolerance runs FSDP (dp_shard) inside each "
+                    f"replica group so far; use strategy.{axis}=1"
+                )
+        if shape is not None and shape.num_experts:
+            problems.append(
+                "strategy.fault_tolerance with a mixture of experts: the router losses are scaled within one group "
+                "so far; use a dense model"
+            )
+        return problems
+
+    def active(self, dims: ParallelDims, *, islands: bool) -> bool:
+        return True
+
+    # ------------------------------------------------------------------------------ joining
+    def data_share(self) -> tuple[int, int]:
+        """``(index, count)`` of this world among the worlds that split each global batch."""
+        return (self.replica_group or 0), self.num_replica_groups
+
+    def join(self, trainer: Any) -> None:
+        """Starts this group's torchft Manager and forms the first quorum; when the others are ahead,
+        takes a healthy peer's state (`load_state`) so the loop starts at their step.
+
+        Raises:
+            RuntimeError: no replica group or Lighthouse is configured (the launcher sets both).
+        """
+        os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at info
+        from torchft import Manager, ProcessGroupGloo  # the pinned engine (torchft==0.2.0)
+
+        logging.getLogger("torchft").setLevel(logging.WARNING)  # and its Manager every commit
+
+        lighthouse = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
+        if self.replica_group is None or not lighthouse:
+            raise RuntimeError(
+                "strategy.fault_tolerance needs strategy.fault_tolerance.replica_group and a Lighthouse "
+                f"(strategy.fault_tolerance.lighthouse or ${LIGHTHOUSE_ENV}); plait's launcher sets both: run the "
+                "command without strategy.fault_tolerance.replica_group"
+            )
+        self.trainer = trainer
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=self.timeout),
+            load_state_dict=self.load_state,
+            state_dict=self.state,
+            min_replica_size=self.min_replica_size,
+            use_async_quorum=False,  # a healing group takes the state before its forward
+            timeout=self.timeout,
+            quorum_timeout=self.quorum_timeout,
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            store_addr=os.environ["MASTER_ADDR"],
+            store_port=int(os.environ["MASTER_PORT"]),
+            lighthouse_addr=lighthouse,
+            replica_id=f"plait_group_{self.replica_group}",
+            init_sync=False,  # every group starts from the same seeded weights
+        )
+        self._joining = True
+        try:
+            self.manager.start_quorum(allow_heal=True)
+        finally:
+            self._joining = False
+        self._quorum_ready = True
+
+    # ------------------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def reduce_tokens(self, num_tokens: torch.Tensor) -> torch.Tensor:
+        """The step's supervised tokens over the groups present (this group's ``num_tokens`` summed
+        with theirs), after the step's quorum (formed here, or by `join` for the first step)."""
+        from torch.distributed import ReduceOp
+
+        if not self._quorum_ready:
+            self.manager.start_quorum(allow_heal=True)
+        self._quorum_ready = False
+        total = num_tokens.to(torch.float64)  # exact token counts
+        self.manager.allreduce(total, reduce_op=ReduceOp.SUM).wait()
+        self.participants = self.manager.num_participants()
+        return total.to(num_tokens.dtype)
+
+    @torch.no_grad()
+    def reduce_gradients(self, parameters: Sequence[nn.Parameter], loss: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """Sums the gradients (each group's already divided by the tokens of all groups) and the
+        loss over the groups present, in place; whether the group may apply the update
+        (``should_commit``: every collective of the step succeeded)."""
+        from torch.distributed import ReduceOp
+
+        shards = [local(p.grad) for p in parameters if p.grad is not None]
+        loss = loss.detach().clone()
+        messages = [loss.reshape(1)]
+        index = {
+            dtype: [i for i, s in enumerate(shards) if s.dtype == dtype]
+            for dtype in dict.fromkeys(s.dtype for s in shards)
+        }
+        messages += [torch.cat([shards[i].reshape(-1) for i in rows]) for rows in index.values()]
+        works = [self.manager.allreduce(flat, reduce_op=ReduceOp.SUM) for flat in messages]
+        for work in works:
+            work.wait()
+        for flat, rows in zip(messages[1:], index.values(), strict=True):
+            for i, value in zip(rows, torch.split(flat, [shards[i].numel() for i in rows])):
+                shards[i].copy_(value.view_as(shards[i]))
+        self.bytes_sent += sum(
+            allreduce_bytes_sent(flat.numel() * flat.element_size(), self.participants) for flat in messages[1:]
+        )
+        commit = self.manager.should_commit()
+        if not commit:
+            self.uncommitted_steps += 1
+        return loss, commit
+
+    def after_step(self, model: nn.Module, step: int, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return {
+            "ft/participants": float(self.participants),
+            "ft/uncommitted_steps": float(self.uncommitted_steps),
+            "comm/bytes_sent": self.bytes_sent,
+        }
+
+    def teardown(self) -> None:
+        """Stops this group's Manager (its servers and quorum thread)."""
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
+            self.manager = None
+
+    # ------------------------------------------------------------------------------ live recovery
+    def state(self) -> dict[str, Any]:
+        """What a healing group takes from this one: this rank's shards of the model and optimizer
+        state, the LR schedulers, the data position, Lightning's loop counters and the task's
+        counters (tensors are this rank's live shards: torchft sends them before this step's
+        update, which waits for the healing group's all-reduce)."""
+        trainer = self.trainer
+        task = trainer.lightning_module
+        extra: dict[str, Any] = {}
+        task.on_save_checkpoint(extra)
+        return {
+            "model": {name: local(value) for name, value in task.model.state_dict().items()},
+            "optimizers": [_local_state(opt.state_dict()) for opt in trainer.strategy._unwrapped_optimizers()],
+            "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+            "loader": trainer.train_dataloader.state_dict(),
+            "loops": trainer.fit_loop.state_dict(),
+            "task": extra,
+        }
+
+    @torch.no_grad()
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Takes a peer's `state` (at `join`: the loop then starts at the peer's step).
+
+        Raises:
+            FellBehind: called after training started (this group's update was dropped while the
+                others committed): restart the group to recover it.
+        """
+        if not self._joining:
+            raise FellBehind(
+                f"replica group {self.replica_group} fell behind the others (its update of a step was dropped while "
+                "they committed); restart the group (plait's launcher does) to recover from a healthy peer"
+            )
+        trainer = self.trainer
+        task = trainer.lightning_module
+        for name, value in task.model.state_dict().items():
+            local(value).copy_(state["model"][name])
+        for opt, saved in zip(trainer.strategy._unwrapped_optimizers(), state["optimizers"], strict=True):
+            opt.load_state_dict(_placed_state(opt, saved))
+        for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"], strict=True):
+            config.scheduler.load_state_dict(saved)
+        trainer.train_dataloader.load_state_dict(state["loader"])
+        trainer.fit_loop.load_state_dict(state["loops"])
+        trainer.fit_loop.reset()  # as a resume from a checkpoint: the step in progress starts again
+        task.on_load_checkpoint(state["task"])
+
+
+def _local_state(state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer ``state_dict`` with each DTensor replaced by this rank's shard."""
+    return {
+        "state": {k: {n: local(v) for n, v in s.items()} for k, s in state["state"].items()},
+        "param_groups": state["param_groups"],
+    }
+
+
+def _placed_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """A peer's `_local_state` laid out like ``optimizer``'s parameters: a value of a DTensor
+    parameter's local shape becomes a DTensor of its placements (FSDP's shards)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    placed = {}
+    for key, values in state["state"].items():
+        param = params[int(key)]
+        placed[key] = {
+            name: DTensor.from_local(
+                value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+            )
+            if isinstance(param, DTensor) and value.shape == param.to_local().shape
+            else value
+            for name, value in values.items()
+        }
+    return {"state": placed, "param_groups": state["param_groups"]}

@@ -1,0 +1,239 @@
+"""torchft replica groups (strategy=ft, `strategies.fault_tolerance`) in real gloo worlds.
+
+Two replica groups of one process each: two worlds, each with its own gloo process group, joined only
+by torchft (a Lighthouse in a subprocess, a Manager per group). fp32 nano Llama, SGD with momentum,
+global batch 8 of 64-token rows cut from short documents, so the two groups' shares of a step hold
+different numbers of supervised tokens and only a step normalised by the count of both groups
+matches one process. Both groups run concurrently, each in a forked child of the test.
+
+1. Per-step losses and gradients and the parameters after the steps equal a plain PyTorch loop written
+   here on the whole global batch (one process, one forward of all 8 rows; 1e-6), and the two groups
+   hold bitwise equal parameters.
+2. They equal plait's own HSDP (2 replicas on one process group) bit for bit: the groups sum the same
+   two gradients as HSDP's all-reduce.
+
+The trial with a group killed mid-run, restarted and recovered from its peer is ``python bench/ft.py``
+(minutes) and its short form below (slow).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import multiprocessing
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from harness import CLI_TINY, EXACT_SGD, compose_config, env_with_tests, fit, recorded, reference_setup
+
+from trainer.data.packing import IGNORE_INDEX
+
+STEPS = 4
+TOL = {"rtol": 1e-6, "atol": 1e-6}
+COMMON = (
+    *EXACT_SGD,
+    f"trainer.max_steps={STEPS}",
+    "train.micro_batch_size=2",
+    "+callbacks.grads._target_=harness.GradRecorder",
+    "+callbacks.params._target_=harness.ParamRecorder",
+    "+callbacks.rows._target_=harness.RowRecorder",
+)
+WORDS = "thou art more lovely and temperate rough winds do shake the darling buds of may".split()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    """600 documents of 3 to 30 words: about one document end per 64-token row."""
+    rng = random.Random(1)
+    path = tmp_path_factory.mktemp("corpus") / "short_docs.jsonl"
+    path.write_text(
+        "".join(json.dumps({"text": " ".join(rng.choices(WORDS, k=rng.randint(3, 30)))}) + "\n" for _ in range(600))
+    )
+    return str(path)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Lighthouse:
+    """A torchft Lighthouse in a subprocess (no Rust runtime threads in the process that forks)."""
+
+    def __init__(self, min_replicas: int, join_timeout_ms: int) -> None:
+        code = (
+            "import sys; from torchft._torchft import LighthouseServer; "
+            f"s = LighthouseServer(bind='[::]:0', min_replicas={min_replicas}, join_timeout_ms={join_timeout_ms}, "
+            "heartbeat_timeout_ms=2000); print(s.address(), flush=True); sys.stdin.read()"
+        )
+        env = dict(os.environ, RUST_LOG="warn")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        )
+        self.address = self.proc.stdout.readline().strip()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def _group(cfg, run_dir: Path, port: int, out: Path) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    _, task = fit(cfg, run_dir)
+    torch.save({**recorded(task.history), "rows": [h["rows"] for h in task.history if "rows" in h]}, out)
+
+
+def run_groups(corpus: str, tmp_path: Path) -> list[dict]:
+    """Two replica groups trained concurrently (forked children); each one's `recorded` history."""
+    lighthouse = Lighthouse(min_replicas=2, join_timeout_ms=60_000)
+    try:
+        ctx = multiprocessing.get_context("fork")
+        children, outs = [], []
+        for g in range(2):
+            cfg = compose_config(
+                [
+                    *COMMON,
+                    f"data.path={corpus}",
+                    "strategy=ft",
+                    f"strategy.fault_tolerance.replica_group={g}",
+                    f"strategy.fault_tolerance.lighthouse={lighthouse.address}",
+                ]
+            )
+            outs.append(tmp_path / f"group{g}.pt")
+            child = ctx.Process(target=_group, args=(cfg, tmp_path / f"g{g}", free_port(), outs[-1]))
+            child.start()
+            children.append(child)
+        for child in children:
+            child.join(timeout=300)
+        assert [c.exitcode for c in children] == [0, 0]
+    finally:
+        lighthouse.close()
+    return [torch.load(out, weights_only=True) for out in outs]
+
+
+def reference(corpus: str) -> dict:
+    """Plain PyTorch on one process: one forward of the whole global batch per step."""
+    cfg = compose_config([*COMMON, f"data.path={corpus}"])
+    rows, model, optimizer, sampler = reference_setup(cfg)
+    out: dict = {"loss": [], "grads": []}
+    for _, index in zip(range(STEPS), sampler):
+        labels = rows.labels[index]
+        logits = model(
+            rows.input_ids[index], position_ids_bt=rows.position_ids[index], document_ids_bt=rows.document_ids[index]
+        )
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+        loss = loss / (labels != IGNORE_INDEX).sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        out["loss"].append(loss.item())
+        out["grads"].append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+        optimizer.step()
+    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def groups(corpus, tmp_path_factory) -> list[dict]:
+    return run_groups(corpus, tmp_path_factory.mktemp("groups"))
+
+
+def test_groups_equal_one_process(corpus, groups):
+    ref = reference(corpus)
+    for group in groups:
+        assert len(group["loss"]) == len(group["grads"]) == STEPS
+        for step in range(STEPS):
+            torch.testing.assert_close(group["loss"][step], ref["loss"][step], **TOL, msg=f"loss at step {step + 1}")
+            torch.testing.assert_close(group["grads"][step], ref["grads"][step], **TOL, msg=f"grads at step {step + 1}")
+        torch.testing.assert_close(group["params"], ref["params"], **TOL, msg=f"parameters after {STEPS} steps")
+    assert all(torch.equal(groups[0]["params"][n], p) for n, p in groups[1]["params"].items())
+    # each group trained its own half of every global batch, and the halves held different token
+    # counts (a mean of the group means would not match)
+    cfg = compose_config([*COMMON, f"data.path={corpus}"])
+    rows, _, _, sampler = reference_setup(cfg)
+    for step, index in zip(range(STEPS), sampler):
+        assert torch.equal(torch.cat([groups[0]["rows"][step], groups[1]["rows"][step]]), rows.input_ids[index])
+    counts = (rows.labels[next(iter(sampler))] != IGNORE_INDEX).sum(dim=1)
+    assert counts[:4].sum() != counts[4:].sum()
+
+
+def test_groups_equal_hsdp_bitwise(corpus, groups, tmp_path):
+    cfg = compose_config([*COMMON, f"data.path={corpus}", "strategy=hsdp", "strategy.dp_shard=1", "trainer.devices=2"])
+    _, task = fit(cfg, tmp_path)
+    hsdp = recorded(task.history)
+    assert groups[0]["loss"] == hsdp["loss"]
+    assert all(torch.equal(groups[0]["params"][n], p) for n, p in hsdp["params"].items())
+
+
+# ---------------------------------------------------------------------------------- the kill trial (slow)
+def _metrics_steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.csv"
+    if not path.exists():
+        return []
+    with path.open() as f:
+        return [int(r["step"]) for r in csv.DictReader(f) if r.get("train/loss")]
+
+
+@pytest.mark.slow
+def test_killed_group_recovers_from_peer_and_rejoins(tmp_path):
+    """Group 1 is killed with SIGKILL after step 8 (of 200); group 0 trains on alone; group 1 is started again
+    (a fresh process and run directory), takes group 0's state at its first quorum, and both end
+    with bitwise equal weights; group 0 dropped exactly the update of the step the kill cut."""
+    steps, kill_after = 200, 8
+    lighthouse = Lighthouse(min_replicas=1, join_timeout_ms=5_000)
+    env = {k: v for k, v in env_with_tests().items() if k not in ("MASTER_PORT", "MASTER_ADDR")}
+
+    def start(g: int, run_dir: Path) -> subprocess.Popen:
+        args = [
+            *CLI_TINY,
+            "strategy=ft",
+            "trainer.devices=1",
+            f"trainer.max_steps={steps}",
+            "callbacks.hf_export.at_end=true",
+        ]
+        # >= 0.1 s a step: group 0 is still training when the restarted group 1 is up (~10 s)
+        args += ["+callbacks.sleep._target_=harness.SleepPerStep", "+callbacks.sleep.seconds=0.1"]
+        args += [
+            f"strategy.fault_tolerance.replica_group={g}",
+            f"strategy.fault_tolerance.lighthouse={lighthouse.address}",
+        ]
+        args += ["strategy.fault_tolerance.timeout_s=10", f"run_dir={run_dir}"]
+        log = (tmp_path / f"{run_dir.name}.log").open("w")
+        return subprocess.Popen(
+            [sys.executable, "-m", "trainer.cli", "pretrain", *args], env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+
+    try:
+        runs = [tmp_path / "g0", tmp_path / "g1"]
+        procs = [start(g, runs[g]) for g in range(2)]
+        deadline = time.monotonic() + 300
+        while max(_metrics_steps(runs[1]), default=-1) < kill_after:
+            assert procs[1].poll() is None and time.monotonic() < deadline, "group 1 ended before the kill"
+            time.sleep(0.05)
+        procs[1].send_signal(signal.SIGKILL)
+        procs[1].wait()
+        killed_at = max(_metrics_steps(runs[1]))
+        restart = start(1, tmp_path / "g1_restart")
+        assert [procs[0].wait(timeout=600), restart.wait(timeout=600)] == [0, 0]
+    finally:
+        lighthouse.close()
+    rejoined_at = min(_metrics_steps(tmp_path / "g1_restart"))
+    assert killed_at < rejoined_at <= steps  # recovered at the peer's step, not from scratch
+    assert max(_metrics_steps(runs[0])) == steps
+    from safetensors.torch import load_file
+
+    a = load_file(runs[0] / "hf" / "model.safetensors")
+    b = load_file(tmp_path / "g1_restart" / "hf" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with (runs[0] / "metrics.csv").open() as f:
+        last = [r for r in csv.DictReader(f) if r.get("train/loss")][-1]
+    assert float(last["ft/uncommitted_steps"]) == 1.0  # the step in flight at the kill

@@ -1,0 +1,59 @@
+"""strategy=ft (`strategies.fault_tolerance`): what validate accepts and refuses, and the errors that name the fix.
+
+The numerics (two groups == one process == HSDP, the kill trial) are in tests/dist/test_replica_groups.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+from harness import MOE_SMALL, compose_config
+
+from strategies.fault_tolerance import ReplicaGroups
+from trainer.config import ConfigError, validate
+
+
+def test_replica_groups_with_fsdp_inside_each_group_validate() -> None:
+    run = validate(compose_config(["strategy=ft", "trainer.devices=2"]))
+    assert (run.dims.dp_replicate, run.dims.dp_shard) == (1, 2)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["strategy.dp_replicate=2", "trainer.devices=2", "strategy.dp_shard=1"], "use strategy.dp_replicate=1"),
+        (["strategy.tp=2", "trainer.devices=2"], "use strategy.tp=1"),
+        (["strategy.pp=2", "trainer.devices=2"], "use strategy.pp=1"),
+        ([*MOE_SMALL], "use a dense model"),
+        (
+            ["strategy=diloco", "+strategy.fault_tolerance._target_=strategies.fault_tolerance.ReplicaGroups"],
+            "use strategy.local_sgd=null",
+        ),
+    ],
+    ids=["dp_replicate", "tp", "pp", "moe", "local_sgd"],
+)
+def test_layouts_not_built_yet_are_refused_naming_the_fix(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        validate(compose_config(["strategy=ft", *overrides] if "strategy=diloco" not in overrides else overrides))
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"replica_group": 2}, "replica_group=2 is not one of 0..1"),
+        ({"num_replica_groups": 0}, "must be at least 1"),
+    ],
+)
+def test_bad_settings_name_the_key(settings: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ReplicaGroups(**settings)
+
+
+def test_joining_without_a_lighthouse_names_the_launcher(monkeypatch) -> None:
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    with pytest.raises(RuntimeError, match="plait's launcher sets both"):
+        ReplicaGroups(replica_group=0).join(trainer=None)
+
+
+def test_each_group_trains_its_own_share_of_the_batch() -> None:
+    assert ReplicaGroups(num_replica_groups=3, replica_group=2).data_share() == (2, 3)

@@ -1,0 +1,101 @@
+"""plait's launcher of torchft replica groups on one machine (strategy=ft): the Lighthouse, one plait
+world per group, and a new process for a group that dies.
+
+``plait pretrain strategy=ft trainer.devices=2`` (no ``strategy.fault_tolerance.replica_group``)
+starts here: a torchft Lighthouse in this process, then ``num_replica_groups`` child commands of the
+same job, each with its group's index, the Lighthouse's address and its own run directory
+(``<run_dir>/group<g>``; each group is a whole plait world of ``trainer.devices`` processes). A group
+that is killed (or loses a rank) is started again, up to ``max_restarts`` times, in
+``<run_dir>/group<g>.restart<k>``: it takes a healthy group's state at its first quorum and rejoins
+(`strategies.fault_tolerance`); the others train on meanwhile. A group that fails on bad input
+(exit 2) or divergence (exit 3) would fail again: it is not restarted.
+
+Several machines: start a Lighthouse yourself (``torchft_lighthouse --min_replicas 1``) and on each
+machine one group with ``strategy.fault_tolerance.replica_group=<g>`` and
+``strategy.fault_tolerance.lighthouse=http://<host>:<port>`` (or ``$TORCHFT_LIGHTHOUSE``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from strategies.runtime.launch import LAUNCH_ENV, child_command
+
+NOT_RESTARTED = (2, 3)  # bad input, divergence: the same command fails the same way again
+
+
+def launches_groups(cfg: Any) -> bool:
+    """Whether this command is the launcher of replica groups (fault tolerance on, no group given)."""
+    node = cfg.strategy.get("fault_tolerance")
+    return node is not None and node.get("replica_group") is None
+
+
+def run_replica_groups(cfg: Any, run_dir: Path, say: Callable[[str], None] = print) -> int:
+    """Starts the Lighthouse and the groups, restarts those that die, and waits for all of them.
+
+    Returns:
+        The exit code: 0 when a group trained to the end (the lost groups are named), else the
+        code of the last group to fail.
+    """
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Lighthouse logs every quorum at info
+    from torchft._torchft import LighthouseServer
+
+    node = cfg.strategy.fault_tolerance
+    groups, max_restarts = int(node.num_replica_groups), int(node.max_restarts)
+    server = LighthouseServer(
+        bind="[::]:0", min_replicas=1, join_timeout_ms=int(node.join_timeout_s * 1000), heartbeat_timeout_ms=5000
+    )
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV}  # each group is a world of its own
+
+    def start(g: int, attempt: int) -> subprocess.Popen:
+        group_dir = run_dir / (f"group{g}" if attempt == 0 else f"group{g}.restart{attempt}")
+        extra = [
+            f"strategy.fault_tolerance.replica_group={g}",
+            f"strategy.fault_tolerance.lighthouse={server.address()}",
+        ]
+        if g > 0:
+            extra.append("trainer.enable_progress_bar=false")  # one bar on the terminal
+        return subprocess.Popen(child_command(0, run_dir=str(group_dir), extra=extra), env=env)
+
+    say(f"{groups} replica groups (torchft Lighthouse {server.address()}); their runs: {run_dir}/group<g>")
+    procs = {g: start(g, 0) for g in range(groups)}
+    attempts = dict.fromkeys(range(groups), 0)
+    codes: dict[int, int] = {}
+    try:
+        while len(codes) < groups:
+            time.sleep(0.5)
+            for g, proc in procs.items():
+                if g in codes or (code := proc.poll()) is None:
+                    continue
+                if code != 0 and code not in NOT_RESTARTED and attempts[g] < max_restarts and not _all_done(codes):
+                    attempts[g] += 1
+                    say(f"replica group {g} ended (exit {code}); restart {attempts[g]} of {max_restarts}")
+                    procs[g] = start(g, attempts[g])
+                else:
+                    codes[g] = code
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        server.shutdown()
+    lost = {g: c for g, c in codes.items() if c != 0}
+    if len(lost) == groups:
+        print(f"plait: error: every replica group failed (exit codes {lost})", file=sys.stderr)
+        return next(reversed(lost.values()))
+    if lost:
+        print(
+            f"plait: warning: replica groups {sorted(lost)} did not finish (exit codes {lost}); the others did",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _all_done(codes: dict[int, int]) -> bool:
+    """Whether a group already trained to the end (a restart would find no one to recover from)."""
+    return any(code == 0 for code in codes.values())
