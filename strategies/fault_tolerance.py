@@ -19,6 +19,14 @@ share no process group that one lost process could break. A torchft ``Lighthouse
    groups that saw the failure (counted: ``ft/uncommitted_steps``) and the next quorum goes on
    without the lost group.
 
+With local SGD (strategy=ft_diloco: DiLoCo, bound through `peers`) each group is one island: no
+token count or gradient crosses the groups; a quorum forms at the start of every outer round (the
+first step after an outer step), and the pseudo-gradients are averaged over the groups present in
+it (`average`, then ``should_commit``; a round whose average failed is dropped: the group goes back
+to the global parameters). A group joining at a round's start takes the global parameters, DiLoCo's
+outer state and the rest below. The Lighthouse waits ``join_timeout_s`` for every live group before
+a quorum without one: keep it above a round's duration, or a restarted group may start alone.
+
 A group that (re)starts joins at the start of training (`join`): its first quorum finds the others
 ahead, torchft fetches a healthy peer's state over HTTP (this rank's shards of the model and the
 optimizer, the LR schedulers, the data position, Lightning's loop counters and the task's
@@ -48,7 +56,7 @@ from torch.distributed.tensor import DTensor
 
 from strategies.core.parallel_dims import ParallelDims
 from strategies.core.ranges import POSITIVE
-from strategies.local_sgd.base import allreduce_bytes_sent, local
+from strategies.local_sgd.base import LocalSGD, allreduce_bytes_sent, local
 from strategies.plugin import StrategyPlugin
 
 if TYPE_CHECKING:
@@ -84,7 +92,6 @@ class ReplicaGroups(StrategyPlugin):
     """
 
     when = "setup"
-    conflicts = ("local_sgd",)  # DiLoCo's replica groups (quorum per outer step) are not built yet
 
     def __init__(
         self,
@@ -118,6 +125,14 @@ class ReplicaGroups(StrategyPlugin):
         self.uncommitted_steps = 0
         self.bytes_sent = 0.0
         self.participants = 0
+        self.local_sgd: Any = None  # DiLoCo with one island per group (`peers`): a quorum per outer step
+
+    def peers(self, plugins: dict[str, StrategyPlugin]) -> None:
+        """Binds to the strategy's local-SGD plugin, if any: the groups are then its islands (one
+        quorum per outer step, the pseudo-gradients averaged across the groups by `average`)."""
+        local_sgd = plugins.get("local_sgd")
+        if isinstance(local_sgd, LocalSGD):
+            self.local_sgd, local_sgd.replica_groups = local_sgd, self
 
     # ------------------------------------------------------------------------------ validate
     def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
@@ -195,11 +210,16 @@ class ReplicaGroups(StrategyPlugin):
 
     # ------------------------------------------------------------------------------ the step
     @torch.no_grad()
-    def reduce_tokens(self, num_tokens: torch.Tensor) -> torch.Tensor:
+    def reduce_tokens(self, num_tokens: torch.Tensor) -> torch.Tensor | None:
         """The step's supervised tokens over the groups present (this group's ``num_tokens`` summed
         with theirs), after the step's quorum (formed here, or by `join` for the first step)."""
         from torch.distributed import ReduceOp
 
+        if self.local_sgd is not None:  # islands: each group's own tokens; a quorum at each round's start
+            if self.trainer.global_step % self.local_sgd.sync_every == 0 and not self._quorum_ready:
+                self.manager.start_quorum(allow_heal=True)
+            self._quorum_ready = False
+            return None
         if not self._quorum_ready:
             self.manager.start_quorum(allow_heal=True)
         self._quorum_ready = False
@@ -209,12 +229,16 @@ class ReplicaGroups(StrategyPlugin):
         return total.to(num_tokens.dtype)
 
     @torch.no_grad()
-    def reduce_gradients(self, parameters: Sequence[nn.Parameter], loss: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    def reduce_gradients(
+        self, parameters: Sequence[nn.Parameter], loss: torch.Tensor
+    ) -> tuple[torch.Tensor, bool] | None:
         """Sums the gradients (each group's already divided by the tokens of all groups) and the
         loss over the groups present, in place; whether the group may apply the update
         (``should_commit``: every collective of the step succeeded)."""
         from torch.distributed import ReduceOp
 
+        if self.local_sgd is not None:  # islands: no gradient crosses the groups
+            return None
         shards = [local(p.grad) for p in parameters if p.grad is not None]
         loss = loss.detach().clone()
         messages = [loss.reshape(1)]
@@ -237,12 +261,37 @@ class ReplicaGroups(StrategyPlugin):
             self.uncommitted_steps += 1
         return loss, commit
 
+    @torch.no_grad()
+    def average(self, tensors: Sequence[torch.Tensor]) -> tuple[float, bool]:
+        """Local SGD's average across the groups present (`LocalSGD.average`): each tensor (its local
+        shard) replaced by its mean, one all-reduce (SUM) per dtype in this round's quorum, then
+        ``should_commit``; returns the bytes this rank sent (ring all-reduce, as `allreduce_bytes_sent`)
+        and whether every collective succeeded."""
+        from torch.distributed import ReduceOp
+
+        shards = [local(t) for t in tensors]
+        index = {d: [i for i, s in enumerate(shards) if s.dtype == d] for d in dict.fromkeys(s.dtype for s in shards)}
+        messages = [torch.cat([shards[i].reshape(-1) for i in rows]) for rows in index.values()]
+        works = [self.manager.allreduce(flat, reduce_op=ReduceOp.SUM) for flat in messages]
+        for work in works:
+            work.wait()
+        self.participants = self.manager.num_participants()
+        sent = 0.0
+        for flat, rows in zip(messages, index.values(), strict=True):
+            flat.div_(self.participants)
+            for i, value in zip(rows, torch.split(flat, [shards[i].numel() for i in rows])):
+                shards[i].copy_(value.view_as(shards[i]))
+            sent += allreduce_bytes_sent(flat.numel() * flat.element_size(), self.participants)
+        commit = self.manager.should_commit()
+        if not commit:
+            self.uncommitted_steps += 1
+        return sent, commit
+
     def after_step(self, model: nn.Module, step: int, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return {
-            "ft/participants": float(self.participants),
-            "ft/uncommitted_steps": float(self.uncommitted_steps),
-            "comm/bytes_sent": self.bytes_sent,
-        }
+        metrics = {"ft/participants": float(self.participants), "ft/uncommitted_steps": float(self.uncommitted_steps)}
+        if self.local_sgd is None:  # local SGD counts its own averages' bytes
+            metrics["comm/bytes_sent"] = self.bytes_sent
+        return metrics
 
     def teardown(self) -> None:
         """Stops this group's Manager (its servers and quorum thread)."""
@@ -267,6 +316,7 @@ class ReplicaGroups(StrategyPlugin):
             "loader": trainer.train_dataloader.state_dict(),
             "loops": trainer.fit_loop.state_dict(),
             "task": extra,
+            "local_sgd": _local_tree(self.local_sgd.state_dict()) if self.local_sgd is not None else None,
         }
 
     @torch.no_grad()
@@ -294,6 +344,34 @@ class ReplicaGroups(StrategyPlugin):
         trainer.fit_loop.load_state_dict(state["loops"])
         trainer.fit_loop.reset()  # as a resume from a checkpoint: the step in progress starts again
         task.on_load_checkpoint(state["task"])
+        if self.local_sgd is not None:  # DiLoCo's global parameters (in place) and outer optimizer state
+            saved = state["local_sgd"]
+            for name, anchor in self.local_sgd.anchors.items():
+                local(anchor).copy_(saved["anchor"][name])
+            saved["outer"] = {
+                key: {name: _like(value, self.local_sgd.anchors[name]) for name, value in values.items()}
+                for key, values in saved["outer"].items()
+            }
+            self.local_sgd.load_state_dict(saved)
+
+
+def _local_tree(tree: Any) -> Any:
+    """``tree`` (dicts and lists) with each DTensor replaced by this rank's shard."""
+    if isinstance(tree, dict):
+        return {key: _local_tree(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_local_tree(value) for value in tree)
+    return local(tree) if isinstance(tree, torch.Tensor) else tree
+
+
+def _like(value: Any, param: torch.Tensor) -> Any:
+    """A peer's shard laid out like ``param``: a DTensor of its placements when ``param`` is one and
+    ``value`` has its local shape (FSDP's shards), else ``value``."""
+    if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.shape == param.to_local().shape:
+        return DTensor.from_local(
+            value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
+    return value
 
 
 def _local_state(state: dict[str, Any]) -> dict[str, Any]:
@@ -308,15 +386,8 @@ def _placed_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> di
     """A peer's `_local_state` laid out like ``optimizer``'s parameters: a value of a DTensor
     parameter's local shape becomes a DTensor of its placements (FSDP's shards)."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    placed = {}
-    for key, values in state["state"].items():
-        param = params[int(key)]
-        placed[key] = {
-            name: DTensor.from_local(
-                value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-            )
-            if isinstance(param, DTensor) and value.shape == param.to_local().shape
-            else value
-            for name, value in values.items()
-        }
+    placed = {
+        key: {name: _like(value, params[int(key)]) for name, value in values.items()}
+        for key, values in state["state"].items()
+    }
     return {"state": placed, "param_groups": state["param_groups"]}

@@ -139,6 +139,8 @@ class MeshStrategy(ModelParallelStrategy):
         if problems := self.unsupported_degrees(self.dims):
             raise LayoutError("\n".join(problems))
         self.plugins: dict[str, StrategyPlugin] = ordered_plugins(plugins or {}, self.ORDER)
+        for plugin in self.plugins.values():
+            plugin.peers(self.plugins)
         self.islands = any(plugin.islands for plugin in self.plugins.values())
         resolved = min(getattr(self.dims, axis) for axis in MESH_AXES) > 0
         self.active: tuple[StrategyPlugin, ...] = self.active_plugins(self.dims) if resolved else ()

@@ -87,6 +87,11 @@ class StrategyPlugin:
     after_others: ClassVar[bool] = False
     conflicts: ClassVar[tuple[str, ...]] = ()  # node keys of plugins it does not compose with yet
 
+    def peers(self, plugins: dict[str, StrategyPlugin]) -> None:
+        """Sees the strategy's other configured plugins (by node key) once, when the strategy is
+        built: a plugin that works with another (replica groups carrying local SGD's averages) binds
+        to it here. Default: nothing."""
+
     def active(self, dims: ParallelDims, *, islands: bool) -> bool:
         """Whether a layout of resolved ``dims`` applies this plugin (``islands``: a plugin of the run
         owns the dp_replicate axis). Default: always (a plugin that is off does nothing in its hooks)."""

@@ -36,6 +36,18 @@ def launches_groups(cfg: Any) -> bool:
     return node is not None and node.get("replica_group") is None
 
 
+def resume_problems(cfg: Any) -> list[str]:
+    """Why this launcher cannot take ``resume`` ([] without one): resuming every group from its own
+    checkpoint is not built yet (each group's run directory holds its checkpoints)."""
+    if cfg.get("resume") is None:
+        return []
+    return [
+        f"resume={cfg.resume} with strategy.fault_tolerance: restarting every replica group from its checkpoints is not "
+        "built yet (a group that dies is restarted and recovers from the others while they train); start a fresh "
+        "run, or resume one group's directory (<run_dir>/group<g>) without strategy.fault_tolerance"
+    ]
+
+
 def run_replica_groups(cfg: Any, run_dir: Path, say: Callable[[str], None] = print) -> int:
     """Starts the Lighthouse and the groups, restarts those that die, and waits for all of them.
 

@@ -28,7 +28,7 @@ from trainer.data.summary import describe
 from trainer.finetune_defaults import lr_line
 from trainer.nonfinite import NonFiniteError
 from trainer.planning import check_memory
-from trainer.replica_groups import launches_groups, run_replica_groups
+from trainer.replica_groups import launches_groups, resume_problems, run_replica_groups
 from trainer.resume import RESUMES_FILE, ResumeRecord, check_resume, resume_changes
 from trainer.rl.rewards import RewardError
 from trainer.run_length import plan_run_length
@@ -146,6 +146,8 @@ def check_launch(cfg: DictConfig, run_dir: Path | None = None) -> Launch:
     devices, nodes = cfg.trainer.devices, cfg.trainer.num_nodes
     typed = isinstance(devices, int) and isinstance(nodes, int)  # else validate reports them
     unlaunchable = launch_problems(str(cfg.trainer.accelerator), devices, nodes) if typed else []
+    if launches_groups(cfg):  # strategy=ft's launcher: its run directory holds the groups' (`trainer.replica_groups`)
+        unlaunchable += resume_problems(cfg)
     try:
         resolved = validate(cfg)
     except ConfigError as err:

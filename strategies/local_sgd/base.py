@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -116,6 +116,20 @@ class LocalSGD(StrategyPlugin):
         self.group: dist.ProcessGroup | None = None
         self.num_islands, self.island = 1, 0
         self.params: dict[str, nn.Parameter] = {}
+        # torchft replica groups (strategy.fault_tolerance) as the islands, one per group: their
+        # `ReplicaGroups` averages across the groups (set by it, `StrategyPlugin.peers`); None: dp_replicate
+        self.replica_groups: Any = None
+
+    # Whether the algorithm runs with torchft replica groups as its islands (its averages through `average`).
+    runs_across_replica_groups: ClassVar[bool] = False
+
+    def average(self, tensors: Sequence[torch.Tensor]) -> tuple[float, bool]:
+        """Each tensor's mean over the islands, in place (`average_`, or across the replica groups
+        present); returns the bytes this rank sent and whether the mean is complete (a replica
+        group lost during it leaves the tensors to be discarded)."""
+        if self.replica_groups is not None:
+            return self.replica_groups.average(tensors)
+        return average_(tensors, self.group), True
 
     def setup(self, model: nn.Module, *, group: dist.ProcessGroup | None) -> None:
         """Binds the plugin to the parallelized ``model`` and the islands' process ``group``.
@@ -144,6 +158,9 @@ class LocalSGD(StrategyPlugin):
         Raises:
             LayoutError: fewer than 2 islands (a strategy built without validate).
         """
+        if self.replica_groups is not None:  # the islands are replica groups, one world each
+            self.setup(model, group=None)
+            return
         if (islands := meshes["dp_replicate"].size()) < 2:
             raise LayoutError(
                 f"strategy.local_sgd needs at least 2 islands but strategy.dp_replicate={islands}; "
@@ -162,6 +179,18 @@ class LocalSGD(StrategyPlugin):
     def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
         """Configuration problems (each naming its fix) of the run's degrees, its inner optimizer
         (``run.optimizer``) and the model; [] when the run can start."""
+        if self.replica_groups is not None:
+            if not self.runs_across_replica_groups:
+                return [
+                    f"strategy.local_sgd ({type(self).__name__}) does not run across torchft replica groups yet; "
+                    "use strategy=ft_diloco (DiLoCo) or strategy.fault_tolerance=null"
+                ]
+            if run.dims.dp_replicate > 1:
+                return [
+                    f"strategy.dp_replicate={run.dims.dp_replicate} with replica groups as the islands; use "
+                    "strategy.dp_replicate=1 (one island per group: strategy.fault_tolerance.num_replica_groups)"
+                ]
+            return []
         if run.dims.dp_replicate >= 2:
             return []
         return [

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from typing_extensions import override
 
-from strategies.local_sgd.base import LocalSGD, average_
+from strategies.local_sgd.base import LocalSGD
 
 if TYPE_CHECKING:
     from strategies.core.resolved import ResolvedRun
@@ -96,9 +96,16 @@ class DiLoCo(LocalSGD):
         self.outer = self.outer_optimizer_fn(list(self.anchors.values()))
         self.fragments = assign_fragments(model, list(self.params), self.num_fragments)
 
+    runs_across_replica_groups = True  # plain DiLoCo: one quorum and one average per outer step
+
     @override
     def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
         problems = super().problems(run, shape)
+        if self.replica_groups is not None and self.num_fragments > 1:
+            problems.append(
+                f"strategy.local_sgd.num_fragments={self.num_fragments} across torchft replica groups: Streaming "
+                "DiLoCo's staggered fragments are not built there yet; use strategy.local_sgd.num_fragments=1"
+            )
         n_layers = shape.n_layers if shape is not None else 1
         if self.num_fragments > max(n_layers, 1):
             problems.append(
@@ -125,7 +132,11 @@ class DiLoCo(LocalSGD):
         anchors = [self.anchors[n] for n in names]
         params = [self.params[n] for n in names]
         pseudo_grads = [a - p.detach() for a, p in zip(anchors, params)]  # global - local (C12)
-        sent = average_(pseudo_grads, self.group)
+        sent, complete = self.average(pseudo_grads)
+        if not complete:  # a replica group was lost during the average: this round's progress is dropped
+            for param, anchor in zip(params, anchors):
+                param.copy_(anchor)
+            return sent
         for anchor, pseudo_grad in zip(anchors, pseudo_grads):
             anchor.grad = pseudo_grad
         self.outer.step()  # parameters without .grad (other fragments) are skipped

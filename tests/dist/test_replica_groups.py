@@ -93,7 +93,7 @@ def _group(cfg, run_dir: Path, port: int, out: Path) -> None:
     torch.save({**recorded(task.history), "rows": [h["rows"] for h in task.history if "rows" in h]}, out)
 
 
-def run_groups(corpus: str, tmp_path: Path) -> list[dict]:
+def run_groups(corpus: str, tmp_path: Path, preset: str = "ft", extra: tuple[str, ...] = ()) -> list[dict]:
     """Two replica groups trained concurrently (forked children); each one's `recorded` history."""
     lighthouse = Lighthouse(min_replicas=2, join_timeout_ms=60_000)
     try:
@@ -104,7 +104,8 @@ def run_groups(corpus: str, tmp_path: Path) -> list[dict]:
                 [
                     *COMMON,
                     f"data.path={corpus}",
-                    "strategy=ft",
+                    f"strategy={preset}",
+                    *extra,
                     f"strategy.fault_tolerance.replica_group={g}",
                     f"strategy.fault_tolerance.lighthouse={lighthouse.address}",
                 ]
@@ -174,6 +175,23 @@ def test_groups_equal_hsdp_bitwise(corpus, groups, tmp_path):
     assert all(torch.equal(groups[0]["params"][n], p) for n, p in hsdp["params"].items())
 
 
+DILOCO = ("strategy.local_sgd.sync_every=2",)  # 2 outer steps in the 4 steps
+
+
+def test_diloco_across_groups_equals_diloco_across_islands_bitwise(corpus, tmp_path):
+    """strategy=ft_diloco (each group one island, the pseudo-gradients averaged through torchft at
+    each outer step) equals strategy=diloco on 2 islands of one process group (itself tested against
+    a one-process simulation in test_local_sgd.py): every step's loss and the final parameters."""
+    groups = run_groups(corpus, tmp_path / "ft", preset="ft_diloco", extra=DILOCO)
+    cfg = compose_config([*COMMON, f"data.path={corpus}", "strategy=diloco", *DILOCO, "trainer.devices=2"])
+    _, task = fit(cfg, tmp_path / "diloco")
+    islands = recorded(task.history)
+    assert all(torch.equal(groups[0]["params"][n], p) for n, p in islands["params"].items())
+    assert all(torch.equal(groups[1]["params"][n], p) for n, p in islands["params"].items())
+    # between outer steps the groups differ (each trained its own rows), at an outer step they agree
+    assert groups[0]["loss"] != groups[1]["loss"]
+
+
 # ---------------------------------------------------------------------------------- the kill trial (slow)
 def _metrics_steps(run_dir: Path) -> list[int]:
     path = run_dir / "metrics.csv"
@@ -184,22 +202,26 @@ def _metrics_steps(run_dir: Path) -> list[int]:
 
 
 @pytest.mark.slow
-def test_killed_group_recovers_from_peer_and_rejoins(tmp_path):
-    """Group 1 is killed with SIGKILL after step 8 (of 200); group 0 trains on alone; group 1 is started again
-    (a fresh process and run directory), takes group 0's state at its first quorum, and both end
-    with bitwise equal weights; group 0 dropped exactly the update of the step the kill cut."""
-    steps, kill_after = 200, 8
+@pytest.mark.parametrize("preset", ["ft", "ft_diloco"])
+def test_killed_group_recovers_from_peer_and_rejoins(tmp_path, preset):
+    """Group 1 is killed with SIGKILL after step 8 (of 200); group 0 trains on alone; group 1 is started
+    again (a fresh process and run directory), takes group 0's state at its first quorum (DiLoCo, H = 5:
+    at the start of group 0's next outer round), and both end with bitwise equal weights; group 0
+    dropped exactly one update (HSDP: the step the kill cut; DiLoCo: the round whose average it cut)."""
+    steps, kill_after, sync_every = 200, 8, 5
     lighthouse = Lighthouse(min_replicas=1, join_timeout_ms=5_000)
     env = {k: v for k, v in env_with_tests().items() if k not in ("MASTER_PORT", "MASTER_ADDR")}
 
     def start(g: int, run_dir: Path) -> subprocess.Popen:
         args = [
             *CLI_TINY,
-            "strategy=ft",
+            f"strategy={preset}",
             "trainer.devices=1",
             f"trainer.max_steps={steps}",
             "callbacks.hf_export.at_end=true",
         ]
+        if preset == "ft_diloco":
+            args.append(f"strategy.local_sgd.sync_every={sync_every}")
         # >= 0.1 s a step: group 0 is still training when the restarted group 1 is up (~10 s)
         args += ["+callbacks.sleep._target_=harness.SleepPerStep", "+callbacks.sleep.seconds=0.1"]
         args += [
@@ -228,6 +250,8 @@ def test_killed_group_recovers_from_peer_and_rejoins(tmp_path):
         lighthouse.close()
     rejoined_at = min(_metrics_steps(tmp_path / "g1_restart"))
     assert killed_at < rejoined_at <= steps  # recovered at the peer's step, not from scratch
+    if preset == "ft_diloco":  # at an outer round's start: its first step is the round's first
+        assert (rejoined_at - 1) % sync_every == 0
     assert max(_metrics_steps(runs[0])) == steps
     from safetensors.torch import load_file
 

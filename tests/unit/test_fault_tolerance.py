@@ -11,9 +11,12 @@ from harness import MOE_SMALL, compose_config
 from strategies.fault_tolerance import ReplicaGroups
 from trainer.config import ConfigError, validate
 
+FT = "strategies.fault_tolerance.ReplicaGroups"
 
-def test_replica_groups_with_fsdp_inside_each_group_validate() -> None:
-    run = validate(compose_config(["strategy=ft", "trainer.devices=2"]))
+
+@pytest.mark.parametrize("preset", ["ft", "ft_diloco"])
+def test_replica_groups_with_fsdp_inside_each_group_validate(preset: str) -> None:
+    run = validate(compose_config([f"strategy={preset}", "trainer.devices=2"]))
     assert (run.dims.dp_replicate, run.dims.dp_shard) == (1, 2)
 
 
@@ -25,15 +28,16 @@ def test_replica_groups_with_fsdp_inside_each_group_validate() -> None:
         (["strategy.pp=2", "trainer.devices=2"], "use strategy.pp=1"),
         ([*MOE_SMALL], "use a dense model"),
         (
-            ["strategy=diloco", "+strategy.fault_tolerance._target_=strategies.fault_tolerance.ReplicaGroups"],
-            "use strategy.local_sgd=null",
+            ["strategy=desloc", "strategy.dp_replicate=1", "strategy.fault_tolerance={_target_:" + FT + "}"],
+            "use strategy=ft_diloco",
         ),
+        (["strategy=ft_diloco", "strategy.local_sgd.num_fragments=2"], "use strategy.local_sgd.num_fragments=1"),
     ],
-    ids=["dp_replicate", "tp", "pp", "moe", "local_sgd"],
+    ids=["dp_replicate", "tp", "pp", "moe", "desloc", "streaming_diloco"],
 )
 def test_layouts_not_built_yet_are_refused_naming_the_fix(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as error:
-        validate(compose_config(["strategy=ft", *overrides] if "strategy=diloco" not in overrides else overrides))
+        validate(compose_config(overrides if overrides[0].startswith("strategy=") else ["strategy=ft", *overrides]))
     assert message in str(error.value)
 
 
@@ -57,3 +61,13 @@ def test_joining_without_a_lighthouse_names_the_launcher(monkeypatch) -> None:
 
 def test_each_group_trains_its_own_share_of_the_batch() -> None:
     assert ReplicaGroups(num_replica_groups=3, replica_group=2).data_share() == (2, 3)
+
+
+def test_resuming_every_group_is_refused_naming_what_runs(tmp_path) -> None:
+    from trainer.run import check_launch
+
+    cfg = compose_config(["strategy=ft", "resume=last", f"run_dir={tmp_path}"])
+    with pytest.raises(ConfigError) as error:
+        check_launch(cfg, tmp_path)
+    assert "restarting every replica group from its checkpoints is not built yet" in str(error.value)
+    assert "<run_dir>/group<g>" in str(error.value)
