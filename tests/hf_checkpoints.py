@@ -5,7 +5,8 @@ GQA and llama3 RoPE scaling (Llama 3), tied embeddings and linear scaling withou
 q/k/v biases and YaRN (Qwen2), QK-norm and a head dim other than hidden/heads (Qwen3), a
 sliding window longer than the context (Mistral), routed experts with a dense first block (Qwen3-MoE),
 renormalised top-2 routing (Mixtral), post-norm blocks with QK-norm over whole projections (OLMo 2)
-and a layer without RoPE between two with it (SmolLM3). Every parameter, biases and norm scales
+a layer without RoPE between two with it (SmolLM3), and sandwich norms, sliding windows shorter than
+the rows and a local RoPE base (Gemma 3). Every parameter, biases and norm scales
 included, is drawn at random, so a wrong mapping cannot hide behind a default init.
 """
 
@@ -54,6 +55,15 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # no_rope_layer_interval=2 over 3 layers: config.json's no_rope_layers = [1, 0, 1] (layer 1 is NoPE).
     "smollm3": ("SmolLM3Config", {"num_hidden_layers": 3, "no_rope_layer_interval": 2, "pad_token_id": None,
                                   "bos_token_id": None, "eos_token_id": None}),
+    # Gemma 3: windows of 8 tokens (shorter than the rows) in layers 0 and 2, layer 1 global with linear
+    # RoPE scaling; local base 10000; query_pre_attn_scalar != head_dim.
+    "gemma3_text": ("Gemma3TextConfig", {"num_hidden_layers": 3, "head_dim": 16, "query_pre_attn_scalar": 24,
+                                         "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention",
+                                                                              "sliding_attention"],
+                                         "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                                "rope_theta": 1e6},
+                                                             "sliding_attention": {"rope_type": "default",
+                                                                                   "rope_theta": 1e4}}}),
 }  # fmt: skip
 
 

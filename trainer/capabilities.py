@@ -26,6 +26,7 @@ from strategies.core.model_contract import layout_problems
 from strategies.core.resolved import ResolvedRun
 from strategies.tensor import TensorParallel
 from trainer.models.families import EXPORTABLE, exportable
+from trainer.models.llama import Llama
 
 
 def _class(node: Any) -> type | None:
@@ -81,3 +82,17 @@ def capability_problems(cfg: DictConfig, run: ResolvedRun | None) -> list[str]:
         if not exportable(model_cls):
             problems.append(export_problem(model_cls, "callbacks.hf_export") + "; or callbacks.hf_export.at_end=false")
     return problems
+
+
+def window_problems(run: ResolvedRun | None, model: Any) -> list[str]:
+    """Sliding windows (Gemma 3) shorter than the rows under a layout whose attention does not apply
+    them: context parallelism's cores attend over the whole document (`trainer.models.llama`)."""
+    if run is None or not isinstance(model, Llama) or not model.window_layers or run.dims.cp <= 1:
+        return []
+    if run.seq_len <= model.sliding_window:
+        return []
+    return [
+        f"strategy.cp={run.dims.cp}: model.sliding_window={model.sliding_window} is shorter than data.seq_len="
+        f"{run.seq_len}, and context parallelism's attention does not apply sliding windows; use strategy.cp=1 "
+        f"or data.seq_len<={model.sliding_window}"
+    ]

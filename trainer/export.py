@@ -86,14 +86,17 @@ def hf_config(model: Llama, base: dict[str, Any] | None = None, **extra: Any) ->
         num_attention_heads=model.n_heads,
         num_key_value_heads=model.n_kv_heads,
         head_dim=model.head_dim,
-        hidden_act="silu",
         rms_norm_eps=model.norm_eps,
         tie_word_embeddings=model.tie_embeddings,
     )
     config.update(family.export_fields(model))
     config.setdefault("max_position_embeddings", model.max_seq_len)
-    if "rope_parameters" in config:  # the newer layout: keep it
-        config["rope_parameters"] = {"rope_theta": model.rope_theta, **(model.rope_scaling or {"rope_type": "default"})}
+    global_rope = {"rope_theta": model.rope_theta, **(model.rope_scaling or {"rope_type": "default"})}
+    if model.rope_local_theta is not None:  # per layer type (Gemma 3)
+        local_rope = {"rope_type": "default", "rope_theta": model.rope_local_theta}
+        config["rope_parameters"] = {"full_attention": global_rope, "sliding_attention": local_rope}
+    elif "rope_parameters" in config:  # the newer layout: keep it
+        config["rope_parameters"] = global_rope
     else:
         config.update(rope_theta=model.rope_theta, rope_scaling=model.rope_scaling)
     config.update(extra)

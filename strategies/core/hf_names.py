@@ -36,6 +36,13 @@ POST_NORM_LAYER_NAMES = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffn_norm": "post_feedforward_layernorm",
 }
+# The same for a sandwich block (Gemma 3): the pre-norms and the post-norms; its norm before the MLP
+# is ``pre_feedforward_layernorm`` (transformers ``modeling_gemma3.py``).
+SANDWICH_LAYER_NAMES = {
+    **POST_NORM_LAYER_NAMES,
+    "attention_norm": "input_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+}
 # plait module outside the blocks -> the Hugging Face one.
 TOP_NAMES = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
 

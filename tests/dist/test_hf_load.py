@@ -13,7 +13,9 @@ one-process parameters (atol 1e-6).
 The families whose blocks differ from Qwen3's train the same 3 steps on one process, under
 ``strategy=fsdp trainer.devices=2`` and ``strategy=tp trainer.devices=2`` (sequence and loss
 parallel): OLMo 2 (post-norm, QK-norm over whole projections: its mean of squares crosses the tp
-ranks) and SmolLM3 (a NoPE layer, tied embeddings); each equals one process as above.
+ranks), SmolLM3 (a NoPE layer, tied embeddings) and Gemma 3 (sandwich norms, 8-token windows in
+64-token rows, a local RoPE base); each equals one process as above (Gemma 3's parameters to rtol
+1e-5: `FAMILY_TOL`).
 """
 
 from __future__ import annotations
@@ -42,8 +44,12 @@ LAYOUTS = {
     ],
 }
 # Family (tests/hf_checkpoints.py) -> its sharded layouts besides Qwen3's (``fsdp2_x_tp2``, above).
-FAMILY_LAYOUTS = {"olmo2": ("fsdp2", "tp2"), "smollm3": ("fsdp2", "tp2")}
+FAMILY_LAYOUTS = {"olmo2": ("fsdp2", "tp2"), "smollm3": ("fsdp2", "tp2"), "gemma3_text": ("fsdp2", "tp2")}
 TP2 = ["strategy=tp", "trainer.devices=2"]
+# Gemma 3's tied embedding (|w| <= 0.24) ends up to 6.1e-7 off under tp: its gradient sums the head's
+# and the sqrt(D) = 8-scaled lookup's, which tp reduces in another order (the losses agree to 1e-6).
+# At rtol 1e-6 it failed 2 of 4 runs, so its parameters are held to rtol 1e-5.
+FAMILY_TOL = {"gemma3_text": {"rtol": 1e-5, "atol": 1e-6}}
 
 
 def _make_setup(root, family: str):
@@ -89,10 +95,12 @@ def test_sharded_load_trains_like_one_process(runs, layout):
     _assert_trains_alike(runs[layout], runs["one_process"])
 
 
-def _assert_trains_alike(run: dict, expected: dict) -> None:
+def _assert_trains_alike(run: dict, expected: dict, params_tol: dict = TOL) -> None:
     assert len(run["loss"]) == STEPS
     torch.testing.assert_close(run["loss"], expected["loss"], **TOL, msg="losses (the first: the loaded weights)")
-    torch.testing.assert_close(run["params"], expected["params"], **TOL, msg=f"parameters after {STEPS} SGD steps")
+    torch.testing.assert_close(
+        run["params"], expected["params"], **params_tol, msg=f"parameters after {STEPS} SGD steps"
+    )
 
 
 _FAMILY_RUNS: dict[str, dict] = {}  # family -> layout -> run (the one-process run shared by its layouts)
@@ -105,7 +113,9 @@ def test_each_family_trains_sharded_like_one_process(family, layout, tmp_path_fa
         _FAMILY_RUNS[family] = {"root": root, "one_process": _run(root, LAYOUTS["one_process"], tmp_path_factory)}
     runs = _FAMILY_RUNS[family]
     _assert_trains_alike(
-        _run(runs["root"], TP2 if layout == "tp2" else LAYOUTS[layout], tmp_path_factory), runs["one_process"]
+        _run(runs["root"], TP2 if layout == "tp2" else LAYOUTS[layout], tmp_path_factory),
+        runs["one_process"],
+        FAMILY_TOL.get(family, TOL),
     )
 
 

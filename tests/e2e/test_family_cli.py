@@ -1,4 +1,4 @@
-"""The OLMo 2 and SmolLM3 families from the command line, in real subprocesses: ``plait pretrain``
+"""The OLMo 2, SmolLM3 and Gemma 3 families from the command line, in real subprocesses: ``plait pretrain``
 of each tiny preset, whose export transformers reads as the family's class with plait's logits; and
 ``plait sft model=hf`` from a checkpoint transformers wrote (tests/hf_checkpoints.py)."""
 
@@ -19,6 +19,8 @@ transformers = pytest.importorskip(
 PRESETS = {
     "olmo2_tiny": ("Olmo2ForCausalLM", ()),
     "smollm3_tiny": ("SmolLM3ForCausalLM", ("model.nope_layers=[1]",)),
+    # windows of 16 in the 64-token rows, and in the 48-token logits compared
+    "gemma3_tiny": ("Gemma3ForCausalLM", ("model.n_layers=3", "model.window_layers=[0,2]", "model.sliding_window=16")),
 }
 SMALL = ("model.dim=64", "model.n_heads=4", "model.max_seq_len=64")
 SFT = (
@@ -63,7 +65,7 @@ def test_pretrain_a_family_preset_and_export_it(tmp_path: Path, preset: str) -> 
 
 
 @pytest.mark.slow  # ~15 s each: a 2-step SFT run
-@pytest.mark.parametrize("family", ["olmo2", "smollm3"])
+@pytest.mark.parametrize("family", ["olmo2", "smollm3", "gemma3_text"])
 def test_sft_from_a_family_checkpoint(tmp_path: Path, family: str) -> None:
     from hf_checkpoints import make_hf_dir
 

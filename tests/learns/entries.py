@@ -184,7 +184,8 @@ MOE = (
     "model.n_dense_layers=0",
     "model.max_seq_len=64",
 )
-# The families' presets at the nano size (width 64, 2 blocks); SmolLM3's NoPE layer is its second.
+# The families' presets at the nano size (width 64, 2 blocks); SmolLM3's NoPE layer is its second,
+# Gemma 3's first block attends within 16 tokens of the 64-token rows.
 FAMILY_NANO = ("model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.max_seq_len=64")
 STEADY = ("scheduler=constant", "scheduler.warmup_steps=5", "train.global_batch_size=32")
 
@@ -294,6 +295,11 @@ ENTRIES: dict[str, Entry] = {
     "olmo2": Entry("pretrain", ("model=olmo2_tiny", *FAMILY_NANO, *TEXT), (VAL_LOSS_PRETRAIN,)),
     "smollm3": Entry(
         "pretrain", ("model=smollm3_tiny", *FAMILY_NANO, "model.nope_layers=[1]", *TEXT), (VAL_LOSS_PRETRAIN,)
+    ),
+    "gemma3": Entry(
+        "pretrain",
+        ("model=gemma3_tiny", *FAMILY_NANO, "model.window_layers=[0]", "model.sliding_window=16", *TEXT),
+        (VAL_LOSS_PRETRAIN,),
     ),
     "moe_ep": Entry(
         "pretrain", (*MOE, *TEXT, "strategy=nd", "strategy.expert_parallel.ep=2"), (VAL_LOSS_PRETRAIN,), devices=2

@@ -19,8 +19,14 @@ CONFIG = {
     "intermediate_size": 8,
     "num_hidden_layers": 2,
     "no_rope_layers": [1, 0],  # SmolLM3: layer 1 without RoPE
+    "sliding_window": 4,  # Gemma 3: layer 0 windowed, its own RoPE base
+    "layer_types": ["sliding_attention", "full_attention"],
+    "query_pre_attn_scalar": 8,
 }
-FLAGS = ("qkv_bias", "qk_norm", "qk_norm_scope", "norm_placement", "nope_layers")
+FLAGS = (
+    *("qkv_bias", "qk_norm", "qk_norm_scope", "norm_placement", "nope_layers", "norm_unit_offset", "scale_embeddings"),
+    *("activation", "sliding_window", "window_layers", "rope_local_theta", "query_pre_attn_scalar"),
+)
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
@@ -62,6 +68,10 @@ def test_the_new_families_flags_pick_them_and_only_them() -> None:
         nope_qwen3 = Llama(**SIZES, qk_norm=True, nope_layers=[0])
     assert (export_family_of(olmo2), export_family_of(smollm3)) == ("olmo2", "smollm3")
     assert export_family_of(Llama(**SIZES, nope_layers=[])) == "llama"  # no NoPE layer: a Llama
+    with torch.device("meta"):
+        windowed_llama = Llama(**SIZES, sliding_window=4, window_layers=[0])
+    with pytest.raises(FamilyError, match=r"window_layers=\[0\] \(Llama\) fit no"):  # windows: Gemma 3's only
+        export_family_of(windowed_llama)
     with pytest.raises(FamilyError, match=r"qk_norm=True, qkv_bias=False, norm_placement='post' \(Llama\) fit no"):
         export_family_of(post_head)
     with pytest.raises(FamilyError, match=r"qk_norm=True, qkv_bias=False, nope_layers=\[0\] \(Llama\) fit no"):
@@ -71,9 +81,11 @@ def test_the_new_families_flags_pick_them_and_only_them() -> None:
 @pytest.mark.parametrize(
     "kwargs, named",
     [
-        ({"norm_placement": "sandwich"}, "norm_placement='sandwich' is not one of pre, post"),
+        ({"norm_placement": "sandwiches"}, "norm_placement='sandwiches' is not one of pre, post, sandwich"),
         ({"qk_norm": True, "qk_norm_scope": "tensor"}, "qk_norm_scope='tensor' is not one of head, projection"),
         ({"nope_layers": [2]}, r"nope_layers=\[2\] must hold block indices in 0..1"),
+        ({"window_layers": [0]}, "window_layers needs a sliding_window"),
+        ({"activation": "relu"}, "activation='relu' is not one of silu, gelu_tanh"),
     ],
 )
 def test_the_new_flags_refuse_unknown_values(kwargs, named) -> None:

@@ -81,6 +81,23 @@ def test_packed_rows_match_each_document_run_alone(family, tmp_path):
                 start += n
 
 
+def test_kv_cache_decoding_keeps_gemma3s_windows(tmp_path):
+    """Decoding token by token with a KV cache (a prompt of 5, then 1 token at a time, past the
+    8-token window) gives transformers' logits of the whole sequence at every position."""
+    from trainer.models.kv_cache import kv_cache
+
+    hf = make_hf_dir("gemma3_text", tmp_path / "hf")
+    ids = batch(rows=1, seq_len=24)
+    model = _plait(tmp_path / "hf")
+    with torch.no_grad():
+        expected = hf(ids).logits
+        steps = []
+        with kv_cache(model) as cache:
+            for start, end in [(0, 5), *((t, t + 1) for t in range(5, 24))]:
+                steps.append(model(ids[:, start:end], position_ids_bt=cache.position_ids(end - start)))
+    assert (torch.cat(steps, dim=1) - expected).abs().max().item() < TOL
+
+
 def test_an_export_in_another_dtype_says_so_where_transformers_5_reads_it(tmp_path):
     """A source saved by transformers 5 has ``dtype`` in its config.json; a bfloat16 export kept that
     float32 beside a new ``torch_dtype``, and transformers 5 reads ``dtype`` first."""
@@ -190,6 +207,18 @@ def test_validate_guides_the_model_choice(tmp_path):
     mqa = _config(tmp_path / "mqa", "strategy=tp", "trainer.devices=2", num_key_value_heads=1)
     with pytest.raises(ConfigError, match="strategy.tp=2 does not divide n_heads=4 and n_kv_heads=1"):
         validate(mqa)
+
+
+def test_context_parallelism_refuses_windows_shorter_than_the_rows(tmp_path):
+    """Gemma 3's 8-token windows: cp's attention cores do not apply them, so cp=2 with 64-token rows
+    is refused before launch, naming the fix; rows within the window run."""
+    from trainer.compose import compose
+
+    make_hf_dir("gemma3_text", tmp_path / "hf")
+    cp = ["model=hf", f"model.init_from={tmp_path / 'hf'}", "strategy=cp", "trainer.devices=2"]
+    with pytest.raises(ConfigError, match=r"model.sliding_window=8 is shorter than data.seq_len=64.*use strategy.cp=1"):
+        validate(compose("pretrain", [*cp, "data.seq_len=64"]))
+    validate(compose("pretrain", [*cp, "data.seq_len=8"]))
 
 
 def test_checkpoint_tokenizer_and_chat_template_feed_the_data(tmp_path):

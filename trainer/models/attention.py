@@ -7,6 +7,7 @@ Sources: Su et al. 2021, "RoFormer" (RoPE); Ainslie et al. 2023, "GQA"; Llama Te
 Shape suffixes: B batch, T sequence length, D model dim, H query heads, K key/value heads, E head dim.
 """
 
+import math
 from typing import Any
 
 import torch
@@ -95,7 +96,9 @@ class Attention(nn.Module):
     defaults to ``dim // n_heads``; ``qkv_bias`` adds biases to the q/k/v projections (Qwen2);
     ``qk_norm`` RMS-normalises q and k before RoPE (eps ``norm_eps``): each head with
     ``qk_norm_scope="head"`` (Qwen3), the whole projection with ``"projection"`` (OLMo 2). ``rope=False``
-    leaves q and k unrotated (a NoPE layer: SmolLM3).
+    leaves q and k unrotated (a NoPE layer: SmolLM3). ``query_pre_attn_scalar`` s scales the scores
+    by ``1 / sqrt(s)`` instead of ``1 / sqrt(E)`` (Gemma 3); ``norm_unit_offset``: Gemma's
+    ``1 + weight`` QK-norms.
     """
 
     def __init__(
@@ -110,6 +113,8 @@ class Attention(nn.Module):
         qk_norm_scope: str = "head",
         norm_eps: float = 1e-6,
         rope: bool = True,
+        query_pre_attn_scalar: float | None = None,
+        norm_unit_offset: bool = False,
     ) -> None:
         super().__init__()
         self.n_heads = n_heads
@@ -124,13 +129,16 @@ class Attention(nn.Module):
         if qk_norm_scope not in QK_NORM_SCOPES:
             raise ValueError(f"qk_norm_scope={qk_norm_scope!r} is not one of {', '.join(QK_NORM_SCOPES)}")
         self.qk_norm_scope = qk_norm_scope if qk_norm else None
+        offset = {"unit_offset": norm_unit_offset}
         if self.qk_norm_scope == "projection":
-            self.q_norm = ProjectionRMSNorm(n_heads * self.head_dim, norm_eps)
-            self.k_norm = ProjectionRMSNorm(n_kv_heads * self.head_dim, norm_eps)
+            self.q_norm = ProjectionRMSNorm(n_heads * self.head_dim, norm_eps, **offset)
+            self.k_norm = ProjectionRMSNorm(n_kv_heads * self.head_dim, norm_eps, **offset)
         else:
-            self.q_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
-            self.k_norm = RMSNorm(self.head_dim, norm_eps) if qk_norm else None
+            self.q_norm = RMSNorm(self.head_dim, norm_eps, **offset) if qk_norm else None
+            self.k_norm = RMSNorm(self.head_dim, norm_eps, **offset) if qk_norm else None
         self.rope = rope
+        # The cores scale scores by 1/sqrt(E): a factor on q turns that into 1/sqrt(s).
+        self.q_scale = None if query_pre_attn_scalar is None else math.sqrt(self.head_dim / query_pre_attn_scalar)
         # The attention computation proper (q, k, v -> output); context parallelism replaces it.
         self.core: Any = DOCUMENT_CAUSAL
 
@@ -149,6 +157,26 @@ class Attention(nn.Module):
         if self.rope:
             q_bthe = apply_rope(q_bthe, cos, sin)
             k_btke = apply_rope(k_btke, cos, sin)
+        if self.q_scale is not None and self.q_scale != 1.0:
+            q_bthe = q_bthe * self.q_scale
 
         out_btd = self.core(q_bthe, k_btke, v_btke, mask).reshape(B, T, -1)
         return self.wo(out_btd)
+
+
+def sliding_window_mask(
+    document_ids_bt: torch.Tensor | None, seq_len: int, window: int, device: torch.device
+) -> torch.Tensor:
+    """Dense boolean mask ``[B or 1, 1, T, T]`` of causal attention within ``window`` tokens (Gemma 3's
+    and Mistral's sliding window, as transformers applies it): query t sees key s iff
+    ``t - window < s <= t`` and, with ``document_ids_bt``, both are in the same document.
+
+    Dense (O(T^2)): a windowed layer runs SDPA with this mask on every device.
+    """
+    t_t = torch.arange(seq_len, device=device)
+    distance_tt = t_t[:, None] - t_t[None, :]
+    allowed_tt = (distance_tt >= 0) & (distance_tt < window)
+    if document_ids_bt is None:
+        return allowed_tt[None, None]
+    same_btt = document_ids_bt[:, :, None] == document_ids_bt[:, None, :]
+    return (allowed_tt[None] & same_btt)[:, None]

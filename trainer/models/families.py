@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from strategies.core.hf_names import LAYER_NAMES, POST_NORM_LAYER_NAMES
+from strategies.core.hf_names import LAYER_NAMES, POST_NORM_LAYER_NAMES, SANDWICH_LAYER_NAMES
 from trainer.models.hf_moe import moe_config_fields, moe_export_problems, moe_kwargs
 from trainer.models.llama import Llama
 from trainer.models.moe_transformer import MoETransformer
@@ -42,6 +42,10 @@ class Family:
         qk_norm_scope: what ``qk_norm`` normalises (`Llama`'s ``qk_norm_scope``).
         norm_placement: ``"pre"`` (Llama) or ``"post"`` (OLMo 2) norms (`Llama`'s ``norm_placement``).
         nope: its configs name layers without RoPE (``no_rope_layers``, SmolLM3).
+        norm_unit_offset, scale_embeddings, activation: `Llama`'s flags of the same names (Gemma).
+        activation_key: the ``config.json`` field naming the MLP's activation.
+        local_layers: its configs interleave sliding-window layers (``layer_types``, ``sliding_window``)
+            with their own RoPE base, and set ``query_pre_attn_scalar`` (Gemma 3).
         windowed: the config's ``sliding_window`` applies even without ``use_sliding_window`` (Mistral).
         chosen: an export picks it for a model that fits it (false: only when the source was one).
     """
@@ -54,6 +58,11 @@ class Family:
     qk_norm_scope: str = "head"
     norm_placement: str = "pre"
     nope: bool = False
+    norm_unit_offset: bool = False
+    scale_embeddings: bool = False
+    activation: str = "silu"
+    activation_key: str = "hidden_act"
+    local_layers: bool = False
     windowed: bool = False
     chosen: bool = True
 
@@ -65,7 +74,9 @@ class Family:
     @property
     def layer_names(self) -> Mapping[str, str]:
         """plait block module -> its Hugging Face name (`strategies.core.hf_names`)."""
-        return POST_NORM_LAYER_NAMES if self.norm_placement == "post" else LAYER_NAMES
+        return {"pre": LAYER_NAMES, "post": POST_NORM_LAYER_NAMES, "sandwich": SANDWICH_LAYER_NAMES}[
+            self.norm_placement
+        ]
 
     def import_kwargs(self, config: dict[str, Any]) -> dict[str, Any]:
         """The constructor arguments of ``model_class`` this family sets beyond the shared sizes."""
@@ -74,32 +85,80 @@ class Family:
             "qk_norm": self.qk_norm,
             "qk_norm_scope": self.qk_norm_scope,
             "norm_placement": self.norm_placement,
+            "norm_unit_offset": self.norm_unit_offset,
+            "scale_embeddings": self.scale_embeddings,
+            "activation": self.activation,
             **({"nope_layers": nope_layers_of(config)} if self.nope else {}),
+            **(local_layers_of(config) if self.local_layers else {}),
             **(moe_kwargs(config, self.model_type) if self.moe else {}),
         }
 
     def fits(self, model: Llama) -> bool:
         """Whether ``model`` has exactly this family's architecture flags and kind (dense or MoE);
-        a family with ``nope`` also fits a model whose layers all apply RoPE."""
-        return (self.nope or not model.nope_layers) and _flags(model) == (
-            self.qkv_bias,
-            self.qk_norm,
-            self.qk_norm_scope if self.qk_norm else None,
-            self.norm_placement,
-            self.moe,
+        a family with ``nope`` (``local_layers``) also fits a model without such layers."""
+        local = model.window_layers or model.query_pre_attn_scalar is not None or model.rope_local_theta is not None
+        return (
+            (self.nope or not model.nope_layers)
+            and (self.local_layers or not local)
+            and _flags(model)
+            == (
+                self.qkv_bias,
+                self.qk_norm,
+                self.qk_norm_scope if self.qk_norm else None,
+                self.norm_placement,
+                self.moe,
+                self.norm_unit_offset,
+                self.scale_embeddings,
+                self.activation,
+            )
         )
 
     def export_fields(self, model: Llama) -> dict[str, Any]:
         """The ``config.json`` fields this family adds for ``model`` beyond the shared sizes."""
         fields = moe_config_fields(model, self.model_type) if self.moe else {}
+        fields[self.activation_key] = HF_ACTIVATIONS[model.activation]
         if self.nope:  # 1: the layer applies RoPE (transformers' SmolLM3Config)
             fields["no_rope_layers"] = [int(i not in model.nope_layers) for i in range(model.n_layers)]
+        if self.local_layers:
+            fields.update(
+                sliding_window=model.sliding_window,
+                layer_types=[
+                    "sliding_attention" if i in model.window_layers else "full_attention" for i in range(model.n_layers)
+                ],
+                query_pre_attn_scalar=model.query_pre_attn_scalar or model.head_dim,
+                use_bidirectional_attention=False,
+            )
         return fields if self.qkv_bias else {**fields, "attention_bias": False}
+
+
+# plait's activation -> the name transformers' configs give it.
+HF_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
 
 
 def _flags(model: Llama) -> tuple:
     scope = model.qk_norm_scope if model.qk_norm else None
-    return model.qkv_bias, model.qk_norm, scope, model.norm_placement, isinstance(model, MoETransformer)
+    moe = isinstance(model, MoETransformer)
+    gemma = (model.norm_unit_offset, model.scale_embeddings, model.activation)
+    return model.qkv_bias, model.qk_norm, scope, model.norm_placement, moe, *gemma
+
+
+def local_layers_of(config: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma 3 ``config.json``'s windowed layers as `Llama` arguments: ``sliding_window``,
+    ``window_layers`` (``layer_types``' sliding ones, else all but every ``sliding_window_pattern``-th:
+    transformers' default 6), ``rope_local_theta`` (``rope_parameters.sliding_attention``'s base, else
+    ``rope_local_base_freq``, else 10000) and ``query_pre_attn_scalar``."""
+    n_layers = config["num_hidden_layers"]
+    kinds = config.get("layer_types")
+    if kinds is None:
+        pattern = config.get("sliding_window_pattern", 6)
+        kinds = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+    local = (config.get("rope_parameters") or {}).get("sliding_attention") or {}
+    return {
+        "sliding_window": config.get("sliding_window"),
+        "window_layers": [i for i in range(n_layers) if kinds[i] == "sliding_attention"],
+        "rope_local_theta": float(local.get("rope_theta", config.get("rope_local_base_freq", 10000.0))),
+        "query_pre_attn_scalar": config.get("query_pre_attn_scalar"),
+    }
 
 
 def nope_layers_of(config: dict[str, Any]) -> list[int]:
@@ -124,6 +183,18 @@ FAMILIES: dict[str, Family] = {
         Family("mixtral", "MixtralForCausalLM", MoETransformer),
         Family("olmo2", "Olmo2ForCausalLM", Llama, qk_norm=True, qk_norm_scope="projection", norm_placement="post"),
         Family("smollm3", "SmolLM3ForCausalLM", Llama, nope=True),
+        Family(
+            "gemma3_text",
+            "Gemma3ForCausalLM",
+            Llama,
+            qk_norm=True,
+            norm_placement="sandwich",
+            norm_unit_offset=True,
+            scale_embeddings=True,
+            activation="gelu_tanh",
+            activation_key="hidden_activation",
+            local_layers=True,
+        ),
     )
 }
 # The plait classes a Hugging Face directory can be written from (their subclasses too).
@@ -159,6 +230,10 @@ def export_family_of(model: Llama, base: dict[str, Any] | None = None) -> str:
         others = [f"norm_placement={model.norm_placement!r}"] if model.norm_placement != "pre" else []
         others += [f"qk_norm_scope={model.qk_norm_scope!r}"] if model.qk_norm and model.qk_norm_scope != "head" else []
         others += [f"nope_layers={list(model.nope_layers)}"] if model.nope_layers else []
+        others += [f"window_layers={list(model.window_layers)}"] if model.window_layers else []
+        others += [f"activation={model.activation!r}"] if model.activation != "silu" else []
+        gemma = {"norm_unit_offset": model.norm_unit_offset, "scale_embeddings": model.scale_embeddings}
+        others += [f"{name}=True" for name, on in gemma.items() if on]
         raise FamilyError(
             f"qk_norm={model.qk_norm}, qkv_bias={model.qkv_bias}{''.join(', ' + o for o in others)} "
             f"({type(model).__name__}) fit no Hugging Face architecture "

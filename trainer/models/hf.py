@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from strategies.core.hf_names import hf_module_name, plait_module_name
-from trainer.models.families import FAMILIES, family_of
+from trainer.models.families import FAMILIES, HF_ACTIVATIONS, family_of
 from trainer.models.hf_moe import expert_hf_names, moe_config_problems, moe_plait_name, router_hf_name
 from trainer.models.llama import Llama
 from trainer.models.rope import rope_scaling_problems, rope_type
@@ -66,6 +66,8 @@ def rope_of(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """``(rope_theta, rope_scaling)`` of a config, in the older (``rope_theta`` + ``rope_scaling``)
     or the newer (``rope_parameters``) Hugging Face layout; the scaling is None when there is none."""
     params = dict(config.get("rope_parameters") or {})
+    if "full_attention" in params:  # per layer type (Gemma 3): the global layers' (the local ones: families)
+        params = dict(params["full_attention"] or {})
     theta = params.pop("rope_theta", config.get("rope_theta", 10000.0))
     scaling = params or dict(config.get("rope_scaling") or {})
     return float(theta), (scaling if rope_type(scaling) != "default" else None)
@@ -74,6 +76,8 @@ def rope_of(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 def sliding_window(config: dict[str, Any]) -> int | None:
     """The attention window the checkpoint's own model would apply, or None (full attention)."""
     kinds = set(config.get("layer_types") or ["full_attention"])
+    if config.get("model_type") in FAMILIES and FAMILIES[config["model_type"]].local_layers:
+        return None  # its windows are the model's own (Llama's sliding_window), not a cap on the context
     windowed = config.get("model_type") in FAMILIES and FAMILIES[config["model_type"]].windowed
     if windowed or config.get("use_sliding_window") or kinds != {"full_attention"}:
         return config.get("sliding_window")
@@ -89,13 +93,21 @@ def config_problems(config: dict[str, Any], where: str = "config.json") -> list[
             f"supported; supported: {', '.join(f.architecture for f in FAMILIES.values())}"
         ]
     problems = []
+    key = FAMILIES[family].activation_key
+    if config.get(key, "silu") != HF_ACTIVATIONS[FAMILIES[family].activation]:
+        problems.append(
+            f"{where}: {key}={config[key]!r} is not supported ({FAMILIES[family].architecture}: "
+            f"{HF_ACTIVATIONS[FAMILIES[family].activation]} only)"
+        )
     unsupported = {
-        "hidden_act": ("silu", "SwiGLU with silu only"),
         "mlp_bias": (False, "no MLP biases"),
         "attention_bias": (False, "q/k/v biases only in Qwen2 checkpoints, no o_proj bias"),
         "partial_rotary_factor": (1.0, "RoPE on the whole head"),
         "attention_dropout": (0.0, "no attention dropout"),
         "quantization_config": (None, "unquantized weights"),
+        "attn_logit_softcapping": (None, "no soft-capping of attention logits"),
+        "final_logit_softcapping": (None, "no soft-capping of the output logits"),
+        "use_bidirectional_attention": (False, "causal attention only"),
     }
     for field, (ok, why) in unsupported.items():
         if config.get(field, ok) != ok:

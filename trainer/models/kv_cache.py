@@ -5,7 +5,8 @@ does the same); `KVCache` keeps each layer's keys and values (after RoPE) from e
 and attends the new queries to all of them, so each generated token runs the model on that one
 token instead of the whole context (Pope et al. 2022, "Efficiently Scaling Transformer
 Inference", section 2). Causal attention over one sequence, or over a batch of left-padded rows
-(``pad_b``: row b's first ``pad_b[b]`` tokens are padding that no query attends); no packing.
+(``pad_b``: row b's first ``pad_b[b]`` tokens are padding that no query attends); no packing. The
+model's windowed layers (Gemma 3) attend within their sliding window of cached tokens.
 
 Shape suffixes: B batch, T new tokens, S cached + new tokens, H query heads, K kv heads, E head dim.
 """
@@ -32,12 +33,23 @@ class KVCache:
         num_layers: the model's blocks.
         pad_b: ``[B]`` (int) leading pad tokens of each left-padded row; None: one plain sequence
             (any B, no padding). Every forward then feeds all B rows, the same T new tokens each.
+        window: the sliding window of ``window_layers`` (cache slots, as transformers counts it:
+            query t sees the keys ``t - window < s <= t``); None: none.
+        window_layers: the layers (their order among the model's blocks) that attend within it.
     """
 
-    def __init__(self, num_layers: int, pad_b: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        pad_b: torch.Tensor | None = None,
+        *,
+        window: int | None = None,
+        window_layers: tuple[int, ...] = (),
+    ) -> None:
         self.keys: list[torch.Tensor | None] = [None] * num_layers
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self.pad_b = pad_b
+        self.window, self.window_layers = window, window_layers
         self._layer = 0
 
     @property
@@ -94,6 +106,11 @@ class KVCache:
             mask = torch.ones(
                 1, 1, 1, k_btke.shape[1], dtype=torch.bool, device=q_bthe.device
             )  # the last token sees all
+        if i in self.window_layers:
+            S, T = k_btke.shape[1], q_bthe.shape[1]
+            slots_s = torch.arange(S, device=q_bthe.device)
+            near_ts = (slots_s[S - T :, None] - slots_s[None, :]) < self.window
+            mask = mask & near_ts  # a pad query's own slot (distance 0) stays visible
         return DOCUMENT_CAUSAL(q_bthe, k_btke, v_btke, mask)
 
 
@@ -101,7 +118,9 @@ class KVCache:
 def kv_cache(model: nn.Module, pad_b: torch.Tensor | None = None) -> Iterator[KVCache]:
     """Runs ``model`` (a `llama.Llama`) with a fresh `KVCache` as its attention core, then puts
     its own core back; ``pad_b``: see `KVCache`."""
-    cache, previous = KVCache(len(model.layers), pad_b), model.attention_core
+    windowed = tuple(sorted(model.window_layers))
+    cache = KVCache(len(model.layers), pad_b, window=model.sliding_window, window_layers=windowed)
+    previous = model.attention_core
     model.set_attention_core(cache)
     try:
         yield cache

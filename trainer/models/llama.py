@@ -7,7 +7,9 @@ rope_theta 500000, attention kept within each document of a packed sequence); Su
 (SwiGLU); Zhang & Sennrich 2019, "Root Mean Square Layer Normalization". The families' variants:
 Team OLMo 2024, "2 OLMo 2 Furious" (post-norm blocks, QK-norm over each whole projection); Hugging
 Face 2025, SmolLM3 (every fourth layer without RoPE, "NoPE": Kazemnejad et al. 2023, "The Impact of
-Positional Encoding on Length Generalization in Transformers").
+Positional Encoding on Length Generalization in Transformers"); Gemma Team 2025, "Gemma 3 Technical
+Report" (sandwich norms with 1 + w scales, embeddings times sqrt(D), GeGLU, local sliding-window
+layers with their own RoPE base between global ones).
 
 Shape suffixes on variable names: B batch, T sequence length, D model dim,
 H query heads, K key/value heads, E head dim, F ffn dim, V vocabulary.
@@ -35,9 +37,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from typing_extensions import override
 
 from strategies.core.ranges import NON_NEGATIVE, POSITIVE, Range
-from trainer.models.attention import DOCUMENT_CAUSAL, QK_NORM_SCOPES
-from trainer.models.block import NORM_PLACEMENTS, TransformerBlock, llama_ffn_dim
+from trainer.models.attention import DOCUMENT_CAUSAL, QK_NORM_SCOPES, sliding_window_mask
+from trainer.models.block import ACTIVATIONS, NORM_PLACEMENTS, TransformerBlock, llama_ffn_dim
 from trainer.models.init import seeded_normal_
+from trainer.models.kv_cache import KVCache
 from trainer.models.norm import RMSNorm
 from trainer.models.rope import rope_scaling_problems, rope_tables
 
@@ -77,6 +80,17 @@ class Llama(nn.Module):
         qk_norm_scope: what ``qk_norm`` normalises: ``"head"``, each head's E features (Qwen3);
             ``"projection"``, each projection's heads x E features at once (OLMo 2).
         nope_layers: blocks (0-based) whose attention applies no RoPE (SmolLM3: every fourth).
+        norm_unit_offset: every RMSNorm scales by ``1 + weight`` (Gemma; the weights start at 0).
+        scale_embeddings: the token embeddings are multiplied by ``sqrt(dim)`` (Gemma).
+        activation: the MLP's gate activation, ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU, Gemma).
+        query_pre_attn_scalar: attention scores scaled by ``1 / sqrt(query_pre_attn_scalar)``;
+            None: ``1 / sqrt(head_dim)`` (Gemma 3 sets it).
+        sliding_window: blocks of ``window_layers`` attend only to the last ``sliding_window``
+            tokens (themselves included); None: no window.
+        window_layers: the windowed blocks; None: every block when ``sliding_window`` is set
+            (Gemma 3: five of every six).
+        rope_local_theta: the windowed blocks' RoPE base, without ``rope_scaling`` (Gemma 3's
+            local base 10000); None: the same tables as the other blocks.
 
     Raises:
         ValueError: if a size is not positive, the head counts do not divide, the RoPE
@@ -109,9 +123,16 @@ class Llama(nn.Module):
         qkv_bias: bool = False,
         qk_norm: bool = False,
         rope_scaling: dict[str, Any] | None = None,
-        norm_placement: Literal["pre", "post"] = "pre",
+        norm_placement: Literal["pre", "post", "sandwich"] = "pre",
         qk_norm_scope: Literal["head", "projection"] = "head",
         nope_layers: Sequence[int] | None = None,
+        norm_unit_offset: bool = False,
+        scale_embeddings: bool = False,
+        activation: Literal["silu", "gelu_tanh"] = "silu",
+        query_pre_attn_scalar: Annotated[float, POSITIVE] | None = None,
+        sliding_window: int | None = None,
+        window_layers: Sequence[int] | None = None,
+        rope_local_theta: Annotated[float, POSITIVE] | None = None,
     ) -> None:
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
@@ -150,12 +171,19 @@ class Llama(nn.Module):
         for name, value, choices in [
             ("norm_placement", norm_placement, NORM_PLACEMENTS),
             ("qk_norm_scope", qk_norm_scope, QK_NORM_SCOPES),
+            ("activation", activation, tuple(ACTIVATIONS)),
         ]:
             if value not in choices:
                 raise ValueError(f"{name}={value!r} is not one of {', '.join(choices)}")
-        nope_layers = tuple(sorted(set(nope_layers or ())))
-        if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n_layers for i in nope_layers):
-            raise ValueError(f"nope_layers={list(nope_layers)} must hold block indices in 0..{n_layers - 1}")
+        if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window <= 0):
+            raise ValueError(f"sliding_window must be a positive int or null, got {sliding_window!r}")
+        if window_layers is not None and sliding_window is None:
+            raise ValueError("window_layers needs a sliding_window; set model.sliding_window or drop window_layers")
+        window_layers = range(n_layers) if sliding_window is not None and window_layers is None else window_layers
+        for name, layers in [("nope_layers", nope_layers), ("window_layers", window_layers)]:
+            if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < n_layers for i in layers or ()):
+                raise ValueError(f"{name}={list(layers)} must hold block indices in 0..{n_layers - 1}")
+        nope_layers, window_layers = tuple(sorted(set(nope_layers or ()))), tuple(sorted(set(window_layers or ())))
 
         self.vocab_size = vocab_size
         self.dim = dim
@@ -171,6 +199,9 @@ class Llama(nn.Module):
         self.init_std = init_std
         self.qkv_bias, self.qk_norm, self.rope_scaling = qkv_bias, qk_norm, rope_scaling
         self.norm_placement, self.qk_norm_scope, self.nope_layers = norm_placement, qk_norm_scope, nope_layers
+        self.norm_unit_offset, self.scale_embeddings, self.activation = norm_unit_offset, scale_embeddings, activation
+        self.query_pre_attn_scalar, self.sliding_window = query_pre_attn_scalar, sliding_window
+        self.window_layers, self.rope_local_theta = window_layers, rope_local_theta
         # One draw from torch's RNG (on CPU, also when built under a meta default device): the
         # seed of every weight (init_weights), so the weights are deterministic given the RNG state.
         self.init_seed = int(torch.randint(0, 2**62, (1,), device="cpu"))
@@ -181,6 +212,7 @@ class Llama(nn.Module):
             "qkv_bias": qkv_bias,
             "qk_norm": qk_norm,
             "qk_norm_scope": qk_norm_scope,
+            "query_pre_attn_scalar": query_pre_attn_scalar,
         }
         self.layers = nn.ModuleDict(
             {
@@ -193,6 +225,8 @@ class Llama(nn.Module):
                     self.make_feed_forward(i),
                     self.make_attention(i),
                     norm_placement=norm_placement,
+                    norm_unit_offset=norm_unit_offset,
+                    activation=activation,
                     rope=i not in nope_layers,
                     **attention,
                 )
@@ -200,7 +234,7 @@ class Llama(nn.Module):
             }
         )
         self.attention_core: Any = DOCUMENT_CAUSAL  # see set_attention_core
-        self.norm: RMSNorm | None = RMSNorm(dim, norm_eps)
+        self.norm: RMSNorm | None = RMSNorm(dim, norm_eps, unit_offset=norm_unit_offset)
         self.output: nn.Linear | None = nn.Linear(dim, vocab_size, bias=False)
         if tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -210,6 +244,10 @@ class Llama(nn.Module):
         cos, sin = self._rope_tables(None)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        if rope_local_theta is not None:  # the windowed blocks' own tables
+            cos, sin = self._local_rope_tables(None)
+            self.register_buffer("rope_local_cos", cos, persistent=False)
+            self.register_buffer("rope_local_sin", sin, persistent=False)
 
         self.init_weights()
 
@@ -231,6 +269,14 @@ class Llama(nn.Module):
     def _rope_tables(self, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_tables(self.rope_dim, self.max_seq_len, self.rope_theta, device=device, scaling=self.rope_scaling)
 
+    def _local_rope_tables(self, device: torch.device | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_tables(self.rope_dim, self.max_seq_len, self.rope_local_theta, device=device)
+
+    def _rebuild_rope(self) -> None:
+        self.rope_cos, self.rope_sin = self._rope_tables(self.rope_cos.device)
+        if self.rope_local_theta is not None:
+            self.rope_local_cos, self.rope_local_sin = self._local_rope_tables(self.rope_cos.device)
+
     @torch.no_grad()
     def init_weights(self) -> None:
         """(Re)initialize all parameters and the RoPE tables in place; does nothing on the meta device.
@@ -244,7 +290,7 @@ class Llama(nn.Module):
         """
         if self.rope_cos.is_meta:
             return  # built on the meta device: the strategy materialises it and calls this again
-        self.rope_cos, self.rope_sin = self._rope_tables(self.rope_cos.device)
+        self._rebuild_rope()
         residual_std = self.init_std / math.sqrt(2 * self.n_layers)
         seen: set[int] = set()  # a tied output weight is the embedding's: initialised once
         for module_name, module in self.named_modules():
@@ -254,7 +300,7 @@ class Llama(nn.Module):
                 seen.add(id(param))
                 local = param.to_local() if isinstance(param, DTensor) else param
                 if isinstance(module, RMSNorm):
-                    local.fill_(1.0)
+                    local.fill_(0.0 if module.unit_offset else 1.0)
                 elif param_name == "bias":
                     local.zero_()
                 else:
@@ -269,8 +315,10 @@ class Llama(nn.Module):
         # bf16 cos/sin table is badly off at large positions. Rebuild them in
         # float32 on the new device instead.
         super()._apply(fn, recurse)
-        if self.rope_cos.dtype != torch.float32:
-            self.rope_cos, self.rope_sin = self._rope_tables(self.rope_cos.device)
+        if self.rope_cos.dtype != torch.float32 or (
+            self.rope_local_theta is not None and self.rope_local_cos.dtype != torch.float32
+        ):
+            self._rebuild_rope()
         return self
 
     def forward(
@@ -312,6 +360,8 @@ class Llama(nn.Module):
         B, T = input_ids_bt.shape[0], input_ids_bt.shape[1]
         if self.tok_embeddings is not None:
             input_ids_bt = self.tok_embeddings(input_ids_bt)
+            if self.scale_embeddings:  # Gemma: sqrt(D), rounded to the activation dtype as transformers does
+                input_ids_bt = input_ids_bt * torch.tensor(self.dim**0.5, dtype=input_ids_bt.dtype)
         elif position_ids_bt is not None:
             T = position_ids_bt.shape[1]
         h_btd = input_ids_bt
@@ -321,15 +371,25 @@ class Llama(nn.Module):
             if ids is not None and tuple(ids.shape) != (B, T):
                 raise ValueError(f"{name} must have shape [B, T] = {[B, T]}, got {list(ids.shape)}")
 
-        if position_ids_bt is None:
-            cos, sin = self.rope_cos[:T][None, :, None, :], self.rope_sin[:T][None, :, None, :]
-        else:
-            cos, sin = self.rope_cos[position_ids_bt][:, :, None, :], self.rope_sin[position_ids_bt][:, :, None, :]
+        rope = _rope_rows(self.rope_cos, self.rope_sin, position_ids_bt, T)
         # Built once for all layers: the document layout the attention core needs (see its mask()).
         mask = self.attention_core.mask(document_ids_bt, T, h_btd.device)
+        local_rope, local_mask = rope, mask  # the windowed blocks' (Gemma 3's local layers)
+        if self.rope_local_theta is not None:
+            local_rope = _rope_rows(self.rope_local_cos, self.rope_local_sin, position_ids_bt, T)
+        # The windowed blocks' mask: the one-process core's is built here; a KV cache applies the window
+        # itself (it knows the cached length); context parallelism does not (validate refuses it).
+        if self.window_layers and T > self.sliding_window and not isinstance(self.attention_core, KVCache):
+            if self.attention_core is not DOCUMENT_CAUSAL:
+                raise ValueError(
+                    f"sliding_window={self.sliding_window} shorter than the sequence ({T}) runs with the one-process "
+                    "attention core or a KV cache only, not under context parallelism; use strategy.cp=1"
+                )
+            local_mask = sliding_window_mask(document_ids_bt, T, self.sliding_window, h_btd.device)
 
-        for layer in self.layers.values():
-            h_btd = layer(h_btd, cos, sin, mask)
+        for name, layer in self.layers.items():
+            local = int(name) in self.window_layers
+            h_btd = layer(h_btd, *(local_rope if local else rope), local_mask if local else mask)
         if self.norm is not None:
             h_btd = self.norm(h_btd)
         return self.output(h_btd) if self.output is not None and not return_hidden else h_btd
@@ -376,18 +436,13 @@ class Llama(nn.Module):
             input_layouts=(seq, None, None, None), desired_input_layouts=(Replicate(), None, None, None)
         )
         plan["layers.*.feed_forward"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
-        if sequence_parallel and self.norm_placement == "pre":
-            plan.update(
-                {
-                    "norm": SequenceParallel(),
-                    "layers.*.attention_norm": SequenceParallel(),
-                    "layers.*.ffn_norm": SequenceParallel(),
-                }
-            )
-        elif sequence_parallel:
+        if sequence_parallel:
+            plan["norm"] = SequenceParallel()
+        if sequence_parallel and self.norm_placement in ("pre", "sandwich"):
+            plan.update({"layers.*.attention_norm": SequenceParallel(), "layers.*.ffn_norm": SequenceParallel()})
+        if sequence_parallel and self.norm_placement in ("post", "sandwich"):
             # A post-norm takes the row-wise wo/w2 output (sharded on T) and gives a local tensor,
             # as the residual stream between blocks is: the residual add mixes no DTensor in.
-            plan["norm"] = SequenceParallel()
             for name in ("post_attention_norm", "post_ffn_norm"):
                 plan[f"layers.*.{name}"] = SequenceParallel(use_local_output=True)
         if self.qk_norm:
@@ -438,3 +493,12 @@ class Llama(nn.Module):
         mlp = 3 * self.dim * self.ffn_dim
         n_matmul = self.n_layers * (attn + mlp) + self.dim * self.vocab_size
         return float(6 * n_matmul + 12 * self.n_layers * self.dim * seq_len)
+
+
+def _rope_rows(
+    cos_tf: torch.Tensor, sin_tf: torch.Tensor, position_ids_bt: torch.Tensor | None, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The RoPE rows of the positions, ``[B or 1, T, 1, E/2]`` each (``arange(T)`` when None)."""
+    if position_ids_bt is None:
+        return cos_tf[:seq_len][None, :, None, :], sin_tf[:seq_len][None, :, None, :]
+    return cos_tf[position_ids_bt][:, :, None, :], sin_tf[position_ids_bt][:, :, None, :]

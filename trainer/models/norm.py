@@ -12,16 +12,24 @@ class RMSNorm(nn.Module):
     Computed in float32 and cast back to the input dtype, by the fused ``F.rms_norm`` kernel (CPU
     and CUDA): one op and one saved tensor pair instead of the five elementwise ops of the formula.
 
+    With ``unit_offset`` the scale is ``1 + weight`` (Gemma's checkpoints store the offset from 1,
+    and its weights start at 0).
+
     Shapes: input ``[..., dim]`` -> output ``[..., dim]``.
     """
 
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+    def __init__(self, dim: int, eps: float = 1e-5, unit_offset: bool = False) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.unit_offset = unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+
+    def scale(self) -> torch.Tensor:
+        """The fp32 scale the normalised input is multiplied by."""
+        return self.weight.float() + 1.0 if self.unit_offset else self.weight.float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
+        return F.rms_norm(x.float(), self.weight.shape, self.scale(), self.eps).to(x.dtype)
 
 
 class ProjectionRMSNorm(RMSNorm):
@@ -36,10 +44,10 @@ class ProjectionRMSNorm(RMSNorm):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32, weight = x.float(), self.weight
-        if isinstance(x, DTensor) and isinstance(weight, DTensor):
+        x32, scale = x.float(), self.scale()
+        if isinstance(x, DTensor) and isinstance(scale, DTensor):
             # This rank's slice of the replicated weight, taken explicitly: its gradient then comes
             # back replicated, as the weight is (DTensor's implicit slice leaves it sharded).
-            weight = weight.redistribute(weight.device_mesh, [Shard(0)])
+            scale = scale.redistribute(scale.device_mesh, [Shard(0)])
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (weight.float() * normed).to(x.dtype)
+        return (scale * normed).to(x.dtype)
