@@ -39,6 +39,8 @@ OPTIONAL: dict[str, Any] = {
     "output": None,  # a pipeline stage's replay of its logits has no head
     **dict.fromkeys(MOE_SIZES, 0),
     "moe_ffn_dim": None,
+    "sliding_window": None,  # no block attends within a window (Gemma 3's local blocks do)
+    "window_layers": (),
 }
 
 # How to add each member (the end of a refusal's message).

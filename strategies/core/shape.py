@@ -44,6 +44,7 @@ class ModelShape:
     (`trainer.models.moe_transformer`) also has ``num_experts`` routed experts of hidden size
     ``moe_ffn_dim`` per MoE block, ``top_k`` of them per token, plus ``num_shared_experts``
     always-on ones; blocks below ``n_dense_layers`` are dense (0, 0, None, 0, 0 for a dense model).
+    The blocks of ``window_layers`` attend within ``sliding_window`` tokens (Gemma 3).
     """
 
     vocab_size: int
@@ -60,6 +61,8 @@ class ModelShape:
     num_shared_experts: int = 0
     n_dense_layers: int = 0
     linear_modules: tuple[str, ...] = ()  # FQNs of the nn.Linear layers (what LoRA's patterns select)
+    sliding_window: int | None = None
+    window_layers: tuple[int, ...] = ()
 
     @property
     def head_dim(self) -> int:
@@ -125,7 +128,9 @@ class ModelShape:
                     tp_dim = 0 if embedding else 1
                 parts = module_name.split(".")
                 layer = int(parts[1]) if parts[0] == "layers" and len(parts) > 1 else None
-                replicated_grad = embedding and isinstance(style, RowwiseParallel)
+                # Tied to the column-wise head, the embedding's gradient stays sharded (measured:
+                # tests/dist/test_planner_memory.py's gemma3_tp2).
+                replicated_grad = embedding and isinstance(style, RowwiseParallel) and not model.tie_embeddings
                 specs.append(ParamSpec(f"{module_name}.{pname}", tuple(p.shape), tp_dim, layer, replicated_grad))
         return cls(
             vocab_size=model.vocab_size,
@@ -142,4 +147,6 @@ class ModelShape:
             num_shared_experts=optional(model, "num_shared_experts"),
             n_dense_layers=optional(model, "n_dense_layers"),
             linear_modules=tuple(n for n, m in model.named_modules() if isinstance(m, nn.Linear)),
+            sliding_window=optional(model, "sliding_window"),
+            window_layers=tuple(optional(model, "window_layers")),
         )

@@ -191,17 +191,28 @@ def layer_activation_bytes(
     heads, e = shape.n_heads // tp, shape.head_dim
     ring = layout.cp > 1
     kv_heads = shape.n_kv_heads // tp  # GQA through enable_gqa: k and v are saved at their own heads
-    norms = 2 * (2 * d + 1) * 4 // 1  # x (fp32), x/rms (fp32), 1/rms, for both norms
+    norms = block_norms(shape, layer) * (2 * d + 1) * 4  # x (fp32), x/rms (fp32), 1/rms, for each norm
     per_token = norms / sp + 2 * d * a  # + the two norm outputs, gathered (projection inputs)
     per_token += (2 * heads + 2 * kv_heads) * e * a + heads * 4  # q, k, v, out; log-sum-exp (fp32)
     if ring:
         per_token += heads * e * a  # the attention output copied into the wo input
     per_token += qk_norm_bytes_per_token(shape, layer, tp)
+    if layer in shape.window_layers and work.seq_len > shape.sliding_window:
+        per_token += work.seq_len * 4  # SDPA's additive fp32 copy of the window mask, [B, 1, T, T]
     if layer is not None and shape.is_moe(layer):
         per_token += moe_activation_bytes_per_token(shape, a)
     else:
         per_token += 4 * (f // tp // layout.ist_islands) * a  # w1 and w3 outputs, SiLU output, their product
     return int(tokens * per_token)
+
+
+def block_norms(shape: ModelShape, layer: int | None) -> int:
+    """RMSNorms of block ``layer`` around its sublayers, read off their weights: 2 in a pre-norm
+    or post-norm block, 4 in a sandwich (Gemma 3); 2 when the names are not plait's."""
+    names = [
+        f"layers.{layer}.{n}.weight" for n in ("attention_norm", "ffn_norm", "post_attention_norm", "post_ffn_norm")
+    ]
+    return sum(p.name in names for p in shape.params if p.layer == layer) or 2
 
 
 def qk_norm_bytes_per_token(shape: ModelShape, layer: int | None, tp: int) -> int:
