@@ -23,7 +23,8 @@ step; the probes in docs/benchmarks.md show the gap to DDP shrinking with the pe
   trains half of every MLP's hidden units, reassembled every 10 steps. Its steps are cheaper than
   DDP's, so IST is also compared at equal wall-clock time: after the equal-steps run, a second IST
   run (``ist_time``) gets the steps that DDP's training time buys at IST's measured tokens/s
-  (rounded down to a multiple of L; the LR schedule spans its own steps).
+  (rounded down to a multiple of L; the LR schedule spans its own steps), or at ``--ist-time-ratio``
+  (a throughput ratio measured elsewhere: on shared cores one run's tokens/s is noisy).
 
 Bytes are bytes each rank sends to the other replicas over the whole run, counted as a ring
 all-reduce (2 (n - 1) / n x message bytes, `strategies.local_sgd.allreduce_bytes_sent`): for the
@@ -178,6 +179,12 @@ def main() -> None:
     )
     parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=list(METHODS))
     parser.add_argument(
+        "--ist-time-ratio",
+        type=float,
+        default=None,
+        help="IST's tokens/s over DDP's for the equal-time run (default: as measured in this invocation)",
+    )
+    parser.add_argument(
         "--extra",
         action="append",
         default=[],
@@ -221,7 +228,7 @@ def main() -> None:
                 flush=True,
             )
             if method == "ist":  # then at DDP's training time: the steps its tokens/s buys in that time
-                ratio = r["tokens_per_s"] / results["ddp"]["tokens_per_s"]
+                ratio = args.ist_time_ratio or r["tokens_per_s"] / results["ddp"]["tokens_per_s"]
                 runs.append(("ist_time", int(args.steps * ratio) // SYNC_PERIOD["ist"] * SYNC_PERIOD["ist"]))
 
     ddp = results["ddp"]
