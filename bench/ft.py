@@ -135,8 +135,9 @@ def trial(kind: str, args: argparse.Namespace, out: Path, kill_at: int) -> dict[
 
     preset = "ft" if kind == "hsdp" else "ft_diloco"
 
-    def start(g: int, run_dir: Path, address: str) -> subprocess.Popen:
-        return group(g, address, run_dir, steps, out, devices, [f"strategy={preset}", micro, *diloco])
+    def start(g: int, run_dir: Path, address: str, restarted: bool = False) -> subprocess.Popen:
+        again = ["strategy.fault_tolerance.restarted=true"] if restarted else []
+        return group(g, address, run_dir, steps, out, devices, [f"strategy={preset}", micro, *diloco, *again])
 
     # 2. torchft, no faults: the first quorum waits for both groups
     server = lighthouse(min_replicas=2, join_timeout_ms=60_000)
@@ -164,7 +165,7 @@ def trial(kind: str, args: argparse.Namespace, out: Path, kill_at: int) -> dict[
     time.sleep(3.0)  # the survivor trains alone meanwhile
     survived = procs[0].poll() is None and last_step(faulted[0]) > before
     rejoined_run = out / "fault_g1_restart"
-    restart = start(1, rejoined_run, server.address())
+    restart = start(1, rejoined_run, server.address(), restarted=True)
     codes = [procs[0].wait(), restart.wait()]
     server.shutdown()
     first_step = min(losses(rejoined_run), default=-1)

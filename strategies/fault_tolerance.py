@@ -12,8 +12,7 @@ share no process group that one lost process could break. A torchft ``Lighthouse
    the tokens of all groups present, as HSDP divides by those of all replicas.
 2. Forward and backward inside the group as usual.
 3. `reduce_gradients`: one fault-tolerant all-reduce (SUM) of the loss and one per gradient dtype:
-   with every group present this is HSDP's gradient, bit for bit on one process per group. A
-   group that is healing contributes zeros.
+   with every group present this is HSDP's gradient, bit for bit on one process per group.
 4. ``should_commit``: the optimizer step runs only if every rank of the group saw its collectives
    succeed; a step whose all-reduce failed (a peer died during it) drops its update on the
    groups that saw the failure (counted: ``ft/uncommitted_steps``) and the next quorum goes on
@@ -24,8 +23,8 @@ token count or gradient crosses the groups; a quorum forms at the start of every
 first step after an outer step), and the pseudo-gradients are averaged over the groups present in
 it (`average`, then ``should_commit``; a round whose average failed is dropped: the group goes back
 to the global parameters). A group joining at a round's start takes the global parameters, DiLoCo's
-outer state and the rest below. The Lighthouse waits ``join_timeout_s`` for every live group before
-a quorum without one: keep it above a round's duration, or a restarted group may start alone.
+outer state and the rest below. A group waits for the others' quorum up to ``quorum_timeout_s`` (a
+restarted one until their next round starts): keep it above a round's duration.
 
 A group that (re)starts joins at the start of training (`join`): its first quorum finds the others
 ahead, torchft fetches a healthy peer's state over HTTP (this rank's shards of the model and the
@@ -44,7 +43,9 @@ the PyTorch blog "Fault Tolerant Llama", 2025) on torchft's public API, pinned t
 from __future__ import annotations
 
 import logging
+import math
 import os
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Annotated, Any
@@ -52,12 +53,16 @@ from typing import TYPE_CHECKING, Annotated, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ReduceOp
 from torch.distributed.tensor import DTensor
 
 from strategies.core.parallel_dims import ParallelDims
 from strategies.core.ranges import POSITIVE
 from strategies.local_sgd.base import LocalSGD, allreduce_bytes_sent, local
 from strategies.plugin import StrategyPlugin
+
+os.environ.setdefault("RUST_LOG", "warn")  # before torchft loads: its Rust side logs every quorum at info
+from torchft import Manager, ProcessGroupGloo  # noqa: E402 - the pinned engine (torchft==0.2.0)
 
 if TYPE_CHECKING:
     from strategies.core.resolved import ResolvedRun
@@ -84,8 +89,11 @@ class ReplicaGroups(StrategyPlugin):
         timeout_s: seconds a cross-group collective, commit or state transfer may take before the
             step fails (and its update is dropped).
         quorum_timeout_s: seconds a group waits for a quorum.
-        max_restarts, join_timeout_s: the launcher's (`trainer.replica_groups`): restarts of a group
-            that dies; seconds the Lighthouse waits for every live group before a quorum without one.
+        max_restarts: the launcher's (`trainer.replica_groups`): restarts of a group that dies.
+        join_timeout_s: seconds the first quorum of a fresh run waits for every group (and the
+            launcher's Lighthouse for every live group before a quorum without one).
+        restarted: this group was started again after it died (set by the launcher): it must
+            recover from a healthy group at its first quorum, and waits for no other.
 
     Raises:
         ValueError: a count below 1 or ``replica_group`` outside ``0 .. num_replica_groups - 1``.
@@ -104,6 +112,7 @@ class ReplicaGroups(StrategyPlugin):
         quorum_timeout_s: Annotated[float, POSITIVE] = 300.0,
         max_restarts: int = 3,
         join_timeout_s: Annotated[float, POSITIVE] = 30.0,
+        restarted: bool = False,
     ) -> None:
         if num_replica_groups < 1 or min_replica_size < 1:
             raise ValueError(
@@ -117,7 +126,7 @@ class ReplicaGroups(StrategyPlugin):
         self.num_replica_groups, self.replica_group = num_replica_groups, replica_group
         self.lighthouse, self.min_replica_size = lighthouse, min_replica_size
         self.timeout, self.quorum_timeout = timedelta(seconds=timeout_s), timedelta(seconds=quorum_timeout_s)
-        self.max_restarts, self.join_timeout_s = max_restarts, join_timeout_s
+        self.max_restarts, self.join_timeout_s, self.restarted = max_restarts, join_timeout_s, restarted
         self.manager: Any = None
         self.trainer: Any = None
         self._quorum_ready = False  # `join` formed the first step's quorum
@@ -150,6 +159,24 @@ class ReplicaGroups(StrategyPlugin):
                     f"strategy.{axis}={getattr(dims, axis)}: strategy.fault_tolerance runs FSDP (dp_shard) inside each "
                     f"replica group so far; use strategy.{axis}=1"
                 )
+        # train.micro_batch_size=null resolves to all of a rank's rows (global / dp): a group's rank then
+        # runs its share (global / (dp x groups)) as one micro-batch
+        whole = run.micro_batch_size * dims.dp == run.global_batch_size
+        per_group = dims.dp * self.num_replica_groups * (1 if whole else run.micro_batch_size)
+        if run.global_batch_size % per_group:
+            problems.append(
+                f"train.global_batch_size={run.global_batch_size} must be a multiple of "
+                f"{'' if whole else f'train.micro_batch_size={run.micro_batch_size} x '}dp={dims.dp} x "
+                "strategy.fault_tolerance.num_replica_groups="
+                f"{self.num_replica_groups} (each group trains its share of every batch); e.g. "
+                f"train.global_batch_size={per_group * max(1, round(run.global_batch_size / per_group))}"
+            )
+        if run.row_kind in ("pairs", "unpaired"):
+            problems.append(
+                f"strategy.fault_tolerance with preference rows ({run.row_kind}): the reference log-probs and KTO's "
+                "KL estimate are computed within one group so far; train the preference recipes without "
+                "strategy.fault_tolerance"
+            )
         if shape is not None and shape.num_experts:
             problems.append(
                 "strategy.fault_tolerance with a mixture of experts: the router losses are scaled within one group "
@@ -172,10 +199,7 @@ class ReplicaGroups(StrategyPlugin):
         Raises:
             RuntimeError: no replica group or Lighthouse is configured (the launcher sets both).
         """
-        os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at info
-        from torchft import Manager, ProcessGroupGloo  # the pinned engine (torchft==0.2.0)
-
-        logging.getLogger("torchft").setLevel(logging.WARNING)  # and its Manager every commit
+        logging.getLogger("torchft").setLevel(logging.WARNING)  # its Manager logs every commit at info
 
         lighthouse = self.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
         if self.replica_group is None or not lighthouse:
@@ -204,8 +228,25 @@ class ReplicaGroups(StrategyPlugin):
         self._joining = True
         try:
             self.manager.start_quorum(allow_heal=True)
+            # A fresh run: every group trains from the first step, so the first quorum waits up to
+            # join_timeout_s for the groups that start slower (a count of tries, not a clock: every
+            # rank of the group sees the same quorums and so leaves the loop at the same try).
+            for _ in range(0 if self.restarted else math.ceil(self.join_timeout_s / 0.5)):
+                if self.manager.num_participants() >= self.num_replica_groups or self.manager.current_step() > 0:
+                    break
+                time.sleep(0.5)
+                self.manager.start_quorum(allow_heal=True)
         finally:
             self._joining = False
+        if (error := self.manager.errored()) is not None:
+            raise RuntimeError(
+                f"replica group {self.replica_group} could not join the others: {error.original_exception}"
+            )
+        if self.restarted and self.manager.current_step() == 0:
+            raise RuntimeError(
+                f"replica group {self.replica_group} was restarted but no healthy group was there to recover from "
+                "(they finished or were lost); it does not train alone from the first step"
+            )
         self._quorum_ready = True
 
     # ------------------------------------------------------------------------------ the step
@@ -213,12 +254,11 @@ class ReplicaGroups(StrategyPlugin):
     def reduce_tokens(self, num_tokens: torch.Tensor) -> torch.Tensor | None:
         """The step's supervised tokens over the groups present (this group's ``num_tokens`` summed
         with theirs), after the step's quorum (formed here, or by `join` for the first step)."""
-        from torch.distributed import ReduceOp
-
         if self.local_sgd is not None:  # islands: each group's own tokens; a quorum at each round's start
             if self.trainer.global_step % self.local_sgd.sync_every == 0 and not self._quorum_ready:
                 self.manager.start_quorum(allow_heal=True)
             self._quorum_ready = False
+            self.participants = self.manager.num_participants()  # of this round's quorum
             return None
         if not self._quorum_ready:
             self.manager.start_quorum(allow_heal=True)
@@ -235,8 +275,6 @@ class ReplicaGroups(StrategyPlugin):
         """Sums the gradients (each group's already divided by the tokens of all groups) and the
         loss over the groups present, in place; whether the group may apply the update
         (``should_commit``: every collective of the step succeeded)."""
-        from torch.distributed import ReduceOp
-
         if self.local_sgd is not None:  # islands: no gradient crosses the groups
             return None
         shards = [local(p.grad) for p in parameters if p.grad is not None]
@@ -267,8 +305,6 @@ class ReplicaGroups(StrategyPlugin):
         shard) replaced by its mean, one all-reduce (SUM) per dtype in this round's quorum, then
         ``should_commit``; returns the bytes this rank sent (ring all-reduce, as `allreduce_bytes_sent`)
         and whether every collective succeeded."""
-        from torch.distributed import ReduceOp
-
         shards = [local(t) for t in tensors]
         index = {d: [i for i, s in enumerate(shards) if s.dtype == d] for d in dict.fromkeys(s.dtype for s in shards)}
         messages = [torch.cat([shards[i].reshape(-1) for i in rows]) for rows in index.values()]

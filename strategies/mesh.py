@@ -238,11 +238,11 @@ class MeshStrategy(ModelParallelStrategy):
         kwargs = self.distributed_sampler_kwargs
         return {"num_replicas": kwargs["num_replicas"] * count, "rank": index * kwargs["num_replicas"] + kwargs["rank"]}
 
-    @override
-    def on_train_start(self) -> None:
-        super().on_train_start()
+    def join_worlds(self, trainer: Any) -> None:
+        """Every active plugin's `StrategyPlugin.join` (replica groups: a restarted group takes the
+        others' state and step here), at the start of training before anything reads the model."""
         for plugin in self.active:
-            plugin.join(self.lightning_module.trainer)
+            plugin.join(trainer)
 
     def reduce_tokens(self, num_tokens: torch.Tensor) -> torch.Tensor:
         """The step's supervised tokens summed over other worlds too (the first active plugin's

@@ -17,7 +17,9 @@ machine one group with ``strategy.fault_tolerance.replica_group=<g>`` and
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -25,9 +27,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from strategies.runtime.launch import LAUNCH_ENV, child_command
 
-NOT_RESTARTED = (2, 3)  # bad input, divergence: the same command fails the same way again
+# bad input and divergence fail the same way again; 130 and 143: stopped by a signal on purpose (Ctrl-C, SIGTERM)
+NOT_RESTARTED = (2, 3, 130, 143)
 
 
 def launches_groups(cfg: Any) -> bool:
@@ -37,8 +42,9 @@ def launches_groups(cfg: Any) -> bool:
 
 
 def resume_problems(cfg: Any) -> list[str]:
-    """Why this launcher cannot take ``resume`` ([] without one): resuming every group from its own
-    checkpoint is not built yet (each group's run directory holds its checkpoints)."""
+    """Why a run of replica groups (the launcher or one group) cannot take ``resume`` ([] without
+    one): resuming the groups from their own checkpoints is not built yet (torchft's step is not in
+    them, so groups resumed at different steps would not recover from each other)."""
     if cfg.get("resume") is None:
         return []
     return [
@@ -48,18 +54,37 @@ def resume_problems(cfg: Any) -> list[str]:
     ]
 
 
+def gpu_problems(cfg: Any, visible: int) -> list[str]:
+    """Why the launcher cannot give every group GPUs of its own ([] if it can): ``visible`` GPUs
+    for ``num_replica_groups`` x ``trainer.devices``."""
+    devices, groups = cfg.trainer.devices, int(cfg.strategy.fault_tolerance.num_replica_groups)
+    if str(cfg.trainer.accelerator) not in ("gpu", "cuda") or not isinstance(devices, int):
+        return []
+    if groups * devices > visible:
+        return [
+            f"strategy.fault_tolerance.num_replica_groups={groups} x trainer.devices={devices} needs {groups * devices} "
+            f"GPUs, {visible} are visible; use trainer.devices={max(1, visible // groups)} or fewer groups"
+        ]
+    return []
+
+
 def run_replica_groups(cfg: Any, run_dir: Path, say: Callable[[str], None] = print) -> int:
-    """Starts the Lighthouse and the groups, restarts those that die, and waits for all of them.
+    """Starts the Lighthouse and the groups (each in a session of its own, on GPUs of its own),
+    restarts those that die, and waits for all of them. SIGTERM or Ctrl-C reaches every group as
+    SIGTERM (each saves a checkpoint and stops), then the launcher ends.
 
     Returns:
         The exit code: 0 when a group trained to the end (the lost groups are named), else the
         code of the last group to fail.
     """
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's Lighthouse logs every quorum at info
-    from torchft._torchft import LighthouseServer
+    from torchft._torchft import LighthouseServer  # lazily: torchft is not loaded for runs without replica groups
 
     node = cfg.strategy.fault_tolerance
-    groups, max_restarts = int(node.num_replica_groups), int(node.max_restarts)
+    groups, max_restarts, devices = int(node.num_replica_groups), int(node.max_restarts), cfg.trainer.devices
+    gpus = str(cfg.trainer.accelerator) in ("gpu", "cuda")  # each group gets its own block of the visible GPUs
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
     server = LighthouseServer(
         bind="[::]:0", min_replicas=1, join_timeout_ms=int(node.join_timeout_s * 1000), heartbeat_timeout_ms=5000
     )
@@ -71,10 +96,20 @@ def run_replica_groups(cfg: Any, run_dir: Path, say: Callable[[str], None] = pri
             f"strategy.fault_tolerance.replica_group={g}",
             f"strategy.fault_tolerance.lighthouse={server.address()}",
         ]
+        if attempt > 0:
+            extra.append("strategy.fault_tolerance.restarted=true")  # recovers from a healthy group
         if g > 0:
             extra.append("trainer.enable_progress_bar=false")  # one bar on the terminal
-        return subprocess.Popen(child_command(0, run_dir=str(group_dir), extra=extra), env=env)
+        group_env = dict(env, CUDA_VISIBLE_DEVICES=",".join(ids[g * devices : (g + 1) * devices])) if gpus else env
+        # a session of its own: the group's ranks are stopped together (os.killpg), not only its rank 0
+        return subprocess.Popen(
+            child_command(0, run_dir=str(group_dir), extra=extra), env=group_env, start_new_session=True
+        )
 
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # the finally below forwards it to the groups
+
+    previous = signal.signal(signal.SIGTERM, stop)
     say(f"{groups} replica groups (torchft Lighthouse {server.address()}); their runs: {run_dir}/group<g>")
     procs = {g: start(g, 0) for g in range(groups)}
     attempts = dict.fromkeys(range(groups), 0)
@@ -92,10 +127,9 @@ def run_replica_groups(cfg: Any, run_dir: Path, say: Callable[[str], None] = pri
                 else:
                     codes[g] = code
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
+        _stop_groups([proc for proc in procs.values() if proc.poll() is None])
         server.shutdown()
+        signal.signal(signal.SIGTERM, previous)
     lost = {g: c for g, c in codes.items() if c != 0}
     if len(lost) == groups:
         print(f"plait: error: every replica group failed (exit codes {lost})", file=sys.stderr)
@@ -106,6 +140,19 @@ def run_replica_groups(cfg: Any, run_dir: Path, say: Callable[[str], None] = pri
             file=sys.stderr,
         )
     return 0
+
+
+def _stop_groups(procs: list[subprocess.Popen], grace_s: float = 60.0) -> None:
+    """SIGTERM to every rank of each group (its session), SIGKILL to what is left after ``grace_s``."""
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _all_done(codes: dict[int, int]) -> bool:

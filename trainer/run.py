@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import lightning as L
+import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
@@ -28,7 +29,7 @@ from trainer.data.summary import describe
 from trainer.finetune_defaults import lr_line
 from trainer.nonfinite import NonFiniteError
 from trainer.planning import check_memory
-from trainer.replica_groups import launches_groups, resume_problems, run_replica_groups
+from trainer.replica_groups import gpu_problems, launches_groups, resume_problems, run_replica_groups
 from trainer.resume import RESUMES_FILE, ResumeRecord, check_resume, resume_changes
 from trainer.rl.rewards import RewardError
 from trainer.run_length import plan_run_length
@@ -146,8 +147,10 @@ def check_launch(cfg: DictConfig, run_dir: Path | None = None) -> Launch:
     devices, nodes = cfg.trainer.devices, cfg.trainer.num_nodes
     typed = isinstance(devices, int) and isinstance(nodes, int)  # else validate reports them
     unlaunchable = launch_problems(str(cfg.trainer.accelerator), devices, nodes) if typed else []
-    if launches_groups(cfg):  # strategy=ft's launcher: its run directory holds the groups' (`trainer.replica_groups`)
+    if cfg.strategy.get("fault_tolerance") is not None:  # replica groups (`trainer.replica_groups`)
         unlaunchable += resume_problems(cfg)
+        if launches_groups(cfg):
+            unlaunchable += gpu_problems(cfg, torch.cuda.device_count())
     try:
         resolved = validate(cfg)
     except ConfigError as err:

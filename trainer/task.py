@@ -34,7 +34,7 @@ from strategies.transforms.lora import quantize_pending
 from trainer.data import accounting
 from trainer.init_from import load_init_from
 from trainer.loggers import is_logging_step
-from trainer.nonfinite import NonFiniteGuard
+from trainer.nonfinite import ADMITTED, NonFiniteGuard
 from trainer.optim import build_optimizer
 from trainer.protocols import Objective, RoutedModel
 from trainer.run_length import RunLength, plan_run_length
@@ -245,17 +245,19 @@ class Task(L.LightningModule):
         grad_norm = strategy.grad_norm(parameters)
         islands = None if strategy.token_axis == "dp_cp" else lambda t: strategy.all_reduce_sum(t, "dp_replicate")
         values = self.nonfinite.combine(loss, grad_norm, islands=islands)
-        # Decided before the optimizer step: an anomalous step's update is never applied.
-        verdict = self.nonfinite.verdict(values, judged=num_tokens > 0, islands=islands)
-        on_device = self.nonfinite.skip_on_device(getattr(optimizer, "_optimizer", optimizer), verdict)
-        if not on_device and not self.nonfinite.admit(
-            self.global_step + 1, *torch.cat([values, verdict.reshape(1)]).tolist(), checkpoints=self._checkpoints()
-        ):
+        if not commit:  # the replica groups dropped this update (a failed all-reduce: partial values): not judged
+            verdict, on_device = torch.full_like(values[0], ADMITTED), False
             optimizer.zero_grad(set_to_none=True)  # the optimizer then leaves every parameter as it is
-        elif self.max_grad_norm:  # (a skipped step's NaN gradients: its update is skipped anyway)
-            strategy.clip_grads(parameters, max_norm=self.max_grad_norm, total_norm=grad_norm)
-        if not commit:
-            optimizer.zero_grad(set_to_none=True)
+        else:
+            # Decided before the optimizer step: an anomalous step's update is never applied.
+            verdict = self.nonfinite.verdict(values, judged=num_tokens > 0, islands=islands)
+            on_device = self.nonfinite.skip_on_device(getattr(optimizer, "_optimizer", optimizer), verdict)
+            if not on_device and not self.nonfinite.admit(
+                self.global_step + 1, *torch.cat([values, verdict.reshape(1)]).tolist(), checkpoints=self._checkpoints()
+            ):
+                optimizer.zero_grad(set_to_none=True)
+            elif self.max_grad_norm:  # (a skipped step's NaN gradients: its update is skipped anyway)
+                strategy.clip_grads(parameters, max_norm=self.max_grad_norm, total_norm=grad_norm)
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -348,6 +350,9 @@ class Task(L.LightningModule):
 
     @override
     def on_train_start(self) -> None:
+        # Replica groups join first: a restarted group takes the others' state and step (no evaluation of its fresh weights).
+        if (join_worlds := getattr(self.trainer.strategy, "join_worlds", None)) is not None:
+            join_worlds(self.trainer)
         datamodule = self.trainer.datamodule
         if self.global_step == 0 and datamodule is not None:  # what preparation cut, once, in row 0
             self.record(accounting.metrics(datamodule.data_counts()))

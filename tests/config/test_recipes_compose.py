@@ -29,7 +29,14 @@ def test_recipe_x_strategy_validates(recipe: str, strategy: str, devices: int) -
     if devices % fixed:  # a preset with fixed degrees (hsdp: dp_shard=2) needs a multiple of them
         with pytest.raises(ConfigError, match="trainer.devices"):
             validate(cfg)
-    elif cfg.strategy.local_sgd is not None and devices // fixed < 2:  # local SGD needs 2 islands or more
+    elif cfg.strategy.fault_tolerance is not None and cfg.objective._target_.rsplit(".", 2)[-2] in (
+        "preference",
+        "kto",
+    ):
+        with pytest.raises(ConfigError, match="train the preference recipes without strategy.fault_tolerance"):
+            validate(cfg)  # replica groups: their reference log-probs and KL estimate stay within a group
+    elif cfg.strategy.local_sgd is not None and cfg.strategy.fault_tolerance is None and devices // fixed < 2:
+        # local SGD needs 2 islands or more (across replica groups, the groups are the islands)
         with pytest.raises(ConfigError, match="needs at least 2 islands"):
             validate(cfg)
     elif cfg.model.n_heads % _resolved(cfg, devices, "tp") or cfg.model.n_kv_heads % _resolved(cfg, devices, "tp"):

@@ -24,10 +24,9 @@ def _steps(run_dir: Path) -> list[int]:
         return [int(r["step"]) for r in csv.DictReader(f) if r.get("train/loss")]
 
 
-def _group_pids(g: int) -> list[int]:
-    out = subprocess.run(
-        ["pgrep", "-f", f"strategy.fault_tolerance.replica_group={g} "], capture_output=True, text=True
-    )
+def _group_pids(run_dir: Path) -> list[int]:
+    """The processes of the group running in ``run_dir`` (unique to this test)."""
+    out = subprocess.run(["pgrep", "-f", f"run_dir={run_dir} "], capture_output=True, text=True, check=False)
     return [int(pid) for pid in out.stdout.split()]
 
 
@@ -53,7 +52,7 @@ def test_the_launcher_restarts_a_killed_group_which_rejoins(tmp_path):
     while max(_steps(tmp_path / "group1"), default=-1) < 5:
         assert launcher.poll() is None and time.monotonic() < deadline, launcher.stdout.read()
         time.sleep(0.1)
-    for pid in _group_pids(1):
+    for pid in _group_pids(tmp_path / "group1"):
         subprocess.run(["kill", "-9", str(pid)], check=False)
     out, _ = launcher.communicate(timeout=600)
     assert launcher.returncode == 0, out

@@ -9,6 +9,7 @@ import pytest
 from harness import MOE_SMALL, compose_config
 
 from strategies.fault_tolerance import ReplicaGroups
+from trainer.compose import compose
 from trainer.config import ConfigError, validate
 
 FT = "strategies.fault_tolerance.ReplicaGroups"
@@ -71,3 +72,42 @@ def test_resuming_every_group_is_refused_naming_what_runs(tmp_path) -> None:
         check_launch(cfg, tmp_path)
     assert "restarting every replica group from its checkpoints is not built yet" in str(error.value)
     assert "<run_dir>/group<g>" in str(error.value)
+
+
+def test_a_batch_the_groups_cannot_share_is_refused_naming_a_size() -> None:
+    with pytest.raises(ConfigError) as error:
+        validate(
+            compose_config(
+                ["strategy=ft", "trainer.devices=2", "train.global_batch_size=12", "train.micro_batch_size=2"]
+            )
+        )
+    assert "x strategy.fault_tolerance.num_replica_groups=2 (each group trains its share of every batch)" in str(
+        error.value
+    )
+    assert "e.g. train.global_batch_size=16" in str(error.value)
+
+
+def test_preference_recipes_are_refused() -> None:
+    with pytest.raises(ConfigError, match="train the preference recipes without strategy.fault_tolerance"):
+        validate(compose("preference", ["model=nano", "strategy=ft"]))
+
+
+def test_a_group_resumed_on_its_own_is_refused_too(tmp_path) -> None:
+    from trainer.run import check_launch
+
+    cfg = compose_config(
+        ["strategy=ft", "strategy.fault_tolerance.replica_group=0", "resume=last", f"run_dir={tmp_path}"]
+    )
+    with pytest.raises(ConfigError, match="restarting every replica group from its checkpoints is not built yet"):
+        check_launch(cfg, tmp_path)
+
+
+@pytest.mark.parametrize(("visible", "ok"), [(4, True), (3, False)])
+def test_the_launcher_needs_gpus_for_every_group(visible: int, ok: bool) -> None:
+    from trainer.replica_groups import gpu_problems
+
+    cfg = compose_config(["strategy=ft", "trainer.devices=2", "trainer.accelerator=gpu"])
+    problems = gpu_problems(cfg, visible)
+    assert (problems == []) == ok
+    if not ok:
+        assert "needs 4 GPUs, 3 are visible; use trainer.devices=1 or fewer groups" in problems[0]
