@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
 from strategies.runtime.launch import LAUNCH_ENV, child_command
 
@@ -41,17 +42,24 @@ def launches_groups(cfg: Any) -> bool:
     return node is not None and node.get("replica_group") is None
 
 
-def resume_problems(cfg: Any) -> list[str]:
-    """Why a run of replica groups (the launcher or one group) cannot take ``resume`` ([] without
-    one): resuming the groups from their own checkpoints is not built yet (torchft's step is not in
-    them, so groups resumed at different steps would not recover from each other)."""
-    if cfg.get("resume") is None:
-        return []
-    return [
-        f"resume={cfg.resume} with strategy.fault_tolerance: restarting every replica group from its checkpoints is not "
-        "built yet (a group that dies is restarted and recovers from the others while they train); start a fresh "
-        "run, or resume one group's directory (<run_dir>/group<g>) without strategy.fault_tolerance"
-    ]
+def group_problems(cfg: Any) -> list[str]:
+    """What a run of replica groups (the launcher or one group) cannot take yet, each naming the fix:
+    ``resume`` (torchft's step is not in the checkpoints, so groups resumed at different steps would
+    not recover from each other) and ``train.nonfinite=rollback`` (each group would reload its own
+    checkpoint, and a restarted group has none from before it joined)."""
+    problems = []
+    if cfg.get("resume") is not None:
+        problems.append(
+            f"resume={cfg.resume} with strategy.fault_tolerance: restarting every replica group from its checkpoints "
+            "is not built yet (a group that dies is restarted and recovers from the others while they train); start "
+            "a fresh run, or resume one group's directory (<run_dir>/group<g>) without strategy.fault_tolerance"
+        )
+    if OmegaConf.select(cfg, "train.nonfinite") == "rollback":
+        problems.append(
+            "train.nonfinite=rollback with strategy.fault_tolerance: the groups would reload different checkpoints; "
+            "use train.nonfinite=skip or stop"
+        )
+    return problems
 
 
 def gpu_problems(cfg: Any, visible: int) -> list[str]:

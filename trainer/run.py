@@ -29,7 +29,7 @@ from trainer.data.summary import describe
 from trainer.finetune_defaults import lr_line
 from trainer.nonfinite import NonFiniteError
 from trainer.planning import check_memory
-from trainer.replica_groups import gpu_problems, launches_groups, resume_problems, run_replica_groups
+from trainer.replica_groups import gpu_problems, group_problems, launches_groups, run_replica_groups
 from trainer.resume import RESUMES_FILE, ResumeRecord, check_resume, resume_changes
 from trainer.rl.rewards import RewardError
 from trainer.run_length import plan_run_length
@@ -148,7 +148,7 @@ def check_launch(cfg: DictConfig, run_dir: Path | None = None) -> Launch:
     typed = isinstance(devices, int) and isinstance(nodes, int)  # else validate reports them
     unlaunchable = launch_problems(str(cfg.trainer.accelerator), devices, nodes) if typed else []
     if cfg.strategy.get("fault_tolerance") is not None:  # replica groups (`trainer.replica_groups`)
-        unlaunchable += resume_problems(cfg)
+        unlaunchable += group_problems(cfg)
         if launches_groups(cfg):
             unlaunchable += gpu_problems(cfg, torch.cuda.device_count())
     try:

@@ -111,3 +111,11 @@ def test_the_launcher_needs_gpus_for_every_group(visible: int, ok: bool) -> None
     assert (problems == []) == ok
     if not ok:
         assert "needs 4 GPUs, 3 are visible; use trainer.devices=1 or fewer groups" in problems[0]
+
+
+def test_a_rollback_policy_is_refused_with_replica_groups(tmp_path) -> None:
+    from trainer.run import check_launch
+
+    cfg = compose_config(["strategy=ft", "train.nonfinite=rollback", f"run_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="use train.nonfinite=skip or stop"):
+        check_launch(cfg, tmp_path)
