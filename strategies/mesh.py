@@ -244,6 +244,11 @@ class MeshStrategy(ModelParallelStrategy):
         for plugin in self.active:
             plugin.join(trainer)
 
+    def end_training(self, model: nn.Module) -> None:
+        """Every active plugin's `StrategyPlugin.end_training` (after the last step, before its evaluation)."""
+        for plugin in self.active:
+            plugin.end_training(model)
+
     def reduce_tokens(self, num_tokens: torch.Tensor) -> torch.Tensor:
         """The step's supervised tokens summed over other worlds too (the first active plugin's
         `StrategyPlugin.reduce_tokens`: replica groups); else ``num_tokens``."""

@@ -172,6 +172,10 @@ class StrategyPlugin:
     def teardown(self) -> None:
         """At the end of the run, before the process group is destroyed."""
 
+    def end_training(self, model: nn.Module) -> None:
+        """Training ends after this step (``trainer.max_steps`` reached or the data ended), before
+        the last evaluation, checkpoint and export: leave ``model`` whole (IST reassembles its subnets)."""
+
     def checkpoint_io(self) -> CheckpointIO | None:
         """The object that writes and reads checkpoints instead of `strategies.checkpoint.dcp`; None: the default."""
         return None

@@ -375,7 +375,10 @@ class Task(L.LightningModule):
         if self.nonfinite.rollback_due is not None:
             self._roll_back()
         step = self.global_step
-        if step == self.trainer.max_steps or self.data_ended() or (self.eval_every and step % self.eval_every == 0):
+        last = step == self.trainer.max_steps or self.data_ended()
+        if last and (end_training := getattr(self.trainer.strategy, "end_training", None)) is not None:
+            end_training(self.model)  # e.g. IST reassembles its narrow subnets before the last evaluation
+        if last or (self.eval_every and step % self.eval_every == 0):
             self.evaluate()
         self._write_row()
 

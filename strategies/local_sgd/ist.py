@@ -206,6 +206,14 @@ class IST(LocalSGD):
         self.optimizer = optimizer
         return super().after_step(model, step, optimizer)
 
+    @override
+    def end_training(self, model: nn.Module) -> None:
+        """A run that ends inside a round reassembles it (counted in ``comm/bytes_sent_total``), so
+        the last evaluation, checkpoint and export see the whole model."""
+        if self.groups is not None:
+            self.bytes_sent += self.reassemble_(self.optimizer)
+            self.round += 1
+
     def sync(self, optimizer: torch.optim.Optimizer, step: int) -> float:
         if step % self.sync_every:
             return 0.0

@@ -190,6 +190,14 @@ def test_ist_equals_a_one_process_reference(scale: bool, short_documents, tmp_pa
     assert run["bytes"] == [0.0, 0.0, per_round, 0.0, 0.0, per_round]
 
 
+def test_a_run_ending_inside_a_round_ends_whole(short_documents, tmp_path: Path) -> None:
+    """max_steps=4 with L=3: the second round is reassembled when training ends, so the final
+    parameters (and the last evaluation, checkpoint and export) are the full model's."""
+    run = _run([*short_documents, "strategy.local_sgd.sync_every=3", "trainer.max_steps=4"], tmp_path)
+    assert run["params"]["layers.0.feed_forward.w1.weight"].shape == (192, 64)
+    assert run["params"]["layers.0.feed_forward.w2.weight"].shape == (64, 192)
+
+
 # ---------------------------------------------------------------------------------- resume
 RESUME = ["strategy.local_sgd.sync_every=4", "trainer.max_steps=8", "callbacks.checkpoint.every_n_steps=2",
           "callbacks.checkpoint.keep_last=0"]  # fmt: skip
