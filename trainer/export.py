@@ -92,9 +92,13 @@ def hf_config(model: Llama, base: dict[str, Any] | None = None, **extra: Any) ->
     config.update(family.export_fields(model))
     config.setdefault("max_position_embeddings", model.max_seq_len)
     global_rope = {"rope_theta": model.rope_theta, **(model.rope_scaling or {"rope_type": "default"})}
-    if model.rope_local_theta is not None:  # per layer type (Gemma 3)
-        local_rope = {"rope_type": "default", "rope_theta": model.rope_local_theta}
-        config["rope_parameters"] = {"full_attention": global_rope, "sliding_attention": local_rope}
+    if model.rope_local_theta is not None or family.local_layers:  # per layer type (Gemma 3)
+        # without a local base the windowed blocks rotate with the global tables: say so, or
+        # transformers would give them its default base
+        local = (
+            {"rope_type": "default", "rope_theta": model.rope_local_theta} if model.rope_local_theta else global_rope
+        )
+        config["rope_parameters"] = {"full_attention": global_rope, "sliding_attention": local}
     elif "rope_parameters" in config:  # the newer layout: keep it
         config["rope_parameters"] = global_rope
     else:

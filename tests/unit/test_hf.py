@@ -142,6 +142,31 @@ def test_plait_model_exports_to_transformers(tmp_path):
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out").eos_token == "<|endoftext|>"
 
 
+def test_a_gemma3_model_without_a_local_rope_base_exports_its_windows_global_base(tmp_path):
+    """Windowed blocks without model.rope_local_theta rotate with the global tables: the export says so
+    (sliding_attention's rope_parameters), else transformers would give them its default base 10000."""
+    from hf_checkpoints import corpus_texts
+
+    from trainer.data.tokenizer import train_bpe
+
+    torch.manual_seed(0)
+    model = Llama(
+        vocab_size=300, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16, max_seq_len=64, tie_embeddings=True,
+        qk_norm=True, norm_placement="sandwich", norm_unit_offset=True, scale_embeddings=True, activation="gelu_tanh",
+        query_pre_attn_scalar=16, sliding_window=8, window_layers=[0, 1], rope_theta=5e5,
+    ).eval()  # fmt: skip
+    with torch.no_grad():  # every parameter random, the norm weights too
+        for p in model.parameters():
+            p.normal_(0.0, 0.1)
+    tok = train_bpe(corpus_texts(), vocab_size=300)
+    write_hf_dir(tmp_path / "out", model=model, state=model.state_dict(), tokenizer=tok, sources=[])
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    assert type(reloaded).__name__ == "Gemma3ForCausalLM"
+    ids = batch(seq_len=48)
+    with torch.no_grad():
+        assert (reloaded(ids).logits - model(ids)).abs().max().item() < TOL
+
+
 def _config(tmp_path, *overrides, **edits):
     from hf_checkpoints import write_tokenizer
 
