@@ -234,6 +234,22 @@ def test_validate_guides_the_model_choice(tmp_path):
         validate(mqa)
 
 
+def test_a_scaled_rope_on_the_windowed_layers_is_refused_naming_the_field(tmp_path):
+    from hf_checkpoints import write_tokenizer
+
+    from trainer.compose import compose
+
+    make_hf_dir("gemma3_text", tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    config = json.loads(path.read_text())
+    config["rope_parameters"]["sliding_attention"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}
+    path.write_text(json.dumps(config))
+    write_tokenizer(tmp_path / "hf")
+    cfg = compose("pretrain", ["model=hf", f"model.init_from={tmp_path / 'hf'}", "data.seq_len=64"])
+    with pytest.raises(ConfigError, match="rope_parameters.sliding_attention.rope_type='linear' is not supported"):
+        validate(cfg)
+
+
 def test_context_parallelism_refuses_windows_shorter_than_the_rows(tmp_path):
     """Gemma 3's 8-token windows: cp's attention cores do not apply them, so cp=2 with 64-token rows
     is refused before launch, naming the fix; rows within the window run."""

@@ -115,6 +115,12 @@ def config_problems(config: dict[str, Any], where: str = "config.json") -> list[
     _, scaling = rope_of(config)
     key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
     problems += [f"{where}: {p}" for p in rope_scaling_problems(scaling, where=key)]
+    local = ((config.get("rope_parameters") or {}).get("sliding_attention") or {}).get("rope_type", "default")
+    if local != "default":  # the windowed blocks' own tables take a base only (model.rope_local_theta)
+        problems.append(
+            f"{where}: rope_parameters.sliding_attention.rope_type={local!r} is not supported (the sliding-window "
+            "layers' RoPE takes a base only: rope_type 'default')"
+        )
     if FAMILIES[family].moe:
         problems += moe_config_problems(config, family, where)
     return problems
