@@ -33,7 +33,7 @@ gathers the units first, without counting: that is checkpoint traffic, not the a
 resumed round redraws its split and slices the loaded full tensors, bitwise what it had.
 
 Scope: whole models per island (dp_shard = tp = cp = pp = 1), dense SwiGLU MLPs (no mixture of
-experts), no LoRA, Mixout, SAT, Muon, compile or float8. Attention heads are not split (IST here
+experts), no LoRA, Mixout, SAT, Muon, compile or float8 (all refused by validate). Attention heads are not split (IST here
 splits MLP units only).
 """
 
@@ -139,6 +139,11 @@ class IST(LocalSGD):
         self.groups: list[list[torch.Tensor]] | None = None  # [mlp][island] while narrow; None: full
         self.optimizer: torch.optim.Optimizer | None = None  # the inner optimizer, once seen
         self._hooks: list[Any] = []
+        self.float8: Any = None  # the strategy's float8 plugin (`peers`): its Linear layers are not plain ones
+
+    @override
+    def peers(self, plugins: dict[str, Any]) -> None:
+        self.float8 = plugins.get("float8")
 
     # ------------------------------------------------------------------------------ validate
     @override
@@ -165,6 +170,8 @@ class IST(LocalSGD):
             )
         if run.compile:
             problems.append("strategy=ist changes the MLP shapes every round; set strategy.compile.enabled=false")
+        if getattr(self.float8, "recipe", None) is not None:
+            problems.append("strategy=ist slices plain Linear MLPs, not float8 ones; set strategy.float8.recipe=null")
         if run.adapters:
             problems.append("strategy=ist trains the base weights; set strategy.lora=null")
         if run.optimizer is not None and _is_muon(run.optimizer):

@@ -238,3 +238,12 @@ def test_a_load_in_the_middle_of_a_round_restores_the_full_checkpoint(tmp_path) 
         assert torch.equal(p, p0), name
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(opt.state[p][key], optimizer.state[p0][key]), (name, key)
+
+
+def test_float8_is_refused_by_validate_naming_the_fix() -> None:
+    from harness import compose_config
+
+    from trainer.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match="set strategy.float8.recipe=null"):
+        validate(compose_config(["strategy=ist", "trainer.devices=2", "strategy.float8.recipe=tensorwise"]))
