@@ -146,10 +146,10 @@ def train(method: str, args: argparse.Namespace, run_dir: Path, *, steps: int, i
     summary = json.loads((run_dir / "summary.json").read_text())
     steps = [h for h in task.history if "loss" in h]
     num_params = sum(p.numel() for p in task.model.parameters())
-    if method in ("ddp", "warmup"):
-        sent = len(steps) * allreduce_bytes_sent(4 * num_params, args.replicas)  # fp32 gradients, every step
-    else:
+    if "comm/bytes_sent_total" in steps[-1]:  # a local-SGD plugin's own count
         sent = steps[-1]["comm/bytes_sent_total"]
+    else:  # DDP (also an --extra arm of strategy=ddp): fp32 gradients, every step
+        sent = len(steps) * allreduce_bytes_sent(4 * num_params, args.replicas)
     return {
         "val_loss": [h["val_loss"] for h in task.history if "val_loss" in h][-1],
         "val_loss_start": [h["val_loss"] for h in task.history if "val_loss" in h][0],
