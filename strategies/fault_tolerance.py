@@ -54,11 +54,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ReduceOp
-from torch.distributed.tensor import DTensor
 
+from strategies.core.local_shards import like_param, local, local_state, local_tree, placed_state
 from strategies.core.parallel_dims import ParallelDims
 from strategies.core.ranges import POSITIVE
-from strategies.local_sgd.base import LocalSGD, allreduce_bytes_sent, local
+from strategies.local_sgd.base import LocalSGD, allreduce_bytes_sent
 from strategies.plugin import StrategyPlugin
 
 os.environ.setdefault("RUST_LOG", "warn")  # before torchft loads: its Rust side logs every quorum at info
@@ -277,51 +277,46 @@ class ReplicaGroups(StrategyPlugin):
         (``should_commit``: every collective of the step succeeded)."""
         if self.local_sgd is not None:  # islands: no gradient crosses the groups
             return None
-        shards = [local(p.grad) for p in parameters if p.grad is not None]
         loss = loss.detach().clone()
-        messages = [loss.reshape(1)]
-        index = {
-            dtype: [i for i, s in enumerate(shards) if s.dtype == dtype]
-            for dtype in dict.fromkeys(s.dtype for s in shards)
-        }
-        messages += [torch.cat([shards[i].reshape(-1) for i in rows]) for rows in index.values()]
-        works = [self.manager.allreduce(flat, reduce_op=ReduceOp.SUM) for flat in messages]
-        for work in works:
-            work.wait()
-        for flat, rows in zip(messages[1:], index.values(), strict=True):
-            for i, value in zip(rows, torch.split(flat, [shards[i].numel() for i in rows])):
-                shards[i].copy_(value.view_as(shards[i]))
-        self.bytes_sent += sum(
-            allreduce_bytes_sent(flat.numel() * flat.element_size(), self.participants) for flat in messages[1:]
-        )
-        commit = self.manager.should_commit()
-        if not commit:
-            self.uncommitted_steps += 1
-        return loss, commit
+        self.bytes_sent += self._all_reduce_([local(p.grad) for p in parameters if p.grad is not None], loss=loss)
+        return loss, self._commit()
 
     @torch.no_grad()
     def average(self, tensors: Sequence[torch.Tensor]) -> tuple[float, bool]:
         """Local SGD's average across the groups present (`LocalSGD.average`): each tensor (its local
-        shard) replaced by its mean, one all-reduce (SUM) per dtype in this round's quorum, then
-        ``should_commit``; returns the bytes this rank sent (ring all-reduce, as `allreduce_bytes_sent`)
-        and whether every collective succeeded."""
-        shards = [local(t) for t in tensors]
+        shard) replaced by its mean in this round's quorum, then ``should_commit``; returns the bytes
+        this rank sent and whether every collective succeeded."""
+        sent = self._all_reduce_([local(t) for t in tensors], mean=True)
+        return sent, self._commit()
+
+    def _all_reduce_(
+        self, shards: Sequence[torch.Tensor], *, mean: bool = False, loss: torch.Tensor | None = None
+    ) -> float:
+        """Sums (``mean``: averages) ``shards`` over the groups present, in place: one fault-tolerant
+        all-reduce per dtype, and one of the 0-dim ``loss`` (in place, not counted); returns the
+        bytes this rank sent (ring all-reduce, as `allreduce_bytes_sent`)."""
         index = {d: [i for i, s in enumerate(shards) if s.dtype == d] for d in dict.fromkeys(s.dtype for s in shards)}
         messages = [torch.cat([shards[i].reshape(-1) for i in rows]) for rows in index.values()]
-        works = [self.manager.allreduce(flat, reduce_op=ReduceOp.SUM) for flat in messages]
+        scalars = [loss.reshape(1)] if loss is not None else []
+        works = [self.manager.allreduce(flat, reduce_op=ReduceOp.SUM) for flat in [*scalars, *messages]]
         for work in works:
             work.wait()
         self.participants = self.manager.num_participants()
         sent = 0.0
         for flat, rows in zip(messages, index.values(), strict=True):
-            flat.div_(self.participants)
+            if mean:
+                flat.div_(self.participants)
             for i, value in zip(rows, torch.split(flat, [shards[i].numel() for i in rows])):
                 shards[i].copy_(value.view_as(shards[i]))
             sent += allreduce_bytes_sent(flat.numel() * flat.element_size(), self.participants)
+        return sent
+
+    def _commit(self) -> bool:
+        """``should_commit`` (every rank of the group saw the step's collectives succeed), counted when not."""
         commit = self.manager.should_commit()
         if not commit:
             self.uncommitted_steps += 1
-        return sent, commit
+        return commit
 
     def after_step(self, model: nn.Module, step: int, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         metrics = {"ft/participants": float(self.participants), "ft/uncommitted_steps": float(self.uncommitted_steps)}
@@ -347,12 +342,12 @@ class ReplicaGroups(StrategyPlugin):
         task.on_save_checkpoint(extra)
         return {
             "model": {name: local(value) for name, value in task.model.state_dict().items()},
-            "optimizers": [_local_state(opt.state_dict()) for opt in trainer.strategy._unwrapped_optimizers()],
+            "optimizers": [local_state(opt.state_dict()) for opt in trainer.strategy._unwrapped_optimizers()],
             "schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
             "loader": trainer.train_dataloader.state_dict(),
             "loops": trainer.fit_loop.state_dict(),
             "task": extra,
-            "local_sgd": _local_tree(self.local_sgd.state_dict()) if self.local_sgd is not None else None,
+            "local_sgd": local_tree(self.local_sgd.state_dict()) if self.local_sgd is not None else None,
         }
 
     @torch.no_grad()
@@ -373,7 +368,7 @@ class ReplicaGroups(StrategyPlugin):
         for name, value in task.model.state_dict().items():
             local(value).copy_(state["model"][name])
         for opt, saved in zip(trainer.strategy._unwrapped_optimizers(), state["optimizers"], strict=True):
-            opt.load_state_dict(_placed_state(opt, saved))
+            opt.load_state_dict(placed_state(opt, saved))
         for config, saved in zip(trainer.lr_scheduler_configs, state["schedulers"], strict=True):
             config.scheduler.load_state_dict(saved)
         trainer.train_dataloader.load_state_dict(state["loader"])
@@ -385,45 +380,7 @@ class ReplicaGroups(StrategyPlugin):
             for name, anchor in self.local_sgd.anchors.items():
                 local(anchor).copy_(saved["anchor"][name])
             saved["outer"] = {
-                key: {name: _like(value, self.local_sgd.anchors[name]) for name, value in values.items()}
+                key: {name: like_param(value, self.local_sgd.anchors[name]) for name, value in values.items()}
                 for key, values in saved["outer"].items()
             }
             self.local_sgd.load_state_dict(saved)
-
-
-def _local_tree(tree: Any) -> Any:
-    """``tree`` (dicts and lists) with each DTensor replaced by this rank's shard."""
-    if isinstance(tree, dict):
-        return {key: _local_tree(value) for key, value in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_local_tree(value) for value in tree)
-    return local(tree) if isinstance(tree, torch.Tensor) else tree
-
-
-def _like(value: Any, param: torch.Tensor) -> Any:
-    """A peer's shard laid out like ``param``: a DTensor of its placements when ``param`` is one and
-    ``value`` has its local shape (FSDP's shards), else ``value``."""
-    if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.shape == param.to_local().shape:
-        return DTensor.from_local(
-            value, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-        )
-    return value
-
-
-def _local_state(state: dict[str, Any]) -> dict[str, Any]:
-    """An optimizer ``state_dict`` with each DTensor replaced by this rank's shard."""
-    return {
-        "state": {k: {n: local(v) for n, v in s.items()} for k, s in state["state"].items()},
-        "param_groups": state["param_groups"],
-    }
-
-
-def _placed_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
-    """A peer's `_local_state` laid out like ``optimizer``'s parameters: a value of a DTensor
-    parameter's local shape becomes a DTensor of its placements (FSDP's shards)."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    placed = {
-        key: {name: _like(value, params[int(key)]) for name, value in values.items()}
-        for key, values in state["state"].items()
-    }
-    return {"state": placed, "param_groups": state["param_groups"]}

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from strategies.checkpoint import dcp as ckpt
 from strategies.checkpoint.async_save import AsyncWriter
+from strategies.core.local_shards import local
 from strategies.core.parallel_dims import LayoutError, Meshes
 from strategies.plugin import StrategyPlugin
 from strategies.runtime.collective_device import collective_device
@@ -41,11 +41,6 @@ if TYPE_CHECKING:
 def allreduce_bytes_sent(num_bytes: int, num_ranks: int) -> float:
     """Bytes each rank sends in a ring all-reduce of a ``num_bytes`` message over ``num_ranks`` ranks."""
     return 2.0 * (num_ranks - 1) / num_ranks * num_bytes if num_ranks > 1 else 0.0
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (an alias: in-place changes reach the DTensor), else the tensor."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 @torch.no_grad()
