@@ -47,6 +47,22 @@ def test_sigmoid_bias_steers_the_choice_not_the_weights():
     torch.testing.assert_close(plain.weights_nk, torch.tensor([[1 / (1 + math.exp(-2.0))]]))
 
 
+def test_group_limited_routing_scores_groups_by_their_top2_sum():
+    """3 groups of 2 experts (sigmoid scores .9 .1 | .62 .58 | .5 .45), one group allowed: the
+    middle group's top-2 sum (1.2) beats the first's (1.0, though it holds the best expert, .9),
+    so both experts come from it; ungrouped, the top-2 are experts 0 and 2."""
+    p = torch.tensor([[0.9, 0.1, 0.62, 0.58, 0.5, 0.45]])
+    logits = torch.log(p / (1 - p))
+    grouped = route(logits, top_k=2, score_func="sigmoid", norm_topk=False, n_group=3, topk_group=1)
+    assert grouped.experts_nk.tolist() == [[2, 3]]
+    torch.testing.assert_close(grouped.weights_nk, torch.tensor([[0.62, 0.58]]))
+    assert route(logits, top_k=2, score_func="sigmoid", norm_topk=False).experts_nk.tolist() == [[0, 2]]
+    # The bias counts in the groups' scores: +0.3 on expert 4 makes group 2 (.8 + .45) the best.
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.3, 0.0])
+    biased = route(logits, top_k=2, score_func="sigmoid", expert_bias_e=bias, n_group=3, topk_group=1)
+    assert biased.experts_nk.tolist() == [[4, 5]]
+
+
 def test_balance_loss_by_hand():
     probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
     # One row, both tokens pick experts {3, 2}: f = 2 * E / (K T) = 2 for experts 2 and 3,

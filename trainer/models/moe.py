@@ -58,13 +58,18 @@ def route(
     expert_bias_e: torch.Tensor | None = None,
     norm_topk: bool = True,
     route_scale: float = 1.0,
+    n_group: int = 1,
+    topk_group: int = 1,
 ) -> Routing:
     """Top-k routing of N tokens over E experts.
 
     Scores are ``softmax`` or ``sigmoid`` of the logits, in float32. The K experts with the
     highest ``scores + expert_bias`` are chosen; the bias (DeepSeek-V3's auxiliary-loss-free
     balancing) only steers the choice: the weights are the chosen experts' unbiased scores,
-    divided by their sum when ``norm_topk``, then multiplied by ``route_scale``.
+    divided by their sum when ``norm_topk``, then multiplied by ``route_scale``. With
+    ``n_group > 1`` the choice is group-limited (DeepSeek-V3's node-limited routing): the E experts
+    form ``n_group`` consecutive groups, each scored by the sum of its two highest biased scores,
+    and the K experts are chosen within the ``topk_group`` best groups only.
 
     Args:
         logits_ne: router logits ``[N, E]``.
@@ -73,14 +78,30 @@ def route(
         expert_bias_e: selection bias ``[E]`` or None.
         norm_topk: renormalise the K weights to sum to 1.
         route_scale: factor on the weights (DeepSeek-V3's ``routed_scaling_factor``).
+        n_group: expert groups G (dividing E); 1: no group limit.
+        topk_group: groups a token's experts come from (``1 <= topk_group <= G``, with
+            ``topk_group * E / G >= K``).
     """
     scores_ne = logits_ne.float().softmax(-1) if score_func == "softmax" else logits_ne.float().sigmoid()
     select_ne = scores_ne if expert_bias_e is None else scores_ne + expert_bias_e.float()
+    if n_group > 1:
+        select_ne = limit_to_groups(select_ne, n_group, topk_group)
     experts_nk = select_ne.topk(top_k, dim=-1).indices
     weights_nk = scores_ne.gather(-1, experts_nk)
     if norm_topk:
         weights_nk = weights_nk / (weights_nk.sum(-1, keepdim=True) + 1e-20)
     return Routing(experts_nk, weights_nk * route_scale, scores_ne, logits_ne)
+
+
+def limit_to_groups(select_ne: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """``select_ne`` with the experts outside each token's ``topk_group`` best groups set to -inf;
+    a group's score is the sum of its two highest values (transformers' ``DeepseekV3TopkRouter``,
+    DeepSeek-V3's ``noaux_tc``; one expert per group: that expert's value)."""
+    N, E = select_ne.shape
+    select_ngx = select_ne.view(N, n_group, E // n_group)
+    group_ng = select_ngx.topk(min(2, E // n_group), dim=-1).values.sum(-1)
+    keep_ng = torch.zeros_like(group_ng, dtype=torch.bool).scatter_(1, group_ng.topk(topk_group, dim=-1).indices, True)
+    return select_ngx.masked_fill(~keep_ng[..., None], float("-inf")).view(N, E)
 
 
 def balance_loss_sum(scores_bte: torch.Tensor, experts_btk: torch.Tensor) -> torch.Tensor:
@@ -115,25 +136,37 @@ class TopKRouter(nn.Module):
     """
 
     def __init__(
-        self, dim: int, num_experts: int, top_k: int, *, score_func: ScoreFunc, norm_topk: bool, route_scale: float
+        self,
+        dim: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        score_func: ScoreFunc,
+        norm_topk: bool,
+        route_scale: float,
+        n_group: int = 1,
+        topk_group: int = 1,
     ) -> None:
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         self.score_func, self.norm_topk, self.route_scale = score_func, norm_topk, route_scale
+        self.n_group, self.topk_group = n_group, topk_group
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(num_experts))
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
 
-    def forward(self, x_nd: torch.Tensor, *, use_bias: bool = True) -> Routing:
-        """``[N, D]`` tokens -> their `Routing`."""
-        bias = self.expert_bias if use_bias else None
+    def forward(self, x_nd: torch.Tensor) -> Routing:
+        """``[N, D]`` tokens -> their `Routing`. The expert bias always steers the choice: zero
+        (never updated) it changes nothing; a checkpoint's (DeepSeek-V3) routes as it was trained."""
         return route(
             self.gate(x_nd),
             top_k=self.top_k,
             score_func=self.score_func,
-            expert_bias_e=bias,
+            expert_bias_e=self.expert_bias,
             norm_topk=self.norm_topk,
             route_scale=self.route_scale,
+            n_group=self.n_group,
+            topk_group=self.topk_group,
         )
 
     @torch.no_grad()
@@ -317,12 +350,13 @@ class MoE(nn.Module):
         moe_ffn_dim: each expert's hidden size F.
         num_experts: routed experts E.
         top_k: experts per token K.
-        score_func, norm_topk, route_scale: see `route`.
+        score_func, norm_topk, route_scale, n_group, topk_group: see `route`.
         num_shared_experts: experts every token uses (DeepSeek-V3): one SwiGLU of hidden size
             ``num_shared_experts * moe_ffn_dim``, added unweighted; 0 for none.
         balance_coef: weight of the sequence-wise balance loss (`balance_loss_sum`).
         z_loss_coef: weight of the router z-loss (`z_loss_sum`).
-        bias_update_rate: step of the auxiliary-loss-free bias (0: no bias, plain top-k).
+        bias_update_rate: step of the auxiliary-loss-free bias (0: the bias stays as loaded, zero
+            for a fresh model: plain top-k).
 
     The router losses are averaged over tokens: each layer adds ``coef * sum / num_tokens`` to the
     objective, where ``num_tokens`` is the optimizer step's tokens over all micro-batches and ranks
@@ -340,6 +374,8 @@ class MoE(nn.Module):
         score_func: ScoreFunc = "softmax",
         norm_topk: bool = True,
         route_scale: float = 1.0,
+        n_group: int = 1,
+        topk_group: int = 1,
         num_shared_experts: int = 0,
         balance_coef: float = 0.0,
         z_loss_coef: float = 0.0,
@@ -347,7 +383,14 @@ class MoE(nn.Module):
     ) -> None:
         super().__init__()
         self.router = TopKRouter(
-            dim, num_experts, top_k, score_func=score_func, norm_topk=norm_topk, route_scale=route_scale
+            dim,
+            num_experts,
+            top_k,
+            score_func=score_func,
+            norm_topk=norm_topk,
+            route_scale=route_scale,
+            n_group=n_group,
+            topk_group=topk_group,
         )
         self.experts = GroupedExperts(dim, moe_ffn_dim, num_experts)
         self.shared_experts = FeedForward(dim, num_shared_experts * moe_ffn_dim) if num_shared_experts else None
@@ -360,7 +403,7 @@ class MoE(nn.Module):
         """``[B, T, D]`` -> ``[B, T, D]``."""
         B, T, D = x_btd.shape
         x_nd = x_btd.reshape(-1, D)
-        routing = self.router(x_nd, use_bias=self.bias_update_rate > 0)
+        routing = self.router(x_nd)
         order_m, counts_e = sort_by_expert(routing.experts_nk, self.router.num_experts)
         y_md = self.experts(x_nd[order_m // self.router.top_k], counts_e)
         out_nd = combine(y_md, order_m, routing.weights_nk)

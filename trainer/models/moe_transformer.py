@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 from typing_extensions import override
 
 from trainer.models.llama import Llama
-from trainer.models.mla import LatentAttention, mla_matmul_params, mla_problems
+from trainer.models.mla import LatentAttention, mla_matmul_params, mla_problems, mla_softmax_factor
 from trainer.models.moe import MoE, ScoreFunc
 
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -38,6 +38,8 @@ def moe_problems(
     n_layers: Any,
     score_func: Any,
     num_shared_experts: Any = 0,
+    n_group: Any = 1,
+    topk_group: Any = 1,
 ) -> list[str]:
     """What is wrong with a mixture-of-experts shape, each message naming the field to change."""
     problems = []
@@ -47,6 +49,8 @@ def moe_problems(
         ("moe_ffn_dim", moe_ffn_dim, 1),
         ("n_dense_layers", n_dense_layers, 0),
         ("num_shared_experts", num_shared_experts, 0),
+        ("n_group", n_group, 1),
+        ("topk_group", topk_group, 1),
     ]:
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             problems.append(f"model.{name} must be an int >= {low}, got {value!r}")
@@ -54,6 +58,17 @@ def moe_problems(
         problems.append(f"model.top_k={top_k} exceeds model.num_experts={num_experts}; valid top_k: 1..{num_experts}")
     if not problems and isinstance(n_layers, int) and n_dense_layers >= n_layers:
         problems.append(f"model.n_dense_layers={n_dense_layers} leaves no MoE block of n_layers={n_layers}")
+    if not problems and (num_experts % n_group or topk_group > n_group):
+        valid = ", ".join(str(g) for g in range(1, num_experts + 1) if num_experts % g == 0)
+        problems.append(
+            f"model.n_group={n_group} must divide model.num_experts={num_experts} (valid: {valid}) and be at least "
+            f"model.topk_group={topk_group}"
+        )
+    elif not problems and topk_group * (num_experts // n_group) < top_k:
+        problems.append(
+            f"model.topk_group={topk_group} groups of {num_experts // n_group} experts hold fewer than "
+            f"model.top_k={top_k}; raise model.topk_group to {-(-top_k // (num_experts // n_group))}"
+        )
     if score_func not in SCORE_FUNCS:
         problems.append(f"model.score_func={score_func!r} is not one of {', '.join(SCORE_FUNCS)}")
     return problems
@@ -71,6 +86,8 @@ class MoETransformer(Llama):
         score_func: ``"softmax"`` (Mixtral, Qwen3-MoE) or ``"sigmoid"`` (DeepSeek-V3).
         norm_topk: renormalise the top-k weights to sum to 1.
         route_scale: factor on the routing weights (DeepSeek-V3: 2.5).
+        n_group: expert groups for group-limited routing (DeepSeek-V3: 8; 1: none, see `moe.route`).
+        topk_group: groups each token's experts come from (DeepSeek-V3: 4).
         balance_coef: weight of the sequence-wise balance loss (DeepSeek-V3: 1e-4; 0 off).
         z_loss_coef: weight of the router z-loss (ST-MoE: 1e-3; 0 off).
         bias_update_rate: step of the auxiliary-loss-free expert bias, applied once per optimizer
@@ -78,7 +95,7 @@ class MoETransformer(Llama):
         vocab_size: tokens of the vocabulary (the trainer passes the tokenizer's).
         latent_attention: multi-head latent attention instead of grouped-query attention
             (DeepSeek-V3), ``{q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
-            v_head_dim}`` (see `trainer.models.mla`); None for GQA.
+            v_head_dim}`` and optionally ``rope_interleave`` (see `trainer.models.mla`); None for GQA.
         **llama: the `Llama` arguments (attention, widths, ``ffn_dim`` of the dense blocks, ...).
 
     Raises:
@@ -102,10 +119,12 @@ class MoETransformer(Llama):
         score_func: ScoreFunc = "softmax",
         norm_topk: bool = True,
         route_scale: float = 1.0,
+        n_group: int = 1,
+        topk_group: int = 1,
         balance_coef: float = 0.0,
         z_loss_coef: float = 0.0,
         bias_update_rate: float = 0.0,
-        latent_attention: dict[str, int] | None = None,
+        latent_attention: dict[str, Any] | None = None,
         **llama: Any,
     ) -> None:
         problems = moe_problems(
@@ -116,6 +135,8 @@ class MoETransformer(Llama):
             n_layers=llama.get("n_layers"),
             score_func=score_func,
             num_shared_experts=num_shared_experts,
+            n_group=n_group,
+            topk_group=topk_group,
         )
         self.latent_attention = dict(latent_attention) if latent_attention else None
         problems += mla_problems(self.latent_attention) if self.latent_attention else []
@@ -125,6 +146,7 @@ class MoETransformer(Llama):
         self.num_experts, self.top_k, self.moe_ffn_dim = num_experts, top_k, moe_ffn_dim
         self.n_dense_layers, self.num_shared_experts = n_dense_layers, num_shared_experts
         self.score_func, self.norm_topk, self.route_scale = score_func, norm_topk, route_scale
+        self.n_group, self.topk_group = n_group, topk_group
         self.balance_coef, self.z_loss_coef, self.bias_update_rate = balance_coef, z_loss_coef, bias_update_rate
         super().__init__(vocab_size=vocab_size, **llama)
 
@@ -140,6 +162,8 @@ class MoETransformer(Llama):
             score_func=self.score_func,
             norm_topk=self.norm_topk,
             route_scale=self.route_scale,
+            n_group=self.n_group,
+            topk_group=self.topk_group,
             num_shared_experts=self.num_shared_experts,
             balance_coef=self.balance_coef,
             z_loss_coef=self.z_loss_coef,
@@ -150,7 +174,13 @@ class MoETransformer(Llama):
     def make_attention(self, layer: int) -> nn.Module | None:
         if self.latent_attention is None:
             return None
-        return LatentAttention(self.dim, self.n_heads, **self.latent_attention, norm_eps=self.norm_eps)
+        return LatentAttention(
+            self.dim,
+            self.n_heads,
+            **self.latent_attention,
+            norm_eps=self.norm_eps,
+            softmax_factor=mla_softmax_factor(self.rope_scaling),
+        )
 
     @property
     @override
