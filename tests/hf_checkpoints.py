@@ -6,8 +6,10 @@ q/k/v biases and YaRN (Qwen2), QK-norm and a head dim other than hidden/heads (Q
 sliding window longer than the context (Mistral), routed experts with a dense first block (Qwen3-MoE),
 renormalised top-2 routing (Mixtral), post-norm blocks with QK-norm over whole projections (OLMo 2)
 a layer without RoPE between two with it (SmolLM3), and sandwich norms, sliding windows shorter than
-the rows and a local RoPE base (Gemma 3). Every parameter, biases and norm scales
-included, is drawn at random, so a wrong mapping cannot hide behind a default init.
+the rows and a local RoPE base (Gemma 3), and latent attention with interleaved YaRN RoPE, a dense
+first block, shared experts and sigmoid routing limited to 2 of 4 expert groups (DeepSeek-V3). Every
+parameter, biases and norm scales included, is drawn at random, and so is DeepSeek-V3's routing
+correction bias (a buffer), so a wrong mapping cannot hide behind a default init.
 """
 
 from __future__ import annotations
@@ -64,6 +66,18 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                                                                 "rope_theta": 1e6},
                                                              "sliding_attention": {"rope_type": "default",
                                                                                    "rope_theta": 1e4}}}),
+    # DeepSeek-V3: block 0 dense, blocks 1-2 of 8 sigmoid-routed experts (top-2 within the best 2 of
+    # 4 groups) plus a shared one; latent attention with a query latent, rotated pairs interleaved,
+    # YaRN whose mscale_all_dim also scales the softmax (mscale != mscale_all_dim: attention_factor != 1).
+    "deepseek_v3": ("DeepseekV3Config", {"num_hidden_layers": 3, "num_key_value_heads": 4, "moe_intermediate_size": 32,
+                                         "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4,
+                                         "topk_group": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                                         "routed_scaling_factor": 2.5, "norm_topk_prob": True, "q_lora_rank": 24,
+                                         "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
+                                         "v_head_dim": 12, "rope_interleave": True,
+                                         "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                                             "original_max_position_embeddings": 32,
+                                                             "mscale": 1.0, "mscale_all_dim": 0.8}}),
 }  # fmt: skip
 
 
@@ -94,6 +108,9 @@ def randomize(model: torch.nn.Module, seed: int = 0) -> None:
     for name, p in model.named_parameters():
         noise = torch.randn(p.shape, generator=gen)
         p.copy_(1 + 0.1 * noise if "norm" in name else 0.05 * noise)
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias, of the scores' spread
+            b.copy_(0.1 * torch.randn(b.shape, generator=gen))
 
 
 def make_hf_dir(family: str, directory: Path, *, seed: int = 0, **overrides: Any) -> Any:

@@ -40,7 +40,7 @@ from trainer.init_from import load_init_from
 from trainer.models import families
 from trainer.models.families import FAMILIES, FamilyError, exportable
 from trainer.models.hf import INDEX_FILE, HFError, hf_name, is_hf_dir, read_config
-from trainer.models.hf_moe import split_experts
+from trainer.models.hf_moe import holds_expert_bias, split_experts
 from trainer.models.llama import Llama
 from trainer.peft_adapter import moe_adapter_problem, peft_target_modules
 from trainer.rundir import RunModel, load_run_model, resolve_checkpoint
@@ -111,10 +111,12 @@ def hf_state_dict(
     state: dict[str, torch.Tensor], *, tie_embeddings: bool, family: str | None = None
 ) -> dict[str, torch.Tensor]:
     """Hugging Face names of a full plait state dict (tied ``output.weight`` left out, as HF saves
-    it; stacked experts split into one tensor per expert; the expert bias, zero, left out)."""
+    it; stacked experts split into one tensor per expert; the expert bias written where the family
+    holds it, DeepSeek-V3, else left out: zero, `hf_moe.moe_export_problems`)."""
     out: dict[str, torch.Tensor] = {}
+    bias = family is not None and FAMILIES[family].moe and holds_expert_bias(family)
     for fqn, tensor in state.items():
-        if (tie_embeddings and fqn == "output.weight") or fqn.endswith("router.expert_bias"):
+        if (tie_embeddings and fqn == "output.weight") or (fqn.endswith("router.expert_bias") and not bias):
             continue
         experts = split_experts(fqn, tensor, family) if family is not None and FAMILIES[family].moe else None
         out.update(experts if experts is not None else {hf_name(fqn, family): tensor.contiguous()})

@@ -43,6 +43,20 @@ SANDWICH_LAYER_NAMES = {
     "attention_norm": "input_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
 }
+# The same for a block of multi-head latent attention and shared experts (DeepSeek-V3, transformers
+# ``modeling_deepseek_v3.py``): its query norm is the one of the query latent (``q_a_layernorm``).
+LATENT_LAYER_NAMES = {
+    **{k: v for k, v in LAYER_NAMES.items() if k not in ("attention.wk", "attention.wv", "attention.k_norm")},
+    "attention.wq_a": "self_attn.q_a_proj",
+    "attention.q_norm": "self_attn.q_a_layernorm",
+    "attention.wq_b": "self_attn.q_b_proj",
+    "attention.wkv_a": "self_attn.kv_a_proj_with_mqa",
+    "attention.kv_norm": "self_attn.kv_a_layernorm",
+    "attention.wkv_b": "self_attn.kv_b_proj",
+    "feed_forward.shared_experts.w1": "mlp.shared_experts.gate_proj",
+    "feed_forward.shared_experts.w3": "mlp.shared_experts.up_proj",
+    "feed_forward.shared_experts.w2": "mlp.shared_experts.down_proj",
+}
 # plait module outside the blocks -> the Hugging Face one.
 TOP_NAMES = {"tok_embeddings": "model.embed_tokens", "norm": "model.norm", "output": "lm_head"}
 

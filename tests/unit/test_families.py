@@ -22,10 +22,14 @@ CONFIG = {
     "sliding_window": 4,  # Gemma 3: layer 0 windowed, its own RoPE base
     "layer_types": ["sliding_attention", "full_attention"],
     "query_pre_attn_scalar": 8,
+    # DeepSeek-V3: latent attention without a query latent, a shared expert, 2 groups of 1 expert.
+    **dict(n_shared_experts=1, q_lora_rank=None, kv_lora_rank=4, qk_nope_head_dim=4, qk_rope_head_dim=2),
+    **dict(v_head_dim=4, n_group=2, topk_group=1),
 }
 FLAGS = (
     *("qkv_bias", "qk_norm", "qk_norm_scope", "norm_placement", "nope_layers", "norm_unit_offset", "scale_embeddings"),
     *("activation", "sliding_window", "window_layers", "rope_local_theta", "query_pre_attn_scalar"),
+    *("latent_attention", "score_func", "num_shared_experts", "n_group", "topk_group"),
 )
 
 

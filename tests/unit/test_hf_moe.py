@@ -1,5 +1,5 @@
-"""Qwen3-MoE and Mixtral checkpoints made by ``transformers`` (tests/hf_checkpoints.py): the plait
-model is a mixture of experts of the checkpoint's shape, and its export reloads bit for bit.
+"""Qwen3-MoE, Mixtral and DeepSeek-V3 checkpoints made by ``transformers`` (tests/hf_checkpoints.py):
+the plait model is a mixture of experts of the checkpoint's shape, and its export reloads bit for bit.
 
 (The logits against transformers' within 1e-5 and transformers' reload of the export are checked
 for every family in tests/unit/test_hf.py.)
@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from hf_checkpoints import batch, make_hf_dir
+from hf_checkpoints import batch, make_hf_dir, transformers
 
 from trainer.data.tokenizer import Tokenizer
 from trainer.export import write_hf_dir
@@ -26,12 +26,13 @@ def _load(directory, **router):
     return model.eval()
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
 def test_export_round_trips_bit_exactly(family, tmp_path):
     make_hf_dir(family, tmp_path / "hf")
     model = _load(tmp_path / "hf")
     assert isinstance(model, MoETransformer)
-    assert (model.num_experts, model.top_k, model.n_dense_layers) == (4, 2, 1 if family == "qwen3_moe" else 0)
+    shape = {"qwen3_moe": (4, 2, 1), "mixtral": (4, 2, 0), "deepseek_v3": (8, 2, 1)}[family]
+    assert (model.num_experts, model.top_k, model.n_dense_layers) == shape
     tok = Tokenizer.from_file(tmp_path / "hf" / "tokenizer.json")
     write_hf_dir(tmp_path / "out", model=model, state=model.state_dict(), tokenizer=tok, sources=[tmp_path / "hf"])
     config = json.loads((tmp_path / "out" / "config.json").read_text())
@@ -61,3 +62,67 @@ def test_a_trained_expert_bias_is_not_exported_silently(tmp_path):
     with pytest.raises(HFError, match="non-zero expert bias"):
         write_hf_dir(tmp_path / "out", model=model, state=model.state_dict(), tokenizer=tok, sources=[])
     assert not (tmp_path / "out").exists()
+
+
+def test_deepseek_v3_without_a_query_latent_and_its_routing_bias(tmp_path):
+    """``q_lora_rank: null`` (one full query projection, DeepSeek-V2-Lite's layout): plait's logits
+    are transformers' (1e-5) and so are those of transformers' reload of the export; the routing
+    bias loads from ``e_score_correction_bias`` and steers the choice (without it the logits move)."""
+    hf = make_hf_dir("deepseek_v3", tmp_path / "hf", q_lora_rank=None)
+    model = _load(tmp_path / "hf")
+    assert model.latent_attention["q_lora_rank"] == 0 and model.latent_attention["rope_interleave"]
+    ids = batch()
+    with torch.no_grad():
+        expected = hf(ids).logits
+        assert (model(ids) - expected).abs().max().item() < 1e-5
+    tok = Tokenizer.from_file(tmp_path / "hf" / "tokenizer.json")
+    write_hf_dir(tmp_path / "out", model=model, state=model.state_dict(), tokenizer=tok, sources=[tmp_path / "hf"])
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager")
+    with torch.no_grad():
+        assert torch.equal(reloaded.eval()(ids).logits, expected)
+        biases = [moe.router.expert_bias for moe in model.moe_layers().values()]
+        assert all(b.abs().min() > 0 for b in biases)  # every expert's, from the checkpoint
+        for b in biases:
+            b.zero_()
+        assert (model(ids) - expected).abs().max().item() > 1e-3
+
+
+def test_deepseek_v3s_multi_token_prediction_block_is_skipped(tmp_path):
+    """A checkpoint holding the MTP block (``model.layers.<num_hidden_layers>.*``, as DeepSeek-V3's
+    own) loads as transformers loads it: the block left out; other unknown tensors still fail."""
+    from safetensors.torch import save_file
+
+    make_hf_dir("deepseek_v3", tmp_path / "hf")
+    save_file({"model.layers.3.eh_proj.weight": torch.zeros(64, 128)}, str(tmp_path / "hf" / "mtp.safetensors"))
+    _load(tmp_path / "hf")
+    save_file({"model.layers.2.eh_proj.weight": torch.zeros(64, 128)}, str(tmp_path / "hf" / "mtp.safetensors"))
+    with pytest.raises(HFError, match=r"no place for: model\.layers\.2\.eh_proj\.weight"):
+        _load(tmp_path / "hf")
+
+
+@pytest.mark.parametrize(
+    "edits, named",
+    [
+        ({"scoring_func": "softmax"}, "scoring_func='softmax' is not supported"),
+        ({"topk_method": "group_limited_greedy"}, "topk_method='group_limited_greedy' is not supported"),
+        ({"n_group": 3}, "model.n_group=3 must divide model.num_experts=8"),
+    ],
+)
+def test_deepseek_v3_configs_plait_cannot_route_are_refused(tmp_path, edits, named):
+    make_hf_dir("deepseek_v3", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **edits}))
+    with pytest.raises(ValueError, match=named):
+        llama_from_hf(str(tmp_path / "hf"))
+
+
+def test_a_latent_attention_model_with_softmax_routing_is_not_exported_as_deepseek_v3(tmp_path):
+    model = MoETransformer(
+        vocab_size=300, dim=32, n_layers=2, n_heads=2, max_seq_len=16, num_experts=4, top_k=2, moe_ffn_dim=16,
+        num_shared_experts=1, latent_attention=dict(q_lora_rank=0, kv_lora_rank=8, qk_nope_head_dim=8,
+                                                     qk_rope_head_dim=4, v_head_dim=8),
+    )  # fmt: skip
+    make_hf_dir("deepseek_v3", tmp_path / "hf")
+    tok = Tokenizer.from_file(tmp_path / "hf" / "tokenizer.json")
+    with pytest.raises(HFError, match=r"DeepSeek-V3\) has softmax scores"):
+        write_hf_dir(tmp_path / "out", model=model, state=model.state_dict(), tokenizer=tok, sources=[])

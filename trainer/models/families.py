@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from strategies.core.hf_names import LAYER_NAMES, POST_NORM_LAYER_NAMES, SANDWICH_LAYER_NAMES
+from strategies.core.hf_names import LATENT_LAYER_NAMES, LAYER_NAMES, POST_NORM_LAYER_NAMES, SANDWICH_LAYER_NAMES
 from trainer.models.hf_moe import moe_config_fields, moe_export_problems, moe_kwargs
 from trainer.models.llama import Llama
 from trainer.models.moe_transformer import MoETransformer
@@ -47,6 +47,8 @@ class Family:
         local_layers: its configs interleave sliding-window layers (``layer_types``, ``sliding_window``)
             with their own RoPE base, and set ``query_pre_attn_scalar`` (Gemma 3).
         windowed: the config's ``sliding_window`` applies even without ``use_sliding_window`` (Mistral).
+        latent_attention: multi-head latent attention and shared experts, the names of
+            `strategies.core.hf_names.LATENT_LAYER_NAMES` (DeepSeek-V3).
         chosen: an export picks it for a model that fits it (false: only when the source was one).
     """
 
@@ -64,6 +66,7 @@ class Family:
     activation_key: str = "hidden_act"
     local_layers: bool = False
     windowed: bool = False
+    latent_attention: bool = False
     chosen: bool = True
 
     @property
@@ -74,6 +77,8 @@ class Family:
     @property
     def layer_names(self) -> Mapping[str, str]:
         """plait block module -> its Hugging Face name (`strategies.core.hf_names`)."""
+        if self.latent_attention:
+            return LATENT_LAYER_NAMES
         return {"pre": LAYER_NAMES, "post": POST_NORM_LAYER_NAMES, "sandwich": SANDWICH_LAYER_NAMES}[
             self.norm_placement
         ]
@@ -110,6 +115,7 @@ class Family:
                 self.norm_unit_offset,
                 self.scale_embeddings,
                 self.activation,
+                self.latent_attention,
             )
         )
 
@@ -139,7 +145,8 @@ def _flags(model: Llama) -> tuple:
     scope = model.qk_norm_scope if model.qk_norm else None
     moe = isinstance(model, MoETransformer)
     gemma = (model.norm_unit_offset, model.scale_embeddings, model.activation)
-    return model.qkv_bias, model.qk_norm, scope, model.norm_placement, moe, *gemma
+    latent = moe and model.latent_attention is not None
+    return model.qkv_bias, model.qk_norm, scope, model.norm_placement, moe, *gemma, latent
 
 
 def local_layers_of(config: dict[str, Any]) -> dict[str, Any]:
@@ -195,6 +202,7 @@ FAMILIES: dict[str, Family] = {
             activation_key="hidden_activation",
             local_layers=True,
         ),
+        Family("deepseek_v3", "DeepseekV3ForCausalLM", MoETransformer, latent_attention=True),
     )
 }
 # The plait classes a Hugging Face directory can be written from (their subclasses too).
@@ -240,7 +248,9 @@ def export_family_of(model: Llama, base: dict[str, Any] | None = None) -> str:
             f"in plait's families ({', '.join(f.architecture for f in FAMILIES.values())})"
         )
     if FAMILIES[family].moe and (problems := moe_export_problems(model, family)):
-        raise FamilyError(f"no Hugging Face MoE architecture (Qwen3-MoE, Mixtral) has {'; '.join(problems)}")
+        raise FamilyError(
+            f"no Hugging Face MoE architecture (Qwen3-MoE, Mixtral, DeepSeek-V3) has {'; '.join(problems)}"
+        )
     if source is not None and family != source:
         raise FamilyError(f"a {family} model cannot be written as its source's {source}")
     return family

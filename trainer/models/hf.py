@@ -1,6 +1,6 @@
 """Hugging Face checkpoints in and out of `llama.Llama`: Llama 2/3, Mistral, Qwen2, Qwen3, OLMo 2
-and SmolLM3; and of `moe_transformer.MoETransformer`: Qwen3-MoE and Mixtral (their expert names:
-`trainer.models.hf_moe`). The families and what sets each apart: `trainer.models.families`.
+and SmolLM3; and of `moe_transformer.MoETransformer`: Qwen3-MoE, Mixtral and DeepSeek-V3 (their expert
+names: `trainer.models.hf_moe`). The families and what sets each apart: `trainer.models.families`.
 
 A Hugging Face model directory holds ``config.json``, the weights as ``*.safetensors`` (one file,
 or shards named by ``model.safetensors.index.json``) and the tokenizer (``tokenizer.json``,
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,13 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from strategies.core.hf_names import hf_module_name, plait_module_name
 from trainer.models.families import FAMILIES, HF_ACTIVATIONS, family_of
-from trainer.models.hf_moe import expert_hf_names, moe_config_problems, moe_plait_name, router_hf_name
+from trainer.models.hf_moe import (
+    expert_hf_names,
+    holds_expert_bias,
+    moe_config_problems,
+    moe_plait_name,
+    router_hf_name,
+)
 from trainer.models.llama import Llama
 from trainer.models.rope import rope_scaling_problems, rope_type
 
@@ -166,7 +173,7 @@ def llama_from_hf(
     tie_embeddings: bool | None = None,
     **router: float,
 ) -> Llama:
-    """A `Llama` (or, for Qwen3-MoE and Mixtral, a `MoETransformer`) with the architecture of a
+    """A `Llama` (or, for Qwen3-MoE, Mixtral and DeepSeek-V3, a `MoETransformer`) with the architecture of a
     Hugging Face directory; its weights load later (after the strategy has
     parallelized the model, `trainer.init_from.load_init_from`). The ``model=hf`` preset.
 
@@ -292,13 +299,23 @@ def load_hf_weights(
 
     Each parameter (plain tensor or FSDP/TP/EP DTensor shard) reads only its own slice of the
     memory-mapped file and is cast to its dtype; a stacked expert tensor reads only the experts
-    of its shard. No collective: every rank works alone.
+    of its shard. The routers' selection biases (buffers, whole on every rank) load too in a family
+    that holds them (DeepSeek-V3); its multi-token-prediction block (the layers from
+    ``num_hidden_layers`` on) is skipped. No collective: every rank works alone.
 
     Raises:
         HFError: a tensor of the directory has no plait name, a parameter has no tensor, or shapes differ.
     """
     files = weight_files(directory)
-    family = family_of(read_config(directory))
+    config = read_config(directory)
+    family = family_of(config)
+    if family is not None and holds_expert_bias(family):  # transformers skips the MTP block too
+        mtp = re.compile(rf"model\.layers\.(\d+)\.")
+        files = {
+            n: f
+            for n, f in files.items()
+            if not ((m := mtp.match(n)) and int(m.group(1)) >= config["num_hidden_layers"])
+        }
     unknown = [n for n in files if plait_name(n, family) is None and not n.endswith("rotary_emb.inv_freq")]
     if unknown:
         raise HFError(f"{directory} holds tensors plait's model has no place for: {', '.join(unknown[:5])}")
@@ -332,6 +349,10 @@ def load_hf_weights(
             if name not in files and fqn == "output.weight":
                 name = "model.embed_tokens.weight"  # an untied model from a tied checkpoint
             local.copy_(tensor(name, fqn, list(param.shape))[index])
+        if family is not None and holds_expert_bias(family):
+            for fqn, buffer in model.named_buffers():
+                if fqn.endswith("router.expert_bias"):
+                    buffer.copy_(tensor(hf_name(fqn, family), fqn, list(buffer.shape))[:])
     finally:
         for handle in handles.values():
             handle.__exit__(None, None, None)

@@ -1,4 +1,4 @@
-"""The mixture-of-experts part of Hugging Face interop: Qwen3-MoE and Mixtral checkpoints.
+"""The mixture-of-experts part of Hugging Face interop: Qwen3-MoE, Mixtral and DeepSeek-V3 checkpoints.
 
 Both store each expert as three ``nn.Linear`` weights (Qwen3-MoE ``mlp.experts.<j>.{gate,up,down}_proj``,
 Mixtral ``block_sparse_moe.experts.<j>.{w1,w3,w2}``) and the router as ``mlp.gate`` /
@@ -7,6 +7,12 @@ projection (`trainer.models.moe.GroupedExperts`), so expert j of ``feed_forward.
 the checkpoint's expert j gate projection. A rank that holds experts ``e0..e1`` (expert
 parallelism) reads only those experts' tensors. Attention, norms and embeddings use the dense
 names of `trainer.models.hf`, which imports this module (never the reverse).
+
+DeepSeek-V3 (transformers ``modeling_deepseek_v3.py``) names its experts as Qwen3-MoE does, its router's
+correction bias ``mlp.gate.e_score_correction_bias`` (plait's ``router.expert_bias`` buffer) and its
+config the group-limited sigmoid routing and the latent attention's ranks (`moe_kwargs`). Its
+multi-token-prediction block (``model.layers.<num_hidden_layers>``, ``num_nextn_predict_layers``)
+is not built: transformers skips it on load too, and an export writes none.
 """
 
 from __future__ import annotations
@@ -16,17 +22,27 @@ from typing import Any
 
 import torch
 
-_BLOCK = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe"}
+_BLOCK = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe", "deepseek_v3": "mlp"}
 _PROJ = {
     "qwen3_moe": {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"},
     "mixtral": {"w1": "w1", "w3": "w3", "w2": "w2"},
+    "deepseek_v3": {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"},
 }
 _EXPERTS_FQN = re.compile(r"layers\.(\d+)\.feed_forward\.experts\.(w[123])")
-_ROUTER_FQN = re.compile(r"layers\.(\d+)\.feed_forward\.router\.gate\.weight")
+_ROUTER_FQN = re.compile(r"layers\.(\d+)\.feed_forward\.router\.(gate\.weight|expert_bias)")
+# The families whose checkpoints hold the router's selection bias (plait name -> theirs).
+_BIAS_NAME = {"deepseek_v3": "e_score_correction_bias"}
+# transformers' DeepseekV3Config defaults of the fields a config.json may leave out.
+_DEEPSEEK_DEFAULTS = {"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": True}
 
 
 def num_experts_of(config: dict[str, Any]) -> int:
-    return config.get("num_experts") or config.get("num_local_experts") or 0
+    return config.get("num_experts") or config.get("num_local_experts") or config.get("n_routed_experts") or 0
+
+
+def holds_expert_bias(family: str) -> bool:
+    """Whether the MoE ``family``'s checkpoints hold the router's selection bias (DeepSeek-V3)."""
+    return family in _BIAS_NAME
 
 
 def n_dense_layers_of(config: dict[str, Any]) -> int | None:
@@ -45,6 +61,14 @@ def moe_config_problems(config: dict[str, Any], family: str, where: str) -> list
         if n_dense_layers_of(config) is None:
             dense = config["mlp_only_layers"]
             problems.append(f"{where}: mlp_only_layers={dense} is not supported (only the first k blocks dense)")
+    if family == "deepseek_v3":
+        for field, ok, why in [
+            ("scoring_func", "sigmoid", "sigmoid scores"),
+            ("topk_method", "noaux_tc", "groups scored by their top-2 biased scores"),
+            ("moe_layer_freq", 1, "every block after the first_k_dense_replace dense ones MoE"),
+        ]:
+            if config.get(field, ok) != ok:
+                problems.append(f"{where}: {field}={config[field]!r} is not supported ({why})")
     if config.get("router_jitter_noise", 0.0):
         noise = config["router_jitter_noise"]
         problems.append(f"{where}: router_jitter_noise={noise} is not supported (no router noise)")
@@ -55,6 +79,8 @@ def moe_config_problems(config: dict[str, Any], family: str, where: str) -> list
 
 def moe_kwargs(config: dict[str, Any], family: str) -> dict[str, Any]:
     """`MoETransformer` arguments beyond the Llama ones of a (supported) config."""
+    if family == "deepseek_v3":
+        return deepseek_kwargs(config)
     qwen = family == "qwen3_moe"
     return {
         "num_experts": num_experts_of(config),
@@ -66,11 +92,41 @@ def moe_kwargs(config: dict[str, Any], family: str) -> dict[str, Any]:
     }
 
 
+def deepseek_kwargs(config: dict[str, Any]) -> dict[str, Any]:
+    """`MoETransformer` arguments of a DeepSeek-V3 config: sigmoid group-limited routing, shared
+    experts, the first dense blocks and latent attention (``q_lora_rank`` None: 0, a full query)."""
+    get = {k: config.get(k, v) for k, v in _DEEPSEEK_DEFAULTS.items()}
+    return {
+        "num_experts": num_experts_of(config),
+        "top_k": config["num_experts_per_tok"],
+        "moe_ffn_dim": config["moe_intermediate_size"],
+        "n_dense_layers": config.get("first_k_dense_replace") or 0,
+        "num_shared_experts": config.get("n_shared_experts") or 0,
+        "score_func": "sigmoid",
+        "norm_topk": bool(get["norm_topk_prob"]),
+        "route_scale": float(get["routed_scaling_factor"]),
+        "n_group": get["n_group"] or 1,
+        "topk_group": get["topk_group"] or 1,
+        "latent_attention": {
+            "q_lora_rank": config.get("q_lora_rank") or 0,
+            "kv_lora_rank": config["kv_lora_rank"],
+            "qk_nope_head_dim": config["qk_nope_head_dim"],
+            "qk_rope_head_dim": config["qk_rope_head_dim"],
+            "v_head_dim": config["v_head_dim"],
+            "rope_interleave": bool(config.get("rope_interleave", True)),
+        },
+    }
+
+
 # ---------------------------------------------------------------------------------------------- names
 def router_hf_name(fqn: str, family: str) -> str | None:
-    """``layers.<i>.feed_forward.router.gate.weight`` -> the checkpoint's router weight, else None."""
+    """``layers.<i>.feed_forward.router.gate.weight`` (or ``.expert_bias``, in a family that holds
+    it) -> the checkpoint's router tensor, else None."""
     match = _ROUTER_FQN.fullmatch(fqn)
-    return f"model.layers.{match.group(1)}.{_BLOCK[family]}.gate.weight" if match else None
+    if not match or (match.group(2) == "expert_bias" and family not in _BIAS_NAME):
+        return None
+    leaf = "weight" if match.group(2) == "gate.weight" else _BIAS_NAME[family]
+    return f"model.layers.{match.group(1)}.{_BLOCK[family]}.gate.{leaf}"
 
 
 def expert_hf_names(fqn: str, family: str, experts: range) -> list[str] | None:
@@ -89,6 +145,10 @@ def moe_plait_name(name: str, family: str) -> str | None:
     match = re.fullmatch(rf"model\.layers\.(\d+)\.{block}\.gate\.weight", name)
     if match:
         return f"layers.{match.group(1)}.feed_forward.router.gate.weight"
+    if family in _BIAS_NAME:
+        match = re.fullmatch(rf"model\.layers\.(\d+)\.{block}\.gate\.{_BIAS_NAME[family]}", name)
+        if match:
+            return f"layers.{match.group(1)}.feed_forward.router.expert_bias"
     match = re.fullmatch(rf"model\.layers\.(\d+)\.{block}\.experts\.\d+\.(\w+)\.weight", name)
     inverse = {hf: plait for plait, hf in _PROJ[family].items()}
     if match and match.group(2) in inverse:
@@ -98,9 +158,14 @@ def moe_plait_name(name: str, family: str) -> str | None:
 
 # ---------------------------------------------------------------------------------------------- export
 def moe_export_problems(model: Any, family: str) -> list[str]:
-    """The features of ``model`` that the MoE ``family`` (``qwen3_moe`` or ``mixtral``, chosen by
-    `trainer.models.families.export_family_of`) cannot hold; [] when it can be written."""
-    problems = []
+    """The features of ``model`` that the MoE ``family`` (``qwen3_moe``, ``mixtral`` or
+    ``deepseek_v3``, chosen by `trainer.models.families.export_family_of`) cannot hold; [] when it
+    can be written."""
+    if family == "deepseek_v3":
+        problems = ["softmax scores (DeepSeek-V3: sigmoid)"] if model.score_func != "sigmoid" else []
+        problems += ["no shared expert (DeepSeek-V3 has n_shared_experts >= 1)"] if not model.num_shared_experts else []
+        return problems + (["q/k/v biases"] if model.qkv_bias else [])
+    problems = ["group-limited routing (n_group > 1)"] if model.n_group > 1 else []
     if model.num_shared_experts or model.score_func != "softmax" or model.route_scale != 1.0 or model.qkv_bias:
         problems.append("shared experts, sigmoid scores, route_scale != 1 and q/k/v biases")
     if family == "mixtral" and (model.n_dense_layers or not model.norm_topk):
@@ -113,7 +178,26 @@ def moe_export_problems(model: Any, family: str) -> list[str]:
 def moe_config_fields(model: Any, family: str) -> dict[str, Any]:
     """The MoE fields of a ``config.json`` for ``model`` (see `moe_export_problems`)."""
     fields: dict[str, Any] = {"num_experts_per_tok": model.top_k, "output_router_logits": False}
-    if family == "qwen3_moe":
+    if family == "deepseek_v3":
+        mla = model.latent_attention
+        fields.update(
+            n_routed_experts=model.num_experts,
+            moe_intermediate_size=model.moe_ffn_dim,
+            n_shared_experts=model.num_shared_experts,
+            first_k_dense_replace=model.n_dense_layers,
+            n_group=model.n_group,
+            topk_group=model.topk_group,
+            routed_scaling_factor=model.route_scale,
+            norm_topk_prob=model.norm_topk,
+            q_lora_rank=mla["q_lora_rank"] or None,
+            **{k: mla[k] for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")},
+            head_dim=mla["qk_rope_head_dim"],  # transformers' DeepseekV3Config: the RoPE's width
+            qk_head_dim=mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"],
+            rope_interleave=bool(mla.get("rope_interleave", False)),
+            num_key_value_heads=model.n_heads,
+            num_nextn_predict_layers=0,  # no multi-token-prediction block is written
+        )
+    elif family == "qwen3_moe":
         fields.update(
             num_experts=model.num_experts,
             moe_intermediate_size=model.moe_ffn_dim,
