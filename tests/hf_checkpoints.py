@@ -78,6 +78,15 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                          "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
                                                              "original_max_position_embeddings": 32,
                                                              "mscale": 1.0, "mscale_all_dim": 0.8}}),
+    # GPT-OSS: windows of 8 tokens (shorter than the rows) in layers 0 and 2, layer 1 full; sinks, q/k/v/o
+    # biases, 4 experts top-2 with router and expert biases; swiglu_limit 0.3 so the clamps bind
+    # (gate and up of std ~0.4 here); YaRN without truncation (GPT-OSS's).
+    "gpt_oss": ("GptOssConfig", {"num_hidden_layers": 3, "head_dim": 16, "intermediate_size": 48, "num_local_experts": 4,
+                                 "num_experts_per_tok": 2, "sliding_window": 8, "swiglu_limit": 0.3,
+                                 "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                                 "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                     "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                                                     "original_max_position_embeddings": 32}}),
 }  # fmt: skip
 
 

@@ -85,13 +85,21 @@ def capability_problems(cfg: DictConfig, run: ResolvedRun | None) -> list[str]:
 
 
 def window_problems(run: ResolvedRun | None, model: Any) -> list[str]:
-    """Sliding windows (Gemma 3) shorter than the rows under a layout whose attention does not apply
-    them: context parallelism's cores attend over the whole document (`trainer.models.llama`)."""
-    if run is None or not isinstance(model, Llama) or not model.window_layers or run.dims.cp <= 1:
+    """Sliding windows (Gemma 3, GPT-OSS) shorter than the rows, or attention sinks (GPT-OSS), under a
+    layout whose attention does not apply them: context parallelism's cores attend over the whole
+    document with a plain softmax (`trainer.models.llama`)."""
+    if run is None or not isinstance(model, Llama) or run.dims.cp <= 1:
         return []
-    if run.seq_len <= model.sliding_window:
-        return []
-    return [
+    problems = []
+    if model.attention_sinks:
+        problems.append(
+            f"strategy.cp={run.dims.cp}: the model's attention sinks (model.attention_sinks=true, GPT-OSS) join each "
+            "softmax's denominator, which context parallelism's ring and all-to-all attention do not compute; use "
+            "strategy.cp=1"
+        )
+    if not model.window_layers or run.seq_len <= model.sliding_window:
+        return problems
+    return problems + [
         f"strategy.cp={run.dims.cp}: model.sliding_window={model.sliding_window} is shorter than data.seq_len="
         f"{run.seq_len}, and context parallelism's attention does not apply sliding windows; use strategy.cp=1 "
         f"or data.seq_len<={model.sliding_window}"

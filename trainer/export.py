@@ -38,6 +38,7 @@ from trainer.data.chat_files import TemplateFileError, find_chat_template, write
 from trainer.data.tokenizer import Tokenizer
 from trainer.init_from import load_init_from
 from trainer.models import families
+from trainer.models import hf_gpt_oss as gpt_oss
 from trainer.models.families import FAMILIES, FamilyError, exportable
 from trainer.models.hf import INDEX_FILE, HFError, hf_name, is_hf_dir, read_config
 from trainer.models.hf_moe import holds_expert_bias, split_experts
@@ -99,7 +100,7 @@ def hf_config(model: Llama, base: dict[str, Any] | None = None, **extra: Any) ->
             {"rope_type": "default", "rope_theta": model.rope_local_theta} if model.rope_local_theta else global_rope
         )
         config["rope_parameters"] = {"full_attention": global_rope, "sliding_attention": local}
-    elif "rope_parameters" in config:  # the newer layout: keep it
+    elif "rope_parameters" in config or family.sinks:  # the newer layout: keep it (GptOssConfig reads only it)
         config["rope_parameters"] = global_rope
     else:
         config.update(rope_theta=model.rope_theta, rope_scaling=model.rope_scaling)
@@ -114,6 +115,8 @@ def hf_state_dict(
     it; stacked experts split into one tensor per expert; the expert bias written where the family
     holds it, DeepSeek-V3, else left out: zero, `hf_moe.moe_export_problems`)."""
     out: dict[str, torch.Tensor] = {}
+    if family == "gpt_oss":  # its routers and fused expert tensors (trainer.models.hf_gpt_oss)
+        out, state = gpt_oss.hf_tensors(state)
     bias = family is not None and FAMILIES[family].moe and holds_expert_bias(family)
     for fqn, tensor in state.items():
         if (tie_embeddings and fqn == "output.weight") or (fqn.endswith("router.expert_bias") and not bias):

@@ -33,12 +33,14 @@ EXPERT_WEIGHTS = ("w1", "w2", "w3")
 @runtime_checkable
 class StackedExperts(Protocol):
     """What expert parallelism needs of an experts module (``trainer.models.moe.GroupedExperts``):
-    ``w1``, ``w3`` ``[E, F, D]`` and ``w2`` ``[E, D, F]`` parameters, a swappable ``dispatcher``
-    and the grouped computation on rows sorted by expert."""
+    ``w1``, ``w3`` ``[E, F, D]`` and ``w2`` ``[E, D, F]`` parameters, ``weight_names`` (every
+    stacked ``[E, ...]`` parameter, these three first, then any biases, in ``compute``'s order),
+    a swappable ``dispatcher`` and the grouped computation on rows sorted by expert."""
 
     w1: nn.Parameter
     w2: nn.Parameter
     w3: nn.Parameter
+    weight_names: tuple[str, ...]
     dispatcher: Any
 
     def compute(
@@ -52,8 +54,10 @@ def expert_modules(model: nn.Module) -> Iterator[Any]:
 
 
 def local_weights(experts: Any) -> tuple[torch.Tensor, ...]:
-    """This rank's ``(w1, w2, w3)`` slices ``[J, out, in]`` (differentiable: gradients reach the shards)."""
-    return tuple(w.to_local() if isinstance(w, DTensor) else w for w in (experts.w1, experts.w2, experts.w3))
+    """This rank's slices ``[J, ...]`` of the stacked tensors, in ``weight_names`` order: ``(w1, w2,
+    w3)`` and any biases (differentiable: gradients reach the shards)."""
+    weights = (getattr(experts, name) for name in experts.weight_names)
+    return tuple(w.to_local() if isinstance(w, DTensor) else w for w in weights)
 
 
 def source_major_to_expert_major(counts_rj: torch.Tensor) -> torch.Tensor:

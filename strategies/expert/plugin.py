@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from strategies.core.parallel_dims import Meshes
-from strategies.expert.dispatch import EXPERT_WEIGHTS, AllToAllDispatch, expert_modules
+from strategies.expert.dispatch import AllToAllDispatch, expert_modules
 from strategies.expert.least_loaded import LeastLoadedDispatch
 from strategies.plugin import StrategyPlugin
 
@@ -31,9 +31,10 @@ if TYPE_CHECKING:
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, dispatch: Any = None) -> int:
     """Shards every stacked-experts module of ``model`` over ``ep_mesh`` and swaps its dispatcher.
 
-    Each ``w1``/``w2``/``w3`` becomes a DTensor ``Shard(0)`` over the ep axis built from this
-    rank's slice of the (identically initialised) full weights, so checkpoints hold the global
-    ``[E, out, in]`` tensors and reshard to another ep. ``dispatch`` (default `AllToAllDispatch`
+    Each stacked tensor (``weight_names``: ``w1``/``w2``/``w3`` and any expert biases) becomes a
+    DTensor ``Shard(0)`` over the ep axis built from this rank's slice of the (identically
+    initialised) full weights, so checkpoints hold the global ``[E, ...]`` tensors and reshard to
+    another ep. ``dispatch`` (default `AllToAllDispatch`
     over the ep group) replaces each module's dispatcher.
 
     Returns:
@@ -46,7 +47,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, dispatch: Any =
     dispatch = dispatch if dispatch is not None else AllToAllDispatch(ep_mesh.get_group())
     count = 0
     for experts in expert_modules(model):
-        for name in EXPERT_WEIGHTS:
+        for name in experts.weight_names:
             full = getattr(experts, name)
             if full.shape[0] % ep:
                 raise ValueError(f"ep={ep} does not divide the {full.shape[0]} experts; choose ep among their divisors")

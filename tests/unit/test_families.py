@@ -29,6 +29,7 @@ CONFIG = {
 FLAGS = (
     *("qkv_bias", "qk_norm", "qk_norm_scope", "norm_placement", "nope_layers", "norm_unit_offset", "scale_embeddings"),
     *("activation", "sliding_window", "window_layers", "rope_local_theta", "query_pre_attn_scalar"),
+    *("attention_sinks", "o_bias", "biases", "expert_activation"),  # GPT-OSS
     *("latent_attention", "score_func", "num_shared_experts", "n_group", "topk_group"),
 )
 

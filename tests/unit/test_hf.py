@@ -98,6 +98,39 @@ def test_kv_cache_decoding_keeps_gemma3s_windows(tmp_path):
     assert (torch.cat(steps, dim=1) - expected).abs().max().item() < TOL
 
 
+def test_kv_cache_decoding_keeps_gpt_oss_sinks_and_windows(tmp_path):
+    """GPT-OSS decoded token by token with a KV cache (a prompt of 5, then 1 token at a time, past
+    the 8-token window): the sinks join every step's softmax; transformers' logits at every position."""
+    from trainer.models.kv_cache import kv_cache
+
+    hf = make_hf_dir("gpt_oss", tmp_path / "hf")
+    ids = batch(rows=1, seq_len=20)
+    model = _plait(tmp_path / "hf")
+    with torch.no_grad():
+        expected = hf(ids).logits
+        steps = []
+        with kv_cache(model) as cache:
+            for start, end in [(0, 5), *((t, t + 1) for t in range(5, 20))]:
+                steps.append(model(ids[:, start:end], position_ids_bt=cache.position_ids(end - start)))
+    assert (torch.cat(steps, dim=1) - expected).abs().max().item() < TOL
+
+
+def test_gpt_oss_refusals_name_the_fix(tmp_path):
+    """An MXFP4 (quantized) GPT-OSS checkpoint is refused naming the bf16 copy to make; context
+    parallelism is refused for the sinks (its cores have no sink term), naming strategy.cp=1."""
+    from trainer.compose import compose
+
+    make_hf_dir("gpt_oss", tmp_path / "hf")
+    cp = ["model=hf", f"model.init_from={tmp_path / 'hf'}", "strategy=cp", "trainer.devices=2", "data.seq_len=8"]
+    with pytest.raises(ConfigError, match=r"attention sinks .* use strategy.cp=1"):
+        validate(compose("pretrain", cp))
+    path = tmp_path / "hf" / "config.json"
+    config = json.loads(path.read_text())
+    path.write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
+    with pytest.raises(ConfigError, match=r"quantization_config=.*dequantized \(Mxfp4Config\(dequantize=True\)\)"):
+        validate(compose("pretrain", ["model=hf", f"model.init_from={tmp_path / 'hf'}"]))
+
+
 def test_an_export_in_another_dtype_says_so_where_transformers_5_reads_it(tmp_path):
     """A source saved by transformers 5 has ``dtype`` in its config.json; a bfloat16 export kept that
     float32 beside a new ``torch_dtype``, and transformers 5 reads ``dtype`` first."""

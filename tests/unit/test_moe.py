@@ -4,6 +4,7 @@ The references are written here: per-token loops over the chosen experts, and th
 evaluated by hand on small examples.
 """
 
+import functools
 import math
 
 import pytest
@@ -14,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from trainer.models.moe import (
     MoE,
     balance_loss_sum,
+    clamped_swiglu,
     expert_swiglu,
     grouped_mm_supported,
     route,
@@ -116,6 +118,40 @@ def test_grouped_mm_equals_the_per_expert_loop(counts):
     w1, w2, w3 = _weights(len(counts), D, Fh)
     owner = torch.repeat_interleave(torch.arange(len(counts)), counts_e)
     rows = [w2[e] @ (F.silu(w1[e] @ x[m]) * (w3[e] @ x[m])) for m, e in enumerate(owner.tolist())]
+    torch.testing.assert_close(results[2][0], torch.stack(rows), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("counts", [[5, 0, 7, 4], [1, 2, 3, 10]])
+def test_gpt_oss_experts_with_biases_and_the_clamped_swiglu_grouped_padded_and_looped_agree(counts):
+    """Expert biases (each row its expert's) and GPT-OSS's clamped SwiGLU: the grouped kernel, its
+    8-row padded groups and the loop give the same outputs and gradients, and the loop is the
+    per-row formula of transformers' GptOssExperts (gate clamped above, up on both sides, up + 1)."""
+    D, Fh, E, alpha, limit = 16, 24, len(counts), 1.702, 0.3
+    x = torch.randn(sum(counts), D, generator=torch.Generator().manual_seed(1))
+    grad = torch.randn(sum(counts), D, generator=torch.Generator().manual_seed(2))
+    gen = torch.Generator().manual_seed(3)
+    biases = [0.3 * torch.randn(E, n, generator=gen) for n in (Fh, D, Fh)]
+    gate = functools.partial(clamped_swiglu, alpha=alpha, limit=limit)
+    results = []
+    for grouped, align in ((True, 1), (True, 8), (False, 1)):
+        xs = x.clone().requires_grad_()
+        ws = [w.requires_grad_() for w in _weights(E, D, Fh)]
+        bs = [b.clone().requires_grad_() for b in biases]
+        y = expert_swiglu(xs, torch.tensor(counts), *ws, grouped=grouped, align_rows=align, biases=tuple(bs), gate=gate)
+        y.backward(grad)
+        results.append([y.detach(), xs.grad] + [t.grad for t in ws + bs])
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    w1, w2, w3 = _weights(E, D, Fh)
+    owner = torch.repeat_interleave(torch.arange(E), torch.tensor(counts))
+    rows, clamped = [], 0
+    for m, e in enumerate(owner.tolist()):
+        g, u = w1[e] @ x[m] + biases[0][e], w3[e] @ x[m] + biases[2][e]
+        clamped += int((g > limit).sum() + (u.abs() > limit).sum())
+        g, u = g.clamp(max=limit), u.clamp(-limit, limit)
+        rows.append(w2[e] @ ((u + 1) * g * torch.sigmoid(alpha * g)) + biases[1][e])
+    assert clamped > 0  # the clamps bind on these rows
     torch.testing.assert_close(results[2][0], torch.stack(rows), rtol=0, atol=1e-6)
 
 

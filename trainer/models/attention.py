@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from trainer.models.document_masks import (
     PackedDocuments,
@@ -68,8 +69,19 @@ class DocumentCausalAttention:
             return block_causal_mask(document_ids_bt)
         return pack_documents(document_ids_bt)
 
-    def __call__(self, q_bthe: torch.Tensor, k_btke: torch.Tensor, v_btke: torch.Tensor, mask: Any) -> torch.Tensor:
-        """``[B, T, H, E]`` queries and ``[B, T, K, E]`` keys/values (after RoPE) -> ``[B, T, H, E]``."""
+    def __call__(
+        self,
+        q_bthe: torch.Tensor,
+        k_btke: torch.Tensor,
+        v_btke: torch.Tensor,
+        mask: Any,
+        *,
+        sinks_h: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``[B, T, H, E]`` queries and ``[B, T, K, E]`` keys/values (after RoPE) -> ``[B, T, H, E]``;
+        ``sinks_h`` ``[H]``: attention sinks (`sink_attention`; ``mask`` then None or dense)."""
+        if sinks_h is not None:
+            return sink_attention(q_bthe, k_btke, v_btke, mask, sinks_h)
         if isinstance(mask, PackedDocuments):
             return _packed(q_bthe, k_btke, v_btke, mask)
         if mask is not None and not isinstance(mask, torch.Tensor):
@@ -79,6 +91,39 @@ class DocumentCausalAttention:
             q_bhte, k_bkte, v_bkte, attn_mask=mask, is_causal=mask is None, enable_gqa=True
         )
         return out_bhte.transpose(1, 2)
+
+
+def sink_attention(
+    q_bthe: torch.Tensor,
+    k_btke: torch.Tensor,
+    v_btke: torch.Tensor,
+    allowed: torch.Tensor | None,
+    sinks_h: torch.Tensor,
+) -> torch.Tensor:
+    """Softmax attention with a learned sink logit per query head (GPT-OSS): ``[B, T, H, E]``.
+
+    Each head's softmax denominator gets ``exp(sinks_h[h])`` beside its keys' terms, so a query
+    may give less than all of its weight to the keys (OpenAI 2025, "gpt-oss-120b & gpt-oss-20b
+    Model Card"; Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks").
+    Written out (transformers' ``eager_attention_forward`` of GPT-OSS): no fused kernel takes an
+    extra denominator term, so the scores ``[B, H, T, S]`` are materialised, in float32.
+
+    Args:
+        q_bthe: queries ``[B, T, H, E]``; k_btke, v_btke: keys and values ``[B, S, K, E]`` (K divides H).
+        allowed: boolean ``[B or 1, 1, T, S]`` (True: query t sees key s); None: causal (T == S).
+        sinks_h: ``[H]`` sink logits (this rank's heads under tensor parallelism).
+    """
+    H, K, E = q_bthe.shape[2], k_btke.shape[2], q_bthe.shape[-1]
+    q_bhte = q_bthe.transpose(1, 2).float()
+    k_bhse, v_bhse = (t.transpose(1, 2).float().repeat_interleave(H // K, dim=1) for t in (k_btke, v_btke))
+    scores_bhts = (q_bhte @ k_bhse.transpose(-2, -1)) * E**-0.5
+    if allowed is None:
+        T, S = scores_bhts.shape[-2:]
+        allowed = torch.ones(T, S, dtype=torch.bool, device=q_bthe.device).tril(S - T)
+    scores_bhts = scores_bhts.masked_fill(~allowed, float("-inf"))
+    sinks_bht1 = sinks_h.float().view(1, -1, 1, 1).expand(*scores_bhts.shape[:-1], 1)
+    probs_bhts = torch.cat([scores_bhts, sinks_bht1], dim=-1).softmax(-1)[..., :-1]
+    return (probs_bhts @ v_bhse).to(q_bthe.dtype).transpose(1, 2)
 
 
 # The document layout changes with every batch: run it outside the compiled block (a graph break
@@ -98,7 +143,8 @@ class Attention(nn.Module):
     ``qk_norm_scope="head"`` (Qwen3), the whole projection with ``"projection"`` (OLMo 2). ``rope=False``
     leaves q and k unrotated (a NoPE layer: SmolLM3). ``query_pre_attn_scalar`` s scales the scores
     by ``1 / sqrt(s)`` instead of ``1 / sqrt(E)`` (Gemma 3); ``norm_unit_offset``: Gemma's
-    ``1 + weight`` QK-norms.
+    ``1 + weight`` QK-norms. ``sinks``: a learned sink logit per query head, ``sinks`` ``[H]``
+    (`sink_attention`); ``o_bias``: a bias on the output projection (both GPT-OSS).
     """
 
     def __init__(
@@ -115,6 +161,8 @@ class Attention(nn.Module):
         rope: bool = True,
         query_pre_attn_scalar: float | None = None,
         norm_unit_offset: bool = False,
+        sinks: bool = False,
+        o_bias: bool = False,
     ) -> None:
         super().__init__()
         self.n_heads = n_heads
@@ -123,7 +171,8 @@ class Attention(nn.Module):
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=qkv_bias)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=qkv_bias)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=qkv_bias)
-        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
+        self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=o_bias)
+        self.sinks = nn.Parameter(torch.zeros(n_heads)) if sinks else None
         # QK-norm before RoPE: of each query and key head over its E features (Qwen3), or of each
         # projection over all its heads' features (OLMo 2), which ties the heads together.
         if qk_norm_scope not in QK_NORM_SCOPES:
@@ -160,7 +209,12 @@ class Attention(nn.Module):
         if self.q_scale is not None and self.q_scale != 1.0:
             q_bthe = q_bthe * self.q_scale
 
-        out_btd = self.core(q_bthe, k_btke, v_btke, mask).reshape(B, T, -1)
+        if self.sinks is None:
+            out_bthe = self.core(q_bthe, k_btke, v_btke, mask)
+        else:  # under tensor parallelism a DTensor sharded by head: this rank's heads
+            sinks_h = self.sinks.to_local() if isinstance(self.sinks, DTensor) else self.sinks
+            out_bthe = self.core(q_bthe, k_btke, v_btke, mask, sinks_h=sinks_h)
+        out_btd = out_bthe.reshape(B, T, -1)
         return self.wo(out_btd)
 
 

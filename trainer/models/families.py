@@ -47,6 +47,10 @@ class Family:
         local_layers: its configs interleave sliding-window layers (``layer_types``, ``sliding_window``)
             with their own RoPE base, and set ``query_pre_attn_scalar`` (Gemma 3).
         windowed: the config's ``sliding_window`` applies even without ``use_sliding_window`` (Mistral).
+        windows: its configs interleave sliding-window layers (``layer_types``, ``sliding_window``)
+            with full ones, one RoPE for both (GPT-OSS).
+        sinks: attention sinks, a bias on the attention output projection too (GPT-OSS;
+            ``attention_bias`` sets all four projections' biases).
         latent_attention: multi-head latent attention and shared experts, the names of
             `strategies.core.hf_names.LATENT_LAYER_NAMES` (DeepSeek-V3).
         chosen: an export picks it for a model that fits it (false: only when the source was one).
@@ -66,6 +70,8 @@ class Family:
     activation_key: str = "hidden_act"
     local_layers: bool = False
     windowed: bool = False
+    windows: bool = False
+    sinks: bool = False
     latent_attention: bool = False
     chosen: bool = True
 
@@ -77,6 +83,8 @@ class Family:
     @property
     def layer_names(self) -> Mapping[str, str]:
         """plait block module -> its Hugging Face name (`strategies.core.hf_names`)."""
+        if self.sinks:  # the sinks are a parameter of the attention module itself
+            return {**LAYER_NAMES, "attention": "self_attn"}
         if self.latent_attention:
             return LATENT_LAYER_NAMES
         return {"pre": LAYER_NAMES, "post": POST_NORM_LAYER_NAMES, "sandwich": SANDWICH_LAYER_NAMES}[
@@ -95,16 +103,20 @@ class Family:
             "activation": self.activation,
             **({"nope_layers": nope_layers_of(config)} if self.nope else {}),
             **(local_layers_of(config) if self.local_layers else {}),
+            **(window_layers_of(config) if self.windows else {}),
+            **({"attention_sinks": True, "o_bias": True} if self.sinks else {}),
             **(moe_kwargs(config, self.model_type) if self.moe else {}),
         }
 
     def fits(self, model: Llama) -> bool:
         """Whether ``model`` has exactly this family's architecture flags and kind (dense or MoE);
         a family with ``nope`` (``local_layers``) also fits a model without such layers."""
-        local = model.window_layers or model.query_pre_attn_scalar is not None or model.rope_local_theta is not None
+        gemma_local = model.query_pre_attn_scalar is not None or model.rope_local_theta is not None
+        local = model.window_layers or gemma_local
         return (
             (self.nope or not model.nope_layers)
-            and (self.local_layers or not local)
+            and (self.local_layers or not local or self.windows and not gemma_local)
+            and (self.sinks, self.sinks) == (model.attention_sinks, model.o_bias)
             and _flags(model)
             == (
                 self.qkv_bias,
@@ -133,6 +145,13 @@ class Family:
                 ],
                 query_pre_attn_scalar=model.query_pre_attn_scalar or model.head_dim,
                 use_bidirectional_attention=False,
+            )
+        if self.windows:
+            fields.update(
+                sliding_window=model.sliding_window,
+                layer_types=[
+                    "sliding_attention" if i in model.window_layers else "full_attention" for i in range(model.n_layers)
+                ],
             )
         return fields if self.qkv_bias else {**fields, "attention_bias": False}
 
@@ -165,6 +184,20 @@ def local_layers_of(config: dict[str, Any]) -> dict[str, Any]:
         "window_layers": [i for i in range(n_layers) if kinds[i] == "sliding_attention"],
         "rope_local_theta": float(local.get("rope_theta", config.get("rope_local_base_freq", 10000.0))),
         "query_pre_attn_scalar": config.get("query_pre_attn_scalar"),
+    }
+
+
+def window_layers_of(config: dict[str, Any]) -> dict[str, Any]:
+    """A GPT-OSS ``config.json``'s windowed layers as `Llama` arguments: ``sliding_window`` and
+    ``window_layers`` (``layer_types``' sliding ones, else every other layer from the first:
+    transformers' ``GptOssConfig`` default)."""
+    n_layers = config["num_hidden_layers"]
+    kinds = config.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layers)
+    ]
+    return {
+        "sliding_window": config.get("sliding_window"),
+        "window_layers": [i for i in range(n_layers) if kinds[i] == "sliding_attention"],
     }
 
 
@@ -202,6 +235,9 @@ FAMILIES: dict[str, Family] = {
             activation_key="hidden_activation",
             local_layers=True,
         ),
+        # Sinks, q/k/v/o biases, alternating windows; experts with biases and the clamped SwiGLU,
+        # a router with a bias whose top-k logits' softmax is plait's renormalised top-k softmax.
+        Family("gpt_oss", "GptOssForCausalLM", MoETransformer, qkv_bias=True, windows=True, sinks=True),
         Family("deepseek_v3", "DeepseekV3ForCausalLM", MoETransformer, latent_attention=True),
     )
 }
@@ -239,6 +275,7 @@ def export_family_of(model: Llama, base: dict[str, Any] | None = None) -> str:
         others += [f"qk_norm_scope={model.qk_norm_scope!r}"] if model.qk_norm and model.qk_norm_scope != "head" else []
         others += [f"nope_layers={list(model.nope_layers)}"] if model.nope_layers else []
         others += [f"window_layers={list(model.window_layers)}"] if model.window_layers else []
+        others += [f"{name}=True" for name in ("attention_sinks", "o_bias") if getattr(model, name)]
         others += [f"activation={model.activation!r}"] if model.activation != "silu" else []
         gemma = {"norm_unit_offset": model.norm_unit_offset, "scale_embeddings": model.scale_embeddings}
         others += [f"{name}=True" for name, on in gemma.items() if on]

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from strategies.core.hf_names import hf_module_name, plait_module_name
+from trainer.models import hf_gpt_oss as gpt_oss
 from trainer.models.families import FAMILIES, HF_ACTIVATIONS, family_of
 from trainer.models.hf_moe import (
     expert_hf_names,
@@ -83,7 +84,8 @@ def rope_of(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 def sliding_window(config: dict[str, Any]) -> int | None:
     """The attention window the checkpoint's own model would apply, or None (full attention)."""
     kinds = set(config.get("layer_types") or ["full_attention"])
-    if config.get("model_type") in FAMILIES and FAMILIES[config["model_type"]].local_layers:
+    own = FAMILIES.get(config.get("model_type"))
+    if own is not None and (own.local_layers or own.windows):
         return None  # its windows are the model's own (Llama's sliding_window), not a cap on the context
     windowed = config.get("model_type") in FAMILIES and FAMILIES[config["model_type"]].windowed
     if windowed or config.get("use_sliding_window") or kinds != {"full_attention"}:
@@ -108,10 +110,18 @@ def config_problems(config: dict[str, Any], where: str = "config.json") -> list[
         )
     unsupported = {
         "mlp_bias": (False, "no MLP biases"),
-        "attention_bias": (False, "q/k/v biases only in Qwen2 checkpoints, no o_proj bias"),
+        "attention_bias": (
+            FAMILIES[family].sinks,
+            "q/k/v biases only in Qwen2 checkpoints, no o_proj bias; GPT-OSS's q/k/v/o biases",
+        ),
         "partial_rotary_factor": (1.0, "RoPE on the whole head"),
         "attention_dropout": (0.0, "no attention dropout"),
-        "quantization_config": (None, "unquantized weights"),
+        "quantization_config": (
+            None,
+            "unquantized weights: load a quantized checkpoint, such as GPT-OSS's "
+            "MXFP4 experts, in transformers dequantized (Mxfp4Config(dequantize=True)) and "
+            "save_pretrained its bf16 copy",
+        ),
         "attn_logit_softcapping": (None, "no soft-capping of attention logits"),
         "final_logit_softcapping": (None, "no soft-capping of the output logits"),
         "use_bidirectional_attention": (False, "causal attention only"),
@@ -336,6 +346,11 @@ def load_hf_weights(
             if skip is not None and skip(fqn):  # e.g. LoRA adapters: the base is what loads
                 continue
             index, local = _local_slices(param)
+            fused = gpt_oss.expert_source(fqn, tuple(param.shape)) if family == "gpt_oss" else None
+            if fused is not None:  # GPT-OSS: this shard's experts, taken out of the fused tensor
+                name, hf_shape, take = fused
+                local.copy_(take(tensor(name, fqn, hf_shape)[index[0]])[(slice(None), *index[1:])])
+                continue
             experts = (
                 expert_hf_names(fqn, family, range(index[0].start, index[0].stop))
                 if family is not None and FAMILIES[family].moe

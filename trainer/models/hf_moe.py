@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from trainer.models import hf_gpt_oss as gpt_oss
+
 _BLOCK = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe", "deepseek_v3": "mlp"}
 _PROJ = {
     "qwen3_moe": {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"},
@@ -81,6 +83,8 @@ def moe_kwargs(config: dict[str, Any], family: str) -> dict[str, Any]:
     """`MoETransformer` arguments beyond the Llama ones of a (supported) config."""
     if family == "deepseek_v3":
         return deepseek_kwargs(config)
+    if family == "gpt_oss":
+        return gpt_oss.moe_kwargs(config)
     qwen = family == "qwen3_moe"
     return {
         "num_experts": num_experts_of(config),
@@ -122,6 +126,8 @@ def deepseek_kwargs(config: dict[str, Any]) -> dict[str, Any]:
 def router_hf_name(fqn: str, family: str) -> str | None:
     """``layers.<i>.feed_forward.router.gate.weight`` (or ``.expert_bias``, in a family that holds
     it) -> the checkpoint's router tensor, else None."""
+    if family == "gpt_oss":
+        return gpt_oss.router_hf_name(fqn)
     match = _ROUTER_FQN.fullmatch(fqn)
     if not match or (match.group(2) == "expert_bias" and family not in _BIAS_NAME):
         return None
@@ -132,6 +138,8 @@ def router_hf_name(fqn: str, family: str) -> str | None:
 def expert_hf_names(fqn: str, family: str, experts: range) -> list[str] | None:
     """The per-expert tensor names of a stacked expert parameter, for ``experts``; None if ``fqn``
     is not one (``layers.<i>.feed_forward.experts.w1`` -> ``...experts.<j>.gate_proj.weight``)."""
+    if family == "gpt_oss":  # fused stacked tensors: hf_gpt_oss.expert_source
+        return None
     match = _EXPERTS_FQN.fullmatch(fqn)
     if not match:
         return None
@@ -141,6 +149,8 @@ def expert_hf_names(fqn: str, family: str, experts: range) -> list[str] | None:
 
 def moe_plait_name(name: str, family: str) -> str | None:
     """The plait FQN a checkpoint's router or expert tensor feeds (experts: the stacked tensor)."""
+    if family == "gpt_oss":
+        return gpt_oss.plait_name(name)
     block = re.escape(_BLOCK[family])
     match = re.fullmatch(rf"model\.layers\.(\d+)\.{block}\.gate\.weight", name)
     if match:
@@ -166,6 +176,10 @@ def moe_export_problems(model: Any, family: str) -> list[str]:
         problems += ["no shared expert (DeepSeek-V3 has n_shared_experts >= 1)"] if not model.num_shared_experts else []
         return problems + (["q/k/v biases"] if model.qkv_bias else [])
     problems = ["group-limited routing (n_group > 1)"] if model.n_group > 1 else []
+    if family == "gpt_oss":
+        return gpt_oss.export_problems(model)
+    if model.biases or model.expert_activation != "silu":
+        problems.append("router and expert biases or the clamped SwiGLU (GPT-OSS's)")
     if model.num_shared_experts or model.score_func != "softmax" or model.route_scale != 1.0 or model.qkv_bias:
         problems.append("shared experts, sigmoid scores, route_scale != 1 and q/k/v biases")
     if family == "mixtral" and (model.n_dense_layers or not model.norm_topk):
@@ -178,6 +192,8 @@ def moe_export_problems(model: Any, family: str) -> list[str]:
 def moe_config_fields(model: Any, family: str) -> dict[str, Any]:
     """The MoE fields of a ``config.json`` for ``model`` (see `moe_export_problems`)."""
     fields: dict[str, Any] = {"num_experts_per_tok": model.top_k, "output_router_logits": False}
+    if family == "gpt_oss":
+        return gpt_oss.config_fields(model)
     if family == "deepseek_v3":
         mla = model.latent_attention
         fields.update(

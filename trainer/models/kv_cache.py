@@ -93,9 +93,16 @@ class KVCache:
         return ((real_bs[:, None, :] & causal_ts[None]) | itself_ts[None])[:, None]
 
     def __call__(
-        self, q_bthe: torch.Tensor, k_btke: torch.Tensor, v_btke: torch.Tensor, mask: torch.Tensor | None
+        self,
+        q_bthe: torch.Tensor,
+        k_btke: torch.Tensor,
+        v_btke: torch.Tensor,
+        mask: torch.Tensor | None,
+        *,
+        sinks_h: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Appends this layer's new keys/values and attends the new queries to all cached ones."""
+        """Appends this layer's new keys/values and attends the new queries to all cached ones
+        (with GPT-OSS's attention sinks ``sinks_h``, see `attention.sink_attention`)."""
         i = self._layer
         self._layer += 1
         if self.keys[i] is not None:
@@ -111,7 +118,7 @@ class KVCache:
             slots_s = torch.arange(S, device=q_bthe.device)
             near_ts = (slots_s[S - T :, None] - slots_s[None, :]) < self.window
             mask = mask & near_ts  # a pad query's own slot (distance 0) stays visible
-        return DOCUMENT_CAUSAL(q_bthe, k_btke, v_btke, mask)
+        return DOCUMENT_CAUSAL(q_bthe, k_btke, v_btke, mask, sinks_h=sinks_h)
 
 
 @contextmanager

@@ -32,13 +32,15 @@ from typing import Annotated, Any, Literal
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 from typing_extensions import override
 
 from strategies.core.ranges import NON_NEGATIVE, POSITIVE, Range
 from trainer.models.attention import DOCUMENT_CAUSAL, QK_NORM_SCOPES, sliding_window_mask
 from trainer.models.block import ACTIVATIONS, NORM_PLACEMENTS, TransformerBlock, llama_ffn_dim
+from trainer.models.document_masks import block_causal_mask
 from trainer.models.init import seeded_normal_
 from trainer.models.kv_cache import KVCache
 from trainer.models.norm import RMSNorm
@@ -91,6 +93,10 @@ class Llama(nn.Module):
             (Gemma 3: five of every six).
         rope_local_theta: the windowed blocks' RoPE base, without ``rope_scaling`` (Gemma 3's
             local base 10000); None: the same tables as the other blocks.
+        attention_sinks: a learned sink logit per query head in every block's softmax
+            (``layers.<i>.attention.sinks`` ``[H]``, GPT-OSS; `attention.sink_attention`: the
+            scores are materialised, and context parallelism does not run it).
+        o_bias: a bias on the attention output projection ``wo`` (GPT-OSS).
 
     Raises:
         ValueError: if a size is not positive, the head counts do not divide, the RoPE
@@ -133,6 +139,8 @@ class Llama(nn.Module):
         sliding_window: int | None = None,
         window_layers: Sequence[int] | None = None,
         rope_local_theta: Annotated[float, POSITIVE] | None = None,
+        attention_sinks: bool = False,
+        o_bias: bool = False,
     ) -> None:
         super().__init__()
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
@@ -202,6 +210,7 @@ class Llama(nn.Module):
         self.norm_unit_offset, self.scale_embeddings, self.activation = norm_unit_offset, scale_embeddings, activation
         self.query_pre_attn_scalar, self.sliding_window = query_pre_attn_scalar, sliding_window
         self.window_layers, self.rope_local_theta = window_layers, rope_local_theta
+        self.attention_sinks, self.o_bias = attention_sinks, o_bias
         # One draw from torch's RNG (on CPU, also when built under a meta default device): the
         # seed of every weight (init_weights), so the weights are deterministic given the RNG state.
         self.init_seed = int(torch.randint(0, 2**62, (1,), device="cpu"))
@@ -213,6 +222,8 @@ class Llama(nn.Module):
             "qk_norm": qk_norm,
             "qk_norm_scope": qk_norm_scope,
             "query_pre_attn_scalar": query_pre_attn_scalar,
+            **({"sinks": True} if attention_sinks else {}),
+            **({"o_bias": True} if o_bias else {}),
         }
         self.layers = nn.ModuleDict(
             {
@@ -301,8 +312,8 @@ class Llama(nn.Module):
                 local = param.to_local() if isinstance(param, DTensor) else param
                 if isinstance(module, RMSNorm):
                     local.fill_(0.0 if module.unit_offset else 1.0)
-                elif param_name == "bias":
-                    local.zero_()
+                elif param_name in ("bias", "sinks") or param_name.endswith("_bias"):
+                    local.zero_()  # a sink at 0: one more unit in each softmax's denominator
                 else:
                     # residual output projections: a linear ``wo``/``w2``, or stacked experts' ``w2``
                     residual = module_name.endswith(("wo", "w2")) or param_name == "w2"
@@ -374,6 +385,14 @@ class Llama(nn.Module):
         rope = _rope_rows(self.rope_cos, self.rope_sin, position_ids_bt, T)
         # Built once for all layers: the document layout the attention core needs (see its mask()).
         mask = self.attention_core.mask(document_ids_bt, T, h_btd.device)
+        if self.attention_sinks:  # sink_attention takes a dense mask (or None: causal)
+            if self.attention_core is not DOCUMENT_CAUSAL and not isinstance(self.attention_core, KVCache):
+                raise ValueError(
+                    "attention sinks run with the one-process attention core or a KV cache only, not under "
+                    "context parallelism; use strategy.cp=1"
+                )
+            if mask is not None and not isinstance(mask, torch.Tensor):
+                mask = block_causal_mask(document_ids_bt)
         local_rope, local_mask = rope, mask  # the windowed blocks' (Gemma 3's local layers)
         if self.rope_local_theta is not None:
             local_rope = _rope_rows(self.rope_local_cos, self.rope_local_sin, position_ids_bt, T)
@@ -432,7 +451,8 @@ class Llama(nn.Module):
         # column-wise projections (use_local_output=False), so backward sums their partial input
         # gradients first: one all-reduce (or, with SP, one reduce-scatter) per sub-block, the
         # Megatron pattern, instead of one per projection. attention(x, cos, sin, mask): only x.
-        plan["layers.*.attention"] = PrepareModuleInput(
+        prepare = PrepareSinkAttention if self.attention_sinks else PrepareModuleInput
+        plan["layers.*.attention"] = prepare(
             input_layouts=(seq, None, None, None), desired_input_layouts=(Replicate(), None, None, None)
         )
         plan["layers.*.feed_forward"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
@@ -493,6 +513,17 @@ class Llama(nn.Module):
         mlp = 3 * self.dim * self.ffn_dim
         n_matmul = self.n_layers * (attn + mlp) + self.dim * self.vocab_size
         return float(6 * n_matmul + 12 * self.n_layers * self.dim * seq_len)
+
+
+class PrepareSinkAttention(PrepareModuleInput):
+    """`PrepareModuleInput` of an attention with sinks that also shards its ``sinks`` ``[H]`` over
+    tp (``Shard(0)``): each rank keeps the sinks of the query heads its column-wise ``wq`` holds."""
+
+    @override
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        sinks = module.sinks
+        module.sinks = nn.Parameter(distribute_tensor(sinks.data, device_mesh, [Shard(0)]), sinks.requires_grad)
+        return super()._apply(module, device_mesh)
 
 
 def _rope_rows(

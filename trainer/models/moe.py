@@ -22,6 +22,8 @@ swaps the attention core.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -205,6 +207,23 @@ def pad_groups(counts_e: torch.Tensor, align: int) -> tuple[torch.Tensor, torch.
     )
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gating: ``silu(gate) * up``."""
+    return F.silu(gate) * up
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, *, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's expert gating: ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with
+    ``g = min(gate, limit)`` (OpenAI's gpt-oss reference ``swiglu``, transformers' ``GptOssExperts``)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+# A gated expert MLP's gating: plain SwiGLU, or GPT-OSS's clamped form (its alpha and limit).
+EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")
+
+
 def expert_swiglu(
     x_md: torch.Tensor,
     counts_e: torch.Tensor,
@@ -214,6 +233,8 @@ def expert_swiglu(
     *,
     grouped: bool | None = None,
     align_rows: int | None = None,
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    gate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = swiglu,
 ) -> torch.Tensor:
     """SwiGLU of each expert on its rows: ``w2_e(silu(w1_e x) * w3_e x)``.
 
@@ -225,6 +246,9 @@ def expert_swiglu(
             reference), or whichever runs here (None, see `grouped_mm_supported`).
         align_rows: pad each group to a multiple of this many rows for the grouped kernel (None:
             8 on CUDA, 1 on CPU; see `pad_groups`).
+        biases: ``(b1 [E, F], b2 [E, D], b3 [E, F])`` added to each projection's output (GPT-OSS);
+            None: none.
+        gate: ``(gate [M, F], up [M, F]) -> [M, F]``, `swiglu` or a `clamped_swiglu`.
 
     Returns:
         ``[M, D]`` in the rows' order.
@@ -237,12 +261,19 @@ def expert_swiglu(
             counts_e, rows_m = pad_groups(counts_e, align)
             x_md = x_md.new_zeros(int(counts_e.sum()), x_md.shape[1]).index_copy(0, rows_m, x_md)
         offsets = torch.cumsum(counts_e, 0).to(torch.int32)
-        h_mf = F.silu(_grouped(x_md, w1_efd, offsets)) * _grouped(x_md, w3_efd, offsets)
-        y_md = _grouped(h_mf, w2_edf, offsets)
+        g_mf, u_mf = _grouped(x_md, w1_efd, offsets), _grouped(x_md, w3_efd, offsets)
+        if biases is not None:  # each row takes its expert's biases
+            expert_m = torch.repeat_interleave(torch.arange(counts_e.numel(), device=x_md.device), counts_e)
+            g_mf, u_mf = g_mf + biases[0][expert_m], u_mf + biases[2][expert_m]
+        y_md = _grouped(gate(g_mf, u_mf), w2_edf, offsets)
+        if biases is not None:
+            y_md = y_md + biases[1][expert_m]
         return y_md[rows_m] if align > 1 else y_md
     outs = []
+    b1, b2, b3 = biases if biases is not None else (None, None, None)
     for e, rows in enumerate(torch.split(x_md, counts_e.tolist())):
-        outs.append(F.linear(F.silu(F.linear(rows, w1_efd[e])) * F.linear(rows, w3_efd[e]), w2_edf[e]))
+        g, u = (F.linear(rows, w[e], None if b is None else b[e]) for w, b in ((w1_efd, b1), (w3_efd, b3)))
+        outs.append(F.linear(gate(g, u), w2_edf[e], None if b2 is None else b2[e]))
     return torch.cat(outs) if outs else x_md.new_zeros(0, w2_edf.shape[1])
 
 
@@ -270,14 +301,38 @@ class GroupedExperts(nn.Module):
 
     ``forward`` hands the sorted rows to ``dispatcher`` (so FSDP's hooks on this module gather the
     weights first); expert parallelism keeps a slice of the experts on each rank (a DTensor
-    sharded on dim 0) and swaps in its own dispatcher.
+    sharded on dim 0) and swaps in its own dispatcher. ``biases`` adds ``w1_bias``, ``w3_bias``
+    ``[E, F]`` and ``w2_bias`` ``[E, D]``; ``activation`` ``"clamped_swiglu"`` gates with
+    `clamped_swiglu` (``swiglu_alpha``, ``swiglu_limit``); both GPT-OSS. ``weight_names``: the
+    stacked tensors, in the order of ``compute``'s ``weights``.
     """
 
-    def __init__(self, dim: int, ffn_dim: int, num_experts: int) -> None:
+    def __init__(
+        self,
+        dim: int,
+        ffn_dim: int,
+        num_experts: int,
+        *,
+        biases: bool = False,
+        activation: str = "silu",
+        swiglu_alpha: float = 1.702,
+        swiglu_limit: float = 7.0,
+    ) -> None:
         super().__init__()
+        if activation not in EXPERT_ACTIVATIONS:
+            raise ValueError(f"expert activation={activation!r} is not one of {', '.join(EXPERT_ACTIVATIONS)}")
         self.w1 = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
+        self.weight_names: tuple[str, ...] = ("w1", "w2", "w3")
+        if biases:
+            self.w1_bias = nn.Parameter(torch.zeros(num_experts, ffn_dim))
+            self.w3_bias = nn.Parameter(torch.zeros(num_experts, ffn_dim))
+            self.w2_bias = nn.Parameter(torch.zeros(num_experts, dim))
+            self.weight_names += ("w1_bias", "w2_bias", "w3_bias")
+        self.gate = swiglu
+        if activation == "clamped_swiglu":
+            self.gate = functools.partial(clamped_swiglu, alpha=swiglu_alpha, limit=swiglu_limit)
         self.grouped: bool | None = None  # see expert_swiglu
         self.dispatcher: Dispatcher = LOCAL
 
@@ -289,9 +344,13 @@ class GroupedExperts(nn.Module):
         self, x_md: torch.Tensor, counts_e: torch.Tensor, weights: tuple[torch.Tensor, ...] | None = None
     ) -> torch.Tensor:
         """The experts on rows sorted by them: this module's local weights, or ``weights`` =
-        ``(w1, w2, w3)`` stacked for the groups of ``counts_e`` (a dispatcher's mix of experts)."""
-        w1, w2, w3 = weights if weights is not None else (self.w1, self.w2, self.w3)
-        return expert_swiglu(x_md, counts_e, w1, w2, w3, grouped=self.grouped)
+        ``(w1, w2, w3[, w1_bias, w2_bias, w3_bias])`` (``weight_names``) stacked for the groups of
+        ``counts_e`` (a dispatcher's mix of experts)."""
+        if weights is None:
+            weights = tuple(getattr(self, name) for name in self.weight_names)
+        w1, w2, w3 = weights[:3]
+        biases = weights[3:] or None
+        return expert_swiglu(x_md, counts_e, w1, w2, w3, grouped=self.grouped, biases=biases, gate=self.gate)
 
 
 # ---------------------------------------------------------------------------------------------- dispatch
@@ -357,6 +416,8 @@ class MoE(nn.Module):
         z_loss_coef: weight of the router z-loss (`z_loss_sum`).
         bias_update_rate: step of the auxiliary-loss-free bias (0: the bias stays as loaded, zero
             for a fresh model: plain top-k).
+        biases: biases on the router gate and on each expert's three projections (GPT-OSS).
+        expert_activation, swiglu_alpha, swiglu_limit: the experts' gating (`GroupedExperts`).
 
     The router losses are averaged over tokens: each layer adds ``coef * sum / num_tokens`` to the
     objective, where ``num_tokens`` is the optimizer step's tokens over all micro-batches and ranks
@@ -380,6 +441,10 @@ class MoE(nn.Module):
         balance_coef: float = 0.0,
         z_loss_coef: float = 0.0,
         bias_update_rate: float = 0.0,
+        biases: bool = False,
+        expert_activation: str = "silu",
+        swiglu_alpha: float = 1.702,
+        swiglu_limit: float = 7.0,
     ) -> None:
         super().__init__()
         self.router = TopKRouter(
@@ -392,7 +457,17 @@ class MoE(nn.Module):
             n_group=n_group,
             topk_group=topk_group,
         )
-        self.experts = GroupedExperts(dim, moe_ffn_dim, num_experts)
+        if biases:  # GPT-OSS's gate has a bias (its logits' top-k softmax is norm_topk's renormalised softmax)
+            self.router.gate = nn.Linear(dim, num_experts, bias=True)
+        self.experts = GroupedExperts(
+            dim,
+            moe_ffn_dim,
+            num_experts,
+            biases=biases,
+            activation=expert_activation,
+            swiglu_alpha=swiglu_alpha,
+            swiglu_limit=swiglu_limit,
+        )
         self.shared_experts = FeedForward(dim, num_shared_experts * moe_ffn_dim) if num_shared_experts else None
         self.balance_coef, self.z_loss_coef, self.bias_update_rate = balance_coef, z_loss_coef, bias_update_rate
         self.router_loss_scale: float | None = None

@@ -14,7 +14,7 @@ blocks ``i >= n_dense_layers``: ``feed_forward.router.gate`` ``[E, D]``,
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -96,6 +96,9 @@ class MoETransformer(Llama):
         latent_attention: multi-head latent attention instead of grouped-query attention
             (DeepSeek-V3), ``{q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
             v_head_dim}`` and optionally ``rope_interleave`` (see `trainer.models.mla`); None for GQA.
+        biases: biases on each MoE block's router gate and experts (GPT-OSS; `moe.MoE`).
+        expert_activation: the experts' gating, ``"silu"`` (SwiGLU) or ``"clamped_swiglu"``
+            (GPT-OSS: ``swiglu_alpha`` 1.702, ``swiglu_limit`` 7; `moe.clamped_swiglu`).
         **llama: the `Llama` arguments (attention, widths, ``ffn_dim`` of the dense blocks, ...).
 
     Raises:
@@ -125,6 +128,10 @@ class MoETransformer(Llama):
         z_loss_coef: float = 0.0,
         bias_update_rate: float = 0.0,
         latent_attention: dict[str, Any] | None = None,
+        biases: bool = False,
+        expert_activation: Literal["silu", "clamped_swiglu"] = "silu",
+        swiglu_alpha: float = 1.702,
+        swiglu_limit: float = 7.0,
         **llama: Any,
     ) -> None:
         problems = moe_problems(
@@ -148,6 +155,8 @@ class MoETransformer(Llama):
         self.score_func, self.norm_topk, self.route_scale = score_func, norm_topk, route_scale
         self.n_group, self.topk_group = n_group, topk_group
         self.balance_coef, self.z_loss_coef, self.bias_update_rate = balance_coef, z_loss_coef, bias_update_rate
+        self.biases, self.expert_activation = biases, expert_activation
+        self.swiglu_alpha, self.swiglu_limit = swiglu_alpha, swiglu_limit
         super().__init__(vocab_size=vocab_size, **llama)
 
     @override
@@ -168,6 +177,10 @@ class MoETransformer(Llama):
             balance_coef=self.balance_coef,
             z_loss_coef=self.z_loss_coef,
             bias_update_rate=self.bias_update_rate,
+            biases=self.biases,
+            expert_activation=self.expert_activation,
+            swiglu_alpha=self.swiglu_alpha,
+            swiglu_limit=self.swiglu_limit,
         )
 
     @override
