@@ -15,7 +15,9 @@ The families whose blocks differ from Qwen3's train the same 3 steps on one proc
 parallel): OLMo 2 (post-norm, QK-norm over whole projections: its mean of squares crosses the tp
 ranks), SmolLM3 (a NoPE layer, tied embeddings) and Gemma 3 (sandwich norms, 8-token windows in
 64-token rows, a local RoPE base); each equals one process as above (Gemma 3's parameters to rtol
-1e-5: `FAMILY_TOL`).
+1e-5: `FAMILY_TOL`). DeepSeek-V3 (latent attention, shared experts, group-limited routing with its
+loaded correction bias) also under expert parallelism (``strategy=nd strategy.expert_parallel.ep=2``:
+each rank reads and trains 4 of the 8 experts); under tp its latent attention runs whole on each rank.
 """
 
 from __future__ import annotations
@@ -44,8 +46,15 @@ LAYOUTS = {
     ],
 }
 # Family (tests/hf_checkpoints.py) -> its sharded layouts besides Qwen3's (``fsdp2_x_tp2``, above).
-FAMILY_LAYOUTS = {"olmo2": ("fsdp2", "tp2"), "smollm3": ("fsdp2", "tp2"), "gemma3_text": ("fsdp2", "tp2")}
+FAMILY_LAYOUTS = {
+    "olmo2": ("fsdp2", "tp2"),
+    "smollm3": ("fsdp2", "tp2"),
+    "gemma3_text": ("fsdp2", "tp2"),
+    "deepseek_v3": ("fsdp2", "tp2", "ep2"),
+}
 TP2 = ["strategy=tp", "trainer.devices=2"]
+# The layouts only the families run (expert parallelism: each rank reads and holds half the experts).
+FAMILY_ONLY = {"tp2": TP2, "ep2": ["strategy=nd", "trainer.devices=2", "strategy.expert_parallel.ep=2"]}
 # Gemma 3's tied embedding (|w| <= 0.24) ends up to 6.1e-7 off under tp: its gradient sums the head's
 # and the sqrt(D) = 8-scaled lookup's, which tp reduces in another order (the losses agree to 1e-6).
 # At rtol 1e-6 it failed 2 of 4 runs, so its parameters are held to rtol 1e-5.
@@ -113,7 +122,7 @@ def test_each_family_trains_sharded_like_one_process(family, layout, tmp_path_fa
         _FAMILY_RUNS[family] = {"root": root, "one_process": _run(root, LAYOUTS["one_process"], tmp_path_factory)}
     runs = _FAMILY_RUNS[family]
     _assert_trains_alike(
-        _run(runs["root"], TP2 if layout == "tp2" else LAYOUTS[layout], tmp_path_factory),
+        _run(runs["root"], FAMILY_ONLY.get(layout) or LAYOUTS[layout], tmp_path_factory),
         runs["one_process"],
         FAMILY_TOL.get(family, TOL),
     )

@@ -278,10 +278,22 @@ class MoETransformer(Llama):
         """Llama's plan for attention, embeddings, norms and dense blocks; each MoE block's
         feed-forward runs whole on every tp rank (its weights replicated over tp): its input is
         gathered to the full sequence and its output, identical on all tp ranks, sliced back to
-        this rank's part of the sequence under sequence parallelism."""
+        this rank's part of the sequence under sequence parallelism. Latent attention runs whole
+        on every tp rank the same way (its weights replicated: the key latent and the rotated key
+        part serve every head, so a head-sharded MLA would all-reduce their gradients; not built)."""
         plan = super().tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
         dense_input = plan.pop("layers.*.feed_forward")
         seq = Shard(1) if sequence_parallel else Replicate()
+        if self.latent_attention:
+            for name in ("wq", "wk", "wv", "wo"):
+                plan.pop(f"layers.*.attention.{name}")
+            plan["layers.*.attention"] = PrepareModuleInputOutput(
+                input_layouts=(seq, None, None, None),
+                desired_input_layouts=(Replicate(), None, None, None),
+                use_local_input=True,
+                output_layouts=(Replicate(),),
+                desired_output_layouts=(seq,),
+            )
         for name, layer in self.layers.items():
             if isinstance(layer.feed_forward, MoE):
                 plan[f"layers.{name}.feed_forward"] = PrepareModuleInputOutput(
