@@ -27,6 +27,7 @@ from strategies.core.resolved import ResolvedRun
 from strategies.tensor import TensorParallel
 from trainer.models.families import EXPORTABLE, exportable
 from trainer.models.llama import Llama
+from trainer.models.moe_transformer import MoETransformer
 
 
 def _class(node: Any) -> type | None:
@@ -103,4 +104,18 @@ def window_problems(run: ResolvedRun | None, model: Any) -> list[str]:
         f"strategy.cp={run.dims.cp}: model.sliding_window={model.sliding_window} is shorter than data.seq_len="
         f"{run.seq_len}, and context parallelism's attention does not apply sliding windows; use strategy.cp=1 "
         f"or data.seq_len<={model.sliding_window}"
+    ]
+
+
+def latent_attention_problems(run: ResolvedRun | None, model: Any) -> list[str]:
+    """Multi-head latent attention (DeepSeek-V3) under context parallelism: the ring and all-to-all
+    cores carry keys and values of one head width, latent attention's values are narrower
+    (``v_head_dim``) than its queries and keys; not built."""
+    if run is None or run.dims.cp <= 1 or not isinstance(model, MoETransformer) or not model.latent_attention:
+        return []
+    mla = model.latent_attention
+    return [
+        f"strategy.cp={run.dims.cp}: context parallelism is not built for latent attention "
+        f"(model.latent_attention: keys of {mla['qk_nope_head_dim'] + mla['qk_rope_head_dim']} features, values of "
+        f"{mla['v_head_dim']}); use strategy.cp=1 (tp, pp, fsdp and expert parallelism apply)"
     ]

@@ -30,7 +30,7 @@ from strategies.mesh import MeshStrategy, build_strategy
 from strategies.pipeline.layout import SCHEDULES, stages_per_rank_of
 from strategies.planner.layout import layout_of, workload_of
 from strategies.planner.time import Cluster, auto_split_points
-from trainer.capabilities import capability_problems, contract_problems, window_problems
+from trainer.capabilities import capability_problems, contract_problems, latent_attention_problems, window_problems
 from trainer.data.paths import DATA_SUFFIXES, PathProblem, check_path, data_files
 from trainer.data.tokenizer import TokenizerFileError, read_tokenizer_json
 from trainer.init_from import init_from_problems, run_tokenizer
@@ -242,6 +242,7 @@ def resolve(
     problems.extend(strategy.problems(run, run.shape))
     problems.extend(contract_problems(cfg, run, built))  # what the layout reads off the model (never skipped)
     problems.extend(window_problems(run, built))
+    problems.extend(latent_attention_problems(run, built))
     # The split is planned for a layout that runs: a config with problems is refused anyway.
     return run if problems else replace(run, pp_split_points=pp_split_points(cfg, run, strategy))
 

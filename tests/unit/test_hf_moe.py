@@ -126,3 +126,17 @@ def test_a_latent_attention_model_with_softmax_routing_is_not_exported_as_deepse
     tok = Tokenizer.from_file(tmp_path / "hf" / "tokenizer.json")
     with pytest.raises(HFError, match=r"DeepSeek-V3\) has softmax scores"):
         write_hf_dir(tmp_path / "out", model=model, state=model.state_dict(), tokenizer=tok, sources=[])
+
+
+def test_context_parallelism_is_refused_for_latent_attention_before_launch(tmp_path):
+    """cp's attention cores carry keys and values of one width (DeepSeek-V3's values are narrower):
+    strategy=cp is refused in validate naming strategy.cp=1; tp and expert parallelism pass."""
+    from trainer.compose import compose
+    from trainer.config import ConfigError, validate
+
+    make_hf_dir("deepseek_v3", tmp_path / "hf")
+    hf = ["model=hf", f"model.init_from={tmp_path / 'hf'}", "data.seq_len=32", "trainer.devices=2"]
+    with pytest.raises(ConfigError, match=r"strategy.cp=2: context parallelism is not built for latent attention"):
+        validate(compose("pretrain", [*hf, "strategy=cp"]))
+    validate(compose("pretrain", [*hf, "strategy=tp"]))
+    validate(compose("pretrain", [*hf, "strategy=nd", "strategy.expert_parallel.ep=2"]))
