@@ -18,6 +18,9 @@ ranks), SmolLM3 (a NoPE layer, tied embeddings) and Gemma 3 (sandwich norms, 8-t
 1e-5: `FAMILY_TOL`). DeepSeek-V3 (latent attention, shared experts, group-limited routing with its
 loaded correction bias) also under expert parallelism (``strategy=nd strategy.expert_parallel.ep=2``:
 each rank reads and trains 4 of the 8 experts); under tp its latent attention runs whole on each rank.
+GPT-OSS (attention sinks, q/k/v/o biases, 8-token windows, expert and router biases, the clamped
+SwiGLU) under the same three: its sinks sharded by head under tp, each ep rank 2 of the 4 experts
+with their biases.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ FAMILY_LAYOUTS = {
     "smollm3": ("fsdp2", "tp2"),
     "gemma3_text": ("fsdp2", "tp2"),
     "deepseek_v3": ("fsdp2", "tp2", "ep2"),
+    "gpt_oss": ("fsdp2", "tp2", "ep2"),
 }
 TP2 = ["strategy=tp", "trainer.devices=2"]
 # The layouts only the families run (expert parallelism: each rank reads and holds half the experts).
