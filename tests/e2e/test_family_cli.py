@@ -1,4 +1,4 @@
-"""The OLMo 2, SmolLM3 and Gemma 3 families from the command line, in real subprocesses: ``plait pretrain``
+"""The OLMo 2, SmolLM3, Gemma 3, DeepSeek-V3 and GPT-OSS families from the command line, in real subprocesses: ``plait pretrain``
 of each tiny preset, whose export transformers reads as the family's class with plait's logits; and
 ``plait sft model=hf`` from a checkpoint transformers wrote (tests/hf_checkpoints.py)."""
 
@@ -21,6 +21,10 @@ PRESETS = {
     "smollm3_tiny": ("SmolLM3ForCausalLM", ("model.nope_layers=[1]",)),
     # windows of 16 in the 64-token rows, and in the 48-token logits compared
     "gemma3_tiny": ("Gemma3ForCausalLM", ("model.n_layers=3", "model.window_layers=[0,2]", "model.sliding_window=16")),
+    # 4 steps move the auxiliary-loss-free expert biases off zero: the export writes them
+    "deepseek_v3_tiny": ("DeepseekV3ForCausalLM", ("model.n_kv_heads=4",)),
+    # windows of 16 in the 64-token rows and the 48-token logits; sinks and biases trained 4 steps
+    "gpt_oss_tiny": ("GptOssForCausalLM", ("model.sliding_window=16",)),
 }
 SMALL = ("model.dim=64", "model.n_heads=4", "model.max_seq_len=64")
 SFT = (
@@ -62,10 +66,13 @@ def test_pretrain_a_family_preset_and_export_it(tmp_path: Path, preset: str) -> 
     ids = torch.randint(0, model.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (hf(ids).logits - model(ids)).abs().max().item() < 1e-5
+    if preset == "deepseek_v3_tiny":  # the routing biases the 4 steps moved, written and read back
+        bias = model.layers["1"].feed_forward.router.expert_bias
+        assert bias.abs().max() > 0 and torch.equal(hf.model.layers[1].mlp.gate.e_score_correction_bias, bias)
 
 
 @pytest.mark.slow  # ~15 s each: a 2-step SFT run
-@pytest.mark.parametrize("family", ["olmo2", "smollm3", "gemma3_text"])
+@pytest.mark.parametrize("family", ["olmo2", "smollm3", "gemma3_text", "deepseek_v3", "gpt_oss"])
 def test_sft_from_a_family_checkpoint(tmp_path: Path, family: str) -> None:
     from hf_checkpoints import make_hf_dir
 
