@@ -301,6 +301,8 @@ ENTRIES: dict[str, Entry] = {
         ("model=gemma3_tiny", *FAMILY_NANO, "model.window_layers=[0]", "model.sliding_window=16", *TEXT),
         (VAL_LOSS_PRETRAIN,),
     ),
+    # DeepSeek-V3: latent attention, a dense first block, group-limited sigmoid routing, a shared expert.
+    "deepseek_v3": Entry("pretrain", ("model=deepseek_v3_tiny", *FAMILY_NANO, *TEXT), (VAL_LOSS_PRETRAIN,)),
     "moe_ep": Entry(
         "pretrain", (*MOE, *TEXT, "strategy=nd", "strategy.expert_parallel.ep=2"), (VAL_LOSS_PRETRAIN,), devices=2
     ),
