@@ -303,6 +303,12 @@ ENTRIES: dict[str, Entry] = {
     ),
     # DeepSeek-V3: latent attention, a dense first block, group-limited sigmoid routing, a shared expert.
     "deepseek_v3": Entry("pretrain", ("model=deepseek_v3_tiny", *FAMILY_NANO, *TEXT), (VAL_LOSS_PRETRAIN,)),
+    # GPT-OSS: sinks, q/k/v/o biases, windows of 16 in the 64-token rows, biased clamped-SwiGLU experts.
+    "gpt_oss": Entry(
+        "pretrain",
+        ("model=gpt_oss_tiny", *FAMILY_NANO, "model.window_layers=[0]", "model.sliding_window=16", *TEXT),
+        (VAL_LOSS_PRETRAIN,),
+    ),
     "moe_ep": Entry(
         "pretrain", (*MOE, *TEXT, "strategy=nd", "strategy.expert_parallel.ep=2"), (VAL_LOSS_PRETRAIN,), devices=2
     ),

@@ -175,6 +175,33 @@ def test_plait_model_exports_to_transformers(tmp_path):
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out").eos_token == "<|endoftext|>"
 
 
+def test_a_gpt_oss_model_of_plaits_own_without_rope_scaling_exports_its_plain_rope(tmp_path):
+    """A GPT-OSS-shaped model trained from scratch with plain RoPE: the export writes rope_parameters
+    (rope_type default), else transformers' GptOssConfig would give it YaRN of factor 32."""
+    from hf_checkpoints import corpus_texts
+
+    from trainer.data.tokenizer import train_bpe
+    from trainer.models.moe_transformer import MoETransformer
+
+    torch.manual_seed(0)
+    model = MoETransformer(
+        vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, max_seq_len=64,
+        qkv_bias=True, o_bias=True, attention_sinks=True, sliding_window=8, window_layers=[0],
+        num_experts=4, top_k=2, moe_ffn_dim=32, biases=True, expert_activation="clamped_swiglu",
+    ).eval()  # fmt: skip
+    with torch.no_grad():  # biases and sinks off their zero init
+        for name, p in model.named_parameters():
+            if "bias" in name or "sinks" in name:
+                p.normal_(0, 0.1)
+    tok = train_bpe(corpus_texts(), vocab_size=300)
+    write_hf_dir(tmp_path / "out", model=model, state=model.state_dict(), tokenizer=tok, sources=[])
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    assert type(reloaded).__name__ == "GptOssForCausalLM"
+    ids = batch(seq_len=48)
+    with torch.no_grad():
+        assert (reloaded(ids).logits - model(ids)).abs().max().item() < TOL
+
+
 def test_a_gemma3_model_without_a_local_rope_base_exports_its_windows_global_base(tmp_path):
     """Windowed blocks without model.rope_local_theta rotate with the global tables: the export says so
     (sliding_attention's rope_parameters), else transformers would give them its default base 10000."""
