@@ -1,0 +1,105 @@
+"""plait's lm-eval adapter (`trainer.evaluators.lm_harness.PlaitLM`) against lm-eval's own
+Hugging Face model class (``HFLM``) on the same transformers checkpoint: the reference is lm-eval's
+code path through transformers' model, not plait's."""
+
+from __future__ import annotations
+
+import random
+
+import numpy
+import pytest
+import torch
+from hf_checkpoints import make_hf_dir
+from lm_eval.api.instance import Instance
+from lm_eval.models.huggingface import HFLM
+
+from trainer.evaluators.lm_harness import PlaitLM, evaluate_tasks, task_manager
+from trainer.evaluators.tasks.bundled import held_out, next_line_choices
+from trainer.rundir import load_run_model
+
+LONG = "the quick brown fox jumps over the lazy dog " * 12  # longer than the checkpoint's 128 tokens
+
+
+@pytest.fixture(scope="module")
+def both(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("hub") / "llama"
+    make_hf_dir("llama3", directory)
+    run = load_run_model(directory)
+    return PlaitLM(run.model, run.tokenizer, batch_size=3), HFLM(
+        pretrained=str(directory), device="cpu", dtype="float32", batch_size=3
+    )
+
+
+def _requests(kind: str, args: list[tuple]) -> list[Instance]:
+    return [Instance(kind, {}, a, i) for i, a in enumerate(args)]
+
+
+def test_loglikelihoods_equal_lm_evals_hf_model(both) -> None:
+    """Contexts empty, short, and longer than the context (cut from the left), batched with
+    different lengths: the same log-probabilities and greedy flags."""
+    plait, hf = both
+    assert plait.max_length == hf.max_length == 128 and plait.prefix_token_id == hf.prefix_token_id
+    greedy = plait.generate_until(_requests("generate_until", [("a b c", {"until": [], "max_gen_toks": 3})]))[0]
+    pairs = [("hello", " world"), ("", "abc def"), (LONG, " jumps"), ("a b c", " d e f g"), ("a b c", greedy)]
+    ours, theirs = (
+        plait.loglikelihood(_requests("loglikelihood", pairs)),
+        hf.loglikelihood(_requests("loglikelihood", pairs)),
+    )
+    torch.testing.assert_close([s for s, _ in ours], [s for s, _ in theirs], rtol=0, atol=1e-4)
+    assert [g for _, g in ours] == [g for _, g in theirs] == [False, False, False, False, True]
+
+
+def test_rolling_loglikelihoods_equal_lm_evals_hf_model(both) -> None:
+    """A text of one window and one of several (each window after as much text as fits)."""
+    plait, hf = both
+    texts = [("hello world",), (LONG * 2,)]
+    ours = plait.loglikelihood_rolling(_requests("loglikelihood_rolling", texts))
+    theirs = hf.loglikelihood_rolling(_requests("loglikelihood_rolling", texts))
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
+
+
+def test_greedy_generation_equals_lm_evals_hf_model(both) -> None:
+    """Greedy continuations with the KV cache, cut before the first stop string."""
+    plait, hf = both
+    args = [("hello", {"until": ["zz"], "max_gen_toks": 12}), ("the quick brown", {"until": ["X"], "max_gen_toks": 9})]
+    ours = plait.generate_until(_requests("generate_until", args))
+    theirs = hf.generate_until(_requests("generate_until", args))
+    assert ours == theirs
+    uncut = plait.generate_until(_requests("generate_until", [(c, {"until": [], "max_gen_toks": 12}) for c, _ in args]))
+    stop = uncut[0][3:5]  # a stop string the first continuation does hold: the text ends before it
+    cut = plait.generate_until(_requests("generate_until", [("hello", {"until": [stop], "max_gen_toks": 12})]))
+    assert cut == [uncut[0][: uncut[0].find(stop)]]
+
+
+def test_bundled_next_line_task_points_at_the_true_next_line() -> None:
+    """Each row's right choice is the line after its context in a held-out document; the three
+    others come from other held-out documents of the same source."""
+    rows = next_line_choices()["test"]
+    docs = held_out()
+    assert len(docs) == 37 and len(rows) == 148
+    lines = ["\n".join(line for line in d.text.splitlines() if line.strip()) for d in docs]  # blank lines left out
+    for row in list(rows)[::10]:
+        source_text = "\n".join(d.text for d in docs if d.source == row["source"])
+        own = [d for d, text in zip(docs, lines) if row["context"] + "\n" + row["choices"][row["label"]] in text]
+        assert len(own) == 1 and own[0].source == row["source"]
+        for k, choice in enumerate(row["choices"]):
+            assert choice in source_text
+            if k != row["label"]:
+                assert choice not in own[0].text
+
+
+def test_evaluation_leaves_the_global_generators_as_they_were(both) -> None:
+    """lm-eval seeds Python's, NumPy's and torch's generators; a training run's next draws do not change."""
+    plait, _ = both
+    torch.manual_seed(123), random.seed(123), numpy.random.seed(123)
+    expected = (torch.rand(3), random.random(), numpy.random.rand())
+    torch.manual_seed(123), random.seed(123), numpy.random.seed(123)
+    scores, _ = evaluate_tasks(plait, ["plait_corpus_next_line"], limit=2)
+    assert set(scores) == {"plait_corpus_next_line/acc", "plait_corpus_next_line/acc_norm"}
+    got = (torch.rand(3), random.random(), numpy.random.rand())
+    assert torch.equal(got[0], expected[0]) and got[1:] == expected[1:]
+
+
+def test_plaits_own_tasks_are_found_without_lm_evals_registry() -> None:
+    """The bundled tasks index in a blink (lm-eval's 14,000 take seconds: the CLI test covers them)."""
+    assert {"plait_bundled", "plait_corpus", "plait_corpus_next_line"} <= set(task_manager(["plait_bundled"]).all_tasks)

@@ -1,0 +1,356 @@
+"""plait's models in EleutherAI's lm-evaluation-harness (``lm_eval``, pinned in pyproject.toml).
+
+`PlaitLM` is an ``lm_eval.api.model.TemplateLM``: the harness hands it requests and it answers
+them with a plait model and tokenizer, in one process or on every rank of a training run (each rank
+answers every request: an FSDP forward needs every rank). `evaluate_tasks` runs tasks through
+``lm_eval.simple_evaluate`` and flattens the scores; `task_manager` finds the tasks (plait's
+bundled ones, local task directories, lm-eval's registry).
+
+What each request type computes, as lm-eval's own ``HFLM`` does (``lm_eval/models/huggingface.py``):
+
+- ``loglikelihood`` (context, continuation): the sum of the continuation's token log-probabilities
+  given the context, and whether greedy decoding would produce it. The model reads
+  ``(context + continuation)[-(L + 1):][:-1]`` (L: ``max_length``), so a long context loses its left.
+  An empty context is replaced by `prefix_token_id` (the EOS that separates plait's documents).
+- ``loglikelihood_rolling`` (text): the text's whole log-probability in disjoint windows of L tokens,
+  each after as much of the text before it as fits (``lm_eval.utils.get_rolling_token_windows``).
+- ``generate_until`` (context, gen_kwargs): greedy (or sampled: ``do_sample``, ``temperature``,
+  ``top_k``, ``top_p``) continuation with the KV cache (`trainer.sampling.sample_batch`), at most
+  ``max_gen_toks`` tokens (256 by default), stopped at EOS, then cut before the first stop string of
+  ``until``. The context keeps its last ``L - max_gen_toks`` tokens.
+
+Rows of a batch are right-padded: a causal model's logits at a position do not depend on what
+follows it, so padding changes no score.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy
+import torch
+from lm_eval import simple_evaluate
+from lm_eval.api.instance import Instance
+from lm_eval.api.model import TemplateLM
+from lm_eval.tasks import TaskManager
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, make_table
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from trainer.data.tokenizer import Tokenizer
+from trainer.sampling import PAD_ID, caches, sample_batch
+
+BUNDLED_TASKS_DIR = Path(__file__).parent / "tasks"
+"""plait's own lm-eval task directory (``lm_eval --include_path`` reads it too)."""
+
+BUNDLED_GROUP = "plait_bundled"
+"""The tasks ``plait eval`` runs when none are given: held-out text of the bundled corpus."""
+
+DEFAULT_MAX_GEN_TOKS = 256
+
+
+class TaskNotFoundError(ValueError):
+    """A task name that neither plait's bundled tasks, the include paths nor lm-eval's registry hold."""
+
+
+def task_manager(tasks: Sequence[str], include_path: Sequence[str] = ()) -> TaskManager:
+    """A ``TaskManager`` that knows ``tasks``: plait's bundled tasks and ``include_path`` first
+    (indexed in a blink); lm-eval's registry (about 14,000 tasks, seconds to index) only when a
+    task is not among them.
+
+    Raises:
+        TaskNotFoundError: a task is in none of them (the message lists plait's and the include paths').
+    """
+    paths = [str(BUNDLED_TASKS_DIR), *(str(Path(p).expanduser()) for p in include_path)]
+    local = TaskManager(include_path=paths, include_defaults=False)
+    if all(t in local.all_tasks for t in tasks):
+        return local
+    every = TaskManager(include_path=paths)
+    missing = [t for t in tasks if t not in every.all_tasks]
+    if missing:
+        raise TaskNotFoundError(
+            f"unknown lm-eval task(s) {', '.join(missing)}; plait's and the include paths' tasks: "
+            f"{', '.join(local.all_tasks)} (lm-eval's own: python -m lm_eval ls tasks); a task of your own: "
+            "include_path=<directory of task yaml files>"
+        )
+    return every
+
+
+class PlaitLM(TemplateLM):
+    """A plait model and tokenizer as an lm-eval ``LM`` (see the module docstring for what each
+    request type computes).
+
+    Args:
+        model: a decoder taking ``[B, T]`` token ids and returning logits ``[B, T, V]`` (a plait
+            ``Llama`` or ``MoETransformer``; FSDP-wrapped during training), with ``max_seq_len``.
+        tokenizer: plait's tokenizer of the model.
+        device: where the model's weights are.
+        batch_size: requests per forward.
+        max_length: the context L (default: ``model.max_seq_len``).
+        chat_template: renders a conversation (``messages, add_generation_prompt`` -> text) for
+            ``apply_chat_template``; None: the harness cannot apply one (lm-eval says so).
+        all_done: for `sample_batch` on data-parallel ranks whose forwards are collective (see there).
+        kv_cache: decode with the KV cache when the model takes one (False: rerun the context per token).
+
+    Raises:
+        ValueError: ``batch_size`` or ``max_length`` below 1.
+    """
+
+    backend = "causal"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Tokenizer,
+        *,
+        device: torch.device | str = "cpu",
+        batch_size: int = 16,
+        max_length: int | None = None,
+        chat_template: Callable[[list[dict[str, str]], bool], str] | None = None,
+        all_done: Callable[[bool], bool] | None = None,
+        kv_cache: bool = True,
+    ) -> None:
+        super().__init__()
+        max_length = max_length or model.max_seq_len
+        if batch_size < 1 or max_length < 1:
+            raise ValueError(f"batch_size={batch_size} and max_length={max_length} must be at least 1")
+        self.model, self.plait_tokenizer, self._device = model, tokenizer, torch.device(device)
+        self.batch_size, self.max_length = batch_size, max_length
+        self._chat_template, self._all_done, self._kv_cache = chat_template, all_done, kv_cache
+
+    # ------------------------------------------------------------------ tokens
+    @property
+    def eot_token_id(self) -> int:
+        """The tokenizer's EOS (plait's document separator)."""
+        return self.plait_tokenizer.eos_id
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
+        """Token ids of ``string`` (plait's tokenizers add no special tokens)."""
+        return self.plait_tokenizer.encode(string)
+
+    @property
+    def tokenizer_name(self) -> str:
+        """The tokenizer's fingerprint (lm-eval keys its request cache with it)."""
+        return f"plait-{self.plait_tokenizer.fingerprint}"
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        """A name for the run's template (lm-eval records it); the rendering is `apply_chat_template`."""
+        return "plait" if self._chat_template is not None else None
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The conversation rendered by the run's chat template.
+
+        Raises:
+            NotImplementedError: this adapter was given no template.
+        """
+        if self._chat_template is None:
+            raise NotImplementedError("this run has no chat template; evaluate without apply_chat_template")
+        return self._chat_template(chat_history, add_generation_prompt)
+
+    # ------------------------------------------------------------------ scoring
+    def _logits(self, rows: list[list[int]]) -> torch.Tensor:
+        """Float32 logits ``[B, T, V]`` of right-padded ``rows`` (T: the longest)."""
+        width = max(len(r) for r in rows)
+        ids_bt = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids_bt[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        logits = self.model(ids_bt.to(self._device))
+        if isinstance(logits, DTensor):  # tensor parallel without sequence parallel: vocab-sharded logits
+            logits = logits.full_tensor()
+        return logits.float()
+
+    @torch.no_grad()
+    def _loglikelihood_tokens(
+        self, requests: list[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False, **kwargs: Any
+    ) -> list[tuple[float, bool]]:
+        """``(sum of the continuation's log-probabilities, whether greedy decoding gives it)`` per
+        ``(key, context ids, continuation ids)``, in order; batches of similar lengths."""
+        out: list[tuple[float, bool] | None] = [None] * len(requests)
+        order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
+        for start in range(0, len(order), self.batch_size):
+            chunk = order[start : start + self.batch_size]
+            rows, conts = [], []
+            for i in chunk:
+                _, context, continuation = requests[i]
+                if not continuation:
+                    raise ValueError(f"request {requests[i][0]!r} has an empty continuation: nothing to score")
+                rows.append((context + continuation)[-(self.max_length + 1) :][:-1])
+                conts.append(continuation[-self.max_length :])
+            logp_btv = torch.log_softmax(self._logits(rows), dim=-1)
+            for b, (i, row, cont) in enumerate(zip(chunk, rows, conts)):
+                logp_cv = logp_btv[b, len(row) - len(cont) : len(row)]
+                target = torch.tensor(cont, device=logp_cv.device)
+                score = logp_cv.gather(-1, target[:, None]).sum().item()
+                greedy = bool((logp_cv.argmax(-1) == target).all())
+                out[i] = (score, greedy)
+                self.cache_hook.add_partial("loglikelihood", requests[i][0], (score, greedy))
+        return out  # type: ignore[return-value]
+
+    def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
+        """The whole log-probability of each request's text (disjoint windows of ``max_length``)."""
+        windows, owner = [], []
+        for r, (text,) in enumerate(req.args for req in requests):
+            for context, continuation in map(
+                make_disjoint_window,
+                get_rolling_token_windows(
+                    token_list=self.tok_encode(text),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
+                ),
+            ):
+                windows.append((None, context, continuation))
+                owner.append(r)
+        totals = [0.0] * len(requests)
+        for r, (score, _) in zip(owner, self._loglikelihood_tokens(windows)):
+            totals[r] += score
+        for req, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        return totals
+
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
+        """Each request's continuation (see the module docstring); requests sharing generation
+        settings decode together, ``batch_size`` at a time."""
+        out: list[str | None] = [None] * len(requests)
+        groups: dict[tuple, list[int]] = {}
+        for i, req in enumerate(requests):
+            groups.setdefault(_settings_key(req.args[1]), []).append(i)
+        for key, members in groups.items():
+            kwargs = dict(key)
+            until = list(kwargs.pop("until"))
+            max_gen = min(int(kwargs.pop("max_gen_toks")), self.max_length - 1)
+            sampled = bool(kwargs.pop("do_sample", False)) and float(kwargs.get("temperature", 1.0)) > 0
+            unknown = set(kwargs) - {"temperature", "top_k", "top_p"}
+            if unknown:
+                logging.getLogger(__name__).warning("generation settings %s are not used by plait", sorted(unknown))
+            members.sort(key=lambda i: -len(self.tok_encode(requests[i].args[0])))
+            for start in range(0, len(members), self.batch_size):
+                chunk = members[start : start + self.batch_size]
+                prompts = [
+                    (self.tok_encode(requests[i].args[0]) or [self.prefix_token_id])[-(self.max_length - max_gen) :]
+                    for i in chunk
+                ]
+                new_ids = sample_batch(
+                    self.model,
+                    prompts,
+                    max_new_tokens=max_gen,
+                    eos_id=self.eot_token_id,
+                    temperature=float(kwargs.get("temperature", 1.0)) if sampled else 0.0,
+                    top_k=int(kwargs["top_k"]) if sampled and kwargs.get("top_k") else None,
+                    top_p=float(kwargs.get("top_p") or 1.0) if sampled else 1.0,
+                    use_cache=self._kv_cache and caches(self.model),
+                    device=self._device,
+                    all_done=self._all_done,
+                )
+                for i, ids in zip(chunk, new_ids):
+                    if ids and ids[-1] == self.eot_token_id:
+                        ids = ids[:-1]
+                    text = _cut(self.plait_tokenizer.decode(ids), until)
+                    out[i] = text
+                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
+        return out  # type: ignore[return-value]
+
+
+def _settings_key(gen_kwargs: dict[str, Any]) -> tuple:
+    """Hashable generation settings: ``until`` as a tuple of stop strings, ``max_gen_toks`` filled in."""
+    settings = dict(gen_kwargs)
+    until = settings.get("until") or []
+    settings["until"] = tuple([until] if isinstance(until, str) else until)
+    settings.setdefault("max_gen_toks", DEFAULT_MAX_GEN_TOKS)
+    return tuple(sorted((k, v) for k, v in settings.items()))
+
+
+def _cut(text: str, until: Sequence[str]) -> str:
+    """``text`` up to (without) the earliest of the stop strings ``until``."""
+    ends = [text.find(s) for s in until if s and s in text]
+    return text[: min(ends)] if ends else text
+
+
+def lm_eval_table(results: dict[str, Any]) -> str:
+    """lm-eval's own tables of ``results`` (tasks, then groups when there are any)."""
+    tables = [make_table(results)]
+    if results.get("groups"):
+        tables.append(make_table(results, "groups"))
+    return "\n".join(tables)
+
+
+class _DropNotices(logging.Filter):
+    """lm-eval's notices about its own task options (a ``custom_dataset`` takes ``--metadata``):
+    nothing a plait user can act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Custom kwargs can be passed" not in record.getMessage()
+
+
+@contextmanager
+def _rng_kept() -> Iterator[None]:
+    """lm-eval seeds Python's, NumPy's and torch's global generators: a training run's draws after
+    an evaluation must not depend on it, so their states come back afterwards."""
+    py, np_state = random.getstate(), numpy.random.get_state()
+    task_logger, notices = logging.getLogger("lm_eval.api.task"), _DropNotices()
+    task_logger.addFilter(notices)
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            random.setstate(py)
+            numpy.random.set_state(np_state)
+            task_logger.removeFilter(notices)
+
+
+def evaluate_tasks(
+    lm: PlaitLM,
+    tasks: Sequence[str],
+    *,
+    include_path: Sequence[str] = (),
+    limit: int | float | None = None,
+    num_fewshot: int | None = None,
+    apply_chat_template: bool = False,
+    seed: int = 0,
+    manager: TaskManager | None = None,
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """Runs ``tasks`` on ``lm``: (flat scores ``{"<task>/<metric>": value}`` without the
+    standard errors, lm-eval's whole results dict); ``({}, {})`` on a process whose ``LOCAL_RANK``
+    is not 0, where lm-eval answers its requests but reports nothing.
+
+    Args:
+        limit: at most this many documents per task (a fraction: that share), None: all.
+        num_fewshot: examples in each prompt (None: each task's own default).
+        apply_chat_template: render prompts with the run's chat template.
+        seed: lm-eval's seeds (few-shot sampling, its Python/NumPy/torch generators).
+        manager: the tasks' `task_manager` when the caller has it already.
+
+    Raises:
+        TaskNotFoundError: see `task_manager`.
+    """
+    with _rng_kept():
+        results = simple_evaluate(
+            model=lm,
+            tasks=list(tasks),
+            task_manager=manager or task_manager(tasks, include_path),
+            limit=limit,
+            num_fewshot=num_fewshot,
+            apply_chat_template=apply_chat_template,
+            bootstrap_iters=0,
+            log_samples=False,
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+        )
+    if results is None:  # lm-eval reports on the first rank of each node only (LOCAL_RANK 0)
+        return {}, {}
+    scores = {}
+    for task, metrics in results["results"].items():
+        for name, value in metrics.items():
+            metric, _, kept = name.partition(",")  # lm-eval's "<metric>,<filter>"
+            if isinstance(value, (int, float)) and not metric.endswith("_stderr") and metric != "sample_len":
+                scores[f"{task}/{metric}" if kept in ("", "none") else f"{task}/{metric}/{kept}"] = float(value)
+    return scores, results
