@@ -86,6 +86,7 @@ COMMANDS: dict[str, Command] = {
             "export", "trainer.export", "write a run's checkpoint as a Hugging Face model directory", config="export"
         ),
         Command("merge", "trainer.merge", "merge fine-tuned runs' deltas into their base (PAFT)", config="merge"),
+        Command("eval", "trainer.eval", "score a run's checkpoint on lm-evaluation-harness tasks", config="eval"),
         Command(
             "compare",
             "trainer.compare",

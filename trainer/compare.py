@@ -12,7 +12,9 @@ run: its name, the config fields in which the runs differ (what their overrides 
 ``summary.json``: steps, final validation and training loss, tokens per second, then what stopped
 a run when any stopped before ``trainer.max_steps`` (``stopped by``), then each headline metric
 of the last evaluation that any run has (``final_val_metrics``: ``rewards/accuracy`` and
-``rewards/margin`` of a preference run, ``exact_match/<source>``; ``-`` for a run without it). The plot draws
+``rewards/margin`` of a preference run, ``exact_match/<source>``; ``-`` for a run without it), then
+the lm-eval scores of the run's newest ``eval/*.json`` (``plait eval``, ``callbacks.lm_eval``:
+``<task>/<metric>``). The plot draws
 each run's ``val/loss`` of ``metrics.csv`` against optimizer steps; it is written to ``out``
 (default: ``compare.png`` in the folder the runs share).
 """
@@ -30,6 +32,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from trainer.compose import compose_command, fail
+from trainer.eval import newest_scores
 from trainer.figures import pyplot
 
 USAGE = "plait compare RUN_OR_FOLDER ... [out=compare.png]"
@@ -124,10 +127,17 @@ def table(runs: Sequence[Path]) -> str:
     root = Path(os.path.commonpath([r.resolve() for r in runs]))
     names = [str(r.resolve().relative_to(root)) if r.resolve() != root else r.name for r in runs]
     columns = [*SUMMARY_COLUMNS, *measure_columns(summaries)]
-    header = ["run", *fields, *(title for _, title in columns)]
+    scores = [newest_scores(r) for r in runs]
+    evaluated = list(dict.fromkeys(name for s in scores for name in s))
+    header = ["run", *fields, *(title for _, title in columns), *evaluated]
     rows = [
-        [name, *(_cell(_flat(c).get(k)) for k in fields), *(_cell(_get(s, key)) for key, _ in columns)]
-        for name, c, s in zip(names, configs, summaries)
+        [
+            name,
+            *(_cell(_flat(c).get(k)) for k in fields),
+            *(_cell(_get(s, key)) for key, _ in columns),
+            *(_cell(e.get(k)) for k in evaluated),
+        ]
+        for name, c, s, e in zip(names, configs, summaries, scores)
     ]
     widths = [max(len(str(x)) for x in column) for column in zip(header, *rows)]
     lines = ["  ".join(str(x).ljust(w) for x, w in zip(line, widths)).rstrip() for line in [header, *rows]]

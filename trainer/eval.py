@@ -1,0 +1,136 @@
+"""``plait eval ckpt=...``: score a run's checkpoint (or a Hugging Face model directory) on
+lm-evaluation-harness tasks; print lm-eval's table and write the scores to ``<run>/eval/<checkpoint>.json``.
+
+With no ``tasks=``, the bundled tasks run (``plait_bundled``: perplexity and a next-line choice on
+the held-out documents of the bundled corpus; nothing downloads). Any task of lm-eval's registry
+runs too when its dataset is already in the Hugging Face cache (this command sets
+``HF_DATASETS_OFFLINE=1``: nothing is fetched), and so does a task of your own: a directory of
+lm-eval task files (``include_path=``) whose ``dataset_kwargs.data_files`` name local files.
+The adapter is `trainer.evaluators.lm_harness.PlaitLM`. The JSON holds the checkpoint, its step,
+the flat scores (``<task>/<metric>``) and lm-eval's results; evaluating the same checkpoint again
+adds to (and replaces the tasks of) its file. ``plait compare`` shows the newest file's scores.
+
+Invocation::
+
+    plait eval ckpt=runs/pretrain
+    plait eval ckpt=runs/pretrain/checkpoints/step_200 limit=20
+    plait eval ckpt=runs/sft tasks=[my_task] include_path=[my_tasks] apply_chat_template=true
+    plait eval ckpt=runs/pretrain/hf tasks=[hellaswag] num_fewshot=0   # hellaswag already cached
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from trainer.compose import compose_command, fail
+
+EVAL_DIR = "eval"
+
+
+def step_of(checkpoint: Path) -> int | None:
+    """The optimizer step of a ``step_N`` checkpoint directory (None for another name)."""
+    match = re.fullmatch(r"step_0*(\d+)", checkpoint.name)
+    return int(match.group(1)) if match else None
+
+
+def write_scores(
+    run_dir: Path, name: str, step: int | None, scores: dict[str, float], results: dict[str, Any] | None
+) -> Path:
+    """Adds ``scores`` (and lm-eval's ``results``) to ``<run_dir>/eval/<name>.json``: its earlier
+    tasks stay, the same task's scores are replaced. Written whole to a temporary file, then renamed.
+
+    Returns:
+        The file's path.
+    """
+    path = run_dir / EVAL_DIR / f"{name}.json"
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    tasks = {key.split("/")[0] for key in scores}
+    kept = {k: v for k, v in (old.get("scores") or {}).items() if k.split("/")[0] not in tasks}
+    record = {
+        "checkpoint": name,
+        "step": step,
+        "written_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "scores": {**kept, **scores},
+        "results": {**(old.get("results") or {}), **(results or {})},
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def newest_scores(run_dir: Path) -> dict[str, float]:
+    """The scores of the run's evaluation at its latest step (``plait compare``); {} without one."""
+    records = []
+    for path in sorted((run_dir / EVAL_DIR).glob("*.json")):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    if not records:
+        return {}
+    newest = max(records, key=lambda r: (r.get("step") if r.get("step") is not None else -1, r.get("written_at", "")))
+    return dict(newest.get("scores") or {})
+
+
+def main(argv: list[str]) -> None:
+    """Entry of ``plait eval``: ``key=value`` arguments of conf/eval.yaml; exit 2 on bad input."""
+    cfg = compose_command("eval", argv, usage="plait eval ckpt=<run, checkpoint or Hugging Face dir> [tasks=[...]]",
+                          lists=("tasks", "include_path", "trust"))  # fmt: skip
+    if not cfg.tasks:
+        fail("tasks=[] names no task; give lm-eval task names, or leave tasks out for the bundled ones")
+    if cfg.batch_size < 1 or (cfg.max_length is not None and cfg.max_length < 2):
+        fail(f"batch_size={cfg.batch_size} must be >= 1 and max_length={cfg.max_length} >= 2")
+    missing = [p for p in cfg.include_path if not Path(p).expanduser().is_dir()]
+    if missing:
+        fail(f"include_path: {', '.join(missing)} is not a directory; give directories of lm-eval task yaml files")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # read before `datasets` is imported: fetch nothing
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch  # with lm-eval below, seconds to import: plait compare (reading newest_scores) does not pay
+
+    from trainer.evaluators.lm_harness import (  # lm-eval and its dependencies: this command only
+        PlaitLM,
+        TaskNotFoundError,
+        evaluate_tasks,
+        lm_eval_table,
+        task_manager,
+    )
+    from trainer.generate import chat_template, load_for_generation  # imports the model code: here only
+
+    try:
+        manager = task_manager(list(cfg.tasks), list(cfg.include_path))  # before a large model loads
+    except TaskNotFoundError as err:
+        fail(str(err))
+    run = load_for_generation(cfg.ckpt, cfg.trust)
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    template = chat_template(run) if cfg.apply_chat_template else None
+    lm = PlaitLM(
+        run.model.to(device),
+        run.tokenizer,
+        device=device,
+        batch_size=cfg.batch_size,
+        max_length=cfg.max_length,
+        chat_template=(lambda messages, gen: template.render(messages, add_generation_prompt=gen))
+        if template
+        else None,
+    )
+    scores, results = evaluate_tasks(
+        lm,
+        list(cfg.tasks),
+        limit=cfg.limit,
+        num_fewshot=cfg.num_fewshot,
+        apply_chat_template=cfg.apply_chat_template,
+        seed=cfg.seed,
+        manager=manager,
+    )
+    print(lm_eval_table(results))
+    checkpoint = Path(run.checkpoint)
+    path = write_scores(run.run.path, checkpoint.name, step_of(checkpoint), scores, results.get("results"))
+    print(f"plait: scores written to {path}", file=sys.stderr)
