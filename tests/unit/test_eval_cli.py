@@ -10,6 +10,8 @@ from hf_checkpoints import make_hf_dir
 
 from trainer.compare import table
 from trainer.eval import main as plait_eval
+from trainer.rundir import load_run_model
+from trainer.sampling import sample
 
 
 @pytest.fixture(scope="module")
@@ -47,3 +49,29 @@ def test_bad_arguments_exit_2_naming_the_fix(hub, capsys, args, message) -> None
     with pytest.raises(SystemExit) as exit_:
         plait_eval([f"ckpt={hub}", *args])
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_task_of_ones_own_on_local_data(hub, tmp_path, capsys) -> None:
+    """``include_path=`` a directory with a task file whose data is a local JSON-lines file: a
+    generation task (greedy, cut at the stop string) scored by lm-eval's exact match. The expected
+    answers are the model's own greedy continuations (`trainer.sampling.sample`), so both score 1."""
+    run = load_run_model(hub)
+    rows = []
+    for prompt in ("hello", "abc"):
+        ids = sample(
+            run.model, run.tokenizer.encode(prompt), max_new_tokens=4, temperature=0, top_k=None, max_seq_len=128
+        )
+        rows.append({"question": prompt, "answer": run.tokenizer.decode(ids)})
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "echo.yaml").write_text(
+        f"task: my_echo\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+        "output_type: generate_until\ndoc_to_text: '{{question}}'\ndoc_to_target: '{{answer}}'\n"
+        "generation_kwargs:\n  until: ['\\u0000']\n  max_gen_toks: 4\n"
+        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n"
+    )
+    plait_eval([f"ckpt={hub}", "tasks=[my_echo]", f"include_path=[{tasks}]"])
+    capsys.readouterr()
+    assert json.loads((hub / "eval" / "llama.json").read_text())["scores"]["my_echo/exact_match"] == 1.0
