@@ -200,7 +200,8 @@ COMPONENT_GROUPS = ("objective", "data", "rest")
 
 def component_problems(cfg: DictConfig, run: ResolvedRun | None) -> list[str]:
     """Each component's own problems: ``cls.problems(run, node)`` of the objective's and the data
-    module's class, and of each evaluator class the data module builds (given the data node).
+    module's class, of each evaluator class the data module builds (given the data node), and of
+    each callback class that has one.
 
     ``run`` is None when the layout did not resolve. A node whose ``_target_`` does not import is
     skipped (the target checks report it). The data node of ``plait rest`` is checked by each
@@ -219,6 +220,16 @@ def component_problems(cfg: DictConfig, run: ResolvedRun | None) -> list[str]:
         components = [cls, *cls.evaluator_types(node)] if group == "data" else [cls]
         for component in components:
             problems.extend(component.problems(run, node))
+    callbacks = cfg.get("callbacks")
+    for node in callbacks.values() if isinstance(callbacks, DictConfig) else ():
+        if not isinstance(node, DictConfig) or not isinstance(node.get("_target_"), str):
+            continue
+        try:
+            cls = _import(node._target_)
+        except (ImportError, AttributeError, ValueError):
+            continue
+        if callable(check := getattr(cls, "problems", None)):  # a callback may say what keeps it from running
+            problems.extend(check(run, node))
     return problems
 
 

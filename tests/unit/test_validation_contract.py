@@ -140,3 +140,19 @@ def test_the_moved_rules_come_out_of_validate_with_their_messages() -> None:
     assert not any(p.startswith("objective DPO trains on preference pairs, but") for p in dpo), (
         dpo
     )  # its own message only
+
+
+def test_a_callback_with_problems_is_asked() -> None:
+    """`LMEval.problems`: validate asks a callback class that has ``problems`` (the lm-eval callback
+    refuses layouts without whole sequences per rank, only when it is on). Mutation: validate not
+    asking callbacks fails it."""
+    on = "callbacks.lm_eval.every_n_steps=10"
+    pp = [p for p in _problems("pretrain", "strategy=pp", "trainer.devices=2", on) if "callbacks.lm_eval" in p]
+    assert pp == [
+        "callbacks.lm_eval scores whole sequences on every rank, which strategy.pp=2 does not give; evaluate after "
+        "the run with plait eval ckpt=<run> (or callbacks.lm_eval.every_n_steps=0)"
+    ]
+    assert not any("callbacks.lm_eval" in p for p in _problems("pretrain", "strategy=pp", "trainer.devices=2"))
+    assert _problems("pretrain", on, "callbacks.lm_eval.tasks=[]") == [
+        "callbacks.lm_eval.tasks is empty; name lm-eval tasks (or callbacks.lm_eval.every_n_steps=0)"
+    ]

@@ -1,0 +1,120 @@
+"""lm-evaluation-harness tasks during training: ``eval/<task>/<metric>`` in the step's row.
+
+``callbacks.lm_eval.every_n_steps=N`` scores the live model on ``callbacks.lm_eval.tasks`` (the
+bundled ``plait_bundled`` by default) before the first step, every N optimizer steps and after the
+last, through `trainer.evaluators.lm_harness.PlaitLM`; rank 0 also writes ``<run>/eval/step_<N>.json``
+as ``plait eval`` does. Every rank answers every request (an FSDP forward needs every rank: the
+ranks compute the same scores), in eval mode, without gradients, in the precision's forward
+context; Python's, NumPy's and torch's generators are left as they were, so training draws the
+same numbers with and without the callback. Layouts that do not give each rank whole sequences
+(pp, cp, sequence-parallel tp) are refused by `LMEval.problems` before launch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch.distributed as dist
+from typing_extensions import override
+
+from strategies.core.resolved import ResolvedRun
+from trainer.eval import write_scores
+
+
+class LMEval(L.Callback):
+    """Scores lm-eval tasks every ``every_n_steps`` optimizer steps (see the module docstring).
+
+    Args:
+        dirpath: the run directory (the trainer sets it); scores go to ``<dirpath>/eval``.
+        every_n_steps: evaluate every this many optimizer steps, and at steps 0 and the last (0: never).
+        tasks: lm-eval task or group names.
+        include_path: directories of your own task files.
+        limit: at most this many documents per task (a fraction < 1: that share); None: all.
+        num_fewshot: examples per prompt (None: each task's default).
+        batch_size: requests per forward.
+    """
+
+    def __init__(
+        self,
+        dirpath: str | None = None,
+        every_n_steps: int = 0,
+        tasks: Sequence[str] = ("plait_bundled",),
+        include_path: Sequence[str] = (),
+        limit: float | None = None,
+        num_fewshot: int | None = None,
+        batch_size: int = 16,
+    ) -> None:
+        self.dirpath = Path(dirpath) if dirpath else Path(".")
+        self.every_n_steps, self.tasks, self.include_path = every_n_steps, list(tasks), list(include_path)
+        self.limit, self.num_fewshot, self.batch_size = limit, num_fewshot, batch_size
+
+    @classmethod
+    def problems(cls, run: ResolvedRun | None, node: Any) -> list[str]:
+        """What keeps the node's settings from running: a negative period, no task, or a layout
+        without whole sequences on every rank (each request is one forward of a whole sequence)."""
+        every = node.get("every_n_steps", 0)
+        if not isinstance(every, int) or every < 0:
+            return [f"callbacks.lm_eval.every_n_steps={every} must be an integer >= 0 (0: off)"]
+        if not every:
+            return []
+        if not node.get("tasks"):
+            return ["callbacks.lm_eval.tasks is empty; name lm-eval tasks (or callbacks.lm_eval.every_n_steps=0)"]
+        if node.get("batch_size", 16) < 1:
+            return [f"callbacks.lm_eval.batch_size={node.get('batch_size')} must be >= 1"]
+        if run is None:
+            return []
+        split = [f"strategy.{axis}={getattr(run.dims, axis)}" for axis in ("pp", "cp") if getattr(run.dims, axis) > 1]
+        if run.sequence_parallel:
+            split.append("strategy.tensor_parallel.sequence_parallel=true")
+        if split:
+            return [
+                f"callbacks.lm_eval scores whole sequences on every rank, which {' and '.join(split)} does not give; "
+                "evaluate after the run with plait eval ckpt=<run> (or callbacks.lm_eval.every_n_steps=0)"
+            ]
+        return []
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.every_n_steps and trainer.global_step == 0:
+            self.evaluate(trainer, pl_module)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if self.every_n_steps and (step % self.every_n_steps == 0 or step == trainer.max_steps):
+            self.evaluate(trainer, pl_module)
+
+    def evaluate(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, float]:
+        """Runs the tasks on every rank and records ``eval/<task>/<metric>`` in the step's row;
+        rank 0 writes ``<dirpath>/eval/step_<N>.json``. Returns the flat scores."""
+        from trainer.evaluators.lm_harness import PlaitLM, evaluate_tasks  # lm-eval: imported by runs using it only
+
+        data = trainer.datamodule
+        template = data.model_chat_template() if hasattr(data, "model_chat_template") else None
+        lm = PlaitLM(
+            pl_module.model,
+            data.tokenizer,
+            device=pl_module.device,
+            batch_size=self.batch_size,
+            chat_template=(lambda m, gen: template.render(m, add_generation_prompt=gen)) if template else None,
+            kv_cache=not dist.is_initialized(),  # the cache is one process's: sharded weights decode without it
+        )
+        was_training = pl_module.model.training
+        pl_module.model.eval()
+        try:
+            with trainer.precision_plugin.forward_context():
+                scores, results = evaluate_tasks(
+                    lm, self.tasks, include_path=self.include_path, limit=self.limit, num_fewshot=self.num_fewshot
+                )
+        finally:
+            pl_module.model.train(was_training)
+        step = trainer.global_step
+        pl_module.record({f"eval/{name}": value for name, value in scores.items()})
+        if trainer.is_global_zero:
+            write_scores(self.dirpath, f"step_{step:07d}", step, scores, results.get("results"))
+        return scores
