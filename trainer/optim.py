@@ -16,6 +16,7 @@ from typing import Annotated, Literal
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LRScheduler
 
 from strategies.core.ranges import FRACTION, NON_NEGATIVE
@@ -30,7 +31,10 @@ def param_groups(
     """Splits trainable parameters into a decayed and a non-decayed group.
 
     A parameter is decayed iff it has at least 2 dims and no entry of ``no_decay`` is a substring
-    of its name. Tied parameters appear once.
+    of its name. Tied parameters appear once. A model holding both DTensor and plain parameters
+    (tensor parallelism without FSDP: the blocks it replicates, an MoE feed-forward or latent
+    attention, stay plain) gets each group split in two, DTensors first: torch's fused and foreach
+    optimizers refuse a group that mixes them.
 
     Args:
         names: each group also lists its parameters' names under ``param_names``.
@@ -48,12 +52,20 @@ def param_groups(
             decay[name] = param
         else:
             rest[name] = param
-    groups = [(decay, weight_decay), (rest, 0.0)]
+    groups = [(part, wd) for g, wd in ((decay, weight_decay), (rest, 0.0)) for part in _by_tensor_kind(g)]
     return [
         {"params": list(g.values()), "weight_decay": wd, **({"param_names": list(g)} if names else {})}
         for g, wd in groups
         if g
     ]
+
+
+def _by_tensor_kind(params: dict[str, nn.Parameter]) -> list[dict[str, nn.Parameter]]:
+    """``params`` whole when all are DTensors or none is; else its DTensors, then the others."""
+    dtensors = {n: p for n, p in params.items() if isinstance(p, DTensor)}
+    if not dtensors or len(dtensors) == len(params):
+        return [params]
+    return [dtensors, {n: p for n, p in params.items() if n not in dtensors}]
 
 
 def build_optimizer(

@@ -41,6 +41,7 @@ OPTIONAL: dict[str, Any] = {
     "moe_ffn_dim": None,
     "sliding_window": None,  # no block attends within a window (Gemma 3's local blocks do)
     "window_layers": (),
+    "latent_attention": None,  # grouped-query attention (DeepSeek-V3's latent attention: its ranks)
 }
 
 # How to add each member (the end of a refusal's message).

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import fnmatch
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -45,6 +47,8 @@ class ModelShape:
     ``moe_ffn_dim`` per MoE block, ``top_k`` of them per token, plus ``num_shared_experts``
     always-on ones; blocks below ``n_dense_layers`` are dense (0, 0, None, 0, 0 for a dense model).
     The blocks of ``window_layers`` attend within ``sliding_window`` tokens (Gemma 3).
+    ``latent_attention``: multi-head latent attention's ranks and head widths (DeepSeek-V3, the
+    model's ``latent_attention``: `trainer.models.mla`), None for grouped-query attention.
     """
 
     vocab_size: int
@@ -63,10 +67,30 @@ class ModelShape:
     linear_modules: tuple[str, ...] = ()  # FQNs of the nn.Linear layers (what LoRA's patterns select)
     sliding_window: int | None = None
     window_layers: tuple[int, ...] = ()
+    latent_attention: Mapping[str, Any] | None = None
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """The features RoPE rotates per head: latent attention's ``qk_rope_head_dim``, else the head."""
+        return self.latent_attention["qk_rope_head_dim"] if self.latent_attention else self.head_dim
+
+    def attention_params(self) -> int:
+        """Weights one token meets in a block's attention projections (q, k, v, o; or latent
+        attention's down and up projections, `trainer.models.mla`)."""
+        mla = self.latent_attention
+        if not mla:
+            q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+            return self.dim * (2 * q + 2 * kv)
+        qk, d, h = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"], self.dim, self.n_heads
+        rank = mla["q_lora_rank"]
+        q = d * rank + rank * h * qk if rank else d * h * qk
+        kv = d * (mla["kv_lora_rank"] + mla["qk_rope_head_dim"])
+        kv += mla["kv_lora_rank"] * h * (mla["qk_nope_head_dim"] + mla["v_head_dim"])
+        return q + kv + h * mla["v_head_dim"] * d
 
     @property
     def num_params(self) -> int:
@@ -79,11 +103,11 @@ class ModelShape:
     def matmul_params_per_layer(self, layer: int | None = None) -> int:
         """Weights one token meets in one block's matmuls (attention projections and SwiGLU; in
         an MoE block ``layer`` its router, top_k routed and the shared experts')."""
-        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
         if layer is not None and self.is_moe(layer):
             experts = self.top_k + self.num_shared_experts
-            return self.dim * (2 * q + 2 * kv) + 3 * self.dim * self.moe_ffn_dim * experts + self.dim * self.num_experts
-        return self.dim * (2 * q + 2 * kv) + 3 * self.dim * self.ffn_dim
+            moe = 3 * self.dim * self.moe_ffn_dim * experts + self.dim * self.num_experts
+            return self.attention_params() + moe
+        return self.attention_params() + 3 * self.dim * self.ffn_dim
 
     @staticmethod
     def problem(model: nn.Module) -> str | None:
@@ -149,4 +173,5 @@ class ModelShape:
             linear_modules=tuple(n for n, m in model.named_modules() if isinstance(m, nn.Linear)),
             sliding_window=optional(model, "sliding_window"),
             window_layers=tuple(optional(model, "window_layers")),
+            latent_attention=optional(model, "latent_attention"),
         )

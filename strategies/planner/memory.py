@@ -37,7 +37,9 @@ as the transient when it exceeds the step's.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from strategies.core.shape import ModelShape, ParamSpec
 from strategies.muon import takes_muon
@@ -193,7 +195,12 @@ def layer_activation_bytes(
     kv_heads = shape.n_kv_heads // tp  # GQA through enable_gqa: k and v are saved at their own heads
     norms = block_norms(shape, layer) * (2 * d + 1) * 4  # x (fp32), x/rms (fp32), 1/rms, for each norm
     per_token = norms / sp + 2 * d * a  # + the two norm outputs, gathered (projection inputs)
-    per_token += (2 * heads + 2 * kv_heads) * e * a + heads * 4  # q, k, v, out; log-sum-exp (fp32)
+    if shape.latent_attention:  # whole on every tp rank (trainer.models.moe_transformer's tp plan)
+        per_token += latent_attention_bytes_per_token(
+            shape.n_heads, shape.latent_attention, a, device=device, rows=work.seq_len
+        )
+    else:
+        per_token += (2 * heads + 2 * kv_heads) * e * a + heads * 4  # q, k, v, out; log-sum-exp (fp32)
     if ring:
         per_token += heads * e * a  # the attention output copied into the wo input
     per_token += qk_norm_bytes_per_token(shape, layer, tp)
@@ -231,6 +238,27 @@ def qk_norm_bytes_per_token(shape: ModelShape, layer: int | None, tp: int) -> in
     return total
 
 
+def latent_attention_bytes_per_token(n_heads: int, mla: Mapping[str, Any], a: int, *, device: str, rows: int) -> int:
+    """Saved bytes per token of multi-head latent attention (`trainer.models.mla`; its input is
+    counted with the block's norm outputs, and RoPE by a table saves none of q or k): the query
+    latent and its norm (fp32 input and normalised copy, 1/rms, output), the key/value latent
+    projection's [c + r] storage, its norm and output; then the attention. Its values are
+    narrower than its keys, so on CPU SDPA runs its math kernel, which copies q, k and v per head
+    and keeps each row's probabilities (``rows`` keys: the row length, an upper bound for packed
+    documents) besides the output; elsewhere the kernel keeps q, k, the up-projection's storage
+    that v views, the output and the log-sum-exp (fp32)."""
+    h, qr, c, r = n_heads, mla["q_lora_rank"], mla["kv_lora_rank"], mla["qk_rope_head_dim"]
+    n, v = mla["qk_nope_head_dim"], mla["v_head_dim"]
+    qk = n + r
+    total = ((2 * qr + 1) * 4 + qr * a) if qr else 0
+    # kv_norm's fp32 input: in fp32 a view of the projection's [c + r] storage, else its own copy
+    total += (c + r) * 4 if a == 4 else c * 4
+    total += (c + 1) * 4 + c * a
+    if device == "cpu":
+        return total + h * (2 * qk + 2 * v) * a + h * rows * a
+    return total + 2 * h * qk * a + h * (n + v) * a + h * v * a + h * 4
+
+
 def moe_activation_bytes_per_token(shape: ModelShape, a: int) -> float:
     """Saved bytes per token of an MoE feed-forward (`trainer.models.moe.MoE`, replicated over tp;
     its input is the norm output counted with the attention's), as its ``[N, ...]`` tensors are:
@@ -258,7 +286,7 @@ def stage_activation_bytes(
         )
     if layout.activation_offload:
         total = 0  # saved tensors wait in host memory
-    total += tokens * shape.head_dim * 4  # RoPE cos and sin rows gathered by position ids (fp32)
+    total += tokens * shape.rope_dim * 4  # RoPE cos and sin rows gathered by position ids (fp32)
     if work.document_masks and device == "cpu" and layout.cp == 1:
         total += tokens * 16  # PackedDocuments' gather and order indices (int64), shared by the layers
     if first:

@@ -292,10 +292,13 @@ class _DropNotices(logging.Filter):
 @contextmanager
 def _rng_kept() -> Iterator[None]:
     """lm-eval seeds Python's, NumPy's and torch's global generators: a training run's draws after
-    an evaluation must not depend on it, so their states come back afterwards."""
+    an evaluation must not depend on it, so their states come back afterwards. Its INFO records
+    and notices are held back meanwhile (its warnings still show)."""
     py, np_state = random.getstate(), numpy.random.get_state()
     task_logger, notices = logging.getLogger("lm_eval.api.task"), _DropNotices()
     task_logger.addFilter(notices)
+    root, level = logging.getLogger("lm_eval"), logging.getLogger("lm_eval").level
+    root.setLevel(max(level, logging.WARNING))  # its INFO lines (seeds, tasks, stages) would fill a training log
     with torch.random.fork_rng(devices=[]):
         try:
             yield
@@ -303,6 +306,7 @@ def _rng_kept() -> Iterator[None]:
             random.setstate(py)
             numpy.random.set_state(np_state)
             task_logger.removeFilter(notices)
+            root.setLevel(level)
 
 
 def evaluate_tasks(
