@@ -41,6 +41,8 @@ OPTIONAL: dict[str, Any] = {
     "moe_ffn_dim": None,
     "sliding_window": None,  # no block attends within a window (Gemma 3's local blocks do)
     "window_layers": (),
+    "attention_sinks": False,  # no sink logits in the softmax (GPT-OSS's attention has them)
+    "expert_activation": "silu",  # SwiGLU experts (GPT-OSS's: "clamped_swiglu", with biases)
     "latent_attention": None,  # grouped-query attention (DeepSeek-V3's latent attention: its ranks)
 }
 

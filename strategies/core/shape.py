@@ -23,6 +23,14 @@ class ModelContractError(ValueError):
     """A model lacks a member of its declared contract (`strategies.core.model_contract`); the message names it."""
 
 
+class ShardsOwnParams:
+    """A tensor-parallel style that also shards parameters of its module's own (not of a Linear
+    child): ``param_tp_dims`` maps each one's name to the dim it splits (GPT-OSS's attention sinks,
+    by head: `trainer.models.llama.PrepareSinkAttention`)."""
+
+    param_tp_dims: dict[str, int] = {}
+
+
 @dataclass(frozen=True)
 class ParamSpec:
     """One parameter tensor: its name, full shape and the dim tp shards (None: replicated).
@@ -67,6 +75,8 @@ class ModelShape:
     linear_modules: tuple[str, ...] = ()  # FQNs of the nn.Linear layers (what LoRA's patterns select)
     sliding_window: int | None = None
     window_layers: tuple[int, ...] = ()
+    attention_sinks: bool = False  # every block's attention has sinks, written out (GPT-OSS)
+    expert_activation: str = "silu"  # the experts' gating; "clamped_swiglu": GPT-OSS's, with biases
     latent_attention: Mapping[str, Any] | None = None
 
     @property
@@ -146,10 +156,12 @@ class ModelShape:
                 style = next((s for pat, s in plan.items() if fnmatch.fnmatchcase(module_name, pat)), None)
                 embedding = isinstance(module, nn.Embedding)
                 tp_dim = None
-                if isinstance(style, ColwiseParallel):
+                if isinstance(style, ShardsOwnParams):  # e.g. the attention sinks, sharded by head
+                    tp_dim = style.param_tp_dims.get(pname)
+                elif isinstance(style, ColwiseParallel):
                     tp_dim = 1 if embedding else 0
-                elif isinstance(style, RowwiseParallel):
-                    tp_dim = 0 if embedding else 1
+                elif isinstance(style, RowwiseParallel) and (embedding or pname == "weight"):
+                    tp_dim = 0 if embedding else 1  # a row-wise Linear's bias (wo's, GPT-OSS) is replicated
                 parts = module_name.split(".")
                 layer = int(parts[1]) if parts[0] == "layers" and len(parts) > 1 else None
                 # Tied to the column-wise head, the embedding's gradient stays sharded (measured:
@@ -173,5 +185,7 @@ class ModelShape:
             linear_modules=tuple(n for n, m in model.named_modules() if isinstance(m, nn.Linear)),
             sliding_window=optional(model, "sliding_window"),
             window_layers=tuple(optional(model, "window_layers")),
+            attention_sinks=optional(model, "attention_sinks"),
+            expert_activation=optional(model, "expert_activation"),
             latent_attention=optional(model, "latent_attention"),
         )

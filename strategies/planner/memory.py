@@ -204,10 +204,14 @@ def layer_activation_bytes(
     if ring:
         per_token += heads * e * a  # the attention output copied into the wo input
     per_token += qk_norm_bytes_per_token(shape, layer, tp)
+    if shape.attention_sinks:
+        per_token += sink_attention_extra_bytes_per_token(shape, layer, work, heads, kv_heads)
     if layer in shape.window_layers and work.seq_len > shape.sliding_window:
         per_token += work.seq_len * 4  # SDPA's additive fp32 copy of the window mask, [B, 1, T, T]
     if layer is not None and shape.is_moe(layer):
         per_token += moe_activation_bytes_per_token(shape, a)
+        if shape.expert_activation == "clamped_swiglu":  # g, u, clamped g, sigmoid, up + 1, glu, h: 7 F
+            per_token += shape.top_k * (3 * shape.moe_ffn_dim * a + 8)  # + each row's expert id (biases)
     else:
         per_token += 4 * (f // tp // layout.ist_islands) * a  # w1 and w3 outputs, SiLU output, their product
     return int(tokens * per_token)
@@ -269,6 +273,21 @@ def moe_activation_bytes_per_token(shape: ModelShape, a: int) -> float:
     d, f = shape.dim, shape.moe_ffn_dim
     routed = shape.top_k * (2 * d * a + 4 * f * a + 32)
     return routed + shape.num_shared_experts * 4 * f * a + 8 * shape.num_experts + 12
+
+
+def sink_attention_extra_bytes_per_token(
+    shape: ModelShape, layer: int | None, work: Workload, heads: int, kv_heads: int
+) -> int:
+    """Saved bytes per token of GPT-OSS's written-out attention with sinks (`trainer.models.attention.
+    sink_attention`) beyond SDPA's: k and v repeated to every query head (fp32) instead of at their own
+    heads, q in fp32 (a copy unless the activations are fp32), the fp32 probabilities over the keys
+    and the sink, and the boolean mask's complement ([B, 1, T, T] with document masks or a window);
+    no log-sum-exp, and no additive fp32 copy of a window mask."""
+    a, e, t = work.act_bytes, shape.head_dim, work.seq_len
+    windowed = layer in shape.window_layers and t > shape.sliding_window
+    sdpa = 2 * kv_heads * e * a + heads * 4 + (t * 4 if windowed else 0)
+    sinks = 2 * heads * e * 4 + (heads * e * 4 if a != 4 else 0) + heads * (t + 1) * 4
+    return sinks + (t if work.document_masks or windowed else 0) - sdpa
 
 
 def stage_activation_bytes(

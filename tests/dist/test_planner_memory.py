@@ -8,7 +8,7 @@ state (after it), and the tensors autograd saves for backward per micro-batch
 (``strategies.planner``); two of them with QK-norm (OLMo 2 under tp, a Qwen3-style nano under
 FSDP), two Gemma 3 (sandwich norms, a windowed block, a tied head under tp), two DeepSeek-V3 (latent
 attention, whole on each rank under tp with AdamW's groups split by tensor kind; a dense first
-block, shared and group-routed experts). Parameters, gradients and optimizer state must match exactly;
+block, shared and group-routed experts). Two GPT-OSS (sinks sharded by head under tp, q/k/v/o biases, biased clamped-SwiGLU experts). Parameters, gradients and optimizer state must match exactly;
 activations within 5% (the batch's id and label tensors are shared by its micro-batches).
 """
 
@@ -32,6 +32,10 @@ DSV3_SMALL = (
     *("model=deepseek_v3_tiny", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=4", "model.n_layers=2"),
     *("model.max_seq_len=64", "model.ffn_dim=128", "model.moe_ffn_dim=32"),
 )
+GPT_OSS_SMALL = (
+    *("model=gpt_oss_tiny", "model.dim=64", "model.n_heads=4", "model.head_dim=16", "model.n_layers=2"),
+    *("model.max_seq_len=64", "model.moe_ffn_dim=32", "model.window_layers=[0]", "model.sliding_window=16"),
+)
 PROBE = ("+callbacks.mem._target_=strategies.planner.measure.MemoryProbe", "trainer.max_steps=2")
 # id -> (overrides, micro-batch forwards per rank per step)
 LAYOUTS = {
@@ -53,6 +57,10 @@ LAYOUTS = {
     # first block, shared and group-routed experts
     "deepseek_v3_fsdp2": ([*DSV3_SMALL, "strategy=fsdp", "trainer.devices=2", "train.micro_batch_size=2"], 2),
     "deepseek_v3_tp2": ([*DSV3_SMALL, "strategy=tp", "trainer.devices=2", "train.micro_batch_size=4"], 2),
+    # GPT-OSS: sinks (their scores written out), q/k/v/o biases (wo's replicated under tp), a windowed
+    # first block, experts with biases and the clamped SwiGLU
+    "gpt_oss_fsdp2": ([*GPT_OSS_SMALL, "strategy=fsdp", "trainer.devices=2", "train.micro_batch_size=2"], 2),
+    "gpt_oss_tp2": ([*GPT_OSS_SMALL, "strategy=tp", "trainer.devices=2", "train.micro_batch_size=4"], 2),
 }
 
 
@@ -64,6 +72,9 @@ TOLERANCE = {"moe_fsdp2": 0.01}
 TOLERANCE.update(olmo2_tp2=0.01, qk_norm_fsdp2=0.01)
 # Gemma 3 within 0.4%; without the two extra norms of its sandwich and its window mask it was 7.5% low.
 TOLERANCE.update(gemma3_fsdp2=0.01, gemma3_tp2=0.01)
+# GPT-OSS within 0.4%; without the written-out sink attention's and the clamped SwiGLU's saved tensors
+# it was 13.0% (fsdp2) and 14.0% (tp2) low.
+TOLERANCE.update(gpt_oss_fsdp2=0.01, gpt_oss_tp2=0.01)
 # DeepSeek-V3 within 0.3% (its CPU attention is SDPA's math kernel: values narrower than keys); with
 # grouped-query attention's q, k, v, out in place of latent attention's tensors it was 25% low.
 TOLERANCE.update(deepseek_v3_fsdp2=0.01, deepseek_v3_tp2=0.01)

@@ -38,6 +38,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 from typing_extensions import override
 
 from strategies.core.ranges import NON_NEGATIVE, POSITIVE, Range
+from strategies.core.shape import ShardsOwnParams
 from trainer.models.attention import DOCUMENT_CAUSAL, QK_NORM_SCOPES, sliding_window_mask
 from trainer.models.block import ACTIVATIONS, NORM_PLACEMENTS, TransformerBlock, llama_ffn_dim
 from trainer.models.document_masks import block_causal_mask
@@ -515,9 +516,11 @@ class Llama(nn.Module):
         return float(6 * n_matmul + 12 * self.n_layers * self.dim * seq_len)
 
 
-class PrepareSinkAttention(PrepareModuleInput):
+class PrepareSinkAttention(ShardsOwnParams, PrepareModuleInput):
     """`PrepareModuleInput` of an attention with sinks that also shards its ``sinks`` ``[H]`` over
     tp (``Shard(0)``): each rank keeps the sinks of the query heads its column-wise ``wq`` holds."""
+
+    param_tp_dims = {"sinks": 0}
 
     @override
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
