@@ -140,3 +140,20 @@ def test_context_parallelism_is_refused_for_latent_attention_before_launch(tmp_p
         validate(compose("pretrain", [*hf, "strategy=cp"]))
     validate(compose("pretrain", [*hf, "strategy=tp"]))
     validate(compose("pretrain", [*hf, "strategy=nd", "strategy.expert_parallel.ep=2"]))
+
+
+def test_deepseek_v3_kv_cache_decoding_matches_transformers(tmp_path):
+    """Decoding with the KV cache (a prompt of 5, then 1 token at a time; the cache holds latent
+    attention's per-head keys and narrower values) gives transformers' logits at every position."""
+    from trainer.models.kv_cache import kv_cache
+
+    hf = make_hf_dir("deepseek_v3", tmp_path / "hf")
+    model = _load(tmp_path / "hf")
+    ids = batch(rows=1, seq_len=24)
+    with torch.no_grad():
+        expected = hf(ids).logits
+        steps = []
+        with kv_cache(model) as cache:
+            for start, end in [(0, 5), *((t, t + 1) for t in range(5, 24))]:
+                steps.append(model(ids[:, start:end], position_ids_bt=cache.position_ids(end - start)))
+    assert (torch.cat(steps, dim=1) - expected).abs().max().item() < 1e-5
