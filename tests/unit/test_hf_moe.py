@@ -87,6 +87,21 @@ def test_deepseek_v3_without_a_query_latent_and_its_routing_bias(tmp_path):
         assert (model(ids) - expected).abs().max().item() > 1e-3
 
 
+def test_a_bfloat16_export_keeps_deepseek_v3s_routing_bias_in_float32(tmp_path):
+    """``dtype=bfloat16`` casts the weights but not ``e_score_correction_bias`` (transformers keeps it
+    fp32): its steps of the auxiliary-loss-free update (1e-3) would round away in bf16 near 0.1."""
+    from safetensors import safe_open
+
+    make_hf_dir("deepseek_v3", tmp_path / "hf")
+    model = _load(tmp_path / "hf")
+    tok = Tokenizer.from_file(tmp_path / "hf" / "tokenizer.json")
+    write_hf_dir(tmp_path / "out", model=model, state=model.state_dict(), tokenizer=tok, sources=[], dtype="bfloat16")
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as f:
+        bias = f.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias")
+        assert f.get_tensor("model.layers.1.mlp.gate.weight").dtype == torch.bfloat16
+    assert torch.equal(bias, model.layers["1"].feed_forward.router.expert_bias)
+
+
 def test_deepseek_v3s_multi_token_prediction_block_is_skipped(tmp_path):
     """A checkpoint holding the MTP block (``model.layers.<num_hidden_layers>.*``, as DeepSeek-V3's
     own) loads as transformers loads it: the block left out; other unknown tensors still fail."""

@@ -34,6 +34,8 @@ _EXPERTS_FQN = re.compile(r"layers\.(\d+)\.feed_forward\.experts\.(w[123])")
 _ROUTER_FQN = re.compile(r"layers\.(\d+)\.feed_forward\.router\.(gate\.weight|expert_bias)")
 # The families whose checkpoints hold the router's selection bias (plait name -> theirs).
 _BIAS_NAME = {"deepseek_v3": "e_score_correction_bias"}
+# The checkpoint names of those biases end so (an export keeps them in fp32).
+EXPERT_BIAS_SUFFIX = tuple(f".gate.{name}" for name in _BIAS_NAME.values())
 # transformers' DeepseekV3Config defaults of the fields a config.json may leave out.
 _DEEPSEEK_DEFAULTS = {"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": True}
 
