@@ -68,13 +68,21 @@ def _degrees(
             if pp > shape.n_layers:
                 continue
             for cp in divisors(world // (tp * pp)):
-                if cp > 1 and work.seq_len % (2 * cp):
+                if cp > 1 and (work.seq_len % (2 * cp) or not cp_applies(shape, work)):
                     continue
                 dp = world // (tp * pp * cp)
                 if work.global_batch_size % dp:
                     continue
                 for dp_replicate in divisors(dp) if hsdp else [1]:
                     yield dp_replicate, dp // dp_replicate, cp, tp, pp
+
+
+def cp_applies(shape: ModelShape, work: Workload) -> bool:
+    """Whether context parallelism computes this model's attention: not with attention sinks, nor
+    with sliding windows shorter than the rows (its cores have neither; validate refuses both,
+    `trainer.capabilities.window_problems`)."""
+    short_window = shape.window_layers and shape.sliding_window is not None and work.seq_len > shape.sliding_window
+    return not (shape.attention_sinks or short_window)
 
 
 def candidate_layouts(shape: ModelShape, work: Workload, cluster: Cluster, space: SearchSpace) -> Iterator[Layout]:

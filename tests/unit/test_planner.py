@@ -125,6 +125,17 @@ def test_a_mixture_of_experts_plan_tries_ep_and_avoids_the_schedules_validate_re
     assert _inputs(again)[1] == best  # the plan's overrides validate and resolve to its layout, ep included
 
 
+def test_a_plan_for_attention_sinks_leaves_out_context_parallelism():
+    """GPT-OSS's sinks (its windows off: they alone would leave cp out too): no plan with cp > 1,
+    which validate refuses; a model without them gets such plans."""
+    space = SearchSpace(max_micro_batch=1, ac_modes=("none",))
+    for model, cp_plans in (("gpt_oss_tiny model.window_layers=[]", False), ("tiny", True)):
+        cfg = compose("pretrain", [*f"model={model}".split(), "cluster=h100x8", "data.seq_len=4096"])
+        (shape, _, work), cluster = _inputs(cfg), cluster_from_config(cfg)
+        plans = search(shape, work, cluster, space)
+        assert plans and any(p.layout.cp > 1 for p in plans) == cp_plans, model
+
+
 def test_expert_parallelism_trades_expert_gathers_for_all_to_alls():
     from strategies.planner.layout import Layout
     from strategies.planner.time import predict_time
