@@ -82,6 +82,28 @@ def test_flex_forward_equals_dense_mask_sdpa():
     torch.testing.assert_close(out, dense_reference(q, k, v, ODD), **TOL)
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_attention_sinks_through_flex_equal_the_written_out_softmax_with_the_sink():
+    """GPT-OSS's sinks (a logit per head in each softmax's denominator): Flex's output scaled by
+    sigmoid(lse - sink) (CUDA's path, here its eager forward) equals `sink_attention` with the dense
+    mask (CPU's path), which equals the softmax over the keys and the sink written out here."""
+    from trainer.models.attention import sink_attention
+
+    q, k, v, _ = tensors(2)
+    sinks_h = torch.randn(H, generator=torch.Generator().manual_seed(3))
+    block = document_block_mask(ODD, compiled=False)
+    flex = flex_document_attention(q, k, v, block, compiled=False, sinks_h=sinks_h)
+    mask = (ODD[:, :, None] == ODD[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril()
+    written = sink_attention(q, k, v, mask[:, None], sinks_h)
+    torch.testing.assert_close(flex, written, **TOL)
+    scores = torch.einsum("bthe,bshe->bhts", q, k.repeat_interleave(H // K, 2)) / E**0.5
+    weights = scores.masked_fill(~mask[:, None], float("-inf")).exp()
+    weights = weights / (weights.sum(-1, keepdim=True) + sinks_h.exp()[None, :, None, None])
+    expected = torch.einsum("bhts,bshe->bthe", weights, v.repeat_interleave(H // K, 2))
+    torch.testing.assert_close(written, expected, **TOL)
+    assert (written - dense_reference(q, k, v, ODD)).abs().max() > 1e-2  # the sinks take weight
+
+
 def test_rows_of_one_document_take_plain_causal_sdpa():
     docs = torch.stack([torch.full((T,), 3), torch.zeros(T, dtype=torch.long)])
     assert DOCUMENT_CAUSAL.mask(docs, T, CPU) is None

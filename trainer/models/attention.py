@@ -79,9 +79,12 @@ class DocumentCausalAttention:
         sinks_h: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``[B, T, H, E]`` queries and ``[B, T, K, E]`` keys/values (after RoPE) -> ``[B, T, H, E]``;
-        ``sinks_h`` ``[H]``: attention sinks (`sink_attention`; ``mask`` then None or dense)."""
-        if sinks_h is not None:
+        ``sinks_h`` ``[H]``: attention sinks, written out (`sink_attention`) with a dense mask or
+        none, through Flex with a ``BlockMask`` (`flex_document_attention`)."""
+        if sinks_h is not None and (mask is None or isinstance(mask, torch.Tensor)):
             return sink_attention(q_bthe, k_btke, v_btke, mask, sinks_h)
+        if sinks_h is not None:  # CUDA's document BlockMask (its packed rows)
+            return flex_document_attention(q_bthe, k_btke, v_btke, mask, sinks_h=sinks_h)
         if isinstance(mask, PackedDocuments):
             return _packed(q_bthe, k_btke, v_btke, mask)
         if mask is not None and not isinstance(mask, torch.Tensor):

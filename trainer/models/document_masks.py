@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
 
 def block_causal_mask(document_ids_bt: torch.Tensor) -> torch.Tensor:
@@ -145,15 +145,22 @@ def flex_document_attention(
     block_mask,
     *,
     compiled: bool = True,  # noqa: ANN001
+    sinks_h: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """FlexAttention under ``block_mask`` (`document_block_mask`): ``[B, T, H, E]``, GQA through ``enable_gqa``.
 
     ``compiled`` runs the generated kernel (CUDA); eager Flex is an unfused reference (CPU
-    forward only: Flex has no CPU backward in torch 2.13).
+    forward only: Flex has no CPU backward in torch 2.13). ``sinks_h`` ``[H]``: GPT-OSS's attention
+    sinks, a term ``exp(sink)`` in each softmax's denominator, applied to the output as
+    ``sigmoid(lse - sink)`` (``lse`` the keys' log-sum-exp, which Flex returns and differentiates).
     """
     if compiled:
         flex = _compiled_flex()
     else:
         flex = flex_attention
     q, k, v = (t.transpose(1, 2) for t in (q_bthe, k_btke, v_btke))
-    return flex(q, k, v, block_mask=block_mask, enable_gqa=True).transpose(1, 2)
+    if sinks_h is None:
+        return flex(q, k, v, block_mask=block_mask, enable_gqa=True).transpose(1, 2)
+    out_bhte, aux = flex(q, k, v, block_mask=block_mask, enable_gqa=True, return_aux=AuxRequest(lse=True))
+    kept_bht = torch.sigmoid(aux.lse.float() - sinks_h.float()[None, :, None])
+    return (out_bhte.float() * kept_bht[..., None]).to(out_bhte.dtype).transpose(1, 2)

@@ -41,7 +41,7 @@ from strategies.core.ranges import NON_NEGATIVE, POSITIVE, Range
 from strategies.core.shape import ShardsOwnParams
 from trainer.models.attention import DOCUMENT_CAUSAL, QK_NORM_SCOPES, sliding_window_mask
 from trainer.models.block import ACTIVATIONS, NORM_PLACEMENTS, TransformerBlock, llama_ffn_dim
-from trainer.models.document_masks import block_causal_mask
+from trainer.models.document_masks import PackedDocuments, block_causal_mask
 from trainer.models.init import seeded_normal_
 from trainer.models.kv_cache import KVCache
 from trainer.models.norm import RMSNorm
@@ -386,13 +386,13 @@ class Llama(nn.Module):
         rope = _rope_rows(self.rope_cos, self.rope_sin, position_ids_bt, T)
         # Built once for all layers: the document layout the attention core needs (see its mask()).
         mask = self.attention_core.mask(document_ids_bt, T, h_btd.device)
-        if self.attention_sinks:  # sink_attention takes a dense mask (or None: causal)
+        if self.attention_sinks:  # written out with a dense mask or none; through Flex with a BlockMask
             if self.attention_core is not DOCUMENT_CAUSAL and not isinstance(self.attention_core, KVCache):
                 raise ValueError(
                     "attention sinks run with the one-process attention core or a KV cache only, not under "
                     "context parallelism; use strategy.cp=1"
                 )
-            if mask is not None and not isinstance(mask, torch.Tensor):
+            if isinstance(mask, PackedDocuments):  # CPU; CUDA's BlockMask takes the sinks (Flex)
                 mask = block_causal_mask(document_ids_bt)
         local_rope, local_mask = rope, mask  # the windowed blocks' (Gemma 3's local layers)
         if self.rope_local_theta is not None:
