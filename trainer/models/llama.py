@@ -95,8 +95,9 @@ class Llama(nn.Module):
         rope_local_theta: the windowed blocks' RoPE base, without ``rope_scaling`` (Gemma 3's
             local base 10000); None: the same tables as the other blocks.
         attention_sinks: a learned sink logit per query head in every block's softmax
-            (``layers.<i>.attention.sinks`` ``[H]``, GPT-OSS; `attention.sink_attention`: the
-            scores are materialised, and context parallelism does not run it).
+            (``layers.<i>.attention.sinks`` ``[H]``, GPT-OSS): FlexAttention on CUDA's packed rows,
+            else the scores written out (`attention.sink_attention`); context parallelism does not
+            run them.
         o_bias: a bias on the attention output projection ``wo`` (GPT-OSS).
 
     Raises:
