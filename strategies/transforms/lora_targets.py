@@ -18,7 +18,7 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
-from strategies.core.hf_names import hf_module_name
+from strategies.core.hf_names import LATENT_LAYER_NAMES, hf_module_name
 from strategies.expert.dispatch import EXPERT_WEIGHTS, StackedExperts
 
 ADAPTER_NAMES = ("lora_A", "lora_B")
@@ -33,12 +33,18 @@ def selects(name: str, pattern: str) -> bool:
     """Whether ``pattern`` of ``strategy.lora.target_modules`` selects the layer FQN ``name``: equal
     to it, ending in ``.<pattern>`` (PEFT's rule: ``wq`` selects every ``layers.*.attention.wq``), or
     an ``fnmatch`` glob of the whole FQN (``layers.0.*``; case-sensitive on every platform); the same
-    against the layer's Hugging Face name (``q_proj``, ``mlp.*``: `hf_module_name`)."""
+    against the layer's Hugging Face names (``q_proj``, ``mlp.*``; latent attention's ``q_a_proj``,
+    ``kv_b_proj``: `hf_module_name`)."""
     return any(
         candidate == pattern or candidate.endswith("." + pattern) or fnmatchcase(candidate, pattern)
-        for candidate in (name, hf_module_name(name))
-        if candidate is not None
+        for candidate in (name, *_hf_names(name))
     )
+
+
+def _hf_names(name: str) -> list[str]:
+    """The Hugging Face names of plait layer ``name``: Llama's table, and latent attention's (DeepSeek-V3)."""
+    names = (hf_module_name(name), hf_module_name(name, LATENT_LAYER_NAMES))
+    return [hf for hf in dict.fromkeys(names) if hf is not None]
 
 
 def target_problems(names: Sequence[str], target_modules: Sequence[str]) -> list[str]:
@@ -49,7 +55,7 @@ def target_problems(names: Sequence[str], target_modules: Sequence[str]) -> list
     if not dead:
         return []
     kinds = sorted({n.rpartition(".")[2] for n in names})
-    hf_kinds = sorted({hf.rpartition(".")[2] for n in names if (hf := hf_module_name(n)) is not None})
+    hf_kinds = sorted({hf.rpartition(".")[2] for n in names for hf in _hf_names(n)})
     example = next((n for n in names if n.startswith("layers.0.")), names[0] if names else "")
     return [
         f"strategy.lora.target_modules: {', '.join(map(repr, dead))} {'matches' if len(dead) == 1 else 'match'} no linear "

@@ -172,3 +172,18 @@ def test_deepseek_v3_kv_cache_decoding_matches_transformers(tmp_path):
             for start, end in [(0, 5), *((t, t + 1) for t in range(5, 24))]:
                 steps.append(model(ids[:, start:end], position_ids_bt=cache.position_ids(end - start)))
     assert (torch.cat(steps, dim=1) - expected).abs().max().item() < 1e-5
+
+
+def test_lora_targets_take_latent_attentions_hugging_face_names():
+    """PEFT's names of DeepSeek-V3's attention (q_a_proj, kv_b_proj) select plait's wq_a and wkv_b."""
+    from strategies.transforms.lora_targets import linear_layers, lora_targets, target_problems
+
+    mla = dict(q_lora_rank=8, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)
+    model = MoETransformer(
+        vocab_size=32, dim=16, n_layers=2, n_heads=2, max_seq_len=8, num_experts=2, top_k=1, moe_ffn_dim=8,
+        n_dense_layers=1, num_shared_experts=1, score_func="sigmoid", latent_attention=mla,
+    )  # fmt: skip
+    names = [n for n, _ in lora_targets(model, ["q_a_proj", "kv_b_proj"])]
+    assert names == [f"layers.{i}.attention.{p}" for i in range(2) for p in ("wq_a", "wkv_b")]
+    (problem,) = target_problems([n for n, _ in linear_layers(model)], ["k_proj"])
+    assert "'q_a_proj'" in problem and "'kv_a_proj_with_mqa'" in problem
