@@ -30,7 +30,9 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 from strategies.runtime.collective_device import collective_device
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic: steepest slope at 0
-ADAMW_PARAMS = ("tok_embeddings", "output")  # the embedding and the LM head (plait's Llama names)
+# The embedding and the LM head (plait's Llama names), and biases: GPT-OSS's stacked expert biases
+# ([E, F]) are 2-D, not matrices of a linear map.
+ADAMW_PARAMS = ("tok_embeddings", "output", "bias")
 Scale = Literal["match_rms_adamw", "original"]
 
 

@@ -118,6 +118,21 @@ def test_groups_split_hidden_matrices_from_the_rest() -> None:
     assert optimizer.param_groups[0]["use_muon"]  # the logged lr is Muon's
 
 
+def test_gpt_oss_expert_biases_take_adamw_not_muon() -> None:
+    """GPT-OSS's stacked expert biases ([E, F], 2-D) are no linear map: AdamW's, without decay."""
+    from trainer.models.moe_transformer import MoETransformer
+
+    model = MoETransformer(
+        vocab_size=64, dim=32, n_layers=1, n_heads=4, num_experts=4, top_k=2, moe_ffn_dim=16, biases=True
+    )
+    optimizer = _plait_muon(model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon = {names[id(p)] for g in optimizer.param_groups if g["use_muon"] for p in g["params"]}
+    undecayed = {names[id(p)] for g in optimizer.param_groups if g["weight_decay"] == 0.0 for p in g["params"]}
+    biases = {f"layers.0.feed_forward.experts.{w}_bias" for w in ("w1", "w2", "w3")}
+    assert biases <= undecayed and not biases & muon and "layers.0.attention.wq.weight" in muon
+
+
 @pytest.mark.parametrize("steps", [1, 3])
 def test_steps_equal_an_independent_muon(steps: int) -> None:
     model = _model()
