@@ -80,9 +80,10 @@ def _degrees(
 def cp_applies(shape: ModelShape, work: Workload) -> bool:
     """Whether context parallelism computes this model's attention: not with attention sinks, nor
     with sliding windows shorter than the rows (its cores have neither; validate refuses both,
-    `trainer.capabilities.window_problems`)."""
+    `trainer.capabilities.window_problems`), nor latent attention (values narrower than keys:
+    `trainer.capabilities.latent_attention_problems`)."""
     short_window = shape.window_layers and shape.sliding_window is not None and work.seq_len > shape.sliding_window
-    return not (shape.attention_sinks or short_window)
+    return not (shape.attention_sinks or short_window or shape.latent_attention)
 
 
 def candidate_layouts(shape: ModelShape, work: Workload, cluster: Cluster, space: SearchSpace) -> Iterator[Layout]:

@@ -136,6 +136,19 @@ def test_a_plan_for_attention_sinks_leaves_out_context_parallelism():
         assert plans and any(p.layout.cp > 1 for p in plans) == cp_plans, model
 
 
+def test_a_plan_for_latent_attention_leaves_out_context_parallelism():
+    """DeepSeek-V3's latent attention (validate refuses it under cp): no plan with cp > 1; every plan
+    the search returns for it validates."""
+    space = SearchSpace(max_micro_batch=1, ac_modes=("none",))
+    cfg = compose("pretrain", ["model=deepseek_v3_tiny", "cluster=h100x8", "data.seq_len=4096"])
+    (shape, _, work), cluster = _inputs(cfg), cluster_from_config(cfg)
+    plans = search(shape, work, cluster, space)
+    assert plans and not any(p.layout.cp > 1 for p in plans)
+    best = plans[0].layout
+    again = compose("pretrain", ["model=deepseek_v3_tiny", "data.seq_len=4096", *best.overrides(), "trainer.devices=8"])
+    assert _inputs(again)[1] == best
+
+
 def test_expert_parallelism_trades_expert_gathers_for_all_to_alls():
     from strategies.planner.layout import Layout
     from strategies.planner.time import predict_time
