@@ -9,12 +9,16 @@ import random
 import numpy
 import pytest
 import torch
-from hf_checkpoints import make_hf_dir
+from hf_checkpoints import corpus_texts, make_hf_dir
 from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
 
+from trainer.data.chat import DEFAULT_CHAT_TEMPLATE, JinjaTemplate
+from trainer.data.tokenizer import train_bpe
 from trainer.evaluators.lm_harness import PlaitLM, evaluate_tasks, task_manager
 from trainer.evaluators.tasks.bundled import held_out, next_line_choices
+from trainer.export import write_hf_dir
+from trainer.models.llama import Llama
 from trainer.rundir import load_run_model
 
 LONG = "the quick brown fox jumps over the lazy dog " * 12  # longer than the checkpoint's 128 tokens
@@ -103,3 +107,29 @@ def test_evaluation_leaves_the_global_generators_as_they_were(both) -> None:
 def test_plaits_own_tasks_are_found_without_lm_evals_registry() -> None:
     """The bundled tasks index in a blink (lm-eval's 14,000 take seconds: the CLI test covers them)."""
     assert {"plait_bundled", "plait_corpus", "plait_corpus_next_line"} <= set(task_manager(["plait_bundled"]).all_tasks)
+
+
+def test_plaits_exported_model_scores_as_lm_evals_hf_model_reads_it(tmp_path) -> None:
+    """A model of plait's own (QK-norm, GQA, untied head), exported by `write_hf_dir` with its
+    tokenizer and chat template: lm-eval's HFLM on the export gives the adapter's log-likelihoods,
+    and the same chat prompt (the exported template against the run's own)."""
+    torch.manual_seed(0)
+    model = Llama(
+        vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=96, qk_norm=True
+    ).eval()
+    tokenizer = train_bpe(corpus_texts(), vocab_size=300)
+    out = write_hf_dir(tmp_path / "hf", model=model, state=model.state_dict(), tokenizer=tokenizer, sources=[])
+    template = JinjaTemplate(DEFAULT_CHAT_TEMPLATE, eos_token=tokenizer.eos_token)
+    plait = PlaitLM(
+        model, tokenizer, batch_size=2, chat_template=lambda m, g: template.render(m, add_generation_prompt=g)
+    )
+    hf = HFLM(pretrained=str(out), device="cpu", dtype="float32", batch_size=2)
+    pairs = [("thou art", " a king"), (LONG, " dog"), ("", "in the beginning")]
+    torch.testing.assert_close(
+        [s for s, _ in plait.loglikelihood(_requests("loglikelihood", pairs))],
+        [s for s, _ in hf.loglikelihood(_requests("loglikelihood", pairs))],
+        rtol=0,
+        atol=1e-4,
+    )
+    messages = [{"role": "user", "content": "Who art thou?"}]
+    assert plait.apply_chat_template(messages) == hf.apply_chat_template(messages)
