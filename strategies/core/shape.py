@@ -88,6 +88,16 @@ class ModelShape:
         """The features RoPE rotates per head: latent attention's ``qk_rope_head_dim``, else the head."""
         return self.latent_attention["qk_rope_head_dim"] if self.latent_attention else self.head_dim
 
+    @property
+    def attention_width(self) -> int:
+        """Half of the per-token widths the scores and the weighted values span, summed over the heads:
+        ``dim`` for grouped-query attention (``H * E``), ``H * (qk + v) / 2`` for latent attention
+        (its keys are qk_nope + qk_rope wide, its values v_head_dim)."""
+        mla = self.latent_attention
+        if not mla:
+            return self.dim
+        return self.n_heads * (mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"] + mla["v_head_dim"]) // 2
+
     def attention_params(self) -> int:
         """Weights one token meets in a block's attention projections (q, k, v, o; or latent
         attention's down and up projections, `trainer.models.mla`)."""

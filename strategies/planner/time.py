@@ -146,7 +146,7 @@ def layer_costs(
     share = _rate_share(layout, cluster)
     mm_peak = (cluster.peak_flops_fp8 if work.float8 else cluster.peak_flops) * cluster.matmul_efficiency * share
     attn_peak = cluster.peak_flops * cluster.attention_efficiency * share
-    layer_attn = 2 * tokens * work.seq_len * shape.dim / layout.tp  # causal: half of QK^T and AV
+    layer_attn = 2 * tokens * work.seq_len * shape.attention_width / layout.tp  # causal: half of QK^T and AV
     passes = cluster.elementwise_passes * (0.5 if work.compile else 1.0)
     dispatch = cluster.layer_overhead_s * (cluster.dtensor_overhead if layout.tp > 1 else 1.0)
     blocks = []

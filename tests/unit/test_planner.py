@@ -149,6 +149,24 @@ def test_a_plan_for_latent_attention_leaves_out_context_parallelism():
     assert _inputs(again)[1] == best
 
 
+def test_latent_attentions_scores_span_its_key_and_value_widths(monkeypatch):
+    """DeepSeek-V3's scores and weighted values span 128 heads x (192 + 128) features (not dim 7168):
+    a block's time holds 3 passes of 2 x tokens x seq_len x 20480 attention FLOPs."""
+    from strategies.core.shape import ModelShape
+    from strategies.planner.layout import Layout
+    from strategies.planner.time import layer_costs
+
+    cfg = compose("pretrain", ["model=deepseek_v3_671b", "cluster=h100x64", "data.seq_len=4096"])
+    (shape, _, work), cluster = _inputs(cfg), cluster_from_config(cfg)
+    assert shape.attention_width == 128 * (192 + 128) // 2
+    layout = Layout(dp_shard=8, pp=8, micro_batch_size=1)
+    block = layer_costs(shape, layout, work, cluster)[1][5]
+    monkeypatch.setattr(ModelShape, "attention_width", property(lambda s: 0))
+    without = layer_costs(shape, layout, work, cluster)[1][5]
+    flops = 3 * 2 * 4096 * 4096 * 20480
+    assert block - without == pytest.approx(flops / (cluster.peak_flops * cluster.attention_efficiency))
+
+
 def test_expert_parallelism_trades_expert_gathers_for_all_to_alls():
     from strategies.planner.layout import Layout
     from strategies.planner.time import predict_time
