@@ -23,6 +23,7 @@ from trainer.models.document_masks import (
     flex_document_attention,
     pack_documents,
     packed_document_attention,
+    sink_attention,
 )
 from trainer.models.norm import ProjectionRMSNorm, RMSNorm
 
@@ -79,14 +80,14 @@ class DocumentCausalAttention:
         sinks_h: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``[B, T, H, E]`` queries and ``[B, T, K, E]`` keys/values (after RoPE) -> ``[B, T, H, E]``;
-        ``sinks_h`` ``[H]``: attention sinks, written out (`sink_attention`) with a dense mask or
-        none, through Flex with a ``BlockMask`` (`flex_document_attention`)."""
+        ``sinks_h`` ``[H]``: attention sinks, written out (`sink_attention`: with a dense mask or
+        none, or per group of equally long documents), through Flex with a ``BlockMask``."""
         if sinks_h is not None and (mask is None or isinstance(mask, torch.Tensor)):
             return sink_attention(q_bthe, k_btke, v_btke, mask, sinks_h)
+        if isinstance(mask, PackedDocuments):
+            return _packed(q_bthe, k_btke, v_btke, mask, sinks_h=sinks_h)
         if sinks_h is not None:  # CUDA's document BlockMask (its packed rows)
             return flex_document_attention(q_bthe, k_btke, v_btke, mask, sinks_h=sinks_h)
-        if isinstance(mask, PackedDocuments):
-            return _packed(q_bthe, k_btke, v_btke, mask)
         if mask is not None and not isinstance(mask, torch.Tensor):
             return flex_document_attention(q_bthe, k_btke, v_btke, mask)
         q_bhte, k_bkte, v_bkte = (t.transpose(1, 2) for t in (q_bthe, k_btke, v_btke))
@@ -94,39 +95,6 @@ class DocumentCausalAttention:
             q_bhte, k_bkte, v_bkte, attn_mask=mask, is_causal=mask is None, enable_gqa=True
         )
         return out_bhte.transpose(1, 2)
-
-
-def sink_attention(
-    q_bthe: torch.Tensor,
-    k_btke: torch.Tensor,
-    v_btke: torch.Tensor,
-    allowed: torch.Tensor | None,
-    sinks_h: torch.Tensor,
-) -> torch.Tensor:
-    """Softmax attention with a learned sink logit per query head (GPT-OSS): ``[B, T, H, E]``.
-
-    Each head's softmax denominator gets ``exp(sinks_h[h])`` beside its keys' terms, so a query
-    may give less than all of its weight to the keys (OpenAI 2025, "gpt-oss-120b & gpt-oss-20b
-    Model Card"; Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks").
-    Written out (transformers' ``eager_attention_forward`` of GPT-OSS): no fused kernel takes an
-    extra denominator term, so the scores ``[B, H, T, S]`` are materialised, in float32.
-
-    Args:
-        q_bthe: queries ``[B, T, H, E]``; k_btke, v_btke: keys and values ``[B, S, K, E]`` (K divides H).
-        allowed: boolean ``[B or 1, 1, T, S]`` (True: query t sees key s); None: causal (T == S).
-        sinks_h: ``[H]`` sink logits (this rank's heads under tensor parallelism).
-    """
-    H, K, E = q_bthe.shape[2], k_btke.shape[2], q_bthe.shape[-1]
-    q_bhte = q_bthe.transpose(1, 2).float()
-    k_bhse, v_bhse = (t.transpose(1, 2).float().repeat_interleave(H // K, dim=1) for t in (k_btke, v_btke))
-    scores_bhts = (q_bhte @ k_bhse.transpose(-2, -1)) * E**-0.5
-    if allowed is None:
-        T, S = scores_bhts.shape[-2:]
-        allowed = torch.ones(T, S, dtype=torch.bool, device=q_bthe.device).tril(S - T)
-    scores_bhts = scores_bhts.masked_fill(~allowed, float("-inf"))
-    sinks_bht1 = sinks_h.float().view(1, -1, 1, 1).expand(*scores_bhts.shape[:-1], 1)
-    probs_bhts = torch.cat([scores_bhts, sinks_bht1], dim=-1).softmax(-1)[..., :-1]
-    return (probs_bhts @ v_bhse).to(q_bthe.dtype).transpose(1, 2)
 
 
 # The document layout changes with every batch: run it outside the compiled block (a graph break

@@ -96,8 +96,46 @@ def pack_documents(document_ids_bt: torch.Tensor) -> PackedDocuments | None:
     return PackedDocuments(tuple(gather), tuple(lengths), order)
 
 
+def sink_attention(
+    q_bthe: torch.Tensor,
+    k_btke: torch.Tensor,
+    v_btke: torch.Tensor,
+    allowed: torch.Tensor | None,
+    sinks_h: torch.Tensor,
+) -> torch.Tensor:
+    """Softmax attention with a learned sink logit per query head (GPT-OSS): ``[B, T, H, E]``.
+
+    Each head's softmax denominator gets ``exp(sinks_h[h])`` beside its keys' terms, so a query
+    may give less than all of its weight to the keys (OpenAI 2025, "gpt-oss-120b & gpt-oss-20b
+    Model Card"; Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks").
+    Written out (transformers' ``eager_attention_forward`` of GPT-OSS): no fused kernel takes an
+    extra denominator term, so the scores ``[B, H, T, S]`` are materialised, in float32.
+
+    Args:
+        q_bthe: queries ``[B, T, H, E]``; k_btke, v_btke: keys and values ``[B, S, K, E]`` (K divides H).
+        allowed: boolean ``[B or 1, 1, T, S]`` (True: query t sees key s); None: causal (T == S).
+        sinks_h: ``[H]`` sink logits (this rank's heads under tensor parallelism).
+    """
+    H, K, E = q_bthe.shape[2], k_btke.shape[2], q_bthe.shape[-1]
+    q_bhte = q_bthe.transpose(1, 2).float()
+    k_bhse, v_bhse = (t.transpose(1, 2).float().repeat_interleave(H // K, dim=1) for t in (k_btke, v_btke))
+    scores_bhts = (q_bhte @ k_bhse.transpose(-2, -1)) * E**-0.5
+    if allowed is None:
+        T, S = scores_bhts.shape[-2:]
+        allowed = torch.ones(T, S, dtype=torch.bool, device=q_bthe.device).tril(S - T)
+    scores_bhts = scores_bhts.masked_fill(~allowed, float("-inf"))
+    sinks_bht1 = sinks_h.float().view(1, -1, 1, 1).expand(*scores_bhts.shape[:-1], 1)
+    probs_bhts = torch.cat([scores_bhts, sinks_bht1], dim=-1).softmax(-1)[..., :-1]
+    return (probs_bhts @ v_bhse).to(q_bthe.dtype).transpose(1, 2)
+
+
 def packed_document_attention(
-    q_bthe: torch.Tensor, k_btke: torch.Tensor, v_btke: torch.Tensor, docs: PackedDocuments
+    q_bthe: torch.Tensor,
+    k_btke: torch.Tensor,
+    v_btke: torch.Tensor,
+    docs: PackedDocuments,
+    *,
+    sinks_h: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Document-causal attention, one causal SDPA call per document length: ``[B, T, H, E]``.
 
@@ -106,6 +144,8 @@ def packed_document_attention(
             K divides H, query head h served by kv head ``h // (H / K)``); the values' head dim
             may differ from E (the output then has it).
         docs: the batch's documents (`pack_documents` of its ids).
+        sinks_h: ``[H]`` attention sinks (GPT-OSS): each group through `sink_attention`, causal,
+            its scores ``[N, H, L, L]`` written out (O(sum of L^2), not O(T^2)); None: SDPA.
     """
     B, T, H, _ = q_bthe.shape
     Ev = v_btke.shape[-1]  # the value head dim may differ from the query/key one (latent attention)
@@ -113,7 +153,10 @@ def packed_document_attention(
     outs = []
     for index, L in zip(docs.gather, docs.lengths):
         q, k, v = (t.index_select(0, index).view(-1, L, *t.shape[1:]).transpose(1, 2) for t in flat)
-        out_nhle = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if sinks_h is None:
+            out_nhle = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:  # sink_attention takes [N, L, heads, E]
+            out_nhle = sink_attention(*(t.transpose(1, 2) for t in (q, k, v)), None, sinks_h).transpose(1, 2)
         outs.append(out_nhle.transpose(1, 2).reshape(-1, H, Ev))
     return torch.cat(outs).index_select(0, docs.order).view(B, T, H, Ev)
 

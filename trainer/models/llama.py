@@ -28,7 +28,7 @@ pre-norms; QK-norm adds ``layers.<i>.attention.{q_norm,k_norm}``.
 
 import math
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -41,7 +41,6 @@ from strategies.core.ranges import NON_NEGATIVE, POSITIVE, Range
 from strategies.core.shape import ShardsOwnParams
 from trainer.models.attention import DOCUMENT_CAUSAL, QK_NORM_SCOPES, sliding_window_mask
 from trainer.models.block import ACTIVATIONS, NORM_PLACEMENTS, TransformerBlock, llama_ffn_dim
-from trainer.models.document_masks import PackedDocuments, block_causal_mask
 from trainer.models.init import seeded_normal_
 from trainer.models.kv_cache import KVCache
 from trainer.models.norm import RMSNorm
@@ -96,8 +95,8 @@ class Llama(nn.Module):
             local base 10000); None: the same tables as the other blocks.
         attention_sinks: a learned sink logit per query head in every block's softmax
             (``layers.<i>.attention.sinks`` ``[H]``, GPT-OSS): FlexAttention on CUDA's packed rows,
-            else the scores written out (`attention.sink_attention`); context parallelism does not
-            run them.
+            else the scores written out (`document_masks.sink_attention`: per group of equally long
+            documents on CPU's packed rows); context parallelism does not run them.
         o_bias: a bias on the attention output projection ``wo`` (GPT-OSS).
 
     Raises:
@@ -387,14 +386,12 @@ class Llama(nn.Module):
         rope = _rope_rows(self.rope_cos, self.rope_sin, position_ids_bt, T)
         # Built once for all layers: the document layout the attention core needs (see its mask()).
         mask = self.attention_core.mask(document_ids_bt, T, h_btd.device)
-        if self.attention_sinks:  # written out with a dense mask or none; through Flex with a BlockMask
-            if self.attention_core is not DOCUMENT_CAUSAL and not isinstance(self.attention_core, KVCache):
-                raise ValueError(
-                    "attention sinks run with the one-process attention core or a KV cache only, not under "
-                    "context parallelism; use strategy.cp=1"
-                )
-            if isinstance(mask, PackedDocuments):  # CPU; CUDA's BlockMask takes the sinks (Flex)
-                mask = block_causal_mask(document_ids_bt)
+        one_process = self.attention_core is DOCUMENT_CAUSAL or isinstance(self.attention_core, KVCache)
+        if self.attention_sinks and not one_process:
+            raise ValueError(
+                "attention sinks run with the one-process attention core or a KV cache only, not under "
+                "context parallelism; use strategy.cp=1"
+            )
         local_rope, local_mask = rope, mask  # the windowed blocks' (Gemma 3's local layers)
         if self.rope_local_theta is not None:
             local_rope = _rope_rows(self.rope_local_cos, self.rope_local_sin, position_ids_bt, T)
@@ -521,7 +518,7 @@ class PrepareSinkAttention(ShardsOwnParams, PrepareModuleInput):
     """`PrepareModuleInput` of an attention with sinks that also shards its ``sinks`` ``[H]`` over
     tp (``Shard(0)``): each rank keeps the sinks of the query heads its column-wise ``wq`` holds."""
 
-    param_tp_dims = {"sinks": 0}
+    param_tp_dims: ClassVar[dict[str, int]] = {"sinks": 0}
 
     @override
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
