@@ -1,6 +1,6 @@
 """Hugging Face checkpoints in and out of `llama.Llama`: Llama 2/3, Mistral, Qwen2, Qwen3, OLMo 2
-and SmolLM3; and of `moe_transformer.MoETransformer`: Qwen3-MoE, Mixtral and DeepSeek-V3 (their expert
-names: `trainer.models.hf_moe`). The families and what sets each apart: `trainer.models.families`.
+and SmolLM3; and of `moe_transformer.MoETransformer`: Qwen3-MoE, Mixtral, DeepSeek-V3 and GPT-OSS (their
+expert names: `trainer.models.hf_moe`, GPT-OSS's fused ones `trainer.models.hf_gpt_oss`). The families and what sets each apart: `trainer.models.families`.
 
 A Hugging Face model directory holds ``config.json``, the weights as ``*.safetensors`` (one file,
 or shards named by ``model.safetensors.index.json``) and the tokenizer (``tokenizer.json``,
