@@ -121,6 +121,7 @@ def test_deepseek_v3s_multi_token_prediction_block_is_skipped(tmp_path):
         ({"scoring_func": "softmax"}, "scoring_func='softmax' is not supported"),
         ({"topk_method": "group_limited_greedy"}, "topk_method='group_limited_greedy' is not supported"),
         ({"n_group": 3}, "model.n_group=3 must divide model.num_experts=8"),
+        ({"quantization_config": {"quant_method": "fp8"}}, r"FineGrainedFP8Config\(dequantize=True\)"),
     ],
 )
 def test_deepseek_v3_configs_plait_cannot_route_are_refused(tmp_path, edits, named):

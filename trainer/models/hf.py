@@ -120,7 +120,8 @@ def config_problems(config: dict[str, Any], where: str = "config.json") -> list[
             None,
             "unquantized weights: load a quantized checkpoint, such as GPT-OSS's "
             "MXFP4 experts, in transformers dequantized (Mxfp4Config(dequantize=True)) and "
-            "save_pretrained its bf16 copy",
+            "save_pretrained its bf16 copy; DeepSeek-V3's FP8 blocks likewise with "
+            "FineGrainedFP8Config(dequantize=True)",
         ),
         "attn_logit_softcapping": (None, "no soft-capping of attention logits"),
         "final_logit_softcapping": (None, "no soft-capping of the output logits"),
