@@ -240,3 +240,20 @@ def test_the_planners_shape_counts_each_blocks_active_matmul_weights():
     per_token = sum(shape.matmul_params_per_layer(i) for i in range(shape.n_layers)) + shape.dim * shape.vocab_size
     assert [shape.is_moe(i) for i in range(3)] == [False, True, True]
     assert 6 * per_token + 12 * shape.n_layers * shape.dim * T == model.flops_per_token(T)
+
+
+def test_a_bfloat16_cast_keeps_the_routers_buffers_float32():
+    """model.to(bfloat16) (precision=bf16-true) casts the weights but not the routers' selection bias
+    and token counts: a bias of 1.0 moved by 1e-3 (one update step) would round back to 1.0 in bf16."""
+    torch.manual_seed(0)
+    model = MoETransformer(**TINY, bias_update_rate=1e-3)
+    moe = next(iter(model.moe_layers().values()))
+    moe.router.expert_bias.fill_(1.001)
+    moe.router.tokens_per_expert.fill_(257.0)
+    model.to(torch.bfloat16)
+    assert moe.router.gate.weight.dtype == torch.bfloat16
+    assert torch.equal(moe.router.expert_bias, torch.full_like(moe.router.expert_bias, 1.001, dtype=torch.float32))
+    assert moe.router.tokens_per_expert.dtype == moe.statistics.dtype == torch.float32
+    assert bool((moe.router.tokens_per_expert == 257).all())
+    model.to(torch.float32)  # and back: nothing lost
+    assert bool((moe.router.expert_bias == torch.tensor(1.001)).all())

@@ -200,6 +200,29 @@ class MoETransformer(Llama):
     def rope_dim(self) -> int:
         return self.latent_attention["qk_rope_head_dim"] if self.latent_attention else self.head_dim
 
+    @override
+    def _apply(self, fn, recurse=True):
+        # A cast of the whole model (precision=bf16-true) would round the routers' buffers: the
+        # selection bias, whose 1e-3 update steps vanish at magnitudes near 1 (transformers keeps
+        # DeepSeek-V3's e_score_correction_bias in float32 too), and the token counts (exact in
+        # bf16 only up to 256). They keep float32 and only move with the model.
+        kept = {
+            (moe, name): buffer
+            for moe in (self.moe_layers().values() if "layers" in self._modules else ())
+            for name, buffer in moe.named_buffers()
+            if buffer.dtype == torch.float32
+        }
+        super()._apply(fn, recurse)
+        for (moe, name), before in kept.items():
+            owner, _, leaf = name.rpartition(".")
+            module = moe.get_submodule(owner)
+            after = module._buffers[leaf]
+            if after.dtype != torch.float32:
+                module._buffers[leaf] = (
+                    torch.empty_like(before, device=after.device) if before.is_meta else before.to(after.device)
+                )
+        return self
+
     def moe_layers(self) -> dict[str, MoE]:
         """``{block name: its MoE}`` of the blocks this module holds (a pipeline stage holds some)."""
         return {name: layer.feed_forward for name, layer in self.layers.items() if isinstance(layer.feed_forward, MoE)}
