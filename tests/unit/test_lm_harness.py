@@ -8,10 +8,12 @@ import random
 
 import numpy
 import pytest
+import tokenizers
 import torch
 from hf_checkpoints import corpus_texts, make_hf_dir
 from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
+from tokenizers.processors import TemplateProcessing
 
 from trainer.data.chat import DEFAULT_CHAT_TEMPLATE, JinjaTemplate
 from trainer.data.tokenizer import train_bpe
@@ -133,3 +135,55 @@ def test_plaits_exported_model_scores_as_lm_evals_hf_model_reads_it(tmp_path) ->
     )
     messages = [{"role": "user", "content": "Who art thou?"}]
     assert plait.apply_chat_template(messages) == hf.apply_chat_template(messages)
+    prefilled = [*messages, {"role": "assistant", "content": "I am"}]  # a task's gen_prefix: no end of turn after it
+    assert plait.apply_chat_template(prefilled, False) == hf.apply_chat_template(prefilled, False)
+    assert plait.apply_chat_template(prefilled, False).endswith("I am")
+
+
+def test_a_tokenizer_that_prepends_bos_scores_as_lm_evals_hf_model(tmp_path) -> None:
+    """A Llama-3-like checkpoint whose tokenizer's post-processor prepends BOS: HFLM adds it (the
+    tokenizer's default) and conditions empty contexts and rolling windows on it; so does the adapter."""
+    directory = tmp_path / "bos"
+    make_hf_dir("llama3", directory)
+    raw = tokenizers.Tokenizer.from_str(train_bpe(corpus_texts(), vocab_size=298).to_str())
+    raw.add_special_tokens(["<|begin_of_text|>"])
+    bos = raw.token_to_id("<|begin_of_text|>")
+    raw.post_processor = TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", bos)])
+    raw.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(
+        '{"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "bos_token": "<|begin_of_text|>"}'
+    )
+    run = load_run_model(directory)
+    plait, hf = (
+        PlaitLM(run.model, run.tokenizer, batch_size=2),
+        HFLM(pretrained=str(directory), device="cpu", dtype="float32", batch_size=2),
+    )
+    assert plait.prefix_token_id == hf.prefix_token_id == bos
+    assert plait.tok_encode("thou art") == hf.tok_encode("thou art") and plait.tok_encode("thou art")[0] == bos
+    pairs = [("thou art more", " lovely"), ("", "thou art")]
+    torch.testing.assert_close(
+        [s for s, _ in plait.loglikelihood(_requests("loglikelihood", pairs))],
+        [s for s, _ in hf.loglikelihood(_requests("loglikelihood", pairs))],
+        rtol=0,
+        atol=1e-4,
+    )
+    texts = [("thou art more lovely and more temperate",)]
+    torch.testing.assert_close(
+        plait.loglikelihood_rolling(_requests("loglikelihood_rolling", texts)),
+        hf.loglikelihood_rolling(_requests("loglikelihood_rolling", texts)),
+        rtol=0,
+        atol=1e-4,
+    )
+
+
+def test_a_long_default_generation_keeps_the_prompt(both, caplog) -> None:
+    """A task's default 256 new tokens on a 128-token model: the prompt stays whole and generation
+    stops at the context's end (HFLM refuses max_gen_toks >= max_length); the greedy text begins
+    with the short generation's. A prompt longer than half the context is cut, with a warning."""
+    plait, _ = both
+    prompt = "the quick brown fox jumps over"
+    short = plait.generate_until(_requests("generate_until", [(prompt, {"until": [], "max_gen_toks": 6})]))[0]
+    long = plait.generate_until(_requests("generate_until", [(prompt, {"until": []})]))[0]
+    assert long.startswith(short) and len(long) > len(short)
+    plait.generate_until(_requests("generate_until", [(LONG, {"until": [], "max_new_tokens": 4})]))
+    assert "1 of 1 generation prompts were cut from the left" in caplog.text

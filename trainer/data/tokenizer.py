@@ -129,8 +129,17 @@ class Tokenizer:
         encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         return [e.ids for e in encode(texts, add_special_tokens=False)]
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=False)
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """The text of ``ids``; ``skip_special_tokens`` leaves the special tokens out (EOS, pad, ...)."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @property
+    def prepended_bos(self) -> int | None:
+        """The token the tokenizer's post-processor puts before every text (Llama 3's
+        ``<|begin_of_text|>``, Gemma's ``<bos>``) when special tokens are added; None when it adds
+        none (plait's own tokenizers). `encode` never adds it."""
+        added = self._tok.encode("", add_special_tokens=True).ids
+        return added[0] if len(added) == 1 else None
 
     def to_str(self) -> str:
         """The tokenizer as HF ``tokenizer.json`` text."""

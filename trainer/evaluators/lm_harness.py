@@ -16,8 +16,13 @@ What each request type computes, as lm-eval's own ``HFLM`` does (``lm_eval/model
   each after as much of the text before it as fits (``lm_eval.utils.get_rolling_token_windows``).
 - ``generate_until`` (context, gen_kwargs): greedy (or sampled: ``do_sample``, ``temperature``,
   ``top_k``, ``top_p``) continuation with the KV cache (`trainer.sampling.sample_batch`), at most
-  ``max_gen_toks`` tokens (256 by default), stopped at EOS, then cut before the first stop string of
-  ``until``. The context keeps its last ``L - max_gen_toks`` tokens.
+  ``max_gen_toks`` tokens (or its aliases; 256 by default), stopped at EOS, decoded without special
+  tokens, then cut before the first stop string of ``until``. The context keeps its last
+  ``max(L - max_gen_toks, L // 2)`` tokens (a warning counts the prompts cut), and generation stops
+  at the context's end.
+
+A tokenizer that prepends a BOS (Llama 3, Gemma) gets it before every text and as the empty
+context, as ``HFLM`` does with the tokenizer's default; plait's own tokenizers prepend nothing.
 
 Rows of a batch are right-padded: a causal model's logits at a position do not depend on what
 follows it, so padding changes no score.
@@ -25,6 +30,7 @@ follows it, so padding changes no score.
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from collections.abc import Callable, Iterator, Sequence
@@ -37,6 +43,7 @@ import torch
 from lm_eval import simple_evaluate
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import TemplateLM
+from lm_eval.models.utils import normalize_gen_kwargs
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, make_table
 from torch import nn
@@ -122,6 +129,9 @@ class PlaitLM(TemplateLM):
         self.model, self.plait_tokenizer, self._device = model, tokenizer, torch.device(device)
         self.batch_size, self.max_length = batch_size, max_length
         self._chat_template, self._all_done, self._kv_cache = chat_template, all_done, kv_cache
+        # lm-eval's HF model class adds the BOS a tokenizer prepends (Llama 3, Gemma: the tokenizer's
+        # default) and conditions empty contexts on it.
+        self._bos_id = tokenizer.prepended_bos
 
     # ------------------------------------------------------------------ tokens
     @property
@@ -129,9 +139,19 @@ class PlaitLM(TemplateLM):
         """The tokenizer's EOS (plait's document separator)."""
         return self.plait_tokenizer.eos_id
 
+    @property
+    def prefix_token_id(self) -> int:
+        """What an empty context is: the BOS the tokenizer prepends, else EOS (as lm-eval's HFLM)."""
+        return self.eot_token_id if self._bos_id is None else self._bos_id
+
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
-        """Token ids of ``string`` (plait's tokenizers add no special tokens)."""
-        return self.plait_tokenizer.encode(string)
+        """Token ids of ``string``; the tokenizer's BOS first when it prepends one, ``add_special_tokens``
+        is not False and ``string`` does not already start with it (HFLM's ``tok_encode``). plait's
+        own tokenizers prepend nothing."""
+        ids = self.plait_tokenizer.encode(string)
+        if self._bos_id is None or add_special_tokens is False or ids[:1] == [self._bos_id]:
+            return ids
+        return [self._bos_id, *ids]
 
     @property
     def tokenizer_name(self) -> str:
@@ -145,16 +165,23 @@ class PlaitLM(TemplateLM):
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The conversation rendered by the run's chat template.
 
+        ``add_generation_prompt=False`` with an assistant message last (lm-eval's prefill) renders
+        the conversation before it with the assistant's turn opened, then that message's text.
+
         Raises:
             NotImplementedError: this adapter was given no template.
         """
         if self._chat_template is None:
             raise NotImplementedError("this run has no chat template; evaluate without apply_chat_template")
+        if not add_generation_prompt and chat_history and chat_history[-1]["role"] == "assistant":
+            # lm-eval's assistant prefill (a task's gen_prefix): the answer continues that text, with no
+            # end of turn after it (transformers' continue_final_message).
+            return self._chat_template(chat_history[:-1], True) + chat_history[-1]["content"]
         return self._chat_template(chat_history, add_generation_prompt)
 
     # ------------------------------------------------------------------ scoring
     def _logits(self, rows: list[list[int]]) -> torch.Tensor:
-        """Float32 logits ``[B, T, V]`` of right-padded ``rows`` (T: the longest)."""
+        """Logits ``[B, T, V]`` of right-padded ``rows`` (T: the longest), in the model's dtype."""
         width = max(len(r) for r in rows)
         ids_bt = torch.full((len(rows), width), PAD_ID, dtype=torch.long)
         for i, r in enumerate(rows):
@@ -162,7 +189,7 @@ class PlaitLM(TemplateLM):
         logits = self.model(ids_bt.to(self._device))
         if isinstance(logits, DTensor):  # tensor parallel without sequence parallel: vocab-sharded logits
             logits = logits.full_tensor()
-        return logits.float()
+        return logits
 
     @torch.no_grad()
     def _loglikelihood_tokens(
@@ -181,9 +208,10 @@ class PlaitLM(TemplateLM):
                     raise ValueError(f"request {requests[i][0]!r} has an empty continuation: nothing to score")
                 rows.append((context + continuation)[-(self.max_length + 1) :][:-1])
                 conts.append(continuation[-self.max_length :])
-            logp_btv = torch.log_softmax(self._logits(rows), dim=-1)
+            logits_btv = self._logits(rows)
             for b, (i, row, cont) in enumerate(zip(chunk, rows, conts)):
-                logp_cv = logp_btv[b, len(row) - len(cont) : len(row)]
+                # Only the continuation's positions, in float32: no [B, T, V] copy of the whole batch.
+                logp_cv = logits_btv[b, len(row) - len(cont) : len(row)].float().log_softmax(-1)
                 target = torch.tensor(cont, device=logp_cv.device)
                 score = logp_cv.gather(-1, target[:, None]).sum().item()
                 greedy = bool((logp_cv.argmax(-1) == target).all())
@@ -217,54 +245,53 @@ class PlaitLM(TemplateLM):
     @torch.no_grad()
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
         """Each request's continuation (see the module docstring); requests sharing generation
-        settings decode together, ``batch_size`` at a time."""
+        settings (normalised as lm-eval's ``normalize_gen_kwargs`` does: ``max_new_tokens`` and the
+        other aliases, ``temperature`` > 0 without ``do_sample`` samples) decode together,
+        ``batch_size`` at a time."""
         out: list[str | None] = [None] * len(requests)
-        groups: dict[tuple, list[int]] = {}
+        groups: dict[str, tuple[dict[str, Any], list[int]]] = {}
         for i, req in enumerate(requests):
-            groups.setdefault(_settings_key(req.args[1]), []).append(i)
-        for key, members in groups.items():
-            kwargs = dict(key)
-            until = list(kwargs.pop("until"))
-            max_gen = min(int(kwargs.pop("max_gen_toks")), self.max_length - 1)
-            sampled = bool(kwargs.pop("do_sample", False)) and float(kwargs.get("temperature", 1.0)) > 0
-            unknown = set(kwargs) - {"temperature", "top_k", "top_p"}
+            settings = dict(normalize_gen_kwargs(dict(req.args[1]), DEFAULT_MAX_GEN_TOKS))
+            groups.setdefault(json.dumps(settings, sort_keys=True, default=str), (settings, []))[1].append(i)
+        cut = 0
+        for settings, members in groups.values():
+            until, max_gen = list(settings.pop("until")), int(settings.pop("max_gen_toks"))
+            sampled = bool(settings.pop("do_sample")) and float(settings.get("temperature") or 0.0) > 0
+            unknown = set(settings) - {"temperature", "top_k", "top_p"}
             if unknown:
                 logging.getLogger(__name__).warning("generation settings %s are not used by plait", sorted(unknown))
-            members.sort(key=lambda i: -len(self.tok_encode(requests[i].args[0])))
+            # The prompt keeps at least half the context: a task's 256 new tokens do not leave a
+            # 256-token model one token of it (HFLM refuses max_gen_toks >= max_length instead).
+            keep = max(self.max_length - max_gen, self.max_length // 2)
+            encoded = {i: self.tok_encode(requests[i].args[0]) or [self.prefix_token_id] for i in members}
+            members.sort(key=lambda i: -len(encoded[i]))
             for start in range(0, len(members), self.batch_size):
                 chunk = members[start : start + self.batch_size]
-                prompts = [
-                    (self.tok_encode(requests[i].args[0]) or [self.prefix_token_id])[-(self.max_length - max_gen) :]
-                    for i in chunk
-                ]
+                prompts = [encoded[i][-keep:] for i in chunk]
+                cut += sum(len(encoded[i]) > keep for i in chunk)
                 new_ids = sample_batch(
                     self.model,
                     prompts,
-                    max_new_tokens=max_gen,
+                    max_new_tokens=min(max_gen, self.max_length - max(len(p) for p in prompts)),
                     eos_id=self.eot_token_id,
-                    temperature=float(kwargs.get("temperature", 1.0)) if sampled else 0.0,
-                    top_k=int(kwargs["top_k"]) if sampled and kwargs.get("top_k") else None,
-                    top_p=float(kwargs.get("top_p") or 1.0) if sampled else 1.0,
+                    temperature=float(settings["temperature"]) if sampled else 0.0,
+                    top_k=int(settings["top_k"]) if sampled and settings.get("top_k") else None,
+                    top_p=float(settings.get("top_p") or 1.0) if sampled else 1.0,
                     use_cache=self._kv_cache and caches(self.model),
                     device=self._device,
                     all_done=self._all_done,
                 )
                 for i, ids in zip(chunk, new_ids):
-                    if ids and ids[-1] == self.eot_token_id:
-                        ids = ids[:-1]
-                    text = _cut(self.plait_tokenizer.decode(ids), until)
+                    text = _cut(self.plait_tokenizer.decode(ids, skip_special_tokens=True), until)
                     out[i] = text
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)
+        if cut:
+            logging.getLogger(__name__).warning(
+                "%d of %d generation prompts were cut from the left to leave room for the answer in the "
+                "%d-token context; a larger max_length (up to the model's max_seq_len) keeps them whole",
+                cut, len(requests), self.max_length,
+            )  # fmt: skip
         return out  # type: ignore[return-value]
-
-
-def _settings_key(gen_kwargs: dict[str, Any]) -> tuple:
-    """Hashable generation settings: ``until`` as a tuple of stop strings, ``max_gen_toks`` filled in."""
-    settings = dict(gen_kwargs)
-    until = settings.get("until") or []
-    settings["until"] = tuple([until] if isinstance(until, str) else until)
-    settings.setdefault("max_gen_toks", DEFAULT_MAX_GEN_TOKS)
-    return tuple(sorted((k, v) for k, v in settings.items()))
 
 
 def _cut(text: str, until: Sequence[str]) -> str:
@@ -299,7 +326,7 @@ def _rng_kept() -> Iterator[None]:
     task_logger.addFilter(notices)
     root, level = logging.getLogger("lm_eval"), logging.getLogger("lm_eval").level
     root.setLevel(max(level, logging.WARNING))  # its INFO lines (seeds, tasks, stages) would fill a training log
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_available() else []):
         try:
             yield
         finally:
