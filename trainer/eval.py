@@ -28,6 +28,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from trainer.compose import compose_command, fail
 
 EVAL_DIR = "eval"
@@ -40,10 +42,17 @@ def step_of(checkpoint: Path) -> int | None:
 
 
 def write_scores(
-    run_dir: Path, name: str, step: int | None, scores: dict[str, float], results: dict[str, Any] | None
+    run_dir: Path,
+    name: str,
+    step: int | None,
+    scores: dict[str, float],
+    results: dict[str, Any] | None,
+    settings: dict[str, Any] | None = None,
 ) -> Path:
-    """Adds ``scores`` (and lm-eval's ``results``) to ``<run_dir>/eval/<name>.json``: its earlier
-    tasks stay, the same task's scores are replaced. Written whole to a temporary file, then renamed.
+    """Adds ``scores`` (and lm-eval's ``results``, and the ``settings`` they were scored with:
+    ``limit``, ``num_fewshot``, ``max_length``, recorded per task) to ``<run_dir>/eval/<name>.json``:
+    its earlier tasks stay, the same task's scores are replaced. Written whole to a temporary file,
+    then renamed.
 
     Returns:
         The file's path.
@@ -58,6 +67,7 @@ def write_scores(
         "written_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "scores": {**kept, **scores},
         "results": {**(old.get("results") or {}), **(results or {})},
+        "settings": {**(old.get("settings") or {}), **{task: dict(settings or {}) for task in sorted(tasks)}},
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
@@ -100,15 +110,22 @@ def main(argv: list[str]) -> None:
         TaskNotFoundError,
         evaluate_tasks,
         lm_eval_table,
-        task_manager,
+        load_tasks,
     )
     from trainer.generate import chat_template, load_for_generation  # imports the model code: here only
 
     try:
-        manager = task_manager(list(cfg.tasks), list(cfg.include_path))  # before a large model loads
+        manager = load_tasks(list(cfg.tasks), list(cfg.include_path))  # before a large model loads
     except TaskNotFoundError as err:
         fail(str(err))
     run = load_for_generation(cfg.ckpt, cfg.trust)
+    if cfg.max_length is not None and cfg.max_length > run.model.max_seq_len:
+        fail(
+            f"max_length={cfg.max_length} is above the model's context ({run.model.max_seq_len}); lower it or leave it out"
+        )
+    # A run is scored in windows of the rows it trained on (a tiny model's RoPE table reaches further than its data).
+    trained = OmegaConf.select(run.config, "data.seq_len", default=None) if run.config is not None else None
+    max_length = cfg.max_length or min(int(trained or run.model.max_seq_len), run.model.max_seq_len)
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     template = chat_template(run) if cfg.apply_chat_template else None
     lm = PlaitLM(
@@ -116,7 +133,7 @@ def main(argv: list[str]) -> None:
         run.tokenizer,
         device=device,
         batch_size=cfg.batch_size,
-        max_length=cfg.max_length,
+        max_length=max_length,
         chat_template=(lambda messages, gen: template.render(messages, add_generation_prompt=gen))
         if template
         else None,
@@ -132,5 +149,6 @@ def main(argv: list[str]) -> None:
     )
     print(lm_eval_table(results))
     checkpoint = Path(run.checkpoint)
-    path = write_scores(run.run.path, checkpoint.name, step_of(checkpoint), scores, results.get("results"))
+    settings = {"limit": cfg.limit, "num_fewshot": cfg.num_fewshot, "max_length": lm.max_length}
+    path = write_scores(run.run.path, checkpoint.name, step_of(checkpoint), scores, results.get("results"), settings)
     print(f"plait: scores written to {path}", file=sys.stderr)

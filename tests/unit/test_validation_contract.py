@@ -156,3 +156,7 @@ def test_a_callback_with_problems_is_asked() -> None:
     assert _problems("pretrain", on, "callbacks.lm_eval.tasks=[]") == [
         "callbacks.lm_eval.tasks is empty; name lm-eval tasks (or callbacks.lm_eval.every_n_steps=0)"
     ]
+    unknown = _problems("pretrain", on, "callbacks.lm_eval.tasks=[no_such_task]")
+    assert len(unknown) == 1 and unknown[0].startswith(
+        "callbacks.lm_eval.tasks: unknown lm-eval task(s) no_such_task; plait's and the include paths' tasks:"
+    ), unknown

@@ -44,7 +44,7 @@ from lm_eval import simple_evaluate
 from lm_eval.api.instance import Instance
 from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import normalize_gen_kwargs
-from lm_eval.tasks import TaskManager
+from lm_eval.tasks import TaskManager, get_task_dict
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, make_table
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -86,6 +86,27 @@ def task_manager(tasks: Sequence[str], include_path: Sequence[str] = ()) -> Task
             "include_path=<directory of task yaml files>"
         )
     return every
+
+
+def load_tasks(tasks: Sequence[str], include_path: Sequence[str] = ()) -> TaskManager:
+    """`task_manager`, then every task built once (its documents read: from the Hugging Face cache
+    for lm-eval's registry, offline), so a task that cannot run fails before a model loads.
+
+    Raises:
+        TaskNotFoundError: an unknown task, or one whose data cannot be read (the message names the task
+            and the cause).
+    """
+    manager = task_manager(tasks, include_path)
+    try:
+        with _rng_kept():
+            get_task_dict(list(tasks), manager)
+    except Exception as err:  # noqa: BLE001 - whatever stops a task's data (offline hub, missing file) ends here
+        raise TaskNotFoundError(
+            f"lm-eval could not build tasks {', '.join(tasks)}: {type(err).__name__}: {str(err)[:300]}; a registry "
+            "task needs its dataset in the Hugging Face cache (nothing is downloaded), a task file of your own "
+            "needs its data_files"
+        ) from err
+    return manager
 
 
 class PlaitLM(TemplateLM):
