@@ -140,7 +140,9 @@ def test_a_latent_attention_model_with_softmax_routing_is_not_exported_as_deepse
     )  # fmt: skip
     make_hf_dir("deepseek_v3", tmp_path / "hf")
     tok = Tokenizer.from_file(tmp_path / "hf" / "tokenizer.json")
-    with pytest.raises(HFError, match=r"DeepSeek-V3\) has softmax scores"):
+    with pytest.raises(
+        HFError, match=r"does not fit DeepseekV3ForCausalLM, .*: softmax scores \(DeepSeek-V3: sigmoid\)"
+    ):
         write_hf_dir(tmp_path / "out", model=model, state=model.state_dict(), tokenizer=tok, sources=[])
 
 
@@ -188,3 +190,29 @@ def test_lora_targets_take_latent_attentions_hugging_face_names():
     assert names == [f"layers.{i}.attention.{p}" for i in range(2) for p in ("wq_a", "wkv_b")]
     (problem,) = target_problems([n for n, _ in linear_layers(model)], ["k_proj"])
     assert "'q_a_proj'" in problem and "'kv_a_proj_with_mqa'" in problem
+
+
+@pytest.mark.parametrize(
+    ("family", "edit", "message"),
+    [
+        ("gpt_oss", "expert_bias", "a non-zero expert bias"),
+        ("gpt_oss", "n_group", r"group-limited routing \(n_group > 1\)"),
+        ("deepseek_v3", "clamped_swiglu", r"router and expert biases or the clamped SwiGLU \(GPT-OSS's\)"),
+    ],
+)
+def test_what_the_family_cannot_hold_is_refused_not_dropped(tmp_path, family, edit, message):
+    """A GPT-OSS model whose bias training moved its selection bias, or that routes within groups,
+    and a DeepSeek-V3 model with GPT-OSS's clamped SwiGLU: each is refused before anything is
+    written (they were exported, and transformers' reload gave other logits, 0.95 to 1.51 apart)."""
+    make_hf_dir(family, tmp_path / "hf")
+    model = _load(tmp_path / "hf")
+    if edit == "expert_bias":
+        next(iter(model.moe_layers().values())).router.expert_bias[0] = 0.01
+    elif edit == "n_group":
+        model.n_group = 2
+    else:
+        model.expert_activation = "clamped_swiglu"
+    tok = Tokenizer.from_file(tmp_path / "hf" / "tokenizer.json")
+    with pytest.raises(HFError, match=f"does not fit .*ForCausalLM.*: {message}"):
+        write_hf_dir(tmp_path / "out", model=model, state=model.state_dict(), tokenizer=tok, sources=[])
+    assert not (tmp_path / "out").exists()

@@ -286,7 +286,8 @@ def export_family_of(model: Llama, base: dict[str, Any] | None = None) -> str:
         )
     if FAMILIES[family].moe and (problems := moe_export_problems(model, family)):
         raise FamilyError(
-            f"no Hugging Face MoE architecture (Qwen3-MoE, Mixtral, DeepSeek-V3) has {'; '.join(problems)}"
+            f"this mixture of experts does not fit {FAMILIES[family].architecture}, the Hugging Face MoE "
+            f"architecture closest to it: {'; '.join(problems)}"
         )
     if source is not None and family != source:
         raise FamilyError(f"a {family} model cannot be written as its source's {source}")

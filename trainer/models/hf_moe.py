@@ -175,19 +175,23 @@ def moe_export_problems(model: Any, family: str) -> list[str]:
     can be written."""
     if family == "deepseek_v3":
         problems = ["softmax scores (DeepSeek-V3: sigmoid)"] if model.score_func != "sigmoid" else []
-        problems += ["no shared expert (DeepSeek-V3 has n_shared_experts >= 1)"] if not model.num_shared_experts else []
+        if not model.num_shared_experts:
+            problems.append("no shared expert (model.num_shared_experts=0; DeepSeek-V3 has at least 1)")
+        if model.biases or model.expert_activation != "silu":
+            problems.append("router and expert biases or the clamped SwiGLU (GPT-OSS's)")
         return problems + (["q/k/v biases"] if model.qkv_bias else [])
+    # Shared by the other families: none routes within groups or holds a selection bias (DeepSeek-V3's).
     problems = ["group-limited routing (n_group > 1)"] if model.n_group > 1 else []
+    if any(bool(moe.router.expert_bias.any()) for moe in model.moe_layers().values()):
+        problems.append("a non-zero expert bias (trained with bias_update_rate > 0)")
     if family == "gpt_oss":
-        return gpt_oss.export_problems(model)
+        return problems + gpt_oss.export_problems(model)
     if model.biases or model.expert_activation != "silu":
         problems.append("router and expert biases or the clamped SwiGLU (GPT-OSS's)")
     if model.num_shared_experts or model.score_func != "softmax" or model.route_scale != 1.0 or model.qkv_bias:
         problems.append("shared experts, sigmoid scores, route_scale != 1 and q/k/v biases")
     if family == "mixtral" and (model.n_dense_layers or not model.norm_topk):
         problems.append("dense blocks and unnormalised top-k weights without qk_norm (Mixtral)")
-    if any(bool(moe.router.expert_bias.any()) for moe in model.moe_layers().values()):
-        problems.append("a non-zero expert bias (trained with bias_update_rate > 0)")
     return problems
 
 
