@@ -93,9 +93,13 @@ class LMEval(L.Callback):
         return []
 
     @override
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.every_n_steps and trainer.global_step == 0:
-            self.evaluate(trainer, pl_module)
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        # The model before the first step, scored once the Task's on_train_start has run (Lightning calls the
+        # callbacks' first): a restarted replica group has joined by then and is past step 0 (nothing to score).
+        if self.every_n_steps and self._scored_step is None and trainer.global_step == 0:
+            self._log(trainer, self.evaluate(trainer, pl_module, record=False))
 
     @override
     def on_train_batch_end(
@@ -109,7 +113,12 @@ class LMEval(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # A run the data or a budget ended before max_steps: its last step is scored here, in a row of its own.
         if self.every_n_steps and self._scored_step != trainer.global_step:
-            scores = self.evaluate(trainer, pl_module, record=False)
+            self._log(trainer, self.evaluate(trainer, pl_module, record=False))
+
+    @staticmethod
+    def _log(trainer: L.Trainer, scores: dict[str, float]) -> None:
+        """``eval/<task>/<metric>`` in a row of their own at the current step (outside a step's row)."""
+        if scores:
             for logger in trainer.loggers:
                 logger.log_metrics({f"eval/{name}": value for name, value in scores.items()}, step=trainer.global_step)
                 logger.save()
