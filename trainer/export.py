@@ -41,7 +41,7 @@ from trainer.models import families
 from trainer.models import hf_gpt_oss as gpt_oss
 from trainer.models.families import FAMILIES, FamilyError, exportable
 from trainer.models.hf import INDEX_FILE, HFError, hf_name, is_hf_dir, read_config
-from trainer.models.hf_moe import EXPERT_BIAS_SUFFIX, holds_expert_bias, split_experts
+from trainer.models.hf_moe import EXPERT_BIAS_SUFFIX, FLOAT32_SUFFIXES, holds_expert_bias, split_experts
 from trainer.models.llama import Llama
 from trainer.peft_adapter import moe_adapter_problem, peft_target_modules
 from trainer.rundir import RunModel, load_run_model, resolve_checkpoint
@@ -203,12 +203,12 @@ def write_hf_dir(
     """
     torch_dtype = DTYPES[dtype] if dtype else next(iter(state.values())).dtype
     base = base_config(sources)
-    named = hf_state_dict(state, tie_embeddings=model.tie_embeddings, family=export_family_of(model, base))
-    # A selection bias stays fp32 (transformers keeps DeepSeek-V3's so): in bf16 its small steps round away.
-    tensors = {
-        k: v.detach().to("cpu", torch.float32 if k.endswith(EXPERT_BIAS_SUFFIX) else torch_dtype)
-        for k, v in named.items()
-    }
+    family = export_family_of(model, base)
+    named = hf_state_dict(state, tie_embeddings=model.tie_embeddings, family=family)
+    # A selection bias stays fp32 (in bf16 its small steps round away), and DeepSeek-V3's router
+    # weight with it: transformers keeps both so (FLOAT32_SUFFIXES).
+    kept = (*EXPERT_BIAS_SUFFIX, *FLOAT32_SUFFIXES.get(family, ()))
+    tensors = {k: v.detach().to("cpu", torch.float32 if k.endswith(kept) else torch_dtype) for k, v in named.items()}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     # transformers 5 reads ``dtype`` first (a source saved by it has one) and earlier versions ``torch_dtype``.

@@ -88,8 +88,9 @@ def test_deepseek_v3_without_a_query_latent_and_its_routing_bias(tmp_path):
 
 
 def test_a_bfloat16_export_keeps_deepseek_v3s_routing_bias_in_float32(tmp_path):
-    """``dtype=bfloat16`` casts the weights but not ``e_score_correction_bias`` (transformers keeps it
-    fp32): its steps of the auxiliary-loss-free update (1e-3) would round away in bf16 near 0.1."""
+    """``dtype=bfloat16`` casts the weights but not ``e_score_correction_bias`` nor the router's
+    weight (transformers keeps both fp32): the bias's steps of the auxiliary-loss-free update (1e-3)
+    would round away in bf16 near 0.1, and the router's scores differ from transformers' own bf16 save."""
     from safetensors import safe_open
 
     make_hf_dir("deepseek_v3", tmp_path / "hf")
@@ -98,8 +99,10 @@ def test_a_bfloat16_export_keeps_deepseek_v3s_routing_bias_in_float32(tmp_path):
     write_hf_dir(tmp_path / "out", model=model, state=model.state_dict(), tokenizer=tok, sources=[], dtype="bfloat16")
     with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="pt") as f:
         bias = f.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias")
-        assert f.get_tensor("model.layers.1.mlp.gate.weight").dtype == torch.bfloat16
+        router = f.get_tensor("model.layers.1.mlp.gate.weight")
+        assert f.get_tensor("model.layers.1.mlp.experts.0.down_proj.weight").dtype == torch.bfloat16
     assert torch.equal(bias, model.layers["1"].feed_forward.router.expert_bias)
+    assert torch.equal(router, model.layers["1"].feed_forward.router.gate.weight)
 
 
 def test_deepseek_v3s_multi_token_prediction_block_is_skipped(tmp_path):

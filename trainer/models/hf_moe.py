@@ -36,6 +36,9 @@ _ROUTER_FQN = re.compile(r"layers\.(\d+)\.feed_forward\.router\.(gate\.weight|ex
 _BIAS_NAME = {"deepseek_v3": "e_score_correction_bias"}
 # The checkpoint names of those biases end so (an export keeps them in fp32).
 EXPERT_BIAS_SUFFIX = tuple(f".gate.{name}" for name in _BIAS_NAME.values())
+# Tensors transformers keeps in float32 whatever the checkpoint's dtype (its models'
+# _keep_in_fp32_modules_strict): DeepSeek-V3's router, whose small score differences decide the experts.
+FLOAT32_SUFFIXES = {"deepseek_v3": (*EXPERT_BIAS_SUFFIX, ".mlp.gate.weight")}
 # transformers' DeepseekV3Config defaults of the fields a config.json may leave out.
 _DEEPSEEK_DEFAULTS = {"n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": True}
 
