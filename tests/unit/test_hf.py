@@ -129,6 +129,9 @@ def test_gpt_oss_refusals_name_the_fix(tmp_path):
     path.write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
     with pytest.raises(ConfigError, match=r"quantization_config=.*dequantized \(Mxfp4Config\(dequantize=True\)\)"):
         validate(compose("pretrain", ["model=hf", f"model.init_from={tmp_path / 'hf'}"]))
+    path.write_text(json.dumps({**config, "layer_types": config["layer_types"][:1]}))  # an edited config
+    with pytest.raises(ConfigError, match=r"layer_types has 1 entries for num_hidden_layers=3; give one per layer"):
+        validate(compose("pretrain", ["model=hf", f"model.init_from={tmp_path / 'hf'}"]))
 
 
 def test_an_export_in_another_dtype_says_so_where_transformers_5_reads_it(tmp_path):

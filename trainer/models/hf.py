@@ -141,6 +141,13 @@ def config_problems(config: dict[str, Any], where: str = "config.json") -> list[
         )
     if FAMILIES[family].moe:
         problems += moe_config_problems(config, family, where)
+    for key in ("layer_types", "no_rope_layers"):  # one entry per layer (an edited config may lose some)
+        values = config.get(key)
+        if isinstance(values, list) and len(values) != config.get("num_hidden_layers"):
+            problems.append(
+                f"{where}: {key} has {len(values)} entries for num_hidden_layers={config.get('num_hidden_layers')}; "
+                "give one per layer"
+            )
     return problems
 
 
