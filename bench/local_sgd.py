@@ -40,6 +40,7 @@ Invocations::
     python bench/local_sgd.py --warmup-dir /tmp/w2400 --steps 500 --methods ddp diloco50  # probe; warm-up kept
     python bench/local_sgd.py --warmup 0 --steps 400 --global-batch-size 8 --methods ddp diloco10 diloco50
     python bench/local_sgd.py --warmup 400 --steps 400 --methods ddp daso   # DASO against DDP, ~10 minutes
+    python bench/local_sgd.py --methods ddp daso --lr ddp=0.006 --lr daso=0.012  # each at its tuned rate
     python bench/local_sgd.py --model tiny --seq-len 256 --global-batch-size 8 --warmup 0 --steps 400 \
         --methods ddp ist                                           # IST on the pretrain recipe's sizes
     python bench/local_sgd.py --methods ddp --extra "nesterov09=strategy=diloco strategy.local_sgd.sync_every=50
@@ -106,6 +107,8 @@ SYNC_PERIOD = {
     "ist": 10,
 }
 DEFAULT_METHODS = ["ddp", "diloco50", "diloco100", "desloc", "local_adam"]
+# --lr METHOD=LR: a method's own AdamW rate (its tuned one), the warm-up keeps the recipe's.
+RATES: dict[str, float] = {}
 
 
 def train(method: str, args: argparse.Namespace, run_dir: Path, *, steps: int, init_from: str | None) -> dict[str, Any]:
@@ -118,6 +121,7 @@ def train(method: str, args: argparse.Namespace, run_dir: Path, *, steps: int, i
             # runs the recipe's schedule (20 steps back up to the same peak, cosine to 0.1x): no
             # jump from a decayed LR back to the peak.
             *(["scheduler=constant"] if method == "warmup" else []),
+            *([f"optim.lr={RATES[method]}"] if method in RATES else []),
             f"model={args.model}",
             # The same data seed as the warm-up: the BPE is trained on the seed's training split,
             # so another seed would be another tokenizer than the one the warm-up model learned.
@@ -191,7 +195,20 @@ def main() -> None:
         metavar="NAME=OVERRIDES",
         help="one more run: a name, '=', then its space-separated strategy overrides",
     )
+    parser.add_argument(
+        "--lr",
+        action="append",
+        default=[],
+        metavar="METHOD=LR",
+        help="a method's own AdamW rate (e.g. each method's tuned one: --lr ddp=0.006 --lr daso=0.012); "
+        "default: the recipe's",
+    )
     args = parser.parse_args()
+    for item in args.lr:
+        name, _, rate = item.partition("=")
+        if name not in METHODS:
+            sys.exit(f"--lr {item}: {name} is not a method ({', '.join(METHODS)})")
+        RATES[name] = float(rate)
     for extra in args.extra:
         name, _, overrides = extra.partition("=")
         METHODS[name] = overrides.split()
