@@ -425,17 +425,18 @@ class MeshStrategy(ModelParallelStrategy):
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group(axis))
         return tensor
 
-    def after_optimizer_step(
-        self, model: nn.Module, step: int, optimizer: torch.optim.Optimizer, loss: torch.Tensor | None = None
-    ) -> dict[str, Any]:
-        """Every plugin's `observe_loss` (when the step's ``loss`` is given) then `after_step` (step:
-        optimizer steps done, 1 after the first; the Task's optimizer, unwrapped from Lightning's):
-        e.g. ``comm/bytes_sent`` under local SGD, ``ep/max_over_mean_rows``, ``lora/trainable_bytes``
-        after step 1, ``perf/cp_whole_rows``."""
+    def observe_loss(self, step: int, loss: torch.Tensor) -> None:
+        """Every plugin's `observe_loss` with the step's training loss (step: optimizer steps done);
+        the Task calls it right before `after_optimizer_step` (DASO's plateau rule reads it)."""
+        for plugin in self.active:
+            plugin.observe_loss(step, loss)
+
+    def after_optimizer_step(self, model: nn.Module, step: int, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Every plugin's `after_step` (step: optimizer steps done, 1 after the first; the Task's
+        optimizer, unwrapped from Lightning's): e.g. ``comm/bytes_sent`` under local SGD,
+        ``ep/max_over_mean_rows``, ``lora/trainable_bytes`` after step 1, ``perf/cp_whole_rows``.
+        The signature is `trainer.protocols.Strategy`'s: a user's subclass overrides it as declared there."""
         optimizer = getattr(optimizer, "_optimizer", optimizer)
-        if loss is not None:
-            for plugin in self.active:
-                plugin.observe_loss(step, loss)
         metrics: dict[str, Any] = {}
         for plugin in sorted(self.active, key=lambda p: p.after_others):  # stable: ORDER, then the readers
             metrics.update(plugin.after_step(model, step, optimizer))

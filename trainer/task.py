@@ -264,9 +264,9 @@ class Task(L.LightningModule):
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
-        strategy_metrics = strategy.after_optimizer_step(
-            self.model, self.global_step, optimizer, loss
-        )  # e.g. bytes sent
+        if (observe_loss := getattr(strategy, "observe_loss", None)) is not None:
+            observe_loss(self.global_step, loss)  # before the step's plugin work (DASO's plateau rule)
+        strategy_metrics = strategy.after_optimizer_step(self.model, self.global_step, optimizer)  # e.g. bytes sent
 
         # A loader may report data metrics of the trained position (per-source consumed tokens).
         data_metrics = self.trainer.train_dataloader.mark_trained() or {}
