@@ -211,26 +211,28 @@ def component_problems(cfg: DictConfig, run: ResolvedRun | None) -> list[str]:
         node = cfg.get(group)
         if group == "data" and cfg.get("rest") is not None:
             continue
-        if not isinstance(node, DictConfig) or not isinstance(node.get("_target_"), str):
-            continue
-        try:
-            cls = _import(node._target_)
-        except (ImportError, AttributeError, ValueError):
+        if (cls := _target_class(node)) is None:
             continue
         components = [cls, *cls.evaluator_types(node)] if group == "data" else [cls]
         for component in components:
             problems.extend(component.problems(run, node))
     callbacks = cfg.get("callbacks")
     for node in callbacks.values() if isinstance(callbacks, DictConfig) else ():
-        if not isinstance(node, DictConfig) or not isinstance(node.get("_target_"), str):
-            continue
-        try:
-            cls = _import(node._target_)
-        except (ImportError, AttributeError, ValueError):
-            continue
+        cls = _target_class(node)
         if callable(check := getattr(cls, "problems", None)):  # a callback may say what keeps it from running
             problems.extend(check(run, node))
     return problems
+
+
+def _target_class(node: Any) -> Any:
+    """The class a ``_target_`` node builds; None for another value or a target that does not
+    import (the target checks report that)."""
+    if not isinstance(node, DictConfig) or not isinstance(node.get("_target_"), str):
+        return None
+    try:
+        return _import(node._target_)
+    except (ImportError, AttributeError, ValueError):
+        return None
 
 
 def validate(cfg: DictConfig, *, for_launch: bool = True) -> ResolvedRun:
