@@ -48,11 +48,12 @@ class DocumentCausalAttention:
 
     ``mask`` (once per model forward) picks the kernel from the document ids:
 
-    - no ids, or every row one document: plain causal SDPA (``is_causal=True``: flash on CUDA and CPU);
+    - no ids: plain causal SDPA (``is_causal=True``: flash on CUDA and CPU);
     - CUDA: FlexAttention with a document-causal ``BlockMask`` (`document_block_mask`), compiled;
     - CPU: causal SDPA per group of equally long documents (`PackedDocuments`, exact, O(T) saved
-      memory); ids whose documents are not contiguous runs (never made by plait's data) use the
-      dense mask of `block_causal_mask`.
+      memory; every row one document: one causal call over whole rows, the same type so that a
+      compiled block is not recompiled when the data's layout changes); ids whose documents are
+      not contiguous runs (never made by plait's data) use the dense mask of `block_causal_mask`.
 
     GQA is SDPA's and Flex's ``enable_gqa`` (no copies of k/v). Context parallelism swaps in
     another core with the same two calls (`Llama.set_attention_core`,
@@ -97,8 +98,8 @@ class DocumentCausalAttention:
         return out_bhte.transpose(1, 2)
 
 
-# The document layout changes with every batch: run it outside the compiled block (a graph break
-# around one fused call) instead of recompiling the block for each new layout.
+# The document layout changes with every batch (whole rows included): run it outside the compiled
+# block (a graph break around one fused call) instead of recompiling the block for each new layout.
 _packed = torch.compiler.disable(packed_document_attention)
 
 DOCUMENT_CAUSAL = DocumentCausalAttention()
