@@ -113,8 +113,9 @@ def test_rows_of_one_document_take_plain_causal_sdpa():
     torch.testing.assert_close(DOCUMENT_CAUSAL(q, k, v, None), dense_reference(q, k, v, docs), **TOL)
 
 
-def test_a_compiled_block_is_not_compiled_again_when_the_layout_changes():
-    """Per-block compile (`strategies.compile.apply_compile`) on CPU: batches whose rows are one
+@pytest.mark.parametrize("scope", ["block", "model"])
+def test_a_compiled_model_is_not_compiled_again_when_the_layout_changes(scope):
+    """`strategies.compile.apply_compile` (both scopes) on CPU: batches whose rows are one
     document each, then rows holding several, then one again run on the graphs of the first two
     calls (the second compiles the graph break around the packed attention only). Before, a
     batch's first document boundary (step 52 of the peers' Shakespeare run) recompiled every block."""
@@ -123,7 +124,7 @@ def test_a_compiled_block_is_not_compiled_again_when_the_layout_changes():
 
     torch._dynamo.reset()
     model = Llama(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=T)
-    apply_compile(model, backend="eager")
+    apply_compile(model, backend="eager", scope=scope)
     ids = torch.randint(0, 64, (B, T))
     one_each, several = torch.zeros(B, T, dtype=torch.long), PACKED
     model(ids, document_ids_bt=one_each).sum().backward()

@@ -60,6 +60,9 @@ class DocumentCausalAttention:
     `strategies.context.plugin.ContextParallelAttention`).
     """
 
+    # Outside any compiled region (a whole-model compile): the layout is read from the ids' values,
+    # which traced code would turn into guards and recompile on when the layout changes.
+    @torch.compiler.disable
     def mask(self, document_ids_bt: torch.Tensor | None, seq_len: int, device: torch.device) -> Any:
         """What the blocks of this forward attend with: None (plain causal), a ``BlockMask``,
         a `PackedDocuments` or a dense ``[B, 1, T, T]`` mask."""
