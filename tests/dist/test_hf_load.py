@@ -119,6 +119,8 @@ def _assert_trains_alike(run: dict, expected: dict, params_tol: dict = TOL) -> N
 _FAMILY_RUNS: dict[str, dict] = {}  # family -> layout -> run (the one-process run shared by its layouts)
 
 
+# Slow: one sharded run per family and layout (~25 s); the sharded load itself is in the tests above.
+@pytest.mark.slow
 @pytest.mark.parametrize("family, layout", [(f, layout) for f, layouts in FAMILY_LAYOUTS.items() for layout in layouts])
 def test_each_family_trains_sharded_like_one_process(family, layout, tmp_path_factory):
     if family not in _FAMILY_RUNS:
