@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from harness import CLI_TINY, plait, train_rows
 
 RUN = [o for o in CLI_TINY if not o.startswith("trainer.max_steps=")] + [
@@ -23,6 +24,9 @@ RUN = [o for o in CLI_TINY if not o.startswith("trainer.max_steps=")] + [
 ]
 
 
+# Slow (~25 s of CLI runs): a pipeline checkpoint resumed at another pp degree is in the default
+# run as tests/dist/test_pipeline.py::test_checkpoint_of_4_stages_resumes_at_another_pp_degree.
+@pytest.mark.slow
 def test_pp_cli_run_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     first, second = tmp_path / "first", tmp_path / "second"
     result = plait("pretrain", *RUN, f"run_dir={first}")
