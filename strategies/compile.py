@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from strategies.plugin import StrategyPlugin
 
@@ -29,13 +30,17 @@ _MODEL_SCOPE_REFUSED = {
     "pp": "the pipeline schedule runs each stage's module, not the model's forward",
     "cp": "context-parallel attention swaps the attention inside each block per step",
 }
-# Compiled tensor-parallel blocks fail their first backward with torch 2.13 on CPU (aot_eager and
-# inductor, with and without sequence and loss parallel): a DTensor redistribute's backward gets a
-# plain tensor from the compiled graph ("'Tensor' object has no attribute '_local_tensor'").
-_TP_REFUSED = (
-    "strategy.compile.enabled=true does not train with tp={tp}: the first backward of compiled tensor-parallel "
-    "blocks fails in torch's DTensor redistribute; use strategy.compile.enabled=false with tensor parallelism"
-)
+
+
+def _wait_for_collective(module: nn.Module, args: tuple, output: object) -> object:
+    """Forward hook on the modules outside the compiled blocks: an ``AsyncCollectiveTensor`` output
+    (a tensor-parallel module's all-reduce or reduce-scatter still in flight, e.g. the row-wise
+    token embedding's) becomes a plain tensor before a compiled block takes it. Given to a compiled
+    block as is, its gradient came back unwrapped and the embedding's DTensor redistribute failed in
+    the first backward with torch 2.13 ("'Tensor' object has no attribute '_local_tensor'"). The copy
+    (``clone``: any op waits and unwraps; ``wait()`` would cut the autograd graph) is of one
+    ``[B, T, D]`` activation per step."""
+    return output.clone() if isinstance(output, AsyncCollectiveTensor) else output
 
 
 def apply_compile(
@@ -58,6 +63,9 @@ def apply_compile(
     elif scope == "block":
         for block in model.layers.children():
             block.compile(backend=backend, fullgraph=fullgraph)
+        for name, module in model.named_children():
+            if name != "layers":  # what feeds the first block (the embedding) and takes the last one's output
+                module.register_forward_hook(_wait_for_collective)
     else:
         raise ValueError(f"strategy.compile.scope={scope!r} is unknown; use block or model")
 
@@ -71,7 +79,7 @@ class Compile(StrategyPlugin):
         backend: ``torch.compile`` backend.
         fullgraph: fail on graph breaks.
         scope: "block" (each transformer block) or "model" (the whole forward, one process,
-            DDP and FSDP layouts). Neither runs with tensor parallelism yet (refused at validate).
+            DDP, FSDP and tensor-parallel layouts).
     """
 
     enabled: bool = False
@@ -80,12 +88,11 @@ class Compile(StrategyPlugin):
     scope: Literal["block", "model"] = "block"
 
     def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
-        """A ``backend`` torch does not know, tensor parallelism, and ``scope=model`` on a layout it cannot
+        """A ``backend`` torch does not know, and ``scope=model`` on a layout it cannot
         compile as one graph (pipeline or context parallel), when enabled (else it would fail at the first step)."""
         if not self.enabled:
             return []
-        refused = [_TP_REFUSED.format(tp=run.dims.tp)] if run.dims.tp > 1 else []
-        refused += [
+        refused = [
             f"strategy.compile.scope=model does not run with {axis}={getattr(run.dims, axis)} ({why}); "
             "use strategy.compile.scope=block"
             for axis, why in _MODEL_SCOPE_REFUSED.items()

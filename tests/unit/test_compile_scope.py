@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from harness import compose_config
 
-from strategies.compile import Compile
+from strategies.compile import Compile, _wait_for_collective, apply_compile
 from trainer.config import ConfigError, validate
 from trainer.models.llama import Llama
 
@@ -52,8 +53,23 @@ def test_the_model_scope_is_accepted_on_one_process_and_fsdp() -> None:
 
 
 @pytest.mark.parametrize("scope", ["block", "model"])
-def test_compile_with_tensor_parallelism_is_refused_naming_the_fix(scope: str) -> None:
-    """Compiled tensor-parallel blocks fail their first backward (torch 2.13, CPU): refused at validate."""
+def test_compile_with_tensor_parallelism_is_accepted(scope: str) -> None:
+    """Trained in tests/dist/test_equivalence.py (tp2_sp_lp_compile_block, tp2_sp_lp_compile_model)."""
     overrides = ["strategy=tp", "trainer.devices=2", "strategy.compile.enabled=true", f"strategy.compile.scope={scope}"]
-    with pytest.raises(ConfigError, match=r"does not train with tp=2.*use strategy.compile.enabled=false"):
-        validate(compose_config(overrides))
+    validate(compose_config(overrides))
+
+
+def test_modules_outside_the_blocks_hand_on_plain_tensors() -> None:
+    """The block scope hooks the modules around the blocks: an AsyncCollectiveTensor output (a TP
+    module's reduction in flight) comes out as a plain tensor with the same values."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor  # noqa: PLC0415 - the case
+
+    model = _model()
+    apply_compile(model, backend="eager", scope="block")
+    x = torch.randn(2, 3)
+    pending = AsyncCollectiveTensor(x * 2)
+    assert _wait_for_collective in model.tok_embeddings._forward_hooks.values()
+    assert _wait_for_collective not in model.layers["0"]._forward_hooks.values()
+    out = _wait_for_collective(model.tok_embeddings, (), pending)
+    assert type(out) is torch.Tensor and torch.equal(out, x * 2)  # the gradient: tests/dist/test_equivalence.py
+    assert _wait_for_collective(model.tok_embeddings, (), x) is x
