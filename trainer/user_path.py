@@ -9,7 +9,7 @@ The folder a command starts in is never searched: it may be a downloaded run dir
 ``pynvml.py``, ``opt_einsum.py`` or ``hydra_plugins/`` there would run as soon as a library tries
 the optional module it names. Python itself puts that folder on the path for ``python -m
 trainer.cli`` (first: torchrun's workers start that way) and for an empty ``PYTHONPATH`` entry
-(``PYTHONPATH=:x``); `drop_current_folder` takes it off (a folder named in ``PYTHONPATH`` stays) before plait imports anything else. What
+(``PYTHONPATH=:x``); `drop_current_folder` takes it off before plait imports anything else. What
 Python imported before that (the ``trainer`` package itself) it looked for there first, so in a
 folder you did not fill, run the ``plait`` script or ``python -P -m trainer.cli``.
 
@@ -38,15 +38,11 @@ def _current_folder() -> str | None:
         return None
 
 
-def drop_current_folder(environ: Mapping[str, str] | None = None) -> None:
-    """Removes every ``sys.path`` entry that is the current folder (``''``, ``.``, its absolute path),
-    except one spelled exactly as a non-empty ``PYTHONPATH`` entry: a folder the user named there
-    (``PYTHONPATH=$PWD plait ...``) is searched on purpose, wherever the command starts."""
-    environ = os.environ if environ is None else environ
-    named = {entry for entry in environ.get("PYTHONPATH", "").split(os.pathsep) if entry}
+def drop_current_folder() -> None:
+    """Removes every ``sys.path`` entry that is the current folder (``''``, ``.``, its absolute path)."""
     cwd = _current_folder()
     if cwd is not None:
-        sys.path[:] = [p for p in sys.path if p in named or os.path.realpath(p or os.curdir) != cwd]
+        sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != cwd]
 
 
 def split_user_path(argv: Sequence[str]) -> tuple[list[str], list[str]]:

@@ -49,17 +49,8 @@ def test_the_current_folder_leaves_the_path_in_every_spelling(tmp_path: Path, mo
     (tmp_path / "link").symlink_to(here)
     monkeypatch.chdir(here)
     monkeypatch.setattr(sys, "path", ["", ".", str(here), str(tmp_path / "link"), str(other), str(here) + "/"])
-    drop_current_folder({})
+    drop_current_folder()
     assert sys.path == [str(other)]
-
-
-def test_the_current_folder_named_in_pythonpath_stays(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``PYTHONPATH=$PWD plait ...`` names the folder on purpose; the empty entry (``PYTHONPATH=:x``)
-    and Python's own ``''`` do not."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", ["", str(tmp_path), "/site"])
-    drop_current_folder({"PYTHONPATH": os.pathsep.join(["", str(tmp_path), "/x"])})
-    assert sys.path == [str(tmp_path), "/site"]
 
 
 def test_named_folders_go_last_and_reach_child_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
