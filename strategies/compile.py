@@ -64,7 +64,8 @@ def apply_compile(
         for block in model.layers.children():
             block.compile(backend=backend, fullgraph=fullgraph)
         for name, module in model.named_children():
-            if name != "layers":  # what feeds the first block (the embedding) and takes the last one's output
+            # What feeds the first block (the embedding) and takes the last one's output; once per module.
+            if name != "layers" and _wait_for_collective not in module._forward_hooks.values():
                 module.register_forward_hook(_wait_for_collective)
     else:
         raise ValueError(f"strategy.compile.scope={scope!r} is unknown; use block or model")

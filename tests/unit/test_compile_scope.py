@@ -73,3 +73,13 @@ def test_modules_outside_the_blocks_hand_on_plain_tensors() -> None:
     out = _wait_for_collective(model.tok_embeddings, (), pending)
     assert type(out) is torch.Tensor and torch.equal(out, x * 2)  # the gradient: tests/dist/test_equivalence.py
     assert _wait_for_collective(model.tok_embeddings, (), x) is x
+
+
+def test_the_whole_model_compiles_as_one_graph_without_document_ids() -> None:
+    """fullgraph=True with the model scope: without document ids nothing breaks the graph (the
+    document layout is built outside the compiled region only when there are ids)."""
+    torch._dynamo.reset()
+    model = _model()
+    apply_compile(model, backend="eager", fullgraph=True, scope="model")
+    model(torch.randint(0, 64, (2, 16))).sum().backward()
+    torch._dynamo.reset()

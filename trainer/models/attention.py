@@ -60,19 +60,12 @@ class DocumentCausalAttention:
     `strategies.context.plugin.ContextParallelAttention`).
     """
 
-    # Outside any compiled region (a whole-model compile): the layout is read from the ids' values,
-    # which traced code would turn into guards and recompile on when the layout changes.
-    @torch.compiler.disable
     def mask(self, document_ids_bt: torch.Tensor | None, seq_len: int, device: torch.device) -> Any:
         """What the blocks of this forward attend with: None (plain causal), a ``BlockMask``,
         a `PackedDocuments` or a dense ``[B, 1, T, T]`` mask."""
-        if document_ids_bt is None:
+        if document_ids_bt is None:  # traced as is: no graph break without document ids
             return None
-        if document_ids_bt.device.type == "cuda":
-            return document_block_mask(document_ids_bt)
-        if not document_runs_are_contiguous(document_ids_bt):
-            return block_causal_mask(document_ids_bt)
-        return pack_documents(document_ids_bt)
+        return _document_layout(document_ids_bt)
 
     def __call__(
         self,
@@ -99,6 +92,19 @@ class DocumentCausalAttention:
             q_bhte, k_bkte, v_bkte, attn_mask=mask, is_causal=mask is None, enable_gqa=True
         )
         return out_bhte.transpose(1, 2)
+
+
+# Outside any compiled region (a whole-model compile): the layout is read from the ids' values,
+# which traced code would turn into guards and recompile on when the layout changes.
+@torch.compiler.disable
+def _document_layout(document_ids_bt: torch.Tensor) -> Any:
+    """`DocumentCausalAttention.mask` for given ids: a ``BlockMask`` on CUDA, else a `PackedDocuments`
+    (a dense mask for ids whose documents are not contiguous runs)."""
+    if document_ids_bt.device.type == "cuda":
+        return document_block_mask(document_ids_bt)
+    if not document_runs_are_contiguous(document_ids_bt):
+        return block_causal_mask(document_ids_bt)
+    return pack_documents(document_ids_bt)
 
 
 # The document layout changes with every batch (whole rows included): run it outside the compiled
