@@ -82,6 +82,23 @@ LAYOUTS = {
     # an AsyncCollectiveTensor, is made a plain tensor before the first compiled block.
     "tp2_sp_lp_compile_block": ["strategy=tp", "trainer.devices=2", *_COMPILE_MODEL[:1], _COMPILE_MODEL[2]],
     "tp2_sp_lp_compile_model": ["strategy=tp", "trainer.devices=2", *_COMPILE_MODEL],
+    "fsdp2_x_tp2_compile_block": [
+        "strategy=fsdp_tp",
+        "trainer.devices=4",
+        "train.micro_batch_size=2",
+        *_COMPILE_MODEL[:1],
+        _COMPILE_MODEL[2],
+    ],
+    "pp2_x_tp2_compile_block": [
+        "strategy=nd",
+        "strategy.pp=2",
+        "strategy.tp=2",
+        "strategy.dp_shard=1",
+        "trainer.devices=4",
+        "train.micro_batch_size=2",
+        *_COMPILE_MODEL[:1],
+        _COMPILE_MODEL[2],
+    ],
 }
 
 
