@@ -42,6 +42,7 @@ from trainer.optim import build_optimizer
 
 TOL_SGD = {"rtol": 1e-6, "atol": 1e-6}
 TOL_ADAM = {"rtol": 1e-5, "atol": 1e-5}
+TOL_FSDP_SGD = {"rtol": 1e-6, "atol": 5e-6}
 COMMON = (
     "data.seq_len=32",
     "scheduler=constant",
@@ -302,8 +303,10 @@ SIMULATED = {  # id -> (overrides, simulated algorithm, parameter tolerance)
         TOL_ADAM,
     ),
     # FSDP islands sum their gradients over 2 shard ranks (other rounding than one 4-row forward,
-    # which Adam magnifies to ~2e-5 in a few elements). SGD + momentum inner: 1e-6 held alone, but
-    # a loaded machine once gave 27 of 20,608 weights at 3.5e-6 (4 gloo ranks on 2 cores), so 1e-5.
+    # which Adam magnifies to ~2e-5 in a few elements). SGD + momentum inner: 1e-6 held in most
+    # sessions, but one full run gave 27 of 20,608 weights at 3.5e-6. The rows change between pytest
+    # sessions (the corpus path, a temporary folder, is part of the held-out split key), and with them
+    # the rounding of the sums: atol 5e-6.
     "diloco_h3_fsdp_islands_sgd": (
         [
             "strategy=diloco",
@@ -314,7 +317,7 @@ SIMULATED = {  # id -> (overrides, simulated algorithm, parameter tolerance)
             "train.micro_batch_size=null",
         ],  # 2 rows per rank
         lambda: DiLoCoSim(sync_every=3),
-        TOL_ADAM,
+        TOL_FSDP_SGD,
     ),
 }
 
