@@ -106,19 +106,17 @@ def test_attention_sinks_through_flex_equal_the_written_out_softmax_with_the_sin
 
 def test_rows_of_one_document_take_plain_causal_sdpa():
     docs = torch.stack([torch.full((T,), 3), torch.zeros(T, dtype=torch.long)])
-    mask = DOCUMENT_CAUSAL.mask(docs, T, CPU)
-    assert isinstance(mask, PackedDocuments) and mask.whole_rows
+    assert DOCUMENT_CAUSAL.mask(docs, T, CPU) is None
     q, k, v, _ = tensors(2)
-    torch.testing.assert_close(DOCUMENT_CAUSAL(q, k, v, mask), dense_reference(q, k, v, docs), **TOL)
     torch.testing.assert_close(DOCUMENT_CAUSAL(q, k, v, None), dense_reference(q, k, v, docs), **TOL)
 
 
 @pytest.mark.parametrize("scope", ["block", "model"])
-def test_a_compiled_model_is_not_compiled_again_when_the_layout_changes(scope):
-    """`strategies.compile.apply_compile` (both scopes) on CPU: batches whose rows are one
-    document each, then rows holding several, then one again run on the graphs of the first two
-    calls (the second compiles the graph break around the packed attention only). Before, a
-    batch's first document boundary (step 52 of the peers' Shakespeare run) recompiled every block."""
+def test_a_compiled_model_compiles_once_per_kind_of_layout(scope):
+    """`strategies.compile.apply_compile` (both scopes) on CPU: after batches of both kinds (rows of
+    one document each, packed rows; each kind after the other, as the whole-model scope resumes its
+    frames per transition), new layouts of either kind (other document lengths) run on those graphs:
+    no recompile per layout (the packed attention runs outside the graph)."""
     from strategies.compile import apply_compile  # noqa: PLC0415 - the test's subject
     from trainer.models.llama import Llama  # noqa: PLC0415 - the test's subject
 
@@ -126,10 +124,11 @@ def test_a_compiled_model_is_not_compiled_again_when_the_layout_changes(scope):
     model = Llama(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=T)
     apply_compile(model, backend="eager", scope=scope)
     ids = torch.randint(0, 64, (B, T))
-    one_each, several = torch.zeros(B, T, dtype=torch.long), PACKED
-    model(ids, document_ids_bt=one_each).sum().backward()
+    one_each = torch.zeros(B, T, dtype=torch.long)
+    for docs in (one_each, PACKED, one_each):  # each kind, and each after the other
+        model(ids, document_ids_bt=docs).sum().backward()
     with torch._dynamo.config.patch(error_on_recompile=True):
-        for docs in (several, one_each, several):
+        for docs in (ODD, one_each + 5, PACKED, docs_of((64,), (40, 24))):
             model(ids, document_ids_bt=docs).sum().backward()
     torch._dynamo.reset()
 

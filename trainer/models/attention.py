@@ -48,12 +48,18 @@ class DocumentCausalAttention:
 
     ``mask`` (once per model forward) picks the kernel from the document ids:
 
-    - no ids: plain causal SDPA (``is_causal=True``: flash on CUDA and CPU);
+    - no ids, or every row one document: plain causal SDPA (``is_causal=True``: flash on CUDA and CPU),
+      inside a compiled block's graph;
     - CUDA: FlexAttention with a document-causal ``BlockMask`` (`document_block_mask`), compiled;
     - CPU: causal SDPA per group of equally long documents (`PackedDocuments`, exact, O(T) saved
-      memory; every row one document: one causal call over whole rows, the same type so that a
-      compiled block is not recompiled when the data's layout changes); ids whose documents are
-      not contiguous runs (never made by plait's data) use the dense mask of `block_causal_mask`.
+      memory), outside the compiled graph; ids whose documents are not contiguous runs (never made
+      by plait's data) use the dense mask of `block_causal_mask`.
+
+    A compiled block has one graph per kind of mask: the first batch of another kind (the first
+    with a document boundary, or the first without) compiles once more, and no later batch does.
+    One-document batches keep SDPA inside the graph: routing them through the packed path too
+    would avoid that one compile but break every block's graph at every step (measured ~2-4%
+    slower per step on the peers' CPU workload, docs/benchmarks.md).
 
     GQA is SDPA's and Flex's ``enable_gqa`` (no copies of k/v). Context parallelism swaps in
     another core with the same two calls (`Llama.set_attention_core`,
@@ -107,8 +113,8 @@ def _document_layout(document_ids_bt: torch.Tensor) -> Any:
     return pack_documents(document_ids_bt)
 
 
-# The document layout changes with every batch (whole rows included): run it outside the compiled
-# block (a graph break around one fused call) instead of recompiling the block for each new layout.
+# The document layout changes with every batch: run it outside the compiled block (a graph break
+# around one fused call) instead of recompiling the block for each new layout.
 _packed = torch.compiler.disable(packed_document_attention)
 
 DOCUMENT_CAUSAL = DocumentCausalAttention()

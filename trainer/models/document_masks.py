@@ -63,31 +63,20 @@ def document_runs_are_contiguous(document_ids_bt: torch.Tensor) -> bool:
 class PackedDocuments:
     """The documents of a batch, grouped by length: built once per forward (`pack_documents`).
 
-    No groups (the defaults) means every row is one document: plain causal SDPA over whole rows.
-    A batch is described by this one type either way, so a compiled block (which guards on its
-    inputs' types) is not compiled again when a batch first holds a document boundary, or first
-    holds none, in the middle of a run.
-
     Args:
         gather: per group, ``[N * L]`` int64 indices into the ``B * T`` flattened tokens: the
             group's N documents of L tokens each, in order.
         lengths: per group, its document length L.
-        order: ``[B * T]`` int64: where each token's output sits in the concatenated group outputs
-            (None for whole rows).
+        order: ``[B * T]`` int64: where each token's output sits in the concatenated group outputs.
     """
 
-    gather: tuple[torch.Tensor, ...] = ()
-    lengths: tuple[int, ...] = ()
-    order: torch.Tensor | None = None
-
-    @property
-    def whole_rows(self) -> bool:
-        """Whether every row is one document (no groups)."""
-        return not self.lengths
+    gather: tuple[torch.Tensor, ...]
+    lengths: tuple[int, ...]
+    order: torch.Tensor
 
 
-def pack_documents(document_ids_bt: torch.Tensor) -> PackedDocuments:
-    """Groups the documents (runs of equal ids) of every row by length; no groups when every row is one.
+def pack_documents(document_ids_bt: torch.Tensor) -> PackedDocuments | None:
+    """Groups the documents (runs of equal ids) of every row by length; None when every row is one.
 
     Works on the ids' device; on CUDA it synchronises (group sizes are host numbers), so CUDA uses
     FlexAttention instead.
@@ -95,7 +84,7 @@ def pack_documents(document_ids_bt: torch.Tensor) -> PackedDocuments:
     B, T = document_ids_bt.shape
     starts = torch.nonzero(document_starts(document_ids_bt).flatten()).flatten()
     if starts.numel() == B:
-        return PackedDocuments()
+        return None
     n_docs = torch.diff(starts, append=torch.tensor([B * T], device=starts.device))
     gather, lengths = [], []
     for L in torch.unique(n_docs).tolist():
@@ -154,15 +143,10 @@ def packed_document_attention(
         q_bthe: queries ``[B, T, H, E]``; k_btke, v_btke: keys and values ``[B, T, K, E]`` (GQA:
             K divides H, query head h served by kv head ``h // (H / K)``); the values' head dim
             may differ from E (the output then has it).
-        docs: the batch's documents (`pack_documents` of its ids); whole rows: one causal call.
+        docs: the batch's documents (`pack_documents` of its ids).
         sinks_h: ``[H]`` attention sinks (GPT-OSS): each group through `sink_attention`, causal,
             its scores ``[N, H, L, L]`` written out (O(sum of L^2), not O(T^2)); None: SDPA.
     """
-    if docs.whole_rows:
-        if sinks_h is not None:
-            return sink_attention(q_bthe, k_btke, v_btke, None, sinks_h)
-        q_bhte, k_bkte, v_bkte = (t.transpose(1, 2) for t in (q_bthe, k_btke, v_btke))
-        return F.scaled_dot_product_attention(q_bhte, k_bkte, v_bkte, is_causal=True, enable_gqa=True).transpose(1, 2)
     B, T, H, _ = q_bthe.shape
     Ev = v_btke.shape[-1]  # the value head dim may differ from the query/key one (latent attention)
     flat = [t.reshape(B * T, *t.shape[2:]) for t in (q_bthe, k_btke, v_btke)]
