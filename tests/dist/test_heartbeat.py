@@ -12,6 +12,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -26,8 +27,9 @@ def _free_port() -> int:
 
 def _rank(rank: int, port: int, out: Path) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
     lines = out / f"rank{rank}.txt"
     heartbeat = Heartbeat(stale_s=1.0, interval_s=0.2, report=lambda line: lines.open("a").write(line + "\n"))
     heartbeat.start()
@@ -77,8 +79,9 @@ def _stalling_rank(rank: int, port: int, out: Path, stall_rank: int, stall_step:
     """Steps with an all_reduce each; rank ``stall_rank`` stops itself (SIGSTOP) inside step
     ``stall_step``. The watcher's abort writes its exit code and ends the process as plait's does."""
     os.environ["MASTER_ADDR"] = "127.0.0.1"
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=120)
+    )
     lines = out / f"rank{rank}.txt"
 
     def report(line: str) -> None:
@@ -109,14 +112,19 @@ def _stalling_rank(rank: int, port: int, out: Path, stall_rank: int, stall_step:
 def _run_stall(tmp_path: Path, stall_rank: int, stall_step: int = 30) -> tuple[dict[int, str], dict[str, float]]:
     context = multiprocessing.get_context("fork")
     port = _free_port()
-    procs = [context.Process(target=_stalling_rank, args=(rank, port, tmp_path, stall_rank, stall_step)) for rank in (0, 1)]
+    procs = [
+        context.Process(target=_stalling_rank, args=(rank, port, tmp_path, stall_rank, stall_step)) for rank in (0, 1)
+    ]
     for proc in procs:
         proc.start()
     waiting, stalled = procs[1 - stall_rank], procs[stall_rank]
     times: dict[str, float] = {}
     try:
         deadline = time.monotonic() + 60
-        while not (tmp_path / f"rank{stall_rank}.txt").exists() or f"STEP {stall_step}\n" not in (tmp_path / f"rank{stall_rank}.txt").read_text():
+        while (
+            not (tmp_path / f"rank{stall_rank}.txt").exists()
+            or f"STEP {stall_step}\n" not in (tmp_path / f"rank{stall_rank}.txt").read_text()
+        ):
             assert time.monotonic() < deadline, "the ranks did not reach the stall"
             time.sleep(0.05)
         start = time.monotonic()
@@ -142,7 +150,9 @@ def test_a_rank_stopped_past_the_timeout_ends_the_run_naming_it_and_its_step(tmp
     assert "ABORT 4" in reports[0] and times["waiting_exit_s"] < 3.0 + 5 * 0.5 + 2, times
     # The step named is the one it stopped in, not the one of its last periodic heartbeat.
     assert "plait: rank 1 has not answered for 1 s (its last heartbeat was at step 30)" in reports[0], reports[0]
-    assert "plait: error: rank 1 has not answered for 3 s (in step 30), past strategy.timeout_s=3" in reports[0], reports[0]
+    assert "plait: error: rank 1 has not answered for 3 s (in step 30), past strategy.timeout_s=3" in reports[0], (
+        reports[0]
+    )
     # Continued, the stopped rank finds its peer gone and ends at once.
     assert "LOST [0]" in reports[1] and times["stalled_exit_after_cont_s"] < 5.0, (times, reports[1])
 
@@ -153,7 +163,16 @@ def test_a_stopped_store_host_is_named_by_the_others_and_ends_the_run(tmp_path: 
     assert times["waiting_code"] == 4 and "ABORT 4" in reports[1], (times, reports[1])
     # Its stopped store answers no more reads: the step is the one rank 1 read last, at rank 1's
     # own step 30 (29 when rank 1 read before rank 0 had published its step 30).
-    stall = next(line for line in reports[1].splitlines() if line.startswith("plait: rank 0 (it hosts the heartbeat store) has not"))
+    stall = next(
+        line
+        for line in reports[1].splitlines()
+        if line.startswith("plait: rank 0 (it hosts the heartbeat store) has not")
+    )
     assert re.search(r"has not answered for 1 s \(its last heartbeat was at step (29|30)\)", stall), stall
     assert re.search(r"plait: error: rank 0 has not answered for 3 s \(in step (29|30)\)", reports[1]), reports[1]
     assert "LOST [1]" in reports[0] and times["stalled_exit_after_cont_s"] < 5.0, (times, reports[0])
+
+
+# Slow: CLI runs or waits on timeouts (10-30 s for the file); left out of the default run to keep it
+# near 15 min on 2 cores since it runs tests/dist/ (python -m pytest -m slow runs them).
+pytestmark = pytest.mark.slow

@@ -132,3 +132,8 @@ def test_generate_on_the_folder_of_runs_loads_the_job_that_saved_last(sweep: tup
     assert f"plait: loaded {last}" in result.stdout + result.stderr
     for banner in BANNERS:
         assert banner not in result.stdout + result.stderr, banner
+
+
+# Slow: CLI runs or waits on timeouts (10-30 s for the file); left out of the default run to keep it
+# near 15 min on 2 cores since it runs tests/dist/ (python -m pytest -m slow runs them).
+pytestmark = pytest.mark.slow

@@ -70,3 +70,8 @@ def test_a_budget_search_with_nothing_to_train_on_is_refused_before_its_first_ro
     errors = [line for line in result.stderr.splitlines() if line.startswith("plait: error:")]
     assert len(errors) == 1 and "keeps a supervised token" in errors[0], result.stderr[-3000:]
     assert not run_dir.exists()
+
+
+# Slow: CLI runs or waits on timeouts (10-30 s for the file); left out of the default run to keep it
+# near 15 min on 2 cores since it runs tests/dist/ (python -m pytest -m slow runs them).
+pytestmark = pytest.mark.slow

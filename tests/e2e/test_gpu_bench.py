@@ -40,3 +40,8 @@ def test_allow_cpu_trains_the_smoke_configuration() -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = proc.stdout.strip().splitlines()[-1]
     assert result.startswith("RESULT smoke_tps=") and "smoke_finite=1" in result, proc.stdout[-2000:]
+
+
+# Slow: CLI runs or waits on timeouts (10-30 s for the file); left out of the default run to keep it
+# near 15 min on 2 cores since it runs tests/dist/ (python -m pytest -m slow runs them).
+pytestmark = pytest.mark.slow

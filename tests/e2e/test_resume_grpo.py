@@ -90,3 +90,8 @@ def test_resume_in_the_middle_of_a_rollout_warns(tmp_path: Path) -> None:
     result = plait(*RUN, f"run_dir={run_dir}", "resume=last", "trainer.max_steps=4")
     _ok(result)
     assert "in the middle of a rollout" in result.stderr and "objective.num_iterations=2" in result.stderr
+
+
+# Slow: CLI runs or waits on timeouts (10-30 s for the file); left out of the default run to keep it
+# near 15 min on 2 cores since it runs tests/dist/ (python -m pytest -m slow runs them).
+pytestmark = pytest.mark.slow

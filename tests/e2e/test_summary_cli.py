@@ -178,3 +178,8 @@ def test_a_stop_signal_is_in_the_summary(tmp_path: Path) -> None:
     assert result.returncode == 143, result.stderr[-3000:]
     assert (summary["stopped_by"], summary["steps"]) == ("signal", STOP_AT)
     assert summary["stop_reason"] == f"SIGTERM received: stopped after step {STOP_AT}; continue with resume=last"
+
+
+# Slow: CLI runs or waits on timeouts (10-30 s for the file); left out of the default run to keep it
+# near 15 min on 2 cores since it runs tests/dist/ (python -m pytest -m slow runs them).
+pytestmark = pytest.mark.slow
