@@ -7,7 +7,7 @@ the whole global batch per step, loss = summed CE / supervised tokens), as in te
 Tolerance 1e-5 (absolute and relative). Layouts: FSDP2 x CP2 ring on 4 processes (with grad
 accumulation 2 and the chunked cross-entropy, whose LM head is FSDP's root parameter), CP2 Ulysses
 with the chunked cross-entropy, CP4 hybrid (2 head groups x ring of
-2) with activation checkpointing and chunked score blocks.
+2) with activation checkpointing and chunked score blocks, CP2 x TP2 with compiled blocks (aot_eager).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-
 from harness import EXACT_SGD, compose_config, fit, losses, reference_setup
+
 from trainer.data.packing import IGNORE_INDEX
 
 STEPS = 5
@@ -37,6 +37,12 @@ LAYOUTS = {
     "cp2_ulysses_chunked_ce": [
         "strategy=cp", "strategy.context_parallel.mode=ulysses", "trainer.devices=2", "objective.loss_chunk_tokens=48",
     ],
+    # Compiled blocks (aot_eager) on a CP x TP mesh: the context-parallel attention inside
+    # tensor-parallel blocks, the row-wise embedding's output made a plain tensor before them.
+    "cp2_x_tp2_compile_block": [
+        "strategy=nd", "strategy.cp=2", "strategy.tp=2", "strategy.dp_shard=1", "trainer.devices=4",
+        "strategy.compile.enabled=true", "strategy.compile.backend=aot_eager",
+    ],
     "cp4_hybrid_checkpointed": [
         "strategy=cp", "strategy.context_parallel.mode=hybrid", "trainer.devices=4", "strategy.activation_checkpoint.mode=full",
         "strategy.context_parallel.kv_chunk=8",
@@ -49,7 +55,9 @@ WORDS = "shall i compare thee to a summer's day thou art more lovely and tempera
 def corpus(tmp_path_factory) -> str:
     rng = random.Random(1)
     path = tmp_path_factory.mktemp("cp_corpus") / "docs.jsonl"
-    path.write_text("\n".join(json.dumps({"text": " ".join(rng.choices(WORDS, k=rng.randint(3, 25)))}) for _ in range(400)))
+    path.write_text(
+        "\n".join(json.dumps({"text": " ".join(rng.choices(WORDS, k=rng.randint(3, 25)))}) for _ in range(400))
+    )
     return str(path)
 
 
@@ -62,7 +70,9 @@ def reference(corpus) -> dict:
     for _, index in zip(range(STEPS), sampler):
         labels = rows.labels[index]
         docs_per_row.append(int(rows.document_ids[index].max(dim=1).values.min()) + 1)
-        logits = model(rows.input_ids[index], position_ids_bt=rows.position_ids[index], document_ids_bt=rows.document_ids[index])
+        logits = model(
+            rows.input_ids[index], position_ids_bt=rows.position_ids[index], document_ids_bt=rows.document_ids[index]
+        )
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
         loss = loss / (labels != IGNORE_INDEX).sum()
         optimizer.zero_grad(set_to_none=True)
@@ -92,7 +102,13 @@ DOCUMENT_LAYOUTS = {
     "cp2_ring_document": ["strategy=cp", "strategy.context_parallel.mode=ring", "trainer.devices=2", _DOC],
     "cp2_ulysses_document": ["strategy=cp", "strategy.context_parallel.mode=ulysses", "trainer.devices=2", _DOC],
     "cp4_hybrid_document": pytest.param(
-        ["strategy=cp", "strategy.context_parallel.mode=hybrid", "trainer.devices=4", "strategy.context_parallel.kv_chunk=8", _DOC],
+        [
+            "strategy=cp",
+            "strategy.context_parallel.mode=hybrid",
+            "trainer.devices=4",
+            "strategy.context_parallel.kv_chunk=8",
+            _DOC,
+        ],
         marks=pytest.mark.slow,
     ),
 }

@@ -14,8 +14,8 @@ Each plait run (`Task` + `MeshStrategy` in forked gloo ranks) is compared with o
 micro-batch 8 and with the reference: losses and gradients at each step, parameters after the 5
 steps. Tolerances (``TOL``): rtol 1e-6 and atol 1e-6 for every layout, FSDP (also with CPU offload), HSDP, TP (with and
 without sequence and loss parallel), FSDP x TP and PP x TP included (each pipeline schedule is
-tested in test_pipeline.py); whole-model compile under FSDP2 and TP with compiled blocks or the whole model, traced by
-aot_eager. The layouts compiled
+tested in test_pipeline.py); whole-model compile under FSDP2, and TP (with and without sequence and loss parallel) with
+compiled blocks or the whole model, traced by aot_eager. The layouts compiled
 by inductor (``COMPILED``, slow: a C++ build per graph) are compared with ``COMPILED_TOL``: inductor
 fuses elementwise chains and reorders reductions, so a compiled step rounds differently.
 Reported gradient norms agree to 1e-4 relative only: torch's fp32 ``vector_norm`` of a large CPU
@@ -82,6 +82,7 @@ LAYOUTS = {
     # an AsyncCollectiveTensor, is made a plain tensor before the first compiled block.
     "tp2_sp_lp_compile_block": ["strategy=tp", "trainer.devices=2", *_COMPILE_MODEL[:1], _COMPILE_MODEL[2]],
     "tp2_sp_lp_compile_model": ["strategy=tp", "trainer.devices=2", *_COMPILE_MODEL],
+    "tp2_compile_block": ["strategy=tp", "trainer.devices=2", *_TP_OFF, *_COMPILE_MODEL[:1], _COMPILE_MODEL[2]],
     "fsdp2_x_tp2_compile_block": [
         "strategy=fsdp_tp",
         "trainer.devices=4",

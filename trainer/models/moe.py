@@ -182,10 +182,15 @@ class TopKRouter(nn.Module):
 # ---------------------------------------------------------------------------------------------- experts
 def grouped_mm_supported(x_md: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` runs on these operands: on CPU every stride a multiple of 16
-    bytes (float32 or bfloat16); on CUDA bfloat16 on compute capability >= 8.0."""
+    bytes (float32 or bfloat16; float32 not inside a compiled graph); on CUDA bfloat16 on compute
+    capability >= 8.0."""
     if x_md.device.type == "cuda":
         return x_md.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x_md.device)[0] >= 8
     if x_md.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if x_md.dtype == torch.float32 and torch.compiler.is_compiling():
+        # torch 2.13's meta kernel of _grouped_mm, which torch.compile traces with, takes bfloat16
+        # only ("Expected inputs of BF16 type"); the eager CPU kernel takes float32.
         return False
     elem = x_md.element_size()
     return all((n * elem) % 16 == 0 for w in (x_md, *weights) for n in w.shape[-2:])
