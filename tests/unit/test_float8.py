@@ -139,7 +139,10 @@ def test_validate_refuses_what_float8_cannot_run_naming_the_fix(monkeypatch: pyt
     assert "fsdp_float8_all_gather=true needs one scale per weight" in message
     assert "use strategy.float8.recipe=tensorwise or strategy.float8.fsdp_float8_all_gather=null" in message
     assert "strategy.float8.emulate=false needs a CUDA GPU" in message
-    assert "does not compose with tensor parallelism yet (strategy.tp=2" in message and "use strategy.tp=1" in message
+    tensorwise_tp = refusals("strategy.float8.recipe=tensorwise", "strategy=tp", "trainer.devices=2")
+    assert "strategy.float8.recipe=tensorwise does not compose with tensor parallelism (strategy.tp=2)" in tensorwise_tp
+    assert "use strategy.float8.recipe=rowwise" in tensorwise_tp
+    assert "tensor parallelism" not in message  # rowwise with TP runs (tests/dist/test_float8_tp.py)
     assert "strategy.float8.recipe='bf8' must be one of tensorwise, rowwise or null" in refusals(
         "strategy.float8.recipe=bf8"
     )
