@@ -234,7 +234,7 @@ class PipelineParallel(StrategyPlugin):
     def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
         """The layout against the model's layers and the step's micro-batches (`check_pipeline`),
         the data's last batch (a partial one cannot fill the schedule's micro-batches), and a
-        mixture of experts under a schedule that splits backward."""
+        mixture of experts or compiled blocks under a schedule that splits backward."""
         pp = run.dims.pp
         if pp <= 1:
             return []
@@ -243,6 +243,12 @@ class PipelineParallel(StrategyPlugin):
             problems.append(
                 f"strategy.pipeline.schedule={self.schedule} splits backward into input and weight passes, which a "
                 "mixture of experts does not support yet; use strategy.pipeline.schedule=1F1B, GPipe or Interleaved1F1B"
+            )
+        if run.compile and self.schedule in SPLIT_BACKWARD_SCHEDULES:
+            problems.append(
+                f"strategy.pipeline.schedule={self.schedule} splits backward into input and weight passes, which "
+                "compiled blocks do not support (torch's pipelining: pytorch/pytorch#161904); use "
+                "strategy.pipeline.schedule=1F1B, GPipe or Interleaved1F1B, or strategy.compile.enabled=false"
             )
         if shape is not None:
             if pp > shape.n_layers:

@@ -47,6 +47,21 @@ def test_the_model_scope_is_refused_where_it_cannot_run_naming_the_block_scope(l
     validate(compose_config([*layout, "strategy.compile.enabled=true"]))  # the block scope runs there
 
 
+@pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "ZBV", "DualPipeV"])
+def test_compiled_blocks_are_refused_under_a_schedule_that_splits_backward(schedule: str) -> None:
+    """Each crashed in its first backward ("Failed to run stage backward input"; pytorch/pytorch#161904):
+    `python tests/matrix.py --only pp2_ZBV-compile` before the refusal."""
+    overrides = ["strategy=pp", "trainer.devices=2", "model.n_layers=4", "train.micro_batch_size=1"]
+    overrides.append(f"strategy.pipeline.schedule={schedule}")
+    with pytest.raises(ConfigError) as error:
+        validate(compose_config([*overrides, "strategy.compile.enabled=true"]))
+    assert f"strategy.pipeline.schedule={schedule} splits backward into input and weight passes" in str(error.value)
+    assert "use strategy.pipeline.schedule=1F1B, GPipe or Interleaved1F1B, or strategy.compile.enabled=false" in str(
+        error.value
+    )
+    validate(compose_config(overrides))  # the eager schedule runs (tests/dist/test_pipeline.py)
+
+
 def test_the_model_scope_is_accepted_on_one_process_and_fsdp() -> None:
     for layout in ([], ["strategy=fsdp", "trainer.devices=2"]):
         validate(compose_config([*layout, "strategy.compile.enabled=true", "strategy.compile.scope=model"]))
