@@ -1,5 +1,6 @@
 """float8 training (`strategies.float8`, emulated on CPU) under tensor parallelism: one process and
-TP 2 (sequence and loss parallel) on 2 gloo ranks train alike with the rowwise recipe.
+TP 2 (sequence and loss parallel) on 2 gloo ranks, and FSDP2 x TP 2 on 4 (slow), train alike with
+the rowwise recipe.
 
 fp32 nano Llama, the bundled corpus, global batch 8 of 64-token rows, 3 steps of SGD (constant LR,
 no clipping). float8 converts the blocks' Linear layers before TP shards their weights (column-wise
@@ -15,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
+import pytest
 import torch
 from harness import EXACT_SGD, compose_config, fit, losses
 from torchao.float8.float8_linear import Float8Linear
@@ -45,9 +47,20 @@ def _run(overrides: list[str], run_dir) -> dict:
     return {"loss": losses(task.history), "params": params, "float8": converted}
 
 
-def test_float8_rowwise_one_process_equals_tp2(tmp_path):
+LAYOUTS = {
+    "tp2": ["strategy=tp", "trainer.devices=2"],
+    # FSDP2 x TP 2 (4 ranks): the sharded weights all-gathered in high precision (rowwise has no
+    # float8 all-gather), then cast per row like the one process's.
+    "fsdp2_x_tp2": pytest.param(
+        ["strategy=fsdp_tp", "trainer.devices=4", "train.micro_batch_size=2"], marks=pytest.mark.slow
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS.values()), ids=list(LAYOUTS))
+def test_float8_rowwise_one_process_equals_tp(tmp_path, layout):
     one = _run([], tmp_path / "one")
-    tp = _run(["strategy=tp", "trainer.devices=2"], tmp_path / "tp")
+    tp = _run(layout, tmp_path / "tp")
     assert one["float8"] == tp["float8"] == sorted(f"layers.{i}.{name}" for i in (0, 1) for name in LINEARS)
     assert len(one["loss"]) == 3
     torch.testing.assert_close(tp["loss"], one["loss"], **TOL)
