@@ -12,6 +12,7 @@ Invocations::
 
     OMP_NUM_THREADS=2 python bench/float8.py                   # 200 steps each (the figure)
     python bench/float8.py --steps 50 --recipe rowwise         # a quick check of the other recipe
+    python bench/float8.py --power-of-2-scales                 # tensorwise with power-of-2 scales (what TP needs)
     python bench/float8.py --arms float8                       # one arm (no RESULT line): runs side by side
 
 The last line is ``RESULT float8_over_bf16_val_loss=<float8 / bf16 final validation loss>
@@ -66,11 +67,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--recipe", default="tensorwise", choices=["tensorwise", "rowwise"])
     parser.add_argument("--arms", nargs="+", default=["bf16", "float8"], choices=["bf16", "float8"])
+    parser.add_argument(
+        "--power-of-2-scales", action="store_true", help="strategy.float8.round_scales_to_power_of_2=true"
+    )
     args = parser.parse_args()
+    float8 = [f"strategy.float8.recipe={args.recipe}"]
+    if args.power_of_2_scales:
+        float8.append("strategy.float8.round_scales_to_power_of_2=true")
     build_data(compose("pretrain", [])).prepare()  # tokenizer and rows cached: neither arm's wall time holds them
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for arm, overrides in [("bf16", []), ("float8", [f"strategy.float8.recipe={args.recipe}"])]:
+        for arm, overrides in [("bf16", []), ("float8", float8)]:
             if arm in args.arms:
                 results[arm] = train(overrides, Path(tmp) / arm, args.steps)
                 print(f"{arm}: {results[arm]}", flush=True)
@@ -78,7 +85,7 @@ def main() -> None:
         return  # one arm (--arms): its line above
     f8, bf16 = results["float8"], results["bf16"]
     print(
-        f"{args.steps} steps, recipe {args.recipe}: val loss float8 {f8['val_loss']:.4f} vs bf16 {bf16['val_loss']:.4f}; "
+        f"{args.steps} steps, {' '.join(float8)}: val loss float8 {f8['val_loss']:.4f} vs bf16 {bf16['val_loss']:.4f}; "
         f"wall {f8['wall_s']:.0f} s vs {bf16['wall_s']:.0f} s (float8 emulated on CPU)"
     )
     print(

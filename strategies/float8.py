@@ -85,6 +85,7 @@ def apply_float8(
     keep_high_precision: Sequence[str] = KEEP_HIGH_PRECISION,
     emulate: bool = False,
     fsdp_float8_all_gather: bool = False,
+    round_scales_to_power_of_2: bool | None = None,
 ) -> list[str]:
     """Swaps the chosen ``nn.Linear`` layers of ``model`` for torchao's ``Float8Linear``, in place.
 
@@ -96,23 +97,32 @@ def apply_float8(
         emulate: the float8 matmul in fp32 on the dequantized values (devices without float8 kernels).
         fsdp_float8_all_gather: FSDP2 all-gathers the weights already cast to float8 (tensorwise only;
             pair it with `precompute_float8_scales` after each optimizer step).
+        round_scales_to_power_of_2: round every scale down to a power of 2 (None: the recipe's
+            own choice, tensorwise no, rowwise yes). A power-of-2 scale only shifts the exponent,
+            so a last-bit difference of an amax (a sum taken in another order, as tensor
+            parallelism's partial sums are) rarely changes it, and the cast values stay the same.
 
     Returns:
         The names of the converted layers.
 
     Raises:
-        ValueError: an unknown recipe, or the float8 all-gather with a recipe other than tensorwise.
+        ValueError: an unknown recipe, or the float8 all-gather with a recipe other than tensorwise
+            or with power-of-2 scales (torchao's all-gather computes its own, unrounded ones).
     """
     if recipe not in RECIPES:
         raise ValueError(f"strategy.float8.recipe={recipe!r} is unknown; use one of {', '.join(RECIPES)} or null")
     if fsdp_float8_all_gather and recipe != "tensorwise":
         raise ValueError("the float8 all-gather needs strategy.float8.recipe=tensorwise (one scale per weight)")
+    if fsdp_float8_all_gather and round_scales_to_power_of_2:
+        raise ValueError("the float8 all-gather computes its own scales, not rounded to powers of 2")
     float8 = _torchao_float8()
     config = replace(
         float8.Float8LinearConfig.from_recipe_name(recipe),
         emulate=emulate,
         enable_fsdp_float8_all_gather=fsdp_float8_all_gather,
     )
+    if round_scales_to_power_of_2 is not None:
+        config = replace(config, round_scales_to_power_of_2=round_scales_to_power_of_2)
     tied = _tied_weights(model)
     chosen = [fqn for fqn, module in model.named_modules() if converts(module, fqn, keep_high_precision, tied)]
     keep = set(chosen)
@@ -144,6 +154,8 @@ class Float8(StrategyPlugin):
         fsdp_float8_all_gather: FSDP2 all-gathers float8 weights (half the bytes of bf16): None
             (auto) turns it on for tensorwise when FSDP shards the weights; True needs tensorwise.
         emulate: the float8 matmul emulated in fp32; None (auto): emulated unless on a CUDA GPU.
+        round_scales_to_power_of_2: every scale a power of 2 (`apply_float8`); None: the recipe's
+            choice (tensorwise no, rowwise yes). Tensor parallelism with tensorwise needs it.
         accelerator: the run's ``trainer.accelerator`` (the device validate checks the recipe for).
     """
 
@@ -154,6 +166,7 @@ class Float8(StrategyPlugin):
     keep_high_precision: Sequence[str] = KEEP_HIGH_PRECISION
     fsdp_float8_all_gather: bool | None = None
     emulate: bool | None = None
+    round_scales_to_power_of_2: bool | None = None
     accelerator: str = "auto"
 
     def __post_init__(self) -> None:
@@ -164,12 +177,20 @@ class Float8(StrategyPlugin):
         self.keep_high_precision = [str(pattern) for pattern in self.keep_high_precision]
         self._all_gather = False  # set by apply: whether the weights are all-gathered in float8
 
+    @property
+    def power_of_2_scales(self) -> bool:
+        """Whether the scales are rounded to powers of 2: as set, else the recipe's choice (rowwise)."""
+        if self.round_scales_to_power_of_2 is not None:
+            return self.round_scales_to_power_of_2
+        return self.recipe == "rowwise"
+
     def active(self, dims: Any, *, islands: bool) -> bool:
         return self.recipe is not None
 
     def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
         """What the device or the layout cannot run: float8 kernels below SM 8.9 (or none, on CPU)
-        without emulation, rowwise with the float8 all-gather, tensorwise with TP, LoRA. (Compile takes the
+        without emulation, rowwise or power-of-2 scales with the float8 all-gather, tensorwise with TP
+        without power-of-2 scales, LoRA. (Compile takes the
         emulation too: a compiled emulated Linear equals the eager one bitwise on CPU.)"""
         if self.recipe is None:
             return []
@@ -193,13 +214,18 @@ class Float8(StrategyPlugin):
                 f"strategy.float8.fsdp_float8_all_gather=true needs one scale per weight, and recipe={self.recipe} "
                 "has one per row; use strategy.float8.recipe=tensorwise or strategy.float8.fsdp_float8_all_gather=null"
             )
-        if run.dims.tp > 1 and self.recipe == "tensorwise":
+        if self.fsdp_float8_all_gather and self.round_scales_to_power_of_2:
             out.append(
-                f"strategy.float8.recipe=tensorwise does not compose with tensor parallelism (strategy.tp={run.dims.tp}): "
-                "under the plain TP styles its per-tensor scales do not train like one process (after 3 SGD steps most "
-                "of the value and output projections' weights are off by up to 6% relative), and torchao's float8 TP "
-                "styles all-gather float8 tensors, which gloo cannot; use strategy.float8.recipe=rowwise (equal to one "
-                "process under TP: tests/dist/test_float8_tp.py) or strategy.tp=1"
+                "strategy.float8.fsdp_float8_all_gather=true computes the weights' scales itself, not rounded to powers "
+                "of 2 (torchao); use strategy.float8.fsdp_float8_all_gather=null or "
+                "strategy.float8.round_scales_to_power_of_2=null"
+            )
+        if run.dims.tp > 1 and not self.power_of_2_scales:
+            out.append(
+                f"strategy.float8.recipe={self.recipe} with tensor parallelism (strategy.tp={run.dims.tp}) needs power-of-2 "
+                "scales: a scale of finfo.max / amax moves with the last bit of an amax, which TP's partial sums change, "
+                "and the cast values with it (3 SGD steps left most of wv's and wo's weights up to 6% off one process); "
+                "use strategy.float8.round_scales_to_power_of_2=true or strategy.float8.recipe=rowwise"
             )
         if run.adapters:
             out.append(
@@ -213,8 +239,8 @@ class Float8(StrategyPlugin):
         returns their names."""
         emulate = self.emulate if self.emulate is not None else meshes.device.type != "cuda"
         sharded = meshes.fsdp.shape[-1] > 1  # FSDP shards (dp_shard x cp > 1): weights are all-gathered
-        if self.fsdp_float8_all_gather is None:
-            self._all_gather = self.recipe == "tensorwise" and sharded
+        if self.fsdp_float8_all_gather is None:  # not with power-of-2 scales: the all-gather's are not rounded
+            self._all_gather = self.recipe == "tensorwise" and sharded and not self.power_of_2_scales
         else:
             self._all_gather = self.fsdp_float8_all_gather and sharded
         return apply_float8(
@@ -223,6 +249,7 @@ class Float8(StrategyPlugin):
             keep_high_precision=self.keep_high_precision,
             emulate=emulate,
             fsdp_float8_all_gather=self._all_gather,
+            round_scales_to_power_of_2=self.round_scales_to_power_of_2,
         )
 
     def after_step(self, model: nn.Module, step: int, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -140,8 +140,12 @@ def test_validate_refuses_what_float8_cannot_run_naming_the_fix(monkeypatch: pyt
     assert "use strategy.float8.recipe=tensorwise or strategy.float8.fsdp_float8_all_gather=null" in message
     assert "strategy.float8.emulate=false needs a CUDA GPU" in message
     tensorwise_tp = refusals("strategy.float8.recipe=tensorwise", "strategy=tp", "trainer.devices=2")
-    assert "strategy.float8.recipe=tensorwise does not compose with tensor parallelism (strategy.tp=2)" in tensorwise_tp
-    assert "use strategy.float8.recipe=rowwise" in tensorwise_tp
+    assert "strategy.float8.recipe=tensorwise with tensor parallelism (strategy.tp=2) needs power-of-2" in tensorwise_tp
+    assert "use strategy.float8.round_scales_to_power_of_2=true or strategy.float8.recipe=rowwise" in tensorwise_tp
+    pow2 = ("strategy.float8.recipe=tensorwise", "strategy.float8.round_scales_to_power_of_2=true")
+    validate(compose("pretrain", [*pow2, "strategy=tp", "trainer.devices=2"]))  # tests/dist/test_float8_tp.py
+    gathered = refusals(*pow2, "strategy=fsdp", "trainer.devices=2", "strategy.float8.fsdp_float8_all_gather=true")
+    assert "fsdp_float8_all_gather=true computes the weights' scales itself, not rounded to powers of 2" in gathered
     assert "tensor parallelism" not in message  # rowwise with TP runs (tests/dist/test_float8_tp.py)
     assert "strategy.float8.recipe='bf8' must be one of tensorwise, rowwise or null" in refusals(
         "strategy.float8.recipe=bf8"
