@@ -152,7 +152,8 @@ class Float8(StrategyPlugin):
         keep_high_precision: glob patterns of Linear names kept out of float8 (fnmatch, whole name:
             ``output`` is the LM head, ``layers.0.*`` the first block).
         fsdp_float8_all_gather: FSDP2 all-gathers float8 weights (half the bytes of bf16): None
-            (auto) turns it on for tensorwise when FSDP shards the weights; True needs tensorwise.
+            (auto) turns it on for tensorwise without power-of-2 scales when FSDP shards the
+            weights; True needs that too, and tp = 1.
         emulate: the float8 matmul emulated in fp32; None (auto): emulated unless on a CUDA GPU.
         round_scales_to_power_of_2: every scale a power of 2 (`apply_float8`); None: the recipe's
             choice (tensorwise no, rowwise yes). Tensor parallelism with tensorwise needs it.
@@ -189,8 +190,8 @@ class Float8(StrategyPlugin):
 
     def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
         """What the device or the layout cannot run: float8 kernels below SM 8.9 (or none, on CPU)
-        without emulation, rowwise or power-of-2 scales with the float8 all-gather, tensorwise with TP
-        without power-of-2 scales, LoRA. (Compile takes the
+        without emulation; the float8 all-gather with rowwise, power-of-2 scales or TP; TP without
+        power-of-2 scales; tensorwise with CP; LoRA. (Compile takes the
         emulation too: a compiled emulated Linear equals the eager one bitwise on CPU.)"""
         if self.recipe is None:
             return []
@@ -209,23 +210,40 @@ class Float8(StrategyPlugin):
                     f"{capability[0]}.{capability[1]}; use strategy.float8.recipe=null (or strategy.float8.emulate=true: "
                     "exact but slower than bf16)"
                 )
-        if self.fsdp_float8_all_gather and self.recipe != "tensorwise":
-            out.append(
-                f"strategy.float8.fsdp_float8_all_gather=true needs one scale per weight, and recipe={self.recipe} "
-                "has one per row; use strategy.float8.recipe=tensorwise or strategy.float8.fsdp_float8_all_gather=null"
+        tp, cp, pow2 = run.dims.tp, run.dims.cp, self.power_of_2_scales
+        if self.fsdp_float8_all_gather:  # every refusal of it names the fix that always runs: null
+            why = (
+                f"recipe={self.recipe} has one scale per row"
+                if self.recipe != "tensorwise"
+                else "its scales are torchao's own, not rounded to powers of 2 as set"
+                if pow2
+                else f"tensor parallelism (strategy.tp={tp}) needs power-of-2 scales, which torchao's all-gather "
+                "does not round to"
+                if tp > 1
+                else None
             )
-        if self.fsdp_float8_all_gather and self.round_scales_to_power_of_2:
+            if why:
+                out.append(
+                    f"strategy.float8.fsdp_float8_all_gather=true needs one unrounded scale per weight ({why}); use "
+                    "strategy.float8.fsdp_float8_all_gather=null (the weights are then gathered in high precision)"
+                )
+        if self.recipe == "tensorwise" and cp > 1:
             out.append(
-                "strategy.float8.fsdp_float8_all_gather=true computes the weights' scales itself, not rounded to powers "
-                "of 2 (torchao); use strategy.float8.fsdp_float8_all_gather=null or "
-                "strategy.float8.round_scales_to_power_of_2=null"
+                f"strategy.float8.recipe=tensorwise with context parallelism (strategy.cp={cp}) scales each rank's part "
+                "of the sequence on its own, where one process scales the whole micro-batch (losses 1e-5 apart from the "
+                "first step); use strategy.float8.recipe=rowwise (one scale per token row: equal to one process)"
             )
-        if run.dims.tp > 1 and not self.power_of_2_scales:
+        elif tp > 1 and not pow2 and not self.fsdp_float8_all_gather:
+            fix = (
+                "strategy.float8.round_scales_to_power_of_2=true or strategy.float8.recipe=rowwise"
+                if self.recipe == "tensorwise"
+                else "strategy.float8.round_scales_to_power_of_2=null"
+            )
             out.append(
-                f"strategy.float8.recipe={self.recipe} with tensor parallelism (strategy.tp={run.dims.tp}) needs power-of-2 "
+                f"strategy.float8.recipe={self.recipe} with tensor parallelism (strategy.tp={tp}) needs power-of-2 "
                 "scales: a scale of finfo.max / amax moves with the last bit of an amax, which TP's partial sums change, "
-                "and the cast values with it (3 SGD steps left most of wv's and wo's weights up to 6% off one process); "
-                "use strategy.float8.round_scales_to_power_of_2=true or strategy.float8.recipe=rowwise"
+                f"and the cast values with it (tensorwise: 3 SGD steps left most of wv's and wo's weights up to 6% off "
+                f"one process); use {fix}"
             )
         if run.adapters:
             out.append(

@@ -82,6 +82,30 @@ def test_plaits_float8_linear_equals_the_reference_and_torchaos_scaled_mm(recipe
     assert (plain(x) - expected).abs().max() > 100 * 1e-5
 
 
+def test_power_of_2_scales_reach_torchaos_layer_and_the_cast() -> None:
+    """``round_scales_to_power_of_2=true`` (what tensor parallelism needs with tensorwise): the
+    forward equals the reference with both scales rounded down to powers of 2, and differs from
+    the unrounded one; the float8 all-gather, which computes its own unrounded scales, is refused
+    by `apply_float8` and turned off by the plugin's automatic choice on a sharded layout."""
+    model = one_linear()
+    Float8(recipe="tensorwise", round_scales_to_power_of_2=True).apply(model, CPU_MESHES)
+    assert model[0].config.round_scales_to_power_of_2
+    x = torch.randn(2, 8, 64) * 3
+    x8, sx = cast(x.reshape(-1, 64), E4M3, pow2=True)
+    w8, sw = cast(model[0].weight.detach(), E4M3, pow2=True)
+    expected = (dequantized(x8, sx) @ dequantized(w8, sw).t()).reshape(2, 8, 48)
+    torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
+    unrounded = reference_forward(x.reshape(-1, 64), model[0].weight.detach(), "tensorwise").reshape(2, 8, 48)
+    assert (model(x) - unrounded).abs().max() > 100 * 1e-5
+    with pytest.raises(ValueError, match="not rounded to powers of 2"):
+        apply_float8(one_linear(), recipe="tensorwise", fsdp_float8_all_gather=True, round_scales_to_power_of_2=True)
+    sharded = SimpleNamespace(device=torch.device("cpu"), fsdp=SimpleNamespace(shape=(2,)))
+    for pow2, all_gather in [(None, True), (True, False)]:
+        plugin = Float8(recipe="tensorwise", round_scales_to_power_of_2=pow2)
+        plugin.apply(one_linear(), sharded)
+        assert plugin._all_gather is all_gather
+
+
 def test_the_float8_backward_casts_the_output_gradient_to_e5m2() -> None:
     model = one_linear()
     Float8(recipe="tensorwise").apply(model, CPU_MESHES)
@@ -136,17 +160,36 @@ def test_validate_refuses_what_float8_cannot_run_naming_the_fix(monkeypatch: pyt
         "strategy=tp",
         "trainer.devices=2",
     )
-    assert "fsdp_float8_all_gather=true needs one scale per weight" in message
-    assert "use strategy.float8.recipe=tensorwise or strategy.float8.fsdp_float8_all_gather=null" in message
+    assert "fsdp_float8_all_gather=true needs one unrounded scale per weight (recipe=rowwise has one" in message
+    assert "use strategy.float8.fsdp_float8_all_gather=null" in message
     assert "strategy.float8.emulate=false needs a CUDA GPU" in message
-    tensorwise_tp = refusals("strategy.float8.recipe=tensorwise", "strategy=tp", "trainer.devices=2")
+    tp2, pow2 = ("strategy=tp", "trainer.devices=2"), "strategy.float8.round_scales_to_power_of_2=true"
+    # Tensor parallelism needs power-of-2 scales (tests/dist/test_float8_tp.py): rowwise has them.
+    validate(compose("pretrain", ["strategy.float8.recipe=rowwise", *tp2]))
+    validate(compose("pretrain", ["strategy.float8.recipe=tensorwise", pow2, *tp2]))
+    tensorwise_tp = refusals("strategy.float8.recipe=tensorwise", *tp2)
     assert "strategy.float8.recipe=tensorwise with tensor parallelism (strategy.tp=2) needs power-of-2" in tensorwise_tp
     assert "use strategy.float8.round_scales_to_power_of_2=true or strategy.float8.recipe=rowwise" in tensorwise_tp
-    pow2 = ("strategy.float8.recipe=tensorwise", "strategy.float8.round_scales_to_power_of_2=true")
-    validate(compose("pretrain", [*pow2, "strategy=tp", "trainer.devices=2"]))  # tests/dist/test_float8_tp.py
-    gathered = refusals(*pow2, "strategy=fsdp", "trainer.devices=2", "strategy.float8.fsdp_float8_all_gather=true")
-    assert "fsdp_float8_all_gather=true computes the weights' scales itself, not rounded to powers of 2" in gathered
-    assert "tensor parallelism" not in message  # rowwise with TP runs (tests/dist/test_float8_tp.py)
+    unrounded_rowwise = refusals(
+        "strategy.float8.recipe=rowwise", "strategy.float8.round_scales_to_power_of_2=false", *tp2
+    )
+    assert "use strategy.float8.round_scales_to_power_of_2=null" in unrounded_rowwise
+    # The all-gather's scales are torchao's own, unrounded: refused with power-of-2 scales or TP,
+    # each time naming the one fix that runs (no loop between two refusals).
+    gather = "strategy.float8.fsdp_float8_all_gather=true"
+    for overrides, why in [
+        ((pow2, "strategy=fsdp", "trainer.devices=2"), "not rounded to powers of 2 as set"),
+        (("strategy=fsdp_tp", "trainer.devices=4"), "tensor parallelism (strategy.tp=2) needs power-of-2 scales"),
+    ]:
+        problems = str(refusals("strategy.float8.recipe=tensorwise", gather, *overrides)).split("\n  - ")[1:]
+        assert len(problems) == 1 and why in problems[0], problems
+        assert "use strategy.float8.fsdp_float8_all_gather=null" in problems[0]
+    validate(compose("pretrain", ["strategy.float8.recipe=tensorwise", pow2, "strategy=fsdp_tp", "trainer.devices=4"]))
+    # Context parallelism: tensorwise scales each rank's part of the sequence on its own; rowwise
+    # scales each token row, as one process does.
+    cp2 = ("strategy=cp", "trainer.devices=2")
+    assert "use strategy.float8.recipe=rowwise" in refusals("strategy.float8.recipe=tensorwise", *cp2)
+    validate(compose("pretrain", ["strategy.float8.recipe=rowwise", *cp2]))
     assert "strategy.float8.recipe='bf8' must be one of tensorwise, rowwise or null" in refusals(
         "strategy.float8.recipe=bf8"
     )
@@ -154,7 +197,7 @@ def test_validate_refuses_what_float8_cannot_run_naming_the_fix(monkeypatch: pyt
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (8, 0))
     plugin = Float8(recipe="tensorwise", accelerator="gpu")
-    run = SimpleNamespace(dims=SimpleNamespace(tp=1), compile=False, adapters=False)
+    run = SimpleNamespace(dims=SimpleNamespace(tp=1, cp=1), compile=False, adapters=False)
     (problem,) = plugin.problems(run, None)
     assert "SM 8.9+" in problem and "this GPU is SM 8.0" in problem and "strategy.float8.recipe=null" in problem
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))

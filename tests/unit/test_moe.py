@@ -211,6 +211,27 @@ def test_moe_layer_equals_a_per_token_loop(grouped):
         torch.testing.assert_close(p.grad, r.grad, rtol=1e-6, atol=1e-6)
 
 
+def test_a_compiled_float32_moe_layer_equals_a_per_token_loop():
+    """Compiled (aot_eager traces what inductor takes), float32 experts with the automatic kernel
+    choice run their loop: torch 2.13's meta kernel of _grouped_mm, which compile traces with,
+    takes bfloat16 only (`grouped_mm_supported`; before, the first forward raised)."""
+    moe = _layer()
+    assert moe.experts.grouped is None  # the automatic choice: grouped in eager float32 on CPU
+    moe.compile(backend="aot_eager")
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    grad = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(4))
+    moe(x).backward(grad)
+    refs = [p.detach().clone().requires_grad_() for p in (moe.router.gate.weight, moe.experts.w1, moe.experts.w2)]
+    refs += [moe.experts.w3.detach().clone().requires_grad_()]
+    shared = [w.weight.detach() for w in (moe.shared_experts.w1, moe.shared_experts.w2, moe.shared_experts.w3)]
+    x_ref = x.detach().clone().requires_grad_()
+    ref = reference_moe(x_ref, *refs, shared, top_k=2)
+    ref.backward(grad)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-6, atol=1e-6)
+    for p, r in zip((moe.router.gate.weight, moe.experts.w1, moe.experts.w2, moe.experts.w3), refs):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-6, atol=1e-6)
+
+
 def test_router_losses_enter_the_gradient_with_the_step_scale():
     coef, z_coef, scale = 0.5, 0.1, 1 / 7
     moe = _layer(balance_coef=coef, z_loss_coef=z_coef)
