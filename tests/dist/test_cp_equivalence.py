@@ -87,7 +87,16 @@ def test_rows_are_packed(reference):
     assert reference["min_docs_per_row"] >= 2  # every row holds several documents (boundaries fall inside shards)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# The suite's budget: compiled CP x TP takes ~35 s on 2 cores (compile x CP and x TP each run by default
+# elsewhere: tests/dist/test_equivalence.py -k compile); `python -m pytest -m slow` runs it.
+SLOW = {"cp2_x_tp2_compile_block"}
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else []) for name in LAYOUTS],
+    ids=list(LAYOUTS),
+)
 def test_context_parallel_training_equals_one_process(tmp_path, corpus, reference, layout):
     cfg = compose_config([*COMMON, f"data.path={corpus}", *LAYOUTS[layout]])
     _, task = fit(cfg, tmp_path)

@@ -185,7 +185,15 @@ def test_one_process_equals_reference_loop(one_process, ref):
     assert all(not torch.equal(one_process["params"][n], p) for n, p in ref["init"].items())
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
+# The suite's budget (~20 s each on 2 cores; the compiled TP 2 layouts run by default): -m slow runs them.
+SLOW = {"fsdp2_x_tp2_compile_block"}
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else []) for name in LAYOUTS],
+    ids=list(LAYOUTS),
+)
 def test_layout_equals_one_process(tmp_path, corpus, layout, one_process, ref):
     run = _run(corpus, LAYOUTS[layout], tmp_path)
     if layout == "fsdp2_cpu_offload":  # the policy is in effect on every sharded module

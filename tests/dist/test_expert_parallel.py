@@ -165,7 +165,8 @@ def test_one_process_equals_the_reference(ref, tmp_path):
     assert_equivalent(_run(["train.micro_batch_size=4"], tmp_path), ref)
 
 
-SLOW = {"ep2_x_tp2", "ep2_x_tp2_compile_block", "ep2_x_pp2", "pp2"}  # the suite's budget: run with -m slow
+# The suite's budget: run with -m slow (the compiled experts: tests/unit/test_moe.py -k compiled by default).
+SLOW = {"ep2_x_tp2", "ep2_compile_block", "ep2_x_tp2_compile_block", "ep2_x_pp2", "pp2"}
 
 
 @pytest.mark.parametrize(
