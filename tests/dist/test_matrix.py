@@ -3,8 +3,9 @@ objective option either fails validate with a message naming the fix, or trains 
 one process (losses and every promised metric within 1e-5).
 
 The default suite runs `matrix.FAST` (one combination per failure the matrix found); the whole
-matrix (about 700 combinations, the compile option traced by aot_eager among them; about an hour of
-CPU) is a script that prints the result table: ``python tests/matrix.py``.
+matrix (696 combinations, the compile option traced by aot_eager among them; more than an hour of
+CPU: its 216-combination compile column alone took ~45 min on 2 cores beside other work) is a script
+that prints the result table: ``OMP_NUM_THREADS=1 python tests/matrix.py``.
 """
 
 from __future__ import annotations
