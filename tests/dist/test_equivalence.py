@@ -45,6 +45,7 @@ COMMON = (
     "+callbacks.params._target_=harness.ParamRecorder",
 )
 _COMPILE_MODEL = ("strategy.compile.enabled=true", "strategy.compile.scope=model", "strategy.compile.backend=aot_eager")
+_COMPILE_BLOCK = (_COMPILE_MODEL[0], _COMPILE_MODEL[2])  # the block scope (the default), aot_eager
 _TP_OFF = ("strategy.tensor_parallel.sequence_parallel=false", "strategy.tensor_parallel.loss_parallel=false")
 # id -> overrides. Global batch 8 = micro-batch x grad-accum x dp in each.
 LAYOUTS = {
@@ -80,26 +81,13 @@ LAYOUTS = {
     "fsdp2_compile_model": ["strategy=fsdp", "trainer.devices=2", "train.micro_batch_size=2", *_COMPILE_MODEL],
     # Compiled tensor-parallel blocks (sequence and loss parallel): the row-wise embedding's output,
     # an AsyncCollectiveTensor, is made a plain tensor before the first compiled block.
-    "tp2_sp_lp_compile_block": ["strategy=tp", "trainer.devices=2", *_COMPILE_MODEL[:1], _COMPILE_MODEL[2]],
+    "tp2_sp_lp_compile_block": ["strategy=tp", "trainer.devices=2", *_COMPILE_BLOCK],
     "tp2_sp_lp_compile_model": ["strategy=tp", "trainer.devices=2", *_COMPILE_MODEL],
-    "tp2_compile_block": ["strategy=tp", "trainer.devices=2", *_TP_OFF, *_COMPILE_MODEL[:1], _COMPILE_MODEL[2]],
-    "fsdp2_x_tp2_compile_block": [
-        "strategy=fsdp_tp",
-        "trainer.devices=4",
-        "train.micro_batch_size=2",
-        *_COMPILE_MODEL[:1],
-        _COMPILE_MODEL[2],
-    ],
-    "pp2_x_tp2_compile_block": [
-        "strategy=nd",
-        "strategy.pp=2",
-        "strategy.tp=2",
-        "strategy.dp_shard=1",
-        "trainer.devices=4",
-        "train.micro_batch_size=2",
-        *_COMPILE_MODEL[:1],
-        _COMPILE_MODEL[2],
-    ],
+    "tp2_compile_block": ["strategy=tp", "trainer.devices=2", *_TP_OFF, *_COMPILE_BLOCK],
+}
+# Compiled blocks on the FSDP2 x TP 2 and PP 2 x TP 2 layouts above.
+LAYOUTS |= {
+    f"{base[:-6]}_compile_block": [*LAYOUTS[base], *_COMPILE_BLOCK] for base in ("fsdp2_x_tp2_sp_lp", "pp2_x_tp2_sp_lp")
 }
 
 
