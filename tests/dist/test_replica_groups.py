@@ -147,11 +147,8 @@ def test_groups_equal_one_process(corpus, groups):
         counts = (rows.labels[index] != IGNORE_INDEX).sum(dim=1)
         halves.append((counts[:4].sum().item(), counts[4:].sum().item()))
     # A step whose halves hold different supervised counts tells a mean of the groups' means from
-    # the global mean; one such step suffices. The rows differ between pytest sessions: the corpus
-    # path (a new temporary folder each time) is part of every document's held-out split key
-    # (`split_train_val`), so the training documents, the tokenizer and the rows change with it
-    # (three sessions: [(238, 240), (241, 239), (238, 241), (244, 243)], [(242, 240), (244, 243),
-    # (242, 241), (243, 243)], [(241, 241), (241, 241), (239, 239), (242, 241)]: ">= 3" failed once).
+    # the global mean; one such step suffices (when the corpus path, a new temporary folder each
+    # session, was part of the held-out split key, the rows changed between sessions: ">= 3" failed once).
     assert sum(a != b for a, b in halves) >= 1, halves
 
 

@@ -109,6 +109,24 @@ def test_split_edge_cases():
         split_train_val(_docs(3), val_fraction=1.0, seed=0)
 
 
+def test_split_does_not_move_with_the_data_path(tmp_path):
+    """The same files given by another path (another folder, relative or absolute) hold out the
+    same documents: the path is not part of the split key, the file's name inside it is."""
+    sides = []
+    for where in ("a", "b/deeper"):
+        folder = tmp_path / where
+        (folder / "sub").mkdir(parents=True)
+        (folder / "sub" / "one.txt").write_text("\n<|endoftext|>\n".join(f"document {i}" for i in range(300)))
+        docs = load_files([str(folder)])
+        assert {d.source for d in docs} == {str(folder)}
+        sides.append([d.text for d in split_train_val(docs, val_fraction=0.1, seed=3)[1]])
+    assert sides[0] == sides[1] and 10 < len(sides[0]) < 60
+    # A bundled corpus keeps its name in the key: the same titles under another corpus split otherwise.
+    bundled = [Document(f"text {i}", "shakespeare", f"t{i}") for i in range(300)]
+    files = [Document(f"text {i}", "shakespeare-copy", f"t{i}") for i in range(300)]
+    assert split_train_val(bundled, val_fraction=0.1, seed=3)[1] != split_train_val(files, val_fraction=0.1, seed=3)[1]
+
+
 def test_split_is_stable_across_processes():
     """Python's hash() of str changes per process; the split must not."""
     code = (

@@ -327,13 +327,17 @@ def load_files(paths: Sequence[str], *, text_key: str = "text") -> list[Document
 
 
 def _doc_keys(docs: Sequence[Document]) -> list[tuple[str, str, int]]:
-    """(source, title, k): k counts earlier documents with the same source and title, so keys are
-    unique and a document's key does not change when other documents are added or removed."""
+    """(corpus, title, k) per document: ``corpus`` is a bundled corpus's name, and empty for a user's
+    file, so that a file's split does not move with the path it is given by (``./data`` or an absolute
+    path, another machine); its title (the file, relative to a given folder) names it. k counts
+    earlier documents with the same corpus and title, so keys are unique and a document's key does not
+    change when other documents are added or removed."""
     seen: Counter[tuple[str, str]] = Counter()
     keys = []
     for d in docs:
-        keys.append((d.source, d.title, seen[(d.source, d.title)]))
-        seen[(d.source, d.title)] += 1
+        corpus = d.source if d.source in BUNDLED else ""
+        keys.append((corpus, d.title, seen[(corpus, d.title)]))
+        seen[(corpus, d.title)] += 1
     return keys
 
 
@@ -346,9 +350,9 @@ def split_train_val(
 ) -> tuple[list[Document], list[Document]]:
     """Deterministic held-out split.
 
-    A document goes to validation when sha256(seed, source, title, k) maps below
+    A document goes to validation when sha256(seed, corpus, title, k) (`_doc_keys`) maps below
     ``val_fraction``, so its side depends only on itself and the seed: the same in every Python
-    process, on every rank, and unchanged when other documents are added. Order is preserved.
+    process, on every rank, wherever its file lies, and unchanged when other documents are added. Order is preserved.
     With ``val_fraction > 0`` and at least 2 documents, validation gets at least 1 and training
     keeps at least 1 (the lowest / highest hashes move).
 
