@@ -20,6 +20,7 @@ the dequantized values in fp32, so CPU tests run the path a GPU runs, slower.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
@@ -190,7 +191,7 @@ class Float8(StrategyPlugin):
 
     def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
         """What the device or the layout cannot run: float8 kernels below SM 8.9 (or none, on CPU)
-        without emulation; the float8 all-gather with rowwise, power-of-2 scales or TP; TP without
+        without emulation, or dims they cannot take (`_kernel_shape_problems`); the float8 all-gather with rowwise, power-of-2 scales or TP; TP without
         power-of-2 scales; tensorwise with CP; LoRA. (Compile takes the
         emulation too: a compiled emulated Linear equals the eager one bitwise on CPU.)"""
         if self.recipe is None:
@@ -210,6 +211,8 @@ class Float8(StrategyPlugin):
                     f"{capability[0]}.{capability[1]}; use strategy.float8.recipe=null (or strategy.float8.emulate=true: "
                     "exact but slower than bf16)"
                 )
+        if cuda and not self.emulate:
+            out += self._kernel_shape_problems(run, shape)
         tp, cp, pow2 = run.dims.tp, run.dims.cp, self.power_of_2_scales
         if self.fsdp_float8_all_gather:  # every refusal of it names the fix that always runs: null
             why = (
@@ -249,6 +252,41 @@ class Float8(StrategyPlugin):
             out.append(
                 "strategy.float8 does not compose with strategy.lora yet (the adapters wrap plain Linear "
                 "layers); use strategy.float8.recipe=null"
+            )
+        return out
+
+    def _kernel_shape_problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
+        """What ``torch._scaled_mm`` (the GPU's float8 GEMM) cannot take: its inner and output dims must
+        be multiples of 16, only the rows are free. That is both dims of every float8 layer's weight as
+        one rank holds it (`converts` checks the whole weight; tensor parallelism splits one dim), and
+        the tokens of one forward on one rank (the inner dim of the weight gradient's GEMM)."""
+        out, tp, cp = [], run.dims.tp, run.dims.cp
+        specs = {spec.name: spec for spec in (shape.params if shape is not None else ())}
+        narrow = {}
+        for fqn in shape.linear_modules if shape is not None else ():
+            spec = specs.get(f"{fqn}.weight")  # absent when tied to the embedding (never converted)
+            if spec is None or any(n % 16 for n in spec.shape):
+                continue
+            if any(fnmatchcase(fqn, pattern) for pattern in self.keep_high_precision):
+                continue
+            local = [n // tp if dim == spec.tp_dim else n for dim, n in enumerate(spec.shape)]
+            if any(n % 16 for n in local):
+                narrow.setdefault(re.sub(r"\.\d+\.", ".*.", fqn), tuple(local))
+        if narrow:
+            shown = ", ".join(f"{name} {list(dims)}" for name, dims in narrow.items())
+            keep = ",".join([*self.keep_high_precision, *narrow])
+            out.append(
+                f"strategy.float8 on a GPU needs each float8 layer's weight, as one of the strategy.tp={tp} ranks "
+                f"holds it, to have dims that are multiples of 16 (torch._scaled_mm): {shown}; keep them in high "
+                f"precision, strategy.float8.keep_high_precision='[{keep}]', or lower strategy.tp"
+            )
+        rows = run.micro_batch_size if run.dims.pp == 1 else 1
+        if run.seq_len and (rows * run.seq_len // cp) % 16:
+            out.append(
+                f"strategy.float8 on a GPU needs the tokens of one forward on one rank (micro-batch rows x data.seq_len"
+                f"{' / strategy.cp' if cp > 1 else ''} = {rows * run.seq_len // cp}) to be a multiple of 16: the weight "
+                f"gradient's float8 GEMM sums over them (torch._scaled_mm); use a data.seq_len that is a multiple of "
+                f"{16 * cp}"
             )
         return out
 

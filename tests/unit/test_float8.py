@@ -197,11 +197,38 @@ def test_validate_refuses_what_float8_cannot_run_naming_the_fix(monkeypatch: pyt
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (8, 0))
     plugin = Float8(recipe="tensorwise", accelerator="gpu")
-    run = SimpleNamespace(dims=SimpleNamespace(tp=1, cp=1), compile=False, adapters=False)
+    run = SimpleNamespace(dims=SimpleNamespace(tp=1, cp=1, pp=1), micro_batch_size=1, seq_len=256, adapters=False)
     (problem,) = plugin.problems(run, None)
     assert "SM 8.9+" in problem and "this GPU is SM 8.0" in problem and "strategy.float8.recipe=null" in problem
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))
     assert plugin.problems(run, None) == []
+
+
+def test_validate_refuses_dims_the_gpus_float8_gemm_cannot_take(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU (not emulated) torch._scaled_mm takes inner and output dims that are multiples of 16:
+    a layer tensor parallelism splits below that, and a forward's tokens, are refused naming the fix;
+    emulated (CPU) runs take any dims."""
+    # 4 heads of 24, 2 kv heads: wk and wv are [48, 96], 24 rows each on 2 tp ranks.
+    small = ["strategy.float8.recipe=rowwise", "model.dim=96", "model.n_heads=4", "model.n_kv_heads=2"]
+    tp2 = validate(compose("pretrain", [*small, "strategy=tp", "trainer.devices=2"]))
+    one_rank = validate(compose("pretrain", small))
+    rows = ["strategy.float8.recipe=rowwise", "data.seq_len=40"]  # 3 rows of 40 tokens: 120; 4 rows: 160
+    odd = validate(compose("pretrain", [*rows, "train.micro_batch_size=3", "train.global_batch_size=6"]))
+    even = validate(compose("pretrain", [*rows, "train.micro_batch_size=4", "train.global_batch_size=8"]))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))
+    gpu = Float8(recipe="rowwise", accelerator="gpu")
+    (problem,) = gpu.problems(tp2, tp2.shape)
+    assert "layers.*.attention.wk [24, 96], layers.*.attention.wv [24, 96];" in problem, problem
+    assert "keep_high_precision='[output,*.router.*,layers.*.attention.wk,layers.*.attention.wv]'" in problem
+    # The fix it names runs: those layers stay in high precision; emulated, and on one rank, nothing to refuse.
+    kept = Float8(recipe="rowwise", accelerator="gpu", keep_high_precision=["output", "*.wk", "*.wv"])
+    assert kept.problems(tp2, tp2.shape) == []
+    assert Float8(recipe="rowwise", accelerator="gpu", emulate=True).problems(tp2, tp2.shape) == []
+    assert gpu.problems(one_rank, one_rank.shape) == []
+    (problem,) = gpu.problems(odd, odd.shape)
+    assert "(micro-batch rows x data.seq_len = 120) to be a multiple of 16" in problem, problem
+    assert gpu.problems(even, even.shape) == []
 
 
 def test_the_planner_times_the_float8_setting_and_keeps_the_what_if() -> None:
