@@ -259,16 +259,19 @@ class Float8(StrategyPlugin):
         """What ``torch._scaled_mm`` (the GPU's float8 GEMM) cannot take: its inner and output dims must
         be multiples of 16, only the rows are free. That is both dims of every float8 layer's weight as
         one rank holds it (`converts` checks the whole weight; tensor parallelism splits one dim), and
-        the tokens of one forward on one rank (the inner dim of the weight gradient's GEMM)."""
+        the tokens of one forward on one rank (the inner dim of the weight gradient's GEMM): micro-batch
+        rows (2 per preference pair; as few as 1 in a last, partial batch unless data.drop_last) x
+        data.seq_len / cp, pipeline micro-batches included (each holds a micro-batch)."""
         out, tp, cp = [], run.dims.tp, run.dims.cp
         specs = {spec.name: spec for spec in (shape.params if shape is not None else ())}
-        narrow = {}
+        narrow, converted = {}, 0
         for fqn in shape.linear_modules if shape is not None else ():
             spec = specs.get(f"{fqn}.weight")  # absent when tied to the embedding (never converted)
             if spec is None or any(n % 16 for n in spec.shape):
                 continue
             if any(fnmatchcase(fqn, pattern) for pattern in self.keep_high_precision):
                 continue
+            converted += 1
             local = [n // tp if dim == spec.tp_dim else n for dim, n in enumerate(spec.shape)]
             if any(n % 16 for n in local):
                 narrow.setdefault(re.sub(r"\.\d+\.", ".*.", fqn), tuple(local))
@@ -280,13 +283,18 @@ class Float8(StrategyPlugin):
                 f"holds it, to have dims that are multiples of 16 (torch._scaled_mm): {shown}; keep them in high "
                 f"precision, strategy.float8.keep_high_precision='[{keep}]', or lower strategy.tp"
             )
-        rows = run.micro_batch_size if run.dims.pp == 1 else 1
-        if run.seq_len and (rows * run.seq_len // cp) % 16:
+        per_row = 2 if run.row_kind == "pairs" else 1  # a pair's chosen and rejected rows share one forward
+        rows = per_row * (run.micro_batch_size if run.drop_last else 1)
+        tokens = rows * run.seq_len // cp
+        if converted and run.seq_len and tokens % 16:
+            rows_text = f"{rows} row{'s' if rows > 1 else ''}" + (
+                "" if run.drop_last else " (data.drop_last=false: a last, partial batch may hold a single pair or row)"
+            )
             out.append(
-                f"strategy.float8 on a GPU needs the tokens of one forward on one rank (micro-batch rows x data.seq_len"
-                f"{' / strategy.cp' if cp > 1 else ''} = {rows * run.seq_len // cp}) to be a multiple of 16: the weight "
-                f"gradient's float8 GEMM sums over them (torch._scaled_mm); use a data.seq_len that is a multiple of "
-                f"{16 * cp}"
+                f"strategy.float8 on a GPU needs the tokens of one forward on one rank to be a multiple of 16 (the "
+                f"weight gradient's float8 GEMM sums over them: torch._scaled_mm): {rows_text} x data.seq_len="
+                f"{run.seq_len}{f' / strategy.cp={cp}' if cp > 1 else ''} = {tokens}; use a data.seq_len that is a "
+                f"multiple of {16 * cp}{'' if run.drop_last else ', or data.drop_last=true'}"
             )
         return out
 

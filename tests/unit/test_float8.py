@@ -197,7 +197,14 @@ def test_validate_refuses_what_float8_cannot_run_naming_the_fix(monkeypatch: pyt
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (8, 0))
     plugin = Float8(recipe="tensorwise", accelerator="gpu")
-    run = SimpleNamespace(dims=SimpleNamespace(tp=1, cp=1, pp=1), micro_batch_size=1, seq_len=256, adapters=False)
+    run = SimpleNamespace(
+        dims=SimpleNamespace(tp=1, cp=1),
+        micro_batch_size=1,
+        seq_len=256,
+        drop_last=True,
+        row_kind="tokens",
+        adapters=False,
+    )
     (problem,) = plugin.problems(run, None)
     assert "SM 8.9+" in problem and "this GPU is SM 8.0" in problem and "strategy.float8.recipe=null" in problem
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))
@@ -208,27 +215,55 @@ def test_validate_refuses_dims_the_gpus_float8_gemm_cannot_take(monkeypatch: pyt
     """On a GPU (not emulated) torch._scaled_mm takes inner and output dims that are multiples of 16:
     a layer tensor parallelism splits below that, and a forward's tokens, are refused naming the fix;
     emulated (CPU) runs take any dims."""
+    rowwise = "strategy.float8.recipe=rowwise"
     # 4 heads of 24, 2 kv heads: wk and wv are [48, 96], 24 rows each on 2 tp ranks.
-    small = ["strategy.float8.recipe=rowwise", "model.dim=96", "model.n_heads=4", "model.n_kv_heads=2"]
+    small = [rowwise, "model.dim=96", "model.n_heads=4", "model.n_kv_heads=2"]
     tp2 = validate(compose("pretrain", [*small, "strategy=tp", "trainer.devices=2"]))
     one_rank = validate(compose("pretrain", small))
-    rows = ["strategy.float8.recipe=rowwise", "data.seq_len=40"]  # 3 rows of 40 tokens: 120; 4 rows: 160
-    odd = validate(compose("pretrain", [*rows, "train.micro_batch_size=3", "train.global_batch_size=6"]))
-    even = validate(compose("pretrain", [*rows, "train.micro_batch_size=4", "train.global_batch_size=8"]))
+    fixed = "strategy.float8.keep_high_precision=[output,*.router.*,layers.*.attention.wk,layers.*.attention.wv]"
+    rows = [rowwise, "data.seq_len=40"]  # one forward: 3 rows of 40 tokens (120) or 4 (160)
+
+    def run_of(*overrides: str):
+        return validate(compose("pretrain", [*rows, *overrides]))
+
+    odd = run_of("train.micro_batch_size=3", "train.global_batch_size=6", "data.drop_last=true")
+    even = run_of("train.micro_batch_size=4", "train.global_batch_size=8", "data.drop_last=true")
+    partial = run_of("train.micro_batch_size=4", "train.global_batch_size=8", "data.drop_last=false")
+    pp2 = run_of(
+        "train.micro_batch_size=2",
+        "train.global_batch_size=4",
+        "data.drop_last=true",
+        "strategy=pp",
+        "trainer.devices=2",
+    )  # each pipeline micro-batch holds 2 rows: 80 tokens
+    cp2 = run_of(
+        "data.seq_len=96",
+        "train.micro_batch_size=1",
+        "train.global_batch_size=2",
+        "data.drop_last=true",
+        "strategy=cp",
+        "trainer.devices=2",
+    )  # 96 / 2 = 48 tokens a rank
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))
     gpu = Float8(recipe="rowwise", accelerator="gpu")
     (problem,) = gpu.problems(tp2, tp2.shape)
     assert "layers.*.attention.wk [24, 96], layers.*.attention.wv [24, 96];" in problem, problem
-    assert "keep_high_precision='[output,*.router.*,layers.*.attention.wk,layers.*.attention.wv]'" in problem
-    # The fix it names runs: those layers stay in high precision; emulated, and on one rank, nothing to refuse.
-    kept = Float8(recipe="rowwise", accelerator="gpu", keep_high_precision=["output", "*.wk", "*.wv"])
-    assert kept.problems(tp2, tp2.shape) == []
+    assert f"keep_high_precision='[{fixed.split('=[')[1]}'" in problem, problem
+    # validate on a GPU refuses it, and accepts the fix it names as a user passes it; emulated, and on
+    # one rank, nothing to refuse.
+    on_gpu = [*small, "strategy=tp", "trainer.devices=2", "trainer.accelerator=gpu"]
+    assert problem in refusals(*on_gpu)
+    validate(compose("pretrain", [*on_gpu, fixed]))
     assert Float8(recipe="rowwise", accelerator="gpu", emulate=True).problems(tp2, tp2.shape) == []
     assert gpu.problems(one_rank, one_rank.shape) == []
     (problem,) = gpu.problems(odd, odd.shape)
-    assert "(micro-batch rows x data.seq_len = 120) to be a multiple of 16" in problem, problem
-    assert gpu.problems(even, even.shape) == []
+    assert "3 rows x data.seq_len=40 = 120; use a data.seq_len that is a multiple of 16" in problem, problem
+    assert gpu.problems(even, even.shape) == [] == gpu.problems(pp2, pp2.shape) == gpu.problems(cp2, cp2.shape)
+    (problem,) = gpu.problems(partial, partial.shape)
+    assert "1 row (data.drop_last=false: a last, partial batch" in problem and "or data.drop_last=true" in problem
+    # Nothing converted (every Linear kept in high precision): no GEMM to refuse.
+    assert Float8(recipe="rowwise", accelerator="gpu", keep_high_precision=["*"]).problems(odd, odd.shape) == []
 
 
 def test_the_planner_times_the_float8_setting_and_keeps_the_what_if() -> None:
