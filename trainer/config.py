@@ -6,28 +6,21 @@ run-wide fields are the dataclasses below. `validate` never mutates the composed
 
 from __future__ import annotations
 
-import collections.abc
 import copy
 import dataclasses
-import difflib
-import inspect
-import types
 import typing
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-import torch
-import typing_extensions
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, InterpolationToMissingValueError
 
 from strategies.core.parallel_dims import MESH_AXES, ParallelDims
-from strategies.core.ranges import NON_NEGATIVE, POSITIVE, Range, declared_ranges, value_problem
+from strategies.core.ranges import NON_NEGATIVE, POSITIVE, Range
 from strategies.core.resolved import ResolvedRun
 from strategies.mesh import MOVED_KEYS
-from trainer.foreign_names import plait_override
 from trainer.model_node import NODE_KEYS
+from trainer.node_schema import check_dataclass, check_target, type_ok
 from trainer.optim import DEFAULT_NO_DECAY
 from trainer.semantics import _import, check_semantics
 
@@ -252,23 +245,23 @@ def validate(cfg: DictConfig, *, for_launch: bool = True) -> ResolvedRun:
     problems: list[str] = _interpolation_problems(cfg)
     if problems:  # every later check reads these values
         raise ConfigError(problems)
-    _check_dataclass(cfg, RunConfig, "", problems)
+    check_dataclass(cfg, RunConfig, "", problems)
     for name in TARGET_NODES:
         if name in cfg and cfg[name] is not None:
             if name == "strategy" and isinstance(cfg.strategy, DictConfig):
                 _check_strategy(cfg.strategy, problems)
                 continue
-            _check_target(cfg[name], name, problems, injected=INJECTED.get(name, set()), own=OWN_KEYS.get(name, ()))
+            check_target(cfg[name], name, problems, injected=INJECTED.get(name, set()), own=OWN_KEYS.get(name, ()))
     if "strategy" in cfg and isinstance(cfg.strategy, DictConfig):
         for key, plugin in cfg.strategy.items():  # fsdp, activation_checkpoint, compile, ...
             if isinstance(plugin, DictConfig) and "_target_" in plugin:
-                _check_target(plugin, f"strategy.{key}", problems)
+                check_target(plugin, f"strategy.{key}", problems)
     for group in ("logger", "callbacks"):
         node = cfg.get(group)
         if isinstance(node, DictConfig):
             for key, sub in node.items():
                 if sub is not None:
-                    _check_target(sub, f"{group}.{key}", problems, injected={"save_dir", "dirpath"})
+                    check_target(sub, f"{group}.{key}", problems, injected={"save_dir", "dirpath"})
     run = None
     if not problems:
         run = check_semantics(cfg, problems, for_launch=for_launch)
@@ -332,105 +325,12 @@ def _well_typed(cfg: DictConfig, replaced: list[str]) -> DictConfig:
                 continue
             if dataclasses.is_dataclass(hints[f.name]):
                 fix(node[f.name], hints[f.name], f"{prefix}{f.name}.")
-            elif not _type_ok(OmegaConf.select(node, f.name, throw_on_missing=False), hints[f.name]):
+            elif not type_ok(OmegaConf.select(node, f.name, throw_on_missing=False), hints[f.name]):
                 node[f.name] = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
                 replaced.append(f"{prefix}{f.name}")
 
     fix(cfg, RunConfig, "")
     return cfg
-
-
-def _close(node: DictConfig, key: str, options: list[str], where: str) -> str:
-    """`` (did you mean X?)`` for the unknown ``key`` of ``node`` among ``options``; else `` (use optim.lr=...)``
-    when ``where`` (its dotted key) is an option name of TRL, LitGPT or torchtune (`trainer.foreign_names`)."""
-    if match := difflib.get_close_matches(key, options, n=1):
-        return f" (did you mean {match[0]}?)"
-    plait = plait_override(where, str(OmegaConf.select(node, key, throw_on_missing=False)))
-    return f" (use {plait})" if plait is not None else ""
-
-
-def _check_dataclass(node: Any, schema: type, prefix: str, problems: list[str]) -> None:
-    if not isinstance(node, DictConfig):
-        problems.append(f"{prefix or 'the config'} must be a mapping, got {type(node).__name__}")
-        return
-    fields = {f.name: f for f in dataclasses.fields(schema)}
-    for key in node.keys():
-        if key not in fields and key != "hydra":
-            problems.append(
-                f"unknown key {prefix}{key}{_close(node, str(key), list(fields), f'{prefix}{key}')}; "
-                f"valid keys: {', '.join(fields)}"
-            )
-    hints = typing.get_type_hints(schema)
-    ranges = declared_ranges(schema)
-    for name, f in fields.items():
-        if name not in node:
-            continue
-        value = OmegaConf.select(node, name, throw_on_missing=False)
-        hint = hints[name]
-        if dataclasses.is_dataclass(hint):
-            _check_dataclass(node[name], hint, f"{prefix}{name}.", problems)
-        elif not _type_ok(value, hint):
-            problems.append(f"{prefix}{name}={value!r} must be {_type_name(hint)}")
-        elif problem := value_problem(f"{prefix}{name}", value, ranges.get(name)):
-            problems.append(problem)
-
-
-def _type_ok(value: Any, hint: Any) -> bool:
-    if hint is Any or hint is inspect.Parameter.empty:
-        return True
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        return any(_type_ok(value, arg) for arg in typing.get_args(hint))
-    if origin is typing.Literal:
-        return value in typing.get_args(hint)
-    if hint is type(None):
-        return value is None
-    if origin in (list, tuple, typing.Sequence, collections.abc.Sequence) or hint in (list, tuple):
-        if not isinstance(value, (list, tuple, ListConfig)):
-            return False
-        items = [a for a in typing.get_args(hint) if a is not Ellipsis]
-        return len(items) != 1 or all(_type_ok(v, items[0]) for v in value)  # list[str]: every item
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    if hint is torch.Tensor:
-        return False  # a YAML value is never a tensor (e.g. AdamW's lr: float | Tensor)
-    return True  # objects and other annotations are checked by their constructors
-
-
-def _container_ok(value: DictConfig | ListConfig, hint: Any) -> bool:
-    """A list (its items too, e.g. ``data.path=[1,2]`` against ``list[str]``) or a mapping against
-    the parameter's annotation; a mapping fits any annotation but text, numbers and lists."""
-    if isinstance(value, DictConfig):
-        return _type_ok({}, hint)
-    try:
-        items = OmegaConf.to_container(value, resolve=True)
-    except Exception:  # noqa: BLE001 - an unresolved interpolation is reported where it is used
-        return True
-    return _type_ok(items, hint)
-
-
-def _shown(value: DictConfig | ListConfig) -> str:
-    try:
-        return str(OmegaConf.to_container(value, resolve=True))
-    except Exception:  # noqa: BLE001
-        return str(value)
-
-
-def _type_name(hint: Any) -> str:
-    args = typing.get_args(hint)
-    if typing.get_origin(hint) is typing.Literal:
-        return "one of " + ", ".join(map(str, args))
-    if typing.get_origin(hint) in (list, tuple, collections.abc.Sequence) and len(args) == 1:
-        return f"a list of {_type_name(args[0])}"
-    if args:
-        return " or ".join(_type_name(a) for a in args)
-    return "null" if hint is type(None) else getattr(hint, "__name__", str(hint))
 
 
 def _check_strategy(node: DictConfig, problems: list[str]) -> None:
@@ -445,92 +345,8 @@ def _check_strategy(node: DictConfig, problems: list[str]) -> None:
         for old, new in MOVED_KEYS.items()
         if old in node
     ]
-    _check_dataclass(
+    check_dataclass(
         OmegaConf.masked_copy(node, [a for a in MESH_AXES if a in node]), ParallelDims, "strategy.", problems
     )
     settings = OmegaConf.masked_copy(node, [str(k) for k in node if k not in {*MESH_AXES, *MOVED_KEYS, *plugins}])
-    _check_target(settings, "strategy", problems)
-
-
-def _check_target(
-    node: Any, where: str, problems: list[str], injected: set[str] = frozenset(), own: Sequence[str] = ()
-) -> None:
-    if not isinstance(node, DictConfig) or "_target_" not in node:
-        problems.append(f"{where} must be a mapping with a _target_ (a class or function path)")
-        return
-    try:
-        target = _import(node._target_)
-    except (ImportError, AttributeError, ValueError) as err:
-        problems.append(
-            f"{where}._target_={node._target_} cannot be imported ({err}); check the module path (a package of "
-            "your own: name its folder with plait --user-path DIR, the current folder is not searched)"
-        )
-        return
-    signature = inspect.signature(target)
-    params = {n: p for n, p in signature.parameters.items() if p.kind not in (p.VAR_POSITIONAL,)}
-    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    names = [n for n, p in params.items() if p.kind is not p.VAR_KEYWORD]
-    hints = _hints(target)
-    # ``**settings: Unpack[SomeTypedDict]`` (PEP 692) declares the keys a class passes on to its base.
-    for p in list(params.values()):
-        declared = typing_extensions.get_args(hints.get(p.name)) if p.kind is p.VAR_KEYWORD else ()
-        if declared and typing_extensions.is_typeddict(declared[0]):
-            takes_kwargs, names = False, names + list(typing.get_type_hints(declared[0]))
-            params |= {
-                k: inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None) for k in names if k not in params
-            }
-            hints |= typing.get_type_hints(declared[0])
-    ranges = declared_ranges(target)
-    for key in node.keys():
-        if str(key).startswith("_") and str(key).endswith("_"):
-            continue
-        if key in own and key not in params:  # read by plait itself: a path or null
-            value = OmegaConf.select(node, str(key), throw_on_missing=False)
-            if value is not None and not isinstance(value, str):
-                problems.append(f"{where}.{key}={value!r} must be a path (a string) or null")
-            continue
-        if key not in params:
-            if not takes_kwargs:
-                problems.append(
-                    f"unknown key {where}.{key}{_close(node, str(key), names, f'{where}.{key}')}; "
-                    f"{node._target_} takes: {', '.join(names)}"
-                )
-            else:  # passed on to a base class (``**settings``): its declared range still applies
-                value = OmegaConf.select(node, str(key), throw_on_missing=False)
-                if problem := value_problem(f"{where}.{key}", value, ranges.get(str(key))):
-                    problems.append(problem)
-            continue
-        value = OmegaConf.select(node, str(key), throw_on_missing=False)
-        hint = hints.get(str(key), inspect.Parameter.empty)
-        if isinstance(value, (DictConfig, ListConfig)) or value is None and key in injected:
-            if isinstance(value, (DictConfig, ListConfig)) and not _container_ok(value, hint):
-                problems.append(f"{where}.{key}={_shown(value)} must be {_type_name(hint)}")
-            continue
-        if not _type_ok(value, hint):
-            problems.append(f"{where}.{key}={value!r} must be {_type_name(hint)}")
-        elif problem := value_problem(f"{where}.{key}", value, ranges.get(str(key))):
-            problems.append(problem)
-    partial = bool(node.get("_partial_", False))
-    for name, p in params.items():
-        required = p.default is p.empty and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
-        if (
-            required
-            and name not in node
-            and name not in injected
-            and not (partial and p.kind is p.POSITIONAL_OR_KEYWORD)
-        ):
-            problems.append(f"{where}.{name} is required by {node._target_}; set {where}.{name}=...")
-
-
-def _hints(target: Any) -> dict[str, Any]:
-    function = target.__init__ if inspect.isclass(target) else target
-    try:
-        return typing.get_type_hints(function)
-    except Exception:  # noqa: BLE001 - one unresolvable annotation (e.g. WandbLogger's experiment: "Run")
-        # The annotations that are objects already are still checked (name: Optional[str], ...);
-        # the strings that do not resolve are not.
-        return {
-            n: p.annotation
-            for n, p in inspect.signature(function).parameters.items()
-            if not isinstance(p.annotation, str)
-        }
+    check_target(settings, "strategy", problems)
