@@ -8,6 +8,7 @@ parallelism shards, taken from the model's own ``tp_plan``.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -115,6 +116,15 @@ class ModelShape:
     @property
     def num_params(self) -> int:
         return sum(math.prod(p.shape) for p in self.params)
+
+    @functools.cached_property
+    def params_of_layer(self) -> Mapping[int | None, tuple[ParamSpec, ...]]:
+        """Each block's parameter tensors in ``params`` order (None: the embedding, final norm and
+        head), grouped once per shape: the planner reads them per block for every layout it tries."""
+        groups: dict[int | None, list[ParamSpec]] = {}
+        for spec in self.params:
+            groups.setdefault(spec.layer, []).append(spec)
+        return {layer: tuple(specs) for layer, specs in groups.items()}
 
     def is_moe(self, layer: int) -> bool:
         """Whether block ``layer`` is a mixture-of-experts block."""

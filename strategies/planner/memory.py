@@ -223,7 +223,7 @@ def block_norms(shape: ModelShape, layer: int | None) -> int:
     names = [
         f"layers.{layer}.{n}.weight" for n in ("attention_norm", "ffn_norm", "post_attention_norm", "post_ffn_norm")
     ]
-    return sum(p.name in names for p in shape.params if p.layer == layer) or 2
+    return sum(p.name in names for p in shape.params_of_layer.get(layer, ())) or 2
 
 
 def qk_norm_bytes_per_token(shape: ModelShape, layer: int | None, tp: int) -> int:
@@ -232,7 +232,7 @@ def qk_norm_bytes_per_token(shape: ModelShape, layer: int | None, tp: int) -> in
     (the projection's features on this rank) and one fp32 1/rms per normalised row: per head for a
     head-wise norm (Qwen3), one per token for a projection-wide one (OLMo 2, whose rows span the
     tp ranks). None (a dense block of unknown index) or no such norm: 0."""
-    specs = {p.name.removeprefix(f"layers.{layer}.attention."): p.shape for p in shape.params if p.layer == layer}
+    specs = {p.name.removeprefix(f"layers.{layer}.attention."): p.shape for p in shape.params_of_layer.get(layer, ())}
     total = 0
     for proj, norm in (("wq", "q_norm"), ("wk", "k_norm")):
         if f"{norm}.weight" in specs and f"{proj}.weight" in specs:
@@ -368,14 +368,14 @@ def _transient(
     out = 0
     # The largest block gathered (an MoE one, if any: a rank gathers its 1/ep of the experts).
     sizes = [
-        sum(math.prod(p.shape) // (layout.ep if ".experts." in p.name else 1) for p in shape.params if p.layer == i)
+        sum(math.prod(p.shape) // (layout.ep if ".experts." in p.name else 1) for p in shape.params_of_layer.get(i, ()))
         for i in range(shape.n_layers)
     ]
     block_numel = max(sizes, default=0) // layout.tp
     if layout.uses_fsdp and (layout.fsdp_shards > 1 or work.compute_dtype != work.param_dtype):
         # Two gathered blocks (current + prefetched), one block of unsharded gradients, and the
         # root's parameters (embedding, head), gathered for the whole step.
-        root = sum(math.prod(p.shape) for p in shape.params if p.layer is None) // layout.tp
+        root = sum(math.prod(p.shape) for p in shape.params_of_layer.get(None, ())) // layout.tp
         out += block_numel * (2 * work.act_bytes + work.param_bytes) + root * work.act_bytes
     if num_stages - 1 in stages:
         vocab = shape.vocab_size // (layout.tp if layout.loss_parallel else 1)
