@@ -170,21 +170,18 @@ def layer_costs(
     return embedding, blocks, head
 
 
-def stage_compute(
-    shape: ModelShape, layout: Layout, work: Workload, cluster: Cluster, *, layers: range, first: bool, last: bool
-) -> float:
-    """Seconds of forward + backward (+ recomputation) of one micro-batch through one stage."""
-    embedding, blocks, head = layer_costs(shape, layout, work, cluster)
+def stage_compute(costs: tuple[float, list[float], float], *, layers: range, first: bool, last: bool) -> float:
+    """Seconds of forward + backward (+ recomputation) of one micro-batch through one stage, from
+    the layout's `layer_costs` (computed once per layout, summed per stage)."""
+    embedding, blocks, head = costs
     return embedding * first + sum(blocks[i] for i in layers) + head * last
 
 
 def stage_costs(shape: ModelShape, layout: Layout, work: Workload, cluster: Cluster) -> list[float]:
     """Predicted seconds of one micro-batch through each pipeline stage (the layout's split)."""
     _, layers, num_stages = stage_plan(shape, layout, 0)
-    return [
-        stage_compute(shape, layout, work, cluster, layers=layers[s], first=s == 0, last=s == num_stages - 1)
-        for s in range(num_stages)
-    ]
+    costs = layer_costs(shape, layout, work, cluster)
+    return [stage_compute(costs, layers=layers[s], first=s == 0, last=s == num_stages - 1) for s in range(num_stages)]
 
 
 def auto_split_points(shape: ModelShape, layout: Layout, work: Workload, cluster: Cluster) -> list[int]:
@@ -225,13 +222,11 @@ def predict_time(shape: ModelShape, layout: Layout, work: Workload, cluster: Clu
     tokens = layout.micro_batch_size * work.seq_len // layout.cp
     a = work.act_bytes
     stage_times, rank_layers = [], []
+    costs = layer_costs(shape, layout, work, cluster)
     for pp_rank in range(layout.pp):
         stages, layers, num_stages = stage_plan(shape, layout, pp_rank)
         stage_times.append(
-            sum(
-                stage_compute(shape, layout, work, cluster, layers=layers[s], first=s == 0, last=s == num_stages - 1)
-                for s in stages
-            )
+            sum(stage_compute(costs, layers=layers[s], first=s == 0, last=s == num_stages - 1) for s in stages)
         )
         rank_layers.append(sum(len(layers[s]) for s in stages))
     slowest = max(range(layout.pp), key=lambda r: stage_times[r])
