@@ -14,6 +14,7 @@ Invocations::
     python bench/float8.py --steps 50 --recipe rowwise         # a quick check of the other recipe
     python bench/float8.py --power-of-2-scales                 # tensorwise with power-of-2 scales (what TP needs)
     python bench/float8.py --arms float8                       # one arm (no RESULT line): runs side by side
+    python bench/float8.py --seed 1                            # another seed for both arms (init, data order, split)
 
 The last line is ``RESULT float8_over_bf16_val_loss=<float8 / bf16 final validation loss>
 float8_val_loss=<x> bf16_val_loss=<y> float8_wall_s=<a> bf16_wall_s=<b>``.
@@ -65,6 +66,7 @@ def train(overrides: list[str], run_dir: Path, steps: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=None, help="seed= of both arms (default: the recipe's)")
     parser.add_argument("--recipe", default="tensorwise", choices=["tensorwise", "rowwise"])
     parser.add_argument("--arms", nargs="+", default=["bf16", "float8"], choices=["bf16", "float8"])
     parser.add_argument(
@@ -74,12 +76,13 @@ def main() -> None:
     float8 = [f"strategy.float8.recipe={args.recipe}"]
     if args.power_of_2_scales:
         float8.append("strategy.float8.round_scales_to_power_of_2=true")
-    build_data(compose("pretrain", [])).prepare()  # tokenizer and rows cached: neither arm's wall time holds them
+    common = [] if args.seed is None else [f"seed={args.seed}"]
+    build_data(compose("pretrain", common)).prepare()  # tokenizer and rows cached: neither arm's wall time holds them
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for arm, overrides in [("bf16", []), ("float8", float8)]:
             if arm in args.arms:
-                results[arm] = train(overrides, Path(tmp) / arm, args.steps)
+                results[arm] = train([*common, *overrides], Path(tmp) / arm, args.steps)
                 print(f"{arm}: {results[arm]}", flush=True)
     if len(results) < 2:
         return  # one arm (--arms): its line above
