@@ -12,15 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from trainer.models.moe import (
-    MoE,
-    balance_loss_sum,
-    clamped_swiglu,
-    expert_swiglu,
-    grouped_mm_supported,
-    route,
-    z_loss_sum,
-)
+from trainer.models.moe import MoE, clamped_swiglu, expert_swiglu, grouped_mm_supported
+from trainer.models.moe_router import balance_loss_sum, route, z_loss_sum
 
 
 def log(*values: float) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""A routed mixture-of-experts feed-forward layer: top-k router, dropless dispatch, grouped experts.
+"""A routed mixture-of-experts feed-forward layer: top-k router (`trainer.models.moe_router`), dropless
+dispatch, grouped experts.
 
 Sources: Shazeer et al. 2017, "Outrageously Large Neural Networks" (top-k gating); Fedus et al.
 2021, "Switch Transformers" (the auxiliary balance loss f_i * P_i); Zoph et al. 2022, "ST-MoE"
@@ -24,159 +25,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from trainer.models.block import FeedForward
-
-ScoreFunc = Literal["softmax", "sigmoid"]
-
-
-# ---------------------------------------------------------------------------------------------- routing
-@dataclass(frozen=True)
-class Routing:
-    """One forward's routing decision for N tokens.
-
-    ``experts_nk`` the chosen expert ids (int64, in top-k order); ``weights_nk`` their combine
-    weights (float32); ``scores_ne`` the affinities of every expert (float32, softmax or sigmoid
-    of ``logits_ne``), which the balance loss uses; ``logits_ne`` the router logits (z-loss).
-    """
-
-    experts_nk: torch.Tensor
-    weights_nk: torch.Tensor
-    scores_ne: torch.Tensor
-    logits_ne: torch.Tensor
-
-
-def route(
-    logits_ne: torch.Tensor,
-    *,
-    top_k: int,
-    score_func: ScoreFunc = "softmax",
-    expert_bias_e: torch.Tensor | None = None,
-    norm_topk: bool = True,
-    route_scale: float = 1.0,
-    n_group: int = 1,
-    topk_group: int = 1,
-) -> Routing:
-    """Top-k routing of N tokens over E experts.
-
-    Scores are ``softmax`` or ``sigmoid`` of the logits, in float32. The K experts with the
-    highest ``scores + expert_bias`` are chosen; the bias (DeepSeek-V3's auxiliary-loss-free
-    balancing) only steers the choice: the weights are the chosen experts' unbiased scores,
-    divided by their sum when ``norm_topk``, then multiplied by ``route_scale``. With
-    ``n_group > 1`` the choice is group-limited (DeepSeek-V3's node-limited routing): the E experts
-    form ``n_group`` consecutive groups, each scored by the sum of its two highest biased scores,
-    and the K experts are chosen within the ``topk_group`` best groups only.
-
-    Args:
-        logits_ne: router logits ``[N, E]``.
-        top_k: experts per token K, ``1 <= K <= E``.
-        score_func: ``"softmax"`` (Mixtral, Qwen3-MoE) or ``"sigmoid"`` (DeepSeek-V3).
-        expert_bias_e: selection bias ``[E]`` or None.
-        norm_topk: renormalise the K weights to sum to 1.
-        route_scale: factor on the weights (DeepSeek-V3's ``routed_scaling_factor``).
-        n_group: expert groups G (dividing E); 1: no group limit.
-        topk_group: groups a token's experts come from (``1 <= topk_group <= G``, with
-            ``topk_group * E / G >= K``).
-    """
-    scores_ne = logits_ne.float().softmax(-1) if score_func == "softmax" else logits_ne.float().sigmoid()
-    select_ne = scores_ne if expert_bias_e is None else scores_ne + expert_bias_e.float()
-    if n_group > 1:
-        select_ne = limit_to_groups(select_ne, n_group, topk_group)
-    experts_nk = select_ne.topk(top_k, dim=-1).indices
-    weights_nk = scores_ne.gather(-1, experts_nk)
-    if norm_topk:
-        weights_nk = weights_nk / (weights_nk.sum(-1, keepdim=True) + 1e-20)
-    return Routing(experts_nk, weights_nk * route_scale, scores_ne, logits_ne)
-
-
-def limit_to_groups(select_ne: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
-    """``select_ne`` with the experts outside each token's ``topk_group`` best groups set to -inf;
-    a group's score is the sum of its two highest values (transformers' ``DeepseekV3TopkRouter``,
-    DeepSeek-V3's ``noaux_tc``; one expert per group: that expert's value)."""
-    N, E = select_ne.shape
-    select_ngx = select_ne.view(N, n_group, E // n_group)
-    group_ng = select_ngx.topk(min(2, E // n_group), dim=-1).values.sum(-1)
-    keep_ng = torch.zeros_like(group_ng, dtype=torch.bool).scatter_(1, group_ng.topk(topk_group, dim=-1).indices, True)
-    return select_ngx.masked_fill(~keep_ng[..., None], float("-inf")).view(N, E)
-
-
-def balance_loss_sum(scores_bte: torch.Tensor, experts_btk: torch.Tensor) -> torch.Tensor:
-    """DeepSeek-V3's sequence-wise balance loss, summed over tokens: ``sum_b T * L_b`` with
-    ``L_b = sum_i f_bi P_bi``, ``f_bi = E / (K T) * (tokens of row b routed to i)`` (no gradient)
-    and ``P_bi`` the mean over row b of the scores normalised to sum to 1 per token.
-
-    Per row, so the loss does not depend on how rows are split into micro-batches or ranks. It is
-    1 when routing is uniform and grows to E / K when every token of a row picks the same experts.
-    """
-    B, T, E = scores_bte.shape
-    K = experts_btk.shape[-1]
-    ones = torch.ones(B, T * K, device=scores_bte.device)
-    counts_be = torch.zeros(B, E, device=scores_bte.device).scatter_add_(1, experts_btk.reshape(B, -1), ones)
-    f_be = counts_be * (E / (K * T))
-    normed_bte = scores_bte / scores_bte.sum(-1, keepdim=True)
-    return (f_be[:, None, :] * normed_bte).sum()
-
-
-def z_loss_sum(logits_ne: torch.Tensor) -> torch.Tensor:
-    """ST-MoE's router z-loss summed over tokens: ``sum_n logsumexp(logits_n)^2`` (float32)."""
-    return torch.logsumexp(logits_ne.float(), dim=-1).square().sum()
-
-
-class TopKRouter(nn.Module):
-    """The gate ``[D] -> [E]`` and the top-k choice (see `route`).
-
-    ``expert_bias`` (persistent buffer ``[E]``, zeros) is DeepSeek-V3's auxiliary-loss-free
-    selection bias, moved by ``update_expert_bias`` once per optimizer step from the step's
-    ``tokens_per_expert`` (non-persistent buffer, counted in backward so activation
-    checkpointing's recomputation does not count twice and evaluation does not count at all).
-    """
-
-    def __init__(
-        self,
-        dim: int,
-        num_experts: int,
-        top_k: int,
-        *,
-        score_func: ScoreFunc,
-        norm_topk: bool,
-        route_scale: float,
-        n_group: int = 1,
-        topk_group: int = 1,
-    ) -> None:
-        super().__init__()
-        self.num_experts, self.top_k = num_experts, top_k
-        self.score_func, self.norm_topk, self.route_scale = score_func, norm_topk, route_scale
-        self.n_group, self.topk_group = n_group, topk_group
-        self.gate = nn.Linear(dim, num_experts, bias=False)
-        self.register_buffer("expert_bias", torch.zeros(num_experts))
-        self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
-
-    def forward(self, x_nd: torch.Tensor) -> Routing:
-        """``[N, D]`` tokens -> their `Routing`. The expert bias always steers the choice: zero
-        (never updated) it changes nothing; a checkpoint's (DeepSeek-V3) routes as it was trained."""
-        return route(
-            self.gate(x_nd),
-            top_k=self.top_k,
-            score_func=self.score_func,
-            expert_bias_e=self.expert_bias,
-            norm_topk=self.norm_topk,
-            route_scale=self.route_scale,
-            n_group=self.n_group,
-            topk_group=self.topk_group,
-        )
-
-    @torch.no_grad()
-    def update_expert_bias(self, tokens_per_expert_e: torch.Tensor, rate: float) -> None:
-        """``bias_i += rate * sign(mean load - load_i)`` (Wang et al. 2024, Algorithm 1); the
-        counts are the whole step's over every rank that routes tokens."""
-        load = tokens_per_expert_e.to(self.expert_bias)
-        self.expert_bias.add_(rate * torch.sign(load.mean() - load))
+from trainer.models.moe_router import Routing, ScoreFunc, TopKRouter, balance_loss_sum, z_loss_sum
 
 
 # ---------------------------------------------------------------------------------------------- experts

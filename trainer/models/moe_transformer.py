@@ -24,7 +24,8 @@ from typing_extensions import override
 
 from trainer.models.llama import Llama
 from trainer.models.mla import LatentAttention, mla_matmul_params, mla_problems, mla_softmax_factor
-from trainer.models.moe import MoE, ScoreFunc
+from trainer.models.moe import MoE
+from trainer.models.moe_router import ScoreFunc
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
