@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from strategies.pipeline.layout import SCHEDULES, local_stages, microbatch_problems, stages_per_rank_of
-from strategies.pipeline.plugin import build_schedule
+from strategies.pipeline.stages import build_schedule
 from strategies.runtime.gloo import run_gloo_ranks
 
 

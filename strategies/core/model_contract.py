@@ -26,7 +26,7 @@ from torch import nn
 SIZES = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings")
 # The sizes of a mixture of experts (`MixtureOfExperts`); a dense model has none of them.
 MOE_SIZES = ("num_experts", "top_k", "moe_ffn_dim", "num_shared_experts", "n_dense_layers")
-# The modules pipeline stages split (`strategies.pipeline.plugin.split_model`): a stage sets the ones it
+# The modules pipeline stages split (`strategies.pipeline.stages.split_model`): a stage sets the ones it
 # does not hold to None, and ``forward`` skips them.
 STAGE_MODULES = ("layers", "tok_embeddings", "norm", "output")
 

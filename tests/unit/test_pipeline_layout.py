@@ -9,7 +9,7 @@ from harness import compose_config
 from omegaconf import OmegaConf
 
 from strategies.pipeline.layout import check_pipeline, local_stages, stage_layers, stage_owner
-from strategies.pipeline.plugin import split_model
+from strategies.pipeline.stages import split_model
 from trainer.config import ConfigError, validate
 from trainer.models.llama import Llama
 
