@@ -58,7 +58,7 @@ import torch
 
 from strategies.context.document_shards import document_zigzag_order, rank_causal_work
 from strategies.context.placement import Placement, fit_sizes, group_sizes, plan_placement, row_counts
-from strategies.context.plugin import shard_positions
+from strategies.context.sharding import shard_positions
 from strategies.core.shape import ModelShape
 from trainer.data import corpus
 from trainer.data.balance import WorkModel, cells, plan, step_cost

@@ -32,13 +32,10 @@ import random
 import torch
 import torch.distributed as dist
 
-from strategies.context.plugin import (
-    apply_context_parallel,
-    build_cp_layout,
-    causal_work,
-    shard_batch,
-    ulysses_degree_for,
-)
+from strategies.context.attention import apply_context_parallel
+from strategies.context.layout import build_cp_layout
+from strategies.context.plugin import ulysses_degree_for
+from strategies.context.sharding import causal_work, shard_batch
 from strategies.runtime.gloo import run_gloo_ranks
 from trainer.models.llama import Llama
 from trainer.objectives.pretrain import CausalLM

@@ -6,7 +6,7 @@ sharding the exact count of query-key pairs each cp rank's queries attend under 
 block-diagonal causal mask (`strategies.context.document_shards.rank_causal_work`), max over mean per row,
 the worst row of ``--rows``:
 
-- ``zigzag``: chunks r and 2cp-1-r of the row (`strategies.context.plugin.shard_positions`);
+- ``zigzag``: chunks r and 2cp-1-r of the row (`strategies.context.sharding.shard_positions`);
 - ``contiguous``: the r-th T/cp tokens;
 - ``document``: every document zigzagged on its own (`strategies.context.document_shards`,
   ``strategy.context_parallel.sharding=document``).
@@ -27,7 +27,7 @@ import random
 import torch
 
 from strategies.context.document_shards import document_zigzag_order, rank_causal_work
-from strategies.context.plugin import shard_positions
+from strategies.context.sharding import shard_positions
 
 
 def packed_row(seq_len: int, rng: random.Random) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Document-aware context-parallel sharding of packed rows: a zigzag per document.
 
-Zigzag sharding (`strategies.context.plugin.shard_positions`) cuts a row into ``2 cp`` chunks and gives
+Zigzag sharding (`strategies.context.sharding.shard_positions`) cuts a row into ``2 cp`` chunks and gives
 rank r chunks r and ``2cp - 1 - r``: exact balance of causal work for a row of one document. A
 packed row holds many documents and attention never crosses one, so a token's work is its index
 in its document plus one; a rank whose chunks hold the starts of documents does less. Measured on
@@ -31,7 +31,7 @@ def document_zigzag_order(document_ids_t: torch.Tensor, cp: int) -> torch.Tensor
     """``[T]`` int64: the original index of the token at each slot of the zigzag chunks.
 
     Slot ``k * T/(2cp) + j`` is the j-th token of chunk k; rank r keeps chunks r and ``2cp-1-r``
-    (`strategies.context.plugin.shard_positions` applied to this order).
+    (`strategies.context.sharding.shard_positions` applied to this order).
 
     Args:
         document_ids_t: ``[T]`` document ids of one row; a document is a run of equal ids.
@@ -55,7 +55,7 @@ def shard_documents(batch: dict[str, torch.Tensor], index: torch.Tensor, cp: int
 
     Args:
         batch: rows with ``document_ids`` (``[B, T]``; rows without them shard as plain zigzag).
-        index: ``[T / cp]`` zigzag slots of this rank (`strategies.context.plugin.shard_positions`).
+        index: ``[T / cp]`` zigzag slots of this rank (`strategies.context.sharding.shard_positions`).
         cp: context-parallel degree.
     """
     docs = batch["document_ids"]

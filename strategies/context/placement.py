@@ -228,7 +228,7 @@ def hybrid_micro_batches(
 @dataclass(frozen=True)
 class WholeRows:
     """The mask of a forward over whole rows (no cp split): what the one-process core made
-    (`strategies.context.plugin.ContextParallelAttention` attends with that core when it sees one)."""
+    (`strategies.context.attention.ContextParallelAttention` attends with that core when it sees one)."""
 
     mask: Any
 

@@ -1,16 +1,16 @@
 """Context parallelism on the ``cp`` mesh axis: ring, Ulysses and hybrid (head x context) attention.
 
-Sources: Liu et al. 2023, "Ring Attention" (k/v blocks around a ring, see `ring_attention`);
+Sources: Liu et al. 2023, "Ring Attention" (k/v blocks around a ring, see `strategies.context.ring.ring_attention`);
 Jacobs et al. 2023, "DeepSpeed Ulysses" (all-to-all from sequence sharding to head sharding around
 attention, and back); Gu et al. 2024, "LoongTrain" (2-D head x context parallelism: Ulysses inside
 a group of ranks, ring attention across groups); the zigzag load balancing of causal attention
 (each rank holds one chunk from the head and the mirrored chunk from the tail of the sequence;
 Brandon et al. 2023, "Striped Attention", discuss the imbalance).
 
-Every cp rank keeps ``T/cp`` tokens of each row (`shard_batch`, before the step counts supervised
+Every cp rank keeps ``T/cp`` tokens of each row (`strategies.context.sharding.shard_batch`, before the step counts supervised
 tokens: the Task sums the counts over dp x cp, so a shard without supervised tokens adds exactly 0,
 case C03). Between attentions nothing needs the other shards: embeddings, norms, MLP and the loss
-are per token. Attention is replaced per module by `ContextParallelAttention`, which knows the
+are per token. Attention is replaced per module by `strategies.context.attention.ContextParallelAttention`, which knows the
 global position and document id of every token, so packed rows stay block-diagonal causal when a
 document straddles shards. Parameters are the same on every cp rank; FSDP shards them over
 dp_shard x cp and sums their gradients there (`MeshStrategy.dp_mesh`).
@@ -24,22 +24,19 @@ links are fastest on a real cluster).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from strategies.context.attention import ContextParallelAttention, apply_context_parallel
 from strategies.context.attention_blocks import block_kernels
-from strategies.context.document_shards import shard_documents
-from strategies.context.layout import CPLayout, build_cp_layout, build_sub_layouts
-from strategies.context.placement import HybridPlacement, OnGroup, WholeRows, group_sizes, placement_problems
-from strategies.context.ring import RingMasks, ring_attention
-from strategies.context.ulysses import heads_to_seq, seq_to_heads
-from strategies.core.model_contract import declares, optional
+from strategies.context.layout import build_cp_layout, build_sub_layouts
+from strategies.context.placement import HybridPlacement, group_sizes, placement_problems
+from strategies.context.sharding import shard_batch
+from strategies.core.model_contract import optional
 from strategies.core.parallel_dims import Meshes, ParallelDims, divisors
 from strategies.plugin import StrategyPlugin
 
@@ -51,213 +48,6 @@ CPMode = Literal["ring", "ulysses", "hybrid"]
 CP_MODES: tuple[str, ...] = get_args(CPMode)
 Sharding = Literal["zigzag", "contiguous", "document"]
 SHARDINGS: tuple[str, ...] = get_args(Sharding)
-
-
-# ---------------------------------------------------------------------------------- sharding
-def shard_positions(seq_len: int, cp: int, rank: int, *, load_balance: bool = True) -> torch.Tensor:
-    """Positions (``[seq_len / cp]`` int64) of the tokens that cp rank ``rank`` keeps, in memory order.
-
-    With ``load_balance`` the sequence is cut into ``2 * cp`` chunks and rank r keeps chunks r and
-    ``2cp - 1 - r``: every rank then has the same causal work. Without it, rank r keeps the r-th
-    contiguous ``seq_len / cp`` tokens.
-
-    Raises:
-        ValueError: ``seq_len`` not divisible by ``2 * cp`` (``cp`` without ``load_balance``).
-    """
-    parts = 2 * cp if load_balance else cp
-    if seq_len % parts:
-        raise ValueError(f"sequence length {seq_len} is not divisible by {parts} (context parallelism, cp={cp})")
-    c = seq_len // parts
-    if not load_balance:
-        return torch.arange(rank * c, (rank + 1) * c)
-    tail = 2 * cp - 1 - rank
-    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange(tail * c, (tail + 1) * c)])
-
-
-def shard_batch(
-    batch: dict[str, torch.Tensor], *, cp: int, rank: int, load_balance: bool = True, documents: bool = False
-) -> dict[str, torch.Tensor]:
-    """This cp rank's tokens of every ``[B, T]`` tensor in ``batch`` (input ids, labels, positions, documents).
-
-    Labels are pre-shifted by the data pipeline, so sharding them with the inputs keeps each
-    target with its position. Missing ``position_ids`` are filled with ``arange(T)`` first (the
-    model would otherwise number the shard's tokens from 0). Other entries pass unchanged.
-    With ``documents`` (and ``load_balance``) each document of a packed row is zigzagged on its
-    own (`strategies.context.document_shards`; rows without ``document_ids`` shard as plain zigzag).
-    """
-    seq_len = batch["input_ids"].shape[1]
-    if "position_ids" not in batch:
-        batch = {
-            **batch,
-            "position_ids": torch.arange(seq_len, device=batch["input_ids"].device).expand_as(batch["input_ids"]),
-        }
-    index = shard_positions(seq_len, cp, rank, load_balance=load_balance).to(batch["input_ids"].device)
-    if documents and load_balance and "document_ids" in batch:
-        return shard_documents(batch, index, cp)
-    return {k: v[:, index] if v.dim() >= 2 and v.shape[1] == seq_len else v for k, v in batch.items()}
-
-
-def causal_work(document_ids_t: torch.Tensor, cp: int, *, load_balance: bool) -> list[int]:
-    """Query-key pairs each cp rank's queries attend (block-diagonal causal) in one row ``[T]``.
-
-    The attention FLOPs of a rank are proportional to its count; ``max / mean`` is the imbalance.
-    """
-    seq_len = document_ids_t.shape[0]
-    pos = torch.arange(seq_len)
-    work = []
-    for rank in range(cp):
-        q = shard_positions(seq_len, cp, rank, load_balance=load_balance)
-        allowed = (pos[None, :] <= q[:, None]) & (document_ids_t[None, :] == document_ids_t[q][:, None])
-        work.append(int(allowed.sum()))
-    return work
-
-
-# ---------------------------------------------------------------------------------- the attention core
-class ContextParallelAttention:
-    """The attention core of every `Attention` module under context parallelism.
-
-    ``mask`` runs once per model forward and gathers the document ids of the whole row over the
-    cp group; ``__call__`` runs in each layer: Ulysses all-to-all (if any), ring attention over
-    the head groups, all-to-all back.
-
-    Args:
-        layout: this rank's groups (`build_cp_layout`).
-        load_balance: the sharding `shard_batch` used (zigzag or contiguous).
-        kv_chunk: keys per score block in `ring_attention` (0: whole blocks).
-        kernel: the block kernels (`strategies.context.attention_blocks.block_kernels`): ``auto`` (fused
-            on CUDA, eager fp32 on CPU), ``fused`` or ``eager``.
-        whole: the model's one-process core (whole rows); sub_layouts: this rank's cp sub-groups
-            by size (`strategies.context.layout.build_sub_layouts`), both for hybrid placement.
-    """
-
-    def __init__(
-        self,
-        layout: CPLayout,
-        *,
-        load_balance: bool = True,
-        kv_chunk: int = 0,
-        kernel: str = "auto",
-        whole: Any = None,
-        sub_layouts: dict[int, CPLayout] | None = None,
-    ) -> None:
-        block_kernels(torch.device("cpu"), kernel)  # fails on an unknown kernel name
-        self.layout, self.load_balance, self.kv_chunk, self.kernel = layout, load_balance, kv_chunk, kernel
-        self.whole, self.sub_layouts = whole, dict(sub_layouts or {})  # the one-process core; cp sub-groups
-        self.group_size = layout.cp  # ranks the rows of the current forward are split over
-
-    @contextmanager
-    def training_group(self, size: int) -> Iterator[None]:
-        """While active, forwards attend over the rows of a cp group of ``size`` ranks
-        (`strategies.context.placement`): 1 with the one-process core (whole rows), a sub-group size
-        with its layout (``sub_layouts``), the cp degree as usual. The masks made then carry the
-        choice, so a recompute under activation checkpointing attends the same way.
-
-        Raises:
-            ValueError: no layout of that size (no one-process core for 1, or no such sub-group).
-        """
-        if size != self.layout.cp and not (size == 1 and self.whole is not None) and size not in self.sub_layouts:
-            raise ValueError(
-                f"no cp group of {size} ranks (built: 1, {', '.join(map(str, sorted(self.sub_layouts)))}, {self.layout.cp})"
-            )
-        self.group_size = size
-        try:
-            yield
-        finally:
-            self.group_size = self.layout.cp
-
-    def mask(self, document_ids_bt: torch.Tensor | None, seq_len: int, device: torch.device) -> RingMasks:
-        """Positions and document ids of the queries and keys each layer's ring step sees.
-
-        Args:
-            document_ids_bt: this rank's ``[B, T/cp]`` document ids, or None (plain causal rows).
-            seq_len: this rank's token count ``T/cp``.
-            device: the device of the activations.
-        """
-        if self.group_size == 1:
-            return WholeRows(self.whole.mask(document_ids_bt, seq_len, device))
-        if self.group_size != self.layout.cp:
-            lay = self.sub_layouts[self.group_size]
-            return OnGroup(lay, self._ring_masks(lay, document_ids_bt, seq_len, device))
-        return self._ring_masks(self.layout, document_ids_bt, seq_len, device)
-
-    def _ring_masks(
-        self, lay: CPLayout, document_ids_bt: torch.Tensor | None, seq_len: int, device: torch.device
-    ) -> RingMasks:
-        pos = [shard_positions(seq_len * lay.cp, lay.cp, c, load_balance=self.load_balance) for c in range(lay.cp)]
-        docs = None
-        if document_ids_bt is not None:
-            docs = [torch.empty_like(document_ids_bt) for _ in range(lay.cp)]
-            dist.all_gather(docs, document_ids_bt.contiguous(), group=lay.cp_group)
-        u = lay.ulysses_degree
-        # A head group holds the tokens of its u ranks, concatenated in rank order (seq_to_heads).
-        group_pos = tuple(torch.cat(pos[i : i + u]) for i in range(0, lay.cp, u))
-        group_docs = None if docs is None else tuple(torch.cat(docs[i : i + u], dim=1) for i in range(0, lay.cp, u))
-        me = lay.index // u
-        on_host = torch.device(device).type == "cpu"
-        return RingMasks(
-            group_pos[me].to(device),
-            None if group_docs is None else group_docs[me],
-            tuple(p.to(device) for p in group_pos),
-            group_docs,
-            pos_kv_host=None if on_host else group_pos,
-            last_query=int(group_pos[me].max()),
-        )
-
-    def __call__(
-        self, q_bthe: torch.Tensor, k_btke: torch.Tensor, v_btke: torch.Tensor, masks: RingMasks
-    ) -> torch.Tensor:
-        """``[B, T/cp, H, E]`` queries and ``[B, T/cp, K, E]`` keys/values (after RoPE) -> ``[B, T/cp, H, E]``."""
-        if isinstance(masks, WholeRows):
-            return self.whole(q_bthe, k_btke, v_btke, masks.mask)
-        lay = self.layout
-        if isinstance(masks, OnGroup):
-            lay, masks = masks.layout, masks.masks
-        u = lay.ulysses_degree
-        if u > 1:
-            H, K = q_bthe.shape[2], k_btke.shape[2]
-            if H % u or K % u:
-                raise ValueError(f"Ulysses degree {u} must divide the local query heads {H} and kv heads {K}")
-            q_bthe, k_btke, v_btke = (seq_to_heads(t, lay.ulysses_group, u) for t in (q_bthe, k_btke, v_btke))
-        B, T, H, E = q_bthe.shape
-        K = k_btke.shape[2]
-        q_bkrqe = q_bthe.view(B, T, K, H // K, E).permute(0, 2, 3, 1, 4)
-        out = ring_attention(
-            q_bkrqe,
-            k_btke.transpose(1, 2),
-            v_btke.transpose(1, 2),
-            ring=lay.ring,
-            masks=masks,
-            kv_chunk=self.kv_chunk,
-            blocks=block_kernels(q_bthe.device, self.kernel),
-        )
-        out_bthe = out.permute(0, 3, 1, 2, 4).reshape(B, T, H, E)
-        return heads_to_seq(out_bthe, lay.ulysses_group, u) if u > 1 else out_bthe
-
-
-def apply_context_parallel(
-    model: nn.Module,
-    *,
-    layout: CPLayout,
-    load_balance: bool = True,
-    kv_chunk: int = 0,
-    kernel: str = "auto",
-    sub_layouts: dict[int, CPLayout] | None = None,
-) -> None:
-    """Makes every attention module of ``model`` context-parallel, in place.
-
-    ``model`` must offer ``set_attention_core`` (`trainer.models.llama.Llama`); a model without
-    attention (a per-token test model) is left unchanged: per-token layers need no change under CP.
-    """
-    if declares(model, "set_attention_core"):
-        core = ContextParallelAttention(
-            layout,
-            load_balance=load_balance,
-            kv_chunk=kv_chunk,
-            kernel=kernel,
-            whole=model.attention_core,
-            sub_layouts=sub_layouts,
-        )
-        model.set_attention_core(core)
 
 
 # ---------------------------------------------------------------------------------- config

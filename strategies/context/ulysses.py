@@ -1,7 +1,7 @@
 """Ulysses sequence parallelism (Jacobs et al. 2023, "DeepSpeed Ulysses"): an all-to-all turns
 each rank's tokens of all heads into all tokens of its head group before attention, and back after.
 
-Used by `strategies.context.plugin.ContextParallelAttention` (cp modes "ulysses" and "hybrid").
+Used by `strategies.context.attention.ContextParallelAttention` (cp modes "ulysses" and "hybrid").
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import torch
 from controlled import ONE_SGD_STEP, TableLM, data_overrides, rows_from, table_overrides, token_ce
 from harness import compose_config, fit, losses
 
-from strategies.context.plugin import shard_batch
+from strategies.context.sharding import shard_batch
 from trainer.data.packing import IGNORE_INDEX
 from trainer.objectives.pretrain import CausalLM
 

@@ -20,9 +20,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from strategies.context.plugin import (
-    ContextParallelAttention, build_cp_layout, causal_work, shard_batch, shard_positions, ulysses_degree_for,
-)
+from strategies.context.attention import ContextParallelAttention
+from strategies.context.layout import build_cp_layout
+from strategies.context.plugin import ulysses_degree_for
+from strategies.context.sharding import causal_work, shard_batch, shard_positions
 from strategies.runtime.gloo import run_gloo_ranks
 
 B, T, H, K, E = 2, 32, 8, 4, 8
@@ -49,7 +50,11 @@ def inputs() -> dict[str, torch.Tensor]:
 
 def dense_sdpa(q, k, v, docs):  # noqa: ANN001, ANN201
     """``[B, T, H, E]`` attention through SDPA with k/v repeated and a dense mask (None: is_causal)."""
-    q, k, v = q.transpose(1, 2), k.repeat_interleave(H // K, 2).transpose(1, 2), v.repeat_interleave(H // K, 2).transpose(1, 2)
+    q, k, v = (
+        q.transpose(1, 2),
+        k.repeat_interleave(H // K, 2).transpose(1, 2),
+        v.repeat_interleave(H // K, 2).transpose(1, 2),
+    )
     if docs is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
     mask = (docs[:, :, None] == docs[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril()

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from strategies.context.plugin import ContextParallelAttention, CPLayout, shard_batch
+from strategies.context.attention import ContextParallelAttention
+from strategies.context.layout import CPLayout
+from strategies.context.sharding import shard_batch
 
 META = torch.device("meta")
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from strategies.context.document_shards import document_zigzag_order, rank_causal_work
-from strategies.context.plugin import ContextParallel, shard_batch, shard_positions
+from strategies.context.plugin import ContextParallel
+from strategies.context.sharding import shard_batch, shard_positions
 
 
 def packed(seq_len: int, rng: random.Random, low: int, high: int) -> torch.Tensor:

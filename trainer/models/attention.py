@@ -63,7 +63,7 @@ class DocumentCausalAttention:
 
     GQA is SDPA's and Flex's ``enable_gqa`` (no copies of k/v). Context parallelism swaps in
     another core with the same two calls (`Llama.set_attention_core`,
-    `strategies.context.plugin.ContextParallelAttention`).
+    `strategies.context.attention.ContextParallelAttention`).
     """
 
     def mask(self, document_ids_bt: torch.Tensor | None, seq_len: int, device: torch.device) -> Any:
