@@ -107,3 +107,17 @@ def test_sft_mixture_loader_resumes_mid_epoch(tmp_path):
     assert [s for s, _, _ in straight] == list(range(1, 2 * (NUM - 1) + 1))
     assert len({b for _, _, b in straight[: NUM - 1]}) == NUM - 1
     assert resumed == straight[CKPT_STEP:]
+
+
+def test_a_finished_run_trained_longer_continues_its_epoch(tmp_path):
+    """A run that ended at trainer.max_steps, resumed from its final checkpoint with a larger
+    max_steps (`plait resume RUN trainer.max_steps=...`), trains the rest of its epoch as the longer
+    run would have: its final checkpoint is written at the last step, mid-epoch, not after Lightning
+    has closed the epoch (which made the resumed run start the next epoch)."""
+    base = [*data_overrides("test_c07_mid_epoch_resume.rows", seq_len=SEQ_LEN), "data.shuffle=true"]
+    longer = compose_config([*base, *_common(NUM + 4)])
+    _, straight = fit(longer, tmp_path / "straight")
+    short = compose_config([*base, *_common(6), "callbacks.checkpoint.every_n_steps=0"])
+    fit(short, tmp_path / "short")
+    _, resumed = fit(longer, tmp_path / "resumed", ckpt_path=str(tmp_path / "short" / "checkpoints" / "last"))
+    assert [b for b in _batches(resumed.history) if b[0] > 6] == _batches(straight.history)[6:]

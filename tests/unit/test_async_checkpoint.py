@@ -104,7 +104,7 @@ def _trainer(step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> A
     """What `PeriodicCheckpoint` uses of a one-process trainer; its saves go through `ckpt.save`."""
     strategy = SimpleNamespace(broadcast=lambda value: value, barrier=lambda: None)
     trainer = SimpleNamespace(
-        global_step=step, is_global_zero=True, loggers=[], strategy=strategy, lightning_module=None
+        global_step=step, is_global_zero=True, loggers=[], strategy=strategy, lightning_module=None, max_steps=-1
     )
 
     def save_checkpoint(path: Path, weights_only: bool, storage_options: Any = None) -> None:

@@ -100,7 +100,10 @@ class PeriodicCheckpoint(Checkpoint):
         signum = self.stop_signals.agreed() if self.stop_signals is not None else None
         if self._writer is not None and self._writer.all_written():
             self._finish(trainer)
-        if signum is not None or (self.every_n_steps and step % self.every_n_steps == 0):
+        # The run's last step is saved here too, not only in on_train_end: there Lightning has closed
+        # the epoch, and a run trained longer from that checkpoint would skip the rest of its epoch.
+        last_step = 0 < trainer.max_steps <= step
+        if signum is not None or (self.every_n_steps and step % self.every_n_steps == 0) or last_step:
             background = self.async_save and signum is None  # a signal's save is complete before the exit
             path = self.save(trainer, background=True) if background else self.save(trainer)
         if signum is not None:
