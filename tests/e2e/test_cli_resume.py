@@ -49,3 +49,26 @@ def test_resume_continues_the_run_from_its_config(tmp_path) -> None:
     )
     bare = _plait("sft", f"run_dir={run_dir}", "resume=last", cwd=tmp_path)
     assert bare.returncode == 2 and f"plait resume {run_dir} [overrides]" in bare.stderr, bare.stderr[-2000:]
+
+
+def test_a_run_on_a_relative_data_path_resumes_from_another_folder(tmp_path) -> None:
+    """``data.path=corpus/`` typed in one folder is recorded absolute: ``plait resume RUN`` from another
+    folder finds the files, and ``data.path=./corpus`` typed again in the first is the same path."""
+    (tmp_path / "a" / "corpus").mkdir(parents=True)
+    (tmp_path / "b").mkdir()
+    for i in range(4):
+        (tmp_path / "a" / "corpus" / f"d{i}.txt").write_text(" ".join(f"word{(i * 7 + k) % 40}" for k in range(2000)))
+    run_dir, common = tmp_path / "run", ["data.vocab_size=300", "data.seq_len=64", "train.eval_every=0"]
+    first = _plait(
+        "pretrain", "model=nano", "data.path=corpus/", *common, "trainer.max_steps=2", f"run_dir={run_dir}",
+        cwd=tmp_path / "a",
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert f"path: {tmp_path / 'a' / 'corpus'}\n" in (run_dir / "config.yaml").read_text()
+    again = _plait("resume", str(run_dir), "trainer.max_steps=3", cwd=tmp_path / "b")
+    assert again.returncode == 0, again.stderr[-2000:]
+    typed = _plait(
+        "pretrain", "model=nano", "data.path=./corpus", *common, "trainer.max_steps=4", f"run_dir={run_dir}",
+        "resume=last", cwd=tmp_path / "a",
+    )  # fmt: skip
+    assert typed.returncode == 0 and "resuming from" in typed.stderr, typed.stderr[-2000:]

@@ -142,3 +142,28 @@ def test_lora_settings_belong_to_the_run() -> None:
     ]
     off = resume_problems(run_record(saved, "f" * 64), {**saved, "strategy": {}}, "f" * 64, [], source="ckpt")
     assert len(off) == 2 and "differs from 4" in off[0]
+
+
+def test_the_data_path_is_compared_as_the_files_it_names(tmp_path, monkeypatch) -> None:
+    """A path made absolute at launch (`absolute_paths`), a trailing slash or ``./``, and a path
+    recorded as typed by an older run, name the same files from here: no difference; another
+    folder is one."""
+    from omegaconf import OmegaConf
+
+    from trainer.data.paths import absolute_paths
+
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "other").mkdir()
+    monkeypatch.chdir(tmp_path)
+    cfg = OmegaConf.create({"data": {"path": "./corpus/", "tokenizer": None}})
+    assert absolute_paths(cfg).data.path == str(tmp_path / "corpus")
+    listed = OmegaConf.create({"data": {"path": ["corpus", "missing/"], "tokenizer": "other/"}})
+    assert OmegaConf.to_container(absolute_paths(listed).data) == {
+        "path": [str(tmp_path / "corpus"), "missing/"],  # one that does not exist stays as typed (validate names it)
+        "tokenizer": str(tmp_path / "other"),
+    }
+    record = run_record(_new(data__path="corpus"), "f" * 64)
+    for same in (str(tmp_path / "corpus"), f"{tmp_path / 'corpus'}/", "./corpus"):
+        assert resume_problems(record, _new(data__path=same), "f" * 64, [], source="ckpt") == [], same
+    (problem,) = resume_problems(record, _new(data__path=str(tmp_path / "other")), "f" * 64, [], source="ckpt")
+    assert f"data.path={str(tmp_path / 'other')!r} differs from 'corpus'" in problem

@@ -10,12 +10,45 @@ a word. `check_path` and `data_files` refuse both, naming the entry; the readers
 
 from __future__ import annotations
 
+import os
 import stat
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 # What plait reads as data: text and jsonl (trainer.data.corpus) and the tables of trainer.data.tables.
 DATA_SUFFIXES = (".txt", ".jsonl", ".parquet", ".arrow", ".json", ".csv")
+
+
+# The config's local paths made absolute where the command is typed (`absolute_paths`).
+PATH_KEYS = ("data.path", "data.tokenizer")
+
+
+def absolute(value: Any) -> Any:
+    """A path as typed (``corpus/``, ``~/data``, ``../x.jsonl``), absolute and normal
+    (``/home/me/corpus``) when it exists from here; a list item by item; anything else (None, a
+    path that does not exist: validate names it as typed) unchanged."""
+    if isinstance(value, (list, tuple)):
+        return [absolute(v) for v in value]
+    if not isinstance(value, str) or not value or not os.path.exists(os.path.expanduser(value)):
+        return value
+    return os.path.normpath(os.path.abspath(os.path.expanduser(value)))
+
+
+def absolute_paths(cfg: Any) -> Any:
+    """``cfg`` (an OmegaConf config, changed in place and returned) with its ``PATH_KEYS`` made
+    `absolute`: the run records them so (config.yaml, every checkpoint), ``plait resume`` from
+    another folder finds the files, and a resume compares the paths, not how they were typed."""
+    from omegaconf import OmegaConf  # lazy: this module is also read by code without a config
+
+    for key in PATH_KEYS:
+        value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
+        if value is None:
+            continue
+        plain = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+        if (new := absolute(plain)) != plain:
+            OmegaConf.update(cfg, key, new, merge=False)
+    return cfg
 
 
 class PathProblem(ValueError):
