@@ -106,8 +106,9 @@ _FILE_KEYS = ("data.path", "data.file", "data.dataset", "data.train_file", "data
 
 def own_data_fix(cfg: DictConfig, key: str, value: str) -> str | None:
     """The fix for a near miss at one's own data in a recipe whose data reads ``data.sources``
-    (SFT, preference, prompt data): a file key (``data.path=mine.jsonl``, pretraining's) or a field
-    of a source the preset does not have (``data.sources.mine.source=...`` without ``+``); None
+    (SFT, preference, prompt data): a file key (``data.path=mine.jsonl``, pretraining's), a field
+    of a source the preset does not have (``data.sources.mine.source=...`` without ``+``), or a
+    field a source's mapping does not set (``data.sources.mine.max_epochs=3`` without ``+``); None
     for any other key."""
     sources = OmegaConf.select(cfg, "data.sources")
     if not isinstance(sources, DictConfig):
@@ -117,6 +118,9 @@ def own_data_fix(cfg: DictConfig, key: str, value: str) -> str | None:
         name, field = "mine", "source"
     elif len(parts) >= 4 and parts[:2] == ["data", "sources"] and parts[2] not in sources:
         name, field = parts[2], ".".join(parts[3:])
+    elif len(parts) == 4 and parts[:2] == ["data", "sources"] and isinstance(sources[parts[2]], DictConfig):
+        # A source given as a mapping (data.sources={mine: {source: ...}}) has only the fields it names.
+        return f"data.sources.{parts[2]} sets no {parts[3]}: add it with +{key}={value}"
     else:
         return None
     preset = ", ".join(map(str, sources)) or "none"

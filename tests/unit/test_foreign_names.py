@@ -103,3 +103,10 @@ def test_near_misses_at_ones_own_data_name_both_forms() -> None:
     assert _problems("sft", "data.path=mine.jsonl")[0].endswith(f"{both})")
     assert _problems("sft", "data.sources.mine.source=mine.jsonl")[0].endswith(f"{both})")
     assert "the preset's: copy" in _problems("dpo", "data=preference_synthetic", "data.sources.pairs.source=p.jsonl")[0]
+
+
+def test_a_field_a_sources_mapping_does_not_set_is_added_with_plus() -> None:
+    """``data.sources={mine: {...}} data.sources.mine.max_epochs=3``: the mapping has only the fields
+    it names, so Hydra refuses the plain override; the hint named that same override before."""
+    (problem,) = _problems("sft", "data.sources={mine: {source: mine.jsonl}}", "data.sources.mine.max_epochs=3")
+    assert problem.endswith("(data.sources.mine sets no max_epochs: add it with +data.sources.mine.max_epochs=3)")

@@ -94,6 +94,14 @@ def test_the_budgets_that_end_a_mixture_are_named_with_their_settings(tmp_path: 
         "raise data.sources.a.max_tokens or data.sources.b.max_epochs"
     )
     assert length.launch_line() == f"the run ends after {steps} of trainer.max_steps=10000 steps: {length.reason}"
+    # A source that does not set the field it must raise: the override that adds it (a plain one is refused).
+    one = compose_config(
+        ["model=nano", "data.seq_len=64", "train.global_batch_size=4", f"data.sources={{a: {{source: {a}}}}}"],
+        recipe="sft",
+        tiny=False,
+    )
+    data = build_data(one, validate(one))
+    assert plan_run_length(10_000, data).reason.endswith("; raise +data.sources.a.max_epochs")
     # A max_steps the data outlasts ends the run itself: nothing to say at launch.
     assert plan_run_length(steps, data).launch_line() is None
     assert plan_run_length(steps - 1, data).ends_by == "max_steps"

@@ -133,6 +133,7 @@ class SFTDataModule(DataModule):
         self.metrics = {name: p[1] for name, p in parsed.items()}
         self.specs = {name: p[2] for name, p in parsed.items()}
         self.names = list(sources)
+        self.given = {name: set(node or {}) for name, node in sources.items()}  # the fields each source sets
         self.template_name, self.long_samples = template, long_samples
         self.counts: dict[str, SourceCounts] = {}
         self.val_counts: dict[str, SourceCounts] = {}
@@ -285,12 +286,15 @@ class SFTDataModule(DataModule):
         ]
         if len(spent) == 1:
             [(name, (field, value))] = spent
-            return (
-                f"data.sources.{name} is spent after {field}={value} ({steps} steps); raise data.sources.{name}.{field}"
-            )
+            return f"data.sources.{name} is spent after {field}={value} ({steps} steps); raise {self._key(name, field)}"
         budgets = ", ".join(f"{name} {field}={value}" for name, (field, value) in spent)
-        fixes = " or ".join(f"data.sources.{name}.{field}" for name, (field, value) in spent)
+        fixes = " or ".join(self._key(name, field) for name, (field, value) in spent)
         return f"every source of data.sources is spent after {steps} steps ({budgets}); raise {fixes}"
+
+    def _key(self, name: str, field: str) -> str:
+        """The override key of a source's field, as typed: with ``+`` when the source does not set it
+        (a source given as a mapping has only the fields it names)."""
+        return f"{'' if field in self.given[name] else '+'}data.sources.{name}.{field}"
 
     @override
     def eval_rows(self) -> dict[str, Tensor]:
