@@ -239,7 +239,7 @@ class DataModule(Component, Protocol):
 
     def end_reason(self, steps: int) -> str:
         """Why the data ends after ``steps`` and the setting that lengthens the run, e.g.
-        ``data.sources.mine is spent after max_epochs=1.0 (5 steps); raise data.sources.mine.max_epochs``;
+        ``data.sources.mine is spent after max_epochs=1.0 (5 steps); raise +data.sources.mine.max_epochs``;
         asked at launch for `finite_steps` (`trainer.run_length`), or when data of unknown length ends."""
         ...
 

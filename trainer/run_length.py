@@ -7,7 +7,7 @@ says which budgets end it and which settings lengthen the run (`DataModule.end_r
 launch prints one line when the data ends the run before ``max_steps``::
 
     plait: the run ends after 5 of trainer.max_steps=20 steps: data.sources.mine is spent after
-    max_epochs=1.0 (5 steps); raise data.sources.mine.max_epochs
+    max_epochs=1.0 (5 steps); raise +data.sources.mine.max_epochs
 
 the LR schedule spans the planned steps (`trainer.task.Task.total_steps`), and ``summary.json``
 records both with what did stop the run (`trainer.callbacks.summary`).

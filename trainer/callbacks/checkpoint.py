@@ -79,11 +79,13 @@ class PeriodicCheckpoint(Checkpoint):
         self.every_n_steps, self.keep_last = every_n_steps, keep_last
         self.stop_signals = StopSignals() if save_on_signal else None
         self._last_saved = -1
+        self._started = False  # whether this process trains (on_train_start)
         self.async_save = async_save
         self._writer: AsyncWriter | None = None  # made at the first background save (its groups are collective)
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._started = True
         if self.stop_signals is not None:
             self.stop_signals.install()  # after Lightning's handlers, which it restores at teardown
 
@@ -123,6 +125,9 @@ class PeriodicCheckpoint(Checkpoint):
         path = self._writer.finish_after_error() if self._writer is not None else None
         if path is not None and trainer.is_global_zero:
             self._move_last(path)
+        # Not in a fork launcher's parent, which trained nothing (on_train_start ran in its children).
+        if isinstance(exception, KeyboardInterrupt) and trainer.is_global_zero and self._started:
+            print(interrupt_message(trainer.global_step, self._last_saved, self.dirpath), file=sys.stderr, flush=True)
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -211,3 +216,17 @@ class PeriodicCheckpoint(Checkpoint):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._last_saved = state_dict["last_saved"]
+
+
+def interrupt_message(step: int, last_saved: int, dirpath: str | None) -> str:
+    """What Ctrl-C kept: a run stopped by SIGINT saves nothing (SIGTERM saves, `trainer.callbacks.preemption`)."""
+    head = f"plait: interrupted (Ctrl-C) after step {step}"
+    if last_saved < 0 or dirpath is None:
+        return (
+            f"{head}: no checkpoint was written, the run cannot be resumed (SIGTERM, kill -TERM <pid>, stops with one)"
+        )
+    lost = f"steps {last_saved + 1}-{step} are not saved; " if step > last_saved else ""
+    return (
+        f"{head}: {lost}continue from step {last_saved} with plait resume {Path(dirpath).parent} "
+        "(SIGTERM, kill -TERM <pid>, stops with a checkpoint of the current step)"
+    )
