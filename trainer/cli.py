@@ -60,6 +60,10 @@ def main(argv: list[str] | None = None) -> None:
     quiet_third_party()
     if argv and argv[0] in HELP_FLAGS:
         return print_help()
+    if argv and argv[0] in ("--version", "-V"):  # plait's own (Hydra answers --version with its own)
+        from importlib.metadata import version  # lazy: only this flag needs it
+
+        return print(f"plait {version('plait')}")
     command, rest = dispatch(argv)
     command.main(rest)
 

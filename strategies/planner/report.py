@@ -27,7 +27,7 @@ def table(plans: Sequence[Plan], cluster: Cluster, *, top: int = 10) -> str:
         )
     dropped = len(plans) - len(fitting)
     lines.append(
-        f"{len(plans)} layouts on {cluster.world_size} x {cluster.name} devices; {dropped} dropped over the "
+        f"{len(plans)} layouts on {cluster.name} ({cluster.world_size} devices); {dropped} dropped over the "
         f"memory cap of {cluster.memory_cap / GiB:.1f} GiB per device"
     )
     return "\n".join(lines)

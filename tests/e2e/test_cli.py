@@ -4,6 +4,7 @@ two processes and the offline wandb logger."""
 from __future__ import annotations
 
 import csv
+import importlib.metadata
 import json
 import math
 import os
@@ -130,6 +131,9 @@ def test_help_lists_recipes_and_groups() -> None:
         line = next((line for line in group_lines if line.split()[:1] == [group]), None)
         assert line is not None, f"group {group} not listed"
         assert all(option in line for option in options), (group, options, line)
+    # plait's version, not Hydra's (which answered --version before).
+    version = _ok(subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=120))
+    assert version.stdout.strip() == f"plait {importlib.metadata.version('plait')}"
 
 
 @pytest.mark.slow

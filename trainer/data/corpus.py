@@ -251,7 +251,7 @@ def _read_jsonl(path: Path, source: str, title: str, text_key: str) -> list[Docu
                 raise ValueError(f"{path}, line {lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
             if not isinstance(record, dict) or text_key not in record:
                 raise ValueError(
-                    f"{path}, line {lineno}: no field {text_key!r}; set data text_key= to the field "
+                    f"{path}, line {lineno}: no field {text_key!r}; set data.text_key= to the field "
                     "that holds the document text"
                 )
             text = record[text_key]
