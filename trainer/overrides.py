@@ -21,7 +21,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer.catalog import ALIASES, fail
+from trainer.catalog import ALIASES, config_groups, fail
 from trainer.compose import error_message, hydra_config
 from trainer.foreign_names import FOREIGN_NAMES, plait_override
 
@@ -138,6 +138,10 @@ def did_you_mean(cfg: DictConfig, override: str) -> str:
     node less close; the foreign name closest in spelling. `` (unknown key)`` when none is."""
     key, _, value = override.partition("=")
     key = key.lstrip("+~")
+    options = config_groups().get(key)
+    if options is not None and value not in options:  # a group's option (model=tiney)
+        close = difflib.get_close_matches(value, options, n=1)
+        return f" ({f'did you mean {key}={close[0]}? ' if close else ''}the {key} options: {', '.join(options)})"
     if (fix := own_data_fix(cfg, key, value)) is not None:
         return f" ({fix})"
     if (plait := plait_override(key, value, by_last_part=False)) is not None:

@@ -110,3 +110,10 @@ def test_a_field_a_sources_mapping_does_not_set_is_added_with_plus() -> None:
     it names, so Hydra refuses the plain override; the hint named that same override before."""
     (problem,) = _problems("sft", "data.sources={mine: {source: mine.jsonl}}", "data.sources.mine.max_epochs=3")
     assert problem.endswith("(data.sources.mine sets no max_epochs: add it with +data.sources.mine.max_epochs=3)")
+
+
+def test_an_unknown_group_option_names_the_closest_and_the_options() -> None:
+    """Before: ``plait pretrain model=tiney`` said only "Could not find 'model/tiney'"."""
+    (problem,) = _problems("pretrain", "model=tiney")
+    assert problem.startswith("model=tiney: ") and "(did you mean model=tiny? the model options: " in problem
+    assert "nano" in problem.split("the model options: ")[1]
