@@ -226,6 +226,9 @@ def test_a_run_without_any_learning_signal_says_so(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "the last 10 rollouts gave every group of completions the same reward" in result.stderr
     assert "model.init_from=<an SFT run>" in result.stderr
+    # A run shorter than that says it at its last step (a new user's 2-step run said nothing).
+    short = plait("grpo", *GRPO_SMALL, "trainer.max_steps=2", f"run_dir={tmp_path / 'short'}")
+    assert short.returncode == 0 and "the last 2 rollouts gave every group" in short.stderr, short.stderr[-3000:]
 
 
 def test_a_reward_target_that_does_not_import_is_refused_by_validate() -> None:

@@ -112,6 +112,7 @@ class GRPO(Objective):
         self._reward_names: list[str] = []
         self._warned_resume = False
         self._flat_rollouts = 0  # rollouts in a row in which no group of this rank had a learning signal
+        self._rollouts = 0  # rollouts of this process
 
     @staticmethod
     def node_problems(node: Any) -> list[str]:
@@ -227,14 +228,20 @@ class GRPO(Objective):
         return out
 
     def _warn_if_flat(self, task: L.LightningModule, rewards: torch.Tensor) -> None:
-        """Says once (rank 0) when FLAT_ROLLOUTS rollouts in a row gave every group equal rewards:
-        their advantages are all 0, so the run trains nothing (a fresh model that never hits the answer)."""
+        """Says once (rank 0) when FLAT_ROLLOUTS rollouts in a row gave every group equal rewards, or a
+        shorter run's every rollout did by its last step: their advantages are all 0, so the run
+        trains nothing (a fresh model that never hits the answer)."""
         groups = rewards.view(-1, self.num_generations)
         flat = bool((groups.max(1).values == groups.min(1).values).all())
         self._flat_rollouts = self._flat_rollouts + 1 if flat else 0
-        if self._flat_rollouts == FLAT_ROLLOUTS and task.trainer.is_global_zero:
+        self._rollouts += 1
+        trainer = task.trainer
+        last_step = 0 < trainer.max_steps <= trainer.global_step + 1  # this rollout feeds the run's last step
+        whole_short_run = last_step and self._flat_rollouts == self._rollouts < FLAT_ROLLOUTS
+        if (self._flat_rollouts == FLAT_ROLLOUTS or whole_short_run) and trainer.is_global_zero:
+            n = self._flat_rollouts
             print(
-                f"plait: warning: the last {FLAT_ROLLOUTS} rollouts gave every group of completions the same reward "
+                f"plait: warning: the last {n} rollout{'s' if n > 1 else ''} gave every group of completions the same reward "
                 f"(mean {float(rewards.mean()):.3g}), so every advantage is 0 and the policy does not change; start "
                 "from a model that solves some prompts (model.init_from=<an SFT run>), raise objective.temperature or "
                 "objective.num_generations, or add a reward that tells completions apart (data.rewards)",
