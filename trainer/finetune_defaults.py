@@ -51,6 +51,7 @@ def lr_line(cfg: DictConfig) -> str | None:
     else:
         why = "fine-tuning a Hugging Face model" + (" with LoRA" if _lora(cfg) else "")
     return (
-        f"optim.lr={node.lr:g}: the {cfg.recipe} recipe's rate {why} (from scratch/plait run {float(scratch):g}, "
-        f"Hugging Face model {float(hub):g}, with LoRA {float(hub_lora):g}); optim.lr=... sets another"
+        f"optim.lr={node.lr:g}: the {cfg.recipe} recipe's rate {why} (from scratch or a plait run, with or "
+        f"without LoRA {float(scratch):g}; a Hugging Face model {float(hub):g}, with LoRA {float(hub_lora):g}); "
+        "optim.lr=... sets another"
     )
