@@ -6,7 +6,7 @@ are INFO records of its loggers: plait prints what it checked itself (the data s
 checkpoint resumed from, the run directory). The warnings filtered here come from inside the
 libraries (a deprecated call in Lightning's own code, DCP's single-process load in
 ``plait generate``/``export``, ``torch.load``'s ``weights_only`` notice on files plait loads with
-``weights_only=True``); every other warning, and every Lightning WARNING/ERROR record, still shows.
+``weights_only=True``, the logging-interval guess for short epochs); every other warning, and every Lightning WARNING/ERROR record, still shows.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ IGNORED_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
     (r".*torch\.distributed is disabled, unavailable or uninitialized", UserWarning),  # DCP, one process
     (r".*weights_only", FutureWarning),
     (r".*`weights_only`", UserWarning),
+    # Lightning's guess for an epoch shorter than trainer.log_every_n_steps: plait logs by global step,
+    # across epochs, so nothing is missed (a small corpus printed it on every run).
+    (r".*is smaller than the logging interval", UserWarning),
 )
 # The loggers of Lightning's INFO banners: its rank-zero helpers and the process-group set-up (child
 # loggers: importing Lightning resets the level of ``lightning.pytorch`` itself to INFO).
