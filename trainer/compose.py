@@ -117,6 +117,7 @@ def to_hydra_argv(argv: list[str]) -> list[str]:
         config = ["--config-path", str(RECIPES_DIR), "--config-name", recipe]
     search = f"hydra.searchpath=['file://{CONF_DIR}','file://{RECIPES_DIR}']"
     flags, overrides = _split_flags(rest)
+    _refuse_foreign_flags(flags)
     recipe_file = Path(config[1]) / f"{config[3]}.yaml"
     overrides = select_transforms(overrides, _defaults_keys(recipe_file))
     return config + flags + [a for o in overrides for a in replace_sources(o)] + [search]
@@ -180,6 +181,32 @@ def replace_sources(override: str) -> list[str]:
     if key.strip() in ("data.sources", "data.rewards") and value.lstrip().startswith("{"):
         return [f"~{key.strip()}", f"+{key.strip()}={value}"]
     return [override]
+
+
+# Hydra's own flags (its argparse), which go to Hydra as they are; ``-m``/``--multirun`` included.
+_HYDRA_FLAGS = (
+    "--help", "-h", "--hydra-help", "--version", "--cfg", "-c", "--resolve", "--package", "-p", "--run", "-r",
+    "--multirun", "-m", "--shell-completion", "-sc", "--config-path", "-cp", "--config-name", "-cn",
+    "--config-dir", "-cd", "--experimental-rerun", "--info", "-i",
+)  # fmt: skip
+
+
+def _refuse_foreign_flags(flags: Sequence[str]) -> None:
+    """A flag that is not Hydra's (``--max_steps 5``, ``--lr=1e-3``: other trainers' command lines):
+    plait takes ``key=value`` overrides; names plait's key where it knows the name (`trainer.foreign_names`).
+
+    Raises:
+        SystemExit: such a flag (exit 2), one line.
+    """
+    from trainer.foreign_names import plait_override  # lazy: the flag is rare
+
+    for i, flag in enumerate(flags):
+        name, _, value = flag.partition("=")
+        if not name.startswith("-") or name in _HYDRA_FLAGS or flags[i - 1 if i else 0] in _VALUED_FLAGS and i:
+            continue
+        key = name.lstrip("-")
+        fix = plait_override(key, value or "...") or f"{key}=..."
+        fail(f"{flag}: plait takes overrides as key=value, not flags: {fix} (plait RECIPE --help lists the keys)")
 
 
 def _split_flags(args: Sequence[str]) -> tuple[list[str], list[str]]:

@@ -117,3 +117,27 @@ def test_an_unknown_group_option_names_the_closest_and_the_options() -> None:
     (problem,) = _problems("pretrain", "model=tiney")
     assert problem.startswith("model=tiney: ") and "(did you mean model=tiny? the model options: " in problem
     assert "nano" in problem.split("the model options: ")[1]
+
+
+def test_a_flag_of_another_trainer_names_the_override(capsys) -> None:
+    """Before: ``plait pretrain --max_steps 5`` said "5: LexerNoViableAltException"; Hydra's own
+    flags still pass."""
+    for argv, fix in [
+        (
+            ["pretrain", "--max_steps=5"],
+            "--max_steps=5: plait takes overrides as key=value, not flags: trainer.max_steps=5",
+        ),
+        (
+            ["sft", "--learning_rate", "2e-5"],
+            "--learning_rate: plait takes overrides as key=value, not flags: optim.lr=",
+        ),
+        (
+            ["pretrain", "--no_such_flag"],
+            "--no_such_flag: plait takes overrides as key=value, not flags: no_such_flag=...",
+        ),
+    ]:
+        with pytest.raises(SystemExit) as raised:
+            to_hydra_argv(argv)
+        assert raised.value.code == 2 and fix in capsys.readouterr().err
+    assert "--cfg" in to_hydra_argv(["pretrain", "--cfg", "job", "optim.lr=1e-3"])
+    assert "-m" in to_hydra_argv(["pretrain", "-m", "optim.lr=1e-3,3e-4"])
