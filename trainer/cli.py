@@ -30,13 +30,13 @@ if __name__ == "__main__":  # python -m put the current folder first on the path
     drop_current_folder()
 
 from trainer.catalog import HELP_FLAGS, bundled_recipes, config_groups, fail  # noqa: E402
-from trainer.commands import COMMANDS, dispatch  # noqa: E402
+from trainer.commands import COMMANDS, dispatch, plain_text  # noqa: E402
 from trainer.quiet import quiet_third_party  # noqa: E402
 
 
 def print_help() -> None:
     """``plait --help``: the invocations, the commands, the recipes and the config groups."""
-    lines = [__doc__.split("\n\n``plait COMMAND")[0], "", "Commands (plait COMMAND --help):"]
+    lines = [plain_text(__doc__.split("\n\n``plait COMMAND")[0]), "", "Commands (plait COMMAND --help):"]
     lines += [f"  {c.name:<12} {c.summary}" for c in COMMANDS.values()]
     lines += ["", "Recipes (plait RECIPE):"]
     lines += [f"  {name:<12} {text}" for name, text in bundled_recipes().items()]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +46,7 @@ class Command:
 
     def help(self) -> str:
         """The module's docstring, then the command's options (its conf file) or the config groups."""
-        doc = (module_docstring(self.module) or self.summary).strip()
+        doc = plain_text((module_docstring(self.module) or self.summary).strip())
         lines = [doc, ""]
         if self.config is not None:
             lines.append(f"Options (key=value; defaults from conf/{self.config}.yaml, ??? = required):")
@@ -55,6 +56,14 @@ class Command:
             lines.append("Config groups (GROUP=OPTION; every field is also an override, e.g. optim.lr=1e-3):")
             lines += [f"  {group:<12} {', '.join(options)}" for group, options in config_groups().items()]
         return "\n".join(lines)
+
+
+def plain_text(doc: str) -> str:
+    """A docstring as a terminal shows it: without reStructuredText's marks (````code````, ```name```,
+    a literal block's ``::``)."""
+    doc = re.sub(r"``([^`]+)``", r"\1", doc)
+    doc = re.sub(r"`([^`]+)`", r"\1", doc)
+    return re.sub(r"::$", ":", doc, flags=re.MULTILINE)
 
 
 def module_docstring(module: str) -> str | None:

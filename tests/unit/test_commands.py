@@ -59,6 +59,7 @@ def test_command_help_lists_its_options(name: str, capsys: pytest.CaptureFixture
     }
     for word in expected.get(name, [f"{group} " for group in config_groups()]):
         assert word in out, (name, word)
+    assert "``" not in out and "Invocations::" not in out  # the docstring as plain text
 
 
 def test_recipe_help_marks_its_group_choices(capsys: pytest.CaptureFixture[str]) -> None:
