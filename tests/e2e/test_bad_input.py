@@ -111,7 +111,7 @@ def test_fresh_start_into_a_run_with_checkpoints_is_refused(tmp_path: Path) -> N
 
     stderr = _assert_clean_failure(plait(*CLI_TINY, f"run_dir={run_dir}", cwd=tmp_path))
     assert f"run_dir={run_dir} already holds checkpoints" in stderr
-    assert "resume=last" in stderr
+    assert f"continue it with plait resume {run_dir}" in stderr
     assert _tree(tmp_path) == before, "the refused run changed the existing run directory"
 
 
