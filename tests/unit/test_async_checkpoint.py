@@ -104,7 +104,13 @@ def _trainer(step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> A
     """What `PeriodicCheckpoint` uses of a one-process trainer; its saves go through `ckpt.save`."""
     strategy = SimpleNamespace(broadcast=lambda value: value, barrier=lambda: None)
     trainer = SimpleNamespace(
-        global_step=step, is_global_zero=True, loggers=[], strategy=strategy, lightning_module=None, max_steps=-1
+        global_step=step,
+        is_global_zero=True,
+        loggers=[],
+        strategy=strategy,
+        lightning_module=None,
+        max_steps=-1,
+        should_stop=False,
     )
 
     def save_checkpoint(path: Path, weights_only: bool, storage_options: Any = None) -> None:
@@ -126,6 +132,23 @@ def test_the_end_of_training_finishes_the_save_in_flight(tmp_path: Path) -> None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last", "step_0000002"]
     assert (tmp_path / "last").readlink() == Path("step_0000002")
     assert ckpt.verify_checkpoint(tmp_path / "step_0000002") is None
+
+
+def test_the_last_step_is_saved_complete_at_its_end_of_step(tmp_path: Path) -> None:
+    """The step a run ends at (trainer.max_steps, or a stop a callback asked for) is saved in the
+    step, synchronously (before Lightning closes the epoch and before the run's end hooks)."""
+    for ask in ("max_steps", "should_stop"):
+        dirpath = tmp_path / ask
+        callback = PeriodicCheckpoint(dirpath=str(dirpath), every_n_steps=0, save_on_signal=False, async_save=True)
+        trainer = _trainer(3, *_trained())
+        if ask == "max_steps":
+            trainer.max_steps = 3
+        else:
+            trainer.should_stop = True
+        callback.on_train_batch_start(trainer, None)
+        callback.on_train_batch_end(trainer, None)
+        assert sorted(p.name for p in dirpath.iterdir()) == ["last", "step_0000003"], ask
+        assert ckpt.verify_checkpoint(dirpath / "step_0000003") is None
 
 
 @pytest.mark.slow

@@ -62,7 +62,7 @@ class PeriodicCheckpoint(Checkpoint):
         keep_last: how many complete step_* checkpoints to keep (0 keeps all).
         save_on_signal: save and stop on SIGTERM / SIGUSR1 (False: Lightning's handling).
         async_save: periodic saves write in the background; training waits only for the copy of
-            the state (the saves at the end of training and on a signal stay synchronous).
+            the state (the saves of the last step and on a signal stay synchronous).
     """
 
     def __init__(
@@ -80,6 +80,7 @@ class PeriodicCheckpoint(Checkpoint):
         self.stop_signals = StopSignals() if save_on_signal else None
         self._last_saved = -1
         self._started = False  # whether this process trains (on_train_start)
+        self._last_published = -1  # the step of the newest complete checkpoint `last` names (rank 0)
         self.async_save = async_save
         self._writer: AsyncWriter | None = None  # made at the first background save (its groups are collective)
 
@@ -102,11 +103,13 @@ class PeriodicCheckpoint(Checkpoint):
         signum = self.stop_signals.agreed() if self.stop_signals is not None else None
         if self._writer is not None and self._writer.all_written():
             self._finish(trainer)
-        # The run's last step is saved here too, not only in on_train_end: there Lightning has closed
-        # the epoch, and a run trained longer from that checkpoint would skip the rest of its epoch.
-        last_step = 0 < trainer.max_steps <= step
+        # The run's last step (max_steps, or a stop another callback or the task asked for: Lightning
+        # runs this callback after the others) is saved here, not in on_train_end: there Lightning has
+        # closed the epoch, and a run trained longer from that checkpoint would skip the rest of it.
+        last_step = 0 < trainer.max_steps <= step or trainer.should_stop
         if signum is not None or (self.every_n_steps and step % self.every_n_steps == 0) or last_step:
-            background = self.async_save and signum is None  # a signal's save is complete before the exit
+            # A signal's save and the last step's are complete before the run ends.
+            background = self.async_save and signum is None and not last_step
             path = self.save(trainer, background=True) if background else self.save(trainer)
         if signum is not None:
             if trainer.is_global_zero:
@@ -127,7 +130,8 @@ class PeriodicCheckpoint(Checkpoint):
             self._move_last(path)
         # Not in a fork launcher's parent, which trained nothing (on_train_start ran in its children).
         if isinstance(exception, KeyboardInterrupt) and trainer.is_global_zero and self._started:
-            print(interrupt_message(trainer.global_step, self._last_saved, self.dirpath), file=sys.stderr, flush=True)
+            published = self._last_published if path is None else int(path.name.removeprefix("step_"))
+            print(interrupt_message(trainer.global_step, published, self.dirpath), file=sys.stderr, flush=True)
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -179,6 +183,7 @@ class PeriodicCheckpoint(Checkpoint):
 
     def _move_last(self, path: Path) -> None:
         assert self.dirpath is not None
+        self._last_published = int(path.name.removeprefix("step_"))
         link = self.dirpath / LAST
         tmp = self.dirpath / f".{LAST}.tmp"
         if tmp.is_symlink() or tmp.exists():
@@ -215,7 +220,7 @@ class PeriodicCheckpoint(Checkpoint):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._last_saved = state_dict["last_saved"]
+        self._last_saved = self._last_published = state_dict["last_saved"]  # the checkpoint resumed from
 
 
 def interrupt_message(step: int, last_saved: int, dirpath: str | None) -> str:
