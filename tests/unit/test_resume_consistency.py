@@ -152,6 +152,7 @@ def test_the_data_path_is_compared_as_the_files_it_names(tmp_path, monkeypatch) 
 
     from trainer.data.paths import absolute_paths
 
+    tmp_path = tmp_path.resolve()  # the recorded paths are canonical (symlinks resolved)
     (tmp_path / "corpus").mkdir()
     (tmp_path / "other").mkdir()
     monkeypatch.chdir(tmp_path)
@@ -162,6 +163,15 @@ def test_the_data_path_is_compared_as_the_files_it_names(tmp_path, monkeypatch) 
         "path": [str(tmp_path / "corpus"), "missing/"],  # one that does not exist stays as typed (validate names it)
         "tokenizer": str(tmp_path / "other"),
     }
+    # ".." after a symlink is where the OS goes (the link's target's parent), not the text before it.
+    (tmp_path / "other" / "deep").mkdir()
+    (tmp_path / "other" / "corpus").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "other" / "deep")
+    linked = OmegaConf.create({"data": {"path": "link/../corpus", "tokenizer": None}})
+    assert absolute_paths(linked).data.path == str(tmp_path / "other" / "corpus")
+    # An interpolation that does not resolve is left for validate's one-line message.
+    broken = OmegaConf.create({"data": {"path": "${oc.env:PLAIT_NO_SUCH_DIR}/corpus", "tokenizer": None}})
+    assert OmegaConf.to_container(absolute_paths(broken).data)["path"] == "${oc.env:PLAIT_NO_SUCH_DIR}/corpus"
     record = run_record(_new(data__path="corpus"), "f" * 64)
     for same in (str(tmp_path / "corpus"), f"{tmp_path / 'corpus'}/", "./corpus"):
         assert resume_problems(record, _new(data__path=same), "f" * 64, [], source="ckpt") == [], same

@@ -25,14 +25,14 @@ PATH_KEYS = ("data.path", "data.tokenizer")
 
 
 def absolute(value: Any) -> Any:
-    """A path as typed (``corpus/``, ``~/data``, ``../x.jsonl``), absolute and normal
-    (``/home/me/corpus``) when it exists from here; a list item by item; anything else (None, a
+    """A path as typed (``corpus/``, ``~/data``, ``../x.jsonl``), absolute and canonical
+    (``/home/me/corpus``, symlinks resolved) when it exists from here; a list item by item; anything else (None, a
     path that does not exist: validate names it as typed) unchanged."""
     if isinstance(value, (list, tuple)):
         return [absolute(v) for v in value]
     if not isinstance(value, str) or not value or not os.path.exists(os.path.expanduser(value)):
         return value
-    return os.path.normpath(os.path.abspath(os.path.expanduser(value)))
+    return os.path.realpath(os.path.expanduser(value))  # symlinks resolved before "..", as the OS reads it
 
 
 def absolute_paths(cfg: Any) -> Any:
@@ -40,9 +40,13 @@ def absolute_paths(cfg: Any) -> Any:
     `absolute`: the run records them so (config.yaml, every checkpoint), ``plait resume`` from
     another folder finds the files, and a resume compares the paths, not how they were typed."""
     from omegaconf import OmegaConf  # lazy: this module is also read by code without a config
+    from omegaconf.errors import OmegaConfBaseException  # lazy: as above
 
     for key in PATH_KEYS:
-        value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
+        try:
+            value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
+        except OmegaConfBaseException:  # an interpolation that does not resolve: validate names it
+            continue
         if value is None:
             continue
         plain = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
