@@ -104,7 +104,7 @@ def implied_failures(problems: list[str], bad: list[str]) -> list[str]:
 _FILE_KEYS = ("data.path", "data.file", "data.dataset", "data.train_file", "data.data_files", "data.dataset_path")
 
 
-def own_data_fix(cfg: DictConfig, key: str, value: str) -> str | None:
+def own_data_fix(cfg: DictConfig, key: str, value: str, *, plain: bool = True) -> str | None:
     """The fix for a near miss at one's own data in a recipe whose data reads ``data.sources``
     (SFT, preference, prompt data): a file key (``data.path=mine.jsonl``, pretraining's), a field
     of a source the preset does not have (``data.sources.mine.source=...`` without ``+``), or a
@@ -118,7 +118,13 @@ def own_data_fix(cfg: DictConfig, key: str, value: str) -> str | None:
         name, field = "mine", "source"
     elif len(parts) >= 4 and parts[:2] == ["data", "sources"] and parts[2] not in sources:
         name, field = parts[2], ".".join(parts[3:])
-    elif len(parts) == 4 and parts[:2] == ["data", "sources"] and isinstance(sources[parts[2]], DictConfig):
+    elif (
+        len(parts) == 4
+        and parts[:2] == ["data", "sources"]
+        and isinstance(sources[parts[2]], DictConfig)
+        and parts[3] not in sources[parts[2]]
+        and plain
+    ):
         # A source given as a mapping (data.sources={mine: {source: ...}}) has only the fields it names.
         return f"data.sources.{parts[2]} sets no {parts[3]}: add it with +{key}={value}"
     else:
@@ -137,12 +143,13 @@ def did_you_mean(cfg: DictConfig, override: str) -> str:
     (``trainer.num_train_epochs``: not the loosely close trainer.limit_train_batches); a key of the
     node less close; the foreign name closest in spelling. `` (unknown key)`` when none is."""
     key, _, value = override.partition("=")
+    plain = not key.startswith(("+", "~"))  # an override that sets a key as it is (not adds or deletes one)
     key = key.lstrip("+~")
     options = config_groups().get(key)
     if options is not None and value not in options:  # a group's option (model=tiney)
         close = difflib.get_close_matches(value, options, n=1)
         return f" ({f'did you mean {key}={close[0]}? ' if close else ''}the {key} options: {', '.join(options)})"
-    if (fix := own_data_fix(cfg, key, value)) is not None:
+    if (fix := own_data_fix(cfg, key, value, plain=plain and bool(value))) is not None:
         return f" ({fix})"
     if (plait := plait_override(key, value, by_last_part=False)) is not None:
         return f" (unknown key; use {plait})"

@@ -110,6 +110,10 @@ def test_a_field_a_sources_mapping_does_not_set_is_added_with_plus() -> None:
     it names, so Hydra refuses the plain override; the hint named that same override before."""
     (problem,) = _problems("sft", "data.sources={mine: {source: mine.jsonl}}", "data.sources.mine.max_epochs=3")
     assert problem.endswith("(data.sources.mine sets no max_epochs: add it with +data.sources.mine.max_epochs=3)")
+    assert _problems("sft", "data.sources={mine: {source: mine.jsonl}}", "+data.sources.mine.max_epochs=3") == []
+    # Not for a + of a field the source sets (Hydra: already there), nor for a deletion.
+    for typed in ("+data.sources.general.max_epochs=3", "~data.sources.general.nosuch"):
+        assert "sets no" not in _problems("sft", typed)[0], typed
 
 
 def test_an_unknown_group_option_names_the_closest_and_the_options() -> None:

@@ -236,7 +236,8 @@ class GRPO(Objective):
         self._flat_rollouts = self._flat_rollouts + 1 if flat else 0
         self._rollouts += 1
         trainer = task.trainer
-        last_step = 0 < trainer.max_steps <= trainer.global_step + 1  # this rollout feeds the run's last step
+        # This rollout feeds steps global_step + 1 .. + num_iterations: the run's last among them?
+        last_step = 0 < trainer.max_steps <= trainer.global_step + self.num_iterations
         whole_short_run = last_step and self._flat_rollouts == self._rollouts < FLAT_ROLLOUTS
         if (self._flat_rollouts == FLAT_ROLLOUTS or whole_short_run) and trainer.is_global_zero:
             n = self._flat_rollouts
