@@ -173,8 +173,9 @@ def test_one_process_equals_reference_loop(one_process, ref):
     assert all(not torch.equal(one_process["params"][n], p) for n, p in ref["init"].items())
 
 
-# The suite's budget (~20 s each on 2 cores; the compiled TP 2 layouts run by default): -m slow runs them.
-SLOW = {"fsdp2_x_tp2_compile_block"}
+# The suite's budget (13-23 s each on 2 cores): -m slow runs them. Each compile scope keeps a layout in the
+# default run (block: tp2_sp_lp_compile_block and tp2_compile_block; model: fsdp2_compile_model).
+SLOW = {"fsdp2_x_tp2_compile_block", "pp2_x_tp2_compile_block", "tp2_sp_lp_compile_model"}
 
 
 @pytest.mark.parametrize(
