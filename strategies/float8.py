@@ -65,8 +65,14 @@ def converts(module: nn.Module, fqn: str, keep_high_precision: Sequence[str], ti
     module) and whose name matches no ``keep_high_precision`` glob pattern."""
     if not isinstance(module, nn.Linear) or id(module.weight) in tied:
         return False
-    out_dim, in_dim = module.weight.shape
-    if out_dim % 16 or in_dim % 16:
+    return eligible(fqn, tuple(module.weight.shape), keep_high_precision)
+
+
+def eligible(fqn: str, weight_shape: Sequence[int], keep_high_precision: Sequence[str]) -> bool:
+    """Whether a Linear named ``fqn`` with a weight of ``weight_shape`` (whole) goes to float8: its
+    dims are multiples of 16 and its name matches no ``keep_high_precision`` pattern (`converts`,
+    and validate's check of what a GPU's kernel takes, which reads the shape off `ModelShape`)."""
+    if any(n % 16 for n in weight_shape):
         return False
     return not any(fnmatchcase(fqn, pattern) for pattern in keep_high_precision)
 
@@ -267,9 +273,7 @@ class Float8(StrategyPlugin):
         narrow, converted = {}, 0
         for fqn in shape.linear_modules if shape is not None else ():
             spec = specs.get(f"{fqn}.weight")  # absent when tied to the embedding (never converted)
-            if spec is None or any(n % 16 for n in spec.shape):
-                continue
-            if any(fnmatchcase(fqn, pattern) for pattern in self.keep_high_precision):
+            if spec is None or not eligible(fqn, spec.shape, self.keep_high_precision):
                 continue
             converted += 1
             local = [n // tp if dim == spec.tp_dim else n for dim, n in enumerate(spec.shape)]
