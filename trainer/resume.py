@@ -36,7 +36,7 @@ from strategies.checkpoint.dcp import META_FILE
 from strategies.checkpoint.safe_load import UnsafePickleError, load_plain
 from trainer.config import ConfigError
 from trainer.data.chat import JinjaTemplate
-from trainer.data.paths import PATH_KEYS, absolute
+from trainer.data.paths import absolute, is_path_key
 from trainer.rundir import RunDir
 
 SHOWN = 3  # refused differences listed before the rest are counted
@@ -228,7 +228,7 @@ def differences(saved: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[A
     changed = _changed(saved, new, lambda k: _under(k, roots) and not _under(k, IGNORED))
     # A path recorded as typed (runs before paths were made absolute) names the same files as its
     # absolute form from here.
-    return {k: v for k, v in changed.items() if k not in PATH_KEYS or absolute(v[0]) != absolute(v[1])}
+    return {k: v for k, v in changed.items() if not is_path_key(k) or absolute(v[0]) != absolute(v[1])}
 
 
 def _changed(saved: dict[str, Any], new: dict[str, Any], keep: Callable[[str], bool]) -> dict[str, tuple[Any, Any]]:

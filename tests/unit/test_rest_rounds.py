@@ -142,3 +142,24 @@ def test_validate_refuses_a_rest_run_before_any_run_directory(override, fix):
     validate(compose_config([], recipe="rest", tiny=False))
     with pytest.raises(ConfigError, match=re.escape(fix)):
         validate(compose_config([override], recipe="rest", tiny=False))
+
+
+def test_a_resume_compares_a_recorded_relative_path_as_the_file_it_names(tmp_path, monkeypatch):
+    """A ReST run started before paths were made absolute recorded ``data.tokenizer`` as typed; the
+    resume's config holds it absolute (`trainer.data.paths.absolute_paths`): the same file, no refusal."""
+    from omegaconf import OmegaConf
+
+    driver = GuidedReST(problems={"train": 10, "held_out": 5}, searcher={})
+    tmp_path = tmp_path.resolve()
+    (tmp_path / "old" / "round_0").mkdir(parents=True)
+    (tmp_path / "tok.json").write_text("{}")
+    (tmp_path / "other.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    OmegaConf.save({"resume": None, "data": {"tokenizer": "tok.json"}}, tmp_path / "old" / "config.yaml")
+    driver.check_run_dir(
+        OmegaConf.create({"resume": "last", "data": {"tokenizer": str(tmp_path / "tok.json")}}), tmp_path / "old"
+    )
+    with pytest.raises(ConfigError, match=r"data\.tokenizer: tok\.json when .* started, .*other\.json now"):
+        driver.check_run_dir(
+            OmegaConf.create({"resume": "last", "data": {"tokenizer": str(tmp_path / "other.json")}}), tmp_path / "old"
+        )

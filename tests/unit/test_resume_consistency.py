@@ -177,3 +177,49 @@ def test_the_data_path_is_compared_as_the_files_it_names(tmp_path, monkeypatch) 
         assert resume_problems(record, _new(data__path=same), "f" * 64, [], source="ckpt") == [], same
     (problem,) = resume_problems(record, _new(data__path=str(tmp_path / "other")), "f" * 64, [], source="ckpt")
     assert f"data.path={str(tmp_path / 'other')!r} differs from 'corpus'" in problem
+
+
+def test_a_sources_local_file_and_the_model_to_start_from_are_made_absolute(tmp_path, monkeypatch) -> None:
+    """``data.sources.<name>.source`` naming a local file, and ``model.init_from``, are made absolute
+    at launch (a resume from another folder finds them; a recorded relative source compares as its
+    file); a bundled source's name stays a name even where a file of that name exists here."""
+    from omegaconf import OmegaConf
+
+    from trainer.data.paths import absolute_paths
+
+    tmp_path = tmp_path.resolve()
+    (tmp_path / "mine.jsonl").write_text("{}\n")
+    (tmp_path / "alpaca").mkdir()  # a folder named like the bundled source
+    (tmp_path / "base").mkdir()
+    monkeypatch.chdir(tmp_path)
+    cfg = OmegaConf.create(
+        {
+            "model": {"init_from": "base/", "config_from": None},
+            "data": {
+                "path": None,
+                "tokenizer": None,
+                "sources": {
+                    "mine": {"source": "./mine.jsonl", "limit": None},
+                    "general": {"source": "alpaca"},
+                    "missing": {"source": "nowhere.jsonl"},
+                    "broken": {"source": "${oc.env:PLAIT_NO_SUCH_DIR}/x.jsonl"},
+                    "implied": {"limit": 3},
+                },
+            },
+        }
+    )
+    done = OmegaConf.to_container(absolute_paths(cfg))
+    assert done["model"]["init_from"] == str(tmp_path / "base")
+    assert done["data"]["sources"] == {
+        "mine": {"source": str(tmp_path / "mine.jsonl"), "limit": None},
+        "general": {"source": "alpaca"},
+        "missing": {"source": "nowhere.jsonl"},
+        "broken": {"source": "${oc.env:PLAIT_NO_SUCH_DIR}/x.jsonl"},
+        "implied": {"limit": 3},
+    }
+    record = run_record(_new(data__sources={"mine": {"source": "mine.jsonl"}}), "f" * 64)
+    same = _new(data__sources={"mine": {"source": str(tmp_path / "mine.jsonl")}})
+    assert resume_problems(record, same, "f" * 64, [], source="ckpt") == []
+    other = _new(data__sources={"mine": {"source": str(tmp_path / "base")}})
+    (problem,) = resume_problems(record, other, "f" * 64, [], source="ckpt")
+    assert "data.sources.mine.source=" in problem

@@ -11,6 +11,7 @@ a word. `check_path` and `data_files` refuse both, naming the entry; the readers
 from __future__ import annotations
 
 import os
+import re
 import stat
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,8 +21,16 @@ from typing import Any
 DATA_SUFFIXES = (".txt", ".jsonl", ".parquet", ".arrow", ".json", ".csv")
 
 
-# The config's local paths made absolute where the command is typed (`absolute_paths`).
-PATH_KEYS = ("data.path", "data.tokenizer")
+# The config's local paths made absolute where the command is typed (`absolute_paths`), besides
+# ``data.sources.<name>.source`` where it names no bundled or synthetic source (`path_keys`).
+PATH_KEYS = ("data.path", "data.tokenizer", "model.init_from", "model.config_from")
+_SOURCE_KEY = re.compile(r"data\.sources\.[^.]+\.source")
+
+
+def is_path_key(key: str) -> bool:
+    """Whether the dotted ``key`` holds a local path `absolute_paths` may have made absolute (a
+    source's ``source`` may also be a catalog name, which `absolute` leaves as it is)."""
+    return key in PATH_KEYS or _SOURCE_KEY.fullmatch(key) is not None
 
 
 def absolute(value: Any) -> Any:
@@ -35,14 +44,40 @@ def absolute(value: Any) -> Any:
     return os.path.realpath(os.path.expanduser(value))  # symlinks resolved before "..", as the OS reads it
 
 
+def path_keys(cfg: Any) -> list[str]:
+    """The dotted keys of ``cfg`` (an OmegaConf config) that `absolute_paths` makes absolute:
+    ``PATH_KEYS`` and every ``data.sources.<name>.source`` that is no catalog name (a bundled or
+    synthetic source is read by name even where a file of that name exists here)."""
+    from omegaconf import OmegaConf  # lazy: this module is also read by code without a config
+    from omegaconf.errors import OmegaConfBaseException  # lazy: as above
+
+    from trainer.data.prompts import PROMPTS  # lazy: the catalogs import the data modules (Lightning)
+    from trainer.data.sources import CONVERSATIONS, PAIRS  # lazy: as above
+
+    sources = OmegaConf.select(cfg, "data.sources", default=None, throw_on_missing=False)
+    if not OmegaConf.is_dict(sources):
+        return list(PATH_KEYS)
+    names = {n for catalog in (CONVERSATIONS, PAIRS, PROMPTS) for n in catalog.names()}
+    keys = []
+    for name in sources:
+        try:
+            source = OmegaConf.select(sources, f"{name}.source", default=None, throw_on_missing=False)
+        except OmegaConfBaseException:  # an interpolation that does not resolve: validate names it
+            continue
+        if isinstance(source, str) and source not in names:
+            keys.append(f"data.sources.{name}.source")
+    return [*PATH_KEYS, *keys]
+
+
 def absolute_paths(cfg: Any) -> Any:
-    """``cfg`` (an OmegaConf config, changed in place and returned) with its ``PATH_KEYS`` made
+    """``cfg`` (an OmegaConf config, changed in place and returned) with its local paths
+    (`path_keys`: the data, the tokenizer, the model to start from, a source's local file) made
     `absolute`: the run records them so (config.yaml, every checkpoint), ``plait resume`` from
     another folder finds the files, and a resume compares the paths, not how they were typed."""
     from omegaconf import OmegaConf  # lazy: this module is also read by code without a config
     from omegaconf.errors import OmegaConfBaseException  # lazy: as above
 
-    for key in PATH_KEYS:
+    for key in path_keys(cfg):
         try:
             value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
         except OmegaConfBaseException:  # an interpolation that does not resolve: validate names it

@@ -48,6 +48,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from strategies.core.resolved import ResolvedRun
 from trainer.budget.driver import DriverError
 from trainer.config import ConfigError
+from trainer.data.paths import absolute, is_path_key
 from trainer.export import trained_chat_template
 from trainer.init_from import load_init_from
 from trainer.rest.report import plot, table
@@ -133,7 +134,9 @@ def _write_traces(path: Path, problem_list: Sequence[dict], records: Sequence[di
 
 def _changed(saved: DictConfig, cfg: DictConfig) -> list[tuple[str, Any, Any]]:
     """``(key, saved value, value now)`` of every leaf that differs, but those that do not change
-    what the rounds compute (``run_dir``, ``resume``, the progress bar, the cache folder)."""
+    what the rounds compute (``run_dir``, ``resume``, the progress bar, the cache folder); a local
+    path compares as the file it names (a run started before paths were made absolute recorded
+    them as typed: `trainer.data.paths.absolute`)."""
     ignore = ("run_dir", "resume", "trainer.enable_progress_bar", "data.cache_dir")
 
     def leaves(node: Any, prefix: str = "") -> dict[str, Any]:
@@ -144,7 +147,13 @@ def _changed(saved: DictConfig, cfg: DictConfig) -> list[tuple[str, Any, Any]]:
     before = leaves(OmegaConf.to_container(saved, resolve=True))
     now = leaves(OmegaConf.to_container(cfg, resolve=True))
     keys = sorted(set(before) | set(now))
-    return [(k, before.get(k), now.get(k)) for k in keys if k not in ignore and before.get(k) != now.get(k)]
+    return [
+        (k, before.get(k), now.get(k))
+        for k in keys
+        if k not in ignore
+        and before.get(k) != now.get(k)
+        and not (is_path_key(k) and absolute(before.get(k)) == absolute(now.get(k)))
+    ]
 
 
 class GuidedReST:
