@@ -245,7 +245,7 @@ class MeshStrategy(ModelParallelStrategy):
             plugin.join(trainer)
 
     def end_training(self, model: nn.Module) -> None:
-        """Every active plugin's `StrategyPlugin.end_training` (after the last step, before its evaluation)."""
+        """Every active plugin's `StrategyPlugin.end_training` (after the last step, before its callbacks and evaluation)."""
         for plugin in self.active:
             plugin.end_training(model)
 

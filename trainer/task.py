@@ -270,6 +270,10 @@ class Task(L.LightningModule):
 
         # A loader may report data metrics of the trained position (per-source consumed tokens).
         data_metrics = self.trainer.train_dataloader.mark_trained() or {}
+        if self._last_step() and (end_training := getattr(strategy, "end_training", None)) is not None:
+            # e.g. IST reassembles its narrow subnets: before the step's callbacks (an export, an
+            # lm-eval score, the checkpoint), which Lightning runs after this method, and the last evaluation
+            end_training(self.model)
         self.last_step_tokens = step_tokens
         self.tokens_seen += self.last_step_tokens
         self._pending.add(
@@ -289,12 +293,13 @@ class Task(L.LightningModule):
         if is_logging_step(self.trainer) or self._evaluates_now():
             self._log_read_steps()
 
+    def _last_step(self) -> bool:
+        """Whether the step just done is the run's last: ``trainer.max_steps`` reached or the data ended."""
+        return self.global_step == self.trainer.max_steps or self.data_ended()
+
     def _evaluates_now(self) -> bool:
         """Whether the step just done ends with an evaluation (`end_step`)."""
-        step = self.global_step
-        return (
-            step == self.trainer.max_steps or self.data_ended() or bool(self.eval_every and step % self.eval_every == 0)
-        )
+        return self._last_step() or bool(self.eval_every and self.global_step % self.eval_every == 0)
 
     def _log_read_steps(self) -> None:
         """Reads the pending steps (the one host sync of the steps since the last read) and,
@@ -374,11 +379,7 @@ class Task(L.LightningModule):
             self._read_pending()  # this step's verdict now: a host read each step, under rollback only
         if self.nonfinite.rollback_due is not None:
             self._roll_back()
-        step = self.global_step
-        last = step == self.trainer.max_steps or self.data_ended()
-        if last and (end_training := getattr(self.trainer.strategy, "end_training", None)) is not None:
-            end_training(self.model)  # e.g. IST reassembles its narrow subnets before the last evaluation
-        if last or (self.eval_every and step % self.eval_every == 0):
+        if self._evaluates_now():
             self.evaluate()
         self._write_row()
 

@@ -192,10 +192,22 @@ def test_ist_equals_a_one_process_reference(scale: bool, short_documents, tmp_pa
 
 def test_a_run_ending_inside_a_round_ends_whole(short_documents, tmp_path: Path) -> None:
     """max_steps=4 with L=3: the second round is reassembled when training ends, so the final
-    parameters (and the last evaluation, checkpoint and export) are the full model's."""
-    run = _run([*short_documents, "strategy.local_sgd.sync_every=3", "trainer.max_steps=4"], tmp_path)
+    parameters, and what the last step's callbacks see (here a Hugging Face export at step 4,
+    which Lightning runs before the Task's end of step), are the full model's."""
+    from safetensors import safe_open
+
+    overrides = ["strategy.local_sgd.sync_every=3", "trainer.max_steps=4", "callbacks.hf_export.every_n_steps=4"]
+    run = _run([*short_documents, *overrides], tmp_path)
     assert run["params"]["layers.0.feed_forward.w1.weight"].shape == (192, 64)
     assert run["params"]["layers.0.feed_forward.w2.weight"].shape == (64, 192)
+    export = tmp_path / "hf_step_0000004"
+    assert json.loads((export / "config.json").read_text())["intermediate_size"] == 192
+    shapes = {}
+    for file in export.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+    assert shapes["model.layers.0.mlp.gate_proj.weight"] == (192, 64)
+    assert shapes["model.layers.1.mlp.down_proj.weight"] == (64, 192)
 
 
 # ---------------------------------------------------------------------------------- resume
