@@ -139,3 +139,21 @@ def test_a_user_model_without_what_a_feature_needs_is_refused_in_validate() -> N
         "declares no" in p or "Hugging Face mapping" in p
         for p in _problems("nano", ["strategy=tp", "trainer.devices=2", "callbacks.hf_export.at_end=true"])
     )
+
+
+def test_an_export_during_the_run_is_refused_where_it_cannot_be_written() -> None:
+    """`HFExport.problems`: pipeline stages and LoRA adapters are refused before launch, naming
+    ``plait export`` and the setting that turns the export off (LoRA trained the whole run and then
+    crashed in on_train_end: the setup check looked for a strategy attribute that does not exist)."""
+    pp = _problems("nano", ["strategy=pp", "trainer.devices=2", "callbacks.hf_export.at_end=true"])
+    assert [p for p in pp if p.startswith("callbacks.hf_export")] == [
+        "callbacks.hf_export needs pp=1 (strategy.pp=2: each pipeline rank holds one stage); export after the run "
+        "with plait export ckpt=<run dir> out=<dir>, or callbacks.hf_export.at_end=false"
+    ], pp
+    lora = _problems("nano", ["+strategy/lora=default", "callbacks.hf_export.every_n_steps=5"])
+    assert any(
+        p.startswith("callbacks.hf_export does not merge LoRA adapters")
+        and p.endswith("callbacks.hf_export.every_n_steps=0")
+        for p in lora
+    ), lora
+    assert not [p for p in _problems("nano", ["+strategy/lora=default"]) if "hf_export" in p]

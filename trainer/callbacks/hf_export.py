@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from typing_extensions import override
 
+from strategies.core.resolved import ResolvedRun
 from trainer.data.chat import DEFAULT_CHAT_TEMPLATE
 from trainer.export import write_hf_dir
 from trainer.models.hf import is_hf_dir
@@ -30,8 +31,7 @@ class HFExport(L.Callback):
         dtype: "float32", "bfloat16" or "float16"; None keeps the parameters' dtype.
         max_shard_mb: safetensors shard size.
 
-    Raises:
-        ValueError: with pipeline parallelism (each rank holds one stage) or LoRA (export from a checkpoint).
+    Layouts it cannot export from (pipeline stages, LoRA adapters) are refused before launch (`problems`).
     """
 
     def __init__(
@@ -46,19 +46,28 @@ class HFExport(L.Callback):
         self.at_end, self.every_n_steps = at_end, every_n_steps
         self.dtype, self.max_shard_mb = dtype, max_shard_mb
 
-    @override
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        dims = getattr(trainer.strategy, "dims", None)
-        if (self.at_end or self.every_n_steps) and dims is not None and dims.pp > 1:
-            raise ValueError(
-                "callbacks.hf_export needs pp=1 (each pipeline rank holds one stage); export after the run with "
-                "plait export ckpt=<run dir> out=<dir>"
+    @classmethod
+    def problems(cls, run: ResolvedRun | None, node: Any) -> list[str]:
+        """What keeps an export during the run from being written (validate asks before launch):
+        pipeline parallelism (each rank holds one stage) and LoRA (the live model holds adapters
+        beside a frozen base; ``plait export`` merges them from a checkpoint)."""
+        if run is None or not (node.get("at_end") or node.get("every_n_steps")):
+            return []
+        off = " ".join(
+            f"callbacks.hf_export.{k}={v}" for k, v in (("at_end", "false"), ("every_n_steps", 0)) if node.get(k)
+        )
+        problems = []
+        if run.dims.pp > 1:
+            problems.append(
+                f"callbacks.hf_export needs pp=1 (strategy.pp={run.dims.pp}: each pipeline rank holds one stage); "
+                f"export after the run with plait export ckpt=<run dir> out=<dir>, or {off}"
             )
-        if (self.at_end or self.every_n_steps) and getattr(trainer.strategy, "lora", None) is not None:
-            raise ValueError(
-                "callbacks.hf_export does not merge LoRA adapters; export after the run with plait export ckpt=<run dir> "
-                "out=<dir> (the merged model and the PEFT adapter)"
+        if run.adapters:
+            problems.append(
+                "callbacks.hf_export does not merge LoRA adapters; export after the run with plait export "
+                f"ckpt=<run dir> out=<dir> (the merged model and the PEFT adapter), or {off}"
             )
+        return problems
 
     @override
     def on_train_batch_end(
