@@ -244,6 +244,11 @@ class MeshStrategy(ModelParallelStrategy):
         for plugin in self.active:
             plugin.join(trainer)
 
+    def run_length(self, total_steps: int) -> None:
+        """Every plugin's `StrategyPlugin.run_length`: the run's planned optimizer steps."""
+        for plugin in self.active:
+            plugin.run_length(total_steps)
+
     def end_training(self, model: nn.Module) -> None:
         """Every active plugin's `StrategyPlugin.end_training` (after the last step, before its callbacks and evaluation)."""
         for plugin in self.active:

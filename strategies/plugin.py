@@ -143,6 +143,11 @@ class StrategyPlugin:
         """The training loss of optimizer step ``step`` (0-dim, on the device: the token-weighted mean
         over every rank and island, the same value on every rank), before `after_step` (DASO's plateau test)."""
 
+    def run_length(self, total_steps: int) -> None:
+        """The run's planned optimizer steps, told once before training as the LR schedule gets them
+        (`trainer.task.Task.total_steps`: ``trainer.max_steps``, or fewer when the data ends first);
+        a plugin whose schedule spans the run (SAT's ladder, DASO's cool-down) takes them here."""
+
     def after_step(self, model: nn.Module, step: int, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Work after optimizer step ``step`` (1 after the first; ``optimizer`` unwrapped); metrics for the loggers."""
         return {}

@@ -365,3 +365,13 @@ def assert_resumed_bit_exact(
     for key in ("steps", "tokens_seen", "final_val_loss"):
         assert summary[key] == expected[key], (key, summary[key], expected[key])
     return result
+
+
+class SatRates(L.Callback):
+    """Appends ``{"sat": (step, the SAT plugin's omission rate at it)}`` at every training batch's
+    start, as the plugin computes it in the run (its ladder spans the steps it was told).
+    Add with ``+callbacks.sat_rates._target_=harness.SatRates``."""
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        pl_module.history.append({"sat": (step, trainer.strategy.plugins["sat"].rate_at(step))})

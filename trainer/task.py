@@ -127,6 +127,8 @@ class Task(L.LightningModule):
         optimizer = build_optimizer(
             self.model, self.optimizer_fn, weight_decay=self.weight_decay, no_decay=self.no_decay
         )
+        if (run_length := getattr(self.trainer.strategy, "run_length", None)) is not None:
+            run_length(self.total_steps())  # the plugins' schedules span the steps the LR schedule spans
         if self.scheduler_fn is None:
             return optimizer
         scheduler = self.scheduler_fn(optimizer, total_steps=self.total_steps())

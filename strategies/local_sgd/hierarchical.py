@@ -78,8 +78,9 @@ class Hierarchical(LocalSGD):
         sync_every: B, inner steps between global synchronisations (counted from the last one).
         warmup_steps: the first steps synchronise after every step, blocking (DASO's warm-up).
         cooldown_steps: the last steps (of ``total_steps``) do too (DASO's cool-down).
-        total_steps: optimizer steps of the run (the presets pass ``trainer.max_steps``); needed
-            by ``cooldown_steps`` only.
+        total_steps: the steps ``cooldown_steps`` counts back from; None (the presets): the run's
+            planned steps, as the LR schedule spans them (`run_length`: ``trainer.max_steps``, or
+            fewer when the data ends first).
         delay: S, steps between a synchronisation's send and its merge; 0: blocking.
         global_dtype: dtype of the global messages, "fp32" or "bf16" (the paper's downcast).
         adaptive: change B and S at loss plateaus (see the module docstring).
@@ -121,18 +122,12 @@ class Hierarchical(LocalSGD):
                 f"strategy.local_sgd.delay={delay} is above sync_every={sync_every}: a synchronisation would start "
                 f"before the last one is merged; use a delay of at most sync_every"
             )
-        if cooldown_steps and total_steps is None:
-            raise ValueError(
-                f"strategy.local_sgd.cooldown_steps={cooldown_steps} needs strategy.local_sgd.total_steps "
-                f"(e.g. strategy.local_sgd.total_steps=${{trainer.max_steps}})"
-            )
         if global_dtype not in DTYPES:
             raise ValueError(
                 f"strategy.local_sgd.global_dtype={global_dtype!r} is unknown; use one of {sorted(DTYPES)}"
             )
         self.sync_every, self.warmup_steps, self.delay = sync_every, warmup_steps, delay
-        # The first step of the cool-down (never reached without one).
-        self.cooldown_from = total_steps - cooldown_steps + 1 if cooldown_steps else float("inf")
+        self.cooldown_steps, self.total_steps = cooldown_steps, total_steps
         self.global_dtype, self.adaptive, self.max_sync_every = global_dtype, adaptive, max_sync_every
         self.plateau_every = plateau_every
         self.plateau = Plateau(patience=patience, threshold=stability)
@@ -154,6 +149,26 @@ class Hierarchical(LocalSGD):
             finite = torch.isfinite(loss)
             self.window_sum = self.window_sum + torch.where(finite, loss, torch.zeros_like(loss))
             self.window_steps = self.window_steps + finite.long()
+
+    def run_length(self, total_steps: int) -> None:
+        """The run's planned steps: the cool-down's ``total_steps`` unless the config set it."""
+        if self.total_steps is None:
+            self.total_steps = total_steps
+
+    @property
+    def cooldown_from(self) -> float:
+        """The first step of the cool-down (inf without one).
+
+        Raises:
+            RuntimeError: a cool-down whose ``total_steps`` was neither set nor told (`run_length`).
+        """
+        if not self.cooldown_steps:
+            return float("inf")
+        if self.total_steps is None:
+            raise RuntimeError(
+                "strategy.local_sgd.cooldown_steps: the run's length was not told (run_length); set total_steps"
+            )
+        return self.total_steps - self.cooldown_steps + 1
 
     def sync(self, optimizer: torch.optim.Optimizer, step: int) -> float:
         if self.in_flight is not None and self.in_flight[0] == step:

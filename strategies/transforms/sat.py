@@ -75,11 +75,14 @@ def sparse_mlps(model: nn.Module) -> dict[str, SparseMLP]:
     return {name: m for name, m in model.named_modules() if isinstance(m, SparseMLP)}
 
 
-def ladder_problems(ladder: Sequence[Sequence[float]], total_steps: int) -> list[str]:
-    """What is wrong with a ladder of ``[start_fraction, scale]`` phases, each problem naming the fix."""
+def ladder_problems(ladder: Sequence[Sequence[float]], total_steps: int | None) -> list[str]:
+    """What is wrong with a ladder of ``[start_fraction, scale]`` phases, each problem naming the fix
+    (``total_steps`` None: the run's planned steps, told later)."""
     where = "strategy.sat.ladder"
-    if total_steps <= 0:
-        return [f"{where} needs strategy.sat.total_steps > 0 (trainer.max_steps); set it or strategy.sat.ladder=null"]
+    if total_steps is not None and total_steps <= 0:
+        return [
+            f"{where} needs strategy.sat.total_steps > 0 or null (the run's steps); set it or strategy.sat.ladder=null"
+        ]
     if not ladder or any(len(phase) != 2 for phase in ladder):
         return [f"{where}={list(map(list, ladder))} must be a non-empty list of [start_fraction, scale] pairs"]
     starts, scales = [float(p[0]) for p in ladder], [float(p[1]) for p in ladder]
@@ -110,17 +113,24 @@ class SAT(StrategyPlugin):
         seed: seed of the channel draws.
         ladder: phases ``[[start_fraction, scale], ...]`` of the run, fractions increasing from 0.0
             (the preset: the paper's ladder, dense at the end); None: ``rate`` at every step.
-        total_steps: the run's optimizer steps (the preset: ``${trainer.max_steps}``); used by ``ladder``.
-            A resume with another ``trainer.max_steps`` moves the rungs, as it moves the LR schedule.
+        total_steps: the optimizer steps ``ladder``'s fractions divide; None (the preset): the run's
+            planned steps, as the LR schedule spans them (`run_length`: ``trainer.max_steps``, or
+            fewer when the data ends first). A resume with another ``trainer.max_steps`` moves the
+            rungs, as it moves the LR schedule.
 
     Raises:
         ValueError: ``rate`` outside [0, 1), or a malformed ``ladder``.
     """
 
     def __init__(
-        self, rate: float = 0.5, seed: int = 0, ladder: Sequence[Sequence[float]] | None = None, total_steps: int = 0
+        self,
+        rate: float = 0.5,
+        seed: int = 0,
+        ladder: Sequence[Sequence[float]] | None = None,
+        total_steps: int | None = None,
     ) -> None:
-        self.rate, self.seed, self.total_steps = float(rate), int(seed), int(total_steps)
+        self.rate, self.seed = float(rate), int(seed)
+        self.total_steps = None if total_steps is None else int(total_steps)
         self.ladder = None if ladder is None else [[float(a), float(b)] for a, b in ladder]
         if problems := self._rate_problems():
             raise ValueError("; ".join(problems))
@@ -130,9 +140,20 @@ class SAT(StrategyPlugin):
         out = [] if 0.0 <= self.rate < 1.0 else [f"strategy.sat.rate={self.rate} must be in [0, 1)"]
         return out + ([] if self.ladder is None else ladder_problems(self.ladder, self.total_steps))
 
+    def run_length(self, total_steps: int) -> None:
+        """The run's planned steps: the ladder's ``total_steps`` unless the config set it."""
+        if self.total_steps is None:
+            self.total_steps = total_steps
+
     def rate_at(self, step: int) -> float:
-        """The omission rate of optimizer step ``step`` (0-based global step)."""
-        return ladder_rate(step, self.rate, self.ladder, self.total_steps)
+        """The omission rate of optimizer step ``step`` (0-based global step).
+
+        Raises:
+            RuntimeError: a ladder whose ``total_steps`` was neither set nor told (`run_length`).
+        """
+        if self.ladder is not None and self.total_steps is None:
+            raise RuntimeError("strategy.sat.ladder: the run's length was not told (SAT.run_length); set total_steps")
+        return ladder_rate(step, self.rate, self.ladder, self.total_steps or 0)
 
     def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
         """Configuration problems, each naming the fix (``run.dims``: the resolved degrees; ``run.compile``)."""

@@ -299,8 +299,7 @@ SIMULATED = {  # id -> (overrides, simulated algorithm, parameter tolerance)
         [
             *DASO_B2_S1,
             "strategy.local_sgd.delay=2",
-            "strategy.local_sgd.cooldown_steps=3",
-            "strategy.local_sgd.total_steps=6",
+            "strategy.local_sgd.cooldown_steps=3",  # from step 4 of the run's 6 (total_steps: null -> run_length)
         ],
         lambda: DASOSim(sync_every=2, delay=2, warmup=1, dtype=torch.float32, cooldown_from=4),
         TOL_ADAM,

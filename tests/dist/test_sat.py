@@ -67,7 +67,9 @@ def reference(rates: list[float]) -> dict:
             kept = kept_channels(ffn_dim, rates[step], seed=5, step=step, name=f"layers.{i}.feed_forward")
             masks[i][0] = torch.zeros(ffn_dim).index_fill_(0, kept, 1.0)
         labels = rows.labels[index]
-        logits = model(rows.input_ids[index], position_ids_bt=rows.position_ids[index], document_ids_bt=rows.document_ids[index])
+        logits = model(
+            rows.input_ids[index], position_ids_bt=rows.position_ids[index], document_ids_bt=rows.document_ids[index]
+        )
         loss_sum = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
         loss = loss_sum / (labels != IGNORE_INDEX).sum()
         optimizer.zero_grad(set_to_none=True)
@@ -91,7 +93,11 @@ LAYOUTS = {"one_process_ga2": ["train.micro_batch_size=4"], "fsdp2": ["strategy=
 
 @pytest.mark.parametrize(
     ("layout", "schedule", "rates"),
-    [("one_process_ga2", CONSTANT, [RATE] * STEPS), ("fsdp2", CONSTANT, [RATE] * STEPS), ("fsdp2", (*SAT_ON, "trainer.max_steps=4"), LADDER_4)],
+    [
+        ("one_process_ga2", CONSTANT, [RATE] * STEPS),
+        ("fsdp2", CONSTANT, [RATE] * STEPS),
+        ("fsdp2", (*SAT_ON, "trainer.max_steps=4"), LADDER_4),
+    ],
     ids=["one_process_ga2", "fsdp2", "fsdp2_ladder"],
 )
 def test_sat_equals_reference(tmp_path, layout, schedule, rates):
@@ -152,3 +158,42 @@ def test_channels_are_cleared_after_the_step():
     with sat.step(3):
         assert ff.kept_f is not None and ff.kept_f.numel() == 8
     assert ff.kept_f is None
+
+
+def test_the_ladder_spans_the_steps_the_data_allows(tmp_path):
+    """An SFT run whose data ends before ``trainer.max_steps`` (here 1,000) plans fewer steps; the
+    ladder (the preset's ``total_steps: null``) spans those, as the LR schedule does, so the run
+    still reaches its dense last phase (with ``${trainer.max_steps}`` every step omitted ``rate``)."""
+    import json
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": f"count to {i}"},
+                        {"role": "assistant", "content": f"{i} {i + 1}"},
+                    ]
+                }
+            )
+            + "\n"
+            for i in range(300)
+        )
+    )
+    cfg = compose_config(
+        [
+            "model=nano", "data.seq_len=64", "train.global_batch_size=4", f"data.sources={{a: {{source: {chats}}}}}",
+            "trainer.max_steps=1000", "train.eval_every=0", "callbacks.checkpoint.every_n_steps=0", *SAT_ON,
+            "+callbacks.sat_rates._target_=harness.SatRates",
+        ],
+        recipe="sft",
+        tiny=False,
+    )  # fmt: skip
+    _, task = fit(cfg, tmp_path / "run")
+    rates = [h["sat"] for h in task.history if "sat" in h]
+    steps = len(rates)
+    assert 4 <= steps < 1000, steps
+    # The preset's ladder over the planned steps: rate 0.5 to steps/2, 0.25 to 3 steps/4, then dense.
+    expected = [0.5 if s < steps / 2 else 0.25 if s < 0.75 * steps else 0.0 for s in range(steps)]
+    assert rates == list(enumerate(expected))

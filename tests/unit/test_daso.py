@@ -47,10 +47,6 @@ def test_a_blocking_run_stays_blocking() -> None:
         ({"sync_every": 2, "delay": 3}, "delay=3 is above sync_every=2"),
         ({"global_dtype": "fp16"}, "global_dtype='fp16' is unknown"),
         ({"plateau_every": 0}, "plateau_every=0 must be >= 1"),
-        (
-            {"cooldown_steps": 5},
-            r"cooldown_steps=5 needs strategy.local_sgd.total_steps \(e.g. strategy.local_sgd.total_steps=\$\{trainer.max_steps\}\)",
-        ),
     ],
 )
 def test_bad_settings_name_the_key(settings: dict, message: str) -> None:
