@@ -33,7 +33,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -135,6 +135,7 @@ class SAT(StrategyPlugin):
         if problems := self._rate_problems():
             raise ValueError("; ".join(problems))
         self.mlps: dict[str, SparseMLP] = {}
+        self.float8: Any = None  # the float8 plugin, if configured (`peers`)
 
     def _rate_problems(self) -> list[str]:
         out = [] if 0.0 <= self.rate < 1.0 else [f"strategy.sat.rate={self.rate} must be in [0, 1)"]
@@ -155,9 +156,17 @@ class SAT(StrategyPlugin):
             raise RuntimeError("strategy.sat.ladder: the run's length was not told (SAT.run_length); set total_steps")
         return ladder_rate(step, self.rate, self.ladder, self.total_steps or 0)
 
+    def peers(self, plugins: dict[str, Any]) -> None:
+        self.float8 = plugins.get("float8")
+
     def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
         """Configuration problems, each naming the fix (``run.dims``: the resolved degrees; ``run.compile``)."""
         out = self._rate_problems()
+        if getattr(self.float8, "recipe", None) is not None:
+            out.append(
+                "strategy.sat slices the MLP weights into plain matmuls, not float8 ones (the MLPs would run in high "
+                "precision, or crash on a float8 all-gather); set strategy.float8.recipe=null or strategy.sat=null"
+            )
         if run.compile:
             out.append("strategy.sat with strategy.compile.enabled=true is not supported; set one of them off")
         dims = run.dims

@@ -197,3 +197,15 @@ def test_the_ladder_spans_the_steps_the_data_allows(tmp_path):
     # The preset's ladder over the planned steps: rate 0.5 to steps/2, 0.25 to 3 steps/4, then dense.
     expected = [0.5 if s < steps / 2 else 0.25 if s < 0.75 * steps else 0.0 for s in range(steps)]
     assert rates == list(enumerate(expected))
+
+
+def test_float8_is_refused_by_validate_naming_the_fix():
+    """SAT's sliced MLP calls F.linear on weight slices: with float8 the MLPs would run in high
+    precision, or (FSDP's float8 all-gather) crash at the first forward."""
+    from trainer.config import ConfigError, validate
+
+    with pytest.raises(
+        ConfigError, match=r"strategy\.sat slices .* set strategy\.float8\.recipe=null or strategy\.sat=null"
+    ):
+        validate(compose_config([*SAT_ON, "strategy.float8.recipe=tensorwise"]))
+    validate(compose_config([*SAT_ON, "strategy.float8.recipe=null"]))
