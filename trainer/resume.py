@@ -272,6 +272,7 @@ def resume_problems(
             f"resume_override={list(bad_overrides)}: only {', '.join(OVERRIDABLE)} fields can change on a resume"
         )
     for key, (old, now) in differences(record["config"], new).items():
+        differs, back = _differs(key, old, now, source), _as_saved(key, old)
         if key == "optim.weight_decay" and not old and _under(key, overrides):
             problems.append(
                 f"optim.weight_decay cannot change from {old!r} on a resume: the saved parameter groups do not tell "
@@ -280,21 +281,38 @@ def resume_problems(
         elif _under(key, OVERRIDABLE):
             if not _under(key, overrides):
                 problems.append(
-                    f"{key}={now!r} differs from {old!r} in {source}; to change it from this step on, add "
-                    f"resume_override=[{key}] (or resume with {key}={old!r})"
+                    f"{differs}; to change it from this step on, add resume_override=[{key}] (or resume {back})"
                 )
         elif _under(key, DATA_POSITION):
             problems.append(
-                f"{key}={now!r} differs from {old!r} in {source}: the saved data position would index other rows; "
-                f"resume with {key}={old!r}, or train on the new data from these weights in a new run_dir with "
-                f"model.init_from={source}"
+                f"{differs}: the saved data position would index other rows; resume {back}, or train on the new "
+                f"data from these weights in a new run_dir with model.init_from={source}"
             )
         else:
             problems.append(
-                f"{key}={now!r} differs from {old!r} in {source}: the checkpoint's weights and loss belong to "
-                f"{key}={old!r}; resume with it, or start a new run_dir"
+                f"{differs}: the checkpoint's weights and loss belong to {_setting(key, old)}; resume {back}, or "
+                f"start a new run_dir"
             )
     return problems
+
+
+def _setting(key: str, value: Any) -> str:
+    """``key=value`` as typed, or that the key is not set (`ABSENT`)."""
+    return f"{key} unset" if value is ABSENT else f"{key}={value!r}"
+
+
+def _differs(key: str, old: Any, now: Any, source: str) -> str:
+    """What changed of ``key`` since ``source`` was written, in words that read right when either side lacks it."""
+    if old is ABSENT:
+        return f"{key}={now!r} is not set in {source}"
+    if now is ABSENT:
+        return f"{key} is not set, where {source} has {key}={old!r}"
+    return f"{key}={now!r} differs from {old!r} in {source}"
+
+
+def _as_saved(key: str, old: Any) -> str:
+    """How to resume with the saved value of ``key``: ``with key=old``, or ``without key``."""
+    return f"without {key}" if old is ABSENT else f"with {key}={old!r}"
 
 
 def apply_overrides(optimizer: torch.optim.Optimizer, scheduler: Any, values: dict[str, Any]) -> None:

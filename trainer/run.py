@@ -32,7 +32,7 @@ from trainer.planning import check_memory
 from trainer.replica_groups import gpu_problems, group_problems, launches_groups, run_replica_groups
 from trainer.resume import RESUMES_FILE, ResumeRecord, check_resume, resume_changes
 from trainer.rl.rewards import RewardError
-from trainer.run_length import plan_run_length
+from trainer.run_length import DATA_EXHAUSTED, RunLength, plan_run_length
 from trainer.rundir import RunDir, last_link_problem, resolve_checkpoint
 from trainer.task import Task
 
@@ -176,11 +176,12 @@ def start(cfg: DictConfig, run_dir: Path, launch: Launch, launching: bool) -> tu
     """
     data = prepared_data(cfg, launch.run)
     check_train_batches(cfg, data)
+    length = plan_run_length(cfg.trainer.max_steps, data)
+    check_not_spent(length, launch.ckpt_path)
     if launching:
         for line in describe(data):
             _print(line)
-        early = plan_run_length(cfg.trainer.max_steps, data).launch_line()  # what ends the run first
-        if early is not None:
+        if (early := length.launch_line()) is not None:  # what ends the run first
             _print(early)
         if (chat := data.chat_format()) is not None:
             _print(chat.line())
@@ -197,6 +198,25 @@ def start(cfg: DictConfig, run_dir: Path, launch: Launch, launching: bool) -> tu
     )
     trainer, task = build_fit(cfg, launch.run, run_dir, data, callbacks=[record])
     return trainer, task, data
+
+
+def check_not_spent(length: RunLength, ckpt_path: Path | None) -> None:
+    """Refuses a resume from a checkpoint at or past the step where the run's data ends: it would
+    train nothing (a run its data ended, resumed with more ``trainer.max_steps``).
+
+    Raises:
+        ConfigError: naming what ends the data and the new run that trains on from these weights.
+    """
+    step = meta_step(ckpt_path) if ckpt_path is not None else None
+    if step is None or length.ends_by != DATA_EXHAUSTED or step < length.planned_steps:
+        return
+    raise ConfigError(
+        [
+            f"{ckpt_path} is at step {step}, where the run's data ends ({length.reason}): resuming trains nothing "
+            f"more, whatever trainer.max_steps; the data cannot change on a resume, so to train on, start a new "
+            f"run_dir from these weights with the data lengthened (model.init_from={ckpt_path} and the setting above)"
+        ]
+    )
 
 
 @contextmanager

@@ -45,7 +45,10 @@ def test_every_difference_is_listed_with_its_fix() -> None:
     text = "\n".join(problems)
     assert len(problems) == 6, text  # tokenizer, model.dim, data.sources.a.weight + .b.weight, optim.lr, seed
     assert "tokenizer differs" in text and "model.dim=128 differs from 64" in text
-    assert "data.sources.b.weight=1.0 differs from (absent)" in text and "model.init_from=ckpt" in text
+    # a key one side lacks reads as such, and its fix restores the saved side (absent: without it)
+    assert "data.sources.b.weight=1.0 is not set in ckpt" in text and "resume without data.sources.b.weight," in text
+    assert "data.sources.a.weight is not set, where ckpt has data.sources.a.weight=1.0" in text
+    assert "resume with data.sources.a.weight=1.0," in text and "model.init_from=ckpt" in text
     assert "resume_override=[optim.lr]" in text and "seed=1 differs from 0" in text
 
 
@@ -138,10 +141,10 @@ def test_lora_settings_belong_to_the_run() -> None:
     problems = resume_problems(run_record(saved, "f" * 64), new, "f" * 64, [], source="ckpt")
     assert problems == [
         "strategy.lora.rank=16 differs from 4 in ckpt: the checkpoint's weights and loss belong to "
-        "strategy.lora.rank=4; resume with it, or start a new run_dir"
+        "strategy.lora.rank=4; resume with strategy.lora.rank=4, or start a new run_dir"
     ]
     off = resume_problems(run_record(saved, "f" * 64), {**saved, "strategy": {}}, "f" * 64, [], source="ckpt")
-    assert len(off) == 2 and "differs from 4" in off[0]
+    assert len(off) == 2 and "strategy.lora.rank is not set, where ckpt has strategy.lora.rank=4" in off[0], off
 
 
 def test_the_data_path_is_compared_as_the_files_it_names(tmp_path, monkeypatch) -> None:
@@ -223,3 +226,25 @@ def test_a_sources_local_file_and_the_model_to_start_from_are_made_absolute(tmp_
     other = _new(data__sources={"mine": {"source": str(tmp_path / "base")}})
     (problem,) = resume_problems(record, other, "f" * 64, [], source="ckpt")
     assert "data.sources.mine.source=" in problem
+
+
+def test_a_resume_where_the_data_ends_is_refused(tmp_path) -> None:
+    """An SFT run its data ended (step 8 of trainer.max_steps=100000) resumed with more max_steps
+    trained nothing and recorded the change; `check_not_spent` refuses it, naming what ends the data
+    and the new run that trains on. A checkpoint before the data's end, or a run max_steps ends, resumes."""
+    from trainer.config import ConfigError
+    from trainer.run import check_not_spent
+    from trainer.run_length import DATA_EXHAUSTED, RunLength
+
+    ckpt = tmp_path / "step_0000008"
+    ckpt.mkdir()
+    torch.save({"global_step": 8}, ckpt / "meta.pt")
+    reason = "data.sources.mine is spent after max_epochs=1.0 (8 steps); raise +data.sources.mine.max_epochs"
+    with pytest.raises(ConfigError) as err:
+        check_not_spent(RunLength(100000, 8, DATA_EXHAUSTED, reason), ckpt)
+    (problem,) = err.value.problems
+    assert problem.startswith(f"{ckpt} is at step 8, where the run's data ends ({reason}): resuming trains nothing")
+    assert f"model.init_from={ckpt}" in problem
+    check_not_spent(RunLength(100000, 9, DATA_EXHAUSTED, reason), ckpt)
+    check_not_spent(RunLength(8, 8), ckpt)  # max_steps ended it: check_run_dir answers a max_steps too low
+    check_not_spent(RunLength(100000, 8, DATA_EXHAUSTED, reason), None)
