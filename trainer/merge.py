@@ -16,7 +16,10 @@ theta_base`` back to the base. Methods, per parameter tensor:
 It prints each delta's sparsity (share of exactly-zero entries and of entries with ``|delta| <=
 tol``; PAFT: DPO deltas are sparse, SFT deltas dense unless L1-regularised) and writes ``out`` as a
 run directory: the base's ``config.yaml``, tokenizer files and ``checkpoints/last`` with
-the merged weights (for ``plait generate ckpt=<out>`` and ``model.init_from=<out>``).
+the merged weights (for ``plait generate ckpt=<out>`` and ``model.init_from=<out>``); from a
+Hugging Face base, the config, tokenizer and chat template of the first fine-tuned run (``model=hf``
+with that base as ``model.init_from``). A plait run among the deltas must have been fine-tuned
+from the base (its ``model.init_from``), or the merge is refused.
 
 Invocation::
 
@@ -25,6 +28,7 @@ Invocation::
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,7 +38,8 @@ import torch.distributed.checkpoint as dcp
 
 from strategies.checkpoint.dcp import META_FILE, CheckpointError, seal
 from trainer.compose import compose_command, fail
-from trainer.rundir import RunDir, load_run_model
+from trainer.data.paths import absolute
+from trainer.rundir import RunDir, RunModel, load_run_model
 
 METHODS = ("task_arithmetic", "ties", "dare")
 State = dict[str, torch.Tensor]
@@ -158,11 +163,36 @@ def sparsity(base: State, model: State, *, tol: float = 1e-6) -> dict[str, float
 
 
 # ------------------------------------------------------------------------------ command
-def _load(path: str, trust: Sequence[str] = ()) -> tuple[State, Path]:
-    """The model state and run directory of a checkpoint or run directory (``trust`` as in
-    `load_run_model`)."""
+def _load(path: str, trust: Sequence[str] = ()) -> tuple[State, RunModel]:
+    """The model state of a checkpoint, run directory or Hugging Face directory, and what
+    describes it (``trust`` as in `load_run_model`)."""
     run = load_run_model(path, trust=trust)
-    return {k: v.detach().clone() for k, v in run.model.state_dict().items()}, run.run.path
+    return {k: v.detach().clone() for k, v in run.model.state_dict().items()}, run
+
+
+def _is_run(run: RunModel) -> bool:
+    """Whether ``run`` is a plait run (its ``config.yaml``), not a Hugging Face directory."""
+    return run.run.config.is_file()
+
+
+def base_problems(base: RunModel, deltas: Sequence[tuple[str, RunModel]]) -> list[str]:
+    """Each plait run of ``deltas`` that was not fine-tuned from ``base`` (its ``model.init_from``
+    names neither ``base``'s directory nor a checkpoint in it): its difference from the base is not
+    its fine-tuning. A Hugging Face directory among the deltas records no base and is not checked."""
+    root = Path(os.path.realpath(base.run.path))
+    problems = []
+    for given, run in deltas:
+        if not _is_run(run) or Path(os.path.realpath(run.run.path)) == root:  # the base itself: a zero delta
+            continue
+        init_from = run.config.model.get("init_from")
+        start = Path(os.path.realpath(absolute(init_from))) if isinstance(init_from, str) else None
+        if start is None or not (start == root or root in start.parents):
+            was = f"model.init_from={init_from}" if start is not None else "from scratch (no model.init_from)"
+            problems.append(
+                f"deltas: {given} was trained {was}, not from base={root}: its difference from the base is not its "
+                "fine-tuning; merge runs fine-tuned from one base (PAFT's arms both start from it), with that base"
+            )
+    return problems
 
 
 def save_merged(state: State, out: Path, *, like: Path) -> Path:
@@ -190,8 +220,18 @@ def main(argv: list[str]) -> None:
     if not cfg.deltas:
         fail(f"deltas=[] names no fine-tuned run to merge; give at least one, e.g. deltas=[runs/sft] (usage: {usage})")
     try:
-        base, base_dir = _load(cfg.base, cfg.trust)
-        models = [_load(path, cfg.trust)[0] for path in cfg.deltas]
+        base, base_run = _load(cfg.base, cfg.trust)
+        loaded = [_load(path, cfg.trust) for path in cfg.deltas]
+        models = [state for state, _ in loaded]
+        if problems := base_problems(base_run, [(path, run) for path, (_, run) in zip(cfg.deltas, loaded)]):
+            fail("\n".join(problems))
+        # out is a plait run: the base's config.yaml, or (a Hugging Face base) a fine-tuned run's of that base
+        like = next((run.run.path for run in [base_run, *(run for _, run in loaded)] if _is_run(run)), None)
+        if like is None:
+            fail(
+                f"base={cfg.base} and every delta are Hugging Face directories: out would have no config.yaml to build "
+                "the merged model from; give the plait runs the deltas were fine-tuned in as deltas"
+            )
         merged = merge_states(
             base,
             models,
@@ -209,5 +249,5 @@ def main(argv: list[str]) -> None:
         print(f"delta {path}: " + ", ".join(f"{k} {v:.4f}" for k, v in s.items()))
     s = sparsity(base, merged, tol=cfg.tol)
     print(f"merged delta ({cfg.method}): " + ", ".join(f"{k} {v:.4f}" for k, v in s.items()))
-    ckpt = save_merged(merged, Path(cfg.out), like=base_dir)
+    ckpt = save_merged(merged, Path(cfg.out), like=like)
     print(f"plait: merged model written to {ckpt}")

@@ -82,7 +82,8 @@ def test_plait_merge_command_one_delta_reproduces_the_run(tmp_path, capsys):
     torch.manual_seed(0)
     base, tuned = instantiate_model(cfg.model), instantiate_model(cfg.model)
     _fake_run(tmp_path / "base", base.state_dict(), cfg)
-    _fake_run(tmp_path / "tuned", tuned.state_dict(), cfg)
+    from_base = OmegaConf.merge(cfg, {"model": {"init_from": str(tmp_path / "base" / "checkpoints" / "last")}})
+    _fake_run(tmp_path / "tuned", tuned.state_dict(), from_base)
     merge_main(
         [
             f"base={tmp_path / 'base'}",
@@ -106,3 +107,54 @@ def test_plait_merge_without_deltas_is_refused_before_loading(capsys):
     assert capsys.readouterr().err.startswith(
         "plait: error: deltas=[] names no fine-tuned run to merge; give at least one"
     )
+
+
+def test_a_delta_fine_tuned_from_another_base_is_refused(tmp_path, capsys):
+    """A plait run among the deltas records its model.init_from: one that names another run (or
+    none: trained from scratch) is not a fine-tune of the base, and its difference would be merged as one."""
+    import pytest
+
+    from trainer.model_node import instantiate_model
+
+    cfg = OmegaConf.create(
+        {"model": {"_target_": "trainer.models.llama.Llama", "dim": 16, "n_layers": 1, "n_heads": 2, "vocab_size": 40}}
+    )
+    model = instantiate_model(cfg.model)
+    _fake_run(tmp_path / "base", model.state_dict(), cfg)
+    _fake_run(tmp_path / "other", model.state_dict(), cfg)
+    _fake_run(
+        tmp_path / "good", model.state_dict(), OmegaConf.merge(cfg, {"model": {"init_from": str(tmp_path / "base")}})
+    )
+    _fake_run(
+        tmp_path / "bad", model.state_dict(), OmegaConf.merge(cfg, {"model": {"init_from": str(tmp_path / "other")}})
+    )
+    with pytest.raises(SystemExit) as exited:
+        merge_main([f"base={tmp_path / 'base'}", f"deltas=[{tmp_path / 'good'},{tmp_path / 'bad'},{tmp_path / 'other'}]",
+                    f"out={tmp_path / 'out'}"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and not (tmp_path / "out").exists()
+    assert f"deltas: {tmp_path / 'bad'} was trained model.init_from={tmp_path / 'other'}, not from base=" in err
+    assert f"deltas: {tmp_path / 'other'} was trained from scratch (no model.init_from)" in err
+    assert f"{tmp_path / 'good'} was" not in err
+
+
+def test_a_hugging_face_base_merges_into_a_run_generate_can_load(tmp_path):
+    """base= a Hugging Face directory has no config.yaml: the merged run takes the fine-tuned run's
+    (model=hf from that base), tokenizer and chat template, so load_run_model (plait generate,
+    export) builds it; its weights are the merge's."""
+    from hf_checkpoints import make_hf_dir
+
+    from trainer.rundir import HF_BUILDER, load_run_model
+
+    hf = tmp_path / "hf"
+    make_hf_dir("llama3", hf)
+    base = load_run_model(hf).model.state_dict()
+    tuned = {k: v + 0.01 for k, v in base.items()}
+    cfg = OmegaConf.create({"model": {"_target_": HF_BUILDER, "init_from": str(hf)}})
+    _fake_run(tmp_path / "sft", tuned, cfg)
+    (tmp_path / "sft" / "tokenizer.json").write_bytes((hf / "tokenizer.json").read_bytes())
+    merge_main([f"base={hf}", f"deltas=[{tmp_path / 'sft'}]", "method=task_arithmetic", f"out={tmp_path / 'out'}"])
+    assert (tmp_path / "out" / "config.yaml").read_text() == (tmp_path / "sft" / "config.yaml").read_text()
+    merged = load_run_model(tmp_path / "out")
+    assert merged.tokenizer is not None
+    assert all(torch.equal(merged.model.state_dict()[k], v) for k, v in tuned.items())
