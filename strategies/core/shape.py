@@ -126,6 +126,30 @@ class ModelShape:
             groups.setdefault(spec.layer, []).append(spec)
         return {layer: tuple(specs) for layer, specs in groups.items()}
 
+    @functools.cached_property
+    def block_kinds(self) -> tuple[Mapping[int, int], tuple[tuple[ParamSpec, ...], ...]]:
+        """``(kind of each block, the parameter tensors of one block of each kind)``, grouped once per
+        shape, so that what the planner sums over a rank's tensors for every layout it tries costs
+        one term per kind. Blocks are alike when their tensors have the same names past
+        ``layers.<i>.``, shapes, tp dims and gradient placement and both are, or both are not,
+        mixture-of-experts blocks: a dense model's blocks are one kind."""
+        kind_of: dict[int, int] = {}
+        kinds: dict[tuple, int] = {}
+        firsts: list[tuple[ParamSpec, ...]] = []
+        for layer, specs in self.params_of_layer.items():
+            if layer is None:
+                continue
+            prefix = f"layers.{layer}."
+            key = (
+                self.is_moe(layer),
+                tuple((p.name.removeprefix(prefix), p.shape, p.tp_dim, p.grad_tp_replicated) for p in specs),
+            )
+            if key not in kinds:
+                kinds[key] = len(firsts)
+                firsts.append(specs)
+            kind_of[layer] = kinds[key]
+        return kind_of, tuple(firsts)
+
     def is_moe(self, layer: int) -> bool:
         """Whether block ``layer`` is a mixture-of-experts block."""
         return self.num_experts > 0 and layer >= self.n_dense_layers

@@ -37,7 +37,8 @@ as the transient when it exceeds the step's.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -122,6 +123,25 @@ def rank_params(shape: ModelShape, layout: Layout, pp_rank: int) -> list[ParamSp
     return out
 
 
+def rank_param_counts(shape: ModelShape, layout: Layout, pp_rank: int) -> list[tuple[ParamSpec, int]]:
+    """`rank_params` with alike blocks counted once (`ModelShape.block_kinds`): ``(a tensor of one
+    block of each kind, how many of the rank's blocks are of that kind)``, and the embedding, final
+    norm and head it keeps with 1. What the planner sums over a rank's tensors, in integers, is
+    the same over either list."""
+    kind_of, kinds = shape.block_kinds
+    roots = shape.params_of_layer.get(None, ())
+    if layout.pp == 1:
+        keep: Iterable[int] = kind_of
+    else:
+        stages, layers, num_stages = stage_plan(shape, layout, pp_rank)
+        keep = {i for s in stages for i in layers[s]}
+        first, last = 0 in stages, num_stages - 1 in stages
+        roots = tuple(p for p in roots if (p.name.startswith("tok_embeddings") and first) or
+                      (not p.name.startswith("tok_embeddings") and last))  # fmt: skip
+    counts = Counter(kind_of[i] for i in keep if i in kind_of)
+    return [(p, 1) for p in roots] + [(p, n) for kind, n in sorted(counts.items()) for p in kinds[kind]]
+
+
 def local_numel(p: ParamSpec, layout: Layout, shard_index: int) -> tuple[int, int]:
     """(elements of this rank's shard, elements of its padded storage) of one parameter.
 
@@ -152,16 +172,16 @@ def state_bytes(shape: ModelShape, layout: Layout, work: Workload, rank: int) ->
     c = rank_coords(layout, rank)
     shard_index = c["dp_shard"] * layout.cp + c["cp"]
     params = grads = optim = 0
-    for p in rank_params(shape, layout, c["pp"]):
+    for p, count in rank_param_counts(shape, layout, c["pp"]):
         numel, padded = local_numel(p, layout, shard_index)
         if is_ist_unit(p, shape, layout):
             numel, padded = numel // layout.ist_islands, padded // layout.ist_islands
-        params += padded * work.param_bytes
+        params += count * padded * work.param_bytes
         whole = p.grad_tp_replicated and layout.tp > 1 and not layout.uses_fsdp
-        grads += (math.prod(p.shape) if whole else padded) * work.param_bytes
+        grads += count * (math.prod(p.shape) if whole else padded) * work.param_bytes
         muon = work.optimizer == "muon" and takes_muon(p.name, len(p.shape))
         n_states, has_step = MUON_MATRIX_STATES if muon else OPTIMIZER_STATES[work.optimizer]
-        optim += n_states * numel * work.param_bytes + (4 if has_step else 0)
+        optim += count * (n_states * numel * work.param_bytes + (4 if has_step else 0))
     return params, grads, optim
 
 
@@ -368,8 +388,8 @@ def _transient(
     out = 0
     # The largest block gathered (an MoE one, if any: a rank gathers its 1/ep of the experts).
     sizes = [
-        sum(math.prod(p.shape) // (layout.ep if ".experts." in p.name else 1) for p in shape.params_of_layer.get(i, ()))
-        for i in range(shape.n_layers)
+        sum(math.prod(p.shape) // (layout.ep if ".experts." in p.name else 1) for p in kind)
+        for kind in shape.block_kinds[1]
     ]
     block_numel = max(sizes, default=0) // layout.tp
     if layout.uses_fsdp and (layout.fsdp_shards > 1 or work.compute_dtype != work.param_dtype):

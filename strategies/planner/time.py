@@ -29,6 +29,7 @@ from strategies.planner.layout import Layout, Workload
 from strategies.planner.memory import (
     layer_activation_bytes,
     rank_of,
+    rank_param_counts,
     rank_params,
     stage_plan,
     state_bytes,
@@ -283,11 +284,10 @@ def predict_time(shape: ModelShape, layout: Layout, work: Workload, cluster: Clu
 
     fsdp_comm = 0.0
     rank = rank_of(layout, pp=slowest)
-    params_rank = sum(_numel(p, layout) for p in rank_params(shape, layout, slowest))
+    held = rank_param_counts(shape, layout, slowest)
+    params_rank = sum(n * _numel(p, layout) for p, n in held)
     # What FSDP gathers and reduce-scatters: a rank's experts are 1/ep of a block's (its shard is not).
-    gathered = sum(
-        _numel(p, layout) // (layout.ep if ".experts." in p.name else 1) for p in rank_params(shape, layout, slowest)
-    )
+    gathered = sum(n * (_numel(p, layout) // (layout.ep if ".experts." in p.name else 1)) for p, n in held)
     if layout.uses_fsdp:
         s, r = layout.fsdp_shards, layout.dp_replicate
         bw = axis_bandwidth(layout, cluster, ("dp_shard", "cp") if s > 1 else ("dp_replicate",))
@@ -316,7 +316,7 @@ def predict_time(shape: ModelShape, layout: Layout, work: Workload, cluster: Clu
 
     params_b, grads_b, optim_b = state_bytes(shape, layout, work, rank)
     optimizer = (params_b + grads_b + 2 * optim_b) / cluster.hbm_bandwidth / _rate_share(layout, cluster)
-    optimizer += len(rank_params(shape, layout, slowest)) * cluster.layer_overhead_s / 4
+    optimizer += sum(n for _, n in held) * cluster.layer_overhead_s / 4
     if work.optimizer == "muon":
         optimizer += muon_time(shape, layout, work, cluster, slowest)
     step = StepTime(

@@ -236,3 +236,34 @@ def test_auto_split_is_resolved_once_and_built_into_the_pipeline():
     given = validate(compose("pretrain", [*common, "strategy.pipeline.split_points=[4,12,20]"]))
     assert given.pp_split_points == (4, 12, 20)
     assert validate(compose("pretrain", common)).pp_split_points is None  # split=layers: equal layer counts
+
+
+@pytest.mark.parametrize("model", ["llama3_8b", "deepseek_v3_tiny", "gemma3_tiny"])
+def test_alike_blocks_counted_once_are_the_ranks_tensors(model):
+    """`rank_param_counts` (what `state_bytes` and the step time sum over: one term per kind of
+    block) expands to exactly `rank_params`, the tensors a pp rank keeps, for dense, MoE (dense
+    first blocks, then expert blocks) and sliding-window families, over pipeline splits."""
+    from collections import Counter
+
+    from strategies.planner.layout import Layout
+    from strategies.planner.memory import rank_param_counts, rank_params
+
+    shape = _inputs(compose("pretrain", [f"model={model}", "cluster=h100x8"]))[0]
+    assert len(shape.block_kinds[1]) < shape.n_layers or shape.n_layers <= 2
+    layouts = [Layout(), Layout(pp=2), Layout(pp=2, stages_per_rank=2, pp_schedule="Interleaved1F1B")]
+    for layout in layouts:
+        for pp_rank in range(layout.pp):
+            kept = Counter(
+                (p.name.split(".", 2)[-1] if p.layer is not None else p.name, p.shape, p.tp_dim, p.grad_tp_replicated)
+                for p in rank_params(shape, layout, pp_rank)
+            )
+            counted = Counter()
+            for p, n in rank_param_counts(shape, layout, pp_rank):
+                key = (
+                    p.name.split(".", 2)[-1] if p.layer is not None else p.name,
+                    p.shape,
+                    p.tp_dim,
+                    p.grad_tp_replicated,
+                )
+                counted[key] += n
+            assert counted == kept, (model, layout, pp_rank)
