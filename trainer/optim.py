@@ -87,7 +87,8 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, decay: str, min
 
     Linear warmup ``(step + 1) / warmup_steps`` (torchtitan's convention: the first step trains at
     ``1/warmup_steps`` of the peak, not at 0; step ``warmup_steps - 1`` reaches the peak), then
-    "cosine", "linear" or "constant" decay to ``min_lr_ratio`` at ``total_steps``.
+    "cosine" or "linear" decay to ``min_lr_ratio`` at ``total_steps``, or "constant": the peak to
+    the end (``min_lr_ratio`` unused).
     """
     if step < warmup_steps:
         return (step + 1) / warmup_steps
@@ -111,7 +112,7 @@ class WarmupDecayLR(LRScheduler):
         total_steps: optimizer steps of the whole run (the trainer passes ``trainer.max_steps``).
         warmup_steps: steps of linear warmup; step 1 trains at ``1/warmup_steps`` of the peak.
         decay: "cosine", "linear" or "constant".
-        min_lr_ratio: final LR as a fraction of the peak.
+        min_lr_ratio: final LR as a fraction of the peak (cosine and linear; constant stays at the peak).
 
     Raises:
         ValueError: unknown decay, negative steps or a ratio outside [0, 1].
