@@ -183,6 +183,8 @@ def start(cfg: DictConfig, run_dir: Path, launch: Launch, launching: bool) -> tu
             _print(line)
         if (early := length.launch_line()) is not None:  # what ends the run first
             _print(early)
+        if (warmup := warmup_line(cfg, length.planned_steps)) is not None:
+            _print(warmup)
         if (chat := data.chat_format()) is not None:
             _print(chat.line())
         if cfg.model.get("init_from") is not None and (lr := lr_line(cfg)) is not None:
@@ -198,6 +200,19 @@ def start(cfg: DictConfig, run_dir: Path, launch: Launch, launching: bool) -> tu
     )
     trainer, task = build_fit(cfg, launch.run, run_dir, data, callbacks=[record])
     return trainer, task, data
+
+
+def warmup_line(cfg: DictConfig, planned_steps: int) -> str | None:
+    """A warning when the LR warm-up spans the whole run (``scheduler.warmup_steps`` >= the planned
+    steps): the LR never reaches ``optim.lr`` and never decays."""
+    warmup = OmegaConf.select(cfg, "scheduler.warmup_steps", default=None)
+    if not isinstance(warmup, int) or warmup < planned_steps or warmup <= 1:
+        return None
+    return (
+        f"warning: scheduler.warmup_steps={warmup} spans the run's {planned_steps} planned steps: the LR climbs to "
+        f"{planned_steps}/{warmup} of optim.lr and never decays; lower scheduler.warmup_steps (e.g. "
+        f"scheduler.warmup_steps={max(1, planned_steps // 10)})"
+    )
 
 
 def check_not_spent(length: RunLength, ckpt_path: Path | None) -> None:

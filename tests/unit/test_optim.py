@@ -90,3 +90,19 @@ def test_resume_keeps_the_new_schedule_settings() -> None:
     longer.load_state_dict(short.state_dict())
     assert longer.total_steps == 20 and longer.last_epoch == 5
     assert longer.get_lr()[0] == pytest.approx(0.75)
+
+
+def test_a_warm_up_longer_than_the_run_is_said_at_launch() -> None:
+    """A run of 8 planned steps under the preset's 20 warm-up steps never reaches optim.lr
+    (a fresh reviewer: nothing said it); a warm-up shorter than the run says nothing."""
+    from omegaconf import OmegaConf
+
+    from trainer.run import warmup_line
+
+    cfg = OmegaConf.create({"scheduler": {"warmup_steps": 20}})
+    assert warmup_line(cfg, 8) == (
+        "warning: scheduler.warmup_steps=20 spans the run's 8 planned steps: the LR climbs to 8/20 of optim.lr and "
+        "never decays; lower scheduler.warmup_steps (e.g. scheduler.warmup_steps=1)"
+    )
+    assert warmup_line(cfg, 21) is None
+    assert warmup_line(OmegaConf.create({"scheduler": None}), 3) is None
