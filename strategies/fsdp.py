@@ -114,8 +114,17 @@ class FSDP(StrategyPlugin):
         return dims.dp_shard * dims.cp * (1 if islands else dims.dp_replicate) > 1
 
     def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
-        """None: every layout FSDP is applied to can be sharded (the dtypes are checked on construction)."""
-        return []
+        """CPU offload asked for where FSDP shards nothing (`active`: one rank holds each parameter),
+        which would offload nothing in silence; every layout FSDP is applied to can be sharded (the
+        dtypes are checked on construction; ``param_dtype`` without FSDP is the precision's autocast)."""
+        if not self.cpu_offload or self.active(run.dims, islands=run.islands):
+            return []
+        d = run.dims
+        return [
+            f"strategy.fsdp.cpu_offload=true offloads FSDP's shards, but no FSDP shards at this layout (dp_shard={d.dp_shard} "
+            f"x cp={d.cp}{'' if run.islands else f' x dp_replicate={d.dp_replicate}'} = 1 rank per parameter); shard over "
+            "more ranks (strategy=fsdp trainer.devices=N), or strategy.fsdp.cpu_offload=false"
+        ]
 
     def shard_module(
         self,

@@ -157,3 +157,16 @@ def test_an_export_during_the_run_is_refused_where_it_cannot_be_written() -> Non
         for p in lora
     ), lora
     assert not [p for p in _problems("nano", ["+strategy/lora=default"]) if "hf_export" in p]
+
+
+def test_cpu_offload_where_fsdp_shards_nothing_is_refused() -> None:
+    """One rank holds each parameter (one process): strategy.fsdp.cpu_offload=true offloaded nothing
+    and was accepted (a fresh reviewer); sharded over 2 ranks it is FSDP2's CPUOffloadPolicy."""
+    alone = [p for p in _problems("nano", ["strategy.fsdp.cpu_offload=true"]) if "cpu_offload" in p]
+    assert alone == [
+        "strategy.fsdp.cpu_offload=true offloads FSDP's shards, but no FSDP shards at this layout (dp_shard=1 x cp=1 "
+        "x dp_replicate=1 = 1 rank per parameter); shard over more ranks (strategy=fsdp trainer.devices=N), or "
+        "strategy.fsdp.cpu_offload=false"
+    ]
+    sharded = ["strategy=fsdp", "trainer.devices=2", "strategy.fsdp.cpu_offload=true"]
+    assert not [p for p in _problems("nano", sharded) if "cpu_offload" in p]
