@@ -42,6 +42,33 @@ def takes_muon(name: str, ndim: int, adamw_params: Sequence[str] = ADAMW_PARAMS)
     return ndim == 2 and not any(s in name for s in adamw_params)
 
 
+def expert_line(params: Iterable[tuple[str, Sequence[int]]], adamw_params: Sequence[str] = ADAMW_PARAMS) -> str | None:
+    """The launch line of ``optim=muon`` on a model with 3-D (stacked expert) weights, which Muon
+    does not take (its rule: `takes_muon`) and AdamW does: the shares of the parameters each takes;
+    None without such weights. ``params``: ``(name, shape)`` of every parameter."""
+    sizes = {"muon": 0, "experts": 0, "all": 0}
+    for name, shape in params:
+        n = math.prod(shape)
+        sizes["all"] += n
+        sizes["muon"] += n if takes_muon(name, len(shape), adamw_params) else 0
+        sizes["experts"] += n if len(shape) == 3 and not any(s in name for s in adamw_params) else 0
+    if not sizes["experts"]:
+        return None
+    share = {k: f"{100 * v / sizes['all']:.0f}%" for k, v in sizes.items()}
+    return (
+        f"optim=muon: Muon takes the 2-D matrices ({share['muon']} of the parameters); AdamW takes the 3-D expert "
+        f"weights ({share['experts']}) with the embedding, head, norms and biases (docs/running.md, Muon)"
+    )
+
+
+def launch_line(optimizer: Any, params: Iterable[tuple[str, Sequence[int]]]) -> str | None:
+    """`expert_line` when ``optimizer`` (the run's optimizer partial) builds `Muon`; else None."""
+    target = getattr(optimizer, "func", optimizer)
+    if not (isinstance(target, type) and issubclass(target, Muon)):
+        return None
+    return expert_line(params, getattr(optimizer, "keywords", {}).get("adamw_params", ADAMW_PARAMS))
+
+
 def newton_schulz(
     g: torch.Tensor, *, steps: int = 5, dtype: torch.dtype = torch.bfloat16, eps: float = 1e-7
 ) -> torch.Tensor:

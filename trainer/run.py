@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from strategies.checkpoint.dcp import CheckpointError, NonFiniteStateError
 from strategies.core.resolved import ResolvedRun
+from strategies.muon import launch_line as muon_line
 from strategies.runtime.launch import LAUNCH_ENV, launch_problems
 from strategies.runtime.watchdog import ABORT_EXIT
 from trainer.budget.driver import DriverError, is_search, run_search
@@ -185,6 +186,9 @@ def start(cfg: DictConfig, run_dir: Path, launch: Launch, launching: bool) -> tu
             _print(early)
         if (warmup := warmup_line(cfg, length.planned_steps)) is not None:
             _print(warmup)
+        shape = launch.run.shape
+        if shape is not None and (muon := muon_line(launch.run.optimizer, ((p.name, p.shape) for p in shape.params))):
+            _print(muon)
         if (chat := data.chat_format()) is not None:
             _print(chat.line())
         if cfg.model.get("init_from") is not None and (lr := lr_line(cfg)) is not None:
