@@ -358,6 +358,7 @@ class LoRA(StrategyPlugin):
     target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
     seed: int = 0
     quantize: str | None = None
+    sizes: dict[str, float] = field(default_factory=dict, init=False, repr=False)  # `report`'s, from the first step
 
     def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
         """Refuses a non-positive rank, dropout outside [0, 1), pipeline and local-SGD layouts
@@ -423,10 +424,12 @@ class LoRA(StrategyPlugin):
         return self.attach(model)
 
     def after_step(self, model: nn.Module, step: int, optimizer: torch.optim.Optimizer) -> dict[str, float]:
-        """`report` after the first step (printed on global rank 0)."""
-        if step != 1:
-            return {}
-        return self.report(model, optimizer, verbose=not dist.is_initialized() or dist.get_rank() == 0)
+        """`report` after the first step (printed on global rank 0; a resumed run's first step
+        too), then its values every step: they reach every row the loggers write
+        (``trainer.log_every_n_steps``), which the first step's alone did not."""
+        if not self.sizes:
+            self.sizes = self.report(model, optimizer, verbose=not dist.is_initialized() or dist.get_rank() == 0)
+        return self.sizes
 
     def saved_keys(self) -> Callable[[str], bool]:
         """Checkpoints hold only the adapters (the frozen base is ``model.init_from``'s, loaded again on resume)."""

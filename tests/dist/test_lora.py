@@ -96,11 +96,15 @@ def _reference(root) -> dict:
             setattr(model.get_submodule(parent), leaf, adapters[name])
     params = [p for m in adapters.values() for p in (m.A, m.B)]
     optimizer = torch.optim.SGD(params, lr=cfg.optim.lr, momentum=cfg.optim.momentum)
-    sampler = GlobalBatchSampler(len(rows), global_batch_size=8, dp_size=1, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+    sampler = GlobalBatchSampler(
+        len(rows), global_batch_size=8, dp_size=1, shuffle=cfg.data.shuffle, seed=cfg.data.seed
+    )
     out = {"loss": [], "grads": [], "base": base}
     for _, index in zip(range(STEPS), sampler):
         labels = rows.labels[index]
-        logits = model(rows.input_ids[index], position_ids_bt=rows.position_ids[index], document_ids_bt=rows.document_ids[index])
+        logits = model(
+            rows.input_ids[index], position_ids_bt=rows.position_ids[index], document_ids_bt=rows.document_ids[index]
+        )
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
         loss = loss / (labels != IGNORE_INDEX).sum()
         optimizer.zero_grad(set_to_none=True)
@@ -202,7 +206,9 @@ def test_export_merges_and_writes_a_peft_adapter(runs, base, tmp_path):
 
     alone = export_checkpoint(run["run_dir"], tmp_path / "merged_only", adapter=False)
     assert not (alone / "adapter").exists()
-    torch.testing.assert_close(load_file(alone / "model.safetensors"), load_file(out / "model.safetensors"), rtol=0, atol=0)
+    torch.testing.assert_close(
+        load_file(alone / "model.safetensors"), load_file(out / "model.safetensors"), rtol=0, atol=0
+    )
 
 
 def test_qlora_fit_on_cpu_lowers_the_loss(base, tmp_path):
@@ -225,3 +231,18 @@ def test_qlora_fit_on_cpu_lowers_the_loss(base, tmp_path):
     assert tuple(params["tok_embeddings.weight"].shape) == (300, 64)
     grads = [h["grads"] for h in task.history if "grads" in h][-1]
     assert grads and all(".lora_" in n for n in grads) and all(g.abs().sum() > 0 for g in grads.values())
+
+
+def test_the_adapter_sizes_reach_the_rows_the_loggers_write(base, tmp_path):
+    """LoRA's lora/trainable_bytes and lora/optimizer_state_bytes (docs/fine-tuning.md: logged after
+    the first step) are in every row written: with trainer.log_every_n_steps=2, steps 2 and 4 (the
+    first step's values alone never reached metrics.csv unless every step was logged)."""
+    import csv
+
+    cfg = compose_config([*_overrides(base), *LAYOUTS["one_process"], "trainer.log_every_n_steps=2", "logger=csv"])
+    fit(cfg, tmp_path)
+    rows = [r for r in csv.DictReader((tmp_path / "metrics.csv").open()) if r.get("train/loss")]
+    assert [int(r["step"]) for r in rows] == [2, 4]
+    sizes = {(float(r["lora/trainable_bytes"]), float(r["lora/optimizer_state_bytes"])) for r in rows}
+    ((trainable, state),) = sizes  # the same values in both rows
+    assert trainable > 0 and state == trainable  # SGD with momentum: one buffer per adapter weight
