@@ -68,3 +68,15 @@ def test_a_small_file_mostly_held_out_is_said(tmp_path: Path, capsys) -> None:
     )
     CONVERSATIONS.records(CONVERSATIONS.parse("mine", {"source": str(path), "val_size": 2}), seed=0)
     assert "warning" not in capsys.readouterr().err
+
+
+def test_a_source_whose_every_row_is_dropped_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: all 24 pairs dropped, then "warning: 0 of its 0 rows are held out ...; lower val_size".
+    rows = [{"prompt": f"q{i}", "chosen": "same", "rejected": "same"} for i in range(4)]
+    with pytest.raises(
+        DataError,
+        match=r"data.sources.mine: all 4 of its rows would be dropped: 'chosen' equals 'rejected'.*d.jsonl, line 1\); "
+        r"fix the rows or remove data.sources.mine",
+    ):
+        _records(PAIRS, tmp_path / "d.jsonl", rows)
+    assert "held out" not in capsys.readouterr().err

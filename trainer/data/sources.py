@@ -165,11 +165,20 @@ class Catalog:
 
 def drop_useless(records: list, wheres: list[str] | None, useless: Callable[[Any], str | None], *, name: str) -> list:
     """``records`` without those ``useless`` names a reason for, counted in one ``plait:`` line on
-    stderr that names the first one's file and line (``wheres[i]``, when the records come from a file)."""
+    stderr that names the first one's file and line (``wheres[i]``, when the records come from a file).
+
+    Raises:
+        DataError: every record is useless (nothing would be trained or held out).
+    """
     reasons = [useless(r) for r in records]
     dropped = [i for i, reason in enumerate(reasons) if reason is not None]
     if dropped:
         first = f" (first: {wheres[dropped[0]]})" if wheres else ""
+        if len(dropped) == len(records):
+            raise DataError(
+                f"data.sources.{name}: all {len(records)} of its rows would be dropped: {reasons[dropped[0]]}{first}; "
+                f"fix the rows or remove data.sources.{name}"
+            )
         print(
             f"plait: data.sources.{name}: dropped {len(dropped)} of {len(records)} rows: {reasons[dropped[0]]}{first}",
             file=sys.stderr,
