@@ -138,8 +138,15 @@ def test_parquet_saved_dataset_and_column_mapping(tmp_path):
     want = [{"prompt": q, "completion": a} for q, a in zip(rows["question"], rows["answer"])]  # strings: standard
     assert _records(CONVERSATIONS, str(tmp_path / "qa.parquet"), **columns) == want
     assert _records(CONVERSATIONS, str(tmp_path / "saved"), **columns) == want
-    with pytest.raises(DataError, match=r"qa.parquet, row 1: no column 'query' \(mapped to 'prompt'\)"):
+    with pytest.raises(
+        DataError,
+        match=r"qa.parquet, row 1: columns maps plait's field 'prompt' to your column 'query', which the row lacks",
+    ):
         _records(CONVERSATIONS, str(tmp_path / "qa.parquet"), columns={"prompt": "query"})
+    # The mapping written the other way round ({your column: plait's field}) is named, with the source's own name.
+    with pytest.raises(DataError, match=r"\(the mapping reads \{plait's field: your column\}: \{prompt: question\}\); "
+                       r"fix data.sources.mine.columns"):  # fmt: skip
+        _records(CONVERSATIONS, str(tmp_path / "qa.parquet"), columns={"question": "prompt"})
     assert "a local path" in CONVERSATIONS.problem("mine", "data.xlsx")
 
 

@@ -28,10 +28,17 @@ from typing import Any
 
 from trainer.data.chat import ROLES, Message, Record, Text
 
+# Other names for the fields (Alpaca's instruction/output, question/answer ...): `trainer.data.tables.rename`.
+COLUMNS_FIX = "or map your own field names to these: data.sources.<name>.columns={prompt: question, completion: answer}"
 SFT_FIX = (
-    "write 'messages' (a list of {role, content}), 'prompt' and 'completion' (strings or message lists), or 'text'"
+    "write 'messages' (a list of {role, content}), 'prompt' and 'completion' (or 'response'; strings or message "
+    f"lists), or 'text'; {COLUMNS_FIX}"
 )
-PAIR_FIX = "write 'prompt', 'chosen' and 'rejected' (strings or message lists), or 'chosen' and 'rejected' message lists that share their prompt"
+PAIR_FIX = (
+    "write 'prompt', 'chosen' and 'rejected' (strings or message lists), or 'chosen' and 'rejected' message lists "
+    "that share their prompt; or map your own field names: data.sources.<name>.columns={prompt: question, chosen: "
+    "good, rejected: bad}"
+)
 UNPAIRED_FIX = (
     "write 'prompt', 'completion' (strings or message lists) and 'label' (true: desirable, false: undesirable)"
 )
@@ -49,7 +56,9 @@ def messages(value: Any, field: str, *, role: str) -> list[Message]:
     """
     if isinstance(value, str):
         return [{"role": role, "content": value}]
-    if not isinstance(value, list) or not value:
+    if isinstance(value, list) and not value:
+        raise FormatError(f"'{field}' is an empty list; give it the conversation's messages, or remove the row")
+    if not isinstance(value, list):
         raise FormatError(f"'{field}' is {type(value).__name__}, not a string or a non-empty list of messages")
     for m in value:
         if not (isinstance(m, Mapping) and m.get("role") in ROLES and isinstance(m.get("content"), str)):

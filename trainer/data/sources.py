@@ -149,8 +149,9 @@ class Catalog:
                 records, wheres = formats.read(iter(rows), self.parse_row), [where for where, _ in rows]
                 if not records:
                     raise ValueError(f"{source.source} has no rows; add rows or remove data.sources.{source.name}")
-        except (FileNotFoundError, ValueError) as err:
-            raise DataError(f"data.sources.{source.name}: {err}") from None
+        except (FileNotFoundError, ValueError) as err:  # a fix naming data.sources.<name>. names this source
+            message = str(err).replace("data.sources.<name>.", f"data.sources.{source.name}.")
+            raise DataError(f"data.sources.{source.name}: {message}") from None
         records = drop_useless(records, wheres, self.useless, name=source.name)
         train, val = hold_out(records, source.val_size, seed=seed, name=source.name)
         if len(val) >= len(train):  # a small file: most of it would never be trained on, unsaid

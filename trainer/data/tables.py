@@ -123,8 +123,12 @@ def rename(row: Mapping[str, Any], columns: Mapping[str, str] | None, where: str
     out = dict(row)
     for field, column in columns.items():
         if column not in row:
+            swapped = (
+                f" (the mapping reads {{plait's field: your column}}: {{{column}: {field}}})" if field in row else ""
+            )
             raise ValueError(
-                f"{where}: no column {column!r} (mapped to {field!r}); its columns are {sorted(row)}; fix data.sources.<name>.columns"
+                f"{where}: columns maps plait's field {field!r} to your column {column!r}, which the row lacks; its "
+                f"columns are {sorted(row)}{swapped}; fix data.sources.<name>.columns"
             )
         out[field] = out.pop(column)
     return out
