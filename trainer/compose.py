@@ -23,7 +23,7 @@ from hydra import initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer.catalog import ALIASES, CONF_DIR, DEFAULT_RECIPE, RECIPES_DIR, bundled_recipes, fail
@@ -261,7 +261,19 @@ def compose(recipe: str = DEFAULT_RECIPE, overrides: Sequence[str] = ()) -> Dict
     register_resolvers()
     config_dir, config_name, rest = hydra_config(to_hydra_argv([recipe, *overrides]))
     with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
-        return take_run_model(hydra_compose(config_name, overrides=rest), rest)
+        return take_run_model(drop_null_sources(hydra_compose(config_name, overrides=rest)), rest)
+
+
+def drop_null_sources(cfg: DictConfig) -> DictConfig:
+    """``cfg`` (changed in place and returned) without the ``data.sources`` entries set to null: a
+    recipe file (``data: {sources: {general: null, mine: {...}}}``, which Hydra merges into the
+    preset's sources) or an override (``data.sources.general=null``) removes a preset's source so."""
+    sources = OmegaConf.select(cfg, "data.sources", default=None, throw_on_missing=False)
+    if isinstance(sources, DictConfig):
+        with open_dict(sources):  # Hydra's configs are in struct mode
+            for name in [n for n in sources if sources._get_node(n)._is_none()]:  # noqa: SLF001 - None, unresolved
+                del sources[name]
+    return cfg
 
 
 def adopt_run_model(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:

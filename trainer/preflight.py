@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from strategies.checkpoint.dcp import CheckpointError
 from trainer.catalog import fail
-from trainer.compose import adopt_run_model
+from trainer.compose import adopt_run_model, drop_null_sources
 from trainer.config import ConfigError
 from trainer.data.paths import absolute_paths
 from trainer.init_from import take_run_model
@@ -26,7 +26,7 @@ def run_job(cfg: DictConfig, overrides: Sequence[str], launch: Launch | None) ->
     """One Hydra job of the train command: `trainer.run.run` of ``cfg`` with a plait run's model
     adopted (`adopt_run_model`) and its data paths absolute (`trainer.data.paths.absolute_paths`, as
     `preflight` checked them); ``launch`` as checked by `preflight` (None: checked in the job)."""
-    run(absolute_paths(adopt_run_model(cfg, overrides)), launch)
+    run(absolute_paths(adopt_run_model(drop_null_sources(cfg), overrides)), launch)
 
 
 def preflight(composed: Composed) -> Launch | None:
@@ -36,7 +36,7 @@ def preflight(composed: Composed) -> Launch | None:
     cfg, overrides, problems, implied = composed.cfg, composed.overrides, list(composed.problems), composed.implied
     launch = None
     try:
-        cfg = absolute_paths(take_run_model(cfg, overrides))  # a plait run as model.init_from: its architecture
+        cfg = absolute_paths(take_run_model(drop_null_sources(cfg), overrides))  # a run as model.init_from: its model
         launch = check_launch(cfg)
     except UntrustedTargetError as err:  # nothing of that run's model is built or validated
         problems.append(str(err))

@@ -150,6 +150,17 @@ def test_parquet_saved_dataset_and_column_mapping(tmp_path):
     assert "a local path" in CONVERSATIONS.problem("mine", "data.xlsx")
 
 
+def test_a_source_set_to_null_is_removed(tmp_path):
+    """In a recipe file Hydra merges data.sources into the preset's; a source set to null there (or
+    by an override) is removed (a new user's file trained on all six sources beside its own; null
+    was refused as data.sources.general.source='general')."""
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("defaults: [sft, _self_]\ndata:\n  sources:\n    general: null\n    mine: {source: my.jsonl}\n")
+    sources = compose(str(recipe)).data.sources
+    assert "general" not in sources and sources.mine.source == "my.jsonl" and "code" in sources
+    assert "general" not in compose("sft", ["data.sources.general=null"]).data.sources
+
+
 def test_one_override_replaces_the_bundled_sources():
     cfg = compose("sft", ["data.sources={mine: {source: my.jsonl, limit: 3}}"])
     assert dict(cfg.data.sources) == {"mine": {"source": "my.jsonl", "limit": 3}}
