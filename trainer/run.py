@@ -26,7 +26,7 @@ from trainer.checkpoint_step import meta_step, step_problem
 from trainer.config import ConfigError, validate
 from trainer.data.base import DataError, DataModule
 from trainer.data.chat import ChatError
-from trainer.data.summary import describe
+from trainer.data.summary import describe, epochs_line
 from trainer.finetune_defaults import lr_line
 from trainer.nonfinite import NonFiniteError
 from trainer.planning import check_memory
@@ -184,6 +184,8 @@ def start(cfg: DictConfig, run_dir: Path, launch: Launch, launching: bool) -> tu
             _print(line)
         if (early := length.launch_line()) is not None:  # what ends the run first
             _print(early)
+        if (epochs := epochs_line(data.prepare(), launch.run.global_batch_size, length.planned_steps)) is not None:
+            _print(epochs)
         if (warmup := warmup_line(cfg, length.planned_steps)) is not None:
             _print(warmup)
         shape = launch.run.shape

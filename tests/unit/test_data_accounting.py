@@ -152,3 +152,18 @@ def test_a_source_whose_held_out_samples_are_all_dropped_is_refused_naming_it(tm
         match=r"data.sources.mine: none of its 2 held-out conversations keeps a supervised token \(nothing left to score",
     ):
         data.prepare()
+
+
+def test_a_run_that_repeats_its_pairs_says_how_often() -> None:
+    """20 pairs drawn 8 a step for 200 steps are 80 epochs (a new user's preference source cycled
+    in silence; SFT sources say their max_epochs); one pass or less says nothing, nor does a stream."""
+    import types
+
+    import torch
+
+    from trainer.data.summary import epochs_line
+
+    pairs = types.SimpleNamespace(train={"input_ids": torch.zeros(20, 2, 8, dtype=torch.long)})
+    assert epochs_line(pairs, 8, 200) == "the run's 200 steps draw 8 pairs each: 80.0 epochs of the 20 training pairs"
+    assert epochs_line(pairs, 8, 2) is None
+    assert epochs_line(types.SimpleNamespace(train=None), 8, 200) is None

@@ -59,6 +59,24 @@ def data_summary(prepared: Any, evaluated: int | None = None) -> str:
     return "data: " + "; ".join(parts)
 
 
+def epochs_line(prepared: Any, rows_per_step: int, planned_steps: int) -> str | None:
+    """How many times the run passes over its training rows, pairs or labelled rows, when more
+    than once (a small set repeats in silence otherwise); None for one pass or less, a stream, SFT
+    samples (their budgets say it: ``max_epochs``) and prompts (online RL samples its own rows)."""
+    if prepared.train is None:
+        return None
+    n_train, _, noun = _split(prepared.train)
+    if noun not in ("rows", "pairs", "labelled rows") or not n_train:
+        return None
+    drawn = rows_per_step * planned_steps
+    if drawn < 2 * n_train:
+        return None
+    return (
+        f"the run's {planned_steps:,} steps draw {rows_per_step:,} {noun} each: {drawn / n_train:.1f} epochs of the "
+        f"{n_train:,} training {noun}"
+    )
+
+
 def describe(data: Any) -> list[str]:
     """The launch lines of a data module (`trainer.data.base.DataModule`): `data_summary` (packed
     rows say how many of the held-out rows an evaluation scores, ``data.eval_rows``), then what
