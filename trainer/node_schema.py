@@ -122,7 +122,12 @@ def check_target(
     node: Any, where: str, problems: list[str], injected: set[str] = frozenset(), own: Sequence[str] = ()
 ) -> None:
     if not isinstance(node, DictConfig) or "_target_" not in node:
-        problems.append(f"{where} must be a mapping with a _target_ (a class or function path)")
+        from trainer.catalog import config_groups  # lazy: only a node that is no mapping asks
+
+        hint = ""
+        if isinstance(node, str) and node in config_groups().get(where, ()):  # model: nano in a recipe file's body
+            hint = f"; {node} is a {where} option: choose it in the defaults list (- override {where}: {node}) or as {where}={node}"
+        problems.append(f"{where} must be a mapping with a _target_ (a class or function path){hint}")
         return
     try:
         target = _import(node._target_)

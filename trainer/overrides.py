@@ -12,16 +12,19 @@ preflight, where the objective's check names the real fix (see `Composed.implied
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import NoReturn
 
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer.catalog import ALIASES, config_groups, fail
+from trainer.catalog import ALIASES, bundled_recipes, config_groups, fail
 from trainer.compose import error_message, hydra_config
 from trainer.foreign_names import FOREIGN_NAMES, plait_override
 
@@ -70,9 +73,13 @@ def compose_overrides(argv: list[str]) -> Composed:
     with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
         try:
             return Composed(compose(config_name, overrides=overrides), overrides)
-        except (HydraException, OmegaConfBaseException) as err:
+        except (HydraException, OmegaConfBaseException, yaml.YAMLError) as err:
             failed = err
         searchpath = [o for o in overrides if o.startswith("hydra.searchpath")]
+        try:  # the recipe alone: a broken recipe file is one problem, not one per override
+            compose(config_name, overrides=searchpath)
+        except (HydraException, OmegaConfBaseException, yaml.YAMLError) as err:
+            refuse([recipe_problem(Path(config_dir) / f"{config_name}.yaml", err)])
         groups = [o for o in overrides if o not in searchpath and "." not in o.split("=")[0]]
         bad, problems = [], []
         for override in sorted(overrides, key=lambda o: o not in groups):
@@ -90,6 +97,22 @@ def compose_overrides(argv: list[str]) -> Composed:
             refuse(problems or [error_message(failed)])
     problems = [p + did_you_mean(cfg, o) for p, o in zip(problems, bad)] or [error_message(failed)]
     return Composed(cfg, overrides, problems, implied_failures(problems, bad))
+
+
+def recipe_problem(path: Path, err: BaseException) -> str:
+    """The problem of a recipe file that does not compose by itself, with the fix Hydra's message
+    lacks: the bundled recipes for a defaults entry that names none, a group's options for an
+    option that does not exist, the first lines of a YAML syntax error."""
+    if isinstance(err, yaml.YAMLError):
+        return f"{path} is not valid YAML: " + " ".join(str(err).split())
+    message = error_message(err)
+    if (missing := re.search(r"Could not (?:load|find) '([^']+)'", message)) is not None:
+        group, _, option = missing.group(1).rpartition("/")
+        options = config_groups().get(group, []) if group else list(bundled_recipes())
+        close = difflib.get_close_matches(option, options, n=1)
+        named = f"the {group} options" if group else "the bundled recipes"
+        message += f" ({f'did you mean {close[0]}? ' if close else ''}{named}: {', '.join(options)})"
+    return f"{path}: {message}"
 
 
 def implied_failures(problems: list[str], bad: list[str]) -> list[str]:

@@ -145,3 +145,35 @@ def test_a_flag_of_another_trainer_names_the_override(capsys) -> None:
         assert raised.value.code == 2 and fix in capsys.readouterr().err
     assert "--cfg" in to_hydra_argv(["pretrain", "--cfg", "job", "optim.lr=1e-3"])
     assert "-m" in to_hydra_argv(["pretrain", "-m", "optim.lr=1e-3,3e-4"])
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ("defaults: [sft, _self_]\ntrainer: {max_steps: 5\n", "is not valid YAML: while parsing a flow mapping"),
+        ("defaults: [sftt, _self_]\n", "Could not load 'sftt'. (did you mean sft? the bundled recipes: dpo,"),
+        (
+            "defaults:\n  - sft\n  - override model: nanoo\n  - _self_\n",
+            "Could not find 'model/nanoo' (did you mean nano? the model options:",
+        ),
+    ],
+    ids=["yaml", "recipe", "group_option"],
+)
+def test_a_broken_recipe_file_is_one_problem_with_its_fix(tmp_path, capsys, body: str, says: str) -> None:
+    """A recipe file that does not compose by itself was reported once per override (each 'Could
+    not load'), without the options, or as a YAML traceback (a new user's walkthrough)."""
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text(body)
+    with pytest.raises(SystemExit) as exited:
+        compose_overrides(to_hydra_argv([str(recipe), "trainer.max_steps=1", "seed=3"]))
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count(f"  - {recipe}") == 1 and says in err, err
+
+
+def test_a_group_option_in_a_recipe_files_body_names_the_defaults_list() -> None:
+    cfg = compose("pretrain")
+    cfg.model = "nano"
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert any(p.endswith("nano is a model option: choose it in the defaults list (- override model: nano) or as model=nano")
+               for p in err.value.problems), err.value.problems  # fmt: skip
