@@ -11,6 +11,7 @@ Every command reports bad input the same way: one ``plait: error:`` line naming 
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -305,13 +306,22 @@ def compose_command(
             field's default (`command_type_problems`; ``lists`` names fields that take a list), or
             a number is outside the range ``ranges`` declares for it.
     """
+    defaults = yaml.safe_load((CONF_DIR / f"{name}.yaml").read_text())
+    for arg in argv:
+        key = arg.partition("=")[0].lstrip("+~").split(".")[0]
+        if "=" in arg and key not in defaults and not key.startswith("hydra"):
+            close = difflib.get_close_matches(key, [str(k) for k in defaults], n=1)
+            fail(
+                f"{key}: plait {name} has no such argument{f'; did you mean {close[0]}?' if close else ''} "
+                f"(it takes {', '.join(str(k) for k in defaults)}; usage: {usage})"
+            )
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = hydra_compose(name, overrides=list(argv))
         OmegaConf.to_container(cfg, throw_on_missing=True)
     except (HydraException, OmegaConfBaseException) as err:
         fail(f"{error_message(err)} (usage: {usage}; a value with a comma or space needs inner quotes: key=\"'a, b'\")")
-    problems = command_type_problems(cfg, yaml.safe_load((CONF_DIR / f"{name}.yaml").read_text()), lists=lists)
+    problems = command_type_problems(cfg, defaults, lists=lists)
     if not problems and ranges is not None:
         from strategies.core.ranges import declared_ranges, value_problem  # lazy: torch (see the imports above)
 
