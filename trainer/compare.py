@@ -102,6 +102,15 @@ def _cell(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
+def _field_cell(flat: dict[str, Any], key: str) -> str:
+    """A config field's cell: its value, ``null`` when set to null (a run without LoRA has
+    ``strategy.lora: null``), ``on`` for a node the run sets (the same key is a mapping there: a
+    LoRA run's ``strategy.lora``), ``-`` when the run's config lacks it."""
+    if key in flat:
+        return "null" if flat[key] is None else _cell(flat[key])
+    return "on" if any(k.startswith(key + ".") for k in flat) else "-"
+
+
 def measure_columns(summaries: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
     """(dotted key into summary.json, title) of the columns beyond `SUMMARY_COLUMNS`: ``stopped by``
     when some run stopped before ``trainer.max_steps``, then every metric of the runs'
@@ -133,7 +142,7 @@ def table(runs: Sequence[Path]) -> str:
     rows = [
         [
             name,
-            *(_cell(_flat(c).get(k)) for k in fields),
+            *(_field_cell(_flat(c), k) for k in fields),
             *(_cell(_get(s, key)) for key, _ in columns),
             *(_cell(e.get(k)) for k in evaluated),
         ]

@@ -49,3 +49,20 @@ def test_measure_columns_appear_only_when_a_run_has_them(tmp_path: Path, capsys:
         header.split()[-2:] == ["rewards/accuracy", "rewards/margin"] and "stopped" not in header
     )  # none stopped early
     assert old.split()[-2:] == ["-", "-"] and dpo.split()[-2:] == ["0.875", "1.25"]
+
+
+def test_a_lora_run_beside_a_full_one_reads_on_and_null(tmp_path: Path) -> None:
+    """A run without LoRA records strategy.lora: null, a LoRA run its fields: the strategy.lora
+    column read '-' in both rows (a new user's walkthrough); a field set to null reads null, one a
+    run lacks '-'."""
+    from omegaconf import OmegaConf
+
+    from trainer.compare import table
+
+    for name, lora, epochs in (("full", None, None), ("lora", {"rank": 8}, 2)):
+        _run(tmp_path / name, "0,,8.3\n")
+        OmegaConf.save({"strategy": {"lora": lora}, "data": {"max_epochs": epochs}}, tmp_path / name / "config.yaml")
+    header, _, full, lora = (line.split() for line in table([tmp_path / "full", tmp_path / "lora"]).splitlines())
+    columns = ["data.max_epochs", "strategy.lora", "strategy.lora.rank"]
+    assert header[1:4] == columns
+    assert full[1:4] == ["null", "null", "-"] and lora[1:4] == ["2", "on", "8"]
