@@ -80,3 +80,16 @@ def test_a_source_whose_every_row_is_dropped_is_refused(tmp_path: Path, capsys: 
     ):
         _records(PAIRS, tmp_path / "d.jsonl", rows)
     assert "held out" not in capsys.readouterr().err
+
+
+def test_rows_with_an_empty_answer_are_counted_in_a_warning(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Before: 12 of 24 pairs with an empty 'rejected' and an empty assistant turn trained in silence.
+    pairs = [{"prompt": f"q{i}", "chosen": f"a{i}", "rejected": "" if i % 2 else f"b{i}"} for i in range(4)]
+    pairs.insert(0, {"prompt": "t", "chosen": "", "rejected": ""})  # a tie: dropped, not counted as empty
+    assert len(_records(PAIRS, tmp_path / "p.jsonl", pairs)) == 4
+    err = capsys.readouterr().err
+    assert "plait: warning: data.sources.mine: 2 of 4 rows have an empty answer: 'rejected' is empty" in err
+    assert "p.jsonl, line 3)" in err
+    chats = [CHAT, {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " "}]}]
+    assert len(_records(CONVERSATIONS, tmp_path / "c.jsonl", chats)) == 2
+    assert "1 of 2 rows have an empty answer: an assistant turn is empty (first: " in capsys.readouterr().err

@@ -152,6 +152,7 @@ class Catalog:
         except (FileNotFoundError, ValueError) as err:  # a fix naming data.sources.<name>. names this source
             message = str(err).replace("data.sources.<name>.", f"data.sources.{source.name}.")
             raise DataError(f"data.sources.{source.name}: {message}") from None
+        warn_empty(records, wheres, self.useless, name=source.name)  # before the drop: wheres index these
         records = drop_useless(records, wheres, self.useless, name=source.name)
         train, val = hold_out(records, source.val_size, seed=seed, name=source.name)
         if len(val) >= len(train):  # a small file: most of it would never be trained on, unsaid
@@ -185,6 +186,36 @@ def drop_useless(records: list, wheres: list[str] | None, useless: Callable[[Any
             file=sys.stderr,
         )
     return [r for r, reason in zip(records, reasons) if reason is None]
+
+
+def empty_answer(record: Any) -> str | None:
+    """What answer of a record is empty (after whitespace), which it trains or scores as nothing:
+    a pair's ``chosen`` or ``rejected``, an unpaired row's ``completion``, a conversation's
+    assistant turn, a standard row's completion; None when every answer has text."""
+    if isinstance(record, list):
+        return "an assistant turn is empty" if any(
+            m["role"] == "assistant" and not m["content"].strip() for m in record
+        ) else None  # fmt: skip
+    for field in ("chosen", "rejected", "completion"):
+        if isinstance(record, Mapping) and isinstance(record.get(field), str) and not record[field].strip():
+            return f"'{field}' is empty"
+    return None
+
+
+def warn_empty(records: list, wheres: list[str] | None, useless: Callable[[Any], str | None], *, name: str) -> None:
+    """One ``plait: warning:`` line counting the records ``useless`` keeps that have an empty answer
+    (`empty_answer`), naming the first one's file and line (``wheres[i]``); they stay (an empty
+    answer can be meant), said once."""
+    kept = [r for r in records if useless(r) is None]
+    found = [(i, reason) for i, r in enumerate(records) if useless(r) is None and (reason := empty_answer(r))]
+    if found:
+        first, reason = found[0]
+        where = f" (first: {wheres[first]})" if wheres else ""
+        print(
+            f"plait: warning: data.sources.{name}: {len(found)} of {len(kept)} rows have an empty answer: "
+            f"{reason}{where}; fill or remove them if they are not meant",
+            file=sys.stderr,
+        )
 
 
 def _tie(record: Mapping[str, Any]) -> str | None:
