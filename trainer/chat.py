@@ -54,7 +54,10 @@ def main(argv: list[str]) -> None:
         line = sys.stdin.buffer.readline()
         if not line:
             return
-        messages.append({"role": "user", "content": user_text(line, number)})
+        text = user_text(line, number)
+        if not text.strip():  # an empty line is no turn: the model would answer nothing asked
+            continue
+        messages.append({"role": "user", "content": text})
         answer = reply(run, template.render(messages, add_generation_prompt=True), cfg)
         messages.append({"role": "assistant", "content": answer})
         print(answer, flush=True)

@@ -69,6 +69,16 @@ def test_chat_system_message_is_any_text(run_dir, capsys, monkeypatch) -> None:
     assert len(out.out.splitlines()) >= 1 and "error" not in out.err
 
 
+def test_chat_skips_empty_lines(run_dir, capsys, monkeypatch) -> None:
+    """An empty stdin line is no user turn (it was answered as one); the lines around it are."""
+    _stdin(monkeypatch, "hi\n\n   \nhow are you\n")
+    chat.main([f"ckpt={run_dir}", *GREEDY])
+    answers = capsys.readouterr().out.split("\n")[:-1]
+    _stdin(monkeypatch, "hi\nhow are you\n")
+    chat.main([f"ckpt={run_dir}", *GREEDY])
+    assert answers == capsys.readouterr().out.split("\n")[:-1]
+
+
 @pytest.mark.parametrize(
     ("args", "says"),
     [
