@@ -38,8 +38,7 @@ import torch.distributed.checkpoint as dcp
 
 from strategies.checkpoint.dcp import META_FILE, CheckpointError, seal
 from trainer.compose import compose_command, fail
-from trainer.data.paths import absolute
-from trainer.rundir import RunDir, RunModel, load_run_model
+from trainer.rundir import RunDir, RunModel, load_run_model, resolve_checkpoint
 
 METHODS = ("task_arithmetic", "ties", "dare")
 State = dict[str, torch.Tensor]
@@ -175,21 +174,31 @@ def _is_run(run: RunModel) -> bool:
     return run.run.config.is_file()
 
 
+def _weights_of(path: str | os.PathLike) -> Path:
+    """The directory whose weights ``path`` names: a plait run's or checkpoint's checkpoint (its
+    newest for a run), or the directory itself (a Hugging Face model), canonical."""
+    return Path(os.path.realpath(resolve_checkpoint(path) or path))
+
+
 def base_problems(base: RunModel, deltas: Sequence[tuple[str, RunModel]]) -> list[str]:
-    """Each plait run of ``deltas`` that was not fine-tuned from ``base`` (its ``model.init_from``
-    names neither ``base``'s directory nor a checkpoint in it): its difference from the base is not
-    its fine-tuning. A Hugging Face directory among the deltas records no base and is not checked."""
-    root = Path(os.path.realpath(base.run.path))
+    """Each plait run of ``deltas`` that was not fine-tuned from ``base``'s weights (its
+    ``model.init_from`` names another checkpoint, or none): its difference from the base is not its
+    fine-tuning. A Hugging Face directory among the deltas records no base, and a relative
+    ``model.init_from`` (runs recorded before paths were made absolute) names a folder only from
+    where that run started: neither is checked."""
+    weights, root = Path(os.path.realpath(base.checkpoint)), Path(os.path.realpath(base.run.path))
     problems = []
     for given, run in deltas:
         if not _is_run(run) or Path(os.path.realpath(run.run.path)) == root:  # the base itself: a zero delta
             continue
         init_from = run.config.model.get("init_from")
-        start = Path(os.path.realpath(absolute(init_from))) if isinstance(init_from, str) else None
-        if start is None or not (start == root or root in start.parents):
+        if isinstance(init_from, str) and not os.path.isabs(os.path.expanduser(init_from)):
+            continue
+        start = _weights_of(os.path.expanduser(init_from)) if isinstance(init_from, str) else None
+        if start != weights:
             was = f"model.init_from={init_from}" if start is not None else "from scratch (no model.init_from)"
             problems.append(
-                f"deltas: {given} was trained {was}, not from base={root}: its difference from the base is not its "
+                f"deltas: {given} was trained {was}, not from base={base.checkpoint}: its difference from the base is not its "
                 "fine-tuning; merge runs fine-tuned from one base (PAFT's arms both start from it), with that base"
             )
     return problems

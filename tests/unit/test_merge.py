@@ -128,14 +128,16 @@ def test_a_delta_fine_tuned_from_another_base_is_refused(tmp_path, capsys):
     _fake_run(
         tmp_path / "bad", model.state_dict(), OmegaConf.merge(cfg, {"model": {"init_from": str(tmp_path / "other")}})
     )
+    # recorded as typed by a run before paths were made absolute: relative to where it started, not checked
+    _fake_run(tmp_path / "old", model.state_dict(), OmegaConf.merge(cfg, {"model": {"init_from": "runs/base"}}))
+    deltas = ",".join(str(tmp_path / d) for d in ("good", "bad", "other", "old"))
     with pytest.raises(SystemExit) as exited:
-        merge_main([f"base={tmp_path / 'base'}", f"deltas=[{tmp_path / 'good'},{tmp_path / 'bad'},{tmp_path / 'other'}]",
-                    f"out={tmp_path / 'out'}"])  # fmt: skip
+        merge_main([f"base={tmp_path / 'base'}", f"deltas=[{deltas}]", f"out={tmp_path / 'out'}"])
     err = capsys.readouterr().err
     assert exited.value.code == 2 and not (tmp_path / "out").exists()
     assert f"deltas: {tmp_path / 'bad'} was trained model.init_from={tmp_path / 'other'}, not from base=" in err
     assert f"deltas: {tmp_path / 'other'} was trained from scratch (no model.init_from)" in err
-    assert f"{tmp_path / 'good'} was" not in err
+    assert f"{tmp_path / 'good'} was" not in err and f"{tmp_path / 'old'} was" not in err
 
 
 def test_a_hugging_face_base_merges_into_a_run_generate_can_load(tmp_path):
