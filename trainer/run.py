@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -209,27 +210,36 @@ def start(cfg: DictConfig, run_dir: Path, launch: Launch, launching: bool) -> tu
 
 
 def warmup_line(cfg: DictConfig, planned_steps: int) -> str | None:
-    """A warning when the LR warm-up spans the whole run (``scheduler.warmup_steps`` >= the planned
-    steps): the LR never reaches ``optim.lr`` and never decays."""
+    """A warning when the LR warm-up outlasts the run (``scheduler.warmup_steps`` > the planned
+    steps): the LR never reaches ``optim.lr`` (step k trains at (k + 1) / warmup_steps of it)."""
     warmup = OmegaConf.select(cfg, "scheduler.warmup_steps", default=None)
-    if not isinstance(warmup, int) or warmup < planned_steps or warmup <= 1:
+    if not isinstance(warmup, int) or warmup <= planned_steps:
         return None
     return (
-        f"warning: scheduler.warmup_steps={warmup} spans the run's {planned_steps} planned steps: the LR climbs to "
-        f"{planned_steps}/{warmup} of optim.lr and never decays; lower scheduler.warmup_steps (e.g. "
-        f"scheduler.warmup_steps={max(1, planned_steps // 10)})"
+        f"warning: scheduler.warmup_steps={warmup} is longer than the run's {planned_steps} planned steps: the LR "
+        f"is still warming up at the last step ({planned_steps}/{warmup} of optim.lr); lower scheduler.warmup_steps "
+        f"(e.g. scheduler.warmup_steps={max(1, planned_steps // 10)})"
     )
 
 
 def check_not_spent(length: RunLength, ckpt_path: Path | None) -> None:
-    """Refuses a resume from a checkpoint at or past the step where the run's data ends: it would
-    train nothing (a run its data ended, resumed with more ``trainer.max_steps``).
+    """Refuses a resume from a checkpoint at or past the step where the run's data ends, of a run
+    that finished there (its ``summary.json`` counts those steps): it would train nothing (a run its
+    data ended, resumed with more ``trainer.max_steps``). A run that saved that step but died before
+    its end (no summary yet) resumes, to do what ends a run (the export, the summary).
 
     Raises:
         ConfigError: naming what ends the data and the new run that trains on from these weights.
     """
     step = meta_step(ckpt_path) if ckpt_path is not None else None
     if step is None or length.ends_by != DATA_EXHAUSTED or step < length.planned_steps:
+        return
+    summary = RunDir.of_checkpoint(ckpt_path).summary
+    try:
+        finished = json.loads(summary.read_text()).get("steps", 0) >= step
+    except (OSError, ValueError, AttributeError):  # no summary (the run died first), or not one plait wrote
+        finished = False
+    if not finished:
         return
     raise ConfigError(
         [

@@ -101,8 +101,8 @@ def test_a_warm_up_longer_than_the_run_is_said_at_launch() -> None:
 
     cfg = OmegaConf.create({"scheduler": {"warmup_steps": 20}})
     assert warmup_line(cfg, 8) == (
-        "warning: scheduler.warmup_steps=20 spans the run's 8 planned steps: the LR climbs to 8/20 of optim.lr and "
-        "never decays; lower scheduler.warmup_steps (e.g. scheduler.warmup_steps=1)"
+        "warning: scheduler.warmup_steps=20 is longer than the run's 8 planned steps: the LR is still warming up at "
+        "the last step (8/20 of optim.lr); lower scheduler.warmup_steps (e.g. scheduler.warmup_steps=1)"
     )
-    assert warmup_line(cfg, 21) is None
+    assert warmup_line(cfg, 20) is None  # step 20 trains at 20/20: the peak is reached
     assert warmup_line(OmegaConf.create({"scheduler": None}), 3) is None

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -236,10 +238,13 @@ def test_a_resume_where_the_data_ends_is_refused(tmp_path) -> None:
     from trainer.run import check_not_spent
     from trainer.run_length import DATA_EXHAUSTED, RunLength
 
-    ckpt = tmp_path / "step_0000008"
-    ckpt.mkdir()
+    ckpt = tmp_path / "run" / "checkpoints" / "step_0000008"
+    ckpt.mkdir(parents=True)
     torch.save({"global_step": 8}, ckpt / "meta.pt")
     reason = "data.sources.mine is spent after max_epochs=1.0 (8 steps); raise +data.sources.mine.max_epochs"
+    # the run saved step 8 and died before its end (no summary.json): a resume does what ends the run
+    check_not_spent(RunLength(100000, 8, DATA_EXHAUSTED, reason), ckpt)
+    (tmp_path / "run" / "summary.json").write_text(json.dumps({"steps": 8, "stopped_by": "data_exhausted"}))
     with pytest.raises(ConfigError) as err:
         check_not_spent(RunLength(100000, 8, DATA_EXHAUSTED, reason), ckpt)
     (problem,) = err.value.problems
