@@ -23,7 +23,14 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer.catalog import HELP_FLAGS, bundled_recipes, config_groups, fail
-from trainer.compose import adopt_run_model, error_message, hydra_config, register_resolvers, to_hydra_argv
+from trainer.compose import (
+    adopt_run_model,
+    drop_null_sources,
+    error_message,
+    hydra_config,
+    register_resolvers,
+    to_hydra_argv,
+)
 from trainer.finetune_defaults import lr_line
 from trainer.overrides import compose_overrides
 
@@ -70,7 +77,7 @@ def print_recipe_help(argv: list[str]) -> None:
     choices = OmegaConf.to_container(cfg.hydra.runtime.choices)
     with open_dict(cfg):
         del cfg["hydra"]
-    cfg = adopt_run_model(cfg, overrides)  # a plait run as model.init_from: its model node, as a run composes it
+    cfg = adopt_run_model(drop_null_sources(cfg), overrides)  # as a run composes it (a plait run as model.init_from)
     name = cfg.get("recipe", config_name)
     lines = [f"plait {name} [GROUP=OPTION] [FIELD=VALUE] ...   {bundled_recipes().get(name, '')}".rstrip(), ""]
     lines += ["Config groups (GROUP=OPTION; * = this recipe's choice):"]

@@ -222,6 +222,11 @@ def test_a_sources_local_file_and_the_model_to_start_from_are_made_absolute(tmp_
         "broken": {"source": "${oc.env:PLAIT_NO_SUCH_DIR}/x.jsonl"},
         "implied": {"limit": 3},
     }
+    # A name of another catalog than the data module's is a path to it: 'alpaca' is an SFT set, not a pair set.
+    pairs = OmegaConf.create(
+        {"data": {"_target_": "trainer.data.preference.PreferenceDataModule", "sources": {"x": {"source": "alpaca"}}}}
+    )
+    assert absolute_paths(pairs).data.sources.x.source == str(tmp_path / "alpaca")
     record = run_record(_new(data__sources={"mine": {"source": "mine.jsonl"}}), "f" * 64)
     same = _new(data__sources={"mine": {"source": str(tmp_path / "mine.jsonl")}})
     assert resume_problems(record, same, "f" * 64, [], source="ckpt") == []

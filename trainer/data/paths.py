@@ -46,8 +46,10 @@ def absolute(value: Any) -> Any:
 
 def path_keys(cfg: Any) -> list[str]:
     """The dotted keys of ``cfg`` (an OmegaConf config) that `absolute_paths` makes absolute:
-    ``PATH_KEYS`` and every ``data.sources.<name>.source`` that is no catalog name (a bundled or
-    synthetic source is read by name even where a file of that name exists here)."""
+    ``PATH_KEYS`` and every ``data.sources.<name>.source`` that is no name of the data module's
+    catalog (its ``catalog``: a bundled or synthetic source is read by name even where a file of
+    that name exists here; a data module without one: no name of any catalog)."""
+    from hydra.utils import get_class  # lazy: this module is also read by code without a config
     from omegaconf import OmegaConf  # lazy: this module is also read by code without a config
     from omegaconf.errors import OmegaConfBaseException  # lazy: as above
 
@@ -57,7 +59,11 @@ def path_keys(cfg: Any) -> list[str]:
     sources = OmegaConf.select(cfg, "data.sources", default=None, throw_on_missing=False)
     if not OmegaConf.is_dict(sources):
         return list(PATH_KEYS)
-    names = {n for catalog in (CONVERSATIONS, PAIRS, PROMPTS) for n in catalog.names()}
+    try:
+        catalogs = [get_class(str(OmegaConf.select(cfg, "data._target_"))).catalog]
+    except Exception:  # noqa: BLE001 - no target, one that does not import (validate says), or no catalog
+        catalogs = [CONVERSATIONS, PAIRS, PROMPTS]
+    names = {n for catalog in catalogs for n in catalog.names()}
     keys = []
     for name in sources:
         try:

@@ -80,6 +80,8 @@ class PreferenceDataModule(DataModule):
         DataError: a problem of `node_problems`.
     """
 
+    catalog = PAIRS  # the names of data.sources.<name>.source it reads as bundled or synthetic sets
+
     def __init__(
         self,
         *,

@@ -48,7 +48,7 @@ from trainer.data.formats import FormatError, messages
 from trainer.data.loader import Batch, Position, RowBatches
 from trainer.data.packing import IGNORE_INDEX
 from trainer.data.sampler import GlobalBatchSampler
-from trainer.data.sources import SOURCE_FIELDS, Catalog, Source
+from trainer.data.sources import Catalog
 from trainer.data.tokenizer import Tokenizer
 from trainer.protocols import Evaluator, RowKind
 from trainer.rl.evaluate import PromptItem, RewardEvaluator
@@ -167,6 +167,8 @@ class PromptDataModule(DataModule):
     Raises:
         DataError: a problem of `node_problems`.
     """
+
+    catalog = PROMPTS  # the names of data.sources.<name>.source it reads as synthetic tasks
 
     row_kind: RowKind = "prompts"
 

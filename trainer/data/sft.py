@@ -115,6 +115,8 @@ class SFTDataModule(DataModule):
         DataError: a problem of `node_problems`.
     """
 
+    catalog = CONVERSATIONS  # the names of data.sources.<name>.source it reads as bundled or synthetic sets
+
     def __init__(
         self,
         *,
