@@ -12,6 +12,7 @@ libraries (a deprecated call in Lightning's own code, DCP's single-process load 
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 
 # (message regex, category) of the warnings a user cannot act on.
@@ -33,10 +34,36 @@ QUIET_LOGGERS = (
 )
 
 
+# (logger, message regex) of log records printed on import that a user cannot act on: torchao's
+# CUDA-only extensions and Triton kernels absent on a CPU machine, bitsandbytes' remote CPU kernel
+# (plait downloads nothing), torch's notice about torchao's own enum registration.
+QUIET_RECORDS = (
+    ("torchao", r"Failed to load .*\.so"),
+    ("torchao.kernel.intmm", r".*Detected no triton"),
+    ("torch.utils._pytree", r".*is an Enum subclass"),
+    ("bitsandbytes.backends.cpu.ops", r"Failed to load CPU gemm_4bit_forward"),
+)
+
+
+class _Drop(logging.Filter):
+    """Drops a logger's records whose message matches ``pattern``."""
+
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.pattern = re.compile(pattern)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.match(record.getMessage())
+
+
 def quiet_third_party() -> None:
-    """Sets Lightning's loggers to WARNING and ignores `IGNORED_WARNINGS` (in this process; child
-    processes that plait starts run the CLI again, which calls this too)."""
+    """Sets Lightning's loggers to WARNING, ignores `IGNORED_WARNINGS` and drops `QUIET_RECORDS`
+    (in this process; child processes that plait starts run the CLI again, which calls this too)."""
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+    for name, pattern in QUIET_RECORDS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Drop) and f.pattern.pattern == pattern for f in logger.filters):
+            logger.addFilter(_Drop(pattern))
     for message, category in IGNORED_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)

@@ -170,3 +170,20 @@ def test_cpu_offload_where_fsdp_shards_nothing_is_refused() -> None:
     ]
     sharded = ["strategy=fsdp", "trainer.devices=2", "strategy.fsdp.cpu_offload=true"]
     assert not [p for p in _problems("nano", sharded) if "cpu_offload" in p]
+
+
+def test_import_notices_a_user_cannot_act_on_are_dropped() -> None:
+    """torchao's CUDA extensions that do not load on CPU, bitsandbytes' remote CPU kernel and torch's
+    enum notice printed on every LoRA, QLoRA and float8 command (a new user's walkthrough); the
+    libraries' other warnings stay."""
+    import subprocess
+    import sys
+
+    code = (
+        "from trainer.quiet import quiet_third_party; quiet_third_party()\n"
+        "import logging, torchao, bitsandbytes\n"
+        "logging.getLogger('torchao').warning('Failed to load the next thing: kept')\n"
+    )
+    err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stderr
+    assert "Failed to load the next thing: kept" in err, err
+    assert "_C_mxfp8" not in err and "gemm_4bit_forward" not in err and "Enum subclass" not in err, err
