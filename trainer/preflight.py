@@ -15,7 +15,7 @@ from strategies.checkpoint.dcp import CheckpointError
 from trainer.catalog import fail
 from trainer.compose import adopt_run_model, drop_null_sources
 from trainer.config import ConfigError
-from trainer.data.paths import absolute_paths
+from trainer.data.config_paths import absolute_paths
 from trainer.init_from import take_run_model
 from trainer.overrides import Composed, refuse
 from trainer.run import Launch, check_launch, run
@@ -24,7 +24,7 @@ from trainer.targets import UntrustedTargetError
 
 def run_job(cfg: DictConfig, overrides: Sequence[str], launch: Launch | None) -> None:
     """One Hydra job of the train command: `trainer.run.run` of ``cfg`` with a plait run's model
-    adopted (`adopt_run_model`) and its data paths absolute (`trainer.data.paths.absolute_paths`, as
+    adopted (`adopt_run_model`) and its data paths absolute (`trainer.data.config_paths.absolute_paths`, as
     `preflight` checked them); ``launch`` as checked by `preflight` (None: checked in the job)."""
     run(absolute_paths(adopt_run_model(drop_null_sources(cfg), overrides)), launch)
 

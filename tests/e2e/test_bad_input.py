@@ -91,7 +91,7 @@ def test_a_fifo_as_data_path_is_refused_before_the_run_directory(tmp_path: Path)
         plait(*CLI_TINY, "data.path=corpus.txt", f"run_dir={tmp_path / 'run'}", cwd=tmp_path, timeout=120)
     )
     assert stderr.count("plait: error:") == 1
-    fifo = tmp_path / "corpus.txt"  # made absolute where typed (trainer.data.paths.absolute_paths)
+    fifo = tmp_path / "corpus.txt"  # made absolute where typed (trainer.data.config_paths.absolute_paths)
     assert f"data.path={fifo}: {fifo} is a FIFO, not a regular file or a folder; copy the data into a file" in stderr
     assert [p.name for p in tmp_path.iterdir()] == ["corpus.txt"]
 

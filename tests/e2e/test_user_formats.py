@@ -19,7 +19,7 @@ def test_malformed_row_of_a_replacing_source_is_a_clean_error(tmp_path: Path) ->
         "sft", *SFT_TINY, "data.sources={mine: {source: mine.jsonl}}", f"run_dir={tmp_path / 'run'}", cwd=tmp_path
     )
     assert result.returncode == 2, result.stderr[-3000:]
-    mine = tmp_path.resolve() / "mine.jsonl"  # made absolute where typed (trainer.data.paths.absolute_paths)
+    mine = tmp_path.resolve() / "mine.jsonl"  # made absolute where typed (trainer.data.config_paths.absolute_paths)
     assert f"plait: error: data.sources.mine: {mine}, line 2: has fields ['answer', 'question']" in result.stderr
     assert "'prompt' and 'completion'" in result.stderr and "Traceback" not in result.stderr
     assert "alpaca" not in result.stderr and "Initializing distributed" not in result.stdout + result.stderr

@@ -103,8 +103,10 @@ def test_preference_recipe_is_one_file_and_the_aliases_compose_as_before() -> No
         (["merge", "base=/nonexistent", "deltas=runs/a"], "deltas='runs/a' must be a list of texts, e.g. deltas=[a,b]"),
         (["chat", "ckpt=/nonexistent", "trust=numpy"], "trust='numpy' must be a list of texts"),
         # a misspelt argument (Hydra's "Could not override 'temprature'" named no field)
-        (["generate", "ckpt=/nonexistent", "temprature=0"], "temprature: plait generate has no such argument; did you "
-         "mean temperature? (it takes ckpt, prompt,"),  # fmt: skip
+        (
+            ["generate", "ckpt=/nonexistent", "temprature=0"],
+            "temprature: plait generate has no such argument; did you mean temperature? (it takes ckpt, prompt,",
+        ),
     ],
 )
 def test_a_command_argument_of_the_wrong_type_is_one_error(

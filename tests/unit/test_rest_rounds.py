@@ -146,7 +146,7 @@ def test_validate_refuses_a_rest_run_before_any_run_directory(override, fix):
 
 def test_a_resume_compares_a_recorded_relative_path_as_the_file_it_names(tmp_path, monkeypatch):
     """A ReST run started before paths were made absolute recorded ``data.tokenizer`` as typed; the
-    resume's config holds it absolute (`trainer.data.paths.absolute_paths`): the same file, no refusal."""
+    resume's config holds it absolute (`trainer.data.config_paths.absolute_paths`): the same file, no refusal."""
     from omegaconf import OmegaConf
 
     driver = GuidedReST(problems={"train": 10, "held_out": 5}, searcher={})

@@ -155,7 +155,7 @@ def test_the_data_path_is_compared_as_the_files_it_names(tmp_path, monkeypatch) 
     folder is one."""
     from omegaconf import OmegaConf
 
-    from trainer.data.paths import absolute_paths
+    from trainer.data.config_paths import absolute_paths
 
     tmp_path = tmp_path.resolve()  # the recorded paths are canonical (symlinks resolved)
     (tmp_path / "corpus").mkdir()
@@ -190,7 +190,7 @@ def test_a_sources_local_file_and_the_model_to_start_from_are_made_absolute(tmp_
     file); a bundled source's name stays a name even where a file of that name exists here."""
     from omegaconf import OmegaConf
 
-    from trainer.data.paths import absolute_paths
+    from trainer.data.config_paths import absolute_paths
 
     tmp_path = tmp_path.resolve()
     (tmp_path / "mine.jsonl").write_text("{}\n")

@@ -21,8 +21,8 @@ from typing import Any
 DATA_SUFFIXES = (".txt", ".jsonl", ".parquet", ".arrow", ".json", ".csv")
 
 
-# The config's local paths made absolute where the command is typed (`absolute_paths`), besides
-# ``data.sources.<name>.source`` where it names no bundled or synthetic source (`path_keys`).
+# The config's local paths made absolute where the command is typed (`trainer.data.config_paths`), besides
+# ``data.sources.<name>.source`` where it names no bundled or synthetic source (`trainer.data.config_paths.path_keys`).
 PATH_KEYS = ("data.path", "data.tokenizer", "model.init_from", "model.config_from")
 _SOURCE_KEY = re.compile(r"data\.sources\.[^.]+\.source")
 
@@ -42,58 +42,6 @@ def absolute(value: Any) -> Any:
     if not isinstance(value, str) or not value or not os.path.exists(os.path.expanduser(value)):
         return value
     return os.path.realpath(os.path.expanduser(value))  # symlinks resolved before "..", as the OS reads it
-
-
-def path_keys(cfg: Any) -> list[str]:
-    """The dotted keys of ``cfg`` (an OmegaConf config) that `absolute_paths` makes absolute:
-    ``PATH_KEYS`` and every ``data.sources.<name>.source`` that is no name of the data module's
-    catalog (its ``catalog``: a bundled or synthetic source is read by name even where a file of
-    that name exists here; a data module without one: no name of any catalog)."""
-    from hydra.utils import get_class  # lazy: this module is also read by code without a config
-    from omegaconf import OmegaConf  # lazy: this module is also read by code without a config
-    from omegaconf.errors import OmegaConfBaseException  # lazy: as above
-
-    from trainer.data.prompts import PROMPTS  # lazy: the catalogs import the data modules (Lightning)
-    from trainer.data.sources import CONVERSATIONS, PAIRS  # lazy: as above
-
-    sources = OmegaConf.select(cfg, "data.sources", default=None, throw_on_missing=False)
-    if not OmegaConf.is_dict(sources):
-        return list(PATH_KEYS)
-    try:
-        catalogs = [get_class(str(OmegaConf.select(cfg, "data._target_"))).catalog]
-    except Exception:  # noqa: BLE001 - no target, one that does not import (validate says), or no catalog
-        catalogs = [CONVERSATIONS, PAIRS, PROMPTS]
-    names = {n for catalog in catalogs for n in catalog.names()}
-    keys = []
-    for name in sources:
-        try:
-            source = OmegaConf.select(sources, f"{name}.source", default=None, throw_on_missing=False)
-        except OmegaConfBaseException:  # an interpolation that does not resolve: validate names it
-            continue
-        if isinstance(source, str) and source not in names:
-            keys.append(f"data.sources.{name}.source")
-    return [*PATH_KEYS, *keys]
-
-
-def absolute_paths(cfg: Any) -> Any:
-    """``cfg`` (an OmegaConf config, changed in place and returned) with its local paths
-    (`path_keys`: the data, the tokenizer, the model to start from, a source's local file) made
-    `absolute`: the run records them so (config.yaml, every checkpoint), ``plait resume`` from
-    another folder finds the files, and a resume compares the paths, not how they were typed."""
-    from omegaconf import OmegaConf  # lazy: this module is also read by code without a config
-    from omegaconf.errors import OmegaConfBaseException  # lazy: as above
-
-    for key in path_keys(cfg):
-        try:
-            value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
-        except OmegaConfBaseException:  # an interpolation that does not resolve: validate names it
-            continue
-        if value is None:
-            continue
-        plain = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
-        if (new := absolute(plain)) != plain:
-            OmegaConf.update(cfg, key, new, merge=False)
-    return cfg
 
 
 class PathProblem(ValueError):
