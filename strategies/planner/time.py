@@ -26,14 +26,8 @@ from strategies.core.shape import ModelShape
 from strategies.muon import newton_schulz_flops, takes_muon
 from strategies.pipeline.layout import balanced_split_points
 from strategies.planner.layout import Layout, Workload
-from strategies.planner.memory import (
-    layer_activation_bytes,
-    rank_of,
-    rank_param_counts,
-    rank_params,
-    stage_plan,
-    state_bytes,
-)
+from strategies.planner.memory import layer_activation_bytes, state_bytes
+from strategies.planner.ranks import rank_of, rank_param_counts, rank_params, stage_plan
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 

@@ -246,7 +246,7 @@ def test_alike_blocks_counted_once_are_the_ranks_tensors(model):
     from collections import Counter
 
     from strategies.planner.layout import Layout
-    from strategies.planner.memory import rank_param_counts, rank_params
+    from strategies.planner.ranks import rank_param_counts, rank_params
 
     shape = _inputs(compose("pretrain", [f"model={model}", "cluster=h100x8"]))[0]
     assert len(shape.block_kinds[1]) < shape.n_layers or shape.n_layers <= 2
