@@ -209,6 +209,9 @@ def component_problems(cfg: DictConfig, run: ResolvedRun | None) -> list[str]:
         components = [cls, *cls.evaluator_types(node)] if group == "data" else [cls]
         for component in components:
             problems.extend(component.problems(run, node))
+    data_cls, budget_cls = _target_class(cfg.get("data")), _target_class(cfg.get("budget"))
+    if data_cls is not None and callable(check := getattr(budget_cls, "data_problems", None)):
+        problems.extend(check(data_cls))  # a budget search drives runs of one kind of data
     callbacks = cfg.get("callbacks")
     for node in callbacks.values() if isinstance(callbacks, DictConfig) else ():
         cls = _target_class(node)

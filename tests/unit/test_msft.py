@@ -168,3 +168,15 @@ def test_the_budget_driver_prepares_the_data_then_hands_the_run_directory_to_the
     report = run_search(cfg, tmp_path, validate(cfg), say=said.append)
     assert report == {"run_dir": str(tmp_path), "sources": ["addition", "sorting"]}
     assert said and said[0].startswith("data: 48 training samples")  # trainer.data.summary.describe, 2 x 24 rows
+
+
+def test_a_search_on_data_without_sources_and_a_bad_setting_are_refused_by_validate() -> None:
+    """plait pretrain +budget=msft printed the search's launch line and crashed with an
+    AttributeError ('TextDataModule' has no 'names'); budget.compute=0 was a raw Hydra error."""
+    from trainer.compose import compose
+    from trainer.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match=r"budget=msft searches per-source budgets of SFT data .* TextDataModule"):
+        validate(compose("pretrain", ["model=nano", "+budget=msft"]))
+    with pytest.raises(ConfigError, match=r"budget.compute=0 must be > 0"):
+        validate(compose("sft", ["model=nano", "data=synthetic", "budget=msft", "budget.compute=0"]))

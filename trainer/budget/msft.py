@@ -30,7 +30,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import lightning as L
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -39,10 +39,12 @@ from typing_extensions import override
 from strategies.checkpoint.dcp import META_FILE
 from strategies.checkpoint.safe_load import load_plain
 from strategies.core.model_contract import flops_per_token
+from strategies.core.ranges import POSITIVE
 from strategies.runtime.launch import LAUNCH_ENV
 from trainer.budget.report import plot, table
 from trainer.build import build_data, build_model, build_run
 from trainer.config import validate
+from trainer.data.sft import SFTDataModule
 from trainer.rundir import RunDir
 
 Scores = dict[str, float]
@@ -147,11 +149,27 @@ class MSFT:
     """
 
     def __init__(
-        self, *, compute: float = 3.0, eval_every: int = 10, patience: int | None = None, baseline: bool = True
+        self,
+        *,
+        compute: Annotated[float, POSITIVE] = 3.0,
+        eval_every: Annotated[int, POSITIVE] = 10,
+        patience: Annotated[int, POSITIVE] | None = None,
+        baseline: bool = True,
     ) -> None:
         if compute <= 0 or eval_every <= 0 or (patience is not None and patience < 1):
             raise ValueError("budget.compute and budget.eval_every must be positive, budget.patience >= 1 or null")
         self.compute, self.eval_every, self.patience, self.baseline = compute, eval_every, patience, baseline
+
+    @staticmethod
+    def data_problems(data_cls: type) -> list[str]:
+        """What keeps ``data_cls`` (the data node's class) from a budget search: mSFT searches the
+        per-source budgets of SFT data (`trainer.data.sft.SFTDataModule`'s ``data.sources``)."""
+        if issubclass(data_cls, SFTDataModule):
+            return []
+        return [
+            f"budget=msft searches per-source budgets of SFT data (data.sources), but the data is "
+            f"{data_cls.__name__}; use plait sft (data=sft or data=synthetic) with budget=msft"
+        ]
 
     # ------------------------------------------------------------------------------ configs
     def rollout_config(
