@@ -164,3 +164,16 @@ def test_every_guided_trace_is_valid_and_ends_at_the_optimum():
         assert verdict.valid and verdict.solved, (p, text, verdict.problem)
         path = replay(text, p["numbers"], p["target"])
         assert path is not None and len(path) == len(p["numbers"]) - 1, (p, text)
+
+
+def test_a_cut_line_that_begins_no_trace_line_is_invalid():
+    """A trace cut by the budget is judged on its complete lines, but its cut line must be the start
+    of a trace line: a degenerate model's 192 colons (no newline) counted as a valid trace, so a
+    round of them reported 'valid 1.000' (a new user's walkthrough)."""
+    numbers, target = [6, 4, 2], 8
+    root = "Current State: 8:[6, 4, 2], Operations: []\n"
+    for junk in (":" * 192, "hello world", "", "Current State: 99:[6, 4, 2], Ope"):
+        assert not verify(junk, numbers, target).valid, junk
+    assert not verify(root + "::::", numbers, target).valid
+    for cut in ("Current St", root + "Exploring Oper", root + "Exploring Operation: 6*2=12, Resul"):
+        assert verify(cut, numbers, target).valid, cut

@@ -202,6 +202,17 @@ def _ops_list(text: str) -> list[str]:
     return value
 
 
+LINE_HEADS = ("Current State: ", "Exploring Operation: ", "Generated Node #", "Moving to Node #")
+
+
+def _could_begin(line: str) -> bool:
+    """Whether a line cut off by the generation budget could be the start of a trace line: a start
+    of one of `LINE_HEADS` or past one, or the numbers of a leaf line (not, e.g., a run of colons)."""
+    return any(head.startswith(line) or line.startswith(head) for head in LINE_HEADS) or bool(
+        re.fullmatch(r"-?\d+(,-?\d*)?( (e(q(u(al?)?)?)?|u(n(e(q(u(al?)?)?)?)?)?)?)?.*", line)
+    )
+
+
 def verify(trace: str, numbers: list[int], target: int) -> Verdict:
     """Checks a trace line by line against the problem (never raises).
 
@@ -209,7 +220,8 @@ def verify(trace: str, numbers: list[int], target: int) -> Verdict:
     numbers and states the result; it is followed by its generated node (a new child of the
     current node) or, when one number is left, its leaf line; a move goes to a generated node not
     visited yet and is followed by that node's state. A solved trace ends at its goal line; a
-    trace cut short (its last line incomplete) is judged on its complete lines and is unsolved.
+    trace cut short (its last line incomplete, and that line the start of a trace line) is judged
+    on its complete lines and is unsolved; a cut line that could begin no trace line is wrong.
     ``prefix`` is the end of the legal lines before the first wrong or cut one, where no
     exploration or move waits for its second line.
     """
@@ -233,11 +245,10 @@ def verify(trace: str, numbers: list[int], target: int) -> Verdict:
             if i == 0:
                 m = STATE_RE.fullmatch(line)
                 if not m or int(m[1]) != target or ast.literal_eval(m[2]) != list(numbers) or _ops_list(m[3]):
-                    return (
-                        bad(i, "the first line is not the root state")
-                        if complete or not last
-                        else Verdict(True, False, prefix=0)
+                    cut = (
+                        not complete and last and bool(line) and state_line(target, list(numbers), []).startswith(line)
                     )
+                    return Verdict(True, False, prefix=0) if cut else bad(i, "the first line is not the root state")
                 continue
             nums, ops = nodes[current]
             if pending is not None:
@@ -294,7 +305,7 @@ def verify(trace: str, numbers: list[int], target: int) -> Verdict:
                 continue
             raise ValueError("not a trace line")
         except (ValueError, SyntaxError) as err:
-            if last and not complete:  # cut off mid-line by the generation budget
+            if last and not complete and _could_begin(line):  # cut off mid-line by the generation budget
                 return Verdict(True, False, prefix=settled)
             return bad(i, str(err))
     if pending is None and complete:
