@@ -43,8 +43,18 @@ SHOWN = 3  # refused differences listed before the rest are counted
 RESUMES_FILE = "resumes.jsonl"  # one line per resume of a run directory: its step, checkpoint, changes
 RECORD_KEY = "plait_run"  # the checkpoint dict's entry (hence meta.pt's) holding the `run_record`
 
-# strategy.lora: the adapters' shapes, targets and scaling are what a LoRA checkpoint holds.
-FIXED = ("model", "objective", "data", "seed", "train.global_batch_size", "strategy.lora")
+# strategy.lora: the adapters' shapes, targets and scaling are what a LoRA checkpoint holds;
+# strategy.local_sgd._target_: the algorithm whose islands, anchor and outer state a checkpoint of
+# local SGD holds (resumed without it, island 0's weights went on and the rest was dropped).
+FIXED = (
+    "model",
+    "objective",
+    "data",
+    "seed",
+    "train.global_batch_size",
+    "strategy.lora",
+    "strategy.local_sgd._target_",
+)
 DATA_POSITION = ("data", "seed", "train.global_batch_size")  # fields the saved data position depends on
 OVERRIDABLE = ("optim", "scheduler", "train.max_grad_norm")
 # Keys of the fixed groups that do not change what is trained: where a file is cached, where

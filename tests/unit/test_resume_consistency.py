@@ -258,3 +258,17 @@ def test_a_resume_where_the_data_ends_is_refused(tmp_path) -> None:
     check_not_spent(RunLength(100000, 9, DATA_EXHAUSTED, reason), ckpt)
     check_not_spent(RunLength(8, 8), ckpt)  # max_steps ended it: check_run_dir answers a max_steps too low
     check_not_spent(RunLength(100000, 8, DATA_EXHAUSTED, reason), None)
+
+
+def test_local_sgd_on_or_off_belongs_to_the_run() -> None:
+    """A DiLoCo checkpoint holds every island's weights, the anchor and the outer optimizer: a
+    resume without it (strategy=ddp) went on from island 0 in silence, one with it onto a DDP
+    checkpoint failed in the load; both are refused before anything loads. Its settings may change."""
+    diloco = {**SAVED, "strategy": {"local_sgd": {"_target_": "strategies.local_sgd.DiLoCo", "sync_every": 50}}}
+    ddp = {**SAVED, "strategy": {"local_sgd": None}}
+    (off,) = resume_problems(run_record(diloco, "f" * 64), ddp, "f" * 64, [], source="ckpt")
+    assert off.startswith("strategy.local_sgd._target_ is not set, where ckpt has strategy.local_sgd._target_=")
+    (on,) = resume_problems(run_record(ddp, "f" * 64), diloco, "f" * 64, [], source="ckpt")
+    assert on.startswith("strategy.local_sgd._target_='strategies.local_sgd.DiLoCo' is not set in ckpt")
+    slower = {**diloco, "strategy": {"local_sgd": {**diloco["strategy"]["local_sgd"], "sync_every": 10}}}
+    assert resume_problems(run_record(diloco, "f" * 64), slower, "f" * 64, [], source="ckpt") == []
