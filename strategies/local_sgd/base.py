@@ -18,6 +18,7 @@ are not.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -162,6 +163,29 @@ class LocalSGD(StrategyPlugin):
                 f"use more ranks or a smaller strategy.dp_shard, or set strategy.local_sgd=null"
             )
         self.setup(model, group=meshes.group("dp_replicate"))
+
+    @staticmethod
+    def period_line(total_steps: int, every: int, key: str) -> str | None:
+        """The warning for a run whose planned steps end before its first synchronisation (every
+        ``every`` steps, the setting ``key``), or between two: its islands are apart at the end (the
+        last evaluation and the checkpoint hold each island's own weights); None when it ends on one."""
+        if total_steps < every:
+            return (
+                f"warning: strategy.local_sgd.{key}={every} is longer than the run's {total_steps} planned steps: "
+                f"the islands never synchronise; lower strategy.local_sgd.{key}"
+            )
+        if total_steps % every:
+            return (
+                f"warning: the run's {total_steps} planned steps end {total_steps % every} after its last "
+                f"synchronisation (strategy.local_sgd.{key}={every}): the islands end apart; choose trainer.max_steps "
+                f"as a multiple of {every}"
+            )
+        return None
+
+    def say(self, line: str | None) -> None:
+        """Prints ``plait: <line>`` once, on global rank 0."""
+        if line is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+            print(f"plait: {line}", file=sys.stderr, flush=True)
 
     def after_step(self, model: nn.Module, step: int, optimizer: torch.optim.Optimizer) -> dict[str, float]:
         """`after_optimizer_step`."""

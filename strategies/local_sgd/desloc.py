@@ -90,6 +90,10 @@ class DESLOC(LocalSGD):
             )
         return problems
 
+    def run_length(self, total_steps: int) -> None:
+        """Says when the run ends before its first parameter average or between two."""
+        self.say(self.period_line(total_steps, self.every["param"], "param_every"))
+
     def sync(self, optimizer: torch.optim.Optimizer, step: int) -> float:
         params = list(self.params.values())
         sent = average_(params, self.group) if step % self.every["param"] == 0 else 0.0

@@ -90,6 +90,11 @@ class DiLoCo(LocalSGD):
         self.fragments: dict[str, int] = {}
         self.outer: torch.optim.Optimizer | None = None
 
+    def run_length(self, total_steps: int) -> None:
+        """Says when the run ends before its first outer step or between two (one fragment)."""
+        if self.num_fragments == 1:
+            self.say(self.period_line(total_steps, self.sync_every, "sync_every"))
+
     def setup(self, model: nn.Module, *, group: dist.ProcessGroup | None) -> None:
         super().setup(model, group=group)
         self.anchors = {name: p.detach().clone() for name, p in self.params.items()}

@@ -77,3 +77,21 @@ def test_bad_periods_and_fragments_are_reported() -> None:
     assert any(
         "num_fragments=3 exceeds the model's 2 blocks; use strategy.local_sgd.num_fragments<=2" in p for p in problems
     )
+
+
+def test_a_run_that_ends_apart_or_never_synchronises_says_so(capsys) -> None:
+    """strategy=diloco with trainer.max_steps=10 (sync every 50) sent 0 bytes in silence; with
+    sync_every=4 it ended 2 steps after its last outer step, the islands apart (a new user's walkthrough)."""
+    DiLoCo(sync_every=50).run_length(10)
+    assert "strategy.local_sgd.sync_every=50 is longer than the run's 10 planned steps: the islands never" in (
+        capsys.readouterr().err
+    )
+    DiLoCo(sync_every=4).run_length(10)
+    assert "the run's 10 planned steps end 2 after its last synchronisation (strategy.local_sgd.sync_every=4)" in (
+        capsys.readouterr().err
+    )
+    DiLoCo(sync_every=5).run_length(10)
+    DiLoCo(sync_every=4, num_fragments=2).run_length(10)  # streaming: fragments meet at their own offsets
+    DESLOC(param_every=16).run_length(10)
+    err = capsys.readouterr().err
+    assert err.count("plait: warning:") == 1 and "strategy.local_sgd.param_every=16 is longer" in err
