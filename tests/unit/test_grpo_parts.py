@@ -296,3 +296,20 @@ def test_held_out_completions_are_cut_at_the_stop_strings(monkeypatch: pytest.Mo
     cut = evaluate.RewardEvaluator([item], answer, Chars(), max_new_tokens=8, stop=[";"])
     assert cut.completions(None, "cpu") == ["12;"]
     assert evaluate.RewardEvaluator([item], answer, Chars(), max_new_tokens=8).completions(None, "cpu") == ["12;34"]
+
+
+def test_a_reward_that_does_not_import_names_why_before_launch() -> None:
+    """A reward module in the current folder is never imported (plait takes --user-path); a
+    misspelt function or module got Hydra's 'Error locating target' at the first step, the same for both."""
+    from trainer.rl.rewards import node_problems
+
+    def problems(target: str) -> list[str]:
+        return node_problems({"r": {"fn": {"_target_": target, "_partial_": True}, "weight": 1.0}})
+
+    (missing,) = problems("no_such_rewards_module.says")
+    assert missing.startswith("data.rewards.r.fn: no module 'no_such_rewards_module': plait imports your code from")
+    assert "--user-path DIR" in missing
+    assert problems("trainer.rl.rewards.exact_answre") == [
+        "data.rewards.r.fn: trainer.rl.rewards has no 'exact_answre'; did you mean trainer.rl.rewards.exact_answer?"
+    ]
+    assert problems("trainer.rl.rewards.exact_answer") == []

@@ -23,6 +23,8 @@ Shipped: `exact_answer`, `countdown` (the Countdown verifier, `trainer.data.coun
 
 from __future__ import annotations
 
+import difflib
+import importlib
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -79,6 +81,24 @@ class RewardError(ValueError):
 EXAMPLE = "data.rewards.answer={fn: {_target_: trainer.rl.rewards.exact_answer, _partial_: true}, weight: 1.0}"
 
 
+def _unlocatable(target: str) -> str | None:
+    """Why ``target`` (``module.function``) cannot be imported, with the fix; None when it can."""
+    module, _, name = target.rpartition(".")
+    try:
+        found = importlib.import_module(module) if module else None
+    except ModuleNotFoundError as err:
+        if err.name is not None and not module.startswith(err.name):  # the module imports one that is missing
+            return f"importing {module} needs {err.name}, which is not installed"
+        return (
+            f"no module {module!r}: plait imports your code from the folders named with --user-path DIR (plait "
+            f"--user-path . grpo ...) or PLAIT_USER_PATH, or from an installed package, never from the current folder"
+        )
+    if found is None or hasattr(found, name):
+        return None
+    close = difflib.get_close_matches(name, [n for n in dir(found) if not n.startswith("_")], n=1)
+    return f"{module} has no {name!r}" + (f"; did you mean {module}.{close[0]}?" if close else "")
+
+
 def node_problems(node: Any) -> list[str]:
     """Problems of a ``data.rewards`` node before anything is built (each naming the fix)."""
     if not node:
@@ -89,6 +109,8 @@ def node_problems(node: Any) -> list[str]:
         if not (isinstance(fn, Mapping) and "_target_" in fn) and not callable(fn):
             problems.append(f"data.rewards.{name} needs fn: {{_target_: <module.function>, _partial_: true}} and a "
                             f"weight, e.g. {EXAMPLE}")  # fmt: skip
+        if isinstance(fn, Mapping) and isinstance(fn.get("_target_"), str) and (why := _unlocatable(fn["_target_"])):
+            problems.append(f"data.rewards.{name}.fn: {why}")
         unknown = set(spec) - {"fn", "weight"} if isinstance(spec, Mapping) else set()
         if unknown:
             problems.append(f"data.rewards.{name}: unknown keys {sorted(unknown)}; give fn and weight (the "
