@@ -17,6 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from strategies.checkpoint.dcp import CheckpointError, NonFiniteStateError
+from strategies.core.parallel_dims import MESH_AXES
 from strategies.core.resolved import ResolvedRun
 from strategies.muon import launch_line as muon_line
 from strategies.runtime.launch import LAUNCH_ENV, launch_problems
@@ -181,6 +182,8 @@ def start(cfg: DictConfig, run_dir: Path, launch: Launch, launching: bool) -> tu
     length = plan_run_length(cfg.trainer.max_steps, data)
     check_not_spent(length, launch.ckpt_path)
     if launching:
+        if (layout := layout_line(launch.run)) is not None:
+            _print(layout)
         for line in describe(data):
             _print(line)
         if (early := length.launch_line()) is not None:  # what ends the run first
@@ -207,6 +210,17 @@ def start(cfg: DictConfig, run_dir: Path, launch: Launch, launching: bool) -> tu
     )
     trainer, task = build_fit(cfg, launch.run, run_dir, data, callbacks=[record])
     return trainer, task, data
+
+
+def layout_line(run: ResolvedRun) -> str | None:
+    """The mesh a run of more than one rank trains on, as resolved (``strategy=fsdp_tp`` on 2 ranks is
+    tp=2 with dp_shard=1, ``hsdp`` on 2 plain data parallel: said, not left to config.yaml); None for one."""
+    if run.world_size <= 1:
+        return None
+    dims = run.dims
+    axes = [f"{axis}={getattr(dims, axis)}" for axis in MESH_AXES if getattr(dims, axis) > 1]
+    islands = " (local-SGD islands: dp_replicate)" if run.islands else ""
+    return f"layout: {run.world_size} ranks, {' x '.join(axes)}{islands}"
 
 
 def warmup_line(cfg: DictConfig, planned_steps: int) -> str | None:

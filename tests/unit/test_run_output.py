@@ -187,3 +187,19 @@ def test_import_notices_a_user_cannot_act_on_are_dropped() -> None:
     err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stderr
     assert "Failed to load the next thing: kept" in err, err
     assert "_C_mxfp8" not in err and "gemm_4bit_forward" not in err and "Enum subclass" not in err, err
+
+
+def test_the_launch_names_the_mesh_a_run_of_several_ranks_trains_on() -> None:
+    """strategy=fsdp_tp on 2 ranks runs tp=2 alone; nothing said so (a new user read config.yaml)."""
+    from strategies.core.parallel_dims import ParallelDims
+    from trainer.run import layout_line
+
+    def line(world: int, islands: bool = False, **degrees: int) -> str | None:
+        return layout_line(SimpleNamespace(world_size=world, dims=ParallelDims(**degrees), islands=islands))
+
+    assert line(2, dp_shard=1, tp=2) == "layout: 2 ranks, tp=2"
+    assert (
+        line(4, True, dp_replicate=2, dp_shard=2)
+        == "layout: 4 ranks, dp_replicate=2 x dp_shard=2 (local-SGD islands: dp_replicate)"
+    )
+    assert line(1, dp_shard=1) is None

@@ -396,6 +396,10 @@ class GuidedReST:
         round0.mkdir(parents=True, exist_ok=True)
         if not (run_dir / "config.yaml").is_file():
             OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)  # what check_run_dir holds a resume to
+        say(
+            f"round 0 trains rest.round0_steps={self.round0_steps} steps and each later round rest.steps={self.steps}; "
+            f"trainer.max_steps={cfg.trainer.max_steps} does not apply"
+        )
         stats0 = self.symbolic_traces(round0, train)
         say(
             f"round 0: the searcher solved {stats0['solved']} of {stats0['sampled']} training problems; training on them"
