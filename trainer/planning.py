@@ -18,9 +18,9 @@ from strategies.core.shape import ModelShape
 from strategies.mesh import build_strategy
 from strategies.planner.calibrate import calibrate_cluster, calibration_problem
 from strategies.planner.layout import Layout, Workload, layout_of, workload_of
-from strategies.planner.memory import predict_memory
+from strategies.planner.memory import GiB, predict_memory
 from strategies.planner.report import best_overrides, oom_message, table
-from strategies.planner.search import SearchSpace, search
+from strategies.planner.search import Plan, SearchSpace, evaluate, search
 from strategies.planner.time import Cluster
 from trainer.config import ConfigError
 from trainer.models.block import TransformerBlock
@@ -111,11 +111,25 @@ def plan(cfg: DictConfig, run: ResolvedRun) -> str:
         max_micro_batch=p.max_micro_batch,
         hsdp=p.hsdp,
     )
-    shape, _, workload = planner_inputs(cfg, run)
+    shape, configured, workload = planner_inputs(cfg, run)
     plans = search(shape, workload, cluster, space)
     header = f"cluster {cluster.name}: " + (
         "calibrated on this machine"
         if cfg.planner.calibrate
         else "preset figures (planner.calibrate=true measures them)"
     )
-    return "\n".join([header, table(plans, cluster, top=p.top), best_overrides(plans, cluster)])
+    lines = [header, table(plans, cluster, top=p.top), best_overrides(plans, cluster)]
+    if configured.world_size == cluster.world_size:  # the command line's own layout, on this cluster
+        lines.append(configured_line(evaluate(shape, configured, workload, cluster), plans, cluster))
+    return "\n".join(lines)
+
+
+def configured_line(mine: Plan, plans: list[Plan], cluster: Cluster) -> str:
+    """The command line's own layout against the search: its prediction and its place among the
+    layouts that fit (a layout the search does not try, e.g. local SGD's islands, is placed by time)."""
+    fitting = [p for p in plans if p.fits]
+    what = f"your layout: {mine.layout.label()}, predicted {mine.tokens_per_s:.4g} tokens/s per device, "
+    if not mine.fits:
+        return what + f"{mine.memory.total / GiB:.2f} GiB: over the {cluster.memory_cap / GiB:.1f} GiB per device"
+    place = 1 + sum(p.time.total < mine.time.total for p in fitting if p.layout != mine.layout)
+    return what + f"{mine.memory.total / GiB:.2f} GiB: #{place} of the {len(fitting)} that fit"

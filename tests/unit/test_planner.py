@@ -267,3 +267,13 @@ def test_alike_blocks_counted_once_are_the_ranks_tensors(model):
                 )
                 counted[key] += n
             assert counted == kept, (model, layout, pp_rank)
+
+
+def test_the_plan_places_the_command_lines_own_layout() -> None:
+    """plait plan ... strategy=tp trainer.devices=2 printed the same table for every strategy, never
+    the layout asked for (a new user's walkthrough): its prediction and place among those that fit."""
+    cfg = compose("pretrain", ["model=nano", "cluster=cpu", "trainer.devices=2", "strategy=tp"])
+    last = plan(cfg, validate(cfg)).splitlines()[-1]
+    assert last.startswith("your layout: tp2, predicted ") and " GiB: #" in last and " of the " in last, last
+    one = compose("pretrain", ["model=nano", "cluster=h100x8"])  # one process against 8 devices: not placed
+    assert not plan(one, validate(one)).splitlines()[-1].startswith("your layout")
