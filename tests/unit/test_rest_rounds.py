@@ -121,8 +121,12 @@ def test_a_run_directory_with_rounds_needs_resume_and_resume_needs_rounds(tmp_pa
     driver.check_run_dir(OmegaConf.create({"resume": "last"}), tmp_path / "old")
     OmegaConf.save({"resume": None, "rest": {"samples": 4}}, tmp_path / "old" / "config.yaml")
     driver.check_run_dir(OmegaConf.create({"resume": "last", "rest": {"samples": 4}}), tmp_path / "old")
-    with pytest.raises(ConfigError, match=r"rest\.samples: 4 when .* started, 2 now"):
+    with pytest.raises(ConfigError, match=r"rest\.samples: 4 when .* started, 2 now") as err:
         driver.check_run_dir(OmegaConf.create({"resume": "last", "rest": {"samples": 2}}), tmp_path / "old")
+    assert (
+        err.value.problems[-1]
+        == f"plait resume {tmp_path / 'old'} continues it with the config it started with, nothing typed again"
+    )
 
 
 @pytest.mark.parametrize(

@@ -383,6 +383,7 @@ class GuidedReST:
                         f"config (resume=last {key}={old}), or start a new run_dir"
                         for key, old, new in changed
                     ]
+                    + [f"plait resume {run_dir} continues it with the config it started with, nothing typed again"]
                 )
 
     def run(self, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
