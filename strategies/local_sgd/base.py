@@ -212,9 +212,13 @@ class LocalSGD(StrategyPlugin):
             return []
         if run.dims.dp_replicate >= 2:
             return []
+        others = [
+            f"strategy.{a}={getattr(run.dims, a)}" for a in ("dp_shard", "cp", "tp", "pp") if getattr(run.dims, a) > 1
+        ]
         return [
-            f"strategy.local_sgd needs at least 2 islands but strategy.dp_replicate={run.dims.dp_replicate}; "
-            f"use more ranks (trainer.devices) or a smaller strategy.dp_shard, or set strategy.local_sgd=null"
+            f"strategy.local_sgd needs at least 2 islands but strategy.dp_replicate={run.dims.dp_replicate} (the "
+            f"{run.world_size} ranks over {' x '.join(others) or 'one island'}); use more ranks (trainer.devices) or "
+            f"smaller degrees, or set strategy.local_sgd=null"
         ]
 
     # ------------------------------------------------------------------------------ checkpoints

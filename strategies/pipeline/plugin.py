@@ -117,7 +117,7 @@ class PipelineParallel(StrategyPlugin):
         if shape is not None:
             if pp > shape.n_layers:
                 problems.append(
-                    f"strategy.pp={pp} exceeds the {shape.n_layers} layers; use strategy.pp<={shape.n_layers}"
+                    f"strategy.pp={pp} stages need at least as many blocks, but the model has {shape.n_layers}; use strategy.pp<={shape.n_layers}"
                 )
             problems += check_pipeline(
                 pp=pp,

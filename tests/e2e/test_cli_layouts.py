@@ -34,5 +34,5 @@ def test_tp_and_pp_that_do_not_fit_the_model_are_all_reported(tmp_path: Path) ->
     )
     assert result.returncode == 2, result.stderr[-3000:]
     assert "strategy.tp=4 does not divide n_heads=4 and n_kv_heads=2; valid tp: 1, 2" in result.stderr
-    assert "strategy.pp=3 exceeds the 2 layers; use strategy.pp<=2" in result.stderr
+    assert "strategy.pp=3 stages need at least as many blocks, but the model has 2; use strategy.pp<=2" in result.stderr
     assert not run_dir.exists()

@@ -45,7 +45,10 @@ def test_the_context_parallel_rule_is_the_plugins_own() -> None:
 def test_pipeline_problems_use_the_model_shape() -> None:
     with pytest.raises(ConfigError) as err:
         validate(compose_config(["strategy=pp", "strategy.pp=4", "trainer.devices=4", "train.micro_batch_size=1"]))
-    assert "strategy.pp=4 exceeds the 2 layers; use strategy.pp<=2" in err.value.problems
+    assert (
+        "strategy.pp=4 stages need at least as many blocks, but the model has 2; use strategy.pp<=2"
+        in err.value.problems
+    )
     assert PipelineParallel().problems(_run(ParallelDims(dp_shard=1)), None) == []  # pp = 1: nothing to check
 
 
