@@ -180,3 +180,19 @@ def test_a_search_on_data_without_sources_and_a_bad_setting_are_refused_by_valid
         validate(compose("pretrain", ["model=nano", "+budget=msft"]))
     with pytest.raises(ConfigError, match=r"budget.compute=0 must be > 0"):
         validate(compose("sft", ["model=nano", "data=synthetic", "budget=msft", "budget.compute=0"]))
+
+
+def test_the_table_names_the_searchs_model_or_that_there_is_none() -> None:
+    """msft.json's checkpoint was the only place naming the result, and null was said nowhere."""
+    from trainer.budget.report import table
+
+    report = {
+        "sources": {"a": {"step": 4, "epochs": 1.0, "tokens": 100}},
+        "final_scores": {"a": 1.5},
+        "final_mean": 1.5,
+        "flops": 1e9,
+        "trained_steps": 4,
+        "checkpoint": "runs/m/rollout_0/checkpoints/step_0000004",
+    }
+    assert table(report).splitlines()[-1].startswith("mSFT's model: runs/m/rollout_0/checkpoints/step_0000004 (")
+    assert table({**report, "checkpoint": None}).splitlines()[-1].startswith("mSFT's model: none: every source")

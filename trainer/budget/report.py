@@ -21,6 +21,13 @@ def table(report: dict[str, Any]) -> str:
     lines.append(
         f"mSFT: mean score {report['final_mean']:.4f}, training FLOPs {report['flops']:.3e} ({report['trained_steps']} steps)"
     )
+    ckpt = report.get("checkpoint")
+    lines.append(
+        f"mSFT's model: {ckpt} (model.init_from= it, or plait generate ckpt= it)"
+        if ckpt
+        else "mSFT's model: none: every source scored best at step 0, before any training (the model as it "
+        "started); more compute (budget.compute) or data may let a source learn"
+    )
     if "uniform" in report:
         u = report["uniform"]
         lines.append(
