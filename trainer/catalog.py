@@ -41,6 +41,16 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise SystemExit(code)
 
 
+def say(line: str) -> None:
+    """Prints ``plait: <line>`` on stderr at the start of a line of its own while training: through
+    ``tqdm.write``, which clears Lightning's progress bar first and draws it again after (a plain
+    print ran on after the bar, where ``grep '^plait'`` missed it)."""
+    from tqdm import tqdm  # lazy: Lightning's progress bar is tqdm; commands without one never import it
+
+    tqdm.write(f"plait: {line}", file=sys.stderr)
+    sys.stderr.flush()
+
+
 def bundled_recipes() -> dict[str, str]:
     """Recipe name -> its first comment line; aliases included (``dpo`` -> ``= plait preference ...``)."""
     out = {}

@@ -20,7 +20,6 @@ optimization is off because its closure scales losses by a fixed ``1/accumulate_
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from torch import nn
 from typing_extensions import override
 
 from strategies.transforms.lora import quantize_pending
+from trainer.catalog import say
 from trainer.data import accounting
 from trainer.init_from import load_init_from
 from trainer.loggers import is_logging_step
@@ -406,13 +406,11 @@ class Task(L.LightningModule):
         self.nonfinite.rolled_back()
         self.record({"train/rollbacks": float(self.nonfinite.rollbacks)})
         if self.trainer.is_global_zero:
-            print(
-                f"plait: warning: rolled back at step {self.global_step} to {path.name}, the checkpoint before the "
+            say(
+                f"warning: rolled back at step {self.global_step} to {path.name}, the checkpoint before the "
                 f"anomalous steps from step {self.nonfinite.first['step'] if self.nonfinite.first else '?'} on "
                 f"({self.nonfinite.counts()} so far; rollback {self.nonfinite.rollbacks} of train.max_rollbacks="
-                f"{self.nonfinite.max_rollbacks}); training goes on with the data after them",
-                file=sys.stderr,
-                flush=True,
+                f"{self.nonfinite.max_rollbacks}); training goes on with the data after them"
             )
 
     @override

@@ -203,3 +203,21 @@ def test_the_launch_names_the_mesh_a_run_of_several_ranks_trains_on() -> None:
         == "layout: 4 ranks, dp_replicate=2 x dp_shard=2 (local-SGD islands: dp_replicate)"
     )
     assert line(1, dp_shard=1) is None
+
+
+def test_a_message_during_training_starts_its_own_line(capsys) -> None:
+    """GRPO's and the roll-back's warnings ran on after Lightning's progress bar (a new user's
+    grep '^plait' missed them): `say` clears the bar first."""
+    import sys
+
+    from tqdm import tqdm
+
+    from trainer.catalog import say
+
+    bar = tqdm(total=3, file=sys.stderr, desc="Epoch 0")
+    bar.update(1)
+    say("warning: something")
+    bar.close()
+    err = capsys.readouterr().err
+    before = err[: err.index("plait: warning: something")]
+    assert before.endswith(("\r", "\n")), repr(before[-40:])

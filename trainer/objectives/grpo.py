@@ -28,7 +28,6 @@ so no second model is kept (``beta > 0`` needs ``strategy.lora``).
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -39,6 +38,7 @@ from torch import nn
 
 from strategies.core.resolved import ResolvedRun
 from strategies.transforms.lora import adapters_off
+from trainer.catalog import say
 from trainer.objectives.pretrain import token_loss_sum
 from trainer.protocols import Batch, Objective, RowKind
 from trainer.rl.advantages import group_advantages
@@ -169,11 +169,10 @@ class GRPO(Objective):
         iteration = int(batch["iteration"][0])
         if iteration == 0 or self._rollout is None:
             if iteration and not self._warned_resume and task.trainer.is_global_zero:
-                print(
-                    f"plait: warning: resumed at step {task.global_step} in the middle of a rollout's "
+                say(
+                    f"warning: resumed at step {task.global_step} in the middle of a rollout's "
                     f"objective.num_iterations={self.num_iterations} steps; sampled the rest of it again from the "
-                    "restored policy (checkpoint every objective.num_iterations steps to resume exactly)",
-                    file=sys.stderr,
+                    "restored policy (checkpoint every objective.num_iterations steps to resume exactly)"
                 )
                 self._warned_resume = True
             self._rollout = self._roll_out(task, batch)
@@ -241,13 +240,11 @@ class GRPO(Objective):
         whole_short_run = last_step and self._flat_rollouts == self._rollouts < FLAT_ROLLOUTS
         if (self._flat_rollouts == FLAT_ROLLOUTS or whole_short_run) and trainer.is_global_zero:
             n = self._flat_rollouts
-            print(
-                f"plait: warning: the last {n} rollout{'s' if n > 1 else ''} gave every group of completions the same reward "
+            say(
+                f"warning: the last {n} rollout{'s' if n > 1 else ''} gave every group of completions the same reward "
                 f"(mean {float(rewards.mean()):.3g}), so every advantage is 0 and the policy does not change; start "
                 "from a model that solves some prompts (model.init_from=<an SFT run>), raise objective.temperature or "
-                "objective.num_generations, or add a reward that tells completions apart (data.rewards)",
-                file=sys.stderr,
-                flush=True,
+                "objective.num_generations, or add a reward that tells completions apart (data.rewards)"
             )
 
     def _logps(self, task: L.LightningModule, rows: Batch) -> torch.Tensor:
