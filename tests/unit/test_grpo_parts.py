@@ -160,6 +160,21 @@ def test_a_user_prompt_table_keeps_its_columns_for_the_rewards(tmp_path: Path) -
         build_data(cfg).prepare()
 
 
+def test_a_reward_whose_argument_no_column_gives_is_refused_when_the_data_is_prepared(tmp_path: Path) -> None:
+    """format_match needs 'pattern': from its fn node or a column. A new user's table without one
+    failed at the first step with a TypeError and a hint about **fields."""
+    table = tmp_path / "prompts.jsonl"
+    table.write_text("".join(json.dumps({"prompt": f"{i} + {i}?", "answer": str(2 * i)}) + "\n" for i in range(20)))
+    reward = "+data.rewards.fmt={fn: {_target_: trainer.rl.rewards.format_match, _partial_: true}, weight: 0.5}"
+    common = [*GRPO_SMALL, "~data.sources.addition", f"+data.sources.mine={{source: {table}, val_size: 4}}", reward]
+    cfg = compose_config(common, recipe="grpo", tiny=False)
+    with pytest.raises(DataError, match=r"data.rewards.fmt: its function needs pattern, which neither its fn node nor "
+                       r"the prompts' columns \(answer\) give; add it to fn \(\+data.rewards.fmt.fn.pattern=...\)"):  # fmt: skip
+        build_data(cfg).prepare()
+    given = compose_config([*common, "+data.rewards.fmt.fn.pattern='[0-9]+'"], recipe="grpo", tiny=False)
+    assert len(build_data(given).prepare().train) == 16
+
+
 # ------------------------------------------------------------------------------------------ validate
 @pytest.mark.parametrize(
     ("overrides", "match"),

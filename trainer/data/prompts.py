@@ -52,7 +52,7 @@ from trainer.data.sources import Catalog
 from trainer.data.tokenizer import Tokenizer
 from trainer.protocols import Evaluator, RowKind
 from trainer.rl.evaluate import PromptItem, RewardEvaluator
-from trainer.rl.rewards import Reward, RewardError, build_rewards
+from trainer.rl.rewards import Reward, RewardError, build_rewards, missing_fields
 from trainer.rl.rewards import node_problems as reward_problems
 
 
@@ -284,6 +284,15 @@ class PromptDataModule(DataModule):
                 f"= {self.global_batch_size} / {self.group_size} = {self.prompts_per_step}; add prompts, or lower "
                 "train.global_batch_size"
             )
+        columns = {name for item in train + val for name in item.fields}
+        for reward in self.rewards:
+            if missing := missing_fields(reward.fn, columns):
+                problems.append(
+                    f"data.rewards.{reward.name}: its function needs {', '.join(missing)}, which neither its fn node "
+                    f"nor the prompts' columns ({', '.join(sorted(columns)) or 'none'}) give; add "
+                    f"{'them' if len(missing) > 1 else 'it'} to fn (+data.rewards.{reward.name}.fn.{missing[0]}=...) "
+                    "or as a column of the prompts' table"
+                )
         if problems:
             raise DataError("; ".join(problems))
         return PreparedPrompts(tokenizer=tokenizer, template=template, train=train, val=val, dropped=dropped)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import inspect
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -116,6 +117,21 @@ def node_problems(node: Any) -> list[str]:
             problems.append(f"data.rewards.{name}: unknown keys {sorted(unknown)}; give fn and weight (the "
                             "function's own settings go inside fn)")  # fmt: skip
     return problems
+
+
+def missing_fields(fn: Callable[..., Any], fields: set[str]) -> list[str]:
+    """The parameters ``fn`` (a reward function, or a partial of one) requires beyond
+    ``(prompts, completions)`` that neither its partial's keywords nor the prompts' ``fields``
+    (their tables' other columns, passed by name) give: the call would raise at the first step."""
+    given = set(getattr(fn, "keywords", None) or {}) | fields
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return []
+    named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    required = [p.name for p in named[2:] if p.default is p.empty] if len(named) > 2 else []
+    required += [p.name for p in named[:2] if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
+    return [name for name in dict.fromkeys(required) if name not in given]
 
 
 def build_rewards(node: Mapping[str, Any]) -> list[Reward]:
