@@ -209,7 +209,7 @@ def _could_begin(line: str) -> bool:
     """Whether a line cut off by the generation budget could be the start of a trace line: a start
     of one of `LINE_HEADS` or past one, or the numbers of a leaf line (not, e.g., a run of colons)."""
     return any(head.startswith(line) or line.startswith(head) for head in LINE_HEADS) or bool(
-        re.fullmatch(r"-?\d+(,-?\d*)?( (e(q(u(al?)?)?)?|u(n(e(q(u(al?)?)?)?)?)?)?)?.*", line)
+        re.fullmatch(r"-?(\d+(,.*)?)?", line)
     )
 
 
