@@ -47,6 +47,10 @@ def say(line: str) -> None:
     print ran on after the bar, where ``grep '^plait'`` missed it)."""
     from tqdm import tqdm  # lazy: Lightning's progress bar is tqdm; commands without one never import it
 
+    if getattr(tqdm, "_instances", None) and not sys.stderr.isatty():
+        # In a log file the bar's line ends in carriage returns, not a newline: start a line of our own.
+        print(f"\nplait: {line}", file=sys.stderr, flush=True)
+        return
     tqdm.write(f"plait: {line}", file=sys.stderr)
     sys.stderr.flush()
 

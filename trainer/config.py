@@ -209,6 +209,8 @@ def component_problems(cfg: DictConfig, run: ResolvedRun | None) -> list[str]:
         components = [cls, *cls.evaluator_types(node)] if group == "data" else [cls]
         for component in components:
             problems.extend(component.problems(run, node))
+    if cfg.get("budget") is not None and cfg.get("rest") is not None:
+        problems.append("budget=msft and plait rest each drive runs of their own; choose one (drop +budget=msft)")
     data_cls, budget_cls = _target_class(cfg.get("data")), _target_class(cfg.get("budget"))
     if data_cls is not None and callable(check := getattr(budget_cls, "data_problems", None)):
         problems.extend(check(data_cls))  # a budget search drives runs of one kind of data

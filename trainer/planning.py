@@ -132,4 +132,5 @@ def configured_line(mine: Plan, plans: list[Plan], cluster: Cluster) -> str:
     if not mine.fits:
         return what + f"{mine.memory.total / GiB:.2f} GiB: over the {cluster.memory_cap / GiB:.1f} GiB per device"
     place = 1 + sum(p.time.total < mine.time.total for p in fitting if p.layout != mine.layout)
-    return what + f"{mine.memory.total / GiB:.2f} GiB: #{place} of the {len(fitting)} that fit"
+    searched = any(p.layout == mine.layout for p in fitting)  # else it joins them (a layout the search does not try)
+    return what + f"{mine.memory.total / GiB:.2f} GiB: #{place} of the {len(fitting) + (not searched)} that fit"

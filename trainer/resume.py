@@ -46,15 +46,8 @@ RECORD_KEY = "plait_run"  # the checkpoint dict's entry (hence meta.pt's) holdin
 # strategy.lora: the adapters' shapes, targets and scaling are what a LoRA checkpoint holds;
 # strategy.local_sgd._target_: the algorithm whose islands, anchor and outer state a checkpoint of
 # local SGD holds (resumed without it, island 0's weights went on and the rest was dropped).
-FIXED = (
-    "model",
-    "objective",
-    "data",
-    "seed",
-    "train.global_batch_size",
-    "strategy.lora",
-    "strategy.local_sgd._target_",
-)
+LOCAL_SGD = "strategy.local_sgd._target_"
+FIXED = ("model", "objective", "data", "seed", "train.global_batch_size", "strategy.lora", LOCAL_SGD)
 DATA_POSITION = ("data", "seed", "train.global_batch_size")  # fields the saved data position depends on
 OVERRIDABLE = ("optim", "scheduler", "train.max_grad_norm")
 # Keys of the fixed groups that do not change what is trained: where a file is cached, where
@@ -283,7 +276,13 @@ def resume_problems(
         )
     for key, (old, now) in differences(record["config"], new).items():
         differs, back = _differs(key, old, now, source), _as_saved(key, old)
-        if key == "optim.weight_decay" and not old and _under(key, overrides):
+        if key == LOCAL_SGD:
+            held = f"its islands ({old})" if old is not ABSENT else "no islands (local SGD off)"
+            problems.append(
+                f"{differs}: {source} holds {held}, and a resume keeps how the run trains; resume with the run's own "
+                f"strategy (plait resume <run dir> keeps it), or start a new run_dir with model.init_from={source}"
+            )
+        elif key == "optim.weight_decay" and not old and _under(key, overrides):
             problems.append(
                 f"optim.weight_decay cannot change from {old!r} on a resume: the saved parameter groups do not tell "
                 f"which parameters decay; start a new run_dir with model.init_from={source}"

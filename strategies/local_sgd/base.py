@@ -215,10 +215,10 @@ class LocalSGD(StrategyPlugin):
         others = [
             f"strategy.{a}={getattr(run.dims, a)}" for a in ("dp_shard", "cp", "tp", "pp") if getattr(run.dims, a) > 1
         ]
+        taken = f" (the {run.world_size} ranks go to {' x '.join(others)})" if others else f" ({run.world_size} rank)"
         return [
-            f"strategy.local_sgd needs at least 2 islands but strategy.dp_replicate={run.dims.dp_replicate} (the "
-            f"{run.world_size} ranks over {' x '.join(others) or 'one island'}); use more ranks (trainer.devices) or "
-            f"smaller degrees, or set strategy.local_sgd=null"
+            f"strategy.local_sgd needs at least 2 islands but strategy.dp_replicate={run.dims.dp_replicate}{taken}; "
+            f"use more ranks (trainer.devices){' or smaller degrees' if others else ''}, or set strategy.local_sgd=null"
         ]
 
     # ------------------------------------------------------------------------------ checkpoints

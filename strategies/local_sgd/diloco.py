@@ -91,9 +91,21 @@ class DiLoCo(LocalSGD):
         self.outer: torch.optim.Optimizer | None = None
 
     def run_length(self, total_steps: int) -> None:
-        """Says when the run ends before its first outer step or between two (one fragment)."""
+        """Says when the run ends before its first outer step, or (one fragment) between two."""
         if self.num_fragments == 1:
             self.say(self.period_line(total_steps, self.sync_every, "sync_every"))
+            return
+        offsets = [
+            fragment_offset(f, num_fragments=self.num_fragments, sync_every=self.sync_every)
+            for f in range(self.num_fragments)
+        ]
+        first = min(offset or self.sync_every for offset in offsets)  # the first step a fragment meets at
+        if total_steps < first:
+            self.say(
+                f"warning: the run's {total_steps} planned steps end before its first fragment's synchronisation "
+                f"(step {first}; strategy.local_sgd.sync_every={self.sync_every}): the islands never synchronise; "
+                "lower strategy.local_sgd.sync_every"
+            )
 
     def setup(self, model: nn.Module, *, group: dist.ProcessGroup | None) -> None:
         super().setup(model, group=group)

@@ -279,11 +279,11 @@ class Hierarchical(LocalSGD):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
-        self.sync_every, self.delay, self.since_sync = (
-            int(state["sync_every"]),
-            int(state["delay"]),
-            int(state["since_sync"]),
-        )
+        if (
+            self.adaptive
+        ):  # the period and delay the plateau rule had reached; else the config's (a resume may change them)
+            self.sync_every, self.delay = int(state["sync_every"]), int(state["delay"])
+        self.since_sync = min(int(state["since_sync"]), self.sync_every - 1)
         self.plateau.best = float(state["best"]) if int(state["seen"]) else float("inf")
         self.plateau.bad = int(state["bad"])
         self.window_sum, self.window_steps = float(state["window_sum"]), int(state["window_steps"])

@@ -65,3 +65,20 @@ def test_a_skipped_non_finite_step_stays_out_of_the_window_and_the_checkpoint() 
     state = daso.state_dict()
     assert (state["window_sum"], state["window_steps"]) == (8.0, 2)
     assert non_finite_entry({"local_sgd": state}) is None
+
+
+def test_a_resume_takes_the_configs_period_unless_the_plateau_rule_set_it() -> None:
+    """strategy=hierarchical resumed with another sync_every kept the checkpoint's (said at launch,
+    recorded, then ignored); DASO's adaptive period is the plateau rule's state and is restored."""
+    from torch import nn
+
+    saved = Hierarchical(sync_every=8, delay=2)
+    saved.setup(nn.Linear(2, 2), group=None)
+    fixed = Hierarchical(sync_every=2, delay=1)
+    fixed.setup(nn.Linear(2, 2), group=None)
+    fixed.load_state_dict(saved.state_dict())
+    assert (fixed.sync_every, fixed.delay) == (2, 1)
+    adaptive = Hierarchical(sync_every=2, delay=1, adaptive=True)
+    adaptive.setup(nn.Linear(2, 2), group=None)
+    adaptive.load_state_dict(saved.state_dict())
+    assert (adaptive.sync_every, adaptive.delay) == (8, 2)

@@ -328,3 +328,9 @@ def test_a_reward_that_does_not_import_names_why_before_launch() -> None:
         "data.rewards.r.fn: trainer.rl.rewards has no 'exact_answre'; did you mean trainer.rl.rewards.exact_answer?"
     ]
     assert problems("trainer.rl.rewards.exact_answer") == []
+    # a reviewer's: a class's method (Hydra builds it) is found; a module that raises on import is said
+    assert problems("collections.OrderedDict.fromkeys") == []
+    assert problems("trainer.rl.rewards.Reward.nosuch") == [
+        "data.rewards.r.fn: trainer.rl.rewards.Reward has no 'nosuch'"
+    ]
+    assert problems("antigravity_no_such.x.y")[0].startswith("data.rewards.r.fn: no module 'antigravity_no_such.x'")

@@ -92,6 +92,8 @@ def test_a_run_that_ends_apart_or_never_synchronises_says_so(capsys) -> None:
     )
     DiLoCo(sync_every=5).run_length(10)
     DiLoCo(sync_every=4, num_fragments=2).run_length(10)  # streaming: fragments meet at their own offsets
+    DiLoCo(sync_every=50, num_fragments=2).run_length(10)  # ... but never before the first fragment's (step 25)
+    assert "end before its first fragment's synchronisation (step 25;" in capsys.readouterr().err
     DESLOC(param_every=16).run_length(10)
     err = capsys.readouterr().err
     assert err.count("plait: warning:") == 1 and "strategy.local_sgd.param_every=16 is longer" in err

@@ -196,3 +196,11 @@ def test_the_table_names_the_searchs_model_or_that_there_is_none() -> None:
     }
     assert table(report).splitlines()[-1].startswith("mSFT's model: runs/m/rollout_0/checkpoints/step_0000004 (")
     assert table({**report, "checkpoint": None}).splitlines()[-1].startswith("mSFT's model: none: every source")
+
+
+def test_a_search_inside_rest_is_refused() -> None:
+    from trainer.compose import compose
+    from trainer.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match="budget=msft and plait rest each drive runs of their own"):
+        validate(compose("rest", ["+budget=msft"]))

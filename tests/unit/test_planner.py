@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from strategies.core.shape import ModelShape
@@ -275,5 +277,12 @@ def test_the_plan_places_the_command_lines_own_layout() -> None:
     cfg = compose("pretrain", ["model=nano", "cluster=cpu", "trainer.devices=2", "strategy=tp"])
     last = plan(cfg, validate(cfg)).splitlines()[-1]
     assert last.startswith("your layout: tp2, predicted ") and " GiB: #" in last and " of the " in last, last
+    # a layout the search does not try (DDP with planner.hsdp=false) joins the count it is placed in
+    ddp = compose("pretrain", ["model=nano", "cluster=cpu", "trainer.devices=2", "strategy=ddp", "planner.hsdp=false"])
+    lines = plan(ddp, validate(ddp)).splitlines()
+    fitting = int(re.search(r"(\d+) layouts on", "\n".join(lines))[1]) - int(
+        re.search(r"(\d+) dropped", "\n".join(lines))[1]
+    )
+    assert lines[-1].endswith(f" of the {fitting + 1} that fit"), (fitting, lines[-1])
     one = compose("pretrain", ["model=nano", "cluster=h100x8"])  # one process against 8 devices: not placed
     assert not plan(one, validate(one)).splitlines()[-1].startswith("your layout")

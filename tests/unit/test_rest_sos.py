@@ -175,5 +175,7 @@ def test_a_cut_line_that_begins_no_trace_line_is_invalid():
     for junk in (":" * 192, "hello world", "", "Current State: 99:[6, 4, 2], Ope"):
         assert not verify(junk, numbers, target).valid, junk
     assert not verify(root + "::::", numbers, target).valid
+    for junk in (root + "1" + ":" * 191, root + "12 12 12 12", "Current State: 8:[6 4 2], Operations: []"):
+        assert not verify(junk, numbers, target).valid, junk  # a fresh reviewer's: digits, a malformed first line
     for cut in ("Current St", root + "Exploring Oper", root + "Exploring Operation: 6*2=12, Resul"):
         assert verify(cut, numbers, target).valid, cut

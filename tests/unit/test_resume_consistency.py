@@ -268,7 +268,9 @@ def test_local_sgd_on_or_off_belongs_to_the_run() -> None:
     ddp = {**SAVED, "strategy": {"local_sgd": None}}
     (off,) = resume_problems(run_record(diloco, "f" * 64), ddp, "f" * 64, [], source="ckpt")
     assert off.startswith("strategy.local_sgd._target_ is not set, where ckpt has strategy.local_sgd._target_=")
+    assert "ckpt holds its islands (strategies.local_sgd.DiLoCo)" in off and "plait resume <run dir> keeps it" in off
     (on,) = resume_problems(run_record(ddp, "f" * 64), diloco, "f" * 64, [], source="ckpt")
     assert on.startswith("strategy.local_sgd._target_='strategies.local_sgd.DiLoCo' is not set in ckpt")
+    assert "ckpt holds no islands (local SGD off)" in on and "resume with ...=" not in on
     slower = {**diloco, "strategy": {"local_sgd": {**diloco["strategy"]["local_sgd"], "sync_every": 10}}}
     assert resume_problems(run_record(diloco, "f" * 64), slower, "f" * 64, [], source="ckpt") == []

@@ -203,14 +203,17 @@ def _ops_list(text: str) -> list[str]:
 
 
 LINE_HEADS = ("Current State: ", "Exploring Operation: ", "Generated Node #", "Moving to Node #")
+LEAF_ENDS = ("equal: Goal Reached", "unequal: No Solution")
 
 
 def _could_begin(line: str) -> bool:
-    """Whether a line cut off by the generation budget could be the start of a trace line: a start
-    of one of `LINE_HEADS` or past one, or the numbers of a leaf line (not, e.g., a run of colons)."""
-    return any(head.startswith(line) or line.startswith(head) for head in LINE_HEADS) or bool(
-        re.fullmatch(r"-?(\d+(,.*)?)?", line)
-    )
+    """Whether a line cut off by the generation budget could be the start of a trace line past the
+    first: a start of one of `LINE_HEADS` or past one, or of a leaf line (``a,b equal: Goal Reached``
+    or ``unequal: No Solution``), not, e.g., a run of colons or of numbers."""
+    if any(head.startswith(line) or line.startswith(head) for head in LINE_HEADS):
+        return True
+    m = re.fullmatch(r"-?\d*(?:,(-?\d*)(?: (.*))?)?", line)
+    return m is not None and (m[2] is None or any(end.startswith(m[2]) for end in LEAF_ENDS))
 
 
 def verify(trace: str, numbers: list[int], target: int) -> Verdict:
@@ -305,7 +308,9 @@ def verify(trace: str, numbers: list[int], target: int) -> Verdict:
                 continue
             raise ValueError("not a trace line")
         except (ValueError, SyntaxError) as err:
-            if last and not complete and _could_begin(line):  # cut off mid-line by the generation budget
+            root = state_line(target, list(numbers), [])
+            cut = root.startswith(line) if i == 0 else _could_begin(line)
+            if last and not complete and line and cut:  # cut off mid-line by the generation budget
                 return Verdict(True, False, prefix=settled)
             return bad(i, str(err))
     if pending is None and complete:

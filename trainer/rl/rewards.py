@@ -83,21 +83,33 @@ EXAMPLE = "data.rewards.answer={fn: {_target_: trainer.rl.rewards.exact_answer, 
 
 
 def _unlocatable(target: str) -> str | None:
-    """Why ``target`` (``module.function``) cannot be imported, with the fix; None when it can."""
-    module, _, name = target.rpartition(".")
-    try:
-        found = importlib.import_module(module) if module else None
-    except ModuleNotFoundError as err:
-        if err.name is not None and not module.startswith(err.name):  # the module imports one that is missing
-            return f"importing {module} needs {err.name}, which is not installed"
+    """Why ``target`` (``module.function``, or ``module.Class.method``) cannot be found, with the fix;
+    None when it can (Hydra's rule: the longest prefix that imports, then attributes)."""
+    parts = target.split(".")
+    found, cut = None, 0
+    for cut in range(len(parts) - 1, 0, -1):
+        module = ".".join(parts[:cut])
+        try:
+            found = importlib.import_module(module)
+            break
+        except ModuleNotFoundError as err:
+            if err.name is not None and err.name != module and not module.startswith(err.name + "."):
+                return f"importing {module} needs {err.name}, which is not installed"
+        except Exception as err:  # noqa: BLE001 - the user's module raised on import: said, not a traceback
+            return f"importing {module} raised {type(err).__name__}: {err}"
+    if found is None:
         return (
-            f"no module {module!r}: plait imports your code from the folders named with --user-path DIR (plait "
-            f"--user-path . grpo ...) or PLAIT_USER_PATH, or from an installed package, never from the current folder"
+            f"no module {'.'.join(parts[:-1]) or parts[0]!r}: plait imports your code from the folders named with "
+            f"--user-path DIR (plait --user-path . grpo ...) or PLAIT_USER_PATH, or from an installed package, "
+            "never from the current folder"
         )
-    if found is None or hasattr(found, name):
-        return None
-    close = difflib.get_close_matches(name, [n for n in dir(found) if not n.startswith("_")], n=1)
-    return f"{module} has no {name!r}" + (f"; did you mean {module}.{close[0]}?" if close else "")
+    for depth in range(cut, len(parts)):
+        name, where = parts[depth], ".".join(parts[:depth])
+        if not hasattr(found, name):
+            close = difflib.get_close_matches(name, [n for n in dir(found) if not n.startswith("_")], n=1)
+            return f"{where} has no {name!r}" + (f"; did you mean {where}.{close[0]}?" if close else "")
+        found = getattr(found, name)
+    return None
 
 
 def node_problems(node: Any) -> list[str]:
@@ -128,10 +140,10 @@ def missing_fields(fn: Callable[..., Any], fields: set[str]) -> list[str]:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # a builtin without a signature: nothing to check
         return []
-    named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    required = [p.name for p in named[2:] if p.default is p.empty] if len(named) > 2 else []
-    required += [p.name for p in named[:2] if p.kind is p.KEYWORD_ONLY and p.default is p.empty]
-    return [name for name in dict.fromkeys(required) if name not in given]
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    rest = positional[2:] + [p for p in params if p.kind is p.KEYWORD_ONLY]  # past (prompts, completions)
+    # A positional-only one cannot be given by name at all; the others by the partial or a column.
+    return [p.name for p in rest if p.default is p.empty and (p.kind is p.POSITIONAL_ONLY or p.name not in given)]
 
 
 def build_rewards(node: Mapping[str, Any]) -> list[Reward]:
