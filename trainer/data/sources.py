@@ -152,8 +152,8 @@ class Catalog:
         except (FileNotFoundError, ValueError) as err:  # a fix naming data.sources.<name>. names this source
             message = str(err).replace("data.sources.<name>.", f"data.sources.{source.name}.")
             raise DataError(f"data.sources.{source.name}: {message}") from None
-        warn_empty(records, wheres, self.useless, name=source.name)  # before the drop: wheres index these
-        records = drop_useless(records, wheres, self.useless, name=source.name)
+        records, wheres = drop_useless(records, wheres, self.useless, name=source.name)
+        warn_empty(records, wheres, name=source.name)
         train, val = hold_out(records, source.val_size, seed=seed, name=source.name)
         if len(val) >= len(train):  # a small file: most of it would never be trained on, unsaid
             print(
@@ -165,9 +165,12 @@ class Catalog:
         return (train[: source.limit] if source.limit else train), val
 
 
-def drop_useless(records: list, wheres: list[str] | None, useless: Callable[[Any], str | None], *, name: str) -> list:
-    """``records`` without those ``useless`` names a reason for, counted in one ``plait:`` line on
-    stderr that names the first one's file and line (``wheres[i]``, when the records come from a file).
+def drop_useless(
+    records: list, wheres: list[str] | None, useless: Callable[[Any], str | None], *, name: str
+) -> tuple[list, list[str] | None]:
+    """``(records, wheres)`` without the records ``useless`` names a reason for, counted in one
+    ``plait:`` line on stderr that names the first one's file and line (``wheres[i]``, when the
+    records come from a file).
 
     Raises:
         DataError: every record is useless (nothing would be trained or held out).
@@ -185,7 +188,8 @@ def drop_useless(records: list, wheres: list[str] | None, useless: Callable[[Any
             f"plait: data.sources.{name}: dropped {len(dropped)} of {len(records)} rows: {reasons[dropped[0]]}{first}",
             file=sys.stderr,
         )
-    return [r for r, reason in zip(records, reasons) if reason is None]
+    kept = [i for i, reason in enumerate(reasons) if reason is None]
+    return [records[i] for i in kept], ([wheres[i] for i in kept] if wheres else wheres)
 
 
 def empty_answer(record: Any) -> str | None:
@@ -202,17 +206,15 @@ def empty_answer(record: Any) -> str | None:
     return None
 
 
-def warn_empty(records: list, wheres: list[str] | None, useless: Callable[[Any], str | None], *, name: str) -> None:
-    """One ``plait: warning:`` line counting the records ``useless`` keeps that have an empty answer
-    (`empty_answer`), naming the first one's file and line (``wheres[i]``); they stay (an empty
-    answer can be meant), said once."""
-    kept = [r for r in records if useless(r) is None]
-    found = [(i, reason) for i, r in enumerate(records) if useless(r) is None and (reason := empty_answer(r))]
+def warn_empty(records: list, wheres: list[str] | None, *, name: str) -> None:
+    """One ``plait: warning:`` line counting the records that have an empty answer (`empty_answer`),
+    naming the first one's file and line (``wheres[i]``); they stay (an empty answer can be meant)."""
+    found = [(i, reason) for i, r in enumerate(records) if (reason := empty_answer(r))]
     if found:
         first, reason = found[0]
         where = f" (first: {wheres[first]})" if wheres else ""
         print(
-            f"plait: warning: data.sources.{name}: {len(found)} of {len(kept)} rows have an empty answer: "
+            f"plait: warning: data.sources.{name}: {len(found)} of {len(records)} rows have an empty answer: "
             f"{reason}{where}; fill or remove them if they are not meant",
             file=sys.stderr,
         )
