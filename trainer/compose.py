@@ -272,7 +272,8 @@ def drop_null_sources(cfg: DictConfig) -> DictConfig:
     sources = OmegaConf.select(cfg, "data.sources", default=None, throw_on_missing=False)
     if isinstance(sources, DictConfig):
         with open_dict(sources):  # Hydra's configs are in struct mode
-            for name in [n for n in sources if sources._get_node(n)._is_none()]:  # noqa: SLF001 - None, unresolved
+            raw = OmegaConf.to_container(sources, resolve=False)  # None, not an interpolation resolved
+            for name in [n for n, node in raw.items() if node is None]:
                 del sources[name]
     return cfg
 
