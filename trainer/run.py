@@ -238,9 +238,10 @@ def warmup_line(cfg: DictConfig, planned_steps: int) -> str | None:
 
 def check_not_spent(length: RunLength, ckpt_path: Path | None) -> None:
     """Refuses a resume from a checkpoint at or past the step where the run's data ends, of a run
-    that finished there (its ``summary.json`` counts those steps): it would train nothing (a run its
-    data ended, resumed with more ``trainer.max_steps``). A run that saved that step but died before
-    its end (no summary yet) resumes, to do what ends a run (the export, the summary).
+    that finished there (its ``summary.json`` says the data ended it after those steps): it would
+    train nothing (a run its data ended, resumed with more ``trainer.max_steps``). A run that saved
+    that step but died before its end (no summary, or one an exception wrote) resumes, to do what
+    ends a run (the export, the summary).
 
     Raises:
         ConfigError: naming what ends the data and the new run that trains on from these weights.
@@ -250,7 +251,8 @@ def check_not_spent(length: RunLength, ckpt_path: Path | None) -> None:
         return
     summary = RunDir.of_checkpoint(ckpt_path).summary
     try:
-        finished = json.loads(summary.read_text()).get("steps", 0) >= step
+        ended = json.loads(summary.read_text())
+        finished = ended.get("stopped_by") == DATA_EXHAUSTED and ended.get("steps", 0) >= step
     except (OSError, ValueError, AttributeError):  # no summary (the run died first), or not one plait wrote
         finished = False
     if not finished:

@@ -249,6 +249,9 @@ def test_a_resume_where_the_data_ends_is_refused(tmp_path) -> None:
     reason = "data.sources.mine is spent after max_epochs=1.0 (8 steps); raise +data.sources.mine.max_epochs"
     # the run saved step 8 and died before its end (no summary.json): a resume does what ends the run
     check_not_spent(RunLength(100000, 8, DATA_EXHAUSTED, reason), ckpt)
+    # ... also when the exception that ended it wrote the summary (an export that failed at the end)
+    (tmp_path / "run" / "summary.json").write_text(json.dumps({"steps": 8, "stopped_by": "interrupted"}))
+    check_not_spent(RunLength(100000, 8, DATA_EXHAUSTED, reason), ckpt)
     (tmp_path / "run" / "summary.json").write_text(json.dumps({"steps": 8, "stopped_by": "data_exhausted"}))
     with pytest.raises(ConfigError) as err:
         check_not_spent(RunLength(100000, 8, DATA_EXHAUSTED, reason), ckpt)
