@@ -10,8 +10,10 @@ import re
 import pytest
 
 from trainer.config import ConfigError
-from trainer.rest.driver import GuidedReST, problems
+from trainer.rest.driver import GuidedReST
+from trainer.rest.problems import problems
 from trainer.rest.rollouts import Trace, keep, sample_traces
+from trainer.rest.run_dir import check_run_dir
 from trainer.rest.sos import search_trace, verify
 
 
@@ -110,19 +112,18 @@ def test_bad_options_are_refused_with_their_fix(change, fix):
 def test_a_run_directory_with_rounds_needs_resume_and_resume_needs_rounds(tmp_path):
     from omegaconf import OmegaConf
 
-    driver = GuidedReST(problems={"train": 10, "held_out": 5}, searcher={})
     (tmp_path / "old" / "round_0").mkdir(parents=True)
     with pytest.raises(ConfigError, match="continue it with resume=last"):
-        driver.check_run_dir(OmegaConf.create({"resume": None}), tmp_path / "old")
+        check_run_dir(OmegaConf.create({"resume": None}), tmp_path / "old")
     with pytest.raises(ConfigError, match="holds no ReST round to resume"):
-        driver.check_run_dir(OmegaConf.create({"resume": "last"}), tmp_path / "new")
+        check_run_dir(OmegaConf.create({"resume": "last"}), tmp_path / "new")
     with pytest.raises(ConfigError, match="resumes its own run directory"):
-        driver.check_run_dir(OmegaConf.create({"resume": "runs/x"}), tmp_path / "old")
-    driver.check_run_dir(OmegaConf.create({"resume": "last"}), tmp_path / "old")
+        check_run_dir(OmegaConf.create({"resume": "runs/x"}), tmp_path / "old")
+    check_run_dir(OmegaConf.create({"resume": "last"}), tmp_path / "old")
     OmegaConf.save({"resume": None, "rest": {"samples": 4}}, tmp_path / "old" / "config.yaml")
-    driver.check_run_dir(OmegaConf.create({"resume": "last", "rest": {"samples": 4}}), tmp_path / "old")
+    check_run_dir(OmegaConf.create({"resume": "last", "rest": {"samples": 4}}), tmp_path / "old")
     with pytest.raises(ConfigError, match=r"rest\.samples: 4 when .* started, 2 now") as err:
-        driver.check_run_dir(OmegaConf.create({"resume": "last", "rest": {"samples": 2}}), tmp_path / "old")
+        check_run_dir(OmegaConf.create({"resume": "last", "rest": {"samples": 2}}), tmp_path / "old")
     assert (
         err.value.problems[-1]
         == f"plait resume {tmp_path / 'old'} continues it with the config it started with, nothing typed again"
@@ -153,17 +154,16 @@ def test_a_resume_compares_a_recorded_relative_path_as_the_file_it_names(tmp_pat
     resume's config holds it absolute (`trainer.data.config_paths.absolute_paths`): the same file, no refusal."""
     from omegaconf import OmegaConf
 
-    driver = GuidedReST(problems={"train": 10, "held_out": 5}, searcher={})
     tmp_path = tmp_path.resolve()
     (tmp_path / "old" / "round_0").mkdir(parents=True)
     (tmp_path / "tok.json").write_text("{}")
     (tmp_path / "other.json").write_text("{}")
     monkeypatch.chdir(tmp_path)
     OmegaConf.save({"resume": None, "data": {"tokenizer": "tok.json"}}, tmp_path / "old" / "config.yaml")
-    driver.check_run_dir(
+    check_run_dir(
         OmegaConf.create({"resume": "last", "data": {"tokenizer": str(tmp_path / "tok.json")}}), tmp_path / "old"
     )
     with pytest.raises(ConfigError, match=r"data\.tokenizer: tok\.json when .* started, .*other\.json now"):
-        driver.check_run_dir(
+        check_run_dir(
             OmegaConf.create({"resume": "last", "data": {"tokenizer": str(tmp_path / "other.json")}}), tmp_path / "old"
         )

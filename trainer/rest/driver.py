@@ -34,7 +34,6 @@ import copy
 import ctypes
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -48,16 +47,16 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from strategies.core.resolved import ResolvedRun
 from trainer.budget.driver import DriverError
 from trainer.config import ConfigError
-from trainer.data.paths import absolute, is_path_key
 from trainer.export import trained_chat_template
 from trainer.init_from import load_init_from
+from trainer.rest.problems import problems
 from trainer.rest.report import plot, table
-from trainer.rest.rollouts import Generator, keep, prompt_message, sample_traces, solve_rates
-from trainer.rest.sos import make_problem, search_trace
+from trainer.rest.rollouts import Generator, keep, sample_traces, solve_rates
+from trainer.rest.run_dir import check_run_dir, write_json, write_traces
+from trainer.rest.sos import search_trace
 from trainer.rundir import RunDir, load_run_model
 
 ARMS = ("guided", "unguided")
-DIFFICULTY = ("count", "high", "max_target")  # make_problem's knobs
 PROMPT_ROOM = 64  # tokens of a row kept for the chat-rendered prompt (about 30 with a round-0 BPE)
 
 
@@ -76,84 +75,6 @@ def _die_with_parent() -> None:
     driver leaves no fit running into the run directory it resumes."""
     if _LIBC is not None:
         _LIBC.prctl(1, signal.SIGKILL)
-
-
-def problems(seed: int, *, train: int, held_out: int, **difficulty: Any) -> tuple[list[dict], list[dict]]:
-    """Distinct training and held-out problems (no held-out problem's numbers and target among the
-    training ones), drawn from ``seed`` with `make_problem`'s difficulty knobs.
-
-    Raises:
-        ConfigError: the difficulty has too few distinct problems (no new one in a row of 10 draws
-            per problem asked for).
-    """
-    unknown = sorted(set(difficulty) - set(DIFFICULTY))
-    if unknown:
-        raise ConfigError([f"rest.problems.{k}: not a difficulty knob; use {', '.join(DIFFICULTY)}" for k in unknown])
-    rng, seen, out, misses = random.Random(f"rest-{seed}"), set(), [], 0
-    while len(out) < train + held_out:
-        p = make_problem(rng, **difficulty)
-        key = (tuple(sorted(p["numbers"])), p["target"])
-        if key in seen:
-            misses += 1
-            if misses > 10 * (train + held_out):
-                raise ConfigError(
-                    [
-                        f"rest.problems: {len(out)} distinct problems found of the {train + held_out} asked for "
-                        f"(train {train} + held_out {held_out}) at {difficulty}; lower rest.problems.train, or raise "
-                        "rest.problems.high or rest.problems.max_target"
-                    ]
-                )
-            continue
-        seen.add(key)
-        out.append(p)
-        misses = 0
-    return out[:train], out[train:]
-
-
-def _write_json(path: Path, value: Any) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(value, indent=1) + "\n")
-    os.replace(tmp, path)  # a kill leaves the old file or the new one, never half of one
-
-
-def _write_traces(path: Path, problem_list: Sequence[dict], records: Sequence[dict]) -> None:
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w") as f:
-        for r in records:
-            p = problem_list[r["problem"]]
-            row = {
-                "prompt": prompt_message(p),
-                "completion": r["text"],
-                **r,
-                "numbers": p["numbers"],
-                "target": p["target"],
-            }
-            f.write(json.dumps(row) + "\n")
-    os.replace(tmp, path)
-
-
-def _changed(saved: DictConfig, cfg: DictConfig) -> list[tuple[str, Any, Any]]:
-    """``(key, saved value, value now)`` of every leaf that differs, but those that do not change
-    what the rounds compute (``run_dir``, ``resume``, the progress bar, the cache folder); a local
-    path compares as the file it names (a run started before paths were made absolute recorded
-    them as typed: `trainer.data.paths.absolute`)."""
-    ignore = ("run_dir", "resume", "trainer.enable_progress_bar", "data.cache_dir")
-
-    def leaves(node: Any, prefix: str = "") -> dict[str, Any]:
-        if isinstance(node, dict):
-            return {k: v for key, sub in node.items() for k, v in leaves(sub, f"{prefix}{key}.").items()}
-        return {prefix[:-1]: node}
-
-    before = leaves(OmegaConf.to_container(saved, resolve=True))
-    now = leaves(OmegaConf.to_container(cfg, resolve=True))
-    keys = sorted(set(before) | set(now))
-    return [
-        (k, before.get(k), now.get(k))
-        for k in keys
-        if k not in ignore
-        and before.get(k) != now.get(k)
-        and not (is_path_key(k) and absolute(before.get(k)) == absolute(now.get(k)))
-    ]
 
 
 class GuidedReST:
@@ -308,7 +229,7 @@ class GuidedReST:
         if path.is_file():
             return json.loads(path.read_text())
         result = solve_rates(self.generator(round_dir / "train"), held_out, self.budgets)
-        _write_json(path, result)
+        write_json(path, result)
         return result
 
     def symbolic_traces(self, round_dir: Path, train: list[dict]) -> dict:
@@ -319,14 +240,14 @@ class GuidedReST:
         for i, p in enumerate(train):
             text, solved = search_trace(p["numbers"], p["target"], **self.searcher)
             records.append({"problem": i, "sample": 0, "text": text, "guided": 0, "valid": True, "solved": solved})
-        _write_traces(round_dir / "traces.jsonl", train, [r for r in records if r["solved"]])
+        write_traces(round_dir / "traces.jsonl", train, [r for r in records if r["solved"]])
         stats = {
             "sampled": len(records),
             "solved": sum(r["solved"] for r in records),
             "kept": sum(r["solved"] for r in records),
         }
         stats["mean_chars"] = sum(len(r["text"]) for r in records if r["solved"]) / max(stats["kept"], 1)
-        _write_json(round_dir / "stats.json", stats)
+        write_json(round_dir / "stats.json", stats)
         return stats
 
     def model_traces(
@@ -346,8 +267,8 @@ class GuidedReST:
             guidance_iterations=self.guidance_iterations if guided else 0,
         )
         kept = keep(traces, max_per_problem=self.max_per_problem)
-        _write_traces(round_dir / "traces.jsonl", train, [t.record() for t in kept])
-        _write_traces(round_dir / "sampled.jsonl", train, [t.record() for t in traces])
+        write_traces(round_dir / "traces.jsonl", train, [t.record() for t in kept])
+        write_traces(round_dir / "sampled.jsonl", train, [t.record() for t in traces])
         stats = {
             "sampled": len(traces),
             "valid": sum(t.valid for t in traces),
@@ -358,38 +279,14 @@ class GuidedReST:
             "mean_tokens_kept": sum(t.tokens for t in kept) / max(len(kept), 1),
             "mean_tokens": sum(t.tokens for t in traces) / len(traces),
         }
-        _write_json(round_dir / "stats.json", stats)
+        write_json(round_dir / "stats.json", stats)
         return stats
 
     # ---------------------------------------------------------------------------------- the loop
-    def check_run_dir(self, cfg: DictConfig, run_dir: Path) -> None:
-        started = (run_dir / "round_0").exists()
-        if cfg.resume is None and started:
-            raise ConfigError(
-                [f"run_dir={run_dir} already holds ReST rounds; continue it with resume=last, or choose a new run_dir"]
-            )
-        if cfg.resume is not None and cfg.resume != "last":
-            raise ConfigError(
-                [f"resume={cfg.resume}: a ReST run resumes its own run directory; use resume=last run_dir=<the run>"]
-            )
-        if cfg.resume == "last" and not started:
-            raise ConfigError([f"run_dir={run_dir} holds no ReST round to resume; drop resume to start fresh"])
-        if cfg.resume == "last" and (run_dir / "config.yaml").is_file():
-            changed = _changed(OmegaConf.load(run_dir / "config.yaml"), cfg)
-            if changed:
-                raise ConfigError(
-                    [
-                        f"{key}: {old} when {run_dir} started, {new} now; a resumed ReST run continues with its own "
-                        f"config (resume=last {key}={old}), or start a new run_dir"
-                        for key, old, new in changed
-                    ]
-                    + [f"plait resume {run_dir} continues it with the config it started with, nothing typed again"]
-                )
-
     def run(self, cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
         """Every round of every arm, then ``rest.json``, ``rest.png`` and the printed table."""
         run_dir = Path(run_dir)
-        self.check_run_dir(cfg, run_dir)
+        check_run_dir(cfg, run_dir)
         train, held_out = problems(cfg.seed, **self.problem_args)
         say = lambda line: print(f"plait: rest: {line}", file=sys.stderr, flush=True)
         report: dict[str, Any] = {"arms": {}, "budgets": self.budgets, "problems": self.problem_args}
@@ -467,7 +364,7 @@ class GuidedReST:
                     }
                 )
                 previous = round_dir / "train"
-        _write_json(run_dir / "rest.json", report)
+        write_json(run_dir / "rest.json", report)
         plot(report, run_dir / "rest.png")
         print(table(report))
         return report
