@@ -18,7 +18,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from harness import compose_config, env_with_tests, fit
+from harness import env_with_tests
 
 from strategies.runtime.host_allocator import is_glibc
 
@@ -98,6 +98,14 @@ def test_a_cpu_fit_keeps_freed_blocks_unless_told_otherwise(
     ]
     if allocator is not None:
         overrides.append(f"strategy.cpu_allocator={allocator}")
-    _, task = fit(compose_config(overrides), tmp_path)
-    (record,) = [h["malloc"] for h in task.history if "malloc" in h]
+    # From a fresh interpreter: a forked rank inherits what mallopt an earlier fit set in the pytest
+    # process (a learning-tier entry of one device trains in it), which system does not undo.
+    code = (
+        f"import json, sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\nfrom pathlib import Path\n"
+        f"from harness import compose_config, fit\n_, task = fit(compose_config({overrides!r}), Path({str(tmp_path)!r}))\n"
+        "print('PROBE ' + json.dumps([h['malloc'] for h in task.history if 'malloc' in h]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env_with_tests(), capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (record,) = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("PROBE "))[6:])
     assert (record["mapped_mib"] >= 64) is mapped, record
