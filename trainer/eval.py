@@ -23,7 +23,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,12 +32,6 @@ from omegaconf import OmegaConf
 from trainer.compose import compose_command, fail
 
 EVAL_DIR = "eval"
-
-
-def step_of(checkpoint: Path) -> int | None:
-    """The optimizer step of a ``step_N`` checkpoint directory (None for another name)."""
-    match = re.fullmatch(r"step_0*(\d+)", checkpoint.name)
-    return int(match.group(1)) if match else None
 
 
 def write_scores(
@@ -148,7 +141,9 @@ def main(argv: list[str]) -> None:
         manager=manager,
     )
     print(lm_eval_table(results))
+    from trainer.checkpoint_step import name_step  # lazy: torch and DCP, loaded by now
+
     checkpoint = Path(run.checkpoint)
     settings = {"limit": cfg.limit, "num_fewshot": cfg.num_fewshot, "max_length": lm.max_length}
-    path = write_scores(run.run.path, checkpoint.name, step_of(checkpoint), scores, results.get("results"), settings)
+    path = write_scores(run.run.path, checkpoint.name, name_step(checkpoint), scores, results.get("results"), settings)
     print(f"plait: scores written to {path}", file=sys.stderr)
