@@ -55,7 +55,7 @@ def planner_inputs(cfg: DictConfig, run: ResolvedRun) -> tuple[ModelShape, Layou
         )
     strategy = build_strategy(cfg.strategy, run=run)  # its plugins' knobs (as trainer.build.build_strategy)
     workload = workload_of(run, strategy, float8=cfg.planner.float8, async_tp=cfg.planner.async_tp)
-    return run.shape, layout_of(run, strategy), workload
+    return run.shape, layout_of(run, strategy, workload), workload
 
 
 def check_memory(cfg: DictConfig, run: ResolvedRun) -> None:

@@ -141,7 +141,7 @@ def pp_split_points(cfg: DictConfig, run: ResolvedRun, strategy: MeshStrategy) -
         cluster = Cluster(device="cuda" if gpu else "cpu")
     float8, async_tp = (bool(OmegaConf.select(cfg, f"planner.{key}", default=False)) for key in ("float8", "async_tp"))
     workload = workload_of(run, strategy, float8=float8, async_tp=async_tp)
-    return tuple(auto_split_points(run.shape, layout_of(run, strategy), workload, cluster))
+    return tuple(auto_split_points(run.shape, layout_of(run, strategy, workload), workload, cluster))
 
 
 def _row_kind(data: Any) -> str | None:

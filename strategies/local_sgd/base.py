@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -85,6 +86,26 @@ def flat_messages(
     return messages
 
 
+@dataclass(frozen=True)
+class IslandCost:
+    """What a local-SGD layout costs beside its islands' own steps, as the planner counts it
+    (`strategies.planner`; the steady state: warm-ups and cool-downs that synchronise every step are
+    not averaged in).
+
+    Attributes:
+        label: the algorithm and its periods, as a plan prints them (``diloco H=100``).
+        exchanged: parameter-sized messages each rank all-reduces across the islands per inner step,
+            on average, in units of its local parameters' bytes (DDP's gradient all-reduce every step
+            is 1.0; DiLoCo's pseudo-gradient every H steps 1 / H).
+        kept: parameter-sized tensors each rank keeps beside the model and its inner optimizer, in the
+            same units (DiLoCo: its anchors and the outer optimizer's momentum, 2).
+    """
+
+    label: str
+    exchanged: float
+    kept: float = 0.0
+
+
 class LocalSGD(StrategyPlugin):
     """Base of the local-SGD plugins; a subclass implements `sync` (and saves what it adds).
 
@@ -143,6 +164,17 @@ class LocalSGD(StrategyPlugin):
         sent = self.sync(optimizer, self.step)
         self.bytes_sent += sent
         return {"comm/bytes_sent": sent, "comm/bytes_sent_total": self.bytes_sent}
+
+    def cost(self, *, optimizer_states: int, param_bytes: int) -> IslandCost:
+        """What the planner counts for this algorithm (`IslandCost`); ``optimizer_states``: the inner
+        optimizer's parameter-sized states (AdamW 2), ``param_bytes``: bytes per parameter element
+        (4 for fp32). The base's: an average of the parameters after
+        every step, nothing kept (a subclass with another period or state overrides it)."""
+        return IslandCost(label=type(self).__name__.lower(), exchanged=1.0)
+
+    def kept_tensors(self) -> list[torch.Tensor]:
+        """The tensors `cost`'s ``kept`` counts, as this rank holds them (`strategies.planner.measure`)."""
+        return []
 
     def sync(self, optimizer: torch.optim.Optimizer, step: int) -> float:
         """Synchronises what is due after inner step ``step`` (1-based); returns the bytes this rank sent."""

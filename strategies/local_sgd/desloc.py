@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 from typing_extensions import override
 
-from strategies.local_sgd.base import LocalSGD, average_, local
+from strategies.local_sgd.base import IslandCost, LocalSGD, average_, local
 
 if TYPE_CHECKING:
     from strategies.core.resolved import ResolvedRun
@@ -89,6 +89,13 @@ class DESLOC(LocalSGD):
                 f"exp_avg/exp_avg_sq for every parameter; use optim=adamw (or strategy=diloco / strategy=hierarchical for SGD and Muon)"
             )
         return problems
+
+    @override
+    def cost(self, *, optimizer_states: int, param_bytes: int) -> IslandCost:
+        """The parameters every K_x steps, the two moments every K_u and K_v (in the parameters' dtype)."""
+        every = self.every
+        label = f"desloc Kx={every['param']} Ku={every['exp_avg']} Kv={every['exp_avg_sq']}"
+        return IslandCost(label=label, exchanged=sum(1 / period for period in every.values()))
 
     def run_length(self, total_steps: int) -> None:
         """Says when the run ends before its first parameter average or between two."""

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from typing_extensions import override
 
-from strategies.local_sgd.base import LocalSGD
+from strategies.local_sgd.base import IslandCost, LocalSGD
 
 if TYPE_CHECKING:
     from strategies.core.resolved import ResolvedRun
@@ -106,6 +106,25 @@ class DiLoCo(LocalSGD):
                 f"(step {first}; strategy.local_sgd.sync_every={self.sync_every}): the islands never synchronise; "
                 "lower strategy.local_sgd.sync_every"
             )
+
+    @override
+    def cost(self, *, optimizer_states: int, param_bytes: int) -> IslandCost:
+        """Each fragment's pseudo-gradient once per H steps (the whole model per H), in the parameters'
+        dtype; kept: the anchors and the outer optimizer's states (counted on one probe parameter)."""
+        probe = nn.Parameter(torch.zeros(2))
+        probe.grad = torch.ones(2)
+        outer = self.outer_optimizer_fn([probe])
+        outer.step()
+        states = sum(isinstance(v, torch.Tensor) and v.shape == probe.shape for v in outer.state[probe].values())
+        fragments = f" fragments={self.num_fragments}" if self.num_fragments > 1 else ""
+        return IslandCost(
+            label=f"diloco H={self.sync_every}{fragments}", exchanged=1 / self.sync_every, kept=1 + states
+        )
+
+    def kept_tensors(self) -> list[torch.Tensor]:
+        """The tensors `cost`'s ``kept`` counts: the anchors and the outer optimizer's state."""
+        outer = [v for s in self.outer.state.values() for v in s.values()] if self.outer is not None else []
+        return [*self.anchors.values(), *(v for v in outer if isinstance(v, torch.Tensor))]
 
     def setup(self, model: nn.Module, *, group: dist.ProcessGroup | None) -> None:
         super().setup(model, group=group)

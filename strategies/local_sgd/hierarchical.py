@@ -37,7 +37,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from strategies.local_sgd.base import LocalSGD, allreduce_bytes_sent, flat_messages, local
+from strategies.local_sgd.base import IslandCost, LocalSGD, allreduce_bytes_sent, flat_messages, local
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -149,6 +149,17 @@ class Hierarchical(LocalSGD):
             finite = torch.isfinite(loss)
             self.window_sum = self.window_sum + torch.where(finite, loss, torch.zeros_like(loss))
             self.window_steps = self.window_steps + finite.long()
+
+    def cost(self, *, optimizer_states: int, param_bytes: int) -> IslandCost:
+        """The parameters every B steps in ``global_dtype``; kept while a message is in flight (S > 0):
+        its flat sum. B and S as configured (``adaptive`` changes them during the run)."""
+        share = DTYPES[self.global_dtype].itemsize / param_bytes
+        label = f"daso B={self.sync_every} S={self.delay}" + (" adaptive" if self.adaptive else "")
+        return IslandCost(label=label, exchanged=share / self.sync_every, kept=share if self.delay else 0.0)
+
+    def kept_tensors(self) -> list[torch.Tensor]:
+        """The flat sums of a message in flight (`cost`'s ``kept``); none between messages."""
+        return [flat for flat, _ in self.in_flight[3]] if self.in_flight is not None else []
 
     def run_length(self, total_steps: int) -> None:
         """The run's planned steps: the cool-down's ``total_steps`` unless the config set it."""

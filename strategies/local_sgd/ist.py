@@ -50,7 +50,7 @@ from torch import nn
 from typing_extensions import override
 
 from strategies.checkpoint.async_save import AsyncWriter
-from strategies.local_sgd.base import LocalSGD, average_, flat_messages
+from strategies.local_sgd.base import IslandCost, LocalSGD, average_, flat_messages
 from strategies.muon import Muon
 
 if TYPE_CHECKING:
@@ -146,6 +146,13 @@ class IST(LocalSGD):
         self.float8 = plugins.get("float8")
 
     # ------------------------------------------------------------------------------ validate
+    @override
+    def cost(self, *, optimizer_states: int, param_bytes: int) -> IslandCost:
+        """Once per round of L steps: the parameters (shared ones averaged, units gathered) and the
+        units' optimizer states, counted as the whole model with its states, (1 + states) / L (an
+        upper bound: the shared parameters' states stay put)."""
+        return IslandCost(label=f"ist L={self.sync_every}", exchanged=(1 + optimizer_states) / self.sync_every)
+
     @override
     def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
         problems = super().problems(run, shape)

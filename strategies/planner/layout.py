@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from strategies.core.resolved import ResolvedRun
+from strategies.local_sgd.base import LocalSGD
 from strategies.local_sgd.ist import IST
 from strategies.muon import Muon
 
@@ -39,6 +40,10 @@ class Layout:
     ``split_points`` the first layer of every pipeline stage but the first (None: by layer count).
     ``ist_islands``: Independent Subnet Training (strategy=ist) keeps 1 / ist_islands of every
     dense MLP's hidden units on each rank (1: off).
+    ``local_sgd``: the local-SGD algorithm whose islands the dp_replicate ranks are (its
+    `strategies.local_sgd.base.IslandCost` label; "": none, plain data parallel), with
+    ``replica_exchange`` (parameter-sized all-reduces across dp_replicate per step: 1.0 is a
+    gradient all-reduce every step) and ``replica_kept`` (parameter-sized tensors it keeps per rank).
     """
 
     dp_replicate: int = 1
@@ -58,6 +63,9 @@ class Layout:
     ep: int = 1
     split_points: tuple[int, ...] | None = None
     ist_islands: int = 1
+    local_sgd: str = ""
+    replica_exchange: float = 1.0
+    replica_kept: float = 0.0
 
     @property
     def world_size(self) -> int:
@@ -117,7 +125,8 @@ class Layout:
             text += f" {self.pp_schedule}" + (f"/v{self.stages_per_rank}" if self.stages_per_rank > 1 else "")
         if self.cp > 1:
             text += f" {self.cp_mode}"
-        return text + (f" ep{self.ep}" if self.ep > 1 else "")
+        text += f" ep{self.ep}" if self.ep > 1 else ""
+        return text + (f" ({self.local_sgd})" if self.local_sgd else "")
 
 
 @dataclass(frozen=True)
@@ -179,9 +188,14 @@ def optimizer_kind(optimizer: Callable[..., torch.optim.Optimizer] | None) -> st
     return "sgd_momentum" if state.get("momentum_buffer") is not None else "sgd"
 
 
-def layout_of(run: ResolvedRun, strategy: Any) -> Layout:
-    """The layout a resolved run trains with, and the knobs of its strategy's plugins (a `MeshStrategy`)."""
+def layout_of(run: ResolvedRun, strategy: Any, work: Workload) -> Layout:
+    """The layout a resolved run trains with, and the knobs of its strategy's plugins (a `MeshStrategy`);
+    ``work`` (`workload_of`) sizes what a local-SGD plugin exchanges and keeps."""
     dims, plugin = run.dims, strategy.plugins
+    local_sgd = plugin.get("local_sgd")
+    island = None
+    if isinstance(local_sgd, LocalSGD) and dims.dp_replicate > 1:
+        island = local_sgd.cost(optimizer_states=OPTIMIZER_STATES[work.optimizer][0], param_bytes=work.param_bytes)
     ac, tp, pipeline = plugin["activation_checkpoint"], plugin["tensor_parallel"], plugin["pipeline"]
     return Layout(
         dp_replicate=dims.dp_replicate,
@@ -200,7 +214,10 @@ def layout_of(run: ResolvedRun, strategy: Any) -> Layout:
         loss_parallel=tp.loss_parallel,
         ep=plugin["expert_parallel"].ep,
         split_points=run.pp_split_points,
-        ist_islands=dims.dp_replicate if isinstance(plugin.get("local_sgd"), IST) else 1,
+        ist_islands=dims.dp_replicate if isinstance(local_sgd, IST) else 1,
+        local_sgd=island.label if island is not None else "",
+        replica_exchange=island.exchanged if island is not None else 1.0,
+        replica_kept=island.kept if island is not None else 0.0,
     )
 
 

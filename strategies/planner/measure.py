@@ -128,7 +128,8 @@ class MemoryProbe(L.Callback):
         opt = trainer.optimizers[0]
         opt = getattr(opt, "_optimizer", opt)
         state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        self._out["optimizer"] = storage_bytes(state)
+        local_sgd = getattr(trainer.strategy, "plugins", {}).get("local_sgd")  # its anchors, outer state
+        self._out["optimizer"] = storage_bytes([*state, *(local_sgd.kept_tensors() if local_sgd else [])])
         path = Path(self.dirpath or trainer.default_root_dir) / f"memory_rank{trainer.global_rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self._out))

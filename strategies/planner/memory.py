@@ -94,11 +94,13 @@ def state_bytes(shape: ModelShape, layout: Layout, work: Workload, rank: int) ->
 
     Gradients live in FSDP2's padded reduce-scatter buffers (or, without FSDP, tensors shaped like
     the parameters; a vocabulary-sharded embedding's gradient is whole on every tp rank, see
-    `ParamSpec`); optimizer states are ``zeros_like`` the unpadded shard.
+    `ParamSpec`); optimizer states are ``zeros_like`` the unpadded shard, and so are the tensors a
+    local-SGD algorithm keeps beside them (``Layout.replica_kept`` of them: DiLoCo's anchors and
+    outer momentum), counted with the optimizer's.
     """
     c = rank_coords(layout, rank)
     shard_index = c["dp_shard"] * layout.cp + c["cp"]
-    params = grads = optim = 0
+    params = grads = optim = kept = 0
     for p, count in rank_param_counts(shape, layout, c["pp"]):
         numel, padded = local_numel(p, layout, shard_index)
         if is_ist_unit(p, shape, layout):
@@ -109,7 +111,8 @@ def state_bytes(shape: ModelShape, layout: Layout, work: Workload, rank: int) ->
         muon = work.optimizer == "muon" and takes_muon(p.name, len(p.shape))
         n_states, has_step = MUON_MATRIX_STATES if muon else OPTIMIZER_STATES[work.optimizer]
         optim += count * (n_states * numel * work.param_bytes + (4 if has_step else 0))
-    return params, grads, optim
+        kept += count * numel
+    return params, grads, optim + round(layout.replica_kept * kept * work.param_bytes)
 
 
 def is_ist_unit(p: ParamSpec, shape: ModelShape, layout: Layout) -> bool:

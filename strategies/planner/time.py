@@ -14,7 +14,10 @@ at HBM bandwidth, and a per-layer dispatch overhead (CPU eager; DTensor layouts 
 and Ulysses-parallel collectives are exposed (async TP hides a fraction); ring attention's k/v passes hide
 under the attention; FSDP's gathers and reduce-scatters hide under the compute except one layer's
 worth (on CPU ranks nothing hides: gloo runs on the cores that compute). The pipeline adds its
-bubble and stage-to-stage sends; the optimizer streams its state.
+bubble and stage-to-stage sends; the optimizer streams its state. A local-SGD layout's islands
+(``Layout.local_sgd``) skip the per-step all-reduce across dp_replicate: their exchanges (DiLoCo's
+pseudo-gradient every H steps, DES-LOC's parameters and moments, ...) run after a step, blocking,
+and count at their average per step (``Layout.replica_exchange``; Douillard et al. 2023).
 """
 
 from __future__ import annotations
@@ -290,12 +293,17 @@ def predict_time(shape: ModelShape, layout: Layout, work: Workload, cluster: Clu
             gathers = 2 * m  # forward and backward of every micro-batch
             comm += _collective(gathers * gathered * a * (s - 1) / s, gathers * (n_layers + 1), bw, cluster)
             comm += _collective(gathered * work.param_bytes * (s - 1) / s, n_layers + 1, bw, cluster)
+        replica = 0.0
         if r > 1:
             bw_r = axis_bandwidth(layout, cluster, ("dp_replicate",))
-            comm += _collective(2 * params_rank / s * work.param_bytes * (r - 1) / r, n_layers + 1, bw_r, cluster)
+            replica = _collective(2 * params_rank / s * work.param_bytes * (r - 1) / r, n_layers + 1, bw_r, cluster)
+            if not layout.local_sgd:
+                comm += replica
         # Prefetched under compute; one layer's worth (the first gather, the last reduction) shows.
         # On CPU ranks (gloo) the same cores compute and communicate: nothing hides.
         fsdp_comm = comm if cluster.cores is not None else max(0.0, comm - compute) + comm / max(n_layers, 1)
+        if layout.local_sgd:  # the islands' exchanges, every so many steps, after a step: blocking, amortised
+            fsdp_comm += replica * layout.replica_exchange
 
     pp_bubble = pp_comm = 0.0
     if layout.pp > 1:

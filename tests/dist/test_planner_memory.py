@@ -8,7 +8,8 @@ state (after it), and the tensors autograd saves for backward per micro-batch
 (``strategies.planner``); two of them with QK-norm (OLMo 2 under tp, a Qwen3-style nano under
 FSDP), two Gemma 3 (sandwich norms, a windowed block, a tied head under tp), two DeepSeek-V3 (latent
 attention, whole on each rank under tp with AdamW's groups split by tensor kind; a dense first
-block, shared and group-routed experts). Two GPT-OSS (sinks sharded by head under tp, q/k/v/o biases, biased clamped-SwiGLU experts). Parameters, gradients and optimizer state must match exactly;
+block, shared and group-routed experts). Two GPT-OSS (sinks sharded by head under tp, q/k/v/o biases, biased clamped-SwiGLU experts). Two local-SGD
+layouts (DiLoCo's anchors and outer momentum, DASO's message in flight: counted with the optimizer's state). Parameters, gradients and optimizer state must match exactly;
 activations within 5% (the batch's id and label tensors are shared by its micro-batches).
 """
 
@@ -61,6 +62,29 @@ LAYOUTS = {
     # first block, experts with biases and the clamped SwiGLU
     "gpt_oss_fsdp2": ([*GPT_OSS_SMALL, "strategy=fsdp", "trainer.devices=2", "train.micro_batch_size=2"], 2),
     "gpt_oss_tp2": ([*GPT_OSS_SMALL, "strategy=tp", "trainer.devices=2", "train.micro_batch_size=4"], 2),
+    # local SGD, 2 islands of FSDP over 2 ranks: DiLoCo's anchors and outer momentum (an outer step after
+    # every step, so the momentum exists at the measured one), DASO's bf16 message in flight (delay 1)
+    "diloco2x2": (
+        [
+            "strategy=diloco",
+            "strategy.dp_shard=2",
+            "strategy.local_sgd.sync_every=1",
+            "trainer.devices=4",
+            "train.micro_batch_size=2",
+        ],
+        1,
+    ),
+    "daso2x2": (
+        [
+            "strategy=hierarchical",
+            "strategy.local_sgd.sync_every=1",
+            "strategy.local_sgd.delay=1",
+            "strategy.local_sgd.global_dtype=bf16",
+            "trainer.devices=4",
+            "train.micro_batch_size=2",
+        ],
+        1,
+    ),
 }
 
 
@@ -80,7 +104,7 @@ TOLERANCE.update(gpt_oss_fsdp2=0.01, gpt_oss_tp2=0.01)
 TOLERANCE.update(deepseek_v3_fsdp2=0.01, deepseek_v3_tp2=0.01)
 
 
-# Slow: 17 layouts in gloo ranks (~30 s); the planner's arithmetic is in tests/unit/test_planner.py.
+# Slow: 19 layouts in gloo ranks (~30 s); the planner's arithmetic is in tests/unit/test_planner.py.
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_predicted_bytes_match_measured(name, tmp_path):

@@ -286,3 +286,23 @@ def test_the_plan_places_the_command_lines_own_layout() -> None:
     assert lines[-1].endswith(f" of the {fitting + 1} that fit"), (fitting, lines[-1])
     one = compose("pretrain", ["model=nano", "cluster=h100x8"])  # one process against 8 devices: not placed
     assert not plan(one, validate(one)).splitlines()[-1].startswith("your layout")
+
+
+def test_a_local_sgd_layout_is_named_and_exchanges_every_h_steps() -> None:
+    """A DiLoCo layout read 'dp_replicate2' in the plan and was timed as DDP (a gradient all-reduce
+    across the islands every step) without its anchors and outer momentum."""
+    from strategies.planner.time import predict_time
+
+    base = ["model=llama3_8b", "cluster=h100x8", "trainer.devices=8", "train.global_batch_size=8"]
+    cfg = compose("pretrain", [*base, "strategy=diloco", "strategy.dp_replicate=2", "strategy.dp_shard=4"])
+    cfg.strategy.local_sgd.sync_every = 40
+    (shape, layout, work), cluster = _inputs(cfg), cluster_from_config(cfg)
+    assert layout.label() == "dp_replicate2 dp_shard4 (diloco H=40)"
+    assert (layout.replica_exchange, layout.replica_kept) == (1 / 40, 2)  # anchors + Nesterov momentum
+    hsdp = layout.with_(local_sgd="", replica_exchange=1.0, replica_kept=0.0)
+    memory, plain = predict_memory(shape, layout, work), predict_memory(shape, hsdp, work)
+    assert memory.optimizer - plain.optimizer == 2 * plain.params  # fp32, one unpadded shard each
+    islands = predict_time(shape, layout, work, cluster).fsdp_comm
+    every_step = predict_time(shape, hsdp, work, cluster).fsdp_comm
+    assert islands < every_step  # the islands' all-reduce, 1/40 of it per step, against HSDP's every step
+    assert plan(cfg, validate(cfg)).splitlines()[-1].startswith("your layout: dp_replicate2 dp_shard4 (diloco H=40)")
