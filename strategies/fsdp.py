@@ -114,17 +114,29 @@ class FSDP(StrategyPlugin):
         return dims.dp_shard * dims.cp * (1 if islands else dims.dp_replicate) > 1
 
     def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
-        """CPU offload asked for where FSDP shards nothing (`active`: one rank holds each parameter),
-        which would offload nothing in silence; every layout FSDP is applied to can be sharded (the
-        dtypes are checked on construction; ``param_dtype`` without FSDP is the precision's autocast)."""
-        if not self.cpu_offload or self.active(run.dims, islands=run.islands):
+        """Settings that would do nothing in silence where FSDP shards nothing (`active`: one rank
+        holds each parameter): CPU offload, and a ``param_dtype`` the run's precision does not give
+        either (``trainer=gpu``'s bf16 with ``bf16-mixed`` on one GPU is the autocast's; the dtypes
+        are checked on construction)."""
+        if self.active(run.dims, islands=run.islands):
             return []
         d = run.dims
-        return [
-            f"strategy.fsdp.cpu_offload=true offloads FSDP's shards, but no FSDP shards at this layout (dp_shard={d.dp_shard} "
-            f"x cp={d.cp}{'' if run.islands else f' x dp_replicate={d.dp_replicate}'} = 1 rank per parameter); shard over "
-            "more ranks (strategy=fsdp trainer.devices=N), or strategy.fsdp.cpu_offload=false"
-        ]
+        layout = f"dp_shard={d.dp_shard} x cp={d.cp}{'' if run.islands else f' x dp_replicate={d.dp_replicate}'} = 1 rank per parameter"
+        out = []
+        if self.cpu_offload:
+            out.append(
+                f"strategy.fsdp.cpu_offload=true offloads FSDP's shards, but no FSDP shards at this layout ({layout}); "
+                "shard over more ranks (strategy=fsdp trainer.devices=N), or strategy.fsdp.cpu_offload=false"
+            )
+        given = {"bf16": "bf16", "fp16": "16"}.get(self.param_dtype or "")
+        if given is not None and not str(run.precision).startswith(given):
+            out.append(
+                f"strategy.fsdp.param_dtype={self.param_dtype} casts the parameters FSDP gathers, but no FSDP shards at "
+                f"this layout ({layout}): the run would compute in trainer.precision={run.precision}; for "
+                f"{self.param_dtype} compute set trainer.precision={given}-mixed, or shard over more ranks "
+                "(strategy=fsdp trainer.devices=N), or strategy.fsdp.param_dtype=null"
+            )
+        return out
 
     def shard_module(
         self,

@@ -172,6 +172,20 @@ def test_cpu_offload_where_fsdp_shards_nothing_is_refused() -> None:
     assert not [p for p in _problems("nano", sharded) if "cpu_offload" in p]
 
 
+def test_a_param_dtype_where_fsdp_shards_nothing_is_refused_unless_the_precision_gives_it() -> None:
+    """strategy.fsdp.param_dtype=bf16 on one process trained in fp32, the same losses to every digit (a
+    fresh reviewer): FSDP shards nothing there. trainer=gpu's bf16 with bf16-mixed is the autocast's."""
+    alone = [p for p in _problems("nano", ["strategy.fsdp.param_dtype=bf16"]) if "param_dtype" in p]
+    assert len(alone) == 1 and alone[0].startswith("strategy.fsdp.param_dtype=bf16 casts the parameters FSDP"), alone
+    assert "trainer.precision=32-true; for bf16 compute set trainer.precision=bf16-mixed" in alone[0], alone
+    for fine in (
+        ["strategy.fsdp.param_dtype=bf16", "trainer.precision=bf16-mixed"],
+        ["strategy=fsdp", "trainer.devices=2", "strategy.fsdp.param_dtype=bf16"],
+        ["strategy.fsdp.param_dtype=fp32"],
+    ):
+        assert not [p for p in _problems("nano", fine) if "param_dtype" in p], fine
+
+
 def test_import_notices_a_user_cannot_act_on_are_dropped() -> None:
     """torchao's CUDA extensions that do not load on CPU, bitsandbytes' remote CPU kernel and torch's
     enum notice printed on every LoRA, QLoRA and float8 command (a new user's walkthrough); the
