@@ -38,12 +38,14 @@ of plugins this one does not compose with yet).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from strategies.checkpoint.async_save import AsyncWriter
@@ -142,6 +144,11 @@ class StrategyPlugin:
     def observe_loss(self, step: int, loss: torch.Tensor) -> None:
         """The training loss of optimizer step ``step`` (0-dim, on the device: the token-weighted mean
         over every rank and island, the same value on every rank), before `after_step` (DASO's plateau test)."""
+
+    def say(self, line: str | None) -> None:
+        """Prints ``plait: <line>`` once, on global rank 0 (None: nothing)."""
+        if line is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+            print(f"plait: {line}", file=sys.stderr, flush=True)
 
     def run_length(self, total_steps: int) -> None:
         """The run's planned optimizer steps, told once before training as the LR schedule gets them

@@ -18,7 +18,6 @@ are not.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,11 +212,6 @@ class LocalSGD(StrategyPlugin):
                 f"as a multiple of {every}"
             )
         return None
-
-    def say(self, line: str | None) -> None:
-        """Prints ``plait: <line>`` once, on global rank 0."""
-        if line is not None and (not dist.is_initialized() or dist.get_rank() == 0):
-            print(f"plait: {line}", file=sys.stderr, flush=True)
 
     def after_step(self, model: nn.Module, step: int, optimizer: torch.optim.Optimizer) -> dict[str, float]:
         """`after_optimizer_step`."""

@@ -175,6 +175,13 @@ class SAT(StrategyPlugin):
                 f"strategy.sat with strategy.tp={dims.tp}: SAT's channel slicing of the tensor-parallel MLP "
                 "shards is not implemented; use strategy.tp=1 or strategy.sat=null"
             )
+        dense = shape is None or shape.num_shared_experts or any(not shape.is_moe(i) for i in range(shape.n_layers))
+        if not dense:
+            out.append(
+                "strategy.sat omits hidden channels of dense MLPs (shared experts included), and this model has none: "
+                "every block is a mixture of routed experts, which SAT leaves dense; use a model with dense MLPs "
+                "(or shared experts), or strategy.sat=null"
+            )
         return out
 
     def apply(self, model: nn.Module, meshes: Meshes | None = None) -> None:
@@ -187,6 +194,11 @@ class SAT(StrategyPlugin):
         if not self.mlps and any(True for _ in model.parameters()):
             raise ValueError(
                 f"strategy.sat: {type(model).__name__} has no MLP with keep_channels(); use strategy.sat=null"
+            )
+        if moe := sum(1 for m in model.modules() if isinstance(getattr(m, "experts", None), nn.Module)):
+            self.say(
+                f"warning: strategy.sat sparsifies the {len(self.mlps)} dense MLP(s) only (shared experts included); the "
+                f"routed experts of the {moe} mixture-of-experts block(s) stay dense"
             )
 
     def step_context(self, step: int) -> AbstractContextManager[None]:

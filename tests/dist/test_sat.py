@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness import EXACT_SGD, compose_config, fit, losses, reference_setup
+from harness import EXACT_SGD, MOE_SMALL, compose_config, fit, losses, reference_setup
 from strategies.transforms.sat import SAT, kept_channels
 from trainer.data.packing import IGNORE_INDEX
 
@@ -209,3 +209,21 @@ def test_float8_is_refused_by_validate_naming_the_fix():
     ):
         validate(compose_config([*SAT_ON, "strategy.float8.recipe=tensorwise"]))
     validate(compose_config([*SAT_ON, "strategy.float8.recipe=null"]))
+
+
+def test_routed_experts_are_said_and_a_model_without_dense_mlps_is_refused(capsys):
+    """SAT sparsifies dense MLPs and shared experts; GPT-OSS (routed experts only) passed validate and
+    crashed at launch, and on moe_tiny the routed experts stayed dense without a word (a fresh reviewer)."""
+    from strategies.transforms.sat import SAT
+    from trainer.build import build_model
+    from trainer.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match=r"strategy\.sat omits .* this model has none: .* or strategy\.sat=null"):
+        validate(compose_config([*SAT_ON, "model=gpt_oss_tiny"]))
+    cfg = compose_config([*SAT_ON, *MOE_SMALL])  # every block routed, one shared expert each: sparsified
+    model = build_model(cfg, validate(cfg), vocab_size=64)
+    SAT(rate=0.5).apply(model)
+    assert capsys.readouterr().err.strip() == (
+        "plait: warning: strategy.sat sparsifies the 2 dense MLP(s) only (shared experts included); the routed "
+        "experts of the 2 mixture-of-experts block(s) stay dense"
+    )
