@@ -182,7 +182,8 @@ def start(cfg: DictConfig, run_dir: Path, launch: Launch, launching: bool) -> tu
     length = plan_run_length(cfg.trainer.max_steps, data)
     check_not_spent(length, launch.ckpt_path)
     if launching:
-        if (layout := layout_line(launch.run)) is not None:
+        ep = OmegaConf.select(cfg, "strategy.expert_parallel.ep", default=1)
+        if (layout := layout_line(launch.run, ep=ep if isinstance(ep, int) else 1)) is not None:
             _print(layout)
         for line in describe(data):
             _print(line)
@@ -212,15 +213,17 @@ def start(cfg: DictConfig, run_dir: Path, launch: Launch, launching: bool) -> tu
     return trainer, task, data
 
 
-def layout_line(run: ResolvedRun) -> str | None:
+def layout_line(run: ResolvedRun, *, ep: int = 1) -> str | None:
     """The mesh a run of more than one rank trains on, as resolved (``strategy=fsdp_tp`` on 2 ranks is
-    tp=2 with dp_shard=1, ``hsdp`` on 2 plain data parallel: said, not left to config.yaml); None for one."""
+    tp=2 with dp_shard=1, ``hsdp`` on 2 plain data parallel: said, not left to config.yaml), with the
+    expert-parallel degree ``ep`` (its ranks borrowed from dp_shard x cp); None for one rank."""
     if run.world_size <= 1:
         return None
     dims = run.dims
     axes = [f"{axis}={getattr(dims, axis)}" for axis in MESH_AXES if getattr(dims, axis) > 1]
     islands = " (local-SGD islands: dp_replicate)" if run.islands else ""
-    return f"layout: {run.world_size} ranks, {' x '.join(axes)}{islands}"
+    experts = f"; experts over ep={ep} of them" if ep > 1 else ""
+    return f"layout: {run.world_size} ranks, {' x '.join(axes)}{islands}{experts}"
 
 
 def warmup_line(cfg: DictConfig, planned_steps: int) -> str | None:

@@ -208,8 +208,8 @@ def test_the_launch_names_the_mesh_a_run_of_several_ranks_trains_on() -> None:
     from strategies.core.parallel_dims import ParallelDims
     from trainer.run import layout_line
 
-    def line(world: int, islands: bool = False, **degrees: int) -> str | None:
-        return layout_line(SimpleNamespace(world_size=world, dims=ParallelDims(**degrees), islands=islands))
+    def line(world: int, islands: bool = False, ep: int = 1, **degrees: int) -> str | None:
+        return layout_line(SimpleNamespace(world_size=world, dims=ParallelDims(**degrees), islands=islands), ep=ep)
 
     assert line(2, dp_shard=1, tp=2) == "layout: 2 ranks, tp=2"
     assert (
@@ -217,6 +217,8 @@ def test_the_launch_names_the_mesh_a_run_of_several_ranks_trains_on() -> None:
         == "layout: 4 ranks, dp_replicate=2 x dp_shard=2 (local-SGD islands: dp_replicate)"
     )
     assert line(1, dp_shard=1) is None
+    # expert parallelism borrows its ranks from dp_shard x cp: it read 'layout: 2 ranks, dp_shard=2' (a reviewer)
+    assert line(2, ep=2, dp_shard=2) == "layout: 2 ranks, dp_shard=2; experts over ep=2 of them"
 
 
 def test_a_message_during_training_starts_its_own_line(capsys) -> None:
