@@ -48,7 +48,8 @@ from torch.distributed.checkpoint.state_dict import (
 from strategies.checkpoint.async_save import AsyncWriter
 from strategies.checkpoint.finite import non_finite_entry, tensors
 from strategies.checkpoint.manifest import MANIFEST, checkpoint_files, hash_files, verify, write_manifest
-from strategies.checkpoint.safe_load import UnsafePickleError, load_dcp, load_plain, read_dcp_metadata
+from strategies.checkpoint.plain_tensors import plain_state
+from strategies.checkpoint.safe_load import UnsafePickleError, load_dcp, load_plain, read_dcp_metadata, refused
 from strategies.checkpoint.write_failure import attempt_write, write_failure_line
 
 META_FILE = "meta.pt"
@@ -297,6 +298,7 @@ def _dcp_load(state: dict[str, Any], path: Path) -> None:
         load_dcp(state, path)
     except (CheckpointException, Exception) as err:  # DCP's CheckpointException is a BaseException
         causes = [exc for exc, _ in err.failures.values()] if isinstance(err, CheckpointException) else [err]
+        causes = [UnsafePickleError(refused(c)) if type(c) is pickle.UnpicklingError else c for c in causes]
         unsafe = next((c for c in causes if isinstance(c, UnsafePickleError)), None)
         if unsafe is not None:
             raise CheckpointError(
@@ -369,7 +371,7 @@ def load(
 
 
 def _model_state(model: nn.Module, keys: Callable[[str], bool] | None) -> dict[str, Any]:
-    state = get_model_state_dict(model)
+    state = plain_state(get_model_state_dict(model))  # float8 all-gather weights as their own tensors
     return state if keys is None else {k: v for k, v in state.items() if keys(k)}
 
 
@@ -384,7 +386,7 @@ def _state(
     ``namespace``), then ``extra``."""
     state: dict[str, Any] = {"model": _model_state(model, keys)}
     for i, opt in enumerate(optimizers):
-        state[f"optimizer_{i}"] = get_optimizer_state_dict(model, opt, options=_OPTIM_OPTIONS)
+        state[f"optimizer_{i}"] = plain_state(get_optimizer_state_dict(model, opt, options=_OPTIM_OPTIONS))
     if namespace is not None:
         state = {namespace: state}
     return {**state, **(extra or {})}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +122,13 @@ def load_plain(path: str | os.PathLike) -> Any:
     try:
         return torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as err:
-        # torch's message explains how to load unsafely; keep only the line that says what was refused.
-        lines = [line.strip() for line in str(err).splitlines() if "GLOBAL" in line or "Unsupported" in line]
-        raise UnsafePickleError(lines[0] if lines else "holds values a weights-only load refuses") from None
+        raise UnsafePickleError(refused(err)) from None
+
+
+def refused(err: pickle.UnpicklingError) -> str:
+    """What torch's weights-only unpickler refused (its ``Unsupported global`` line): its message
+    goes on to explain how to load unsafely, which plait never does."""
+    if named := re.search(r"GLOBAL ([\w.]+)", str(err)):
+        return f"names {named[1]}, which a weights-only load refuses"
+    lines = [line.strip() for line in str(err).splitlines() if "Unsupported" in line]
+    return lines[0] if lines else "holds values a weights-only load refuses"
