@@ -254,12 +254,27 @@ class Float8(StrategyPlugin):
                 f"and the cast values with it (tensorwise: 3 SGD steps left most of wv's and wo's weights up to 6% off "
                 f"one process); use {fix}"
             )
+        if shape is not None and not self._converted(shape):
+            out.append(
+                f"strategy.float8.recipe={self.recipe} converts no Linear layer of this model (a float8 layer's weight "
+                "dims must be multiples of 16, its weight untied and its name outside strategy.float8.keep_high_precision): "
+                "the run would train in high precision; use dims that are multiples of 16 (model.dim, model.ffn_dim), "
+                "or strategy.float8.recipe=null"
+            )
         if run.adapters:
             out.append(
                 "strategy.float8 does not compose with strategy.lora yet (the adapters wrap plain Linear "
                 "layers); use strategy.float8.recipe=null"
             )
         return out
+
+    def _converted(self, shape: ModelShape) -> list[str]:
+        """The Linear layers of ``shape`` that `apply` would convert (tied weights are not in its params)."""
+        specs = {spec.name: spec for spec in shape.params}
+        return [
+            fqn for fqn in shape.linear_modules
+            if (spec := specs.get(f"{fqn}.weight")) is not None and eligible(fqn, spec.shape, self.keep_high_precision)
+        ]  # fmt: skip
 
     def _kernel_shape_problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
         """What ``torch._scaled_mm`` (the GPU's float8 GEMM) cannot take: its inner and output dims must
@@ -270,12 +285,10 @@ class Float8(StrategyPlugin):
         data.seq_len / cp, pipeline micro-batches included (each holds a micro-batch)."""
         out, tp, cp = [], run.dims.tp, run.dims.cp
         specs = {spec.name: spec for spec in (shape.params if shape is not None else ())}
-        narrow, converted = {}, 0
-        for fqn in shape.linear_modules if shape is not None else ():
-            spec = specs.get(f"{fqn}.weight")  # absent when tied to the embedding (never converted)
-            if spec is None or not eligible(fqn, spec.shape, self.keep_high_precision):
-                continue
-            converted += 1
+        converted = self._converted(shape) if shape is not None else []
+        narrow = {}
+        for fqn in converted:
+            spec = specs[f"{fqn}.weight"]
             local = [n // tp if dim == spec.tp_dim else n for dim, n in enumerate(spec.shape)]
             if any(n % 16 for n in local):
                 narrow.setdefault(re.sub(r"\.\d+\.", ".*.", fqn), tuple(local))
@@ -311,7 +324,8 @@ class Float8(StrategyPlugin):
             self._all_gather = self.recipe == "tensorwise" and sharded and not self.power_of_2_scales
         else:
             self._all_gather = self.fsdp_float8_all_gather and sharded
-        return apply_float8(
+        linear = sum(isinstance(m, nn.Linear) for m in model.modules())
+        chosen = apply_float8(
             model,
             recipe=self.recipe,
             keep_high_precision=self.keep_high_precision,
@@ -319,6 +333,11 @@ class Float8(StrategyPlugin):
             fsdp_float8_all_gather=self._all_gather,
             round_scales_to_power_of_2=self.round_scales_to_power_of_2,
         )
+        how = "emulated in fp32" if emulate else "float8 kernels"
+        self.say(
+            f"float8 ({self.recipe}, {how}): {len(chosen)} of the {linear} Linear layers; the others in high precision"
+        )
+        return chosen
 
     def after_step(self, model: nn.Module, step: int, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The next step's float8 weight scales, from the updated weights (float8 all-gather only)."""

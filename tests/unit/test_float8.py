@@ -262,8 +262,13 @@ def test_validate_refuses_dims_the_gpus_float8_gemm_cannot_take(monkeypatch: pyt
     assert gpu.problems(even, even.shape) == [] == gpu.problems(pp2, pp2.shape) == gpu.problems(cp2, cp2.shape)
     (problem,) = gpu.problems(partial, partial.shape)
     assert "1 row (data.drop_last=false: a last, partial batch" in problem and "or data.drop_last=true" in problem
-    # Nothing converted (every Linear kept in high precision): no GEMM to refuse.
-    assert Float8(recipe="rowwise", accelerator="gpu", keep_high_precision=["*"]).problems(odd, odd.shape) == []
+    # Nothing converted (every Linear kept in high precision): no GEMM to refuse, but a float8 run that
+    # converts nothing is (it trained in high precision without a word: a new user's walkthrough).
+    (problem,) = Float8(recipe="rowwise", accelerator="gpu", keep_high_precision=["*"]).problems(odd, odd.shape)
+    assert problem.startswith("strategy.float8.recipe=rowwise converts no Linear layer of this model"), problem
+    with pytest.raises(ConfigError, match=r"converts no Linear layer .* or strategy\.float8\.recipe=null"):
+        validate(compose("pretrain", ["model=nano", "model.dim=24", "model.n_heads=2", "model.n_kv_heads=1",
+                                      "strategy.float8.recipe=tensorwise"]))  # fmt: skip
 
 
 def test_the_planner_times_the_float8_setting_and_keeps_the_what_if() -> None:
