@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from harness import compose_config, fit, losses
@@ -160,3 +161,20 @@ def test_a_callback_with_problems_is_asked() -> None:
     assert len(unknown) == 1 and unknown[0].startswith(
         "callbacks.lm_eval.tasks: unknown lm-eval task(s) no_such_task; plait's and the include paths' tasks:"
     ), unknown
+
+
+@pytest.mark.parametrize(
+    ("recipe", "override", "refusal"),
+    [
+        ("dpo", "objective.beta=0", "objective.beta=0 must be > 0"),
+        ("ipo", "objective.beta=-1", "objective.beta=-1 must be > 0"),
+        ("simpo", "objective.beta=0", "objective.beta=0 must be > 0"),
+        ("kto", "objective.undesirable_weight=0", "objective.undesirable_weight=0 must be > 0"),
+        ("orpo", "objective.lam=-0.5", "objective.lam=-0.5 must be >= 0"),
+        ("pretrain", "objective.loss_chunk_tokens=-3", "objective.loss_chunk_tokens=-3 must be >= 0"),
+    ],
+)
+def test_an_objective_setting_out_of_range_is_refused_by_validate(recipe: str, override: str, refusal: str) -> None:
+    """`plait dpo objective.beta=0` trained a tokenizer and prepared the data, then failed in Hydra's
+    instantiation (a new user's walkthrough): the ranges are declared, so validate refuses it first."""
+    assert refusal in _problems(recipe, override)

@@ -24,11 +24,14 @@ the KL term is inactive) and ``kl`` (the mean estimate ``z``).
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from typing_extensions import override
 
+from strategies.core.ranges import POSITIVE
 from trainer.objectives.preference import PreferenceObjective
 
 KTO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/mismatched", "kl")
@@ -99,7 +102,12 @@ class KTO(PreferenceObjective):
     # above those of the undesirable ones as the policy learns the labels.
     headline_metrics = ("rewards/chosen", "rewards/rejected")
 
-    def __init__(self, beta: float = 0.1, desirable_weight: float = 1.0, undesirable_weight: float = 1.0) -> None:
+    def __init__(
+        self,
+        beta: Annotated[float, POSITIVE] = 0.1,
+        desirable_weight: Annotated[float, POSITIVE] = 1.0,
+        undesirable_weight: Annotated[float, POSITIVE] = 1.0,
+    ) -> None:
         super().__init__()
         for name, value in (
             ("beta", beta),

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from strategies.core.ranges import NON_NEGATIVE, POSITIVE
 from strategies.core.resolved import ResolvedRun
 from trainer.protocols import Objective
 
@@ -347,7 +348,7 @@ class PreferenceObjective(Objective):
 class _WithBeta(PreferenceObjective):
     """A preference objective with a positive ``beta`` (its meaning is the subclass's)."""
 
-    def __init__(self, beta: float = 0.1) -> None:
+    def __init__(self, beta: Annotated[float, POSITIVE] = 0.1) -> None:
         super().__init__()
         if beta <= 0:
             raise ValueError(f"objective.beta={beta} must be positive")
@@ -377,7 +378,7 @@ class SimPO(PreferenceObjective):
 
     needs_reference = False
 
-    def __init__(self, beta: float = 2.0, gamma: float = 1.0) -> None:
+    def __init__(self, beta: Annotated[float, POSITIVE] = 2.0, gamma: float = 1.0) -> None:
         super().__init__()
         if beta <= 0:
             raise ValueError(f"objective.beta={beta} must be positive")
@@ -393,7 +394,7 @@ class ORPO(PreferenceObjective):
 
     needs_reference = False
 
-    def __init__(self, lam: float = 0.1) -> None:
+    def __init__(self, lam: Annotated[float, NON_NEGATIVE] = 0.1) -> None:
         super().__init__()
         if lam < 0 or math.isnan(lam):
             raise ValueError(f"objective.lam={lam} must be >= 0")

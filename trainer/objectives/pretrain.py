@@ -6,7 +6,7 @@ there is none), so nothing here shifts again (case C21).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from strategies.core.model_contract import optional
+from strategies.core.ranges import NON_NEGATIVE
 from strategies.core.resolved import ResolvedRun
 from strategies.transforms.lora import linear_operands
 from trainer.objectives.chunked_loss import chunked_token_loss_sum
@@ -50,7 +51,7 @@ class CausalLM(Objective):
     loss_chunk_tokens: int | None = 0  # also for subclasses that do not call this __init__
     CUDA_CHUNK_TOKENS = 8192  # [8192, V] fp32 logits at a time: 4 GiB at V = 128k
 
-    def __init__(self, loss_chunk_tokens: int | None = None) -> None:
+    def __init__(self, loss_chunk_tokens: Annotated[int, NON_NEGATIVE] | None = None) -> None:
         if loss_chunk_tokens is not None and loss_chunk_tokens < 0:
             raise ValueError(f"objective.loss_chunk_tokens={loss_chunk_tokens} must be >= 0 (0: off, null: auto)")
         self.loss_chunk_tokens = loss_chunk_tokens
