@@ -38,7 +38,7 @@ def test_dpo_with_cut_prompts_warns_and_records_the_counts(tmp_path) -> None:
     warnings = [line for line in result.stderr.splitlines() if line.startswith("plait: warning: data.sources.copy:")]
     assert len(warnings) == 1, result.stderr[-3000:]
     assert "64 of 64 training pairs (100.0%) lose supervised or prompt tokens" in warnings[0]
-    assert "raise data.seq_len (now 32;" in warnings[0] and "data.max_prompt_len=4" in warnings[0]
+    assert "raise data.seq_len (now 32;" in warnings[0] and "change data.max_prompt_len (now 4:" in warnings[0]
     summary = json.loads(RunDir(run_dir).summary.read_text())
     assert summary["data"]["copy"]["samples"] == 64 and summary["data"]["copy"]["prompts_cut"] == 64
     assert (

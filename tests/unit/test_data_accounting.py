@@ -47,7 +47,7 @@ def test_cut_prompts_are_counted_from_the_rows_and_warned_about() -> None:
     lines = describe(data)
     warning = next(line for line in lines if line.startswith("warning:"))
     assert "data.sources.copy" in warning and "raise data.seq_len (now 32; 39 keeps all)" in warning
-    assert "data.max_prompt_len=16" in warning
+    assert "or change data.max_prompt_len (now 16: the tokens a prompt keeps when its pair does not fit)" in warning
 
 
 def test_the_shipped_presets_keep_every_sample_whole() -> None:

@@ -169,7 +169,8 @@ class PreferenceDataModule(DataModule):
         for part in SPLITS:
             for name, c in counts[part].items():
                 c.fix = accounting.seq_len_fix(lengths[part][name], self.seq_len, self.noun) + (
-                    f", or data.max_prompt_len={self.max_prompt_len} (the tokens a prompt keeps when its pair does not fit)"
+                    f", or change data.max_prompt_len (now {self.max_prompt_len}: the tokens a prompt keeps when its "
+                    f"{'row' if self.unpaired else 'pair'} does not fit)"
                     if c.prompts_cut
                     else ""
                 )
