@@ -64,7 +64,7 @@ def test_a_small_file_mostly_held_out_is_said(tmp_path: Path, capsys) -> None:
     assert (len(train), len(val)) == (1, 9)
     assert (
         "plait: warning: data.sources.mine: 9 of its 10 rows are held out for validation (val_size=16) and 1 train; "
-        "lower data.sources.mine.val_size" in capsys.readouterr().err
+        "lower it, e.g. ++data.sources.mine.val_size=2 (++ sets it" in capsys.readouterr().err
     )
     CONVERSATIONS.records(CONVERSATIONS.parse("mine", {"source": str(path), "val_size": 2}), seed=0)
     assert "warning" not in capsys.readouterr().err

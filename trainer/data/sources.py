@@ -158,8 +158,9 @@ class Catalog:
         if len(val) >= len(train):  # a small file: most of it would never be trained on, unsaid
             print(
                 f"plait: warning: data.sources.{source.name}: {len(val)} of its {len(records)} rows are held out for "
-                f"validation (val_size={source.val_size}) and {len(train)} train; lower "
-                f"data.sources.{source.name}.val_size",
+                f"validation (val_size={source.val_size}) and {len(train)} train; lower it, e.g. "
+                f"++data.sources.{source.name}.val_size={max(1, len(records) // 5)} (++ sets it whether or not the "
+                "source's mapping names it)",
                 file=sys.stderr,
             )
         return (train[: source.limit] if source.limit else train), val
