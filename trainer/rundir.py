@@ -263,6 +263,8 @@ def resolve_checkpoint(path: str | os.PathLike, report: Callable[[str], None] | 
         for candidate in candidates:
             reason = verify_checkpoint(candidate)
             if reason is None:
+                for unfinished in _unfinished_after(root, candidate):
+                    report(f"skipped {unfinished}: a save that did not finish (the run stopped while writing it)")
                 return candidate.resolve()
             report(f"skipped {candidate}: {reason}")
         if candidates:
@@ -271,6 +273,14 @@ def resolve_checkpoint(path: str | os.PathLike, report: Callable[[str], None] | 
         if (found := resolve_checkpoint(run, report)) is not None:
             return found
     return None
+
+
+def _unfinished_after(root: Path, checkpoint: Path) -> list[Path]:
+    """The ``step_<n>.tmp`` directories in ``root`` of steps after ``checkpoint``'s: saves a stopped run
+    left unfinished (the next save of that step removes them)."""
+    step = int(checkpoint.name[5:]) if re.fullmatch(r"step_\d+", checkpoint.name) else None
+    found = [p for p in root.glob("step_*.tmp") if re.fullmatch(r"step_\d+\.tmp", p.name) and p.is_dir()]
+    return sorted((p for p in found if step is None or int(p.name[5:-4]) > step), key=lambda p: p.name)
 
 
 def runs_below(folder: Path, depth: int = RUN_DEPTH) -> list[Path]:

@@ -108,3 +108,16 @@ def test_a_sweep_job_directory_names_its_swept_values() -> None:
     assert job_dirname(0, []) == "job0"
     named = ["recipe=dpo", "model=nano", "run_dir=/x", "optim.lr=3e-4", "logger=wandb", "logger.wandb.offline=false"]
     assert run_name("pretrain", named) == "pretrain model=nano optim.lr=3e-4"
+
+
+def test_an_unfinished_save_after_the_checkpoint_resumed_from_is_said(tmp_path: Path) -> None:
+    """A kill during step 6's (asynchronous) write left step_0000006.tmp; the resume went on from step 4
+    and the next save of step 6 removed it, without a word (a new user's walkthrough)."""
+    run = _write_run(tmp_path / "run", _llama(40, 0).state_dict(), steps=(2, 4), vocab_size=40)
+    for step in (2, 6):  # an older leftover is not this resume's business
+        (run.checkpoints / f"{run.step(step).name}.tmp").mkdir()
+    said: list[str] = []
+    assert resolve_checkpoint(run.path, said.append) == run.step(4).resolve()
+    assert said == [
+        f"skipped {run.checkpoints / 'step_0000006.tmp'}: a save that did not finish (the run stopped while writing it)"
+    ]
