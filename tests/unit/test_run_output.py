@@ -77,6 +77,15 @@ def test_the_data_summary_counts_each_kind_of_data() -> None:
         tokenizer=tokenizer, train={"input_ids": torch.zeros(6, 2, 4)}, val={"input_ids": torch.zeros(2, 2, 4)}
     )
     assert data_summary(pairs) == "data: 6 training pairs (48 tokens), 2 held-out pairs (16 tokens); vocabulary 4,096"
+    # Real rows: 3 tokens, then the pad tail (a document of its own) is not counted (16 short pairs read
+    # '8,192 tokens' at seq_len 256: a new user's walkthrough).
+    docs = torch.tensor([0, 0, 0, 1]).expand(6, 2, 4)
+    padded = SimpleNamespace(
+        tokenizer=tokenizer,
+        train={"input_ids": torch.zeros(6, 2, 4), "document_ids": docs},
+        val={"input_ids": torch.zeros(2, 2, 4), "document_ids": docs[:2]},
+    )
+    assert data_summary(padded).startswith("data: 6 training pairs (36 tokens), 2 held-out pairs (12 tokens)")
 
 
 def test_perplexity_only_for_a_per_token_nll() -> None:

@@ -3,7 +3,7 @@
 Reads a data module's prepared data (`trainer.data.base.DataModule.prepare`): its ``train`` and
 ``val`` splits are packed rows (``PackedRows``: pretraining), tokenized samples per source
 (``dict[str, SourceSamples]``: SFT) or ``[N, 2, T]`` pair tensors (``dict[str, Tensor]``:
-preference; KTO's labelled rows, with their KL rows, counted once) or prompts (a list of
+preference; KTO's labelled rows, with their KL rows, counted once; tokens without the pad tails) or prompts (a list of
 ``PromptItem``: online RL). Only counts, no second pass over the data.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from trainer.data.accounting import report_lines
@@ -26,9 +27,16 @@ def _split(split: Any) -> tuple[int, int, str]:
         return sum(len(v) for v in split.values()), sum(v.ids.size for v in split.values()), "samples"
     if isinstance(split, dict) and isinstance(split.get("input_ids"), Tensor):
         ids = split["input_ids"]
+        # A pair's row is one document, then its pad tail (another): the tokens are the first document's.
+        docs = split.get("document_ids")
+        real = (
+            (docs == 0)
+            if isinstance(docs, Tensor) and docs.shape == ids.shape
+            else torch.ones_like(ids, dtype=torch.bool)
+        )
         if "desirable" in split:  # KTO's unpaired rows: [N, 2, T], the completion and its KL row
-            return ids.shape[0], ids[:, 0].numel(), "labelled rows"
-        return ids.shape[0], ids.numel(), "pairs" if ids.dim() == 3 else "rows"
+            return ids.shape[0], int(real[:, 0].sum()), "labelled rows"
+        return ids.shape[0], int(real.sum()), "pairs" if ids.dim() == 3 else "rows"
     if isinstance(split, list) and split and isinstance(getattr(split[0], "ids", None), list):  # prompts
         return len(split), sum(len(item.ids) for item in split), "prompts"
     return 0, 0, "rows"
