@@ -61,11 +61,17 @@ def expert_line(params: Iterable[tuple[str, Sequence[int]]], adamw_params: Seque
     )
 
 
-def launch_line(optimizer: Any, params: Iterable[tuple[str, Sequence[int]]]) -> str | None:
-    """`expert_line` when ``optimizer`` (the run's optimizer partial) builds `Muon`; else None."""
+def launch_line(optimizer: Any, params: Iterable[tuple[str, Sequence[int]]], *, adapters: bool = False) -> str | None:
+    """When ``optimizer`` (the run's optimizer partial) builds `Muon`: with LoRA ``adapters`` (the only
+    trainable parameters, each 2-D) that Muon takes them, else `expert_line`; None for another optimizer."""
     target = getattr(optimizer, "func", optimizer)
     if not (isinstance(target, type) and issubclass(target, Muon)):
         return None
+    if adapters:
+        return (
+            "optim=muon with strategy.lora: the adapters are what trains, and Muon orthogonalises each lora_A and "
+            "lora_B update (2-D matrices of the LoRA rank); optim=adamw is LoRA's usual optimizer"
+        )
     return expert_line(params, getattr(optimizer, "keywords", {}).get("adamw_params", ADAMW_PARAMS))
 
 

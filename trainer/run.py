@@ -194,7 +194,8 @@ def start(cfg: DictConfig, run_dir: Path, launch: Launch, launching: bool) -> tu
         if (warmup := warmup_line(cfg, length.planned_steps)) is not None:
             _print(warmup)
         shape = launch.run.shape
-        if shape is not None and (muon := muon_line(launch.run.optimizer, ((p.name, p.shape) for p in shape.params))):
+        params = ((p.name, p.shape) for p in shape.params) if shape is not None else ()
+        if shape is not None and (muon := muon_line(launch.run.optimizer, params, adapters=launch.run.adapters)):
             _print(muon)
         if (chat := data.chat_format()) is not None:
             _print(chat.line())

@@ -215,3 +215,14 @@ def test_the_launch_says_which_share_of_a_moe_muon_takes() -> None:
     muon = sum(math.prod(p.shape) for p in shape.params if takes_muon(p.name, len(p.shape)))
     assert f"({100 * muon / total:.0f}% of the parameters)" in moe
     assert line("model=nano", "optim=muon") is None and line("model=moe_tiny") is None
+
+
+def test_the_launch_says_muon_takes_the_lora_adapters() -> None:
+    """optim=muon with LoRA orthogonalised the rank-8 adapters without a word (a new user's walkthrough)."""
+    from trainer.compose import compose
+    from trainer.config import validate
+
+    run = validate(compose("pretrain", ["model=nano", "optim=muon", "+strategy/lora=default"]), for_launch=False)
+    said = launch_line(run.optimizer, [(p.name, p.shape) for p in run.shape.params], adapters=run.adapters)
+    assert said is not None and said.startswith("optim=muon with strategy.lora: the adapters are what trains"), said
+    assert launch_line(run.optimizer, [], adapters=False) is None  # a dense model: nothing to say
