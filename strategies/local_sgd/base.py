@@ -98,11 +98,14 @@ class IslandCost:
             is 1.0; DiLoCo's pseudo-gradient every H steps 1 / H).
         kept: parameter-sized tensors each rank keeps beside the model and its inner optimizer, in the
             same units (DiLoCo: its anchors and the outer optimizer's momentum, 2).
+        overlapped: whether the exchanges run under the next steps' compute (DASO's delayed
+            messages) rather than blocking after a step.
     """
 
     label: str
     exchanged: float
     kept: float = 0.0
+    overlapped: bool = False
 
 
 class LocalSGD(StrategyPlugin):

@@ -151,11 +151,13 @@ class Hierarchical(LocalSGD):
             self.window_steps = self.window_steps + finite.long()
 
     def cost(self, *, optimizer_states: int, param_bytes: int) -> IslandCost:
-        """The parameters every B steps in ``global_dtype``; kept while a message is in flight (S > 0):
-        its flat sum. B and S as configured (``adaptive`` changes them during the run)."""
+        """The parameters every B steps in ``global_dtype``, under the next S steps' compute when S > 0,
+        with its flat sum kept while in flight. B and S as configured (``adaptive`` changes them)."""
         share = DTYPES[self.global_dtype].itemsize / param_bytes
         label = f"daso B={self.sync_every} S={self.delay}" + (" adaptive" if self.adaptive else "")
-        return IslandCost(label=label, exchanged=share / self.sync_every, kept=share if self.delay else 0.0)
+        return IslandCost(
+            label=label, exchanged=share / self.sync_every, kept=share if self.delay else 0.0, overlapped=self.delay > 0
+        )
 
     def kept_tensors(self) -> list[torch.Tensor]:
         """The flat sums of a message in flight (`cost`'s ``kept``); none between messages."""

@@ -43,7 +43,8 @@ class Layout:
     ``local_sgd``: the local-SGD algorithm whose islands the dp_replicate ranks are (its
     `strategies.local_sgd.base.IslandCost` label; "": none, plain data parallel), with
     ``replica_exchange`` (parameter-sized all-reduces across dp_replicate per step: 1.0 is a
-    gradient all-reduce every step) and ``replica_kept`` (parameter-sized tensors it keeps per rank).
+    gradient all-reduce every step), ``replica_kept`` (parameter-sized tensors it keeps per rank) and
+    ``replica_overlapped`` (its exchanges run under compute).
     """
 
     dp_replicate: int = 1
@@ -66,6 +67,7 @@ class Layout:
     local_sgd: str = ""
     replica_exchange: float = 1.0
     replica_kept: float = 0.0
+    replica_overlapped: bool = False
 
     @property
     def world_size(self) -> int:
@@ -194,7 +196,7 @@ def layout_of(run: ResolvedRun, strategy: Any, work: Workload) -> Layout:
     dims, plugin = run.dims, strategy.plugins
     local_sgd = plugin.get("local_sgd")
     island = None
-    if isinstance(local_sgd, LocalSGD) and dims.dp_replicate > 1:
+    if isinstance(local_sgd, LocalSGD):  # islands on dp_replicate, or torchft replica groups (dp_replicate 1)
         island = local_sgd.cost(optimizer_states=OPTIMIZER_STATES[work.optimizer][0], param_bytes=work.param_bytes)
     ac, tp, pipeline = plugin["activation_checkpoint"], plugin["tensor_parallel"], plugin["pipeline"]
     return Layout(
@@ -218,6 +220,7 @@ def layout_of(run: ResolvedRun, strategy: Any, work: Workload) -> Layout:
         local_sgd=island.label if island is not None else "",
         replica_exchange=island.exchanged if island is not None else 1.0,
         replica_kept=island.kept if island is not None else 0.0,
+        replica_overlapped=island.overlapped if island is not None else False,
     )
 
 

@@ -100,7 +100,7 @@ def state_bytes(shape: ModelShape, layout: Layout, work: Workload, rank: int) ->
     """
     c = rank_coords(layout, rank)
     shard_index = c["dp_shard"] * layout.cp + c["cp"]
-    params = grads = optim = kept = 0
+    params = grads = optim = 0
     for p, count in rank_param_counts(shape, layout, c["pp"]):
         numel, padded = local_numel(p, layout, shard_index)
         if is_ist_unit(p, shape, layout):
@@ -111,8 +111,21 @@ def state_bytes(shape: ModelShape, layout: Layout, work: Workload, rank: int) ->
         muon = work.optimizer == "muon" and takes_muon(p.name, len(p.shape))
         n_states, has_step = MUON_MATRIX_STATES if muon else OPTIMIZER_STATES[work.optimizer]
         optim += count * (n_states * numel * work.param_bytes + (4 if has_step else 0))
-        kept += count * numel
-    return params, grads, optim + round(layout.replica_kept * kept * work.param_bytes)
+    return params, grads, optim + local_sgd_bytes(shape, layout, work, rank)
+
+
+def local_sgd_bytes(shape: ModelShape, layout: Layout, work: Workload, rank: int) -> int:
+    """Bytes of the parameter-sized tensors a local-SGD algorithm keeps on one global rank
+    (``Layout.replica_kept`` unpadded shards: DiLoCo's anchors and outer momentum); 0 without one."""
+    if not layout.replica_kept:
+        return 0
+    c = rank_coords(layout, rank)
+    shard_index = c["dp_shard"] * layout.cp + c["cp"]
+    numel = 0
+    for p, count in rank_param_counts(shape, layout, c["pp"]):
+        n, padded = local_numel(p, layout, shard_index)
+        numel += count * (n // layout.ist_islands if is_ist_unit(p, shape, layout) else n)
+    return round(layout.replica_kept * numel * work.param_bytes)
 
 
 def is_ist_unit(p: ParamSpec, shape: ModelShape, layout: Layout) -> bool:

@@ -29,7 +29,7 @@ from strategies.core.shape import ModelShape
 from strategies.muon import newton_schulz_flops, takes_muon
 from strategies.pipeline.layout import balanced_split_points
 from strategies.planner.layout import Layout, Workload
-from strategies.planner.memory import layer_activation_bytes, state_bytes
+from strategies.planner.memory import layer_activation_bytes, local_sgd_bytes, state_bytes
 from strategies.planner.ranks import rank_of, rank_param_counts, rank_params, stage_plan
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -302,8 +302,10 @@ def predict_time(shape: ModelShape, layout: Layout, work: Workload, cluster: Clu
         # Prefetched under compute; one layer's worth (the first gather, the last reduction) shows.
         # On CPU ranks (gloo) the same cores compute and communicate: nothing hides.
         fsdp_comm = comm if cluster.cores is not None else max(0.0, comm - compute) + comm / max(n_layers, 1)
-        if layout.local_sgd:  # the islands' exchanges, every so many steps, after a step: blocking, amortised
-            fsdp_comm += replica * layout.replica_exchange
+        if layout.local_sgd:  # the islands' exchanges, every so many steps: amortised, blocking unless overlapped
+            exchange = replica * layout.replica_exchange
+            hidden = layout.replica_overlapped and cluster.cores is None
+            fsdp_comm += max(0.0, exchange - compute) if hidden else exchange
 
     pp_bubble = pp_comm = 0.0
     if layout.pp > 1:
@@ -317,6 +319,7 @@ def predict_time(shape: ModelShape, layout: Layout, work: Workload, cluster: Clu
         pp_comm = _collective(2 * m * v * hop, 2 * m * v, bw, cluster)
 
     params_b, grads_b, optim_b = state_bytes(shape, layout, work, rank)
+    optim_b -= local_sgd_bytes(shape, layout, work, rank)  # touched at an exchange, not by every step
     optimizer = (params_b + grads_b + 2 * optim_b) / cluster.hbm_bandwidth / _rate_share(layout, cluster)
     optimizer += sum(n for _, n in held) * cluster.layer_overhead_s / 4
     if work.optimizer == "muon":

@@ -305,4 +305,13 @@ def test_a_local_sgd_layout_is_named_and_exchanges_every_h_steps() -> None:
     islands = predict_time(shape, layout, work, cluster).fsdp_comm
     every_step = predict_time(shape, hsdp, work, cluster).fsdp_comm
     assert islands < every_step  # the islands' all-reduce, 1/40 of it per step, against HSDP's every step
+    # the anchors and momentum are touched at an outer step only: not streamed by every optimizer step
+    assert predict_time(shape, layout, work, cluster).optimizer == predict_time(shape, hsdp, work, cluster).optimizer
+    # torchft replica groups as the islands (dp_replicate 1 in each group's world): still DiLoCo's state
+    ft = compose("pretrain", ["model=llama3_8b", "cluster=h100x8", "trainer.devices=4", "train.global_batch_size=8",
+                              "strategy=ft_diloco", "strategy.fault_tolerance.replica_group=0"])  # fmt: skip
+    ft_shape, ft_layout, ft_work = _inputs(ft)
+    assert ft_layout.local_sgd.startswith("diloco H=") and ft_layout.replica_kept == 2
+    plain = predict_memory(ft_shape, ft_layout.with_(local_sgd="", replica_kept=0.0), ft_work)
+    assert predict_memory(ft_shape, ft_layout, ft_work).optimizer - plain.optimizer == 2 * plain.params
     assert plan(cfg, validate(cfg)).splitlines()[-1].startswith("your layout: dp_replicate2 dp_shard4 (diloco H=40)")
