@@ -30,6 +30,7 @@ The model declares the capability: a module with ``ffn_dim`` and ``keep_channels
 
 from __future__ import annotations
 
+import sys
 import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -191,6 +192,17 @@ class SAT(StrategyPlugin):
             ValueError: the model has none (it does not declare ``keep_channels``).
         """
         self.mlps = sparse_mlps(model)
+        stage = meshes is not None and meshes["pp"].size() > 1  # this rank's blocks only
+        if stage and not self.mlps:  # a stage of routed-expert blocks (validate saw the whole model's dense MLPs)
+            pp, *others = meshes.root.get_coordinate() or [0]
+            if not any(others):  # once per stage
+                print(
+                    f"plait: warning: strategy.sat: pipeline stage {pp} holds no dense MLP (routed experts only); "
+                    "its blocks train dense",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return
         if not self.mlps and any(True for _ in model.parameters()):
             raise ValueError(
                 f"strategy.sat: {type(model).__name__} has no MLP with keep_channels(); use strategy.sat=null"

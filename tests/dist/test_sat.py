@@ -227,3 +227,21 @@ def test_routed_experts_are_said_and_a_model_without_dense_mlps_is_refused(capsy
         "plait: warning: strategy.sat sparsifies the 2 dense MLP(s) only (shared experts included); the routed "
         "experts of the 2 mixture-of-experts block(s) stay dense"
     )
+
+
+def test_a_pipeline_stage_of_routed_experts_trains_dense(tmp_path, capfd):
+    """moe_tiny without shared experts on 2 pipeline stages: stage 1 holds only routed-expert blocks.
+    SAT found no MLP there and raised at launch (a fresh reviewer); the stage now trains dense, said."""
+    cfg = compose_config(
+        [
+            *SAT_ON,
+            "model=moe_tiny",
+            "model.num_shared_experts=0",
+            "strategy=pp",
+            "trainer.devices=2",
+            "trainer.max_steps=1",
+        ]
+    )
+    _, task = fit(cfg, tmp_path)
+    assert len(losses(task.history)) == 1
+    assert "pipeline stage 1 holds no dense MLP (routed experts only); its blocks train dense" in capfd.readouterr().err
