@@ -113,30 +113,38 @@ class FSDP(StrategyPlugin):
         parameters), times dp_replicate unless local-SGD islands own that axis."""
         return dims.dp_shard * dims.cp * (1 if islands else dims.dp_replicate) > 1
 
-    def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
-        """Settings that would do nothing in silence where FSDP shards nothing (`active`: one rank
-        holds each parameter): CPU offload, and a ``param_dtype`` the run's precision does not give
-        either (``trainer=gpu``'s bf16 with ``bf16-mixed`` on one GPU is the autocast's; the dtypes
-        are checked on construction)."""
+    def _layout(self, run: ResolvedRun) -> str | None:
+        """Why FSDP shards nothing at ``run``'s layout (`active`: one rank holds each parameter); None when it shards."""
         if self.active(run.dims, islands=run.islands):
-            return []
+            return None
         d = run.dims
-        layout = f"dp_shard={d.dp_shard} x cp={d.cp}{'' if run.islands else f' x dp_replicate={d.dp_replicate}'} = 1 rank per parameter"
-        out = []
-        if self.cpu_offload:
-            out.append(
-                f"strategy.fsdp.cpu_offload=true offloads FSDP's shards, but no FSDP shards at this layout ({layout}); "
-                "shard over more ranks (strategy=fsdp trainer.devices=N), or strategy.fsdp.cpu_offload=false"
-            )
+        replicas = "" if run.islands else f" x dp_replicate={d.dp_replicate}"
+        return f"dp_shard={d.dp_shard} x cp={d.cp}{replicas} = 1 rank per parameter"
+
+    def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
+        """CPU offload asked for where FSDP shards nothing, which would offload nothing in silence
+        (the dtypes are checked on construction; a ``param_dtype`` there is a launch warning, `notes`)."""
+        if not self.cpu_offload or (layout := self._layout(run)) is None:
+            return []
+        return [
+            f"strategy.fsdp.cpu_offload=true offloads FSDP's shards, but no FSDP shards at this layout ({layout}); "
+            "shard over more ranks (strategy=fsdp trainer.devices=N), or strategy.fsdp.cpu_offload=false"
+        ]
+
+    def notes(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
+        """A ``param_dtype`` where FSDP shards nothing and the precision does not give that compute dtype
+        (one process with strategy.fsdp.param_dtype=bf16 trained in fp32 to the same digits; trainer=gpu's
+        bf16 with bf16-mixed on one GPU is the autocast's, and its bf16 under trainer.precision=32-true
+        is what that user asked for: warned, not refused)."""
         given = {"bf16": "bf16", "fp16": "16"}.get(self.param_dtype or "")
-        if given is not None and not str(run.precision).startswith(given):
-            out.append(
-                f"strategy.fsdp.param_dtype={self.param_dtype} casts the parameters FSDP gathers, but no FSDP shards at "
-                f"this layout ({layout}): the run would compute in trainer.precision={run.precision}; for "
-                f"{self.param_dtype} compute set trainer.precision={given}-mixed, or shard over more ranks "
-                "(strategy=fsdp trainer.devices=N), or strategy.fsdp.param_dtype=null"
-            )
-        return out
+        if given is None or str(run.precision).startswith(given) or (layout := self._layout(run)) is None:
+            return []
+        fix = "set trainer.precision=bf16-mixed, or " if self.param_dtype == "bf16" else ""
+        return [
+            f"strategy.fsdp.param_dtype={self.param_dtype} casts the parameters FSDP gathers, but no FSDP shards at "
+            f"this layout ({layout}): the run computes in trainer.precision={run.precision}; for {self.param_dtype} "
+            f"compute {fix}shard over more ranks (strategy=fsdp trainer.devices=N)"
+        ]
 
     def shard_module(
         self,

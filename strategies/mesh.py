@@ -181,6 +181,10 @@ class MeshStrategy(ModelParallelStrategy):
             if other in self.plugins
         ]
 
+    def notes(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
+        """The plugins' launch warnings (`StrategyPlugin.notes`), in their order."""
+        return [note for plugin in self.plugins.values() for note in plugin.notes(run, shape)]
+
     # ------------------------------------------------------------------------------ processes
     @override
     def _configure_launcher(self) -> None:

@@ -103,6 +103,10 @@ class StrategyPlugin:
         """Messages (each naming the fix) of what in ``run`` / ``shape`` this plugin cannot run; [] if it fits."""
         return []
 
+    def notes(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
+        """Warnings for the launch (each naming the fix): settings that run but do nothing at this layout."""
+        return []
+
     def apply(self, model: nn.Module, meshes: Meshes) -> Any:
         """Applies the technique to ``model`` in place (at ``when``); a ``splits_stages`` plugin returns the stage roots."""
         return None

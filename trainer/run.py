@@ -185,6 +185,8 @@ def start(cfg: DictConfig, run_dir: Path, launch: Launch, launching: bool) -> tu
         ep = OmegaConf.select(cfg, "strategy.expert_parallel.ep", default=1)
         if (layout := layout_line(launch.run, ep=ep if isinstance(ep, int) else 1)) is not None:
             _print(layout)
+        for note in launch.run.notes:
+            _print(f"warning: {note}")
         for line in describe(data):
             _print(line)
         if (early := length.launch_line()) is not None:  # what ends the run first

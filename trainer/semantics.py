@@ -240,6 +240,7 @@ def resolve(
         for_launch=for_launch,
     )
     problems.extend(strategy.problems(run, run.shape))
+    run = replace(run, notes=tuple(strategy.notes(run, run.shape)))
     problems.extend(contract_problems(cfg, run, built))  # what the layout reads off the model (never skipped)
     problems.extend(window_problems(run, built))
     problems.extend(latent_attention_problems(run, built))

@@ -63,6 +63,8 @@ class ResolvedRun:
         adapters: whether the strategy trains LoRA adapters on a frozen base (strategy.lora): the
             base alone, adapters off, is the initial policy.
         islands: whether dp replicas train apart and synchronise now and then (local SGD).
+        notes: the strategy's launch warnings (`StrategyPlugin.notes`: settings that do nothing at
+            this layout), printed before training.
         for_launch: whether the run is to be launched; False when it is only planned (``plait
             plan``, which needs the model's shape, not its weights): checks of what only a launch
             needs (LoRA's base in ``init_from``) are left out.
@@ -89,4 +91,5 @@ class ResolvedRun:
     cp_placement: str = "split"
     adapters: bool = False
     islands: bool = False
+    notes: tuple[str, ...] = ()
     for_launch: bool = True

@@ -181,18 +181,30 @@ def test_cpu_offload_where_fsdp_shards_nothing_is_refused() -> None:
     assert not [p for p in _problems("nano", sharded) if "cpu_offload" in p]
 
 
-def test_a_param_dtype_where_fsdp_shards_nothing_is_refused_unless_the_precision_gives_it() -> None:
+def test_a_param_dtype_where_fsdp_shards_nothing_is_warned_unless_the_precision_gives_it() -> None:
     """strategy.fsdp.param_dtype=bf16 on one process trained in fp32, the same losses to every digit (a
-    fresh reviewer): FSDP shards nothing there. trainer=gpu's bf16 with bf16-mixed is the autocast's."""
-    alone = [p for p in _problems("nano", ["strategy.fsdp.param_dtype=bf16"]) if "param_dtype" in p]
-    assert len(alone) == 1 and alone[0].startswith("strategy.fsdp.param_dtype=bf16 casts the parameters FSDP"), alone
-    assert "trainer.precision=32-true; for bf16 compute set trainer.precision=bf16-mixed" in alone[0], alone
+    fresh reviewer): FSDP shards nothing there, and the launch says so. trainer=gpu's bf16 with
+    bf16-mixed is the autocast's; a warning, not a refusal: trainer=gpu trainer.precision=32-true on one
+    GPU asks for fp32, and gets it."""
+
+    from trainer.compose import compose
+    from trainer.config import validate
+
+    def notes(*overrides: str) -> list[str]:
+        return [n for n in validate(compose("pretrain", ["model=nano", *overrides])).notes if "param_dtype" in n]
+
+    (note,) = notes("strategy.fsdp.param_dtype=bf16")
+    assert note.startswith("strategy.fsdp.param_dtype=bf16 casts the parameters FSDP gathers, but no FSDP shards"), note
+    assert "computes in trainer.precision=32-true; for bf16 compute set trainer.precision=bf16-mixed" in note, note
+    (fp16,) = notes("strategy.fsdp.param_dtype=fp16")
+    assert fp16.endswith("for fp16 compute shard over more ranks (strategy=fsdp trainer.devices=N)"), fp16
     for fine in (
         ["strategy.fsdp.param_dtype=bf16", "trainer.precision=bf16-mixed"],
         ["strategy=fsdp", "trainer.devices=2", "strategy.fsdp.param_dtype=bf16"],
         ["strategy.fsdp.param_dtype=fp32"],
     ):
-        assert not [p for p in _problems("nano", fine) if "param_dtype" in p], fine
+        assert not notes(*fine), fine
+    assert not [p for p in _problems("nano", ["trainer=gpu", "trainer.precision=32-true"]) if "param_dtype" in p]
 
 
 def test_import_notices_a_user_cannot_act_on_are_dropped() -> None:
