@@ -198,7 +198,9 @@ def save(
     tmp = path.with_name(path.name + ".tmp")
     if writer is not None:
         writer.finish()  # at most one save in flight
-    state = _state(model, optimizers, extra, namespace, keys)
+    # Plain tensors in what the plugins add too (DiLoCo's anchors clone float8-cast weights); only when saving:
+    # a load fills ``extra`` in place, and its non-tensor values are replaced in the dict given.
+    state = _state(model, optimizers, plain_state(extra) if extra else extra, namespace, keys)
     if problem := _agree(_check_plain(meta)):
         raise TypeError(f"checkpoint meta (loop and callback state) would not load safely: {problem}")
     bad = _gather(non_finite_entry(state))

@@ -31,20 +31,46 @@ def test_a_float8_all_gather_checkpoint_is_plain_and_resumes_bitwise(tmp_path: P
     _, resumed = fit(compose_config(list(RUN)), tmp_path / "resumed", ckpt_path=str(checkpoint))
     assert losses(resumed.history)[2:] == losses(straight.history)[2:]  # steps 3 and 4, bitwise
 
-    # A fresh interpreter, torchao never imported: the weights load through the weights-only reader.
+    loaded, saved = _loads_without_torchao(checkpoint, "model.")
+    assert loaded == saved > 10  # every weight read, none left at zero
+
+
+def test_a_float8_diloco_checkpoint_holds_plain_anchors(tmp_path: Path) -> None:
+    """DiLoCo's anchors clone the float8-cast weights, and its islands' states ride in the checkpoint
+    beside the model's: they are saved plain too (a fresh reviewer)."""
+    run = [
+        "strategy=diloco",
+        "strategy.dp_shard=2",
+        "trainer.devices=4",
+        "strategy.local_sgd.sync_every=1",
+        "train.micro_batch_size=2",
+    ]
+    fit(compose_config([*run, "strategy.float8.recipe=tensorwise", "trainer.max_steps=2"]), tmp_path)
+    loaded, saved = _loads_without_torchao(tmp_path / "checkpoints" / "step_0000002", "local_sgd")
+    assert saved > 40 and loaded > 0, (loaded, saved)
+
+
+def _loads_without_torchao(checkpoint: Path, prefix: str) -> tuple[int, int]:
+    """(tensors read non-zero, tensors saved) under ``prefix``, read in a fresh interpreter where torchao
+    was never imported, through the weights-only reader."""
     code = (
         "import pathlib, sys, torch\n"
         "from strategies.checkpoint.dcp import saved_entries\n"
         "from strategies.checkpoint.safe_load import load_dcp\n"
-        "path = pathlib.Path(sys.argv[1])\n"
-        "state = {'model': {k: torch.zeros(m.size, dtype=m.properties.dtype) for k, m in saved_entries(path, 'model.').items()}}\n"
+        "path, prefix = pathlib.Path(sys.argv[1]), sys.argv[2]\n"
+        "entries = {k: m for k, m in saved_entries(path).items() if k.startswith(prefix) and hasattr(m, 'size')}\n"
+        "state = {k: torch.zeros(m.size, dtype=m.properties.dtype) for k, m in entries.items()}\n"
         "load_dcp(state, path)\n"
         "assert 'torchao' not in sys.modules\n"
-        "print(sum(bool(t.abs().sum() > 0) for t in state['model'].values()), len(state['model']))\n"
+        "print(sum(bool(t.abs().sum() > 0) for t in state.values()), len(state))\n"
     )
     result = subprocess.run(
-        [sys.executable, "-c", code, str(checkpoint)], capture_output=True, text=True, env=env_with_tests(), timeout=300
+        [sys.executable, "-c", code, str(checkpoint), prefix],
+        capture_output=True,
+        text=True,
+        env=env_with_tests(),
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     loaded, saved = map(int, result.stdout.split())
-    assert loaded == saved > 10, result.stdout  # every weight read, none left at zero
+    return loaded, saved
