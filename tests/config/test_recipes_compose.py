@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
 
 import pytest
 from harness import compose_config
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from trainer.compose import CONF_DIR, bundled_recipes
 from trainer.config import ConfigError, validate
@@ -24,7 +26,8 @@ def test_there_is_something_to_compose() -> None:
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_x_strategy_validates(recipe: str, strategy: str, devices: int) -> None:
-    cfg = compose_config([f"strategy={strategy}", f"trainer.devices={devices}"], recipe=recipe, tiny=False)
+    cfg = copy.deepcopy(_composed(recipe, strategy))
+    cfg.trainer.devices = devices
     fixed = math.prod(d for axis in ("dp_replicate", "dp_shard", "cp", "tp", "pp") if (d := cfg.strategy[axis]) != -1)
     if devices % fixed:  # a preset with fixed degrees (hsdp: dp_shard=2) needs a multiple of them
         with pytest.raises(ConfigError, match="trainer.devices"):
@@ -55,6 +58,12 @@ def test_recipe_x_strategy_validates(recipe: str, strategy: str, devices: int) -
             validate(cfg)
     else:
         validate(cfg)
+
+
+@functools.cache
+def _composed(recipe: str, strategy: str) -> DictConfig:
+    """Composed once for the three device counts (composing took most of the test's time; validating is its subject)."""
+    return compose_config([f"strategy={strategy}"], recipe=recipe, tiny=False)
 
 
 def _resolved(cfg, devices: int, axis: str) -> int:

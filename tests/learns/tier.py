@@ -326,6 +326,7 @@ def main() -> None:
     )
     parser.add_argument("--json", type=Path, default=None, help="also write every result here")
     parser.add_argument("--reuse", action="store_true", help="keep the bases' results already in --work (calibration)")
+    parser.add_argument("--timeout-s", type=float, default=900, help="entries not done by then are errors")
     args = parser.parse_args()
     names = [n for n in args.only.split(",") if n] or list(ENTRIES)
     if unknown := sorted(set(names) - set(ENTRIES)):
@@ -336,7 +337,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="plait-learns-") as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        results = run_tier(names, work, jobs=args.jobs, reuse=args.reuse)
+        results = run_tier(names, work, jobs=args.jobs, timeout_s=args.timeout_s, reuse=args.reuse)
     for name, result in results.items():
         print(line(name, result))
     for name in results:
