@@ -64,6 +64,33 @@ def test_group_choices_are_refused_before_anything_starts(tmp_path, capsys, argv
     assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_a_strategy_preset_is_refused_with_the_fields_that_give_its_layout(tmp_path, capsys) -> None:
+    """``plait resume RUN strategy=tp`` names the overrides that turn the run's strategy into tp's
+    (a resumed config has no defaults list); resumed with them, the strategy is a fresh tp run's."""
+    run_dir, _ = _run_dir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main([str(run_dir), "strategy=tp", "trainer.max_steps=9"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "strategy=tp: a resumed run keeps the options" in err
+    fix = err.strip().split("plait resume ", 1)[1].split()
+    assert fix[0] == str(run_dir) and fix[-1] == "trainer.max_steps=9" and "strategy.tp=-1" in fix
+    resumed = compose(str(recipe_for(run_dir)), [f"run_dir={run_dir}", "resume=last", *fix[1:]])
+    fresh = compose("sft", ["model=nano", "data=synthetic", "optim.lr=1e-3", "strategy.lora.rank=4", "strategy=tp"])
+    assert OmegaConf.to_container(resumed.strategy, resolve=True) == OmegaConf.to_container(
+        fresh.strategy, resolve=True
+    )
+
+
+def test_a_strategy_preset_that_turns_on_local_sgd_names_a_new_run(tmp_path, capsys) -> None:
+    run_dir, _ = _run_dir(tmp_path)
+    with pytest.raises(SystemExit):
+        main([str(run_dir), "strategy=diloco"])
+    assert (
+        "diloco differs from it in strategy.local_sgd, which a resume cannot change; start a new run from this one: "
+        f"plait RECIPE strategy=diloco model.init_from={run_dir}"
+    ) in capsys.readouterr().err
+
+
 def test_a_folder_without_a_config_is_not_a_run(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit):
         main([str(tmp_path)])
