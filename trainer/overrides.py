@@ -164,11 +164,14 @@ def did_you_mean(cfg: DictConfig, override: str) -> str:
     option or a moved key (`trainer.foreign_names`); a key of the same node close in spelling
     (``model.max_seq_length``: model.max_seq_len); plait's name for the key's last part
     (``trainer.num_train_epochs``: not the loosely close trainer.limit_train_batches); a key of the
-    node less close; the foreign name closest in spelling. `` (unknown key)`` when none is."""
+    node less close; the foreign name closest in spelling. `` (unknown key)`` when none is. A group
+    option added with ``+`` where the recipe already picks one (``+budget=msft`` on sft) says to drop the ``+``."""
     key, _, value = override.partition("=")
     plain = not key.startswith(("+", "~"))  # an override that sets a key as it is (not adds or deletes one)
     key = key.lstrip("+~")
     options = config_groups().get(key)
+    if options is not None and override.startswith("+") and value in options:  # +model=nano: Multiple values
+        return f" (the recipe already picks a {key}; to choose another, {key}={value} without the '+')"
     if options is not None and value not in options:  # a group's option (model=tiney)
         close = difflib.get_close_matches(value, options, n=1)
         return f" ({f'did you mean {key}={close[0]}? ' if close else ''}the {key} options: {', '.join(options)})"

@@ -123,6 +123,17 @@ def test_an_unknown_group_option_names_the_closest_and_the_options() -> None:
     assert "nano" in problem.split("the model options: ")[1]
 
 
+def test_a_group_option_added_where_the_recipe_picks_one_says_to_drop_the_plus() -> None:
+    """Before: ``plait sft +budget=msft`` said "Multiple values for budget. To override a value use
+    'override budget: msft' (unknown key)"."""
+    for recipe, typed, fix in [("sft", "+budget=msft", "budget=msft"), ("pretrain", "+model=nano", "model=nano")]:
+        (problem,) = _problems(recipe, typed)
+        assert problem.endswith(
+            f"(the recipe already picks a {fix.split('=')[0]}; to choose another, {fix} without the '+')"
+        )
+    assert _problems("sft", "budget=msft") == []
+
+
 def test_a_flag_of_another_trainer_names_the_override(capsys) -> None:
     """Before: ``plait pretrain --max_steps 5`` said "5: LexerNoViableAltException"; Hydra's own
     flags still pass."""
