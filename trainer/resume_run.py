@@ -18,8 +18,10 @@ Invocations::
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import os
+import shlex
 import tempfile
 from pathlib import Path
 
@@ -70,58 +72,79 @@ def group_overrides(overrides: list[str]) -> list[str]:
 
 def preset_fields_fix(run_dir: Path, preset: str, others: list[str]) -> str:
     """The refusal of ``plait resume RUN strategy=PRESET``, naming the field overrides that give the
-    run that preset's layout: the plain settings of ``conf/strategy/PRESET.yaml`` over ``nd.yaml``
-    where the run's differ (its own ``strategy/lora``-like choices stay).
+    run that preset's layout: its mesh degrees, and the settings ``conf/strategy/PRESET.yaml`` itself
+    makes, where the run's differ. What the run set beyond them (compile, precision, checkpointing,
+    its ``strategy/lora``-like choices) stays, as a resume keeps everything not typed.
 
     A resumed run's config has no defaults list to pick a preset from; its fields are overrides like
-    any other (DCP reshards to the new layout). A preset that turns a plugin node on or off (local
-    SGD, fault tolerance) cannot be reached by a resume: the message says to start a new run instead.
+    any other (DCP reshards to the new layout). A preset that turns a plugin node on or off or swaps its
+    class (DiLoCo for IST) cannot be reached by a resume: the message names a new run instead.
     """
     from omegaconf import OmegaConf
 
+    from strategies.core.parallel_dims import MESH_AXES
+    from trainer.catalog import bundled_recipes
+
     head = f"strategy={preset}: a resumed run keeps the options it was started with"
-    folder = CONF_DIR / "strategy"
-    try:
-        run = (yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8")) or {}).get("strategy") or {}
-        layers = [OmegaConf.load(folder / "nd.yaml"), OmegaConf.load(folder / f"{preset}.yaml")]
-    except (OSError, yaml.YAMLError):  # an unknown preset or an unreadable run: the general fix
+    folder, presets = CONF_DIR / "strategy", config_groups().get("strategy", [])
+    if preset not in presets:
+        close = difflib.get_close_matches(preset, presets, n=1)
         return (
-            f"{head}; change its fields (e.g. strategy.dp_shard=2), or start a new run from this one with "
-            f"model.init_from={run_dir}"
+            f"{head}; {f'did you mean strategy={close[0]}? ' if close else ''}the strategy options: "
+            f"{', '.join(presets)}; a resume takes a preset's layout as its fields (e.g. strategy.dp_shard=2)"
         )
-    for layer in layers:
-        layer.pop("defaults", None)
-    wanted = OmegaConf.to_container(OmegaConf.merge(*layers), resolve=False)
-    for group in [k for k in wanted if (folder / k).is_dir()]:  # strategy/lora, ...: the run's own choices stay
-        del wanted[group]
-    fields, nodes = _differences(wanted, run, "strategy")
-    nodes += [
-        f"strategy.{k}" for k, v in run.items() if isinstance(v, dict) and k not in wanted and not (folder / k).is_dir()
+    try:
+        saved = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8")) or {}
+    except (OSError, yaml.YAMLError):  # recipe_for refuses such a run first
+        saved = {}
+    run = saved.get("strategy") or {}
+    base, own = (OmegaConf.to_container(OmegaConf.load(folder / f"{name}.yaml")) for name in ("nd", preset))
+    base.pop("defaults", None)
+    own.pop("defaults", None)
+    subgroups = {k for k in {**base, **own} if (folder / k).is_dir()}  # strategy/lora, ...: the run's own choices
+    fields = [
+        f"strategy.{axis}={want}"
+        for axis in MESH_AXES
+        if axis in run and run[axis] != (want := own.get(axis, base.get(axis)))
     ]
+    more, nodes = _differences(
+        {k: v for k, v in own.items() if k not in MESH_AXES and k not in subgroups}, run, "strategy"
+    )
+    fields += more
+    nodes += [  # a plugin the run has on and the preset leaves off (nd's null): local SGD, fault tolerance
+        f"strategy.{k}"
+        for k, v in base.items()
+        if v is None and k not in own and k not in subgroups and isinstance(run.get(k), dict)
+    ]
+    recipe = saved.get("recipe") if saved.get("recipe") in bundled_recipes() else "RECIPE"
     if nodes:
         return (
             f"{head}, and {preset} differs from it in {', '.join(nodes)}, which a resume cannot change; start a new "
-            f"run from this one: plait RECIPE strategy={preset} model.init_from={run_dir}"
+            f"run from this one: " + shlex.join(["plait", recipe, f"strategy={preset}", f"model.init_from={run_dir}"])
         )
     if not fields:
-        return f"{head}; it already trains with {preset}'s settings: plait resume {' '.join([str(run_dir), *others])}"
-    return f"{head}; {preset}'s layout is these fields (DCP reshards): plait resume " + " ".join(
-        [str(run_dir), *fields, *others]
+        return f"{head}; it already has {preset}'s layout: " + shlex.join(["plait", "resume", str(run_dir), *others])
+    return f"{head}; {preset}'s layout is these fields (DCP reshards): " + shlex.join(
+        ["plait", "resume", str(run_dir), *fields, *others]
     )
 
 
 def _differences(wanted: dict, run: dict, prefix: str) -> tuple[list[str], list[str]]:
     """The overrides (``prefix.key=value``) that give ``run`` the plain values of ``wanted``, and the
-    nodes one of them has and the other has not (or null); interpolations (``${...}``) are skipped."""
+    nodes one of them has and the other has not (or null), or of another class (``_target_``).
+    Interpolations (``${...}``) and keys ``run`` lacks (a config saved before the key existed) are skipped."""
     fields, nodes = [], []
     for key, value in wanted.items():
         have, path = run.get(key), f"{prefix}.{key}"
         if isinstance(value, dict) and isinstance(have, dict):
+            if "_target_" in value and value["_target_"] != have.get("_target_"):
+                nodes.append(path)
+                continue
             more = _differences(value, have, path)
             fields, nodes = fields + more[0], nodes + more[1]
         elif isinstance(value, dict) or isinstance(have, dict):
             nodes.append(path)
-        elif not (isinstance(value, str) and "${" in value) and have != value:
+        elif key in run and not (isinstance(value, str) and "${" in value) and have != value:
             fields.append(f"{path}={_override_value(value)}")
     return fields, nodes
 
@@ -141,9 +164,10 @@ def main(argv: list[str]) -> None:
     if any(a in ("-m", "--multirun") for a in overrides):
         fail("plait resume continues one run; a sweep (--multirun) starts new runs: plait RECIPE --multirun ...")
     if picked := group_overrides(overrides):
-        presets = [o.split("=", 1)[1] for o in overrides if o.startswith("strategy=")]
-        if picked == ["strategy"] and len(presets) == 1:
-            fail(preset_fields_fix(run_dir, presets[0], [o for o in overrides if not o.startswith("strategy=")]))
+        chosen = [o for o in overrides if "=" in o and o.split("=", 1)[0].lstrip("+~") == "strategy"]
+        if picked == ["strategy"] and len(chosen) == 1:
+            others = [o for o in overrides if o not in chosen]
+            fail(preset_fields_fix(run_dir, chosen[0].split("=", 1)[1], others))
         fail(
             f"{', '.join(picked)}: a resumed run keeps the options it was started with; change one of their "
             f"fields (e.g. strategy.dp_shard=2), or start a new run from this one with model.init_from={run_dir}"

@@ -3,6 +3,8 @@ resume changed (`trainer.resume.free_changes`). The CLI round trip is tests/e2e/
 
 from __future__ import annotations
 
+import shlex
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -81,14 +83,52 @@ def test_a_strategy_preset_is_refused_with_the_fields_that_give_its_layout(tmp_p
     )
 
 
-def test_a_strategy_preset_that_turns_on_local_sgd_names_a_new_run(tmp_path, capsys) -> None:
+def _saved_run(tmp_path, recipe: str, overrides: list[str]):
+    run_dir = tmp_path / "a run"  # a space: the printed command quotes it
+    run_dir.mkdir()
+    OmegaConf.save(compose(recipe, overrides), run_dir / "config.yaml", resolve=True)
+    return run_dir
+
+
+def _printed_fix(capsys) -> list[str]:
+    err = capsys.readouterr().err.strip()
+    return shlex.split(err[err.index("plait resume ") :])
+
+
+def test_a_strategy_preset_changes_the_layout_and_keeps_the_runs_other_settings(tmp_path, capsys) -> None:
+    """trainer=gpu's bf16 FSDP and compile are the run's own choices: strategy=tp's fields leave them."""
+    run_dir = _saved_run(tmp_path, "pretrain", ["model=nano", "trainer=gpu", "trainer.devices=8"])
+    with pytest.raises(SystemExit):
+        main([str(run_dir), "strategy=tp"])
+    fix = _printed_fix(capsys)
+    assert fix[:3] == ["plait", "resume", str(run_dir)] and "strategy.tp=-1" in fix, fix
+    resumed = compose(str(recipe_for(run_dir)), [f"run_dir={run_dir}", "resume=last", *fix[3:]]).strategy
+    assert (resumed.tp, resumed.dp_shard, resumed.dp_replicate) == (-1, 1, 1)
+    assert resumed.fsdp.param_dtype == "bf16" and resumed.compile.enabled
+
+
+@pytest.mark.parametrize(
+    ("started", "preset", "node"),
+    [
+        ([], "diloco", "strategy.local_sgd"),  # turns local SGD on
+        (["strategy=diloco", "trainer.devices=2"], "fsdp", "strategy.local_sgd"),  # off
+        (["strategy=diloco", "trainer.devices=2"], "ist", "strategy.local_sgd"),  # another algorithm
+    ],
+)
+def test_a_strategy_preset_a_resume_cannot_reach_names_a_new_run(tmp_path, capsys, started, preset, node) -> None:
+    run_dir = _saved_run(tmp_path, "pretrain", ["model=nano", *started])
+    with pytest.raises(SystemExit):
+        main([str(run_dir), f"strategy={preset}"])
+    err = capsys.readouterr().err
+    assert f"{preset} differs from it in {node}, which a resume cannot change" in err
+    assert shlex.join(["plait", "pretrain", f"strategy={preset}", f"model.init_from={run_dir}"]) in err
+
+
+def test_an_unknown_strategy_preset_names_the_closest(tmp_path, capsys) -> None:
     run_dir, _ = _run_dir(tmp_path)
     with pytest.raises(SystemExit):
-        main([str(run_dir), "strategy=diloco"])
-    assert (
-        "diloco differs from it in strategy.local_sgd, which a resume cannot change; start a new run from this one: "
-        f"plait RECIPE strategy=diloco model.init_from={run_dir}"
-    ) in capsys.readouterr().err
+        main([str(run_dir), "strategy=fdsp"])
+    assert "did you mean strategy=fsdp? the strategy options: " in capsys.readouterr().err
 
 
 def test_a_folder_without_a_config_is_not_a_run(tmp_path, capsys) -> None:
