@@ -3,6 +3,7 @@ time, started right after collection so that it trains beside the other tests; i
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -34,18 +35,22 @@ class _Tier:
     def __init__(self, names: list[str]) -> None:
         self.work = Path(tempfile.mkdtemp(prefix="plait-learns-"))
         self.out = self.work / "results.json"
+        self.keep = False  # a failed entry's runs stay for a look (named at the end of the session)
+        # Its own data cache (or the session's PLAIT_TEST_CACHE_DIR): the session's is set only when the
+        # first test starts, after this.
+        cache = os.environ.get("PLAIT_TEST_CACHE_DIR") or str(self.work / "cache")
         # One subprocess in a session of its own: its forked workers start from a process that never
         # ran a test, and a timeout stops all of them. Niced: it trains in the cycles the other
         # tests leave idle (most hold one core of two), and they keep their pace.
         self.proc = subprocess.Popen(
             [sys.executable, str(TIER), "--work", str(self.work / "runs"), "--json", str(self.out)]
-            + ["--only", ",".join(names), "--timeout-s", str(TIMEOUT_S)],
+            + ["--only", ",".join(names), "--timeout-s", str(TIMEOUT_S), "--remove-on-term", str(self.work)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-            preexec_fn=lambda: os.nice(NICE),
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PLAIT_CACHE_DIR": cache},
+            preexec_fn=_background,
         )
 
     def results(self) -> dict[str, dict]:
@@ -55,16 +60,37 @@ class _Tier:
             os.killpg(self.proc.pid, signal.SIGKILL)
             stdout, stderr = self.proc.communicate()
         if not self.out.exists():
+            self.keep = True
             pytest.fail(
                 f"the learning tier did not finish (exit {self.proc.returncode}):\n{stdout[-3000:]}\n{stderr[-3000:]}"
             )
-        return json.loads(self.out.read_text())
+        from learns.entries import passed
+
+        results = json.loads(self.out.read_text())
+        self.keep = not all(passed(name, result) for name, result in results.items())
+        return results
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.communicate()
-        shutil.rmtree(self.work, ignore_errors=True)
+        if self.proc.poll() is None:  # the session ended early (-x, a failure): SIGTERM lets it stop its workers
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.communicate()
+        if not self.keep:
+            shutil.rmtree(self.work, ignore_errors=True)
+
+
+def _background() -> None:
+    """In the tier's process before it starts: niced, and SIGTERM when pytest dies (Linux'
+    PR_SET_PDEATHSIG; its own session does not get pytest's signals), which stops its workers and
+    removes its folder (``tier.py --remove-on-term``)."""
+    os.nice(NICE)
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except OSError:  # not glibc
+        pass
 
 
 _TIER: list[_Tier] = []
@@ -101,12 +127,15 @@ def tier_results() -> dict[str, dict]:
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """One line per entry of the tier: its checks' values and thresholds, the verdict."""
-    if not _RESULTS:
+    if not _RESULTS and not any(tier.keep for tier in _TIER):
         return
     from learns.golden import golden_line
     from learns.tier import line
 
     terminalreporter.section("learning tier (tests/learns)")
+    for tier in _TIER:
+        if tier.keep:
+            terminalreporter.write_line(f"learns: the runs are kept in {tier.work}")
     for name, result in _RESULTS.items():
         terminalreporter.write_line(line(name, result))
     for name in _RESULTS:

@@ -36,11 +36,13 @@ import ctypes
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
 import tempfile
 import time
 import traceback
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -327,14 +329,27 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write every result here")
     parser.add_argument("--reuse", action="store_true", help="keep the bases' results already in --work (calibration)")
     parser.add_argument("--timeout-s", type=float, default=900, help="entries not done by then are errors")
+    parser.add_argument(
+        "--remove-on-term", type=Path, default=None, help="a folder to remove when SIGTERM stops the tier (pytest's)"
+    )
     args = parser.parse_args()
     names = [n for n in args.only.split(",") if n] or list(ENTRIES)
     if unknown := sorted(set(names) - set(ENTRIES)):
         parser.error(f"unknown entries {unknown}; known: {', '.join(ENTRIES)}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # SystemExit: run_tier's finally stops the workers
+    try:
+        _main(args, names)
+    except SystemExit as stop:
+        if stop.code == 143 and args.remove_on_term is not None:
+            shutil.rmtree(args.remove_on_term, ignore_errors=True)
+        raise
+
+
+def _main(args: argparse.Namespace, names: list[str]) -> None:
     sys.path.insert(0, str(ROOT))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="plait-learns-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="plait-learns-") if args.work is None else nullcontext() as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         results = run_tier(names, work, jobs=args.jobs, timeout_s=args.timeout_s, reuse=args.reuse)
