@@ -26,8 +26,9 @@ import tempfile
 from pathlib import Path
 
 import yaml
+from omegaconf import OmegaConf
 
-from trainer.catalog import CONF_DIR, config_groups, fail
+from trainer.catalog import CONF_DIR, bundled_recipes, config_groups, fail
 
 # The wrapper recipe: plait's base (Hydra's settings: the run writes to run_dir) under the run's values.
 _HEADER = (
@@ -80,10 +81,7 @@ def preset_fields_fix(run_dir: Path, preset: str, others: list[str]) -> str:
     any other (DCP reshards to the new layout). A preset that turns a plugin node on or off or swaps its
     class (DiLoCo for IST) cannot be reached by a resume: the message names a new run instead.
     """
-    from omegaconf import OmegaConf
-
-    from strategies.core.parallel_dims import MESH_AXES
-    from trainer.catalog import bundled_recipes
+    from strategies.core.parallel_dims import MESH_AXES  # lazy: torch, for an error message only
 
     head = f"strategy={preset}: a resumed run keeps the options it was started with"
     folder, presets = CONF_DIR / "strategy", config_groups().get("strategy", [])
