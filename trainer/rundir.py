@@ -36,6 +36,7 @@ from torch import nn
 from strategies.checkpoint.dcp import META_FILE, is_checkpoint, load_model_weights, verify_checkpoint
 from strategies.checkpoint.manifest import MANIFEST
 from strategies.transforms.lora_targets import is_adapter
+from trainer.checkpoint_step import name_step
 from trainer.data.tokenizer import Tokenizer
 from trainer.model_node import constructor_node, init_from_of
 from trainer.models.hf import HFError, is_hf_dir, llama_from_hf, load_hf_weights
@@ -278,9 +279,9 @@ def resolve_checkpoint(path: str | os.PathLike, report: Callable[[str], None] | 
 def _unfinished_after(root: Path, checkpoint: Path) -> list[Path]:
     """The ``step_<n>.tmp`` directories in ``root`` of steps after ``checkpoint``'s: saves a stopped run
     left unfinished (the next save of that step removes them)."""
-    step = int(checkpoint.name[5:]) if re.fullmatch(r"step_\d+", checkpoint.name) else None
-    found = [p for p in root.glob("step_*.tmp") if re.fullmatch(r"step_\d+\.tmp", p.name) and p.is_dir()]
-    return sorted((p for p in found if step is None or int(p.name[5:-4]) > step), key=lambda p: p.name)
+    step = name_step(checkpoint)
+    found = [(p, name_step(p.with_suffix(""))) for p in root.glob("step_*.tmp") if p.is_dir()]
+    return sorted((p for p, n in found if n is not None and (step is None or n > step)), key=lambda p: p.name)
 
 
 def runs_below(folder: Path, depth: int = RUN_DEPTH) -> list[Path]:
