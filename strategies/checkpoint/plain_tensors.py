@@ -25,7 +25,7 @@ def wrapped(tensor: torch.Tensor) -> torch.Tensor:
     names it); ``tensor`` itself otherwise (plain tensors, subclasses holding several tensors such as
     a 4-bit NF4 weight's codes and scales). A DTensor keeps its mesh and placements around it."""
     if isinstance(tensor, DTensor):
-        local = tensor._local_tensor
+        local = tensor.to_local()
         inner = wrapped(local)
         if inner is local:
             return tensor
