@@ -27,7 +27,7 @@ class ModelContractError(ValueError):
 class ShardsOwnParams:
     """A tensor-parallel style that also shards parameters of its module's own (not of a Linear
     child): ``param_tp_dims`` maps each one's name to the dim it splits (GPT-OSS's attention sinks,
-    by head: `trainer.models.llama.PrepareSinkAttention`)."""
+    by head: `trainer.models.llama_tp.PrepareSinkAttention`)."""
 
     param_tp_dims: dict[str, int] = {}
 

@@ -28,21 +28,19 @@ pre-norms; QK-norm adds ``layers.<i>.attention.{q_norm,k_norm}``.
 
 import math
 from collections.abc import Sequence
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from strategies.core.ranges import NON_NEGATIVE, POSITIVE, Range
-from strategies.core.shape import ShardsOwnParams
 from trainer.models.attention import DOCUMENT_CAUSAL, QK_NORM_SCOPES, sliding_window_mask
 from trainer.models.block import ACTIVATIONS, NORM_PLACEMENTS, TransformerBlock, llama_ffn_dim
 from trainer.models.init import seeded_normal_
 from trainer.models.kv_cache import KVCache
+from trainer.models.llama_tp import llama_tp_plan
 from trainer.models.norm import RMSNorm
 from trainer.models.rope import rope_scaling_problems, rope_tables
 
@@ -423,61 +421,9 @@ class Llama(nn.Module):
             layer.attention.core = core
 
     def tp_plan(self, *, sequence_parallel: bool = True, loss_parallel: bool = True) -> dict:
-        """Megatron tensor-parallel plan: module-name pattern -> DTensor ``ParallelStyle``.
-
-        q/k/v and gate/up (w1/w3) projections column-wise (each rank holds n_heads/tp query heads,
-        n_kv_heads/tp kv heads and ffn_dim/tp features), output and down projections (wo/w2)
-        row-wise, the token embedding row-wise (vocabulary rows) and the LM head column-wise.
-        With ``sequence_parallel`` the norms and residual stream are sharded on T between blocks
-        ([B, T/tp, D] per rank) and gathered at the input of attention and feed-forward. With
-        ``loss_parallel`` the logits stay sharded by vocabulary ([B, T, V/tp] DTensor) for the
-        cross-entropy under ``torch.distributed.tensor.parallel.loss_parallel``.
-        """
-        seq = Shard(1) if sequence_parallel else Replicate()
-        logits = Shard(-1) if loss_parallel else Replicate()
-        plan: dict = {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
-            "output": ColwiseParallel(input_layouts=seq, output_layouts=logits, use_local_output=not loss_parallel),
-            "layers.*.attention.wq": ColwiseParallel(),
-            "layers.*.attention.wk": ColwiseParallel(),
-            "layers.*.attention.wv": ColwiseParallel(),
-            "layers.*.attention.wo": RowwiseParallel(output_layouts=seq),
-            "layers.*.feed_forward.w1": ColwiseParallel(),
-            "layers.*.feed_forward.w3": ColwiseParallel(),
-            "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=seq),
-        }
-        # The input of attention and feed-forward becomes one replicated DTensor shared by the
-        # column-wise projections (use_local_output=False), so backward sums their partial input
-        # gradients first: one all-reduce (or, with SP, one reduce-scatter) per sub-block, the
-        # Megatron pattern, instead of one per projection. attention(x, cos, sin, mask): only x.
-        prepare = PrepareSinkAttention if self.attention_sinks else PrepareModuleInput
-        plan["layers.*.attention"] = prepare(
-            input_layouts=(seq, None, None, None), desired_input_layouts=(Replicate(), None, None, None)
-        )
-        plan["layers.*.feed_forward"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
-        if sequence_parallel:
-            plan["norm"] = SequenceParallel()
-        if sequence_parallel and self.norm_placement in ("pre", "sandwich"):
-            plan.update({"layers.*.attention_norm": SequenceParallel(), "layers.*.ffn_norm": SequenceParallel()})
-        if sequence_parallel and self.norm_placement in ("post", "sandwich"):
-            # A post-norm takes the row-wise wo/w2 output (sharded on T) and gives a local tensor,
-            # as the residual stream between blocks is: the residual add mixes no DTensor in.
-            for name in ("post_attention_norm", "post_ffn_norm"):
-                plan[f"layers.*.{name}"] = SequenceParallel(use_local_output=True)
-        if self.qk_norm:
-            # [B, T, heads/tp, E] per rank (a projection-wide norm: [B, T, heads/tp x E], sharded on
-            # the features it normalises: ProjectionRMSNorm's mean of squares is then one all-reduce
-            # over tp). The norm weight a replicated DTensor, so its gradient, a partial sum over
-            # this rank's heads, is summed over tp.
-            plan.update(
-                {
-                    f"layers.*.attention.{n}": SequenceParallel(sequence_dim=2, use_local_output=True)
-                    for n in ("q_norm", "k_norm")
-                }
-            )
-        # Pipeline stages drop some of these modules: plan only those present.
-        present = {"tok_embeddings": self.tok_embeddings, "output": self.output, "norm": self.norm}
-        return {k: v for k, v in plan.items() if present.get(k, True) is not None}
+        """Megatron tensor-parallel plan: module-name pattern -> DTensor ``ParallelStyle``
+        (`trainer.models.llama_tp.llama_tp_plan`; a subclass extends it, as `MoETransformer` does)."""
+        return llama_tp_plan(self, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Number of parameters present in this module (tied weights counted once).
@@ -512,19 +458,6 @@ class Llama(nn.Module):
         mlp = 3 * self.dim * self.ffn_dim
         n_matmul = self.n_layers * (attn + mlp) + self.dim * self.vocab_size
         return float(6 * n_matmul + 12 * self.n_layers * self.dim * seq_len)
-
-
-class PrepareSinkAttention(ShardsOwnParams, PrepareModuleInput):
-    """`PrepareModuleInput` of an attention with sinks that also shards its ``sinks`` ``[H]`` over
-    tp (``Shard(0)``): each rank keeps the sinks of the query heads its column-wise ``wq`` holds."""
-
-    param_tp_dims: ClassVar[dict[str, int]] = {"sinks": 0}
-
-    @override
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        sinks = module.sinks
-        module.sinks = nn.Parameter(distribute_tensor(sinks.data, device_mesh, [Shard(0)]), sinks.requires_grad)
-        return super()._apply(module, device_mesh)
 
 
 def _rope_rows(
