@@ -254,3 +254,8 @@ class DataModule(Component, Protocol):
     def held_out_counts(self) -> dict[str, Any]:
         """Per source, what preparation cut from the held-out samples (`trainer.data.accounting.SourceCounts`)."""
         ...
+
+    def data_fingerprint(self) -> str | None:
+        """A hash of the prepared data (a resume refuses data other than its checkpoint's, `trainer.resume`);
+        None: not known (not compared)."""
+        return None

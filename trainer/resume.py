@@ -1,12 +1,13 @@
 """Resume consistency: a resumed run is the run its checkpoint belongs to, unless told otherwise.
 
-Every checkpoint records the resolved config and the tokenizer fingerprint it was trained with
-(`run_record`, saved in its ``meta.pt`` by the checkpoint callback). Before anything is written,
-`resume_problems` compares them with the new run's:
+Every checkpoint records the resolved config, the tokenizer fingerprint and the data fingerprint
+it was trained with (`run_record`, saved in its ``meta.pt`` by the checkpoint callback). Before
+anything is written, `resume_problems` compares them with the new run's:
 
 - ``model.*`` and ``objective.*`` (and the tokenizer, by fingerprint) can never change: the
   weights, the loss or the token ids would no longer match;
-- ``data.*``, ``seed`` and ``train.global_batch_size`` neither: the saved data position (global
+- ``data.*``, ``seed`` and ``train.global_batch_size`` neither, nor the data itself (a file
+  rewritten at the same path: `trainer.data.fingerprint`): the saved data position (global
   batches trained, `trainer.data.loader`) would index other rows (continue from these weights on
   other data with a new run and ``model.init_from=<checkpoint>``); ``train.micro_batch_size`` is
   free (it only splits the same global batch into gradient-accumulation steps);
@@ -56,9 +57,12 @@ OVERRIDABLE = ("optim", "scheduler", "train.max_grad_norm")
 IGNORED = ("data.cache_dir", "model.init_from", "data.tokenizer", "model.config_from")
 
 
-def run_record(config: dict[str, Any], tokenizer_fingerprint: str) -> dict[str, Any]:
-    """What a checkpoint records of its run (plain types: it goes into ``meta.pt``)."""
-    return {"config": config, "tokenizer": tokenizer_fingerprint}
+def run_record(
+    config: dict[str, Any], tokenizer_fingerprint: str, data_fingerprint: str | None = None
+) -> dict[str, Any]:
+    """What a checkpoint records of its run (plain types: it goes into ``meta.pt``); ``data_fingerprint``
+    None: the data module does not tell (`trainer.protocols.DataModule.data_fingerprint`)."""
+    return {"config": config, "tokenizer": tokenizer_fingerprint, "data": data_fingerprint}
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -81,11 +85,13 @@ def read_record(checkpoint: Path) -> dict[str, Any] | None:
     return meta.get(RECORD_KEY) if isinstance(meta, dict) else None
 
 
-def check_resume(cfg: DictConfig, checkpoint: Path | None, tokenizer: Any = None) -> dict[str, Any]:
+def check_resume(
+    cfg: DictConfig, checkpoint: Path | None, tokenizer: Any = None, data_fingerprint: str | None = None
+) -> dict[str, Any]:
     """Refuses a resume that would train another run; returns the overridden values to apply.
 
-    Runs before anything is written: in `trainer.run.check_launch` (``tokenizer`` None: the data
-    is not prepared yet) and again once the tokenizer is known.
+    Runs before anything is written: in `trainer.run.check_launch` (``tokenizer`` and
+    ``data_fingerprint`` None: the data is not prepared yet) and again once they are known.
 
     Returns:
         ``{dotted key: new value}`` of the ``resume_override`` fields that differ from the record.
@@ -106,7 +112,9 @@ def check_resume(cfg: DictConfig, checkpoint: Path | None, tokenizer: Any = None
         return {}
     new = OmegaConf.to_container(cfg, resolve=True)
     fingerprint = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
-    if problems := resume_problems(record, new, fingerprint, overrides, source=str(checkpoint)):
+    if problems := resume_problems(
+        record, new, fingerprint, overrides, source=str(checkpoint), data_fingerprint=data_fingerprint
+    ):
         if len(problems) > SHOWN:  # another composed config (overrides not typed again), not a changed field
             run_dir = Path(checkpoint).parent.parent
             problems = [
@@ -135,6 +143,7 @@ class ResumeRecord(L.Callback):
         changes: on a resume, `resume_changes` (recorded as one line of ``resumes.jsonl``:
             the step, the checkpoint, ``{key: [old, new]}``).
         checkpoint: the checkpoint a resume starts from (None: a fresh start).
+        data_fingerprint: the data module's `data_fingerprint` (None: not recorded).
     """
 
     def __init__(
@@ -146,10 +155,12 @@ class ResumeRecord(L.Callback):
         chat_template: JinjaTemplate | None = None,
         changes: dict[str, tuple[Any, Any]] | None = None,
         checkpoint: Path | None = None,
+        data_fingerprint: str | None = None,
     ) -> None:
         self.cfg, self.tokenizer, self.run_dir, self.overrides = cfg, tokenizer, Path(run_dir), overrides
         self.chat_template, self.changes, self.checkpoint = chat_template, changes or {}, checkpoint
-        self.record = run_record(OmegaConf.to_container(cfg, resolve=True), tokenizer_fingerprint(tokenizer))
+        config = OmegaConf.to_container(cfg, resolve=True)
+        self.record = run_record(config, tokenizer_fingerprint(tokenizer), data_fingerprint)
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -252,6 +263,7 @@ def resume_problems(
     overrides: Sequence[str],
     *,
     source: str,
+    data_fingerprint: str | None = None,
 ) -> list[str]:
     """Why the run ``new`` may not resume from a checkpoint recording ``record`` ([] if it may).
 
@@ -261,8 +273,18 @@ def resume_problems(
         tokenizer_fingerprint: the new run's tokenizer (None: not known yet, not compared).
         overrides: the ``resume_override`` keys (prefixes: ``optim`` allows every optim field).
         source: the checkpoint, for the messages.
+        data_fingerprint: the new run's prepared data (None: not known yet, not compared; a record
+            without one, written before plait recorded it, is not compared either).
     """
     problems = []
+    saved_data = record.get("data")  # absent in checkpoints written before it was recorded
+    if data_fingerprint is not None and saved_data is not None and saved_data != data_fingerprint:
+        problems.append(
+            f"the training data differs from the data {source} was trained on (fingerprint {saved_data[:12]} vs "
+            f"{data_fingerprint[:12]}; the config is the same, so a file it reads changed): the saved data position "
+            f"would index other rows, and held-out documents could be trained on; resume with the run's own data "
+            f"files, or train on the new data from these weights in a new run_dir with model.init_from={source}"
+        )
     if tokenizer_fingerprint is not None and record["tokenizer"] != tokenizer_fingerprint:
         problems.append(
             f"the tokenizer differs from the one {source} was trained with (fingerprint {record['tokenizer'][:12]} "

@@ -277,3 +277,16 @@ def test_local_sgd_on_or_off_belongs_to_the_run() -> None:
     assert "ckpt holds no islands (local SGD off)" in on and "resume with ...=" not in on
     slower = {**diloco, "strategy": {"local_sgd": {**diloco["strategy"]["local_sgd"], "sync_every": 10}}}
     assert resume_problems(run_record(diloco, "f" * 64), slower, "f" * 64, [], source="ckpt") == []
+
+
+def test_data_that_changed_under_the_same_config_is_refused() -> None:
+    """The recorded data fingerprint against the new run's: another one is refused (naming the fix);
+    the same one, an unknown one (None) or a record written before it was kept resume."""
+    record = run_record(SAVED, "f" * 64, "a" * 16)
+    (problem,) = resume_problems(record, _new(), "f" * 64, [], source="ckpt", data_fingerprint="b" * 16)
+    assert problem.startswith("the training data differs from the data ckpt was trained on (fingerprint aaaa")
+    assert "model.init_from=ckpt" in problem
+    assert resume_problems(record, _new(), "f" * 64, [], source="ckpt", data_fingerprint="a" * 16) == []
+    assert resume_problems(record, _new(), "f" * 64, [], source="ckpt", data_fingerprint=None) == []
+    older = {k: v for k, v in record.items() if k != "data"}
+    assert resume_problems(older, _new(), "f" * 64, [], source="ckpt", data_fingerprint="b" * 16) == []

@@ -23,7 +23,7 @@ import os
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypedDict
+from typing import Annotated, Any, ClassVar, Literal, TypedDict
 
 import lightning as L
 import torch
@@ -38,6 +38,7 @@ from trainer.data.balance import Balancer, WorkModel
 from trainer.data.cache import cache_dir_problem
 from trainer.data.chat import ChatFormat, JinjaTemplate, load_chat_template
 from trainer.data.chat_files import PLACES
+from trainer.data.fingerprint import prepared_fingerprint
 from trainer.data.loader import Batch, GlobalBatches, Loader, shard_rows
 from trainer.data.tokenizer import Tokenizer, load_or_train
 from trainer.protocols import Evaluator
@@ -85,6 +86,10 @@ class DataModule(L.LightningDataModule, protocols.DataModule):
     # Rows per forward when evaluating. The validation loss is a sum over micro-batches, so its
     # last bits depend on this; one value for every data module keeps val/loss comparable.
     eval_micro_batch_size = 8
+
+    # Fields of the prepared data `data_fingerprint` leaves out: the tokenizer and its template
+    # (compared by the tokenizer's own fingerprint), and what the run fills in later.
+    UNHASHED: ClassVar[tuple[str, ...]] = ("tokenizer", "template")
 
     def __init__(
         self,
@@ -145,6 +150,11 @@ class DataModule(L.LightningDataModule, protocols.DataModule):
     @property
     def tokenizer(self) -> Tokenizer:
         return self.prepare().tokenizer
+
+    def data_fingerprint(self) -> str:
+        """A hash of the prepared data (`trainer.data.fingerprint`; the tokenizer and the fields of
+        ``UNHASHED`` left out): what a checkpoint's data position indexes, compared on resume."""
+        return prepared_fingerprint(self.prepare(), skip=self.UNHASHED)
 
     def load_tokenizer(self, texts: Callable[[], Iterable[str]] | Sequence[str], fingerprint: str) -> Tokenizer:
         """``data.tokenizer``, else a BPE trained on ``texts`` (cached under ``fingerprint``)."""

@@ -82,6 +82,9 @@ class PreferenceDataModule(DataModule):
 
     catalog = PAIRS  # the names of data.sources.<name>.source it reads as bundled or synthetic sets
 
+    # The reference log-probs are computed from the model at the start of training (NaN before).
+    UNHASHED = (*DataModule.UNHASHED, "train_ref", "val_ref")
+
     def __init__(
         self,
         *,

@@ -104,6 +104,7 @@ class PreparedStream:
 
     tokenizer: Tokenizer
     val: PackedRows
+    head: str  # fingerprint of the first training documents (those that train a BPE): the stream's start
     train: None = None
 
 
@@ -156,9 +157,10 @@ class StreamDataModule(DataModule):
             raise DataError(
                 f"data.path={self.path}: no training documents after the data.eval_docs={self.eval_docs} held out"
             )
-        tokenizer = self.load_tokenizer(head, fingerprint("stream", *head))
+        head_key = fingerprint("stream", *head)
+        tokenizer = self.load_tokenizer(head, head_key)
         val = pack(encode.documents(tokenizer, val_texts), seq_len=self.seq_len, pad_id=tokenizer.pad_id)
-        return PreparedStream(tokenizer=tokenizer, val=val)
+        return PreparedStream(tokenizer=tokenizer, val=val, head=head_key)
 
     def _packer(self) -> Packer:
         stream = DocumentStream(
