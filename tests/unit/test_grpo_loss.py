@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
@@ -303,3 +304,93 @@ def test_policy_loss_refusals_name_the_fix():
         policy_loss(logps, old, adv, mask.long())
     with pytest.raises(ValueError, match=r"advantages must be \[R\]"):
         policy_loss(logps, old, adv[:3], mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Temperature: the loss scores the distribution the completions were sampled from
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 1.7])
+def test_the_loss_scores_the_sampling_distribution(temperature):
+    """`GRPO.loss_sum` on rollout rows (on-policy: ratio 1) has the gradient of
+    ``-A * log softmax(z / T)[y]`` summed over completion tokens, and its logged entropy is that of
+    ``softmax(z / T)`` (TRL divides the logits by the temperature too). `token_logps`, which gives
+    the sampling policy's and the reference's log-probs, uses the same tempered distribution.
+    Mutation: the plain ``log_softmax(z)`` (what plait did) fails T=0.5 and T=1.7."""
+    from torch import nn
+
+    from trainer.objectives.grpo import GRPO
+    from trainer.rl.rollout import token_logps
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 11, generator=g) * 2
+
+    class Fixed(nn.Module):  # the logits, whatever the input
+        def __init__(self) -> None:
+            super().__init__()
+            self.z = nn.Parameter(logits.clone())
+
+        def forward(self, input_ids):
+            return self.z
+
+    labels = torch.tensor([[-100, 3, 7, 1, -100], [-100, -100, 2, 9, 4]])
+    advantages = torch.tensor([0.8, -1.3])
+    batch = {"input_ids": torch.zeros(2, 5, dtype=torch.long), "labels": labels, "advantages": advantages}
+    objective = GRPO(num_generations=2, temperature=temperature, loss_type="dapo")
+    model = Fixed()
+    objective.loss_sum(model, batch).backward()
+
+    z = logits.double().requires_grad_(True)
+    logp = torch.log_softmax(z / temperature, dim=-1)  # the sampled distribution
+    loss = z.new_zeros(())
+    for row in range(2):
+        for t in range(5):
+            if labels[row, t] != -100:
+                loss = loss - advantages[row].double() * logp[row, t, labels[row, t]]
+    loss.backward()
+    torch.testing.assert_close(model.z.grad.double(), z.grad, rtol=1e-5, atol=1e-6)
+
+    mask = labels != -100
+    probs = logp.detach().exp()
+    entropy = -(probs * logp.detach()).sum(-1)[mask].mean()
+    total, count = objective._sums["entropy"]
+    assert float(total / count) == pytest.approx(float(entropy), rel=1e-5)
+    picked = token_logps(logits, labels, temperature)
+    want = torch.where(mask, logp.detach().gather(-1, labels.clamp(min=0)[..., None])[..., 0], 0.0)
+    torch.testing.assert_close(picked.double(), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shift", [0.0, 0.05])
+def test_rloo_scores_the_whole_completion_as_one_action(shift):
+    """``importance="sequence_sum"`` with the ``grpo`` aggregation (the ``rloo`` preset) against
+    RLOO as TRL's ``RLOOTrainer`` writes it, per row in float64: ``ratio = exp(sum logps - sum
+    old_logps)``, ``-min(ratio A, clip(ratio) A)``, mean over rows. On policy (shift 0) the gradient of
+    a token is ``-A_i / R`` whatever the row's length. Mutation: the mean token log-ratio
+    (``sequence``, GSPO) or the per-token ratio weighs each row by ``1 / |y_i|`` and fails it."""
+    from omegaconf import OmegaConf
+
+    logps, _, _, adv, mask = _batch(garbage="finite")
+    old = torch.where(mask, logps - shift, logps)
+    leaf = logps.clone().requires_grad_(True)
+    got = policy_loss(leaf, old, adv, mask, epsilon=0.2, importance="sequence_sum", aggregation="grpo")
+    (got.loss_sum / count_units(mask, "grpo")).backward()
+
+    ref = logps.double().requires_grad_(True)
+    rows = []
+    for i in range(mask.shape[0]):
+        tokens = [t for t in range(mask.shape[1]) if mask[i, t]]
+        if not tokens:
+            rows.append(torch.zeros((), dtype=torch.float64))
+            continue
+        log_ratio = sum(ref[i, t] - old[i, t].double() for t in tokens)
+        ratio, a = torch.exp(log_ratio), adv[i].double()
+        rows.append(-torch.min(ratio * a, torch.clamp(ratio, 0.8, 1.2) * a))
+    want = torch.stack(rows).mean()
+    want.backward()
+    torch.testing.assert_close(got.loss_sum / count_units(mask, "grpo"), want.float(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(leaf.grad.double(), ref.grad, rtol=1e-5, atol=1e-6)
+    if shift == 0.0:
+        expected = torch.where(mask, -adv.double().unsqueeze(-1) / mask.shape[0], 0.0)
+        torch.testing.assert_close(leaf.grad.double(), expected, rtol=1e-6, atol=1e-7)
+    preset = OmegaConf.load(Path(__file__).parents[2] / "conf" / "objective" / "rloo.yaml")
+    assert preset.importance == "sequence_sum" and preset.baseline == "leave_one_out"

@@ -14,7 +14,8 @@ The variants users compare are presets of the same objective (conf/objective/):
 - ``dapo`` (Yu et al. 2025): asymmetric clip (``epsilon_high``), per-token loss over the step's
   completion tokens;
 - ``gspo`` (Zheng et al. 2025): one importance ratio per sequence (the mean token log-ratio);
-- ``rloo`` (Ahmadian et al. 2024): leave-one-out baseline, no std scaling.
+- ``rloo`` (Ahmadian et al. 2024): leave-one-out baseline, no std scaling, the whole completion
+  one action (one ratio per row from its summed token log-ratios, as TRL's ``RLOOTrainer``).
 
 The loss aggregation is named as TRL names it (``loss_type``) and expressed as a sum over this
 rank's rows and a count of units the Task sums over every micro-batch and rank before dividing:
@@ -44,7 +45,7 @@ from trainer.protocols import Batch, Objective, RowKind
 from trainer.rl.advantages import group_advantages
 from trainer.rl.engine import GenerationEngine, InProcessEngine, SamplingParams
 from trainer.rl.evaluate import completion_text, fields_of
-from trainer.rl.policy_loss import AGGREGATIONS, count_units, policy_loss
+from trainer.rl.policy_loss import AGGREGATIONS, IMPORTANCE_LEVELS, count_units, policy_loss
 from trainer.rl.rewards import score, total
 from trainer.rl.rollout import completion_seed, cut_at_stop, rollout_rows, token_logps, token_logps_and_entropy
 
@@ -58,13 +59,17 @@ class GRPO(Objective):
     Args:
         num_generations: G, completions per prompt (>= 2: the group is the baseline).
         max_new_tokens: tokens per completion at most (its EOS included).
-        temperature, top_p, top_k: sampling of the rollouts (`trainer.rl.engine.SamplingParams`).
+        temperature, top_p, top_k: sampling of the rollouts (`trainer.rl.engine.SamplingParams`); the
+            loss, the sampling policy's and the reference's log-probs and the entropy are those of
+            ``softmax(logits / temperature)``, the distribution sampled (as TRL does; top_p and top_k
+            are not folded in).
         stop: strings that end a completion (the token that completes one is its last).
         epsilon: clip range below (and above, unless ``epsilon_high``) the ratio 1.
         epsilon_high: DAPO's upper clip (None: ``epsilon``).
         beta: weight of the KL term to the reference (0: none, no reference forward).
         loss_type: ``grpo``, ``dr_grpo`` or ``dapo`` (the aggregation; module docstring).
-        importance: ``token`` (GRPO) or ``sequence`` (GSPO) importance ratios.
+        importance: ``token`` (GRPO), ``sequence`` (GSPO: mean token log-ratio) or ``sequence_sum``
+            (RLOO: summed token log-ratio) importance ratios.
         scale_rewards: ``group`` (divide by the group's std) or ``none`` (Dr. GRPO, RLOO).
         baseline: ``mean`` (the group mean) or ``leave_one_out`` (RLOO).
         num_iterations: optimizer steps per rollout (mu; > 1 computes the sampling policy's
@@ -89,7 +94,7 @@ class GRPO(Objective):
         epsilon_high: float | None = None,
         beta: float = 0.0,
         loss_type: Literal["grpo", "dr_grpo", "dapo"] = "grpo",
-        importance: Literal["token", "sequence"] = "token",
+        importance: Literal["token", "sequence", "sequence_sum"] = "token",
         scale_rewards: Literal["group", "none"] = "group",
         baseline: Literal["mean", "leave_one_out"] = "mean",
         num_iterations: int = 1,
@@ -122,8 +127,8 @@ class GRPO(Objective):
             problems.append("objective.num_generations must be >= 2 (the group is the baseline); e.g. 8")
         if node.get("loss_type", "grpo") not in AGGREGATIONS:
             problems.append(f"objective.loss_type={node.get('loss_type')!r}: use one of {AGGREGATIONS}")
-        if node.get("importance", "token") not in ("token", "sequence"):
-            problems.append(f"objective.importance={node.get('importance')!r}: use token or sequence")
+        if node.get("importance", "token") not in IMPORTANCE_LEVELS:
+            problems.append(f"objective.importance={node.get('importance')!r}: use one of {IMPORTANCE_LEVELS}")
         if node.get("scale_rewards", "group") not in ("group", "none"):
             problems.append(f"objective.scale_rewards={node.get('scale_rewards')!r}: use group or none")
         if node.get("baseline", "mean") not in ("mean", "leave_one_out"):
@@ -255,7 +260,7 @@ class GRPO(Objective):
             for start in range(0, len(rows["input_ids"]), task.micro_batch_size):
                 ids = rows["input_ids"][start : start + task.micro_batch_size]
                 labels = rows["labels"][start : start + task.micro_batch_size]
-                parts.append(token_logps(task.model(ids), labels))
+                parts.append(token_logps(task.model(ids), labels, self.params.temperature))
         return torch.cat(parts)
 
     # ------------------------------------------------------------------------------ the loss
@@ -274,7 +279,7 @@ class GRPO(Objective):
             return token_loss_sum(logits, batch["labels"])
         labels = batch["labels"]
         mask = labels != IGNORE_INDEX
-        logps, entropy = token_logps_and_entropy(logits, labels)
+        logps, entropy = token_logps_and_entropy(logits, labels, self.params.temperature)
         out = policy_loss(
             logps,
             batch.get("old_logps"),

@@ -10,7 +10,12 @@ Per completion token ``t`` of row ``i`` with advantage ``A_i`` and importance ra
   Scale", sec. 3.1);
 - ``w = exp(logps - old_logps)`` per token (``importance="token"``), or GSPO's sequence ratio
   (Zheng et al. 2025, "Group Sequence Policy Optimization", eq. 7): ``exp`` of the mean token log
-  ratio of the row, one per row, broadcast over its tokens;
+  ratio of the row, one per row, broadcast over its tokens; or RLOO's (``"sequence_sum"``:
+  Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from
+  Human Feedback in LLMs", the whole completion one action): ``exp`` of the row's summed token log
+  ratio, as TRL's ``RLOOTrainer`` computes it. With ``grpo``'s per-row mean a row then adds one term
+  whose on-policy gradient is ``-A_i`` times the gradient of the completion's whole log-prob (no
+  ``1 / |y_i|`` weighting of short completions);
 - ``k3_t = exp(ref - logp) - (ref - logp) - 1``, the k3 estimator of KL(pi || pi_ref) (Schulman
   2020, "Approximating KL Divergence"), as GRPO (eq. 4) and TRL add it.
 
@@ -39,7 +44,7 @@ import torch
 from torch import Tensor
 
 AGGREGATIONS = ("grpo", "dr_grpo", "dapo")
-IMPORTANCE_LEVELS = ("token", "sequence")
+IMPORTANCE_LEVELS = ("token", "sequence", "sequence_sum")
 
 
 @dataclass(frozen=True)
@@ -146,7 +151,7 @@ def policy_loss(
     *,
     epsilon: float = 0.2,
     epsilon_high: float | None = None,
-    importance: Literal["token", "sequence"] = "token",
+    importance: Literal["token", "sequence", "sequence_sum"] = "token",
     beta: float = 0.0,
     ref_logps: Tensor | None = None,
     aggregation: str = "grpo",
@@ -166,7 +171,7 @@ def policy_loss(
         mask: ``[R, T]`` bool, True on completion tokens that carry loss. A row of False adds 0.
         epsilon: lower clip, ratio >= ``1 - epsilon`` (and the upper one when ``epsilon_high`` is None).
         epsilon_high: upper clip, ratio <= ``1 + epsilon_high`` (DAPO: 0.28); None: ``epsilon``.
-        importance: ``"token"`` (PPO/GRPO) or ``"sequence"`` (GSPO).
+        importance: ``"token"`` (PPO/GRPO), ``"sequence"`` (GSPO) or ``"sequence_sum"`` (RLOO).
         beta: weight of the k3 KL to the reference; 0 leaves it out of the loss.
         ref_logps: ``[R, T]`` reference log-probs; needed when ``beta > 0``, logged as ``kl`` when given.
         aggregation: one of ``AGGREGATIONS``; the Task divides ``loss_sum`` by the global `count_units`.
@@ -203,6 +208,8 @@ def policy_loss(
     tokens_per_row = mask.sum(-1)
     if importance == "sequence":
         log_weight = (log_ratio.sum(-1) / tokens_per_row.clamp(min=1)).unsqueeze(-1)  # [R, 1]
+    elif importance == "sequence_sum":
+        log_weight = log_ratio.sum(-1, keepdim=True)  # [R, 1]
     else:
         log_weight = log_ratio  # [R, T]
     ratio = torch.exp(log_weight)

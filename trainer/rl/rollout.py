@@ -56,19 +56,29 @@ def rollout_rows(
     return {"input_ids": input_ids, "labels": labels}
 
 
-def token_logps(logits_btv: torch.Tensor, labels_bt: torch.Tensor) -> torch.Tensor:
-    """``[B, T]`` fp32 log-probability of each label under the logits (0 where the label is -100)."""
-    return _picked(torch.log_softmax(logits_btv.float(), dim=-1), labels_bt)
+def token_logps(logits_btv: torch.Tensor, labels_bt: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """``[B, T]`` fp32 log-probability of each label under ``softmax(logits / temperature)`` (0 where
+    the label is -100): the policy that sampled at that temperature (1 for a temperature of 0, greedy)."""
+    return _picked(torch.log_softmax(_tempered(logits_btv, temperature), dim=-1), labels_bt)
 
 
-def token_logps_and_entropy(logits_btv: torch.Tensor, labels_bt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logps_and_entropy(
+    logits_btv: torch.Tensor, labels_bt: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`token_logps` and the ``[B, T]`` entropy (nats, no gradient) of each position's next-token
-    distribution, from one log-softmax over the vocabulary."""
-    logps = torch.log_softmax(logits_btv.float(), dim=-1)
+    distribution at ``temperature``, from one log-softmax over the vocabulary."""
+    logps = torch.log_softmax(_tempered(logits_btv, temperature), dim=-1)
     with torch.no_grad():
         detached = logps.detach()
         entropy = -(detached.exp() * detached).sum(-1)
     return _picked(logps, labels_bt), entropy
+
+
+def _tempered(logits_btv: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 ``logits / temperature`` (as TRL's GRPO scores the sampling policy: Shao et al. 2024's
+    pi_theta_old is the distribution the completions were drawn from); greedy (0) and 1 leave them."""
+    logits = logits_btv.float()
+    return logits if temperature in (0.0, 1.0) else logits / temperature
 
 
 def _picked(logps_btv: torch.Tensor, labels_bt: torch.Tensor) -> torch.Tensor:
