@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from trainer.build import build_data
 from trainer.compose import compose
 from trainer.data import encode
 from trainer.data.base import DataError
-from trainer.data.packing import IGNORE_INDEX
+from trainer.data.packing import IGNORE_INDEX, Packer, SampleList, rows_to_tensors
 from trainer.data.sources import hold_out
 from trainer.data.summary import describe
 
@@ -52,7 +53,8 @@ def test_cut_prompts_are_counted_from_the_rows_and_warned_about() -> None:
 
 def test_the_shipped_presets_keep_every_sample_whole() -> None:
     # The preference preset's pairs fit whole (the learning tier's DPO entry depends on it); the
-    # synthetic SFT preset refuses long samples, and the default SFT recipe splits them.
+    # synthetic SFT preset refuses long samples, and the default SFT recipe splits them (counted as
+    # split, not as cut).
     for recipe, overrides in (("dpo", ["data=preference_synthetic"]), ("sft", ["data=synthetic"]), ("sft", [])):
         counts = _data(recipe, overrides).data_counts()
         assert counts and all(c.affected == 0 and c.supervised_tokens_lost == 0 for c in counts.values()), (
@@ -92,6 +94,29 @@ def test_truncated_conversations_count_the_supervised_tokens_the_samples_lose(tm
     assert (
         "data.sources.mine: 2 of 4 training conversations (50.0%)" in warning and "data.long_samples=split" in warning
     )
+
+    # Split (kept whole): counted as split, with the supervised tokens that train without their
+    # sample's start, read back from the packed rows (a piece's positions restart at 0) as the
+    # SFT data module packs them: at least the counted ones (the packer may start a long sample
+    # in a row's tail). Mutation: not counting split samples leaves the launch silent.
+    split = whole.data_counts()["mine"]
+    samples = whole.prepare().train["mine"]
+    pairs = [(samples.ids[a:b], samples.labels[a:b]) for a, b in zip(samples.offsets[:-1], samples.offsets[1:])]
+    rows = []
+    packer = Packer(SampleList(pairs), seq_len=64, pad_id=0, policy="whole")
+    while (row := packer.next_row()) is not None:
+        rows.append(row)
+    packed = rows_to_tensors(rows, num_rows=len(rows), seq_len=64, pad_id=0)
+    real = packed["source_ids"].flatten() != -1
+    positions, labels = packed["position_ids"].flatten()[real], packed["labels"].flatten()[real]
+    index = torch.cat([torch.arange(b - a) for a, b in zip(samples.offsets[:-1], samples.offsets[1:])])
+    unseen = int(((positions != index) & (labels != IGNORE_INDEX)).sum())
+    assert split.split == long == 2 and split.affected == 0
+    assert 0 < split.supervised_tokens_split <= unseen
+    line = next(line for line in describe(whole) if line.startswith("warning:"))
+    assert "2 of 4 training conversations (50.0%) are longer than a row" in line
+    assert f"at least {split.supervised_tokens_split:,} of {split.supervised_tokens:,} supervised tokens" in line
+    assert "data.long_samples=truncate" in line
 
 
 def test_a_source_that_keeps_no_supervised_token_is_refused_naming_it() -> None:

@@ -8,11 +8,16 @@ training split, what preparation did to the samples (`SourceCounts`):
 - ``dropped``: samples left out whole (unusable rows, ``data.long_samples=drop``);
 - ``truncated``: samples kept with supervised tokens cut at the end (``data.seq_len``);
 - ``prompts_cut``: samples whose prompt lost tokens (preference pairs: ``data.max_prompt_len``);
-- ``supervised_tokens_lost`` / ``supervised_tokens``: the supervised tokens cut / kept.
+- ``supervised_tokens_lost`` / ``supervised_tokens``: the supervised tokens cut / kept;
+- ``split``: samples longer than ``data.seq_len`` kept whole (``data.long_samples=split``): they
+  continue in the next rows, each piece its own document (positions from 0, attention within the
+  piece), and ``supervised_tokens_split`` counts their supervised tokens past the first
+  ``data.seq_len``, which train without seeing their sample's start (at least these: the packer
+  may start a long sample in a row's tail).
 
 The run prints one line of the counts at launch (`report_lines`), warns once per source when more
-than `WARN_FRACTION` of its samples lost supervised or prompt tokens (naming the setting to
-change), logs them at step 0 (`metrics`: ``data/<count>/<source>``) and writes them to
+than `WARN_FRACTION` of its samples lost supervised or prompt tokens, or were split (naming the
+setting to change), logs them at step 0 (`metrics`: ``data/<count>/<source>``) and writes them to
 ``summary.json`` (`as_json`). The held-out split is counted the same way (its own launch line and
 ``held_out`` in ``summary.json``): its losses and scores are measured on what is left. A source
 whose training or held-out samples keep no supervised token is refused before any process starts
@@ -26,7 +31,10 @@ from typing import Any
 
 # More than this share of a source's samples losing supervised or prompt tokens gets a warning line.
 WARN_FRACTION = 0.05
-COUNTS = ("samples", "dropped", "truncated", "prompts_cut", "supervised_tokens_lost", "supervised_tokens")
+COUNTS = (
+    "samples", "dropped", "truncated", "prompts_cut", "supervised_tokens_lost", "supervised_tokens", "split",
+    "supervised_tokens_split",
+)  # fmt: skip
 
 
 @dataclass
@@ -44,15 +52,26 @@ class SourceCounts:
     prompts_cut: int = 0
     supervised_tokens_lost: int = 0
     supervised_tokens: int = 0
+    split: int = 0
+    supervised_tokens_split: int = 0
     affected: int = 0  # samples that lost supervised or prompt tokens, each counted once
     fix: str = field(default="", compare=False)
 
     def add(
-        self, *, supervised_kept: int, supervised_lost: int = 0, prompt_lost: int = 0, dropped: bool = False
+        self,
+        *,
+        supervised_kept: int,
+        supervised_lost: int = 0,
+        prompt_lost: int = 0,
+        dropped: bool = False,
+        supervised_split: int | None = None,
     ) -> None:
-        """Counts one sample: its supervised tokens kept and lost, its prompt tokens lost, and
-        whether it was left out whole (its supervised tokens are then all lost)."""
+        """Counts one sample: its supervised tokens kept and lost, its prompt tokens lost, whether
+        it was left out whole (its supervised tokens are then all lost), and, for a sample split
+        across rows, its supervised tokens past the first row's length (None: not split)."""
         self.samples += 1
+        self.split += int(supervised_split is not None)
+        self.supervised_tokens_split += supervised_split or 0
         self.dropped += int(dropped)
         self.truncated += int(supervised_lost > 0 and not dropped)
         self.prompts_cut += int(prompt_lost > 0 and not dropped)
@@ -81,6 +100,7 @@ def _cuts(c: SourceCounts, noun: str) -> str:
         f"{c.dropped:,} dropped" if c.dropped else "",
         f"{c.truncated:,} truncated" if c.truncated else "",
         f"{c.prompts_cut:,} with the prompt cut" if c.prompts_cut else "",
+        f"{c.split:,} split across rows" if c.split else "",
     ]
     cut = ", ".join(p for p in parts if p) or "nothing cut"
     lost = f"; {c.supervised_tokens_lost:,} supervised tokens lost" if c.supervised_tokens_lost else ""
@@ -100,19 +120,29 @@ def report_lines(
         held_out: source name -> the counts of its held-out samples.
     """
     lines = []
-    if any(c.affected for c in counts.values()):
+    if any(c.affected or c.split for c in counts.values()):
         lines.append(
             "data cuts: "
-            + "; ".join(f"data.sources.{name}: {_cuts(c, noun)}" for name, c in counts.items() if c.affected)
+            + "; ".join(f"data.sources.{name}: {_cuts(c, noun)}" for name, c in counts.items() if c.affected or c.split)
         )
-    if held_out and any(c.affected for c in held_out.values()):
-        cut = "; ".join(f"data.sources.{name}: {_cuts(c, noun)}" for name, c in held_out.items() if c.affected)
+    if held_out and any(c.affected or c.split for c in held_out.values()):
+        cut = "; ".join(
+            f"data.sources.{name}: {_cuts(c, noun)}" for name, c in held_out.items() if c.affected or c.split
+        )
         lines.append(f"data cuts (held-out, scored as cut): {cut}")
     for name, c in counts.items():
         if c.samples and c.affected / c.samples > WARN_FRACTION:
             lines.append(
                 f"warning: data.sources.{name}: {c.affected:,} of {c.samples:,} training {noun} "
                 f"({_pct(c.affected, c.samples)}) lose supervised or prompt tokens; {c.fix}"
+            )
+        if c.samples and c.split / c.samples > WARN_FRACTION:
+            total = c.supervised_tokens
+            lines.append(
+                f"warning: data.sources.{name}: {c.split:,} of {c.samples:,} training {noun} "
+                f"({_pct(c.split, c.samples)}) are longer than a row and continue in the next rows as separate "
+                f"documents: at least {c.supervised_tokens_split:,} of {total:,} supervised tokens "
+                f"({_pct(c.supervised_tokens_split, total)}) train without seeing their start; {c.fix}"
             )
     return lines
 

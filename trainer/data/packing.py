@@ -304,7 +304,8 @@ def fit_long_samples(
 
     Returns:
         The samples to pack, and the counts of every sample (`trainer.data.accounting.SourceCounts`:
-        samples dropped or truncated by the policy, supervised tokens kept and lost).
+        samples dropped or truncated by the policy, supervised tokens kept and lost; under
+        ``split``, the samples split and their supervised tokens past the first ``seq_len``).
 
     Raises:
         ValueError: a long sample under ``policy="error"`` (the message names the fixes).
@@ -321,7 +322,13 @@ def fit_long_samples(
                 )
             cut = 0 if policy == "drop" else seq_len
         lost = int(supervised[cut:].sum())
-        counts.add(supervised_kept=int(supervised.sum()) - lost, supervised_lost=lost, dropped=cut == 0 < len(ids))
+        split = int(supervised[seq_len:].sum()) if policy == "split" and len(ids) > seq_len else None
+        counts.add(
+            supervised_kept=int(supervised.sum()) - lost,
+            supervised_lost=lost,
+            dropped=cut == 0 < len(ids),
+            supervised_split=split,
+        )
         if cut or not len(ids):
             kept.append((ids[:cut], labels[:cut]) if cut < len(ids) else (ids, labels))
     return kept, counts

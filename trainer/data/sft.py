@@ -21,11 +21,13 @@ are plain text, prompt then completion, loss on the completion and its EOS, no t
 for string data meant for a chat model (``plait chat`` and ``generate chat=true`` prompt through
 the template).
 
-Samples longer than ``seq_len`` follow ``long_samples``: ``split`` (continue in the next rows,
-nothing lost; case C29), ``truncate`` (keep the first ``seq_len`` tokens), ``drop`` (leave the
-sample out) or ``error``. Whatever is cut is counted per source (trainer.data.accounting: printed
-at launch, a warning above 5% of a source, in ``summary.json``, refused when a source keeps no
-supervised token) and logged as ``train/dropped_tokens/<source>``; no supervised token disappears uncounted.
+Samples longer than ``seq_len`` follow ``long_samples``: ``split`` (continue in the next rows;
+no token is lost, but each piece is a document of its own, so the tokens of a later piece train
+without seeing the sample's start, its prompt included; case C29), ``truncate`` (keep the first
+``seq_len`` tokens), ``drop`` (leave the sample out) or ``error``. Whatever is cut or split is
+counted per source (trainer.data.accounting: printed at launch, a warning above 5% of a source, in
+``summary.json``, refused when a source keeps no supervised token) and logged as
+``train/dropped_tokens/<source>``; no supervised token is cut or split uncounted.
 """
 
 from __future__ import annotations
@@ -212,8 +214,13 @@ class SFTDataModule(DataModule):
             kept, counts = fit_long_samples(samples, seq_len=self.seq_len, policy=self.long_samples)
         except ValueError as err:
             raise DataError(f"data.sources.{name}: {err}") from None
+        other = (
+            "truncate (a long conversation keeps its start and loses its end)"
+            if self.long_samples == "split"
+            else "split (a long conversation continues in the next rows, its pieces as separate documents)"
+        )
         counts.fix = accounting.seq_len_fix([len(ids) for ids, _ in samples], self.seq_len, self.noun) + (
-            ", or data.long_samples=split (a long conversation continues in the next row)"
+            f", or data.long_samples={other}"
         )
         into[name] = counts
         return SourceSamples([ids for ids, _ in kept], [labels for _, labels in kept])
