@@ -58,11 +58,12 @@ IGNORED = ("data.cache_dir", "model.init_from", "data.tokenizer", "model.config_
 
 
 def run_record(
-    config: dict[str, Any], tokenizer_fingerprint: str, data_fingerprint: str | None = None
+    config: dict[str, Any], tokenizer_fingerprint: str, data_fingerprint: str | None = None, dp: int | None = None
 ) -> dict[str, Any]:
     """What a checkpoint records of its run (plain types: it goes into ``meta.pt``); ``data_fingerprint``
-    None: the data module does not tell (`trainer.protocols.DataModule.data_fingerprint`)."""
-    return {"config": config, "tokenizer": tokenizer_fingerprint, "data": data_fingerprint}
+    None: the data module does not tell (`trainer.protocols.DataModule.data_fingerprint`); ``dp``: the
+    data-parallel degree its batches were split over (None: not known)."""
+    return {"config": config, "tokenizer": tokenizer_fingerprint, "data": data_fingerprint, "dp": dp}
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -86,12 +87,17 @@ def read_record(checkpoint: Path) -> dict[str, Any] | None:
 
 
 def check_resume(
-    cfg: DictConfig, checkpoint: Path | None, tokenizer: Any = None, data_fingerprint: str | None = None
+    cfg: DictConfig,
+    checkpoint: Path | None,
+    tokenizer: Any = None,
+    data_fingerprint: str | None = None,
+    dp: int | None = None,
 ) -> dict[str, Any]:
     """Refuses a resume that would train another run; returns the overridden values to apply.
 
     Runs before anything is written: in `trainer.run.check_launch` (``tokenizer`` and
-    ``data_fingerprint`` None: the data is not prepared yet) and again once they are known.
+    ``data_fingerprint`` None: the data is not prepared yet) and again once they are known; ``dp``
+    the new run's data-parallel degree (None: not compared).
 
     Returns:
         ``{dotted key: new value}`` of the ``resume_override`` fields that differ from the record.
@@ -113,7 +119,7 @@ def check_resume(
     new = OmegaConf.to_container(cfg, resolve=True)
     fingerprint = tokenizer_fingerprint(tokenizer) if tokenizer is not None else None
     if problems := resume_problems(
-        record, new, fingerprint, overrides, source=str(checkpoint), data_fingerprint=data_fingerprint
+        record, new, fingerprint, overrides, source=str(checkpoint), data_fingerprint=data_fingerprint, dp=dp
     ):
         if len(problems) > SHOWN:  # another composed config (overrides not typed again), not a changed field
             run_dir = Path(checkpoint).parent.parent
@@ -144,6 +150,7 @@ class ResumeRecord(L.Callback):
             the step, the checkpoint, ``{key: [old, new]}``).
         checkpoint: the checkpoint a resume starts from (None: a fresh start).
         data_fingerprint: the data module's `data_fingerprint` (None: not recorded).
+        dp: the run's data-parallel degree (None: not recorded).
     """
 
     def __init__(
@@ -156,11 +163,12 @@ class ResumeRecord(L.Callback):
         changes: dict[str, tuple[Any, Any]] | None = None,
         checkpoint: Path | None = None,
         data_fingerprint: str | None = None,
+        dp: int | None = None,
     ) -> None:
         self.cfg, self.tokenizer, self.run_dir, self.overrides = cfg, tokenizer, Path(run_dir), overrides
         self.chat_template, self.changes, self.checkpoint = chat_template, changes or {}, checkpoint
         config = OmegaConf.to_container(cfg, resolve=True)
-        self.record = run_record(config, tokenizer_fingerprint(tokenizer), data_fingerprint)
+        self.record = run_record(config, tokenizer_fingerprint(tokenizer), data_fingerprint, dp)
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -264,6 +272,7 @@ def resume_problems(
     *,
     source: str,
     data_fingerprint: str | None = None,
+    dp: int | None = None,
 ) -> list[str]:
     """Why the run ``new`` may not resume from a checkpoint recording ``record`` ([] if it may).
 
@@ -275,6 +284,9 @@ def resume_problems(
         source: the checkpoint, for the messages.
         data_fingerprint: the new run's prepared data (None: not known yet, not compared; a record
             without one, written before plait recorded it, is not compared either).
+        dp: the new run's data-parallel degree (None: not known). With ``data.drop_last=false``
+            each epoch's last, partial global batch is trimmed to a multiple of dp rows
+            (`trainer.data.sampler`), so the saved position only holds at the saved dp.
     """
     problems = []
     saved_data = record.get("data")  # absent in checkpoints written before it was recorded
@@ -284,6 +296,14 @@ def resume_problems(
             f"{data_fingerprint[:12]}; the config is the same, so a file it reads changed): the saved data position "
             f"would index other rows, and held-out documents could be trained on; resume with the run's own data "
             f"files, or train on the new data from these weights in a new run_dir with model.init_from={source}"
+        )
+    saved_dp = record.get("dp")
+    drop_last = (new.get("data") or {}).get("drop_last", True)
+    if drop_last is False and dp is not None and saved_dp is not None and saved_dp != dp:
+        problems.append(
+            f"data.drop_last=false trims each epoch's last, partial global batch to a multiple of dp rows, and {source} "
+            f"was trained at dp={saved_dp}, this layout has dp={dp}: its epochs would hold other rows from the saved "
+            f"position on; resume with the saved data-parallel degree (dp_replicate x dp_shard = {saved_dp})"
         )
     if tokenizer_fingerprint is not None and record["tokenizer"] != tokenizer_fingerprint:
         problems.append(

@@ -204,14 +204,23 @@ def start(cfg: DictConfig, run_dir: Path, launch: Launch, launching: bool) -> tu
         if cfg.model.get("init_from") is not None and (lr := lr_line(cfg)) is not None:
             _print(lr)
     data_fingerprint = data.data_fingerprint()
-    overrides = check_resume(cfg, launch.ckpt_path, data.tokenizer, data_fingerprint)  # now with the data
+    dp = launch.run.dims.dp
+    overrides = check_resume(cfg, launch.ckpt_path, data.tokenizer, data_fingerprint, dp)  # now with the data
     changes = resume_changes(cfg, launch.ckpt_path)
     if launching:
         for key, (old, new) in changes.items():
             _print(f"resume: {key}: {old!r} -> {new!r} (recorded in {run_dir / RESUMES_FILE})")
     # config.yaml and tokenizer.json (what generate builds from) are written once the checkpoint loaded.
     record = ResumeRecord(
-        cfg, data.tokenizer, run_dir, overrides, data.model_chat_template(), changes, launch.ckpt_path, data_fingerprint
+        cfg,
+        data.tokenizer,
+        run_dir,
+        overrides,
+        data.model_chat_template(),
+        changes,
+        launch.ckpt_path,
+        data_fingerprint,
+        dp,
     )
     trainer, task = build_fit(cfg, launch.run, run_dir, data, callbacks=[record])
     return trainer, task, data

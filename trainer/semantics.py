@@ -240,7 +240,7 @@ def resolve(
         for_launch=for_launch,
     )
     problems.extend(strategy.problems(run, run.shape))
-    run = replace(run, notes=tuple(strategy.notes(run, run.shape)))
+    run = replace(run, notes=(*strategy.notes(run, run.shape), *batch_notes(run)))
     problems.extend(contract_problems(cfg, run, built))  # what the layout reads off the model (never skipped)
     problems.extend(window_problems(run, built))
     problems.extend(latent_attention_problems(run, built))
@@ -323,3 +323,16 @@ def _tokenizer_problems(given: str) -> list[str]:
             f"data.tokenizer={given} is not a tokenizer.json ({err.reason}); give a Hugging Face tokenizer.json, or null to train one"
         ]
     return []
+
+
+def batch_notes(run: ResolvedRun) -> list[str]:
+    """Launch warnings of the global batches: with ``data.drop_last=false`` and dp > 1 each epoch's
+    last, partial batch is trimmed to a multiple of dp rows (`trainer.data.sampler`), so it
+    depends on the world size, unlike every other batch."""
+    if run.drop_last or run.dims.dp <= 1:
+        return []
+    return [
+        f"data.drop_last=false: each epoch's last, partial global batch is trimmed to a multiple of dp={run.dims.dp} "
+        "rows, so another data-parallel degree trains other rows there (and a resume keeps this one); "
+        "data.drop_last=true makes every batch independent of the world size"
+    ]

@@ -290,3 +290,26 @@ def test_data_that_changed_under_the_same_config_is_refused() -> None:
     assert resume_problems(record, _new(), "f" * 64, [], source="ckpt", data_fingerprint=None) == []
     older = {k: v for k, v in record.items() if k != "data"}
     assert resume_problems(older, _new(), "f" * 64, [], source="ckpt", data_fingerprint="b" * 16) == []
+
+
+def test_a_partial_last_batch_pins_the_data_parallel_degree() -> None:
+    """With data.drop_last=false the last, partial global batch of an epoch is trimmed to a multiple
+    of dp rows, so a resume at another dp would continue on other rows: refused, naming the saved
+    dp; with drop_last=true (or the same dp, or a record without dp) it resumes. The launch warns
+    of it at validate (`trainer.semantics.batch_notes`)."""
+    from harness import compose_config
+
+    from trainer.config import validate
+
+    saved = _new(data__drop_last=False)
+    record = run_record(saved, "f" * 64, "a" * 16, 2)
+    (problem,) = resume_problems(record, saved, "f" * 64, [], source="ckpt", dp=4)
+    assert "was trained at dp=2, this layout has dp=4" in problem and "= 2)" in problem
+    assert resume_problems(record, saved, "f" * 64, [], source="ckpt", dp=2) == []
+    kept = run_record(_new(data__drop_last=True), "f" * 64, "a" * 16, 2)
+    assert resume_problems(kept, _new(data__drop_last=True), "f" * 64, [], source="ckpt", dp=4) == []
+    assert resume_problems(run_record(saved, "f" * 64), saved, "f" * 64, [], source="ckpt", dp=4) == []
+
+    notes = validate(compose_config(["data.drop_last=false", "trainer.devices=2", "strategy=ddp"])).notes
+    assert any("data.drop_last=false" in note and "dp=2" in note for note in notes), notes
+    assert not any("drop_last" in n for n in validate(compose_config(["trainer.devices=2", "strategy=ddp"])).notes)

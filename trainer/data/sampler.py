@@ -3,7 +3,9 @@
 Each optimizer step consumes one *global* batch: ``global_batch_size`` rows chosen by an epoch
 permutation that depends only on (seed, epoch). Data-parallel rank r takes the r-th contiguous
 slice. So the same run at another world size, or resumed at another layout, sees the same rows
-in the same steps (DESIGN section 5).
+in the same steps (DESIGN section 5). The one exception is the last, partial batch of an epoch
+kept with ``drop_last=False``: every rank takes the same number of rows, so it is trimmed to a
+multiple of dp (launch warns; a resume at another dp is refused, `trainer.resume`).
 """
 
 from __future__ import annotations
