@@ -57,7 +57,7 @@ def test_changing_prompt_logits_leaves_pair_logps_unchanged():
 
 def test_metrics_sums_and_tie_counts_half():
     objective = DPO(beta=0.1)
-    objective._accumulate(t([0.5, 0.0, -0.1]), t([0.1, 0.0, 0.2]))
+    objective._accumulate(t([0.5, 0.0, -0.1]), t([0.1, 0.0, 0.2]), torch.ones(3, dtype=torch.bool))
     names, sums = objective.pop_sums()
     means = dict(zip(names, (sums[0] / sums[1]).tolist()))
     assert sums[1].tolist() == [3, 3, 3, 3]

@@ -32,27 +32,28 @@ from torch import nn
 from typing_extensions import override
 
 from strategies.core.ranges import POSITIVE
-from trainer.objectives.preference import PreferenceObjective
+from trainer.objectives.preference import PreferenceObjective, held_pairs
 
 KTO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/mismatched", "kl")
 
 
-def kl_estimate(mismatched_logratio: torch.Tensor) -> torch.Tensor:
+def kl_estimate(mismatched_logratio: torch.Tensor, held: torch.Tensor | None = None) -> torch.Tensor:
     """``z``: the mean log-ratio of the mismatched rows over every rank, clamped at 0, detached.
 
     Args:
         mismatched_logratio: ``[P]`` summed log pi - log pi_ref of this rank's mismatched rows (nats).
+        held: ``[P]`` bool, the rows that count (`trainer.objectives.preference.held_pairs`: not the
+            stand-in of an evaluation rank without rows); None: all.
 
     Returns:
         0-dim fp32 tensor (the same on every rank). Tensor- and sequence-parallel ranks hold the
         same rows as their data-parallel peers, which leaves the mean unchanged.
     """
-    sums = torch.stack(
-        [
-            mismatched_logratio.detach().float().sum(),
-            mismatched_logratio.new_tensor(mismatched_logratio.numel(), dtype=torch.float32),
-        ]
-    )
+    ratio = mismatched_logratio.detach().float()
+    if held is None:
+        sums = torch.stack([ratio.sum(), ratio.new_tensor(ratio.numel())])
+    else:
+        sums = torch.stack([torch.where(held, ratio, 0.0).sum(), held.sum().float()])
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(sums)
     return (sums[0] / sums[1].clamp(min=1)).clamp(min=0)
@@ -128,7 +129,8 @@ class KTO(PreferenceObjective):
         """
         logps, _ = self.sequence_logps_of(model, batch)
         ratio = logps - batch["ref_logps"].to(logps.dtype)
-        kl = kl_estimate(ratio[:, 1])
+        held = held_pairs(batch)  # not the stand-in row of an evaluation rank without rows
+        kl = kl_estimate(ratio[:, 1], held)
         desirable = batch["desirable"] > 0.5
         losses, rewards = kto_loss(
             ratio[:, 0],
@@ -138,14 +140,18 @@ class KTO(PreferenceObjective):
             desirable_weight=self.desirable_weight,
             undesirable_weight=self.undesirable_weight,
         )
-        rewards, d = rewards.detach().float(), desirable.float()
-        mismatched = self.beta * ratio[:, 1].detach().float()
+        rewards, d, h = rewards.detach().float(), desirable.float(), held.float()
+        rewards, mismatched = (
+            torch.where(held, rewards, 0.0),
+            torch.where(held, self.beta * ratio[:, 1].detach().float(), 0.0),
+        )
+        batches = (h.sum() > 0).float()  # the KL estimate counts once per micro-batch that holds rows
         sums = torch.stack([
-            torch.stack([(rewards * d).sum(), (rewards * (1 - d)).sum(), mismatched.sum(), kl]),
-            torch.stack([d.sum(), (1 - d).sum(), torch.ones_like(kl) * mismatched.numel(), torch.ones_like(kl)]),
+            torch.stack([(rewards * d).sum(), (rewards * (1 - d)).sum(), mismatched.sum(), kl * batches]),
+            torch.stack([(d * h).sum(), ((1 - d) * h).sum(), h.sum(), batches]),
         ])  # fmt: skip
         self._kto_sums = sums if self._kto_sums is None else self._kto_sums + sums
-        return losses.sum()
+        return torch.where(held, losses, 0.0).sum()
 
     @override
     def pop_sums(self) -> tuple[list[str], torch.Tensor] | None:

@@ -60,6 +60,16 @@ def sequence_logps(logits_btv: torch.Tensor, labels_bt: torch.Tensor) -> tuple[t
     return logps, (labels_bt != IGNORE_INDEX).sum(-1).float()
 
 
+def held_pairs(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``[P]`` bool: the rows of ``batch`` (``labels`` ``[P, 2, T]``) that hold a response token.
+
+    Only the stand-in row an evaluation rank without held-out rows runs has none (its labels are
+    all -100, `trainer.data.loader.shard_rows`); it must count as no pair, since pair objectives
+    average over pairs, not tokens (a reference log-prob and a zero policy log-prob made it a pair
+    with a loss, and the held-out loss changed with dp)."""
+    return (batch["labels"] != IGNORE_INDEX).flatten(1).any(-1)
+
+
 def dpo_loss(
     chosen_logratio: torch.Tensor, rejected_logratio: torch.Tensor, *, beta: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -298,8 +308,10 @@ class PreferenceObjective(Objective):
         task.model.train(was_training)
 
     def num_tokens(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Pairs in ``batch`` (0-dim fp32): the unit every pair loss is averaged over."""
-        return torch.tensor(float(batch["input_ids"].shape[0]), device=batch["input_ids"].device)
+        """Pairs in ``batch`` that hold a response token (0-dim fp32): the unit every pair loss is
+        averaged over. A row without any (the stand-in an evaluation rank without held-out rows
+        runs, `trainer.data.loader.shard_rows`) is not a pair: it counts 0 and adds 0."""
+        return held_pairs(batch).sum().float()
 
     def sequence_logps_of(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logps [P, 2], tokens [P, 2])``: summed response log-probs of the chosen and rejected
@@ -324,14 +336,16 @@ class PreferenceObjective(Objective):
         logps, tokens = self.sequence_logps_of(model, batch)
         ref = batch["ref_logps"].to(logps.dtype) if self.needs_reference else None
         losses, rewards_c, rewards_r = self.pair_losses(logps, tokens, ref)
-        self._accumulate(rewards_c.detach(), rewards_r.detach())
-        return losses.sum()
+        held = held_pairs(batch)
+        self._accumulate(rewards_c.detach(), rewards_r.detach(), held)
+        return torch.where(held, losses, 0.0).sum()
 
-    def _accumulate(self, rewards_c: torch.Tensor, rewards_r: torch.Tensor) -> None:
+    def _accumulate(self, rewards_c: torch.Tensor, rewards_r: torch.Tensor, held: torch.Tensor) -> None:
         diff = rewards_c - rewards_r
         accuracy = (diff > 0).float() + 0.5 * (diff == 0).float()
         sums = torch.stack(
-            [rewards_c.sum(), rewards_r.sum(), accuracy.sum(), diff.sum(), diff.new_tensor(diff.numel())]
+            [torch.where(held, value, 0.0).sum() for value in (rewards_c, rewards_r, accuracy, diff)]
+            + [held.sum().to(diff.dtype)]
         )
         self._sums = sums if self._sums is None else self._sums + sums
 
