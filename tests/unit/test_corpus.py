@@ -229,3 +229,15 @@ def test_load_files_text_key_and_errors(tmp_path):
     other.write_text("a,b")
     with pytest.raises(ValueError, match="unsupported file type"):
         load_files([str(other)])
+
+
+def test_a_byte_order_mark_is_not_text(tmp_path):
+    """Files saved with a UTF-8 byte order mark (Windows editors) read as the same documents as
+    without it: the mark is neither trained on nor hides a separator on the first line.
+    Mutation: reading with encoding="utf-8" keeps '\\ufeff' and fails all three."""
+    (tmp_path / "a.txt").write_text("\ufeffHello world.\n", encoding="utf-8")
+    (tmp_path / "b.txt").write_text("\ufeff<|endoftext|>\nDoc one.\n<|endoftext|>\nDoc two.\n", encoding="utf-8")
+    (tmp_path / "c.jsonl").write_text('\ufeff{"text": "row one"}\n', encoding="utf-8")
+    assert [d.text for d in load_files([str(tmp_path / "a.txt")])] == ["Hello world.\n"]
+    assert [d.text for d in load_files([str(tmp_path / "b.txt")])] == ["Doc one.", "Doc two."]
+    assert [d.text for d in load_files([str(tmp_path / "c.jsonl")])] == ["row one"]

@@ -225,7 +225,7 @@ _TABLES = (".parquet", ".arrow", ".json", ".csv")  # read with Hugging Face data
 
 
 def _read_txt(path: Path, source: str, title: str) -> list[Document]:
-    text = path.read_text(encoding="utf-8")
+    text = path.read_text(encoding="utf-8-sig")
     lines = text.splitlines(keepends=True)
     if not any(line.strip() == EOT_SEPARATOR for line in lines):
         return [Document(text=text, source=source, title=title)] if text.strip() else []
@@ -241,7 +241,7 @@ def _read_txt(path: Path, source: str, title: str) -> list[Document]:
 
 def _read_jsonl(path: Path, source: str, title: str, text_key: str) -> list[Document]:
     docs = []
-    with path.open(encoding="utf-8") as f:
+    with path.open(encoding="utf-8-sig") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -354,9 +354,12 @@ def split_train_val(
     """Deterministic held-out split.
 
     A document goes to validation when sha256(seed, corpus, title, k) (`_doc_keys`) maps below
-    ``val_fraction``, so its side depends only on itself and the seed: the same in every Python
-    process, on every rank, wherever its file lies, and unchanged when other documents (or other
-    paths) are added. Order is preserved.
+    ``val_fraction``, so its side depends only on its key and the seed: the same in every Python
+    process, on every rank, wherever its file lies, and unchanged when other files (or other
+    paths) are added. Inside one file a document is keyed by its place (a ``.jsonl`` line number,
+    the index of a ``.txt`` piece between separators): lines inserted above it, or removed, move
+    it and the documents after it to fresh sides (a resume of such a run is refused,
+    `trainer.data.fingerprint`). Order is preserved.
     With ``val_fraction > 0`` and at least 2 documents, validation gets at least 1 and training
     keeps at least 1 (the lowest / highest hashes move).
 

@@ -286,7 +286,8 @@ def shard_rows(rows: dict[str, Tensor], *, dp_rank: int, dp_size: int, micro_bat
     one row (the first ranks hold one more), and every rank runs the same number of forward
     passes (FSDP gathers parameters in each one). A rank without any row (fewer rows than ranks)
     evaluates a copy of the first row whose labels are all -100 (zero supervised tokens: it adds
-    nothing to a token-weighted loss).
+    nothing to a token-weighted loss, and pair objectives count it as no pair,
+    `trainer.objectives.preference.held_pairs`).
 
     Args:
         rows: key -> ``[N, ...]`` tensor.

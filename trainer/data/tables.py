@@ -143,7 +143,7 @@ def read_rows(path: str, columns: Mapping[str, str] | None = None) -> Iterator[t
     """
     file = Path(path).expanduser()
     if file.suffix == ".jsonl" and file.is_file():
-        with file.open(encoding="utf-8") as f:
+        with file.open(encoding="utf-8-sig") as f:
             for lineno, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
