@@ -167,3 +167,28 @@ def test_a_resume_compares_a_recorded_relative_path_as_the_file_it_names(tmp_pat
         check_run_dir(
             OmegaConf.create({"resume": "last", "data": {"tokenizer": str(tmp_path / "other.json")}}), tmp_path / "old"
         )
+
+
+def test_a_long_prompt_never_cuts_another_traces_decode() -> None:
+    """`Generator.decode` batches traces by prompt length; a batch decodes at most
+    ``max_seq_len - its longest prompt`` tokens, so a short prompt with a large budget must not share
+    a batch with a long one. Each row decodes as much as alone (no EOS in a vocabulary of 16: every
+    row runs its whole budget). Mutation: batching by length alone cuts the short row to 10."""
+    import torch
+
+    from trainer.models.llama import Llama
+    from trainer.rest.rollouts import Generator
+
+    torch.manual_seed(0)
+    model = Llama(vocab_size=16, dim=16, n_layers=1, n_heads=2, max_seq_len=40).eval()
+
+    class Tok:
+        eos_id = 99  # never sampled
+
+    gen = Generator(model, Tok(), template=None)
+    short, long_ = [1] * 5, [1] * 30
+    together = gen.decode([short, long_], [30, 5], temperature=1.0, seeds=[1, 2])
+    assert [len(row) for row in together] == [30, 5]
+    assert together[0] == gen.decode([short], [30], temperature=1.0, seeds=[1])[0]  # as alone
+    # a prompt that leaves less than its budget decodes what the context leaves, batched or not
+    assert [len(row) for row in gen.decode([[1] * 35, short], [30, 4], temperature=1.0, seeds=[3, 1])] == [5, 4]

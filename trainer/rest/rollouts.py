@@ -71,11 +71,10 @@ class Generator:
     def decode(
         self, prompts: Sequence[list[int]], budgets: Sequence[int], *, temperature: float, seeds: Sequence[int]
     ) -> list[list[int]]:
-        """Each prompt's continuation, at most its budget of tokens, without the EOS that ended it."""
+        """Each prompt's continuation, at most its budget of tokens (and what the model's context
+        leaves after its own prompt), without the EOS that ended it."""
         out: list[list[int]] = [[] for _ in prompts]
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # like lengths share a batch
-        for start in range(0, len(order), self.batch_rows):
-            rows = order[start : start + self.batch_rows]
+        for rows in self._batches(prompts, budgets):
             longest = max(len(prompts[i]) for i in rows)
             new = min(max(budgets[i] for i in rows), self.model.max_seq_len - longest)
             ids = sample_batch(
@@ -91,6 +90,22 @@ class Generator:
                 row = row[: budgets[i]]  # each row decodes alone: cutting it is stopping it there
                 out[i] = row[:-1] if row and row[-1] == self.tokenizer.eos_id else row
         return out
+
+    def _batches(self, prompts: Sequence[list[int]], budgets: Sequence[int]) -> list[list[int]]:
+        """Rows decoded together: like prompt lengths share a batch (shortest first), of at most
+        ``batch_rows``, and a batch closes before a longer prompt would cut another row's decode
+        (a batch decodes ``max_seq_len - its longest prompt`` tokens at most, left-padded)."""
+        limit = self.model.max_seq_len
+        batches: list[list[int]] = []
+        need = 0  # the most tokens a row of the open batch decodes alone
+        for i in sorted(range(len(prompts)), key=lambda i: len(prompts[i])):
+            own = max(0, min(budgets[i], limit - len(prompts[i])))
+            if not batches or len(batches[-1]) >= self.batch_rows or max(need, own) + len(prompts[i]) > limit:
+                batches.append([])
+                need = 0
+            batches[-1].append(i)
+            need = max(need, own)
+        return batches
 
 
 def sample_traces(
