@@ -63,16 +63,17 @@ def builds_from_hf(node: Any) -> bool:
 FREE_FIELDS = frozenset({"init_from", "config_from", "init_std", "max_seq_len"})
 
 
-def base_run(source: str | None) -> tuple[Path, DictConfig] | None:
-    """(the run directory, its ``config.yaml``) of the plait run or checkpoint ``source`` names; None
-    for a Hugging Face directory, no intact checkpoint, or a checkpoint outside a run directory."""
+def base_run(source: str | None) -> tuple[Path, DictConfig, Path] | None:
+    """(the run directory, its ``config.yaml``, the checkpoint) of the plait run or checkpoint
+    ``source`` names (a run: its newest intact checkpoint); None for a Hugging Face directory, no
+    intact checkpoint, or a checkpoint outside a run directory."""
     if not source or is_hf_dir(source):
         return None
     ckpt = resolve_checkpoint(Path(source).expanduser())
     if ckpt is None:
         return None
     run = RunDir.of_checkpoint(ckpt)
-    return (run.path, run.load_config()) if run.config.is_file() else None
+    return (run.path, run.load_config(), ckpt) if run.config.is_file() else None
 
 
 def run_tokenizer(source: str | None) -> str | None:
@@ -102,6 +103,12 @@ def take_run_model(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
     the user overrode (``overrides``: the command line's) kept; ``cfg`` itself when init_from is not a
     plait run, or when ``model=<group>`` is among the overrides (validate then compares the two).
 
+    A run directory as ``model.init_from`` is pinned to the checkpoint it names now (its newest):
+    the run records that checkpoint (config.yaml, every checkpoint), so the weights it started from
+    stay the same when the base run trains on. A LoRA run reloads its base on every load
+    (generate, export, resume), and PAFT's merge takes each arm's difference from its recorded
+    base: with the run directory recorded, both silently used the base run's newer checkpoints.
+
     The recipe's default model (``model: tiny``) is not the user's choice: starting from a nano run,
     the run's architecture replaces it. Called where the config is composed (`trainer.compose.compose`,
     the train command before and inside its Hydra job), never by validate, which does not mutate.
@@ -119,8 +126,10 @@ def take_run_model(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
         return cfg
     found = base_run(str(model.init_from))
     explicit = _explicit_model_keys(overrides)
-    if found is None or explicit is None or not isinstance(found[1].get("model"), DictConfig):
+    if found is None:
         return cfg
+    if explicit is None or not isinstance(found[1].get("model"), DictConfig):
+        return _pinned(cfg, found[2])
     saved = found[1].model
     taken = {
         k: v for k, v in OmegaConf.to_container(saved, resolve=False).items() if k not in explicit and k != "init_from"
@@ -130,15 +139,23 @@ def take_run_model(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
     with open_dict(node):
         if builds_from_hf(saved):  # a run of a Hugging Face model: the architecture stays in that directory
             node.config_from = saved.get("config_from") or saved.init_from
-        node.init_from = model.init_from
         for key in explicit:
             if key in model:
                 node[key] = copy.deepcopy(model[key])
             elif key in node:
                 del node[key]
+        node.init_from = str(found[2])  # the checkpoint, not the directory the user typed
     cfg = copy.deepcopy(cfg)
     with open_dict(cfg):
         cfg.model = node
+    return cfg
+
+
+def _pinned(cfg: DictConfig, checkpoint: Path) -> DictConfig:
+    """A copy of ``cfg`` whose ``model.init_from`` is ``checkpoint`` (`take_run_model`)."""
+    cfg = copy.deepcopy(cfg)
+    with open_dict(cfg):
+        cfg.model.init_from = str(checkpoint)
     return cfg
 
 
@@ -149,7 +166,7 @@ def _run_problems(model: Any, data: Any, source: str) -> list[str]:
     found = base_run(source)
     if found is None:
         return []  # a bare checkpoint: its weights are checked when they load
-    run_dir, saved_cfg = found
+    run_dir, saved_cfg, _ = found
     problems = []
     if OmegaConf.select(saved_cfg, "strategy.lora", throw_on_missing=False) is not None:
         problems.append(

@@ -297,6 +297,7 @@ def resume_problems(
             f"would index other rows, and held-out documents could be trained on; resume with the run's own data "
             f"files, or train on the new data from these weights in a new run_dir with model.init_from={source}"
         )
+    problems.extend(_lora_base_problems(record["config"], new, source))
     saved_dp = record.get("dp")
     drop_last = (new.get("data") or {}).get("drop_last", True)
     if drop_last is False and dp is not None and saved_dp is not None and saved_dp != dp:
@@ -345,6 +346,21 @@ def resume_problems(
                 f"start a new run_dir"
             )
     return problems
+
+
+def _lora_base_problems(saved: dict[str, Any], new: dict[str, Any], source: str) -> list[str]:
+    """A LoRA run's checkpoints hold only its adapters, and a resume reloads the base from
+    ``model.init_from``: another base (the base run trained on since, and its directory now names a
+    newer checkpoint) would carry adapters trained on other weights. [] for other runs."""
+    if (saved.get("strategy") or {}).get("lora") is None:
+        return []
+    old, now = (saved.get("model") or {}).get("init_from"), (new.get("model") or {}).get("init_from")
+    if old == now or (isinstance(old, str) and isinstance(now, str) and absolute(old) == absolute(now)):
+        return []
+    return [
+        f"model.init_from={now!r} differs from {old!r} in {source}: its LoRA adapters were trained on that base, and a "
+        f"resume loads the base from model.init_from; resume with model.init_from={old!r} (plait resume <run dir> keeps it)"
+    ]
 
 
 def _setting(key: str, value: Any) -> str:

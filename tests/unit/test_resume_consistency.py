@@ -313,3 +313,19 @@ def test_a_partial_last_batch_pins_the_data_parallel_degree() -> None:
     notes = validate(compose_config(["data.drop_last=false", "trainer.devices=2", "strategy=ddp"])).notes
     assert any("data.drop_last=false" in note and "dp=2" in note for note in notes), notes
     assert not any("drop_last" in n for n in validate(compose_config(["trainer.devices=2", "strategy=ddp"])).notes)
+
+
+def test_a_lora_run_resumes_only_on_the_base_its_adapters_were_trained_on() -> None:
+    """A LoRA checkpoint holds adapters only; the resume reloads the base from model.init_from. Another
+    base (the base run's newer checkpoint) is refused, naming the recorded one; the same base, or a
+    full fine-tune's changed init_from (its weights are in the checkpoint), resumes."""
+    lora = {**SAVED, "strategy": {"lora": {"rank": 8}}}
+    lora["model"] = {**SAVED["model"], "init_from": "/runs/base/checkpoints/step_0000020"}
+    moved = {**lora, "model": {**lora["model"], "init_from": "/runs/base/checkpoints/step_0000024"}}
+    (problem,) = resume_problems(run_record(lora, "f" * 64), moved, "f" * 64, [], source="ckpt")
+    assert "LoRA adapters were trained on that base" in problem
+    assert "model.init_from='/runs/base/checkpoints/step_0000020'" in problem
+    assert resume_problems(run_record(lora, "f" * 64), lora, "f" * 64, [], source="ckpt") == []
+    full = {k: v for k, v in lora.items() if k != "strategy"}
+    moved_full = {k: v for k, v in moved.items() if k != "strategy"}
+    assert resume_problems(run_record(full, "f" * 64), moved_full, "f" * 64, [], source="ckpt") == []
