@@ -25,6 +25,7 @@ from strategies.mesh import MeshStrategy
 from strategies.mesh import build_strategy as build_mesh_strategy
 from trainer.config import ConfigError, validate
 from trainer.data.base import DataModule
+from trainer.export import source_dirs
 from trainer.loggers import LogConfig
 from trainer.model_node import init_from_of, instantiate_model
 from trainer.nonfinite import NonFiniteGuard
@@ -124,25 +125,30 @@ def build_strategy(cfg: DictConfig, run: ResolvedRun, *, launcher: str = "subpro
     return build_mesh_strategy(node, run=run, launcher=launcher)
 
 
-def _with_dir(node: DictConfig, run_dir: Path, key: str, value: Any) -> Any:
-    """Instantiates ``node``, passing ``key=value`` when its target takes that argument."""
+def _with_run(node: DictConfig, **values: Any) -> Any:
+    """Instantiates ``node``, passing each ``key=value`` its target takes and the node leaves unset."""
     target = get_class(node._target_) if "_target_" in node else None
     params = inspect.signature(target).parameters if target is not None else {}
-    return instantiate(node, **({key: str(value)} if key in params and node.get(key) is None else {}))
+    return instantiate(node, **{k: v for k, v in values.items() if k in params and node.get(k) is None})
 
 
 def build_callbacks(cfg: DictConfig, run_dir: Path) -> list[L.Callback]:
+    """The ``callbacks`` nodes built, each given what it takes of the run: ``dirpath`` (the run
+    directory; the checkpoints folder for ``checkpoint``) and ``model_sources`` (the Hugging Face
+    directories that describe the model, `trainer.export.source_dirs`: an export during the run
+    writes what ``plait export`` writes)."""
     callbacks = []
+    sources = [str(path) for path in source_dirs(cfg)]
     for name, node in (cfg.callbacks or {}).items():
         if node is None or (name == "progress" and not cfg.trainer.enable_progress_bar):
             continue
         dirpath = RunDir(run_dir).checkpoints if name == "checkpoint" else run_dir
-        callbacks.append(_with_dir(node, run_dir, "dirpath", dirpath))
+        callbacks.append(_with_run(node, dirpath=str(dirpath), model_sources=sources))
     return callbacks
 
 
 def build_loggers(cfg: DictConfig, run_dir: Path) -> list[Any]:
-    return [_with_dir(node, run_dir, "save_dir", run_dir) for node in (cfg.logger or {}).values() if node is not None]
+    return [_with_run(node, save_dir=str(run_dir)) for node in (cfg.logger or {}).values() if node is not None]
 
 
 def build_trainer(

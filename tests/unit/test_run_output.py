@@ -259,3 +259,26 @@ def test_a_message_during_training_starts_its_own_line(capsys) -> None:
     before = err[: err.index("plait: warning: something")]
     assert before.endswith("\n"), repr(before[-40:])  # captured like a log file: a newline, not only "\r"
     assert any(line.startswith("plait: warning: something") for line in err.split("\n"))
+
+
+def test_the_export_callback_gets_the_sources_plait_export_uses(tmp_path) -> None:
+    """``callbacks.hf_export`` writes what ``plait export`` writes: the builder hands it
+    `trainer.export.source_dirs` of the run's config, so a chain from a Hugging Face model
+    (``model.config_from``) keeps that directory's config.json fields and generation_config.json.
+    Mutation: taking the sources from ``model.init_from`` alone (the callback's own rule before)
+    leaves the chain's Hugging Face directory out."""
+    from hf_checkpoints import make_hf_dir
+    from omegaconf import OmegaConf
+
+    from trainer.build import build_callbacks
+    from trainer.callbacks.hf_export import HFExport
+    from trainer.compose import compose
+    from trainer.export import source_dirs
+
+    hub = tmp_path / "hub"
+    make_hf_dir("llama3", hub)
+    cfg = compose("sft", ["model=hf", f"model.init_from={hub}", "callbacks.hf_export.at_end=true"])
+    OmegaConf.update(cfg, "model.init_from", str(tmp_path / "a_plait_run"))  # a chain's second run
+    OmegaConf.update(cfg, "model.config_from", str(hub))
+    (export,) = [c for c in build_callbacks(cfg, tmp_path / "run") if isinstance(c, HFExport)]
+    assert export.model_sources == source_dirs(cfg) and hub in export.model_sources

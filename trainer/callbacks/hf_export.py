@@ -13,7 +13,6 @@ from typing_extensions import override
 from strategies.core.resolved import ResolvedRun
 from trainer.data.chat import DEFAULT_CHAT_TEMPLATE
 from trainer.export import write_hf_dir
-from trainer.models.hf import is_hf_dir
 from trainer.rundir import RunDir
 
 
@@ -30,6 +29,10 @@ class HFExport(L.Callback):
         every_n_steps: also export every this many optimizer steps (0: never).
         dtype: "float32", "bfloat16" or "float16"; None keeps the parameters' dtype.
         max_shard_mb: safetensors shard size.
+        model_sources: the Hugging Face directories whose ``config.json``, generation and tokenizer
+            files describe the model (`trainer.export.source_dirs` of the run's config: the builder
+            passes them, so the export is ``plait export``'s, a chain's ``model.config_from``
+            included); None (built by hand): none.
 
     Layouts it cannot export from (pipeline stages, LoRA adapters) are refused before launch (`problems`).
     """
@@ -41,8 +44,10 @@ class HFExport(L.Callback):
         every_n_steps: int = 0,
         dtype: str | None = None,
         max_shard_mb: float = 5000.0,
+        model_sources: list[str] | None = None,
     ) -> None:
         self.dirpath = Path(dirpath) if dirpath else Path(".")
+        self.model_sources = [Path(p) for p in model_sources or ()]
         self.at_end, self.every_n_steps = at_end, every_n_steps
         self.dtype, self.max_shard_mb = dtype, max_shard_mb
 
@@ -88,16 +93,13 @@ class HFExport(L.Callback):
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if trainer.is_global_zero:
             data = trainer.datamodule
-            sources = [Path(p).expanduser() for p in [pl_module.init_from] if p and is_hf_dir(p)]
-            tokenizer_path = getattr(data, "tokenizer_path", None)
-            sources += [Path(tokenizer_path).expanduser().parent] if tokenizer_path else []
             template = data.model_chat_template()  # the one the data rendered with: the run's
             write_hf_dir(
                 out,
                 model=model,
                 state=state,
                 tokenizer=data.tokenizer,
-                sources=sources,
+                sources=self.model_sources,
                 dtype=self.dtype,
                 max_shard_mb=self.max_shard_mb,
                 chat_template=DEFAULT_CHAT_TEMPLATE if template is None else template.source,
