@@ -139,6 +139,12 @@ def test_roll_back_restores_weights_and_optimizer_state_bitwise(tmp_path):
     final = loader_state(tmp_path / "r1" / "checkpoints" / "last")
     assert final["tokens"]["sorting"] <= mixture["sorting"]["consumed"] + 64  # no sorting sample after the roll-back
     assert final["packer"]["mixture"]["sorting"] == mixture["sorting"]
+    # A roll-out's checkpoint (the report's model) is a run's: plait generate / export build it from
+    # the directory's config.yaml and tokenizer.json (missing before: roll-outs were built bare).
+    from trainer.rundir import load_run_model
+
+    rolled = load_run_model(checkpoint)
+    assert rolled.tokenizer is not None and rolled.config.model == cfg.model
 
 
 @pytest.mark.slow

@@ -42,9 +42,10 @@ from strategies.core.model_contract import flops_per_token
 from strategies.core.ranges import POSITIVE
 from strategies.runtime.launch import LAUNCH_ENV
 from trainer.budget.report import plot, table
-from trainer.build import build_data, build_model, build_run
+from trainer.build import build_data, build_fit, build_model, prepared_data
 from trainer.config import validate
 from trainer.data.sft import SFTDataModule
+from trainer.resume import ResumeRecord
 from trainer.rundir import RunDir
 
 Scores = dict[str, float]
@@ -122,8 +123,16 @@ class SettledStop(L.Callback):
 
 
 def fit_run(cfg: DictConfig, run_dir: Path, *, ckpt_path: str | None = None) -> list[dict[str, Any]]:
-    """Builds and fits ``cfg`` in a forked process; returns the Task's history."""
-    trainer, task, data = build_run(cfg, run_dir, launcher="fork")
+    """Builds and fits ``cfg`` in a forked process; returns the Task's history. The run directory
+    gets its ``config.yaml`` and tokenizer as a launched run's (`trainer.resume.ResumeRecord`), so
+    the report's model (a roll-out's checkpoint) serves ``plait generate``, ``export`` and ``eval``."""
+    run = validate(cfg)
+    data = prepared_data(cfg, run)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    record = ResumeRecord(
+        cfg, data.tokenizer, run_dir, {}, data.model_chat_template(), data_fingerprint=data.data_fingerprint()
+    )
+    trainer, task = build_fit(cfg, run, run_dir, data, launcher="fork", callbacks=[record])
     try:
         trainer.fit(task, datamodule=data, ckpt_path=ckpt_path)
     finally:
