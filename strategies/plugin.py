@@ -38,7 +38,6 @@ of plugins this one does not compose with yet).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
@@ -52,6 +51,7 @@ from strategies.checkpoint.async_save import AsyncWriter
 from strategies.core.parallel_dims import Meshes, ParallelDims
 from strategies.core.resolved import ResolvedRun
 from strategies.core.shape import ModelShape
+from strategies.runtime.terminal import write_line
 
 Batch = dict[str, torch.Tensor]
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
@@ -152,7 +152,7 @@ class StrategyPlugin:
     def say(self, line: str | None) -> None:
         """Prints ``plait: <line>`` once, on global rank 0 (None: nothing)."""
         if line is not None and (not dist.is_initialized() or dist.get_rank() == 0):
-            print(f"plait: {line}", file=sys.stderr, flush=True)
+            write_line(f"plait: {line}")
 
     def run_length(self, total_steps: int) -> None:
         """The run's planned optimizer steps, told once before training as the LR schedule gets them

@@ -6,10 +6,11 @@ starts fast; composing a config is `trainer.compose`.
 
 from __future__ import annotations
 
-import sys
 from importlib.resources import files
 from pathlib import Path
 from typing import NoReturn
+
+from strategies.runtime.terminal import write_line
 
 
 def _package_dir(name: str) -> Path:
@@ -36,23 +37,15 @@ ALIASES: dict[str, tuple[str, tuple[str, ...], str]] = {
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
-    """Prints ``plait: error: <message>`` to stderr and exits with ``code`` (2: bad input)."""
-    print(f"plait: error: {message}", file=sys.stderr)
+    """Prints ``plait: error: <message>`` to stderr (a line of its own) and exits with ``code`` (2: bad input)."""
+    write_line(f"plait: error: {message}")
     raise SystemExit(code)
 
 
 def say(line: str) -> None:
-    """Prints ``plait: <line>`` on stderr at the start of a line of its own while training: through
-    ``tqdm.write``, which clears Lightning's progress bar first and draws it again after (a plain
-    print ran on after the bar, where ``grep '^plait'`` missed it)."""
-    from tqdm import tqdm  # lazy: Lightning's progress bar is tqdm; commands without one never import it
-
-    if getattr(tqdm, "_instances", None) and not sys.stderr.isatty():
-        # In a log file the bar's line ends in carriage returns, not a newline: start a line of our own.
-        print(f"\nplait: {line}", file=sys.stderr, flush=True)
-        return
-    tqdm.write(f"plait: {line}", file=sys.stderr)
-    sys.stderr.flush()
+    """Prints ``plait: <line>`` on stderr at the start of a line of its own, also while training
+    draws its progress bar (`strategies.runtime.terminal.write_line`)."""
+    write_line(f"plait: {line}")
 
 
 def bundled_recipes() -> dict[str, str]:

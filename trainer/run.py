@@ -21,6 +21,7 @@ from strategies.core.parallel_dims import MESH_AXES
 from strategies.core.resolved import ResolvedRun
 from strategies.muon import launch_line as muon_line
 from strategies.runtime.launch import LAUNCH_ENV, launch_problems
+from strategies.runtime.terminal import write_line
 from strategies.runtime.watchdog import ABORT_EXIT
 from trainer.budget.driver import DriverError, is_search, run_search
 from trainer.build import build_fit, prepared_data
@@ -325,14 +326,14 @@ def run(cfg: DictConfig, launch: Launch | None = None) -> None:
         trainer.fit(task, datamodule=data, ckpt_path=str(ckpt_path) if ckpt_path else None, weights_only=True)
     except (NonFiniteError, NonFiniteStateError) as err:  # the run diverged: exit 3, the message says why
         if launching:
-            print(f"plait: error: {err}", file=sys.stderr)
+            write_line(f"plait: error: {err}")
         raise SystemExit(3) from None
     except RewardError as err:  # a reward function of the data failed on the run's completions: exit 2
-        print(f"plait: error: {err}", file=sys.stderr)
+        write_line(f"plait: error: {err}")
         raise SystemExit(2) from None
     except CheckpointError as err:  # the checkpoint to resume from refused to load, or a save failed to write: exit 2
         if launching:
-            print(f"plait: error: {err}", file=sys.stderr)
+            write_line(f"plait: error: {err}")
         raise SystemExit(2) from None
     except Exception:
         heartbeat = trainer.strategy.heartbeat

@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from strategies.plugin import StrategyPlugin
+from strategies.runtime.terminal import write_line
 from strategies.transforms.lora_targets import (
     is_adapter,
     linear_layers,
@@ -445,11 +446,11 @@ class LoRA(StrategyPlugin):
         trainable, total = trainable_bytes(model)
         state = optimizer_state_bytes(optimizer)
         if verbose:
-            print(
+            write_line(
                 f"plait: lora trains {trainable} of {total} parameter bytes ({100 * trainable / total:.2f}%); optimizer state {state} bytes"
             )
             if stacked := unadaptable(model, self.target_modules):
-                print(
+                write_line(
                     f"plait: lora: {len(stacked)} stacked expert weights that strategy.lora.target_modules names stay frozen "
                     f"(adapters go on nn.Linear layers only), e.g. {stacked[0]}"
                 )

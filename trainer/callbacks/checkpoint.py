@@ -33,6 +33,7 @@ from typing_extensions import override
 from strategies.checkpoint.async_save import AsyncWriter
 from strategies.checkpoint.dcp import CheckpointError
 from strategies.core.ranges import NON_NEGATIVE
+from strategies.runtime.terminal import write_line
 from trainer.callbacks.preemption import Stopped, StopSignals, stop_message
 from trainer.loggers import RunCSVLogger
 from trainer.rundir import LAST, last_link_problem, step_checkpoints, step_dir, step_dirs
@@ -131,7 +132,7 @@ class PeriodicCheckpoint(Checkpoint):
         # Not in a fork launcher's parent, which trained nothing (on_train_start ran in its children).
         if isinstance(exception, KeyboardInterrupt) and trainer.is_global_zero and self._started:
             published = self._last_published if path is None else int(path.name.removeprefix("step_"))
-            print(interrupt_message(trainer.global_step, published, self.dirpath), file=sys.stderr, flush=True)
+            write_line(interrupt_message(trainer.global_step, published, self.dirpath))
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
