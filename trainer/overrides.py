@@ -12,6 +12,7 @@ preflight, where the objective's check names the real fix (see `Composed.implied
 from __future__ import annotations
 
 import difflib
+import itertools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from typing import NoReturn
 
 import yaml
 from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -31,6 +33,7 @@ from trainer.foreign_names import FOREIGN_NAMES, plait_override
 # difflib's ratio above which a key is a misspelling of another (max_seq_length/max_seq_len 0.88,
 # micro_batch/micro_batch_size 0.81) rather than a loose likeness (num_train_epochs/limit_train_batches 0.63).
 CLOSE = 0.8
+MAX_SWEEP_CHECKS = 32  # --multirun jobs whose overrides are checked before the sweep starts
 
 
 @dataclass(frozen=True)
@@ -49,11 +52,11 @@ class Composed:
     problems: list[str] = field(default_factory=list)
     implied: list[str] = field(default_factory=list)
 
-    def refuse_typed(self) -> None:
+    def refuse_typed(self, job: str = "") -> None:
         """Exits 2 listing the `problems` of overrides the user typed, when there are any (an
-        alias's own are then noise: see `implied_failures`)."""
+        alias's own are then noise: see `implied_failures`); ``job``: the sweep job they fail in."""
         if typed := [p for p in self.problems if p not in self.implied]:
-            refuse(typed)
+            refuse([f"{p} (in the sweep's job {job})" if job else p for p in typed])
 
 
 def refuse(problems: Sequence[str]) -> NoReturn:
@@ -97,6 +100,31 @@ def compose_overrides(argv: list[str]) -> Composed:
             refuse(problems or [error_message(failed)])
     problems = [p + did_you_mean(cfg, o) for p, o in zip(problems, bad)] or [error_message(failed)]
     return Composed(cfg, overrides, problems, implied_failures(problems, bad))
+
+
+def sweep_jobs(argv: list[str], limit: int = MAX_SWEEP_CHECKS) -> list[tuple[list[str], str]]:
+    """``(argv, its sweep values)`` of the first ``limit`` jobs a ``--multirun`` of ``argv`` (from
+    `to_hydra_argv`) runs: the product of its sweep overrides (``optim.lr=1e-3,3e-4``,
+    ``range(...)``) as Hydra's basic sweeper takes it, for `compose_overrides` to check each job's
+    overrides before any job starts; [] when a sweep is not a list Hydra can enumerate (a sweeper
+    plugin's intervals)."""
+    config_dir, config_name, overrides = hydra_config(argv)
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        choices = [
+            [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()]
+            if o.is_sweep_override()
+            else [o.input_line]
+            for o in parsed
+        ]
+    except (HydraException, ValueError, TypeError):
+        return []
+    head = ["--config-path", config_dir, "--config-name", config_name]
+    swept = [len(c) > 1 for c in choices]
+    return [
+        ([*head, *job], " ".join(o for o, s in zip(job, swept) if s))
+        for job in itertools.islice(itertools.product(*choices), limit)
+    ]
 
 
 def recipe_problem(path: Path, err: BaseException) -> str:

@@ -340,10 +340,13 @@ def resume_problems(
                 f"{differs}: the saved data position would index other rows; resume {back}, or train on the new "
                 f"data from these weights in a new run_dir with model.init_from={source}"
             )
-        else:
+        else:  # a LoRA checkpoint holds adapters only: no base for model.init_from
+            start = (
+                "" if _under(key, ("strategy.lora",)) else f" (model.init_from={source} starts it from these weights)"
+            )
             problems.append(
                 f"{differs}: the checkpoint's weights and loss belong to {_setting(key, old)}; resume {back}, or "
-                f"start a new run_dir"
+                f"start a new run_dir{start}"
             )
     return problems
 

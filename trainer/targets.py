@@ -58,8 +58,11 @@ def _problem(target: Any, allowed: set[str]) -> str | None:
     module_name, _, name = target.rpartition(".")
     try:
         obj = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError):
-        return "does not exist"
+    except (ImportError, AttributeError) as err:
+        return (
+            f"cannot be imported ({err}); a package of your own: name its folder with plait --user-path DIR "
+            "(or PLAIT_USER_PATH), the current folder is not searched"
+        )
     if not (inspect.isclass(obj) or _is_model_factory(obj)):
         return "is neither a class nor a function returning a torch module (other callables may do anything)"
     if obj.__module__.split(".")[0] not in allowed:

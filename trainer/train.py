@@ -32,7 +32,7 @@ from trainer.compose import (
     to_hydra_argv,
 )
 from trainer.finetune_defaults import lr_line
-from trainer.overrides import compose_overrides
+from trainer.overrides import compose_overrides, sweep_jobs
 
 # trainer.preflight imports the whole trainer (Lightning, ~5 s): imported where a launch needs it,
 # so that plait RECIPE --cfg job (and Hydra's other info flags) answer at once.
@@ -56,6 +56,9 @@ def main(argv: list[str]) -> None:
         from trainer.preflight import preflight  # lazy: the whole trainer (see the imports above)
 
         launch = preflight(composed)
+    elif not launched_child and not any(a in _HYDRA_INFO for a in argv):  # a sweep: each job's overrides
+        for job, values in sweep_jobs(argv):
+            compose_overrides(job).refuse_typed(values)
 
     def hydra_task(cfg: DictConfig) -> None:
         from trainer.preflight import run_job  # lazy: the whole trainer (see the imports above)

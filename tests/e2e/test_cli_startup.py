@@ -44,3 +44,20 @@ def test_a_mistyped_override_is_refused_before_torch_loads(command: tuple[str, .
     assert result.returncode == 2, result.stderr[-2000:]
     assert "did you mean optim.lr=1e-4?" in result.stderr and "did you mean train.micro_batch_size?" in result.stderr
     assert imported.isdisjoint(HEAVY), sorted(imported & set(HEAVY))
+
+
+def test_a_sweep_refuses_a_mistyped_override_of_any_job_before_it_starts() -> None:
+    """``--multirun``: each job's overrides are checked as a single run's are, naming the job (the
+    sft arm of a PAFT sweep has no data.max_prompt_len); before, Hydra's raw 'Could not override ...
+    use +key' came from inside the sweep, exit 1, with no 'did you mean'. Mutation: checking only
+    the first job misses the dpo arm's typo below."""
+    result, imported = _imported("pretrain", "--multirun", "optim.lr=1e-3,3e-4", "train.micro_batch=3")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert (
+        "did you mean train.micro_batch_size?" in result.stderr
+        and "(in the sweep's job optim.lr=0.001)" in result.stderr
+    )
+    assert imported.isdisjoint(HEAVY), sorted(imported & set(HEAVY))
+    result, _ = _imported("paft", "--multirun", "paft=sft,dpo", "data.long_samples=truncate")  # sft's key only
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "data.long_samples=truncate: Could not override" in result.stderr and "job paft=dpo)" in result.stderr

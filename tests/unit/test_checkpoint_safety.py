@@ -248,6 +248,7 @@ def test_planted_config_yaml_target_does_not_run(tmp_path: Path) -> None:
         ("trainer.run.run", "neither a class"),
         ("torch.load", "outside plait's packages"),
         ("${oc.env:HOME}", "interpolation"),
+        ("trainer.models.no_such_module.Model", r"cannot be imported .*plait --user-path DIR"),  # not on the path
     ]:
         with pytest.raises(UntrustedTargetError, match=why):
             check_targets(OmegaConf.create({"_target_": target}), source="config.yaml", key="model")

@@ -329,3 +329,12 @@ def test_a_lora_run_resumes_only_on_the_base_its_adapters_were_trained_on() -> N
     full = {k: v for k, v in lora.items() if k != "strategy"}
     moved_full = {k: v for k, v in moved.items() if k != "strategy"}
     assert resume_problems(run_record(full, "f" * 64), moved_full, "f" * 64, [], source="ckpt") == []
+
+
+def test_a_changed_model_names_a_new_run_from_these_weights() -> None:
+    """Another model or objective field: resume with the saved value, or a new run_dir that starts from
+    the checkpoint's weights (model.init_from), as the docs promise."""
+    (problem,) = resume_problems(run_record(SAVED, "f" * 64), _new(model__dim=128), "f" * 64, [], source="ckpt")
+    assert problem.endswith(
+        "resume with model.dim=64, or start a new run_dir (model.init_from=ckpt starts it from these weights)"
+    )
