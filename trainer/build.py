@@ -25,7 +25,7 @@ from strategies.mesh import MeshStrategy
 from strategies.mesh import build_strategy as build_mesh_strategy
 from trainer.config import ConfigError, validate
 from trainer.data.base import DataModule
-from trainer.export import source_dirs
+from trainer.hf_sources import source_dirs
 from trainer.loggers import LogConfig
 from trainer.model_node import init_from_of, instantiate_model
 from trainer.nonfinite import NonFiniteGuard
@@ -135,7 +135,7 @@ def _with_run(node: DictConfig, **values: Any) -> Any:
 def build_callbacks(cfg: DictConfig, run_dir: Path) -> list[L.Callback]:
     """The ``callbacks`` nodes built, each given what it takes of the run: ``dirpath`` (the run
     directory; the checkpoints folder for ``checkpoint``) and ``model_sources`` (the Hugging Face
-    directories that describe the model, `trainer.export.source_dirs`: an export during the run
+    directories that describe the model, `trainer.hf_sources.source_dirs`: an export during the run
     writes what ``plait export`` writes)."""
     callbacks = []
     sources = [str(path) for path in source_dirs(cfg)]

@@ -25,7 +25,8 @@ from omegaconf import DictConfig, OmegaConf
 from strategies.core.model_contract import layout_problems
 from strategies.core.resolved import ResolvedRun
 from strategies.tensor import TensorParallel
-from trainer.models.families import EXPORTABLE, exportable
+from trainer.hf_sources import base_config, source_dirs
+from trainer.models.families import EXPORTABLE, FamilyError, export_family_of, exportable
 from trainer.models.llama import Llama
 from trainer.models.moe_transformer import MoETransformer
 
@@ -83,6 +84,23 @@ def capability_problems(cfg: DictConfig, run: ResolvedRun | None) -> list[str]:
         if not exportable(model_cls):
             problems.append(export_problem(model_cls, "callbacks.hf_export") + "; or callbacks.hf_export.at_end=false")
     return problems
+
+
+def export_fit_problems(cfg: DictConfig, model: Any) -> list[str]:
+    """``callbacks.hf_export`` on a model (built on the meta device) that fits no Hugging Face family
+    plait writes, or not its source's (`trainer.models.families.export_family_of`: a mixture of
+    experts with shared experts or dense blocks does not fit Mixtral): refused here, not as a
+    traceback after training."""
+    export = OmegaConf.select(cfg, "callbacks.hf_export", throw_on_missing=False)
+    if not isinstance(export, DictConfig) or not (export.get("at_end") or (export.get("every_n_steps") or 0) > 0):
+        return []
+    if not isinstance(model, EXPORTABLE):
+        return []  # capability_problems names the class
+    try:
+        export_family_of(model, base_config(source_dirs(cfg)))
+    except FamilyError as err:
+        return [f"callbacks.hf_export: {err}; set callbacks.hf_export.at_end=false and every_n_steps=0"]
+    return []
 
 
 def window_problems(run: ResolvedRun | None, model: Any) -> list[str]:

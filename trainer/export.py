@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 from safetensors.torch import save_file
 from torch import nn
 
@@ -36,11 +35,12 @@ from trainer.compose import compose_command, fail
 from trainer.data.chat import DEFAULT_CHAT_TEMPLATE, DEFAULT_DESCRIPTION, ChatError, JinjaTemplate, load_chat_template
 from trainer.data.chat_files import TemplateFileError, find_chat_template, write_chat_template
 from trainer.data.tokenizer import Tokenizer
+from trainer.hf_sources import base_config, source_dirs
 from trainer.init_from import load_init_from
 from trainer.models import families
 from trainer.models import hf_gpt_oss as gpt_oss
 from trainer.models.families import FAMILIES, FamilyError, exportable
-from trainer.models.hf import INDEX_FILE, HFError, hf_name, is_hf_dir, read_config
+from trainer.models.hf import INDEX_FILE, HFError, hf_name
 from trainer.models.hf_moe import EXPERT_BIAS_SUFFIX, FLOAT32_SUFFIXES, holds_expert_bias, split_experts
 from trainer.models.llama import Llama
 from trainer.peft_adapter import moe_adapter_problem, peft_target_modules
@@ -151,28 +151,6 @@ def save_weights(state: dict[str, torch.Tensor], directory: str | os.PathLike, *
     for file, shard in zip(names, shards):
         save_file(shard, str(directory / file), metadata={"format": "pt"})
     return [directory / n for n in names]
-
-
-def source_dirs(run_cfg: DictConfig) -> list[Path]:
-    """Directories whose tokenizer/generation files describe this run's model: the Hugging Face
-    ``model.init_from`` and the directory of ``data.tokenizer`` (first found wins per file)."""
-    out = []
-    model = run_cfg.model if run_cfg.model is not None else {}
-    for directory in (
-        model.get("init_from"),
-        model.get("config_from"),
-    ):  # config_from: a chain from a Hugging Face model
-        if directory and is_hf_dir(directory):
-            out.append(Path(directory).expanduser())
-    tokenizer = run_cfg.data.get("tokenizer") if run_cfg.get("data") is not None else None
-    if tokenizer:
-        out.append(Path(tokenizer).expanduser().parent)
-    return out
-
-
-def base_config(sources: list[Path]) -> dict[str, Any] | None:
-    """The ``config.json`` of the first Hugging Face directory among ``sources``, or None."""
-    return next((read_config(d) for d in sources if is_hf_dir(d)), None)
 
 
 def write_hf_dir(

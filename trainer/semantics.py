@@ -30,7 +30,13 @@ from strategies.mesh import MeshStrategy, build_strategy
 from strategies.pipeline.layout import SCHEDULES, stages_per_rank_of
 from strategies.planner.layout import layout_of, workload_of
 from strategies.planner.time import Cluster, auto_split_points
-from trainer.capabilities import capability_problems, contract_problems, latent_attention_problems, window_problems
+from trainer.capabilities import (
+    capability_problems,
+    contract_problems,
+    export_fit_problems,
+    latent_attention_problems,
+    window_problems,
+)
 from trainer.data.paths import DATA_SUFFIXES, PathProblem, check_path, data_files
 from trainer.data.tokenizer import TokenizerFileError, read_tokenizer_json
 from trainer.init_from import init_from_problems, run_tokenizer
@@ -243,6 +249,7 @@ def resolve(
     run = replace(run, notes=(*strategy.notes(run, run.shape), *batch_notes(run)))
     problems.extend(contract_problems(cfg, run, built))  # what the layout reads off the model (never skipped)
     problems.extend(window_problems(run, built))
+    problems.extend(export_fit_problems(cfg, built))
     problems.extend(latent_attention_problems(run, built))
     # The split is planned for a layout that runs: a config with problems is refused anyway.
     return run if problems else replace(run, pp_split_points=pp_split_points(cfg, run, strategy))

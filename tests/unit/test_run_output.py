@@ -263,7 +263,7 @@ def test_a_message_during_training_starts_its_own_line(capsys) -> None:
 
 def test_the_export_callback_gets_the_sources_plait_export_uses(tmp_path) -> None:
     """``callbacks.hf_export`` writes what ``plait export`` writes: the builder hands it
-    `trainer.export.source_dirs` of the run's config, so a chain from a Hugging Face model
+    `trainer.hf_sources.source_dirs` of the run's config, so a chain from a Hugging Face model
     (``model.config_from``) keeps that directory's config.json fields and generation_config.json.
     Mutation: taking the sources from ``model.init_from`` alone (the callback's own rule before)
     leaves the chain's Hugging Face directory out."""
@@ -273,7 +273,7 @@ def test_the_export_callback_gets_the_sources_plait_export_uses(tmp_path) -> Non
     from trainer.build import build_callbacks
     from trainer.callbacks.hf_export import HFExport
     from trainer.compose import compose
-    from trainer.export import source_dirs
+    from trainer.hf_sources import source_dirs
 
     hub = tmp_path / "hub"
     make_hf_dir("llama3", hub)
@@ -282,3 +282,19 @@ def test_the_export_callback_gets_the_sources_plait_export_uses(tmp_path) -> Non
     OmegaConf.update(cfg, "model.config_from", str(hub))
     (export,) = [c for c in build_callbacks(cfg, tmp_path / "run") if isinstance(c, HFExport)]
     assert export.model_sources == source_dirs(cfg) and hub in export.model_sources
+
+
+def test_an_export_the_model_cannot_fit_is_refused_before_training() -> None:
+    """``callbacks.hf_export`` on a mixture of experts no Hugging Face family holds (moe_tiny: shared
+    experts, dense blocks) trained to the end and then raised HFError (under FSDP + EP, 'lost rank 0
+    ... resume=last', which would fail again). validate now asks the family check on the meta model.
+    Mutation: dropping export_fit_problems from validate lets it through."""
+    import pytest
+
+    from trainer.compose import compose
+    from trainer.config import ConfigError, validate
+
+    with pytest.raises(ConfigError) as err:
+        validate(compose("pretrain", ["model=moe_tiny", "callbacks.hf_export.at_end=true", "data.seq_len=64"]))
+    assert any("callbacks.hf_export: this mixture of experts does not fit" in p for p in err.value.problems)
+    validate(compose("pretrain", ["model=nano", "callbacks.hf_export.at_end=true", "data.seq_len=64"]))

@@ -30,7 +30,7 @@ class HFExport(L.Callback):
         dtype: "float32", "bfloat16" or "float16"; None keeps the parameters' dtype.
         max_shard_mb: safetensors shard size.
         model_sources: the Hugging Face directories whose ``config.json``, generation and tokenizer
-            files describe the model (`trainer.export.source_dirs` of the run's config: the builder
+            files describe the model (`trainer.hf_sources.source_dirs` of the run's config: the builder
             passes them, so the export is ``plait export``'s, a chain's ``model.config_from``
             included); None (built by hand): none.
 
