@@ -64,8 +64,8 @@ FOREIGN_NAMES: dict[str, str] = {
     # the objective, precision, seed
     "beta": "objective.beta={value}",
     "bf16": "trainer.precision=bf16-mixed",
-    "fp16": "trainer.precision=16-mixed",
-    "precision": "trainer.precision={value}; 32-true, bf16-mixed, 16-mixed, ...",
+    "fp16": "trainer.precision=bf16-mixed (plait's mixed precision; 16-true keeps the weights in float16)",
+    "precision": "trainer.precision={value}; 32-true, bf16-mixed, bf16-true or 16-true",
     "dtype": "trainer.precision=bf16-mixed (or 32-true)",
     "seed": "seed={value}",
     # where the model comes from and the run goes

@@ -281,6 +281,7 @@ def check_semantics(
         problems.append(
             f"trainer.limit_train_batches={limit} leaves no training batches; use a fraction in (0, 1] or a positive count"
         )
+    problems.extend(fp16_problems(cfg))
     model, data = cfg.model, cfg.data
     if model is not None and data is not None and "seq_len" in data and model.get("max_seq_len") is not None:
         if data.seq_len > model.max_seq_len:
@@ -298,6 +299,22 @@ def check_semantics(
     if data is not None and data.get("tokenizer"):
         problems.extend(_tokenizer_problems(str(data.tokenizer)))
     return run
+
+
+def fp16_problems(cfg: DictConfig) -> list[str]:
+    """``trainer.precision=16-true`` keeps the parameters, and so Adam's moments, in float16: an
+    ``optim.eps`` below float16's smallest normal number (6.1e-5) rounds to 0 or to a few bits, and
+    small squared gradients underflow, so the update divides by ~0 (the pretrain recipe's loss rose
+    8.3 -> 10.0 at step 3 and the run stopped as diverged, naming the learning rate)."""
+    eps = OmegaConf.select(cfg, "optim.eps", default=None)
+    tiny = torch.finfo(torch.float16).tiny
+    if cfg.trainer.precision != "16-true" or not isinstance(eps, (int, float)) or eps >= tiny:
+        return []
+    return [
+        f"trainer.precision=16-true keeps the optimizer's moments in float16, where optim.eps={eps:g} is below the "
+        f"smallest normal value ({tiny:.2g}) and small squared gradients underflow: the updates blow up; use "
+        "trainer.precision=bf16-true (or bf16-mixed), or optim.eps=1e-4"
+    ]
 
 
 def _data_path_problems(given: list[str]) -> list[str]:

@@ -42,6 +42,12 @@ def test_recipe_x_strategy_validates(recipe: str, strategy: str, devices: int) -
         # local SGD needs 2 islands or more (across replica groups, the groups are the islands)
         with pytest.raises(ConfigError, match="needs at least 2 islands"):
             validate(cfg)
+    elif recipe == "rest" and cfg.strategy.fault_tolerance is not None:
+        with pytest.raises(ConfigError, match="plait rest fits its runs in processes of its own"):
+            validate(cfg)  # its rounds are fitted in children of the driver, not as replica groups
+    elif recipe == "paft" and strategy == "ist":
+        with pytest.raises(ConfigError, match="callbacks.delta_l1 pulls every weight"):
+            validate(cfg)  # the SFT arm's step-0 copy is full width, IST's MLPs narrower
     elif cfg.model.n_heads % _resolved(cfg, devices, "tp") or cfg.model.n_kv_heads % _resolved(cfg, devices, "tp"):
         with pytest.raises(ConfigError, match="valid tp: "):  # the tiny model's 6 heads / 2 kv heads: tp <= 2
             validate(cfg)

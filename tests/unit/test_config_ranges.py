@@ -73,3 +73,19 @@ def test_a_run_dir_that_is_or_sits_under_a_file_is_refused(tmp_path) -> None:
         with pytest.raises(ConfigError, match="a_file is a file, not a directory; choose another run_dir"):
             check_run_dir(OmegaConf.create({"run_dir": str(run_dir), "resume": None}))
     assert check_run_dir(OmegaConf.create({"run_dir": str(tmp_path / "new"), "resume": None})) is None
+
+
+def test_float16_weights_refuse_an_adam_eps_float16_cannot_hold() -> None:
+    """trainer.precision=16-true keeps Adam's moments in float16: eps=1e-8 (AdamW's default) rounds
+    to 0 and the run blew up at step 3 (loss 8.3 -> 10.0), stopped as diverged naming the learning
+    rate. Refused naming bf16 or a larger eps; eps=1e-4 and bf16-true are accepted.
+    Mutation: dropping fp16_problems from validate accepts the default."""
+    from harness import compose_config
+
+    from trainer.config import ConfigError, validate
+
+    with pytest.raises(ConfigError) as err:
+        validate(compose_config(["trainer.precision=16-true"]))
+    assert any("optim.eps=1e-08 is below the smallest normal value" in p for p in err.value.problems)
+    validate(compose_config(["trainer.precision=16-true", "optim.eps=1e-4"]))
+    validate(compose_config(["trainer.precision=bf16-true"]))
