@@ -258,7 +258,9 @@ def subnet_problems(cfg: DictConfig) -> list[str]:
     every = int(local_sgd.get("sync_every") or 1)
     problems = []
     export = int(OmegaConf.select(cfg, "callbacks.hf_export.every_n_steps", default=0) or 0)
-    if export and export % every:
+    last = int(OmegaConf.select(cfg, "trainer.max_steps", default=0) or 0)
+    # the last step's export is whole: the round is reassembled when training ends
+    if export and any(step % every for step in range(export, last, export)):
         problems.append(
             f"callbacks.hf_export.every_n_steps={export} exports in the middle of an IST round, whose MLPs hold one "
             f"island's hidden units; use a multiple of strategy.local_sgd.sync_every={every}"
