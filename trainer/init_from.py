@@ -103,11 +103,12 @@ def take_run_model(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
     the user overrode (``overrides``: the command line's) kept; ``cfg`` itself when init_from is not a
     plait run, or when ``model=<group>`` is among the overrides (validate then compares the two).
 
-    A run directory as ``model.init_from`` is pinned to the checkpoint it names now (its newest):
-    the run records that checkpoint (config.yaml, every checkpoint), so the weights it started from
-    stay the same when the base run trains on. A LoRA run reloads its base on every load
-    (generate, export, resume), and PAFT's merge takes each arm's difference from its recorded
-    base: with the run directory recorded, both silently used the base run's newer checkpoints.
+    A LoRA run (``strategy.lora``) pins a run directory as ``model.init_from`` to the checkpoint it
+    names now (its newest): its checkpoints hold only adapters and it reloads its base on every
+    load (generate, export, resume), so with the directory recorded it silently used the base run's
+    newer checkpoints once that run trained on. A full fine-tune keeps the directory: its
+    checkpoints hold every weight, and a pinned checkpoint that the base run's ``keep_last`` later
+    deletes would refuse its resume.
 
     The recipe's default model (``model: tiny``) is not the user's choice: starting from a nano run,
     the run's architecture replaces it. Called where the config is composed (`trainer.compose.compose`,
@@ -128,8 +129,9 @@ def take_run_model(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
     explicit = _explicit_model_keys(overrides)
     if found is None:
         return cfg
+    pin = OmegaConf.select(cfg, "strategy.lora", default=None) is not None  # adapters on this exact base
     if explicit is None or not isinstance(found[1].get("model"), DictConfig):
-        return _pinned(cfg, found[2])
+        return _pinned(cfg, found[2]) if pin else cfg
     saved = found[1].model
     taken = {
         k: v for k, v in OmegaConf.to_container(saved, resolve=False).items() if k not in explicit and k != "init_from"
@@ -144,7 +146,7 @@ def take_run_model(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
                 node[key] = copy.deepcopy(model[key])
             elif key in node:
                 del node[key]
-        node.init_from = str(found[2])  # the checkpoint, not the directory the user typed
+        node.init_from = str(found[2]) if pin else model.init_from  # LoRA: the checkpoint, not the directory
     cfg = copy.deepcopy(cfg)
     with open_dict(cfg):
         cfg.model = node

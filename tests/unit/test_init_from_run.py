@@ -37,7 +37,7 @@ def base_run(tmp_path_factory) -> Path:
 def test_the_run_brings_its_architecture_and_tokenizer(base_run: Path) -> None:
     cfg = compose("sft", [f"model.init_from={base_run}", *SMALL])  # the sft recipe's model is tiny (dim 192)
     assert (cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads) == (32, 2, 4)
-    assert cfg.model.init_from == str((base_run / "checkpoints" / "step_0000002").resolve())  # pinned
+    assert cfg.model.init_from == str(base_run)  # a full fine-tune keeps the directory
     assert tokenizer_file(cfg) == str(base_run / "tokenizer.json")
     own = Tokenizer.from_file(base_run / "tokenizer.json").vocab_size
     assert own < 300 < cfg.data.vocab_size
@@ -89,24 +89,25 @@ def test_recipe_help_shows_the_run_model(base_run: Path, capsys) -> None:
     assert "\nmodel:\n  _target_: trainer.models.llama.Llama\n  dim: 32\n" in capsys.readouterr().out  # not tiny's 192
 
 
-def test_a_run_directory_is_pinned_to_the_checkpoint_it_names_now(base_run: Path, tmp_path: Path) -> None:
-    """``model.init_from=<run dir>`` records the run's newest checkpoint at launch, not the directory:
-    a LoRA run reloads its base from it on every load, and PAFT's merge takes each arm's difference
-    from it, so a base run that trains on must not change them. Mutation: keeping the directory
-    (``node.init_from = model.init_from``) records the run and fails both composes."""
+def test_a_lora_run_pins_its_base_to_the_checkpoint_it_names_now(base_run: Path, tmp_path: Path) -> None:
+    """A LoRA run's ``model.init_from=<run dir>`` records the run's newest checkpoint at launch: its
+    checkpoints hold only adapters and it reloads the base on every load, so a base run that trains on
+    must not change it. A full fine-tune keeps the directory (its checkpoints hold every weight; a
+    pinned checkpoint the base's keep_last deleted would refuse its resume). Mutation: recording
+    the directory for LoRA fails the first two asserts."""
     import shutil
 
     from strategies.checkpoint.manifest import checkpoint_files, hash_files, write_manifest
 
     base = tmp_path / "base"
     shutil.copytree(base_run, base)
-    first = compose("sft", [f"model.init_from={base}", *SMALL])
-    assert first.model.init_from == str((base / "checkpoints" / "step_0000002").resolve())
+    lora = [f"model.init_from={base}", "+strategy/lora=default", *SMALL]
+    assert compose("sft", lora).model.init_from == str((base / "checkpoints" / "step_0000002").resolve())
     newer = base / "checkpoints" / "step_0000004"
     newer.mkdir()
     (newer / ".metadata").write_bytes(b"")
     (newer / "meta.pt").write_bytes(b"")
     write_manifest(newer, hash_files(newer, checkpoint_files(newer)))
-    assert compose("sft", [f"model.init_from={base}", *SMALL]).model.init_from == str(newer.resolve())
-    # model=<group> keeps the user's architecture, and still pins the weights
-    assert compose("sft", [f"model.init_from={base}", "model=nano", *SMALL]).model.init_from == str(newer.resolve())
+    assert compose("sft", lora).model.init_from == str(newer.resolve())
+    assert compose("sft", [*lora, "model=nano"]).model.init_from == str(newer.resolve())  # the user's architecture
+    assert compose("sft", [f"model.init_from={base}", *SMALL]).model.init_from == str(base)  # full fine-tune

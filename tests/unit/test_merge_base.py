@@ -1,7 +1,7 @@
-"""PAFT's merge takes each arm's difference from the base it was fine-tuned from: an arm trained from
-a base run records that run's checkpoint at launch (`trainer.init_from.take_run_model`), so a base
-run that trained on since is caught (`trainer.merge.base_problems`), not merged against weights the
-arm never started from."""
+"""PAFT's merge takes each arm's difference from the base it was fine-tuned from: a LoRA arm trained
+from a base run records that run's checkpoint at launch (`trainer.init_from.take_run_model`), so a
+base run that trained on since is caught (`trainer.merge.base_problems`), not merged against weights
+the arm never started from."""
 
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ def test_an_arm_whose_base_trained_on_is_refused(tmp_path: Path) -> None:
     _checkpoint(base_dir, 20)
     base_cfg = compose("pretrain", ["model=nano", "data.seq_len=64"])
     _run(base_dir, base_cfg)
-    arm_cfg = compose("sft", [f"model.init_from={base_dir}", "data.seq_len=64"])  # as the arm's launch composes it
+    # a LoRA arm, as its launch composes it (a full fine-tune records the base's directory)
+    arm_cfg = compose("sft", [f"model.init_from={base_dir}", "+strategy/lora=default", "data.seq_len=64"])
     arm_dir = tmp_path / "arm"
     _checkpoint(arm_dir, 3)
     arm = _run(arm_dir, arm_cfg)
