@@ -61,3 +61,19 @@ def test_one_held_out_pair_on_more_ranks_than_pairs_scores_as_one_process(make) 
         assert got_pairs == pairs, dp
         assert got_loss == pytest.approx(loss, rel=1e-6), dp
         assert got_metrics == pytest.approx(metrics, rel=1e-6), dp
+
+
+def test_the_dpo_held_out_loss_is_the_pairs_own_on_every_rank_count() -> None:
+    """The held-out DPO loss over 1, 2 and 4 ranks against the pair's loss written here:
+    ``-log sigmoid(beta ((log pi_c - ref_c) - (log pi_r - ref_r)))`` from the stub's log-softmax at
+    the response positions. Mutation: counting the stand-in row as a pair halves it at dp=2."""
+    rows = _rows(kto=False)
+    logp = torch.log_softmax(Stub()(rows["input_ids"][0]).double(), dim=-1)  # [2, T, V]: chosen, rejected
+    labels = rows["labels"][0]
+    seq = [sum(float(logp[r, t, labels[r, t]]) for t in range(T) if labels[r, t] != -100) for r in (0, 1)]
+    ref = rows["ref_logps"][0].double().tolist()
+    margin = 0.1 * ((seq[0] - ref[0]) - (seq[1] - ref[1]))
+    want = float(-torch.nn.functional.logsigmoid(torch.tensor(margin, dtype=torch.float64)))
+    for dp in (1, 2, 4):
+        loss, pairs, _ = _evaluate(lambda: DPO(beta=0.1), dp)
+        assert loss / pairs == pytest.approx(want, rel=1e-5), dp
