@@ -18,12 +18,12 @@ from omegaconf.errors import InterpolationResolutionError, InterpolationToMissin
 from strategies.core.parallel_dims import MESH_AXES, ParallelDims
 from strategies.core.ranges import NON_NEGATIVE, POSITIVE, Range
 from strategies.core.resolved import ResolvedRun
-from strategies.local_sgd.ist import IST
 from strategies.mesh import MOVED_KEYS
+from trainer.combinations import driver_problems, subnet_problems, target_class
 from trainer.model_node import NODE_KEYS
 from trainer.node_schema import check_dataclass, check_target, type_ok
 from trainer.optim import DEFAULT_NO_DECAY
-from trainer.semantics import _import, check_semantics
+from trainer.semantics import check_semantics
 
 
 class ConfigError(ValueError):
@@ -205,83 +205,22 @@ def component_problems(cfg: DictConfig, run: ResolvedRun | None) -> list[str]:
         node = cfg.get(group)
         if group == "data" and cfg.get("rest") is not None:
             continue
-        if (cls := _target_class(node)) is None:
+        if (cls := target_class(node)) is None:
             continue
         components = [cls, *cls.evaluator_types(node)] if group == "data" else [cls]
         for component in components:
             problems.extend(component.problems(run, node))
-    if cfg.get("budget") is not None and cfg.get("rest") is not None:
-        problems.append("budget=msft and plait rest each drive runs of their own; choose one (drop +budget=msft)")
     problems.extend(driver_problems(cfg))
     problems.extend(subnet_problems(cfg))
-    data_cls, budget_cls = _target_class(cfg.get("data")), _target_class(cfg.get("budget"))
+    data_cls, budget_cls = target_class(cfg.get("data")), target_class(cfg.get("budget"))
     if data_cls is not None and callable(check := getattr(budget_cls, "data_problems", None)):
         problems.extend(check(data_cls))  # a budget search drives runs of one kind of data
     callbacks = cfg.get("callbacks")
     for node in callbacks.values() if isinstance(callbacks, DictConfig) else ():
-        cls = _target_class(node)
+        cls = target_class(node)
         if callable(check := getattr(cls, "problems", None)):  # a callback may say what keeps it from running
             problems.extend(check(run, node))
     return problems
-
-
-def driver_problems(cfg: DictConfig) -> list[str]:
-    """What a driver of runs of its own (``budget=msft``'s roll-outs, ``plait rest``'s rounds) cannot
-    run with: it reads its runs' checkpoints (a roll-back point, each round's model), and it fits
-    them in children of its own process, not as torchft's replica groups (whose launcher the
-    train command starts)."""
-    drivers = [what for key, what in (("budget", "budget=msft"), ("rest", "plait rest")) if cfg.get(key) is not None]
-    problems = []
-    for what in drivers:
-        if OmegaConf.select(cfg, "callbacks.checkpoint", default=None) is None:
-            problems.append(
-                f"{what} reads the checkpoints of the runs it drives (roll-backs, each round's model); drop "
-                "callbacks.checkpoint=null"
-            )
-        if OmegaConf.select(cfg, "strategy.fault_tolerance", default=None) is not None:
-            problems.append(
-                f"{what} fits its runs in processes of its own, not as torchft replica groups; use a strategy without "
-                "strategy.fault_tolerance (strategy=ddp or fsdp, not ft or ft_diloco)"
-            )
-    return problems
-
-
-def subnet_problems(cfg: DictConfig) -> list[str]:
-    """Callbacks that read the whole model while Independent Subnet Training trains narrower MLPs
-    between its reassemblies (`strategies.local_sgd.ist`): a Hugging Face export in the middle of a
-    round (its MLP weights one island's hidden units, config.json the full width), and PAFT's
-    ``delta_l1``, whose step-0 copy is full width."""
-    local_sgd = OmegaConf.select(cfg, "strategy.local_sgd", default=None)
-    cls = _target_class(local_sgd)
-    if not isinstance(cls, type) or not issubclass(cls, IST):
-        return []
-    every = int(local_sgd.get("sync_every") or 1)
-    problems = []
-    export = int(OmegaConf.select(cfg, "callbacks.hf_export.every_n_steps", default=0) or 0)
-    last = int(OmegaConf.select(cfg, "trainer.max_steps", default=0) or 0)
-    # the last step's export is whole: the round is reassembled when training ends
-    if export and any(step % every for step in range(export, last, export)):
-        problems.append(
-            f"callbacks.hf_export.every_n_steps={export} exports in the middle of an IST round, whose MLPs hold one "
-            f"island's hidden units; use a multiple of strategy.local_sgd.sync_every={every}"
-        )
-    if OmegaConf.select(cfg, "callbacks.delta_l1", default=None) is not None:
-        problems.append(
-            "callbacks.delta_l1 pulls every weight toward its full-width value at step 0, and IST trains narrower MLPs "
-            "between reassemblies; use another strategy (e.g. strategy=diloco) or drop callbacks.delta_l1"
-        )
-    return problems
-
-
-def _target_class(node: Any) -> Any:
-    """The class a ``_target_`` node builds; None for another value or a target that does not
-    import (the target checks report that)."""
-    if not isinstance(node, DictConfig) or not isinstance(node.get("_target_"), str):
-        return None
-    try:
-        return _import(node._target_)
-    except (ImportError, AttributeError, ValueError):
-        return None
 
 
 def validate(cfg: DictConfig, *, for_launch: bool = True) -> ResolvedRun:

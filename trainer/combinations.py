@@ -1,0 +1,72 @@
+"""Components that validate accepts one by one but that cannot run together: refused before launch,
+naming the fix (`trainer.config.component_problems` lists them beside each component's own)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from strategies.local_sgd.ist import IST
+from trainer.semantics import _import
+
+
+def target_class(node: Any) -> Any:
+    """The class a ``_target_`` node builds; None for another value or a target that does not
+    import (the target checks report that)."""
+    if not isinstance(node, DictConfig) or not isinstance(node.get("_target_"), str):
+        return None
+    try:
+        return _import(node._target_)
+    except (ImportError, AttributeError, ValueError):
+        return None
+
+
+def driver_problems(cfg: DictConfig) -> list[str]:
+    """What a driver of runs of its own (``budget=msft``'s roll-outs, ``plait rest``'s rounds) cannot
+    run with: it reads its runs' checkpoints (a roll-back point, each round's model), and it fits
+    them in children of its own process, not as torchft's replica groups (whose launcher the
+    train command starts)."""
+    drivers = [what for key, what in (("budget", "budget=msft"), ("rest", "plait rest")) if cfg.get(key) is not None]
+    problems = []
+    if len(drivers) == 2:
+        problems.append("budget=msft and plait rest each drive runs of their own; choose one (drop +budget=msft)")
+    for what in drivers:
+        if OmegaConf.select(cfg, "callbacks.checkpoint", default=None) is None:
+            problems.append(
+                f"{what} reads the checkpoints of the runs it drives (roll-backs, each round's model); drop "
+                "callbacks.checkpoint=null"
+            )
+        if OmegaConf.select(cfg, "strategy.fault_tolerance", default=None) is not None:
+            problems.append(
+                f"{what} fits its runs in processes of its own, not as torchft replica groups; use a strategy without "
+                "strategy.fault_tolerance (strategy=ddp or fsdp, not ft or ft_diloco)"
+            )
+    return problems
+
+
+def subnet_problems(cfg: DictConfig) -> list[str]:
+    """Callbacks that read the whole model while Independent Subnet Training trains narrower MLPs
+    between its reassemblies (`strategies.local_sgd.ist`): a Hugging Face export in the middle of a
+    round (its MLP weights one island's hidden units, config.json the full width), and PAFT's
+    ``delta_l1``, whose step-0 copy is full width."""
+    local_sgd = OmegaConf.select(cfg, "strategy.local_sgd", default=None)
+    cls = target_class(local_sgd)
+    if not isinstance(cls, type) or not issubclass(cls, IST):
+        return []
+    every = int(local_sgd.get("sync_every") or 1)
+    problems = []
+    export = int(OmegaConf.select(cfg, "callbacks.hf_export.every_n_steps", default=0) or 0)
+    last = int(OmegaConf.select(cfg, "trainer.max_steps", default=0) or 0)
+    # the last step's export is whole: the round is reassembled when training ends
+    if export and any(step % every for step in range(export, last, export)):
+        problems.append(
+            f"callbacks.hf_export.every_n_steps={export} exports in the middle of an IST round, whose MLPs hold one "
+            f"island's hidden units; use a multiple of strategy.local_sgd.sync_every={every}"
+        )
+    if OmegaConf.select(cfg, "callbacks.delta_l1", default=None) is not None:
+        problems.append(
+            "callbacks.delta_l1 pulls every weight toward its full-width value at step 0, and IST trains narrower MLPs "
+            "between reassemblies; use another strategy (e.g. strategy=diloco) or drop callbacks.delta_l1"
+        )
+    return problems
