@@ -58,8 +58,8 @@ def subnet_problems(cfg: DictConfig) -> list[str]:
     problems = []
     export = int(OmegaConf.select(cfg, "callbacks.hf_export.every_n_steps", default=0) or 0)
     last = int(OmegaConf.select(cfg, "trainer.max_steps", default=0) or 0)
-    # the last step's export is whole: the round is reassembled when training ends
-    if export and any(step % every for step in range(export, last, export)):
+    # off the rounds, the first export is mid-round unless it is the last step's (reassembled at the end)
+    if export and export % every and export < last:
         problems.append(
             f"callbacks.hf_export.every_n_steps={export} exports in the middle of an IST round, whose MLPs hold one "
             f"island's hidden units; use a multiple of strategy.local_sgd.sync_every={every}"

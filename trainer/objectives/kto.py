@@ -37,23 +37,20 @@ from trainer.objectives.preference import PreferenceObjective, held_pairs
 KTO_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/mismatched", "kl")
 
 
-def kl_estimate(mismatched_logratio: torch.Tensor, held: torch.Tensor | None = None) -> torch.Tensor:
+def kl_estimate(mismatched_logratio: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
     """``z``: the mean log-ratio of the mismatched rows over every rank, clamped at 0, detached.
 
     Args:
         mismatched_logratio: ``[P]`` summed log pi - log pi_ref of this rank's mismatched rows (nats).
         held: ``[P]`` bool, the rows that count (`trainer.objectives.preference.held_pairs`: not the
-            stand-in of an evaluation rank without rows); None: all.
+            stand-in of an evaluation rank without rows).
 
     Returns:
         0-dim fp32 tensor (the same on every rank). Tensor- and sequence-parallel ranks hold the
         same rows as their data-parallel peers, which leaves the mean unchanged.
     """
     ratio = mismatched_logratio.detach().float()
-    if held is None:
-        sums = torch.stack([ratio.sum(), ratio.new_tensor(ratio.numel())])
-    else:
-        sums = torch.stack([torch.where(held, ratio, 0.0).sum(), held.sum().float()])
+    sums = torch.stack([torch.where(held, ratio, 0.0).sum(), held.sum().float()])
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(sums)
     return (sums[0] / sums[1].clamp(min=1)).clamp(min=0)
