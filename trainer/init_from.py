@@ -14,6 +14,7 @@ needs no model override; an explicit override that changes a weight's shape is r
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 
+from strategies.checkpoint.manifest import digest
 from strategies.transforms.lora_targets import is_adapter
 from trainer.models.hf import (
     HFError,
@@ -74,6 +76,21 @@ def base_run(source: str | None) -> tuple[Path, DictConfig, Path] | None:
         return None
     run = RunDir.of_checkpoint(ckpt)
     return (run.path, run.load_config(), ckpt) if run.config.is_file() else None
+
+
+def started_from(source: str | None) -> dict[str, str] | None:
+    """The checkpoint ``model.init_from`` (``source``) names now, as a run records the weights it
+    started from (`trainer.resume.run_record`'s ``base``, taken at a fresh start and kept by every
+    resume): ``{"checkpoint": its canonical path, "digest": its manifest's SHA-256}``. A full fine-tune
+    keeps the base run's directory as ``model.init_from`` (`take_run_model`), which names that run's
+    newest checkpoint once it trains on: the record says which one the fine-tune started from
+    (`trainer.merge.base_problems`). None: no ``source``, a Hugging Face directory, no checkpoint, or
+    a checkpoint without a manifest (`strategies.checkpoint.manifest.digest`)."""
+    if not source or is_hf_dir(source):
+        return None
+    ckpt = resolve_checkpoint(Path(source).expanduser())
+    found = digest(ckpt) if ckpt is not None else None
+    return None if found is None else {"checkpoint": os.path.realpath(ckpt), "digest": found}
 
 
 def run_tokenizer(source: str | None) -> str | None:

@@ -37,7 +37,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from strategies.checkpoint.dcp import META_FILE, CheckpointError, seal
+from strategies.checkpoint.manifest import digest
 from trainer.compose import compose_command, fail
+from trainer.config import ConfigError
+from trainer.resume import read_record
 from trainer.rundir import RunDir, RunModel, load_run_model, resolve_checkpoint
 
 METHODS = ("task_arithmetic", "ties", "dare")
@@ -181,15 +184,21 @@ def _weights_of(path: str | os.PathLike) -> Path:
 
 
 def base_problems(base: RunModel, deltas: Sequence[tuple[str, RunModel]]) -> list[str]:
-    """Each plait run of ``deltas`` that was not fine-tuned from ``base``'s weights (its
-    ``model.init_from`` names another checkpoint, or none): its difference from the base is not its
-    fine-tuning. A Hugging Face directory among the deltas records no base, and a relative
-    ``model.init_from`` (runs recorded before paths were made absolute) names a folder only from
-    where that run started: neither is checked."""
+    """Each plait run of ``deltas`` that was not fine-tuned from ``base``'s weights: its difference
+    from the base is not its fine-tuning. A run records the checkpoint its first step started from
+    (`trainer.init_from.started_from`, in every checkpoint's record), compared by content, so a full
+    fine-tune whose ``model.init_from`` names a base run that trained on since is caught; a run
+    recorded before that is judged by its ``model.init_from`` (another checkpoint, or none). A Hugging
+    Face directory among the deltas records no base, and a relative ``model.init_from`` (runs recorded
+    before paths were made absolute) names a folder only from where that run started: neither is checked."""
     weights, root = Path(os.path.realpath(base.checkpoint)), Path(os.path.realpath(base.run.path))
     problems = []
     for given, run in deltas:
         if not _is_run(run) or Path(os.path.realpath(run.run.path)) == root:  # the base itself: a zero delta
+            continue
+        if (started := _recorded_base(run)) is not None:
+            if started["digest"] != digest(weights):
+                problems.append(_moved_base(given, started, base.checkpoint))
             continue
         init_from = run.config.model.get("init_from")
         if isinstance(init_from, str) and not os.path.isabs(os.path.expanduser(init_from)):
@@ -202,6 +211,33 @@ def base_problems(base: RunModel, deltas: Sequence[tuple[str, RunModel]]) -> lis
                 "fine-tuning; merge runs fine-tuned from one base (PAFT's arms both start from it), with that base"
             )
     return problems
+
+
+def _recorded_base(run: RunModel) -> dict[str, str] | None:
+    """The checkpoint ``run``'s first step started from, as its checkpoint records it (None: not
+    recorded, or the record does not read: the run is judged by its ``model.init_from``)."""
+    try:
+        record = read_record(run.checkpoint)
+    except ConfigError:
+        return None
+    started = record.get("base") if isinstance(record, dict) else None
+    return started if isinstance(started, dict) and {"checkpoint", "digest"} <= started.keys() else None
+
+
+def _moved_base(given: str, started: dict[str, str], base: Path) -> str:
+    """The refusal of an arm that started from ``started`` (`_recorded_base`), not from ``base``."""
+    there = Path(started["checkpoint"])
+    if there.is_dir() and digest(there) == started["digest"]:
+        fix = f"merge with base={there}"
+    else:
+        fix = (
+            f"{there} no longer holds those weights (the base run's keep_last deletes old checkpoints), so this arm's "
+            "fine-tuning cannot be told from the base's: fine-tune it again from the base you merge with"
+        )
+    return (
+        f"deltas: {given} was fine-tuned from the checkpoint {there}, not from base={base} (other weights: the base "
+        f"run trained on, or another run); {fix}"
+    )
 
 
 def save_merged(state: State, out: Path, *, like: Path) -> Path:

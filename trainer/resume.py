@@ -38,6 +38,7 @@ from strategies.checkpoint.safe_load import UnsafePickleError, load_plain
 from trainer.config import ConfigError
 from trainer.data.chat import JinjaTemplate
 from trainer.data.paths import absolute, is_path_key
+from trainer.init_from import started_from
 from trainer.rundir import RunDir
 
 SHOWN = 3  # refused differences listed before the rest are counted
@@ -58,12 +59,17 @@ IGNORED = ("data.cache_dir", "model.init_from", "data.tokenizer", "model.config_
 
 
 def run_record(
-    config: dict[str, Any], tokenizer_fingerprint: str, data_fingerprint: str | None = None, dp: int | None = None
+    config: dict[str, Any],
+    tokenizer_fingerprint: str,
+    data_fingerprint: str | None = None,
+    dp: int | None = None,
+    base: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """What a checkpoint records of its run (plain types: it goes into ``meta.pt``); ``data_fingerprint``
     None: the data module does not tell (`trainer.protocols.DataModule.data_fingerprint`); ``dp``: the
-    data-parallel degree its batches were split over (None: not known)."""
-    return {"config": config, "tokenizer": tokenizer_fingerprint, "data": data_fingerprint, "dp": dp}
+    data-parallel degree its batches were split over (None: not known); ``base``: the checkpoint its
+    first step started from (`trainer.init_from.started_from`; None: none, or not a plait checkpoint)."""
+    return {"config": config, "tokenizer": tokenizer_fingerprint, "data": data_fingerprint, "dp": dp, "base": base}
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -79,7 +85,7 @@ def read_record(checkpoint: Path) -> dict[str, Any] | None:
     """
     try:
         meta = load_plain(Path(checkpoint) / META_FILE)
-    except (UnsafePickleError, OSError, RuntimeError) as err:
+    except (UnsafePickleError, OSError, RuntimeError, EOFError) as err:
         raise ConfigError(
             [f"{checkpoint}/{META_FILE} cannot be read safely ({err}); resume from another checkpoint"]
         ) from None
@@ -168,7 +174,14 @@ class ResumeRecord(L.Callback):
         self.cfg, self.tokenizer, self.run_dir, self.overrides = cfg, tokenizer, Path(run_dir), overrides
         self.chat_template, self.changes, self.checkpoint = chat_template, changes or {}, checkpoint
         config = OmegaConf.to_container(cfg, resolve=True)
-        self.record = run_record(config, tokenizer_fingerprint(tokenizer), data_fingerprint, dp)
+        # the weights the first step started from: the base's checkpoint now, or what the resumed one says
+        resumed = read_record(checkpoint) if checkpoint is not None else None
+        base = (
+            (resumed or {}).get("base")
+            if checkpoint is not None
+            else started_from(OmegaConf.select(cfg, "model.init_from"))
+        )
+        self.record = run_record(config, tokenizer_fingerprint(tokenizer), data_fingerprint, dp, base)
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -52,6 +52,14 @@ def write_manifest(root: Path, files: dict[str, dict[str, int | str]]) -> None:
     os.replace(tmp, root / MANIFEST)
 
 
+def digest(root: Path) -> str | None:
+    """SHA-256 of ``root``'s manifest: one hex string that names the checkpoint's content (its files'
+    sizes and digests), wherever it lies; None without a manifest (a Hugging Face directory, an
+    unfinished save, a checkpoint of an older plait)."""
+    manifest = root / MANIFEST
+    return sha256(manifest) if manifest.is_file() else None
+
+
 def verify(root: Path, *, checksums: bool = True) -> str | None:
     """Why the checkpoint directory ``root`` is not intact, or None when it is.
 
