@@ -113,11 +113,26 @@ class TensorParallel(StrategyPlugin):
         return model.tp_plan(sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel)
 
     def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
-        """The model sizes that the tp degree does not divide (heads, kv heads, vocabulary, SwiGLU width)."""
-        if run.dims.tp <= 1 or shape is None:
+        """The model sizes that the tp degree does not divide (heads, kv heads, vocabulary, SwiGLU width),
+        and, with sequence parallelism, the tokens of a row on a cp rank (``data.seq_len / cp``: the
+        norms and residuals shard them over tp, whose gathers need equal shares)."""
+        tp = run.dims.tp
+        if tp <= 1:
             return []
-        return tp_divisibility_problems(
-            run.dims.tp,
+        problems = []
+        local = run.seq_len // max(run.dims.cp, 1)
+        if self.sequence_parallel and run.seq_len and local % tp:
+            multiple = tp * max(run.dims.cp, 1) * (2 if run.dims.cp > 1 else 1)  # cp's load balancing cuts 2 cp chunks
+            cp = f" / cp={run.dims.cp}" if run.dims.cp > 1 else ""
+            problems.append(
+                f"data.seq_len={run.seq_len}{cp} = {local} tokens per row are not divisible by strategy.tp={tp} "
+                f"(sequence parallelism shards them over tp); use a seq_len that is a multiple of {multiple}, or "
+                "strategy.tensor_parallel.sequence_parallel=false"
+            )
+        if shape is None:
+            return problems
+        return problems + tp_divisibility_problems(
+            tp,
             n_heads=shape.n_heads,
             n_kv_heads=shape.n_kv_heads,
             vocab_size=shape.vocab_size,

@@ -178,3 +178,14 @@ def test_an_objective_setting_out_of_range_is_refused_by_validate(recipe: str, o
     """`plait dpo objective.beta=0` trained a tokenizer and prepared the data, then failed in Hydra's
     instantiation (a new user's walkthrough): the ranges are declared, so validate refuses it first."""
     assert refusal in _problems(recipe, override)
+
+
+def test_sequence_parallel_needs_rows_that_tp_divides() -> None:
+    """Sequence parallelism shards a row's tokens over tp; an odd data.seq_len crashed at step 0 with a gloo
+    size mismatch. Mutation: `TensorParallel.problems` without the seq_len check accepts it."""
+    tp = ("model=nano", "strategy=tp", "trainer.devices=2")
+    (problem,) = _problems("pretrain", *tp, "data.seq_len=63")
+    assert "data.seq_len=63" in problem and "strategy.tp=2" in problem and "multiple of 2" in problem
+    assert "sequence_parallel=false" in problem
+    assert _problems("pretrain", *tp, "data.seq_len=63", "strategy.tensor_parallel.sequence_parallel=false") == []
+    assert _problems("pretrain", *tp, "data.seq_len=64") == []
