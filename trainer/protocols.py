@@ -182,7 +182,8 @@ class RoutedModel(Protocol):
         ...
 
     def pop_sums(self) -> tuple[list[str], torch.Tensor] | None:
-        """Names and a [2, K] tensor (sums, counts) since the last call, as `Objective.pop_sums`."""
+        """Names and a [2, K] tensor (sums, counts) since the last call, as `Objective.pop_sums`;
+        summed over pipeline stages too, so every stage returns the same names (None on all or none)."""
         ...
 
 

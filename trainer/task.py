@@ -163,9 +163,9 @@ class Task(L.LightningModule):
     def _pop_sums(self, prefix: str) -> list[NamedMeans]:
         """``{prefix}/<name>``: the named sums since the last call of the objective and, for a
         `RoutedModel`, of the model (`Objective.pop_sums`: e.g. the loss per SFT source, the
-        rewards per preference pair, the expert loads), reduced over all dp x cp ranks (the
-        objective's also over pipeline stages: only the last one computes the loss), each divided
-        by its count on the device (`NamedMeans`; names whose count is 0 are left out when read)."""
+        rewards per preference pair, the expert loads), reduced over all dp x cp ranks and the
+        pipeline stages (only the last one computes the loss; each holds its own MoE blocks), each
+        divided by its count on the device (`NamedMeans`; names whose count is 0 are left out when read)."""
         strategy = self.trainer.strategy
         means = []
         for source in (self.objective, self.model) if isinstance(self.model, RoutedModel) else (self.objective,):
@@ -174,7 +174,7 @@ class Task(L.LightningModule):
                 continue
             names, sums = popped
             sums = strategy.all_reduce_sum(sums.to(self.device).float(), "dp_cp")
-            if source is self.objective and strategy.dims.pp > 1:  # the other stages' sums are 0
+            if strategy.dims.pp > 1:
                 sums = strategy.all_reduce_sum(sums, "pp")
             means.append(NamedMeans.of_sums(prefix, names, sums))
         return means

@@ -55,6 +55,15 @@ class ContextParallelAttention:
         self.whole, self.sub_layouts = whole, dict(sub_layouts or {})  # the one-process core; cp sub-groups
         self.group_size = layout.cp  # ranks the rows of the current forward are split over
 
+    @property
+    def row_group(self) -> dist.ProcessGroup | None:
+        """The ranks that hold the rest of the current forward's rows (the cp group, or the sub-group
+        `training_group` chose); None while rows are whole on this rank. Per-row statistics beyond
+        attention read it (the MoE's sequence-wise balance loss, `trainer.models.moe_router.balance_loss_sum`)."""
+        if self.group_size == 1:
+            return None
+        return (self.layout if self.group_size == self.layout.cp else self.sub_layouts[self.group_size]).cp_group
+
     @contextmanager
     def training_group(self, size: int) -> Iterator[None]:
         """While active, forwards attend over the rows of a cp group of ``size`` ranks

@@ -9,7 +9,9 @@ bias update all have to agree across ranks. The reference is a plain loop with i
 (embedding, RMSNorm, GQA with RoPE on block-causal masks, dense top-k mixture with every expert
 applied to every token and masked, LM head), its own router losses and its own bias update,
 started from plait's initial weights. Compared within 1e-5: the loss and every gradient at each
-step, and the parameters after the 3 steps.
+step, and the parameters after the 3 steps; and the logged router statistics (``train/moe/...``: the
+balance loss and z-loss per token, each expert's load) at each step, which pipeline stages (each its own
+blocks) and context-parallel ranks (each part of every row) must add up as one process does.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ LAYOUTS = {  # dp_shard fills the ranks the other degrees leave; ep borrows 2 of
     "ep2_x_pp2": ["strategy=nd", "trainer.devices=4", "strategy.pp=2", "strategy.expert_parallel.ep=2",
                   "train.micro_batch_size=2"],
     "pp2": ["strategy=nd", "trainer.devices=2", "strategy.pp=2", "train.micro_batch_size=2"],
+    # each cp rank holds part of every row: the sequence-wise balance loss counts the whole rows
+    "cp2": ["strategy=cp", "trainer.devices=2", "train.micro_batch_size=4"],
     "llep2": ["strategy=nd", "trainer.devices=2", "strategy.expert_parallel.ep=2",
               "strategy.expert_parallel.least_loaded=true", "strategy.expert_parallel.min_tokens_per_gemm=1"],
 }  # fmt: skip
@@ -110,7 +114,7 @@ def reference(cfg) -> dict:
     P = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
     biases = [torch.zeros(4) for _ in range(2)]
     optimizer = torch.optim.SGD(P.values(), lr=cfg.optim.lr, momentum=cfg.optim.momentum)
-    out = {"loss": [], "grads": []}
+    out = {"loss": [], "grads": [], "metrics": []}
     for _, index in zip(range(STEPS), sampler):
         ids, pos, docs, labels = (
             rows.input_ids[index],
@@ -119,12 +123,17 @@ def reference(cfg) -> dict:
             rows.labels[index],
         )
         h = P["tok_embeddings.weight"][ids]
-        router_loss, loads = 0.0, []
+        router_loss, loads, balances, zs = 0.0, [], 0.0, 0.0
         for i in range(2):
             h = h + attention(rms(h, P[f"layers.{i}.attention_norm.weight"]), P, i, pos, docs)
             y, balance, z, load = mixture(rms(h, P[f"layers.{i}.ffn_norm.weight"]), P, i, biases[i])
             h, router_loss = h + y, router_loss + BALANCE * balance + ZLOSS * z
             loads.append(load)
+            balances, zs = balances + balance.item(), zs + z.item()
+        pairs = ids.numel() * 2  # token x block pairs: the statistics are means over them
+        metrics = {"train/moe/balance_loss": balances / pairs, "train/moe/z_loss": zs / pairs}
+        metrics |= {f"train/moe/load/{e}": (sum(loads)[e] * 4 / 2 / pairs).item() for e in range(4)}  # x E/K
+        out["metrics"].append(metrics)
         logits = rms(h, P["norm.weight"]) @ P["output.weight"].T
         ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
         loss = ce / (labels != IGNORE_INDEX).sum()
@@ -150,6 +159,7 @@ def _run(overrides: list[str], run_dir) -> dict:
         "loss": losses(task.history),
         "grads": [h["grads"] for h in task.history if "grads" in h],
         "params": [h["params"] for h in task.history if "params" in h][0],
+        "metrics": [{k: v for k, v in h.items() if k.startswith("train/moe/")} for h in task.history if "loss" in h],
     }
 
 
@@ -158,6 +168,7 @@ def assert_equivalent(run: dict, expected: dict) -> None:
     for step in range(STEPS):
         torch.testing.assert_close(run["loss"][step], expected["loss"][step], **TOL, msg=f"loss at step {step + 1}")
         torch.testing.assert_close(run["grads"][step], expected["grads"][step], **TOL, msg=f"grads at step {step + 1}")
+        assert run["metrics"][step] == pytest.approx(expected["metrics"][step], rel=1e-5, abs=1e-6), f"step {step + 1}"
     torch.testing.assert_close(run["params"], expected["params"], **TOL, msg=f"parameters after {STEPS} SGD steps")
 
 

@@ -332,6 +332,9 @@ class MoE(nn.Module):
         self.shared_experts = FeedForward(dim, num_shared_experts * moe_ffn_dim) if num_shared_experts else None
         self.balance_coef, self.z_loss_coef, self.bias_update_rate = balance_coef, z_loss_coef, bias_update_rate
         self.router_loss_scale: float | None = None
+        # The model's attention core (`MoETransformer.set_attention_core`): its ``row_group`` holds the
+        # other tokens of the rows under context parallelism (the sequence-wise balance loss counts whole rows).
+        self.rows: Any = None
         # [E loads, balance-loss sum, z-loss sum, tokens] since the last pop_statistics (backward-counted).
         self.register_buffer("statistics", torch.zeros(num_experts + 3), persistent=False)
 
@@ -353,7 +356,8 @@ class MoE(nn.Module):
         E = self.router.num_experts
         # The losses' graph only when they are trained; their values are logged either way.
         with torch.set_grad_enabled(self.balance_coef > 0 or self.z_loss_coef > 0):
-            balance = balance_loss_sum(routing.scores_ne.view(B, T, E), routing.experts_nk.view(B, T, -1))
+            row_group = getattr(self.rows, "row_group", None)
+            balance = balance_loss_sum(routing.scores_ne.view(B, T, E), routing.experts_nk.view(B, T, -1), row_group)
             z_loss = z_loss_sum(routing.logits_ne)
             router_loss = self.balance_coef * balance + self.z_loss_coef * z_loss
         counts = torch.bincount(routing.experts_nk.reshape(-1), minlength=E).float()

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 ScoreFunc = Literal["softmax", "sigmoid"]
@@ -92,19 +94,31 @@ def limit_to_groups(select_ne: torch.Tensor, n_group: int, topk_group: int) -> t
     return select_ngx.masked_fill(~keep_ng[..., None], float("-inf")).view(N, E)
 
 
-def balance_loss_sum(scores_bte: torch.Tensor, experts_btk: torch.Tensor) -> torch.Tensor:
+def balance_loss_sum(
+    scores_bte: torch.Tensor, experts_btk: torch.Tensor, row_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss, summed over tokens: ``sum_b T * L_b`` with
     ``L_b = sum_i f_bi P_bi``, ``f_bi = E / (K T) * (tokens of row b routed to i)`` (no gradient)
     and ``P_bi`` the mean over row b of the scores normalised to sum to 1 per token.
 
     Per row, so the loss does not depend on how rows are split into micro-batches or ranks. It is
     1 when routing is uniform and grows to E / K when every token of a row picks the same experts.
+
+    ``row_group``: the ranks that hold the other tokens of these rows (context parallelism: each
+    holds ``T`` of the row's ``T x size`` tokens), None for whole rows. ``f`` then counts the whole
+    rows (its counts summed over the group, as Megatron's sequence-wise auxiliary loss does over its
+    tp x cp group) and each rank returns its tokens' share of the sum, so the group's shares add up to
+    the whole rows' loss sum and its gradient.
     """
     B, T, E = scores_bte.shape
     K = experts_btk.shape[-1]
     ones = torch.ones(B, T * K, device=scores_bte.device)
     counts_be = torch.zeros(B, E, device=scores_bte.device).scatter_add_(1, experts_btk.reshape(B, -1), ones)
-    f_be = counts_be * (E / (K * T))
+    row_len = T
+    if row_group is not None:
+        counts_be = funcol.all_reduce(counts_be, "sum", row_group)
+        row_len = T * dist.get_world_size(row_group)
+    f_be = counts_be * (E / (K * row_len))
     normed_bte = scores_bte / scores_bte.sum(-1, keepdim=True)
     return (f_be[:, None, :] * normed_bte).sum()
 

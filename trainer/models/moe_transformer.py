@@ -243,28 +243,35 @@ class MoETransformer(Llama):
             moe.router.tokens_per_expert.zero_()
             moe.statistics.zero_()
 
+    @override
+    def set_attention_core(self, core: Any) -> None:
+        """`Llama.set_attention_core`; each MoE block also keeps the core, whose ``row_group`` (context
+        parallelism) its sequence-wise balance loss counts whole rows over (`moe_router.balance_loss_sum`)."""
+        super().set_attention_core(core)
+        for moe in self.moe_layers().values():
+            moe.rows = core
+
     def set_router_loss_scale(self, scale: float | None) -> None:
         """``1 / tokens of the optimizer step`` (over all micro-batches and ranks): the router
         losses then average over the step's tokens whatever the layout (see `moe.MoE`)."""
         for moe in self.moe_layers().values():
             moe.router_loss_scale = scale
 
-    def pop_sums(self) -> tuple[list[str], torch.Tensor] | None:
+    def pop_sums(self) -> tuple[list[str], torch.Tensor]:
         """Router statistics since the last call, summed over this rank's MoE blocks, then zeroed:
         names and a ``[2, K]`` tensor, row 0 the sums and row 1 their counts (token x block pairs),
-        which the Task reduces over ranks and divides. ``moe/load/<i>``: expert i's share of the
-        routed tokens times E / K (1 is balanced); ``moe/balance_loss``, ``moe/z_loss``: per
-        token. None when nothing was counted (evaluation, or a stage without MoE blocks)."""
+        which the Task reduces over ranks and pipeline stages and divides. ``moe/load/<i>``: expert
+        i's share of the routed tokens times E / K (1 is balanced); ``moe/balance_loss``,
+        ``moe/z_loss``: per token. The same names on every stage (a stage without MoE blocks, or
+        nothing counted: evaluation, counts 0, which the Task leaves out), so the stages reduce together."""
+        names = [f"moe/load/{i}" for i in range(self.num_experts)] + ["moe/balance_loss", "moe/z_loss"]
         layers = list(self.moe_layers().values())
         if not layers:
-            return None
+            return names, torch.zeros(2, len(names), device=next(self.parameters()).device)
         stats = torch.stack([moe.statistics for moe in layers]).sum(0)
         for moe in layers:
             moe.statistics.zero_()
-        if stats[-1].item() == 0:
-            return None
         loads = stats[: self.num_experts] * (self.num_experts / self.top_k)
-        names = [f"moe/load/{i}" for i in range(self.num_experts)] + ["moe/balance_loss", "moe/z_loss"]
         sums = torch.cat([loads, stats[-3:-1]])
         return names, torch.stack([sums, stats[-1].expand_as(sums)])
 
