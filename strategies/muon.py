@@ -294,7 +294,11 @@ class Muon(torch.optim.Optimizer):
                 kinds[takes_muon(name, p.ndim, adamw_params)].append(p)
             for use_muon, members in kinds.items():
                 if members:
-                    own_lr = {} if use_muon or adamw_lr is None else {"lr": adamw_lr}
+                    # AdamW's groups: their learning rate is optim.adamw_lr (optim.lr while it is null),
+                    # which a resume's override of either sets (`trainer.resume.apply_overrides`)
+                    own_lr = (
+                        {} if use_muon else {"lr_key": "adamw_lr", **({"lr": adamw_lr} if adamw_lr is not None else {})}
+                    )
                     groups.append({**group, "params": members, "use_muon": use_muon, **own_lr})
         groups.sort(key=lambda g: not g["use_muon"])  # Muon's first: param_groups[0]["lr"] is the one logged
         super().__init__(groups, defaults)

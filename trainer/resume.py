@@ -187,7 +187,8 @@ class ResumeRecord(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.overrides:
             configs = trainer.lr_scheduler_configs
-            apply_overrides(trainer.optimizers[0], configs[0].scheduler if configs else None, self.overrides)
+            optim = OmegaConf.to_container(self.cfg.optim, resolve=True)
+            apply_overrides(trainer.optimizers[0], configs[0].scheduler if configs else None, self.overrides, optim)
         if trainer.is_global_zero:
             if self.checkpoint is not None:  # what this resume changed, beside the config.yaml it rewrites
                 line = {"step": trainer.global_step, "checkpoint": str(self.checkpoint)}
@@ -398,33 +399,41 @@ def _as_saved(key: str, old: Any) -> str:
     return f"without {key}" if old is ABSENT else f"with {key}={old!r}"
 
 
-def apply_overrides(optimizer: torch.optim.Optimizer, scheduler: Any, values: dict[str, Any]) -> None:
+def apply_overrides(
+    optimizer: torch.optim.Optimizer, scheduler: Any, values: dict[str, Any], optim: dict[str, Any]
+) -> None:
     """Makes overridden ``optim.*`` values real after Lightning restored the old optimizer state.
 
     The restored param groups hold the checkpoint's hyperparameters (and the scheduler scales
     the restored ``initial_lr``): each overridden field is written into every group that has it
-    (``weight_decay`` only into the groups that decay), and a new ``lr`` becomes every group's
-    ``initial_lr`` (the scheduler's base), with the current ``lr`` recomputed by the scheduler.
+    (``weight_decay`` only into the groups that decay). A group's learning rate is ``optim.<its
+    "lr_key">`` (``lr`` unless its optimizer says otherwise: Muon's AdamW groups follow
+    ``adamw_lr``), or ``optim.lr`` while that key is null; when either is overridden it becomes the
+    group's ``initial_lr`` (the scheduler's base), with the current ``lr`` recomputed by the scheduler.
     ``scheduler.*`` values are the new run's already (the current lr is recomputed) and
     ``train.max_grad_norm`` is read from the new config.
 
     Args:
         values: ``{"optim.lr": 1e-3, ...}`` of the overridden keys, the new run's values.
+        optim: the new run's whole ``optim`` node (the keys a group's learning rate falls back on).
     """
-    for key, value in values.items():
-        if not key.startswith("optim."):
-            continue
-        field = key.split(".", 1)[1]
-        for group in optimizer.param_groups:
-            if field == "lr":
-                group["initial_lr"] = value
-                group["lr"] = value
-            elif field == "weight_decay":
+    changed = {key.split(".", 1)[1]: value for key, value in values.items() if key.startswith("optim.")}
+    new_lr = False
+    for group in optimizer.param_groups:
+        lr_key = group.get("lr_key", "lr")
+        for field, value in changed.items():
+            if field in ("lr", lr_key):
+                continue
+            if field == "weight_decay":
                 if group.get("weight_decay", 0.0) != 0.0:  # the no-decay group stays at 0
                     group["weight_decay"] = value
             elif field in group:
                 group[field] = tuple(value) if isinstance(group[field], tuple) else value
-    if scheduler is not None and any(key == "optim.lr" or key.startswith("scheduler.") for key in values):
+        if "lr" in changed or lr_key in changed:
+            own = optim.get(lr_key) if lr_key != "lr" else None
+            group["initial_lr"] = group["lr"] = own if own is not None else optim["lr"]
+            new_lr = True
+    if scheduler is not None and (new_lr or any(key.startswith("scheduler.") for key in values)):
         scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
         for group, lr in zip(optimizer.param_groups, scheduler.get_lr()):
             group["lr"] = lr

@@ -79,7 +79,8 @@ def test_a_new_lr_takes_effect_from_the_next_step() -> None:
     for _ in range(30):  # the restored state of a run at step 30
         optimizer.step()
         scheduler.step()
-    apply_overrides(optimizer, scheduler, {"optim.lr": 1e-3, "optim.weight_decay": 0.05, "optim.betas": [0.8, 0.9]})
+    values = {"optim.lr": 1e-3, "optim.weight_decay": 0.05, "optim.betas": [0.8, 0.9]}
+    apply_overrides(optimizer, scheduler, values, {"lr": 1e-3, "weight_decay": 0.05, "betas": [0.8, 0.9]})
     expected = 1e-3 * lr_factor(30, warmup_steps=10, total_steps=100, decay="cosine", min_lr_ratio=0.1)
     assert [g["lr"] for g in optimizer.param_groups] == [expected, expected]
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.05, 0.0]  # the no-decay group stays 0
@@ -338,3 +339,28 @@ def test_a_changed_model_names_a_new_run_from_these_weights() -> None:
     assert problem.endswith(
         "resume with model.dim=64, or start a new run_dir (model.init_from=ckpt starts it from these weights)"
     )
+
+
+def test_muon_adamw_groups_follow_their_own_lr_on_a_resume() -> None:
+    """Muon's AdamW groups (embedding, LM head, norms) take optim.adamw_lr when it is set: a resume's
+    lower optim.lr (what the divergence message advises) left them at it 3.3x higher before, and an
+    override of optim.adamw_lr was announced but never applied. Mutation: apply_overrides writing optim.lr
+    into every group fails the first assertion; skipping the groups' lr_key fails the second."""
+    from strategies.muon import Muon
+
+    weight, emb = torch.nn.Parameter(torch.zeros(4, 4)), torch.nn.Parameter(torch.zeros(8, 4))
+    groups = [{"params": [weight, emb], "param_names": ["layers.0.w", "tok_embeddings.weight"], "weight_decay": 0.1}]
+
+    def resumed(values: dict, optim: dict) -> list[float]:
+        optimizer = Muon(groups, lr=0.02, adamw_lr=3e-3)
+        scheduler = WarmupDecayLR(optimizer, total_steps=100, warmup_steps=0, decay="cosine", min_lr_ratio=0.1)
+        for _ in range(30):
+            scheduler.step()
+        apply_overrides(optimizer, scheduler, values, optim)
+        factor = lr_factor(30, warmup_steps=0, total_steps=100, decay="cosine", min_lr_ratio=0.1)
+        assert [g["use_muon"] for g in optimizer.param_groups] == [True, False]
+        return [g["lr"] / factor for g in optimizer.param_groups]
+
+    assert resumed({"optim.lr": 0.01}, {"lr": 0.01, "adamw_lr": 3e-3}) == pytest.approx([0.01, 3e-3])
+    assert resumed({"optim.adamw_lr": 1e-3}, {"lr": 0.02, "adamw_lr": 1e-3}) == pytest.approx([0.02, 1e-3])
+    assert resumed({"optim.adamw_lr": None}, {"lr": 0.02, "adamw_lr": None}) == pytest.approx([0.02, 0.02])
