@@ -13,6 +13,7 @@ import os
 import pickle
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -176,6 +177,32 @@ def test_prune_is_atomic_and_never_counts_damaged_checkpoints(tmp_path: Path, mo
         "step_0000004",
     ]
     assert resolve_checkpoint(root) == step_dir(root, 4).resolve()
+
+
+def test_a_resume_from_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path: Path) -> None:
+    """A run resumed from step 2 of its own directory (the divergence recovery) trains a new course: the
+    newer checkpoints of the course it left move to checkpoints/superseded/, so retention keeps the new
+    course's and resume=last continues it. Before, keep_last=1 deleted the new step_3 and kept the old
+    step_4, and resume=last went on from it. Mutation: a resumed on_train_start that does not set them
+    aside keeps step_0000004 in place and resolve_checkpoint picks it."""
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3, 4):
+        _save(step_dir(root, step), step=step)
+    (root / "last").symlink_to("step_0000004")
+    callback = PeriodicCheckpoint(dirpath=str(root), keep_last=1, save_on_signal=False)
+    trainer = SimpleNamespace(ckpt_path=str(step_dir(root, 2)), is_global_zero=True, global_step=2)
+    callback.on_train_start(trainer, None)
+    aside = root / "superseded" / "after_step_0000002"
+    assert sorted(p.name for p in aside.iterdir()) == ["step_0000003", "step_0000004"]
+    assert os.readlink(root / "last") == "step_0000002" and resolve_checkpoint(root) == step_dir(root, 2).resolve()
+    _save(step_dir(root, 3), step=3)  # the new course's step 3
+    callback._prune()
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_0000003"]
+    fresh = SimpleNamespace(ckpt_path=None, is_global_zero=True, global_step=0)
+    PeriodicCheckpoint(dirpath=str(root), save_on_signal=False).on_train_start(
+        fresh, None
+    )  # a fresh start moves nothing
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_0000003"]
 
 
 # ------------------------------------------------------------------------------ non-finite state

@@ -52,6 +52,54 @@ def remove_dir(path: Path) -> None:
     shutil.rmtree(trash)
 
 
+SUPERSEDED = "superseded"  # checkpoints/superseded/after_step_<n>/: the step_* a resume from step n left behind
+
+
+def point_last(checkpoint: Path) -> None:
+    """Points the ``last`` link beside ``checkpoint`` at it, atomically: ``last`` always names a
+    complete checkpoint."""
+    link = checkpoint.parent / LAST
+    tmp = checkpoint.parent / f".{LAST}.tmp"
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    try:
+        tmp.symlink_to(checkpoint.name)
+        os.replace(tmp, link)
+    finally:
+        tmp.unlink(missing_ok=True)  # left only when the move failed
+
+
+def set_aside_newer(dirpath: Path, step: int) -> str | None:
+    """Moves the ``step_*`` checkpoints of ``dirpath`` newer than ``step`` (the one a run resumed from)
+    to ``dirpath/superseded/after_step_<step>/``, and ``last`` to ``step``'s checkpoint when it is here;
+    returns the line that says so (None: nothing newer).
+
+    A run resumed from an older checkpoint of its own directory (the recovery from a divergence:
+    ``resume=.../step_N resume_override=[optim.lr]``) trains a new course from step N; the newer
+    checkpoints belong to the course it left. Left among its own, retention kept them (the highest
+    steps) and deleted the new ones, and ``resume=last`` went on from the abandoned course. They
+    are moved, not deleted: nothing a user may still want is lost.
+    """
+    newer = [p for p in step_dirs(dirpath) if int(p.name[5:]) > step]
+    if not newer:
+        return None
+    aside = dirpath / SUPERSEDED / f"after_step_{step:07d}"
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = dirpath / SUPERSEDED / f"after_step_{step:07d}.{n}"
+    aside.mkdir(parents=True)
+    for path in newer:
+        path.rename(aside / path.name)
+    if (here := step_dir(dirpath, step)).is_dir() and (dirpath / LAST).is_symlink():
+        point_last(here)
+    names = ", ".join(p.name for p in newer)
+    return (
+        f"resumed from step {step}: the {len(newer)} newer checkpoint(s) of the course this run left ({names}) "
+        f"moved to {aside} (retention and resume=last now see this course only; delete them when not needed)"
+    )
+
+
 class PeriodicCheckpoint(Checkpoint):
     """Saves every ``every_n_steps`` optimizer steps, at the end of training, and when the job is
     told to stop (SIGTERM or SIGUSR1 on any rank: every rank saves, then the run exits 143; see
@@ -90,6 +138,9 @@ class PeriodicCheckpoint(Checkpoint):
         self._started = True
         if self.stop_signals is not None:
             self.stop_signals.install()  # after Lightning's handlers, which it restores at teardown
+        if trainer.ckpt_path is not None and trainer.is_global_zero and self.dirpath is not None:
+            if (line := set_aside_newer(self.dirpath, trainer.global_step)) is not None:
+                write_line(f"plait: {line}")
 
     @override
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
@@ -183,17 +234,8 @@ class PeriodicCheckpoint(Checkpoint):
         trainer.strategy.barrier()
 
     def _move_last(self, path: Path) -> None:
-        assert self.dirpath is not None
         self._last_published = int(path.name.removeprefix("step_"))
-        link = self.dirpath / LAST
-        tmp = self.dirpath / f".{LAST}.tmp"
-        if tmp.is_symlink() or tmp.exists():
-            tmp.unlink()
-        try:
-            tmp.symlink_to(path.name)
-            os.replace(tmp, link)  # atomic: `last` always names a complete checkpoint
-        finally:
-            tmp.unlink(missing_ok=True)  # left only when the move failed
+        point_last(path)
 
     def _prune(self, protect: int | None = None) -> None:
         """Keeps the ``keep_last`` newest complete checkpoints; removes every step_* directory
