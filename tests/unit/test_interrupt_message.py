@@ -12,7 +12,7 @@ def _interrupted(
     tmp_path, *, step: int, last_saved: int, started: bool = True, exception=None, in_flight: int | None = None
 ) -> None:
     callback = PeriodicCheckpoint(dirpath=str(tmp_path / "run" / "checkpoints"), save_on_signal=False)
-    trainer = SimpleNamespace(global_step=step, is_global_zero=True)
+    trainer = SimpleNamespace(global_step=step, is_global_zero=True, ckpt_path=None)
     if started:
         callback.on_train_start(trainer, None)
     callback.load_state_dict({"last_saved": last_saved})
