@@ -33,7 +33,7 @@ from trainer.models.hf import (
     sliding_window,
     weight_files,
 )
-from trainer.rundir import HF_BUILDER, RunDir, load_run_weights, resolve_checkpoint
+from trainer.rundir import HF_BUILDER, RunDir, load_run_weights, no_checkpoint_reason, resolve_checkpoint
 from trainer.targets import check_targets
 
 
@@ -226,19 +226,25 @@ def init_from_problems(model: Any, *, data: Any = None) -> list[str]:
     """
     source = str(model.init_from)
     wants_hf = builds_from_hf(model)
+    missing = not Path(source).expanduser().exists()
     if not is_hf_dir(source):
         config_from = model.get("config_from") if wants_hf else None
         if wants_hf and not config_from:
-            return [f"model.init_from={source} has no config.json; model=hf needs a Hugging Face model directory"]
+            why = "does not exist" if missing else "has no config.json"
+            return [f"model.init_from={source} {why}; model=hf needs a Hugging Face model directory"]
         if config_from and not is_hf_dir(config_from):
             return [
                 f"model.config_from={config_from} (the Hugging Face directory the run model.init_from={source} started "
                 f"from) has no config.json; if it moved, name it: +model.config_from=<its new directory>"
             ]
+        if missing:
+            return [
+                f"model.init_from={source} does not exist; give a Hugging Face model directory or a plait run or checkpoint"
+            ]
         if resolve_checkpoint(Path(source).expanduser()) is None:
             return [
                 f"model.init_from={source} is neither a Hugging Face model directory (config.json) nor a plait "
-                "checkpoint or run directory"
+                f"checkpoint or run directory: {no_checkpoint_reason(source)}"
             ]
         return _run_problems(model, data, source)
     if not wants_hf:

@@ -86,12 +86,16 @@ def check_run_dir(
     found = resolve_checkpoint(run_dir if cfg.resume == "last" else cfg.resume, skipped.append)
     if found is None:
         where = f"run_dir={run_dir}" if cfg.resume == "last" else f"resume={cfg.resume}"
-        why = f" ({'; '.join(skipped)})" if skipped else ""
-        raise ConfigError(
-            [
-                f"{where} holds no intact checkpoint{why}; start fresh without resume (plait resume needs one), or point it at a run"
-            ]
-        )
+        if skipped:  # damaged checkpoints: a fresh start into their run directory is refused too
+            fix = (
+                f" ({'; '.join(skipped)}); point resume at an intact checkpoint, or start again in a new run_dir "
+                f"(or move {RunDir(run_dir).checkpoints} away, keeping the damaged ones for inspection, and start fresh there)"
+            )
+        elif not Path(run_dir if cfg.resume == "last" else cfg.resume).expanduser().exists():
+            fix = " (it does not exist); point resume at a run or a checkpoint, or start fresh without resume"
+        else:
+            fix = "; start fresh without resume (plait resume needs one), or point it at a run"
+        raise ConfigError([f"{where} holds no intact checkpoint{fix}"])
     if (problem := step_problem(found)) is not None:
         raise CheckpointError(problem)
     step, max_steps = meta_step(found), OmegaConf.select(cfg, "trainer.max_steps", default=None)

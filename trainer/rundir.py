@@ -276,6 +276,19 @@ def resolve_checkpoint(path: str | os.PathLike, report: Callable[[str], None] | 
     return None
 
 
+def no_checkpoint_reason(path: str | os.PathLike) -> str:
+    """Why ``path`` names no intact checkpoint (`resolve_checkpoint` gave None), for an error message:
+    it does not exist, its checkpoints fail their checks (each named with its reason), or it holds none."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        return f"{path} does not exist"
+    skipped: list[str] = []
+    resolve_checkpoint(path, skipped.append)
+    if skipped:
+        return f"{path} holds no intact checkpoint ({'; '.join(skipped)})"
+    return f"{path} holds no checkpoint"
+
+
 def _unfinished_after(root: Path, checkpoint: Path) -> list[Path]:
     """The ``step_<n>.tmp`` directories in ``root`` of steps after ``checkpoint``'s: saves a stopped run
     left unfinished (the next save of that step removes them)."""
@@ -410,7 +423,7 @@ def load_run_model(
     ckpt = resolve_checkpoint(path)
     if ckpt is None:
         raise FileNotFoundError(
-            f"{path} names no checkpoint; give a run directory, a step_* checkpoint or a Hugging Face model directory"
+            f"{no_checkpoint_reason(path)}; give a run directory, a step_* checkpoint or a Hugging Face model directory"
         )
     run = RunDir.of_checkpoint(ckpt)
     cfg = run.load_config()

@@ -315,3 +315,33 @@ def test_init_from_checks_the_run_model_before_it_is_taken(tmp_path: Path) -> No
     taken = compose("pretrain", [f"model.init_from={run.path}", f"trust=[{__name__}]"]).model
     assert taken.rope_scaling._target_ == f"{__name__}.Marker"
     assert not marker.exists()  # checked, taken, never built here
+
+
+def test_a_run_whose_only_checkpoint_is_damaged_names_the_damage_and_a_fix_that_works(tmp_path: Path) -> None:
+    """resume=last on a run whose one checkpoint is truncated said 'start fresh without resume', which
+    the run directory then refused ('already holds checkpoints'); generate/export and model.init_from said
+    it named no checkpoint at all. Each now says what is damaged, and resume names a fix that works.
+    Mutation: load_run_model's error without no_checkpoint_reason loses 'bytes'."""
+    from trainer.config import ConfigError
+    from trainer.init_from import init_from_problems
+    from trainer.run import check_run_dir
+    from trainer.rundir import load_run_model
+
+    run = tmp_path / "run"
+    damaged = _save(step_dir(run / "checkpoints", 20), step=20)
+    shard = next(damaged.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(ConfigError) as err:
+        check_run_dir(OmegaConf.create({"run_dir": str(run), "resume": "last"}))
+    (problem,) = err.value.problems
+    assert "bytes" in problem and "start again in a new run_dir" in problem and "start fresh without" not in problem
+    with pytest.raises(ConfigError, match="already holds checkpoints"):  # why resume's old advice went in a circle
+        check_run_dir(OmegaConf.create({"run_dir": str(run), "resume": None}))
+    with pytest.raises(FileNotFoundError, match="holds no intact checkpoint .*bytes"):
+        load_run_model(damaged)
+    (problem,) = init_from_problems(OmegaConf.create({"init_from": str(run)}))
+    assert "holds no intact checkpoint" in problem and "bytes" in problem
+    (problem,) = init_from_problems(OmegaConf.create({"init_from": str(tmp_path / "nowhere")}))
+    assert "does not exist" in problem
+    with pytest.raises(ConfigError, match="it does not exist"):
+        check_run_dir(OmegaConf.create({"run_dir": str(run), "resume": str(tmp_path / "step_0000999")}))

@@ -76,7 +76,7 @@ def test_a_run_without_tokenizer_takes_the_config_vocab(tmp_path: Path) -> None:
 
 def test_a_path_without_checkpoint_is_named(tmp_path: Path) -> None:
     assert resolve_checkpoint(tmp_path) is None
-    with pytest.raises(FileNotFoundError, match="names no checkpoint"):
+    with pytest.raises(FileNotFoundError, match="holds no checkpoint; give a run directory"):
         load_run_model(tmp_path)
 
 
