@@ -298,3 +298,21 @@ def test_an_export_the_model_cannot_fit_is_refused_before_training() -> None:
         validate(compose("pretrain", ["model=moe_tiny", "callbacks.hf_export.at_end=true", "data.seq_len=64"]))
     assert any("callbacks.hf_export: this mixture of experts does not fit" in p for p in err.value.problems)
     validate(compose("pretrain", ["model=nano", "callbacks.hf_export.at_end=true", "data.seq_len=64"]))
+
+
+def test_a_resume_that_reshapes_the_decaying_schedule_says_so() -> None:
+    """plait resume <run> trainer.max_steps=200 on a 400-step cosine run moved the lr from 0.00272 to
+    0.00167 at step 110 with only 'resume: trainer.max_steps: 400 -> 200' said. Mutation: comparing the
+    lr at the new length with itself (no warning) fails."""
+    from harness import compose_config
+
+    from trainer.optim import lr_factor
+    from trainer.run import schedule_line
+
+    cfg = compose_config(["scheduler=cosine", "scheduler.warmup_steps=20", "optim.lr=3e-3"])
+    line = schedule_line(cfg, 100, 400, 200)
+    shape = {"warmup_steps": 20, "decay": "cosine", "min_lr_ratio": cfg.scheduler.min_lr_ratio}
+    before, after = (3e-3 * lr_factor(100, total_steps=n, **shape) for n in (400, 200))
+    assert f"lr {after:.3g} where the run was at {before:.3g}" in line and "trainer.max_steps=400" in line
+    assert schedule_line(cfg, 100, 400, 401) is None  # under 1%
+    assert schedule_line(compose_config(["scheduler=constant"]), 100, 400, 200) is None
