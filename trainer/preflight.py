@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 from strategies.checkpoint.dcp import CheckpointError
 from trainer.catalog import fail
 from trainer.compose import adopt_run_model, drop_null_sources
-from trainer.config import ConfigError
+from trainer.config import ConfigError, validate
 from trainer.data.config_paths import absolute_paths
 from trainer.init_from import take_run_model
 from trainer.overrides import Composed, refuse
@@ -51,3 +51,16 @@ def preflight(composed: Composed) -> Launch | None:
     if problems:
         refuse(problems)
     return launch
+
+
+def preflight_sweep_job(composed: Composed, values: str) -> None:
+    """Validates one ``--multirun`` job's composed config before the sweep starts (its run directory
+    and resume are the job's own, checked when it runs): a bad value in the third job
+    (``optim.lr=1e-3,abc``) is refused at once, naming the job, not after the first jobs trained.
+    Exits 2 on problems (the job's mistyped overrides were refused before: `Composed.refuse_typed`)."""
+    try:
+        validate(absolute_paths(take_run_model(drop_null_sources(composed.cfg), composed.overrides)))
+    except UntrustedTargetError as err:
+        refuse([f"{err} (in the sweep's job {values})"])
+    except ConfigError as err:
+        refuse([f"{p} (in the sweep's job {values})" for p in err.problems])

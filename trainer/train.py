@@ -56,9 +56,14 @@ def main(argv: list[str]) -> None:
         from trainer.preflight import preflight  # lazy: the whole trainer (see the imports above)
 
         launch = preflight(composed)
-    elif not launched_child and not any(a in _HYDRA_INFO for a in argv):  # a sweep: each job's overrides
-        for job, values in sweep_jobs(argv):
-            compose_overrides(job).refuse_typed(values)
+    elif not launched_child and not any(a in _HYDRA_INFO for a in argv):  # a sweep: each job's config
+        jobs = [(compose_overrides(job), values) for job, values in sweep_jobs(argv)]
+        for composed, values in jobs:  # mistyped overrides first: answered before the trainer loads
+            composed.refuse_typed(values)
+        from trainer.preflight import preflight_sweep_job  # lazy: the whole trainer (see the imports above)
+
+        for composed, values in jobs:
+            preflight_sweep_job(composed, values)
 
     def hydra_task(cfg: DictConfig) -> None:
         from trainer.preflight import run_job  # lazy: the whole trainer (see the imports above)

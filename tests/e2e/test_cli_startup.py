@@ -58,6 +58,9 @@ def test_a_sweep_refuses_a_mistyped_override_of_any_job_before_it_starts() -> No
         and "(in the sweep's job optim.lr=0.001)" in result.stderr
     )
     assert imported.isdisjoint(HEAVY), sorted(imported & set(HEAVY))
+    result, _ = _imported("pretrain", "--multirun", "optim.lr=1e-3,abc", "trainer.max_steps=1")  # a bad value
+    assert result.returncode == 2, result.stderr[-2000:]  # before: job 0 trained, then job 1 failed
+    assert "optim.lr='abc' must be float" in result.stderr and "(in the sweep's job optim.lr=abc)" in result.stderr
     result, _ = _imported("paft", "--multirun", "paft=sft,dpo", "data.long_samples=truncate")  # sft's key only
     assert result.returncode == 2, result.stderr[-2000:]
     assert "data.long_samples=truncate: Could not override" in result.stderr and "job paft=dpo)" in result.stderr
