@@ -82,3 +82,11 @@ def test_stream_batches_do_not_depend_on_dp(shards):
         torch.testing.assert_close(one["input_ids"], torch.cat([a["input_ids"], b["input_ids"]]), rtol=0, atol=0)
     held = data.eval_rows()["input_ids"]
     assert held.shape[1] == 16 and (held != data.tokenizer.pad_id).sum() > 0  # validation from the held-out documents
+
+
+def test_holding_out_every_document_names_a_smaller_eval_docs(shards):
+    """A small folder under the default data.eval_docs=64 said only that no training document was left."""
+    from trainer.data.base import DataError
+
+    with pytest.raises(DataError, match=r"\(it holds 30 documents\); hold out fewer, e.g. data.eval_docs=3"):
+        _data(shards, "data.eval_docs=64").prepare()

@@ -154,8 +154,10 @@ class StreamDataModule(DataModule):
         val_texts = self._texts(0, self.eval_docs)
         head = self._texts(self.eval_docs, self.tokenizer_docs)
         if not head:
+            held = len(val_texts)
             raise DataError(
-                f"data.path={self.path}: no training documents after the data.eval_docs={self.eval_docs} held out"
+                f"data.path={self.path}: no training documents after the data.eval_docs={self.eval_docs} held out "
+                f"(it holds {held} documents); hold out fewer, e.g. data.eval_docs={max(1, held // 10)}"
             )
         head_key = fingerprint("stream", *head)
         tokenizer = self.load_tokenizer(head, head_key)
