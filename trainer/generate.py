@@ -105,7 +105,9 @@ def load_for_generation(ckpt: str, trust: Sequence[str] = ()) -> RunModel:
             plait and ``trust``, an unsafe or non-finite checkpoint, or the run has no tokenizer.
     """
     try:
-        run = load_run_model(ckpt, load_base=load_init_from, trust=trust)
+        run = load_run_model(
+            ckpt, load_base=load_init_from, trust=trust, report=lambda line: print(f"plait: {line}", file=sys.stderr)
+        )
     except FileNotFoundError as err:
         fail(f"ckpt={err}")
     except HFError as err:

@@ -402,7 +402,11 @@ HF_BUILDER = f"{llama_from_hf.__module__}.{llama_from_hf.__qualname__}"
 
 
 def load_run_model(
-    path: str | os.PathLike, *, load_base: Callable[[nn.Module, str], None] | None = None, trust: Sequence[str] = ()
+    path: str | os.PathLike,
+    *,
+    load_base: Callable[[nn.Module, str], None] | None = None,
+    trust: Sequence[str] = (),
+    report: Callable[[str], None] | None = None,
 ) -> RunModel:
     """The model of the run (or checkpoint) ``path`` names, in one process, in eval mode.
 
@@ -410,6 +414,7 @@ def load_run_model(
         load_base: for a LoRA run, loads its base (the source ``model.init_from`` names) into the
             model: `trainer.init_from.load_init_from` (passed in: that module imports this one).
         trust: packages besides plait whose classes the run's config may build (`instantiate_saved`).
+        report: called with each newer checkpoint passed over and why (`resolve_checkpoint`).
 
     Raises:
         FileNotFoundError: ``path`` names no intact checkpoint, or the run has neither
@@ -420,7 +425,7 @@ def load_run_model(
     """
     if is_hf_dir(path):
         return load_hf_model(path)
-    ckpt = resolve_checkpoint(path)
+    ckpt = resolve_checkpoint(path, report)
     if ckpt is None:
         raise FileNotFoundError(
             f"{no_checkpoint_reason(path)}; give a run directory, a step_* checkpoint or a Hugging Face model directory"

@@ -121,3 +121,16 @@ def test_an_unfinished_save_after_the_checkpoint_resumed_from_is_said(tmp_path: 
     assert said == [
         f"skipped {run.checkpoints / 'step_0000006.tmp'}: a save that did not finish (the run stopped while writing it)"
     ]
+
+
+def test_a_damaged_newest_checkpoint_passed_over_is_reported(tmp_path: Path) -> None:
+    """plait generate loaded the previous checkpoint and said only 'loaded .../step_1', while resume said
+    it skipped the damaged step_2 and why."""
+    model = _llama(40, 0)
+    run = _write_run(tmp_path / "run", model.state_dict(), steps=(1, 2), vocab_size=40)
+    shard = next(run.step(2).glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:10])
+    lines: list[str] = []
+    loaded = load_run_model(run.path, report=lines.append)
+    assert loaded.checkpoint == run.step(1).resolve()
+    assert len(lines) == 1 and "step_0000002" in lines[0] and "bytes" in lines[0]
