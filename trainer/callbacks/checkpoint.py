@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -165,7 +164,7 @@ class PeriodicCheckpoint(Checkpoint):
             path = self.save(trainer, background=True) if background else self.save(trainer)
         if signum is not None:
             if trainer.is_global_zero:
-                print(stop_message(signum, step, str(path)), file=sys.stderr, flush=True)
+                write_line(stop_message(signum, step, str(path)))  # on a line of its own, under the progress bar
             raise Stopped(signum)
 
     @override
