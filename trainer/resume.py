@@ -304,7 +304,8 @@ def resume_problems(
     """
     problems = []
     saved_data = record.get("data")  # absent in checkpoints written before it was recorded
-    if data_fingerprint is not None and saved_data is not None and saved_data != data_fingerprint:
+    changed_data = data_fingerprint is not None and saved_data is not None and saved_data != data_fingerprint
+    if changed_data:
         problems.append(
             f"the training data differs from the data {source} was trained on (fingerprint {saved_data[:12]} vs "
             f"{data_fingerprint[:12]}; the config is the same, so a file it reads changed): the saved data position "
@@ -320,12 +321,16 @@ def resume_problems(
             f"was trained at dp={saved_dp}, this layout has dp={dp}: its epochs would hold other rows from the saved "
             f"position on; resume with the saved data-parallel degree (dp_replicate x dp_shard = {saved_dp})"
         )
+    trained_tokenizer = not (new.get("data") or {}).get("tokenizer")  # trained from the data files
     if tokenizer_fingerprint is not None and record["tokenizer"] != tokenizer_fingerprint:
-        problems.append(
-            f"the tokenizer differs from the one {source} was trained with (fingerprint {record['tokenizer'][:12]} "
-            f"vs {tokenizer_fingerprint[:12]}): its token ids would mean other text; use the run's own "
-            f"tokenizer.json (data.tokenizer=<run>/tokenizer.json) or start a new run_dir"
-        )
+        if changed_data and trained_tokenizer:  # a consequence of the changed files, not a second fix
+            problems[0] += " (the tokenizer differs too: plait trained it again on the changed files)"
+        else:
+            problems.append(
+                f"the tokenizer differs from the one {source} was trained with (fingerprint {record['tokenizer'][:12]} "
+                f"vs {tokenizer_fingerprint[:12]}): its token ids would mean other text; use the run's own "
+                f"tokenizer.json (data.tokenizer=<run>/tokenizer.json) or start a new run_dir"
+            )
     bad_overrides = [k for k in overrides if not _under(k, OVERRIDABLE)]
     if bad_overrides:
         problems.append(

@@ -364,3 +364,14 @@ def test_muon_adamw_groups_follow_their_own_lr_on_a_resume() -> None:
     assert resumed({"optim.lr": 0.01}, {"lr": 0.01, "adamw_lr": 3e-3}) == pytest.approx([0.01, 3e-3])
     assert resumed({"optim.adamw_lr": 1e-3}, {"lr": 0.02, "adamw_lr": 1e-3}) == pytest.approx([0.02, 1e-3])
     assert resumed({"optim.adamw_lr": None}, {"lr": 0.02, "adamw_lr": None}) == pytest.approx([0.02, 0.02])
+
+
+def test_a_tokenizer_trained_again_on_changed_data_is_part_of_the_data_problem() -> None:
+    """A resume on rewritten data files with the tokenizer trained from them (data.tokenizer null) said the
+    tokenizer differs as a second problem, whose fix (data.tokenizer=<run>/tokenizer.json) alone does not help."""
+    record = run_record(SAVED, "t" * 64, data_fingerprint="a" * 64)
+    (problem,) = resume_problems(record, _new(), "u" * 64, [], source="ckpt", data_fingerprint="b" * 64)
+    assert "the training data differs" in problem and "the tokenizer differs too" in problem
+    given = _new(data__tokenizer="/r/tokenizer.json")  # a tokenizer of the user's own: a second, separate fix
+    problems = resume_problems(record, given, "u" * 64, [], source="ckpt", data_fingerprint="b" * 64)
+    assert len(problems) == 2 and "data.tokenizer=<run>/tokenizer.json" in problems[1]
