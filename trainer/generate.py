@@ -1,6 +1,5 @@
 """``plait generate ckpt=... prompt="..."``: sample a continuation from a checkpoint (top-k,
 temperature), with a KV cache, stopped at EOS; ``chat=true`` answers the prompt as a user message.
-The sampling itself is `trainer.sampling`; this module parses the arguments and loads the run.
 
 The prompt is any text: ``prompt=`` takes everything after its ``=`` as it is (commas, quotes,
 apostrophes, ``$``; the shell's quoting is all it needs), ``prompt_file=PATH`` the whole file
@@ -15,6 +14,8 @@ Invocation::
     plait generate ckpt=runs/sft prompt_file=question.txt chat=true
     echo "What's 2+2?" | plait generate ckpt=runs/sft prompt=- chat=true
 """
+
+# The sampling itself is `trainer.sampling`; this module parses the arguments and loads the run.
 
 from __future__ import annotations
 

@@ -9,8 +9,9 @@ Invocations::
 
 The config is composed exactly as for a run (same recipe, same overrides), so the model, sequence
 length, global batch, precision and optimizer are the run's; ``cluster=`` names the machine.
-The planning itself is `trainer.planning`; this module parses the arguments and prints.
 """
+
+# The planning itself is `trainer.planning`; this module parses the arguments and prints.
 
 from __future__ import annotations
 
