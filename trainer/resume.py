@@ -129,9 +129,11 @@ def check_resume(
     ):
         if len(problems) > SHOWN:  # another composed config (overrides not typed again), not a changed field
             run_dir = Path(checkpoint).parent.parent
+            was, now = record["config"].get("recipe"), new.get("recipe")
+            other = f" ({run_dir} is a {was} run, this a {now} one)" if was and now and was != now else ""
             problems = [
-                f"this config differs from the one {run_dir} was trained with in {len(problems)} fields; continue "
-                f"the run with its own config: plait resume {run_dir} [overrides]",
+                f"this config differs from the one {run_dir} was trained with in {len(problems)} fields{other}; "
+                f"continue the run with its own config: plait resume {run_dir} [overrides]",
                 *problems[:SHOWN],
                 f"... and {len(problems) - SHOWN} more",
             ]

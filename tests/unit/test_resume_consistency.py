@@ -375,3 +375,20 @@ def test_a_tokenizer_trained_again_on_changed_data_is_part_of_the_data_problem()
     given = _new(data__tokenizer="/r/tokenizer.json")  # a tokenizer of the user's own: a second, separate fix
     problems = resume_problems(record, given, "u" * 64, [], source="ckpt", data_fingerprint="b" * 64)
     assert len(problems) == 2 and "data.tokenizer=<run>/tokenizer.json" in problems[1]
+
+
+def test_resuming_another_recipes_run_says_which_recipes(tmp_path) -> None:
+    """plait sft run_dir=<a pretrain run> resume=last listed 'resume with data._target_=...' lines (turn
+    the sft into a pretrain) without saying the run was a pretrain run."""
+    from omegaconf import OmegaConf
+
+    from trainer.config import ConfigError
+    from trainer.resume import RECORD_KEY, check_resume
+
+    ckpt = tmp_path / "run" / "checkpoints" / "step_0000001"
+    ckpt.mkdir(parents=True)
+    torch.save({RECORD_KEY: run_record({**SAVED, "recipe": "pretrain"}, "f" * 64)}, ckpt / "meta.pt")
+    new = _new(model__dim=128, optim__lr=1e-3, seed=1, data__seq_len=32)
+    with pytest.raises(ConfigError) as err:
+        check_resume(OmegaConf.create({**new, "recipe": "sft"}), ckpt)
+    assert f"({tmp_path / 'run'} is a pretrain run, this a sft one)" in err.value.problems[0]
