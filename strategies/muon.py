@@ -295,7 +295,7 @@ class Muon(torch.optim.Optimizer):
             for use_muon, members in kinds.items():
                 if members:
                     # AdamW's groups: their learning rate is optim.adamw_lr (optim.lr while it is null),
-                    # which a resume's override of either sets (`trainer.resume.apply_overrides`)
+                    # which a resume's override of either sets (`trainer.resume_record.apply_overrides`)
                     own_lr = (
                         {} if use_muon else {"lr_key": "adamw_lr", **({"lr": adamw_lr} if adamw_lr is not None else {})}
                     )

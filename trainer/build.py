@@ -160,7 +160,7 @@ def build_trainer(
     callbacks: Sequence[L.Callback] = (),
 ) -> L.Trainer:
     """The Lightning trainer: ``cfg.callbacks`` and ``cfg.logger``, then ``callbacks`` (the launch's own,
-    e.g. `trainer.resume.ResumeRecord`), and the strategy (`build_strategy`).
+    e.g. `trainer.resume_record.ResumeRecord`), and the strategy (`build_strategy`).
     """
     trainer_cfg = OmegaConf.to_container(cfg.trainer)
     extra, callbacks = list(callbacks), build_callbacks(cfg, run_dir)

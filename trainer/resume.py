@@ -1,7 +1,7 @@
 """Resume consistency: a resumed run is the run its checkpoint belongs to, unless told otherwise.
 
 Every checkpoint records the resolved config, the tokenizer fingerprint and the data fingerprint
-it was trained with (`run_record`, saved in its ``meta.pt`` by the checkpoint callback). Before
+it was trained with (`run_record`, saved in its ``meta.pt`` by `trainer.resume_record.ResumeRecord`). Before
 anything is written, `resume_problems` compares them with the new run's:
 
 - ``model.*`` and ``objective.*`` (and the tokenizer, by fingerprint) can never change: the
@@ -13,7 +13,7 @@ anything is written, `resume_problems` compares them with the new run's:
   free (it only splits the same global batch into gradient-accumulation steps);
 - ``optim.*``, ``scheduler.*`` and ``train.max_grad_norm`` may change when named in
   ``resume_override=[...]``; their new values then take effect from the first resumed step
-  (`apply_overrides`: the restored optimizer state would otherwise keep the old ones);
+  (`trainer.resume_record.apply_overrides`: the restored optimizer state would otherwise keep the old ones);
 - the layout (``strategy.*``, ``trainer.*``: world size, ``max_steps``), logging, callbacks and
   evaluation settings are free (DCP reshards; the scheduler takes the new ``max_steps``).
 
@@ -23,23 +23,16 @@ Every refused difference is listed with both values and the fix.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import lightning as L
-import torch
 from omegaconf import DictConfig, OmegaConf
-from typing_extensions import override
 
 from strategies.checkpoint.dcp import META_FILE
 from strategies.checkpoint.safe_load import UnsafePickleError, load_plain
 from trainer.config import ConfigError
-from trainer.data.chat import JinjaTemplate
 from trainer.data.paths import absolute, is_path_key
-from trainer.init_from import started_from
-from trainer.rundir import RunDir
 
 SHOWN = 3  # refused differences listed before the rest are counted
 RESUMES_FILE = "resumes.jsonl"  # one line per resume of a run directory: its step, checkpoint, changes
@@ -139,75 +132,6 @@ def check_resume(
             ]
         raise ConfigError(problems)
     return {key: now for key, (_, now) in differences(record["config"], new).items() if _under(key, overrides)}
-
-
-class ResumeRecord(L.Callback):
-    """Saves the `run_record` in every checkpoint; at the start of training (after Lightning
-    restored a checkpoint) applies the overridden values and only then writes ``config.yaml``, the
-    tokenizer and its chat template (rank 0, `RunDir.write_config`): a resume refused while
-    loading leaves the run's files untouched.
-
-    Args:
-        cfg: this run's composed config.
-        tokenizer: this run's tokenizer (``trainer.data.tokenizer.Tokenizer``).
-        run_dir: the run directory.
-        overrides: `check_resume`'s values (``{}`` for a fresh start).
-        chat_template: the tokenizer's own template that goes with the model
-            (`trainer.data.base.DataModule.model_chat_template`); None: plait's default.
-        changes: on a resume, `resume_changes` (recorded as one line of ``resumes.jsonl``:
-            the step, the checkpoint, ``{key: [old, new]}``).
-        checkpoint: the checkpoint a resume starts from (None: a fresh start).
-        data_fingerprint: the data module's `data_fingerprint` (None: not recorded).
-        dp: the run's data-parallel degree (None: not recorded).
-    """
-
-    def __init__(
-        self,
-        cfg: DictConfig,
-        tokenizer: Any,
-        run_dir: Path,
-        overrides: dict[str, Any],
-        chat_template: JinjaTemplate | None = None,
-        changes: dict[str, tuple[Any, Any]] | None = None,
-        checkpoint: Path | None = None,
-        data_fingerprint: str | None = None,
-        dp: int | None = None,
-    ) -> None:
-        self.cfg, self.tokenizer, self.run_dir, self.overrides = cfg, tokenizer, Path(run_dir), overrides
-        self.chat_template, self.changes, self.checkpoint = chat_template, changes or {}, checkpoint
-        config = OmegaConf.to_container(cfg, resolve=True)
-        # the weights the first step started from: the base's checkpoint now, or what the resumed one says
-        resumed = read_record(checkpoint) if checkpoint is not None else None
-        base = (
-            (resumed or {}).get("base")
-            if checkpoint is not None
-            else started_from(OmegaConf.select(cfg, "model.init_from"))
-        )
-        self.record = run_record(config, tokenizer_fingerprint(tokenizer), data_fingerprint, dp, base)
-
-    @override
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.overrides:
-            configs = trainer.lr_scheduler_configs
-            optim = OmegaConf.to_container(self.cfg.optim, resolve=True)
-            apply_overrides(trainer.optimizers[0], configs[0].scheduler if configs else None, self.overrides, optim)
-        if trainer.is_global_zero:
-            if self.checkpoint is not None:  # what this resume changed, beside the config.yaml it rewrites
-                line = {"step": trainer.global_step, "checkpoint": str(self.checkpoint)}
-                line["changed"] = {key: list(values) for key, values in self.changes.items()}
-                with open(self.run_dir / RESUMES_FILE, "a", encoding="utf-8") as file:
-                    file.write(json.dumps(line, default=str) + "\n")
-            template = self.chat_template
-            RunDir(self.run_dir).write_config(
-                self.cfg,
-                self.tokenizer,
-                special_tokens=template.special if template else None,
-                chat_template=template.source if template else None,
-            )
-
-    @override
-    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
-        checkpoint[RECORD_KEY] = self.record
 
 
 # A resume's own settings: they differ on every resume by design.
@@ -404,44 +328,3 @@ def _differs(key: str, old: Any, now: Any, source: str) -> str:
 def _as_saved(key: str, old: Any) -> str:
     """How to resume with the saved value of ``key``: ``with key=old``, or ``without key``."""
     return f"without {key}" if old is ABSENT else f"with {key}={old!r}"
-
-
-def apply_overrides(
-    optimizer: torch.optim.Optimizer, scheduler: Any, values: dict[str, Any], optim: dict[str, Any]
-) -> None:
-    """Makes overridden ``optim.*`` values real after Lightning restored the old optimizer state.
-
-    The restored param groups hold the checkpoint's hyperparameters (and the scheduler scales
-    the restored ``initial_lr``): each overridden field is written into every group that has it
-    (``weight_decay`` only into the groups that decay). A group's learning rate is ``optim.<its
-    "lr_key">`` (``lr`` unless its optimizer says otherwise: Muon's AdamW groups follow
-    ``adamw_lr``), or ``optim.lr`` while that key is null; when either is overridden it becomes the
-    group's ``initial_lr`` (the scheduler's base), with the current ``lr`` recomputed by the scheduler.
-    ``scheduler.*`` values are the new run's already (the current lr is recomputed) and
-    ``train.max_grad_norm`` is read from the new config.
-
-    Args:
-        values: ``{"optim.lr": 1e-3, ...}`` of the overridden keys, the new run's values.
-        optim: the new run's whole ``optim`` node (the keys a group's learning rate falls back on).
-    """
-    changed = {key.split(".", 1)[1]: value for key, value in values.items() if key.startswith("optim.")}
-    new_lr = False
-    for group in optimizer.param_groups:
-        lr_key = group.get("lr_key", "lr")
-        for field, value in changed.items():
-            if field in ("lr", lr_key):
-                continue
-            if field == "weight_decay":
-                if group.get("weight_decay", 0.0) != 0.0:  # the no-decay group stays at 0
-                    group["weight_decay"] = value
-            elif field in group:
-                group[field] = tuple(value) if isinstance(group[field], tuple) else value
-        if "lr" in changed or lr_key in changed:
-            own = optim.get(lr_key) if lr_key != "lr" else None
-            group["initial_lr"] = group["lr"] = own if own is not None else optim["lr"]
-            new_lr = True
-    if scheduler is not None and (new_lr or any(key.startswith("scheduler.") for key in values)):
-        scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
-        for group, lr in zip(optimizer.param_groups, scheduler.get_lr()):
-            group["lr"] = lr
-        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

@@ -35,7 +35,8 @@ from trainer.nonfinite import NonFiniteError
 from trainer.optim import lr_factor
 from trainer.planning import check_memory
 from trainer.replica_groups import gpu_problems, group_problems, launches_groups, run_replica_groups
-from trainer.resume import RESUMES_FILE, ResumeRecord, check_resume, resume_changes
+from trainer.resume import RESUMES_FILE, check_resume, resume_changes
+from trainer.resume_record import ResumeRecord
 from trainer.rl.rewards import RewardError
 from trainer.run_length import DATA_EXHAUSTED, RunLength, plan_run_length
 from trainer.rundir import RunDir, last_link_problem, resolve_checkpoint
@@ -177,7 +178,7 @@ def check_launch(cfg: DictConfig, run_dir: Path | None = None) -> Launch:
 
 def start(cfg: DictConfig, run_dir: Path, launch: Launch, launching: bool) -> tuple[L.Trainer, Task, DataModule]:
     """The data, prepared and checked (said on the launching rank), then model, task and trainer,
-    built with the callback that records the run (`trainer.resume.ResumeRecord`).
+    built with the callback that records the run (`trainer.resume_record.ResumeRecord`).
 
     Raises:
         DataError: data that cannot be trained on, or no batch under trainer.limit_train_batches.

@@ -103,7 +103,7 @@ def train(cfg: Any, run_dir: Path, devices: int) -> None:
     """Fits ``cfg`` as ``plait`` does after its checks: `build_run`, the run record (``config.yaml``
     and ``tokenizer.json``, which ``model.init_from`` reads), Lightning ``fit``."""
     from trainer.build import build_run
-    from trainer.resume import ResumeRecord
+    from trainer.resume_record import ResumeRecord
 
     trainer, task, data = build_run(cfg, run_dir, launcher="fork" if devices > 1 else "subprocess")
     trainer.callbacks.append(ResumeRecord(cfg, data.tokenizer, run_dir, {}))

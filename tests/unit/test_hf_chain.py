@@ -16,7 +16,7 @@ from trainer.compose import compose
 from trainer.config import validate
 from trainer.init_from import load_init_from
 from trainer.model_node import constructor_node
-from trainer.resume import ResumeRecord
+from trainer.resume_record import ResumeRecord
 from trainer.rundir import load_run_model
 
 

@@ -1,7 +1,7 @@
 """PAFT's merge takes each arm's difference from the base it was fine-tuned from: a LoRA arm trained
 from a base run records that run's checkpoint at launch (`trainer.init_from.take_run_model`), and
 every run records in its checkpoints the one its first step started from
-(`trainer.resume.ResumeRecord`, `trainer.init_from.started_from`), so a base run that trained on
+(`trainer.resume_record.ResumeRecord`, `trainer.init_from.started_from`), so a base run that trained on
 since is caught (`trainer.merge.base_problems`), not merged against weights the arm never started
 from."""
 
@@ -17,7 +17,7 @@ from tokenizers.models import WordLevel
 
 from trainer.compose import compose
 from trainer.merge import base_problems
-from trainer.resume import ResumeRecord
+from trainer.resume_record import ResumeRecord
 from trainer.rundir import RunDir, RunModel, resolve_checkpoint
 
 

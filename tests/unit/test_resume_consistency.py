@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from trainer.optim import WarmupDecayLR, lr_factor
-from trainer.resume import apply_overrides, resume_problems, run_record
+from trainer.resume import resume_problems, run_record
+from trainer.resume_record import apply_overrides
 
 SAVED = {
     "seed": 0,
@@ -108,7 +109,7 @@ def test_a_launch_builds_its_trainer_with_the_callback_that_records_the_run(tmp_
     from harness import compose_config
 
     from trainer.config import validate
-    from trainer.resume import ResumeRecord
+    from trainer.resume_record import ResumeRecord
     from trainer.run import Launch, start
 
     cfg = compose_config(["trainer.max_steps=2"])

@@ -45,7 +45,7 @@ from trainer.budget.report import plot, table
 from trainer.build import build_data, build_fit, build_model, prepared_data
 from trainer.config import validate
 from trainer.data.sft import SFTDataModule
-from trainer.resume import ResumeRecord
+from trainer.resume_record import ResumeRecord
 from trainer.rundir import RunDir
 
 Scores = dict[str, float]
@@ -124,7 +124,7 @@ class SettledStop(L.Callback):
 
 def fit_run(cfg: DictConfig, run_dir: Path, *, ckpt_path: str | None = None) -> list[dict[str, Any]]:
     """Builds and fits ``cfg`` in a forked process; returns the Task's history. The run directory
-    gets its ``config.yaml`` and tokenizer as a launched run's (`trainer.resume.ResumeRecord`), so
+    gets its ``config.yaml`` and tokenizer as a launched run's (`trainer.resume_record.ResumeRecord`), so
     the report's model (a roll-out's checkpoint) serves ``plait generate``, ``export`` and ``eval``."""
     run = validate(cfg)
     data = prepared_data(cfg, run)
