@@ -294,14 +294,18 @@ class Muon(torch.optim.Optimizer):
                 kinds[takes_muon(name, p.ndim, adamw_params)].append(p)
             for use_muon, members in kinds.items():
                 if members:
-                    # AdamW's groups: their learning rate is optim.adamw_lr (optim.lr while it is null),
-                    # which a resume's override of either sets (`trainer.resume_record.apply_overrides`)
-                    own_lr = (
-                        {} if use_muon else {"lr_key": "adamw_lr", **({"lr": adamw_lr} if adamw_lr is not None else {})}
-                    )
+                    own_lr = {} if use_muon or adamw_lr is None else {"lr": adamw_lr}
                     groups.append({**group, "params": members, "use_muon": use_muon, **own_lr})
         groups.sort(key=lambda g: not g["use_muon"])  # Muon's first: param_groups[0]["lr"] is the one logged
         super().__init__(groups, defaults)
+
+    @staticmethod
+    def lr_key(group: dict[str, Any]) -> str:
+        """The ``optim`` key that sets ``group``'s learning rate: ``adamw_lr`` for AdamW's groups
+        (``lr`` while it is null), which a resume's override of either sets
+        (`trainer.resume_record.apply_overrides`). Read from ``use_muon``: a key of its own in the
+        groups would be missing from the optimizer state of older checkpoints, which DCP then refuses."""
+        return "lr" if group.get("use_muon", True) else "adamw_lr"
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:

@@ -96,8 +96,8 @@ def apply_overrides(
 
     The restored param groups hold the checkpoint's hyperparameters (and the scheduler scales
     the restored ``initial_lr``): each overridden field is written into every group that has it
-    (``weight_decay`` only into the groups that decay). A group's learning rate is ``optim.<its
-    "lr_key">`` (``lr`` unless its optimizer says otherwise: Muon's AdamW groups follow
+    (``weight_decay`` only into the groups that decay). A group's learning rate is ``optim.<key>``,
+    the key its optimizer's ``lr_key(group)`` names (``lr`` without one: Muon's AdamW groups follow
     ``adamw_lr``), or ``optim.lr`` while that key is null; when either is overridden it becomes the
     group's ``initial_lr`` (the scheduler's base), with the current ``lr`` recomputed by the scheduler.
     ``scheduler.*`` values are the new run's already (the current lr is recomputed) and
@@ -108,9 +108,10 @@ def apply_overrides(
         optim: the new run's whole ``optim`` node (the keys a group's learning rate falls back on).
     """
     changed = {key.split(".", 1)[1]: value for key, value in values.items() if key.startswith("optim.")}
+    lr_key_of = getattr(optimizer, "lr_key", None)  # an optimizer whose groups follow other keys (Muon)
     new_lr = False
     for group in optimizer.param_groups:
-        lr_key = group.get("lr_key", "lr")
+        lr_key = lr_key_of(group) if callable(lr_key_of) else "lr"
         for field, value in changed.items():
             if field in ("lr", lr_key):
                 continue

@@ -346,7 +346,7 @@ def test_muon_adamw_groups_follow_their_own_lr_on_a_resume() -> None:
     """Muon's AdamW groups (embedding, LM head, norms) take optim.adamw_lr when it is set: a resume's
     lower optim.lr (what the divergence message advises) left them at it 3.3x higher before, and an
     override of optim.adamw_lr was announced but never applied. Mutation: apply_overrides writing optim.lr
-    into every group fails the first assertion; skipping the groups' lr_key fails the second."""
+    into every group fails the first assertion; ignoring the optimizer's lr_key fails the second."""
     from strategies.muon import Muon
 
     weight, emb = torch.nn.Parameter(torch.zeros(4, 4)), torch.nn.Parameter(torch.zeros(8, 4))
@@ -393,3 +393,17 @@ def test_resuming_another_recipes_run_says_which_recipes(tmp_path) -> None:
     with pytest.raises(ConfigError) as err:
         check_resume(OmegaConf.create({**new, "recipe": "sft"}), ckpt)
     assert f"({tmp_path / 'run'} is a pretrain run, this a sft one)" in err.value.problems[0]
+
+
+def test_muon_param_groups_keep_the_keys_older_checkpoints_hold() -> None:
+    """DCP loads every key of the new optimizer's groups from a checkpoint's flattened state: a key
+    added to Muon's groups (an lr_key, for one) made every Muon checkpoint written before it refuse its
+    resume ('Missing key in checkpoint state_dict: optimizer_0.param_groups.output.weight.lr_key').
+    A new key needs a load that fills it for older checkpoints."""
+    from strategies.muon import Muon
+
+    weight, emb = torch.nn.Parameter(torch.zeros(4, 4)), torch.nn.Parameter(torch.zeros(8, 4))
+    groups = [{"params": [weight, emb], "param_names": ["layers.0.w", "tok_embeddings.weight"], "weight_decay": 0.1}]
+    keys = {"betas", "eps", "lr", "momentum", "nesterov", "ns_dtype", "ns_steps", "params", "scale", "use_muon"}
+    for group in Muon(groups, lr=0.02, adamw_lr=3e-3).param_groups:
+        assert set(group) == keys | {"weight_decay"}
