@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from strategies.checkpoint.dcp import CheckpointError
 from trainer.catalog import fail
@@ -57,7 +57,10 @@ def preflight_sweep_job(composed: Composed, values: str) -> None:
     """Validates one ``--multirun`` job's composed config before the sweep starts (its run directory
     and resume are the job's own, checked when it runs): a bad value in the third job
     (``optim.lr=1e-3,abc``) is refused at once, naming the job, not after the first jobs trained.
-    Exits 2 on problems (the job's mistyped overrides were refused before: `Composed.refuse_typed`)."""
+    Exits 2 on problems (the job's mistyped overrides were refused before: `Composed.refuse_typed`).
+    A config that reads Hydra's job (``seed=${hydra:job.num}``) resolves only inside it: checked when it starts."""
+    if "${hydra:" in OmegaConf.to_yaml(composed.cfg, resolve=False):
+        return
     try:
         validate(absolute_paths(take_run_model(drop_null_sources(composed.cfg), composed.overrides)))
     except UntrustedTargetError as err:
