@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -32,7 +33,7 @@ from trainer.data.chat import ChatError
 from trainer.data.summary import describe, epochs_line
 from trainer.finetune_defaults import lr_line
 from trainer.nonfinite import NonFiniteError
-from trainer.optim import lr_factor
+from trainer.optim import WarmupDecayLR, lr_factor
 from trainer.planning import check_memory
 from trainer.replica_groups import gpu_problems, group_problems, launches_groups, run_replica_groups
 from trainer.resume import RESUMES_FILE, check_resume, resume_changes
@@ -217,10 +218,11 @@ def start(cfg: DictConfig, run_dir: Path, launch: Launch, launching: bool) -> tu
     if launching:
         for key, (old, new) in changes.items():
             _print(f"resume: {key}: {old!r} -> {new!r} (recorded in {run_dir / RESUMES_FILE})")
-        old_steps = changes.get("trainer.max_steps", (None, None))[0]
+        old_max = changes.get("trainer.max_steps", (None, None))[0]
         step = meta_step(launch.ckpt_path) if launch.ckpt_path is not None else None
-        if isinstance(old_steps, int) and step is not None:
-            if (reshaped := schedule_line(cfg, step, old_steps, length.planned_steps)) is not None:
+        if isinstance(old_max, int) and old_max > 0 and step is not None:  # the same data: its old planned length
+            old_steps = plan_run_length(old_max, data).planned_steps
+            if (reshaped := schedule_line(cfg, step, old_steps, length.planned_steps, old_max)) is not None:
                 _print(reshaped)
     # config.yaml and tokenizer.json (what generate builds from) are written once the checkpoint loaded.
     record = ResumeRecord(
@@ -264,27 +266,31 @@ def warmup_line(cfg: DictConfig, planned_steps: int) -> str | None:
     )
 
 
-def schedule_line(cfg: DictConfig, step: int, old_steps: int, new_steps: int) -> str | None:
+def schedule_line(cfg: DictConfig, step: int, old_steps: int, new_steps: int, old_max: int) -> str | None:
     """A warning when a resume's new run length reshapes the decaying learning-rate schedule (plait's
-    `trainer.optim.WarmupDecayLR` decays to ``min_lr_ratio`` at the run's last step): the lr of the
-    first resumed step under the old length (``old_steps``, the run's recorded ``trainer.max_steps``)
-    against the new (``new_steps``, the planned steps); None when it moves by under 1%."""
+    `trainer.optim.WarmupDecayLR` decays to ``min_lr_ratio`` at the run's last planned step): the lr
+    of the first resumed step under the old planned length (``old_steps``, of the run's recorded
+    ``trainer.max_steps`` ``old_max`` on the same data) against the new (``new_steps``); None when it
+    moves by under 1% (a run its data ends plans the same steps under both)."""
     node = OmegaConf.select(cfg, "scheduler", default=None)
-    if node is None or node.get("_target_") != "trainer.optim.WarmupDecayLR" or node.get("decay") == "constant":
+    if node is None or node.get("_target_") != "trainer.optim.WarmupDecayLR":
         return None
-    shape = {"warmup_steps": node.warmup_steps, "decay": node.decay, "min_lr_ratio": node.min_lr_ratio}
+    defaults = inspect.signature(WarmupDecayLR).parameters  # the fields a config may leave to the class
+    shape = {key: node.get(key, defaults[key].default) for key in ("warmup_steps", "decay", "min_lr_ratio")}
+    if shape["decay"] == "constant":
+        return None
     before, after = (lr_factor(step, total_steps=total, **shape) for total in (old_steps, new_steps))
     if abs(after - before) <= 0.01 * before:
         return None
     lr = float(cfg.optim.lr)
     why = (
-        f"to keep the old course, resume with trainer.max_steps={old_steps}"
+        f"to keep the old course, resume with trainer.max_steps={old_max}"
         if new_steps < old_steps
-        else "one schedule spans trainer.max_steps, so a longer run stretches its decay"
+        else "one schedule spans the run's planned steps, so a longer run stretches its decay"
     )
     return (
-        f"warning: the {node.decay} schedule now decays over {new_steps} steps, not {old_steps}: step {step + 1} trains at "
-        f"lr {after * lr:.3g} where the run was at {before * lr:.3g} (x{after / before:.2f}); {why}"
+        f"warning: the {shape['decay']} schedule now decays over {new_steps} steps, not {old_steps}: step {step + 1} "
+        f"trains at lr {after * lr:.3g} where the run was at {before * lr:.3g} (x{after / before:.2f}); {why}"
     )
 
 

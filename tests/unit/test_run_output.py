@@ -310,9 +310,13 @@ def test_a_resume_that_reshapes_the_decaying_schedule_says_so() -> None:
     from trainer.run import schedule_line
 
     cfg = compose_config(["scheduler=cosine", "scheduler.warmup_steps=20", "optim.lr=3e-3"])
-    line = schedule_line(cfg, 100, 400, 200)
+    line = schedule_line(cfg, 100, 400, 200, 400)
     shape = {"warmup_steps": 20, "decay": "cosine", "min_lr_ratio": cfg.scheduler.min_lr_ratio}
     before, after = (3e-3 * lr_factor(100, total_steps=n, **shape) for n in (400, 200))
     assert f"lr {after:.3g} where the run was at {before:.3g}" in line and "trainer.max_steps=400" in line
-    assert schedule_line(cfg, 100, 400, 401) is None  # under 1%
-    assert schedule_line(compose_config(["scheduler=constant"]), 100, 400, 200) is None
+    assert schedule_line(cfg, 100, 400, 401, 400) is None  # under 1%
+    assert schedule_line(cfg, 10, 24, 24, 100000) is None  # a run its data ends: the same planned steps
+    assert schedule_line(compose_config(["scheduler=constant"]), 100, 400, 200, 400) is None
+    # a scheduler that leaves warmup, decay and min_lr_ratio to WarmupDecayLR's defaults (a KeyError before)
+    bare = compose_config(["~scheduler", "+scheduler={_target_: trainer.optim.WarmupDecayLR, _partial_: true}"])
+    assert "the cosine schedule now decays over 200 steps, not 400" in schedule_line(bare, 100, 400, 200, 400)
