@@ -41,7 +41,7 @@ from strategies.checkpoint.manifest import digest
 from trainer.compose import compose_command, fail
 from trainer.config import ConfigError
 from trainer.resume import read_record
-from trainer.rundir import RunDir, RunModel, load_run_model, resolve_checkpoint
+from trainer.rundir import SUPERSEDED, RunDir, RunModel, load_run_model, resolve_checkpoint
 
 METHODS = ("task_arithmetic", "ties", "dare")
 State = dict[str, torch.Tensor]
@@ -225,19 +225,24 @@ def _recorded_base(run: RunModel) -> dict[str, str] | None:
 
 
 def _moved_base(given: str, started: dict[str, str], base: Path) -> str:
-    """The refusal of an arm that started from ``started`` (`_recorded_base`), not from ``base``."""
+    """The refusal of an arm that started from ``started`` (`_recorded_base`), not from ``base``: it
+    names where those weights are now (the checkpoint, or where a resume set it aside), or that they are gone."""
     there = Path(started["checkpoint"])
-    if there.is_dir() and digest(there) == started["digest"]:
-        fix = f"merge with base={there}"
+    candidates = [there, *sorted((there.parent / SUPERSEDED).glob(f"*/{there.name}"))]
+    found = next((c for c in candidates if c.is_dir() and digest(c) == started["digest"]), None)
+    if found is not None:
+        fix = f"merge with base={found}"
     else:
         fix = (
-            f"{there} no longer holds those weights (the base run's keep_last deletes old checkpoints), so this arm's "
-            "fine-tuning cannot be told from the base's: fine-tune it again from the base you merge with"
+            f"no checkpoint of {there.parent.parent} holds those weights now (the base run's keep_last deletes old "
+            "checkpoints), so this arm's fine-tuning cannot be told from the base's: fine-tune it again from the base "
+            "you merge with"
         )
-    return (
-        f"deltas: {given} was fine-tuned from the checkpoint {there}, not from base={base} (other weights: the base "
-        f"run trained on, or another run); {fix}"
-    )
+    if Path(os.path.realpath(base)) == there:
+        was = f"{there} as it was then; that checkpoint holds other weights now (the base run resumed from an earlier step)"
+    else:
+        was = f"{there}, not from base={base} (other weights: the base run trained on, or another run)"
+    return f"deltas: {given} was fine-tuned from the checkpoint {was}; {fix}"
 
 
 def save_merged(state: State, out: Path, *, like: Path) -> Path:

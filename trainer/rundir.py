@@ -7,7 +7,8 @@ Every run (``plait RECIPE``; a ``plait merge`` output too) is one directory::
     tokenizer_config.json  its special tokens (eos, pad, and those its chat template reads)
     chat_template.jinja    the tokenizer's own chat template, when the run's data rendered with it
                       (or, without chat data, the tokenizer had one); absent: plait's default
-    checkpoints/      step_0000100/ ... DCP checkpoints (strategies.checkpoint.dcp); ``last`` -> the newest
+    checkpoints/      step_0000100/ ... DCP checkpoints (strategies.checkpoint.dcp); ``last`` -> the newest;
+                      superseded/after_step_<n>/step_*: those a resume from step n set aside
     metrics.csv       one row per logged step (trainer.loggers.RunCSVLogger, Lightning's CSV writer)
     summary.json      headline figures at the end (callbacks.summary)
     loss.png          train and validation loss curves (callbacks.plots)
@@ -43,6 +44,7 @@ from trainer.models.hf import HFError, is_hf_dir, llama_from_hf, load_hf_weights
 from trainer.targets import check_targets
 
 LAST = "last"
+SUPERSEDED = "superseded"  # checkpoints/superseded/after_step_<n>/step_*: set aside by a resume from step n
 RUN_DEPTH = 3  # how deep `resolve_checkpoint` looks for runs in a folder: runs/<recipe>/<time>/<job>
 JOB_DIR_CHARS = 120  # the longest sweep job directory name (file systems allow 255 bytes)
 
@@ -107,8 +109,10 @@ class RunDir:
 
     @classmethod
     def of_checkpoint(cls, checkpoint: Path) -> RunDir:
-        """The run a checkpoint directory ``<run>/checkpoints/<step or last>`` belongs to."""
-        return cls(Path(checkpoint).parent.parent)
+        """The run a checkpoint directory ``<run>/checkpoints/<step or last>`` belongs to (also one
+        set aside in ``<run>/checkpoints/superseded/after_step_<n>/``)."""
+        up = Path(checkpoint).parent.parent
+        return cls(up.parent.parent if up.name == SUPERSEDED else up)
 
     @property
     def config(self) -> Path:

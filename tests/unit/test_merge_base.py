@@ -108,7 +108,16 @@ def test_a_full_fine_tune_arm_whose_base_trained_on_is_refused(tmp_path: Path) -
     assert f"merge with base={first.resolve()}" in problem
     at_first = RunModel(model=None, tokenizer=None, config=base_cfg, run=RunDir(base_dir), checkpoint=first)
     assert base_problems(at_first, [("arm", arm)]) == []  # the checkpoint the arm started from
-    shutil.rmtree(first)  # keep_last deleted it; another run of the base saved the same step
+    aside = base_dir / "checkpoints" / "superseded" / "after_step_0000010"
+    aside.mkdir(parents=True)
+    first.rename(aside / first.name)  # a resume of the base from step 10 set it aside; its new course saves step 20
     _checkpoint(base_dir, 20, weights="other")
+    (problem,) = base_problems(_run(base_dir, base_cfg), [("arm", arm)])  # the newest: step 24
+    assert f"merge with base={aside / first.name}" in problem
+    same = RunModel(model=None, tokenizer=None, config=base_cfg, run=RunDir(base_dir), checkpoint=first)
+    (problem,) = base_problems(same, [("arm", arm)])  # the name the arm recorded, other weights
+    assert "as it was then; that checkpoint holds other weights now" in problem
+    assert RunDir.of_checkpoint(aside / first.name).path == base_dir  # generate, export, merge can open it
+    shutil.rmtree(aside)  # gone for good
     (problem,) = base_problems(_run(base_dir, base_cfg), [("arm", arm)])
-    assert "no longer holds those weights" in problem and "fine-tune it again" in problem
+    assert "holds those weights now" in problem and "fine-tune it again" in problem

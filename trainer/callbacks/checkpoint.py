@@ -35,7 +35,7 @@ from strategies.core.ranges import NON_NEGATIVE
 from strategies.runtime.terminal import write_line
 from trainer.callbacks.preemption import Stopped, StopSignals, stop_message
 from trainer.loggers import RunCSVLogger
-from trainer.rundir import LAST, last_link_problem, step_checkpoints, step_dir, step_dirs
+from trainer.rundir import LAST, SUPERSEDED, last_link_problem, step_checkpoints, step_dir, step_dirs
 from trainer.task import Task
 
 _TRASH = ".pruned-"
@@ -49,9 +49,6 @@ def remove_dir(path: Path) -> None:
         shutil.rmtree(trash)
     path.rename(trash)
     shutil.rmtree(trash)
-
-
-SUPERSEDED = "superseded"  # checkpoints/superseded/after_step_<n>/: the step_* a resume from step n left behind
 
 
 def point_last(checkpoint: Path) -> None:
