@@ -450,8 +450,9 @@ def load_run_model(
         load_run_weights(ckpt, model)
     elif load_base is None:
         raise ValueError(
-            f"{ckpt} holds LoRA adapters (strategy.lora) on a base it does not hold; pass load_base="
-            "trainer.init_from.load_init_from (it loads model.init_from's base), or export the run first (plait export)"
+            f"{ckpt} holds LoRA adapters (strategy.lora) on a base it does not hold; export the run first (plait "
+            "export) and use the export, or, in Python, pass load_base=trainer.init_from.load_init_from (it loads "
+            "model.init_from's base)"
         )
     else:  # a LoRA run's checkpoint holds the adapters; its base is model.init_from
         instantiate_saved(lora, source=source, key="strategy.lora", trust=trust).attach(model)
