@@ -20,7 +20,14 @@ from collections.abc import Collection, Iterable
 
 # Module leaves PEFT maps, per family, onto the experts' fused projections (whatever the block)
 # and onto every block's router weight (the ``gate`` entry).
-_EXPERT_LEAVES = {"qwen3_moe": {"gate_proj", "up_proj", "down_proj"}, "mixtral": {"w1", "w2", "w3"}}
+# MLP leaves that peft (transformers >= 5) maps onto the routed experts' fused tensors, per family
+# (DeepSeek-V3: its dense blocks' and shared experts' gate/up/down_proj too, as for Qwen3-MoE).
+_EXPERT_LEAVES = {
+    "qwen3_moe": {"gate_proj", "up_proj", "down_proj"},
+    "deepseek_v3": {"gate_proj", "up_proj", "down_proj"},
+    "mixtral": {"w1", "w2", "w3"},
+}
+_ROUTER_FAMILIES = ("qwen3_moe", "mixtral")  # whose every block's router peft adapts, or none
 _ROUTER_LEAF = "gate"
 
 
@@ -76,7 +83,7 @@ def moe_adapter_problem(adapted: Collection[str], modules: Iterable[str], family
             f"peft (with transformers >= 5) reads {', '.join(sorted({_leaf(n) for n in dense}))} of a {family} model as the "
             f"experts' fused projections, so the adapters on {', '.join(dense)} would load onto the experts"
         )
-    if family not in _EXPERT_LEAVES:
+    if family not in _ROUTER_FAMILIES:
         return None
     routers = {p for name in modules for p in _prefixes(name) if _leaf(p) == _ROUTER_LEAF}
     adapted_routers = {name for name in adapted if _leaf(name) == _ROUTER_LEAF}

@@ -29,7 +29,9 @@ TOL = {"rtol": 1e-5, "atol": 1e-5}
 _IN_LAYER = {
     "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
     "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
-    "feed_forward.w2": "mlp.down_proj",
+    "feed_forward.w2": "mlp.down_proj", "feed_forward.shared_experts.w1": "mlp.shared_experts.gate_proj",
+    "feed_forward.shared_experts.w3": "mlp.shared_experts.up_proj",
+    "feed_forward.shared_experts.w2": "mlp.shared_experts.down_proj",
 }  # fmt: skip
 # checkpoint -> (hf_checkpoints family, config overrides, config.json model_type: the family plait exports as)
 CHECKPOINTS = {
@@ -37,6 +39,7 @@ CHECKPOINTS = {
     "llama3_deep": ("llama3", {"num_hidden_layers": 4}, "llama"),
     "qwen3_moe": ("qwen3_moe", {}, "qwen3_moe"),
     "mixtral": ("mixtral", {}, "mixtral"),
+    "deepseek_v3": ("deepseek_v3", {}, "deepseek_v3"),
 }
 # (checkpoint, target_modules, number of adapted layers counted by hand; 2 blocks unless "deep")
 CASES = {
@@ -107,6 +110,8 @@ def test_a_kind_adapted_in_every_layer_keeps_its_short_name(checkpoints, tmp_pat
     [
         # Block 0 is dense: peft (transformers >= 5) would put its MLP adapters on block 1's experts.
         ("qwen3_moe", list(DEFAULT_TARGETS), "would load onto the experts"),
+        # DeepSeek-V3 alike: the dense block 0 and the shared experts (the MLP targets its docs give)
+        ("deepseek_v3", ["w1", "w2", "w3"], "would load onto the experts"),
         # A router in one block of two: peft would adapt both.
         ("mixtral", ["layers.1.*"], "adapts every block's router"),
     ],
