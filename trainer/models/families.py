@@ -46,7 +46,10 @@ class Family:
         activation_key: the ``config.json`` field naming the MLP's activation.
         local_layers: its configs interleave sliding-window layers (``layer_types``, ``sliding_window``)
             with their own RoPE base, and set ``query_pre_attn_scalar`` (Gemma 3).
-        windowed: the config's ``sliding_window`` applies even without ``use_sliding_window`` (Mistral).
+        windowed: the config's ``sliding_window`` applies even without ``use_sliding_window`` (Mistral,
+            Mixtral: transformers applies any window their configs set).
+        tied: transformers' ``tie_word_embeddings`` for a config that omits it (its config class's
+            default: True for Gemma 3 and SmolLM3, whose hub configs leave it out).
         windows: its configs interleave sliding-window layers (``layer_types``, ``sliding_window``)
             with full ones, one RoPE for both (GPT-OSS).
         sinks: attention sinks, a bias on the attention output projection too (GPT-OSS;
@@ -70,6 +73,7 @@ class Family:
     activation_key: str = "hidden_act"
     local_layers: bool = False
     windowed: bool = False
+    tied: bool = False
     windows: bool = False
     sinks: bool = False
     latent_attention: bool = False
@@ -220,9 +224,9 @@ FAMILIES: dict[str, Family] = {
         Family("qwen2", "Qwen2ForCausalLM", Llama, qkv_bias=True),
         Family("qwen3", "Qwen3ForCausalLM", Llama, qk_norm=True),
         Family("qwen3_moe", "Qwen3MoeForCausalLM", MoETransformer, qk_norm=True),
-        Family("mixtral", "MixtralForCausalLM", MoETransformer),
+        Family("mixtral", "MixtralForCausalLM", MoETransformer, windowed=True),
         Family("olmo2", "Olmo2ForCausalLM", Llama, qk_norm=True, qk_norm_scope="projection", norm_placement="post"),
-        Family("smollm3", "SmolLM3ForCausalLM", Llama, nope=True),
+        Family("smollm3", "SmolLM3ForCausalLM", Llama, nope=True, tied=True),
         Family(
             "gemma3_text",
             "Gemma3ForCausalLM",
@@ -234,6 +238,7 @@ FAMILIES: dict[str, Family] = {
             activation="gelu_tanh",
             activation_key="hidden_activation",
             local_layers=True,
+            tied=True,
         ),
         # Sinks, q/k/v/o biases, alternating windows; experts with biases and the clamped SwiGLU,
         # a router with a bias whose top-k logits' softmax is plait's renormalised top-k softmax.

@@ -175,7 +175,7 @@ def llama_kwargs(config: dict[str, Any]) -> dict[str, Any]:
         "rope_theta": theta,
         "rope_scaling": scaling,
         "norm_eps": config.get("rms_norm_eps", 1e-6),
-        "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "tie_embeddings": bool(config.get("tie_word_embeddings", FAMILIES[family].tied)),
         "head_dim": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
         **FAMILIES[family].import_kwargs(config),
     }
