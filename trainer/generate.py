@@ -137,7 +137,11 @@ def chat_template(run: RunModel) -> JinjaTemplate:
 
 
 def reply(run: RunModel, text: str, cfg: DictConfig) -> str:
-    """The model's continuation of ``text`` (sampled as ``cfg`` says, stopped at EOS), decoded."""
+    """The model's continuation of ``text`` (sampled as ``cfg`` says, stopped at EOS), decoded; says
+    on stderr when the model's context (``max_seq_len``: a windowed checkpoint's window) will stop it
+    first, or cut the prompt's start."""
+    if (line := context_line(len(run.tokenizer.encode(text)), cfg.max_new_tokens, run.model.max_seq_len)) is not None:
+        print(f"plait: {line}", file=sys.stderr)
     return continue_text(
         run.model,
         run.tokenizer,
@@ -146,6 +150,20 @@ def reply(run: RunModel, text: str, cfg: DictConfig) -> str:
         temperature=cfg.temperature,
         top_k=cfg.top_k,
         use_cache=cfg.kv_cache,
+    )
+
+
+def context_line(prompt_tokens: int, max_new_tokens: int, context: int) -> str | None:
+    """The note for a prompt and ``max_new_tokens`` that do not fit the model's ``context`` tokens
+    (`trainer.sampling.sample` keeps the prompt's last ``context - 1`` tokens and stops when the
+    context is full); None when they fit."""
+    if prompt_tokens + max_new_tokens <= context:
+        return None
+    cut = f"; its first {prompt_tokens - context + 1} prompt tokens are dropped" if prompt_tokens >= context else ""
+    room = max(1, context - min(prompt_tokens, context - 1))
+    return (
+        f"the prompt's {prompt_tokens} tokens and max_new_tokens={max_new_tokens} exceed the model's context of "
+        f"{context} tokens (model.max_seq_len; a windowed checkpoint's window): at most {room} new tokens{cut}"
     )
 
 

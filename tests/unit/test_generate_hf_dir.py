@@ -55,3 +55,13 @@ def test_a_run_whose_hub_folder_moved_is_one_error_naming_it(tmp_path) -> None:
         "runs/dpo/config.yaml (model) builds from a Hugging Face directory that cannot be read"
     )
     assert "set its new path in that config.yaml (model.config_from, or model.init_from)" in str(err.value)
+
+
+def test_a_context_that_stops_generation_first_is_said() -> None:
+    """plait generate on a Mistral whose 16-token window caps its context stopped after 5 new tokens,
+    printing nothing. `trainer.sampling.sample` keeps the prompt's last context - 1 tokens."""
+    from trainer.generate import context_line
+
+    assert context_line(11, 5, 16) is None
+    assert "at most 5 new tokens" in context_line(11, 30, 16) and "window" in context_line(11, 30, 16)
+    assert "at most 1 new tokens; its first 5 prompt tokens are dropped" in context_line(20, 4, 16)
