@@ -145,6 +145,8 @@ class Workload:
         compile: blocks compiled (fused elementwise kernels).
         float8: matmuls of the Linear layers in float8 (strategy.float8.recipe set, or planner.float8's what-if).
         async_tp: tensor-parallel collectives overlapped with the matmuls.
+        rows_per_item: model rows per batch row: 2 for a preference pair (chosen and rejected) and a
+            KTO example with its KL stand-in (``ResolvedRun.row_kind`` "pairs" / "unpaired"), else 1.
     """
 
     seq_len: int
@@ -156,7 +158,12 @@ class Workload:
     compile: bool = False
     float8: bool = False
     async_tp: bool = False
+    rows_per_item: int = 1
     extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def micro_batch_tokens(self, layout: Layout) -> int:
+        """Tokens one micro-batch runs through the model on a rank (after context parallelism)."""
+        return layout.micro_batch_size * self.rows_per_item * self.seq_len // layout.cp
 
     @property
     def param_bytes(self) -> int:
@@ -239,4 +246,5 @@ def workload_of(run: ResolvedRun, strategy: Any, *, float8: bool = False, async_
         compile=strategy.plugins["compile"].enabled,
         float8=float8 or strategy.plugins["float8"].recipe is not None,
         async_tp=async_tp,
+        rows_per_item=2 if run.row_kind in ("pairs", "unpaired") else 1,
     )

@@ -257,7 +257,7 @@ def stage_activation_bytes(
     shape: ModelShape, layout: Layout, work: Workload, *, layers: range, first: bool, last: bool, device: str
 ) -> int:
     """Saved-for-backward bytes of one micro-batch through one pipeline stage."""
-    tokens = layout.micro_batch_size * work.seq_len // layout.cp
+    tokens = work.micro_batch_tokens(layout)
     sp = layout.tp if layout.sequence_parallel and layout.tp > 1 else 1
     block_input = tokens * shape.dim * work.act_bytes // sp
     total = 0
@@ -327,7 +327,7 @@ def _transient(
     num_stages: int,
     device: str,
 ) -> int:
-    tokens = layout.micro_batch_size * work.seq_len // layout.cp
+    tokens = work.micro_batch_tokens(layout)
     out = 0
     # The largest block gathered (an MoE one, if any: a rank gathers its 1/ep of the experts).
     sizes = [

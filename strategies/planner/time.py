@@ -140,7 +140,7 @@ def layer_costs(
     ``(embedding, [each block], final norm + output head + loss)``. The parts a pipeline stage
     holds add up to its time (`stage_compute`), so they also choose cost-balanced stages
     (`strategies.pipeline.layout.balanced_split_points`)."""
-    tokens = layout.micro_batch_size * work.seq_len // layout.cp
+    tokens = work.micro_batch_tokens(layout)
     share = _rate_share(layout, cluster)
     mm_peak = (cluster.peak_flops_fp8 if work.float8 else cluster.peak_flops) * cluster.matmul_efficiency * share
     attn_peak = cluster.peak_flops * cluster.attention_efficiency * share
@@ -217,7 +217,7 @@ def muon_time(shape: ModelShape, layout: Layout, work: Workload, cluster: Cluste
 def predict_time(shape: ModelShape, layout: Layout, work: Workload, cluster: Cluster) -> StepTime:
     """Predicted time of one optimizer step (seconds), on the slowest pipeline rank."""
     m = work.microbatches(layout)
-    tokens = layout.micro_batch_size * work.seq_len // layout.cp
+    tokens = work.micro_batch_tokens(layout)
     a = work.act_bytes
     stage_times, rank_layers = [], []
     costs = layer_costs(shape, layout, work, cluster)

@@ -315,3 +315,17 @@ def test_a_local_sgd_layout_is_named_and_exchanges_every_h_steps() -> None:
     plain = predict_memory(ft_shape, ft_layout.with_(local_sgd="", replica_kept=0.0), ft_work)
     assert predict_memory(ft_shape, ft_layout, ft_work).optimizer - plain.optimizer == 2 * plain.params
     assert plan(cfg, validate(cfg)).splitlines()[-1].startswith("your layout: dp_replicate2 dp_shard4 (diloco H=40)")
+
+
+@pytest.mark.parametrize("recipe", ["dpo", "kto"])
+def test_a_preference_row_runs_two_model_rows(recipe) -> None:
+    """A DPO pair (chosen and rejected) and a KTO example with its KL stand-in each run two rows through
+    the model: the planner counted one, predicting half their activations (a reviewer measured 0.50 and
+    0.49 of the real peak) and passing planner.check for a run that does not fit. Mutation: the workload
+    without rows_per_item halves the ratio below."""
+    common = ["model=nano", "data.seq_len=256", "train.micro_batch_size=4", "cluster=cpu"]
+    preference = _inputs(compose(recipe, [*common, "data.max_prompt_len=128"]))
+    sft = _inputs(compose("sft", common))
+    assert preference[2].rows_per_item == 2 and sft[2].rows_per_item == 1
+    ratio = predict_memory(*preference).activations / predict_memory(*sft).activations
+    assert ratio == pytest.approx(2.0, rel=0.05)
