@@ -44,6 +44,7 @@ OPTIONAL: dict[str, Any] = {
     "attention_sinks": False,  # no sink logits in the softmax (GPT-OSS's attention has them)
     "expert_activation": "silu",  # SwiGLU experts (GPT-OSS's: "clamped_swiglu", with biases)
     "latent_attention": None,  # grouped-query attention (DeepSeek-V3's latent attention: its ranks)
+    "head_dim": None,  # dim / n_heads (Qwen3, GPT-OSS, Gemma 3: a width of their own)
 }
 
 # How to add each member (the end of a refusal's message).

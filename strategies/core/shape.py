@@ -79,10 +79,12 @@ class ModelShape:
     attention_sinks: bool = False  # every block's attention has sinks, written out (GPT-OSS)
     expert_activation: str = "silu"  # the experts' gating; "clamped_swiglu": GPT-OSS's, with biases
     latent_attention: Mapping[str, Any] | None = None
+    head_size: int | None = None  # the model's own head width (``head_dim``); None: dim / n_heads
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        """Features per attention head: the model's ``head_dim`` (Qwen3, GPT-OSS: not dim / n_heads)."""
+        return self.head_size or self.dim // self.n_heads
 
     @property
     def rope_dim(self) -> int:
@@ -92,11 +94,11 @@ class ModelShape:
     @property
     def attention_width(self) -> int:
         """Half of the per-token widths the scores and the weighted values span, summed over the heads:
-        ``dim`` for grouped-query attention (``H * E``), ``H * (qk + v) / 2`` for latent attention
+        ``H * E`` for grouped-query attention (``dim`` unless the model sets its own head width), ``H * (qk + v) / 2`` for latent attention
         (its keys are qk_nope + qk_rope wide, its values v_head_dim)."""
         mla = self.latent_attention
         if not mla:
-            return self.dim
+            return self.n_heads * self.head_dim
         return self.n_heads * (mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"] + mla["v_head_dim"]) // 2
 
     def attention_params(self) -> int:
@@ -232,4 +234,5 @@ class ModelShape:
             attention_sinks=optional(model, "attention_sinks"),
             expert_activation=optional(model, "expert_activation"),
             latent_attention=optional(model, "latent_attention"),
+            head_size=optional(model, "head_dim"),
         )

@@ -440,13 +440,13 @@ class Llama(nn.Module):
     def flops_per_token(self, seq_len: int) -> float:
         """Estimated training FLOPs per token (forward + backward) of the full model.
 
-        ``6 * N + 12 * n_layers * dim * seq_len`` (Kaplan et al. 2020;
+        ``6 * N + 12 * n_layers * (n_heads * head_dim) * seq_len`` (Kaplan et al. 2020;
         PaLM, Chowdhery et al. 2022, appendix B; as used by Chinchilla). N
         counts the weights of every matmul: the attention and MLP projections
         of all ``n_layers`` blocks plus the output projection (counted even
         when tied), but not the embedding lookup or the norms. The second term
-        is the attention score and value matmuls, without the causal halving.
-        Computed from the config, so it is the same on every pipeline stage.
+        is the attention score and value matmuls, without the causal halving, over the heads' width
+        (``dim`` unless the model sets its own ``head_dim``: Qwen3, GPT-OSS). Computed from the config, so it is the same on every pipeline stage.
 
         Raises:
             ValueError: if ``seq_len`` is not positive.
@@ -457,7 +457,7 @@ class Llama(nn.Module):
         attn = self.dim * q_dim + 2 * self.dim * kv_dim + q_dim * self.dim
         mlp = 3 * self.dim * self.ffn_dim
         n_matmul = self.n_layers * (attn + mlp) + self.dim * self.vocab_size
-        return float(6 * n_matmul + 12 * self.n_layers * self.dim * seq_len)
+        return float(6 * n_matmul + 12 * self.n_layers * q_dim * seq_len)
 
 
 def _rope_rows(
