@@ -160,7 +160,7 @@ def context_line(prompt_tokens: int, max_new_tokens: int, context: int) -> str |
     if prompt_tokens + max_new_tokens <= context:
         return None
     cut = f"; its first {prompt_tokens - context + 1} prompt tokens are dropped" if prompt_tokens >= context else ""
-    room = max(1, context - min(prompt_tokens, context - 1))
+    room = max(1, context - prompt_tokens)
     return (
         f"the prompt's {prompt_tokens} tokens and max_new_tokens={max_new_tokens} exceed the model's context of "
         f"{context} tokens (model.max_seq_len; a windowed checkpoint's window): at most {room} new tokens{cut}"
