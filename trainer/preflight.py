@@ -29,6 +29,12 @@ def run_job(cfg: DictConfig, overrides: Sequence[str], launch: Launch | None) ->
     run(absolute_paths(adopt_run_model(drop_null_sources(cfg), overrides)), launch)
 
 
+def _as_checked(cfg: DictConfig, overrides: Sequence[str]) -> DictConfig:
+    """``cfg`` as a launch checks it: null sources dropped, a plait run as ``model.init_from`` giving
+    its model (`take_run_model`), data paths absolute."""
+    return absolute_paths(take_run_model(drop_null_sources(cfg), overrides))
+
+
 def preflight(composed: Composed) -> Launch | None:
     """Checks the composed config before Hydra creates a run directory (`trainer.run.check_launch`);
     exits 2 on problems (every config problem listed, with those of overrides that did not apply;
@@ -36,7 +42,7 @@ def preflight(composed: Composed) -> Launch | None:
     cfg, overrides, problems, implied = composed.cfg, composed.overrides, list(composed.problems), composed.implied
     launch = None
     try:
-        cfg = absolute_paths(take_run_model(drop_null_sources(cfg), overrides))  # a run as model.init_from: its model
+        cfg = _as_checked(cfg, overrides)
         launch = check_launch(cfg)
     except UntrustedTargetError as err:  # nothing of that run's model is built or validated
         problems.append(str(err))
@@ -62,7 +68,7 @@ def preflight_sweep_job(composed: Composed, values: str) -> None:
     if "${hydra:" in OmegaConf.to_yaml(composed.cfg, resolve=False):
         return
     try:
-        validate(absolute_paths(take_run_model(drop_null_sources(composed.cfg), composed.overrides)))
+        validate(_as_checked(composed.cfg, composed.overrides))
     except UntrustedTargetError as err:
         refuse([f"{err} (in the sweep's job {values})"])
     except ConfigError as err:
