@@ -112,7 +112,7 @@ def plan(cfg: DictConfig, run: ResolvedRun) -> str:
         hsdp=p.hsdp,
     )
     shape, configured, workload = planner_inputs(cfg, run)
-    plans = search(shape, workload, cluster, space)
+    plans = search(shape, workload, cluster, space, kept=configured)
     header = f"cluster {cluster.name}: " + (
         "calibrated on this machine"
         if cfg.planner.calibrate

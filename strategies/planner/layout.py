@@ -28,6 +28,8 @@ OPTIMIZER_STATES = {
 }  # fmt: skip
 MUON_MATRIX_STATES = (1, False)
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# Settings of a layout the search does not vary: each searched layout keeps the command line's.
+KEPT = ("sequence_parallel", "loss_parallel", "reshard_after_forward")
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,9 @@ class Layout:
     ``replica_exchange`` (parameter-sized all-reduces across dp_replicate per step: 1.0 is a
     gradient all-reduce every step), ``replica_kept`` (parameter-sized tensors it keeps per rank) and
     ``replica_overlapped`` (its exchanges run under compute).
+    ``sequence_parallel``, ``loss_parallel`` (tensor parallelism's) and ``reshard_after_forward``
+    (FSDP's: False keeps every block gathered from its forward to its backward, ZeRO-2) are the
+    command line's: the search keeps them (`KEPT`) and prints them when they are off.
     """
 
     dp_replicate: int = 1
@@ -61,6 +66,7 @@ class Layout:
     activation_offload: bool = False
     sequence_parallel: bool = True
     loss_parallel: bool = True
+    reshard_after_forward: bool = True
     ep: int = 1
     split_points: tuple[int, ...] | None = None
     ist_islands: int = 1
@@ -105,6 +111,10 @@ class Layout:
             out.append(f"strategy.context_parallel.mode={self.cp_mode}")
         if self.tp > 1 and not self.sequence_parallel:
             out.append("strategy.tensor_parallel.sequence_parallel=false")
+        if self.tp > 1 and not self.loss_parallel:
+            out.append("strategy.tensor_parallel.loss_parallel=false")
+        if self.uses_fsdp and not self.reshard_after_forward:
+            out.append("strategy.fsdp.reshard_after_forward=false")
         if self.ac != "none":
             out.append(f"strategy.activation_checkpoint.mode={self.ac}")
             if self.ac == "every_k":
@@ -221,6 +231,7 @@ def layout_of(run: ResolvedRun, strategy: Any, work: Workload) -> Layout:
         activation_offload=plugin["activation_offload"].enabled,
         sequence_parallel=tp.sequence_parallel,
         loss_parallel=tp.loss_parallel,
+        reshard_after_forward=plugin["fsdp"].reshard_after_forward,
         ep=plugin["expert_parallel"].ep,
         split_points=run.pp_split_points,
         ist_islands=dims.dp_replicate if isinstance(local_sgd, IST) else 1,

@@ -13,6 +13,10 @@ rank,
   total over its micro-batches / their number). Storages count once, parameters (and FSDP's
   unsharded parameters) not at all. The probe keeps a reference to every saved tensor until the
   step ends, so a freed storage's address is never reused and counted twice.
+- ``gathered``: bytes of the parameters FSDP2 holds gathered when the step's first backward
+  starts (it registers a gathered parameter on its module as a plain tensor, a sharded one as a
+  DTensor): the root's, and every block's that stays gathered from its forward to its backward.
+  Plain tensors on a layout without tensor parallelism only (0 without FSDP).
 
 Blocks under activation checkpointing save through the checkpoint's own hooks, which hide their
 tensors from the probe; measure layouts without it.
@@ -29,6 +33,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 
@@ -110,12 +115,19 @@ class MemoryProbe(L.Callback):
         if trainer.global_step == self.step:
             self._saved = SavedTensorBytes(pl_module.model).__enter__()
 
+    def on_before_backward(self, trainer: L.Trainer, pl_module: Any, loss: torch.Tensor) -> None:
+        if self._saved is None or "gathered" in self._out:
+            return
+        params = list(pl_module.model.parameters())
+        fsdp = any(isinstance(m, FSDPModule) for m in pl_module.model.modules())
+        self._out["gathered"] = storage_bytes(p for p in params if not isinstance(p, DTensor)) if fsdp else 0
+
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: Any, optimizer: Any) -> None:
         if self._saved is None:
             return
         self._saved.__exit__(None, None, None)
         params = list(pl_module.model.parameters())
-        self._out = {
+        self._out |= {
             "params": storage_bytes(params),
             "grads": storage_bytes(p.grad for p in params if p.grad is not None),
             "activations": self._saved.bytes // self.num_microbatches,

@@ -328,18 +328,13 @@ def _transient(
     device: str,
 ) -> int:
     tokens = work.micro_batch_tokens(layout)
-    out = 0
-    # The largest block gathered (an MoE one, if any: a rank gathers its 1/ep of the experts).
-    sizes = [
-        sum(math.prod(p.shape) // (layout.ep if ".experts." in p.name else 1) for p in kind)
-        for kind in shape.block_kinds[1]
-    ]
-    block_numel = max(sizes, default=0) // layout.tp
-    if layout.uses_fsdp and (layout.fsdp_shards > 1 or work.compute_dtype != work.param_dtype):
-        # Two gathered blocks (current + prefetched), one block of unsharded gradients, and the
-        # root's parameters (embedding, head), gathered for the whole step.
-        root = sum(math.prod(p.shape) for p in shape.params_of_layer.get(None, ())) // layout.tp
-        out += block_numel * (2 * work.act_bytes + work.param_bytes) + root * work.act_bytes
+    blocks = [i for s in stages for i in layers[s]]
+    out = gathered_bytes(shape, layout, work, blocks)
+    if out:  # and one block of unsharded gradients (the largest: an MoE one, if any)
+        out += (
+            max((_gathered_numel(shape.params_of_layer.get(i, ()), layout) for i in blocks), default=0)
+            * work.param_bytes
+        )
     if num_stages - 1 in stages:
         vocab = shape.vocab_size // (layout.tp if layout.loss_parallel else 1)
         out += 2 * tokens * vocab * 4  # logits (fp32) and their gradient next to the log-softmax output
@@ -347,6 +342,27 @@ def _transient(
         last = shape.n_layers - 1  # one block recomputed / reloaded (MoE if any is)
         out += layer_activation_bytes(shape, layout, work, tokens, device=device, layer=last)
     return out
+
+
+def gathered_bytes(shape: ModelShape, layout: Layout, work: Workload, blocks: list[int]) -> int:
+    """Bytes of the parameters FSDP2 holds gathered (in the compute dtype) at their peak on a rank
+    whose blocks are ``blocks``: the root's (embedding, head: gathered for the whole step) and two
+    blocks (the current and the prefetched one; the largest, an MoE one if any), or every block when
+    none is resharded after its forward (``Layout.reshard_after_forward`` False: all of them gathered
+    when the backward starts). 0 where FSDP gathers nothing (one shard and no cast)."""
+    if not (layout.uses_fsdp and (layout.fsdp_shards > 1 or work.compute_dtype != work.param_dtype)):
+        return 0
+    sizes = [_gathered_numel(shape.params_of_layer.get(i, ()), layout) for i in blocks]
+    held = 2 * max(sizes, default=0)
+    if not layout.reshard_after_forward:
+        held = max(held, sum(sizes))
+    return (held + _gathered_numel(shape.params_of_layer.get(None, ()), layout)) * work.act_bytes
+
+
+def _gathered_numel(params: Any, layout: Layout) -> int:
+    """Elements of ``params`` (one block's, or the root's) that FSDP gathers on a rank: its tp shard,
+    1/ep of the experts."""
+    return sum(math.prod(p.shape) // (layout.ep if ".experts." in p.name else 1) for p in params) // layout.tp
 
 
 def predict_memory(shape: ModelShape, layout: Layout, work: Workload, *, device: str = "cuda") -> MemoryBreakdown:

@@ -18,7 +18,7 @@ from strategies.context.plugin import context_parallel_problems
 from strategies.core.parallel_dims import divisors
 from strategies.core.shape import ModelShape
 from strategies.pipeline.layout import SCHEDULES, SPLIT_BACKWARD_SCHEDULES, check_pipeline, stages_per_rank_of
-from strategies.planner.layout import Layout, Workload
+from strategies.planner.layout import KEPT, Layout, Workload
 from strategies.planner.memory import MemoryBreakdown, predict_memory
 from strategies.planner.time import Cluster, StepTime, predict_time, tokens_per_second_per_device
 from strategies.tensor import tp_divisibility_problems
@@ -86,13 +86,17 @@ def cp_applies(shape: ModelShape, work: Workload) -> bool:
     return not (shape.attention_sinks or short_window or shape.latent_attention)
 
 
-def candidate_layouts(shape: ModelShape, work: Workload, cluster: Cluster, space: SearchSpace) -> Iterator[Layout]:
-    """Every valid layout of ``space`` on ``cluster.world_size`` ranks (with every valid ep for an MoE model)."""
+def candidate_layouts(
+    shape: ModelShape, work: Workload, cluster: Cluster, space: SearchSpace, kept: Layout = Layout()
+) -> Iterator[Layout]:
+    """Every valid layout of ``space`` on ``cluster.world_size`` ranks (with every valid ep for an
+    MoE model), each with ``kept``'s settings that the search does not vary (`KEPT`: the command line's)."""
+    keep = {name: getattr(kept, name) for name in KEPT}
     for dp_replicate, dp_shard, cp, tp, pp in _degrees(
         cluster.world_size, shape, work, cluster.devices_per_node, space.hsdp
     ):
         per_rank = work.global_batch_size // (dp_replicate * dp_shard)
-        base = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp)
+        base = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp, **keep)
         eps = [d for d in divisors(dp_shard * cp) if shape.num_experts % d == 0] if shape.num_experts else [1]
         for micro in [b for b in divisors(per_rank) if b <= space.max_micro_batch]:
             for sched in space.schedules if pp > 1 else ["1F1B"]:
@@ -138,9 +142,12 @@ def evaluate(shape: ModelShape, layout: Layout, work: Workload, cluster: Cluster
     )
 
 
-def search(shape: ModelShape, work: Workload, cluster: Cluster, space: SearchSpace = SearchSpace()) -> list[Plan]:
-    """Every candidate layout, fitting ones first, each group by predicted step time (fastest first)."""
-    plans = [evaluate(shape, layout, work, cluster) for layout in candidate_layouts(shape, work, cluster, space)]
+def search(
+    shape: ModelShape, work: Workload, cluster: Cluster, space: SearchSpace = SearchSpace(), kept: Layout = Layout()
+) -> list[Plan]:
+    """Every candidate layout (with ``kept``'s unsearched settings), fitting ones first, each group by
+    predicted step time (fastest first)."""
+    plans = [evaluate(shape, layout, work, cluster) for layout in candidate_layouts(shape, work, cluster, space, kept)]
     return sorted(plans, key=lambda p: (not p.fits, p.time.total))
 
 

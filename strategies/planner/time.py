@@ -290,7 +290,8 @@ def predict_time(shape: ModelShape, layout: Layout, work: Workload, cluster: Clu
         bw = axis_bandwidth(layout, cluster, ("dp_shard", "cp") if s > 1 else ("dp_replicate",))
         comm = 0.0
         if s > 1:
-            gathers = 2 * m  # forward and backward of every micro-batch
+            # forward and backward of every micro-batch (forward only when blocks stay gathered for backward)
+            gathers = (2 if layout.reshard_after_forward else 1) * m
             comm += _collective(gathers * gathered * a * (s - 1) / s, gathers * (n_layers + 1), bw, cluster)
             comm += _collective(gathered * work.param_bytes * (s - 1) / s, n_layers + 1, bw, cluster)
         replica = 0.0

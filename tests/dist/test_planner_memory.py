@@ -10,7 +10,9 @@ FSDP), two Gemma 3 (sandwich norms, a windowed block, a tied head under tp), two
 attention, whole on each rank under tp with AdamW's groups split by tensor kind; a dense first
 block, shared and group-routed experts). Two GPT-OSS (sinks sharded by head under tp, q/k/v/o biases, biased clamped-SwiGLU experts). Two local-SGD
 layouts (DiLoCo's anchors and outer momentum, DASO's message in flight: counted with the optimizer's state). Parameters, gradients and optimizer state must match exactly;
-activations within 5% (the batch's id and label tensors are shared by its micro-batches).
+activations within 5% (the batch's id and label tensors are shared by its micro-batches); FSDP's
+gathered parameters when the backward starts exactly where every block stays gathered
+(``reshard_after_forward=false``), else at most the planner's two blocks and root.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import json
 import pytest
 from harness import MOE_SMALL, compose_config, fit
 
-from strategies.planner.memory import predict_rank
+from strategies.planner.memory import gathered_bytes, predict_rank
 from trainer.config import validate
 from trainer.planning import planner_inputs
 
@@ -37,12 +39,18 @@ GPT_OSS_SMALL = (
     *("model=gpt_oss_tiny", "model.dim=64", "model.n_heads=4", "model.head_dim=16", "model.n_layers=2"),
     *("model.max_seq_len=64", "model.moe_ffn_dim=32", "model.window_layers=[0]", "model.sliding_window=16"),
 )
+FSDP_NO_RESHARD = ("model.n_layers=4", "strategy.fsdp.reshard_after_forward=false")
 PROBE = ("+callbacks.mem._target_=strategies.planner.measure.MemoryProbe", "trainer.max_steps=2")
 # id -> (overrides, micro-batch forwards per rank per step)
 LAYOUTS = {
     "ddp2": (["strategy=ddp", "trainer.devices=2", "train.micro_batch_size=4"], 1),
     "fsdp2": (["strategy=fsdp", "trainer.devices=2", "train.micro_batch_size=2"], 2),
     "fsdp4": (["strategy=fsdp", "trainer.devices=4", "train.micro_batch_size=2"], 1),
+    # ZeRO-2: every block stays gathered from its forward to its backward (4 blocks, 2 gathered by default)
+    "fsdp2_no_reshard": (
+        [*FSDP_NO_RESHARD, "strategy=fsdp", "trainer.devices=2", "train.micro_batch_size=2"],
+        2,
+    ),
     "tp2": (["strategy=tp", "trainer.devices=2", "train.micro_batch_size=4"], 2),
     "pp2": (["strategy=pp", "trainer.devices=2", "train.micro_batch_size=4"], 2),
     "cp2": (["strategy=cp", "trainer.devices=2", "train.micro_batch_size=4"], 2),
@@ -104,7 +112,7 @@ TOLERANCE.update(gpt_oss_fsdp2=0.01, gpt_oss_tp2=0.01)
 TOLERANCE.update(deepseek_v3_fsdp2=0.01, deepseek_v3_tp2=0.01)
 
 
-# Slow: 19 layouts in gloo ranks (~30 s); the planner's arithmetic is in tests/unit/test_planner.py.
+# Slow: 20 layouts in gloo ranks (~30 s); the planner's arithmetic is in tests/unit/test_planner.py.
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_predicted_bytes_match_measured(name, tmp_path):
@@ -121,5 +129,11 @@ def test_predicted_bytes_match_measured(name, tmp_path):
             measured["grads"],
             measured["optimizer"],
         ), (rank, predicted, measured)
+        gathered = gathered_bytes(shape, layout, work, list(range(shape.n_layers)))
+        if gathered and layout.tp == layout.pp == 1:  # FSDP's gathered parameters (measured without tp)
+            if layout.reshard_after_forward:  # the last block and the root (the planner: two blocks and the root)
+                assert 0 < measured["gathered"] <= gathered, (rank, measured["gathered"], gathered)
+            else:
+                assert measured["gathered"] == gathered, (rank, measured["gathered"], gathered)
         error = abs(predicted.activations_per_microbatch / measured["activations"] - 1)
         assert error < TOLERANCE.get(name, 0.05), (rank, predicted.activations_per_microbatch, measured["activations"])

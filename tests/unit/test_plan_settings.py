@@ -1,0 +1,52 @@
+"""The planner plans the run the command line asks for: the settings its search does not vary
+(sequence and loss parallelism, FSDP's resharding after forward) are the command line's, in every
+searched layout, in its prediction and in the overrides it prints."""
+
+from __future__ import annotations
+
+from strategies.planner.memory import GiB
+from strategies.planner.search import SearchSpace, search
+from trainer.compose import compose
+from trainer.config import ConfigError, validate
+from trainer.planning import check_memory, cluster_from_config, planner_inputs
+
+LLAMA3_8B_8K = ["model=llama3_8b", "cluster=h100x8", "data.seq_len=8192", "train.global_batch_size=16"]
+OFF = [
+    "strategy.tensor_parallel.sequence_parallel=false",
+    "strategy.tensor_parallel.loss_parallel=false",
+    "strategy.fsdp.reshard_after_forward=false",
+]
+
+
+def test_the_search_keeps_and_prints_the_command_lines_unsearched_settings() -> None:
+    """Before: every searched layout had sequence and loss parallelism on and resharded after
+    forward, and its overrides left them out, so a command line that turned them off was ranked
+    (and printed) as another run."""
+    cfg = compose("pretrain", [*LLAMA3_8B_8K, *OFF])
+    shape, configured, work = planner_inputs(cfg, validate(cfg, for_launch=False))
+    plans = search(shape, work, cluster_from_config(cfg), SearchSpace(max_micro_batch=1), kept=configured)
+    assert plans and all(
+        not (p.layout.sequence_parallel or p.layout.loss_parallel or p.layout.reshard_after_forward) for p in plans
+    )
+    with_tp = next(p for p in plans if p.fits and p.layout.tp > 1)
+    sharded = next(p for p in plans if p.fits and p.layout.fsdp_shards > 1)
+    for p in (with_tp, sharded):  # the command line with the printed overrides runs the predicted layout
+        again = compose("pretrain", [*LLAMA3_8B_8K, *OFF, *p.layout.overrides(trainer_devices=8)])
+        assert planner_inputs(again, validate(again, for_launch=False))[1] == p.layout
+    assert set(OFF[:2]) <= set(with_tp.layout.overrides()) and OFF[2] in sharded.layout.overrides()
+
+
+def test_blocks_kept_gathered_after_forward_are_counted() -> None:
+    """``strategy.fsdp.reshard_after_forward=false`` keeps all 32 blocks of Llama 3 8B gathered (bf16)
+    where the default holds two: 30 more blocks of 218,112,000 parameters (attention 4096 x (4096 +
+    2 x 1024 + 4096), SwiGLU 3 x 4096 x 14336, two norms), 12.19 GiB. Before: the same prediction."""
+    run = [*LLAMA3_8B_8K, "strategy=fsdp", "trainer.devices=8", "trainer.precision=bf16-mixed", "planner.check=true"]
+    block = 4096 * (4096 + 2 * 1024 + 4096) + 3 * 4096 * 14336 + 2 * 4096
+    predicted = {}
+    for reshard in ("true", "false"):
+        cfg = compose("pretrain", [*run, f"strategy.fsdp.reshard_after_forward={reshard}"])
+        try:
+            check_memory(cfg, validate(cfg, for_launch=False))
+        except ConfigError as err:  # over the 77 GiB of an H100 either way (activations of 2 rows of 8k)
+            predicted[reshard] = float(err.problems[0].split("need ")[1].split(" GiB")[0])
+    assert abs(predicted["false"] - predicted["true"] - 30 * block * 2 / GiB) < 0.01, predicted
