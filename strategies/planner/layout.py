@@ -95,35 +95,50 @@ class Layout:
     def with_(self, **changes: Any) -> "Layout":
         return replace(self, **changes)
 
-    def overrides(self, trainer_devices: int | None = None) -> list[str]:
-        """The Hydra overrides that run this layout with ``strategy=nd``."""
-        out = ["strategy=nd"] + [
-            f"strategy.{k}={getattr(self, k)}" for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")
-        ]
+    def settings(self) -> dict[str, Any]:
+        """Every config value this layout decides, by dotted key (a key that does not apply to it,
+        such as the pipeline's without pp, is left out)."""
+        out: dict[str, Any] = {
+            f"strategy.{k}": getattr(self, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+        }
         if self.pp > 1:
-            out += [
-                f"strategy.pipeline.schedule={self.pp_schedule}",
-                f"strategy.pipeline.stages_per_rank={self.stages_per_rank}",
-            ]
+            out["strategy.pipeline.schedule"] = self.pp_schedule
+            out["strategy.pipeline.stages_per_rank"] = self.stages_per_rank
             if self.split_points is not None:
-                out.append(f"strategy.pipeline.split_points=[{','.join(map(str, self.split_points))}]")
+                out["strategy.pipeline.split_points"] = list(self.split_points)
         if self.cp > 1:
-            out.append(f"strategy.context_parallel.mode={self.cp_mode}")
-        if self.tp > 1 and not self.sequence_parallel:
-            out.append("strategy.tensor_parallel.sequence_parallel=false")
-        if self.tp > 1 and not self.loss_parallel:
-            out.append("strategy.tensor_parallel.loss_parallel=false")
-        if self.uses_fsdp and not self.reshard_after_forward:
-            out.append("strategy.fsdp.reshard_after_forward=false")
-        if self.ac != "none":
-            out.append(f"strategy.activation_checkpoint.mode={self.ac}")
-            if self.ac == "every_k":
-                out.append(f"strategy.activation_checkpoint.every_k={self.ac_every_k}")
-        if self.activation_offload:
-            out.append("strategy.activation_offload.enabled=true")
-        if self.ep > 1:
-            out.append(f"strategy.expert_parallel.ep={self.ep}")
-        out.append(f"train.micro_batch_size={self.micro_batch_size}")
+            out["strategy.context_parallel.mode"] = self.cp_mode
+        if self.tp > 1:
+            out["strategy.tensor_parallel.sequence_parallel"] = self.sequence_parallel
+            out["strategy.tensor_parallel.loss_parallel"] = self.loss_parallel
+        if self.uses_fsdp:
+            out["strategy.fsdp.reshard_after_forward"] = self.reshard_after_forward
+        out["strategy.activation_checkpoint.mode"] = self.ac
+        if self.ac == "every_k":
+            out["strategy.activation_checkpoint.every_k"] = self.ac_every_k
+        out["strategy.activation_offload.enabled"] = self.activation_offload
+        out["strategy.expert_parallel.ep"] = self.ep
+        out["train.micro_batch_size"] = self.micro_batch_size
+        return out
+
+    def overrides(self, trainer_devices: int | None = None, against: "Layout | None" = None) -> list[str]:
+        """The Hydra overrides that run this layout with ``strategy=nd``: the degrees and the
+        micro-batch size, and each other setting whose value is not ``strategy=nd``'s default, or not
+        ``against``'s (the command line's layout, whose own values these overrides are added to)."""
+        # strategy=nd's default of each setting that has one (the tensor-parallel and FSDP ones apply
+        # to a layout with tp and FSDP); the pipeline's, cp's mode and every_k have none: always written
+        default = Layout(dp_shard=2, tp=2).settings()
+        theirs = against.settings() if against is not None else {}
+        always = ("strategy.dp_replicate", "strategy.dp_shard", "strategy.cp", "strategy.tp", "strategy.pp")
+        out = ["strategy=nd"] + [
+            f"{key}={_override_value(value)}"
+            for key, value in self.settings().items()
+            if key in always
+            or key == "train.micro_batch_size"
+            or key not in default
+            or value != default[key]
+            or value != theirs.get(key, value)
+        ]
         if trainer_devices is not None:
             out.append(f"trainer.devices={trainer_devices}")
         return out
@@ -139,6 +154,15 @@ class Layout:
             text += f" {self.cp_mode}"
         text += f" ep{self.ep}" if self.ep > 1 else ""
         return text + (f" ({self.local_sgd})" if self.local_sgd else "")
+
+
+def _override_value(value: Any) -> str:
+    """``value`` as Hydra's override grammar writes it (true / false, [a,b])."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return "[" + ",".join(map(str, value)) + "]"
+    return str(value)
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from strategies.planner.layout import Layout
 from strategies.planner.memory import GiB, MemoryBreakdown
 from strategies.planner.search import Plan
 from strategies.planner.time import Cluster
@@ -33,8 +34,9 @@ def table(plans: Sequence[Plan], cluster: Cluster, *, top: int = 10) -> str:
     return "\n".join(lines)
 
 
-def best_overrides(plans: Sequence[Plan], cluster: Cluster) -> str:
-    """``plait ... <overrides>`` of the fastest fitting plan, or why there is none."""
+def best_overrides(plans: Sequence[Plan], cluster: Cluster, configured: Layout | None = None) -> str:
+    """``plait ... <overrides>`` of the fastest fitting plan (to add to the command line whose layout
+    is ``configured``), or why there is none."""
     fitting = [p for p in plans if p.fits]
     if not fitting:
         smallest = min(plans, key=lambda p: p.memory.total, default=None)
@@ -48,7 +50,7 @@ def best_overrides(plans: Sequence[Plan], cluster: Cluster) -> str:
         f"best: {best.layout.label()}, predicted {best.tokens_per_s:.4g} tokens/s per device, "
         f"{best.memory.total / GiB:.2f} GiB peak ({best.memory.describe()})",
         "time: " + ", ".join(f"{k} {v:.3g}s" for k, v in best.time.as_dict().items() if v),
-        "overrides: " + " ".join(best.layout.overrides() + devices),
+        "overrides: " + " ".join(best.layout.overrides(against=configured) + devices),
     ]
     return "\n".join(parts)
 

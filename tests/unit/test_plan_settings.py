@@ -8,7 +8,7 @@ from strategies.planner.memory import GiB
 from strategies.planner.search import SearchSpace, search
 from trainer.compose import compose
 from trainer.config import ConfigError, validate
-from trainer.planning import check_memory, cluster_from_config, planner_inputs
+from trainer.planning import check_memory, cluster_from_config, plan, planner_inputs
 
 LLAMA3_8B_8K = ["model=llama3_8b", "cluster=h100x8", "data.seq_len=8192", "train.global_batch_size=16"]
 OFF = [
@@ -50,3 +50,38 @@ def test_blocks_kept_gathered_after_forward_are_counted() -> None:
         except ConfigError as err:  # over the 77 GiB of an H100 either way (activations of 2 rows of 8k)
             predicted[reshard] = float(err.problems[0].split("need ")[1].split(" GiB")[0])
     assert abs(predicted["false"] - predicted["true"] - 30 * block * 2 / GiB) < 0.01, predicted
+
+
+# Float8 tensorwise is refused with context and tensor parallelism (`strategies.float8.Float8.problems`);
+# the search space is cut down to keep the test fast.
+FLOAT8 = [
+    *LLAMA3_8B_8K,
+    *("trainer.precision=bf16-mixed", "strategy.float8.recipe=tensorwise", "planner.ac_modes=[full]"),
+    *("planner.max_micro_batch=1", "planner.hsdp=false", "planner.top=3"),
+]
+
+
+def _overrides(out: str) -> list[str]:
+    return out.split("\noverrides: ")[1].split("\n")[0].split()
+
+
+def test_every_layout_the_plan_shows_is_one_validate_accepts() -> None:
+    """Before: the best line was dp_shard4 cp2 ring, which validate refuses (tensorwise float8 under
+    context parallelism), so the plan's command failed at launch."""
+    cfg = compose("pretrain", FLOAT8)
+    out = plan(cfg, validate(cfg, for_launch=False))
+    assert "faster layouts left out: validate refuses them" in out and "with context parallelism" in out, out
+    rows = [line.split()[1:4] for line in out.splitlines() if line[:5].strip().isdigit()]
+    assert len(rows) == 3 and not any(w.startswith(("cp", "tp")) for row in rows for w in row), rows
+    validate(compose("pretrain", [*FLOAT8, *_overrides(out)]), for_launch=False)  # the best line is accepted
+
+
+def test_the_overrides_undo_what_the_command_line_set_and_the_layout_does_not_use() -> None:
+    """Before: a layout without activation checkpointing printed no ``mode``, so added to a command
+    line with ``mode=full`` it ran full checkpointing, not the layout planned."""
+    command = [*LLAMA3_8B_8K, "strategy.activation_checkpoint.mode=full", "planner.ac_modes=[none]"]
+    cfg = compose("pretrain", [*command, "planner.max_micro_batch=1", "planner.top=1"])
+    out = plan(cfg, validate(cfg, for_launch=False))
+    assert "strategy.activation_checkpoint.mode=none" in _overrides(out), out
+    again = compose("pretrain", [*command, *_overrides(out)])
+    assert planner_inputs(again, validate(again, for_launch=False))[1].ac == "none"
