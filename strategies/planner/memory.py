@@ -44,7 +44,14 @@ from typing import Any
 from strategies.core.shape import ModelShape, ParamSpec
 from strategies.muon import takes_muon
 from strategies.planner.layout import MUON_MATRIX_STATES, OPTIMIZER_STATES, Layout, Workload
-from strategies.planner.ranks import local_numel, rank_coords, rank_of, rank_param_counts, stage_plan
+from strategies.planner.ranks import (
+    checkpointed_layers,
+    local_numel,
+    rank_coords,
+    rank_of,
+    rank_param_counts,
+    stage_plan,
+)
 
 GiB = 1024**3
 
@@ -254,17 +261,27 @@ def sink_attention_extra_bytes_per_token(
 
 
 def stage_activation_bytes(
-    shape: ModelShape, layout: Layout, work: Workload, *, layers: range, first: bool, last: bool, device: str
+    shape: ModelShape,
+    layout: Layout,
+    work: Workload,
+    *,
+    layers: range,
+    first: bool,
+    last: bool,
+    device: str,
+    checkpointed: frozenset[int],
 ) -> int:
-    """Saved-for-backward bytes of one micro-batch through one pipeline stage."""
+    """Saved-for-backward bytes of one micro-batch through one pipeline stage; the blocks of
+    ``checkpointed`` (`checkpointed_layers`) keep their input only."""
     tokens = work.micro_batch_tokens(layout)
     sp = layout.tp if layout.sequence_parallel and layout.tp > 1 else 1
     block_input = tokens * shape.dim * work.act_bytes // sp
     total = 0
     for i in layers:
-        checkpointed = layout.ac == "full" or layout.ac == "every_k" and i % layout.ac_every_k == 0
         total += (
-            block_input if checkpointed else layer_activation_bytes(shape, layout, work, tokens, device=device, layer=i)
+            block_input
+            if i in checkpointed
+            else layer_activation_bytes(shape, layout, work, tokens, device=device, layer=i)
         )
     if layout.activation_offload:
         total = 0  # saved tensors wait in host memory
@@ -304,9 +321,17 @@ def predict_rank(
     params, grads, optim = state_bytes(shape, layout, work, rank)
     c = rank_coords(layout, rank)
     stages, layers, num_stages = stage_plan(shape, layout, c["pp"])
+    checkpointed = checkpointed_layers(shape, layout)
     per_mb = sum(
         stage_activation_bytes(
-            shape, layout, work, layers=layers[s], first=s == 0, last=s == num_stages - 1, device=device
+            shape,
+            layout,
+            work,
+            layers=layers[s],
+            first=s == 0,
+            last=s == num_stages - 1,
+            device=device,
+            checkpointed=checkpointed,
         )
         for s in stages
     )

@@ -30,6 +30,23 @@ def stage_plan(shape: ModelShape, layout: Layout, pp_rank: int) -> tuple[list[in
     return stages, stage_layers(shape.n_layers, num_stages, layout.split_points), num_stages
 
 
+def checkpointed_layers(shape: ModelShape, layout: Layout) -> frozenset[int]:
+    """The blocks run under activation checkpointing: all with ``ac="full"``; with ``"every_k"``
+    every k-th of each pp rank's blocks, counted from its first in layer order (its stages
+    together). `strategies.activation_checkpoint.apply_activation_checkpointing` numbers the
+    blocks of the model it is given, which under pipeline parallelism keeps only its rank's
+    stages: with k=2 a rank holding layers 3..7 checkpoints 3, 5 and 7, not 4 and 6."""
+    if layout.ac == "full":
+        return frozenset(range(shape.n_layers))
+    if layout.ac != "every_k":
+        return frozenset()
+    chosen: set[int] = set()
+    for pp_rank in range(layout.pp):
+        stages, layers, _ = stage_plan(shape, layout, pp_rank)
+        chosen.update(sorted(i for s in stages for i in layers[s])[:: layout.ac_every_k])
+    return frozenset(chosen)
+
+
 def rank_params(shape: ModelShape, layout: Layout, pp_rank: int) -> list[ParamSpec]:
     """The parameter tensors a pp rank keeps."""
     if layout.pp == 1:

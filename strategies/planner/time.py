@@ -30,7 +30,7 @@ from strategies.muon import newton_schulz_flops, takes_muon
 from strategies.pipeline.layout import balanced_split_points
 from strategies.planner.layout import Layout, Workload
 from strategies.planner.memory import layer_activation_bytes, local_sgd_bytes, state_bytes
-from strategies.planner.ranks import rank_of, rank_param_counts, rank_params, stage_plan
+from strategies.planner.ranks import checkpointed_layers, rank_of, rank_param_counts, rank_params, stage_plan
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -139,7 +139,8 @@ def layer_costs(
     """Seconds of forward + backward (+ recomputation) of one micro-batch, per part of the model:
     ``(embedding, [each block], final norm + output head + loss)``. The parts a pipeline stage
     holds add up to its time (`stage_compute`), so they also choose cost-balanced stages
-    (`strategies.pipeline.layout.balanced_split_points`)."""
+    (`strategies.pipeline.layout.balanced_split_points`). The blocks recomputed are
+    `checkpointed_layers` of ``layout``'s own split (what a rank's every_k picks depends on it)."""
     tokens = work.micro_batch_tokens(layout)
     share = _rate_share(layout, cluster)
     mm_peak = (cluster.peak_flops_fp8 if work.float8 else cluster.peak_flops) * cluster.matmul_efficiency * share
@@ -147,13 +148,13 @@ def layer_costs(
     layer_attn = 2 * tokens * work.seq_len * shape.attention_width / layout.tp  # causal: half of QK^T and AV
     passes = cluster.elementwise_passes * (0.5 if work.compile else 1.0)
     dispatch = cluster.layer_overhead_s * (cluster.dtensor_overhead if layout.tp > 1 else 1.0)
+    checkpointed = checkpointed_layers(shape, layout)
     blocks = []
     for i in range(shape.n_layers):
         # An MoE block's active weights (MoE blocks are replicated over tp: a simplification here).
         layer_mm = 2 * tokens * shape.matmul_params_per_layer(i) / layout.tp
         layer_bytes = layer_activation_bytes(shape, layout, work, tokens, device=cluster.device, layer=i)
-        recompute = layout.ac == "full" or layout.ac == "every_k" and i % layout.ac_every_k == 0
-        fwd_passes = 4 if recompute else 3  # forward, backward = 2 forwards, recomputed forward
+        fwd_passes = 4 if i in checkpointed else 3  # forward, backward = 2 forwards, recomputed forward
         cost = fwd_passes * (layer_mm / mm_peak + layer_attn / attn_peak)
         blocks.append(cost + fwd_passes * (passes * layer_bytes / cluster.hbm_bandwidth + dispatch) / share)
     # The lookup writes the hidden states; its backward adds them into a dense [V/tp, D] gradient.

@@ -343,3 +343,41 @@ def test_a_model_with_its_own_head_width_is_planned_with_it() -> None:
     assert shape.attention_width == shape.n_heads * 64
     model = Llama(vocab_size=64, dim=32, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=64, head_dim=64)
     assert model.flops_per_token(10) - 6 * (4 * 32 * 128 + 3 * 32 * 64 + 32 * 64) == 12 * 128 * 10  # H x E wide
+
+
+def test_every_k_checkpointing_counts_each_pp_ranks_own_blocks() -> None:
+    """Under pp the plugin numbers the blocks its rank keeps; the planner took global indices:
+    with k=2 and stage 1 at layers 3..7 it checkpointed 4 and 6 where the run checkpoints 3, 5 and 7."""
+    import torch
+
+    from strategies.activation_checkpoint import apply_activation_checkpointing
+    from strategies.pipeline.stages import split_model
+    from strategies.planner.layout import Layout, Workload
+    from strategies.planner.memory import predict_rank
+    from strategies.planner.ranks import checkpointed_layers, rank_of, stage_plan
+    from strategies.planner.time import Cluster, layer_costs
+    from trainer.models.llama import Llama
+
+    def model() -> Llama:
+        with torch.device("meta"):
+            return Llama(vocab_size=64, dim=32, n_layers=8, n_heads=4, max_seq_len=16)
+
+    shape, every_2 = ModelShape.from_model(model()), {"ac": "every_k", "ac_every_k": 2}
+    split = Layout(pp=2, split_points=(3,), **every_2)
+    for layout in (split, Layout(pp=2, stages_per_rank=2, pp_schedule="Interleaved1F1B", **every_2)):
+        chosen = set()
+        for pp_rank in range(layout.pp):
+            stages, layers, _ = stage_plan(shape, layout, pp_rank)
+            kept = model()
+            split_model(kept, stages=stages, layers=layers)
+            chosen |= set(map(int, apply_activation_checkpointing(kept, mode="every_k", every_k=2)))
+        assert checkpointed_layers(shape, layout) == chosen, layout
+    # Stage 1 (layers 3..7) keeps 3 block inputs and 2 whole blocks; block 3 is recomputed, 4 is not.
+    work, rank = Workload(seq_len=16, global_batch_size=4), rank_of(split, pp=1)
+    none, full, every = (
+        predict_rank(shape, split.with_(ac=ac), work, rank).activations_per_microbatch
+        for ac in ("none", "full", "every_k")
+    )
+    assert 5 * every == 2 * none + 3 * full
+    blocks = layer_costs(shape, split, work, Cluster())[1]
+    assert blocks[3] == blocks[0] > blocks[4] == blocks[1]  # 0 and 3: the first block of each rank
