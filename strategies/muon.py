@@ -72,7 +72,13 @@ def launch_line(optimizer: Any, params: Iterable[tuple[str, Sequence[int]]], *, 
             "optim=muon with strategy.lora: the adapters are what trains, and Muon orthogonalises each lora_A and "
             "lora_B update (2-D matrices of the LoRA rank); optim=adamw is LoRA's usual optimizer"
         )
-    return expert_line(params, getattr(optimizer, "keywords", {}).get("adamw_params", ADAMW_PARAMS))
+    return expert_line(params, adamw_params_of(optimizer))
+
+
+def adamw_params_of(optimizer: Any) -> tuple[str, ...]:
+    """The ``adamw_params`` (`Muon`'s name substrings of the 2-D parameters left to AdamW) that the
+    run's optimizer partial sets (``optim.adamw_params``), else `ADAMW_PARAMS`, Muon's default."""
+    return tuple(getattr(optimizer, "keywords", {}).get("adamw_params", ADAMW_PARAMS))
 
 
 def newton_schulz(

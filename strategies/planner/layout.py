@@ -18,11 +18,12 @@ import torch
 from strategies.core.resolved import ResolvedRun
 from strategies.local_sgd.base import LocalSGD
 from strategies.local_sgd.ist import IST
-from strategies.muon import Muon
+from strategies.muon import ADAMW_PARAMS, Muon, adamw_params_of
 
 # Adam keeps two moments per parameter plus a 4-byte fp32 `step` scalar per tensor; SGD with
 # momentum one buffer; plain SGD nothing. Muon: AdamW's for the parameters it leaves to AdamW, one
-# momentum buffer per hidden matrix (`strategies.muon.takes_muon`; `MUON_MATRIX_STATES`).
+# momentum buffer per hidden matrix (`strategies.muon.takes_muon` with `Workload.adamw_params`;
+# `MUON_MATRIX_STATES`).
 OPTIMIZER_STATES = {
     "adamw": (2, True), "adam": (2, True), "sgd_momentum": (1, False), "sgd": (0, False), "muon": (2, True)
 }  # fmt: skip
@@ -181,6 +182,8 @@ class Workload:
         async_tp: tensor-parallel collectives overlapped with the matmuls.
         rows_per_item: model rows per batch row: 2 for a preference pair (chosen and rejected) and a
             KTO example with its KL stand-in (``ResolvedRun.row_kind`` "pairs" / "unpaired"), else 1.
+        adamw_params: under ``optimizer="muon"``, the name substrings of the 2-D parameters left to
+            AdamW (``optim.adamw_params``; `strategies.muon.takes_muon`).
     """
 
     seq_len: int
@@ -193,6 +196,7 @@ class Workload:
     float8: bool = False
     async_tp: bool = False
     rows_per_item: int = 1
+    adamw_params: tuple[str, ...] = ADAMW_PARAMS
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def micro_batch_tokens(self, layout: Layout) -> int:
@@ -282,4 +286,5 @@ def workload_of(run: ResolvedRun, strategy: Any, *, float8: bool = False, async_
         float8=float8 or strategy.plugins["float8"].recipe is not None,
         async_tp=async_tp,
         rows_per_item=2 if run.row_kind in ("pairs", "unpaired") else 1,
+        adamw_params=adamw_params_of(run.optimizer),
     )

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from strategies.core.shape import ModelShape, ParamSpec
-from strategies.muon import takes_muon
+from strategies.muon import ADAMW_PARAMS, takes_muon
 from strategies.planner.layout import MUON_MATRIX_STATES, OPTIMIZER_STATES, Layout, Workload
 from strategies.planner.ranks import (
     checkpointed_layers,
@@ -50,6 +50,7 @@ from strategies.planner.ranks import (
     rank_coords,
     rank_of,
     rank_param_counts,
+    rank_params,
     stage_plan,
 )
 
@@ -108,17 +109,27 @@ def state_bytes(shape: ModelShape, layout: Layout, work: Workload, rank: int) ->
     c = rank_coords(layout, rank)
     shard_index = c["dp_shard"] * layout.cp + c["cp"]
     params = grads = optim = 0
-    for p, count in rank_param_counts(shape, layout, c["pp"]):
+    for p, count in summed_tensors(shape, layout, work, c["pp"]):
         numel, padded = local_numel(p, layout, shard_index)
         if is_ist_unit(p, shape, layout):
             numel, padded = numel // layout.ist_islands, padded // layout.ist_islands
         params += count * padded * work.param_bytes
         whole = p.grad_tp_replicated and layout.tp > 1 and not layout.uses_fsdp
         grads += count * (math.prod(p.shape) if whole else padded) * work.param_bytes
-        muon = work.optimizer == "muon" and takes_muon(p.name, len(p.shape))
+        muon = work.optimizer == "muon" and takes_muon(p.name, len(p.shape), work.adamw_params)
         n_states, has_step = MUON_MATRIX_STATES if muon else OPTIMIZER_STATES[work.optimizer]
         optim += count * (n_states * numel * work.param_bytes + (4 if has_step else 0))
     return params, grads, optim + local_sgd_bytes(shape, layout, work, rank)
+
+
+def summed_tensors(shape: ModelShape, layout: Layout, work: Workload, pp_rank: int) -> list[tuple[ParamSpec, int]]:
+    """The parameter tensors of a pp rank with how many times each counts: alike blocks once
+    (`rank_param_counts`), unless the run's own Muon split (``Workload.adamw_params`` other than
+    Muon's default), whose name substrings may tell alike blocks apart (``layers.1.``), is
+    decided per tensor: then every tensor once (`rank_params`)."""
+    if work.optimizer != "muon" or work.adamw_params == ADAMW_PARAMS:
+        return rank_param_counts(shape, layout, pp_rank)
+    return [(p, 1) for p in rank_params(shape, layout, pp_rank)]
 
 
 def local_sgd_bytes(shape: ModelShape, layout: Layout, work: Workload, rank: int) -> int:

@@ -198,15 +198,16 @@ def _collective(volume: float, count: int, bandwidth: float, cluster: Cluster) -
 def muon_time(shape: ModelShape, layout: Layout, work: Workload, cluster: Cluster, pp_rank: int) -> float:
     """Seconds of Muon's orthogonalisation on a rank of ``pp_rank`` (`strategies.muon.orthogonalize`).
 
-    Each hidden matrix is orthogonalised once among the ranks that shard it (dp_shard x cp, x tp
-    when tp splits it; every DDP replica does all of its own): `newton_schulz_flops` / those ranks
+    Each hidden matrix (`takes_muon` with the run's ``Workload.adamw_params``) is orthogonalised
+    once among the ranks that shard it (dp_shard x cp, x tp when tp splits it; every DDP replica
+    does all of its own): `newton_schulz_flops` / those ranks
     at the matmul rate, plus two all_to_all per batch of that many matrices, each rank sending its
     shard of the others' matrices ((n - 1) / n of its shard, in the parameters' dtype).
     """
     rate = cluster.peak_flops * cluster.matmul_efficiency * _rate_share(layout, cluster)
     flops = volume = batches = 0.0
     for p in rank_params(shape, layout, pp_rank):
-        if takes_muon(p.name, len(p.shape)):
+        if takes_muon(p.name, len(p.shape), work.adamw_params):
             owners = layout.dp_shard * layout.cp * (layout.tp if p.tp_dim is not None else 1)
             flops += newton_schulz_flops(p.shape) / owners
             volume += 2 * math.prod(p.shape) / owners * (owners - 1) / owners * work.param_bytes

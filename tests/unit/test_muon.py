@@ -187,6 +187,28 @@ def test_planner_counts_the_state_it_keeps() -> None:
     assert predicted == held < adamw
 
 
+@pytest.mark.parametrize(
+    "adamw_params", [["tok_embeddings", "output", "bias", "wo"], ["tok_embeddings", "output", "layers.1."]]
+)
+def test_the_planner_takes_the_runs_own_adamw_params(adamw_params: list[str]) -> None:
+    """optim.adamw_params leaves more matrices to AdamW (two moments and a step each, not one
+    momentum buffer); the planner split by Muon's default (this model with wo to AdamW: 112,412
+    bytes of optimizer state predicted against the 120,612 held). Also a substring naming one block."""
+    from trainer.compose import compose
+    from trainer.config import validate
+    from trainer.planning import planner_inputs
+
+    cfg = compose("pretrain", ["model=nano", "optim=muon", f"optim.adamw_params=[{','.join(adamw_params)}]"])
+    run = validate(cfg)
+    shape, layout, work = planner_inputs(cfg, run)
+    assert work.adamw_params == tuple(adamw_params)
+    model = _model()
+    optimizer = build_optimizer(model, run.optimizer, weight_decay=WD)
+    _train(model, optimizer, range(1))
+    held = sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state.values())
+    assert state_bytes(ModelShape.from_model(model), layout, work, 0)[2] == held
+
+
 def test_bad_settings_are_refused_before_launch() -> None:
     assert "use match_rms_adamw or original" in optimizer_problem(functools.partial(Muon, scale="spectral"))
     assert "use bfloat16 or float32" in optimizer_problem(functools.partial(Muon, ns_dtype="fp8"))
