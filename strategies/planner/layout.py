@@ -16,9 +16,11 @@ from typing import Any
 import torch
 
 from strategies.core.resolved import ResolvedRun
+from strategies.core.shape import ModelShape, ParamSpec
 from strategies.local_sgd.base import LocalSGD
 from strategies.local_sgd.ist import IST
 from strategies.muon import ADAMW_PARAMS, Muon, adamw_params_of
+from strategies.transforms.lora_targets import target_names
 
 # Adam keeps two moments per parameter plus a 4-byte fp32 `step` scalar per tensor; SGD with
 # momentum one buffer; plain SGD nothing. Muon: AdamW's for the parameters it leaves to AdamW, one
@@ -167,6 +169,34 @@ def _override_value(value: Any) -> str:
 
 
 @dataclass(frozen=True)
+class LoRASpec:
+    """What the planner needs of LoRA (``strategy.lora``, `strategies.transforms.lora.LoRA`).
+
+    Args:
+        rank: r of every adapter (A [r, in], B [out, r]).
+        targets: FQNs of the adapted linear layers (``layers.0.attention.wq``).
+        dropout: dropout probability on the adapters' input.
+        quantize: "nf4": QLoRA, the adapted layers' base weights in 4-bit NF4; None: a float base.
+    """
+
+    rank: int
+    targets: frozenset[str]
+    dropout: float = 0.0
+    quantize: str | None = None
+
+    @classmethod
+    def of(cls, lora: Any, shape: ModelShape) -> "LoRASpec":
+        """The settings of a LoRA plugin, its ``target_modules`` resolved against ``shape``'s linear
+        layers by LoRA's own matching (`strategies.transforms.lora_targets.target_names`)."""
+        targets = frozenset(target_names(shape.linear_modules, lora.target_modules))
+        return cls(rank=lora.rank, targets=targets, dropout=lora.dropout, quantize=lora.quantize)
+
+    def adapts(self, p: ParamSpec) -> bool:
+        """Whether ``p`` is the weight of an adapted layer."""
+        return p.name.endswith(".weight") and p.name.removesuffix(".weight") in self.targets
+
+
+@dataclass(frozen=True)
 class Workload:
     """What every layout of one plan shares.
 
@@ -184,6 +214,7 @@ class Workload:
             KTO example with its KL stand-in (``ResolvedRun.row_kind`` "pairs" / "unpaired"), else 1.
         adamw_params: under ``optimizer="muon"``, the name substrings of the 2-D parameters left to
             AdamW (``optim.adamw_params``; `strategies.muon.takes_muon`).
+        lora: LoRA's adapters on a frozen base (`LoRASpec`), None without LoRA.
     """
 
     seq_len: int
@@ -197,6 +228,7 @@ class Workload:
     async_tp: bool = False
     rows_per_item: int = 1
     adamw_params: tuple[str, ...] = ADAMW_PARAMS
+    lora: LoRASpec | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def micro_batch_tokens(self, layout: Layout) -> int:
@@ -271,8 +303,9 @@ def layout_of(run: ResolvedRun, strategy: Any, work: Workload) -> Layout:
 
 
 def workload_of(run: ResolvedRun, strategy: Any, *, float8: bool = False, async_tp: bool = False) -> Workload:
-    """Sequence length, batch, dtypes, optimizer and kernels of a resolved run and its strategy
-    (``float8``: planner.float8, a what-if; the strategy's float8 plugin, when on, sets it too)."""
+    """Sequence length, batch, dtypes, optimizer (and Muon's split), LoRA's adapters and kernels of a
+    resolved run and its strategy (``float8``: planner.float8, a what-if; the strategy's float8
+    plugin, when on, sets it too)."""
     param_dtype = "bf16" if run.precision == "bf16-true" else "fp32"
     bf16_compute = run.precision.startswith("bf16") or strategy.plugins["fsdp"].param_dtype == "bf16"
     return Workload(
@@ -287,4 +320,5 @@ def workload_of(run: ResolvedRun, strategy: Any, *, float8: bool = False, async_
         async_tp=async_tp,
         rows_per_item=2 if run.row_kind in ("pairs", "unpaired") else 1,
         adamw_params=adamw_params_of(run.optimizer),
+        lora=None if (lora := strategy.plugins.get("lora")) is None else LoRASpec.of(lora, run.shape),
     )

@@ -26,6 +26,16 @@ OLMo 2 per projection) keeps the same three tensors over q's and k's features; a
 (OLMo 2) saves what a pre-norm one does (its norms take the sublayers' outputs, its projections
 the block input), so it needs no term of its own.
 
+LoRA (``Workload.lora``, `strategies.transforms.lora`) freezes every parameter: the base keeps its
+parameters (sharded as above) but no gradients and no optimizer state; each adapted weight [out, in]
+gains A [r, in] and B [out, r] in its dtype, trained (`kept_tensors`). QLoRA
+(`strategies.transforms.qlora`) keeps each adapted weight as NF4 codes, 4 bits a weight in float32
+storage that FSDP2 shards, plus its quantisation state whole on every rank (a float32 absmax per
+64 weights and a 64-byte code book). The adapters add A's output (r features a token) to the
+saved activations (`adapter_bytes_per_token`). A frozen base also lets autograd drop tensors kept
+only for weight gradients (a frozen layer's input where no adapter reads it, the norms' normalised
+input, the token ids); these are still counted, so LoRA's activations are an upper bound.
+
 Independent Subnet Training (``Layout.ist_islands`` = P > 1) keeps 1 / P of every dense MLP's
 hidden units on each rank during a round: its gate/up rows, down columns, their gradients,
 optimizer state and SwiGLU activations. At a reassembly (no gradients, no activations) a rank
@@ -37,13 +47,14 @@ as the transient when it exceeds the step's.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from strategies.core.shape import ModelShape, ParamSpec
 from strategies.muon import ADAMW_PARAMS, takes_muon
-from strategies.planner.layout import MUON_MATRIX_STATES, OPTIMIZER_STATES, Layout, Workload
+from strategies.planner.layout import MUON_MATRIX_STATES, OPTIMIZER_STATES, Layout, LoRASpec, Workload
 from strategies.planner.ranks import (
     checkpointed_layers,
     local_numel,
@@ -53,6 +64,7 @@ from strategies.planner.ranks import (
     rank_params,
     stage_plan,
 )
+from strategies.transforms.qlora import BLOCKSIZE, STORAGE
 
 GiB = 1024**3
 
@@ -104,16 +116,20 @@ def state_bytes(shape: ModelShape, layout: Layout, work: Workload, rank: int) ->
     the parameters; a vocabulary-sharded embedding's gradient is whole on every tp rank, see
     `ParamSpec`); optimizer states are ``zeros_like`` the unpadded shard, and so are the tensors a
     local-SGD algorithm keeps beside them (``Layout.replica_kept`` of them: DiLoCo's anchors and
-    outer momentum), counted with the optimizer's.
+    outer momentum), counted with the optimizer's. Only trained tensors have gradients and
+    optimizer state: under LoRA the adapters, not the frozen base (`kept_tensors`); the params
+    include QLoRA's quantisation state (``Kept.whole``), which is not a parameter.
     """
     c = rank_coords(layout, rank)
     shard_index = c["dp_shard"] * layout.cp + c["cp"]
     params = grads = optim = 0
-    for p, count in summed_tensors(shape, layout, work, c["pp"]):
+    for p, count, trained, itemsize, _, whole_bytes in kept_tensors(shape, layout, work, c["pp"]):
         numel, padded = local_numel(p, layout, shard_index)
         if is_ist_unit(p, shape, layout):
             numel, padded = numel // layout.ist_islands, padded // layout.ist_islands
-        params += count * padded * work.param_bytes
+        params += count * (padded * itemsize + whole_bytes)
+        if not trained:
+            continue
         whole = p.grad_tp_replicated and layout.tp > 1 and not layout.uses_fsdp
         grads += count * (math.prod(p.shape) if whole else padded) * work.param_bytes
         muon = work.optimizer == "muon" and takes_muon(p.name, len(p.shape), work.adamw_params)
@@ -122,14 +138,82 @@ def state_bytes(shape: ModelShape, layout: Layout, work: Workload, rank: int) ->
     return params, grads, optim + local_sgd_bytes(shape, layout, work, rank)
 
 
-def summed_tensors(shape: ModelShape, layout: Layout, work: Workload, pp_rank: int) -> list[tuple[ParamSpec, int]]:
-    """The parameter tensors of a pp rank with how many times each counts: alike blocks once
-    (`rank_param_counts`), unless the run's own Muon split (``Workload.adamw_params`` other than
-    Muon's default), whose name substrings may tell alike blocks apart (``layers.1.``), is
-    decided per tensor: then every tensor once (`rank_params`)."""
-    if work.optimizer != "muon" or work.adamw_params == ADAMW_PARAMS:
-        return rank_param_counts(shape, layout, pp_rank)
-    return [(p, 1) for p in rank_params(shape, layout, pp_rank)]
+class Kept(NamedTuple):
+    """One parameter tensor as a rank keeps it (`kept_tensors`).
+
+    Attributes:
+        spec: its name, full shape (QLoRA's codes: their packed storage's), tp dim and block.
+        count: alike tensors it stands for (alike blocks counted once, `rank_param_counts`).
+        trained: it has a gradient and optimizer state (under LoRA only the adapters do).
+        itemsize: bytes per element as kept (``Workload.param_bytes``; QLoRA's codes: ``STORAGE``'s).
+        cast: FSDP gathers it in the compute dtype; False for QLoRA's codes, gathered as they are
+            (`strategies.fsdp.FSDP.shard_module` with ``cast=False``).
+        whole: bytes kept beside it whole on every rank, whatever the sharding: QLoRA's quantisation
+            state (`nf4_state_bytes`), on the module, not a parameter.
+    """
+
+    spec: ParamSpec
+    count: int
+    trained: bool
+    itemsize: int
+    cast: bool = True
+    whole: int = 0
+
+
+def kept_tensors(shape: ModelShape, layout: Layout, work: Workload, pp_rank: int) -> list[Kept]:
+    """The parameter tensors of a pp rank (`rank_params`) as the run keeps them.
+
+    Without LoRA every tensor trains, in ``Workload.param_bytes``. LoRA (``Workload.lora``,
+    `strategies.transforms.lora.apply_lora`) freezes every parameter and gives each adapted weight
+    [out, in] two trained adapters of its dtype (`adapter_specs`); QLoRA stores that weight as
+    NF4 codes (`nf4_codes`) with its quantisation state. Alike blocks count once
+    (`rank_param_counts`) unless a name decides per tensor (LoRA's targets may name single blocks,
+    ``layers.0.*``; so may a custom Muon split, ``Workload.adamw_params``): then each tensor once.
+    """
+    lora, pb = work.lora, work.param_bytes
+    by_kind = lora is None and (work.optimizer != "muon" or work.adamw_params == ADAMW_PARAMS)
+    pairs = (
+        rank_param_counts(shape, layout, pp_rank) if by_kind else [(p, 1) for p in rank_params(shape, layout, pp_rank)]
+    )
+    if lora is None:
+        return [Kept(p, n, True, pb) for p, n in pairs]
+    out = []
+    for p, n in pairs:
+        if not lora.adapts(p):
+            out.append(Kept(p, n, False, pb))
+            continue
+        if lora.quantize is None:
+            out.append(Kept(p, n, False, pb))
+        else:
+            out.append(Kept(nf4_codes(p), n, False, STORAGE.itemsize, cast=False, whole=nf4_state_bytes(p)))
+        out += [Kept(a, n, True, pb) for a in adapter_specs(p, lora)]
+    return out
+
+
+def adapter_specs(p: ParamSpec, lora: LoRASpec) -> tuple[ParamSpec, ParamSpec]:
+    """LoRA's A [r, in] and B [out, r] of an adapted weight ``p`` [out, in], sharded by tensor
+    parallelism as `strategies.transforms.lora` places them: a column-wise weight (tp dim 0) keeps A
+    whole and shards B's rows, a row-wise one (tp dim 1) shards A's columns and keeps B whole."""
+    layer, (out, features) = p.name.removesuffix(".weight"), p.shape
+    a = ParamSpec(f"{layer}.lora_A.weight", (lora.rank, features), 1 if p.tp_dim == 1 else None, p.layer)
+    b = ParamSpec(f"{layer}.lora_B.weight", (out, lora.rank), 0 if p.tp_dim == 0 else None, p.layer)
+    return a, b
+
+
+def nf4_codes(p: ParamSpec) -> ParamSpec:
+    """The parameter QLoRA keeps for weight ``p`` (`strategies.transforms.qlora.NF4Linear`): its n
+    weights as 4-bit codes, two a byte, in ``STORAGE`` elements: bitsandbytes' ``quantize_4bit``
+    returns [(n + 1) // (2 x itemsize), 1] (float32: n / 8 elements, n / 2 bytes). FSDP2 shards
+    them like any parameter; QLoRA refuses tensor parallelism."""
+    n = math.prod(p.shape)
+    return ParamSpec(p.name, ((n + 1) // (2 * STORAGE.itemsize), 1), None, p.layer)
+
+
+def nf4_state_bytes(p: ParamSpec) -> int:
+    """Bytes of the quantisation state QLoRA keeps for weight ``p`` on its module (a bitsandbytes
+    ``QuantState``, whole on every rank): one float32 absmax per ``BLOCKSIZE`` weights (no double
+    quantisation: ``compress_statistics=False``) and the 16-entry float32 NF4 code book."""
+    return 4 * -(-math.prod(p.shape) // BLOCKSIZE) + 16 * 4
 
 
 def local_sgd_bytes(shape: ModelShape, layout: Layout, work: Workload, rank: int) -> int:
@@ -185,6 +269,8 @@ def layer_activation_bytes(
     if ring:
         per_token += heads * e * a  # the attention output copied into the wo input
     per_token += qk_norm_bytes_per_token(shape, layer, tp)
+    if layer is not None:
+        per_token += adapter_bytes_per_token(shape, layout, work, layer)
     if shape.attention_sinks:
         per_token += sink_attention_extra_bytes_per_token(shape, layer, work, heads, kv_heads)
     if layer in shape.window_layers and work.seq_len > shape.sliding_window:
@@ -196,6 +282,24 @@ def layer_activation_bytes(
     else:
         per_token += 4 * (f // tp // layout.ist_islands) * a  # w1 and w3 outputs, SiLU output, their product
     return int(tokens * per_token)
+
+
+def adapter_bytes_per_token(shape: ModelShape, layout: Layout, work: Workload, layer: int | None) -> float:
+    """Saved bytes per token of LoRA's adapters on the linear layers of block ``layer`` (None: the
+    output head): B keeps A's output, r features in the compute dtype (a row-wise layer's reduced
+    onto the sequence shards under sequence parallelism); with dropout > 0 A keeps the dropped-out
+    input (in features) and dropout its boolean mask (LoRA refuses dropout under tp). A's own input
+    is the base layer's, counted with it. 0 without LoRA."""
+    lora = work.lora
+    if lora is None:
+        return 0.0
+    sp = layout.tp if layout.sequence_parallel and layout.tp > 1 else 1
+    total = 0.0
+    for p in filter(lora.adapts, shape.params_of_layer.get(layer, ())):
+        total += lora.rank * work.act_bytes / (sp if p.tp_dim == 1 else 1)
+        if lora.dropout > 0:
+            total += p.shape[1] * (work.act_bytes + 1)
+    return total
 
 
 def block_norms(shape: ModelShape, layer: int | None) -> int:
@@ -305,6 +409,7 @@ def stage_activation_bytes(
         d, vocab = shape.dim, shape.vocab_size // (layout.tp if layout.loss_parallel else 1)
         total += tokens * ((2 * d + 1) * 4 // sp + d * work.act_bytes)  # final norm
         total += tokens * (4 * vocab + 8) + 8  # log-softmax output (fp32), labels, loss scalars
+        total += int(tokens * adapter_bytes_per_token(shape, layout, work, None))  # an adapted head's
     return total
 
 
@@ -367,10 +472,7 @@ def _transient(
     blocks = [i for s in stages for i in layers[s]]
     out = gathered_bytes(shape, layout, work, blocks)
     if out:  # and one block of unsharded gradients (the largest: an MoE one, if any)
-        out += (
-            max((_gathered_numel(shape.params_of_layer.get(i, ()), layout) for i in blocks), default=0)
-            * work.param_bytes
-        )
+        out += max((_unit_bytes(shape, layout, work, blocks)[1][i] for i in blocks), default=0)
     if num_stages - 1 in stages:
         vocab = shape.vocab_size // (layout.tp if layout.loss_parallel else 1)
         out += 2 * tokens * vocab * 4  # logits (fp32) and their gradient next to the log-softmax output
@@ -381,18 +483,40 @@ def _transient(
 
 
 def gathered_bytes(shape: ModelShape, layout: Layout, work: Workload, blocks: list[int]) -> int:
-    """Bytes of the parameters FSDP2 holds gathered (in the compute dtype) at their peak on a rank
-    whose blocks are ``blocks``: the root's (embedding, head: gathered for the whole step) and two
-    blocks (the current and the prefetched one; the largest, an MoE one if any), or every block when
-    none is resharded after its forward (``Layout.reshard_after_forward`` False: all of them gathered
-    when the backward starts). 0 where FSDP gathers nothing (one shard and no cast)."""
+    """Bytes of the parameters FSDP2 holds gathered at their peak on a rank whose blocks are
+    ``blocks``: the root's (embedding, head: gathered for the whole step) and two blocks (the
+    current and the prefetched one; the largest, an MoE one if any), or every block when none is
+    resharded after its forward (``Layout.reshard_after_forward`` False: all of them gathered when
+    the backward starts). 0 where FSDP gathers nothing (one shard and no cast)."""
     if not (layout.uses_fsdp and (layout.fsdp_shards > 1 or work.compute_dtype != work.param_dtype)):
         return 0
-    sizes = [_gathered_numel(shape.params_of_layer.get(i, ()), layout) for i in blocks]
+    gathered, _ = _unit_bytes(shape, layout, work, blocks)
+    sizes = [gathered[i] for i in blocks]
     held = 2 * max(sizes, default=0)
     if not layout.reshard_after_forward:
         held = max(held, sum(sizes))
-    return (held + _gathered_numel(shape.params_of_layer.get(None, ()), layout)) * work.act_bytes
+    return held + gathered[None]
+
+
+def _unit_bytes(
+    shape: ModelShape, layout: Layout, work: Workload, blocks: list[int]
+) -> tuple[Counter[int | None], Counter[int | None]]:
+    """Per FSDP unit on a rank (a block's index; None: the root), the bytes it gathers (its tp
+    shard, 1/ep of the experts, in the compute dtype; QLoRA's codes as they are stored) and the
+    bytes of its unsharded gradients (of its trained parameters: under LoRA the adapters only)."""
+    gathered: Counter[int | None] = Counter()
+    grads: Counter[int | None] = Counter()
+    if work.lora is None:
+        for i in [*blocks, None]:
+            n = _gathered_numel(shape.params_of_layer.get(i, ()), layout)
+            gathered[i], grads[i] = n * work.act_bytes, n * work.param_bytes
+        return gathered, grads
+    for k in kept_tensors(shape, layout, work, 0):  # LoRA runs without pipeline parallelism
+        n = math.prod(k.spec.shape) // (layout.tp if k.spec.tp_dim is not None else 1)
+        n //= layout.ep if ".experts." in k.spec.name else 1
+        gathered[k.spec.layer] += n * (work.act_bytes if k.cast else k.itemsize)
+        grads[k.spec.layer] += n * work.param_bytes if k.trained else 0
+    return gathered, grads
 
 
 def _gathered_numel(params: Any, layout: Layout) -> int:

@@ -18,6 +18,14 @@ bubble and stage-to-stage sends; the optimizer streams its state. A local-SGD la
 (``Layout.local_sgd``) skip the per-step all-reduce across dp_replicate: their exchanges (DiLoCo's
 pseudo-gradient every H steps, DES-LOC's parameters and moments, ...) run after a step, blocking,
 and count at their average per step (``Layout.replica_exchange``; Douillard et al. 2023).
+
+LoRA (``Workload.lora``): the frozen base computes no weight gradients, so its matmuls (blocks and
+head) run one forward's worth less in the backward, and its embedding writes no dense gradient;
+the adapters' matmuls (`adapter_params`) run in full. FSDP gathers every parameter (QLoRA's codes
+as stored, 4 bits a weight) but reduce-scatters, and HSDP/DDP all-reduce, the adapters' gradients
+only; the optimizer streams and Muon orthogonalises the adapters only. Not modelled: the first
+block's input needs no gradient (its projections' input gradients are skipped too), and QLoRA's
+dequantisation of each 4-bit weight before its matmuls (forward and backward).
 """
 
 from __future__ import annotations
@@ -29,8 +37,8 @@ from strategies.core.shape import ModelShape
 from strategies.muon import newton_schulz_flops, takes_muon
 from strategies.pipeline.layout import balanced_split_points
 from strategies.planner.layout import Layout, Workload
-from strategies.planner.memory import layer_activation_bytes, local_sgd_bytes, state_bytes
-from strategies.planner.ranks import checkpointed_layers, rank_of, rank_param_counts, rank_params, stage_plan
+from strategies.planner.memory import adapter_specs, kept_tensors, layer_activation_bytes, local_sgd_bytes, state_bytes
+from strategies.planner.ranks import checkpointed_layers, rank_of, stage_plan
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -156,17 +164,30 @@ def layer_costs(
         layer_bytes = layer_activation_bytes(shape, layout, work, tokens, device=cluster.device, layer=i)
         fwd_passes = 4 if i in checkpointed else 3  # forward, backward = 2 forwards, recomputed forward
         cost = fwd_passes * (layer_mm / mm_peak + layer_attn / attn_peak)
+        if work.lora is not None:  # a frozen base: no weight gradients; the adapters' matmuls in full
+            cost += (fwd_passes * 2 * tokens * adapter_params(shape, layout, work, i) - layer_mm) / mm_peak
         blocks.append(cost + fwd_passes * (passes * layer_bytes / cluster.hbm_bandwidth + dispatch) / share)
-    # The lookup writes the hidden states; its backward adds them into a dense [V/tp, D] gradient.
+    # The lookup writes the hidden states; its backward adds them into a dense [V/tp, D] gradient
+    # (none for LoRA's frozen embedding).
     vocab = shape.vocab_size / layout.tp
-    embedding = (
-        (3 * tokens * shape.dim * work.act_bytes + 2 * vocab * shape.dim * work.param_bytes)
-        / cluster.hbm_bandwidth
-        / share
-    )
+    gradient = 2 * vocab * shape.dim * work.param_bytes if work.lora is None else 0
+    embedding = (3 * tokens * shape.dim * work.act_bytes + gradient) / cluster.hbm_bandwidth / share
     head_mm = 2 * tokens * shape.dim * vocab
     head = 3 * head_mm / mm_peak + 3 * tokens * 4 * vocab * 2 / cluster.hbm_bandwidth / share
+    if work.lora is not None:  # the frozen head's weight gradient skipped, an adapted head's adapters added
+        head += (3 * 2 * tokens * adapter_params(shape, layout, work, None) - head_mm) / mm_peak
     return embedding, blocks, head
+
+
+def adapter_params(shape: ModelShape, layout: Layout, work: Workload, layer: int | None) -> int:
+    """Elements of LoRA's adapters (`strategies.planner.memory.adapter_specs`, this rank's tp
+    shards) on the adapted layers of block ``layer`` (None: the head): the weights each token meets
+    in their matmuls. 0 without LoRA."""
+    lora = work.lora
+    if lora is None:
+        return 0
+    specs = [x for p in filter(lora.adapts, shape.params_of_layer.get(layer, ())) for x in adapter_specs(p, lora)]
+    return sum(_numel(x, layout) for x in specs)
 
 
 def stage_compute(costs: tuple[float, list[float], float], *, layers: range, first: bool, last: bool) -> float:
@@ -198,20 +219,20 @@ def _collective(volume: float, count: int, bandwidth: float, cluster: Cluster) -
 def muon_time(shape: ModelShape, layout: Layout, work: Workload, cluster: Cluster, pp_rank: int) -> float:
     """Seconds of Muon's orthogonalisation on a rank of ``pp_rank`` (`strategies.muon.orthogonalize`).
 
-    Each hidden matrix (`takes_muon` with the run's ``Workload.adamw_params``) is orthogonalised
-    once among the ranks that shard it (dp_shard x cp, x tp when tp splits it; every DDP replica
-    does all of its own): `newton_schulz_flops` / those ranks
-    at the matmul rate, plus two all_to_all per batch of that many matrices, each rank sending its
+    Each trained hidden matrix (`takes_muon` with the run's ``Workload.adamw_params``; under LoRA
+    the adapters) is orthogonalised once among the ranks that shard it (dp_shard x cp, x tp when
+    tp splits it; every DDP replica does all of its own): `newton_schulz_flops` / those ranks at
+    the matmul rate, plus two all_to_all per batch of that many matrices, each rank sending its
     shard of the others' matrices ((n - 1) / n of its shard, in the parameters' dtype).
     """
     rate = cluster.peak_flops * cluster.matmul_efficiency * _rate_share(layout, cluster)
     flops = volume = batches = 0.0
-    for p in rank_params(shape, layout, pp_rank):
-        if takes_muon(p.name, len(p.shape), work.adamw_params):
+    for p, count, trained, *_ in kept_tensors(shape, layout, work, pp_rank):
+        if trained and takes_muon(p.name, len(p.shape), work.adamw_params):
             owners = layout.dp_shard * layout.cp * (layout.tp if p.tp_dim is not None else 1)
-            flops += newton_schulz_flops(p.shape) / owners
-            volume += 2 * math.prod(p.shape) / owners * (owners - 1) / owners * work.param_bytes
-            batches += 1 / owners if owners > 1 else 0
+            flops += count * newton_schulz_flops(p.shape) / owners
+            volume += count * 2 * math.prod(p.shape) / owners * (owners - 1) / owners * work.param_bytes
+            batches += count / owners if owners > 1 else 0
     bw = axis_bandwidth(layout, cluster, ("dp_shard", "cp", "tp"))
     return flops / rate + _collective(volume, 2 * math.ceil(batches), bw, cluster)
 
@@ -283,10 +304,16 @@ def predict_time(shape: ModelShape, layout: Layout, work: Workload, cluster: Clu
 
     fsdp_comm = 0.0
     rank = rank_of(layout, pp=slowest)
-    held = rank_param_counts(shape, layout, slowest)
-    params_rank = sum(n * _numel(p, layout) for p, n in held)
-    # What FSDP gathers and reduce-scatters: a rank's experts are 1/ep of a block's (its shard is not).
-    gathered = sum(n * (_numel(p, layout) // (layout.ep if ".experts." in p.name else 1)) for p, n in held)
+    held = kept_tensors(shape, layout, work, slowest)
+    trained = [k for k in held if k.trained]  # what gradients are reduced for: under LoRA the adapters
+    params_rank = sum(k.count * _numel(k.spec, layout) for k in trained)
+    # What FSDP gathers (bytes: in the compute dtype, QLoRA's codes as stored) and reduce-scatters
+    # (elements): a rank's experts are 1/ep of a block's (its shard is not).
+    gathered = reduced = 0
+    for k in held:
+        n = k.count * (_numel(k.spec, layout) // (layout.ep if ".experts." in k.spec.name else 1))
+        gathered += n * (a if k.cast else k.itemsize)
+        reduced += n if k.trained else 0
     if layout.uses_fsdp:
         s, r = layout.fsdp_shards, layout.dp_replicate
         bw = axis_bandwidth(layout, cluster, ("dp_shard", "cp") if s > 1 else ("dp_replicate",))
@@ -294,8 +321,8 @@ def predict_time(shape: ModelShape, layout: Layout, work: Workload, cluster: Clu
         if s > 1:
             # forward and backward of every micro-batch (forward only when blocks stay gathered for backward)
             gathers = (2 if layout.reshard_after_forward else 1) * m
-            comm += _collective(gathers * gathered * a * (s - 1) / s, gathers * (n_layers + 1), bw, cluster)
-            comm += _collective(gathered * work.param_bytes * (s - 1) / s, n_layers + 1, bw, cluster)
+            comm += _collective(gathers * gathered * (s - 1) / s, gathers * (n_layers + 1), bw, cluster)
+            comm += _collective(reduced * work.param_bytes * (s - 1) / s, n_layers + 1, bw, cluster)
         replica = 0.0
         if r > 1:
             bw_r = axis_bandwidth(layout, cluster, ("dp_replicate",))
@@ -323,8 +350,11 @@ def predict_time(shape: ModelShape, layout: Layout, work: Workload, cluster: Clu
 
     params_b, grads_b, optim_b = state_bytes(shape, layout, work, rank)
     optim_b -= local_sgd_bytes(shape, layout, work, rank)  # touched at an exchange, not by every step
-    optimizer = (params_b + grads_b + 2 * optim_b) / cluster.hbm_bandwidth / _rate_share(layout, cluster)
-    optimizer += sum(n for _, n in held) * cluster.layer_overhead_s / 4
+    # It reads the trained parameters, their gradients and states, and writes parameters and states:
+    # under LoRA the adapters, as many bytes as their gradients.
+    updated = params_b if work.lora is None else grads_b
+    optimizer = (updated + grads_b + 2 * optim_b) / cluster.hbm_bandwidth / _rate_share(layout, cluster)
+    optimizer += sum(k.count for k in trained) * cluster.layer_overhead_s / 4
     if work.optimizer == "muon":
         optimizer += muon_time(shape, layout, work, cluster, slowest)
     step = StepTime(

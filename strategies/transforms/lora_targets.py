@@ -70,9 +70,18 @@ def linear_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and not is_adapter(n + ".")]
 
 
+def target_names(names: Sequence[str], target_modules: Sequence[str]) -> list[str]:
+    """The layer FQNs of ``names`` that a pattern of ``target_modules`` selects (`selects`), in order:
+    what `lora_targets` adapts of a model, and what the planner counts adapters for (from the
+    ``linear_modules`` of a `strategies.core.shape.ModelShape`)."""
+    return [n for n in names if any(selects(n, p) for p in target_modules)]
+
+
 def lora_targets(model: nn.Module, target_modules: tuple[str, ...] | list[str]) -> list[tuple[str, nn.Linear]]:
-    """The ``nn.Linear`` modules a pattern of ``target_modules`` selects (`selects`), in module order."""
-    return [(n, m) for n, m in linear_layers(model) if any(selects(n, p) for p in target_modules)]
+    """The ``nn.Linear`` modules a pattern of ``target_modules`` selects (`target_names`), in module order."""
+    layers = linear_layers(model)
+    chosen = set(target_names([n for n, _ in layers], target_modules))
+    return [(n, m) for n, m in layers if n in chosen]
 
 
 def unadaptable(model: nn.Module, target_modules: tuple[str, ...] | list[str]) -> list[str]:
