@@ -21,6 +21,7 @@ import json
 
 import pytest
 from harness import MOE_SMALL, compose_config, fit
+from hf_checkpoints import make_hf_dir
 
 from strategies.planner.memory import gathered_bytes, predict_rank
 from trainer.config import validate
@@ -137,3 +138,48 @@ def test_predicted_bytes_match_measured(name, tmp_path):
                 assert measured["gathered"] == gathered, (rank, measured["gathered"], gathered)
         error = abs(predicted.activations_per_microbatch / measured["activations"] - 1)
         assert error < TOLERANCE.get(name, 0.05), (rank, predicted.activations_per_microbatch, measured["activations"])
+
+
+# LoRA on a random Llama-3 base (its adapters on every projection; planner-side: tests/unit/test_planner_lora.py):
+# the frozen base has no gradients and no optimizer state. A frozen base saves less than the planner
+# counts (the norms' normalised inputs, the token ids), so its activations are an upper bound.
+LORA_LAYOUTS = {
+    "lora_fsdp2": (["strategy=fsdp", "trainer.devices=2", "train.micro_batch_size=2"], 2),
+    "lora_tp2": (["strategy=tp", "trainer.devices=2", "train.micro_batch_size=4"], 2),
+}
+
+
+@pytest.fixture(scope="module")
+def hf_base(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("lora_base") / "hf"
+    make_hf_dir("llama3", directory)
+    return directory
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LORA_LAYOUTS))
+def test_lora_bytes_match_measured(name, hf_base, tmp_path):
+    overrides, microbatches = LORA_LAYOUTS[name]
+    cfg = compose_config(
+        [
+            *PROBE,
+            f"+callbacks.mem.num_microbatches={microbatches}",
+            "model=hf",
+            f"model.init_from={hf_base}",
+            "+strategy/lora=default",
+            *overrides,
+        ]
+    )
+    fit(cfg, tmp_path)
+    shape, layout, work = planner_inputs(cfg, validate(cfg))
+    assert work.lora is not None and work.microbatches(layout) == microbatches
+    for rank in range(layout.world_size):
+        measured = json.loads((tmp_path / f"memory_rank{rank}.json").read_text())
+        predicted = predict_rank(shape, layout, work, rank, device="cpu")
+        assert (predicted.params, predicted.grads, predicted.optimizer) == (
+            measured["params"],
+            measured["grads"],
+            measured["optimizer"],
+        ), (rank, predicted, measured)
+        ratio = predicted.activations_per_microbatch / measured["activations"]
+        assert 1 <= ratio < 1.25, (rank, predicted.activations_per_microbatch, measured["activations"])
