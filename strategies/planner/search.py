@@ -3,8 +3,9 @@
 The space (Mist, Zhu et al. 2025; Merak, Lai et al. 2023): every factorisation of the world size
 into dp_replicate x dp_shard x cp x tp x pp that the model and batch allow (tp inside a node and
 dividing the heads, vocabulary and ffn width; pp at most the layers; seq_len divisible by 2 cp;
-dp dividing the global batch), each pipeline schedule with its virtual stages, each context-parallel
-mode the heads allow, every micro-batch size the batch divides (up to ``max_micro_batch``), and
+dp dividing the global batch; under LoRA no pp, and no tp with QLoRA or adapter dropout), each
+pipeline schedule with its virtual stages, each context-parallel mode the heads allow, every
+micro-batch size the batch divides (up to ``max_micro_batch``), and
 activation checkpointing none / every other block / full, with and without activation offload.
 """
 
@@ -59,13 +60,17 @@ class SearchSpace:
 def _degrees(
     world: int, shape: ModelShape, work: Workload, devices_per_node: int, hsdp: bool
 ) -> Iterator[tuple[int, ...]]:
+    # LoRA refuses pp > 1; QLoRA and adapter dropout refuse tp > 1 (`strategies.transforms.lora.LoRA.problems`).
+    lora = work.lora
     for tp in divisors(world):
         if tp > devices_per_node or tp_divisibility_problems(
             tp, n_heads=shape.n_heads, n_kv_heads=shape.n_kv_heads, vocab_size=shape.vocab_size, ffn_dim=shape.ffn_dim
         ):
             continue
+        if tp > 1 and lora is not None and (lora.quantize is not None or lora.dropout > 0):
+            continue
         for pp in divisors(world // tp):
-            if pp > shape.n_layers:
+            if pp > shape.n_layers or pp > 1 and lora is not None:
                 continue
             for cp in divisors(world // (tp * pp)):
                 if cp > 1 and (work.seq_len % (2 * cp) or not cp_applies(shape, work)):

@@ -16,6 +16,7 @@ from strategies.mesh import build_strategy
 from strategies.planner.layout import Layout
 from strategies.planner.measure import SavedTensorBytes, storage_bytes
 from strategies.planner.memory import predict_rank, state_bytes
+from strategies.planner.search import SearchSpace, candidate_layouts
 from strategies.planner.time import Cluster, predict_time
 from strategies.transforms.qlora import BLOCKSIZE
 from trainer.build import build_model
@@ -116,3 +117,16 @@ def test_lora_step_time_reduces_and_updates_the_adapters_only() -> None:
     assert with_lora.fsdp_comm / without.fsdp_comm == pytest.approx(8 / 12, rel=0.01)
     # Matmuls: 3 forwards' worth -> 2 (and the adapters'); attention and elementwise work unchanged.
     assert 0.6 < with_lora.compute / without.compute < 0.9
+
+
+def test_a_lora_plan_tries_only_the_layouts_lora_runs() -> None:
+    """plait plan model=llama3_8b cluster=h100x8 +strategy/lora=default listed pipeline layouts, which
+    LoRA refuses (and QLoRA tensor-parallel ones): 513 of its 753 layouts had pp > 1."""
+    cfg = compose("pretrain", ["model=llama3_8b", "cluster=h100x8", "+strategy/lora=default"])
+    shape, _, lora = planner_inputs(cfg, validate(cfg, for_launch=False))
+    cluster, space = Cluster(), SearchSpace()
+    layouts = list(candidate_layouts(shape, lora, cluster, space))
+    assert layouts and all(x.pp == 1 for x in layouts) and any(x.tp > 1 for x in layouts)
+    qlora = replace(lora, lora=replace(lora.lora, quantize="nf4"))
+    assert all(x.pp == x.tp == 1 for x in candidate_layouts(shape, qlora, cluster, space))
+    assert any(x.pp > 1 for x in candidate_layouts(shape, replace(lora, lora=None), cluster, space))
