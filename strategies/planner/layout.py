@@ -20,6 +20,7 @@ from strategies.core.shape import ModelShape, ParamSpec
 from strategies.local_sgd.base import LocalSGD
 from strategies.local_sgd.ist import IST
 from strategies.muon import ADAMW_PARAMS, Muon, adamw_params_of
+from strategies.transforms.lora import degree_problems
 from strategies.transforms.lora_targets import target_names
 
 # Adam keeps two moments per parameter plus a 4-byte fp32 `step` scalar per tensor; SGD with
@@ -190,6 +191,10 @@ class LoRASpec:
         layers by LoRA's own matching (`strategies.transforms.lora_targets.target_names`)."""
         targets = frozenset(target_names(shape.linear_modules, lora.target_modules))
         return cls(rank=lora.rank, targets=targets, dropout=lora.dropout, quantize=lora.quantize)
+
+    def degree_problems(self, *, pp: int, tp: int) -> list[str]:
+        """Why LoRA does not run at these degrees (`strategies.transforms.lora.degree_problems`)."""
+        return degree_problems(pp=pp, tp=tp, quantize=self.quantize, dropout=self.dropout)
 
     def adapts(self, p: ParamSpec) -> bool:
         """Whether ``p`` is the weight of an adapted layer."""

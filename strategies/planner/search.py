@@ -60,17 +60,14 @@ class SearchSpace:
 def _degrees(
     world: int, shape: ModelShape, work: Workload, devices_per_node: int, hsdp: bool
 ) -> Iterator[tuple[int, ...]]:
-    # LoRA refuses pp > 1; QLoRA and adapter dropout refuse tp > 1 (`strategies.transforms.lora.LoRA.problems`).
     lora = work.lora
     for tp in divisors(world):
         if tp > devices_per_node or tp_divisibility_problems(
             tp, n_heads=shape.n_heads, n_kv_heads=shape.n_kv_heads, vocab_size=shape.vocab_size, ffn_dim=shape.ffn_dim
         ):
             continue
-        if tp > 1 and lora is not None and (lora.quantize is not None or lora.dropout > 0):
-            continue
         for pp in divisors(world // tp):
-            if pp > shape.n_layers or pp > 1 and lora is not None:
+            if pp > shape.n_layers or lora is not None and lora.degree_problems(pp=pp, tp=tp):
                 continue
             for cp in divisors(world // (tp * pp)):
                 if cp > 1 and (work.seq_len % (2 * cp) or not cp_applies(shape, work)):

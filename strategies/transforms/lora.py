@@ -332,6 +332,26 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     )
 
 
+def degree_problems(*, pp: int, tp: int, quantize: str | None, dropout: float) -> list[str]:
+    """The parallel degrees LoRA does not run at (its check, and the planner's search): pipeline
+    parallelism (not composed with adapters yet), tensor parallelism with QLoRA (the 4-bit codes are
+    not DTensor-placed) or with adapter dropout (each tp rank would draw its own mask of a
+    replicated input)."""
+    out = []
+    if pp > 1:
+        out.append("strategy.lora does not compose with pipeline parallelism yet; use strategy.pp=1")
+    if quantize is not None and tp > 1:
+        out.append(
+            f"strategy.lora.quantize={quantize} does not compose with tensor parallelism (the 4-bit codes "
+            f"are not DTensor-placed); use strategy.tp=1 (FSDP2 shards them: strategy.dp_shard)"
+        )
+    if dropout > 0 and tp > 1:
+        out.append(
+            "strategy.lora.dropout>0 with strategy.tp>1 would draw a different mask per tp rank; use strategy.lora.dropout=0"
+        )
+    return out
+
+
 @dataclass
 class LoRA(StrategyPlugin):
     """The LoRA plugin (``strategy.lora``, off when null; preset ``+strategy/lora=default``).
@@ -385,28 +405,16 @@ class LoRA(StrategyPlugin):
             out.append(f"strategy.lora.rank={self.rank} must be >= 1")
         if not 0 <= self.dropout < 1:
             out.append(f"strategy.lora.dropout={self.dropout} must be in [0, 1)")
-        if run.dims.pp > 1:
-            out.append("strategy.lora does not compose with pipeline parallelism yet; use strategy.pp=1")
         if self.quantize is not None:
-            out.extend(self._quantize_problems(run))
-        if self.dropout > 0 and run.dims.tp > 1:
-            out.append(
-                "strategy.lora.dropout>0 with strategy.tp>1 would draw a different mask per tp rank; use strategy.lora.dropout=0"
-            )
-        return out
+            out.extend(self._quantize_problems())
+        return out + degree_problems(pp=run.dims.pp, tp=run.dims.tp, quantize=self.quantize, dropout=self.dropout)
 
-    def _quantize_problems(self, run: ResolvedRun) -> list[str]:
+    def _quantize_problems(self) -> list[str]:
         if self.quantize not in QUANT_TYPES:
             return [f"strategy.lora.quantize={self.quantize} is unknown; use one of {', '.join(QUANT_TYPES)} or null"]
-        out = []
         if importlib.util.find_spec("bitsandbytes") is None:
-            out.append("strategy.lora.quantize=nf4 needs bitsandbytes: pip install bitsandbytes")
-        if run.dims.tp > 1:
-            out.append(
-                f"strategy.lora.quantize={self.quantize} does not compose with tensor parallelism (the 4-bit codes "
-                f"are not DTensor-placed); use strategy.tp=1 (FSDP2 shards them: strategy.dp_shard)"
-            )
-        return out
+            return ["strategy.lora.quantize=nf4 needs bitsandbytes: pip install bitsandbytes"]
+        return []
 
     def attach(self, model: nn.Module) -> list[str]:
         """`apply_lora` with this plugin's settings (also used to rebuild a LoRA run's model)."""
