@@ -241,3 +241,10 @@ def test_a_byte_order_mark_is_not_text(tmp_path):
     assert [d.text for d in load_files([str(tmp_path / "a.txt")])] == ["Hello world.\n"]
     assert [d.text for d in load_files([str(tmp_path / "b.txt")])] == ["Doc one.", "Doc two."]
     assert [d.text for d in load_files([str(tmp_path / "c.jsonl")])] == ["row one"]
+
+
+def test_a_lone_surrogate_escape_in_a_document_names_its_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "ok"}) + "\n" + '{"text": "x \\udc80"}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl, line 2: the escape \\udc80 is half"):
+        load_files([str(bad)])

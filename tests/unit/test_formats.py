@@ -203,3 +203,15 @@ def test_invalid_json_names_line_and_column(tmp_path):
     path.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a", "completion": "b\n')
     with pytest.raises(DataError, match=r"bad.jsonl, line 2: not valid JSON \(.*, column 33\)"):
         _records(CONVERSATIONS, str(path))
+
+
+def test_a_lone_surrogate_escape_names_its_line(tmp_path):
+    """Before: valid JSON whose escape decodes to half a surrogate pair reached the cache's utf-8
+    encoding and crashed with a UnicodeEncodeError naming no file (a reviewer's repro); a whole pair
+    is a character and is kept."""
+    path = tmp_path / "s.jsonl"
+    path.write_text('{"prompt": "a", "completion": "\\ud83d\\ude00"}\n{"prompt": "x", "completion": "\\ud800 bad"}\n')
+    with pytest.raises(DataError, match=r"s\.jsonl, line 2: the escape \\ud800 is half of a UTF-16 surrogate pair"):
+        _records(CONVERSATIONS, str(path))
+    path.write_text('{"prompt": "a", "completion": "\\ud83d\\ude00"}\n' * 3)
+    assert "\U0001f600" in json.dumps(_records(CONVERSATIONS, str(path)), ensure_ascii=False)

@@ -134,6 +134,25 @@ def rename(row: Mapping[str, Any], columns: Mapping[str, str] | None, where: str
     return out
 
 
+def check_unicode(line: str, value: Any, where: str) -> None:
+    """Refuses a JSON line whose escapes decode to a lone UTF-16 surrogate (``"\\ud800"`` without its
+    pair): valid JSON, but no text, so its tokenizer or cache would fail later without naming the line.
+
+    Raises:
+        ValueError: ``<file>, line <n>: ...`` with the fix.
+    """
+    if "\\u" not in line:  # only an escape decodes to a surrogate
+        return
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as err:
+        code = ord(err.object[err.start])
+        raise ValueError(
+            f"{where}: the escape \\u{code:04x} is half of a UTF-16 surrogate pair, not a character; write the "
+            "whole pair (e.g. \\ud83d\\ude00) or the character itself, or remove it"
+        ) from None
+
+
 def read_rows(path: str, columns: Mapping[str, str] | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
     """``(where, row)`` of every row of a local table (module docstring), columns renamed.
 
@@ -156,6 +175,7 @@ def read_rows(path: str, columns: Mapping[str, str] | None = None) -> Iterator[t
                     ) from None
                 if not isinstance(row, dict):
                     raise ValueError(f"{where}: a {type(row).__name__}, not a JSON object; write one object per line")
+                check_unicode(line, row, where)
                 yield where, rename(row, columns, where)
         return
     for index, row in enumerate(_dataset(path, streaming=False), start=1):
