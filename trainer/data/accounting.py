@@ -16,8 +16,8 @@ training split, what preparation did to the samples (`SourceCounts`):
   may start a long sample in a row's tail).
 
 The run prints one line of the counts at launch (`report_lines`), warns once per source when more
-than `WARN_FRACTION` of its samples lost supervised or prompt tokens, or were split (naming the
-setting to change), logs them at step 0 (`metrics`: ``data/<count>/<source>``) and writes them to
+than `WARN_FRACTION` of its samples, or of its supervised tokens, were cut, or were split (naming
+the setting to change: one long sample can hold most of a source's tokens), logs them at step 0 (`metrics`: ``data/<count>/<source>``) and writes them to
 ``summary.json`` (`as_json`). The held-out split is counted the same way (its own launch line and
 ``held_out`` in ``summary.json``): its losses and scores are measured on what is left. A source
 whose training or held-out samples keep no supervised token is refused before any process starts
@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-# More than this share of a source's samples losing supervised or prompt tokens gets a warning line.
+# More than this share of a source's samples, or of its supervised tokens, cut or split gets a warning line.
 WARN_FRACTION = 0.05
 COUNTS = (
     "samples", "dropped", "truncated", "prompts_cut", "supervised_tokens_lost", "supervised_tokens", "split",
@@ -111,8 +111,8 @@ def report_lines(
     counts: dict[str, SourceCounts], noun: str = "samples", held_out: dict[str, SourceCounts] | None = None
 ) -> list[str]:
     """The launch lines: one ``data cuts: ...`` line when anything was cut (and one for the held-out
-    split), and one ``warning:`` line per source whose training samples lost supervised or prompt
-    tokens above `WARN_FRACTION`.
+    split), and one ``warning:`` line per source whose training samples were cut or split above
+    `WARN_FRACTION` of its samples or of its supervised tokens.
 
     Args:
         counts: source name -> the counts of its training samples.
@@ -131,12 +131,14 @@ def report_lines(
         )
         lines.append(f"data cuts (held-out, scored as cut): {cut}")
     for name, c in counts.items():
-        if c.samples and c.affected / c.samples > WARN_FRACTION:
+        lost = c.supervised_tokens_lost / max(1, c.supervised_tokens + c.supervised_tokens_lost)
+        if c.samples and (c.affected / c.samples > WARN_FRACTION or lost > WARN_FRACTION):
             lines.append(
                 f"warning: data.sources.{name}: {c.affected:,} of {c.samples:,} training {noun} "
                 f"({_pct(c.affected, c.samples)}) lose supervised or prompt tokens; {c.fix}"
             )
-        if c.samples and c.split / c.samples > WARN_FRACTION:
+        split = c.supervised_tokens_split / max(1, c.supervised_tokens)
+        if c.samples and (c.split / c.samples > WARN_FRACTION or split > WARN_FRACTION):
             total = c.supervised_tokens
             lines.append(
                 f"warning: data.sources.{name}: {c.split:,} of {c.samples:,} training {noun} "
