@@ -24,7 +24,7 @@ from trainer.data import corpus, encode
 from trainer.data.base import DataError, DataModule, Settings
 from trainer.data.cache import cached, fingerprint
 from trainer.data.loader import RowBatches
-from trainer.data.packing import PackedRows, pack
+from trainer.data.packing import IGNORE_INDEX, PackedRows, pack
 from trainer.data.sampler import GlobalBatchSampler
 from trainer.data.tokenizer import Tokenizer
 
@@ -93,7 +93,7 @@ class TextDataModule(DataModule):
             str(self.seq_len),
             str(self.val_fraction),
             str(self.seed),
-            *(["rows"] if by_rows else []),
+            *(["rows, the cut label ignored"] if by_rows else []),
         )
 
         def build() -> dict[str, dict[str, Tensor]]:
@@ -104,7 +104,10 @@ class TextDataModule(DataModule):
             if by_rows:  # the last rows of the one packed stream
                 cut = max(0, len(packed[0]) - max(1, round(self.val_fraction * len(packed[0]))))
                 rows = vars(packed[0])
-                return {"train": {k: v[:cut] for k, v in rows.items()}, "val": {k: v[cut:] for k, v in rows.items()}}
+                train = {k: v[:cut].clone() for k, v in rows.items()}
+                if cut:  # its last label is the first held-out token (labels are shifted across rows)
+                    train["labels"][-1, -1] = IGNORE_INDEX
+                return {"train": train, "val": {k: v[cut:] for k, v in rows.items()}}
             return {"train": vars(packed[0]), "val": vars(packed[1])}
 
         def damage(rows: dict[str, dict[str, Tensor]]) -> str | None:  # a cache file overwritten by other rows
