@@ -59,7 +59,11 @@ def test_pairs_with_equal_answers_are_dropped_with_a_count(tmp_path: Path, capsy
 def test_a_small_file_mostly_held_out_is_said(tmp_path: Path, capsys) -> None:
     """Before: 10 rows at the default val_size=16 trained on 1 row without a word."""
     path = tmp_path / "d.jsonl"
-    path.write_text("".join(json.dumps(CHAT) + "\n" for _ in range(10)))
+    chats = [
+        {"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "yo"}]}
+        for i in range(10)
+    ]
+    path.write_text("".join(json.dumps(chat) + "\n" for chat in chats))
     train, val = CONVERSATIONS.records(CONVERSATIONS.parse("mine", {"source": str(path)}), seed=0)
     assert (len(train), len(val)) == (1, 9)
     assert (
@@ -68,6 +72,18 @@ def test_a_small_file_mostly_held_out_is_said(tmp_path: Path, capsys) -> None:
     )
     CONVERSATIONS.records(CONVERSATIONS.parse("mine", {"source": str(path), "val_size": 2}), seed=0)
     assert "warning" not in capsys.readouterr().err
+
+
+def test_a_file_of_one_repeated_row_holds_nothing_out_and_says_so(tmp_path: Path, capsys) -> None:
+    """Held out by content, copies of one row leave nothing unseen to score: said, not silent."""
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(CHAT) + "\n" for _ in range(10)))
+    train, val = CONVERSATIONS.records(CONVERSATIONS.parse("mine", {"source": str(path)}), seed=0)
+    assert (len(train), len(val)) == (10, 0)
+    assert (
+        "plait: warning: data.sources.mine: its 10 rows are copies of one, so none is held out (no val/loss/mine)"
+        in capsys.readouterr().err
+    )
 
 
 def test_a_source_whose_every_row_is_dropped_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -18,7 +18,7 @@ from trainer.compose import compose
 from trainer.data import encode
 from trainer.data.base import DataError
 from trainer.data.packing import IGNORE_INDEX, Packer, SampleList, rows_to_tensors
-from trainer.data.sources import hold_out
+from trainer.data.sources import CONVERSATIONS, hold_out
 from trainer.data.summary import describe
 
 
@@ -129,18 +129,20 @@ def test_a_source_that_keeps_no_supervised_token_is_refused_naming_it() -> None:
 
 
 def _chats_with_long_held_out(tmp_path, data, *, n: int = 8, val_size: int = 2) -> None:
-    """Write ``n`` conversations to chats.jsonl: the ``val_size`` ones ``hold_out`` holds out have
-    an answer of 60 numbers (longer than data.seq_len=64 tokens), the training ones of 4."""
-    _, held = hold_out(list(range(n)), val_size, seed=data.seed, name="mine")
-    rows = [
-        {
-            "messages": [
-                {"role": "user", "content": "0 1 2 3"},
-                {"role": "assistant", "content": " ".join(str(500 + j) for j in range(k))},
-            ]
-        }
-        for k in (60 if i in held else 4 for i in range(n))
-    ]
+    """Write ``n`` conversations to chats.jsonl, of which the ``val_size`` ones ``hold_out`` holds
+    out (by content: the prompts' salt is searched for) have an answer of 60 numbers (longer than
+    data.seq_len=64 tokens), the training ones of 4."""
+
+    def row(i: int, salt: int) -> dict:
+        answer = " ".join(str(500 + j) for j in range(60 if i < val_size else 4))
+        return {"messages": [{"role": "user", "content": f"{salt} {i}"}, {"role": "assistant", "content": answer}]}
+
+    for salt in range(1000):
+        rows = [row(i, salt) for i in range(n)]
+        records = [CONVERSATIONS.parse_row(r) for r in rows]  # as the source reads them
+        _, held = hold_out(records, val_size, seed=data.seed, name="mine")
+        if held == records[:val_size]:
+            break
     (tmp_path / "chats.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
 
 
@@ -192,6 +194,20 @@ def test_a_run_that_repeats_its_pairs_says_how_often() -> None:
     assert epochs_line(pairs, 8, 200) == "the run's 200 steps draw 8 pairs each: 80.0 epochs of the 20 training pairs"
     assert epochs_line(pairs, 8, 2) is None
     assert epochs_line(types.SimpleNamespace(train=None), 8, 200) is None
+
+
+def test_a_held_out_row_trains_in_none_of_its_copies() -> None:
+    """Before: rows were held out by index, so a file repeating a row could hold out one copy and
+    train on another (a reviewer counted 5 of glaive's 16 held-out conversations in its training
+    rows). Keyed by content, the split also stays put when rows are added or reordered."""
+    rows = [{"prompt": f"q{i % 7}", "completion": "a"} for i in range(40)]  # 7 distinct, each repeated
+    train, val = hold_out(rows, 3, seed=0, name="mine")
+    assert len(val) == 3 and len({json.dumps(r) for r in val}) == 3
+    assert not any(r in val for r in train) and len(train) + len(val) < len(rows)
+    more = [{"prompt": "new", "completion": "b"}, *reversed(rows)]
+    assert {json.dumps(r) for r in hold_out(more, 3, seed=0, name="mine")[1]} <= {
+        json.dumps(r) for r in [*val, *more[:1]]
+    }
 
 
 @pytest.mark.parametrize("long_samples", ["split", "truncate"])

@@ -21,6 +21,7 @@ Pretraining text is read by `trainer.data.corpus` (a list of bundled corpora or 
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -155,7 +156,19 @@ class Catalog:
         records, wheres = drop_useless(records, wheres, self.useless, name=source.name)
         warn_empty(records, wheres, name=source.name)
         train, val = hold_out(records, source.val_size, seed=seed, name=source.name)
-        if len(val) >= len(train):  # a small file: most of it would never be trained on, unsaid
+        if copies := len(records) - len(train) - len(val):
+            print(
+                f"plait: data.sources.{source.name}: {copies} {'rows repeat' if copies > 1 else 'row repeats'} a "
+                "held-out row: left out of training (the held-out rows stay unseen)",
+                file=sys.stderr,
+            )
+        if source.val_size and not val:  # by content, copies of one row leave nothing unseen
+            print(
+                f"plait: warning: data.sources.{source.name}: its {len(records)} rows are copies of one, so none is "
+                f"held out (no val/loss/{source.name}); add distinct rows to score it",
+                file=sys.stderr,
+            )
+        elif len(val) >= len(train):  # a small file: most of it would never be trained on, unsaid
             print(
                 f"plait: warning: data.sources.{source.name}: {len(val)} of its {len(records)} rows are held out for "
                 f"validation (val_size={source.val_size}) and {len(train)} train; lower it, e.g. "
@@ -231,11 +244,20 @@ def _tie(record: Mapping[str, Any]) -> str | None:
 
 
 def hold_out(records: list, val_size: int, *, seed: int, name: str) -> tuple[list, list]:
-    """``(train, val)``: the ``val_size`` records with the lowest sha256 of (seed, name, index) are
-    held out (at most all but one); both keep the records' order."""
-    scores = [digest(seed, name, i)[:8] for i in range(len(records))]
-    held = set(sorted(range(len(records)), key=scores.__getitem__)[: min(val_size, len(records) - 1)])
-    return [r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held]
+    """``(train, val)``: the ``val_size`` distinct records (at most all but one) whose content has the
+    lowest sha256 of (seed, name, content) are held out, one copy each, and every copy of them is
+    left out of training; both keep the records' order.
+
+    Keyed by content (canonical JSON), a record stays on its side when rows are added, removed or
+    reordered, and a file that repeats a row cannot train on a held-out one (the bundled glaive
+    tool-use rows repeat 35 of 300)."""
+    keys = [json.dumps(r, sort_keys=True, ensure_ascii=False, default=str) for r in records]
+    distinct = list(dict.fromkeys(keys))
+    scores = {key: digest(seed, name, key)[:8] for key in distinct}
+    held = set(sorted(distinct, key=scores.__getitem__)[: min(val_size, len(distinct) - 1)])
+    first = {key: i for i, key in reversed(list(enumerate(keys)))}
+    val = [r for i, (r, key) in enumerate(zip(records, keys)) if key in held and first[key] == i]
+    return [r for r, key in zip(records, keys) if key not in held], val
 
 
 def _synthetic_conversations(task: str, *, seed: int, sizes: dict[str, int]) -> dict[str, list]:
