@@ -7,7 +7,9 @@ Select it in a composed config (tests/ is on the path of the test process and it
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -57,3 +59,25 @@ class ScriptedEngine:
 
     def sync_weights(self, model: nn.Module) -> None:
         """Nothing: the completions do not depend on the weights."""
+
+
+class CopyEngine(ScriptedEngine):
+    """A `ScriptedEngine` that, as a vLLM engine does, keeps its own copy of the weights, refreshed
+    only by `sync_weights`; each `generate` appends to the JSON list in ``record`` how far that copy
+    is from the policy's live weights (the largest absolute difference, 0.0 when in sync; a file,
+    since the runs of the tests are forked)."""
+
+    def __init__(self, record: str) -> None:
+        super().__init__()
+        self.record = Path(record)
+        self.weights: dict[str, torch.Tensor] = {}
+
+    def generate(self, model: nn.Module, prompts: Sequence[Sequence[int]], **kwargs) -> list[list[int]]:
+        live = {name: p.detach() for name, p in model.named_parameters()}
+        stale = max((float((live[n] - w).abs().max()) for n, w in self.weights.items()), default=float("inf"))
+        seen = json.loads(self.record.read_text()) if self.record.exists() else []
+        self.record.write_text(json.dumps([*seen, stale]))
+        return super().generate(model, prompts, **kwargs)
+
+    def sync_weights(self, model: nn.Module) -> None:
+        self.weights = {name: p.detach().clone() for name, p in model.named_parameters()}

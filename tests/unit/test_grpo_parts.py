@@ -334,3 +334,18 @@ def test_a_reward_that_does_not_import_names_why_before_launch() -> None:
         "data.rewards.r.fn: trainer.rl.rewards.Reward has no 'nosuch'"
     ]
     assert problems("antigravity_no_such.x.y")[0].startswith("data.rewards.r.fn: no module 'antigravity_no_such.x'")
+
+
+def test_an_engine_with_its_own_weights_generates_from_the_current_policy(tmp_path: Path) -> None:
+    """Before: sync_weights ran at the end of a rollout, before that step's update, so an engine
+    holding its own copy (vLLM's) sampled every rollout from the weights one update old (a reviewer's
+    copy engine: 0, 1.5e-4, 3.0e-4 from the live policy)."""
+    record = tmp_path / "staleness.json"
+    engine = f"+objective.engine={{_target_:rl_fixtures.CopyEngine,record:'{record}'}}"
+    rewards = ("data.rewards.answer.fn._target_=trainer.rl.rewards.length_penalty", "+data.rewards.answer.fn.limit=3")
+    overrides = [*GRPO_SMALL, *rewards, "trainer.max_steps=3", "~objective.engine", engine]
+    cfg = compose_config(overrides, recipe="grpo", tiny=False)
+    validate(cfg)
+    _, task = fit(cfg, tmp_path)
+    assert json.loads(record.read_text()) == [0.0, 0.0, 0.0]
+    assert all(h["grad_norm"] > 0 for h in task.history if "loss" in h)  # the policy moved between the rollouts

@@ -208,6 +208,7 @@ class GRPO(Objective):
         was_training = model.training
         model.eval()
         start = time.perf_counter()
+        self.engine.sync_weights(model)  # the weights of every optimizer step so far
         with task.trainer.precision_plugin.forward_context():
             completions = self.engine.generate(
                 model, prompts, params=self.params, eos_id=tokenizer.eos_id, seeds=seeds, all_done=self._all_done(task)
@@ -228,7 +229,6 @@ class GRPO(Objective):
                 out["ref_logps"] = self._logps(task, out)
         self._record_rollout(datamodule.rewards, values, rewards, completions, rollout_s)
         self._warn_if_flat(task, rewards)
-        self.engine.sync_weights(model)
         return out
 
     def _warn_if_flat(self, task: L.LightningModule, rewards: torch.Tensor) -> None:

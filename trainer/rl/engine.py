@@ -8,8 +8,9 @@ freed after the block), so every rank must run the same number of decode steps (
 keeps the ranks in step until every rank's rows have ended).
 
 An engine of its own process (vLLM or SGLang, colocated on the GPUs) implements the same two
-calls: `generate` on token ids, and `sync_weights` after each optimizer step, where it pushes the
-policy's new weights (gathered from the shards) into the engine. What such an engine adds, and
+calls: `generate` on token ids, and `sync_weights` before each rollout's `generate` (so after every
+optimizer step since the last), where it pushes the policy's current weights (gathered from the
+shards) into the engine. What such an engine adds, and
 what is left to build for it, is in docs/grpo.md ("Generation engines").
 """
 
@@ -67,7 +68,8 @@ class GenerationEngine(Protocol):
         ...
 
     def sync_weights(self, model: nn.Module) -> None:
-        """After each optimizer step: makes the engine generate from ``model``'s new weights."""
+        """Before each rollout's `generate` (after the optimizer steps since the last one): makes the
+        engine generate from ``model``'s current weights."""
         ...
 
 
