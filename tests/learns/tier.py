@@ -135,6 +135,7 @@ def merge_and_score(name: str, work: Path) -> dict[str, float]:
     pairs against the base as the reference (what the DPO arm's own evaluation measures)."""
     from trainer.build import build_data
     from trainer.merge import main as merge
+    from trainer.merge import sparsity
     from trainer.rundir import load_run_model
 
     entry = ENTRIES[name]
@@ -154,7 +155,9 @@ def merge_and_score(name: str, work: Path) -> dict[str, float]:
     ratio = (_logps(models["merged"], pairs)[0] - _logps(models["base"], pairs)[0]).view(-1, 2)
     accuracy = float(((ratio[:, 0] > ratio[:, 1]).float() + 0.5 * (ratio[:, 0] == ratio[:, 1]).float()).mean())
     arm_accuracy = json.loads((work / f"{dpo_arm}.json").read_text())["evals"][-1]["val/rewards/accuracy"]
+    states = {key: models[key].state_dict() for key in ("base", "sft_arm")}
     return {
+        "sft_delta_zero": sparsity(states["base"], states["sft_arm"])["zero"],
         "nll_base": nll["base"], "nll_merged": nll["merged"], "nll_sft_arm": nll["sft_arm"],
         "accuracy_merged": accuracy, "accuracy_dpo_arm": arm_accuracy,
         "sft_gain": (nll["base"] - nll["merged"]) / (nll["base"] - nll["sft_arm"]),
