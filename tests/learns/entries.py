@@ -73,11 +73,14 @@ def bytes_sent(result: Result) -> float:
 
 
 def rest_legal_lines(result: Result) -> float:
-    """held-out legal lines per greedy trace after the guided round
+    """change of held-out legal lines per greedy trace, round 0 to the guided round
 
     The lines a Countdown search trace holds before its first wrong one (trainer.rest.sos.verify):
-    a short run writes the search's language long before it solves problems."""
-    return result["rest"]["arms"]["guided"][-1]["legal_lines"]
+    a short run writes the search's language long before it solves problems. The change, not the
+    value: round 0 (SFT on the symbolic searcher's traces) reaches 0.76 alone, and a guided round
+    that keeps no trace, or leaves the model as it was, ends where round 0 did."""
+    rounds = result["rest"]["arms"]["guided"]
+    return rounds[-1]["legal_lines"] - rounds[0]["legal_lines"]
 
 
 def msft_final_loss(result: Result) -> float:
@@ -388,11 +391,11 @@ ENTRIES: dict[str, Entry] = {
             "rest.max_new_tokens=128",
             "rest.budgets=[128]",
             "rest.round0_steps=150",
-            "rest.steps=20",
+            "rest.steps=50",
             "train.global_batch_size=8",
         ),
-        (at_least(rest_legal_lines, 0.3),),
-        long=True,  # about 180 s on 2 CPUs, half the tier's summed time
+        (at_least(rest_legal_lines, 0.15),),
+        long=True,  # about 140 s on 2 CPUs, half the tier's summed time
     ),
     # The mSFT budget search on two synthetic sources, from the SFT base: 3 epochs of compute at
     # lr 1e-3, scored every 5 steps (at 1 epoch, lr 3e-3 and every 10 steps, reversal's first
