@@ -470,9 +470,10 @@ def _transient(
 ) -> int:
     tokens = work.micro_batch_tokens(layout)
     blocks = [i for s in stages for i in layers[s]]
-    out = gathered_bytes(shape, layout, work, blocks)
+    units = _unit_bytes(shape, layout, work, blocks)
+    out = gathered_bytes(shape, layout, work, blocks, units)
     if out:  # and one block of unsharded gradients (the largest: an MoE one, if any)
-        out += max((_unit_bytes(shape, layout, work, blocks)[1][i] for i in blocks), default=0)
+        out += max((units[1][i] for i in blocks), default=0)
     if num_stages - 1 in stages:
         vocab = shape.vocab_size // (layout.tp if layout.loss_parallel else 1)
         out += 2 * tokens * vocab * 4  # logits (fp32) and their gradient next to the log-softmax output
@@ -482,15 +483,22 @@ def _transient(
     return out
 
 
-def gathered_bytes(shape: ModelShape, layout: Layout, work: Workload, blocks: list[int]) -> int:
+def gathered_bytes(
+    shape: ModelShape,
+    layout: Layout,
+    work: Workload,
+    blocks: list[int],
+    units: tuple[Counter[int | None], Counter[int | None]] | None = None,
+) -> int:
     """Bytes of the parameters FSDP2 holds gathered at their peak on a rank whose blocks are
     ``blocks``: the root's (embedding, head: gathered for the whole step) and two blocks (the
     current and the prefetched one; the largest, an MoE one if any), or every block when none is
     resharded after its forward (``Layout.reshard_after_forward`` False: all of them gathered when
-    the backward starts). 0 where FSDP gathers nothing (one shard and no cast)."""
+    the backward starts). 0 where FSDP gathers nothing (one shard and no cast). ``units``: the
+    rank's `_unit_bytes`, when already computed."""
     if not (layout.uses_fsdp and (layout.fsdp_shards > 1 or work.compute_dtype != work.param_dtype)):
         return 0
-    gathered, _ = _unit_bytes(shape, layout, work, blocks)
+    gathered, _ = units if units is not None else _unit_bytes(shape, layout, work, blocks)
     sizes = [gathered[i] for i in blocks]
     held = 2 * max(sizes, default=0)
     if not layout.reshard_after_forward:
@@ -506,10 +514,13 @@ def _unit_bytes(
     bytes of its unsharded gradients (of its trained parameters: under LoRA the adapters only)."""
     gathered: Counter[int | None] = Counter()
     grads: Counter[int | None] = Counter()
-    if work.lora is None:
-        for i in [*blocks, None]:
-            n = _gathered_numel(shape.params_of_layer.get(i, ()), layout)
-            gathered[i], grads[i] = n * work.act_bytes, n * work.param_bytes
+    if work.lora is None:  # alike blocks (`ModelShape.block_kinds`) are counted once
+        kind_of, kinds = shape.block_kinds
+        per_kind = [_gathered_numel(kind, layout) for kind in kinds]
+        for i in blocks:
+            gathered[i], grads[i] = per_kind[kind_of[i]] * work.act_bytes, per_kind[kind_of[i]] * work.param_bytes
+        root = _gathered_numel(shape.params_of_layer.get(None, ()), layout)
+        gathered[None], grads[None] = root * work.act_bytes, root * work.param_bytes
         return gathered, grads
     for k in kept_tensors(shape, layout, work, 0):  # LoRA runs without pipeline parallelism
         n = math.prod(k.spec.shape) // (layout.tp if k.spec.tp_dim is not None else 1)
