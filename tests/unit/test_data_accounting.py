@@ -233,4 +233,9 @@ def test_one_long_sample_holding_most_tokens_is_warned_about(tmp_path, long_samp
     assert lost > 0.5 * (
         counts.supervised_tokens + (counts.supervised_tokens_lost if long_samples == "truncate" else 0)
     )
-    assert [line for line in describe(data) if line.startswith("warning: data.sources.mine: 1 of 31")], describe(data)
+    warning = [line for line in describe(data) if line.startswith("warning: data.sources.mine: 1 of 31")]
+    assert (
+        warning
+        and f"({100 * lost / (counts.supervised_tokens + counts.supervised_tokens_lost if long_samples == 'truncate' else counts.supervised_tokens):.1f}%)"
+        in warning[0]
+    ), warning

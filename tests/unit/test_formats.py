@@ -215,3 +215,10 @@ def test_a_lone_surrogate_escape_names_its_line(tmp_path):
         _records(CONVERSATIONS, str(path))
     path.write_text('{"prompt": "a", "completion": "\\ud83d\\ude00"}\n' * 3)
     assert "\U0001f600" in json.dumps(_records(CONVERSATIONS, str(path)), ensure_ascii=False)
+
+
+def test_a_lone_surrogate_in_a_column_left_out_is_no_problem(tmp_path):
+    """Only the fields trained on are checked (a reviewer: a 'meta' column with \\ud800 refused the file)."""
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"prompt": "a", "completion": "b", "meta": "\\ud800"}\n' * 3)
+    assert len(_records(CONVERSATIONS, str(path))) == 3

@@ -14,6 +14,7 @@ from hydra.utils import instantiate
 from typing_extensions import override
 
 from trainer.budget.msft import MSFT, best_steps, fit_run, loader_state, pick_earliest, settled
+from trainer.data.base import DataError
 
 EVALS = [
     (0, {"a": 0.1, "b": 0.0}),
@@ -210,3 +211,16 @@ def test_a_search_inside_rest_is_refused() -> None:
 
     with pytest.raises(ConfigError, match="budget=msft and plait rest each drive runs of their own"):
         validate(compose("rest", ["+budget=msft"]))
+
+
+def test_a_source_without_held_out_rows_is_refused_before_any_rollout(tmp_path) -> None:
+    """Before: a source whose rows are copies of one (none held out) trained a whole roll-out, then
+    the search died on a KeyError for its missing val/loss (a reviewer's repro)."""
+    (tmp_path / "b.jsonl").write_text('{"prompt": "say hi", "completion": "hi"}\n' * 30)
+    rows = "".join(f'{{"prompt": "what is {i}+{i}?", "completion": "{2 * i}"}}\n' for i in range(60))
+    (tmp_path / "a.jsonl").write_text(rows)
+    sources = f"data.sources={{a: {{source: {tmp_path / 'a.jsonl'}, val_size: 4}}, b: {{source: {tmp_path / 'b.jsonl'}, val_size: 4}}}}"
+    cfg = compose_config(["model=nano", sources, "data.seq_len=64", "budget=msft"], recipe="sft", tiny=False)
+    with pytest.raises(DataError, match=r"budget=msft scores every source on its held-out rows, and b has none"):
+        instantiate(cfg.budget).search(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()

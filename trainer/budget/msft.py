@@ -44,6 +44,7 @@ from strategies.runtime.launch import LAUNCH_ENV
 from trainer.budget.report import plot, table
 from trainer.build import build_data, build_fit, build_model, prepared_data
 from trainer.config import validate
+from trainer.data.base import DataError
 from trainer.data.sft import SFTDataModule
 from trainer.resume_record import ResumeRecord
 from trainer.rundir import RunDir
@@ -227,6 +228,12 @@ class MSFT:
         """Runs the roll-out / roll-back loop; returns the report (also ``<run_dir>/msft.json``)."""
         data = build_data(cfg)
         sizes = {n: len(data.prepare().train[n]) for n in data.names}
+        if unscored := [n for n in data.names if not len(data.prepare().val[n])]:
+            raise DataError(
+                f"budget=msft scores every source on its held-out rows, and {', '.join(unscored)} has none "
+                "(its val_size is 0, or its rows are copies of one); set data.sources.<name>.val_size, give it "
+                "distinct rows, or leave it out of data.sources"
+            )
         metric_of, names = self._metric_of(cfg), list(data.names)
         active, removed = list(names), {}
         ckpt: Path | None = None

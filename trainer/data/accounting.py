@@ -133,9 +133,15 @@ def report_lines(
     for name, c in counts.items():
         lost = c.supervised_tokens_lost / max(1, c.supervised_tokens + c.supervised_tokens_lost)
         if c.samples and (c.affected / c.samples > WARN_FRACTION or lost > WARN_FRACTION):
+            total = c.supervised_tokens + c.supervised_tokens_lost
+            tokens = (
+                f": {c.supervised_tokens_lost:,} of {total:,} supervised tokens ({_pct(c.supervised_tokens_lost, total)}) cut"
+                if c.supervised_tokens_lost
+                else ""
+            )
             lines.append(
                 f"warning: data.sources.{name}: {c.affected:,} of {c.samples:,} training {noun} "
-                f"({_pct(c.affected, c.samples)}) lose supervised or prompt tokens; {c.fix}"
+                f"({_pct(c.affected, c.samples)}) lose supervised or prompt tokens{tokens}; {c.fix}"
             )
         split = c.supervised_tokens_split / max(1, c.supervised_tokens)
         if c.samples and (c.split / c.samples > WARN_FRACTION or split > WARN_FRACTION):

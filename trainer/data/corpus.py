@@ -257,7 +257,7 @@ def _read_jsonl(path: Path, source: str, title: str, text_key: str) -> list[Docu
             text = record[text_key]
             if not isinstance(text, str):
                 raise ValueError(f"{path}, line {lineno}: field {text_key!r} is {type(text).__name__}, not a string")
-            tables.check_unicode(line, text, f"{path}, line {lineno}")
+            tables.check_unicode(text, f"{path}, line {lineno}")
             if text.strip():
                 docs.append(Document(text=text, source=source, title=f"{title}:{lineno}"))
     return docs

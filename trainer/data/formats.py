@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from trainer.data.chat import ROLES, Message, Record, Text
+from trainer.data.tables import check_unicode
 
 # Other names for the fields (Alpaca's instruction/output, question/answer ...): `trainer.data.tables.rename`.
 COLUMNS_FIX = "or map your own field names to these: data.sources.<name>.columns={prompt: question, completion: answer}"
@@ -165,4 +166,5 @@ def read(rows: Iterator[tuple[str, Mapping[str, Any]]], parse: Callable[[Mapping
             out.append(parse(row))
         except FormatError as err:
             raise ValueError(f"{where}: {err}") from None
+        check_unicode(out[-1], where)  # the fields trained on, not the columns left out
     return out

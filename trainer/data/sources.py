@@ -164,8 +164,9 @@ class Catalog:
             )
         if source.val_size and not val:  # by content, copies of one row leave nothing unseen
             print(
-                f"plait: warning: data.sources.{source.name}: its {len(records)} rows are copies of one, so none is "
-                f"held out (no val/loss/{source.name}); add distinct rows to score it",
+                f"plait: warning: data.sources.{source.name}: "
+                + (f"its {len(records)} rows are copies of one" if len(records) > 1 else "it has one row")
+                + f", so none is held out (no val/loss/{source.name}); add distinct rows to score it",
                 file=sys.stderr,
             )
         elif len(val) >= len(train):  # a small file: most of it would never be trained on, unsaid

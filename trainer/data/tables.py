@@ -134,15 +134,14 @@ def rename(row: Mapping[str, Any], columns: Mapping[str, str] | None, where: str
     return out
 
 
-def check_unicode(line: str, value: Any, where: str) -> None:
-    """Refuses a JSON line whose escapes decode to a lone UTF-16 surrogate (``"\\ud800"`` without its
-    pair): valid JSON, but no text, so its tokenizer or cache would fail later without naming the line.
+def check_unicode(value: Any, where: str) -> None:
+    """Refuses text read from a JSON line whose escapes decode to a lone UTF-16 surrogate
+    (``"\\ud800"`` without its pair): valid JSON, but no text, so its tokenizer or cache would fail
+    later without naming the line. ``value``: what is trained on (a parsed record, a document's text).
 
     Raises:
         ValueError: ``<file>, line <n>: ...`` with the fix.
     """
-    if "\\u" not in line:  # only an escape decodes to a surrogate
-        return
     try:
         json.dumps(value, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as err:
@@ -175,7 +174,6 @@ def read_rows(path: str, columns: Mapping[str, str] | None = None) -> Iterator[t
                     ) from None
                 if not isinstance(row, dict):
                     raise ValueError(f"{where}: a {type(row).__name__}, not a JSON object; write one object per line")
-                check_unicode(line, row, where)
                 yield where, rename(row, columns, where)
         return
     for index, row in enumerate(_dataset(path, streaming=False), start=1):
