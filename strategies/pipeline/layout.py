@@ -9,6 +9,7 @@ Pure functions, used by the `PipelineParallel` plugin (strategies/pipeline/plugi
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import Literal, get_args
 
 PPSchedule = Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBV", "DualPipeV"]
@@ -47,7 +48,7 @@ def stage_layers(n_layers: int, num_stages: int, split_points: Sequence[int] | N
         raise ValueError(f"{num_stages} stages need at least {num_stages} layers, the model has {n_layers}")
     base, extra = divmod(n_layers, num_stages)
     sizes = [base + (s < extra) for s in range(num_stages)]
-    starts = [sum(sizes[:s]) for s in range(num_stages)]
+    starts = accumulate(sizes[:-1], initial=0)
     return [range(start, start + size) for start, size in zip(starts, sizes)]
 
 

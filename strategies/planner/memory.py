@@ -431,13 +431,19 @@ def inflight_microbatches(layout: Layout, pp_rank: int, num_microbatches: int) -
 
 
 def predict_rank(
-    shape: ModelShape, layout: Layout, work: Workload, rank: int, *, device: str = "cuda"
+    shape: ModelShape,
+    layout: Layout,
+    work: Workload,
+    rank: int,
+    *,
+    device: str = "cuda",
+    checkpointed: frozenset[int] | None = None,
 ) -> MemoryBreakdown:
-    """Predicted memory of one global rank."""
+    """Predicted memory of one global rank (``checkpointed``: `checkpointed_layers`, when known)."""
     params, grads, optim = state_bytes(shape, layout, work, rank)
     c = rank_coords(layout, rank)
     stages, layers, num_stages = stage_plan(shape, layout, c["pp"])
-    checkpointed = checkpointed_layers(shape, layout)
+    checkpointed = checkpointed_layers(shape, layout) if checkpointed is None else checkpointed
     per_mb = sum(
         stage_activation_bytes(
             shape,
@@ -539,4 +545,8 @@ def _gathered_numel(params: Any, layout: Layout) -> int:
 def predict_memory(shape: ModelShape, layout: Layout, work: Workload, *, device: str = "cuda") -> MemoryBreakdown:
     """The rank with the largest predicted total (pipeline ranks differ; the others are alike)."""
     ranks = [rank_of(layout, pp=p) for p in range(layout.pp)]
-    return max((predict_rank(shape, layout, work, r, device=device) for r in ranks), key=lambda m: m.total)
+    checkpointed = checkpointed_layers(shape, layout)  # every pp rank's blocks: computed once
+    return max(
+        (predict_rank(shape, layout, work, r, device=device, checkpointed=checkpointed) for r in ranks),
+        key=lambda m: m.total,
+    )
