@@ -13,18 +13,7 @@ parallelism keeps the stages of one pp rank. Optimizer states are ``zeros_like``
 local shard, plus Adam's 4-byte ``step`` per tensor. These three match the storages a rank holds
 exactly (`strategies.planner.measure`).
 
-Activations are the tensors autograd saves for backward in plait's Llama (trainer/models/llama.py,
-attention.py, document_masks.py), counted op by op per token and layer: RMSNorm keeps its fp32
-input, normalised input and 1/rms; every projection its input; attention q, k, v (at their own
-heads: GQA through ``enable_gqa``), output and log-sum-exp, with no mask (document-causal kernels;
-on CPU one pair of int64 token indices per forward); SwiGLU its two
-projections, the SiLU output and the product; the head the log-softmax output (fp32). Sequence
-parallel shards the norms' tensors by tp, heads and ffn features are sharded by tp, context
-parallel shards every token-wise tensor by cp (ring attention keeps no mask and copies its output
-once more). Full activation checkpointing keeps the block input only. QK-norm (Qwen3 per head,
-OLMo 2 per projection) keeps the same three tensors over q's and k's features; a post-norm block
-(OLMo 2) saves what a pre-norm one does (its norms take the sublayers' outputs, its projections
-the block input), so it needs no term of its own.
+Activations per block are `strategies.planner.activations`'; here a stage's and a step's.
 
 LoRA (``Workload.lora``, `strategies.transforms.lora`) freezes every parameter: the base keeps its
 parameters (sharded as above) but no gradients and no optimizer state; each adapted weight [out, in]
@@ -48,23 +37,22 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from strategies.core.shape import ModelShape, ParamSpec
-from strategies.muon import ADAMW_PARAMS, takes_muon
-from strategies.planner.layout import MUON_MATRIX_STATES, OPTIMIZER_STATES, Layout, LoRASpec, Workload
+from strategies.muon import takes_muon
+from strategies.planner.activations import adapter_bytes_per_token, layer_activation_bytes
+from strategies.planner.kept import kept_tensors
+from strategies.planner.layout import MUON_MATRIX_STATES, OPTIMIZER_STATES, Layout, Workload
 from strategies.planner.ranks import (
     checkpointed_layers,
     local_numel,
     rank_coords,
     rank_of,
     rank_param_counts,
-    rank_params,
     stage_plan,
 )
-from strategies.transforms.qlora import BLOCKSIZE, STORAGE
 
 GiB = 1024**3
 
@@ -138,84 +126,6 @@ def state_bytes(shape: ModelShape, layout: Layout, work: Workload, rank: int) ->
     return params, grads, optim + local_sgd_bytes(shape, layout, work, rank)
 
 
-class Kept(NamedTuple):
-    """One parameter tensor as a rank keeps it (`kept_tensors`).
-
-    Attributes:
-        spec: its name, full shape (QLoRA's codes: their packed storage's), tp dim and block.
-        count: alike tensors it stands for (alike blocks counted once, `rank_param_counts`).
-        trained: it has a gradient and optimizer state (under LoRA only the adapters do).
-        itemsize: bytes per element as kept (``Workload.param_bytes``; QLoRA's codes: ``STORAGE``'s).
-        cast: FSDP gathers it in the compute dtype; False for QLoRA's codes, gathered as they are
-            (`strategies.fsdp.FSDP.shard_module` with ``cast=False``).
-        whole: bytes kept beside it whole on every rank, whatever the sharding: QLoRA's quantisation
-            state (`nf4_state_bytes`), on the module, not a parameter.
-    """
-
-    spec: ParamSpec
-    count: int
-    trained: bool
-    itemsize: int
-    cast: bool = True
-    whole: int = 0
-
-
-def kept_tensors(shape: ModelShape, layout: Layout, work: Workload, pp_rank: int) -> list[Kept]:
-    """The parameter tensors of a pp rank (`rank_params`) as the run keeps them.
-
-    Without LoRA every tensor trains, in ``Workload.param_bytes``. LoRA (``Workload.lora``,
-    `strategies.transforms.lora.apply_lora`) freezes every parameter and gives each adapted weight
-    [out, in] two trained adapters of its dtype (`adapter_specs`); QLoRA stores that weight as
-    NF4 codes (`nf4_codes`) with its quantisation state. Alike blocks count once
-    (`rank_param_counts`) unless a name decides per tensor (LoRA's targets may name single blocks,
-    ``layers.0.*``; so may a custom Muon split, ``Workload.adamw_params``): then each tensor once.
-    """
-    lora, pb = work.lora, work.param_bytes
-    by_kind = lora is None and (work.optimizer != "muon" or work.adamw_params == ADAMW_PARAMS)
-    pairs = (
-        rank_param_counts(shape, layout, pp_rank) if by_kind else [(p, 1) for p in rank_params(shape, layout, pp_rank)]
-    )
-    if lora is None:
-        return [Kept(p, n, True, pb) for p, n in pairs]
-    out = []
-    for p, n in pairs:
-        if not lora.adapts(p):
-            out.append(Kept(p, n, False, pb))
-            continue
-        if lora.quantize is None:
-            out.append(Kept(p, n, False, pb))
-        else:
-            out.append(Kept(nf4_codes(p), n, False, STORAGE.itemsize, cast=False, whole=nf4_state_bytes(p)))
-        out += [Kept(a, n, True, pb) for a in adapter_specs(p, lora)]
-    return out
-
-
-def adapter_specs(p: ParamSpec, lora: LoRASpec) -> tuple[ParamSpec, ParamSpec]:
-    """LoRA's A [r, in] and B [out, r] of an adapted weight ``p`` [out, in], sharded by tensor
-    parallelism as `strategies.transforms.lora` places them: a column-wise weight (tp dim 0) keeps A
-    whole and shards B's rows, a row-wise one (tp dim 1) shards A's columns and keeps B whole."""
-    layer, (out, features) = p.name.removesuffix(".weight"), p.shape
-    a = ParamSpec(f"{layer}.lora_A.weight", (lora.rank, features), 1 if p.tp_dim == 1 else None, p.layer)
-    b = ParamSpec(f"{layer}.lora_B.weight", (out, lora.rank), 0 if p.tp_dim == 0 else None, p.layer)
-    return a, b
-
-
-def nf4_codes(p: ParamSpec) -> ParamSpec:
-    """The parameter QLoRA keeps for weight ``p`` (`strategies.transforms.qlora.NF4Linear`): its n
-    weights as 4-bit codes, two a byte, in ``STORAGE`` elements: bitsandbytes' ``quantize_4bit``
-    returns [(n + 1) // (2 x itemsize), 1] (float32: n / 8 elements, n / 2 bytes). FSDP2 shards
-    them like any parameter; QLoRA refuses tensor parallelism."""
-    n = math.prod(p.shape)
-    return ParamSpec(p.name, ((n + 1) // (2 * STORAGE.itemsize), 1), None, p.layer)
-
-
-def nf4_state_bytes(p: ParamSpec) -> int:
-    """Bytes of the quantisation state QLoRA keeps for weight ``p`` on its module (a bitsandbytes
-    ``QuantState``, whole on every rank): one float32 absmax per ``BLOCKSIZE`` weights (no double
-    quantisation: ``compress_statistics=False``) and the 16-entry float32 NF4 code book."""
-    return 4 * -(-math.prod(p.shape) // BLOCKSIZE) + 16 * 4
-
-
 def local_sgd_bytes(shape: ModelShape, layout: Layout, work: Workload, rank: int) -> int:
     """Bytes of the parameter-sized tensors a local-SGD algorithm keeps on one global rank
     (``Layout.replica_kept`` unpadded shards: DiLoCo's anchors and outer momentum); 0 without one."""
@@ -247,134 +157,6 @@ def ist_reassembly_extra(shape: ModelShape, layout: Layout, work: Workload) -> i
 
 
 # ---------------------------------------------------------------------------------- activations
-def layer_activation_bytes(
-    shape: ModelShape, layout: Layout, work: Workload, tokens: int, *, device: str, layer: int | None = None
-) -> int:
-    """Saved-for-backward bytes of one block (no checkpointing) for ``tokens`` tokens of a micro-batch
-    on this rank (b x seq_len / cp); block ``layer`` (None: a dense one) may be a mixture of experts."""
-    a, d, f = work.act_bytes, shape.dim, shape.ffn_dim
-    tp = layout.tp
-    sp = tp if layout.sequence_parallel and tp > 1 else 1
-    heads, e = shape.n_heads // tp, shape.head_dim
-    ring = layout.cp > 1
-    kv_heads = shape.n_kv_heads // tp  # GQA through enable_gqa: k and v are saved at their own heads
-    norms = block_norms(shape, layer) * (2 * d + 1) * 4  # x (fp32), x/rms (fp32), 1/rms, for each norm
-    per_token = norms / sp + 2 * d * a  # + the two norm outputs, gathered (projection inputs)
-    if shape.latent_attention:  # whole on every tp rank (trainer.models.moe_transformer's tp plan)
-        per_token += latent_attention_bytes_per_token(
-            shape.n_heads, shape.latent_attention, a, device=device, rows=work.seq_len
-        )
-    else:
-        per_token += (2 * heads + 2 * kv_heads) * e * a + heads * 4  # q, k, v, out; log-sum-exp (fp32)
-    if ring:
-        per_token += heads * e * a  # the attention output copied into the wo input
-    per_token += qk_norm_bytes_per_token(shape, layer, tp)
-    if layer is not None:
-        per_token += adapter_bytes_per_token(shape, layout, work, layer)
-    if shape.attention_sinks:
-        per_token += sink_attention_extra_bytes_per_token(shape, layer, work, heads, kv_heads)
-    if layer in shape.window_layers and work.seq_len > shape.sliding_window:
-        per_token += work.seq_len * 4  # SDPA's additive fp32 copy of the window mask, [B, 1, T, T]
-    if layer is not None and shape.is_moe(layer):
-        per_token += moe_activation_bytes_per_token(shape, a)
-        if shape.expert_activation == "clamped_swiglu":  # g, u, clamped g, sigmoid, up + 1, glu, h: 7 F
-            per_token += shape.top_k * (3 * shape.moe_ffn_dim * a + 8)  # + each row's expert id (biases)
-    else:
-        per_token += 4 * (f // tp // layout.ist_islands) * a  # w1 and w3 outputs, SiLU output, their product
-    return int(tokens * per_token)
-
-
-def adapter_bytes_per_token(shape: ModelShape, layout: Layout, work: Workload, layer: int | None) -> float:
-    """Saved bytes per token of LoRA's adapters on the linear layers of block ``layer`` (None: the
-    output head): B keeps A's output, r features in the compute dtype (a row-wise layer's reduced
-    onto the sequence shards under sequence parallelism); with dropout > 0 A keeps the dropped-out
-    input (in features) and dropout its boolean mask (LoRA refuses dropout under tp). A's own input
-    is the base layer's, counted with it. 0 without LoRA."""
-    lora = work.lora
-    if lora is None:
-        return 0.0
-    sp = layout.tp if layout.sequence_parallel and layout.tp > 1 else 1
-    total = 0.0
-    for p in filter(lora.adapts, shape.params_of_layer.get(layer, ())):
-        total += lora.rank * work.act_bytes / (sp if p.tp_dim == 1 else 1)
-        if lora.dropout > 0:
-            total += p.shape[1] * (work.act_bytes + 1)
-    return total
-
-
-def block_norms(shape: ModelShape, layer: int | None) -> int:
-    """RMSNorms of block ``layer`` around its sublayers, read off their weights: 2 in a pre-norm
-    or post-norm block, 4 in a sandwich (Gemma 3); 2 when the names are not plait's."""
-    names = [
-        f"layers.{layer}.{n}.weight" for n in ("attention_norm", "ffn_norm", "post_attention_norm", "post_ffn_norm")
-    ]
-    return sum(p.name in names for p in shape.params_of_layer.get(layer, ())) or 2
-
-
-def qk_norm_bytes_per_token(shape: ModelShape, layer: int | None, tp: int) -> int:
-    """Saved bytes per token of block ``layer``'s QK-norms (``attention.{q,k}_norm`` after
-    ``attention.{wq,wk}``), read off their weights: each keeps its fp32 input and normalised output
-    (the projection's features on this rank) and one fp32 1/rms per normalised row: per head for a
-    head-wise norm (Qwen3), one per token for a projection-wide one (OLMo 2, whose rows span the
-    tp ranks). None (a dense block of unknown index) or no such norm: 0."""
-    specs = {p.name.removeprefix(f"layers.{layer}.attention."): p.shape for p in shape.params_of_layer.get(layer, ())}
-    total = 0
-    for proj, norm in (("wq", "q_norm"), ("wk", "k_norm")):
-        if f"{norm}.weight" in specs and f"{proj}.weight" in specs:
-            features = specs[f"{proj}.weight"][0] // tp
-            rows = max(1, features // specs[f"{norm}.weight"][0])
-            total += (2 * features + rows) * 4
-    return total
-
-
-def latent_attention_bytes_per_token(n_heads: int, mla: Mapping[str, Any], a: int, *, device: str, rows: int) -> int:
-    """Saved bytes per token of multi-head latent attention (`trainer.models.mla`; its input is
-    counted with the block's norm outputs, and RoPE by a table saves none of q or k): the query
-    latent and its norm (fp32 input and normalised copy, 1/rms, output), the key/value latent
-    projection's [c + r] storage, its norm and output; then the attention. Its values are
-    narrower than its keys, so on CPU SDPA runs its math kernel, which copies q, k and v per head
-    and keeps each row's probabilities (``rows`` keys: the row length, an upper bound for packed
-    documents) besides the output; elsewhere the kernel keeps q, k, the up-projection's storage
-    that v views, the output and the log-sum-exp (fp32)."""
-    h, qr, c, r = n_heads, mla["q_lora_rank"], mla["kv_lora_rank"], mla["qk_rope_head_dim"]
-    n, v = mla["qk_nope_head_dim"], mla["v_head_dim"]
-    qk = n + r
-    total = ((2 * qr + 1) * 4 + qr * a) if qr else 0
-    # kv_norm's fp32 input: in fp32 a view of the projection's [c + r] storage, else its own copy
-    total += (c + r) * 4 if a == 4 else c * 4
-    total += (c + 1) * 4 + c * a
-    if device == "cpu":
-        return total + h * (2 * qk + 2 * v) * a + h * rows * a
-    return total + 2 * h * qk * a + h * (n + v) * a + h * v * a + h * 4
-
-
-def moe_activation_bytes_per_token(shape: ModelShape, a: int) -> float:
-    """Saved bytes per token of an MoE feed-forward (`trainer.models.moe.MoE`, replicated over tp;
-    its input is the norm output counted with the attention's), as its ``[N, ...]`` tensors are:
-    each of the top_k copies of a token saves its gathered input and expert output rows (2 D),
-    the SwiGLU intermediates (4 F) and its index, order and weight (32 bytes); the shared experts
-    save 4 F each; the router its scores and logits (fp32, 2 E) and per-token sums (12 bytes).
-    Under expert parallelism a rank's rows are top_k x tokens only in the mean (balanced routing)."""
-    d, f = shape.dim, shape.moe_ffn_dim
-    routed = shape.top_k * (2 * d * a + 4 * f * a + 32)
-    return routed + shape.num_shared_experts * 4 * f * a + 8 * shape.num_experts + 12
-
-
-def sink_attention_extra_bytes_per_token(
-    shape: ModelShape, layer: int | None, work: Workload, heads: int, kv_heads: int
-) -> int:
-    """Saved bytes per token of GPT-OSS's written-out attention with sinks (`trainer.models.attention.
-    sink_attention`) beyond SDPA's: k and v repeated to every query head (fp32) instead of at their own
-    heads, q in fp32 (a copy unless the activations are fp32), the fp32 probabilities over the keys
-    and the sink, and the boolean mask's complement ([B, 1, T, T] with document masks or a window);
-    no log-sum-exp, and no additive fp32 copy of a window mask."""
-    a, e, t = work.act_bytes, shape.head_dim, work.seq_len
-    windowed = layer in shape.window_layers and t > shape.sliding_window
-    sdpa = 2 * kv_heads * e * a + heads * 4 + (t * 4 if windowed else 0)
-    sinks = 2 * heads * e * 4 + (heads * e * 4 if a != 4 else 0) + heads * (t + 1) * 4
-    return sinks + (t if work.document_masks or windowed else 0) - sdpa
-
-
 def stage_activation_bytes(
     shape: ModelShape,
     layout: Layout,

@@ -36,8 +36,10 @@ from dataclasses import asdict, dataclass
 from strategies.core.shape import ModelShape
 from strategies.muon import newton_schulz_flops, takes_muon
 from strategies.pipeline.layout import balanced_split_points
+from strategies.planner.activations import layer_activation_bytes
+from strategies.planner.kept import adapter_specs, kept_tensors
 from strategies.planner.layout import Layout, Workload
-from strategies.planner.memory import adapter_specs, kept_tensors, layer_activation_bytes, local_sgd_bytes, state_bytes
+from strategies.planner.memory import local_sgd_bytes, state_bytes
 from strategies.planner.ranks import checkpointed_layers, rank_of, stage_plan
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -180,7 +182,7 @@ def layer_costs(
 
 
 def adapter_params(shape: ModelShape, layout: Layout, work: Workload, layer: int | None) -> int:
-    """Elements of LoRA's adapters (`strategies.planner.memory.adapter_specs`, this rank's tp
+    """Elements of LoRA's adapters (`strategies.planner.kept.adapter_specs`, this rank's tp
     shards) on the adapted layers of block ``layer`` (None: the head): the weights each token meets
     in their matmuls. 0 without LoRA."""
     lora = work.lora
