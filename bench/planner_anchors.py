@@ -21,7 +21,8 @@ from strategies.core.shape import ModelShape
 from strategies.planner.layout import Layout, Workload
 from strategies.planner.memory import GiB, predict_memory
 from strategies.planner.time import Cluster, predict_time, tokens_per_second_per_device
-from trainer.compose import CONF_DIR
+from trainer.compose import CONF_DIR, compose
+from trainer.config import validate
 
 
 def cluster(n: int) -> Cluster:
@@ -30,7 +31,8 @@ def cluster(n: int) -> Cluster:
 
 
 def shape(name: str) -> ModelShape:
-    return ModelShape.from_config(OmegaConf.load(CONF_DIR / "model" / f"{name}.yaml"))
+    """The model preset's shape, as a run resolves it (built on the meta device)."""
+    return validate(compose("pretrain", [f"model={name}"]), for_launch=False).shape
 
 
 def work(batch: int, **kernels: bool) -> Workload:
@@ -81,7 +83,7 @@ ROWS = [  # (table row, model, GPUs, layout, workload, published TPS/GPU, publis
         "T5 405B FSDP8xTP8xPP8 1F1B",
         "llama3_405b",
         512,
-        Layout(dp_shard=8, tp=8, pp=8, micro_batch_size=1, ac="full"),
+        Layout(dp_shard=8, tp=8, pp=8, micro_batch_size=1, ac="full", reshard_after_forward=False),
         work(256, compile=True, float8=True, async_tp=True),
         100,
         82.5,
@@ -90,7 +92,16 @@ ROWS = [  # (table row, model, GPUs, layout, workload, published TPS/GPU, publis
         "T5 405B FSDP8xTP8xPP8 Interleaved1F1B",
         "llama3_405b",
         512,
-        Layout(dp_shard=8, tp=8, pp=8, pp_schedule="Interleaved1F1B", stages_per_rank=2, micro_batch_size=1, ac="full"),
+        Layout(
+            dp_shard=8,
+            tp=8,
+            pp=8,
+            pp_schedule="Interleaved1F1B",
+            stages_per_rank=2,
+            micro_batch_size=1,
+            ac="full",
+            reshard_after_forward=False,
+        ),
         work(256, compile=True, float8=True, async_tp=True),
         128,
         72.7,
