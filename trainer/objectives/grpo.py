@@ -207,8 +207,8 @@ class GRPO(Objective):
         seeds = [completion_seed(self.seed, rollout, i, g) for i in indices for g in range(G)]
         was_training = model.training
         model.eval()
+        self.engine.sync_weights(model)  # the weights of every optimizer step so far (not in rollout_s)
         start = time.perf_counter()
-        self.engine.sync_weights(model)  # the weights of every optimizer step so far
         with task.trainer.precision_plugin.forward_context():
             completions = self.engine.generate(
                 model, prompts, params=self.params, eos_id=tokenizer.eos_id, seeds=seeds, all_done=self._all_done(task)
