@@ -113,15 +113,14 @@ TOLERANCE.update(gpt_oss_fsdp2=0.01, gpt_oss_tp2=0.01)
 TOLERANCE.update(deepseek_v3_fsdp2=0.01, deepseek_v3_tp2=0.01)
 
 
-# Slow: 20 layouts in gloo ranks (~30 s); the planner's arithmetic is in tests/unit/test_planner.py.
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_predicted_bytes_match_measured(name, tmp_path):
-    overrides, microbatches = LAYOUTS[name]
-    cfg = compose_config([*PROBE, f"+callbacks.mem.num_microbatches={microbatches}", *overrides])
+def _measured_and_predicted(cfg, tmp_path, microbatches: int):
+    """Fits ``cfg`` (with `MemoryProbe`) and returns the planner's inputs and every rank's
+    ``(rank, measured, predicted)``, after asserting that parameters, gradients and optimizer state
+    match exactly."""
     fit(cfg, tmp_path)
     shape, layout, work = planner_inputs(cfg, validate(cfg))
     assert work.microbatches(layout) == microbatches
+    ranks = []
     for rank in range(layout.world_size):
         measured = json.loads((tmp_path / f"memory_rank{rank}.json").read_text())
         predicted = predict_rank(shape, layout, work, rank, device="cpu")
@@ -130,6 +129,18 @@ def test_predicted_bytes_match_measured(name, tmp_path):
             measured["grads"],
             measured["optimizer"],
         ), (rank, predicted, measured)
+        ranks.append((rank, measured, predicted))
+    return (shape, layout, work), ranks
+
+
+# Slow: 20 layouts in gloo ranks (~30 s); the planner's arithmetic is in tests/unit/test_planner.py.
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_predicted_bytes_match_measured(name, tmp_path):
+    overrides, microbatches = LAYOUTS[name]
+    cfg = compose_config([*PROBE, f"+callbacks.mem.num_microbatches={microbatches}", *overrides])
+    (shape, layout, work), ranks = _measured_and_predicted(cfg, tmp_path, microbatches)
+    for rank, measured, predicted in ranks:
         gathered = gathered_bytes(shape, layout, work, list(range(shape.n_layers)))
         if gathered and layout.tp == layout.pp == 1:  # FSDP's gathered parameters (measured without tp)
             if layout.reshard_after_forward:  # the last block and the root (the planner: two blocks and the root)
@@ -170,16 +181,8 @@ def test_lora_bytes_match_measured(name, hf_base, tmp_path):
             *overrides,
         ]
     )
-    fit(cfg, tmp_path)
-    shape, layout, work = planner_inputs(cfg, validate(cfg))
-    assert work.lora is not None and work.microbatches(layout) == microbatches
-    for rank in range(layout.world_size):
-        measured = json.loads((tmp_path / f"memory_rank{rank}.json").read_text())
-        predicted = predict_rank(shape, layout, work, rank, device="cpu")
-        assert (predicted.params, predicted.grads, predicted.optimizer) == (
-            measured["params"],
-            measured["grads"],
-            measured["optimizer"],
-        ), (rank, predicted, measured)
+    (_, _, work), ranks = _measured_and_predicted(cfg, tmp_path, microbatches)
+    assert work.lora is not None
+    for rank, measured, predicted in ranks:
         ratio = predicted.activations_per_microbatch / measured["activations"]
         assert 1 <= ratio < 1.25, (rank, predicted.activations_per_microbatch, measured["activations"])
