@@ -9,7 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from learns.entries import ENTRIES, Result, passed
+from learns.checks import Result
+from learns.entries import ENTRIES, passed
 
 GOLDEN = Path(__file__).with_name("golden.json")
 GOLDEN_STEPS = 8

@@ -49,7 +49,8 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: tests/ on the path, as pytest has it
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from learns.entries import ENTRIES, Result, passed
+from learns.checks import Result
+from learns.entries import ENTRIES, passed
 from learns.golden import GOLDEN_KEYS, GOLDEN_STEPS, golden_line, update_golden
 
 ROOT = Path(__file__).resolve().parents[2]
