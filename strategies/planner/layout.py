@@ -32,6 +32,7 @@ OPTIMIZER_STATES = {
 }  # fmt: skip
 MUON_MATRIX_STATES = (1, False)
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")  # the mesh's axes, as the strategy names them
 # Settings of a layout the search does not vary: each searched layout keeps the command line's.
 KEPT = ("sequence_parallel", "loss_parallel", "reshard_after_forward")
 
@@ -102,9 +103,7 @@ class Layout:
     def settings(self) -> dict[str, Any]:
         """Every config value this layout decides, by dotted key (a key that does not apply to it,
         such as the pipeline's without pp, is left out)."""
-        out: dict[str, Any] = {
-            f"strategy.{k}": getattr(self, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")
-        }
+        out: dict[str, Any] = {f"strategy.{k}": getattr(self, k) for k in DEGREES}
         if self.pp > 1:
             out["strategy.pipeline.schedule"] = self.pp_schedule
             out["strategy.pipeline.stages_per_rank"] = self.stages_per_rank
@@ -133,24 +132,18 @@ class Layout:
         # to a layout with tp and FSDP); the pipeline's, cp's mode and every_k have none: always written
         default = Layout(dp_shard=2, tp=2).settings()
         theirs = against.settings() if against is not None else {}
-        always = ("strategy.dp_replicate", "strategy.dp_shard", "strategy.cp", "strategy.tp", "strategy.pp")
+        always = {*(f"strategy.{k}" for k in DEGREES), "train.micro_batch_size"}
         out = ["strategy=nd"] + [
             f"{key}={_override_value(value)}"
             for key, value in self.settings().items()
-            if key in always
-            or key == "train.micro_batch_size"
-            or key not in default
-            or value != default[key]
-            or value != theirs.get(key, value)
+            if key in always or key not in default or value != default[key] or value != theirs.get(key, value)
         ]
         if trainer_devices is not None:
             out.append(f"trainer.devices={trainer_devices}")
         return out
 
     def label(self) -> str:
-        parts = [
-            f"{k}{getattr(self, k)}" for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp") if getattr(self, k) > 1
-        ]
+        parts = [f"{k}{getattr(self, k)}" for k in DEGREES if getattr(self, k) > 1]
         text = " ".join(parts) or "single"
         if self.pp > 1:
             text += f" {self.pp_schedule}" + (f"/v{self.stages_per_rank}" if self.stages_per_rank > 1 else "")
