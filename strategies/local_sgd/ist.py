@@ -221,6 +221,18 @@ class IST(LocalSGD):
         return super().after_step(model, step, optimizer)
 
     @override
+    def run_length(self, total_steps: int) -> None:
+        """Says when the run's last round is cut short: it trains on fewer steps than the others
+        and is reassembled at the end (`end_training`), so nothing is lost, but its units saw less."""
+        if total_steps % self.sync_every:
+            rounds, last = -(-total_steps // self.sync_every), total_steps % self.sync_every
+            self.say(
+                f"strategy=ist: the run's {total_steps} planned steps make {rounds} rounds, the last of {last} steps "
+                f"instead of strategy.local_sgd.sync_every={self.sync_every} (reassembled at the end); choose "
+                f"trainer.max_steps as a multiple of {self.sync_every} for whole rounds"
+            )
+
+    @override
     def end_training(self, model: nn.Module) -> None:
         """A run that ends inside a round reassembles it (counted in ``comm/bytes_sent_total``), so
         the last evaluation, checkpoint and export see the whole model."""

@@ -7,6 +7,7 @@ from harness import compose_config
 
 from strategies.local_sgd import DESLOC, DiLoCo, allreduce_bytes_sent
 from strategies.local_sgd.diloco import assign_fragments, fragment_offset
+from strategies.local_sgd.ist import IST
 from trainer.config import ConfigError, validate
 from trainer.models.llama import Llama
 
@@ -97,3 +98,9 @@ def test_a_run_that_ends_apart_or_never_synchronises_says_so(capsys) -> None:
     DESLOC(param_every=16).run_length(10)
     err = capsys.readouterr().err
     assert err.count("plait: warning:") == 1 and "strategy.local_sgd.param_every=16 is longer" in err
+    IST(sync_every=4).run_length(10)  # reassembled at the end: said, not a warning
+    err = capsys.readouterr().err
+    assert "10 planned steps make 3 rounds, the last of 2 steps instead of strategy.local_sgd.sync_every=4" in err
+    assert "warning" not in err
+    IST(sync_every=5).run_length(10)
+    assert capsys.readouterr().err == ""
