@@ -11,7 +11,8 @@ share no process group that one lost process could break. A torchft ``Lighthouse
    fault-tolerant all-reduce of the step's supervised-token count: each group divides its loss by
    the tokens of all groups present, as HSDP divides by those of all replicas.
 2. Forward and backward inside the group as usual.
-3. `reduce_gradients`: one fault-tolerant all-reduce (SUM) of the loss and one per gradient dtype:
+3. `reduce_gradients`: one fault-tolerant all-reduce (SUM) of the loss, one of each of the objective's
+   named sums (per-source losses, rewards: logged over all groups) and one per gradient dtype:
    with every group present this is HSDP's gradient, bit for bit on one process per group.
 4. ``should_commit``: the optimizer step runs only if every rank of the group saw its collectives
    succeed; a step whose all-reduce failed (a peer died during it) drops its update on the
@@ -270,15 +271,16 @@ class ReplicaGroups(StrategyPlugin):
 
     @torch.no_grad()
     def reduce_gradients(
-        self, parameters: Sequence[nn.Parameter], loss: torch.Tensor
+        self, parameters: Sequence[nn.Parameter], loss: torch.Tensor, sums: Sequence[torch.Tensor] = ()
     ) -> tuple[torch.Tensor, bool] | None:
-        """Sums the gradients (each group's already divided by the tokens of all groups) and the
-        loss over the groups present, in place; whether the group may apply the update
-        (``should_commit``: every collective of the step succeeded)."""
+        """Sums the gradients (each group's already divided by the tokens of all groups), the loss
+        and the named ``sums`` over the groups present, in place; whether the group may apply the
+        update (``should_commit``: every collective of the step succeeded)."""
         if self.local_sgd is not None:  # islands: no gradient crosses the groups
             return None
         loss = loss.detach().clone()
-        self.bytes_sent += self._all_reduce_([local(p.grad) for p in parameters if p.grad is not None], loss=loss)
+        grads = [local(p.grad) for p in parameters if p.grad is not None]
+        self.bytes_sent += self._all_reduce_(grads, loss=loss, sums=sums)
         return loss, self._commit()
 
     @torch.no_grad()
@@ -290,14 +292,20 @@ class ReplicaGroups(StrategyPlugin):
         return sent, self._commit()
 
     def _all_reduce_(
-        self, shards: Sequence[torch.Tensor], *, mean: bool = False, loss: torch.Tensor | None = None
+        self,
+        shards: Sequence[torch.Tensor],
+        *,
+        mean: bool = False,
+        loss: torch.Tensor | None = None,
+        sums: Sequence[torch.Tensor] = (),
     ) -> float:
         """Sums (``mean``: averages) ``shards`` over the groups present, in place: one fault-tolerant
-        all-reduce per dtype, and one of the 0-dim ``loss`` (in place, not counted); returns the
-        bytes this rank sent (ring all-reduce, as `allreduce_bytes_sent`)."""
+        all-reduce per dtype, and one of the 0-dim ``loss`` and of each contiguous tensor of ``sums``
+        (in place, summed, not counted); returns the bytes this rank sent (ring all-reduce, as
+        `allreduce_bytes_sent`)."""
         index = {d: [i for i, s in enumerate(shards) if s.dtype == d] for d in dict.fromkeys(s.dtype for s in shards)}
         messages = [torch.cat([shards[i].reshape(-1) for i in rows]) for rows in index.values()]
-        scalars = [loss.reshape(1)] if loss is not None else []
+        scalars = ([loss.reshape(1)] if loss is not None else []) + [s.view(-1) for s in sums]
         works = [self.manager.allreduce(flat, reduce_op=ReduceOp.SUM) for flat in [*scalars, *messages]]
         for work in works:
             work.wait()

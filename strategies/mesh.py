@@ -266,12 +266,14 @@ class MeshStrategy(ModelParallelStrategy):
                 return reduced
         return num_tokens
 
-    def reduce_gradients(self, parameters: Sequence[nn.Parameter], loss: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """Gradients and loss summed over other worlds too (the first active plugin's
-        `StrategyPlugin.reduce_gradients`: replica groups) and whether the update applies; else
+    def reduce_gradients(
+        self, parameters: Sequence[nn.Parameter], loss: torch.Tensor, sums: Sequence[torch.Tensor] = ()
+    ) -> tuple[torch.Tensor, bool]:
+        """Gradients, loss and the step's named ``sums`` summed over other worlds too (the first active
+        plugin's `StrategyPlugin.reduce_gradients`: replica groups) and whether the update applies; else
         ``loss`` and True."""
         for plugin in self.active:
-            if (reduced := plugin.reduce_gradients(parameters, loss)) is not None:
+            if (reduced := plugin.reduce_gradients(parameters, loss, sums)) is not None:
                 return reduced
         return loss, True
 

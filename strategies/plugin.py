@@ -27,7 +27,7 @@ Phases, in the order a run meets them:
 A plugin that joins this world to others (torchft's replica groups, `strategies.fault_tolerance`)
 also takes ``data_share()`` (this world's share of each global batch), ``join(trainer)`` (at the
 start of training, before the first batch is read), ``reduce_tokens(num_tokens)`` (before the
-forward), ``reduce_gradients(parameters, loss)`` (after the backward, before the gradient norm and
+forward), ``reduce_gradients(parameters, loss, sums)`` (after the backward, before the gradient norm and
 the optimizer step) and ``teardown()``.
 
 Declared properties (class attributes): ``when``, ``needs_real_weights``, ``splits_stages``,
@@ -178,11 +178,12 @@ class StrategyPlugin:
         return None
 
     def reduce_gradients(
-        self, parameters: Sequence[nn.Parameter], loss: torch.Tensor
+        self, parameters: Sequence[nn.Parameter], loss: torch.Tensor, sums: Sequence[torch.Tensor] = ()
     ) -> tuple[torch.Tensor, bool] | None:
         """After the backward: sums this world's gradients (already divided by every world's tokens)
-        and its ``loss`` with other worlds' in place; returns the summed loss and whether to apply
-        the update. None: not this plugin's to reduce."""
+        and the step's named ``sums`` (the objective's ``[2, n]`` sums and counts, e.g. the loss per
+        SFT source) with other worlds' in place, and its ``loss``; returns the summed loss and
+        whether to apply the update. None: not this plugin's to reduce."""
         return None
 
     def teardown(self) -> None:

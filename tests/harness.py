@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from strategies.runtime.launch import LAUNCH_ENV
 from trainer.build import build_run
 from trainer.compose import compose
+from trainer.objectives.pretrain import CausalLM
 from trainer.rundir import RunDir
 from trainer.task import Task
 
@@ -179,6 +180,28 @@ class SleepPerStep(L.Callback):
 
     def on_train_batch_end(self, *args: Any) -> None:  # noqa: D102
         time.sleep(self.seconds)
+
+
+class WholeLossSums(CausalLM):
+    """plait's `CausalLM` that also reports its whole loss as one named sum, ``loss/all`` (the
+    summed token loss and the supervised tokens of every micro-batch), so that a layout's
+    ``train/loss/all`` can be checked against its ``train/loss``: a named sum reduced over fewer
+    ranks (or worlds) than the loss shows up as a difference. Use with
+    ``objective._target_=harness.WholeLossSums``."""
+
+    def __init__(self, loss_chunk_tokens: int | None = None) -> None:
+        super().__init__(loss_chunk_tokens)
+        self._sums: torch.Tensor | None = None
+
+    def loss_sum(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:  # noqa: D102
+        loss = super().loss_sum(model, batch)
+        sums = torch.stack([loss.detach().float(), self.num_tokens(batch).to(loss.device)]).reshape(2, 1)
+        self._sums = sums if self._sums is None else self._sums + sums
+        return loss
+
+    def pop_sums(self) -> tuple[list[str], torch.Tensor]:  # noqa: D102
+        sums, self._sums = self._sums, None
+        return ["loss/all"], sums if sums is not None else torch.zeros(2, 1)
 
 
 class DiskFullAt(L.Callback):

@@ -161,13 +161,18 @@ class Task(L.LightningModule):
         return names
 
     def _pop_sums(self, prefix: str) -> list[NamedMeans]:
-        """``{prefix}/<name>``: the named sums since the last call of the objective and, for a
-        `RoutedModel`, of the model (`Objective.pop_sums`: e.g. the loss per SFT source, the
-        rewards per preference pair, the expert loads), reduced over all dp x cp ranks and the
-        pipeline stages (only the last one computes the loss; each holds its own MoE blocks), each
-        divided by its count on the device (`NamedMeans`; names whose count is 0 are left out when read)."""
+        """``{prefix}/<name>``: `_reduced_sums` each divided by its count on the device
+        (`NamedMeans`; names whose count is 0 are left out when read)."""
+        return [NamedMeans.of_sums(prefix, names, sums) for names, sums in self._reduced_sums()]
+
+    def _reduced_sums(self) -> list[tuple[list[str], torch.Tensor]]:
+        """The named sums since the last call of the objective and, for a `RoutedModel`, of the
+        model (`Objective.pop_sums`: e.g. the loss per SFT source, the rewards per preference pair,
+        the expert loads), each ``(names, [2, n] fp32 sums and counts)`` reduced over all dp x cp
+        ranks and the pipeline stages (only the last one computes the loss; each holds its own MoE
+        blocks) of this world."""
         strategy = self.trainer.strategy
-        means = []
+        reduced = []
         for source in (self.objective, self.model) if isinstance(self.model, RoutedModel) else (self.objective,):
             popped = source.pop_sums()
             if popped is None:
@@ -176,8 +181,8 @@ class Task(L.LightningModule):
             sums = strategy.all_reduce_sum(sums.to(self.device).float(), "dp_cp")
             if strategy.dims.pp > 1:
                 sums = strategy.all_reduce_sum(sums, "pp")
-            means.append(NamedMeans.of_sums(prefix, names, sums))
-        return means
+            reduced.append((list(names), sums))
+        return reduced
 
     @property
     def history(self) -> list[dict[str, Any]]:
@@ -235,15 +240,17 @@ class Task(L.LightningModule):
 
         local_loss = strategy.forward_backward(self.model, micro_batches, loss_fn, self.manual_backward)
         loss = strategy.all_reduce_sum(local_loss, strategy.token_axis)
-        objective_sums = self._pop_sums("train")  # e.g. per-source losses, preference rewards
+        named_sums = self._reduced_sums()  # e.g. per-source losses, preference rewards
         if strategy.token_axis != "dp_cp":
             # Local-SGD islands each divide by their own tokens: log the token-weighted mean of all islands.
             totals = strategy.all_reduce_sum(torch.stack([loss * num_tokens, num_tokens]), "dp_replicate")
             loss, num_tokens = totals[0] / totals[1].clamp(min=1.0), totals[1]
 
         parameters = [p for p in self.model.parameters() if p.requires_grad]
-        # Replica groups (fault tolerance) sum their gradients here; an update a group cannot commit is dropped.
-        loss, commit = strategy.reduce_gradients(parameters, loss)
+        # Replica groups (fault tolerance) sum their gradients, loss and named sums here; an update a
+        # group cannot commit is dropped.
+        loss, commit = strategy.reduce_gradients(parameters, loss, [sums for _, sums in named_sums])
+        objective_sums = [NamedMeans.of_sums("train", names, sums) for names, sums in named_sums]
         grad_norm = strategy.grad_norm(parameters)
         islands = None if strategy.token_axis == "dp_cp" else lambda t: strategy.all_reduce_sum(t, "dp_replicate")
         values = self.nonfinite.combine(loss, grad_norm, islands=islands)
