@@ -18,7 +18,7 @@ from omegaconf.errors import InterpolationResolutionError, InterpolationToMissin
 from strategies.core.parallel_dims import MESH_AXES, ParallelDims
 from strategies.core.ranges import NON_NEGATIVE, POSITIVE, Range
 from strategies.core.resolved import ResolvedRun
-from strategies.mesh import MOVED_KEYS
+from strategies.moved_keys import MOVED_KEYS
 from trainer.combinations import driver_problems, subnet_problems, target_class
 from trainer.model_node import NODE_KEYS
 from trainer.node_schema import check_dataclass, check_target, type_ok

@@ -357,7 +357,7 @@ class LoRA(StrategyPlugin):
     """The LoRA plugin (``strategy.lora``, off when null; preset ``+strategy/lora=default``).
 
     Applied after tensor and context parallelism and before activation checkpointing, compile
-    and FSDP (`strategies.mesh.ORDER`), on materialized weights (``needs_real_weights``). Checkpoints then hold only the
+    and FSDP (`strategies.strategy_node.ORDER`), on materialized weights (``needs_real_weights``). Checkpoints then hold only the
     adapters (and their optimizer state): the base comes from ``model.init_from``.
 
     Args:
