@@ -24,9 +24,9 @@ def target_class(node: Any) -> Any:
 
 def driver_problems(cfg: DictConfig) -> list[str]:
     """What a driver of runs of its own (``budget=msft``'s roll-outs, ``plait rest``'s rounds) cannot
-    run with: it reads its runs' checkpoints (a roll-back point, each round's model), and it fits
-    them in children of its own process, not as torchft's replica groups (whose launcher the
-    train command starts)."""
+    run with: it reads its runs' checkpoints (a roll-back point, each round's model), so it needs
+    them and one model in each (not local SGD's islands), and it fits its runs in children of its
+    own process, not as torchft's replica groups (whose launcher the train command starts)."""
     drivers = [what for key, what in (("budget", "budget=msft"), ("rest", "plait rest")) if cfg.get(key) is not None]
     problems = []
     if len(drivers) == 2:
@@ -41,6 +41,13 @@ def driver_problems(cfg: DictConfig) -> list[str]:
             problems.append(
                 f"{what} fits its runs in processes of its own, not as torchft replica groups; use a strategy without "
                 "strategy.fault_tolerance (strategy=ddp or fsdp, not ft or ft_diloco)"
+            )
+        elif OmegaConf.select(cfg, "strategy.local_sgd", default=None) is not None:
+            # a reviewer: budget=msft under strategy=diloco handed over a roll-back point whose islands differed
+            problems.append(
+                f"{what} takes its runs' models from their checkpoints (a roll-back point at an evaluation, each "
+                "round's last step), where local SGD's islands hold their own weights; use strategy=ddp or fsdp "
+                "(strategy.local_sgd=null)"
             )
     return problems
 

@@ -91,7 +91,8 @@ class DiLoCo(LocalSGD):
         self.outer: torch.optim.Optimizer | None = None
 
     def run_length(self, total_steps: int) -> None:
-        """Says when the run ends before its first outer step, or (one fragment) between two."""
+        """Says when the run ends before its first outer step, or with the islands apart: between two
+        outer steps (one fragment), or always (fragments: each meets at its own steps)."""
         if self.num_fragments == 1:
             self.say(self.period_line(total_steps, self.sync_every, "sync_every"))
             return
@@ -106,6 +107,14 @@ class DiLoCo(LocalSGD):
                 f"(step {first}; strategy.local_sgd.sync_every={self.sync_every}): the islands never synchronise; "
                 "lower strategy.local_sgd.sync_every"
             )
+            return
+        # Each fragment meets at its own steps, so at any last step the others have trained apart since theirs.
+        self.say(
+            f"warning: strategy.local_sgd.num_fragments={self.num_fragments}: each fragment synchronises at its own "
+            f"steps, so the run's {total_steps} planned steps end with the islands apart (the last evaluation and the "
+            "checkpoint hold each island's own weights); for one model at the end use strategy.local_sgd.num_fragments=1 "
+            f"and trainer.max_steps a multiple of strategy.local_sgd.sync_every={self.sync_every}"
+        )
 
     @override
     def cost(self, *, optimizer_states: int, param_bytes: int) -> IslandCost:

@@ -164,9 +164,32 @@ class Hierarchical(LocalSGD):
         return [flat for flat, _ in self.in_flight[3]] if self.in_flight is not None else []
 
     def run_length(self, total_steps: int) -> None:
-        """The run's planned steps: the cool-down's ``total_steps`` unless the config set it."""
+        """The run's planned steps: the cool-down's ``total_steps`` unless the config set it. Without a
+        cool-down, says when the islands end apart: the run ends between two synchronisations, a
+        late merge (``delay``) is still to come, or the period follows the loss (``adaptive``)."""
         if self.total_steps is None:
             self.total_steps = total_steps
+        after = total_steps - self.warmup_steps  # the steps after the warm-up, synchronised every sync_every
+        if self.cooldown_steps or after <= 0:
+            return
+        if not self.delay and not self.adaptive:
+            if after % self.sync_every:
+                warmup = f" after strategy.local_sgd.warmup_steps={self.warmup_steps}" if self.warmup_steps else ""
+                self.say(
+                    f"warning: the run's {total_steps} planned steps end {after % self.sync_every} after its last "
+                    f"synchronisation (every strategy.local_sgd.sync_every={self.sync_every} steps{warmup}): the islands "
+                    "end apart (the last evaluation and the checkpoint hold each island's own weights); choose "
+                    f"trainer.max_steps as {self.warmup_steps} plus a multiple of {self.sync_every}, or set "
+                    "strategy.local_sgd.cooldown_steps"
+                )
+            return
+        why = "the period follows the loss (adaptive)" if self.adaptive else f"a sum is merged {self.delay} steps late"
+        self.say(
+            f"warning: {why} and strategy.local_sgd.cooldown_steps=0, so the run's {total_steps} planned steps end with "
+            "the islands apart (the last evaluation and the checkpoint hold each island's own weights; a sum still in "
+            "flight is not merged); set strategy.local_sgd.cooldown_steps (the last steps synchronise after every "
+            "step, blocking: strategy=daso sets 20)"
+        )
 
     @property
     def cooldown_from(self) -> float:

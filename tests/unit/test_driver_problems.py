@@ -1,5 +1,6 @@
 """Configs validate accepted that then crashed (a review ran them): a driver of runs of its own
-(budget=msft, plait rest) without checkpoints or under torchft's replica groups, and callbacks
+(budget=msft, plait rest) without checkpoints, under torchft's replica groups or local SGD's islands
+(an mSFT roll-back point whose islands differed), and callbacks
 that read the whole model while IST trains narrower MLPs. Each is now refused, naming the fix.
 Mutation: dropping driver_problems / subnet_problems from component_problems accepts all of them."""
 
@@ -21,6 +22,12 @@ REST = ["model=nano", "model.max_seq_len=512"]
         ("sft", [*SFT, "budget=msft", "strategy=ft"], "budget=msft fits its runs in processes of its own"),
         ("rest", [*REST, "callbacks.checkpoint=null"], "plait rest reads the checkpoints"),
         ("rest", [*REST, "strategy=ft"], "plait rest fits its runs in processes of its own"),
+        (
+            "sft",
+            [*SFT, "budget=msft", "strategy=diloco", "trainer.devices=2"],
+            "budget=msft takes its runs' models from their checkpoints",
+        ),
+        ("rest", [*REST, "strategy=ist", "trainer.devices=2"], "plait rest takes its runs' models from their"),
         (
             "pretrain",
             [

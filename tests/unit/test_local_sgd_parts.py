@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from harness import compose_config
 
-from strategies.local_sgd import DESLOC, DiLoCo, allreduce_bytes_sent
+from strategies.local_sgd import DESLOC, DiLoCo, Hierarchical, allreduce_bytes_sent
 from strategies.local_sgd.diloco import assign_fragments, fragment_offset
 from strategies.local_sgd.ist import IST
 from trainer.config import ConfigError, validate
@@ -92,9 +92,15 @@ def test_a_run_that_ends_apart_or_never_synchronises_says_so(capsys) -> None:
         capsys.readouterr().err
     )
     DiLoCo(sync_every=5).run_length(10)
-    DiLoCo(sync_every=4, num_fragments=2).run_length(10)  # streaming: fragments meet at their own offsets
-    DiLoCo(sync_every=50, num_fragments=2).run_length(10)  # ... but never before the first fragment's (step 25)
+    assert capsys.readouterr().err == ""
+    DiLoCo(sync_every=50, num_fragments=2).run_length(10)  # streaming: never before the first fragment's (step 25)
     assert "end before its first fragment's synchronisation (step 25;" in capsys.readouterr().err
+    # streaming: each fragment meets at its own offset, so no run ends on one model (a reviewer: islands
+    # differed by 2e-3 in layer 0 after 8 steps with sync_every=4, with no word at launch)
+    DiLoCo(sync_every=4, num_fragments=2).run_length(8)
+    assert "num_fragments=2: each fragment synchronises at its own steps, so the run's 8 planned steps end with" in (
+        capsys.readouterr().err
+    )
     DESLOC(param_every=16).run_length(10)
     err = capsys.readouterr().err
     assert err.count("plait: warning:") == 1 and "strategy.local_sgd.param_every=16 is longer" in err
@@ -104,3 +110,20 @@ def test_a_run_that_ends_apart_or_never_synchronises_says_so(capsys) -> None:
     assert "warning" not in err
     IST(sync_every=5).run_length(10)
     assert capsys.readouterr().err == ""
+
+
+def test_hierarchical_without_a_cooldown_says_when_the_islands_end_apart(capsys) -> None:
+    """strategy=hierarchical (no cool-down) ended 2 steps after its last synchronisation, and with
+    delay=2 a sum sent at step 4 was never merged by the end at step 5, both in silence (a reviewer)."""
+    Hierarchical(sync_every=4).run_length(6)
+    assert "the run's 6 planned steps end 2 after its last synchronisation (every strategy.local_sgd.sync_every=4" in (
+        capsys.readouterr().err
+    )
+    Hierarchical(sync_every=4, warmup_steps=2).run_length(6)  # synchronised at step 6: warm-up 2 + 4
+    Hierarchical(sync_every=4).run_length(8)
+    Hierarchical(sync_every=4, cooldown_steps=2).run_length(7)  # the cool-down ends it on one model
+    assert capsys.readouterr().err == ""
+    Hierarchical(sync_every=4, delay=2).run_length(8)
+    assert "a sum is merged 2 steps late and strategy.local_sgd.cooldown_steps=0" in capsys.readouterr().err
+    Hierarchical(sync_every=4, adaptive=True).run_length(8)
+    assert "the period follows the loss (adaptive)" in capsys.readouterr().err
