@@ -12,6 +12,7 @@ preflight, where the objective's check names the real fix (see `Composed.implied
 from __future__ import annotations
 
 import difflib
+import inspect
 import itertools
 import re
 from collections.abc import Sequence
@@ -23,6 +24,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
+from hydra.utils import get_object
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -187,9 +189,25 @@ def own_data_fix(cfg: DictConfig, key: str, value: str, *, plain: bool = True) -
     )
 
 
+def target_taking(node: DictConfig, leaf: str) -> str | None:
+    """The ``_target_`` of ``node`` when what it names takes an argument called ``leaf`` (by name,
+    not through ``**kwargs``), else None (no target, or one that does not import)."""
+    target = node.get("_target_")
+    if not isinstance(target, str):
+        return None
+    try:
+        params = inspect.signature(get_object(target)).parameters
+    except Exception:  # a target that does not import or has no signature: its own check reports it
+        return None
+    named = params.get(leaf)
+    return target if named is not None and named.kind is not named.VAR_KEYWORD else None
+
+
 def did_you_mean(cfg: DictConfig, override: str) -> str:
     """The fix for an override of a key ``cfg`` lacks, the first found of: plait's name for a foreign
-    option or a moved key (`trainer.foreign_names`); a key of the same node close in spelling
+    option or a moved key (`trainer.foreign_names`); an argument of the node's ``_target_`` that the
+    config does not list (``strategy.local_sgd.outer_optimizer.weight_decay``: add it with ``+``); a
+    key of the same node close in spelling
     (``model.max_seq_length``: model.max_seq_len); plait's name for the key's last part
     (``trainer.num_train_epochs``: not the loosely close trainer.limit_train_batches); a key of the
     node less close; the foreign name closest in spelling. `` (unknown key)`` when none is. A group
@@ -211,6 +229,8 @@ def did_you_mean(cfg: DictConfig, override: str) -> str:
     node = OmegaConf.select(cfg, parent) if parent else cfg
     if not isinstance(node, DictConfig) or leaf in node:
         return ""
+    if (target := target_taking(node, leaf)) is not None:  # a setting the class takes, not listed in the config
+        return f" (a setting of {target} that the config does not list; add it with +{key}={value})"
     keys, prefix = [str(k) for k in node], parent + "." if parent else ""
     if match := difflib.get_close_matches(leaf, keys, n=1, cutoff=CLOSE):
         return f" (unknown key; did you mean {prefix}{match[0]}?)"

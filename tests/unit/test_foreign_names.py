@@ -56,6 +56,21 @@ def test_a_close_spelling_of_plait_key_and_a_misspelt_foreign_name() -> None:
     assert _problems("sft", "objective.beta=0.1")[0].endswith("(unknown key)")
 
 
+def test_a_setting_the_target_takes_but_the_config_lacks_is_added_with_plus() -> None:
+    """A reviewer: ``strategy.local_sgd.outer_optimizer.weight_decay=0.1`` said "use optim.weight_decay=0.1"
+    (the inner optimizer's: a foreign-name match on the last part), and an argument a user's subclass
+    adds said only "(unknown key)"; both are arguments of the node's ``_target_``."""
+    problem = _problems("pretrain", "strategy=diloco", "strategy.local_sgd.outer_optimizer.weight_decay=0.1")[0]
+    assert problem.endswith(
+        "(a setting of torch.optim.SGD that the config does not list; "
+        "add it with +strategy.local_sgd.outer_optimizer.weight_decay=0.1)"
+    ), problem
+    # a misspelt argument is still a misspelling, and **kwargs does not make every name a setting
+    assert _problems("pretrain", "strategy=diloco", "strategy.local_sgd.sync_evry=4")[0].endswith(
+        "(unknown key; did you mean strategy.local_sgd.sync_every?)"
+    )
+
+
 def _has(cfg: DictConfig, key: str) -> bool:
     """Whether the dotted ``key`` is a field of ``cfg`` (``<name>``: the first child of that node)."""
     node = cfg
