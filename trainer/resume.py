@@ -12,7 +12,8 @@ anything is written, `resume_problems` compares them with the new run's:
   other data with a new run and ``model.init_from=<checkpoint>``); ``train.micro_batch_size`` is
   free (it only splits the same global batch into gradient-accumulation steps);
 - ``optim.*``, ``scheduler.*`` and ``train.max_grad_norm`` may change when named in
-  ``resume_override=[...]``; their new values then take effect from the first resumed step
+  ``resume_override=[...]``, but for the optimizer's class and Muon's ``adamw_params``, which decide
+  what the saved optimizer state holds; their new values then take effect from the first resumed step
   (`trainer.resume_record.apply_overrides`: the restored optimizer state would otherwise keep the old ones);
 - the layout (``strategy.*``, ``trainer.*``: world size, ``max_steps``), logging, callbacks and
   evaluation settings are free (DCP reshards; the scheduler takes the new ``max_steps``).
@@ -45,6 +46,9 @@ LOCAL_SGD = "strategy.local_sgd._target_"
 FIXED = ("model", "objective", "data", "seed", "train.global_batch_size", "strategy.lora", LOCAL_SGD)
 DATA_POSITION = ("data", "seed", "train.global_batch_size")  # fields the saved data position depends on
 OVERRIDABLE = ("optim", "scheduler", "train.max_grad_norm")
+# optim fields that decide the shape of the saved optimizer state (which tensors, for which parameters):
+# even named in resume_override they cannot change (the load failed, calling the checkpoint damaged).
+OPTIMIZER_STATE = ("optim._target_", "optim.adamw_params")
 # Keys of the fixed groups that do not change what is trained: where a file is cached, where
 # the initial weights came from (the checkpoint holds them now), the tokenizer path (compared
 # by the tokenizer's fingerprint instead).
@@ -269,6 +273,12 @@ def resume_problems(
             problems.append(
                 f"{differs}: {source} holds {held}, and a resume keeps how the run trains; resume with the run's own "
                 f"strategy (plait resume <run dir> keeps it), or start a new run_dir with model.init_from={source}"
+            )
+        elif key in OPTIMIZER_STATE:
+            problems.append(
+                f"{differs}: {source} holds the optimizer state of {_setting(key, old)} (its moments, per parameter), "
+                f"which the new setting cannot take; resume {back}, or start a new run_dir with "
+                f"model.init_from={source} (fresh optimizer state)"
             )
         elif key == "optim.weight_decay" and not old and _under(key, overrides):
             problems.append(

@@ -69,6 +69,24 @@ def test_override_allows_optimizer_fields_only() -> None:
     assert any("only optim, scheduler, train.max_grad_norm" in p for p in problems), problems
 
 
+def test_another_optimizer_class_is_refused_even_when_named_in_resume_override() -> None:
+    """A reviewer: ``optim=sgd resume_override=[optim]`` (or ``optim=muon``) on an AdamW run passed the
+    checks, then the load failed with "it is damaged or was written for another model"; the refusal
+    without the override had even recommended ``resume_override=[optim._target_]``."""
+    record = run_record({**SAVED, "optim": {**SAVED["optim"], "_target_": "torch.optim.AdamW"}}, "f" * 64)
+    sgd = _new(optim__lr=1e-3)
+    sgd["optim"] = {"_target_": "torch.optim.SGD", "lr": 1e-3}
+    for overrides in ([], ["optim"], ["optim._target_"]):
+        problems = resume_problems(record, sgd, None, overrides, source="ckpt")
+        (problem,) = [p for p in problems if p.startswith("optim._target_")]
+        assert "holds the optimizer state of optim._target_='torch.optim.AdamW'" in problem, problem
+        assert "resume with optim._target_='torch.optim.AdamW'" in problem and "model.init_from=ckpt" in problem
+        assert not any("resume_override=[optim._target_]" in p for p in problems), problems
+    adamw = _new(optim__lr=1e-3)
+    adamw["optim"]["_target_"] = "torch.optim.AdamW"
+    assert resume_problems(record, adamw, None, ["optim"], source="c") == []  # the same class: lr is free
+
+
 def test_a_new_global_batch_size_is_refused_a_new_micro_batch_size_resumes() -> None:
     # Before: both were free; the saved position counts global batches, so 8 -> 16 rows per batch
     # would have skipped half an epoch's rows (and the micro-batch size only splits the same batch).
