@@ -3,10 +3,11 @@
 Lightning's CSVLogger deletes an existing metrics.csv when its directory is not empty, which
 would wipe a run's history on ``resume=last``, and rewrites the file in place when a new column
 appears, which a kill at that moment would leave truncated. Here a rewrite goes through a
-temporary file and an atomic rename, and rows a killed run wrote after its last checkpoint are
-dropped when the continuing run writes its first row: rows come in step order, so a row of step
-``s`` makes every existing row of step ``s`` or later stale. A resumed run's file then equals an
-uninterrupted run's (a fresh start into a killed run's directory drops all of them).
+temporary file and an atomic rename. A resumed run drops the rows after the step it resumed
+from when it starts (`RunCSVLogger.drop_after`: a killed run's rows after its last checkpoint, or
+the course a run left by resuming from an older checkpoint), and any run drops the existing rows of
+its first row's step and later when it writes it (a fresh start into a killed run's directory
+drops all of them). A resumed run's file then equals an uninterrupted run's.
 
 A power cut can leave the file's tail as NUL bytes or a partial row (the size was written, the
 data was not): `repair_metrics` drops such lines when the writer opens the file, and says so.
@@ -146,6 +147,12 @@ class RunCSVLogger(CSVLogger):
             self._fs.makedirs(self.root_dir, exist_ok=True)
             self._experiment = _AppendingWriter(log_dir=self.log_dir)
         return self._experiment
+
+    @rank_zero_only
+    def drop_after(self, step: int) -> None:
+        """Removes the rows of steps after ``step`` (the one a resumed run continues from): a course
+        left by resuming from an older checkpoint, or a killed run's rows after its last checkpoint."""
+        drop_rows_from(self.experiment.metrics_file_path, step + 1)
 
     @rank_zero_only
     def sync(self) -> None:

@@ -190,7 +190,7 @@ def test_a_resume_from_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path: P
         _save(step_dir(root, step), step=step)
     (root / "last").symlink_to("step_0000004")
     callback = PeriodicCheckpoint(dirpath=str(root), keep_last=1, save_on_signal=False)
-    trainer = SimpleNamespace(ckpt_path=str(step_dir(root, 2)), is_global_zero=True, global_step=2)
+    trainer = SimpleNamespace(ckpt_path=str(step_dir(root, 2)), is_global_zero=True, global_step=2, loggers=[])
     callback.on_train_start(trainer, None)
     aside = root / "superseded" / "after_step_0000002"
     assert sorted(p.name for p in aside.iterdir()) == ["step_0000003", "step_0000004"]
@@ -198,11 +198,32 @@ def test_a_resume_from_an_older_checkpoint_sets_the_newer_ones_aside(tmp_path: P
     _save(step_dir(root, 3), step=3)  # the new course's step 3
     callback._prune()
     assert sorted(p.name for p in root.glob("step_*")) == ["step_0000003"]
-    fresh = SimpleNamespace(ckpt_path=None, is_global_zero=True, global_step=0)
+    fresh = SimpleNamespace(ckpt_path=None, is_global_zero=True, global_step=0, loggers=[])
     PeriodicCheckpoint(dirpath=str(root), save_on_signal=False).on_train_start(
         fresh, None
     )  # a fresh start moves nothing
     assert sorted(p.name for p in root.glob("step_*")) == ["step_0000003"]
+
+
+def test_a_resume_from_a_superseded_checkpoint_leaves_no_last_naming_a_moved_one(tmp_path: Path) -> None:
+    """A reviewer resumed from checkpoints/superseded/after_step_.../step_0000025 and killed the run
+    before its first save: the newer checkpoints were set aside, but ``last`` still named step_0000040,
+    now gone, so resume=last said "holds no intact checkpoint; start fresh" and a fresh start said
+    "already holds checkpoints". Mutation: set_aside_newer without the unlink -> ``last`` dangles."""
+    root = tmp_path / "checkpoints"
+    for step in (30, 40):
+        _save(step_dir(root, step), step=step)
+    (root / "last").symlink_to("step_0000040")
+    elsewhere = root / "superseded" / "after_step_0000020" / "step_0000025"
+    _save(elsewhere, step=25)
+    trainer = SimpleNamespace(ckpt_path=str(elsewhere), is_global_zero=True, global_step=25, loggers=[])
+    PeriodicCheckpoint(dirpath=str(root), save_on_signal=False).on_train_start(trainer, None)
+    assert not (root / "last").is_symlink() and not list(root.glob("step_*"))
+    assert not RunDir(tmp_path).holds_checkpoints()  # a fresh start is allowed; the courses are kept aside
+    assert sorted(p.name for p in (root / "superseded" / "after_step_0000025").iterdir()) == [
+        "step_0000030",
+        "step_0000040",
+    ]
 
 
 # ------------------------------------------------------------------------------ non-finite state
@@ -241,6 +262,27 @@ def test_metrics_rows_after_the_checkpoint_are_dropped_by_the_continuing_run(tmp
     after = (tmp_path / "metrics.csv").read_text().splitlines(keepends=True)
     assert after[:5] == before[:5]  # header and steps 0..3, byte for byte
     assert [line.split(",")[resumed.experiment.metrics_keys.index("step")] for line in after[1:]] == list("01234")
+
+
+def test_a_resume_from_an_older_checkpoint_drops_the_rows_of_the_course_it_left(tmp_path: Path) -> None:
+    """A reviewer's recovery from a divergence: a run logged steps 10, 20, 25 (its last row, off the
+    cadence), was resumed from step_0000020 with a lower lr, and logged 30, 40: row 25 of the left
+    course stayed between them (the first new row, 30, drops only rows of 30 and later). The
+    checkpoint callback now drops the rows after the resumed step when training starts.
+    Mutation: on_train_start without drop_after -> row 25 stays."""
+    logger = RunCSVLogger(str(tmp_path))
+    for step in (10, 20, 25):
+        logger.log_metrics({"train/loss": 1.0 / step}, step=step)
+    logger.save()
+    resumed = RunCSVLogger(str(tmp_path))
+    trainer = SimpleNamespace(ckpt_path="ckpt", is_global_zero=True, global_step=20, loggers=[resumed])
+    PeriodicCheckpoint(dirpath=None, save_on_signal=False).on_train_start(trainer, None)
+    for step in (30, 40):
+        resumed.log_metrics({"train/loss": 1.0 / step}, step=step)
+    resumed.save()
+    column = resumed.experiment.metrics_keys.index("step")
+    rows = (tmp_path / "metrics.csv").read_text().splitlines()[1:]
+    assert [row.split(",")[column] for row in rows] == ["10", "20", "30", "40"]
 
 
 class Marker:

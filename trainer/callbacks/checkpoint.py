@@ -67,8 +67,9 @@ def point_last(checkpoint: Path) -> None:
 
 def set_aside_newer(dirpath: Path, step: int) -> str | None:
     """Moves the ``step_*`` checkpoints of ``dirpath`` newer than ``step`` (the one a run resumed from)
-    to ``dirpath/superseded/after_step_<step>/``, and ``last`` to ``step``'s checkpoint when it is here;
-    returns the line that says so (None: nothing newer).
+    to ``dirpath/superseded/after_step_<step>/``, and ``last`` to ``step``'s checkpoint when it is here
+    (removed when it named a moved one and the run resumed from elsewhere); returns the line that
+    says so (None: nothing newer).
 
     A run resumed from an older checkpoint of its own directory (the recovery from a divergence:
     ``resume=.../step_N resume_override=[optim.lr]``) trains a new course from step N; the newer
@@ -89,6 +90,10 @@ def set_aside_newer(dirpath: Path, step: int) -> str | None:
         path.rename(aside / path.name)
     if (here := step_dir(dirpath, step)).is_dir() and (dirpath / LAST).is_symlink():
         point_last(here)
+    elif (dirpath / LAST).is_symlink() and not (dirpath / LAST).exists():
+        # resumed from elsewhere (superseded/, another run): a ``last`` left naming a moved checkpoint made
+        # a kill before this course's first save refuse both resume=last and a fresh start (a reviewer)
+        (dirpath / LAST).unlink()
     names = ", ".join(p.name for p in newer)
     return (
         f"resumed from step {step}: the {len(newer)} newer checkpoint(s) of the course this run left ({names}) "
@@ -134,6 +139,10 @@ class PeriodicCheckpoint(Checkpoint):
         self._started = True
         if self.stop_signals is not None:
             self.stop_signals.install()  # after Lightning's handlers, which it restores at teardown
+        if trainer.ckpt_path is not None:
+            for logger in trainer.loggers:  # the rows of the steps after the resumed one belong to another course
+                if isinstance(logger, RunCSVLogger):
+                    logger.drop_after(trainer.global_step)
         if trainer.ckpt_path is not None and trainer.is_global_zero and self.dirpath is not None:
             if (line := set_aside_newer(self.dirpath, trainer.global_step)) is not None:
                 write_line(f"plait: {line}")
