@@ -55,8 +55,8 @@ def driver_problems(cfg: DictConfig) -> list[str]:
 def subnet_problems(cfg: DictConfig) -> list[str]:
     """Callbacks that read the whole model while Independent Subnet Training trains narrower MLPs
     between its reassemblies (`strategies.local_sgd.ist`): a Hugging Face export in the middle of a
-    round (its MLP weights one island's hidden units, config.json the full width), and PAFT's
-    ``delta_l1``, whose step-0 copy is full width."""
+    round (its MLP weights one island's hidden units, config.json the full width), an lm-eval score
+    there (of one island's subnet), and PAFT's ``delta_l1``, whose step-0 copy is full width."""
     local_sgd = OmegaConf.select(cfg, "strategy.local_sgd", default=None)
     cls = target_class(local_sgd)
     if not isinstance(cls, type) or not issubclass(cls, IST):
@@ -69,6 +69,12 @@ def subnet_problems(cfg: DictConfig) -> list[str]:
     if export and export % every and export < last:
         problems.append(
             f"callbacks.hf_export.every_n_steps={export} exports in the middle of an IST round, whose MLPs hold one "
+            f"island's hidden units; use a multiple of strategy.local_sgd.sync_every={every}"
+        )
+    scored = int(OmegaConf.select(cfg, "callbacks.lm_eval.every_n_steps", default=0) or 0)
+    if scored and scored % every and scored < last:
+        problems.append(
+            f"callbacks.lm_eval.every_n_steps={scored} scores in the middle of an IST round, whose MLPs hold one "
             f"island's hidden units; use a multiple of strategy.local_sgd.sync_every={every}"
         )
     if OmegaConf.select(cfg, "callbacks.delta_l1", default=None) is not None:

@@ -38,6 +38,17 @@ REST = ["model=nano", "model.max_seq_len=512"]
             ],
             "exports in the middle of an IST round",
         ),
+        (
+            "pretrain",
+            [
+                "strategy=ist",
+                "trainer.devices=2",
+                "strategy.local_sgd.sync_every=2",
+                "callbacks.lm_eval.every_n_steps=3",
+                "trainer.max_steps=8",
+            ],
+            "scores in the middle of an IST round",
+        ),
         ("paft", ["model=nano", "strategy=ist", "trainer.devices=2", "data=synthetic"], "callbacks.delta_l1 pulls"),
     ],
 )
