@@ -154,4 +154,4 @@ class KTO(PreferenceObjective):
     def pop_sums(self) -> tuple[list[str], torch.Tensor] | None:
         """``(KTO_METRICS, [2, 4])``: this rank's metric sums since the last call and their counts."""
         sums, self._kto_sums = self._kto_sums, None
-        return list(KTO_METRICS), torch.zeros(2, len(KTO_METRICS)) if sums is None else sums
+        return list(KTO_METRICS), torch.zeros(2, len(KTO_METRICS), dtype=torch.float32) if sums is None else sums

@@ -196,7 +196,7 @@ def reference_logps(task: Any, rows: dict[str, torch.Tensor], score: Any) -> tor
     num = rows["input_ids"].shape[0]
     per_rank = -(-num // dp["num_replicas"])
     mine = range(dp["rank"] * per_rank, min(num, (dp["rank"] + 1) * per_rank))
-    table = torch.zeros(num, 2, device=task.device)
+    table = torch.zeros(num, 2, dtype=torch.float32, device=task.device)  # fp32 under bf16-true too
     step = max(1, task.micro_batch_size)
     whole = (
         strategy.whole_rows if strategy.dims.cp > 1 else contextlib.nullcontext
@@ -341,6 +341,7 @@ class PreferenceObjective(Objective):
         return torch.where(held, losses, 0.0).sum()
 
     def _accumulate(self, rewards_c: torch.Tensor, rewards_r: torch.Tensor, held: torch.Tensor) -> None:
+        rewards_c, rewards_r = rewards_c.float(), rewards_r.float()  # sums in fp32 (bf16-true's are bf16)
         diff = rewards_c - rewards_r
         accuracy = (diff > 0).float() + 0.5 * (diff == 0).float()
         sums = torch.stack(
@@ -355,7 +356,7 @@ class PreferenceObjective(Objective):
         in row 1, the number of pairs (this rank's share; the Task all-reduces and divides)."""
         sums, self._sums = self._sums, None
         if sums is None:
-            sums = torch.zeros(len(METRICS) + 1)
+            sums = torch.zeros(len(METRICS) + 1, dtype=torch.float32)
         return list(METRICS), torch.stack([sums[:-1], sums[-1].expand(len(METRICS))])
 
 

@@ -49,8 +49,8 @@ class SFT(CausalLM):
     def _accumulate(self, token_loss: torch.Tensor, labels: torch.Tensor, source_ids: torch.Tensor) -> None:
         supervised = (labels != IGNORE_INDEX) & (source_ids >= 0)
         index = source_ids.clamp(min=0)
-        sums = torch.zeros(2, len(self.groups), device=token_loss.device)
-        sums[0].index_add_(0, index, torch.where(supervised, token_loss, 0.0))
+        sums = torch.zeros(2, len(self.groups), dtype=torch.float32, device=token_loss.device)  # also under bf16-true
+        sums[0].index_add_(0, index, torch.where(supervised, token_loss.float(), 0.0))
         sums[1].index_add_(0, index, supervised.float())
         self._sums = sums if self._sums is None else self._sums + sums
 
@@ -62,5 +62,5 @@ class SFT(CausalLM):
         if not self.groups:
             return None
         if sums is None:
-            sums = torch.zeros(2, len(self.groups))
+            sums = torch.zeros(2, len(self.groups), dtype=torch.float32)
         return [f"loss/{name}" for name in self.groups], sums
