@@ -205,12 +205,13 @@ def target_taking(node: DictConfig, leaf: str) -> str | None:
 
 def did_you_mean(cfg: DictConfig, override: str) -> str:
     """The fix for an override of a key ``cfg`` lacks, the first found of: plait's name for a foreign
-    option or a moved key (`trainer.foreign_names`); an argument of the node's ``_target_`` that the
-    config does not list (``strategy.local_sgd.outer_optimizer.weight_decay``: add it with ``+``); a
-    key of the same node close in spelling
+    option or a moved key (`trainer.foreign_names`); a key of the same node close in spelling
     (``model.max_seq_length``: model.max_seq_len); plait's name for the key's last part
     (``trainer.num_train_epochs``: not the loosely close trainer.limit_train_batches); a key of the
-    node less close; the foreign name closest in spelling. `` (unknown key)`` when none is. A group
+    node less close; the foreign name closest in spelling; an argument of the node's ``_target_`` that
+    the config does not list (``strategy.local_sgd.outer_optimizer.weight_decay``: add it with ``+``;
+    last, as it imports the class: a typo is refused before torch loads), which a foreign name for the
+    same name in another node (``optim.weight_decay``) gives way to. `` (unknown key)`` when none is. A group
     option added with ``+`` where the recipe already picks one (``+budget=msft`` on sft) says to drop the ``+``."""
     key, _, value = override.partition("=")
     plain = not key.startswith(("+", "~"))  # an override that sets a key as it is (not adds or deletes one)
@@ -229,16 +230,27 @@ def did_you_mean(cfg: DictConfig, override: str) -> str:
     node = OmegaConf.select(cfg, parent) if parent else cfg
     if not isinstance(node, DictConfig) or leaf in node:
         return ""
-    if (target := target_taking(node, leaf)) is not None:  # a setting the class takes, not listed in the config
-        return f" (a setting of {target} that the config does not list; add it with +{key}={value})"
     keys, prefix = [str(k) for k in node], parent + "." if parent else ""
     if match := difflib.get_close_matches(leaf, keys, n=1, cutoff=CLOSE):
         return f" (unknown key; did you mean {prefix}{match[0]}?)"
+
+    # The same name in another node (optim.weight_decay for an outer optimizer's weight_decay) gives way
+    # to the node's own class taking it, checked last (it imports the class).
+    def moves(plait: str) -> bool:
+        return "_target_" in node and plait.partition("=")[0].rpartition(".")[2] == leaf
+
+    moved = None
     if (plait := plait_override(key, value)) is not None:
-        return f" (unknown key; use {plait})"
+        if not moves(plait):
+            return f" (unknown key; use {plait})"
+        moved = plait
     if match := difflib.get_close_matches(leaf, keys, n=1):
         return f" (unknown key; did you mean {prefix}{match[0]}?)"
     near = difflib.get_close_matches(leaf, list(FOREIGN_NAMES), n=1, cutoff=CLOSE)
     if near and (plait := plait_override(near[0], value)) is not None and plait.partition("=")[0] != key:
-        return f" (unknown key; did you mean {plait}?)"
-    return " (unknown key)"
+        if not moves(plait):
+            return f" (unknown key; did you mean {plait}?)"
+        moved = moved or plait
+    if (target := target_taking(node, leaf)) is not None:  # a setting the class takes, not listed in the config
+        return f" (a setting of {target} that the config does not list; add it with +{key}={value})"
+    return f" (unknown key; use {moved})" if moved else " (unknown key)"
