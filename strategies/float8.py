@@ -236,6 +236,12 @@ class Float8(StrategyPlugin):
                     f"strategy.float8.fsdp_float8_all_gather=true needs one unrounded scale per weight ({why}); use "
                     "strategy.float8.fsdp_float8_all_gather=null (the weights are then gathered in high precision)"
                 )
+        if self.fsdp_float8_all_gather and run.dims.dp_shard * cp == 1:  # a reviewer: accepted, then silently off
+            out.append(
+                "strategy.float8.fsdp_float8_all_gather=true, but FSDP shards no weight in this layout (strategy.dp_shard"
+                f"={run.dims.dp_shard}, strategy.cp={cp}): nothing is all-gathered; use strategy.float8.fsdp_float8_all_gather"
+                "=null"
+            )
         if self.recipe == "tensorwise" and cp > 1:
             out.append(
                 f"strategy.float8.recipe=tensorwise with context parallelism (strategy.cp={cp}) scales each rank's part "
@@ -334,8 +340,14 @@ class Float8(StrategyPlugin):
             round_scales_to_power_of_2=self.round_scales_to_power_of_2,
         )
         how = "emulated in fp32" if emulate else "float8 kernels"
+        gather = "; weights all-gathered in float8" if self._all_gather else ""
+        # One scale per tensor: a forward of fewer rows (a dp rank's, a micro-batch's) scales them on its own.
+        rows = "; one activation scale per forward, so the numbers follow each forward's rows" * (
+            self.recipe == "tensorwise"
+        )
         self.say(
-            f"float8 ({self.recipe}, {how}): {len(chosen)} of the {linear} Linear layers; the others in high precision"
+            f"float8 ({self.recipe}, {how}): {len(chosen)} of the {linear} Linear layers; the others in high "
+            f"precision{gather}{rows}"
         )
         return chosen
 

@@ -185,6 +185,10 @@ def test_validate_refuses_what_float8_cannot_run_naming_the_fix(monkeypatch: pyt
         assert len(problems) == 1 and why in problems[0], problems
         assert "use strategy.float8.fsdp_float8_all_gather=null" in problems[0]
     validate(compose("pretrain", ["strategy.float8.recipe=tensorwise", pow2, "strategy=fsdp_tp", "trainer.devices=4"]))
+    # Where FSDP shards nothing, an explicit all-gather was accepted and silently off (a reviewer: ddp on 2 ranks).
+    problems = str(refusals("strategy.float8.recipe=tensorwise", gather, "strategy=ddp", "trainer.devices=2"))
+    assert "fsdp_float8_all_gather=true, but FSDP shards no weight in this layout (strategy.dp_shard=1" in problems
+    validate(compose("pretrain", ["strategy.float8.recipe=tensorwise", gather, "strategy=fsdp", "trainer.devices=2"]))
     # Context parallelism: tensorwise scales each rank's part of the sequence on its own; rowwise
     # scales each token row, as one process does.
     cp2 = ("strategy=cp", "trainer.devices=2")
