@@ -208,10 +208,11 @@ def did_you_mean(cfg: DictConfig, override: str) -> str:
     option or a moved key (`trainer.foreign_names`); a key of the same node close in spelling
     (``model.max_seq_length``: model.max_seq_len); plait's name for the key's last part
     (``trainer.num_train_epochs``: not the loosely close trainer.limit_train_batches); a key of the
-    node less close; the foreign name closest in spelling; an argument of the node's ``_target_`` that
-    the config does not list (``strategy.local_sgd.outer_optimizer.weight_decay``: add it with ``+``;
-    last, as it imports the class: a typo is refused before torch loads), which a foreign name for the
-    same name in another node (``optim.weight_decay``) gives way to. `` (unknown key)`` when none is. A group
+    node less close; the foreign name closest in spelling; in a node three parts deep or more, an
+    argument of its ``_target_`` that the config does not list
+    (``strategy.local_sgd.outer_optimizer.weight_decay``: add it with ``+``; last, as it imports the
+    class), which a foreign name for the same name in another node (``optim.weight_decay``) gives way
+    to. `` (unknown key)`` when none is. A group
     option added with ``+`` where the recipe already picks one (``+budget=msft`` on sft) says to drop the ``+``."""
     key, _, value = override.partition("=")
     plain = not key.startswith(("+", "~"))  # an override that sets a key as it is (not adds or deletes one)
@@ -234,8 +235,8 @@ def did_you_mean(cfg: DictConfig, override: str) -> str:
     if match := difflib.get_close_matches(leaf, keys, n=1, cutoff=CLOSE):
         return f" (unknown key; did you mean {prefix}{match[0]}?)"
 
-    # The same name in another node (optim.weight_decay for an outer optimizer's weight_decay) gives way
-    # to the node's own class taking it, checked last (it imports the class).
+    # A foreign name that only moves the same name to another node (optim.weight_decay for an outer
+    # optimizer's weight_decay) gives way to the node's own class taking it, checked last.
     def moves(plait: str) -> bool:
         return "_target_" in node and plait.partition("=")[0].rpartition(".")[2] == leaf
 
@@ -244,13 +245,17 @@ def did_you_mean(cfg: DictConfig, override: str) -> str:
         if not moves(plait):
             return f" (unknown key; use {plait})"
         moved = plait
-    if match := difflib.get_close_matches(leaf, keys, n=1):
-        return f" (unknown key; did you mean {prefix}{match[0]}?)"
-    near = difflib.get_close_matches(leaf, list(FOREIGN_NAMES), n=1, cutoff=CLOSE)
-    if near and (plait := plait_override(near[0], value)) is not None and plait.partition("=")[0] != key:
-        if not moves(plait):
-            return f" (unknown key; did you mean {plait}?)"
-        moved = moved or plait
-    if (target := target_taking(node, leaf)) is not None:  # a setting the class takes, not listed in the config
+    if moved is None:
+        if match := difflib.get_close_matches(leaf, keys, n=1):
+            return f" (unknown key; did you mean {prefix}{match[0]}?)"
+        near = difflib.get_close_matches(leaf, list(FOREIGN_NAMES), n=1, cutoff=CLOSE)
+        if near and (plait := plait_override(near[0], value)) is not None and plait.partition("=")[0] != key:
+            if not moves(plait):
+                return f" (unknown key; did you mean {plait}?)"
+            moved = plait
+    # A setting the class takes but the config does not list, for a node inside a group's (a plugin's,
+    # its optimizer's: three parts or more): the check imports the class, and torch with it, which a
+    # typo in a group itself (optim.zzz) must not wait for.
+    if key.count(".") >= 2 and (target := target_taking(node, leaf)) is not None:
         return f" (a setting of {target} that the config does not list; add it with +{key}={value})"
     return f" (unknown key; use {moved})" if moved else " (unknown key)"

@@ -40,7 +40,11 @@ def test_help_imports_neither_torch_nor_lightning(argv: tuple[str, ...]) -> None
 @pytest.mark.parametrize("command", [("sft",), ("plan", "sft")])
 def test_a_mistyped_override_is_refused_before_torch_loads(command: tuple[str, ...]) -> None:
     """Before: the train and plan commands imported the whole trainer (Lightning) before composing."""
-    result, imported = _imported(*command, "optim.lerning_rate=1e-4", "train.micro_batch=2")
+    # optim.zzz and model.weight_decay: a typo no spelling explains, and a foreign name's move, did import
+    # torch (the check of the node class's arguments, a reviewer; it is for deeper nodes only)
+    result, imported = _imported(
+        *command, "optim.lerning_rate=1e-4", "train.micro_batch=2", "optim.zzz=1", "model.weight_decay=0.1"
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     assert "did you mean optim.lr=1e-4?" in result.stderr and "did you mean train.micro_batch_size?" in result.stderr
     assert imported.isdisjoint(HEAVY), sorted(imported & set(HEAVY))

@@ -65,6 +65,11 @@ def test_a_setting_the_target_takes_but_the_config_lacks_is_added_with_plus() ->
         "(a setting of torch.optim.SGD that the config does not list; "
         "add it with +strategy.local_sgd.outer_optimizer.weight_decay=0.1)"
     ), problem
+    # a foreign name that moves the same name to another node still answers in a group's own node
+    # (a reviewer: these said "did you mean model.max_seq_len?" / "optim.fused?" for a while)
+    assert _problems("pretrain", "model.seq_len=64")[0].endswith("(unknown key; use data.seq_len=64)")
+    assert _problems("pretrain", "optim.seed=1")[0].endswith("(unknown key; use seed=1)")
+    assert _problems("pretrain", "model.max_steps=3")[0].endswith("(unknown key; use trainer.max_steps=3)")
     # a misspelt argument is still a misspelling, and **kwargs does not make every name a setting
     assert _problems("pretrain", "strategy=diloco", "strategy.local_sgd.sync_evry=4")[0].endswith(
         "(unknown key; did you mean strategy.local_sgd.sync_every?)"
