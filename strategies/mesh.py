@@ -14,6 +14,7 @@ with its ``_target_`` (after the plugins of ``ORDER``, in the node's order).
 
 from __future__ import annotations
 
+import inspect
 import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
@@ -225,7 +226,14 @@ class MeshStrategy(ModelParallelStrategy):
         plugin's `StrategyPlugin.reduce_gradients`: replica groups) and whether the update applies; else
         ``loss`` and True."""
         for plugin in self.active:
-            if (reduced := plugin.reduce_gradients(parameters, loss, sums)) is not None:
+            # a plugin written for the two-argument form (before named sums travelled) is called with it
+            takes_sums = "sums" in inspect.signature(plugin.reduce_gradients).parameters
+            reduced = (
+                plugin.reduce_gradients(parameters, loss, sums)
+                if takes_sums
+                else plugin.reduce_gradients(parameters, loss)
+            )
+            if reduced is not None:
                 return reduced
         return loss, True
 

@@ -25,8 +25,9 @@ def target_class(node: Any) -> Any:
 def driver_problems(cfg: DictConfig) -> list[str]:
     """What a driver of runs of its own (``budget=msft``'s roll-outs, ``plait rest``'s rounds) cannot
     run with: it reads its runs' checkpoints (a roll-back point, each round's model), so it needs
-    them and one model in each (not local SGD's islands), and it fits its runs in children of its
-    own process, not as torchft's replica groups (whose launcher the train command starts)."""
+    them and one model in each (not local SGD's islands; IST's for rest's rounds, whose last step
+    reassembles it), and it fits its runs in children of its own process, not as torchft's replica
+    groups (whose launcher the train command starts)."""
     drivers = [what for key, what in (("budget", "budget=msft"), ("rest", "plait rest")) if cfg.get(key) is not None]
     problems = []
     if len(drivers) == 2:
@@ -42,7 +43,9 @@ def driver_problems(cfg: DictConfig) -> list[str]:
                 f"{what} fits its runs in processes of its own, not as torchft replica groups; use a strategy without "
                 "strategy.fault_tolerance (strategy=ddp or fsdp, not ft or ft_diloco)"
             )
-        elif OmegaConf.select(cfg, "strategy.local_sgd", default=None) is not None:
+        elif (local_sgd := OmegaConf.select(cfg, "strategy.local_sgd", default=None)) is not None and not (
+            what == "plait rest" and _is_ist(local_sgd)  # IST reassembles at a round's last step, before its save
+        ):
             # a reviewer: budget=msft under strategy=diloco handed over a roll-back point whose islands differed
             problems.append(
                 f"{what} takes its runs' models from their checkpoints (a roll-back point at an evaluation, each "
@@ -52,14 +55,19 @@ def driver_problems(cfg: DictConfig) -> list[str]:
     return problems
 
 
+def _is_ist(local_sgd: Any) -> bool:
+    """Whether a ``strategy.local_sgd`` node builds Independent Subnet Training (or a subclass)."""
+    cls = target_class(local_sgd)
+    return isinstance(cls, type) and issubclass(cls, IST)
+
+
 def subnet_problems(cfg: DictConfig) -> list[str]:
     """Callbacks that read the whole model while Independent Subnet Training trains narrower MLPs
     between its reassemblies (`strategies.local_sgd.ist`): a Hugging Face export in the middle of a
     round (its MLP weights one island's hidden units, config.json the full width), an lm-eval score
     there (of one island's subnet), and PAFT's ``delta_l1``, whose step-0 copy is full width."""
     local_sgd = OmegaConf.select(cfg, "strategy.local_sgd", default=None)
-    cls = target_class(local_sgd)
-    if not isinstance(cls, type) or not issubclass(cls, IST):
+    if not _is_ist(local_sgd):
         return []
     every = int(local_sgd.get("sync_every") or 1)
     problems = []

@@ -277,8 +277,9 @@ def resume_problems(
         elif key in OPTIMIZER_STATE:
             problems.append(
                 f"{differs}: {source} holds the optimizer state of {_setting(key, old)} (its moments, per parameter), "
-                f"which the new setting cannot take; resume {back}, or start a new run_dir with "
-                f"model.init_from={source} (fresh optimizer state)"
+                "which the new setting cannot take; resume with the run's own optimizer (drop the optim override: "
+                f"plait resume <run dir> keeps it), or start a new run_dir with model.init_from={source} (fresh "
+                "optimizer state)"
             )
         elif key == "optim.weight_decay" and not old and _under(key, overrides):
             problems.append(

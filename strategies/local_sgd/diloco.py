@@ -93,13 +93,13 @@ class DiLoCo(LocalSGD):
     def run_length(self, total_steps: int) -> None:
         """Says when the run ends before its first outer step, or with the islands apart: between two
         outer steps (one fragment), or always (fragments: each meets at its own steps)."""
-        if self.num_fragments == 1:
-            self.say(self.period_line(total_steps, self.sync_every, "sync_every"))
-            return
         offsets = [
             fragment_offset(f, num_fragments=self.num_fragments, sync_every=self.sync_every)
             for f in range(self.num_fragments)
         ]
+        if len(set(offsets)) == 1:  # one fragment, or all meeting at the same steps (sync_every=1)
+            self.say(self.period_line(total_steps, self.sync_every, "sync_every"))
+            return
         first = min(offset or self.sync_every for offset in offsets)  # the first step a fragment meets at
         if total_steps < first:
             self.say(

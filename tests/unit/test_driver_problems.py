@@ -27,7 +27,7 @@ REST = ["model=nano", "model.max_seq_len=512"]
             [*SFT, "budget=msft", "strategy=diloco", "trainer.devices=2"],
             "budget=msft takes its runs' models from their checkpoints",
         ),
-        ("rest", [*REST, "strategy=ist", "trainer.devices=2"], "plait rest takes its runs' models from their"),
+        ("rest", [*REST, "strategy=diloco", "trainer.devices=2"], "plait rest takes its runs' models from their"),
         (
             "pretrain",
             [
@@ -60,6 +60,8 @@ def test_a_combination_that_crashed_is_refused(recipe: str, overrides: list[str]
 
 def test_the_same_drivers_with_checkpoints_and_whole_round_exports_pass() -> None:
     validate(compose_config([*SFT, "budget=msft"], recipe="sft", tiny=False))
+    # IST reassembles at each round's last step, before its checkpoint: rest takes one model (a reviewer)
+    validate(compose_config([*REST, "strategy=ist", "trainer.devices=2"], recipe="rest", tiny=False))
     ist = ["strategy=ist", "trainer.devices=2", "strategy.local_sgd.sync_every=2"]
     validate(compose_config([*ist, "callbacks.hf_export.every_n_steps=4", "trainer.max_steps=8"]))  # whole rounds
     # a run ending inside a round exports its last step whole (reassembled first): tests/dist/test_ist_runs.py

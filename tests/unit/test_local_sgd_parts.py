@@ -101,6 +101,8 @@ def test_a_run_that_ends_apart_or_never_synchronises_says_so(capsys) -> None:
     assert "num_fragments=2: each fragment synchronises at its own steps, so the run's 8 planned steps end with" in (
         capsys.readouterr().err
     )
+    DiLoCo(sync_every=1, num_fragments=2).run_length(8)  # every fragment meets at every step (a reviewer)
+    assert capsys.readouterr().err == ""
     DESLOC(param_every=16).run_length(10)
     err = capsys.readouterr().err
     assert err.count("plait: warning:") == 1 and "strategy.local_sgd.param_every=16 is longer" in err

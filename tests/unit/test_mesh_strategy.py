@@ -86,3 +86,21 @@ def test_the_strategy_node_is_split_into_degrees_plugins_and_settings() -> None:
     assert strategy.plugins["pipeline"].schedule == "GPipe" and "lora" not in strategy.plugins
     with pytest.raises(ValueError, match="strategy.tag='x' is neither a plugin node"):
         build_strategy(compose_config(["+strategy.tag=x"]).strategy)
+
+
+def test_a_plugin_written_for_the_two_argument_reduce_gradients_still_runs() -> None:
+    """`StrategyPlugin.reduce_gradients` took (parameters, loss) before the step's named sums travelled
+    with it; a user's plugin written then is called that way (a reviewer: a TypeError at its first step).
+    Mutation: always passing ``sums`` -> TypeError."""
+    import torch
+
+    from strategies.plugin import StrategyPlugin
+
+    class Old(StrategyPlugin):
+        def reduce_gradients(self, parameters, loss):  # the signature plugin.py documented before
+            return loss * 2, True
+
+    strategy = MeshStrategy()
+    strategy.active = (Old(),)
+    loss, commit = strategy.reduce_gradients([], torch.tensor(1.5), [torch.zeros(2, 1)])
+    assert loss.item() == 3.0 and commit

@@ -80,7 +80,8 @@ def test_another_optimizer_class_is_refused_even_when_named_in_resume_override()
         problems = resume_problems(record, sgd, None, overrides, source="ckpt")
         (problem,) = [p for p in problems if p.startswith("optim._target_")]
         assert "holds the optimizer state of optim._target_='torch.optim.AdamW'" in problem, problem
-        assert "resume with optim._target_='torch.optim.AdamW'" in problem and "model.init_from=ckpt" in problem
+        assert "resume with the run's own optimizer (drop the optim override" in problem, problem
+        assert "model.init_from=ckpt" in problem
         assert not any("resume_override=[optim._target_]" in p for p in problems), problems
     adamw = _new(optim__lr=1e-3)
     adamw["optim"]["_target_"] = "torch.optim.AdamW"
