@@ -35,13 +35,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from omegaconf import OmegaConf
 
 from strategies.checkpoint.dcp import META_FILE, CheckpointError, seal
 from strategies.checkpoint.manifest import digest
+from strategies.transforms.lora import adapted_layers, merge_lora
 from trainer.compose import compose_command, fail
 from trainer.config import ConfigError
+from trainer.init_from import load_init_from
 from trainer.resume import read_record
-from trainer.rundir import SUPERSEDED, RunDir, RunModel, load_run_model, resolve_checkpoint
+from trainer.rundir import SUPERSEDED, RunDir, RunModel, load_run_model, resolve_checkpoint, step_dirs
 
 METHODS = ("task_arithmetic", "ties", "dare")
 State = dict[str, torch.Tensor]
@@ -94,17 +97,18 @@ def ties_delta(
     Args:
         deltas: the models' deltas of this tensor (same shape).
         density: share of entries each delta keeps (0 < density <= 1).
-        weights: one per delta (default 1); the disjoint mean is weighted by them.
+        weights: one per delta (default 1); the disjoint mean is weighted by them (a negative one
+            negates its delta: the mean divides by their magnitudes).
 
     Returns:
-        ``sum_{i agrees} w_i trimmed_i / sum_{i agrees} w_i`` per entry (0 where no delta agrees).
+        ``sum_{i agrees} w_i trimmed_i / sum_{i agrees} |w_i|`` per entry (0 where no delta agrees).
     """
     w = torch.tensor(_weights(weights, len(deltas)), dtype=torch.float64).view(-1, *[1] * deltas[0].dim())
     trimmed = torch.stack([trim(d.double(), density) for d in deltas]) * w
     sign = torch.sign(trimmed.sum(0))
     agree = (torch.sign(trimmed) == sign) & (trimmed != 0)
     total = torch.where(agree, trimmed, 0.0).sum(0)
-    count = torch.where(agree, w.expand_as(trimmed), 0.0).sum(0)
+    count = torch.where(agree, w.abs().expand_as(trimmed), 0.0).sum(0)  # a reviewer: signed, [1, -1] gave 0
     return torch.where(count > 0, total / count.clamp(min=1e-30), 0.0)
 
 
@@ -167,9 +171,21 @@ def sparsity(base: State, model: State, *, tol: float = 1e-6) -> dict[str, float
 # ------------------------------------------------------------------------------ command
 def _load(path: str, trust: Sequence[str] = ()) -> tuple[State, RunModel]:
     """The model state of a checkpoint, run directory or Hugging Face directory, and what
-    describes it (``trust`` as in `load_run_model`)."""
-    run = load_run_model(path, trust=trust)
+    describes it (``trust`` as in `load_run_model`). A LoRA run's adapters are folded into the
+    base it recorded (`merge_lora`), so its state has the base's names.
+
+    Raises:
+        ValueError: a LoRA run whose adapters cannot be folded (a tied head).
+    """
+    run = load_run_model(path, load_base=load_init_from, trust=trust)
+    if adapted_layers(run.model):  # a LoRA arm (a reviewer: every one was refused before the base check)
+        merge_lora(run.model)
     return {k: v.detach().clone() for k, v in run.model.state_dict().items()}, run
+
+
+def _is_lora(run: RunModel) -> bool:
+    """Whether ``run`` is a plait LoRA run (its config's ``strategy.lora``)."""
+    return _is_run(run) and bool(OmegaConf.select(run.config, "strategy.lora", default=None))
 
 
 def _is_run(run: RunModel) -> bool:
@@ -267,6 +283,13 @@ def main(argv: list[str]) -> None:
     """Entry of ``plait merge``: ``key=value`` arguments of conf/merge.yaml; exit 2 on bad input."""
     usage = "plait merge base=<run> deltas=[<run>,...] method=ties"
     cfg = compose_command("merge", argv, usage=usage, lists=("deltas",))
+    # A merge's own output (checkpoints/last, a folder) may be written again; a training run's not (a
+    # reviewer: rmtree on its `last` link raised).
+    out = RunDir(cfg.out) if cfg.out else None
+    if out is not None and (out.last.is_symlink() or step_dirs(out.checkpoints)):
+        fail(
+            f"out={cfg.out} holds a training run's checkpoints; choose a new directory (a merge writes a run of its own)"
+        )
     if not cfg.deltas:
         fail(f"deltas=[] names no fine-tuned run to merge; give at least one, e.g. deltas=[runs/sft] (usage: {usage})")
     try:
@@ -276,11 +299,14 @@ def main(argv: list[str]) -> None:
         if problems := base_problems(base_run, [(path, run) for path, (_, run) in zip(cfg.deltas, loaded)]):
             fail("\n".join(problems))
         # out is a plait run: the base's config.yaml, or (a Hugging Face base) a fine-tuned run's of that base
-        like = next((run.run.path for run in [base_run, *(run for _, run in loaded)] if _is_run(run)), None)
+        # (not a LoRA arm's: its config.yaml builds adapters on a base, the merged weights are whole)
+        runs = [base_run, *(run for _, run in loaded)]
+        like = next((run.run.path for run in runs if _is_run(run) and not _is_lora(run)), None)
         if like is None:
             fail(
-                f"base={cfg.base} and every delta are Hugging Face directories: out would have no config.yaml to build "
-                "the merged model from; give the plait runs the deltas were fine-tuned in as deltas"
+                f"base={cfg.base} is a Hugging Face directory and no delta is a plait run of whole weights (a LoRA run's "
+                "config.yaml builds adapters): out would have no config.yaml to build the merged model from; give a full "
+                "fine-tune run among the deltas"
             )
         merged = merge_states(
             base,

@@ -160,3 +160,72 @@ def test_a_hugging_face_base_merges_into_a_run_generate_can_load(tmp_path):
     merged = load_run_model(tmp_path / "out")
     assert merged.tokenizer is not None
     assert all(torch.equal(merged.model.state_dict()[k], v) for k, v in tuned.items())
+
+
+def test_ties_divides_by_the_magnitude_of_negative_weights():
+    """A negative weight negates its delta (as in task arithmetic); TIES's disjoint mean divided by the
+    signed sum of the agreeing weights, so [1, -1] gave 0 where both weighted deltas were +1 (a
+    reviewer). Mutation: ``count`` from the signed weights -> [0, -2]."""
+    deltas = [torch.tensor([1.0, 0.0], dtype=torch.float64), torch.tensor([-1.0, -2.0], dtype=torch.float64)]
+    merged = ties_delta(deltas, density=1.0, weights=[1.0, -1.0])
+    assert merged.tolist() == [1.0, 2.0]  # weighted deltas [1, 0] and [1, 2]: means 1 and 2
+
+
+def test_plait_merge_refuses_an_out_that_holds_a_training_run(tmp_path, capsys):
+    """``out=`` a training run raised ``OSError: Cannot call rmtree on a symbolic link`` (its ``last``
+    link; a reviewer); it is refused before anything loads, and nothing there is touched."""
+    import pytest
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_0000004").mkdir(parents=True)
+    (run / "checkpoints" / "last").symlink_to("step_0000004")
+    with pytest.raises(SystemExit) as exited:
+        merge_main(["base=no_such_run", "deltas=[no_such_arm]", f"out={run}"])
+    assert exited.value.code == 2
+    assert f"out={run} holds a training run's checkpoints; choose a new directory" in capsys.readouterr().err
+    assert (run / "checkpoints" / "last").is_symlink() and (run / "checkpoints" / "step_0000004").is_dir()
+
+
+def test_a_lora_arm_merges_as_its_adapters_folded_into_its_base(tmp_path):
+    """``plait merge`` refused every LoRA arm ("holds LoRA adapters ... export the run first"), though
+    fine-tuning.md describes the check of a LoRA arm's recorded base (a reviewer). The arm's adapters
+    are folded into the base it recorded: one arm at weight 1 gives base + (alpha / r) B A in every
+    adapted layer and the base elsewhere, computed here from the adapters' own tensors.
+    Mutation: `_load` without load_base -> the refusal."""
+    from harness import plait
+
+    from trainer.init_from import load_init_from
+    from trainer.rundir import load_run_model
+
+    small = [
+        "model=nano",
+        "trainer.max_steps=1",
+        "logger=none",
+        "~callbacks.plots",
+        "trainer.enable_progress_bar=false",
+    ]
+    sources = ["data=synthetic", *(f"data.sources.{s}.{k}={v}" for s in ("reversal", "sorting", "addition") for k, v in (("limit", 16), ("val_size", 4), ("metric", "loss")))]  # fmt: skip
+    for name, extra in (("base", []), ("arm", [f"model.init_from={tmp_path / 'base'}", "+strategy/lora=default"])):
+        result = plait("sft", *small, *sources, *extra, "optim.lr=1e-2", f"run_dir={tmp_path / name}")
+        assert result.returncode == 0, result.stderr[-3000:]
+    merge_main(
+        [
+            f"base={tmp_path / 'base'}",
+            f"deltas=[{tmp_path / 'arm'}]",
+            "method=task_arithmetic",
+            f"out={tmp_path / 'out'}",
+        ]
+    )
+    base = load_run_model(tmp_path / "base").model.state_dict()
+    arm = load_run_model(tmp_path / "arm", load_base=load_init_from).model
+    merged = load_run_model(tmp_path / "out").model.state_dict()
+    adapted = {name for name, m in arm.named_modules() if hasattr(m, "lora_A")}
+    assert adapted and any(float(m.lora_B.weight.abs().max()) > 0 for n, m in arm.named_modules() if n in adapted)
+    for name, weight in base.items():
+        layer = name.removesuffix(".weight")
+        if layer in adapted:
+            module = arm.get_submodule(layer)
+            delta = module.lora_scaling * module.lora_B.weight.double() @ module.lora_A.weight.double()
+            torch.testing.assert_close(merged[name].double(), weight.double() + delta, rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(merged[name], weight), name
