@@ -85,31 +85,6 @@ def test_save_and_from_file(tmp_path, tok):
     assert [p.name for p in tmp_path.iterdir()] == ["tokenizer.json"]  # no temp file left
 
 
-def test_the_eos_of_tokenizer_config_wins_when_endoftext_is_in_the_vocabulary_too(tmp_path, texts):
-    """Qwen3's layout: ``<|endoftext|>`` in the vocabulary, ``tokenizer_config.json`` naming ``<|im_end|>``
-    as EOS and ``<|endoftext|>`` as pad. plait took ``<|endoftext|>`` (a reviewer: plait chat never
-    stopped, string rows trained an EOS the export's generation_config did not stop on); transformers
-    takes the config's. The caches of prepared rows follow: the fingerprint covers the EOS.
-    Mutation: the config read only when <|endoftext|> is missing -> eos_id is <|endoftext|>'s."""
-    import json
-
-    qwen = train_bpe(texts[:5], vocab_size=300, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    path = tmp_path / "tokenizer.json"
-    qwen.save(path)
-    bare = Tokenizer.from_file(path)  # no config beside it: plait's own default
-    assert bare.eos_token == "<|endoftext|>"
-    (tmp_path / "tokenizer_config.json").write_text(
-        json.dumps({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}), encoding="utf-8"
-    )
-    loaded = Tokenizer.from_file(path)
-    assert (loaded.eos_token, loaded.eos_id, loaded.pad_id) == ("<|im_end|>", 0, 1)
-    assert loaded.fingerprint != bare.fingerprint
-    # a config naming a token the vocabulary lacks keeps <|endoftext|> (as before), a typed EOS wins
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}), encoding="utf-8")
-    assert Tokenizer.from_file(path).eos_token == "<|endoftext|>"
-    assert Tokenizer.from_file(path, eos_token="<|im_end|>").eos_id == 0
-
-
 def test_from_file_errors(tmp_path, texts):
     with pytest.raises(FileNotFoundError, match="missing.json"):
         Tokenizer.from_file(tmp_path / "missing.json")

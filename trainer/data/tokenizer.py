@@ -165,21 +165,16 @@ class Tokenizer:
         if not Path(path).is_file():
             raise FileNotFoundError(f"tokenizer file {str(path)!r} does not exist")
         tok = read_tokenizer_json(path)
-        if eos_token == DEFAULT_EOS:
-            # A Hugging Face tokenizer names its own EOS (</s>, <|end_of_text|>, ...) beside it, as a plait
-            # run does; even with <|endoftext|> in the vocabulary (Qwen3's EOS is <|im_end|>, its pad
-            # <|endoftext|>: a reviewer's chat never stopped), the config's is the one the model emits.
-            named, pad_token = _hf_special_tokens(Path(path), eos_token, pad_token)
-            if tok.token_to_id(named) is not None or tok.token_to_id(eos_token) is None:
-                eos_token = named  # (a config naming a token the vocabulary lacks: <|endoftext|> when it has it)
+        if eos_token == DEFAULT_EOS and tok.token_to_id(eos_token) is None:
+            # A Hugging Face tokenizer names its own EOS (</s>, <|end_of_text|>, ...) beside it.
+            eos_token, pad_token = _hf_special_tokens(Path(path), eos_token, pad_token)
         return cls(tok, eos_token=eos_token, pad_token=pad_token)
 
     @property
     def fingerprint(self) -> str:
-        """sha256 of the tokenizer JSON and its EOS and pad tokens, 16 hex chars: changes whenever any
-        id of a prepared row could change (the caches of prepared data are keyed by it)."""
+        """sha256 of the tokenizer JSON, 16 hex chars: changes whenever any id could change."""
         if self._fingerprint is None:
-            self._fingerprint = digest(self.to_str(), self.eos_token, self.pad_token).hex()[:16]
+            self._fingerprint = digest(self.to_str()).hex()[:16]
         return self._fingerprint
 
     def __repr__(self) -> str:
