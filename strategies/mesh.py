@@ -226,12 +226,10 @@ class MeshStrategy(ModelParallelStrategy):
         plugin's `StrategyPlugin.reduce_gradients`: replica groups) and whether the update applies; else
         ``loss`` and True."""
         for plugin in self.active:
-            # a plugin written for the two-argument form (before named sums travelled) is called with it
-            takes_sums = "sums" in inspect.signature(plugin.reduce_gradients).parameters
             reduced = (
                 plugin.reduce_gradients(parameters, loss, sums)
-                if takes_sums
-                else plugin.reduce_gradients(parameters, loss)
+                if _takes_three(plugin)
+                else (plugin.reduce_gradients(parameters, loss))
             )
             if reduced is not None:
                 return reduced
@@ -463,6 +461,20 @@ class MeshStrategy(ModelParallelStrategy):
         super().teardown()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _takes_three(plugin: StrategyPlugin) -> bool:
+    """Whether ``plugin.reduce_gradients`` takes (parameters, loss, sums): a plugin written for the
+    two-argument form (before the step's named sums travelled with it) is called with two."""
+    cached = getattr(plugin, "_reduce_takes_sums", None)
+    if cached is None:
+        try:
+            inspect.signature(plugin.reduce_gradients).bind(None, None, None)
+            cached = True
+        except TypeError:
+            cached = False
+        plugin._reduce_takes_sums = cached
+    return cached
 
 
 def checkpoint_owner(active: Sequence[StrategyPlugin]) -> tuple[Any, Callable[[str], bool] | None]:

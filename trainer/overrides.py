@@ -212,7 +212,8 @@ def did_you_mean(cfg: DictConfig, override: str) -> str:
     argument of its ``_target_`` that the config does not list
     (``strategy.local_sgd.outer_optimizer.weight_decay``: add it with ``+``; last, as it imports the
     class), which a foreign name for the same name in another node (``optim.weight_decay``) gives way
-    to. `` (unknown key)`` when none is. A group
+    to; in a group's own node (``optim.amsgrad``), adding it with ``+`` if its class takes it, said
+    without importing the class. `` (unknown key)`` when none is. A group
     option added with ``+`` where the recipe already picks one (``+budget=msft`` on sft) says to drop the ``+``."""
     key, _, value = override.partition("=")
     plain = not key.startswith(("+", "~"))  # an override that sets a key as it is (not adds or deletes one)
@@ -258,4 +259,8 @@ def did_you_mean(cfg: DictConfig, override: str) -> str:
     # typo in a group itself (optim.zzz) must not wait for.
     if key.count(".") >= 2 and (target := target_taking(node, leaf)) is not None:
         return f" (a setting of {target} that the config does not list; add it with +{key}={value})"
-    return f" (unknown key; use {moved})" if moved else " (unknown key)"
+    if moved:
+        return f" (unknown key; use {moved})"
+    if key.count(".") < 2 and isinstance(target := node.get("_target_"), str):  # said, not checked: no import
+        return f" (unknown key; if {target} takes {leaf}, add it with +{key}={value})"
+    return " (unknown key)"

@@ -53,7 +53,9 @@ def test_a_close_spelling_of_plait_key_and_a_misspelt_foreign_name() -> None:
     assert _problems("sft", "model.max_seq_length=512")[0].endswith("did you mean model.max_seq_len?)")
     assert "use data.sources.<name>.max_epochs=3" in _problems("sft", "trainer.num_train_epochs=3")[0]
     # a foreign name that is plait's own key where it is missing is not "fixed" into itself
-    assert _problems("sft", "objective.beta=0.1")[0].endswith("(unknown key)")
+    assert _problems("sft", "objective.beta=0.1")[0].endswith(
+        "(unknown key; if trainer.objectives.sft.SFT takes beta, add it with +objective.beta=0.1)"
+    )
 
 
 def test_a_setting_the_target_takes_but_the_config_lacks_is_added_with_plus() -> None:
@@ -70,6 +72,10 @@ def test_a_setting_the_target_takes_but_the_config_lacks_is_added_with_plus() ->
     assert _problems("pretrain", "model.seq_len=64")[0].endswith("(unknown key; use data.seq_len=64)")
     assert _problems("pretrain", "optim.seed=1")[0].endswith("(unknown key; use seed=1)")
     assert _problems("pretrain", "model.max_steps=3")[0].endswith("(unknown key; use trainer.max_steps=3)")
+    # in a group's own node the hint is said, not checked (checking imports torch: a typo must not wait for it)
+    assert _problems("pretrain", "optim.amsgrad=true")[0].endswith(
+        "(unknown key; if torch.optim.AdamW takes amsgrad, add it with +optim.amsgrad=true)"
+    )
     # a misspelt argument is still a misspelling, and **kwargs does not make every name a setting
     assert _problems("pretrain", "strategy=diloco", "strategy.local_sgd.sync_evry=4")[0].endswith(
         "(unknown key; did you mean strategy.local_sgd.sync_every?)"

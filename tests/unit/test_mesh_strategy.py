@@ -100,7 +100,12 @@ def test_a_plugin_written_for_the_two_argument_reduce_gradients_still_runs() -> 
         def reduce_gradients(self, parameters, loss):  # the signature plugin.py documented before
             return loss * 2, True
 
+    class Passing(StrategyPlugin):  # a wrapper that passes what it gets on, or names the third its own way
+        def reduce_gradients(self, parameters, loss, *rest):
+            return loss + len(rest[0]), True
+
     strategy = MeshStrategy()
-    strategy.active = (Old(),)
-    loss, commit = strategy.reduce_gradients([], torch.tensor(1.5), [torch.zeros(2, 1)])
-    assert loss.item() == 3.0 and commit
+    for plugin, expected in ((Old(), 3.0), (Passing(), 2.5)):
+        strategy.active = (plugin,)
+        loss, commit = strategy.reduce_gradients([], torch.tensor(1.5), [torch.zeros(2, 1)])
+        assert loss.item() == expected and commit
