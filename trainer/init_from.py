@@ -231,6 +231,11 @@ def init_from_problems(model: Any, *, data: Any = None) -> list[str]:
         config_from = model.get("config_from") if wants_hf else None
         if wants_hf and not config_from:
             why = "does not exist" if missing else "has no config.json"
+            if not missing and resolve_checkpoint(source) is not None:  # a plait run: its config.yaml builds it
+                why += (
+                    f" (it is a plait run: drop model=hf, and model.init_from={source} builds the run's own model, "
+                    "a Hugging Face architecture included)"
+                )
             return [f"model.init_from={source} {why}; model=hf needs a Hugging Face model directory"]
         if config_from and not is_hf_dir(config_from):
             return [

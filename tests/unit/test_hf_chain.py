@@ -62,3 +62,24 @@ def test_a_moved_architecture_folder_is_named_with_the_fix(tmp_path) -> None:
         f"model.config_from={tmp_path / 'gone'} (the Hugging Face directory the run model.init_from=runs/sft started "
         "from) has no config.json; if it moved, name it: +model.config_from=<its new directory>"
     ]
+
+
+def test_model_hf_from_a_plait_run_says_to_drop_model_hf(tmp_path) -> None:
+    """``model=hf model.init_from=<plait run>`` said only that model=hf needs a Hugging Face directory; a
+    plait run (a Hugging Face model's included) continues without model=hf (a reviewer).
+    Mutation: the plait-run branch off -> the message lacks the fix."""
+    from omegaconf import OmegaConf
+
+    from strategies.checkpoint.manifest import checkpoint_files, hash_files, write_manifest
+    from trainer.init_from import init_from_problems
+    from trainer.rundir import HF_BUILDER
+
+    ckpt = tmp_path / "run" / "checkpoints" / "step_0000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / ".metadata").write_bytes(b"weights")
+    (ckpt / "meta.pt").write_bytes(b"")
+    write_manifest(ckpt, hash_files(ckpt, checkpoint_files(ckpt)))
+    (problem,) = init_from_problems(OmegaConf.create({"_target_": HF_BUILDER, "init_from": str(tmp_path / "run")}))
+    assert f"has no config.json (it is a plait run: drop model=hf, and model.init_from={tmp_path / 'run'}" in problem
+    (gone,) = init_from_problems(OmegaConf.create({"_target_": HF_BUILDER, "init_from": str(tmp_path / "gone")}))
+    assert "does not exist; model=hf needs a Hugging Face model directory" in gone
