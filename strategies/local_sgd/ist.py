@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,7 @@ from typing_extensions import override
 
 from strategies.checkpoint.async_save import AsyncWriter
 from strategies.local_sgd.base import IslandCost, LocalSGD, average_, flat_messages
+from strategies.local_sgd.units import SwiGLU, split_units, unit_params, unit_state, widen, widened
 from strategies.muon import Muon
 
 if TYPE_CHECKING:
@@ -58,56 +59,9 @@ if TYPE_CHECKING:
     from strategies.core.shape import ModelShape
 
 
-@runtime_checkable
-class SwiGLU(Protocol):
-    """A SwiGLU MLP: ``w2(silu(w1(x)) * w3(x))`` with ``ffn_dim`` hidden units (`trainer.models.block.FeedForward`)."""
-
-    ffn_dim: int
-    w1: nn.Linear
-    w2: nn.Linear
-    w3: nn.Linear
-
-
 def allgather_bytes_sent(num_bytes: int, num_ranks: int) -> float:
     """Bytes each rank sends in a ring all-gather where every rank contributes ``num_bytes``."""
     return float((num_ranks - 1) * num_bytes)
-
-
-def split_units(ffn_dims: Sequence[int], num_islands: int, *, seed: int, round_index: int) -> list[list[torch.Tensor]]:
-    """Each MLP's hidden units split into ``num_islands`` disjoint groups of equal size.
-
-    One generator seeded by (``seed``, ``round_index``) draws a permutation per MLP, in order, so
-    every island draws the same split. Returns ``[mlp][island]`` sorted int64 indices (units in
-    their order in the full matrix).
-
-    Raises:
-        ValueError: an ``ffn_dim`` not divisible by ``num_islands``.
-    """
-    generator = torch.Generator().manual_seed((seed * 1_000_003 + round_index) % 2**63)
-    out = []
-    for ffn_dim in ffn_dims:
-        if ffn_dim % num_islands:
-            raise ValueError(f"ffn_dim={ffn_dim} is not divisible by {num_islands} islands")
-        perm = torch.randperm(ffn_dim, generator=generator)
-        out.append([group.sort().values for group in perm.chunk(num_islands)])
-    return out
-
-
-def unit_params(mlp: SwiGLU) -> list[tuple[nn.Parameter, int]]:
-    """The parameters of ``mlp`` indexed by hidden unit, each with the dim of its units: the
-    gate/up rows (and biases), the down projection's columns."""
-    out = [(mlp.w1.weight, 0), (mlp.w3.weight, 0), (mlp.w2.weight, 1)]
-    return out + [(layer.bias, 0) for layer in (mlp.w1, mlp.w3) if layer.bias is not None]
-
-
-def widen(pieces: Sequence[torch.Tensor], groups: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
-    """The full tensor whose units ``groups[i]`` (along ``dim``) are island i's narrow ``pieces[i]``."""
-    shape = list(pieces[0].shape)
-    shape[dim] = sum(len(g) for g in groups)
-    full = torch.empty(shape, dtype=pieces[0].dtype, device=pieces[0].device)
-    for piece, group in zip(pieces, groups):
-        full.index_copy_(dim, group.to(full.device), piece)
-    return full
 
 
 class IST(LocalSGD):
@@ -256,7 +210,7 @@ class IST(LocalSGD):
         for mlp, groups in zip(self.mlps, self.groups):
             idx = groups[self.island].to(mlp.w1.weight.device)
             for param, dim in unit_params(mlp):
-                for key, value in _unit_state(optimizer, param):
+                for key, value in unit_state(optimizer, param):
                     optimizer.state[param][key] = value.index_select(dim, idx)
                 param.data = param.data.index_select(dim, idx)
                 param.grad = None
@@ -291,7 +245,7 @@ class IST(LocalSGD):
         for m, mlp in enumerate(self.mlps):
             for param, dim in unit_params(mlp):
                 out.append((m, param, None, dim))
-                out += [(m, param, key, dim) for key, _ in _unit_state(optimizer, param)]
+                out += [(m, param, key, dim) for key, _ in unit_state(optimizer, param)]
         return out
 
     def _gather(self, optimizer: torch.optim.Optimizer | None) -> tuple[list[torch.Tensor], float]:
@@ -363,7 +317,7 @@ class IST(LocalSGD):
         if self.groups is not None:
             tensors = self._unit_tensors(self.optimizer)
             narrow = [p.data if key is None else self.optimizer.state[p][key] for _, p, key, _ in tensors]
-            self._install([_widened(t, dim, self.num_islands) for t, (*_, dim) in zip(narrow, tensors)], self.optimizer)
+            self._install([widened(t, dim, self.num_islands) for t, (*_, dim) in zip(narrow, tensors)], self.optimizer)
             self._drop_split()
         return super().load_checkpoint(path, model=model, optimizers=optimizers)
 
@@ -386,21 +340,6 @@ class IST(LocalSGD):
                 f"has {self.split_seed}; resume with strategy.local_sgd.split_seed={int(state['split_seed'])}"
             )
         self.round = int(state["round"])
-
-
-def _unit_state(optimizer: torch.optim.Optimizer | None, param: nn.Parameter) -> list[tuple[str, torch.Tensor]]:
-    """The optimizer state tensors of ``param`` shaped like it (Adam's moments), by sorted key."""
-    if optimizer is None:
-        return []
-    state = optimizer.state.get(param, {})
-    return [(k, state[k]) for k in sorted(state) if torch.is_tensor(state[k]) and state[k].shape == param.shape]
-
-
-def _widened(tensor: torch.Tensor, dim: int, factor: int) -> torch.Tensor:
-    """Zeros shaped like ``tensor`` with ``factor`` times its size along ``dim``."""
-    shape = list(tensor.shape)
-    shape[dim] *= factor
-    return tensor.new_zeros(shape)
 
 
 def _is_muon(optimizer: Any) -> bool:

@@ -18,7 +18,8 @@ from harness import compose_config
 import strategies.local_sgd.ist as ist_module
 from strategies.core.shape import ModelShape
 from strategies.local_sgd import IST
-from strategies.local_sgd.ist import allgather_bytes_sent, split_units
+from strategies.local_sgd.ist import allgather_bytes_sent
+from strategies.local_sgd.units import split_units
 from strategies.planner.layout import Layout, Workload
 from strategies.planner.memory import predict_rank, state_bytes
 from trainer.config import ConfigError, validate
