@@ -11,8 +11,8 @@ share no process group that one lost process could break. A torchft ``Lighthouse
    fault-tolerant all-reduce of the step's supervised-token count: each group divides its loss by
    the tokens of all groups present, as HSDP divides by those of all replicas.
 2. Forward and backward inside the group as usual.
-3. `reduce_gradients`: one fault-tolerant all-reduce (SUM) of the loss, one of each of the objective's
-   named sums (per-source losses, rewards: logged over all groups) and one per gradient dtype:
+3. `reduce_gradients`: one fault-tolerant all-reduce (SUM) of the loss with the objective's named
+   sums (per-source losses, rewards: logged over all groups) and one per gradient dtype:
    with every group present this is HSDP's gradient, bit for bit on one process per group.
 4. ``should_commit``: the optimizer step runs only if every rank of the group saw its collectives
    succeed; a step whose all-reduce failed (a peer died during it) drops its update on the
@@ -300,15 +300,18 @@ class ReplicaGroups(StrategyPlugin):
         sums: Sequence[torch.Tensor] = (),
     ) -> float:
         """Sums (``mean``: averages) ``shards`` over the groups present, in place: one fault-tolerant
-        all-reduce per dtype, and one of the 0-dim ``loss`` and of each contiguous tensor of ``sums``
+        all-reduce per dtype, and one of the 0-dim ``loss`` with the contiguous tensors of ``sums``
         (in place, summed, not counted); returns the bytes this rank sent (ring all-reduce, as
         `allreduce_bytes_sent`)."""
         index = {d: [i for i, s in enumerate(shards) if s.dtype == d] for d in dict.fromkeys(s.dtype for s in shards)}
         messages = [torch.cat([shards[i].reshape(-1) for i in rows]) for rows in index.values()]
-        scalars = ([loss.reshape(1)] if loss is not None else []) + [s.view(-1) for s in sums]
+        small = ([loss.reshape(1)] if loss is not None else []) + [s.view(-1) for s in sums]  # one message
+        scalars = [torch.cat(small)] if small else []  # (promoted to the widest dtype)
         works = [self.manager.allreduce(flat, reduce_op=ReduceOp.SUM) for flat in [*scalars, *messages]]
         for work in works:
             work.wait()
+        for tensor, value in zip(small, torch.split(scalars[0], [t.numel() for t in small]) if small else ()):
+            tensor.copy_(value)
         self.participants = self.manager.num_participants()
         sent = 0.0
         for flat, rows in zip(messages, index.values(), strict=True):

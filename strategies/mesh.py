@@ -14,6 +14,7 @@ with its ``_target_`` (after the plugins of ``ORDER``, in the node's order).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -228,7 +229,7 @@ class MeshStrategy(ModelParallelStrategy):
         for plugin in self.active:
             reduced = (
                 plugin.reduce_gradients(parameters, loss, sums)
-                if _takes_three(plugin)
+                if _takes_three(type(plugin))
                 else (plugin.reduce_gradients(parameters, loss))
             )
             if reduced is not None:
@@ -463,18 +464,15 @@ class MeshStrategy(ModelParallelStrategy):
             dist.destroy_process_group()
 
 
-def _takes_three(plugin: StrategyPlugin) -> bool:
-    """Whether ``plugin.reduce_gradients`` takes (parameters, loss, sums): a plugin written for the
+@functools.cache
+def _takes_three(cls: type) -> bool:
+    """Whether ``cls.reduce_gradients`` takes (parameters, loss, sums): a plugin written for the
     two-argument form (before the step's named sums travelled with it) is called with two."""
-    cached = getattr(plugin, "_reduce_takes_sums", None)
-    if cached is None:
-        try:
-            inspect.signature(plugin.reduce_gradients).bind(None, None, None)
-            cached = True
-        except TypeError:
-            cached = False
-        plugin._reduce_takes_sums = cached
-    return cached
+    try:
+        inspect.signature(cls.reduce_gradients).bind(None, None, None, None)  # self, parameters, loss, sums
+    except TypeError:
+        return False
+    return True
 
 
 def checkpoint_owner(active: Sequence[StrategyPlugin]) -> tuple[Any, Callable[[str], bool] | None]:
