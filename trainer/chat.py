@@ -2,7 +2,8 @@
 
 Each line read is a user message; the whole conversation so far is rendered with the run's chat
 template (`trainer.generate.chat_template`, the one its data used and `plait export` writes),
-the model answers with a KV cache until EOS, and the answer joins the conversation. Ends at EOF.
+the model answers with a KV cache until EOS or the template's end of turn (ChatML's
+``<|im_end|>``: `trainer.data.chat.turn_end_ids`), and the answer joins the conversation. Ends at EOF.
 ``system=`` takes any text as typed (commas, quotes, apostrophes), as ``plait generate``'s prompt.
 
 Invocation::
@@ -58,6 +59,6 @@ def main(argv: list[str]) -> None:
         if not text.strip():  # an empty line is no turn: the model would answer nothing asked
             continue
         messages.append({"role": "user", "content": text})
-        answer = reply(run, template.render(messages, add_generation_prompt=True), cfg)
+        answer = reply(run, template.render(messages, add_generation_prompt=True), cfg, template)
         messages.append({"role": "assistant", "content": answer})
         print(answer, flush=True)

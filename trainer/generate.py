@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 
 from strategies.checkpoint.dcp import CheckpointError
 from trainer.compose import compose_command, fail
-from trainer.data.chat import ChatError, JinjaTemplate
+from trainer.data.chat import ChatError, JinjaTemplate, turn_end_ids
 from trainer.export import trained_chat_template
 from trainer.init_from import load_init_from
 from trainer.models.hf import HFError
@@ -136,9 +136,10 @@ def chat_template(run: RunModel) -> JinjaTemplate:
     return template
 
 
-def reply(run: RunModel, text: str, cfg: DictConfig) -> str:
-    """The model's continuation of ``text`` (sampled as ``cfg`` says, stopped at EOS), decoded; says
-    on stderr when the model's context (``max_seq_len``: a windowed checkpoint's window) will stop it
+def reply(run: RunModel, text: str, cfg: DictConfig, template: JinjaTemplate | None = None) -> str:
+    """The model's continuation of ``text`` (sampled as ``cfg`` says, stopped at EOS, and with a
+    chat ``template`` at its end of turn: `trainer.data.chat.turn_end_ids`), decoded; says on
+    stderr when the model's context (``max_seq_len``: a windowed checkpoint's window) will stop it
     first, or cut the prompt's start."""
     if (line := context_line(len(run.tokenizer.encode(text)), cfg.max_new_tokens, run.model.max_seq_len)) is not None:
         print(f"plait: {line}", file=sys.stderr)
@@ -149,6 +150,7 @@ def reply(run: RunModel, text: str, cfg: DictConfig) -> str:
         max_new_tokens=cfg.max_new_tokens,
         temperature=cfg.temperature,
         top_k=cfg.top_k,
+        stop_ids=turn_end_ids(run.tokenizer, template),
         use_cache=cfg.kv_cache,
     )
 
@@ -171,7 +173,8 @@ def main(argv: list[str]) -> None:
     """Entry of ``plait generate``: ``key=value`` arguments of conf/generate.yaml; exit 2 on bad input.
 
     ``chat=true`` sends the prompt as one user message through the run's chat template and prints
-    the answer alone; otherwise the prompt is continued as text. Generation stops at EOS. The
+    the answer alone (stopped at EOS or the template's end of turn); otherwise the prompt is
+    continued as text, stopped at EOS. The
     prompt (``prompt=``, ``prompt_file=``, ``prompt=-``) is read before Hydra sees the rest
     (`prompt_of`)."""
     given, rest = prompt_of(argv)
@@ -188,11 +191,13 @@ def main(argv: list[str]) -> None:
     torch.manual_seed(cfg.seed)
     try:
         if cfg.chat:
+            template = chat_template(run)
             print(
                 reply(
                     run,
-                    chat_template(run).render([{"role": "user", "content": prompt}], add_generation_prompt=True),
+                    template.render([{"role": "user", "content": prompt}], add_generation_prompt=True),
                     cfg,
+                    template,
                 )
             )
         else:

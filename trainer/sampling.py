@@ -12,7 +12,7 @@ called by the chat CLI, the web server and the evaluations alike).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextlib import nullcontext
 from typing import Annotated, Any
 
@@ -65,6 +65,7 @@ def sample(
     top_k: Annotated[int, POSITIVE] | None,
     max_seq_len: int,
     eos_id: int | None = None,
+    stop_ids: Collection[int] = (),
     use_cache: bool = True,
 ) -> list[int]:
     """Autoregressive sampling of one sequence, stopped at EOS or when the context is full.
@@ -79,14 +80,17 @@ def sample(
         top_k: sample among the k most likely tokens (None: all).
         max_seq_len: the model's context: generation stops when prompt + output fill it.
         eos_id: stop after this token (not returned); None: never.
+        stop_ids: more tokens that end it as EOS does (a chat template's end of turn,
+            `trainer.data.chat.turn_end_ids`; not returned).
 
     Returns:
-        The generated ids (without the prompt and the EOS).
+        The generated ids (without the prompt and the EOS or stop token).
 
     Raises:
         NonFiniteLogitsError: see `_next_token`.
     """
     ids = list(prompt_ids[-(max_seq_len - 1) :])
+    stops = {eos_id, *stop_ids}
     out: list[int] = []
     with kv_cache(model) if use_cache else nullcontext() as cache:
         new = ids
@@ -95,7 +99,7 @@ def sample(
             positions = torch.arange(start, start + len(new))[None]
             logits = model(torch.tensor([new]), position_ids_bt=positions)[0, -1].float()
             next_id = _next_token(logits, temperature=temperature, top_k=top_k)
-            if next_id == eos_id:
+            if next_id in stops:
                 break
             out.append(next_id)
             ids.append(next_id)
@@ -178,17 +182,18 @@ def _decode(
     prompts: list[list[int]],
     *,
     max_new_tokens: int,
-    eos_id: int | None,
+    stop_ids: Collection[int],
     use_cache: bool,
     device: torch.device | str,
     all_done: Callable[[bool], bool] | None,
     **pick: Any,
 ) -> list[list[int]]:
     """The decoding loop of `sample_batch` (arguments there; ``pick`` goes to `_next_tokens`):
-    per prompt its new ids up to and including the first EOS."""
+    per prompt its new ids up to and including the first of ``stop_ids`` (EOS and any other)."""
     ids_bt, pad_b = _left_padded(prompts, device)
     num_rows = len(prompts)
     done_b = torch.zeros(num_rows, dtype=torch.bool, device=ids_bt.device)
+    stops_s = torch.tensor(sorted(stop_ids), dtype=torch.long, device=ids_bt.device)
     steps: list[torch.Tensor] = []
     with kv_cache(model, pad_b) if use_cache else nullcontext() as cache:
         new_bt = ids_bt
@@ -207,15 +212,24 @@ def _decode(
                 logits_bv = logits_bv.full_tensor()
             next_b = _next_tokens(logits_bv, ~done_b, **pick)
             steps.append(next_b)
-            if eos_id is not None:
-                done_b |= next_b == eos_id
+            done_b |= torch.isin(next_b, stops_s)
             finished = step == max_new_tokens - 1 or bool(done_b.all())
             if all_done(finished) if all_done is not None else finished:
                 break
             new_bt = next_b[:, None]
             ids_bt = torch.cat([ids_bt, new_bt], dim=1)
     rows = torch.stack(steps, dim=1).tolist() if steps else [[] for _ in prompts]
-    return [row[: row.index(eos_id) + 1] if eos_id in row else row for row in rows]
+    return [row[: _first_stop(row, stop_ids) + 1] for row in rows]
+
+
+def _first_stop(row: list[int], stop_ids: Collection[int]) -> int:
+    """The index of ``row``'s first stop token; its last index without one."""
+    return next((i for i, token in enumerate(row) if token in stop_ids), len(row) - 1)
+
+
+def _stops(eos_id: int | None, stop_ids: Collection[int]) -> frozenset[int]:
+    """EOS (when not None) and ``stop_ids``: the tokens a row ends at."""
+    return frozenset(stop_ids) | ({eos_id} if eos_id is not None else frozenset())
 
 
 @torch.no_grad()
@@ -225,6 +239,7 @@ def sample_batch(
     *,
     max_new_tokens: Annotated[int, POSITIVE],
     eos_id: int | None,
+    stop_ids: Collection[int] = (),
     temperature: Annotated[float, NON_NEGATIVE] = 1.0,
     top_p: Annotated[float, TOP_P] = 1.0,
     top_k: Annotated[int, POSITIVE] | None = None,
@@ -248,7 +263,10 @@ def sample_batch(
         prompts: token ids per prompt, each non-empty.
         max_new_tokens: most tokens generated per prompt (EOS included); the longest prompt plus
             this must fit ``model.max_seq_len``.
-        eos_id: a row stops after this token; None: every row runs ``max_new_tokens``.
+        eos_id: a row stops after this token; None: every row runs ``max_new_tokens`` (unless
+            ``stop_ids``).
+        stop_ids: more tokens a row stops after, as after EOS (a chat template's end of turn,
+            `trainer.data.chat.turn_end_ids`; vLLM's ``stop_token_ids``).
         temperature: softmax temperature; 0 means greedy (``top_p``, ``top_k`` and ``seeds`` unused).
         top_p: nucleus sampling: the fewest most likely tokens holding this probability (1: all).
         top_k: sample among the k most likely tokens (None: all); applied before ``top_p``.
@@ -265,9 +283,9 @@ def sample_batch(
             when every row here has finished.
 
     Returns:
-        Per prompt its generated ids, without the prompt and WITH the EOS that stopped it (the
-        policy is trained on it), at most ``max_new_tokens``. `sample` and `greedy_batch` leave the
-        EOS out.
+        Per prompt its generated ids, without the prompt and WITH the EOS or stop token that
+        stopped it (the policy is trained on it), at most ``max_new_tokens``. `sample` and
+        `greedy_batch` leave it out.
 
     Raises:
         ValueError: an option is out of range, a prompt is empty, ``seeds`` does not have one seed
@@ -299,7 +317,7 @@ def sample_batch(
         model,
         prompts,
         max_new_tokens=max_new_tokens,
-        eos_id=eos_id,
+        stop_ids=_stops(eos_id, stop_ids),
         use_cache=use_cache,
         device=device,
         all_done=all_done,
@@ -312,9 +330,16 @@ def sample_batch(
 
 @torch.no_grad()
 def greedy_batch(
-    model: nn.Module, prompts: list[list[int]], *, max_new_tokens: int, eos_id: int, device: torch.device | str = "cpu"
+    model: nn.Module,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    eos_id: int,
+    stop_ids: Collection[int] = (),
+    device: torch.device | str = "cpu",
 ) -> list[list[int]]:
-    """Greedy continuations of many prompts at once (no KV cache), each stopped at its first EOS.
+    """Greedy continuations of many prompts at once (no KV cache), each stopped at its first EOS
+    or other stop token (``stop_ids``, as `sample_batch`).
 
     `sample_batch`'s loop at temperature 0 without the cache: the prompts are left-padded, the
     padding a document of its own (``document_ids`` 0, the prompt 1), positions start at 0 at
@@ -327,13 +352,14 @@ def greedy_batch(
             model's context.
 
     Returns:
-        The generated ids per prompt, without the prompt and without the EOS.
+        The generated ids per prompt, without the prompt and without the EOS or stop token.
     """
+    stops = _stops(eos_id, stop_ids)
     rows = _decode(
         model,
         prompts,
         max_new_tokens=max_new_tokens,
-        eos_id=eos_id,
+        stop_ids=stops,
         use_cache=False,
         device=device,
         all_done=None,
@@ -343,7 +369,7 @@ def greedy_batch(
         generators=None,
         check_finite=False,
     )
-    return [row[:-1] if row and row[-1] == eos_id else row for row in rows]
+    return [row[:-1] if row and row[-1] in stops else row for row in rows]
 
 
 def caches(model: nn.Module) -> bool:
@@ -360,12 +386,15 @@ def continue_text(
     max_new_tokens: int,
     temperature: float,
     top_k: int | None,
+    stop_ids: Collection[int] = (),
     use_cache: bool = True,
 ) -> str:
     """The model's continuation of ``text``, sampled as `sample` does (stopped at the tokenizer's
-    EOS or at ``model.max_seq_len``), decoded. An empty ``text`` starts from EOS alone.
+    EOS, at one of ``stop_ids`` or at ``model.max_seq_len``), decoded. An empty ``text`` starts
+    from EOS alone.
 
     Args:
+        stop_ids: more tokens that end it (a chat template's end of turn, `trainer.data.chat.turn_end_ids`).
         use_cache: decode with a KV cache when the model takes one (`caches`).
 
     Raises:
@@ -379,6 +408,7 @@ def continue_text(
         top_k=top_k,
         max_seq_len=model.max_seq_len,
         eos_id=tokenizer.eos_id,
+        stop_ids=stop_ids,
         use_cache=use_cache and caches(model),
     )
     return tokenizer.decode(new_ids)

@@ -36,7 +36,7 @@ from trainer import protocols
 from trainer.data.accounting import SourceCounts
 from trainer.data.balance import Balancer, WorkModel
 from trainer.data.cache import cache_dir_problem
-from trainer.data.chat import ChatFormat, JinjaTemplate, load_chat_template
+from trainer.data.chat import ChatFormat, JinjaTemplate, load_chat_template, turn_end_ids
 from trainer.data.chat_files import PLACES
 from trainer.data.fingerprint import prepared_fingerprint
 from trainer.data.loader import Batch, GlobalBatches, Loader, shard_rows
@@ -109,6 +109,7 @@ class DataModule(L.LightningDataModule, protocols.DataModule):
         self.balancer = Balancer(WorkModel.of(run.shape), run.micro_batch_size) if balance == "work" else None
         self._prepared: Any = None
         self._chat: ChatFormat | None = None  # set by chat_template while preparing
+        self._stop_ids: tuple[int, ...] | None = None  # resolved by stop_ids
 
     @classmethod
     def problems(cls, run: ResolvedRun | None, node: Any) -> list[str]:
@@ -198,6 +199,15 @@ class DataModule(L.LightningDataModule, protocols.DataModule):
         without chat, such as pretraining text)."""
         self.prepare()
         return self._chat
+
+    def stop_ids(self) -> tuple[int, ...]:
+        """The tokens besides EOS that end a generated answer under the chat template the data
+        renders with (`trainer.data.chat.turn_end_ids`: ChatML's ``<|im_end|>``, ...); none for
+        plait's default template and for data without chat."""
+        chat = self.chat_format()
+        if self._stop_ids is None:
+            self._stop_ids = turn_end_ids(self.tokenizer, chat.template if chat is not None else None)
+        return self._stop_ids
 
     def model_chat_template(self) -> JinjaTemplate | None:
         """The chat template that goes with the trained model (a run records it, an export

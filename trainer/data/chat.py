@@ -41,12 +41,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypedDict
 
+import jinja2
+
 from trainer.data.chat_files import TemplateFileError, find_chat_template, read_tokenizer_config
 from trainer.data.jinja_env import compile_template
 from trainer.data.tokenizer import Tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
 MARKERS = {role: f"<|{role}|>\n" for role in ROLES}
+# An answer no template alters (`JinjaTemplate.turn_end` finds what follows it).
+_PROBE_ANSWER = "Answer."
 
 Message = dict[str, str]
 
@@ -223,6 +227,19 @@ class JinjaTemplate:
             )
         return spans
 
+    def turn_end(self) -> str:
+        """The text the template writes after an assistant's content inside the span it supervises
+        (ChatML's ``<|im_end|>\\n``, Llama 3's ``<|eot_id|>``): what a model trained on its
+        renderings learns to emit when its answer is done. Empty where the template writes nothing
+        there or cannot render a one-question conversation."""
+        probe = [{"role": "user", "content": "Question?"}, {"role": "assistant", "content": _PROBE_ANSWER}]
+        try:
+            supervised = [text for text, sup in self.segments(probe) if sup]
+        except (ChatError, jinja2.TemplateError):
+            return ""
+        before, found, after = "".join(supervised).rpartition(_PROBE_ANSWER)
+        return after if found else ""
+
     def _turn_spans(self, messages: Sequence[Message]) -> list[tuple[int, int]]:
         """Each assistant turn's span by prefix rendering (templates without generation blocks)."""
         full = self.render(messages)
@@ -270,6 +287,23 @@ def load_chat_template(tokenizer_path: str | None, tokenizer: Tokenizer) -> Jinj
         if value:
             special[key] = value["content"] if isinstance(value, dict) else value
     return JinjaTemplate(found.source, origin=found.origin, **special)
+
+
+def turn_end_ids(tokenizer: Tokenizer, template: JinjaTemplate | None) -> tuple[int, ...]:
+    """The special tokens besides EOS that end an answer under ``template``: the one its
+    assistant turns end with (`JinjaTemplate.turn_end`: ChatML's ``<|im_end|>``, Llama 3's
+    ``<|eot_id|>``, Gemma's ``<end_of_turn>``) and its ``tokenizer_config.json``'s ``eos_token``,
+    each where it is a special token of ``tokenizer`` other than its EOS. Generation stops at these
+    as at EOS, as transformers stops at the ids of ``generation_config.json``'s ``eos_token_id``
+    list. None (plait's default template, which ends each answer with EOS): none.
+    """
+    if template is None:
+        return ()
+    special = tokenizer.special_ids - {tokenizer.eos_id}
+    ids = tokenizer.encode(template.turn_end())[:1]
+    if len(eos := tokenizer.encode(template.special.get("eos_token") or "")) == 1:
+        ids += eos
+    return tuple(dict.fromkeys(i for i in ids if i in special))
 
 
 @dataclass(frozen=True)

@@ -364,7 +364,12 @@ class PromptDataModule(DataModule):
             return []
         return [
             RewardEvaluator(
-                prepared.val, self.rewards, prepared.tokenizer, max_new_tokens=self.completion_len, stop=self.stop
+                prepared.val,
+                self.rewards,
+                prepared.tokenizer,
+                max_new_tokens=self.completion_len,
+                stop=self.stop,
+                stop_ids=self.stop_ids(),
             )
         ]
 

@@ -319,4 +319,4 @@ class SFTDataModule(DataModule):
     def evaluators(self) -> list[ExactMatch]:
         """Greedy-decoding exact match of the sources with ``metric: exact_match`` ([] without any)."""
         prepared = self.prepare()
-        return [ExactMatch(prepared.prompts, prepared.tokenizer)] if prepared.prompts else []
+        return [ExactMatch(prepared.prompts, prepared.tokenizer, self.stop_ids())] if prepared.prompts else []

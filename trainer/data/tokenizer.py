@@ -134,6 +134,12 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     @property
+    def special_ids(self) -> frozenset[int]:
+        """The ids of the vocabulary's special tokens (added tokens marked special: EOS, pad,
+        ChatML's ``<|im_end|>``, Llama 3's ``<|eot_id|>``, ...)."""
+        return frozenset(i for i, token in self._tok.get_added_tokens_decoder().items() if token.special)
+
+    @property
     def prepended_bos(self) -> int | None:
         """The token the tokenizer's post-processor puts before every text (Llama 3's
         ``<|begin_of_text|>``, Gemma's ``<bos>``) when special tokens are added; None when it adds

@@ -11,7 +11,7 @@ each forward).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,10 +38,12 @@ class ExactMatch(protocols.Evaluator):
     Args:
         sets: source name -> its held-out prompts and answers.
         tokenizer: decodes the continuations and measures the answers.
+        stop_ids: tokens besides EOS that end a continuation (the chat template's end of turn,
+            `trainer.data.chat.turn_end_ids`).
     """
 
-    def __init__(self, sets: dict[str, GenerationSet], tokenizer: Tokenizer) -> None:
-        self.sets, self.tokenizer = sets, tokenizer
+    def __init__(self, sets: dict[str, GenerationSet], tokenizer: Tokenizer, stop_ids: Sequence[int] = ()) -> None:
+        self.sets, self.tokenizer, self.stop_ids = sets, tokenizer, tuple(stop_ids)
 
     @staticmethod
     def decoded_sources(node: Any) -> list[str]:
@@ -94,7 +96,14 @@ class ExactMatch(protocols.Evaluator):
             if not gen.prompts:
                 continue
             longest = max(len(self.tokenizer.encode(a)) for a in gen.answers) + 2
-            new = greedy_batch(model, gen.prompts, max_new_tokens=longest, eos_id=self.tokenizer.eos_id, device=device)
+            new = greedy_batch(
+                model,
+                gen.prompts,
+                max_new_tokens=longest,
+                eos_id=self.tokenizer.eos_id,
+                stop_ids=self.stop_ids,
+                device=device,
+            )
             hits = [self.tokenizer.decode(ids).strip() == answer for ids, answer in zip(new, gen.answers)]
             out[f"val/exact_match/{name}"] = sum(hits) / len(hits)
         return out

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, Literal
 
 import lightning as L
@@ -203,6 +204,7 @@ class GRPO(Objective):
         indices = batch["prompt_index"].tolist()
         items = datamodule.prompt_items(indices)
         prompts = [item.ids for item in items for _ in range(G)]
+        stop_ids = datamodule.stop_ids()
         rollout = task.global_step // self.num_iterations
         seeds = [completion_seed(self.seed, rollout, i, g) for i in indices for g in range(G)]
         was_training = model.training
@@ -211,12 +213,17 @@ class GRPO(Objective):
         start = time.perf_counter()
         with task.trainer.precision_plugin.forward_context():
             completions = self.engine.generate(
-                model, prompts, params=self.params, eos_id=tokenizer.eos_id, seeds=seeds, all_done=self._all_done(task)
+                model,
+                prompts,
+                params=replace(self.params, stop_token_ids=stop_ids),
+                eos_id=tokenizer.eos_id,
+                seeds=seeds,
+                all_done=self._all_done(task),
             )
         rollout_s = time.perf_counter() - start
         model.train(was_training)
         completions = [cut_at_stop(c, tokenizer, self.stop) for c in completions]
-        texts = [completion_text(tokenizer, c) for c in completions]
+        texts = [completion_text(tokenizer, c, stop_ids) for c in completions]
         values = score(datamodule.rewards, [item.text for item in items for _ in range(G)], texts, fields_of(items, G))
         rewards = torch.tensor(total(datamodule.rewards, values), dtype=torch.float32)
         advantages = group_advantages(rewards, G, scale=self.scale_rewards, baseline=self.baseline)

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 from torch import nn
 
-from trainer.data.chat import JinjaTemplate
+from trainer.data.chat import JinjaTemplate, turn_end_ids
 from trainer.data.tokenizer import Tokenizer
 from trainer.rest.guidance import guide
 from trainer.rest.sos import verify
@@ -63,6 +63,7 @@ class Generator:
         self, model: nn.Module, tokenizer: Tokenizer, template: JinjaTemplate, *, batch_rows: int = 256
     ) -> None:
         self.model, self.tokenizer, self.template, self.batch_rows = model, tokenizer, template, batch_rows
+        self.stops = (tokenizer.eos_id, *turn_end_ids(tokenizer, template))
 
     def prompt_ids(self, problem: dict) -> list[int]:
         text = self.template.render([{"role": "user", "content": prompt_message(problem)}], add_generation_prompt=True)
@@ -72,7 +73,8 @@ class Generator:
         self, prompts: Sequence[list[int]], budgets: Sequence[int], *, temperature: float, seeds: Sequence[int]
     ) -> list[list[int]]:
         """Each prompt's continuation, at most its budget of tokens (and what the model's context
-        leaves after its own prompt), without the EOS that ended it."""
+        leaves after its own prompt), without the EOS or end of turn (`trainer.data.chat.turn_end_ids`)
+        that ended it."""
         out: list[list[int]] = [[] for _ in prompts]
         for rows in self._batches(prompts, budgets):
             longest = max(len(prompts[i]) for i in rows)
@@ -82,13 +84,14 @@ class Generator:
                 [prompts[i] for i in rows],
                 max_new_tokens=new,
                 eos_id=self.tokenizer.eos_id,
+                stop_ids=self.stops,
                 temperature=temperature,
                 seeds=[seeds[i] for i in rows],
                 device=next(self.model.parameters()).device,
             )
             for i, row in zip(rows, ids):
                 row = row[: budgets[i]]  # each row decodes alone: cutting it is stopping it there
-                out[i] = row[:-1] if row and row[-1] == self.tokenizer.eos_id else row
+                out[i] = row[:-1] if row and row[-1] in self.stops else row
         return out
 
     def _batches(self, prompts: Sequence[list[int]], budgets: Sequence[int]) -> list[list[int]]:

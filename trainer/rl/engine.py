@@ -35,12 +35,15 @@ class SamplingParams:
         top_p: nucleus sampling (Holtzman et al. 2020): the smallest set of tokens whose
             probability reaches ``top_p``; 1.0 keeps all.
         top_k: the ``top_k`` most likely tokens only; None keeps all.
+        stop_token_ids: tokens that end a completion as its EOS does, kept in it (the chat
+            template's end of turn, `trainer.data.chat.turn_end_ids`; vLLM's ``stop_token_ids``).
     """
 
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
 
 
 class GenerationEngine(Protocol):
@@ -56,7 +59,8 @@ class GenerationEngine(Protocol):
         seeds: Sequence[int],
         all_done: Callable[[bool], bool] | None,
     ) -> list[list[int]]:
-        """The completion of every prompt (ids, its EOS included when it ended with one).
+        """The completion of every prompt (ids, its EOS or stop token included when it ended with
+        one: ``eos_id`` or one of ``params.stop_token_ids``).
 
         Args:
             model: the policy (its training processes' copy, parallelized).
@@ -99,6 +103,7 @@ class InProcessEngine:
             [list(p) for p in prompts],
             max_new_tokens=params.max_new_tokens,
             eos_id=eos_id,
+            stop_ids=params.stop_token_ids,
             temperature=params.temperature,
             top_p=params.top_p,
             top_k=params.top_k,

@@ -42,10 +42,11 @@ def fields_of(items: Sequence[PromptItem], repeat: int = 1) -> dict[str, list[An
     return {name: [item.fields.get(name) for item in items for _ in range(repeat)] for name in names}
 
 
-def completion_text(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
-    """A completion's text: its ids without a trailing EOS, decoded."""
+def completion_text(tokenizer: Tokenizer, ids: Sequence[int], stop_ids: Sequence[int] = ()) -> str:
+    """A completion's text: its ids without a trailing EOS or stop token (``stop_ids``), decoded."""
     ids = list(ids)
-    return tokenizer.decode(ids[:-1] if ids and ids[-1] == tokenizer.eos_id else ids)
+    end = ids[-1] if ids else None
+    return tokenizer.decode(ids[:-1] if end == tokenizer.eos_id or end in stop_ids else ids)
 
 
 class RewardEvaluator(protocols.Evaluator):
@@ -57,6 +58,8 @@ class RewardEvaluator(protocols.Evaluator):
         tokenizer: decodes the completions.
         max_new_tokens: tokens per completion at most.
         stop: strings that end a completion (cut as `trainer.rl.rollout.cut_at_stop` cuts the training ones).
+        stop_ids: tokens besides EOS that end a completion (the chat template's end of turn,
+            `trainer.data.chat.turn_end_ids`).
     """
 
     def __init__(
@@ -67,9 +70,10 @@ class RewardEvaluator(protocols.Evaluator):
         *,
         max_new_tokens: int,
         stop: Sequence[str] = (),
+        stop_ids: Sequence[int] = (),
     ) -> None:
         self.items, self.rewards, self.tokenizer = list(items), list(rewards), tokenizer
-        self.max_new_tokens, self.stop = max_new_tokens, tuple(stop)
+        self.max_new_tokens, self.stop, self.stop_ids = max_new_tokens, tuple(stop), tuple(stop_ids)
 
     @property
     def headline_metrics(self) -> list[str]:
@@ -82,10 +86,13 @@ class RewardEvaluator(protocols.Evaluator):
             [item.ids for item in self.items],
             max_new_tokens=self.max_new_tokens,
             eos_id=self.tokenizer.eos_id,
+            stop_ids=self.stop_ids,
             temperature=0.0,
             device=device,
         )
-        return [completion_text(self.tokenizer, cut_at_stop(ids, self.tokenizer, self.stop)) for ids in new]
+        return [
+            completion_text(self.tokenizer, cut_at_stop(ids, self.tokenizer, self.stop), self.stop_ids) for ids in new
+        ]
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, device: torch.device) -> dict[str, float]:
