@@ -1,5 +1,6 @@
 """``plait eval ckpt=...``: score a run's checkpoint (or a Hugging Face model directory) on
-lm-evaluation-harness tasks; print lm-eval's table and write the scores to ``<run>/eval/<checkpoint>.json``.
+lm-evaluation-harness tasks; print lm-eval's table and write the scores to ``<run>/eval/<checkpoint>.json``
+(``out=DIR``: ``DIR/<checkpoint>.json``, e.g. for a read-only Hugging Face directory).
 
 With no ``tasks=``, the bundled tasks run (``plait_bundled``: perplexity and a next-line choice on
 the held-out documents of the bundled corpus; nothing downloads). Any task of lm-eval's registry
@@ -34,8 +35,16 @@ from trainer.compose import compose_command, fail
 EVAL_DIR = "eval"
 
 
+def writable_problem(directory: Path) -> str | None:
+    """Why ``directory`` (made when missing) cannot take the scores' file; None when it can."""
+    existing = next((p for p in (directory, *directory.parents) if p.exists()), directory)
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        return f"{directory} cannot be written ({existing} is not a writable directory)"
+    return None
+
+
 def write_scores(
-    run_dir: Path,
+    eval_dir: Path,
     name: str,
     step: int | None,
     scores: dict[str, float],
@@ -43,14 +52,15 @@ def write_scores(
     settings: dict[str, Any] | None = None,
 ) -> Path:
     """Adds ``scores`` (and lm-eval's ``results``, and the ``settings`` they were scored with:
-    ``limit``, ``num_fewshot``, ``max_length``, recorded per task) to ``<run_dir>/eval/<name>.json``:
+    ``limit``, ``num_fewshot``, ``max_length``, recorded per task) to ``<eval_dir>/<name>.json``
+    (a run's: ``<run>/eval``):
     its earlier tasks stay, the same task's scores are replaced. Written whole to a temporary file,
     then renamed.
 
     Returns:
         The file's path.
     """
-    path = run_dir / EVAL_DIR / f"{name}.json"
+    path = eval_dir / f"{name}.json"
     old = json.loads(path.read_text()) if path.is_file() else {}
     tasks = {key.split("/")[0] for key in scores}
     kept = {k: v for k, v in (old.get("scores") or {}).items() if k.split("/")[0] not in tasks}
@@ -116,6 +126,9 @@ def main(argv: list[str]) -> None:
         fail(
             f"max_length={cfg.max_length} is above the model's context ({run.model.max_seq_len}); lower it or leave it out"
         )
+    eval_dir = Path(cfg.out).expanduser() if cfg.out is not None else Path(run.run.path) / EVAL_DIR
+    if (problem := writable_problem(eval_dir)) is not None:
+        fail(f"the scores would go to {problem}; give out=<a writable directory>")
     # A run is scored in windows of the rows it trained on (a tiny model's RoPE table reaches further than its data).
     trained = OmegaConf.select(run.config, "data.seq_len", default=None) if run.config is not None else None
     max_length = cfg.max_length or min(int(trained or run.model.max_seq_len), run.model.max_seq_len)
@@ -145,5 +158,5 @@ def main(argv: list[str]) -> None:
 
     checkpoint = Path(run.checkpoint)
     settings = {"limit": cfg.limit, "num_fewshot": cfg.num_fewshot, "max_length": lm.max_length}
-    path = write_scores(run.run.path, checkpoint.name, name_step(checkpoint), scores, results.get("results"), settings)
+    path = write_scores(eval_dir, checkpoint.name, name_step(checkpoint), scores, results.get("results"), settings)
     print(f"plait: scores written to {path}", file=sys.stderr)

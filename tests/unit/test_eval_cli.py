@@ -75,3 +75,22 @@ def test_a_task_of_ones_own_on_local_data(hub, tmp_path, capsys) -> None:
     plait_eval([f"ckpt={hub}", "tasks=[my_echo]", f"include_path=[{tasks}]"])
     capsys.readouterr()
     assert json.loads((hub / "eval" / "llama.json").read_text())["scores"]["my_echo/exact_match"] == 1.0
+
+
+def test_scores_go_to_out_and_a_destination_that_cannot_take_them_is_refused_before_scoring(
+    hub, tmp_path, capsys
+) -> None:
+    """out= takes the scores instead of the model's directory (a shared or read-only copy stays
+    untouched); a destination that cannot be written is refused before the evaluation runs, naming
+    out=, not after it with a traceback."""
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")
+    with pytest.raises(SystemExit) as exit_:
+        plait_eval([f"ckpt={hub}", "tasks=[plait_corpus_next_line]", "limit=2", f"out={blocked / 'scores'}"])
+    out = capsys.readouterr()
+    assert exit_.value.code == 2 and "give out=<a writable directory>" in out.err and "acc_norm" not in out.out
+    before = sorted(p.name for p in hub.rglob("*"))
+    plait_eval([f"ckpt={hub}", "tasks=[plait_corpus_next_line]", "limit=2", f"out={tmp_path / 'scores'}"])
+    scores = json.loads((tmp_path / "scores" / "llama.json").read_text())["scores"]
+    assert set(scores) == {"plait_corpus_next_line/acc", "plait_corpus_next_line/acc_norm"}
+    assert sorted(p.name for p in hub.rglob("*")) == before

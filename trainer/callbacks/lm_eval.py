@@ -24,7 +24,7 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from strategies.core.resolved import ResolvedRun
-from trainer.eval import write_scores
+from trainer.eval import EVAL_DIR, write_scores
 
 
 class LMEval(L.Callback):
@@ -159,7 +159,7 @@ class LMEval(L.Callback):
             pl_module.record({f"eval/{name}": value for name, value in scores.items()})
         if trainer.is_global_zero:
             settings = {"limit": self.limit, "num_fewshot": self.num_fewshot, "max_length": max_length}
-            write_scores(self.dirpath, f"step_{step:07d}", step, scores, results.get("results"), settings)
+            write_scores(self.dirpath / EVAL_DIR, f"step_{step:07d}", step, scores, results.get("results"), settings)
         return scores
 
 
