@@ -298,7 +298,7 @@ def test_every_prompt_too_long_is_refused_naming_the_seq_len_that_fits() -> None
         build_data(cfg).prepare()
 
 
-def test_held_out_completions_are_cut_at_the_stop_strings(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_held_out_completions_are_cut_before_the_stop_strings(monkeypatch: pytest.MonkeyPatch) -> None:
     class Chars:  # one character per id
         eos_id = 0
 
@@ -309,7 +309,8 @@ def test_held_out_completions_are_cut_at_the_stop_strings(monkeypatch: pytest.Mo
     monkeypatch.setattr(evaluate, "sample_batch", lambda *a, **k: [[ord(c) for c in "12;34"] + [0]])
     answer = build_rewards({"answer": {"fn": exact_answer}})
     cut = evaluate.RewardEvaluator([item], answer, Chars(), max_new_tokens=8, stop=[";"])
-    assert cut.completions(None, "cpu") == ["12;"]
+    # The stop string is left out of what the rewards read (vLLM's default), so the answer scores.
+    assert cut.completions(None, "cpu") == ["12"] and cut.evaluate(None, "cpu")["val/reward"] == 1.0
     assert evaluate.RewardEvaluator([item], answer, Chars(), max_new_tokens=8).completions(None, "cpu") == ["12;34"]
 
 

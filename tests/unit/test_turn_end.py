@@ -118,6 +118,19 @@ class StopRecorder(ScriptedEngine):
         return super().generate(model, prompts, params=params, **kwargs)
 
 
+GRPO_TINY = (
+    "model=nano", "model.max_seq_len=64", "data.seq_len=48", "data.sources.addition.limit=32",
+    "data.sources.addition.val_size=4", "objective.max_new_tokens=6", "objective.num_generations=4",
+    "train.global_batch_size=16", "train.eval_every=0", "trainer.max_steps=1", "trainer.enable_progress_bar=false",
+    "logger=none", "~callbacks.plots", "~callbacks.checkpoint", "data.template=tokenizer", "~objective.engine",
+)  # fmt: skip
+
+
+def _supervised_end(data, tok: Tokenizer) -> str:  # noqa: ANN001
+    """The supervised text of the first held-out row of ``data.eval_rows()``."""
+    return tok.decode([t for t in data.eval_rows()["labels"][0].tolist() if t != -100])
+
+
 def test_grpo_rollouts_and_held_out_rewards_stop_at_the_templates_end_of_turn(tok: Tokenizer, tmp_path: Path) -> None:
     record = tmp_path / "asked.json"
     (tmp_path / "tokenizer.json").write_text(tok.to_str())
@@ -133,7 +146,53 @@ def test_grpo_rollouts_and_held_out_rewards_stop_at_the_templates_end_of_turn(to
     (im_end,) = tok.encode("<|im_end|>")
     cfg = compose_config(overrides, recipe="grpo", tiny=False)
     data = build_data(cfg)
-    assert data.stop_ids() == (im_end,)
+    assert data.stop_ids() == (im_end,) and data.stop_texts() == ()
     assert data.evaluators()[0].stop_ids == (im_end,)
+    # val/loss scores the answer and the end of turn the template writes, not an EOS it never writes.
+    scored = _supervised_end(data, tok)
+    assert scored.endswith("<|im_end|>\n") and "<|endoftext|>" not in scored
     fit(cfg, tmp_path)
     assert json.loads(record.read_text()) == [[im_end]]
+
+
+def record_completions(prompts: list[str], completions: list[str], *, path: str, **fields) -> list[float]:  # noqa: ANN003
+    """A reward of weight 0 that appends the texts it is given to the JSON list in ``path``."""
+    seen = json.loads(Path(path).read_text()) if Path(path).exists() else []
+    Path(path).write_text(json.dumps([*seen, *completions]))
+    return [0.0] * len(completions)
+
+
+class SaysSeven(ScriptedEngine):
+    """Every completion is "Seven<|im_end|>" and a new turn after it, in the run's tokenizer (from ``tokenizer``)."""
+
+    def __init__(self, tokenizer: str) -> None:
+        super().__init__()
+        self.ids = Tokenizer.from_file(tokenizer).encode("Seven<|im_end|>\n<|im_start|>user")
+
+    def generate(self, model, prompts, *, params, **kwargs) -> list[list[int]]:  # noqa: ANN001
+        return [self.ids[: params.max_new_tokens] for _ in prompts]
+
+
+def test_an_end_of_turn_spelled_in_several_tokens_cuts_the_text_the_rewards_read(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """A tokenizer without ``<|im_end|>`` as a special token (its ChatML template spells it in
+    several tokens): no id can stop decoding there, so the completions are cut at the text, the
+    rewards read the answer alone (before: "Seven<|im_end|>\\n<|im_..."), and the launch says so."""
+    from hf_checkpoints import write_tokenizer
+
+    write_tokenizer(tmp_path)
+    texts = tmp_path / "texts.json"
+    overrides = [
+        *(o for o in GRPO_TINY if "seq_len" not in o), "model.max_seq_len=160", "data.seq_len=128",
+        f"data.tokenizer={tmp_path / 'tokenizer.json'}", "objective.max_new_tokens=40",
+        f"+objective.engine={{_target_: test_turn_end.SaysSeven, tokenizer: {tmp_path / 'tokenizer.json'}}}",
+        f"+data.rewards.seen={{fn: {{_target_: test_turn_end.record_completions, _partial_: true, path: {texts}}}, weight: 0.0}}",
+    ]  # fmt: skip
+    cfg = compose_config(overrides, recipe="grpo", tiny=False)
+    data = build_data(cfg)
+    assert data.stop_ids() == () and data.stop_texts() == ("<|im_end|>",)
+    assert "end of turn '<|im_end|>' is not one special token" in capsys.readouterr().err
+    assert data.evaluators()[0].stop[-1] == "<|im_end|>"
+    assert _supervised_end(data, data.tokenizer).endswith("<|im_end|>\n")
+    fit(cfg, tmp_path)
+    seen = json.loads(texts.read_text())  # the rollout's, and the held-out greedy answers of the model
+    assert seen.count("Seven") == 16 and not any("<|im_end|>" in text for text in seen), seen

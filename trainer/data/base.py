@@ -20,6 +20,7 @@ A subclass implements `_prepare` (the prepared data, with a ``tokenizer``), `tra
 from __future__ import annotations
 
 import os
+import sys
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -36,7 +37,7 @@ from trainer import protocols
 from trainer.data.accounting import SourceCounts
 from trainer.data.balance import Balancer, WorkModel
 from trainer.data.cache import cache_dir_problem
-from trainer.data.chat import ChatFormat, JinjaTemplate, load_chat_template, turn_end_ids
+from trainer.data.chat import ChatFormat, JinjaTemplate, load_chat_template, turn_end_ids, turn_end_text
 from trainer.data.chat_files import PLACES
 from trainer.data.fingerprint import prepared_fingerprint
 from trainer.data.loader import Batch, GlobalBatches, Loader, shard_rows
@@ -109,7 +110,7 @@ class DataModule(L.LightningDataModule, protocols.DataModule):
         self.balancer = Balancer(WorkModel.of(run.shape), run.micro_batch_size) if balance == "work" else None
         self._prepared: Any = None
         self._chat: ChatFormat | None = None  # set by chat_template while preparing
-        self._stop_ids: tuple[int, ...] | None = None  # resolved by stop_ids
+        self._answer_ends: tuple[tuple[int, ...], tuple[str, ...]] | None = None  # stop_ids, stop_texts
 
     @classmethod
     def problems(cls, run: ResolvedRun | None, node: Any) -> list[str]:
@@ -204,10 +205,25 @@ class DataModule(L.LightningDataModule, protocols.DataModule):
         """The tokens besides EOS that end a generated answer under the chat template the data
         renders with (`trainer.data.chat.turn_end_ids`: ChatML's ``<|im_end|>``, ...); none for
         plait's default template and for data without chat."""
-        chat = self.chat_format()
-        if self._stop_ids is None:
-            self._stop_ids = turn_end_ids(self.tokenizer, chat.template if chat is not None else None)
-        return self._stop_ids
+        return self._answer_end()[0]
+
+    def stop_texts(self) -> tuple[str, ...]:
+        """The template's end-of-turn marker where no token of `stop_ids` spells it
+        (`trainer.data.chat.turn_end_text`): a completion is cut at it."""
+        return self._answer_end()[1]
+
+    def _answer_end(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        if self._answer_ends is None:
+            chat = self.chat_format()
+            template = chat.template if chat is not None else None
+            self._answer_ends = (turn_end_ids(self.tokenizer, template), turn_end_text(self.tokenizer, template))
+            for marker in self._answer_ends[1]:
+                print(
+                    f"plait: the chat template's end of turn {marker!r} is not one special token of the tokenizer: "
+                    "generated answers are cut at its text, and decoding goes on to their token limit",
+                    file=sys.stderr,
+                )
+        return self._answer_ends
 
     def model_chat_template(self) -> JinjaTemplate | None:
         """The chat template that goes with the trained model (a run records it, an export

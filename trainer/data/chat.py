@@ -306,6 +306,18 @@ def turn_end_ids(tokenizer: Tokenizer, template: JinjaTemplate | None) -> tuple[
     return tuple(dict.fromkeys(i for i in ids if i in special))
 
 
+def turn_end_text(tokenizer: Tokenizer, template: JinjaTemplate | None) -> tuple[str, ...]:
+    """The template's end-of-turn marker as text (`JinjaTemplate.turn_end` without its surrounding
+    whitespace), where it is not one special token of ``tokenizer`` (``<|im_end|>`` of a tokenizer
+    that spells it in several tokens): decoding cannot stop at an id there, so completions are cut
+    at the text (`trainer.rl.rollout.cut_at_stop`). () where `turn_end_ids` covers it, where the
+    template writes no marker, and for None.
+    """
+    marker = template.turn_end().strip() if template is not None else ""
+    ids = tokenizer.encode(marker)
+    return () if not marker or (len(ids) == 1 and ids[0] in tokenizer.special_ids) else (marker,)
+
+
 @dataclass(frozen=True)
 class ChatFormat:
     """The chat template a data module renders with, for the launch line and the run's record.

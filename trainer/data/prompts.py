@@ -340,15 +340,18 @@ class PromptDataModule(DataModule):
 
     @override
     def eval_rows(self) -> dict[str, Tensor]:
-        """Held-out prompt + answer rows (answers that are text), labels on the answer and its EOS."""
+        """Held-out prompt + answer rows (answers that are text), labels on the answer and its end:
+        the EOS under plait's default template, the end of turn a tokenizer's template writes
+        (`trainer.data.chat.JinjaTemplate.turn_end`: ``<|im_end|>\\n``; it never writes the EOS)."""
         prepared = self.prepare()
         tok = prepared.tokenizer
+        end = [tok.eos_id] if prepared.template is None else tok.encode(prepared.template.turn_end())
         rows = []
         for item in prepared.val:
             answer = item.fields.get("answer")
             if not isinstance(answer, str):
                 continue
-            ids = (item.ids + tok.encode(answer) + [tok.eos_id])[: self.seq_len]
+            ids = (item.ids + tok.encode(answer) + end)[: self.seq_len]
             labels = [IGNORE_INDEX] * (len(item.ids) - 1) + ids[len(item.ids) :] + [IGNORE_INDEX]
             rows.append((ids, labels[: len(ids)]))
         input_ids = torch.full((len(rows), self.seq_len), tok.pad_id, dtype=torch.long)
@@ -368,7 +371,7 @@ class PromptDataModule(DataModule):
                 self.rewards,
                 prepared.tokenizer,
                 max_new_tokens=self.completion_len,
-                stop=self.stop,
+                stop=(*self.stop, *self.stop_texts()),
                 stop_ids=self.stop_ids(),
             )
         ]

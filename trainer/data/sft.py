@@ -319,4 +319,6 @@ class SFTDataModule(DataModule):
     def evaluators(self) -> list[ExactMatch]:
         """Greedy-decoding exact match of the sources with ``metric: exact_match`` ([] without any)."""
         prepared = self.prepare()
-        return [ExactMatch(prepared.prompts, prepared.tokenizer, self.stop_ids())] if prepared.prompts else []
+        if not prepared.prompts:
+            return []
+        return [ExactMatch(prepared.prompts, prepared.tokenizer, self.stop_ids(), self.stop_texts())]

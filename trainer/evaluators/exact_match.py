@@ -21,6 +21,7 @@ from torch import nn
 from strategies.core.resolved import ResolvedRun
 from trainer import protocols
 from trainer.data.tokenizer import Tokenizer
+from trainer.rl.rollout import before_stop
 from trainer.sampling import greedy_batch
 
 
@@ -40,10 +41,18 @@ class ExactMatch(protocols.Evaluator):
         tokenizer: decodes the continuations and measures the answers.
         stop_ids: tokens besides EOS that end a continuation (the chat template's end of turn,
             `trainer.data.chat.turn_end_ids`).
+        stop: texts a continuation is cut before (an end of turn that is no special token,
+            `trainer.data.chat.turn_end_text`).
     """
 
-    def __init__(self, sets: dict[str, GenerationSet], tokenizer: Tokenizer, stop_ids: Sequence[int] = ()) -> None:
-        self.sets, self.tokenizer, self.stop_ids = sets, tokenizer, tuple(stop_ids)
+    def __init__(
+        self,
+        sets: dict[str, GenerationSet],
+        tokenizer: Tokenizer,
+        stop_ids: Sequence[int] = (),
+        stop: Sequence[str] = (),
+    ) -> None:
+        self.sets, self.tokenizer, self.stop_ids, self.stop = sets, tokenizer, tuple(stop_ids), tuple(stop)
 
     @staticmethod
     def decoded_sources(node: Any) -> list[str]:
@@ -104,6 +113,7 @@ class ExactMatch(protocols.Evaluator):
                 stop_ids=self.stop_ids,
                 device=device,
             )
-            hits = [self.tokenizer.decode(ids).strip() == answer for ids, answer in zip(new, gen.answers)]
+            texts = [before_stop(self.tokenizer.decode(ids), self.stop) for ids in new]
+            hits = [text.strip() == answer for text, answer in zip(texts, gen.answers)]
             out[f"val/exact_match/{name}"] = sum(hits) / len(hits)
         return out

@@ -222,8 +222,9 @@ class GRPO(Objective):
             )
         rollout_s = time.perf_counter() - start
         model.train(was_training)
-        completions = [cut_at_stop(c, tokenizer, self.stop) for c in completions]
-        texts = [completion_text(tokenizer, c, stop_ids) for c in completions]
+        stop = (*self.stop, *datamodule.stop_texts())
+        completions = [cut_at_stop(c, tokenizer, stop) for c in completions]
+        texts = [completion_text(tokenizer, c, stop_ids, stop) for c in completions]
         values = score(datamodule.rewards, [item.text for item in items for _ in range(G)], texts, fields_of(items, G))
         rewards = torch.tensor(total(datamodule.rewards, values), dtype=torch.float32)
         advantages = group_advantages(rewards, G, scale=self.scale_rewards, baseline=self.baseline)

@@ -20,7 +20,7 @@ from torch import nn
 from trainer import protocols
 from trainer.data.tokenizer import Tokenizer
 from trainer.rl.rewards import Reward, score, total
-from trainer.rl.rollout import cut_at_stop
+from trainer.rl.rollout import before_stop
 from trainer.sampling import sample_batch
 
 
@@ -42,11 +42,17 @@ def fields_of(items: Sequence[PromptItem], repeat: int = 1) -> dict[str, list[An
     return {name: [item.fields.get(name) for item in items for _ in range(repeat)] for name in names}
 
 
-def completion_text(tokenizer: Tokenizer, ids: Sequence[int], stop_ids: Sequence[int] = ()) -> str:
-    """A completion's text: its ids without a trailing EOS or stop token (``stop_ids``), decoded."""
+def completion_text(
+    tokenizer: Tokenizer, ids: Sequence[int], stop_ids: Sequence[int] = (), stop: Sequence[str] = ()
+) -> str:
+    """A completion's text, what its rewards read: its ids without a trailing EOS or stop token
+    (``stop_ids``), decoded, and cut before the first stop string (``stop``), as vLLM leaves stop
+    strings out of its output (the policy still trains on the tokens that wrote it:
+    `trainer.rl.rollout.cut_at_stop`)."""
     ids = list(ids)
     end = ids[-1] if ids else None
-    return tokenizer.decode(ids[:-1] if end == tokenizer.eos_id or end in stop_ids else ids)
+    text = tokenizer.decode(ids[:-1] if end == tokenizer.eos_id or end in stop_ids else ids)
+    return before_stop(text, stop)
 
 
 class RewardEvaluator(protocols.Evaluator):
@@ -57,7 +63,7 @@ class RewardEvaluator(protocols.Evaluator):
         rewards: the run's reward functions.
         tokenizer: decodes the completions.
         max_new_tokens: tokens per completion at most.
-        stop: strings that end a completion (cut as `trainer.rl.rollout.cut_at_stop` cuts the training ones).
+        stop: strings that end a completion (left out of the scored text, as `completion_text` does for the training ones).
         stop_ids: tokens besides EOS that end a completion (the chat template's end of turn,
             `trainer.data.chat.turn_end_ids`).
     """
@@ -90,9 +96,7 @@ class RewardEvaluator(protocols.Evaluator):
             temperature=0.0,
             device=device,
         )
-        return [
-            completion_text(self.tokenizer, cut_at_stop(ids, self.tokenizer, self.stop), self.stop_ids) for ids in new
-        ]
+        return [completion_text(self.tokenizer, ids, self.stop_ids, self.stop) for ids in new]
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, device: torch.device) -> dict[str, float]:

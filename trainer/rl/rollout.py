@@ -36,6 +36,11 @@ def cut_at_stop(ids: Sequence[int], tokenizer: Tokenizer, stop: Sequence[str]) -
     return ids
 
 
+def before_stop(text: str, stop: Sequence[str]) -> str:
+    """``text`` up to its first stop string (not included); all of it without one."""
+    return text[: min((i for s in stop if (i := text.find(s)) >= 0), default=len(text))]
+
+
 def rollout_rows(
     prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], *, width: int, pad_id: int
 ) -> dict[str, torch.Tensor]:
