@@ -60,3 +60,20 @@ def test_a_fifo_as_a_named_source_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         validate(cfg)
     assert f"data.sources.mine.source={tmp_path / 'mine.jsonl'}: {tmp_path / 'mine.jsonl'} is a FIFO" in str(err.value)
+
+
+def test_hidden_files_in_a_data_folder_are_not_data(tmp_path: Path, capsys) -> None:
+    """Jupyter's checkpoint copy and macOS's ``._`` file beside the data (a reviewer's folder: the
+    copy doubled the 200 documents and put every held-out one in training too; the ``._`` file
+    refused the run with a nameless decode error). Left out, as ``datasets`` does, and said once."""
+    rows = "".join(f'{{"text": "document {i}"}}\n' for i in range(5))
+    (tmp_path / "corpus.jsonl").write_text(rows)
+    (tmp_path / ".ipynb_checkpoints").mkdir()
+    (tmp_path / ".ipynb_checkpoints" / "corpus-checkpoint.jsonl").write_text(rows)
+    (tmp_path / "._corpus.jsonl").write_bytes(b"\x00\x05\x16\x07\xff\xfe")
+    (tmp_path / "__pycache__").mkdir()
+    (tmp_path / "__pycache__" / "x.json").write_text("[]")
+    assert data_files(tmp_path, (".jsonl", ".json")) == [tmp_path / "corpus.jsonl"]
+    assert [d.text for d in load_files([str(tmp_path)])] == [f"document {i}" for i in range(5)]
+    err = capsys.readouterr().err
+    assert err.count(f"plait: {tmp_path}: left out 3 hidden file(s)") == 1, err

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -72,17 +73,39 @@ def check_path(given: str) -> Path:
     return path
 
 
+_SAID_HIDDEN: set[Path] = set()  # folders whose hidden files this process has reported
+
+
+def _hidden(relative: Path) -> bool:
+    """Whether a path below a data folder is hidden: one of its parts starts with ``.`` or ``__``."""
+    return any(part.startswith((".", "__")) for part in relative.parts)
+
+
 def data_files(root: Path, suffixes: Sequence[str]) -> list[Path]:
     """The regular files below the folder ``root`` whose suffix is one of ``suffixes``, sorted.
 
     A folder so named that holds such files itself (Spark writes ``out.parquet/part-*.parquet``)
     is read through them.
 
+    Hidden entries, and what lies below them, are not data, as for Hugging Face ``datasets``: a
+    name starting with ``.`` (Jupyter's ``.ipynb_checkpoints/`` copies, macOS's ``._x.jsonl``) or
+    ``__`` (``__pycache__``); the first listing of a folder that has such files says how many it
+    leaves out (a copy read as data would train twice on its rows and leak held-out ones).
+
     Raises:
         PathProblem: an entry so named that is a dangling symlink, a FIFO, a socket, a device, or
             a folder without such files.
     """
-    entries = sorted(p for p in root.rglob("*") if p.suffix in suffixes)
+    named = [p for p in root.rglob("*") if p.suffix in suffixes]
+    hidden = [p for p in named if _hidden(p.relative_to(root))]
+    if hidden and root not in _SAID_HIDDEN:
+        _SAID_HIDDEN.add(root)
+        print(
+            f"plait: {root}: left out {len(hidden)} hidden file(s) (names starting with . or __), e.g. "
+            f"{hidden[0].relative_to(root)}",
+            file=sys.stderr,
+        )
+    entries = sorted(p for p in named if not _hidden(p.relative_to(root)))
     files = [p for p in entries if p.is_file()]
     for entry in entries:
         if entry.is_dir() and not any(entry in f.parents for f in files):
