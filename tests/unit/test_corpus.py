@@ -266,3 +266,14 @@ def test_a_one_document_split_trains_on_no_held_out_token(tmp_path):
     real = labels != -100
     # every training target is the next training token; none is a held-out one
     assert torch.equal(labels[:-1][real[:-1]], ids[1:][real[:-1]]) and not real[-1]
+
+
+@pytest.mark.parametrize("name", ["notes.txt", "rows.jsonl"])
+def test_a_file_that_is_not_utf8_is_named(tmp_path, name):
+    """In a large folder, 'utf-8 codec can't decode byte 0xff in position 34' named no file."""
+    (tmp_path / "good.txt").write_text("fine text\n")
+    (tmp_path / name).write_bytes(b'{"text": "caf\xe9"}\n')
+    with pytest.raises(
+        ValueError, match=rf"{re.escape(str(tmp_path / name))} is not UTF-8 text \(byte 0xe9\); convert it"
+    ):
+        load_files([str(tmp_path)])

@@ -90,3 +90,21 @@ def test_holding_out_every_document_names_a_smaller_eval_docs(shards):
 
     with pytest.raises(DataError, match=r"\(it holds 30 documents\); hold out fewer, e.g. data.eval_docs=3"):
         _data(shards, "data.eval_docs=64").prepare()
+
+
+def test_null_texts_are_empty_documents_in_tables_and_streams(tmp_path):
+    """A null in the text column (a parquet null, an empty CSV cell): dropped as an empty document is.
+    Before, pretraining refused the table as having 'no column text' (with the wrong fix,
+    data.text_key), and data=stream crashed at the null's step (26 of 200) with no checkpoint."""
+    import datasets
+
+    texts = [*DOCS[:12], None, *DOCS[12:]]
+    datasets.Dataset.from_dict({"text": texts}).to_parquet(str(tmp_path / "nulls.parquet"))
+    (tmp_path / "cells.csv").write_text("id,text\n1,first document\n2,\n3,third document\n")
+    assert [d.text for d in corpus.load_files([str(tmp_path / "nulls.parquet")])] == DOCS
+    assert [d.text for d in corpus.load_files([str(tmp_path / "cells.csv")])] == ["first document", "third document"]
+    data = _data(tmp_path / "nulls.parquet", "data.text_key=text", "data.eval_docs=2")
+    stream = data.train_batches(0, 1)
+    run = list(stream.batches(stream.start()))  # to the stream's end, through the null
+    tokens = sum(int((b["input_ids"] != data.tokenizer.pad_id).sum()) for b, _, _ in run)
+    assert run[-1][2] and tokens >= sum(len(data.tokenizer.encode(t)) + 1 for t in DOCS[2:]) - 4 * 16

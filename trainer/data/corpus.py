@@ -225,7 +225,7 @@ _TABLES = (".parquet", ".arrow", ".json", ".csv")  # read with Hugging Face data
 
 
 def _read_txt(path: Path, source: str, title: str) -> list[Document]:
-    text = path.read_text(encoding="utf-8-sig")
+    text = _utf8(path)
     lines = text.splitlines(keepends=True)
     if not any(line.strip() == EOT_SEPARATOR for line in lines):
         return [Document(text=text, source=source, title=title)] if text.strip() else []
@@ -239,7 +239,33 @@ def _read_txt(path: Path, source: str, title: str) -> list[Document]:
     return [Document(text=t, source=source, title=f"{title}#{i}") for i, t in enumerate(texts) if t.strip()]
 
 
+def _utf8(path: Path) -> str:
+    """The text of ``path`` (UTF-8, a BOM dropped).
+
+    Raises:
+        ValueError: not UTF-8, naming the file (`_not_utf8`).
+    """
+    try:
+        return path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise _not_utf8(path, err) from None
+
+
+def _not_utf8(path: Path, err: UnicodeDecodeError) -> ValueError:
+    return ValueError(
+        f"{path} is not UTF-8 text (byte {err.object[err.start]:#04x}); convert it (iconv -t UTF-8) or move it out "
+        "of the data folder"
+    )
+
+
 def _read_jsonl(path: Path, source: str, title: str, text_key: str) -> list[Document]:
+    try:
+        return _jsonl_documents(path, source, title, text_key)
+    except UnicodeDecodeError as err:
+        raise _not_utf8(path, err) from None
+
+
+def _jsonl_documents(path: Path, source: str, title: str, text_key: str) -> list[Document]:
     docs = []
     with path.open(encoding="utf-8-sig") as f:
         for lineno, line in enumerate(f, start=1):
@@ -255,6 +281,8 @@ def _read_jsonl(path: Path, source: str, title: str, text_key: str) -> list[Docu
                     "that holds the document text"
                 )
             text = record[text_key]
+            if text is None:  # a null text is an empty document
+                continue
             if not isinstance(text, str):
                 raise ValueError(f"{path}, line {lineno}: field {text_key!r} is {type(text).__name__}, not a string")
             tables.check_unicode(text, f"{path}, line {lineno}")
@@ -266,14 +294,19 @@ def _read_jsonl(path: Path, source: str, title: str, text_key: str) -> list[Docu
 def _read_table(path: Path, source: str, title: str, text_key: str) -> list[Document]:
     docs = []
     for where, row in tables.read_rows(str(path)):
-        text = row.get(text_key)
-        if not isinstance(text, str):
-            found = (
-                f"no column {text_key!r} (columns: {sorted(row)})"
-                if text is None
-                else f"column {text_key!r} is {type(text).__name__}"
+        if text_key not in row:
+            raise ValueError(
+                f"{where}: no column {text_key!r} (columns: {sorted(row)}); set data.text_key= to the column that "
+                "holds the document text"
             )
-            raise ValueError(f"{where}: {found}; set data.text_key= to the column that holds the document text")
+        text = row[text_key]
+        if text is None:  # a null (an empty CSV cell) is an empty document
+            continue
+        if not isinstance(text, str):
+            raise ValueError(
+                f"{where}: column {text_key!r} is {type(text).__name__}, not text; set data.text_key= to the column "
+                "that holds the document text"
+            )
         if text.strip():
             docs.append(Document(text=text, source=source, title=f"{title}:{where.rsplit(' ', 1)[-1]}"))
     return docs
@@ -289,7 +322,7 @@ def load_files(paths: Sequence[str], *, text_key: str = "text") -> list[Document
       written by ``save_to_disk``: one document per row, the text in column ``text_key``.
     - a directory: every file of those kinds below it, recursively, in sorted order.
 
-    Whitespace-only documents are dropped. ``source`` is the path as given; ``title`` is the file
+    Whitespace-only and null documents (an empty CSV cell, a JSON null) are dropped. ``source`` is the path as given; ``title`` is the file
     (relative to a given directory) plus ``#k`` (k-th document of a txt) or ``:line`` (jsonl).
 
     Raises:

@@ -77,15 +77,24 @@ class DocumentStream:
 
 
 def document_text(row: dict[str, Any], text_key: str, path: str) -> str:
-    """The text of one streamed row.
+    """The text of one streamed row; "" for a null one (an empty CSV cell), skipped as an empty
+    document is.
 
     Raises:
-        DataError: the row has no string under ``text_key`` (naming the column and the fix).
+        DataError: the row has no column ``text_key``, or a value that is not text there (naming
+            the column and the fix).
     """
-    text = row.get(text_key)
+    if text_key not in row:
+        raise DataError(
+            f"data.path={path}: a row has no column {text_key!r} (columns: {sorted(row)}); set data.text_key"
+        )
+    text = row[text_key]
+    if text is None:
+        return ""
     if not isinstance(text, str):
         raise DataError(
-            f"data.path={path}: a row has no string column {text_key!r} (columns: {sorted(row)}); set data.text_key"
+            f"data.path={path}: a row's {text_key!r} is {type(text).__name__}, not text; set data.text_key to the "
+            "column that holds the document text"
         )
     return text
 
