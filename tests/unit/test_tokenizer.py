@@ -181,3 +181,39 @@ def test_a_tokenizer_file_that_does_not_parse_is_refused_by_validate(tmp_path, c
     assert found and found[0].endswith("); give a Hugging Face tokenizer.json, or null to train one"), (
         err.value.problems
     )
+
+
+def test_rows_are_cached_by_the_eos_in_use_too(tmp_path):
+    """The same tokenizer.json with another EOS named by its tokenizer_config.json: the prepared
+    rows' separators change, so the cache must not hand back the old rows (a reviewer's run trained
+    on 171 '</s>' separators while recording '<eot>' as its EOS)."""
+    import json
+
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers, trainers
+
+    from trainer.build import build_data
+    from trainer.compose import compose
+
+    docs = [f"document number {i} says hello" for i in range(40)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    raw = HFTokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    raw.train_from_iterator(
+        docs, trainers.BpeTrainer(vocab_size=300, special_tokens=["</s>", "<eot>"], initial_alphabet=alphabet)
+    )
+    (tmp_path / "tok").mkdir()
+    raw.save(str(tmp_path / "tok" / "tokenizer.json"))
+
+    def separators(eos: str) -> tuple[int, int]:
+        (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))
+        overrides = [f"data.path={tmp_path / 'docs.jsonl'}", f"data.tokenizer={tmp_path / 'tok' / 'tokenizer.json'}",
+                     "data.seq_len=32", "model=nano", f"data.cache_dir={tmp_path / 'cache'}", "train.global_batch_size=2"]  # fmt: skip
+        data = build_data(compose("pretrain", overrides))
+        ids = data.prepare().train.input_ids
+        return int((ids == raw.token_to_id("</s>")).sum()), int((ids == raw.token_to_id("<eot>")).sum())
+
+    first = separators("</s>")
+    assert first[0] > 0 and first[1] == 0
+    assert separators("<eot>") == (0, first[0])

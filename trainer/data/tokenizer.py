@@ -178,9 +178,11 @@ class Tokenizer:
 
     @property
     def fingerprint(self) -> str:
-        """sha256 of the tokenizer JSON, 16 hex chars: changes whenever any id could change."""
+        """sha256 of the tokenizer JSON and of the EOS and pad tokens in use, 16 hex chars: changes
+        whenever any id of an encoded row could change (a ``tokenizer_config.json`` that names
+        another EOS changes the rows' separators, not the JSON)."""
         if self._fingerprint is None:
-            self._fingerprint = digest(self.to_str()).hex()[:16]
+            self._fingerprint = digest(self.to_str(), self.eos_token, self.pad_token).hex()[:16]
         return self._fingerprint
 
     def __repr__(self) -> str:
