@@ -249,9 +249,11 @@ def hold_out(records: list, val_size: int, *, seed: int, name: str) -> tuple[lis
     lowest sha256 of (seed, name, content) are held out, one copy each, and every copy of them is
     left out of training; both keep the records' order.
 
-    Keyed by content (canonical JSON), a record stays on its side when rows are added, removed or
-    reordered, and a file that repeats a row cannot train on a held-out one (the bundled glaive
-    tool-use rows repeat 35 of 300)."""
+    Keyed by content (canonical JSON), a record stays on its side when the rows are reordered, and
+    a file that repeats a row cannot train on a held-out one (the bundled glaive tool-use rows
+    repeat 35 of 300). Rows added or removed move the cutoff (the ``val_size`` lowest hashes): a
+    new row hashing below it pushes the highest held-out row into training, a removed held-out row
+    pulls the lowest training row out."""
     keys = [json.dumps(r, sort_keys=True, ensure_ascii=False, default=str) for r in records]
     distinct = list(dict.fromkeys(keys))
     scores = {key: digest(seed, name, key)[:8] for key in distinct}
