@@ -74,3 +74,45 @@ def test_no_tokenizer_config_means_the_default_template(tmp_path):
     tok = byte_tokenizer()
     tok.save(tmp_path / "tokenizer.json")
     assert load_chat_template(str(tmp_path / "tokenizer.json"), tok) is None
+
+
+MISTRAL_STYLE = (  # Mistral v0.1's rule: roles alternate, starting with the user; no system turn
+    "{{ bos_token }}{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if m['role'] == 'user' %}{{ '[INST] ' + m['content'] + ' [/INST]' }}{% else %}{{ m['content'] + eos_token }}"
+    "{% endif %}{% endfor %}"
+)
+QWEN25_STYLE = (  # reads messages[0] to decide on a default system turn
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_that_refuses_a_conversation_is_a_chat_error_naming_its_roles(tmp_path):
+    """A template's raise_exception, or an undefined messages[0] before an assistant-first turn,
+    ended the run with a jinja2 traceback that named no row and no fix (a reviewer's Mistral-style
+    template on rows with a system turn; string_rows: chat text rows under a Qwen2.5-style one)."""
+    import pytest
+
+    from trainer.data.chat import ChatError, JinjaTemplate
+
+    tok = byte_tokenizer()
+    mistral = JinjaTemplate(MISTRAL_STYLE, origin="mistral.jinja", bos_token="", eos_token="<|endoftext|>")
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+    ]
+    with pytest.raises(
+        ChatError,
+        match=r"mistral.jinja refused a conversation with roles \['system', 'user', 'assistant'\]: Conversation roles must alternate.*data.template=default",
+    ):
+        encode_conversations(tok, [chat], mistral)
+    assert encode_conversations(tok, [chat[1:]], mistral)  # the same rows without the system turn train
+    qwen = JinjaTemplate(QWEN25_STYLE, origin="qwen.jinja")
+    with pytest.raises(
+        ChatError,
+        match=r"qwen.jinja cannot render the turns before assistant turn 0 of a conversation with roles \['assistant'\].*start conversations with a user turn",
+    ):
+        encode_conversations(tok, [[{"role": "assistant", "content": "A text row."}]], qwen)

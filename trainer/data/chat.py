@@ -158,13 +158,27 @@ class JinjaTemplate:
         return self._render(self._template, messages, add_generation_prompt)
 
     def _render(self, template: Any, messages: Sequence[Message], add_generation_prompt: bool) -> str:
-        return template.render(
-            messages=list(messages),
-            add_generation_prompt=add_generation_prompt,
-            tools=None,
-            documents=None,
-            **self.special,
-        )
+        """The rendering of ``messages``.
+
+        Raises:
+            ChatError: the template raised on them (its ``raise_exception``, or an undefined
+                value such as ``messages[0]`` of none), naming their roles.
+        """
+        try:
+            return template.render(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                tools=None,
+                documents=None,
+                **self.special,
+            )
+        except jinja2.TemplateError as err:
+            roles = [m.get("role") for m in messages]
+            raise ChatError(
+                f"{self.origin} refused a conversation with roles {roles}: {err}; fix or drop such rows (many "
+                "templates take alternating user/assistant turns, some no system turn), or render with plait's "
+                "default template: data.template=default"
+            ) from None
 
     def segments(self, messages: Sequence[Message]) -> list[tuple[str, bool]]:
         """``(text, supervised)`` segments: the ``{% generation %}`` spans when the template has
@@ -235,7 +249,7 @@ class JinjaTemplate:
         probe = [{"role": "user", "content": "Question?"}, {"role": "assistant", "content": _PROBE_ANSWER}]
         try:
             supervised = [text for text, sup in self.segments(probe) if sup]
-        except (ChatError, jinja2.TemplateError):
+        except ChatError:
             return ""
         before, found, after = "".join(supervised).rpartition(_PROBE_ANSWER)
         return after if found else ""
@@ -247,7 +261,14 @@ class JinjaTemplate:
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            before = self.render(messages[:i], add_generation_prompt=True)
+            try:
+                before = self.render(messages[:i], add_generation_prompt=True)
+            except ChatError:
+                raise ChatError(
+                    f"{self.origin} cannot render the turns before assistant turn {i} of a conversation with roles "
+                    f"{[m['role'] for m in messages]} (it locates each assistant turn by rendering what precedes it); "
+                    "start conversations with a user turn, or use data.template=default"
+                ) from None
             through = self.render(messages[: i + 1])
             if not (through.startswith(before) and full.startswith(through)):
                 raise ChatError(
