@@ -128,6 +128,25 @@ def test_a_table_without_rows_says_so(tmp_path):
             _records(CONVERSATIONS, str(tmp_path / name))
 
 
+def test_an_empty_shard_is_left_out_and_shards_whose_columns_differ_are_named(tmp_path, capsys):
+    """A writer's empty last shard refused the whole folder ('datasets cannot read it (An error
+    occurred while generating the dataset)'; under data=stream 'BatchSize must be greater than 0');
+    shards with different columns said only "Couldn't cast"."""
+    import pandas as pd
+
+    rows = pd.DataFrame({"prompt": [f"{i}+1?" for i in range(6)], "completion": [str(i + 1) for i in range(6)]})
+    (tmp_path / "shards").mkdir()
+    rows.to_parquet(tmp_path / "shards" / "part-0.parquet")
+    rows.iloc[:0].to_parquet(tmp_path / "shards" / "part-1.parquet")
+    assert len(_records(CONVERSATIONS, str(tmp_path / "shards"))) == 6
+    assert "left out 1 parquet shard(s) without rows (part-1.parquet)" in capsys.readouterr().err
+    rows.assign(meta="x").to_parquet(tmp_path / "shards" / "part-2.parquet")
+    with pytest.raises(
+        DataError, match=r"its shards' columns differ: part-0.parquet has .*part-2.parquet has .*'meta'"
+    ):
+        _records(CONVERSATIONS, str(tmp_path / "shards"))
+
+
 def test_parquet_saved_dataset_and_column_mapping(tmp_path):
     import datasets
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -61,11 +62,12 @@ class FormatProblem(ValueError):
     """A table this module refuses itself (its message names the fix)."""
 
 
-def _parquet_rows(file: str) -> int:
-    """The row count in a parquet file's footer (an empty table's, which ``datasets`` cannot read)."""
+def _parquet_footer(file: str) -> tuple[int, list[str]]:
+    """The row count and column names in a parquet file's footer."""
     import pyarrow.parquet  # lazy: ~0.3 s to import, needed only by parquet sources
 
-    return pyarrow.parquet.ParquetFile(file).metadata.num_rows
+    footer = pyarrow.parquet.ParquetFile(file)
+    return footer.metadata.num_rows, footer.schema_arrow.names
 
 
 def _dataset(path: str, *, streaming: bool) -> Any:
@@ -99,17 +101,50 @@ def _dataset(path: str, *, streaming: bool) -> Any:
             raise FormatProblem(
                 f"{path}: unsupported file type; use {', '.join(FORMATS)}, a folder of shards or a save_to_disk folder"
             )
-        if builder == "parquet" and not sum(_parquet_rows(f) for f in files):
-            raise FormatProblem(f"{path}: has no rows; add rows or point at another table")
+        if builder == "parquet":
+            files = _parquet_shards(path, files)
         return datasets.load_dataset(builder, data_files=files, split="train", streaming=streaming)
     except (datasets.exceptions.DatasetGenerationError, OSError, TypeError, ValueError) as err:
         if isinstance(err, (FileNotFoundError, FormatProblem, PathProblem)):
             raise
         if "corresponds to no data" in str(err):  # a header-only csv, an empty json list
             raise FormatProblem(f"{path}: has no rows; add rows or point at another table") from None
-        raise ValueError(
-            f"{path}: datasets cannot read it ({str(err).splitlines()[0] if str(err) else type(err).__name__})"
-        ) from None
+        raise ValueError(f"{path}: datasets cannot read it ({_reason(err)})") from None
+
+
+def _parquet_shards(path: str, files: list[str]) -> list[str]:
+    """The parquet ``files`` that hold rows (``datasets`` cannot read an empty one: a writer's empty
+    last shard); says how many it leaves out.
+
+    Raises:
+        FormatProblem: none holds a row, or shards whose columns differ (``datasets`` says only
+            "Couldn't cast"), naming the first that differs from the first.
+    """
+    footers = {f: _parquet_footer(f) for f in files}
+    kept = [f for f in files if footers[f][0]]
+    if not kept:
+        raise FormatProblem(f"{path}: has no rows; add rows or point at another table")
+    first = footers[kept[0]][1]
+    if other := next((f for f in kept if sorted(footers[f][1]) != sorted(first)), None):
+        raise FormatProblem(
+            f"{path}: its shards' columns differ: {Path(kept[0]).name} has {first}, {Path(other).name} has "
+            f"{footers[other][1]}; write every shard with the same columns, or point at one shard"
+        )
+    if len(kept) < len(files):
+        empty = [Path(f).name for f in files if f not in kept]
+        print(
+            f"plait: {path}: left out {len(empty)} parquet shard(s) without rows ({', '.join(empty[:3])})",
+            file=sys.stderr,
+        )
+    return kept
+
+
+def _reason(err: BaseException) -> str:
+    """The first line of the innermost cause of ``err`` (``datasets`` wraps the parser's message,
+    such as shards whose columns differ, in "An error occurred while generating the dataset")."""
+    while err.__cause__ is not None or (err.__context__ is not None and not err.__suppress_context__):
+        err = err.__cause__ or err.__context__
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
 def rename(row: Mapping[str, Any], columns: Mapping[str, str] | None, where: str) -> dict[str, Any]:
