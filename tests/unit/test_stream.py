@@ -108,3 +108,14 @@ def test_null_texts_are_empty_documents_in_tables_and_streams(tmp_path):
     run = list(stream.batches(stream.start()))  # to the stream's end, through the null
     tokens = sum(int((b["input_ids"] != data.tokenizer.pad_id).sum()) for b, _, _ in run)
     assert run[-1][2] and tokens >= sum(len(data.tokenizer.encode(t)) + 1 for t in DOCS[2:]) - 4 * 16
+
+
+def test_an_empty_parquet_shard_in_a_folder_of_text_holds_no_document(tmp_path):
+    """Refused the whole folder ('part-1.parquet: has no rows') though its other shard held 30."""
+    import datasets
+
+    datasets.Dataset.from_dict({"text": DOCS}).to_parquet(str(tmp_path / "part-0.parquet"))
+    datasets.Dataset.from_dict({"text": []}, features=datasets.Features({"text": datasets.Value("string")})).to_parquet(
+        str(tmp_path / "part-1.parquet")
+    )
+    assert [d.text for d in corpus.load_files([str(tmp_path)])] == DOCS

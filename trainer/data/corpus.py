@@ -339,8 +339,8 @@ def load_files(paths: Sequence[str], *, text_key: str = "text") -> list[Document
         if root.is_dir() and any((root / m).is_file() for m in tables.SAVED_MARKERS):
             titled = [(root, root.name)]
         elif root.is_dir():
-            files = data_files(root, (*_SUFFIXES, *_TABLES))
-            titled = [(p, p.relative_to(root).as_posix()) for p in files if p.name not in tables.SAVED_MARKERS]
+            files = [p for p in data_files(root, (*_SUFFIXES, *_TABLES)) if p.name not in tables.SAVED_MARKERS]
+            titled = [(p, p.relative_to(root).as_posix()) for p in files if not tables.empty_parquet(p)]
         elif root.suffix in (*_SUFFIXES, *_TABLES):
             titled = [(root, root.name)]
         else:

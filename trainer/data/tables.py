@@ -70,6 +70,11 @@ def _parquet_footer(file: str) -> tuple[int, list[str]]:
     return footer.metadata.num_rows, footer.schema_arrow.names
 
 
+def empty_parquet(path: Path) -> bool:
+    """Whether ``path`` is a parquet file without rows (a shard of a folder of text, left out)."""
+    return path.suffix == ".parquet" and path.is_file() and _parquet_footer(str(path))[0] == 0
+
+
 def _dataset(path: str, *, streaming: bool) -> Any:
     """The ``datasets`` Dataset (or IterableDataset when ``streaming``) of a local path.
 
