@@ -241,3 +241,11 @@ def test_a_lone_surrogate_in_a_column_left_out_is_no_problem(tmp_path):
     path = tmp_path / "m.jsonl"
     path.write_text('{"prompt": "a", "completion": "b", "meta": "\\ud800"}\n' * 3)
     assert len(_records(CONVERSATIONS, str(path))) == 3
+
+
+def test_a_csv_column_of_numbers_names_a_format_that_keeps_text(tmp_path):
+    """datasets types a CSV column of numbers as numbers ('42'), with no way to mark it as text in
+    the file: the refusal names a format that keeps text."""
+    (tmp_path / "sums.csv").write_text("prompt,completion\nWhat is 40 + 2?,42\nWhat is 1 + 1?,2\n")
+    with pytest.raises(DataError, match=r"'completion' is int, .*save the table as .jsonl or .parquet"):
+        _records(CONVERSATIONS, str(tmp_path / "sums.csv"))

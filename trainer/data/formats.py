@@ -60,7 +60,14 @@ def messages(value: Any, field: str, *, role: str) -> list[Message]:
     if isinstance(value, list) and not value:
         raise FormatError(f"'{field}' is an empty list; give it the conversation's messages, or remove the row")
     if not isinstance(value, list):
-        raise FormatError(f"'{field}' is {type(value).__name__}, not a string or a non-empty list of messages")
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        hint = (
+            "; a CSV column whose values all look like numbers is read as numbers: save the table as .jsonl or "
+            ".parquet, where text stays text"
+            if number
+            else ""
+        )
+        raise FormatError(f"'{field}' is {type(value).__name__}, not a string or a non-empty list of messages{hint}")
     for m in value:
         if not (isinstance(m, Mapping) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
             raise FormatError(f"'{field}' holds {m!r}; each message needs a role in {ROLES} and a string content")
