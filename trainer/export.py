@@ -32,7 +32,14 @@ from strategies.transforms.lora import adapted_layers, merge_lora
 from strategies.transforms.lora_targets import is_adapter
 from trainer.capabilities import export_problem
 from trainer.compose import compose_command, fail
-from trainer.data.chat import DEFAULT_CHAT_TEMPLATE, DEFAULT_DESCRIPTION, ChatError, JinjaTemplate, load_chat_template
+from trainer.data.chat import (
+    DEFAULT_CHAT_TEMPLATE,
+    DEFAULT_DESCRIPTION,
+    ChatError,
+    JinjaTemplate,
+    load_chat_template,
+    turn_end_ids,
+)
 from trainer.data.chat_files import TemplateFileError, find_chat_template, write_chat_template
 from trainer.data.tokenizer import Tokenizer
 from trainer.hf_sources import base_config, source_dirs
@@ -192,8 +199,15 @@ def write_hf_dir(
     # transformers 5 reads ``dtype`` first (a source saved by it has one) and earlier versions ``torch_dtype``.
     name = str(torch_dtype).removeprefix("torch.")
     extra: dict[str, Any] = {"dtype": name, "torch_dtype": name}
+    if chat_template is None:
+        found = next((f for f in map(find_chat_template, sources) if f is not None), None)
+        chat_template = found.source if found is not None else DEFAULT_CHAT_TEMPLATE
     if base is None:
-        extra.update(eos_token_id=tokenizer.eos_id, bos_token_id=None, pad_token_id=None)
+        # generate() stops at each: the EOS and the template's end of turn (ChatML's <|im_end|>).
+        ends = turn_end_ids(tokenizer, JinjaTemplate(chat_template, eos_token=tokenizer.eos_token))
+        extra.update(
+            eos_token_id=[tokenizer.eos_id, *ends] if ends else tokenizer.eos_id, bos_token_id=None, pad_token_id=None
+        )
     (out / "config.json").write_text(json.dumps(hf_config(model, base, **extra), indent=2) + "\n", encoding="utf-8")
     save_weights(tensors, out, max_shard_bytes=int(max_shard_mb * 2**20))
     tokenizer.save(out / "tokenizer.json")
@@ -206,9 +220,6 @@ def write_hf_dir(
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tokenizer.eos_token, "model_max_length": model.max_seq_len,
     }  # fmt: skip
     config_file.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    if chat_template is None:
-        found = next((f for f in map(find_chat_template, sources) if f is not None), None)
-        chat_template = found.source if found is not None else DEFAULT_CHAT_TEMPLATE
     write_chat_template(out, chat_template)
     return out
 

@@ -196,3 +196,22 @@ def test_an_end_of_turn_spelled_in_several_tokens_cuts_the_text_the_rewards_read
     fit(cfg, tmp_path)
     seen = json.loads(texts.read_text())  # the rollout's, and the held-out greedy answers of the model
     assert seen.count("Seven") == 16 and not any("<|im_end|>" in text for text in seen), seen
+
+
+def test_an_export_stops_generate_at_the_templates_end_of_turn(tok: Tokenizer, tmp_path: Path) -> None:
+    """A plait model trained with a ChatML tokenizer, exported: transformers' generate stops at
+    <|im_end|> too (config.json's eos_token_id lists it; it named the EOS alone)."""
+    transformers = pytest.importorskip("transformers")
+    from trainer.export import write_hf_dir
+    from trainer.models.llama import Llama
+
+    model = Llama(vocab_size=tok.vocab_size, dim=32, n_layers=1, n_heads=2, max_seq_len=64)
+    out = write_hf_dir(
+        tmp_path / "hf", model=model, state=model.state_dict(), tokenizer=tok, sources=[], chat_template=CHATML
+    )
+    (im_end,) = tok.encode("<|im_end|>")
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == [tok.eos_id, im_end]
+    config = transformers.AutoConfig.from_pretrained(out)  # what generate() stops at, without a generation_config.json
+    assert transformers.GenerationConfig.from_model_config(config).eos_token_id == [tok.eos_id, im_end]
+    default = write_hf_dir(tmp_path / "default", model=model, state=model.state_dict(), tokenizer=tok, sources=[])
+    assert json.loads((default / "config.json").read_text())["eos_token_id"] == tok.eos_id
