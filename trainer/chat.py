@@ -20,6 +20,7 @@ import sys
 import torch
 
 from trainer.compose import compose_command, fail
+from trainer.data.chat import ChatError
 from trainer.generate import chat_template, load_for_generation, reply, take_text
 from trainer.sampling import sample
 
@@ -59,6 +60,10 @@ def main(argv: list[str]) -> None:
         if not text.strip():  # an empty line is no turn: the model would answer nothing asked
             continue
         messages.append({"role": "user", "content": text})
-        answer = reply(run, template.render(messages, add_generation_prompt=True), cfg, template)
+        try:
+            text = template.render(messages, add_generation_prompt=True)
+        except ChatError as err:
+            fail(str(err))
+        answer = reply(run, text, cfg, template)
         messages.append({"role": "assistant", "content": answer})
         print(answer, flush=True)

@@ -192,14 +192,11 @@ def main(argv: list[str]) -> None:
     try:
         if cfg.chat:
             template = chat_template(run)
-            print(
-                reply(
-                    run,
-                    template.render([{"role": "user", "content": prompt}], add_generation_prompt=True),
-                    cfg,
-                    template,
-                )
-            )
+            try:
+                text = template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+            except ChatError as err:
+                fail(str(err))
+            print(reply(run, text, cfg, template))
         else:
             print(prompt + reply(run, prompt, cfg))
     except NonFiniteLogitsError as err:

@@ -23,7 +23,7 @@ from rl_fixtures import ScriptedEngine
 from torch import nn
 
 from trainer.build import build_data
-from trainer.data.chat import DEFAULT_CHAT_TEMPLATE, JinjaTemplate, turn_end_ids
+from trainer.data.chat import DEFAULT_CHAT_TEMPLATE, JinjaTemplate, turn_end_ids, turn_end_text
 from trainer.data.tokenizer import Tokenizer
 from trainer.evaluators.exact_match import ExactMatch, GenerationSet
 from trainer.generate import reply
@@ -52,6 +52,24 @@ def test_the_end_of_turn_is_the_special_token_that_closes_an_assistant_turn(tok:
     # tokenizer_config.json's eos_token counts too (a template that writes it nowhere).
     plain = JinjaTemplate("{% for m in messages %}{{ m.content }}\n{% endfor %}", eos_token="<|eot_id|>")
     assert [tok.decode([i]) for i in turn_end_ids(tok, plain)] == ["<|eot_id|>"]
+
+
+@pytest.mark.parametrize("before", ["", " ", "\n"])
+def test_whitespace_or_a_second_special_token_around_the_marker_still_stops_at_it(tok: Tokenizer, before: str) -> None:
+    """A template writing a space or a newline before <|im_end|> gave neither a stop id nor a stop
+    text (a reviewer's probe); one writing <|im_end|> and then the EOS was cut as text with a false
+    warning, though <|im_end|> stops it."""
+    (im_end,) = tok.encode("<|im_end|>")
+    for after in ("<|im_end|>\n", "<|im_end|><|endoftext|>"):
+        source = CHATML.replace("{{ m.content }}<|im_end|>\n", f"{{{{ m.content }}}}{before}{after}")
+        template = JinjaTemplate(source)
+        assert (turn_end_ids(tok, template), turn_end_text(tok, template)) == ((im_end,), ()), (before, after)
+
+
+def test_a_template_that_requires_a_system_turn_is_probed_with_one(tok: Tokenizer) -> None:
+    strict = "{% if messages[0].role != 'system' %}{{ raise_exception('a system turn first') }}{% endif %}" + CHATML
+    (im_end,) = tok.encode("<|im_end|>")
+    assert turn_end_ids(tok, JinjaTemplate(strict)) == (im_end,)
 
 
 class Chain(nn.Module):
@@ -215,3 +233,42 @@ def test_an_export_stops_generate_at_the_templates_end_of_turn(tok: Tokenizer, t
     assert transformers.GenerationConfig.from_model_config(config).eos_token_id == [tok.eos_id, im_end]
     default = write_hf_dir(tmp_path / "default", model=model, state=model.state_dict(), tokenizer=tok, sources=[])
     assert json.loads((default / "config.json").read_text())["eos_token_id"] == tok.eos_id
+
+
+def test_lm_eval_generations_stop_at_the_end_of_turn(tok: Tokenizer) -> None:
+    """plait eval apply_chat_template=true: lm-eval's generate_until ran past <|im_end|> and, decoding
+    without special tokens, glued the next turn onto the answer ('Sevenuserer...')."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from trainer.evaluators.lm_harness import PlaitLM
+
+    template = JinjaTemplate(QWEN3_STYLE, eos_token=tok.eos_token)
+    text = template.render([{"role": "user", "content": "Name a prime."}], add_generation_prompt=True)
+    model = _answering_model(tok, tok.encode(text)[-1])
+    lm = PlaitLM(model, tok, max_length=64, stop_ids=turn_end_ids(tok, template), kv_cache=False)
+    assert lm.generate_until([Instance("generate_until", {}, (text, {"until": [], "max_gen_toks": 12}), 0)]) == [
+        "Seven"
+    ]
+
+
+def test_chat_with_a_system_turn_the_template_refuses_exits_2_naming_it(tok: Tokenizer, monkeypatch, capsys) -> None:  # noqa: ANN001
+    """plait chat system=... on a template without a system turn: a traceback (exit 1) before."""
+    import io
+    import sys
+
+    from trainer import chat
+
+    no_system = (
+        "{% if messages[0].role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}" + CHATML
+    )
+    monkeypatch.setattr(chat, "load_for_generation", lambda ckpt, trust: SimpleNamespace(model=None, tokenizer=tok))
+    monkeypatch.setattr(chat, "chat_template", lambda run: JinjaTemplate(no_system, origin="strict.jinja"))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"hi\n")))
+    with pytest.raises(SystemExit) as exit_:
+        chat.main(["ckpt=unused", "system=Be brief."])
+    err = capsys.readouterr().err
+    assert (
+        exit_.value.code == 2
+        and "strict.jinja refused a conversation with roles ['system', 'user']: System role" in err
+    )

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from strategies.core.resolved import ResolvedRun
+from trainer.data.chat import turn_end_ids
 from trainer.eval import EVAL_DIR, write_scores
 
 
@@ -141,6 +142,7 @@ class LMEval(L.Callback):
             max_length=max_length,
             chat_template=(lambda m, gen: template.render(m, add_generation_prompt=gen)) if template else None,
             all_done=_all_ranks_done(pl_module.device) if dist.is_initialized() else None,
+            stop_ids=turn_end_ids(data.tokenizer, template),
             kv_cache=not dist.is_initialized(),  # the cache is one process's: sharded weights decode without it
         )
         if self._manager is None:

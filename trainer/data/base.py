@@ -223,6 +223,13 @@ class DataModule(L.LightningDataModule, protocols.DataModule):
                     "generated answers are cut at its text, and decoding goes on to their token limit",
                     file=sys.stderr,
                 )
+            if template is not None and not template.turn_end().strip():
+                print(
+                    f"plait: {template.origin}: no end-of-turn marker found after an answer (the template writes "
+                    "none, alters the answer's text, or refused a one-question conversation): generated answers "
+                    "stop at EOS only",
+                    file=sys.stderr,
+                )
         return self._answer_ends
 
     def model_chat_template(self) -> JinjaTemplate | None:

@@ -175,9 +175,9 @@ class JinjaTemplate:
         except jinja2.TemplateError as err:
             roles = [m.get("role") for m in messages]
             raise ChatError(
-                f"{self.origin} refused a conversation with roles {roles}: {err}; fix or drop such rows (many "
-                "templates take alternating user/assistant turns, some no system turn), or render with plait's "
-                "default template: data.template=default"
+                f"{self.origin} refused a conversation with roles {roles}: {err}; give it turns of the form it "
+                "takes (many templates take alternating user/assistant turns, some no system turn): fix or drop "
+                "such rows, or a chat's system=, or train with plait's default template (data.template=default)"
             ) from None
 
     def segments(self, messages: Sequence[Message]) -> list[tuple[str, bool]]:
@@ -244,15 +244,19 @@ class JinjaTemplate:
     def turn_end(self) -> str:
         """The text the template writes after an assistant's content inside the span it supervises
         (ChatML's ``<|im_end|>\\n``, Llama 3's ``<|eot_id|>``): what a model trained on its
-        renderings learns to emit when its answer is done. Empty where the template writes nothing
-        there or cannot render a one-question conversation."""
-        probe = [{"role": "user", "content": "Question?"}, {"role": "assistant", "content": _PROBE_ANSWER}]
-        try:
-            supervised = [text for text, sup in self.segments(probe) if sup]
-        except ChatError:
-            return ""
-        before, found, after = "".join(supervised).rpartition(_PROBE_ANSWER)
-        return after if found else ""
+        renderings learns to emit when its answer is done. Found by rendering a one-question
+        conversation (with a system turn too, for templates that require one). Empty where the
+        template writes nothing there, alters the answer's text, or renders neither probe."""
+        question = [{"role": "user", "content": "Question?"}, {"role": "assistant", "content": _PROBE_ANSWER}]
+        for probe in (question, [{"role": "system", "content": "Answer."}, *question]):
+            try:
+                supervised = "".join(text for text, sup in self.segments(probe) if sup)
+            except ChatError:
+                continue
+            before, found, after = supervised.rpartition(_PROBE_ANSWER)
+            if found:
+                return after
+        return ""
 
     def _turn_spans(self, messages: Sequence[Message]) -> list[tuple[int, int]]:
         """Each assistant turn's span by prefix rendering (templates without generation blocks)."""
@@ -310,33 +314,43 @@ def load_chat_template(tokenizer_path: str | None, tokenizer: Tokenizer) -> Jinj
     return JinjaTemplate(found.source, origin=found.origin, **special)
 
 
+def _marker(tokenizer: Tokenizer, template: JinjaTemplate) -> tuple[str, int | None]:
+    """(the template's end-of-turn marker: `JinjaTemplate.turn_end` without surrounding whitespace;
+    its first token when that is a special token of ``tokenizer``, else None)."""
+    marker = template.turn_end().strip()
+    first = tokenizer.encode(marker)[:1]
+    return marker, first[0] if first and first[0] in tokenizer.special_ids else None
+
+
 def turn_end_ids(tokenizer: Tokenizer, template: JinjaTemplate | None) -> tuple[int, ...]:
     """The special tokens besides EOS that end an answer under ``template``: the one its
-    assistant turns end with (`JinjaTemplate.turn_end`: ChatML's ``<|im_end|>``, Llama 3's
-    ``<|eot_id|>``, Gemma's ``<end_of_turn>``) and its ``tokenizer_config.json``'s ``eos_token``,
-    each where it is a special token of ``tokenizer`` other than its EOS. Generation stops at these
-    as at EOS, as transformers stops at the ids of ``generation_config.json``'s ``eos_token_id``
-    list. None (plait's default template, which ends each answer with EOS): none.
+    assistant turns end with (the first token of its end-of-turn marker, `JinjaTemplate.turn_end`:
+    ChatML's ``<|im_end|>``, Llama 3's ``<|eot_id|>``, Gemma's ``<end_of_turn>``) and its
+    ``tokenizer_config.json``'s ``eos_token``, each where it is a special token of ``tokenizer``
+    other than its EOS. Generation stops at these as at EOS, as transformers stops at the ids of
+    ``generation_config.json``'s ``eos_token_id`` list. None (plait's default template, which ends
+    each answer with EOS): none.
     """
     if template is None:
         return ()
-    special = tokenizer.special_ids - {tokenizer.eos_id}
-    ids = tokenizer.encode(template.turn_end())[:1]
+    _, first = _marker(tokenizer, template)
+    ids = [] if first is None else [first]
     if len(eos := tokenizer.encode(template.special.get("eos_token") or "")) == 1:
         ids += eos
-    return tuple(dict.fromkeys(i for i in ids if i in special))
+    return tuple(dict.fromkeys(i for i in ids if i in tokenizer.special_ids and i != tokenizer.eos_id))
 
 
 def turn_end_text(tokenizer: Tokenizer, template: JinjaTemplate | None) -> tuple[str, ...]:
-    """The template's end-of-turn marker as text (`JinjaTemplate.turn_end` without its surrounding
-    whitespace), where it is not one special token of ``tokenizer`` (``<|im_end|>`` of a tokenizer
-    that spells it in several tokens): decoding cannot stop at an id there, so completions are cut
-    at the text (`trainer.rl.rollout.cut_at_stop`). () where `turn_end_ids` covers it, where the
-    template writes no marker, and for None.
+    """The template's end-of-turn marker as text where it does not start with a special token of
+    ``tokenizer`` (``<|im_end|>`` of a tokenizer that spells it in several tokens): decoding cannot
+    stop at an id there, so completions are cut at the text (`trainer.rl.rollout.cut_at_stop`).
+    () where a token stops it (`turn_end_ids`, or the EOS itself), where the template writes no
+    marker, and for None.
     """
-    marker = template.turn_end().strip() if template is not None else ""
-    ids = tokenizer.encode(marker)
-    return () if not marker or (len(ids) == 1 and ids[0] in tokenizer.special_ids) else (marker,)
+    if template is None:
+        return ()
+    marker, first = _marker(tokenizer, template)
+    return (marker,) if marker and first is None else ()
 
 
 @dataclass(frozen=True)

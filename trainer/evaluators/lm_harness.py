@@ -123,6 +123,8 @@ class PlaitLM(TemplateLM):
         chat_template: renders a conversation (``messages, add_generation_prompt`` -> text) for
             ``apply_chat_template``; None: the harness cannot apply one (lm-eval says so).
         all_done: for `sample_batch` on data-parallel ranks whose forwards are collective (see there).
+        stop_ids: tokens besides EOS that end a generation (the chat template's end of turn,
+            `trainer.data.chat.turn_end_ids`: ChatML's ``<|im_end|>``).
         kv_cache: decode with the KV cache when the model takes one (False: rerun the context per token).
 
     Raises:
@@ -141,6 +143,7 @@ class PlaitLM(TemplateLM):
         max_length: int | None = None,
         chat_template: Callable[[list[dict[str, str]], bool], str] | None = None,
         all_done: Callable[[bool], bool] | None = None,
+        stop_ids: Sequence[int] = (),
         kv_cache: bool = True,
     ) -> None:
         super().__init__()
@@ -150,6 +153,7 @@ class PlaitLM(TemplateLM):
         self.model, self.plait_tokenizer, self._device = model, tokenizer, torch.device(device)
         self.batch_size, self.max_length = batch_size, max_length
         self._chat_template, self._all_done, self._kv_cache = chat_template, all_done, kv_cache
+        self._stop_ids = tuple(stop_ids)
         # lm-eval's HF model class adds the BOS a tokenizer prepends (Llama 3, Gemma: the tokenizer's
         # default) and conditions empty contexts on it.
         self._bos_id = tokenizer.prepended_bos
@@ -295,6 +299,7 @@ class PlaitLM(TemplateLM):
                     prompts,
                     max_new_tokens=min(max_gen, self.max_length - max(len(p) for p in prompts)),
                     eos_id=self.eot_token_id,
+                    stop_ids=self._stop_ids,
                     temperature=float(settings["temperature"]) if sampled else 0.0,
                     top_k=int(settings["top_k"]) if sampled and settings.get("top_k") else None,
                     top_p=float(settings.get("top_p") or 1.0) if sampled else 1.0,
