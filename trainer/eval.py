@@ -50,12 +50,13 @@ def write_scores(
     scores: dict[str, float],
     results: dict[str, Any] | None,
     settings: dict[str, Any] | None = None,
+    *,
+    model: str | None = None,
 ) -> Path:
     """Adds ``scores`` (and lm-eval's ``results``, and the ``settings`` they were scored with:
     ``limit``, ``num_fewshot``, ``max_length``, recorded per task) to ``<eval_dir>/<name>.json``
-    (a run's: ``<run>/eval``):
-    its earlier tasks stay, the same task's scores are replaced. Written whole to a temporary file,
-    then renamed.
+    (a run's: ``<run>/eval``), with the ``model`` scored (its checkpoint's path): its earlier tasks
+    stay, the same task's scores are replaced. Written whole to a temporary file, then renamed.
 
     Returns:
         The file's path.
@@ -66,6 +67,7 @@ def write_scores(
     kept = {k: v for k, v in (old.get("scores") or {}).items() if k.split("/")[0] not in tasks}
     record = {
         "checkpoint": name,
+        **({"model": model} if model is not None else {}),
         "step": step,
         "written_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "scores": {**kept, **scores},
@@ -77,6 +79,15 @@ def write_scores(
     tmp.write_text(json.dumps(record, indent=1, default=str) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def scores_model(path: Path) -> str | None:
+    """The model whose scores the file ``path`` holds (``write_scores``'s ``model``); None without
+    a file, or a file that names none."""
+    try:
+        return json.loads(path.read_text()).get("model")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def newest_scores(run_dir: Path) -> dict[str, float]:
@@ -108,6 +119,7 @@ def main(argv: list[str]) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch  # with lm-eval below, seconds to import: plait compare (reading newest_scores) does not pay
 
+    from trainer.data.chat import turn_end_ids  # tokenizers and jinja2: this command only
     from trainer.evaluators.lm_harness import (  # lm-eval and its dependencies: this command only
         PlaitLM,
         TaskNotFoundError,
@@ -129,6 +141,12 @@ def main(argv: list[str]) -> None:
     eval_dir = Path(cfg.out).expanduser() if cfg.out is not None else Path(run.run.path) / EVAL_DIR
     if (problem := writable_problem(eval_dir)) is not None:
         fail(f"the scores would go to {problem}; give out=<a writable directory>")
+    checkpoint = Path(run.checkpoint).resolve()
+    # A folder of several models' scores (out=) names each file by its run too: runs share step names.
+    run_dir = Path(run.run.path).resolve()
+    name = checkpoint.name if cfg.out is None or run_dir == checkpoint else f"{run_dir.name}_{checkpoint.name}"
+    if (owner := scores_model(eval_dir / f"{name}.json")) not in (None, str(checkpoint)):
+        fail(f"{eval_dir / (name + '.json')} holds the scores of another model ({owner}); give another out=")
     # A run is scored in windows of the rows it trained on (a tiny model's RoPE table reaches further than its data).
     trained = OmegaConf.select(run.config, "data.seq_len", default=None) if run.config is not None else None
     max_length = cfg.max_length or min(int(trained or run.model.max_seq_len), run.model.max_seq_len)
@@ -143,6 +161,7 @@ def main(argv: list[str]) -> None:
         chat_template=(lambda messages, gen: template.render(messages, add_generation_prompt=gen))
         if template
         else None,
+        stop_ids=turn_end_ids(run.tokenizer, template),
     )
     scores, results = evaluate_tasks(
         lm,
@@ -156,7 +175,8 @@ def main(argv: list[str]) -> None:
     print(lm_eval_table(results))
     from trainer.checkpoint_step import name_step  # lazy: torch and DCP, loaded by now
 
-    checkpoint = Path(run.checkpoint)
     settings = {"limit": cfg.limit, "num_fewshot": cfg.num_fewshot, "max_length": lm.max_length}
-    path = write_scores(eval_dir, checkpoint.name, name_step(checkpoint), scores, results.get("results"), settings)
+    path = write_scores(
+        eval_dir, name, name_step(checkpoint), scores, results.get("results"), settings, model=str(checkpoint)
+    )
     print(f"plait: scores written to {path}", file=sys.stderr)

@@ -94,3 +94,9 @@ def test_scores_go_to_out_and_a_destination_that_cannot_take_them_is_refused_bef
     scores = json.loads((tmp_path / "scores" / "llama.json").read_text())["scores"]
     assert set(scores) == {"plait_corpus_next_line/acc", "plait_corpus_next_line/acc_norm"}
     assert sorted(p.name for p in hub.rglob("*")) == before
+    # Another model of the same name: its scores would land in that file, mixed with these; refused.
+    other = tmp_path / "elsewhere" / hub.name
+    make_hf_dir("llama3", other, seed=1)
+    with pytest.raises(SystemExit) as exit_:
+        plait_eval([f"ckpt={other}", "tasks=[plait_corpus]", "limit=2", f"out={tmp_path / 'scores'}"])
+    assert exit_.value.code == 2 and f"holds the scores of another model ({hub.resolve()})" in capsys.readouterr().err
