@@ -247,5 +247,23 @@ def test_a_csv_column_of_numbers_names_a_format_that_keeps_text(tmp_path):
     """datasets types a CSV column of numbers as numbers ('42'), with no way to mark it as text in
     the file: the refusal names a format that keeps text."""
     (tmp_path / "sums.csv").write_text("prompt,completion\nWhat is 40 + 2?,42\nWhat is 1 + 1?,2\n")
-    with pytest.raises(DataError, match=r"'completion' is int, .*save the table as .jsonl or .parquet"):
+    with pytest.raises(DataError, match=r"'completion' is int, .*save such a table as .jsonl or .parquet"):
         _records(CONVERSATIONS, str(tmp_path / "sums.csv"))
+
+
+def test_a_shard_that_is_no_parquet_file_is_named(tmp_path):
+    """A git-lfs pointer saved as a shard: 'Parquet magic bytes not found' named no file."""
+    import pandas as pd
+
+    from trainer.data.corpus import load_files
+
+    (tmp_path / "shards").mkdir()
+    pd.DataFrame({"text": ["a document"], "prompt": ["1+1?"], "completion": ["2"]}).to_parquet(
+        tmp_path / "shards" / "part-0.parquet"
+    )
+    pointer = tmp_path / "shards" / "part-1.parquet"
+    pointer.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:abc\nsize 12\n")
+    with pytest.raises(DataError, match=rf"{pointer}: not a readable parquet file"):
+        _records(CONVERSATIONS, str(tmp_path / "shards"))
+    with pytest.raises(ValueError, match=rf"{pointer}"):
+        load_files([str(tmp_path / "shards")])

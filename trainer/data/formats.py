@@ -62,8 +62,8 @@ def messages(value: Any, field: str, *, role: str) -> list[Message]:
     if not isinstance(value, list):
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         hint = (
-            "; a CSV column whose values all look like numbers is read as numbers: save the table as .jsonl or "
-            ".parquet, where text stays text"
+            '; give it as text: in JSON quote it ("42"); a CSV column whose values all look like numbers is '
+            "read as numbers, so save such a table as .jsonl or .parquet"
             if number
             else ""
         )

@@ -63,16 +63,29 @@ class FormatProblem(ValueError):
 
 
 def _parquet_footer(file: str) -> tuple[int, list[str]]:
-    """The row count and column names in a parquet file's footer."""
+    """The row count and column names in a parquet file's footer.
+
+    Raises:
+        FormatProblem: the file is no parquet file (a git-lfs pointer, a truncated copy), naming it.
+    """
     import pyarrow.parquet  # lazy: ~0.3 s to import, needed only by parquet sources
 
-    footer = pyarrow.parquet.ParquetFile(file)
+    try:
+        footer = pyarrow.parquet.ParquetFile(file)
+    except (OSError, ValueError) as err:
+        raise FormatProblem(
+            f"{file}: not a readable parquet file ({_reason(err)}); replace it or move it away"
+        ) from None
     return footer.metadata.num_rows, footer.schema_arrow.names
 
 
 def empty_parquet(path: Path) -> bool:
-    """Whether ``path`` is a parquet file without rows (a shard of a folder of text, left out)."""
-    return path.suffix == ".parquet" and path.is_file() and _parquet_footer(str(path))[0] == 0
+    """Whether ``path`` is a parquet file without rows (a shard of a folder of text, left out); a
+    file whose footer does not read is not (its reader names it)."""
+    try:
+        return path.suffix == ".parquet" and path.is_file() and _parquet_footer(str(path))[0] == 0
+    except FormatProblem:
+        return False
 
 
 def _dataset(path: str, *, streaming: bool) -> Any:
