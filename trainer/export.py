@@ -109,6 +109,7 @@ def hf_config(model: Llama, base: dict[str, Any] | None = None, **extra: Any) ->
         config["rope_parameters"] = {"full_attention": global_rope, "sliding_attention": local}
     elif "rope_parameters" in config or family.sinks:  # the newer layout: keep it (GptOssConfig reads only it)
         config["rope_parameters"] = global_rope
+        config.pop("rope_scaling", None)  # a base's pasted block: rope_parameters now holds the model's scaling
     else:
         config.update(rope_theta=model.rope_theta, rope_scaling=model.rope_scaling)
     config.update(extra)

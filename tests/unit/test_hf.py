@@ -280,6 +280,33 @@ def test_legacy_rope_scaling_layout_is_read(tmp_path):
         assert (_plait(tmp_path / "hf")(ids) - hf(ids).logits).abs().max().item() < TOL
 
 
+def test_a_rope_scaling_block_pasted_into_a_rope_parameters_config_is_read_and_exported(tmp_path):
+    """A transformers 5 config (rope_parameters, default) with a rope_scaling block pasted in, as
+    Qwen's YaRN instructions say: transformers applies the block, plait ignored it (logits 1.03
+    apart at 64 tokens, a reviewer's), and the export kept both, disagreeing."""
+    make_hf_dir("qwen3", tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    config = json.loads(path.read_text())
+    assert "rope_parameters" in config
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    path.write_text(json.dumps(config))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = batch()
+    model = _plait(tmp_path / "hf")
+    assert model.rope_scaling["rope_type"] == "yarn"
+    with torch.no_grad():
+        assert (model(ids) - hf(ids).logits).abs().max().item() < TOL
+        write_hf_dir(
+            tmp_path / "out",
+            model=model,
+            state=model.state_dict(),
+            tokenizer=Tokenizer.from_file(tmp_path / "hf" / "tokenizer.json"),
+            sources=[tmp_path / "hf"],
+        )
+        again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+        assert (again(ids).logits - hf(ids).logits).abs().max().item() < TOL
+
+
 def test_validate_guides_the_model_choice(tmp_path):
     from trainer.compose import compose
 
