@@ -139,11 +139,12 @@ def build_callbacks(cfg: DictConfig, run_dir: Path) -> list[L.Callback]:
     writes what ``plait export`` writes)."""
     callbacks = []
     sources = [str(path) for path in source_dirs(cfg)]
+    config_sources = [str(path) for path in source_dirs(cfg, tokenizer=False)]
     for name, node in (cfg.callbacks or {}).items():
         if node is None or (name == "progress" and not cfg.trainer.enable_progress_bar):
             continue
         dirpath = RunDir(run_dir).checkpoints if name == "checkpoint" else run_dir
-        callbacks.append(_with_run(node, dirpath=str(dirpath), model_sources=sources))
+        callbacks.append(_with_run(node, dirpath=str(dirpath), model_sources=sources, config_sources=config_sources))
     return callbacks
 
 

@@ -97,7 +97,7 @@ def export_fit_problems(cfg: DictConfig, model: Any) -> list[str]:
     if not isinstance(model, EXPORTABLE):
         return []  # capability_problems names the class
     try:
-        export_family_of(model, base_config(source_dirs(cfg)))
+        export_family_of(model, base_config(source_dirs(cfg, tokenizer=False)))
     except FamilyError as err:
         return [f"callbacks.hf_export: {err}; set callbacks.hf_export.at_end=false and every_n_steps=0"]
     return []

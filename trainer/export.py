@@ -171,6 +171,7 @@ def write_hf_dir(
     dtype: str | None = None,
     max_shard_mb: float = 5000.0,
     chat_template: str | None = None,
+    config_sources: list[Path] | None = None,
 ) -> Path:
     """Writes a Hugging Face directory at ``out`` from a full plait state dict (CPU tensors).
 
@@ -182,13 +183,15 @@ def write_hf_dir(
             ``tokenizer_config.json``); None: the first one found in ``sources``
             (`trainer.data.chat_files.find_chat_template`), else plait's default
             (`trainer.data.chat.DEFAULT_CHAT_TEMPLATE`).
+        config_sources: the directories whose ``config.json`` the model came from (its base,
+            `trainer.hf_sources.base_config`; `source_dirs` with ``tokenizer=False``); None: ``sources``.
 
     Raises:
         trainer.models.hf.HFError: the model has no Hugging Face architecture.
         trainer.data.chat_files.TemplateFileError: a source's named templates have no default.
     """
     torch_dtype = DTYPES[dtype] if dtype else next(iter(state.values())).dtype
-    base = base_config(sources)
+    base = base_config(sources if config_sources is None else config_sources)
     family = export_family_of(model, base)
     named = hf_state_dict(state, tie_embeddings=model.tie_embeddings, family=family)
     # A selection bias stays fp32 (in bf16 its small steps round away), and DeepSeek-V3's router
@@ -305,10 +308,10 @@ def export_checkpoint(
         raise HFError(export_problem(type(run.model), f"plait export ckpt={path}"))
     if run.tokenizer is None:
         raise FileNotFoundError(f"{run.run.tokenizer} is missing; a Hugging Face directory needs the run's tokenizer")
-    sources = source_dirs(run.config)
+    sources, config_sources = source_dirs(run.config), source_dirs(run.config, tokenizer=False)
     if adapted_layers(run.model):  # a LoRA run: its adapter as PEFT's, then merged into the base
         if adapter:
-            lora, family = run.config.strategy.lora, export_family_of(run.model, base_config(sources))
+            lora, family = run.config.strategy.lora, export_family_of(run.model, base_config(config_sources))
             init_from = run.config.model.get("init_from")
             write_peft_adapter(Path(out) / ADAPTER_DIR, run.model, dropout=lora.dropout, base=init_from, family=family)
         try:
@@ -325,6 +328,7 @@ def export_checkpoint(
         dtype=dtype,
         max_shard_mb=max_shard_mb,
         chat_template=trained_chat_template(run).source,
+        config_sources=config_sources,
     )
 
 

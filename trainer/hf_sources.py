@@ -12,9 +12,15 @@ from omegaconf import DictConfig
 from trainer.models.hf import is_hf_dir, read_config
 
 
-def source_dirs(run_cfg: DictConfig) -> list[Path]:
+def source_dirs(run_cfg: DictConfig, *, tokenizer: bool = True) -> list[Path]:
     """Directories whose tokenizer/generation files describe this run's model: the Hugging Face
-    ``model.init_from`` and the directory of ``data.tokenizer`` (first found wins per file)."""
+    ``model.init_from`` and the directory of ``data.tokenizer`` (first found wins per file).
+
+    Args:
+        tokenizer: include ``data.tokenizer``'s directory; False: the model's own directories only,
+            those whose ``config.json`` is the model's (`base_config`): a tokenizer taken from a
+            Hugging Face model's folder says nothing of the architecture trained.
+    """
     out = []
     model = run_cfg.model if run_cfg.model is not None else {}
     for directory in (
@@ -23,9 +29,9 @@ def source_dirs(run_cfg: DictConfig) -> list[Path]:
     ):  # config_from: a chain from a Hugging Face model
         if directory and is_hf_dir(directory):
             out.append(Path(directory).expanduser())
-    tokenizer = run_cfg.data.get("tokenizer") if run_cfg.get("data") is not None else None
-    if tokenizer:
-        out.append(Path(tokenizer).expanduser().parent)
+    path = run_cfg.data.get("tokenizer") if run_cfg.get("data") is not None else None
+    if tokenizer and path:
+        out.append(Path(path).expanduser().parent)
     return out
 
 

@@ -411,3 +411,24 @@ def test_a_valid_model_hf_config_logs_no_error(tmp_path, caplog):
     with caplog.at_level(logging.ERROR):
         validate(cfg)
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+def test_a_tokenizer_from_a_hugging_face_folder_says_nothing_of_the_architecture(tmp_path):
+    """plait's own model trained with data.tokenizer=<a Qwen3 folder>/tokenizer.json: the export
+    failed ('a llama model cannot be written as its source's qwen3'), and with a Llama folder took
+    that model's max_position_embeddings (a reviewer's runs). The folder's tokenizer files are still
+    copied; its config.json is not the model's."""
+    from harness import compose_config
+
+    from trainer.hf_sources import source_dirs
+
+    make_hf_dir("qwen3", tmp_path / "qwen3")
+    cfg = compose_config([f"data.tokenizer={tmp_path / 'qwen3' / 'tokenizer.json'}"])
+    assert source_dirs(cfg) == [tmp_path / "qwen3"] and source_dirs(cfg, tokenizer=False) == []
+    model = Llama(vocab_size=512, dim=32, n_layers=1, n_heads=2, max_seq_len=96)
+    tok = Tokenizer.from_file(tmp_path / "qwen3" / "tokenizer.json")
+    out = write_hf_dir(tmp_path / "out", model=model, state=model.state_dict(), tokenizer=tok,
+                       sources=source_dirs(cfg), config_sources=source_dirs(cfg, tokenizer=False))  # fmt: skip
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["max_position_embeddings"] == 96
+    assert (out / "tokenizer_config.json").read_text() != ""

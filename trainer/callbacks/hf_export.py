@@ -33,6 +33,8 @@ class HFExport(L.Callback):
             files describe the model (`trainer.hf_sources.source_dirs` of the run's config: the builder
             passes them, so the export is ``plait export``'s, a chain's ``model.config_from``
             included); None (built by hand): none.
+        config_sources: those whose ``config.json`` is the model's (``source_dirs(tokenizer=False)``:
+            not a tokenizer's folder); None: ``model_sources``.
 
     Layouts it cannot export from (pipeline stages, LoRA adapters) are refused before launch (`problems`).
     """
@@ -45,9 +47,11 @@ class HFExport(L.Callback):
         dtype: str | None = None,
         max_shard_mb: float = 5000.0,
         model_sources: list[str] | None = None,
+        config_sources: list[str] | None = None,
     ) -> None:
         self.dirpath = Path(dirpath) if dirpath else Path(".")
         self.model_sources = [Path(p) for p in model_sources or ()]
+        self.config_sources = None if config_sources is None else [Path(p) for p in config_sources]
         self.at_end, self.every_n_steps = at_end, every_n_steps
         self.dtype, self.max_shard_mb = dtype, max_shard_mb
 
@@ -103,6 +107,7 @@ class HFExport(L.Callback):
                 dtype=self.dtype,
                 max_shard_mb=self.max_shard_mb,
                 chat_template=DEFAULT_CHAT_TEMPLATE if template is None else template.source,
+                config_sources=self.config_sources,
             )
         if dist.is_initialized():
             dist.barrier()
