@@ -29,6 +29,8 @@ _EXPERT_LEAVES = {
 }
 _ROUTER_FAMILIES = ("qwen3_moe", "mixtral")  # whose every block's router peft adapts, or none
 _ROUTER_LEAF = "gate"
+# Whose router is no layer peft adapts (GPT-OSS's GptOssTopKRouter: "Target module ... is not supported").
+_UNADAPTABLE_ROUTERS = {"gpt_oss": ("router", "GptOssTopKRouter")}  # family: (its router's leaf, class)
 
 
 def _prefixes(name: str) -> list[str]:
@@ -76,12 +78,19 @@ def peft_target_modules(adapted: Collection[str], modules: Iterable[str]) -> lis
 def moe_adapter_problem(adapted: Collection[str], modules: Iterable[str], family: str) -> str | None:
     """Why PEFT (with transformers >= 5) would put the ``adapted`` modules of a ``family`` model
     elsewhere, or None: an adapted dense-block MLP projection (PEFT adapts the experts instead) or
-    routers adapted in some blocks only (PEFT adapts every block's router)."""
+    routers adapted in some blocks only (PEFT adapts every block's router), or a router PEFT
+    cannot adapt at all (GPT-OSS's)."""
     dense = sorted(name for name in adapted if _leaf(name) in _EXPERT_LEAVES.get(family, ()))
     if dense:
         return (
             f"peft (with transformers >= 5) reads {', '.join(sorted({_leaf(n) for n in dense}))} of a {family} model as the "
             f"experts' fused projections, so the adapters on {', '.join(dense)} would load onto the experts"
+        )
+    leaf, router_class = _UNADAPTABLE_ROUTERS.get(family, ("", ""))
+    if routed := sorted(n for n in adapted if leaf and _leaf(n) == leaf):
+        return (
+            f"peft cannot adapt a {family} model's router ({router_class} is no layer it supports), "
+            f"and {', '.join(routed[:2])}{' ...' if len(routed) > 2 else ''} carry adapters"
         )
     if family not in _ROUTER_FAMILIES:
         return None

@@ -135,3 +135,19 @@ def test_an_adapter_peft_would_load_elsewhere_is_refused(checkpoints, tmp_path, 
         if isinstance(m, peft.tuners.lora.LoraLayer)
     }
     assert wrapped != set(full_names), "peft adapts these names as written now: the refusal can go"
+
+
+def test_a_gpt_oss_router_adapter_is_refused_as_peft_cannot_load_it(tmp_path):
+    """The export wrote target_modules [q_proj, router], which peft refuses ('Target module
+    GptOssTopKRouter() is not supported', a reviewer's run); the merged export stays exact."""
+    from trainer.models.hf import HFError
+
+    make_hf_dir("gpt_oss", tmp_path / "hf")
+    model = llama_from_hf(str(tmp_path / "hf"))
+    apply_lora(model, rank=4, alpha=8.0, target_modules=["wq", "gate"])
+    with pytest.raises(HFError, match="peft cannot adapt a gpt_oss model's router") as err:
+        write_peft_adapter(tmp_path / "adapter", model, dropout=0.0, base=None, family="gpt_oss")
+    assert "adapter=false" in str(err.value) and not (tmp_path / "adapter").exists()
+    hf_base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    with pytest.raises(ValueError, match="not supported"):  # the premise, checked with peft
+        peft.get_peft_model(hf_base, peft.LoraConfig(r=4, target_modules=["router"]))
