@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,7 @@ from trainer.init_from import load_init_from
 from trainer.models import families
 from trainer.models import hf_gpt_oss as gpt_oss
 from trainer.models.families import FAMILIES, FamilyError, exportable
-from trainer.models.hf import INDEX_FILE, HFError, hf_name
+from trainer.models.hf import INDEX_FILE, HFError, hf_name, is_hf_dir
 from trainer.models.hf_moe import EXPERT_BIAS_SUFFIX, FLOAT32_SUFFIXES, holds_expert_bias, split_experts
 from trainer.models.llama import Llama
 from trainer.peft_adapter import moe_adapter_problem, peft_target_modules
@@ -312,8 +313,8 @@ def export_checkpoint(
     if adapted_layers(run.model):  # a LoRA run: its adapter as PEFT's, then merged into the base
         if adapter:
             lora, family = run.config.strategy.lora, export_family_of(run.model, base_config(config_sources))
-            init_from = run.config.model.get("init_from")
-            write_peft_adapter(Path(out) / ADAPTER_DIR, run.model, dropout=lora.dropout, base=init_from, family=family)
+            base = peft_base(run.config.model.get("init_from"))
+            write_peft_adapter(Path(out) / ADAPTER_DIR, run.model, dropout=lora.dropout, base=base, family=family)
         try:
             merge_lora(run.model)
         except ValueError as err:
@@ -330,6 +331,21 @@ def export_checkpoint(
         chat_template=trained_chat_template(run).source,
         config_sources=config_sources,
     )
+
+
+def peft_base(init_from: str | None) -> str | None:
+    """The ``base_model_name_or_path`` of a LoRA run's PEFT adapter: ``init_from`` when it is a
+    Hugging Face folder; None for a plait run's weights, which no transformers model loads (says
+    so on stderr: export that run and load the adapter onto its export)."""
+    if init_from and is_hf_dir(init_from):
+        return init_from
+    if init_from:
+        print(
+            f"plait: the adapter's base is the plait run {init_from}: its base_model_name_or_path is left empty; "
+            f"export that run (plait export ckpt={init_from} out=<dir>) and load the adapter onto the export",
+            file=sys.stderr,
+        )
+    return None
 
 
 def trained_chat_template(run: RunModel) -> JinjaTemplate:

@@ -197,6 +197,7 @@ def test_export_merges_and_writes_a_peft_adapter(runs, base, tmp_path):
     assert {plait_name(f"{n}.weight").removesuffix(".weight") for n in wrapped} == adapted, "peft adapts plait's layers"
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert config["base_model_name_or_path"] == str(base / "hf")  # the Hugging Face folder trained from
     with pytest.raises(ValueError, match="export the run first .* pass load_base=trainer.init_from.load_init_from"):
         load_run_model(run["run_dir"])
     plait_model = load_run_model(run["run_dir"], load_base=load_init_from).model  # base + adapters, unmerged

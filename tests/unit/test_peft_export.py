@@ -151,3 +151,14 @@ def test_a_gpt_oss_router_adapter_is_refused_as_peft_cannot_load_it(tmp_path):
     hf_base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     with pytest.raises(ValueError, match="not supported"):  # the premise, checked with peft
         peft.get_peft_model(hf_base, peft.LoraConfig(r=4, target_modules=["router"]))
+
+
+def test_an_adapter_trained_on_a_plait_run_names_no_base_transformers_cannot_load(checkpoints, tmp_path, capsys):
+    """It named the plait checkpoint, and peft's AutoPeftModelForCausalLM failed on it ('Unrecognized
+    model ... Should have a model_type key', a reviewer's chain of SFT then LoRA)."""
+    from trainer.export import peft_base
+
+    assert peft_base(str(checkpoints / "llama3")) == str(checkpoints / "llama3")
+    (tmp_path / "sft").mkdir()
+    assert peft_base(str(tmp_path / "sft")) is None
+    assert f"export that run (plait export ckpt={tmp_path / 'sft'} out=<dir>)" in capsys.readouterr().err
