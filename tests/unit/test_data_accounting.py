@@ -239,3 +239,42 @@ def test_one_long_sample_holding_most_tokens_is_warned_about(tmp_path, long_samp
         and f"({100 * lost / (counts.supervised_tokens + counts.supervised_tokens_lost if long_samples == 'truncate' else counts.supervised_tokens):.1f}%)"
         in warning[0]
     ), warning
+
+
+def test_kto_rows_count_the_prompts_their_own_completions_cut(tmp_path) -> None:
+    """Rows alternating a long prompt with a short answer and a short prompt with a long answer:
+    each fits alone, so no prompt is cut (the KL row's borrowed completion is cut instead)."""
+    import json
+
+    def words(i: int) -> str:
+        return " ".join(f"w{(i + j) % 37}" for j in range(30))
+
+    rows = [
+        {
+            "prompt": words(i) if i % 2 else f"Say {i}.",
+            "completion": f"yes {i}" if i % 2 else words(i),
+            "label": i % 3 != 0,
+        }
+        for i in range(40)
+    ]
+    (tmp_path / "kto.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = _data("kto", [f"data.sources={{mine: {{source: {tmp_path / 'kto.jsonl'}, val_size: 8}}}}", "data.seq_len=96",
+                         "data.max_prompt_len=8", "data.vocab_size=300", "data.template=default"])  # fmt: skip
+    data.prepare()
+    counts = data.data_counts()["mine"]
+    assert counts.samples == 32 and counts.prompts_cut == 0, counts
+
+
+def test_pairs_the_cut_makes_identical_are_warned_about(tmp_path, capsys) -> None:
+    """Responses that differ only in their last word, cut before it: the same row twice (loss ln 2,
+    no gradient), reported only as a few tokens lost (a reviewer's run trained 20 steps on them)."""
+    import json
+
+    shared = " ".join(f"s{i}" for i in range(12))
+    rows = [{"prompt": f"Question {i}?", "chosen": f"{shared} right", "rejected": f"{shared} wrong"} for i in range(20)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = _data("dpo", [f"data.sources={{mine: {{source: {tmp_path / 'p.jsonl'}, val_size: 4}}}}", "data.seq_len=16",
+                         "data.max_prompt_len=4", "data.vocab_size=300", "data.template=default"])  # fmt: skip
+    data.prepare()
+    err = capsys.readouterr().err
+    assert "data.sources.mine: 16 of 16 train pairs are the same row twice once cut" in err, err

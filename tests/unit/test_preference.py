@@ -79,6 +79,18 @@ def test_pair_rows_truncation_keeps_the_response():
     assert cut == (0, 0, 0) and rows["input_ids"][0, :12].tolist() == prompt + [7, 8]
 
 
+def test_an_unpaired_row_is_cut_by_its_own_completion_not_the_kl_one():
+    """KTO's second response is another prompt's completion, for the KL estimate: a row whose prompt
+    and own completion fit kept its prompt whole only if the borrowed one fit too (a reviewer's
+    rows: 12 of 32 prompts cut, reported as the user's, with a seq_len fix sized by the borrowed)."""
+    prompt, own, borrowed = list(range(100, 112)), [7, 8], list(range(200, 230))
+    rows, cut = pair_rows(prompt, own, borrowed, seq_len=16, max_prompt_len=4, pad_id=1, fit_first=True)
+    assert cut == (0, 0, 26)  # the prompt whole, the own completion whole, the KL one cut to what is left
+    assert rows["input_ids"][0].tolist() == [*prompt, 7, 8, 1, 1]
+    assert rows["input_ids"][1].tolist() == prompt + borrowed[:4]
+    assert pair_rows(prompt, own, borrowed, seq_len=16, max_prompt_len=4, pad_id=1)[1].prompt == 8  # paired: cut
+
+
 def test_encode_pair_shares_the_prompt_and_supervises_only_the_final_answer():
     from test_chat import byte_tokenizer
 

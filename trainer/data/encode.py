@@ -160,7 +160,14 @@ class PairCut(NamedTuple):
 
 
 def pair_rows(
-    prompt: list[int], chosen: list[int], rejected: list[int], *, seq_len: int, max_prompt_len: int, pad_id: int
+    prompt: list[int],
+    chosen: list[int],
+    rejected: list[int],
+    *,
+    seq_len: int,
+    max_prompt_len: int,
+    pad_id: int,
+    fit_first: bool = False,
 ) -> tuple[dict[str, Tensor], PairCut]:
     """The ``[2, seq_len]`` rows of one pair (chosen first) and what was cut (`PairCut`).
 
@@ -168,8 +175,13 @@ def pair_rows(
     ``max_prompt_len`` tokens (TRL's ``max_prompt_length``), then both responses are cut at the
     end to what is left. A pair that fits is kept whole. ``labels[t] = input_ids[t + 1]`` where token
     t+1 is a response token, else -100; the pad tail is a document of its own.
+
+    Args:
+        fit_first: the prompt is cut only when prompt + the first response does not fit (KTO's
+            unpaired rows: the second is another prompt's completion, for the KL estimate alone,
+            cut at its end to what the row leaves).
     """
-    longest = max(len(chosen), len(rejected))
+    longest = len(chosen) if fit_first else max(len(chosen), len(rejected))
     keep = len(prompt) if len(prompt) + longest <= seq_len else min(len(prompt), max_prompt_len)
     cut = PairCut(len(prompt) - keep, max(0, len(chosen) - (seq_len - keep)), max(0, len(rejected) - (seq_len - keep)))
     prompt = prompt[len(prompt) - keep :]

@@ -30,6 +30,7 @@ rows, `_kl_rows`), whose log-ratios estimate the policy's KL to the reference (t
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,6 +147,7 @@ class PreferenceDataModule(DataModule):
         for index, part in enumerate(SPLITS):
             rows = []
             for name, pairs in split.items():
+                same = 0  # pairs whose two rows the cut made equal
                 for pair in pairs[index]:
                     prompt, chosen, rejected = encode.pair(tokenizer, pair, template)
                     r, cut = encode.pair_rows(
@@ -155,14 +157,25 @@ class PreferenceDataModule(DataModule):
                         seq_len=self.seq_len,
                         max_prompt_len=self.max_prompt_len,
                         pad_id=tokenizer.pad_id,
+                        fit_first=self.unpaired,
                     )
                     rows.append(r)
-                    lengths[part][name].append(len(prompt) + max(len(chosen), len(rejected)))
+                    lengths[part][name].append(
+                        len(prompt) + (len(chosen) if self.unpaired else max(len(chosen), len(rejected)))
+                    )
                     # Unpaired rows supervise their completion only: the other row is the KL estimate's.
                     lost = cut.chosen + (0 if self.unpaired else cut.rejected)
                     supervised = len(chosen) + (0 if self.unpaired else len(rejected))
                     counts[part][name].add(
                         supervised_kept=supervised - lost, supervised_lost=lost, prompt_lost=cut.prompt
+                    )
+                    same += not self.unpaired and bool(torch.equal(r["input_ids"][0], r["input_ids"][1]))
+                if same:
+                    print(
+                        f"plait: warning: data.sources.{name}: {same} of {len(pairs[index])} {part} pairs are the same "
+                        "row twice once cut (chosen and rejected differ only past data.seq_len): they carry no "
+                        "preference (loss ln 2, no gradient, a tie in the accuracy); raise data.seq_len",
+                        file=sys.stderr,
                     )
             prepared[part] = encode.stack_rows(rows, self.seq_len)
             if self.unpaired:
