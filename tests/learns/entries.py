@@ -133,7 +133,7 @@ VAL_LOSS_PRETRAIN = at_most(final_val("val/loss"), 6.5)  # from ln(4096) = 8.32
 VAL_LOSS_REVERSAL = at_most(final_val("val/loss"), 1.5)  # the base scores 4.16 on reversal
 
 ENTRIES: dict[str, Entry] = {
-    # The README's verifiable-pairs DPO (plait dpo data=preference_synthetic model=nano
+    # docs/recipes.md's verifiable-pairs DPO (plait dpo data=preference_synthetic model=nano
     # objective.beta=1.0) from scratch, as bench/dpo.py runs it for 2000 steps.
     "dpo_preset": Entry(
         "dpo",
