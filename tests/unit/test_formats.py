@@ -267,3 +267,17 @@ def test_a_shard_that_is_no_parquet_file_is_named(tmp_path):
         _records(CONVERSATIONS, str(tmp_path / "shards"))
     with pytest.raises(ValueError, match=rf"{pointer}"):
         load_files([str(tmp_path / "shards")])
+
+
+def test_a_csv_column_of_conversations_as_json_text_is_read_as_conversations(tmp_path):
+    """A CSV cell can hold no list: a 'messages' column of JSON text was read as one user turn and
+    refused ('has no assistant turn')."""
+    import csv
+
+    chat = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    with open(tmp_path / "chats.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["messages"])
+        writer.writerow([json.dumps(chat)])
+        writer.writerow([json.dumps(chat[:1] + [{"role": "assistant", "content": "four"}])])
+    assert _records(CONVERSATIONS, str(tmp_path / "chats.csv"))[0] == chat

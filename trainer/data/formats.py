@@ -23,6 +23,7 @@ plait's records: a conversation is a message list, a standard SFT row a `Text`; 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -47,6 +48,18 @@ UNPAIRED_FIX = (
 
 class FormatError(ValueError):
     """A row in none of the accepted formats; the message names the field and the fix."""
+
+
+def _json_list(value: Any) -> Any:
+    """A conversation given as the text of a JSON list (a CSV cell can hold no list), parsed; any
+    other value as it is."""
+    if isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            return value
+        return parsed if isinstance(parsed, list) else value
+    return value
 
 
 def messages(value: Any, field: str, *, role: str) -> list[Message]:
@@ -88,7 +101,7 @@ def conversation(row: Mapping[str, Any]) -> Record:
             assistant turn.
     """
     if "messages" in row:
-        turns = messages(row["messages"], "messages", role="user")
+        turns = messages(_json_list(row["messages"]), "messages", role="user")
         if not any(m["role"] == "assistant" for m in turns):
             raise FormatError(
                 "'messages' has no assistant turn, so no token to train on; add the assistant's answer or remove the row"
