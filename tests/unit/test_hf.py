@@ -288,6 +288,7 @@ def test_a_rope_scaling_block_pasted_into_a_rope_parameters_config_is_read_and_e
     path = tmp_path / "hf" / "config.json"
     config = json.loads(path.read_text())
     assert "rope_parameters" in config
+    config["rope_parameters"]["rope_theta"] = 1e6  # replaced with the block, as transformers 5 reads it
     config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
     path.write_text(json.dumps(config))
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
@@ -432,3 +433,5 @@ def test_a_tokenizer_from_a_hugging_face_folder_says_nothing_of_the_architecture
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "llama" and config["max_position_embeddings"] == 96
     assert (out / "tokenizer_config.json").read_text() != ""
+    # That model's generation settings are not this one's: generate() reads config.json's EOS list.
+    assert (tmp_path / "qwen3" / "generation_config.json").is_file() and not (out / "generation_config.json").exists()

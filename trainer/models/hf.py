@@ -74,16 +74,20 @@ def rope_of(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """``(rope_theta, rope_scaling)`` of a config, in the older (``rope_theta`` + ``rope_scaling``)
     or the newer (``rope_parameters``) Hugging Face layout; the scaling is None when there is none.
     A config with both (a ``rope_scaling`` block pasted into a transformers 5 config, as Qwen's
-    YaRN instructions say) is read as transformers reads it: the block's fields over the parameters'."""
+    YaRN instructions say) is read as transformers 5 reads it: the block replaces the parameters
+    (their ``rope_theta`` included: the config's top-level one or 10000 then), and for per-layer
+    parameters (Gemma 3) it updates the global layers'."""
     params = dict(config.get("rope_parameters") or {})
-    if "full_attention" in params:  # per layer type (Gemma 3): the global layers' (the local ones: families)
+    per_layer = "full_attention" in params  # per layer type (Gemma 3): the global layers' (the local ones: families)
+    if per_layer:
         params = dict(params["full_attention"] or {})
-    theta = params.pop("rope_theta", config.get("rope_theta", 10000.0))
     legacy = dict(config.get("rope_scaling") or {})
     if "type" in legacy and "rope_type" not in legacy:
         legacy["rope_type"] = legacy.pop("type")
-    scaling = {**params, **legacy}
-    return float(theta), (scaling if rope_type(scaling) != "default" else None)
+    if legacy:
+        params = {**params, **legacy} if per_layer else legacy
+    theta = params.pop("rope_theta", config.get("rope_theta", 10000.0))
+    return float(theta), (params if rope_type(params) != "default" else None)
 
 
 def sliding_window(config: dict[str, Any]) -> int | None:
