@@ -119,7 +119,7 @@ def main(argv: list[str]) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch  # with lm-eval below, seconds to import: plait compare (reading newest_scores) does not pay
 
-    from trainer.data.chat import turn_end_ids  # tokenizers and jinja2: this command only
+    from trainer.data.chat import ChatError, turn_end_ids  # tokenizers and jinja2: this command only
     from trainer.evaluators.lm_harness import (  # lm-eval and its dependencies: this command only
         PlaitLM,
         TaskNotFoundError,
@@ -127,6 +127,7 @@ def main(argv: list[str]) -> None:
         lm_eval_table,
         load_tasks,
     )
+    from trainer.export import trained_chat_template  # the model code: this command only
     from trainer.generate import chat_template, load_for_generation  # imports the model code: here only
 
     try:
@@ -145,13 +146,18 @@ def main(argv: list[str]) -> None:
     # A folder of several models' scores (out=) names each file by its run too: runs share step names.
     run_dir = Path(run.run.path).resolve()
     name = checkpoint.name if cfg.out is None or run_dir == checkpoint else f"{run_dir.name}_{checkpoint.name}"
-    if (owner := scores_model(eval_dir / f"{name}.json")) not in (None, str(checkpoint)):
+    # out= gathers many models' files; a run's own eval/ is its own (moved or copied, it stays so).
+    if cfg.out is not None and (owner := scores_model(eval_dir / f"{name}.json")) not in (None, str(checkpoint)):
         fail(f"{eval_dir / (name + '.json')} holds the scores of another model ({owner}); give another out=")
     # A run is scored in windows of the rows it trained on (a tiny model's RoPE table reaches further than its data).
     trained = OmegaConf.select(run.config, "data.seq_len", default=None) if run.config is not None else None
     max_length = cfg.max_length or min(int(trained or run.model.max_seq_len), run.model.max_seq_len)
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     template = chat_template(run) if cfg.apply_chat_template else None
+    try:  # generations end at the run's end of turn whether or not prompts are rendered with it (as callbacks.lm_eval)
+        stop_ids = turn_end_ids(run.tokenizer, template or trained_chat_template(run))
+    except ChatError:
+        stop_ids = ()
     lm = PlaitLM(
         run.model.to(device),
         run.tokenizer,
@@ -161,7 +167,7 @@ def main(argv: list[str]) -> None:
         chat_template=(lambda messages, gen: template.render(messages, add_generation_prompt=gen))
         if template
         else None,
-        stop_ids=turn_end_ids(run.tokenizer, template),
+        stop_ids=stop_ids,
     )
     scores, results = evaluate_tasks(
         lm,

@@ -100,3 +100,16 @@ def test_scores_go_to_out_and_a_destination_that_cannot_take_them_is_refused_bef
     with pytest.raises(SystemExit) as exit_:
         plait_eval([f"ckpt={other}", "tasks=[plait_corpus]", "limit=2", f"out={tmp_path / 'scores'}"])
     assert exit_.value.code == 2 and f"holds the scores of another model ({hub.resolve()})" in capsys.readouterr().err
+
+
+def test_a_moved_model_scores_into_its_own_eval_folder_again(tmp_path, capsys) -> None:
+    """Its own eval/ is tied to it by place: moved (or copied to another machine), it was refused as
+    'the scores of another model' (its old path)."""
+    import shutil
+
+    make_hf_dir("llama3", tmp_path / "a" / "llama")
+    plait_eval([f"ckpt={tmp_path / 'a' / 'llama'}", "tasks=[plait_corpus]", "limit=2"])
+    shutil.move(tmp_path / "a", tmp_path / "b")
+    plait_eval([f"ckpt={tmp_path / 'b' / 'llama'}", "tasks=[plait_corpus_next_line]", "limit=2"])
+    scores = json.loads((tmp_path / "b" / "llama" / "eval" / "llama.json").read_text())["scores"]
+    assert {"plait_corpus/bits_per_byte", "plait_corpus_next_line/acc"} <= set(scores)
