@@ -217,7 +217,9 @@ def write_hf_dir(
     save_weights(tensors, out, max_shard_bytes=int(max_shard_mb * 2**20))
     tokenizer.save(out / "tokenizer.json")
     for name in _COPIED:
-        found = next((d / name for d in sources if (d / name).is_file()), None)
+        # generation settings belong to the model they came with: not to a tokenizer's folder's model
+        where = config_sources if name == "generation_config.json" and config_sources is not None else sources
+        found = next((d / name for d in where if (d / name).is_file()), None)
         if found is not None:
             shutil.copyfile(found, out / name)
     config_file = out / "tokenizer_config.json"
