@@ -278,3 +278,25 @@ def test_pairs_the_cut_makes_identical_are_warned_about(tmp_path, capsys) -> Non
     data.prepare()
     err = capsys.readouterr().err
     assert "data.sources.mine: 16 of 16 train pairs are the same row twice once cut" in err, err
+
+
+def test_pairs_a_template_makes_identical_are_not_blamed_on_seq_len(tmp_path, capsys) -> None:
+    """Rejected = chosen plus a space, under a template that trims: nothing cut, and raising
+    data.seq_len cannot help (a reviewer's Llama 3-style template)."""
+    import json
+
+    from chat_templates import LLAMA3_STYLE, raw_tokenizer
+
+    directory = tmp_path / "tok"
+    directory.mkdir()
+    raw_tokenizer().save(str(directory / "tokenizer.json"))
+    config = {"eos_token": "<|endoftext|>", "bos_token": "", "chat_template": LLAMA3_STYLE}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    rows = [{"prompt": f"Question {i}?", "chosen": f"Answer {i}.", "rejected": f"Answer {i}. "} for i in range(20)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = _data("dpo", [f"data.sources={{mine: {{source: {tmp_path / 'p.jsonl'}, val_size: 4}}}}", "data.seq_len=128", "data.max_prompt_len=64",
+                         f"data.tokenizer={directory / 'tokenizer.json'}", "data.template=tokenizer"])  # fmt: skip
+    data.prepare()
+    err = capsys.readouterr().err
+    assert "16 of 16 train pairs are the same row twice once rendered and tokenized" in err, err
+    assert "raise data.seq_len" not in err

@@ -281,3 +281,19 @@ def test_a_csv_column_of_conversations_as_json_text_is_read_as_conversations(tmp
         writer.writerow([json.dumps(chat)])
         writer.writerow([json.dumps(chat[:1] + [{"role": "assistant", "content": "four"}])])
     assert _records(CONVERSATIONS, str(tmp_path / "chats.csv"))[0] == chat
+
+
+def test_json_text_messages_in_any_field_of_a_csv_and_prompts_that_only_look_like_lists(tmp_path):
+    """A preference row's prompt and a KTO row's completion as JSON text were trained on as the
+    literal JSON; a prompt like '[1, 2, 3] sorted?' stays text."""
+    import csv
+
+    user, answer = [{"role": "user", "content": "2+2?"}], [{"role": "assistant", "content": "4"}]
+    with open(tmp_path / "pairs.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["prompt", "chosen", "rejected"])
+        writer.writerow([json.dumps(user), json.dumps(answer), json.dumps([{"role": "assistant", "content": "5"}])])
+        writer.writerow(["[1, 2, 3] sorted?", "yes", "no"])
+    first, second = _records(PAIRS, str(tmp_path / "pairs.csv"))
+    assert first["messages"] == user and first["chosen"] == "4"
+    assert second["messages"] == [{"role": "user", "content": "[1, 2, 3] sorted?"}]

@@ -50,16 +50,17 @@ class FormatError(ValueError):
     """A row in none of the accepted formats; the message names the field and the fix."""
 
 
-def _json_list(value: Any) -> Any:
-    """A conversation given as the text of a JSON list (a CSV cell can hold no list), parsed; any
-    other value as it is."""
-    if isinstance(value, str) and value.lstrip().startswith("["):
-        try:
-            parsed = json.loads(value)
-        except ValueError:
-            return value
-        return parsed if isinstance(parsed, list) else value
-    return value
+def _json_messages(value: Any) -> Any:
+    """Messages given as the text of a JSON list of ``{"role": ...}`` objects (a CSV cell can hold
+    no list), parsed; any other value (a prompt that merely starts with ``[``) as it is."""
+    if not (isinstance(value, str) and value.lstrip().startswith("[")):
+        return value
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        return value
+    messages = isinstance(parsed, list) and parsed and all(isinstance(m, dict) and "role" in m for m in parsed)
+    return parsed if messages else value
 
 
 def messages(value: Any, field: str, *, role: str) -> list[Message]:
@@ -101,7 +102,7 @@ def conversation(row: Mapping[str, Any]) -> Record:
             assistant turn.
     """
     if "messages" in row:
-        turns = messages(_json_list(row["messages"]), "messages", role="user")
+        turns = messages(row["messages"], "messages", role="user")
         if not any(m["role"] == "assistant" for m in turns):
             raise FormatError(
                 "'messages' has no assistant turn, so no token to train on; add the assistant's answer or remove the row"
@@ -175,13 +176,15 @@ def preference(row: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def read(rows: Iterator[tuple[str, Mapping[str, Any]]], parse: Callable[[Mapping[str, Any]], Any]) -> list[Any]:
-    """Every row of ``rows`` (``(where, row)``, `trainer.data.tables.read_rows`) through ``parse``.
+    """Every row of ``rows`` (``(where, row)``, `trainer.data.tables.read_rows`) through ``parse``,
+    its fields of messages written as JSON text (a CSV's) read as messages (`_json_messages`).
 
     Raises:
         ValueError: the first malformed row, as ``<file>, line <n>: <problem>; <fix>``.
     """
     out = []
     for where, row in rows:
+        row = {key: _json_messages(value) for key, value in row.items()}
         try:
             out.append(parse(row))
         except FormatError as err:

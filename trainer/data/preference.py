@@ -147,7 +147,7 @@ class PreferenceDataModule(DataModule):
         for index, part in enumerate(SPLITS):
             rows = []
             for name, pairs in split.items():
-                same = 0  # pairs whose two rows the cut made equal
+                same = {True: 0, False: 0}  # pairs whose two rows are equal: cut, not cut
                 for pair in pairs[index]:
                     prompt, chosen, rejected = encode.pair(tokenizer, pair, template)
                     r, cut = encode.pair_rows(
@@ -169,14 +169,24 @@ class PreferenceDataModule(DataModule):
                     counts[part][name].add(
                         supervised_kept=supervised - lost, supervised_lost=lost, prompt_lost=cut.prompt
                     )
-                    same += not self.unpaired and bool(torch.equal(r["input_ids"][0], r["input_ids"][1]))
-                if same:
-                    print(
-                        f"plait: warning: data.sources.{name}: {same} of {len(pairs[index])} {part} pairs are the same "
-                        "row twice once cut (chosen and rejected differ only past data.seq_len): they carry no "
-                        "preference (loss ln 2, no gradient, a tie in the accuracy); raise data.seq_len",
-                        file=sys.stderr,
-                    )
+                    if not self.unpaired and torch.equal(r["input_ids"][0], r["input_ids"][1]):
+                        same[any(cut)] += 1
+                why = {  # cut: (how they became equal, the fix)
+                    True: ("once cut (chosen and rejected differ only past data.seq_len)", "raise data.seq_len"),
+                    False: (
+                        "once rendered and tokenized (the chat template makes them equal, e.g. trimming whitespace)",
+                        "fix or drop those rows",
+                    ),
+                }
+                for was_cut, count in same.items():
+                    if count:
+                        how, fix = why[was_cut]
+                        print(
+                            f"plait: warning: data.sources.{name}: {count} of {len(pairs[index])} {part} pairs are the "
+                            f"same row twice {how}: they carry no preference (loss ln 2, no gradient, a tie in the "
+                            f"accuracy); {fix}",
+                            file=sys.stderr,
+                        )
             prepared[part] = encode.stack_rows(rows, self.seq_len)
             if self.unpaired:
                 labels = [p["desirable"] for pairs in split.values() for p in pairs[index]]
