@@ -202,7 +202,11 @@ class Workload:
         seq_len: tokens per row.
         global_batch_size: rows per optimizer step.
         param_dtype: dtype of the kept (sharded) parameters, gradients and optimizer states.
-        compute_dtype: dtype of activations and gathered parameters ("bf16" under bf16 mixed precision).
+        compute_dtype: dtype of activations ("bf16" under bf16 mixed precision).
+        gather_dtype: dtype FSDP gathers parameters in (``strategy.fsdp.param_dtype``); None: ``param_dtype``
+            (no mixed-precision policy: FSDP gathers what it holds).
+        autocast: the forward runs under autocast (``bf16-mixed``, ``16-mixed``): a matmul's weight
+            not already in ``compute_dtype`` is cast, and the copy is saved for the backward.
         optimizer: key of `OPTIMIZER_STATES`.
         document_masks: packed rows with document ids (block-causal masks) instead of plain causal.
         compile: blocks compiled (fused elementwise kernels).
@@ -219,6 +223,8 @@ class Workload:
     global_batch_size: int
     param_dtype: str = "fp32"
     compute_dtype: str = "fp32"
+    gather_dtype: str | None = None
+    autocast: bool = False
     optimizer: str = "adamw"
     document_masks: bool = True
     compile: bool = False
@@ -240,6 +246,17 @@ class Workload:
     @property
     def act_bytes(self) -> int:
         return DTYPE_BYTES[self.compute_dtype]
+
+    @property
+    def gather_bytes(self) -> int:
+        return DTYPE_BYTES[self.gather_dtype or self.param_dtype]
+
+    def casts_weights(self, layout: Layout) -> bool:
+        """Whether autocast copies the matmuls' weights on a rank of ``layout``: under autocast,
+        unless FSDP hands them over gathered in the compute dtype already (it gathers nothing
+        without data parallelism)."""
+        gathered_in_compute = layout.uses_fsdp and (self.gather_dtype or self.param_dtype) == self.compute_dtype
+        return self.autocast and self.param_dtype != self.compute_dtype and not gathered_in_compute
 
     def microbatches(self, layout: Layout) -> int:
         """Micro-batches each dp rank runs per optimizer step."""
@@ -304,13 +321,16 @@ def workload_of(run: ResolvedRun, strategy: Any, *, float8: bool = False, async_
     """Sequence length, batch, dtypes, optimizer (and Muon's split), LoRA's adapters and kernels of a
     resolved run and its strategy (``float8``: planner.float8, a what-if; the strategy's float8
     plugin, when on, sets it too)."""
-    param_dtype = "bf16" if run.precision == "bf16-true" else "fp32"
-    bf16_compute = run.precision.startswith("bf16") or strategy.plugins["fsdp"].param_dtype == "bf16"
+    param_dtype = {"bf16-true": "bf16", "16-true": "fp16"}.get(run.precision, "fp32")
+    autocast = {"bf16-mixed": "bf16", "16-mixed": "fp16"}.get(run.precision)
+    gathered = strategy.plugins["fsdp"].param_dtype or None
     return Workload(
         seq_len=run.seq_len,
         global_batch_size=run.global_batch_size,
         param_dtype=param_dtype,
-        compute_dtype="bf16" if bf16_compute else param_dtype,
+        compute_dtype=autocast or gathered or param_dtype,
+        gather_dtype=gathered,
+        autocast=autocast is not None,
         optimizer=optimizer_kind(run.optimizer),
         document_masks=True,
         compile=strategy.plugins["compile"].enabled,

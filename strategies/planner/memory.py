@@ -174,11 +174,17 @@ def stage_activation_bytes(
     sp = layout.tp if layout.sequence_parallel and layout.tp > 1 else 1
     block_input = tokens * shape.dim * work.act_bytes // sp
     total = 0
+    casts = work.casts_weights(layout)
     for i in layers:
         total += (
             block_input
             if i in checkpointed
             else layer_activation_bytes(shape, layout, work, tokens, device=device, layer=i)
+            + (cast_weight_bytes(shape.params_of_layer.get(i, ()), layout, work) if casts else 0)
+        )
+    if last and casts:  # the output head's copy
+        total += cast_weight_bytes(
+            [p for p in shape.params_of_layer.get(None, ()) if "embed" not in p.name], layout, work
         )
     if layout.activation_offload:
         total = 0  # saved tensors wait in host memory
@@ -284,7 +290,7 @@ def gathered_bytes(
     resharded after its forward (``Layout.reshard_after_forward`` False: all of them gathered when
     the backward starts). 0 where FSDP gathers nothing (one shard and no cast). ``units``: the
     rank's `_unit_bytes`, when already computed."""
-    if not (layout.uses_fsdp and (layout.fsdp_shards > 1 or work.compute_dtype != work.param_dtype)):
+    if not (layout.uses_fsdp and (layout.fsdp_shards > 1 or work.gather_bytes != work.param_bytes)):
         return 0
     gathered, _ = units if units is not None else _unit_bytes(shape, layout, work, blocks)
     sizes = [gathered[i] for i in blocks]
@@ -306,16 +312,31 @@ def _unit_bytes(
         kind_of, kinds = shape.block_kinds
         per_kind = [_gathered_numel(kind, layout) for kind in kinds]
         for i in blocks:
-            gathered[i], grads[i] = per_kind[kind_of[i]] * work.act_bytes, per_kind[kind_of[i]] * work.param_bytes
+            gathered[i], grads[i] = per_kind[kind_of[i]] * work.gather_bytes, per_kind[kind_of[i]] * work.param_bytes
         root = _gathered_numel(shape.params_of_layer.get(None, ()), layout)
-        gathered[None], grads[None] = root * work.act_bytes, root * work.param_bytes
+        gathered[None], grads[None] = root * work.gather_bytes, root * work.param_bytes
         return gathered, grads
     for k in kept_tensors(shape, layout, work, 0):  # LoRA runs without pipeline parallelism
         n = math.prod(k.spec.shape) // (layout.tp if k.spec.tp_dim is not None else 1)
         n //= layout.ep if ".experts." in k.spec.name else 1
-        gathered[k.spec.layer] += n * (work.act_bytes if k.cast else k.itemsize)
+        gathered[k.spec.layer] += n * (work.gather_bytes if k.cast else k.itemsize)
         grads[k.spec.layer] += n * work.param_bytes if k.trained else 0
     return gathered, grads
+
+
+def cast_weight_bytes(params: Any, layout: Layout, work: Workload) -> int:
+    """Bytes of the compute-dtype copies autocast makes of the matmul weights among ``params`` (2-D
+    and up: not norms, not biases) on a rank and saves for the backward (`Workload.casts_weights`)."""
+    matmul = [p for p in params if len(p.shape) >= 2]
+    return (
+        sum(
+            math.prod(p.shape)
+            // (layout.tp if p.tp_dim is not None else 1)
+            // (layout.ep if ".experts." in p.name else 1)
+            for p in matmul
+        )
+        * work.act_bytes
+    )
 
 
 def _gathered_numel(params: Any, layout: Layout) -> int:

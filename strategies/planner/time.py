@@ -309,12 +309,12 @@ def predict_time(shape: ModelShape, layout: Layout, work: Workload, cluster: Clu
     held = kept_tensors(shape, layout, work, slowest)
     trained = [k for k in held if k.trained]  # what gradients are reduced for: under LoRA the adapters
     params_rank = sum(k.count * _numel(k.spec, layout) for k in trained)
-    # What FSDP gathers (bytes: in the compute dtype, QLoRA's codes as stored) and reduce-scatters
+    # What FSDP gathers (bytes: in its gather dtype, QLoRA's codes as stored) and reduce-scatters
     # (elements): a rank's experts are 1/ep of a block's (its shard is not).
     gathered = reduced = 0
     for k in held:
         n = k.count * (_numel(k.spec, layout) // (layout.ep if ".experts." in k.spec.name else 1))
-        gathered += n * (a if k.cast else k.itemsize)
+        gathered += n * (work.gather_bytes if k.cast else k.itemsize)
         reduced += n if k.trained else 0
     if layout.uses_fsdp:
         s, r = layout.fsdp_shards, layout.dp_replicate

@@ -53,6 +53,15 @@ LAYOUTS = {
         2,
     ),
     "tp2": (["strategy=tp", "trainer.devices=2", "train.micro_batch_size=4"], 2),
+    # bf16 autocast over fp32 weights: each matmul's bf16 weight copy is saved for the backward (the
+    # planner had gathered bf16 and copied nothing: 8-18% low), FSDP without a policy gathers fp32
+    "bf16_mixed1": (["trainer.precision=bf16-mixed", "train.micro_batch_size=8"], 1),
+    "fsdp2_bf16_mixed": (
+        ["strategy=fsdp", "trainer.devices=2", "train.micro_batch_size=2", "trainer.precision=bf16-mixed"],
+        2,
+    ),
+    # fp16 weights (planned as fp32: model state twice its size)
+    "fp16_true1": (["trainer.precision=16-true", "optim.eps=1e-4", "train.micro_batch_size=8"], 1),
     "pp2": (["strategy=pp", "trainer.devices=2", "train.micro_batch_size=4"], 2),
     "cp2": (["strategy=cp", "trainer.devices=2", "train.micro_batch_size=4"], 2),
     # a mixture of experts: its routed rows are top_k x tokens exactly without expert parallelism

@@ -40,7 +40,8 @@ def test_blocks_kept_gathered_after_forward_are_counted() -> None:
     """``strategy.fsdp.reshard_after_forward=false`` keeps all 32 blocks of Llama 3 8B gathered (bf16)
     where the default holds two: 30 more blocks of 218,112,000 parameters (attention 4096 x (4096 +
     2 x 1024 + 4096), SwiGLU 3 x 4096 x 14336, two norms), 12.19 GiB. Before: the same prediction."""
-    run = [*LLAMA3_8B_8K, "strategy=fsdp", "trainer.devices=8", "trainer.precision=bf16-mixed", "planner.check=true"]
+    run = [*LLAMA3_8B_8K, "strategy=fsdp", "trainer.devices=8", "trainer.precision=bf16-mixed", "planner.check=true",
+           "strategy.fsdp.param_dtype=bf16"]  # fmt: skip
     block = 4096 * (4096 + 2 * 1024 + 4096) + 3 * 4096 * 14336 + 2 * 4096
     predicted = {}
     for reshard in ("true", "false"):
