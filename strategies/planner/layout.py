@@ -34,7 +34,7 @@ MUON_MATRIX_STATES = (1, False)
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")  # the mesh's axes, as the strategy names them
 # Settings of a layout the search does not vary: each searched layout keeps the command line's.
-KEPT = ("sequence_parallel", "loss_parallel", "reshard_after_forward")
+KEPT = ("sequence_parallel", "loss_parallel", "reshard_after_forward", "fsdp_cpu_offload")
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,9 @@ class Layout:
     ``replica_overlapped`` (its exchanges run under compute).
     ``sequence_parallel``, ``loss_parallel`` (tensor parallelism's) and ``reshard_after_forward``
     (FSDP's: False keeps every block gathered from its forward to its backward, ZeRO-2) are the
-    command line's: the search keeps them (`KEPT`) and prints them when they are off.
+    command line's: the search keeps them (`KEPT`) and prints them when they are off, and so is
+    ``fsdp_cpu_offload`` (``strategy.fsdp.cpu_offload``: FSDP's shards of the parameters, gradients
+    and optimizer state in host memory, not on the device).
     """
 
     dp_replicate: int = 1
@@ -72,6 +74,7 @@ class Layout:
     sequence_parallel: bool = True
     loss_parallel: bool = True
     reshard_after_forward: bool = True
+    fsdp_cpu_offload: bool = False
     ep: int = 1
     split_points: tuple[int, ...] | None = None
     ist_islands: int = 1
@@ -107,8 +110,8 @@ class Layout:
         if self.pp > 1:
             out["strategy.pipeline.schedule"] = self.pp_schedule
             out["strategy.pipeline.stages_per_rank"] = self.stages_per_rank
-            if self.split_points is not None:
-                out["strategy.pipeline.split_points"] = list(self.split_points)
+            # None (by layer count) is written too: it undoes a command line's own split points
+            out["strategy.pipeline.split_points"] = None if self.split_points is None else list(self.split_points)
         if self.cp > 1:
             out["strategy.context_parallel.mode"] = self.cp_mode
         if self.tp > 1:
@@ -116,6 +119,7 @@ class Layout:
             out["strategy.tensor_parallel.loss_parallel"] = self.loss_parallel
         if self.uses_fsdp:
             out["strategy.fsdp.reshard_after_forward"] = self.reshard_after_forward
+            out["strategy.fsdp.cpu_offload"] = self.fsdp_cpu_offload
         out["strategy.activation_checkpoint.mode"] = self.ac
         if self.ac == "every_k":
             out["strategy.activation_checkpoint.every_k"] = self.ac_every_k
@@ -154,7 +158,9 @@ class Layout:
 
 
 def _override_value(value: Any) -> str:
-    """``value`` as Hydra's override grammar writes it (true / false, [a,b])."""
+    """``value`` as Hydra's override grammar writes it (true / false, [a,b], null)."""
+    if value is None:
+        return "null"
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, list):
@@ -307,6 +313,7 @@ def layout_of(run: ResolvedRun, strategy: Any, work: Workload) -> Layout:
         sequence_parallel=tp.sequence_parallel,
         loss_parallel=tp.loss_parallel,
         reshard_after_forward=plugin["fsdp"].reshard_after_forward,
+        fsdp_cpu_offload=plugin["fsdp"].cpu_offload,
         ep=plugin["expert_parallel"].ep,
         split_points=run.pp_split_points,
         ist_islands=dims.dp_replicate if isinstance(local_sgd, IST) else 1,

@@ -227,8 +227,12 @@ def predict_rank(
     device: str = "cuda",
     checkpointed: frozenset[int] | None = None,
 ) -> MemoryBreakdown:
-    """Predicted memory of one global rank (``checkpointed``: `checkpointed_layers`, when known)."""
+    """Predicted memory of one global rank (``checkpointed``: `checkpointed_layers`, when known).
+    Under FSDP's CPU offload (``Layout.fsdp_cpu_offload``) the sharded parameters, gradients and
+    optimizer state are in host memory: 0 on the device (its gathered blocks stay, `_transient`)."""
     params, grads, optim = state_bytes(shape, layout, work, rank)
+    if layout.fsdp_cpu_offload and layout.uses_fsdp:
+        params = grads = optim = 0
     c = rank_coords(layout, rank)
     stages, layers, num_stages = stage_plan(shape, layout, c["pp"])
     checkpointed = checkpointed_layers(shape, layout) if checkpointed is None else checkpointed

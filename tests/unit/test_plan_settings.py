@@ -86,3 +86,38 @@ def test_the_overrides_undo_what_the_command_line_set_and_the_layout_does_not_us
     assert "strategy.activation_checkpoint.mode=none" in _overrides(out), out
     again = compose("pretrain", [*command, *_overrides(out)])
     assert planner_inputs(again, validate(again, for_launch=False))[1].ac == "none"
+
+
+def test_fsdp_cpu_offload_keeps_the_shards_off_the_device() -> None:
+    """strategy.fsdp.cpu_offload=true was ignored: planner.check refused an 8B fsdp8 run at 83.63
+    GiB that the offload of 14.96 GiB of shards was chosen to fit (a reviewer's)."""
+    from strategies.planner.memory import predict_memory
+
+    run = [*LLAMA3_8B_8K, "strategy=fsdp", "trainer.devices=8", "trainer.precision=bf16-mixed",
+           "strategy.fsdp.param_dtype=bf16", "train.micro_batch_size=1"]  # fmt: skip
+    predicted = {}
+    for offload in ("false", "true"):
+        cfg = compose("pretrain", [*run, f"strategy.fsdp.cpu_offload={offload}"])
+        shape, layout, work = planner_inputs(cfg, validate(cfg, for_launch=False))
+        assert layout.fsdp_cpu_offload == (offload == "true")
+        assert ("strategy.fsdp.cpu_offload=true" in layout.overrides()) == (offload == "true")
+        predicted[offload] = predict_memory(shape, layout, work)
+    on, off = predicted["true"], predicted["false"]
+    assert (on.params, on.grads, on.optimizer) == (0, 0, 0) and off.params > 0
+    assert off.total - on.total == off.params + off.grads + off.optimizer
+
+
+def test_a_searched_pipeline_layout_undoes_the_command_lines_split_points() -> None:
+    """The printed overrides kept the command line's strategy.pipeline.split_points=[3], so the run
+    that followed was not the layout predicted, and interleaved layouts were refused for it."""
+    command = ["model=nano", "model.n_layers=4", "cluster=cpu", "data.seq_len=64", "trainer.devices=2", "strategy=pp",
+               "strategy.pipeline.split_points=[3]"]  # fmt: skip
+    cfg = compose("pretrain", command)
+    shape, configured, work = planner_inputs(cfg, validate(cfg, for_launch=False))
+    assert configured.split_points == (3,)
+    plans = search(shape, work, cluster_from_config(cfg), SearchSpace(max_micro_batch=1), kept=configured)
+    searched = next(p for p in plans if p.layout.pp == 2 and p.layout.split_points is None)
+    overrides = searched.layout.overrides(trainer_devices=2, against=configured)
+    assert "strategy.pipeline.split_points=null" in overrides
+    again = compose("pretrain", [*command, *overrides])
+    assert planner_inputs(again, validate(again, for_launch=False))[1].split_points is None
