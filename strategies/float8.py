@@ -356,3 +356,9 @@ class Float8(StrategyPlugin):
         if self._all_gather:
             precompute_float8_scales(model)
         return {}
+
+    def after_load(self, model: nn.Module) -> None:
+        """The scales of the loaded weights (float8 all-gather only): after a rollback, the ones
+        precomputed last were the discarded weights'."""
+        if self._all_gather:
+            precompute_float8_scales(model)

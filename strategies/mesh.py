@@ -443,7 +443,10 @@ class MeshStrategy(ModelParallelStrategy):
         path = Path(self.broadcast(str(checkpoint_path)))
         io, keys = checkpoint_owner(self.active)
         state = {"model": self.lightning_module.model, "optimizers": self._unwrapped_optimizers()}
-        return io.load_checkpoint(path, **state) if io is not None else ckpt.load(path, **state, keys=keys)
+        loaded = io.load_checkpoint(path, **state) if io is not None else ckpt.load(path, **state, keys=keys)
+        for plugin in self.active:
+            plugin.after_load(state["model"])
+        return loaded
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

@@ -21,8 +21,9 @@ Phases, in the order a run meets them:
    optimizer step ``observe_loss(step, loss)`` and ``after_step(model, step, optimizer)`` -> metrics.
 5. Evaluation: ``shard(batch, meshes)``, then ``eval_loss_sum`` (or the plain loss) inside
    ``loss_context()`` and, for preference pairs, ``whole_rows()``.
-6. Checkpoints: ``checkpoint_io()`` (a plugin that writes and reads the checkpoint itself) and
-   ``saved_keys()`` (which model keys a checkpoint holds).
+6. Checkpoints: ``checkpoint_io()`` (a plugin that writes and reads the checkpoint itself),
+   ``saved_keys()`` (which model keys a checkpoint holds) and ``after_load(model)`` (after a
+   checkpoint's weights are loaded into the live model: a resume, a non-finite rollback).
 
 A plugin that joins this world to others (torchft's replica groups, `strategies.fault_tolerance`)
 also takes ``data_share()`` (this world's share of each global batch), ``join(trainer)`` (at the
@@ -162,6 +163,10 @@ class StrategyPlugin:
     def after_step(self, model: nn.Module, step: int, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Work after optimizer step ``step`` (1 after the first; ``optimizer`` unwrapped); metrics for the loggers."""
         return {}
+
+    def after_load(self, model: nn.Module) -> None:
+        """After a checkpoint's weights are loaded into the live ``model`` (a resume, a rollback):
+        state derived from the weights (float8's precomputed scales) is derived again."""
 
     def data_share(self) -> tuple[int, int]:
         """``(index, count)``: this world's place among the worlds that split each global batch
