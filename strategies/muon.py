@@ -288,6 +288,11 @@ class Muon(torch.optim.Optimizer):
         for key, value in settings.items():
             if value is not None and min(value if isinstance(value, tuple) else (value,)) < 0:
                 raise ValueError(f"optim.{key}={value} must be >= 0")
+        # As AdamW's: 1 leaves a momentum that never moves from 0 (the matrices do not train) and
+        # divides AdamW's second moment by a bias correction of 0 (NaN weights after the first step).
+        for key, value in (("momentum", (momentum,)), ("betas", tuple(betas))):
+            if max(value) >= 1:
+                raise ValueError(f"optim.{key}={value if key == 'betas' else momentum} must be below 1")
         defaults = {
             "lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov, "ns_steps": ns_steps,
             "ns_dtype": ns_dtype, "scale": scale, "betas": tuple(betas), "eps": eps,

@@ -213,6 +213,9 @@ def test_bad_settings_are_refused_before_launch() -> None:
     assert "use match_rms_adamw or original" in optimizer_problem(functools.partial(Muon, scale="spectral"))
     assert "use bfloat16 or float32" in optimizer_problem(functools.partial(Muon, ns_dtype="fp8"))
     assert "optim.momentum=-0.9 must be >= 0" in optimizer_problem(functools.partial(Muon, momentum=-0.9))
+    # accepted before: beta2 = 1 made the weights NaN at the first step, momentum = 1 froze the matrices
+    assert "optim.betas=(0.9, 1.0) must be below 1" in optimizer_problem(functools.partial(Muon, betas=(0.9, 1.0)))
+    assert "optim.momentum=1.0 must be below 1" in optimizer_problem(functools.partial(Muon, momentum=1.0))
 
 
 def test_the_launch_says_which_share_of_a_moe_muon_takes() -> None:
