@@ -90,8 +90,14 @@ class Compile(StrategyPlugin):
 
     def problems(self, run: ResolvedRun, shape: ModelShape | None) -> list[str]:
         """A ``backend`` torch does not know, and ``scope=model`` on a layout it cannot
-        compile as one graph (pipeline or context parallel), when enabled (else it would fail at the first step)."""
+        compile as one graph (pipeline or context parallel), when enabled (else it would fail at the first step);
+        ``scope=model`` without ``enabled``, which would compile nothing in silence."""
         if not self.enabled:
+            if self.scope == "model":
+                return [
+                    "strategy.compile.scope=model compiles only with strategy.compile.enabled=true (compile is off "
+                    "by default); add strategy.compile.enabled=true, or leave the scope out"
+                ]
             return []
         refused = [
             f"strategy.compile.scope=model does not run with {axis}={getattr(run.dims, axis)} ({why}); "

@@ -98,3 +98,10 @@ def test_the_whole_model_compiles_as_one_graph_without_document_ids() -> None:
     apply_compile(model, backend="eager", fullgraph=True, scope="model")
     model(torch.randint(0, 64, (2, 16))).sum().backward()
     torch._dynamo.reset()
+
+
+def test_the_model_scope_without_compile_on_is_refused_naming_the_switch() -> None:
+    """strategy.compile.scope=model alone compiled nothing, without a word (compile is off by default)."""
+    with pytest.raises(ConfigError, match="add strategy.compile.enabled=true"):
+        validate(compose_config(["strategy.compile.scope=model"]))
+    validate(compose_config(["strategy.compile.scope=block"]))  # the default scope, off: nothing to say
