@@ -260,6 +260,16 @@ class Float8(StrategyPlugin):
                 f"and the cast values with it (tensorwise: 3 SGD steps left most of wv's and wo's weights up to 6% off "
                 f"one process); use {fix}"
             )
+        for pattern in self.keep_high_precision if shape is not None else ():
+            if pattern not in KEEP_HIGH_PRECISION and not any(
+                fnmatchcase(fqn, pattern) for fqn in shape.linear_modules
+            ):
+                kinds = sorted({re.sub(r"\.\d+\.", ".*.", fqn) for fqn in shape.linear_modules})
+                out.append(
+                    f"strategy.float8.keep_high_precision: {pattern!r} matches no Linear layer of this model (the "
+                    f"patterns are globs over whole names, such as {', '.join(repr(k) for k in kinds[:3])}; '*.' "
+                    f"before a short name: '*.{pattern}'), so what it names would train in float8"
+                )
         if shape is not None and not self._converted(shape):
             out.append(
                 f"strategy.float8.recipe={self.recipe} converts no Linear layer of this model (a float8 layer's weight "

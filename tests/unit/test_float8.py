@@ -283,3 +283,15 @@ def test_the_planner_times_the_float8_setting_and_keeps_the_what_if() -> None:
 
     assert workload_float8("tensorwise", what_if=False)
     assert not workload_float8("null", what_if=False) and workload_float8("null", what_if=True)
+
+
+def test_a_keep_high_precision_pattern_that_matches_no_layer_is_refused() -> None:
+    """keep_high_precision=[output,wo] left both wo layers in float8 without a word (whole-name globs;
+    LoRA's target_modules take a bare suffix, so a user writes it so)."""
+    message = refusals("strategy.float8.recipe=tensorwise", "strategy.float8.keep_high_precision=[output,wo]")
+    assert "'wo' matches no Linear layer of this model" in message and "'*.wo'" in message
+    validate(
+        compose(
+            "pretrain", ["strategy.float8.recipe=tensorwise", "strategy.float8.keep_high_precision=[output,'*.wo']"]
+        )
+    )
