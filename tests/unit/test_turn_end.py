@@ -20,6 +20,7 @@ from chat_templates import LLAMA3_STYLE, QWEN3_STYLE, raw_tokenizer
 from harness import compose_config, fit
 from omegaconf import OmegaConf
 from rl_fixtures import ScriptedEngine
+from test_exact_match import Bigram
 from torch import nn
 
 from trainer.build import build_data
@@ -72,20 +73,10 @@ def test_a_template_that_requires_a_system_turn_is_probed_with_one(tok: Tokenize
     assert turn_end_ids(tok, JinjaTemplate(strict)) == (im_end,)
 
 
-class Chain(nn.Module):
-    """Greedy logits that follow ``table`` (token -> next token), the token itself otherwise."""
+class Chain(Bigram):
+    """`Bigram`'s fixed greedy continuation, with the context length the samplers read."""
 
     max_seq_len = 64
-
-    def __init__(self, table: dict[int, int], vocab: int) -> None:
-        super().__init__()
-        self.register_buffer("next", torch.arange(vocab))
-        for token, nxt in table.items():
-            self.next[token] = nxt
-        self.vocab = vocab
-
-    def forward(self, input_ids, position_ids_bt=None, document_ids_bt=None):  # noqa: ANN001, ANN201
-        return nn.functional.one_hot(self.next[input_ids], self.vocab).float() * 10
 
 
 def _answering_model(tok: Tokenizer, prompt_end: int) -> Chain:
