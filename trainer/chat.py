@@ -3,7 +3,7 @@
 Each line read is a user message; the whole conversation so far is rendered with the run's chat
 template (`trainer.generate.chat_template`, the one its data used and `plait export` writes),
 the model answers with a KV cache until EOS or the template's end of turn (ChatML's
-``<|im_end|>``: `trainer.data.chat.turn_end_ids`), and the answer joins the conversation. Ends at EOF.
+``<|im_end|>``: `trainer.data.answer_end.turn_end_ids`), and the answer joins the conversation. Ends at EOF.
 ``system=`` takes any text as typed (commas, quotes, apostrophes), as ``plait generate``'s prompt.
 
 Invocation::

@@ -119,7 +119,8 @@ def main(argv: list[str]) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch  # with lm-eval below, seconds to import: plait compare (reading newest_scores) does not pay
 
-    from trainer.data.chat import ChatError, turn_end_ids  # tokenizers and jinja2: this command only
+    from trainer.data.answer_end import turn_end_ids  # tokenizers and jinja2: this command only
+    from trainer.data.chat import ChatError  # jinja2: this command only
     from trainer.evaluators.lm_harness import (  # lm-eval and its dependencies: this command only
         PlaitLM,
         TaskNotFoundError,

@@ -33,14 +33,8 @@ from strategies.transforms.lora import adapted_layers, merge_lora
 from strategies.transforms.lora_targets import is_adapter
 from trainer.capabilities import export_problem
 from trainer.compose import compose_command, fail
-from trainer.data.chat import (
-    DEFAULT_CHAT_TEMPLATE,
-    DEFAULT_DESCRIPTION,
-    ChatError,
-    JinjaTemplate,
-    load_chat_template,
-    turn_end_ids,
-)
+from trainer.data.answer_end import turn_end_ids
+from trainer.data.chat import DEFAULT_CHAT_TEMPLATE, DEFAULT_DESCRIPTION, ChatError, JinjaTemplate, load_chat_template
 from trainer.data.chat_files import TemplateFileError, find_chat_template, write_chat_template
 from trainer.data.tokenizer import Tokenizer
 from trainer.hf_sources import base_config, source_dirs

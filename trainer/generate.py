@@ -28,7 +28,8 @@ from omegaconf import DictConfig
 
 from strategies.checkpoint.dcp import CheckpointError
 from trainer.compose import compose_command, fail
-from trainer.data.chat import ChatError, JinjaTemplate, turn_end_ids
+from trainer.data.answer_end import turn_end_ids
+from trainer.data.chat import ChatError, JinjaTemplate
 from trainer.export import trained_chat_template
 from trainer.init_from import load_init_from
 from trainer.models.hf import HFError
@@ -138,7 +139,7 @@ def chat_template(run: RunModel) -> JinjaTemplate:
 
 def reply(run: RunModel, text: str, cfg: DictConfig, template: JinjaTemplate | None = None) -> str:
     """The model's continuation of ``text`` (sampled as ``cfg`` says, stopped at EOS, and with a
-    chat ``template`` at its end of turn: `trainer.data.chat.turn_end_ids`), decoded; says on
+    chat ``template`` at its end of turn: `trainer.data.answer_end.turn_end_ids`), decoded; says on
     stderr when the model's context (``max_seq_len``: a windowed checkpoint's window) will stop it
     first, or cut the prompt's start."""
     if (line := context_line(len(run.tokenizer.encode(text)), cfg.max_new_tokens, run.model.max_seq_len)) is not None:

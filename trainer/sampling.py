@@ -81,7 +81,7 @@ def sample(
         max_seq_len: the model's context: generation stops when prompt + output fill it.
         eos_id: stop after this token (not returned); None: never.
         stop_ids: more tokens that end it as EOS does (a chat template's end of turn,
-            `trainer.data.chat.turn_end_ids`; not returned).
+            `trainer.data.answer_end.turn_end_ids`; not returned).
 
     Returns:
         The generated ids (without the prompt and the EOS or stop token).
@@ -266,7 +266,7 @@ def sample_batch(
         eos_id: a row stops after this token; None: every row runs ``max_new_tokens`` (unless
             ``stop_ids``).
         stop_ids: more tokens a row stops after, as after EOS (a chat template's end of turn,
-            `trainer.data.chat.turn_end_ids`; vLLM's ``stop_token_ids``).
+            `trainer.data.answer_end.turn_end_ids`; vLLM's ``stop_token_ids``).
         temperature: softmax temperature; 0 means greedy (``top_p``, ``top_k`` and ``seeds`` unused).
         top_p: nucleus sampling: the fewest most likely tokens holding this probability (1: all).
         top_k: sample among the k most likely tokens (None: all); applied before ``top_p``.
@@ -394,7 +394,7 @@ def continue_text(
     from EOS alone.
 
     Args:
-        stop_ids: more tokens that end it (a chat template's end of turn, `trainer.data.chat.turn_end_ids`).
+        stop_ids: more tokens that end it (a chat template's end of turn, `trainer.data.answer_end.turn_end_ids`).
         use_cache: decode with a KV cache when the model takes one (`caches`).
 
     Raises:

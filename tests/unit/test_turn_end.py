@@ -24,7 +24,8 @@ from test_exact_match import Bigram
 from torch import nn
 
 from trainer.build import build_data
-from trainer.data.chat import DEFAULT_CHAT_TEMPLATE, JinjaTemplate, turn_end_ids, turn_end_text
+from trainer.data.answer_end import turn_end_ids, turn_end_text
+from trainer.data.chat import DEFAULT_CHAT_TEMPLATE, JinjaTemplate
 from trainer.data.tokenizer import Tokenizer
 from trainer.evaluators.exact_match import ExactMatch, GenerationSet
 from trainer.generate import reply

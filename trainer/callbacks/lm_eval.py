@@ -24,7 +24,7 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from strategies.core.resolved import ResolvedRun
-from trainer.data.chat import turn_end_ids
+from trainer.data.answer_end import turn_end_ids
 from trainer.eval import EVAL_DIR, write_scores
 
 

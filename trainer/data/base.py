@@ -35,9 +35,10 @@ from strategies.core.ranges import POSITIVE, Range
 from strategies.core.resolved import ResolvedRun
 from trainer import protocols
 from trainer.data.accounting import SourceCounts
+from trainer.data.answer_end import turn_end_ids, turn_end_text
 from trainer.data.balance import Balancer, WorkModel
 from trainer.data.cache import cache_dir_problem
-from trainer.data.chat import ChatFormat, JinjaTemplate, load_chat_template, turn_end_ids, turn_end_text
+from trainer.data.chat import ChatFormat, JinjaTemplate, load_chat_template
 from trainer.data.chat_files import PLACES
 from trainer.data.fingerprint import prepared_fingerprint
 from trainer.data.loader import Batch, GlobalBatches, Loader, shard_rows
@@ -203,13 +204,13 @@ class DataModule(L.LightningDataModule, protocols.DataModule):
 
     def stop_ids(self) -> tuple[int, ...]:
         """The tokens besides EOS that end a generated answer under the chat template the data
-        renders with (`trainer.data.chat.turn_end_ids`: ChatML's ``<|im_end|>``, ...); none for
+        renders with (`trainer.data.answer_end.turn_end_ids`: ChatML's ``<|im_end|>``, ...); none for
         plait's default template and for data without chat."""
         return self._answer_end()[0]
 
     def stop_texts(self) -> tuple[str, ...]:
         """The template's end-of-turn marker where no token of `stop_ids` spells it
-        (`trainer.data.chat.turn_end_text`): a completion is cut at it."""
+        (`trainer.data.answer_end.turn_end_text`): a completion is cut at it."""
         return self._answer_end()[1]
 
     def _answer_end(self) -> tuple[tuple[int, ...], tuple[str, ...]]:

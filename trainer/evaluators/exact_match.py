@@ -40,9 +40,9 @@ class ExactMatch(protocols.Evaluator):
         sets: source name -> its held-out prompts and answers.
         tokenizer: decodes the continuations and measures the answers.
         stop_ids: tokens besides EOS that end a continuation (the chat template's end of turn,
-            `trainer.data.chat.turn_end_ids`).
+            `trainer.data.answer_end.turn_end_ids`).
         stop: texts a continuation is cut before (an end of turn that is no special token,
-            `trainer.data.chat.turn_end_text`).
+            `trainer.data.answer_end.turn_end_text`).
     """
 
     def __init__(

@@ -124,7 +124,7 @@ class PlaitLM(TemplateLM):
             ``apply_chat_template``; None: the harness cannot apply one (lm-eval says so).
         all_done: for `sample_batch` on data-parallel ranks whose forwards are collective (see there).
         stop_ids: tokens besides EOS that end a generation (the chat template's end of turn,
-            `trainer.data.chat.turn_end_ids`: ChatML's ``<|im_end|>``).
+            `trainer.data.answer_end.turn_end_ids`: ChatML's ``<|im_end|>``).
         kv_cache: decode with the KV cache when the model takes one (False: rerun the context per token).
 
     Raises:

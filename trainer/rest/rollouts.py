@@ -19,7 +19,8 @@ from dataclasses import asdict, dataclass
 
 from torch import nn
 
-from trainer.data.chat import JinjaTemplate, turn_end_ids
+from trainer.data.answer_end import turn_end_ids
+from trainer.data.chat import JinjaTemplate
 from trainer.data.tokenizer import Tokenizer
 from trainer.rest.guidance import guide
 from trainer.rest.sos import verify
@@ -73,7 +74,7 @@ class Generator:
         self, prompts: Sequence[list[int]], budgets: Sequence[int], *, temperature: float, seeds: Sequence[int]
     ) -> list[list[int]]:
         """Each prompt's continuation, at most its budget of tokens (and what the model's context
-        leaves after its own prompt), without the EOS or end of turn (`trainer.data.chat.turn_end_ids`)
+        leaves after its own prompt), without the EOS or end of turn (`trainer.data.answer_end.turn_end_ids`)
         that ended it."""
         out: list[list[int]] = [[] for _ in prompts]
         for rows in self._batches(prompts, budgets):

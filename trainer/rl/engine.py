@@ -36,7 +36,7 @@ class SamplingParams:
             probability reaches ``top_p``; 1.0 keeps all.
         top_k: the ``top_k`` most likely tokens only; None keeps all.
         stop_token_ids: tokens that end a completion as its EOS does, kept in it (the chat
-            template's end of turn, `trainer.data.chat.turn_end_ids`; vLLM's ``stop_token_ids``).
+            template's end of turn, `trainer.data.answer_end.turn_end_ids`; vLLM's ``stop_token_ids``).
     """
 
     max_new_tokens: int

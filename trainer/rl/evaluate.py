@@ -65,7 +65,7 @@ class RewardEvaluator(protocols.Evaluator):
         max_new_tokens: tokens per completion at most.
         stop: strings that end a completion (left out of the scored text, as `completion_text` does for the training ones).
         stop_ids: tokens besides EOS that end a completion (the chat template's end of turn,
-            `trainer.data.chat.turn_end_ids`).
+            `trainer.data.answer_end.turn_end_ids`).
     """
 
     def __init__(
