@@ -100,6 +100,12 @@ class Layout:
     def uses_fsdp(self) -> bool:
         return self.dp * self.cp > 1
 
+    @property
+    def fsdp_wraps(self) -> bool:
+        """Whether FSDP wraps the model on a rank: it shards (dp_shard x cp > 1) or replicates across
+        dp_replicate; local SGD's islands shard within an island only (`FSDP.active` with islands)."""
+        return self.fsdp_shards > 1 or (self.dp_replicate > 1 and not self.local_sgd)
+
     def with_(self, **changes: Any) -> "Layout":
         return replace(self, **changes)
 
@@ -119,7 +125,8 @@ class Layout:
             out["strategy.tensor_parallel.loss_parallel"] = self.loss_parallel
         if self.uses_fsdp:
             out["strategy.fsdp.reshard_after_forward"] = self.reshard_after_forward
-            out["strategy.fsdp.cpu_offload"] = self.fsdp_cpu_offload
+        # written for every layout: one without FSDP undoes a command line's offload, which it refuses
+        out["strategy.fsdp.cpu_offload"] = self.fsdp_cpu_offload and self.uses_fsdp
         out["strategy.activation_checkpoint.mode"] = self.ac
         if self.ac == "every_k":
             out["strategy.activation_checkpoint.every_k"] = self.ac_every_k
@@ -261,7 +268,7 @@ class Workload:
         """Whether autocast copies the matmuls' weights on a rank of ``layout``: under autocast,
         unless FSDP hands them over gathered in the compute dtype already (it gathers nothing
         without data parallelism)."""
-        gathered_in_compute = layout.uses_fsdp and (self.gather_dtype or self.param_dtype) == self.compute_dtype
+        gathered_in_compute = layout.fsdp_wraps and (self.gather_dtype or self.param_dtype) == self.compute_dtype
         return self.autocast and self.param_dtype != self.compute_dtype and not gathered_in_compute
 
     def microbatches(self, layout: Layout) -> int:

@@ -182,10 +182,12 @@ def stage_activation_bytes(
             else layer_activation_bytes(shape, layout, work, tokens, device=device, layer=i)
             + (cast_weight_bytes(shape.params_of_layer.get(i, ()), layout, work) if casts else 0)
         )
-    if last and casts:  # the output head's copy
-        total += cast_weight_bytes(
-            [p for p in shape.params_of_layer.get(None, ()) if "embed" not in p.name], layout, work
-        )
+    if last and casts:  # the output head's copy (a tied head's weight is the embedding's)
+        root = shape.params_of_layer.get(None, ())
+        head = [p for p in root if "embed" not in p.name and len(p.shape) == 2] or [
+            p for p in root if "embed" in p.name
+        ]
+        total += cast_weight_bytes(head, layout, work)
     if layout.activation_offload:
         total = 0  # saved tensors wait in host memory
     total += tokens * shape.rope_dim * 4  # RoPE cos and sin rows gathered by position ids (fp32)
@@ -294,7 +296,7 @@ def gathered_bytes(
     resharded after its forward (``Layout.reshard_after_forward`` False: all of them gathered when
     the backward starts). 0 where FSDP gathers nothing (one shard and no cast). ``units``: the
     rank's `_unit_bytes`, when already computed."""
-    if not (layout.uses_fsdp and (layout.fsdp_shards > 1 or work.gather_bytes != work.param_bytes)):
+    if not (layout.fsdp_wraps and (layout.fsdp_shards > 1 or work.gather_bytes != work.param_bytes)):
         return 0
     gathered, _ = units if units is not None else _unit_bytes(shape, layout, work, blocks)
     sizes = [gathered[i] for i in blocks]
@@ -329,18 +331,11 @@ def _unit_bytes(
 
 
 def cast_weight_bytes(params: Any, layout: Layout, work: Workload) -> int:
-    """Bytes of the compute-dtype copies autocast makes of the matmul weights among ``params`` (2-D
-    and up: not norms, not biases) on a rank and saves for the backward (`Workload.casts_weights`)."""
-    matmul = [p for p in params if len(p.shape) >= 2]
-    return (
-        sum(
-            math.prod(p.shape)
-            // (layout.tp if p.tp_dim is not None else 1)
-            // (layout.ep if ".experts." in p.name else 1)
-            for p in matmul
-        )
-        * work.act_bytes
-    )
+    """Bytes of the compute-dtype copies autocast makes of the Linear weights among ``params`` (2-D:
+    not norms, not biases, not the stacked 3-D experts, whose grouped GEMM autocast does not cast) on a
+    rank and saves for the backward (`Workload.casts_weights`)."""
+    matmul = [p for p in params if len(p.shape) == 2]
+    return sum(math.prod(p.shape) // (layout.tp if p.tp_dim is not None else 1) for p in matmul) * work.act_bytes
 
 
 def _gathered_numel(params: Any, layout: Layout) -> int:

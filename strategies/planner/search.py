@@ -99,6 +99,7 @@ def candidate_layouts(
     ):
         per_rank = work.global_batch_size // (dp_replicate * dp_shard)
         base = Layout(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp, **keep)
+        base = base if base.uses_fsdp else base.with_(fsdp_cpu_offload=False)  # nothing to offload
         eps = [d for d in divisors(dp_shard * cp) if shape.num_experts % d == 0] if shape.num_experts else [1]
         for micro in [b for b in divisors(per_rank) if b <= space.max_micro_batch]:
             for sched in space.schedules if pp > 1 else ["1F1B"]:

@@ -60,6 +60,15 @@ LAYOUTS = {
         ["strategy=fsdp", "trainer.devices=2", "train.micro_batch_size=2", "trainer.precision=bf16-mixed"],
         2,
     ),
+    # a tied head's copy is the embedding's; local SGD's islands gather nothing across dp_replicate
+    "gemma3_bf16_mixed1": ([*GEMMA3_SMALL, "trainer.precision=bf16-mixed", "train.micro_batch_size=8"], 1),
+    "diloco2_bf16_mixed": (
+        [
+            *("strategy=diloco", "strategy.dp_shard=1", "strategy.local_sgd.sync_every=1", "trainer.devices=2"),
+            *("train.micro_batch_size=4", "trainer.precision=bf16-mixed", "strategy.fsdp.param_dtype=bf16"),
+        ],
+        1,
+    ),
     # fp16 weights (planned as fp32: model state twice its size)
     "fp16_true1": (["trainer.precision=16-true", "optim.eps=1e-4", "train.micro_batch_size=8"], 1),
     "pp2": (["strategy=pp", "trainer.devices=2", "train.micro_batch_size=4"], 2),

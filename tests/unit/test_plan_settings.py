@@ -105,6 +105,16 @@ def test_fsdp_cpu_offload_keeps_the_shards_off_the_device() -> None:
     on, off = predicted["true"], predicted["false"]
     assert (on.params, on.grads, on.optimizer) == (0, 0, 0) and off.params > 0
     assert off.total - on.total == off.params + off.grads + off.optimizer
+    # A searched layout without FSDP offloads nothing: its overrides undo the command line's offload,
+    # which validate refuses there (a reviewer's tp4 pp2 row).
+    command = [*run, "strategy.fsdp.cpu_offload=true", "planner.max_micro_batch=1", "planner.hsdp=false"]
+    cfg = compose("pretrain", command)
+    shape, configured, work = planner_inputs(cfg, validate(cfg, for_launch=False))
+    plans = search(shape, work, cluster_from_config(cfg), SearchSpace(max_micro_batch=1), kept=configured)
+    plain = next(p for p in plans if not p.layout.uses_fsdp)
+    overrides = plain.layout.overrides(trainer_devices=8, against=configured)
+    assert "strategy.fsdp.cpu_offload=false" in overrides
+    validate(compose("pretrain", [*command, *overrides]), for_launch=False)
 
 
 def test_a_searched_pipeline_layout_undoes_the_command_lines_split_points() -> None:
