@@ -297,3 +297,15 @@ def test_json_text_messages_in_any_field_of_a_csv_and_prompts_that_only_look_lik
     first, second = _records(PAIRS, str(tmp_path / "pairs.csv"))
     assert first["messages"] == user and first["chosen"] == "4"
     assert second["messages"] == [{"role": "user", "content": "[1, 2, 3] sorted?"}]
+
+
+def test_a_saved_dataset_dict_says_which_splits_it_leaves_unread(tmp_path, capsys):
+    """Its 'train' split was read and a 'test' split beside it ignored without a word."""
+    import datasets
+
+    rows = {"prompt": ["2+2?", "3+3?"], "completion": ["4", "6"]}
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_dict(rows), "test": datasets.Dataset.from_dict(rows)}
+    ).save_to_disk(str(tmp_path / "dd"))
+    assert len(_records(CONVERSATIONS, str(tmp_path / "dd"))) == 2
+    assert "its 'train' split is read, its test split(s) (2 rows) are not" in capsys.readouterr().err

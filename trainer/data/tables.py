@@ -109,6 +109,13 @@ def _dataset(path: str, *, streaming: bool) -> Any:
                     raise FormatProblem(
                         f"{path}: a saved DatasetDict without a 'train' split (has {sorted(data)}); point at one split's folder"
                     )
+                if others := sorted(set(data) - {"train"}):
+                    rows = sum(len(data[name]) for name in others)
+                    print(
+                        f"plait: {path}: a saved DatasetDict: its 'train' split is read, its {', '.join(others)} "
+                        f"split(s) ({rows} rows) are not; point at a split's folder ({path}/<split>) to read another",
+                        file=sys.stderr,
+                    )
                 data = data["train"]
             return data.to_iterable_dataset(num_shards=max(1, len(data.cache_files))) if streaming else data
         if root.is_dir():
