@@ -4,7 +4,8 @@
 import pytest
 from preference_pairs import FixedLogits, pair_batch
 
-from trainer.objectives.preference import DPO, dpo_loss, sequence_logps
+from trainer.objectives.pair_losses import dpo_loss, sequence_logps
+from trainer.objectives.preference import DPO
 
 
 def test_case_c24_rejected_logps_exclude_the_prompt():

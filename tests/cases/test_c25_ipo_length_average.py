@@ -5,7 +5,8 @@ import pytest
 import torch
 from preference_pairs import FixedLogits, pair_batch
 
-from trainer.objectives.preference import IPO, ipo_loss
+from trainer.objectives.pair_losses import ipo_loss
+from trainer.objectives.preference import IPO
 
 t = torch.tensor
 

@@ -115,7 +115,7 @@ def _logps(model: Any, rows: dict[str, Any], micro_batch_size: int = 64) -> tupl
     """Summed target log-probs and target counts of each ``[N, T]`` row (`sequence_logps`)."""
     import torch
 
-    from trainer.objectives.preference import sequence_logps
+    from trainer.objectives.pair_losses import sequence_logps
 
     logps, counts = [], []
     with torch.no_grad():

@@ -9,7 +9,8 @@ from preference_pairs import FixedLogits, V, pair_batch
 from trainer.data.encode import pair as encode_pair
 from trainer.data.encode import pair_rows
 from trainer.data.packing import IGNORE_INDEX
-from trainer.objectives.preference import DPO, SimPO, dpo_loss, ipo_loss, orpo_loss, simpo_loss
+from trainer.objectives.pair_losses import dpo_loss, ipo_loss, orpo_loss, simpo_loss
+from trainer.objectives.preference import DPO, SimPO
 
 t = torch.tensor
 

@@ -6,7 +6,8 @@ the same prompt tokens) and, for the objectives with a reference model, ``ref_lo
 (the summed reference log-probs of the two responses: `PreferenceObjective.before_fit` scores
 every pair with the initial policy once, before the first step, and the data module keeps the
 table). Labels are pre-shifted and -100 everywhere but on response tokens, so a
-sequence log-prob is a sum over response tokens only (case C24).
+sequence log-prob is a sum over response tokens only (case C24). The per-pair losses themselves are
+pure functions in `trainer.objectives.pair_losses`; the classes here adapt them to the Task.
 
 The Task divides ``loss_sum`` by the step's global ``num_tokens``; here that count is **pairs**
 (``count_unit = "pairs"``): every pair weighs the same, whatever the number of its tokens, and grad
@@ -26,38 +27,16 @@ import math
 from typing import Annotated, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from strategies.core.ranges import NON_NEGATIVE, POSITIVE
 from strategies.core.resolved import ResolvedRun
+from trainer.objectives.pair_losses import IGNORE_INDEX, dpo_loss, ipo_loss, orpo_loss, sequence_logps, simpo_loss
 from trainer.protocols import Objective
 
-IGNORE_INDEX = -100
 Losses = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # per-pair losses, rewards chosen, rewards rejected
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracy", "rewards/margin")
-
-
-def sequence_logps(logits_btv: torch.Tensor, labels_bt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row sums of target-token log-probs and per-row counts of targets.
-
-    Args:
-        logits_btv: ``[B, T, V]`` logits (a vocabulary-sharded DTensor inside ``loss_parallel()``).
-        labels_bt: pre-shifted targets ``[B, T]`` (int64, -100 = no target: prompt and padding).
-
-    Returns:
-        ``(logps_b, counts_b)``: fp32 sums of ``log p(label)`` over targets (0 for a row without
-        any), and the number of targets per row (fp32).
-    """
-    token_nll = F.cross_entropy(
-        logits_btv.flatten(0, 1).float(), labels_bt.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
-    )
-    if isinstance(token_nll, DTensor):
-        token_nll = token_nll.full_tensor()
-    logps = -token_nll.view(labels_bt.shape).sum(-1)
-    return logps, (labels_bt != IGNORE_INDEX).sum(-1).float()
 
 
 def held_pairs(batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -68,114 +47,6 @@ def held_pairs(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     average over pairs, not tokens (a reference log-prob and a zero policy log-prob made it a pair
     with a loss, and the held-out loss changed with dp)."""
     return (batch["labels"] != IGNORE_INDEX).flatten(1).any(-1)
-
-
-def dpo_loss(
-    chosen_logratio: torch.Tensor, rejected_logratio: torch.Tensor, *, beta: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """DPO's sigmoid loss per pair (Rafailov et al. 2023, "Direct Preference Optimization", eq. 7).
-
-    ``loss = -log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))`` with summed response log-probs.
-
-    Args:
-        chosen_logratio, rejected_logratio: ``[P]`` summed log pi(y|x) - log pi_ref(y|x), nats.
-        beta: strength of the KL constraint to the reference.
-
-    Returns:
-        ``(losses, rewards_chosen, rewards_rejected)``, each ``[P]``; reward = beta x log-ratio.
-    """
-    rewards_c, rewards_r = beta * chosen_logratio, beta * rejected_logratio
-    return -F.logsigmoid(rewards_c - rewards_r), rewards_c, rewards_r
-
-
-def ipo_loss(
-    chosen_logratio: torch.Tensor,
-    rejected_logratio: torch.Tensor,
-    chosen_tokens: torch.Tensor,
-    rejected_tokens: torch.Tensor,
-    *,
-    beta: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """IPO's squared loss per pair (Azar et al. 2023, "A General Theoretical Paradigm to Understand
-    Learning from Human Preferences", eq. 17), on **length-averaged** log-ratios (case C25).
-
-    ``h = ratio_c / |y_c| - ratio_r / |y_r|``; ``loss = (h - 1 / (2 beta))^2``. The target
-    ``1/(2 beta)`` is on a per-token scale: summed log-ratios would make the loss depend on the
-    response lengths.
-
-    Args:
-        chosen_logratio, rejected_logratio: ``[P]`` summed log-ratios (nats).
-        chosen_tokens, rejected_tokens: ``[P]`` response lengths (targets per row, >= 1).
-        beta: regularisation; the target margin is ``1/(2 beta)``.
-
-    Returns:
-        ``(losses, rewards_chosen, rewards_rejected)``; reward = beta x averaged log-ratio.
-    """
-    avg_c, avg_r = chosen_logratio / chosen_tokens.clamp(min=1), rejected_logratio / rejected_tokens.clamp(min=1)
-    return (avg_c - avg_r - 1.0 / (2.0 * beta)) ** 2, beta * avg_c, beta * avg_r
-
-
-def simpo_loss(
-    chosen_logps: torch.Tensor,
-    rejected_logps: torch.Tensor,
-    chosen_tokens: torch.Tensor,
-    rejected_tokens: torch.Tensor,
-    *,
-    beta: float,
-    gamma: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """SimPO's loss per pair (Meng et al. 2024, "SimPO: Simple Preference Optimization with a
-    Reference-Free Reward", eq. 6): reference-free, length-normalised, with a target margin.
-
-    ``loss = -log sigmoid(beta/|y_c| log pi_c - beta/|y_r| log pi_r - gamma)``.
-
-    Args:
-        chosen_logps, rejected_logps: ``[P]`` summed policy log-probs (nats).
-        chosen_tokens, rejected_tokens: ``[P]`` response lengths.
-        beta: reward scale; gamma: target reward margin.
-
-    Returns:
-        ``(losses, rewards_chosen, rewards_rejected)``; reward = beta x average log-prob.
-    """
-    rewards_c = beta * chosen_logps / chosen_tokens.clamp(min=1)
-    rewards_r = beta * rejected_logps / rejected_tokens.clamp(min=1)
-    return -F.logsigmoid(rewards_c - rewards_r - gamma), rewards_c, rewards_r
-
-
-def orpo_loss(
-    chosen_logps: torch.Tensor,
-    rejected_logps: torch.Tensor,
-    chosen_tokens: torch.Tensor,
-    rejected_tokens: torch.Tensor,
-    *,
-    lam: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ORPO's loss per pair (Hong et al. 2024, "ORPO: Monolithic Preference Optimization without
-    Reference Model", eqs. 6-7): the chosen response's NLL plus an odds-ratio term, reference-free.
-
-    With ``a = log pi(y|x) / |y|`` (average token log-prob) and ``log odds(y) = a - log(1 - e^a)``:
-    ``loss = -a_c + lam x -log sigmoid(log odds(y_c) - log odds(y_r))``. The NLL term is the
-    chosen response's mean token loss, so each pair weighs the same (the Task averages over pairs).
-
-    Args:
-        chosen_logps, rejected_logps: ``[P]`` summed policy log-probs (nats).
-        chosen_tokens, rejected_tokens: ``[P]`` response lengths.
-        lam: weight of the odds-ratio term (the paper's lambda).
-
-    Returns:
-        ``(losses, rewards_chosen, rewards_rejected)``; reward = lam x average log-prob.
-    """
-    avg_c, avg_r = chosen_logps / chosen_tokens.clamp(min=1), rejected_logps / rejected_tokens.clamp(min=1)
-
-    def log_odds(avg: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        # log(1 - e^a) for a < 0, stable near a = 0. A row without targets has a = 0 (odds
-        # infinite): it gets a = -1 instead (a constant, no gradient); a confident row keeps its
-        # gradient (only a = 0 in floating point is held at the smallest negative normal).
-        a = torch.where(tokens > 0, avg.clamp(max=-torch.finfo(avg.dtype).tiny), torch.full_like(avg, -1.0))
-        return a - torch.log(-torch.expm1(a))
-
-    ratio_loss = -F.logsigmoid(log_odds(avg_c, chosen_tokens) - log_odds(avg_r, rejected_tokens))
-    return -avg_c + lam * ratio_loss, lam * avg_c, lam * avg_r
 
 
 def reference_logps(task: Any, rows: dict[str, torch.Tensor], score: Any) -> torch.Tensor:
