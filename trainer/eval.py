@@ -7,7 +7,7 @@ the held-out documents of the bundled corpus; nothing downloads). Any task of lm
 runs too when its dataset is already in the Hugging Face cache (this command sets
 ``HF_DATASETS_OFFLINE=1``: nothing is fetched), and so does a task of your own: a directory of
 lm-eval task files (``include_path=``) whose ``dataset_kwargs.data_files`` name local files.
-The adapter is `trainer.evaluators.lm_harness.PlaitLM`. The JSON holds the checkpoint, its step,
+The adapter is `trainer.evaluators.plait_lm.PlaitLM`. The JSON holds the checkpoint, its step,
 the flat scores (``<task>/<metric>``) and lm-eval's results; evaluating the same checkpoint again
 adds to (and replaces the tasks of) its file. ``plait compare`` shows the newest file's scores.
 
@@ -122,12 +122,12 @@ def main(argv: list[str]) -> None:
     from trainer.data.answer_end import turn_end_ids  # tokenizers and jinja2: this command only
     from trainer.data.chat import ChatError  # jinja2: this command only
     from trainer.evaluators.lm_harness import (  # lm-eval and its dependencies: this command only
-        PlaitLM,
         TaskNotFoundError,
         evaluate_tasks,
         lm_eval_table,
         load_tasks,
     )
+    from trainer.evaluators.plait_lm import PlaitLM  # lm-eval and its dependencies: this command only
     from trainer.export import trained_chat_template  # the model code: this command only
     from trainer.generate import chat_template, load_for_generation  # imports the model code: here only
 

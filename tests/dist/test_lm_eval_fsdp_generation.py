@@ -15,7 +15,7 @@ from lm_eval.api.instance import Instance
 
 from trainer.callbacks.lm_eval import _all_ranks_done
 from trainer.data.tokenizer import train_bpe
-from trainer.evaluators.lm_harness import PlaitLM
+from trainer.evaluators.plait_lm import PlaitLM
 from trainer.models.llama import Llama
 
 PROMPTS = ["thou art", "the king is dead, long live the", "and God said", "to be or not"]

@@ -1,4 +1,4 @@
-"""plait's lm-eval adapter (`trainer.evaluators.lm_harness.PlaitLM`) against lm-eval's own
+"""plait's lm-eval adapter (`trainer.evaluators.plait_lm.PlaitLM`) against lm-eval's own
 Hugging Face model class (``HFLM``) on the same transformers checkpoint: the reference is lm-eval's
 code path through transformers' model, not plait's."""
 
@@ -17,7 +17,8 @@ from tokenizers.processors import TemplateProcessing
 
 from trainer.data.chat import DEFAULT_CHAT_TEMPLATE, JinjaTemplate
 from trainer.data.tokenizer import train_bpe
-from trainer.evaluators.lm_harness import PlaitLM, evaluate_tasks, task_manager
+from trainer.evaluators.lm_harness import evaluate_tasks, task_manager
+from trainer.evaluators.plait_lm import PlaitLM
 from trainer.evaluators.tasks.bundled import held_out, next_line_choices
 from trainer.export import write_hf_dir
 from trainer.models.llama import Llama

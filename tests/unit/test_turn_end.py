@@ -233,7 +233,7 @@ def test_lm_eval_generations_stop_at_the_end_of_turn(tok: Tokenizer) -> None:
     pytest.importorskip("lm_eval")
     from lm_eval.api.instance import Instance
 
-    from trainer.evaluators.lm_harness import PlaitLM
+    from trainer.evaluators.plait_lm import PlaitLM
 
     template = JinjaTemplate(QWEN3_STYLE, eos_token=tok.eos_token)
     text = template.render([{"role": "user", "content": "Name a prime."}], add_generation_prompt=True)

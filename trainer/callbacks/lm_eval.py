@@ -3,7 +3,7 @@
 ``callbacks.lm_eval.every_n_steps=N`` scores the live model on ``callbacks.lm_eval.tasks`` (the
 bundled ``plait_bundled`` by default) before the first step, every N optimizer steps and after the
 last (also when the data or a budget ends the run early: then in a row of its own), through
-`trainer.evaluators.lm_harness.PlaitLM`, in windows of the rows the run trains on
+`trainer.evaluators.plait_lm.PlaitLM`, in windows of the rows the run trains on
 (``data.seq_len``) unless ``max_length`` says otherwise; rank 0 also writes
 ``<run>/eval/step_<N>.json`` as ``plait eval`` does. Every rank answers every request (an FSDP forward needs every rank: the
 ranks compute the same scores), in eval mode, without gradients, in the precision's forward
@@ -128,7 +128,8 @@ class LMEval(L.Callback):
         """Runs the tasks on every rank and (``record``) records ``eval/<task>/<metric>`` in the
         step's row; rank 0 writes ``<dirpath>/eval/step_<N>.json``. Returns the flat scores (rank 0's;
         {} on the other ranks of its node, where lm-eval reports nothing)."""
-        from trainer.evaluators.lm_harness import PlaitLM, evaluate_tasks, task_manager  # lm-eval: runs using it only
+        from trainer.evaluators.lm_harness import evaluate_tasks, task_manager  # lm-eval: runs using it only
+        from trainer.evaluators.plait_lm import PlaitLM  # lm-eval: runs using it only
 
         data = trainer.datamodule
         template = data.model_chat_template() if hasattr(data, "model_chat_template") else None

@@ -1,6 +1,6 @@
 """Datasets of plait's bundled lm-eval tasks, from the held-out documents of the bundled corpus.
 
-The corpus (Shakespeare's plays and the King James Bible, `trainer.data.corpus`) ships inside two
+The corpus (Shakespeare's plays and the King James Bible, `trainer.data.default_corpus`) ships inside two
 pip packages, so these tasks need no download. ``split_train_val`` with the default pretrain
 recipe's ``data.val_fraction=0.02`` and ``seed=0`` holds out 37 of its 1,970 documents: a model
 trained by that recipe has not seen them. lm-eval calls these functions through the task files'
@@ -13,7 +13,8 @@ import random
 
 import datasets
 
-from trainer.data.corpus import Document, load_bundled, split_train_val
+from trainer.data.corpus import Document, split_train_val
+from trainer.data.default_corpus import load_bundled
 
 SOURCES = ("shakespeare", "kjv")
 MIN_LINE_CHARS = 20  # shorter lines (speakers' names, stage directions) make too easy or too ambiguous a choice
