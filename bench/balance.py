@@ -60,7 +60,7 @@ from strategies.context.document_shards import document_zigzag_order, rank_causa
 from strategies.context.placement import Placement, fit_sizes, group_sizes, plan_placement, row_counts
 from strategies.context.sharding import shard_positions
 from strategies.core.shape import ModelShape
-from trainer.data import corpus
+from trainer.data import default_corpus
 from trainer.data.balance import WorkModel, cells, plan, step_cost
 from trainer.data.packing import pack
 from trainer.data.sampler import GlobalBatchSampler
@@ -69,7 +69,7 @@ from trainer.models.llama import Llama
 
 def lengths(num_long: int, seed: int) -> list[int]:
     """Token lengths of the Bible's chapters plus ``num_long`` documents of 16k to 32k tokens, shuffled."""
-    chapters = [-(-len(d.text) // 4) for d in corpus.load_bundled(["kjv"])]
+    chapters = [-(-len(d.text) // 4) for d in default_corpus.load_bundled(["kjv"])]
     rng = random.Random(seed)
     out = chapters + [rng.randint(16384, 32768) for _ in range(num_long)]
     rng.shuffle(out)

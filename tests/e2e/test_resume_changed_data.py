@@ -10,7 +10,7 @@ from pathlib import Path
 
 from harness import CLI_TINY, plait
 
-from trainer.data import corpus
+from trainer.data import default_corpus
 
 RUN = [o for o in CLI_TINY if not o.startswith("trainer.max_steps=")] + [
     "trainer.max_steps=2", "callbacks.checkpoint.every_n_steps=2", "data.vocab_size=512", "data.val_fraction=0.2",
@@ -22,7 +22,7 @@ def _ok(result: subprocess.CompletedProcess[str]) -> None:
 
 
 def test_a_resume_on_rewritten_data_files_is_refused(tmp_path: Path) -> None:
-    texts = [d.text[:3000] for d in corpus.load_bundled(["shakespeare"])[:12]]
+    texts = [d.text[:3000] for d in default_corpus.load_bundled(["shakespeare"])[:12]]
     data = tmp_path / "docs"
     data.mkdir()
     for i, text in enumerate(texts):

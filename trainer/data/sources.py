@@ -15,8 +15,8 @@ Held-out records of a real set or a file are the ``val_size`` ones with the lowe
 task generates its own validation split. ``limit`` caps the training records (a synthetic task
 generates that many, `SYNTHETIC_SIZE` by default).
 
-Pretraining text is read by `trainer.data.corpus` (a list of bundled corpora or paths, split by
-``val_fraction``), not through a catalog.
+Pretraining text is read by `trainer.data.default_corpus` (a list of bundled corpora) or
+`trainer.data.corpus` (paths), split by ``val_fraction``, not through a catalog.
 """
 
 from __future__ import annotations

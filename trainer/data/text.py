@@ -2,7 +2,7 @@
 
 Documents are the bundled corpus (``sources``) or the user's ``.txt``/``.jsonl`` files
 (``path``), split into training and held-out documents by ``val_fraction``
-(trainer.data.corpus). Each document + EOS is one sample; samples are packed with the ``split``
+(trainer.data.default_corpus, trainer.data.corpus). Each document + EOS is one sample; samples are packed with the ``split``
 policy (every row full, no target across documents) and cached; epochs shuffle the rows.
 
 A corpus too small to hold out whole documents (``val_fraction`` x documents < 1: one ``.txt``
@@ -20,7 +20,7 @@ from torch import Tensor
 from typing_extensions import Unpack, override
 
 from strategies.core.ranges import NON_NEGATIVE, Range
-from trainer.data import corpus, encode
+from trainer.data import corpus, default_corpus, encode
 from trainer.data.base import DataError, DataModule, Settings
 from trainer.data.cache import cached, fingerprint
 from trainer.data.loader import RowBatches
@@ -124,7 +124,7 @@ class TextDataModule(DataModule):
             documents = (
                 corpus.load_files(self.paths, text_key=self.text_key)
                 if self.paths
-                else corpus.load_bundled(self.sources)
+                else default_corpus.load_bundled(self.sources)
             )
         except (FileNotFoundError, ValueError) as err:
             if not self.paths:
