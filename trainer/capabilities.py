@@ -51,7 +51,7 @@ def export_problem(model_cls: type, where: str) -> str:
         f"{where}: {model_cls.__module__}.{model_cls.__qualname__} has no Hugging Face mapping (plait exports "
         f"subclasses of {' and '.join(f'{c.__module__}.{c.__qualname__}' for c in EXPORTABLE)}, the classes of "
         "trainer.models.families); subclass one of them, or load checkpoints/ with "
-        "trainer.rundir.load_run_model and save the weights yourself"
+        "trainer.run_model.load_run_model and save the weights yourself"
     )
 
 

@@ -46,7 +46,8 @@ from trainer.models.hf import INDEX_FILE, HFError, hf_name, is_hf_dir
 from trainer.models.hf_moe import EXPERT_BIAS_SUFFIX, FLOAT32_SUFFIXES, holds_expert_bias, split_experts
 from trainer.models.llama import Llama
 from trainer.peft_adapter import moe_adapter_problem, peft_target_modules
-from trainer.rundir import RunModel, load_run_model, resolve_checkpoint
+from trainer.run_model import RunModel, load_run_model
+from trainer.rundir import resolve_checkpoint
 from trainer.semantics import tokenizer_file
 from trainer.targets import UntrustedTargetError
 
@@ -288,7 +289,7 @@ def export_checkpoint(
     trust: Sequence[str] = (),
     adapter: bool = True,
 ) -> Path:
-    """Loads the model of a run or checkpoint (`trainer.rundir.load_run_model`: one process, any
+    """Loads the model of a run or checkpoint (`trainer.run_model.load_run_model`: one process, any
     saved layout) and writes it with `write_hf_dir`. A LoRA run's model is written with its
     adapters merged into the base, and (``adapter``) the adapters alone in PEFT's format under
     ``out/adapter`` (`write_peft_adapter`).

@@ -33,7 +33,7 @@ from trainer.data.chat import ChatError, JinjaTemplate
 from trainer.export import trained_chat_template
 from trainer.init_from import load_init_from
 from trainer.models.hf import HFError
-from trainer.rundir import RunModel, load_run_model
+from trainer.run_model import RunModel, load_run_model
 from trainer.sampling import NonFiniteLogitsError, caches, continue_text, sample
 from trainer.targets import UntrustedTargetError
 

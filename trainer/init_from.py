@@ -33,7 +33,8 @@ from trainer.models.hf import (
     sliding_window,
     weight_files,
 )
-from trainer.rundir import HF_BUILDER, RunDir, load_run_weights, no_checkpoint_reason, resolve_checkpoint
+from trainer.run_model import HF_BUILDER, load_run_weights
+from trainer.rundir import RunDir, no_checkpoint_reason, resolve_checkpoint
 from trainer.targets import check_targets
 
 

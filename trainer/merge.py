@@ -44,7 +44,8 @@ from trainer.compose import compose_command, fail
 from trainer.config import ConfigError
 from trainer.init_from import load_init_from
 from trainer.resume import read_record
-from trainer.rundir import SUPERSEDED, RunDir, RunModel, load_run_model, resolve_checkpoint, step_dirs
+from trainer.run_model import RunModel, load_run_model
+from trainer.rundir import SUPERSEDED, RunDir, resolve_checkpoint, step_dirs
 
 METHODS = ("task_arithmetic", "ties", "dare")
 State = dict[str, torch.Tensor]

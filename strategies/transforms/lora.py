@@ -285,7 +285,7 @@ def merge_lora(model: nn.Module) -> int:
     """Folds every adapter into its base weight (W += (alpha / r) B A) and removes it, in place.
 
     One process, plain tensors (an exported model). A QLoRA model merges into its float base, so
-    before its first forward (as `trainer.rundir.load_run_model` returns it); its pending
+    before its first forward (as `trainer.run_model.load_run_model` returns it); its pending
     quantisation is dropped. Returns the number of merged layers.
 
     Raises:

@@ -20,11 +20,11 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import compose_config, fit, losses, recorded
+from hf_checkpoints import make_hf_dir
 from omegaconf import OmegaConf
 from torch import nn
 
-from harness import compose_config, fit, losses, recorded
-from hf_checkpoints import make_hf_dir
 from trainer.build import build_data
 
 STEPS = 4
@@ -72,10 +72,9 @@ class RefLoRA(nn.Module):
 
 
 def _reference(root) -> dict:
-    from trainer.model_node import instantiate_model
-
     from trainer.data.packing import IGNORE_INDEX
     from trainer.data.sampler import GlobalBatchSampler
+    from trainer.model_node import instantiate_model
     from trainer.models.hf import load_hf_weights
 
     cfg = compose_config(_overrides(root))
@@ -171,9 +170,9 @@ def test_export_merges_and_writes_a_peft_adapter(runs, base, tmp_path):
     from safetensors.torch import load_file
 
     from trainer.export import export_checkpoint
-    from trainer.models.hf import plait_name
     from trainer.init_from import load_init_from
-    from trainer.rundir import load_run_model
+    from trainer.models.hf import plait_name
+    from trainer.run_model import load_run_model
 
     run = runs["tp2"]  # a checkpoint written by 2 tensor-parallel ranks
     out = export_checkpoint(run["run_dir"], tmp_path / "export")

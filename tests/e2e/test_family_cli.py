@@ -53,7 +53,7 @@ def _ok(result) -> None:
 @pytest.mark.slow  # ~20 s each: a 4-step run and an export
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_pretrain_a_family_preset_and_export_it(tmp_path: Path, preset: str) -> None:
-    from trainer.rundir import load_run_model
+    from trainer.run_model import load_run_model
 
     run, out = tmp_path / "run", tmp_path / "export"
     architecture, overrides = PRESETS[preset]

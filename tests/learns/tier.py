@@ -137,7 +137,7 @@ def merge_and_score(name: str, work: Path) -> dict[str, float]:
     from trainer.build import build_data
     from trainer.merge import main as merge
     from trainer.merge import sparsity
-    from trainer.rundir import load_run_model
+    from trainer.run_model import load_run_model
 
     entry = ENTRIES[name]
     base, (sft_arm, dpo_arm), out = work / str(entry.base), entry.merge, work / name

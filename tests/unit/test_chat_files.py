@@ -176,7 +176,8 @@ def _run(tmp_path: Path, *, recorded: str | None | bool, template: str = "auto")
     launch (None: plait's default), False: a run from before the record."""
     from omegaconf import OmegaConf
 
-    from trainer.rundir import RunDir, RunModel
+    from trainer.run_model import RunModel
+    from trainer.rundir import RunDir
 
     source = save_pretrained(tmp_path / "tok", LLAMA3_STYLE)
     tok = Tokenizer.from_file(source / "tokenizer.json")

@@ -293,7 +293,7 @@ class Marker:
 
 
 def test_planted_config_yaml_target_does_not_run(tmp_path: Path) -> None:
-    from trainer.rundir import load_run_model
+    from trainer.run_model import load_run_model
     from trainer.targets import UntrustedTargetError, check_targets
 
     run, marker = RunDir(tmp_path / "run"), tmp_path / "ran"
@@ -367,7 +367,7 @@ def test_a_run_whose_only_checkpoint_is_damaged_names_the_damage_and_a_fix_that_
     from trainer.config import ConfigError
     from trainer.init_from import init_from_problems
     from trainer.run import check_run_dir
-    from trainer.rundir import load_run_model
+    from trainer.run_model import load_run_model
 
     run = tmp_path / "run"
     damaged = _save(step_dir(run / "checkpoints", 20), step=20)

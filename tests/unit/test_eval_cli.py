@@ -10,7 +10,7 @@ from hf_checkpoints import make_hf_dir
 
 from trainer.compare import table
 from trainer.eval import main as plait_eval
-from trainer.rundir import load_run_model
+from trainer.run_model import load_run_model
 from trainer.sampling import sample
 
 

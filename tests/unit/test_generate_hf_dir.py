@@ -1,5 +1,5 @@
 """``plait generate``/``chat`` ``ckpt=<Hugging Face directory>``: the directory's model, weights and
-tokenizer (`trainer.rundir.load_hf_model`), equal to transformers' own model of it."""
+tokenizer (`trainer.run_model.load_hf_model`), equal to transformers' own model of it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from hf_checkpoints import make_hf_dir
 
 from trainer.generate import main as generate
-from trainer.rundir import load_run_model
+from trainer.run_model import load_run_model
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def test_a_run_whose_hub_folder_moved_is_one_error_naming_it(tmp_path) -> None:
     from omegaconf import OmegaConf
 
     from trainer.models.hf import HFError
-    from trainer.rundir import HF_BUILDER, instantiate_saved
+    from trainer.run_model import HF_BUILDER, instantiate_saved
 
     node = OmegaConf.create({"_target_": HF_BUILDER, "init_from": "runs/sft", "config_from": str(tmp_path / "gone")})
     with pytest.raises(HFError) as err:

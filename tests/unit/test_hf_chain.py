@@ -17,7 +17,7 @@ from trainer.config import validate
 from trainer.init_from import load_init_from
 from trainer.model_node import constructor_node
 from trainer.resume_record import ResumeRecord
-from trainer.rundir import load_run_model
+from trainer.run_model import load_run_model
 
 
 def test_dpo_starts_from_an_sft_run_of_a_hub_model(tmp_path) -> None:
@@ -55,7 +55,7 @@ def test_a_moved_architecture_folder_is_named_with_the_fix(tmp_path) -> None:
     from omegaconf import OmegaConf
 
     from trainer.init_from import init_from_problems
-    from trainer.rundir import HF_BUILDER
+    from trainer.run_model import HF_BUILDER
 
     model = OmegaConf.create({"_target_": HF_BUILDER, "init_from": "runs/sft", "config_from": str(tmp_path / "gone")})
     assert init_from_problems(model) == [
@@ -72,7 +72,7 @@ def test_model_hf_from_a_plait_run_says_to_drop_model_hf(tmp_path) -> None:
 
     from strategies.checkpoint.manifest import checkpoint_files, hash_files, write_manifest
     from trainer.init_from import init_from_problems
-    from trainer.rundir import HF_BUILDER
+    from trainer.run_model import HF_BUILDER
 
     ckpt = tmp_path / "run" / "checkpoints" / "step_0000002"
     ckpt.mkdir(parents=True)

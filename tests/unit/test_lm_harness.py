@@ -22,7 +22,7 @@ from trainer.evaluators.plait_lm import PlaitLM
 from trainer.evaluators.tasks.bundled import held_out, next_line_choices
 from trainer.export import write_hf_dir
 from trainer.models.llama import Llama
-from trainer.rundir import load_run_model
+from trainer.run_model import load_run_model
 
 LONG = "the quick brown fox jumps over the lazy dog " * 12  # longer than the checkpoint's 128 tokens
 

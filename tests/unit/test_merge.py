@@ -146,7 +146,7 @@ def test_a_hugging_face_base_merges_into_a_run_generate_can_load(tmp_path):
     export) builds it; its weights are the merge's."""
     from hf_checkpoints import make_hf_dir
 
-    from trainer.rundir import HF_BUILDER, load_run_model
+    from trainer.run_model import HF_BUILDER, load_run_model
 
     hf = tmp_path / "hf"
     make_hf_dir("llama3", hf)
@@ -195,7 +195,7 @@ def test_a_lora_arm_merges_as_its_adapters_folded_into_its_base(tmp_path):
     from harness import plait
 
     from trainer.init_from import load_init_from
-    from trainer.rundir import load_run_model
+    from trainer.run_model import load_run_model
 
     small = [
         "model=nano",

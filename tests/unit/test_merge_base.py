@@ -18,7 +18,8 @@ from tokenizers.models import WordLevel
 from trainer.compose import compose
 from trainer.merge import base_problems
 from trainer.resume_record import ResumeRecord
-from trainer.rundir import RunDir, RunModel, resolve_checkpoint
+from trainer.run_model import RunModel
+from trainer.rundir import RunDir, resolve_checkpoint
 
 
 def _checkpoint(run: Path, step: int, weights: str = "") -> Path:

@@ -142,7 +142,7 @@ def test_roll_back_restores_weights_and_optimizer_state_bitwise(tmp_path):
     assert final["packer"]["mixture"]["sorting"] == mixture["sorting"]
     # A roll-out's checkpoint (the report's model) is a run's: plait generate / export build it from
     # the directory's config.yaml and tokenizer.json (missing before: roll-outs were built bare).
-    from trainer.rundir import load_run_model
+    from trainer.run_model import load_run_model
 
     rolled = load_run_model(checkpoint)
     assert rolled.tokenizer is not None and rolled.config.model == cfg.model

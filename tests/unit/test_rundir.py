@@ -14,7 +14,8 @@ from omegaconf import OmegaConf
 
 from strategies.checkpoint.dcp import META_FILE, seal
 from trainer.data.tokenizer import train_bpe
-from trainer.rundir import RunDir, load_run_model, resolve_checkpoint
+from trainer.run_model import load_run_model
+from trainer.rundir import RunDir, resolve_checkpoint
 
 MODEL = {
     "_target_": "trainer.models.llama.Llama",

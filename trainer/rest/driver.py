@@ -54,7 +54,8 @@ from trainer.rest.report import plot, table
 from trainer.rest.rollouts import Generator, keep, sample_traces, solve_rates
 from trainer.rest.run_dir import check_run_dir, write_json, write_traces
 from trainer.rest.sos import search_trace
-from trainer.rundir import RunDir, load_run_model
+from trainer.run_model import load_run_model
+from trainer.rundir import RunDir
 
 ARMS = ("guided", "unguided")
 PROMPT_ROOM = 64  # tokens of a row kept for the chat-rendered prompt (about 30 with a round-0 BPE)
