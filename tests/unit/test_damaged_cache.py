@@ -87,3 +87,32 @@ def test_sft_samples_with_a_token_id_beyond_the_vocabulary_are_rebuilt(tmp_path:
     again = build_data(cfg).prepare().train
     assert all((again[name].ids == samples[name].ids).all() for name in samples)
     assert capsys.readouterr().err.startswith(f"plait: cache file {cache_file} is damaged (a token id in [")
+
+
+def test_rows_cached_by_other_data_code_are_built_again(tmp_path: Path, monkeypatch) -> None:
+    """The cache key holds the version of plait's data code (`trainer.data.cache.code_version`): rows
+    encoded before an encoding or packing fix are not read back by the fixed code (a reviewer's
+    mutation of the SFT mask passed the learning tier with a warm cache: its rows were the old ones)."""
+    from trainer.data import sft, text
+
+    (tmp_path / "corpus.txt").write_text("\n".join(f"line {i} of a small corpus to pack" for i in range(200)))
+    cfg = compose_config(
+        [f"data.path={tmp_path / 'corpus.txt'}", f"data.cache_dir={tmp_path / 'cache'}", "data.vocab_size=300"]
+    )
+    build_data(cfg).prepare()
+    build_data(cfg).prepare()  # the same code: read back
+    assert len(list((tmp_path / "cache").glob("rows-*.pt"))) == 1
+    monkeypatch.setattr(text, "code_version", lambda: "another version")
+    build_data(cfg).prepare()
+    assert len(list((tmp_path / "cache").glob("rows-*.pt"))) == 2
+
+    sft_cfg = compose_config(
+        ["model=nano", "data.seq_len=64", "data=synthetic", "data.sources.addition.limit=40", "data.vocab_size=300"]
+        + ["data.sources.reversal.limit=40", "data.sources.sorting.limit=40", f"data.cache_dir={tmp_path / 'sft'}"],
+        recipe="sft",
+        tiny=False,
+    )
+    build_data(sft_cfg).prepare()
+    monkeypatch.setattr(sft, "code_version", lambda: "another version")
+    build_data(sft_cfg).prepare()
+    assert len(list((tmp_path / "sft").glob("sft-*.pt"))) == 2

@@ -8,6 +8,7 @@ write identical contents.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import sys
@@ -35,6 +36,17 @@ def fingerprint(*parts: str) -> str:
         digest.update(part.encode("utf-8"))
         digest.update(b"\x00\x01")
     return digest.hexdigest()[:16]
+
+
+@functools.cache
+def code_version() -> str:
+    """16 hex characters over the source of the ``trainer.data`` package (every ``.py`` file under
+    it, sorted by path), read once per process: a part of the key of every cache file of encoded
+    rows, so rows written by other code (an older plait, or one whose encoding or packing was fixed
+    since) are built again instead of read back unchanged. The tokenizer's cache has its own
+    recipe version (`trainer.data.tokenizer`)."""
+    root = Path(__file__).parent
+    return fingerprint(*(f"{p.relative_to(root)}\0{p.read_text(encoding='utf-8')}" for p in sorted(root.rglob("*.py"))))
 
 
 def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:

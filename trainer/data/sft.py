@@ -43,7 +43,7 @@ from typing_extensions import Unpack, override
 from trainer.data import accounting, encode
 from trainer.data.accounting import SourceCounts
 from trainer.data.base import DataError, DataModule, Settings, named_source_problems
-from trainer.data.cache import cached, fingerprint
+from trainer.data.cache import cached, code_version, fingerprint
 from trainer.data.chat import JinjaTemplate, Record, as_conversation, prompt_text
 from trainer.data.loader import PackedBatches
 from trainer.data.mixture import Mixture, SourceSamples, SourceSpec
@@ -173,7 +173,12 @@ class SFTDataModule(DataModule):
         # The template's text and tokens are in the key: an edited chat_template.jinja must not reuse stale samples.
         source = "" if template is None else json.dumps([template.source, template.special], sort_keys=True)
         key = fingerprint(
-            json.dumps(convs, sort_keys=True), tokenizer.fingerprint, self.template_name, str(template is None), source
+            json.dumps(convs, sort_keys=True),
+            tokenizer.fingerprint,
+            self.template_name,
+            str(template is None),
+            source,
+            code_version(),
         )
 
         def damage(encoded: dict[str, list]) -> str | None:  # a cache file overwritten by other samples

@@ -22,7 +22,7 @@ from typing_extensions import Unpack, override
 from strategies.core.ranges import NON_NEGATIVE, Range
 from trainer.data import corpus, default_corpus, encode
 from trainer.data.base import DataError, DataModule, Settings
-from trainer.data.cache import cached, fingerprint
+from trainer.data.cache import cached, code_version, fingerprint
 from trainer.data.loader import RowBatches
 from trainer.data.packing import IGNORE_INDEX, PackedRows, pack
 from trainer.data.sampler import GlobalBatchSampler
@@ -94,6 +94,7 @@ class TextDataModule(DataModule):
             str(self.val_fraction),
             str(self.seed),
             *(["rows, the cut label ignored"] if by_rows else []),
+            code_version(),
         )
 
         def build() -> dict[str, dict[str, Tensor]]:
