@@ -6,6 +6,7 @@ import inspect
 import json
 import math
 import os
+import shutil
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -325,10 +326,10 @@ def check_not_spent(length: RunLength, ckpt_path: Path | None) -> None:
 
 
 @contextmanager
-def _refused_start(run_dir: Path, launching: bool) -> Iterator[None]:
-    """A failed start leaves nothing behind, whatever failed; bad input (config, data, chat
-    template, checkpoint) exits 2 with one ``plait: error:`` line."""
-    fresh_dir = not any(run_dir.iterdir())
+def _refused_start(run_dir: Path, launching: bool, fresh_dir: bool) -> Iterator[None]:
+    """A failed start leaves nothing behind, whatever failed (``fresh_dir``: ``run_dir`` held
+    nothing before it); bad input (config, data, chat template, checkpoint) exits 2 with one
+    ``plait: error:`` line."""
     try:
         yield
     except BaseException as err:
@@ -337,6 +338,20 @@ def _refused_start(run_dir: Path, launching: bool) -> Iterator[None]:
         if isinstance(err, (ConfigError, DataError, ChatError, CheckpointError)):
             print(f"plait: error: {err}", file=sys.stderr)
             raise SystemExit(2) from None
+        raise
+
+
+@contextmanager
+def _nothing_left_untrained(run_dir: Path, fresh: bool, trainer: L.Trainer) -> Iterator[None]:
+    """A fresh run that fails before its first optimizer step (a user's objective, reward function
+    or callback that raises on the first batch) leaves no run directory behind, as a refused start
+    does (`_refused_start`): nothing in it was trained. The global-zero rank removes it and says so."""
+    try:
+        yield
+    except BaseException:
+        if fresh and trainer.is_global_zero and trainer.global_step == 0 and run_dir.is_dir():
+            shutil.rmtree(run_dir, ignore_errors=True)
+            print(f"plait: nothing was trained; the run directory {run_dir} is removed", file=sys.stderr, flush=True)
         raise
 
 
@@ -350,7 +365,8 @@ def run(cfg: DictConfig, launch: Launch | None = None) -> None:
     """
     run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
     launching = _is_launching_rank()
-    with _refused_start(run_dir, launching):
+    fresh = not any(run_dir.iterdir())
+    with _refused_start(run_dir, launching, fresh):
         launch = check_launch(cfg, run_dir) if launch is None else launch
         if is_search(cfg):  # budget=msft, plait rest: a driver that fits runs of its own in run_dir
             try:
@@ -364,7 +380,8 @@ def run(cfg: DictConfig, launch: Launch | None = None) -> None:
         trainer, task, data = start(cfg, run_dir, launch, launching)
     ckpt_path = launch.ckpt_path
     try:
-        trainer.fit(task, datamodule=data, ckpt_path=str(ckpt_path) if ckpt_path else None, weights_only=True)
+        with _nothing_left_untrained(run_dir, fresh, trainer):
+            trainer.fit(task, datamodule=data, ckpt_path=str(ckpt_path) if ckpt_path else None, weights_only=True)
     except (NonFiniteError, NonFiniteStateError) as err:  # the run diverged: exit 3, the message says why
         if launching:
             write_line(f"plait: error: {err}")

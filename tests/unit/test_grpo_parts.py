@@ -175,6 +175,22 @@ def test_a_reward_whose_argument_no_column_gives_is_refused_when_the_data_is_pre
     assert len(build_data(given).prepare().train) == 16
 
 
+def test_a_reward_that_cannot_take_the_columns_is_refused_when_the_data_is_prepared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every column is passed by name: a function without **fields (a reviewer's
+    ``no_kwargs(prompts, completions)``) failed at the first step, after its run directory was written."""
+    (tmp_path / "user_rewards.py").write_text(
+        "def no_kwargs(prompts, completions):\n    return [0.0] * len(completions)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reward = "+data.rewards.mine={fn: {_target_: user_rewards.no_kwargs, _partial_: true}, weight: 0.5}"
+    cfg = compose_config([*GRPO_SMALL, reward], recipe="grpo", tiny=False)
+    with pytest.raises(DataError, match=r"data.rewards.mine: its function is called with the prompts' columns as "
+                       r"keyword arguments and takes no answer; add \*\*fields"):  # fmt: skip
+        build_data(cfg).prepare()
+
+
 # ------------------------------------------------------------------------------------------ validate
 @pytest.mark.parametrize(
     ("overrides", "match"),
@@ -261,6 +277,8 @@ def test_a_reward_that_fails_during_the_run_is_one_error_line(tmp_path: Path) ->
     result = plait("grpo", *GRPO_SMALL, target, "trainer.max_steps=2", f"run_dir={tmp_path / 'run'}", env=env)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "plait: error: data.rewards.answer returned [None" in result.stderr and "Traceback" not in result.stderr
+    assert f"nothing was trained; the run directory {tmp_path / 'run'} is removed" in result.stderr
+    assert not (tmp_path / "run").exists()  # a failed first step leaves nothing behind, as a refused start
 
 
 def test_countdown_prompts_train_and_steps_that_reuse_a_rollout_log_its_rewards(tmp_path: Path) -> None:

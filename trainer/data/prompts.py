@@ -52,7 +52,7 @@ from trainer.data.sources import Catalog
 from trainer.data.tokenizer import Tokenizer
 from trainer.protocols import Evaluator, RowKind
 from trainer.rl.evaluate import PromptItem, RewardEvaluator
-from trainer.rl.rewards import Reward, RewardError, build_rewards, missing_fields
+from trainer.rl.rewards import Reward, RewardError, build_rewards, missing_fields, unaccepted_fields
 from trainer.rl.rewards import node_problems as reward_problems
 
 
@@ -292,6 +292,12 @@ class PromptDataModule(DataModule):
                     f"nor the prompts' columns ({', '.join(sorted(columns)) or 'none'}) give; add "
                     f"{'them' if len(missing) > 1 else 'it'} to fn (+data.rewards.{reward.name}.fn.{missing[0]}=...) "
                     "or as a column of the prompts' table"
+                )
+            if unaccepted := unaccepted_fields(reward.fn, columns):
+                problems.append(
+                    f"data.rewards.{reward.name}: its function is called with the prompts' columns as keyword "
+                    f"arguments and takes no {', '.join(unaccepted)}; add **fields to its parameters "
+                    "(def reward(prompts, completions, **fields))"
                 )
         if problems:
             raise DataError("; ".join(problems))

@@ -146,6 +146,20 @@ def missing_fields(fn: Callable[..., Any], fields: set[str]) -> list[str]:
     return [p.name for p in rest if p.default is p.empty and (p.kind is p.POSITIONAL_ONLY or p.name not in given)]
 
 
+def unaccepted_fields(fn: Callable[..., Any], fields: set[str]) -> list[str]:
+    """The prompts' ``fields`` that ``fn`` (a reward function, or a partial of one) cannot take by
+    name: every field is passed as a keyword argument (`score`), so without a parameter of that
+    name or a ``**fields`` catch-all the call would raise at the first step."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return []
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return []
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return sorted(fields - named)
+
+
 def build_rewards(node: Mapping[str, Any]) -> list[Reward]:
     """The rewards of a ``data.rewards`` node: name -> ``{fn, weight}``, ``fn`` a function or a
     Hydra node that builds one (``_partial_: true``).
