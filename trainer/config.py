@@ -20,6 +20,7 @@ from strategies.core.ranges import NON_NEGATIVE, POSITIVE, Range
 from strategies.core.resolved import ResolvedRun
 from strategies.moved_keys import MOVED_KEYS
 from trainer.combinations import driver_problems, subnet_problems, target_class
+from trainer.contracts import callback_problem, objective_problems, strategy_problem
 from trainer.model_node import NODE_KEYS
 from trainer.node_schema import check_dataclass, check_target, type_ok
 from trainer.optim import DEFAULT_NO_DECAY
@@ -207,6 +208,9 @@ def component_problems(cfg: DictConfig, run: ResolvedRun | None) -> list[str]:
             continue
         if (cls := target_class(node)) is None:
             continue
+        if group == "objective" and (broken := objective_problems(cls)):
+            problems.extend(broken)
+            continue
         components = [cls, *cls.evaluator_types(node)] if group == "data" else [cls]
         for component in components:
             problems.extend(component.problems(run, node))
@@ -216,9 +220,10 @@ def component_problems(cfg: DictConfig, run: ResolvedRun | None) -> list[str]:
     if data_cls is not None and callable(check := getattr(budget_cls, "data_problems", None)):
         problems.extend(check(data_cls))  # a budget search drives runs of one kind of data
     callbacks = cfg.get("callbacks")
-    for node in callbacks.values() if isinstance(callbacks, DictConfig) else ():
-        cls = target_class(node)
-        if callable(check := getattr(cls, "problems", None)):  # a callback may say what keeps it from running
+    for key, node in callbacks.items() if isinstance(callbacks, DictConfig) else ():
+        if (cls := target_class(node)) is not None and (problem := callback_problem(cls, f"callbacks.{key}")):
+            problems.append(problem)
+        elif callable(check := getattr(cls, "problems", None)):  # a callback may say what keeps it from running
             problems.extend(check(run, node))
     return problems
 
@@ -328,6 +333,10 @@ def _well_typed(cfg: DictConfig, replaced: list[str]) -> DictConfig:
     return cfg
 
 
+# What `strategies.mesh.MeshStrategy.from_node` passes its class itself (not settings of the node).
+STRATEGY_OWN = frozenset({"dims", "plugins", "run", "launcher"})
+
+
 def _check_strategy(node: DictConfig, problems: list[str]) -> None:
     """The ``strategy`` node as `strategies.mesh.MeshStrategy.from_node` splits it: its degrees
     against `ParallelDims`, its plugin nodes (null: off; each checked on its own), and the rest
@@ -343,5 +352,8 @@ def _check_strategy(node: DictConfig, problems: list[str]) -> None:
     check_dataclass(
         OmegaConf.masked_copy(node, [a for a in MESH_AXES if a in node]), ParallelDims, "strategy.", problems
     )
+    if (cls := target_class(node)) is not None and (problem := strategy_problem(cls)):
+        problems.append(problem)
+        return
     settings = OmegaConf.masked_copy(node, [str(k) for k in node if k not in {*MESH_AXES, *MOVED_KEYS, *plugins}])
-    check_target(settings, "strategy", problems)
+    check_target(settings, "strategy", problems, injected=STRATEGY_OWN)

@@ -23,6 +23,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from strategies.core.ranges import declared_ranges, value_problem
 from trainer.foreign_names import plait_override
 from trainer.semantics import _import
+from trainer.targets import PLAIT_PACKAGES
 
 
 def _close(node: DictConfig, key: str, options: list[str], where: str) -> str:
@@ -142,6 +143,17 @@ def check_target(
     takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
     names = [n for n, p in params.items() if p.kind is not p.VAR_KEYWORD]
     hints = _hints(target)
+    if takes_kwargs and (base := _plait_base(target)) is not None:
+        # A user's subclass of a plait class passes its ``**kwargs`` on to the base's constructor:
+        # the base's parameters are the rest of what it takes (a mistyped key was a TypeError at launch).
+        base_params = inspect.signature(base).parameters
+        if not any(p.kind is p.VAR_KEYWORD for p in base_params.values()):
+            takes_kwargs = False
+            for n, p in base_params.items():
+                if n not in params and p.kind is not p.VAR_POSITIONAL:
+                    params[n] = p if p.default is not p.empty else p.replace(default=None)  # the subclass may pass it
+                    names.append(n)
+            hints = {**_hints(base), **hints}
     # ``**settings: Unpack[SomeTypedDict]`` (PEP 692) declares the keys a class passes on to its base.
     for p in list(params.values()):
         declared = typing_extensions.get_args(hints.get(p.name)) if p.kind is p.VAR_KEYWORD else ()
@@ -162,9 +174,10 @@ def check_target(
             continue
         if key not in params:
             if not takes_kwargs:
+                settable = [n for n in names if n not in injected]
                 problems.append(
-                    f"unknown key {where}.{key}{_close(node, str(key), names, f'{where}.{key}')}; "
-                    f"{node._target_} takes: {', '.join(names)}"
+                    f"unknown key {where}.{key}{_close(node, str(key), settable, f'{where}.{key}')}; "
+                    f"{node._target_} takes: {', '.join(settable)}"
                 )
             else:  # passed on to a base class (``**settings``): its declared range still applies
                 value = OmegaConf.select(node, str(key), throw_on_missing=False)
@@ -191,6 +204,14 @@ def check_target(
             and not (partial and p.kind is p.POSITIONAL_OR_KEYWORD)
         ):
             problems.append(f"{where}.{name} is required by {node._target_}; set {where}.{name}=...")
+
+
+def _plait_base(target: Any) -> type | None:
+    """The nearest plait class (of ``strategies`` or ``trainer``) a user's class ``target``
+    subclasses; None for a plait class itself, a function, or a class outside plait's hierarchy."""
+    if not inspect.isclass(target) or target.__module__.split(".")[0] in PLAIT_PACKAGES:
+        return None
+    return next((c for c in target.__mro__[1:] if c.__module__.split(".")[0] in PLAIT_PACKAGES), None)
 
 
 def _hints(target: Any) -> dict[str, Any]:
