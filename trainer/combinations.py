@@ -91,3 +91,20 @@ def subnet_problems(cfg: DictConfig) -> list[str]:
             "between reassemblies; use another strategy (e.g. strategy=diloco) or drop callbacks.delta_l1"
         )
     return problems
+
+
+def island_bias_problems(cfg: DictConfig) -> list[str]:
+    """DeepSeek-V3's expert bias (``model.bias_update_rate > 0``, `trainer.callbacks.expert_bias`)
+    under local SGD: each island moves its routers' bias from its own tokens and the outer step
+    averages parameters, not that buffer, so the islands route differently after a synchronisation
+    and a run's export takes island 0's bias (a reviewer's DiLoCo run: every MoE block's bias
+    differed at a synchronised step)."""
+    rate = OmegaConf.select(cfg, "model.bias_update_rate", default=0) or 0
+    local_sgd = OmegaConf.select(cfg, "strategy.local_sgd", default=None)
+    if not rate or local_sgd is None or OmegaConf.select(cfg, "callbacks.expert_bias", default=None) is None:
+        return []
+    return [
+        f"model.bias_update_rate={rate} moves each island's expert bias from its own tokens under strategy.local_sgd, "
+        "whose synchronisations average parameters, not the bias: set model.bias_update_rate=0 (and balance with "
+        "model.balance_coef), or train without local SGD"
+    ]

@@ -19,7 +19,7 @@ from strategies.core.parallel_dims import MESH_AXES, ParallelDims
 from strategies.core.ranges import NON_NEGATIVE, POSITIVE, Range
 from strategies.core.resolved import ResolvedRun
 from strategies.moved_keys import MOVED_KEYS
-from trainer.combinations import driver_problems, subnet_problems, target_class
+from trainer.combinations import driver_problems, island_bias_problems, subnet_problems, target_class
 from trainer.contracts import callback_problem, objective_problems, strategy_problem
 from trainer.model_node import NODE_KEYS
 from trainer.node_schema import check_dataclass, check_target, type_ok
@@ -216,6 +216,7 @@ def component_problems(cfg: DictConfig, run: ResolvedRun | None) -> list[str]:
             problems.extend(component.problems(run, node))
     problems.extend(driver_problems(cfg))
     problems.extend(subnet_problems(cfg))
+    problems.extend(island_bias_problems(cfg))
     data_cls, budget_cls = target_class(cfg.get("data")), target_class(cfg.get("budget"))
     if data_cls is not None and callable(check := getattr(budget_cls, "data_problems", None)):
         problems.extend(check(data_cls))  # a budget search drives runs of one kind of data

@@ -106,7 +106,8 @@ class AllToAllDispatch:
         order = source_major_to_expert_major(recv_rj)
         y = experts.compute(x_recv[order], recv_rj.sum(0), local_weights(experts))
         y_recv = torch.empty_like(y).index_copy(0, order, y) if y.numel() else y
-        self.rank_loads.append(rank_loads(send_rj.sum(1), self.group))
+        if torch.is_grad_enabled():  # a training forward's load, not an evaluation's or a rollout's
+            self.rank_loads.append(rank_loads(send_rj.sum(1), self.group))
         return funcol.all_to_all_single_autograd(y_recv, send, recv, self.group)
 
 

@@ -185,10 +185,11 @@ class LeastLoadedDispatch:
         counts_re = torch.stack(gathered).tolist()
         plan = plan_spills(counts_re, capacity_ratio=self.capacity_ratio, min_tokens_per_gemm=self.min_tokens_per_gemm)
         J = plan.experts_per_rank
-        self.rank_loads.append(torch.tensor(plan.rank_loads()))
-        self.owner_loads.append(
-            torch.tensor([sum(sum(row[r * J : (r + 1) * J]) for row in counts_re) for r in range(self.ep)])
-        )
+        if torch.is_grad_enabled():  # a training forward's load, not an evaluation's or a rollout's
+            self.rank_loads.append(torch.tensor(plan.rank_loads()))
+            self.owner_loads.append(
+                torch.tensor([sum(sum(row[r * J : (r + 1) * J]) for row in counts_re) for r in range(self.ep)])
+            )
 
         send_idx, send, recv_ri = self._routes(counts_re, plan)
         index = torch.tensor(send_idx, dtype=torch.long, device=x_md.device)

@@ -37,7 +37,11 @@ def _skewed_routing(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 def _full_weights() -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return [torch.randn(E, FF, D, generator=g) / 4, torch.randn(E, D, FF, generator=g) / 5, torch.randn(E, FF, D, generator=g) / 4]
+    return [
+        torch.randn(E, FF, D, generator=g) / 4,
+        torch.randn(E, D, FF, generator=g) / 5,
+        torch.randn(E, FF, D, generator=g) / 4,
+    ]
 
 
 def _reference(x_nd, experts_nk, weights_nk, w1, w2, w3):
@@ -59,6 +63,13 @@ def _run_layer(experts, x, experts_nk, weights_nk):
     return out.detach(), x.grad, grads
 
 
+def _run_layer_no_grad(experts, x, experts_nk, weights_nk):
+    from trainer.models.moe import sort_by_expert
+
+    order, counts = sort_by_expert(experts_nk, E)
+    return experts(x[order // K], counts)
+
+
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     try:
         import torch.distributed as dist
@@ -72,14 +83,18 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
         x, experts_nk, weights_nk = _skewed_routing(rank)
         results = {}
-        for name, plugin in [("ep", ExpertParallel(ep=world)),
-                             ("llep", ExpertParallel(ep=world, least_loaded=True, capacity_ratio=1.1, min_tokens_per_gemm=1))]:
+        for name, plugin in [
+            ("ep", ExpertParallel(ep=world)),
+            ("llep", ExpertParallel(ep=world, least_loaded=True, capacity_ratio=1.1, min_tokens_per_gemm=1)),
+        ]:
             experts = GroupedExperts(D, FF, E)
             with torch.no_grad():
                 for p, w in zip((experts.w1, experts.w2, experts.w3), _full_weights()):
                     p.copy_(w)
             apply_expert_parallel(experts, mesh, plugin.dispatcher(mesh.get_group()))
             results[name] = _run_layer(experts, x, experts_nk, weights_nk)
+            with torch.no_grad():  # an evaluation's or a rollout's forward: not a training step's load
+                _run_layer_no_grad(experts, x, experts_nk, weights_nk)
             results[name + "_loads"] = experts.dispatcher.pop_rank_loads()
 
         # The reference sees every rank's tokens; this rank checks its own rows and the summed grads.
@@ -127,6 +142,8 @@ def test_ep_equals_a_per_token_loop_and_llep_equals_ep_under_skew(world, tmp_pat
         torch.testing.assert_close(ll_xgrad, xgrad, rtol=0, atol=1e-6)
         for got, ref in zip(ll_wgrads, wgrads):
             torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)  # sums of ~90 rows ~3: a few ulps
+        # One row per training call: the no-grad forward is not counted (it was mixed into ep/max_over_mean_rows).
+        assert results["ep_loads"].shape[0] == results["llep_loads"].shape[0] == 1
         ep_loads, ll_loads = results["ep_loads"][0].float(), results["llep_loads"][0].float()
         mean = ep_loads.mean()
         assert ll_loads.sum() == ep_loads.sum() == world * N * K

@@ -9,10 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from harness import compose_config
 from hf_checkpoints import randomize, transformers
 from omegaconf import OmegaConf
 
 from trainer.callbacks.expert_bias import ExpertBiasUpdate
+from trainer.config import ConfigError, validate
 from trainer.model_node import instantiate_model
 from trainer.models.moe_transformer import MoETransformer
 
@@ -257,3 +259,12 @@ def test_a_bfloat16_cast_keeps_the_routers_buffers_float32():
     assert bool((moe.router.tokens_per_expert == 257).all())
     model.to(torch.float32)  # and back: nothing lost
     assert bool((moe.router.expert_bias == torch.tensor(1.001)).all())
+
+
+def test_local_sgd_with_the_expert_bias_is_refused() -> None:
+    """Each island moved its bias from its own tokens and DiLoCo's synchronisations average
+    parameters only: a reviewer's islands routed differently after a synchronised step."""
+    overrides = ["model=deepseek_v3_tiny", "strategy=diloco", "trainer.devices=2", "data.seq_len=64"]
+    with pytest.raises(ConfigError, match=r"model.bias_update_rate=0.001 moves each island's expert bias"):
+        validate(compose_config(overrides))
+    validate(compose_config([*overrides, "model.bias_update_rate=0"]))
