@@ -51,7 +51,7 @@ def job_dirname(num: int, overrides: Sequence[str]) -> str:
     Args:
         overrides: the job's values of the swept keys (``key=value``), in the order typed.
     """
-    pairs = [o.replace("=", ":", 1) for o in overrides]
+    pairs = [o.lstrip("+").replace("=", ":", 1) for o in overrides]  # +key=a,b names the key, as typed without +
     return re.sub(r"[^\w.:+@-]", "%", "_".join([f"job{num}", *pairs]))[:JOB_DIR_CHARS]
 
 

@@ -107,6 +107,7 @@ def test_a_sweep_job_directory_names_its_swept_values() -> None:
         == "job1_optim.lr:0.0003_data.path:%a%b_x:%1%2%"
     )
     assert job_dirname(0, []) == "job0"
+    assert job_dirname(0, ["+strategy.tag=a"]) == "job0_strategy.tag:a"  # a reviewer's job0_+strategy.tag:a
     named = ["recipe=dpo", "model=nano", "run_dir=/x", "optim.lr=3e-4", "logger=wandb", "logger.wandb.offline=false"]
     assert run_name("pretrain", named) == "pretrain model=nano optim.lr=3e-4"
 
