@@ -58,10 +58,12 @@ def bundled_recipes() -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
-def config_groups() -> dict[str, list[str]]:
-    """Config group -> its options (the YAML files of ``conf/<group>/``)."""
-    return {
-        p.name: sorted(q.stem for q in p.glob("*.yaml"))
-        for p in sorted(CONF_DIR.iterdir())
-        if p.is_dir() and not p.name.startswith("_") and any(p.glob("*.yaml"))
-    }
+def config_groups(*folders: Path) -> dict[str, list[str]]:
+    """Config group -> its options (the YAML files of ``conf/<group>/``, and of ``<folder>/<group>/``
+    for each of ``folders``: a recipe file's own folder, whose groups Hydra searches too)."""
+    groups: dict[str, set[str]] = {}
+    for root in (CONF_DIR, *folders):
+        for p in sorted(root.iterdir()) if root.is_dir() else ():
+            if p.is_dir() and not p.name.startswith("_") and any(p.glob("*.yaml")):
+                groups.setdefault(p.name, set()).update(q.stem for q in p.glob("*.yaml"))
+    return {name: sorted(options) for name, options in sorted(groups.items())}

@@ -84,7 +84,7 @@ def compose_overrides(argv: list[str]) -> Composed:
         try:  # the recipe alone: a broken recipe file is one problem, not one per override
             compose(config_name, overrides=searchpath)
         except (HydraException, OmegaConfBaseException, yaml.YAMLError) as err:
-            refuse([recipe_problem(Path(config_dir) / f"{config_name}.yaml", err)])
+            refuse([recipe_problem(Path(config_dir) / f"{config_name}.yaml", err, config_groups(Path(config_dir)))])
         groups = [o for o in overrides if o not in searchpath and "." not in o.split("=")[0]]
         bad, problems = [], []
         for override in sorted(overrides, key=lambda o: o not in groups):
@@ -100,7 +100,8 @@ def compose_overrides(argv: list[str]) -> Composed:
             cfg = compose(config_name, overrides=[o for o in overrides if o not in bad])
         except (HydraException, OmegaConfBaseException):  # overrides that only clash together
             refuse(problems or [error_message(failed)])
-    problems = [p + did_you_mean(cfg, o) for p, o in zip(problems, bad)] or [error_message(failed)]
+    groups = config_groups(Path(config_dir))  # the recipe folder's own groups too
+    problems = [p + did_you_mean(cfg, o, groups) for p, o in zip(problems, bad)] or [error_message(failed)]
     return Composed(cfg, overrides, problems, implied_failures(problems, bad))
 
 
@@ -129,7 +130,7 @@ def sweep_jobs(argv: list[str], limit: int = MAX_SWEEP_CHECKS) -> list[tuple[lis
     ]
 
 
-def recipe_problem(path: Path, err: BaseException) -> str:
+def recipe_problem(path: Path, err: BaseException, groups: dict[str, list[str]] | None = None) -> str:
     """The problem of a recipe file that does not compose by itself, with the fix Hydra's message
     lacks: the bundled recipes for a defaults entry that names none, a group's options for an
     option that does not exist, the first lines of a YAML syntax error."""
@@ -138,7 +139,7 @@ def recipe_problem(path: Path, err: BaseException) -> str:
     message = error_message(err)
     if (missing := re.search(r"Could not (?:load|find) '([^']+)'", message)) is not None:
         group, _, option = missing.group(1).rpartition("/")
-        options = config_groups().get(group, []) if group else list(bundled_recipes())
+        options = (groups or config_groups()).get(group, []) if group else list(bundled_recipes())
         close = difflib.get_close_matches(option, options, n=1)
         named = f"the {group} options" if group else "the bundled recipes"
         message += f" ({f'did you mean {close[0]}? ' if close else ''}{named}: {', '.join(options)})"
@@ -203,7 +204,7 @@ def target_taking(node: DictConfig, leaf: str) -> str | None:
     return target if named is not None and named.kind is not named.VAR_KEYWORD else None
 
 
-def did_you_mean(cfg: DictConfig, override: str) -> str:
+def did_you_mean(cfg: DictConfig, override: str, groups: dict[str, list[str]] | None = None) -> str:
     """The fix for an override of a key ``cfg`` lacks, the first found of: plait's name for a foreign
     option or a moved key (`trainer.foreign_names`); a key of the same node close in spelling
     (``model.max_seq_length``: model.max_seq_len); plait's name for the key's last part
@@ -218,7 +219,7 @@ def did_you_mean(cfg: DictConfig, override: str) -> str:
     key, _, value = override.partition("=")
     plain = not key.startswith(("+", "~"))  # an override that sets a key as it is (not adds or deletes one)
     key = key.lstrip("+~")
-    options = config_groups().get(key)
+    options = (groups or config_groups()).get(key)
     if options is not None and override.startswith("+") and value in options:  # +model=nano: Multiple values
         return f" (the recipe already picks a {key}; to choose another, {key}={value} without the '+')"
     if options is not None and value not in options:  # a group's option (model=tiney)

@@ -207,6 +207,28 @@ def test_a_broken_recipe_file_is_one_problem_with_its_fix(tmp_path, capsys, body
     assert exited.value.code == 2 and err.count(f"  - {recipe}") == 1 and says in err, err
 
 
+def test_a_recipe_folders_own_group_options_are_suggested(tmp_path, capsys) -> None:
+    """A recipe file's folder holds groups of the user's own (my_recipes/objective/scaled.yaml): a
+    misspelled option was answered with the bundled options only, and a +option the recipe already
+    picks without the drop-the-+ hint (a reviewer's)."""
+    (tmp_path / "objective").mkdir()
+    (tmp_path / "objective" / "scaled.yaml").write_text("_target_: trainer.objectives.pretrain.CausalLM\n")
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("defaults: [pretrain, _self_]\n")
+    for typed, says in (
+        ("objective=scaledd", "did you mean objective=scaled? the objective options: causal_lm,"),
+        (
+            "+objective=scaled",
+            "the recipe already picks a objective; to choose another, objective=scaled without the '+'",
+        ),
+    ):
+        with pytest.raises(SystemExit):
+            compose_overrides(to_hydra_argv([str(recipe), typed])).refuse_typed()
+        err = capsys.readouterr().err
+        assert says in err, err
+    assert "scaled" in config_groups(tmp_path)["objective"] and "scaled" not in config_groups()["objective"]
+
+
 def test_a_group_option_in_a_recipe_files_body_names_the_defaults_list() -> None:
     cfg = compose("pretrain")
     cfg.model = "nano"
