@@ -35,6 +35,7 @@ from trainer.data import accounting
 from trainer.init_from import load_init_from
 from trainer.loggers import is_logging_step
 from trainer.nonfinite import ADMITTED, NonFiniteGuard
+from trainer.off_step import OffStepClock
 from trainer.optim import build_optimizer
 from trainer.protocols import Objective, RoutedModel
 from trainer.run_length import RunLength, plan_run_length
@@ -102,6 +103,7 @@ class Task(L.LightningModule):
         self.init_from = init_from
         # Run state, saved in checkpoints (on_save_checkpoint).
         self.tokens_seen = 0
+        self.off_step = OffStepClock()  # evaluations, saves, exports between steps (summary.json's tokens/s)
         self._history: list[dict[str, Any]] = []  # see `history`
         self._pending = PendingSteps()  # steps whose device values are not read yet
         self.last_step_tokens = 0
@@ -389,7 +391,8 @@ class Task(L.LightningModule):
         if self.nonfinite.rollback_due is not None:
             self._roll_back()
         if self._evaluates_now():
-            self.evaluate()
+            with self.off_step():
+                self.evaluate()
         self._write_row()
 
     def _roll_back(self) -> None:

@@ -167,7 +167,8 @@ class PeriodicCheckpoint(Checkpoint):
         if signum is not None or (self.every_n_steps and step % self.every_n_steps == 0) or last_step:
             # A signal's save and the last step's are complete before the run ends.
             background = self.async_save and signum is None and not last_step
-            path = self.save(trainer, background=True) if background else self.save(trainer)
+            with pl_module.off_step():  # summary.json's tokens/s leaves the save's blocked time out
+                path = self.save(trainer, background=True) if background else self.save(trainer)
         if signum is not None:
             if trainer.is_global_zero:
                 write_line(stop_message(signum, step, str(path)))  # on a line of its own, under the progress bar

@@ -84,7 +84,8 @@ class HFExport(L.Callback):
     ) -> None:
         step = trainer.global_step
         if self.every_n_steps and step % self.every_n_steps == 0:
-            self.export(trainer, pl_module, RunDir(self.dirpath).hf_step(step))
+            with pl_module.off_step():  # not training time (summary.json's tokens/s)
+                self.export(trainer, pl_module, RunDir(self.dirpath).hf_step(step))
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -108,7 +108,8 @@ class LMEval(L.Callback):
     ) -> None:
         step = trainer.global_step
         if self.every_n_steps and (step % self.every_n_steps == 0 or step == trainer.max_steps):
-            self.evaluate(trainer, pl_module)
+            with pl_module.off_step():  # not training time (summary.json's tokens/s)
+                self.evaluate(trainer, pl_module)
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -35,6 +35,7 @@ from typing_extensions import override
 from trainer.callbacks.preemption import Stopped
 from trainer.data import accounting
 from trainer.nonfinite import NonFiniteError, NonFiniteGuard
+from trainer.off_step import OffStepClock
 from trainer.run_length import CALLBACK, DATA_EXHAUSTED, INTERRUPTED, MAX_STEPS, NONFINITE, SIGNAL, RunLength
 from trainer.rundir import RunDir
 
@@ -50,8 +51,9 @@ def headline(
     """First and final validation loss, tokens seen, wall time and tokens/s of a run's history, and
     with local SGD the bytes each rank sent to other islands (total and per step).
 
-    ``warm`` is (tokens, seconds) after each process's first optimizer step: ``tokens_per_s`` is
-    their ratio, so start-up, compilation and the first step's warm-up do not count (a 2-step run
+    ``warm`` is (tokens, seconds) after each process's first optimizer step, less the evaluations,
+    checkpoint saves and exports between steps (`trainer.off_step`): ``tokens_per_s`` is their
+    ratio, a training speed, so start-up, compilation and the first step's warm-up do not count (a 2-step run
     read 114 tokens/s against 2059 for the same job warm). A run of one step per process has no
     warm part and falls back to ``tokens_seen / wall_time_s``."""
     val = [h["val_loss"] for h in history if h.get("val_loss") is not None]
@@ -145,28 +147,37 @@ class Summary(L.Callback):
         self.wall_time_s = 0.0
         self._since = 0.0
         self.warm_tokens, self.warm_s = 0, 0.0  # before this process
-        self._warm_from: tuple[int, float] | None = None  # (tokens_seen, time) after this process's first step
+        # (tokens_seen, time, off-step seconds) after this process's first step
+        self._warm_from: tuple[int, float, float] | None = None
+        self._off_step: OffStepClock | None = None  # the Task's: evaluations, saves, exports
         self._tokens_now = 0
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._since = time.perf_counter()
         self._warm_from = None
+        self._off_step = pl_module.off_step
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         self._tokens_now = pl_module.tokens_seen
         if self._warm_from is None:
-            self._warm_from = (pl_module.tokens_seen, time.perf_counter())
+            self._warm_from = (pl_module.tokens_seen, time.perf_counter(), self._off_seconds())
 
     def _elapsed(self) -> float:
         return self.wall_time_s + (time.perf_counter() - self._since)
 
+    def _off_seconds(self) -> float:
+        return self._off_step.seconds if self._off_step is not None else 0.0
+
     def _warm(self, tokens_seen: int) -> tuple[int, float]:
+        """(tokens, training seconds) after each process's first step: the wall time less the
+        evaluations, saves and exports between steps (`trainer.off_step`)."""
         if self._warm_from is None:
             return self.warm_tokens, self.warm_s
-        tokens, since = self._warm_from
-        return self.warm_tokens + tokens_seen - tokens, self.warm_s + time.perf_counter() - since
+        tokens, since, off = self._warm_from
+        seconds = time.perf_counter() - since - (self._off_seconds() - off)
+        return self.warm_tokens + tokens_seen - tokens, self.warm_s + seconds
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
