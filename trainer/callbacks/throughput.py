@@ -55,7 +55,7 @@ class Throughput(L.Callback):
         self.train_seconds += elapsed
         self._times.append(elapsed)
         self._tokens.append(pl_module.last_step_tokens)
-        if not is_logging_step(trainer):
+        if not (is_logging_step(trainer) or pl_module.data_ended()):  # the last step of data that ended too
             return  # a windowed figure: logging it on logging steps only saves ~1 ms per key per step
         tokens_per_s = sum(self._tokens) / max(sum(self._times), 1e-9)
         pl_module.log("perf/tokens_per_s", tokens_per_s, prog_bar=True, logger=False)
