@@ -33,6 +33,21 @@ def test_the_bar_shows_the_newest_validation_loss(monkeypatch: pytest.MonkeyPatc
     assert Task.latest_val_loss.fget(task) is None
 
 
+def test_a_resumed_run_sizes_its_bar_to_the_whole_run() -> None:
+    """Resumed at step 8 of 12 inside the epoch: Lightning skips on_train_epoch_start and its total
+    (the steps left, 4) fell below the batch index (9), so the bar read "9/?" to the end (a reviewer's)."""
+    current = SimpleNamespace(ready=8)
+    trainer = SimpleNamespace(
+        max_steps=12, global_step=8, num_training_batches=5168, current_epoch=0,
+        fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=SimpleNamespace(current=current))),
+    )  # fmt: skip
+    bar = StepProgressBar()
+    bar._trainer = trainer
+    bar.init_train_tqdm = lambda: __import__("tqdm").tqdm(disable=True)
+    bar.on_train_start(trainer, None)
+    assert (bar.train_progress_bar.total, bar.train_progress_bar.n) == (12, 8)
+
+
 def test_unactionable_warnings_and_banners_are_silenced_others_kept() -> None:
     quiet_third_party()
     with warnings.catch_warnings(record=True) as caught:

@@ -37,12 +37,27 @@ class StepProgressBar(TQDMProgressBar):
     @property
     @override
     def total_train_batches(self) -> int | float:
-        total = super().total_train_batches
         max_steps = self.trainer.max_steps
         if max_steps is None or max_steps < 0:
-            return total
+            return super().total_train_batches
+        # Not Lightning's min(epoch, steps left): a resumed run's batch index counts from the epoch's
+        # start, so a total of the steps left alone (4 of 12 after step 8) fell below it and tqdm showed "9/?".
         done_in_epoch = self.trainer.fit_loop.epoch_loop.batch_progress.current.ready
-        return min(total, done_in_epoch + max_steps - self.trainer.global_step)
+        return min(self.trainer.num_training_batches, done_in_epoch + max_steps - self.trainer.global_step)
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        if trainer.fit_loop.epoch_loop.batch_progress.current.ready:  # resumed inside an epoch:
+            self.on_train_epoch_start(trainer)  # Lightning skips the hook that sizes the bar
+
+    @override
+    def on_train_epoch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        super().on_train_epoch_start(trainer, *args)
+        # Resumed inside an epoch, the bar counts on from the steps done before (its rate and ETA
+        # from this run's steps only).
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        self.train_progress_bar.n = self.train_progress_bar.initial = done
 
     @override
     def get_metrics(
