@@ -39,7 +39,15 @@ ADMITTED, NONFINITE, SPIKE = 0.0, 1.0, 2.0
 
 
 class NonFiniteError(RuntimeError):
-    """The run stopped on non-finite steps; the message says which and what to change."""
+    """The run stopped on non-finite steps; the message says which and what to change.
+
+    Attributes:
+        step: the optimizer step (1 for the first) that stopped it.
+    """
+
+    def __init__(self, message: str, *, step: int) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 class NonFiniteGuard:
@@ -177,13 +185,15 @@ class NonFiniteGuard:
                 f"({self.counts()}); the first, step {self.first['step']}, had {_describe(self.first, self.spikes)} "
                 f"(train.nonfinite={self.policy}{rolled if self.policy == 'rollback' else ''}, "
                 f"train.max_nonfinite_steps={self.max_consecutive}). Their updates were skipped. {self.advice(checkpoints)}"
-                f"; or skip such steps and go on with train.nonfinite=skip"
+                f"; or skip such steps and go on with train.nonfinite=skip",
+                step=step,
             )
         if self.policy == "skip" and self.skipped > self.max_skipped:
             raise NonFiniteError(
                 f"training stopped at step {step}: {self.skipped} steps skipped ({self.counts()}), more than "
                 f"train.max_skipped_steps={self.max_skipped} (train.nonfinite=skip); the first anomaly was at step "
-                f"{self.first['step']} ({_describe(self.first, self.spikes)}). {self.advice(checkpoints)}"
+                f"{self.first['step']} ({_describe(self.first, self.spikes)}). {self.advice(checkpoints)}",
+                step=step,
             )
         return False
 

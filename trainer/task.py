@@ -20,7 +20,8 @@ optimization is off because its closure scales losses by a fixed ``1/accumulate_
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from trainer.catalog import say
 from trainer.data import accounting
 from trainer.init_from import load_init_from
 from trainer.loggers import is_logging_step
-from trainer.nonfinite import ADMITTED, NonFiniteGuard
+from trainer.nonfinite import ADMITTED, NonFiniteError, NonFiniteGuard
 from trainer.off_step import OffStepClock
 from trainer.optim import build_optimizer
 from trainer.protocols import Objective, RoutedModel
@@ -209,8 +210,27 @@ class Task(L.LightningModule):
             skipped_on_device, verdict = entry.pop("_skip_on_device", False), entry.pop("_verdict", None)
             if skipped_on_device:
                 step, checkpoints = int(entry["step"]), self._checkpoints()
-                self.nonfinite.admit(step, entry["loss"], entry["grad_norm"], verdict, checkpoints=checkpoints)
+                with self._stopping_step(entry):
+                    self.nonfinite.admit(step, entry["loss"], entry["grad_norm"], verdict, checkpoints=checkpoints)
             self._history.append(entry)
+
+    @contextmanager
+    def _stopping_step(self, entry: dict[str, Any]) -> Iterator[None]:
+        """When the guard stops the run on the step of ``entry`` (`NonFiniteError`), that step is
+        the last of the history and of the loggers' rows (its loss, grad norm and the anomalous
+        steps counted), as summary.json's figures are: the run's files end on the step that stopped it."""
+        try:
+            yield
+        except NonFiniteError:
+            self._history.append(entry)
+            self._row = {
+                "train/loss": entry["loss"],
+                "train/grad_norm": entry["grad_norm"],
+                "train/lr": entry["lr"],
+                "train/nonfinite_steps": float(self.nonfinite.skipped),
+            }
+            self._write_row(step=int(entry["step"]))
+            raise
 
     def _checkpoints(self) -> Path:
         """The run's ``checkpoints/`` directory (named in the advice of a stopped run)."""
@@ -263,9 +283,13 @@ class Task(L.LightningModule):
             # Decided before the optimizer step: an anomalous step's update is never applied.
             verdict = self.nonfinite.verdict(values, judged=num_tokens > 0, islands=islands)
             on_device = self.nonfinite.skip_on_device(getattr(optimizer, "_optimizer", optimizer), verdict)
-            if not on_device and not self.nonfinite.admit(
-                self.global_step + 1, *torch.cat([values, verdict.reshape(1)]).tolist(), checkpoints=self._checkpoints()
-            ):
+            if not on_device:
+                self._read_pending()  # the steps before, so that a stop on this one is the history's last
+                loss_f, grad_norm_f, verdict_f = torch.cat([values, verdict.reshape(1)]).tolist()
+                entry = {"step": self.global_step + 1, "loss": loss_f, "grad_norm": grad_norm_f}
+                with self._stopping_step({**entry, "lr": optimizer.param_groups[0]["lr"]}):
+                    admitted = self.nonfinite.admit(*entry.values(), verdict_f, checkpoints=self._checkpoints())
+            if not on_device and not admitted:
                 optimizer.zero_grad(set_to_none=True)
             elif self.max_grad_norm:  # (a skipped step's NaN gradients: its update is skipped anyway)
                 strategy.clip_grads(parameters, max_norm=self.max_grad_norm, total_norm=grad_norm)
@@ -349,11 +373,12 @@ class Task(L.LightningModule):
         """
         self._row.update(metrics)
 
-    def _write_row(self) -> None:
+    def _write_row(self, step: int | None = None) -> None:
+        """Writes the row recorded so far at ``step`` (None: the optimizer steps done)."""
         if self._row:
             row = {**self._row, "epoch": float(self.current_epoch)}
             for logger in self.loggers:
-                logger.log_metrics(row, step=self.global_step)
+                logger.log_metrics(row, step=self.global_step if step is None else step)
                 logger.save()
             self._row = {}
 

@@ -147,3 +147,20 @@ def test_rollback_reloads_the_checkpoint_before_the_divergence_and_stops_when_it
         and "continue from step_0000003" in error
     )
     assert "step_0000003" in {p.name for p in (run_dir / "checkpoints").glob("step_*")}
+
+
+@pytest.mark.parametrize("fused", ["true", "false"])
+def test_the_step_that_stops_the_run_ends_metrics_csv_and_the_summary(tmp_path: Path, fused: str) -> None:
+    """The stopping step's row was missing from metrics.csv, and summary.json's steps was 4 with the
+    fused optimizer (a verdict on the device) and 3 without (a host verdict stops before Lightning
+    counts the step), for the same run (a reviewer's)."""
+    run_dir = tmp_path / "run"
+    result, summary = _run(
+        "optim.lr=30", "train.max_grad_norm=0", "scheduler.warmup_steps=0", "trainer.log_every_n_steps=1",
+        f"optim.fused={fused}", f"run_dir={run_dir}",
+    )  # fmt: skip
+    stopped = int(re.search(r"stopped at step (\d+)", _error(result)).group(1))
+    rows = _train_rows(run_dir)
+    assert max(rows) == stopped == summary["steps"], (sorted(rows), stopped, summary["steps"])
+    assert float(rows[stopped]["train/nonfinite_steps"]) == summary["skipped_steps"] == 3
+    assert float(rows[stopped]["train/loss"]) == pytest.approx(summary["final_train_loss"])

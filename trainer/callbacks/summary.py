@@ -190,9 +190,13 @@ class Summary(L.Callback):
         # mSFT's roll-outs) that is the parent, which trained nothing (on_train_start never ran here).
         stop = interrupted_by(exception, trainer.global_step)
         if stop is not None and self._since:
-            self._write(trainer, pl_module, *stop)
+            # The guard's stop: the step it names (a host-side verdict stops before Lightning counts it).
+            steps = exception.step if isinstance(exception, NonFiniteError) else None
+            self._write(trainer, pl_module, *stop, steps=steps)
 
-    def _write(self, trainer: L.Trainer, pl_module: Any, stopped_by: str, reason: str | None) -> None:
+    def _write(
+        self, trainer: L.Trainer, pl_module: Any, stopped_by: str, reason: str | None, steps: int | None = None
+    ) -> None:
         if not trainer.is_global_zero or self.dirpath is None:
             return
         summary = {
@@ -200,7 +204,7 @@ class Summary(L.Callback):
                 pl_module.history,
                 tokens_seen=pl_module.tokens_seen,
                 wall_time_s=self._elapsed(),
-                steps=trainer.global_step,
+                steps=trainer.global_step if steps is None else steps,
                 warm=self._warm(pl_module.tokens_seen),
             ),
             **stop_fields(pl_module.run_length(), stopped_by, reason),
