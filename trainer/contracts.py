@@ -42,8 +42,9 @@ def objective_problems(cls: Any) -> list[str]:
                 f"objective {cls.__name__} does not define {call}; the Task calls it every step (docs/extending.md)"
             )
             continue
+        bound = () if isinstance(inspect.getattr_static(cls, method), staticmethod) else (None,)  # self
         try:
-            inspect.signature(member).bind(None, *args)
+            inspect.signature(member).bind(*bound, *args)
         except TypeError:
             problems.append(
                 f"objective {cls.__name__}.{method}{inspect.signature(member)} cannot be called as {call}; "

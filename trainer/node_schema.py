@@ -143,17 +143,9 @@ def check_target(
     takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
     names = [n for n, p in params.items() if p.kind is not p.VAR_KEYWORD]
     hints = _hints(target)
-    if takes_kwargs and (base := _plait_base(target)) is not None:
-        # A user's subclass of a plait class passes its ``**kwargs`` on to the base's constructor:
-        # the base's parameters are the rest of what it takes (a mistyped key was a TypeError at launch).
-        base_params = inspect.signature(base).parameters
-        if not any(p.kind is p.VAR_KEYWORD for p in base_params.values()):
-            takes_kwargs = False
-            for n, p in base_params.items():
-                if n not in params and p.kind is not p.VAR_POSITIONAL:
-                    params[n] = p if p.default is not p.empty else p.replace(default=None)  # the subclass may pass it
-                    names.append(n)
-            hints = {**_hints(base), **hints}
+    # A user's subclass of a plait class passes its ``**kwargs`` on, up to the plait base's constructor:
+    # a key close to one of theirs is a typo (a TypeError at launch, or a setting silently not set).
+    passed_on = _passed_on(target) if takes_kwargs else []
     # ``**settings: Unpack[SomeTypedDict]`` (PEP 692) declares the keys a class passes on to its base.
     for p in list(params.values()):
         declared = typing_extensions.get_args(hints.get(p.name)) if p.kind is p.VAR_KEYWORD else ()
@@ -178,6 +170,13 @@ def check_target(
                 problems.append(
                     f"unknown key {where}.{key}{_close(node, str(key), settable, f'{where}.{key}')}; "
                     f"{node._target_} takes: {', '.join(settable)}"
+                )
+            elif close := difflib.get_close_matches(
+                str(key), [n for n in passed_on if n not in node and n not in injected], n=1
+            ):
+                problems.append(
+                    f"unknown key {where}.{key} (did you mean {close[0]}?); {node._target_} and the classes it "
+                    f"passes **kwargs to take: {', '.join(n for n in passed_on if n not in injected)}"
                 )
             else:  # passed on to a base class (``**settings``): its declared range still applies
                 value = OmegaConf.select(node, str(key), throw_on_missing=False)
@@ -206,12 +205,24 @@ def check_target(
             problems.append(f"{where}.{name} is required by {node._target_}; set {where}.{name}=...")
 
 
-def _plait_base(target: Any) -> type | None:
-    """The nearest plait class (of ``strategies`` or ``trainer``) a user's class ``target``
-    subclasses; None for a plait class itself, a function, or a class outside plait's hierarchy."""
+def _passed_on(target: Any) -> list[str]:
+    """The keyword parameters of a user's class ``target`` and of each class up its MRO whose
+    constructor the ``**kwargs`` reach, through the nearest plait class (of ``strategies`` or
+    ``trainer``) when it takes no ``**kwargs`` itself; [] for a plait class, a function, a class
+    outside plait's hierarchy or a chain that ends in ``**kwargs`` (anything may be taken there)."""
     if not inspect.isclass(target) or target.__module__.split(".")[0] in PLAIT_PACKAGES:
-        return None
-    return next((c for c in target.__mro__[1:] if c.__module__.split(".")[0] in PLAIT_PACKAGES), None)
+        return []
+    names: list[str] = []
+    for cls in target.__mro__:
+        if "__init__" not in vars(cls):
+            continue
+        params = inspect.signature(cls.__init__).parameters.values()
+        names += [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"]
+        if cls.__module__.split(".")[0] in PLAIT_PACKAGES:
+            return [] if any(p.kind is p.VAR_KEYWORD for p in params) else list(dict.fromkeys(names))
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            return []  # the chain stops in the user's own class: it takes only what it names
+    return []
 
 
 def _hints(target: Any) -> dict[str, Any]:

@@ -31,6 +31,16 @@ class WrongSignature(Objective):
         return batch["labels"].sum()
 
 
+class Static(Objective):  # a static method takes what the Task passes (a reviewer's false refusal)
+    @staticmethod
+    def num_tokens(batch):
+        return batch["labels"].numel()
+
+    @staticmethod
+    def loss_sum(model, batch):
+        return model(batch["input_ids"]).sum()
+
+
 class NotAnObjective:
     def num_tokens(self, batch): ...
 
@@ -47,6 +57,18 @@ class Tagged(MeshStrategy):
         self.tag = tag
 
 
+class MoreTagged(Tagged):
+    def __init__(self, *args, extra: int = 0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.extra = extra
+
+
+class Popping(MeshStrategy):
+    def __init__(self, *args, **kwargs):
+        self.alpha = kwargs.pop("alpha", 0.5)  # a setting read out of **kwargs
+        super().__init__(*args, **kwargs)
+
+
 class Note(L.Callback):
     pass
 
@@ -54,7 +76,7 @@ class Note(L.Callback):
 @pytest.fixture(autouse=True)
 def user_module(monkeypatch: pytest.MonkeyPatch) -> None:
     module = types.ModuleType("my_classes")
-    for cls in (NoTokens, WrongSignature, NotAnObjective, NotACallback, Tagged, Note):
+    for cls in (NoTokens, WrongSignature, Static, NotAnObjective, NotACallback, Tagged, MoreTagged, Popping, Note):
         setattr(module, cls.__name__, cls)
     monkeypatch.setitem(sys.modules, "my_classes", module)
 
@@ -78,6 +100,10 @@ def test_an_objective_plait_cannot_call_is_refused(target: str, expected: str) -
     assert len(problems) == 1 and expected in problems[0], problems
 
 
+def test_an_objective_of_static_methods_passes() -> None:
+    validate(compose_config(["model=nano", "data.seq_len=64", "~objective", "+objective._target_=my_classes.Static"]))
+
+
 def test_a_callback_that_is_no_lightning_callback_is_refused_and_one_that_is_passes() -> None:
     problems = _problems("+callbacks.x._target_=my_classes.NotACallback")
     assert (
@@ -97,10 +123,16 @@ def test_a_strategy_that_is_no_mesh_strategy_is_refused() -> None:
 
 def test_a_strategy_subclass_setting_is_checked_against_its_base() -> None:
     """Tagged takes ``tag`` and passes **kwargs on to MeshStrategy: a mistyped key was a TypeError at
-    launch; the base's own settings still pass."""
+    launch. Settings of every class up the chain pass (MoreTagged's own and Tagged's), and a key
+    close to none of them may be one a class reads out of **kwargs itself (Popping's alpha)."""
     problems = _problems("strategy._target_=my_classes.Tagged", "+strategy.tga=hi")
     assert problems == [
-        "unknown key strategy.tga (did you mean tag?); my_classes.Tagged takes: tag, timeout_s, heartbeat_s, cpu_allocator"
+        "unknown key strategy.tga (did you mean tag?); my_classes.Tagged and the classes it passes **kwargs to take: "
+        "tag, timeout_s, heartbeat_s, cpu_allocator"
     ]
-    validate(compose_config(["model=nano", "data.seq_len=64", "strategy._target_=my_classes.Tagged", "+strategy.tag=y",
-                             "strategy.heartbeat_s=5"]))  # fmt: skip
+    for overrides in (
+        ["strategy._target_=my_classes.Tagged", "+strategy.tag=y", "strategy.heartbeat_s=5"],
+        ["strategy._target_=my_classes.MoreTagged", "+strategy.tag=y", "+strategy.extra=2"],
+        ["strategy._target_=my_classes.Popping", "+strategy.alpha=0.1"],
+    ):
+        validate(compose_config(["model=nano", "data.seq_len=64", *overrides]))
