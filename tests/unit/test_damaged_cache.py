@@ -116,3 +116,17 @@ def test_rows_cached_by_other_data_code_are_built_again(tmp_path: Path, monkeypa
     monkeypatch.setattr(sft, "code_version", lambda: "another version")
     build_data(sft_cfg).prepare()
     assert len(list((tmp_path / "sft").glob("sft-*.pt"))) == 2
+
+
+def test_the_code_version_reads_plain_python_files_only(tmp_path: Path) -> None:
+    """An editor's lock file beside the sources (Emacs's ``.#text.py``, a dangling link) raised
+    FileNotFoundError in every text and SFT run of an editable install (a reviewer's)."""
+    from trainer.data.cache import sources_fingerprint
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "text.py").write_text("x = 1\n")
+    before = sources_fingerprint(tmp_path)
+    (tmp_path / "a" / ".#text.py").symlink_to("user@host.123:456")
+    assert sources_fingerprint(tmp_path) == before
+    (tmp_path / "a" / "text.py").write_text("x = 2\n")
+    assert sources_fingerprint(tmp_path) != before

@@ -45,8 +45,14 @@ def code_version() -> str:
     rows, so rows written by other code (an older plait, or one whose encoding or packing was fixed
     since) are built again instead of read back unchanged. The tokenizer's cache has its own
     recipe version (`trainer.data.tokenizer`)."""
-    root = Path(__file__).parent
-    return fingerprint(*(f"{p.relative_to(root)}\0{p.read_text(encoding='utf-8')}" for p in sorted(root.rglob("*.py"))))
+    return sources_fingerprint(Path(__file__).parent)
+
+
+def sources_fingerprint(root: Path) -> str:
+    """`fingerprint` of the ``.py`` files under ``root`` (paths and contents), leaving out what is
+    no plain file or is hidden: an editor's lock file (``.#text.py``, a dangling link) broke every run."""
+    sources = [p for p in sorted(root.rglob("*.py")) if p.is_file() and not p.name.startswith(".")]
+    return fingerprint(*(f"{p.relative_to(root)}\0{p.read_bytes().decode('utf-8', 'replace')}" for p in sources))
 
 
 def write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
