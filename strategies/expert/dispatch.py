@@ -81,6 +81,13 @@ def exchange_counts(counts_rj: torch.Tensor, group: dist.ProcessGroup) -> torch.
     return received
 
 
+def counts_load() -> bool:
+    """Whether a dispatch now is a training forward's (its rows count in ``ep/max_over_mean_rows``):
+    not an evaluation's, a rollout's or reference scoring (no grad), nor activation checkpointing's
+    recompute inside the backward pass (the autograd engine runs a graph task: it counted twice)."""
+    return torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+
+
 class AllToAllDispatch:
     """Standard expert parallelism: rows go to the owner of their expert (experts ``r*J .. r*J+J-1``
     live on ep rank r), run there as one grouped GEMM, and come back.
@@ -106,7 +113,7 @@ class AllToAllDispatch:
         order = source_major_to_expert_major(recv_rj)
         y = experts.compute(x_recv[order], recv_rj.sum(0), local_weights(experts))
         y_recv = torch.empty_like(y).index_copy(0, order, y) if y.numel() else y
-        if torch.is_grad_enabled():  # a training forward's load, not an evaluation's or a rollout's
+        if counts_load():
             self.rank_loads.append(rank_loads(send_rj.sum(1), self.group))
         return funcol.all_to_all_single_autograd(y_recv, send, recv, self.group)
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from strategies.expert.dispatch import local_weights, source_major_to_expert_major
+from strategies.expert.dispatch import counts_load, local_weights, source_major_to_expert_major
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,7 @@ class LeastLoadedDispatch:
         counts_re = torch.stack(gathered).tolist()
         plan = plan_spills(counts_re, capacity_ratio=self.capacity_ratio, min_tokens_per_gemm=self.min_tokens_per_gemm)
         J = plan.experts_per_rank
-        if torch.is_grad_enabled():  # a training forward's load, not an evaluation's or a rollout's
+        if counts_load():
             self.rank_loads.append(torch.tensor(plan.rank_loads()))
             self.owner_loads.append(
                 torch.tensor([sum(sum(row[r * J : (r + 1) * J]) for row in counts_re) for r in range(self.ep)])

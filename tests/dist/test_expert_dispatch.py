@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 E, K, D, FF, N = 8, 2, 16, 24, 48
 
@@ -63,7 +64,7 @@ def _run_layer(experts, x, experts_nk, weights_nk):
     return out.detach(), x.grad, grads
 
 
-def _run_layer_no_grad(experts, x, experts_nk, weights_nk):
+def _forward(experts, x, experts_nk, weights_nk):
     from trainer.models.moe import sort_by_expert
 
     order, counts = sort_by_expert(experts_nk, E)
@@ -94,7 +95,13 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
             apply_expert_parallel(experts, mesh, plugin.dispatcher(mesh.get_group()))
             results[name] = _run_layer(experts, x, experts_nk, weights_nk)
             with torch.no_grad():  # an evaluation's or a rollout's forward: not a training step's load
-                _run_layer_no_grad(experts, x, experts_nk, weights_nk)
+                _forward(experts, x, experts_nk, weights_nk)
+            # Activation checkpointing's recompute in backward: the same forward, not counted again.
+            xc = x.clone().requires_grad_()
+            out = checkpoint(_forward, experts, xc, experts_nk, weights_nk, use_reentrant=False)
+            out.sum().backward()
+            for p in (experts.w1, experts.w2, experts.w3):
+                p.grad = None
             results[name + "_loads"] = experts.dispatcher.pop_rank_loads()
 
         # The reference sees every rank's tokens; this rank checks its own rows and the summed grads.
@@ -142,8 +149,9 @@ def test_ep_equals_a_per_token_loop_and_llep_equals_ep_under_skew(world, tmp_pat
         torch.testing.assert_close(ll_xgrad, xgrad, rtol=0, atol=1e-6)
         for got, ref in zip(ll_wgrads, wgrads):
             torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)  # sums of ~90 rows ~3: a few ulps
-        # One row per training call: the no-grad forward is not counted (it was mixed into ep/max_over_mean_rows).
-        assert results["ep_loads"].shape[0] == results["llep_loads"].shape[0] == 1
+        # One row per training forward (_run_layer's, the checkpointed one's): neither the no-grad forward nor
+        # the recompute in backward counts (both were mixed into ep/max_over_mean_rows).
+        assert results["ep_loads"].shape[0] == results["llep_loads"].shape[0] == 2  # _run_layer's, checkpoint's
         ep_loads, ll_loads = results["ep_loads"][0].float(), results["llep_loads"][0].float()
         mean = ep_loads.mean()
         assert ll_loads.sum() == ep_loads.sum() == world * N * K
