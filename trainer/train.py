@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import hydra
 from hydra import compose, initialize_config_dir
@@ -89,7 +90,7 @@ def print_recipe_help(argv: list[str]) -> None:
     name = cfg.get("recipe", config_name)
     lines = [f"plait {name} [GROUP=OPTION] [FIELD=VALUE] ...   {bundled_recipes().get(name, '')}".rstrip(), ""]
     lines += ["Config groups (GROUP=OPTION; * = this recipe's choice):"]
-    for group, options in config_groups().items():
+    for group, options in config_groups(Path(config_dir)).items():  # a recipe file's folder's own groups too
         chosen = choices.get(group)
         shown = [f"*{o}" if o == chosen else o for o in options]
         lines.append(f"  {group:<12} {', '.join(shown)}" + ("" if chosen in options else "  (none chosen)"))

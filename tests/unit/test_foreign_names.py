@@ -14,6 +14,7 @@ from trainer.compose import compose, to_hydra_argv
 from trainer.config import ConfigError, validate
 from trainer.foreign_names import FOREIGN_NAMES
 from trainer.overrides import compose_overrides
+from trainer.train import print_recipe_help
 
 
 def _problems(recipe: str, *overrides: str) -> list[str]:
@@ -227,6 +228,9 @@ def test_a_recipe_folders_own_group_options_are_suggested(tmp_path, capsys) -> N
         err = capsys.readouterr().err
         assert says in err, err
     assert "scaled" in config_groups(tmp_path)["objective"] and "scaled" not in config_groups()["objective"]
+    recipe.write_text("defaults: [pretrain, {override objective: scaled}, _self_]\n")
+    print_recipe_help(to_hydra_argv([str(recipe), "--help"]))  # the recipe's help lists and stars its folder's option
+    assert "*scaled" in next(line for line in capsys.readouterr().out.splitlines() if line.startswith("  objective"))
 
 
 def test_a_group_option_in_a_recipe_files_body_names_the_defaults_list() -> None:
