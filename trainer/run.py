@@ -6,10 +6,8 @@ import inspect
 import json
 import math
 import os
-import shutil
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,8 +28,8 @@ from trainer.build import build_fit, prepared_data
 from trainer.checkpoint_step import meta_step, step_problem
 from trainer.config import ConfigError, validate
 from trainer.data.base import DataError, DataModule
-from trainer.data.chat import ChatError
 from trainer.data.summary import describe, epochs_line
+from trainer.failed_start import nothing_left_untrained, refused_start
 from trainer.finetune_defaults import lr_line
 from trainer.nonfinite import NonFiniteError
 from trainer.optim import WarmupDecayLR, lr_factor
@@ -325,36 +323,6 @@ def check_not_spent(length: RunLength, ckpt_path: Path | None) -> None:
     )
 
 
-@contextmanager
-def _refused_start(run_dir: Path, launching: bool, fresh_dir: bool) -> Iterator[None]:
-    """A failed start leaves nothing behind, whatever failed (``fresh_dir``: ``run_dir`` held
-    nothing before it); bad input (config, data, chat template, checkpoint) exits 2 with one
-    ``plait: error:`` line."""
-    try:
-        yield
-    except BaseException as err:
-        if launching and fresh_dir and run_dir.is_dir() and not any(run_dir.iterdir()):
-            run_dir.rmdir()
-        if isinstance(err, (ConfigError, DataError, ChatError, CheckpointError)):
-            print(f"plait: error: {err}", file=sys.stderr)
-            raise SystemExit(2) from None
-        raise
-
-
-@contextmanager
-def _nothing_left_untrained(run_dir: Path, fresh: bool, trainer: L.Trainer) -> Iterator[None]:
-    """A fresh run that fails before its first optimizer step (a user's objective, reward function
-    or callback that raises on the first batch) leaves no run directory behind, as a refused start
-    does (`_refused_start`): nothing in it was trained. The global-zero rank removes it and says so."""
-    try:
-        yield
-    except BaseException:
-        if fresh and trainer.is_global_zero and trainer.global_step == 0 and run_dir.is_dir():
-            shutil.rmtree(run_dir, ignore_errors=True)
-            print(f"plait: nothing was trained; the run directory {run_dir} is removed", file=sys.stderr, flush=True)
-        raise
-
-
 def run(cfg: DictConfig, launch: Launch | None = None) -> None:
     """Trains the composed config ``cfg`` in the current Hydra job's output directory (or, for a
     budget search, hands the directory to it: `trainer.budget.driver`).
@@ -366,7 +334,7 @@ def run(cfg: DictConfig, launch: Launch | None = None) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir).resolve()
     launching = _is_launching_rank()
     fresh = not any(run_dir.iterdir())
-    with _refused_start(run_dir, launching, fresh):
+    with refused_start(run_dir, launching, fresh):
         launch = check_launch(cfg, run_dir) if launch is None else launch
         if is_search(cfg):  # budget=msft, plait rest: a driver that fits runs of its own in run_dir
             try:
@@ -380,7 +348,7 @@ def run(cfg: DictConfig, launch: Launch | None = None) -> None:
         trainer, task, data = start(cfg, run_dir, launch, launching)
     ckpt_path = launch.ckpt_path
     try:
-        with _nothing_left_untrained(run_dir, fresh, trainer):
+        with nothing_left_untrained(run_dir, fresh, trainer):
             trainer.fit(task, datamodule=data, ckpt_path=str(ckpt_path) if ckpt_path else None, weights_only=True)
     except (NonFiniteError, NonFiniteStateError) as err:  # the run diverged: exit 3, the message says why
         if launching:
