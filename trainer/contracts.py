@@ -42,7 +42,8 @@ def objective_problems(cls: Any) -> list[str]:
                 f"objective {cls.__name__} does not define {call}; the Task calls it every step (docs/extending.md)"
             )
             continue
-        bound = () if isinstance(inspect.getattr_static(cls, method), staticmethod) else (None,)  # self
+        # self, unless a static or class method (a class method's cls is bound already)
+        bound = () if isinstance(inspect.getattr_static(cls, method), (staticmethod, classmethod)) else (None,)
         try:
             inspect.signature(member).bind(*bound, *args)
         except TypeError:

@@ -17,6 +17,7 @@ from strategies.checkpoint.dcp import CheckpointError
 from trainer.config import ConfigError
 from trainer.data.base import DataError
 from trainer.data.chat import ChatError
+from trainer.nonfinite import NonFiniteError
 
 
 @contextmanager
@@ -42,8 +43,10 @@ def nothing_left_untrained(run_dir: Path, fresh: bool, trainer: L.Trainer) -> It
     does (`refused_start`): nothing in it was trained. The global-zero rank removes it and says so."""
     try:
         yield
-    except BaseException:
-        if fresh and trainer.is_global_zero and trainer.global_step == 0 and run_dir.is_dir():
+    except BaseException as err:
+        # A divergence stop is a result (its row and summary.json say where it stopped), even at step 1.
+        stopped = isinstance(err, NonFiniteError)
+        if fresh and not stopped and trainer.is_global_zero and trainer.global_step == 0 and run_dir.is_dir():
             shutil.rmtree(run_dir, ignore_errors=True)
             print(f"plait: nothing was trained; the run directory {run_dir} is removed", file=sys.stderr, flush=True)
         raise

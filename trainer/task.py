@@ -208,20 +208,24 @@ class Task(L.LightningModule):
             return
         for entry in self._pending.read():
             skipped_on_device, verdict = entry.pop("_skip_on_device", False), entry.pop("_verdict", None)
+            tokens_seen = entry.pop("_tokens_seen")
             if skipped_on_device:
                 step, checkpoints = int(entry["step"]), self._checkpoints()
-                with self._stopping_step(entry):
+                with self._stopping_step(entry, tokens_seen):
                     self.nonfinite.admit(step, entry["loss"], entry["grad_norm"], verdict, checkpoints=checkpoints)
             self._history.append(entry)
 
     @contextmanager
-    def _stopping_step(self, entry: dict[str, Any]) -> Iterator[None]:
+    def _stopping_step(self, entry: dict[str, Any], tokens_seen: int) -> Iterator[None]:
         """When the guard stops the run on the step of ``entry`` (`NonFiniteError`), that step is
         the last of the history and of the loggers' rows (its loss, grad norm and the anomalous
-        steps counted), as summary.json's figures are: the run's files end on the step that stopped it."""
+        steps counted), as summary.json's figures are: the run's files end on the step that stopped
+        it, ``tokens_seen`` (the tokens up to it) too, whether the verdict was read at once (a host
+        verdict) or at a later logging step (a fused optimizer's, after more steps ran)."""
         try:
             yield
         except NonFiniteError:
+            self.tokens_seen = tokens_seen
             self._history.append(entry)
             self._row = {
                 "train/loss": entry["loss"],
@@ -287,7 +291,9 @@ class Task(L.LightningModule):
                 self._read_pending()  # the steps before, so that a stop on this one is the history's last
                 loss_f, grad_norm_f, verdict_f = torch.cat([values, verdict.reshape(1)]).tolist()
                 entry = {"step": self.global_step + 1, "loss": loss_f, "grad_norm": grad_norm_f}
-                with self._stopping_step({**entry, "lr": optimizer.param_groups[0]["lr"]}):
+                with self._stopping_step(
+                    {**entry, "lr": optimizer.param_groups[0]["lr"]}, self.tokens_seen + step_tokens
+                ):
                     admitted = self.nonfinite.admit(*entry.values(), verdict_f, checkpoints=self._checkpoints())
             if not on_device and not admitted:
                 optimizer.zero_grad(set_to_none=True)
@@ -319,6 +325,7 @@ class Task(L.LightningModule):
                 "lr": lr,
                 "_skip_on_device": on_device,
                 "_verdict": verdict,
+                "_tokens_seen": self.tokens_seen,
                 "train/supervised_tokens": num_tokens,
                 **strategy_metrics,
                 **data_metrics,
@@ -414,7 +421,8 @@ class Task(L.LightningModule):
         if self.nonfinite.policy == "rollback":
             self._read_pending()  # this step's verdict now: a host read each step, under rollback only
         if self.nonfinite.rollback_due is not None:
-            self._roll_back()
+            with self.off_step():  # a reload, not training (summary.json's tokens/s)
+                self._roll_back()
         if self._evaluates_now():
             with self.off_step():
                 self.evaluate()

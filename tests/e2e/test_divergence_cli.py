@@ -164,3 +164,16 @@ def test_the_step_that_stops_the_run_ends_metrics_csv_and_the_summary(tmp_path: 
     assert max(rows) == stopped == summary["steps"], (sorted(rows), stopped, summary["steps"])
     assert float(rows[stopped]["train/nonfinite_steps"]) == summary["skipped_steps"] == 3
     assert float(rows[stopped]["train/loss"]) == pytest.approx(summary["final_train_loss"])
+    # The tokens of exactly those steps (the fused path reads its verdict after more steps ran).
+    assert summary["tokens_seen"] == stopped * float(rows[1]["train/tokens_seen"])
+
+
+def test_a_run_stopped_at_its_first_step_keeps_its_run_directory(tmp_path: Path) -> None:
+    """A divergence stop is a result, even at step 1: its host verdict comes before Lightning counts
+    the step, and the failed-first-step cleanup removed the run with its summary (a reviewer's)."""
+    run_dir = tmp_path / "run"
+    result, summary = _run(
+        "+model.init_std=1e30", "train.max_nonfinite_steps=1", "optim.fused=false", f"run_dir={run_dir}"
+    )
+    assert "stopped at step 1:" in _error(result) and "is removed" not in result.stderr
+    assert summary["steps"] == 1 and summary["stopped_by"] == "nonfinite"

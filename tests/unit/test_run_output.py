@@ -46,6 +46,11 @@ def test_a_resumed_run_sizes_its_bar_to_the_whole_run() -> None:
     bar.init_train_tqdm = lambda: __import__("tqdm").tqdm(disable=True)
     bar.on_train_start(trainer, None)
     assert (bar.train_progress_bar.total, bar.train_progress_bar.n) == (12, 8)
+    # The next epoch (5 batches) starts before Lightning clears the loop's count of the last one:
+    # the bar counts from 0 (it read a negative rate from the count left over) and sizes the steps left.
+    trainer.num_training_batches, trainer.global_step, current.ready = 5, 10, 5
+    bar.on_train_epoch_start(trainer)
+    assert (bar.train_progress_bar.total, bar.train_progress_bar.n, bar.train_progress_bar.initial) == (2, 0, 0)
 
 
 def test_unactionable_warnings_and_banners_are_silenced_others_kept() -> None:

@@ -41,6 +41,16 @@ class Static(Objective):  # a static method takes what the Task passes (a review
         return model(batch["input_ids"]).sum()
 
 
+class ClassMethods(Objective):  # a class method's cls is bound already
+    @classmethod
+    def num_tokens(cls, batch):
+        return batch["labels"].numel()
+
+    @classmethod
+    def loss_sum(cls, model, batch):
+        return model(batch["input_ids"]).sum()
+
+
 class NotAnObjective:
     def num_tokens(self, batch): ...
 
@@ -76,7 +86,18 @@ class Note(L.Callback):
 @pytest.fixture(autouse=True)
 def user_module(monkeypatch: pytest.MonkeyPatch) -> None:
     module = types.ModuleType("my_classes")
-    for cls in (NoTokens, WrongSignature, Static, NotAnObjective, NotACallback, Tagged, MoreTagged, Popping, Note):
+    for cls in (
+        NoTokens,
+        WrongSignature,
+        Static,
+        ClassMethods,
+        NotAnObjective,
+        NotACallback,
+        Tagged,
+        MoreTagged,
+        Popping,
+        Note,
+    ):
         setattr(module, cls.__name__, cls)
     monkeypatch.setitem(sys.modules, "my_classes", module)
 
@@ -100,8 +121,11 @@ def test_an_objective_plait_cannot_call_is_refused(target: str, expected: str) -
     assert len(problems) == 1 and expected in problems[0], problems
 
 
-def test_an_objective_of_static_methods_passes() -> None:
-    validate(compose_config(["model=nano", "data.seq_len=64", "~objective", "+objective._target_=my_classes.Static"]))
+@pytest.mark.parametrize("target", ["Static", "ClassMethods"])
+def test_an_objective_of_static_or_class_methods_passes(target: str) -> None:
+    validate(
+        compose_config(["model=nano", "data.seq_len=64", "~objective", f"+objective._target_=my_classes.{target}"])
+    )
 
 
 def test_a_callback_that_is_no_lightning_callback_is_refused_and_one_that_is_passes() -> None:

@@ -33,6 +33,7 @@ class StepProgressBar(TQDMProgressBar):
         super().__init__()
         self.refresh_interval_s = refresh_interval_s
         self._last_refresh = float("-inf")
+        self._resumed_at = 0  # the steps of its epoch a run resumed inside had done (0 at an epoch's start)
 
     @property
     @override
@@ -42,22 +43,23 @@ class StepProgressBar(TQDMProgressBar):
             return super().total_train_batches
         # Not Lightning's min(epoch, steps left): a resumed run's batch index counts from the epoch's
         # start, so a total of the steps left alone (4 of 12 after step 8) fell below it and tqdm showed "9/?".
-        done_in_epoch = self.trainer.fit_loop.epoch_loop.batch_progress.current.ready
-        return min(self.trainer.num_training_batches, done_in_epoch + max_steps - self.trainer.global_step)
+        return min(self.trainer.num_training_batches, self._resumed_at + max_steps - self.trainer.global_step)
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
-        if trainer.fit_loop.epoch_loop.batch_progress.current.ready:  # resumed inside an epoch:
-            self.on_train_epoch_start(trainer)  # Lightning skips the hook that sizes the bar
+        # Resumed inside an epoch, Lightning skips the hook that sizes the bar: sized here, counting
+        # on from the steps done (its rate and ETA from this run's steps only). At a later epoch's
+        # start the loop's count still holds the previous epoch's: it is read here only.
+        self._resumed_at = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        if self._resumed_at:
+            self.on_train_epoch_start(trainer)
 
     @override
     def on_train_epoch_start(self, trainer: L.Trainer, *args: Any) -> None:
         super().on_train_epoch_start(trainer, *args)
-        # Resumed inside an epoch, the bar counts on from the steps done before (its rate and ETA
-        # from this run's steps only).
-        done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
-        self.train_progress_bar.n = self.train_progress_bar.initial = done
+        self.train_progress_bar.n = self.train_progress_bar.initial = self._resumed_at
+        self._resumed_at = 0
 
     @override
     def get_metrics(
