@@ -25,6 +25,9 @@ from strategies.checkpoint import async_save
 from strategies.checkpoint import dcp as ckpt
 from strategies.checkpoint.async_save import AsyncWriter
 from trainer.callbacks.checkpoint import PeriodicCheckpoint
+from trainer.off_step import OffStepClock
+
+TASK = SimpleNamespace(off_step=OffStepClock())  # the Task's clock of the saves (summary.json's tokens/s)
 
 
 def _trained(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -125,7 +128,7 @@ def test_the_end_of_training_finishes_the_save_in_flight(tmp_path: Path) -> None
     callback = PeriodicCheckpoint(dirpath=str(tmp_path), every_n_steps=2, save_on_signal=False, async_save=True)
     trainer = _trainer(2, *_trained())
     callback.on_train_batch_start(trainer, None)
-    callback.on_train_batch_end(trainer, None)  # step 2: a background save starts
+    callback.on_train_batch_end(trainer, TASK)  # step 2: a background save starts
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000002.tmp"]
     callback.on_train_end(trainer, None)
     callback.teardown(trainer, None, "fit")
@@ -146,7 +149,7 @@ def test_the_last_step_is_saved_complete_at_its_end_of_step(tmp_path: Path) -> N
         else:
             trainer.should_stop = True
         callback.on_train_batch_start(trainer, None)
-        callback.on_train_batch_end(trainer, None)
+        callback.on_train_batch_end(trainer, TASK)
         assert sorted(p.name for p in dirpath.iterdir()) == ["last", "step_0000003"], ask
         assert ckpt.verify_checkpoint(dirpath / "step_0000003") is None
 

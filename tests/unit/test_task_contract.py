@@ -70,7 +70,7 @@ def test_configure_model_parallelizes_once() -> None:
 def test_the_progress_bar_s_val_loss_leaves_the_pending_steps_on_the_device() -> None:
     task = _task(CausalLM(), [])
     task.history = [{"step": 0, "val_loss": 2.0}]
-    task._pending.add({"step": 1, "loss": torch.tensor(1.5)})
+    task._pending.add({"step": 1, "loss": torch.tensor(1.5), "_tokens_seen": 512})
     assert task.latest_val_loss == 2.0 and len(task._pending) == 1  # read at every redraw: no host sync
     assert task.history[-1] == {"step": 1, "loss": 1.5} and len(task._pending) == 0
 
