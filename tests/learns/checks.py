@@ -51,11 +51,17 @@ def rest_legal_lines(result: Result) -> float:
     """change of held-out legal lines per greedy trace, round 0 to the guided round
 
     The lines a Countdown search trace holds before its first wrong one (trainer.rest.sos.verify):
-    a short run writes the search's language long before it solves problems. The change, not the
-    value: round 0 (SFT on the symbolic searcher's traces) reaches 0.76 alone, and a guided round
-    that keeps no trace, or leaves the model as it was, ends where round 0 did."""
+    a short run writes the search's language before it solves problems. The change, not the value:
+    a guided round that keeps no trace, or leaves the model as it was, ends where round 0 did."""
     rounds = result["rest"]["arms"]["guided"]
     return rounds[-1]["legal_lines"] - rounds[0]["legal_lines"]
+
+
+def rest_solve_rate(result: Result) -> float:
+    """change of the held-out solve rate at the largest budget, round 0 to the guided round"""
+    rounds = result["rest"]["arms"]["guided"]
+    budget = str(max(result["rest"]["budgets"]))
+    return rounds[-1]["solve_rate"][budget] - rounds[0]["solve_rate"][budget]
 
 
 def msft_final_loss(result: Result) -> float:

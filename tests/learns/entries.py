@@ -20,7 +20,7 @@ The tasks (all synthetic and verifiable but the corpus):
 - ``reversal`` SFT: the fine-tuning entries' new skill (LoRA, QLoRA, Mixout, SAT from the base);
   ``reversal`` and ``sorting``: the mSFT search's two sources;
 - Countdown search traces (trainer.rest.sos) for ``rest``: round 0 on the symbolic searcher's traces,
-  one guided self-training round, scored by the legal lines of held-out greedy traces;
+  one guided self-training round, scored by the solve rate and legal lines of held-out greedy traces;
 - the bundled corpus (Shakespeare + King James Bible) for the pretraining entries.
 
 Measured values and the controls behind the thresholds: docs/benchmarks.md ("The learning tier").
@@ -42,6 +42,7 @@ from learns.checks import (
     merged_gain,
     msft_final_loss,
     rest_legal_lines,
+    rest_solve_rate,
     val_change,
 )
 
@@ -72,6 +73,7 @@ class Entry:
 
 # ------------------------------------------------------------------------------------------ tasks
 NANO = ("model=nano", "model.max_seq_len=64")
+NANO_REST = ("model=nano", "model.max_seq_len=512")
 COPY_SFT = (
     "data=synthetic",
     "~data.sources.reversal",
@@ -150,6 +152,7 @@ ENTRIES: dict[str, Entry] = {
             "trainer.max_steps=350",
         ),
         (at_least(val_change("val/rewards/accuracy"), 0.3), at_most(val_change("val/rewards/rejected"), -3.0)),
+        long=True,  # about 95 s beside the suite, the tier's longest
     ),
     # Chat SFT (default template, loss on the assistant tokens only) from scratch: the base below.
     "sft": Entry(
@@ -302,26 +305,31 @@ ENTRIES: dict[str, Entry] = {
         (at_least(val_change("val/reward/answer"), 0.1),),
         base="sft_addition",
     ),
-    # Guided-ReST on Countdown: round 0 on the symbolic searcher's traces from scratch, then one
-    # guided round on the model's own traces with the solutions' landmarks inserted.
+    # Guided-ReST on Countdown of two numbers: round 0 on the symbolic searcher's traces from scratch
+    # (it solves none held out), then one guided round on the model's own traces with the solutions'
+    # landmarks inserted. Three numbers and the tiny model took 200 s alone (about 430 s beside the
+    # suite) for a model that solved none held out after either round.
     "rest": Entry(
         "rest",
         (
+            *NANO_REST,
             "rest.rounds=1",
             "rest.arms=[guided]",
-            "rest.problems.train=800",
+            "rest.problems.count=2",
+            "rest.problems.high=20",
+            "rest.problems.train=400",
+            "rest.problems.held_out=50",
             "rest.searcher.breadth=1",
             "rest.searcher.max_explored=6",
-            "rest.problems.held_out=50",
             "rest.samples=1",
-            "rest.max_new_tokens=128",
-            "rest.budgets=[128]",
+            "rest.max_new_tokens=64",
+            "rest.budgets=[64]",
             "rest.round0_steps=150",
             "rest.steps=50",
             "train.global_batch_size=8",
+            "optim.lr=3e-3",
         ),
-        (at_least(rest_legal_lines, 0.15),),
-        long=True,  # about 140 s on 2 CPUs, half the tier's summed time
+        (at_least(rest_solve_rate, 0.2), at_least(rest_legal_lines, 0.5)),
     ),
     # The mSFT budget search on two synthetic sources, from the SFT base: 3 epochs of compute at
     # lr 1e-3, scored every 5 steps (at 1 epoch, lr 3e-3 and every 10 steps, reversal's first
