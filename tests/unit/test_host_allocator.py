@@ -8,7 +8,6 @@ bytes at the top of the heap (those a trim would give back to the kernel).
 
 from __future__ import annotations
 
-import ctypes
 import json
 import subprocess
 import sys
@@ -17,47 +16,14 @@ from typing import Any
 
 import lightning as L
 import pytest
-import torch
 from harness import env_with_tests
+from malloc_probe import probe
 
 from strategies.runtime.host_allocator import is_glibc
 
 pytestmark = pytest.mark.skipif(not is_glibc(), reason="mallopt and mallinfo2 are glibc's")
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in (
-            "arena",
-            "ordblks",
-            "smblks",
-            "hblks",
-            "hblkhd",
-            "usmblks",
-            "fsmblks",
-            "uordblks",
-            "fordblks",
-            "keepcost",
-        )
-    ]
-
-
-def probe() -> dict[str, float]:
-    """MiB mmapped for one 64 MiB tensor (one step's fp32 logits at 2,048 tokens and V = 8,192),
-    and MiB free at the heap's top after a 128 MiB block is freed (straight from malloc, and larger
-    than any free chunk, so it is cut from the top and nothing allocated after it keeps it from there)."""
-    libc = ctypes.CDLL(None)
-    libc.mallinfo2.restype, libc.malloc.restype, libc.malloc.argtypes = _MallInfo2, ctypes.c_void_p, [ctypes.c_size_t]
-    libc.free.argtypes = [ctypes.c_void_p]
-    before = libc.mallinfo2()
-    logits = torch.ones(2048, 8192)
-    mapped = libc.mallinfo2().hblkhd - before.hblkhd
-    del logits
-    libc.free(libc.malloc(2**27))
-    return {"mapped_mib": mapped / 2**20, "kept_mib": libc.mallinfo2().keepcost / 2**20}
 
 
 class MallocProbe(L.Callback):
@@ -69,7 +35,8 @@ class MallocProbe(L.Callback):
 
 def _fresh_probe(setup: str) -> dict[str, float]:
     code = f"import json, sys\nsys.path.insert(0, {str(Path(__file__).parent)!r})\n{setup}\n"
-    code += "import test_host_allocator\nprint('PROBE ' + json.dumps(test_host_allocator.probe()))"
+    # malloc_probe imports torch alone: this module's imports (Lightning, plait) took 5 of the 6 s.
+    code += "import malloc_probe\nprint('PROBE ' + json.dumps(malloc_probe.probe()))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env_with_tests(), capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(next(line for line in out.stdout.splitlines() if line.startswith("PROBE "))[6:])
