@@ -1,4 +1,4 @@
-"""The learning tier's session fixture: the selected entries trained once, in one subprocess, two at a
+"""The learning tier's session fixture: the selected entries trained once, in one subprocess, one at a
 time, started right after collection so that it trains beside the other tests; its tests run last."""
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ import pytest
 TIER = Path(__file__).with_name("tier.py")
 TIMEOUT_S = 1800  # the tier's own deadline, and the longest the last test waits for it
 NICE = 10
+# Entries trained at once beside the tests: one, on the core a single-process test leaves idle (two
+# took a share of the other core too, and the tier is done long before the tests are).
+JOBS = 1
 _RESULTS: dict[str, dict] = {}
 
 
@@ -44,7 +47,8 @@ class _Tier:
         # tests leave idle (most hold one core of two), and they keep their pace.
         self.proc = subprocess.Popen(
             [sys.executable, str(TIER), "--work", str(self.work / "runs"), "--json", str(self.out)]
-            + ["--only", ",".join(names), "--timeout-s", str(TIMEOUT_S), "--remove-on-term", str(self.work)],
+            + ["--only", ",".join(names), "--jobs", str(JOBS), "--timeout-s", str(TIMEOUT_S)]
+            + ["--remove-on-term", str(self.work)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -2,7 +2,7 @@
 held-out checks, and its first steps equal the stored golden curve (for an entry started from a
 base, the curve its base's end state gave: `learns.golden.golden_verdict`).
 
-The selected entries train once per session, two at a time, in one subprocess (`tier_results`);
+The selected entries train once per session, one at a time, in one subprocess (`tier_results`);
 each test reads its entry's result. The values are printed at the end of the session, one line per entry
 (tests/learns/conftest.py). A change that moves numerics on purpose rewrites the golden curves in
 the same commit, with the reason in the message::
