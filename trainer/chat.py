@@ -22,7 +22,7 @@ import torch
 from trainer.compose import compose_command, fail
 from trainer.data.chat import ChatError
 from trainer.generate import chat_template, load_for_generation, reply, take_text
-from trainer.sampling import sample
+from trainer.sampling import NonFiniteLogitsError, sample
 
 
 def user_text(line: bytes, number: int) -> str:
@@ -64,6 +64,9 @@ def main(argv: list[str]) -> None:
             text = template.render(messages, add_generation_prompt=True)
         except ChatError as err:
             fail(str(err))
-        answer = reply(run, text, cfg, template)
+        try:
+            answer = reply(run, text, cfg, template)
+        except NonFiniteLogitsError as err:  # as plait generate: one error line, exit 2
+            fail(f"{run.checkpoint}: {err}")
         messages.append({"role": "assistant", "content": answer})
         print(answer, flush=True)

@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 
 from strategies.checkpoint.dcp import CheckpointError
 from trainer.compose import compose_command, fail
-from trainer.data.answer_end import turn_end_ids
+from trainer.data.answer_end import turn_end_ids, turn_end_text
 from trainer.data.chat import ChatError, JinjaTemplate
 from trainer.export import trained_chat_template
 from trainer.init_from import load_init_from
@@ -124,7 +124,8 @@ def load_for_generation(ckpt: str, trust: Sequence[str] = ()) -> RunModel:
 
 def chat_template(run: RunModel) -> JinjaTemplate:
     """The chat template the run trained with (`trainer.export.trained_chat_template`, the one
-    `plait export` writes); says on stderr which.
+    `plait export` writes); says on stderr which, and when its end-of-turn marker is several tokens
+    of the run's tokenizer (answers are cut at its text: `reply`).
 
     Raises:
         SystemExit: (exit 2, ``plait: error:``) the run's template files are unusable.
@@ -134,12 +135,18 @@ def chat_template(run: RunModel) -> JinjaTemplate:
     except ChatError as err:
         fail(f"{run.run.path}: {err}")
     print(f"plait: chat template: {template.origin}", file=sys.stderr)
+    if marker := turn_end_text(run.tokenizer, template):
+        print(
+            f"plait: the template's end of turn {marker[0]!r} is several tokens of this tokenizer: answers are cut at its text",
+            file=sys.stderr,
+        )
     return template
 
 
 def reply(run: RunModel, text: str, cfg: DictConfig, template: JinjaTemplate | None = None) -> str:
     """The model's continuation of ``text`` (sampled as ``cfg`` says, stopped at EOS, and with a
-    chat ``template`` at its end of turn: `trainer.data.answer_end.turn_end_ids`), decoded; says on
+    chat ``template`` at its end of turn: its token, `trainer.data.answer_end.turn_end_ids`, or its
+    text where the tokenizer spells it in several tokens, `turn_end_text`), decoded; says on
     stderr when the model's context (``max_seq_len``: a windowed checkpoint's window) will stop it
     first, or cut the prompt's start."""
     if (line := context_line(len(run.tokenizer.encode(text)), cfg.max_new_tokens, run.model.max_seq_len)) is not None:
@@ -152,6 +159,7 @@ def reply(run: RunModel, text: str, cfg: DictConfig, template: JinjaTemplate | N
         temperature=cfg.temperature,
         top_k=cfg.top_k,
         stop_ids=turn_end_ids(run.tokenizer, template),
+        stop_text=turn_end_text(run.tokenizer, template),
         use_cache=cfg.kv_cache,
     )
 

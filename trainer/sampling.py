@@ -24,6 +24,7 @@ from strategies.core.model_contract import declares
 from strategies.core.ranges import NON_NEGATIVE, POSITIVE, Range, declared_ranges, value_problem
 from trainer.data.tokenizer import Tokenizer
 from trainer.models.kv_cache import kv_cache
+from trainer.rl.rollout import before_stop
 
 
 class NonFiniteLogitsError(ValueError):
@@ -67,6 +68,7 @@ def sample(
     eos_id: int | None = None,
     stop_ids: Collection[int] = (),
     use_cache: bool = True,
+    until: Callable[[list[int]], bool] | None = None,
 ) -> list[int]:
     """Autoregressive sampling of one sequence, stopped at EOS or when the context is full.
 
@@ -82,6 +84,8 @@ def sample(
         eos_id: stop after this token (not returned); None: never.
         stop_ids: more tokens that end it as EOS does (a chat template's end of turn,
             `trainer.data.answer_end.turn_end_ids`; not returned).
+        until: called with the generated ids after each new token; True ends it there (that token
+            returned): a stop marker that is several tokens (`continue_text`'s ``stop_text``).
 
     Returns:
         The generated ids (without the prompt and the EOS or stop token).
@@ -104,6 +108,8 @@ def sample(
             out.append(next_id)
             ids.append(next_id)
             new = [next_id] if cache is not None else ids
+            if until is not None and until(out):
+                break
     return out
 
 
@@ -387,6 +393,7 @@ def continue_text(
     temperature: float,
     top_k: int | None,
     stop_ids: Collection[int] = (),
+    stop_text: Sequence[str] = (),
     use_cache: bool = True,
 ) -> str:
     """The model's continuation of ``text``, sampled as `sample` does (stopped at the tokenizer's
@@ -395,6 +402,9 @@ def continue_text(
 
     Args:
         stop_ids: more tokens that end it (a chat template's end of turn, `trainer.data.answer_end.turn_end_ids`).
+        stop_text: strings that end it where the decoded continuation first holds one, cut off (a
+            chat template's end-of-turn marker that the tokenizer spells in several tokens,
+            `trainer.data.answer_end.turn_end_text`).
         use_cache: decode with a KV cache when the model takes one (`caches`).
 
     Raises:
@@ -410,5 +420,6 @@ def continue_text(
         eos_id=tokenizer.eos_id,
         stop_ids=stop_ids,
         use_cache=use_cache and caches(model),
+        until=(lambda ids: any(s in tokenizer.decode(ids) for s in stop_text)) if stop_text else None,
     )
-    return tokenizer.decode(new_ids)
+    return before_stop(tokenizer.decode(new_ids), stop_text)

@@ -114,6 +114,53 @@ def test_chat_answers_end_at_the_templates_end_of_turn(tok: Tokenizer) -> None:
     assert reply(run, text, cfg).startswith("Seven<|im_end|><|im_start|>user")  # continuing text: EOS alone
 
 
+class Scripted(nn.Module):
+    """Greedy decoding writes ``script`` after a prompt of ``prompt_len`` tokens (any token repeated),
+    then the script's last token forever."""
+
+    max_seq_len = 128
+
+    def __init__(self, script: Sequence[int], prompt_len: int, vocab_size: int) -> None:
+        super().__init__()
+        self.script, self.prompt_len, self.vocab_size = list(script), prompt_len, vocab_size
+
+    def forward(self, input_ids: torch.Tensor, **_: object) -> torch.Tensor:
+        step = min(input_ids.shape[1] - self.prompt_len, len(self.script) - 1)
+        logits = torch.zeros(*input_ids.shape, self.vocab_size)
+        logits[..., self.script[step]] = 1.0
+        return logits
+
+
+def test_chat_answers_end_at_a_marker_spelled_in_several_tokens(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """``plait generate chat=true`` and ``plait chat`` with a tokenizer that spells the template's
+    ``<|im_end|>`` in several tokens: the answer is cut at its text, and decoding stops there
+    (before: "Seven<|im_end|>\n<|im_start|>user..." up to max_new_tokens, a reviewer's). Mutation:
+    reply without ``stop_text`` -> the whole script."""
+    from hf_checkpoints import write_tokenizer
+
+    from trainer.generate import chat_template
+
+    write_tokenizer(tmp_path)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    template = JinjaTemplate(CHATML, eos_token="<|endoftext|>")
+    assert turn_end_ids(tok, template) == () and turn_end_text(tok, template) == ("<|im_end|>",)
+    text = template.render([{"role": "user", "content": "Name a prime."}], add_generation_prompt=True)
+    script = tok.encode("Seven<|im_end|>\n<|im_start|>user\nAnd another?<|im_end|>\n")
+    model = Scripted(script, len(tok.encode(text)), tok.vocab_size)
+    calls = []
+    model.register_forward_hook(lambda *_: calls.append(1))
+    run = SimpleNamespace(model=model, tokenizer=tok)
+    cfg = OmegaConf.create({"max_new_tokens": 100, "temperature": 0.0, "top_k": None, "kv_cache": False})
+    assert reply(run, text, cfg, template) == "Seven"
+    assert len(calls) == len(tok.encode("Seven<|im_end|>"))  # stopped at the marker, not at max_new_tokens
+    # The command says so once, with the template it names.
+    run = SimpleNamespace(model=model, tokenizer=tok, run=SimpleNamespace(path=tmp_path))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("trainer.generate.trained_chat_template", lambda _run: template)
+        chat_template(run)
+    assert "end of turn '<|im_end|>' is several tokens of this tokenizer" in capsys.readouterr().err
+
+
 class StopRecorder(ScriptedEngine):
     """Scripted completions; appends the stop tokens each rollout asks for to the JSON list in
     ``record`` (a file: the engine is built by the run from its config)."""
@@ -264,3 +311,24 @@ def test_chat_with_a_system_turn_the_template_refuses_exits_2_naming_it(tok: Tok
         exit_.value.code == 2
         and "strict.jinja refused a conversation with roles ['system', 'user']: System role" in err
     )
+
+
+def test_chat_with_logits_that_overflow_exits_2_naming_the_fix(tok: Tokenizer, monkeypatch, capsys) -> None:  # noqa: ANN001
+    """plait chat temperature=1e-40: one error line and exit 2, as plait generate (a traceback, exit 1,
+    before: a reviewer's). Mutation: chat.main without its except -> the NonFiniteLogitsError escapes."""
+    import io
+    import sys
+
+    from trainer import chat
+    from trainer.models.llama import Llama
+
+    torch.manual_seed(0)
+    model = Llama(vocab_size=tok.vocab_size, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64, max_seq_len=64)
+    run = SimpleNamespace(model=model.eval(), tokenizer=tok, checkpoint="runs/x/checkpoints/last")
+    monkeypatch.setattr(chat, "load_for_generation", lambda ckpt, trust: run)
+    monkeypatch.setattr(chat, "chat_template", lambda run: JinjaTemplate(CHATML, origin="chatml.jinja"))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"hi\n")))
+    with pytest.raises(SystemExit) as exit_:
+        chat.main(["ckpt=unused", "temperature=1e-40", "max_new_tokens=3"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "plait: error: runs/x/checkpoints/last: temperature=1e-40" in err, err
