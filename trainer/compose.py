@@ -14,7 +14,9 @@ from __future__ import annotations
 import difflib
 import os
 import sys
-from collections.abc import Callable, Sequence
+import types
+import typing
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -299,7 +301,8 @@ def compose_command(
 
     Args:
         ranges: a function whose parameters declare the ranges (`strategies.core.ranges.Range`) of the
-            fields of the same names (``generate``'s ``top_k``: `trainer.sampling.sample`'s).
+            fields of the same names (``generate``'s ``top_k``: `trainer.sampling.sample`'s), and
+            their kinds (`declared_kinds`: an ``int`` takes no fraction, ``| None`` takes null).
 
     Raises:
         SystemExit: (exit 2, ``plait: error:`` with ``usage``) an argument does not parse or does
@@ -322,7 +325,8 @@ def compose_command(
         OmegaConf.to_container(cfg, throw_on_missing=True)
     except (HydraException, OmegaConfBaseException) as err:
         fail(f"{error_message(err)} (usage: {usage}; a value with a comma or space needs inner quotes: key=\"'a, b'\")")
-    problems = command_type_problems(cfg, defaults, lists=lists)
+    integers, nullable = declared_kinds(ranges) if ranges is not None else (set(), set())
+    problems = command_type_problems(cfg, defaults, lists=lists, integers=integers, nullable=nullable)
     if not problems and ranges is not None:
         from strategies.core.ranges import declared_ranges, value_problem  # lazy: torch (see the imports above)
 
@@ -333,18 +337,45 @@ def compose_command(
     return cfg
 
 
-def command_type_problems(cfg: DictConfig, defaults: dict, *, lists: Sequence[str] = ()) -> list[str]:
+def declared_kinds(fn: Callable[..., Any]) -> tuple[set[str], set[str]]:
+    """``(integers, nullable)``: the parameters of ``fn`` annotated ``int`` (not float) and those
+    that take None (``int | None``), read through ``Annotated``."""
+    integers, nullable = set(), set()
+    for name, hint in typing.get_type_hints(fn, include_extras=True).items():
+        kinds = (
+            typing.get_args(hint)
+            if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+            else (hint,)
+        )
+        kinds = tuple(typing.get_args(k)[0] if typing.get_origin(k) is typing.Annotated else k for k in kinds)
+        if int in kinds and float not in kinds:
+            integers.add(name)
+        if type(None) in kinds:
+            nullable.add(name)
+    return integers, nullable
+
+
+def command_type_problems(
+    cfg: DictConfig,
+    defaults: dict,
+    *,
+    lists: Sequence[str] = (),
+    integers: Collection[str] = (),
+    nullable: Collection[str] = (),
+) -> list[str]:
     """Each field of a command's config whose value has another type than its default's, with the fix.
 
     A field whose default is text or ``???`` (a required path) takes text; a number default takes a number, a bool default true/false, a list default
     (or a field named in ``lists``) a list of texts; null defaults are left to the command. Hydra parses ``prompt=42`` as an int and
-    ``out=[a]`` as a list: without this check both end in a traceback far from the argument.
+    ``out=[a]`` as a list: without this check both end in a traceback far from the argument. A field in
+    ``integers`` takes no fraction (``max_new_tokens=1.5``), one in ``nullable`` also takes null
+    (``top_k=null``: every token).
     """
     values = OmegaConf.to_container(cfg, resolve=True)
     problems = []
     for key, default in defaults.items():
         value = values.get(key)
-        if default is None:
+        if default is None or (value is None and key in nullable):
             continue  # null defaults (export's dtype, merge's weights) are checked by their command
         if key in lists or isinstance(default, list):
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -355,6 +386,8 @@ def command_type_problems(cfg: DictConfig, defaults: dict, *, lists: Sequence[st
         elif isinstance(default, (int, float)):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 problems.append(f"{key}={value!r} must be a number, e.g. {key}={default}")
+            elif key in integers and not isinstance(value, int):
+                problems.append(f"{key}={value!r} must be a whole number, e.g. {key}={default}")
         elif isinstance(value, (list, dict)):
             problems.append(f"{key}={value} must be one text, not a {type(value).__name__}; give one value: {key}=...")
         elif not isinstance(value, str):

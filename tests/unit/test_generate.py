@@ -109,6 +109,8 @@ def test_overflowing_logits_name_the_fix_instead_of_a_multinomial_traceback() ->
         ("max_new_tokens=-5", "max_new_tokens=-5 must be > 0"),
         ("temperature=-1", "temperature=-1 must be >= 0"),
         ("top_k=0", "top_k=0 must be > 0"),
+        ("max_new_tokens=1.5", "max_new_tokens=1.5 must be a whole number, e.g. max_new_tokens=100"),  # 2 tokens before
+        ("top_k=2.5", "top_k=2.5 must be a whole number, e.g. top_k=40"),
     ],
 )
 def test_sampling_options_out_of_range_are_refused_before_loading(option: str, message: str, capsys) -> None:
@@ -119,3 +121,13 @@ def test_sampling_options_out_of_range_are_refused_before_loading(option: str, m
         main(["ckpt=no_such_run", option])
     assert exited.value.code == 2
     assert capsys.readouterr().err.startswith(f"plait: error: {message} (usage: plait generate")
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_top_k_null_samples_from_every_token(command: str) -> None:
+    """``top_k=null`` (what `sample` documents as every token, and GRPO's preset uses) is taken;
+    it was refused as "must be a number" (a reviewer's). Mutation: no nullable kinds -> SystemExit."""
+    from trainer.compose import compose_command
+
+    cfg = compose_command(command, ["ckpt=run", "top_k=null"], usage="", ranges=sample)
+    assert cfg.top_k is None
