@@ -91,8 +91,16 @@ def sample(
         The generated ids (without the prompt and the EOS or stop token).
 
     Raises:
+        ValueError: an option is out of its declared range, or the prompt is empty (all named at once).
         NonFiniteLogitsError: see `_next_token`.
     """
+    ranges = declared_ranges(sample)
+    options = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k}
+    problems = [p for key, value in options.items() if (p := value_problem(key, value, ranges[key]))]
+    if not prompt_ids:
+        problems.append("the prompt needs at least one token (an empty text prompt: start it with EOS)")
+    if problems:
+        raise ValueError("sample: " + "; ".join(problems))
     ids = list(prompt_ids[-(max_seq_len - 1) :])
     stops = {eos_id, *stop_ids}
     out: list[int] = []

@@ -131,3 +131,21 @@ def test_top_k_null_samples_from_every_token(command: str) -> None:
 
     cfg = compose_command(command, ["ckpt=run", "top_k=null"], usage="", ranges=sample)
     assert cfg.top_k is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"prompt_ids": []}, "the prompt needs at least one token"),
+        ({"top_k": 0}, "top_k=0 must be > 0"),  # was every token
+        ({"temperature": -1.0}, "temperature=-1.0 must be >= 0"),  # was greedy
+        ({"max_new_tokens": 0}, "max_new_tokens=0 must be > 0"),
+    ],
+)
+def test_sample_refuses_what_its_signature_declares_out_of_range(kwargs: dict, message: str) -> None:
+    """The Python API's `sample` checks the ranges it declares, as `sample_batch` does (a reviewer's:
+    top_k=0 sampled every token, a negative temperature decoded greedily, an empty prompt raised in
+    the embedding). Mutation: sample without its check -> no ValueError."""
+    kw = {"prompt_ids": PROMPT, "max_new_tokens": 4, "temperature": 1.0, "top_k": None, "max_seq_len": 128, **kwargs}
+    with pytest.raises(ValueError, match=f"^sample: .*{message}"):
+        sample(_model(), **kw)
