@@ -418,6 +418,10 @@ def continue_text(
     Raises:
         NonFiniteLogitsError: see `sample`.
     """
+    # A stop string that the last token completes lies in the last tokens that spell its bytes (each
+    # token at least one byte; a margin for those that decode to none): decoding them alone keeps the
+    # test per token constant, not growing with the answer.
+    tail = 4 * max((len(s.encode()) for s in stop_text), default=0) + 8
     new_ids = sample(
         model,
         tokenizer.encode(text) or [tokenizer.eos_id],
@@ -428,6 +432,6 @@ def continue_text(
         eos_id=tokenizer.eos_id,
         stop_ids=stop_ids,
         use_cache=use_cache and caches(model),
-        until=(lambda ids: any(s in tokenizer.decode(ids) for s in stop_text)) if stop_text else None,
+        until=(lambda ids: any(s in tokenizer.decode(ids[-tail:]) for s in stop_text)) if stop_text else None,
     )
     return before_stop(tokenizer.decode(new_ids), stop_text)
