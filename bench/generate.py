@@ -1,6 +1,6 @@
 """Generation speed: 40 greedy tokens of the nano Llama with and without the KV cache, side by side.
 
-A second pair times `trainer.sampling.sample_batch` (the RL rollout sampler) on ``--batch`` prompts
+A second pair times `trainer.batch_sampling.sample_batch` (the RL rollout sampler) on ``--batch`` prompts
 of 1..``--prompt`` tokens (left-padded), seeded, at temperature 1, with and without its cache;
 the tokens of both arms are checked equal, and the ratio is printed on a ``BATCH`` line.
 
@@ -25,9 +25,10 @@ import time
 import torch
 from omegaconf import OmegaConf
 
+from trainer.batch_sampling import sample_batch
 from trainer.compose import CONF_DIR
 from trainer.model_node import instantiate_model
-from trainer.sampling import sample, sample_batch
+from trainer.sampling import sample
 
 
 def main() -> None:

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from trainer.batch_sampling import _filtered, greedy_batch, sample_batch
 from trainer.models.kv_cache import KVCache, kv_cache
 from trainer.models.llama import Llama
-from trainer.sampling import NonFiniteLogitsError, _filtered, greedy_batch, sample, sample_batch
+from trainer.sampling import NonFiniteLogitsError, sample
 
 VOCAB, NEW = 50, 12
 # Prompts of 1..9 tokens: up to 8 pad tokens in a batch.

@@ -23,6 +23,7 @@ from rl_fixtures import ScriptedEngine
 from test_exact_match import Bigram
 from torch import nn
 
+from trainer.batch_sampling import greedy_batch, sample_batch
 from trainer.build import build_data
 from trainer.data.answer_end import turn_end_ids, turn_end_text
 from trainer.data.chat import DEFAULT_CHAT_TEMPLATE, JinjaTemplate
@@ -30,7 +31,6 @@ from trainer.data.tokenizer import Tokenizer
 from trainer.evaluators.exact_match import ExactMatch, GenerationSet
 from trainer.generate import reply
 from trainer.rl.evaluate import completion_text
-from trainer.sampling import greedy_batch, sample_batch
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"

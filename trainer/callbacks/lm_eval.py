@@ -168,7 +168,7 @@ class LMEval(L.Callback):
 
 
 def _all_ranks_done(device: torch.device) -> Callable[[bool], bool]:
-    """`trainer.sampling.sample_batch`'s ``all_done`` for collective forwards: decoding goes on until
+    """`trainer.batch_sampling.sample_batch`'s ``all_done`` for collective forwards: decoding goes on until
     every rank's rows have finished (their greedy decodes match, but a near tie may split them)."""
 
     def done(mine: bool) -> bool:

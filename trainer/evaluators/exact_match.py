@@ -3,7 +3,7 @@
 A data module hands over, per source scored this way (SFT ``metric: exact_match``), the held-out
 prompts (token ids, rendered by the run's chat template up to the assistant's turn) and the
 expected answers (text). The model continues every prompt greedily for at most the longest
-answer's tokens + 2 (trainer.sampling.greedy_batch); a prompt scores 1 when its continuation,
+answer's tokens + 2 (trainer.batch_sampling.greedy_batch); a prompt scores 1 when its continuation,
 decoded and stripped, equals the answer. The Task calls `evaluate` on every rank, in eval mode,
 with no gradient: every rank decodes every prompt (identical results; FSDP needs every rank in
 each forward).
@@ -20,9 +20,9 @@ from torch import nn
 
 from strategies.core.resolved import ResolvedRun
 from trainer import protocols
+from trainer.batch_sampling import greedy_batch
 from trainer.data.tokenizer import Tokenizer
 from trainer.rl.rollout import before_stop
-from trainer.sampling import greedy_batch
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class ExactMatch(protocols.Evaluator):
     def problems(cls, run: ResolvedRun | None, node: Any) -> list[str]:
         """Layouts under which the greedy decoding of the ``data`` node's exact-match sources cannot run.
 
-        `trainer.sampling.greedy_batch` feeds whole, growing sequences to the model on every rank:
+        `trainer.batch_sampling.greedy_batch` feeds whole, growing sequences to the model on every rank:
         a pipeline stage holds part of the layers, a context-parallel rank's attention expects its
         shard of a fixed-length sequence, and sequence-parallel TP shards the residual stream of a
         length tp need not divide. Tensor parallelism without it decodes (the logits are gathered).

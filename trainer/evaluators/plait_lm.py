@@ -12,7 +12,7 @@ What each request type computes, as lm-eval's own ``HFLM`` does (``lm_eval/model
 - ``loglikelihood_rolling`` (text): the text's whole log-probability in disjoint windows of L tokens,
   each after as much of the text before it as fits (``lm_eval.utils.get_rolling_token_windows``).
 - ``generate_until`` (context, gen_kwargs): greedy (or sampled: ``do_sample``, ``temperature``,
-  ``top_k``, ``top_p``) continuation with the KV cache (`trainer.sampling.sample_batch`), at most
+  ``top_k``, ``top_p``) continuation with the KV cache (`trainer.batch_sampling.sample_batch`), at most
   ``max_gen_toks`` tokens (or its aliases; 256 by default), stopped at EOS, decoded without special
   tokens, then cut before the first stop string of ``until``. The context keeps its last
   ``max(L - max_gen_toks, L // 2)`` tokens (a warning counts the prompts cut), and generation stops
@@ -40,8 +40,9 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from trainer.batch_sampling import PAD_ID, sample_batch
 from trainer.data.tokenizer import Tokenizer
-from trainer.sampling import PAD_ID, caches, sample_batch
+from trainer.sampling import caches
 
 DEFAULT_MAX_GEN_TOKS = 256
 

@@ -19,13 +19,13 @@ from dataclasses import asdict, dataclass
 
 from torch import nn
 
+from trainer.batch_sampling import sample_batch
 from trainer.data.answer_end import turn_end_ids
 from trainer.data.chat import JinjaTemplate
 from trainer.data.tokenizer import Tokenizer
 from trainer.rest.guidance import guide
 from trainer.rest.sos import verify
 from trainer.rl.rollout import completion_seed
-from trainer.sampling import sample_batch
 
 
 def prompt_message(problem: dict) -> str:
@@ -51,7 +51,7 @@ class Trace:
 
 
 class Generator:
-    """Decodes traces of problems with one model (`trainer.sampling.sample_batch`, KV cache).
+    """Decodes traces of problems with one model (`trainer.batch_sampling.sample_batch`, KV cache).
 
     Args:
         model: the round's model, in eval mode.

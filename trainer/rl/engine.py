@@ -1,7 +1,7 @@
 """The generation engine of online RL: what samples the G completions of every prompt.
 
 `GenerationEngine` is the seam: `InProcessEngine` (the default) decodes with the policy itself,
-in the training processes, with the batched KV-cache sampler (`trainer.sampling.sample_batch`).
+in the training processes, with the batched KV-cache sampler (`trainer.batch_sampling.sample_batch`).
 Under FSDP2 it needs no full copy of the model on any rank: each decode step's forward gathers
 one block's weights at a time, as a training forward does (FSDP2's pre-forward all-gather,
 freed after the block), so every rank must run the same number of decode steps (`all_done`
@@ -22,7 +22,7 @@ from typing import Protocol
 
 from torch import nn
 
-from trainer.sampling import sample_batch
+from trainer.batch_sampling import sample_batch
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,7 @@ class GenerationEngine(Protocol):
 
 
 class InProcessEngine:
-    """Decodes with the policy itself (`trainer.sampling.sample_batch`, KV cache, left padding).
+    """Decodes with the policy itself (`trainer.batch_sampling.sample_batch`, KV cache, left padding).
 
     Args:
         use_cache: decode with the KV cache (False runs the whole context per token; the same tokens).

@@ -1,7 +1,7 @@
 """`RewardEvaluator`: held-out prompts answered greedily and scored by the run's rewards.
 
 At each evaluation the model continues every held-out prompt greedily (temperature 0, the KV-cache
-sampler `trainer.sampling.sample_batch`, at most ``max_new_tokens``) and the run's reward
+sampler `trainer.batch_sampling.sample_batch`, at most ``max_new_tokens``) and the run's reward
 functions score the completions: ``val/reward`` (the weighted sum, mean over prompts) and
 ``val/reward/<name>`` per function. With the exact-answer reward, ``val/reward/<name>`` is the
 held-out exact-match accuracy. Every rank decodes every prompt (identical results; FSDP needs
@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from trainer import protocols
+from trainer.batch_sampling import sample_batch
 from trainer.data.tokenizer import Tokenizer
 from trainer.rl.rewards import Reward, score, total
 from trainer.rl.rollout import before_stop
-from trainer.sampling import sample_batch
 
 
 @dataclass(frozen=True)
