@@ -1,22 +1,51 @@
-"""Session-wide test settings: one thread per process, a private cache, short process-group timeouts."""
+"""Session-wide test settings: one thread per process, a private cache shared by the session's
+processes (xdist's workers, the learning tier), the learning tier's plugin."""
 
 from __future__ import annotations
 
 import importlib
 import os
+import shutil
+import tempfile
 
 import pytest
 
 # Before torch is imported anywhere: gloo tests fork several ranks onto 2 cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+pytest_plugins = ("learns.plugin",)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """Tests of one file run in this process (pyproject.toml's ``-n 2 --dist loadfile`` would start two
+    workers and give the file to one of them), unless ``-n`` is on the command line."""
+    files = {arg.split("::")[0] for arg in config.args}
+    explicit = any(a == "-n" or a.startswith(("-n", "--numprocesses")) for a in config.invocation_params.args)
+    if len(files) == 1 and os.path.isfile(files.pop()) and not explicit:
+        config.option.numprocesses = 0
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In the session's first process (xdist's controller, before its workers start): one data cache
+    for every process of the session, removed at its end, unless PLAIT_TEST_CACHE_DIR names one.
+    Cache files are written atomically (`trainer.data.cache.write_atomic`): processes may race."""
+    if not hasattr(config, "workerinput") and "PLAIT_TEST_CACHE_DIR" not in os.environ:
+        cache = tempfile.mkdtemp(prefix="plait-test-cache-")
+        os.environ["PLAIT_TEST_CACHE_DIR"] = cache
+
+        def remove() -> None:
+            shutil.rmtree(cache, ignore_errors=True)
+            del os.environ["PLAIT_TEST_CACHE_DIR"]
+
+        config.add_cleanup(remove)
+
 
 @pytest.fixture(scope="session", autouse=True)
-def plait_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+def plait_cache_dir() -> str:
     """Tokenizers and packed rows of the whole session (subprocesses inherit PLAIT_CACHE_DIR)."""
-    cache = os.environ.get("PLAIT_TEST_CACHE_DIR") or str(tmp_path_factory.mktemp("plait_cache"))
-    os.environ["PLAIT_CACHE_DIR"] = cache
-    return cache
+    os.environ["PLAIT_CACHE_DIR"] = os.environ["PLAIT_TEST_CACHE_DIR"]
+    return os.environ["PLAIT_TEST_CACHE_DIR"]
 
 
 # What CI installs and some tests would otherwise skip without (the Hugging Face reference,

@@ -4,7 +4,7 @@ base, the curve its base's end state gave: `learns.golden.golden_verdict`).
 
 The selected entries train once per session, one at a time, in one subprocess (`tier_results`);
 each test reads its entry's result. The values are printed at the end of the session, one line per entry
-(tests/learns/conftest.py). A change that moves numerics on purpose rewrites the golden curves in
+(tests/learns/plugin.py). A change that moves numerics on purpose rewrites the golden curves in
 the same commit, with the reason in the message::
 
     python tests/learns/tier.py --update-golden
