@@ -16,7 +16,7 @@ A step's loss and gradient norm are computed on the weights the previous update 
 first anomalous step ``k`` also accuses the weights of step ``k - 1``: the newest checkpoint of a
 step ``<= k - 2`` (`NonFiniteGuard.safe_step`) is the one to continue from. The checkpoint callback
 keeps it from pruning until the run has recovered (``recover_after`` admitted steps in a row), the
-stop message names it, and ``train.nonfinite=rollback`` reloads it (`trainer.task.Task._roll_back`).
+stop message names it, and ``train.nonfinite=rollback`` reloads it (`trainer.rollback.roll_back`).
 
 Skipping non-finite updates and counting them follows Megatron-LM's skipped iterations (its
 loss-scaler's ``found_inf`` skips the update); stopping after a run of them, the spike rule's

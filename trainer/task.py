@@ -19,7 +19,6 @@ optimization is off because its closure scales losses by a fixed ``1/accumulate_
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,7 +30,7 @@ from torch import nn
 from typing_extensions import override
 
 from strategies.transforms.lora import quantize_pending
-from trainer.catalog import say
+from trainer import held_out
 from trainer.data import accounting
 from trainer.init_from import load_init_from
 from trainer.loggers import is_logging_step
@@ -39,16 +38,10 @@ from trainer.nonfinite import ADMITTED, NonFiniteError, NonFiniteGuard
 from trainer.off_step import OffStepClock
 from trainer.optim import build_optimizer
 from trainer.protocols import Objective, RoutedModel
+from trainer.rollback import roll_back
 from trainer.run_length import RunLength, plan_run_length
 from trainer.rundir import RunDir
-from trainer.step_metrics import NamedMeans, PendingSteps, read_means
-
-
-def val_metrics(objective: Objective, val_loss: float, extra: dict[str, float]) -> dict[str, float]:
-    """An evaluation's row: ``val/loss``, ``val/ppl`` (exp of the loss, capped at e^50) when the loss
-    is a mean NLL per token (``objective.count_unit == "tokens"``; not for a pair loss), and ``extra``."""
-    ppl = {"val/ppl": math.exp(min(val_loss, 50.0))} if getattr(objective, "count_unit", "tokens") == "tokens" else {}
-    return {"val/loss": val_loss, **ppl, **extra}
+from trainer.step_metrics import NamedMeans, PendingSteps
 
 
 class Task(L.LightningModule):
@@ -249,15 +242,7 @@ class Task(L.LightningModule):
         # before a cp rank keeps its slice; every replica group's share (fault tolerance) counted
         step_tokens = batch["input_ids"].numel() * strategy.train_sampler_kwargs["num_replicas"]
         micro_batches = strategy.micro_batches(batch, self.micro_batch_size)  # e.g. each cp rank's slices
-        if isinstance(self.model, RoutedModel):
-            # Router losses average over the step's routed tokens on every rank that shares the gradient.
-            local_tokens = sum(mb["input_ids"].numel() for mb in micro_batches)
-            self.model.set_router_loss_scale(1.0 / (local_tokens * strategy.submesh(strategy.token_axis).size()))
-
-        num_tokens = torch.stack([self.objective.num_tokens(mb) for mb in micro_batches]).sum()
-        # The ranks that share one gradient: dp x cp, or one island's under local SGD.
-        num_tokens = strategy.all_reduce_sum(num_tokens.to(self.device), strategy.token_axis)
-        num_tokens = strategy.reduce_tokens(num_tokens)  # replica groups (fault tolerance): theirs too
+        num_tokens = self._count_tokens(micro_batches)
         # A step without supervised tokens contributes exactly 0 gradient, never 0/0 = NaN.
         denominator = num_tokens.clamp(min=1.0)
 
@@ -277,37 +262,8 @@ class Task(L.LightningModule):
         # group cannot commit is dropped.
         loss, commit = strategy.reduce_gradients(parameters, loss, [sums for _, sums in named_sums])
         objective_sums = [NamedMeans.of_sums("train", names, sums) for names, sums in named_sums]
-        grad_norm = strategy.grad_norm(parameters)
-        islands = None if strategy.token_axis == "dp_cp" else lambda t: strategy.all_reduce_sum(t, "dp_replicate")
-        values = self.nonfinite.combine(loss, grad_norm, islands=islands)
-        if not commit:  # the replica groups dropped this update (a failed all-reduce: partial values): not judged
-            verdict, on_device = torch.full_like(values[0], ADMITTED), False
-            optimizer.zero_grad(set_to_none=True)  # the optimizer then leaves every parameter as it is
-        else:
-            # Decided before the optimizer step: an anomalous step's update is never applied.
-            verdict = self.nonfinite.verdict(values, judged=num_tokens > 0, islands=islands)
-            on_device = self.nonfinite.skip_on_device(getattr(optimizer, "_optimizer", optimizer), verdict)
-            if not on_device:
-                self._read_pending()  # the steps before, so that a stop on this one is the history's last
-                loss_f, grad_norm_f, verdict_f = torch.cat([values, verdict.reshape(1)]).tolist()
-                entry = {"step": self.global_step + 1, "loss": loss_f, "grad_norm": grad_norm_f}
-                with self._stopping_step(
-                    {**entry, "lr": optimizer.param_groups[0]["lr"]}, self.tokens_seen + step_tokens
-                ):
-                    admitted = self.nonfinite.admit(*entry.values(), verdict_f, checkpoints=self._checkpoints())
-            if not on_device and not admitted:
-                optimizer.zero_grad(set_to_none=True)
-            elif self.max_grad_norm:  # (a skipped step's NaN gradients: its update is skipped anyway)
-                strategy.clip_grads(parameters, max_norm=self.max_grad_norm, total_norm=grad_norm)
-        lr = optimizer.param_groups[0]["lr"]
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler = self.lr_schedulers()
-        if scheduler is not None:
-            scheduler.step()
-        if (observe_loss := getattr(strategy, "observe_loss", None)) is not None:
-            observe_loss(self.global_step, loss)  # before the step's plugin work (DASO's plateau rule)
-        strategy_metrics = strategy.after_optimizer_step(self.model, self.global_step, optimizer)  # e.g. bytes sent
+        values, verdict, on_device = self._judge(optimizer, parameters, loss, num_tokens, commit, step_tokens)
+        lr, strategy_metrics = self._update(optimizer, loss)
 
         # A loader may report data metrics of the trained position (per-source consumed tokens).
         data_metrics = self.trainer.train_dataloader.mark_trained() or {}
@@ -334,6 +290,71 @@ class Task(L.LightningModule):
         )
         if is_logging_step(self.trainer) or self._evaluates_now():
             self._log_read_steps()
+
+    def _count_tokens(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """The step's loss divisor (the objective's `num_tokens` over the micro-batches of every rank
+        that shares the gradient: dp x cp, one island's under local SGD, and the replica groups of
+        fault tolerance), counted before the first backward; sets a routed model's router-loss scale."""
+        strategy = self.trainer.strategy
+        if isinstance(self.model, RoutedModel):
+            # Router losses average over the step's routed tokens on every rank that shares the gradient.
+            local_tokens = sum(mb["input_ids"].numel() for mb in micro_batches)
+            self.model.set_router_loss_scale(1.0 / (local_tokens * strategy.submesh(strategy.token_axis).size()))
+        num_tokens = torch.stack([self.objective.num_tokens(mb) for mb in micro_batches]).sum()
+        num_tokens = strategy.all_reduce_sum(num_tokens.to(self.device), strategy.token_axis)
+        return strategy.reduce_tokens(num_tokens)  # replica groups (fault tolerance): theirs too
+
+    def _judge(
+        self,
+        optimizer: Any,
+        parameters: list[nn.Parameter],
+        loss: torch.Tensor,
+        num_tokens: torch.Tensor,
+        commit: bool,
+        step_tokens: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Whether the step's update is applied, decided before the optimizer step: the gradient
+        norm, the guard's verdict on the loss and norm (`NonFiniteGuard`), gradients zeroed when it
+        is refused (so the optimizer leaves every parameter as it is), clipped otherwise.
+
+        Returns:
+            ``(values [loss, grad_norm], verdict, on_device)``: ``on_device`` when the verdict is
+            applied on the device without a host read (`NonFiniteGuard.skip_on_device`).
+        """
+        strategy = self.trainer.strategy
+        grad_norm = strategy.grad_norm(parameters)
+        islands = None if strategy.token_axis == "dp_cp" else lambda t: strategy.all_reduce_sum(t, "dp_replicate")
+        values = self.nonfinite.combine(loss, grad_norm, islands=islands)
+        if not commit:  # the replica groups dropped this update (a failed all-reduce: partial values): not judged
+            optimizer.zero_grad(set_to_none=True)
+            return values, torch.full_like(values[0], ADMITTED), False
+        verdict = self.nonfinite.verdict(values, judged=num_tokens > 0, islands=islands)
+        on_device = self.nonfinite.skip_on_device(getattr(optimizer, "_optimizer", optimizer), verdict)
+        if not on_device:
+            self._read_pending()  # the steps before, so that a stop on this one is the history's last
+            loss_f, grad_norm_f, verdict_f = torch.cat([values, verdict.reshape(1)]).tolist()
+            entry = {"step": self.global_step + 1, "loss": loss_f, "grad_norm": grad_norm_f}
+            with self._stopping_step({**entry, "lr": optimizer.param_groups[0]["lr"]}, self.tokens_seen + step_tokens):
+                admitted = self.nonfinite.admit(*entry.values(), verdict_f, checkpoints=self._checkpoints())
+        if not on_device and not admitted:
+            optimizer.zero_grad(set_to_none=True)
+        elif self.max_grad_norm:  # (a skipped step's NaN gradients: its update is skipped anyway)
+            strategy.clip_grads(parameters, max_norm=self.max_grad_norm, total_norm=grad_norm)
+        return values, verdict, on_device
+
+    def _update(self, optimizer: Any, loss: torch.Tensor) -> tuple[float, dict[str, Any]]:
+        """The optimizer and LR-scheduler steps, then the strategy's work after them (local-SGD
+        synchronisations). Returns the step's learning rate and the strategy's metrics (e.g. bytes sent)."""
+        strategy = self.trainer.strategy
+        lr = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:
+            scheduler.step()
+        if (observe_loss := getattr(strategy, "observe_loss", None)) is not None:
+            observe_loss(self.global_step, loss)  # before the step's plugin work (DASO's plateau rule)
+        return lr, strategy.after_optimizer_step(self.model, self.global_step, optimizer)
 
     def _last_step(self) -> bool:
         """Whether the step just done is the run's last: ``trainer.max_steps`` reached or the data ended."""
@@ -416,45 +437,17 @@ class Task(L.LightningModule):
         return [_EndOfStep()]
 
     def end_step(self) -> None:
-        """Rolls back when the guard says so (`_roll_back`), evaluates when due and writes the
+        """Rolls back when the guard says so (`trainer.rollback.roll_back`), evaluates when due and writes the
         step's row to the loggers."""
         if self.nonfinite.policy == "rollback":
             self._read_pending()  # this step's verdict now: a host read each step, under rollback only
         if self.nonfinite.rollback_due is not None:
             with self.off_step():  # a reload, not training (summary.json's tokens/s)
-                self._roll_back()
+                roll_back(self)
         if self._evaluates_now():
             with self.off_step():
                 self.evaluate()
         self._write_row()
-
-    def _roll_back(self) -> None:
-        """Reloads the weights and optimizer state of the checkpoint from before the anomaly
-        (`NonFiniteGuard.rollback_due`) into the live model, on every rank (DCP is collective;
-        the guard's state is equal on all of them). The step count, the LR schedule and the data
-        position go on: the next steps train on the data after the anomalous ones, as PaLM
-        restarted about 100 steps before a spike and skipped 200-500 batches."""
-        path = self.nonfinite.rollback_due
-        assert path is not None
-        # The checkpoint's param groups would also bring back its hyperparameters (a resumed run's
-        # resume_override=[optim.lr] among them): the run's own stay.
-        optimizers = [getattr(opt, "_optimizer", opt) for opt in self.trainer.optimizers]
-        groups = [
-            [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups] for opt in optimizers
-        ]
-        self.trainer.strategy.load_checkpoint(path)
-        for opt, kept in zip(optimizers, groups):
-            for group, hyper in zip(opt.param_groups, kept):
-                group.update(hyper)
-        self.nonfinite.rolled_back()
-        self.record({"train/rollbacks": float(self.nonfinite.rollbacks)})
-        if self.trainer.is_global_zero:
-            say(
-                f"warning: rolled back at step {self.global_step} to {path.name}, the checkpoint before the "
-                f"anomalous steps from step {self.nonfinite.first['step'] if self.nonfinite.first else '?'} on "
-                f"({self.nonfinite.counts()} so far; rollback {self.nonfinite.rollbacks} of train.max_rollbacks="
-                f"{self.nonfinite.max_rollbacks}); training goes on with the data after them"
-            )
 
     @override
     def on_train_epoch_end(self) -> None:
@@ -462,39 +455,9 @@ class Task(L.LightningModule):
         if self.data_ended():
             self.trainer.should_stop = True
 
-    @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Token-weighted validation loss over the held-out rows of all dp ranks (None without any).
-
-        Records `val_metrics` in the current step's row.
-        """
-        strategy = self.trainer.strategy
-        loader = self.trainer.datamodule.eval_dataloader()
-        was_training = self.model.training
-        self.model.eval()
-        totals = torch.zeros(2, device=self.device)
-        self.objective.pop_sums()  # drop stray sums: the next ones are this evaluation's
-        with self.trainer.precision_plugin.forward_context():
-            for batch in loader:
-                batch = strategy.shard_batch({k: v.to(self.device) for k, v in batch.items()})
-                totals[0] += strategy.eval_loss_sum(self.model, batch, self.objective.loss_sum)
-                totals[1] += self.objective.num_tokens(batch)
-            extra = read_means(self._pop_sums("val"))
-            # The data's evaluators score the model beyond the loss (held-out exact match per SFT source).
-            for evaluator in self.trainer.datamodule.evaluators():
-                extra.update(evaluator.evaluate(self.model, self.device))
-        strategy.all_reduce_sum(totals, "dp_cp")
-        self.model.train(was_training)
-        if totals[1].item() == 0:  # no validation rows (data.val_fraction=0): no loss figure, rather than 0.0
-            if extra:  # the evaluators' scores still count (held-out rewards of prompts without answers)
-                self.record(extra)
-                self.history.append({"step": self.global_step, "val_loss": None, "metrics": extra})
-            return None
-        val_loss = (totals[0] / totals[1]).item()
-        self.record(val_metrics(self.objective, val_loss, extra))
-        entry = {"step": self.global_step, "val_loss": val_loss}
-        self.history.append({**entry, "metrics": extra} if extra else entry)
-        return val_loss
+        """The held-out loss and the data's evaluators' scores, recorded in the step's row (`held_out.evaluate`)."""
+        return held_out.evaluate(self)
 
     @property
     def latest_val_loss(self) -> float | None:

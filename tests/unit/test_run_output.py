@@ -113,7 +113,7 @@ def test_perplexity_only_for_a_per_token_nll() -> None:
     from trainer.objectives.preference import DPO, ORPO
     from trainer.objectives.pretrain import CausalLM
     from trainer.objectives.sft import SFT
-    from trainer.task import val_metrics
+    from trainer.held_out import val_metrics
 
     for objective in (CausalLM(), SFT()):
         assert val_metrics(objective, 2.0, {"val/x": 1.0}) == {
