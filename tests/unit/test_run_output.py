@@ -109,11 +109,11 @@ def test_the_data_summary_counts_each_kind_of_data() -> None:
 
 
 def test_perplexity_only_for_a_per_token_nll() -> None:
+    from trainer.held_out import val_metrics
     from trainer.objectives.kto import KTO
     from trainer.objectives.preference import DPO, ORPO
     from trainer.objectives.pretrain import CausalLM
     from trainer.objectives.sft import SFT
-    from trainer.held_out import val_metrics
 
     for objective in (CausalLM(), SFT()):
         assert val_metrics(objective, 2.0, {"val/x": 1.0}) == {
