@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import importlib
 import os
-import shutil
-import tempfile
+import shlex
 
 import pytest
 
@@ -21,24 +20,22 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
     """Tests of one file run in this process (pyproject.toml's ``-n 2 --dist loadfile`` would start two
     workers and give the file to one of them), unless ``-n`` is on the command line."""
     files = {arg.split("::")[0] for arg in config.args}
-    explicit = any(a == "-n" or a.startswith(("-n", "--numprocesses")) for a in config.invocation_params.args)
+    given = [*config.invocation_params.args, *shlex.split(os.environ.get("PYTEST_ADDOPTS", ""))]
+    explicit = any(a.startswith(("-n", "--numprocesses")) for a in given)
     if len(files) == 1 and os.path.isfile(files.pop()) and not explicit:
         config.option.numprocesses = 0
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own, which makes the session's temporary folder factory
 def pytest_configure(config: pytest.Config) -> None:
     """In the session's first process (xdist's controller, before its workers start): one data cache
-    for every process of the session, removed at its end, unless PLAIT_TEST_CACHE_DIR names one.
+    for every process of the session, in pytest's temporary folder of the session (which pytest
+    prunes to the last 3 sessions, a killed one's too), unless PLAIT_TEST_CACHE_DIR names one.
     Cache files are written atomically (`trainer.data.cache.write_atomic`): processes may race."""
     if not hasattr(config, "workerinput") and "PLAIT_TEST_CACHE_DIR" not in os.environ:
-        cache = tempfile.mkdtemp(prefix="plait-test-cache-")
-        os.environ["PLAIT_TEST_CACHE_DIR"] = cache
-
-        def remove() -> None:
-            shutil.rmtree(cache, ignore_errors=True)
-            del os.environ["PLAIT_TEST_CACHE_DIR"]
-
-        config.add_cleanup(remove)
+        # Private, as xdist uses it to give its workers folders inside the controller's.
+        os.environ["PLAIT_TEST_CACHE_DIR"] = str(config._tmp_path_factory.mktemp("plait_cache"))
+        config.add_cleanup(lambda: os.environ.pop("PLAIT_TEST_CACHE_DIR", None))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -108,7 +108,8 @@ class _Tier:
     def stop(self) -> None:
         """At the end of the session: reads the results when the tier finished (for the summary),
         stops it when the session ended early (-x, a failure), removes its folder unless an entry failed."""
-        if self.proc.poll() is None:  # SIGTERM lets it stop its workers and remove its folder
+        stopped = self.proc.poll() is None
+        if stopped:  # SIGTERM lets it stop its workers and remove its folder
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout=10)
@@ -121,8 +122,8 @@ class _Tier:
             from learns.entries import passed
 
             self.keep = not all(passed(name, result) for name, result in _RESULTS.items())
-        elif (self.work / "exit.json").exists():
-            self.keep = True  # it ended without results: its output is in the failed test's message
+        elif not stopped and (self.work / "exit.json").exists():
+            self.keep = True  # it ended on its own without results: its output is in the failed test's message
         if not self.keep:
             shutil.rmtree(self.work, ignore_errors=True)
 
