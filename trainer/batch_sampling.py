@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from strategies.core.ranges import NON_NEGATIVE, POSITIVE, Range, declared_ranges, value_problem
+from strategies.core.ranges import NON_NEGATIVE, POSITIVE, Range, range_problems
 from trainer.models.kv_cache import kv_cache
 from trainer.sampling import NonFiniteLogitsError, caches
 
@@ -207,9 +207,8 @@ def sample_batch(
             or ``use_cache`` with a model that takes no KV cache (`caches`); all named at once.
         NonFiniteLogitsError: an unfinished row's logits are not finite (see `_next_tokens`).
     """
-    ranges = declared_ranges(sample_batch)
     options = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k}
-    problems = [p for key, value in options.items() if (p := value_problem(key, value, ranges[key]))]
+    problems = range_problems(sample_batch, options.items())
     if not prompts or not all(prompts):
         problems.append("every prompt needs at least one token (an empty chat prompt: start it with EOS)")
     if seeds is not None and len(seeds) != len(prompts):

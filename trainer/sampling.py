@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from strategies.core.model_contract import declares
-from strategies.core.ranges import NON_NEGATIVE, POSITIVE, declared_ranges, value_problem
+from strategies.core.ranges import NON_NEGATIVE, POSITIVE, range_problems
 from trainer.data.tokenizer import Tokenizer
 from trainer.models.kv_cache import kv_cache
 from trainer.rl.rollout import before_stop
@@ -91,9 +91,8 @@ def sample(
         ValueError: an option is out of its declared range, or the prompt is empty (all named at once).
         NonFiniteLogitsError: see `_next_token`.
     """
-    ranges = declared_ranges(sample)
     options = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k}
-    problems = [p for key, value in options.items() if (p := value_problem(key, value, ranges[key]))]
+    problems = range_problems(sample, options.items())
     if not prompt_ids:
         problems.append("the prompt needs at least one token (an empty text prompt: start it with EOS)")
     if problems:

@@ -104,10 +104,13 @@ def value_problem(key: str, value: Any, allowed: Range | None) -> str | None:
     return None
 
 
-def range_problems(target: Any, items: Iterable[tuple[str, Any]], where: str) -> list[str]:
-    """The out-of-range values among ``items`` (key, value) of the node ``where`` built by ``target``."""
+def range_problems(target: Any, items: Iterable[tuple[str, Any]], where: str = "") -> list[str]:
+    """The out-of-range values among ``items`` (key, value) of the node ``where`` built by ``target``
+    (each named ``where.key``; ``key`` alone without ``where``, e.g. a function's own arguments)."""
     ranges = declared_ranges(target)
-    return [p for key, value in items if (p := value_problem(f"{where}.{key}", value, ranges.get(key)))]
+    return [
+        p for key, value in items if (p := value_problem(f"{where}.{key}" if where else key, value, ranges.get(key)))
+    ]
 
 
 def optimizer_problem(optimizer: Callable[..., torch.optim.Optimizer] | None) -> str | None:
