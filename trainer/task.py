@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
+from strategies.core.model_contract import model_inputs
 from strategies.transforms.lora import quantize_pending
 from trainer import held_out
 from trainer.data import accounting
@@ -296,13 +297,20 @@ class Task(L.LightningModule):
         that shares the gradient: dp x cp, one island's under local SGD, and the replica groups of
         fault tolerance), counted before the first backward; sets a routed model's router-loss scale."""
         strategy = self.trainer.strategy
-        if isinstance(self.model, RoutedModel):
-            # Router losses average over the step's routed tokens on every rank that shares the gradient.
-            local_tokens = sum(mb["input_ids"].numel() for mb in micro_batches)
-            self.model.set_router_loss_scale(1.0 / (local_tokens * strategy.submesh(strategy.token_axis).size()))
         num_tokens = torch.stack([self.objective.num_tokens(mb) for mb in micro_batches]).sum()
-        num_tokens = strategy.all_reduce_sum(num_tokens.to(self.device), strategy.token_axis)
-        return strategy.reduce_tokens(num_tokens)  # replica groups (fault tolerance): theirs too
+        if not isinstance(self.model, RoutedModel):
+            num_tokens = strategy.all_reduce_sum(num_tokens.to(self.device), strategy.token_axis)
+            return strategy.reduce_tokens(num_tokens)  # replica groups (fault tolerance): theirs too
+        # Router losses average over the step's routed tokens (padding is not routed: model_inputs)
+        # on every rank that shares the gradient; one all-reduce for both counts.
+        masks = [model_inputs(self.model, mb).get("token_mask_bt") for mb in micro_batches]
+        routed = sum(float(mb["input_ids"].numel()) if m is None else m.sum() for mb, m in zip(micro_batches, masks))
+        both = torch.stack(
+            [num_tokens.double(), torch.as_tensor(routed, dtype=torch.float64, device=num_tokens.device)]
+        )
+        counts = strategy.all_reduce_sum(both.to(self.device), strategy.token_axis)
+        self.model.set_router_loss_scale(1.0 / max(float(counts[1]), 1.0))
+        return strategy.reduce_tokens(counts[0].float())  # replica groups (fault tolerance): theirs too
 
     def _judge(
         self,

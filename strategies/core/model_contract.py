@@ -133,12 +133,35 @@ class MixtureOfExperts(Protocol):
     n_dense_layers: int
 
 
+# Members that are keywords of the model's forward, not attributes.
+FORWARD_KEYWORDS = ("return_hidden", "token_mask_bt")
+
+
 def declares(model: Any, member: str) -> bool:
-    """Whether ``model`` (an instance or a class) has ``member`` (``return_hidden``: a keyword of its forward)."""
-    if member == "return_hidden":
+    """Whether ``model`` (an instance or a class) has ``member`` (`FORWARD_KEYWORDS`: a keyword of its forward)."""
+    if member in FORWARD_KEYWORDS:
         forward = getattr(model, "forward", None)
-        return callable(forward) and "return_hidden" in inspect.signature(forward).parameters
+        return callable(forward) and member in inspect.signature(forward).parameters
     return hasattr(model, member)
+
+
+def model_inputs(model: Any, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The keyword arguments of ``model``'s forward that come from ``batch`` beside its input ids,
+    those the batch has (a model of one's own that takes input ids alone runs on rows without them).
+
+    ``position_ids_bt`` and ``document_ids_bt``: the rows' ``position_ids`` and ``document_ids``
+    ``[B, T]``. ``token_mask_bt``, only for a model whose forward declares it (a routed mixture of
+    experts, `trainer.models.moe.MoE`) and rows with ``source_ids``: bool ``[B, T]``, True on real
+    tokens and False on padding (``source_ids < 0``, the packer's mark: `trainer.data.packing`), so
+    that the routers neither count padding in their loads nor balance over it. The one place these
+    arguments are read off a batch: the objectives and the pipeline stages (`strategies.pipeline.stages`)
+    call it.
+    """
+    inputs = {arg: batch[key] for key, arg in (("position_ids", "position_ids_bt"), ("document_ids", "document_ids_bt"))
+              if key in batch}  # fmt: skip
+    if "source_ids" in batch and declares(model, "token_mask_bt"):
+        inputs["token_mask_bt"] = batch["source_ids"] >= 0
+    return inputs
 
 
 def missing(model: Any, members: tuple[str, ...] | list[str]) -> list[str]:

@@ -261,7 +261,9 @@ class PipelineParallel(StrategyPlugin):
             args = (batch["input_ids"],) if first else ()
             s["keys"], targets = pack_targets(batch)
             target = targets if last else None
-            schedule.step(*args, target=target, losses=losses, return_outputs=False, **model_kwargs(batch))
+            schedule.step(
+                *args, target=target, losses=losses, return_outputs=False, **model_kwargs(s["modules"][0], batch)
+            )
             if last:
                 total += torch.stack([loss.detach() for loss in losses]).sum()
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=s["group"])  # only the last stage had it
@@ -282,7 +284,7 @@ class PipelineParallel(StrategyPlugin):
         s = self._state
         self._refresh_view_buffers()
         pp, schedule, group = s["pp"], s["schedule"], s["group"]
-        kwargs = model_kwargs(batch)
+        kwargs = model_kwargs(s["modules"][0], batch)
         modules = dict(zip(s["stages"], s["modules"]))
         total = torch.zeros((), device=s["device"])
         hidden = None

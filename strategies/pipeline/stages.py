@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 
+from strategies.core.model_contract import model_inputs
 from strategies.pipeline.layout import SINGLE_STAGE, microbatch_problems
 
 _CLASSES = {
@@ -24,7 +25,6 @@ _CLASSES = {
     "ZBV": "ScheduleZBVZeroBubble",
     "DualPipeV": "ScheduleDualPipeV",
 }
-_MODEL_KWARGS = {"position_ids": "position_ids_bt", "document_ids": "document_ids_bt"}
 
 
 def build_schedule(
@@ -143,9 +143,10 @@ def stage_loss(
     return loss_fn(_Replay(hidden, head), {"input_ids": batch["labels"], **batch})
 
 
-def model_kwargs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Keyword arguments every stage's forward takes from the batch (positions, document ids)."""
-    return {arg: batch[key] for key, arg in _MODEL_KWARGS.items() if key in batch}
+def model_kwargs(model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Keyword arguments every stage's forward takes from the batch (positions, document ids, a routed
+    model's token mask: `strategies.core.model_contract.model_inputs`), those the batch has."""
+    return model_inputs(model, batch)
 
 
 def backward_initialized(schedule: Any) -> bool:

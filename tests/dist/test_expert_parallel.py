@@ -88,8 +88,9 @@ def swiglu(x, w1, w2, w3):
     return (F.silu(x @ w1.T) * (x @ w3.T)) @ w2.T
 
 
-def mixture(x, P, i, bias, k=2):
-    """Every expert on every token, masked by the top-k choice; returns (output, balance sum, z sum, loads)."""
+def mixture(x, P, i, bias, real, k=2):
+    """Every expert on every token, masked by the top-k choice; returns (output, balance sum, z sum, loads).
+    ``real`` [B, T]: 1 on real tokens, 0 on padding, which no statistic or router loss counts."""
     B, T, D = x.shape
     f = f"layers.{i}.feed_forward."
     logits = x @ P[f + "router.gate.weight"].T
@@ -103,34 +104,46 @@ def mixture(x, P, i, bias, k=2):
         for e in range(E)
     )
     out = out + swiglu(x, *(P[f + f"shared_experts.{w}.weight"] for w in ("w1", "w2", "w3")))
-    share = mask.sum(1) * E / (k * T)  # [B, E]: the row's routed share of each expert, times E/K
-    balance = (share[:, None, :] * probs).sum()
-    z = torch.logsumexp(logits, -1).square().sum()
-    return out, balance, z, mask.sum((0, 1))
+    routed = mask * real[..., None]
+    length = real.sum(1, keepdim=True).clamp(min=1)  # [B, 1]: the row's real tokens
+    share = routed.sum(1) * E / (k * length)  # [B, E]: the row's routed share of each expert, times E/K
+    balance = (share[:, None, :] * probs * real[..., None]).sum()
+    z = (torch.logsumexp(logits, -1).square() * real).sum()
+    return out, balance, z, routed.sum((0, 1))
 
 
-def reference(cfg) -> dict:
-    rows, model, _, sampler = reference_setup(cfg)
-    P = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+def pretrain_batches(cfg) -> list[dict]:
+    """The reference's global batches of the pretraining rows (no padding): `reference_setup`'s sampler."""
+    rows, _, _, sampler = reference_setup(cfg)
+    return [{k: getattr(rows, k)[index] for k in ("input_ids", "position_ids", "document_ids", "labels")}
+            for _, index in zip(range(STEPS), sampler)]  # fmt: skip
+
+
+def sft_batches(cfg) -> list[dict]:
+    """The global batches of the SFT mixture, rows with pad tails (``source_ids`` -1), as one rank reads them."""
+    from trainer.build import build_data
+
+    batches = build_data(cfg).train_batches(0, 1)
+    return [batch for _, (batch, _, _) in zip(range(STEPS), batches.batches(batches.start()))]
+
+
+def reference(cfg, batches: list[dict]) -> dict:
+    P = {n: p.detach().clone().requires_grad_() for n, p in _model(cfg).named_parameters()}
     biases = [torch.zeros(4) for _ in range(2)]
     optimizer = torch.optim.SGD(P.values(), lr=cfg.optim.lr, momentum=cfg.optim.momentum)
     out = {"loss": [], "grads": [], "metrics": []}
-    for _, index in zip(range(STEPS), sampler):
-        ids, pos, docs, labels = (
-            rows.input_ids[index],
-            rows.position_ids[index],
-            rows.document_ids[index],
-            rows.labels[index],
-        )
+    for batch in batches:
+        ids, pos, docs, labels = (batch[k] for k in ("input_ids", "position_ids", "document_ids", "labels"))
+        real = (batch["source_ids"] >= 0).float() if "source_ids" in batch else torch.ones(ids.shape)
         h = P["tok_embeddings.weight"][ids]
         router_loss, loads, balances, zs = 0.0, [], 0.0, 0.0
         for i in range(2):
             h = h + attention(rms(h, P[f"layers.{i}.attention_norm.weight"]), P, i, pos, docs)
-            y, balance, z, load = mixture(rms(h, P[f"layers.{i}.ffn_norm.weight"]), P, i, biases[i])
+            y, balance, z, load = mixture(rms(h, P[f"layers.{i}.ffn_norm.weight"]), P, i, biases[i], real)
             h, router_loss = h + y, router_loss + BALANCE * balance + ZLOSS * z
             loads.append(load)
             balances, zs = balances + balance.item(), zs + z.item()
-        pairs = ids.numel() * 2  # token x block pairs: the statistics are means over them
+        pairs = real.sum().item() * 2  # real token x block pairs: the statistics are means over them
         metrics = {"train/moe/balance_loss": balances / pairs, "train/moe/z_loss": zs / pairs}
         metrics |= {f"train/moe/load/{e}": (sum(loads)[e] * 4 / 2 / pairs).item() for e in range(4)}  # x E/K
         out["metrics"].append(metrics)
@@ -138,7 +151,7 @@ def reference(cfg) -> dict:
         ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
         loss = ce / (labels != IGNORE_INDEX).sum()
         optimizer.zero_grad(set_to_none=True)
-        (loss + router_loss / ids.numel()).backward()  # router losses: a mean over the step's tokens
+        (loss + router_loss / real.sum()).backward()  # router losses: a mean over the step's real tokens
         out["loss"].append(loss.item())
         out["grads"].append({n: p.grad.detach().clone() for n, p in P.items()})
         optimizer.step()
@@ -148,13 +161,48 @@ def reference(cfg) -> dict:
     return out
 
 
+def _model(cfg):
+    """plait's initial weights for ``cfg`` (as `reference_setup` draws them)."""
+    from trainer.build import build_data
+    from trainer.model_node import instantiate_model
+
+    vocab = build_data(cfg).prepare().tokenizer.vocab_size
+    torch.manual_seed(cfg.seed)
+    return instantiate_model(cfg.model, vocab_size=cfg.model.get("vocab_size") or vocab)
+
+
 @pytest.fixture(scope="module")
 def ref() -> dict:
-    return reference(compose_config(COMMON))
+    cfg = compose_config(COMMON)
+    return reference(cfg, pretrain_batches(cfg))
 
 
-def _run(overrides: list[str], run_dir) -> dict:
-    _, task = fit(compose_config([*COMMON, *overrides]), run_dir)
+# SFT rows of the synthetic mixture: samples whole in a row, pad tails of 0-24 tokens of 64; the
+# tokenizer's 287 tokens padded to 288 for tp=2.
+SFT = (
+    "model=nano", "data=synthetic", "data.seq_len=64", "~data.sources.reversal", "data.sources.addition.limit=40",
+    "data.sources.addition.val_size=4", "data.sources.sorting.limit=40", "data.sources.sorting.val_size=4",
+    "data.sources.addition.metric=loss", "data.sources.sorting.metric=loss", "train.global_batch_size=8",
+    "train.eval_every=0", "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
+    "strategy.timeout_s=120", "logger=none", "~callbacks.plots", "+model.vocab_size=288",
+)  # fmt: skip
+
+
+def _sft_config(overrides=()):
+    return compose_config([*SFT, *COMMON, *overrides], recipe="sft", tiny=False)
+
+
+@pytest.fixture(scope="module")
+def ref_padded() -> dict:
+    cfg = _sft_config()
+    batches = sft_batches(cfg)
+    assert all(bool((b["source_ids"] < 0).any()) for b in batches)  # every step has padding to leave out
+    return reference(cfg, batches)
+
+
+def _run(overrides: list[str], run_dir, *, padded: bool = False) -> dict:
+    cfg = _sft_config(overrides) if padded else compose_config([*COMMON, *overrides])
+    _, task = fit(cfg, run_dir)
     return {
         "loss": losses(task.history),
         "grads": [h["grads"] for h in task.history if "grads" in h],
@@ -187,3 +235,22 @@ SLOW = {"ep2_x_tp2", "ep2_compile_block", "ep2_x_tp2_compile_block", "ep2_x_pp2"
 )
 def test_layout_equals_the_reference(layout, ref, tmp_path):
     assert_equivalent(_run(LAYOUTS[layout], tmp_path), ref)
+
+
+# Rows with pad tails (SFT): the routers leave the padding out of their loads, losses and the
+# step's normalisation, on ranks that hold different numbers of real tokens.
+PADDED = {
+    "one_process": ["train.micro_batch_size=4"],
+    **{k: LAYOUTS[k] for k in ("ep2", "cp2", "ep2_x_tp2", "ep2_x_pp2", "ep2_compile_block")},
+    # the recomputed forward of every block must be given the same mask
+    "ep2_checkpointed": [*LAYOUTS["ep2"], "strategy.activation_checkpoint.mode=full"],
+}
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else []) for name in PADDED],
+    ids=list(PADDED),
+)
+def test_padded_rows_equal_the_reference(layout, ref_padded, tmp_path):
+    assert_equivalent(_run(PADDED[layout], tmp_path, padded=True), ref_padded)

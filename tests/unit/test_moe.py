@@ -253,6 +253,43 @@ def test_router_losses_enter_the_gradient_with_the_step_scale():
     assert moe.statistics[-1].item() == 10 and moe.statistics[:4].sum().item() == 20
 
 
+def test_padding_is_left_out_of_the_router_losses_statistics_and_scale():
+    """Rows of 3 and 5 real tokens padded to 5 (the padding random, so routed somewhere): the loads,
+    the balance and z sums, the token count and the router losses' gradient (at the micro-batch's
+    own scale, 1 / its 8 real tokens) are those of the real tokens alone, by formula."""
+    coef, z_coef = 0.5, 0.1
+    moe = _layer(balance_coef=coef, z_loss_coef=z_coef)
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(3))
+    real = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    (moe(x, real) * 0).sum().backward()  # the experts' outputs give the gate no gradient: the router losses alone
+    got = moe.router.gate.weight.grad.clone()
+
+    gate = _layer().router.gate.weight
+    logits = x.reshape(-1, 16) @ gate.T
+    probs = logits.softmax(-1).view(2, 5, 4)
+    top = probs.topk(2, dim=-1).indices
+    balance, loads = 0.0, torch.zeros(4)
+    for b, length in enumerate((3, 5)):
+        f = torch.zeros(4)
+        for t in range(length):
+            f[top[b, t]] += 4 / (2 * length)
+            loads[top[b, t]] += 1
+        balance = balance + length * (f * probs[b, :length].mean(0)).sum()
+    z = (torch.logsumexp(logits, -1) ** 2).view(2, 5)[real].sum()
+    ((coef * balance + z_coef * z) / 8).backward()
+    torch.testing.assert_close(got, gate.grad, rtol=0, atol=1e-6)
+    expected = torch.cat([loads, torch.stack([balance.detach(), z.detach(), torch.tensor(8.0)])])
+    torch.testing.assert_close(moe.statistics, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_a_row_of_padding_alone_adds_nothing():
+    moe = _layer(balance_coef=1.0, z_loss_coef=1.0)
+    x = torch.randn(1, 4, 16, requires_grad=True)
+    moe(x, torch.zeros(1, 4, dtype=torch.bool)).sum().backward()
+    assert moe.statistics.abs().sum().item() == 0  # no load, no loss, no token; and no 0/0
+    assert torch.isfinite(moe.router.gate.weight.grad).all()
+
+
 def test_statistics_counted_once_per_forward_under_checkpointing_and_repeated_backward_and_not_in_eval():
     moe = _layer()
     x = torch.randn(2, 5, 16, requires_grad=True)

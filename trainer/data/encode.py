@@ -31,7 +31,8 @@ from trainer.data.packing import IGNORE_INDEX, rows_to_tensors
 from trainer.data.tokenizer import Tokenizer
 
 Sample = tuple[Sequence[int], Sequence[int]]  # (input_ids, labels), equal lengths
-PAIR_KEYS = ("input_ids", "labels", "position_ids", "document_ids")
+# source_ids: 0 on the row's tokens, -1 on its pad tail (the packer's mark, which a routed model reads).
+PAIR_KEYS = ("input_ids", "labels", "position_ids", "document_ids", "source_ids")
 
 
 def documents(tokenizer: Tokenizer, texts: Sequence[str]) -> list[Sample]:

@@ -102,15 +102,22 @@ class TransformerBlock(nn.Module):
         self.attention = attention_layer
         self.post_attention_norm = norm() if post else None
         self.ffn_norm = norm() if pre else None
-        # A gated MLP, unless the model gives another [B, T, D] -> [B, T, D] module (a routed MoE).
+        # A gated MLP, unless the model gives another [B, T, D] -> [B, T, D] module (a routed MoE),
+        # which also takes the token mask: ffn(x_btd, token_mask_bt) (`trainer.models.moe.MoE`).
         self.feed_forward = FeedForward(dim, ffn_dim, activation) if feed_forward is None else feed_forward
+        self.routes_tokens = feed_forward is not None
         self.post_ffn_norm = norm() if post else None
 
-    def forward(self, x_btd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any) -> torch.Tensor:
+    def forward(
+        self, x_btd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Any, **routed: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``routed``: ``token_mask_bt`` for a routed feed-forward (`routes_tokens`), nothing for the dense one."""
         h_btd = x_btd + _norm(
             self.post_attention_norm, self.attention(_norm(self.attention_norm, x_btd), cos, sin, mask)
         )
-        return h_btd + _norm(self.post_ffn_norm, self.feed_forward(_norm(self.ffn_norm, h_btd)))
+        ffn_in = _norm(self.ffn_norm, h_btd)
+        ffn_out = self.feed_forward(ffn_in, routed["token_mask_bt"]) if routed else self.feed_forward(ffn_in)
+        return h_btd + _norm(self.post_ffn_norm, ffn_out)
 
 
 def _norm(norm: nn.Module | None, x_btd: torch.Tensor) -> torch.Tensor:

@@ -365,6 +365,21 @@ class Llama(nn.Module):
             ValueError: if T exceeds ``max_seq_len`` or the position/document
                 ids do not have shape ``[B, T]``.
         """
+        return self._run(
+            input_ids_bt, position_ids_bt=position_ids_bt, document_ids_bt=document_ids_bt, return_hidden=return_hidden
+        )
+
+    def _run(
+        self,
+        input_ids_bt: torch.Tensor,
+        *,
+        position_ids_bt: torch.Tensor | None,
+        document_ids_bt: torch.Tensor | None,
+        return_hidden: bool,
+        token_mask_bt: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`forward`; ``token_mask_bt`` goes to the blocks whose feed-forward routes tokens (a
+        mixture of experts: `trainer.models.moe_transformer.MoETransformer.forward`)."""
         # [B, T] of the full sequence: under sequence parallelism the hidden states between blocks
         # are [B, T/tp, D] per rank, while ids, RoPE tables and masks cover the whole sequence.
         B, T = input_ids_bt.shape[0], input_ids_bt.shape[1]
@@ -377,7 +392,11 @@ class Llama(nn.Module):
         h_btd = input_ids_bt
         if T > self.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len {self.max_seq_len}; raise max_seq_len")
-        for name, ids in [("position_ids_bt", position_ids_bt), ("document_ids_bt", document_ids_bt)]:
+        for name, ids in [
+            ("position_ids_bt", position_ids_bt),
+            ("document_ids_bt", document_ids_bt),
+            ("token_mask_bt", token_mask_bt),
+        ]:
             if ids is not None and tuple(ids.shape) != (B, T):
                 raise ValueError(f"{name} must have shape [B, T] = {[B, T]}, got {list(ids.shape)}")
 
@@ -405,7 +424,8 @@ class Llama(nn.Module):
 
         for name, layer in self.layers.items():
             local = int(name) in self.window_layers
-            h_btd = layer(h_btd, *(local_rope if local else rope), local_mask if local else mask)
+            routed = {"token_mask_bt": token_mask_bt} if layer.routes_tokens else {}
+            h_btd = layer(h_btd, *(local_rope if local else rope), local_mask if local else mask, **routed)
         if self.norm is not None:
             h_btd = self.norm(h_btd)
         return self.output(h_btd) if self.output is not None and not return_hidden else h_btd

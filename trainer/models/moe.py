@@ -242,7 +242,7 @@ class _RouterAccounting(torch.autograd.Function):
     def forward(
         ctx: Any, out: torch.Tensor, router_loss: torch.Tensor, stats: torch.Tensor, moe: "MoE"
     ) -> torch.Tensor:
-        ctx.stats, ctx.moe, ctx.num_tokens, ctx.counted = stats, moe, out.shape[0], False
+        ctx.stats, ctx.moe, ctx.counted = stats, moe, False
         gate = moe.router.gate.weight
         ctx.gate_node = torch.autograd.graph.get_gradient_edge(gate).node if gate.requires_grad else None
         return out.view_as(out)
@@ -257,8 +257,8 @@ class _RouterAccounting(torch.autograd.Function):
             moe.add_statistics(stats)
             ctx.counted = True
         scale = moe.router_loss_scale
-        if scale is None:
-            scale = 1.0 / max(ctx.num_tokens, 1)
+        if scale is None:  # the micro-batch's own real tokens (the last statistic)
+            return grad_out, 1.0 / stats[-1].clamp(min=1.0).to(grad_out.device), None, None
         return grad_out, torch.full((), scale, device=grad_out.device), None, None
 
 
@@ -338,8 +338,10 @@ class MoE(nn.Module):
         # [E loads, balance-loss sum, z-loss sum, tokens] since the last pop_statistics (backward-counted).
         self.register_buffer("statistics", torch.zeros(num_experts + 3), persistent=False)
 
-    def forward(self, x_btd: torch.Tensor) -> torch.Tensor:
-        """``[B, T, D]`` -> ``[B, T, D]``."""
+    def forward(self, x_btd: torch.Tensor, token_mask_bt: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, T, D]`` -> ``[B, T, D]``. ``token_mask_bt``: bool ``[B, T]``, False on padding (None: no
+        padding). Every token runs through its experts (dropless), but padding is left out of the
+        router's statistics (expert loads, hence the expert-bias update) and of its losses."""
         B, T, D = x_btd.shape
         x_nd = x_btd.reshape(-1, D)
         routing = self.router(x_nd)
@@ -349,19 +351,30 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out_nd = out_nd + self.shared_experts(x_nd)
         if torch.is_grad_enabled() and out_nd.requires_grad:
-            out_nd = self._account(out_nd, routing, B, T)
+            out_nd = self._account(out_nd, routing, B, T, token_mask_bt)
         return out_nd.view(B, T, D)
 
-    def _account(self, out_nd: torch.Tensor, routing: Routing, B: int, T: int) -> torch.Tensor:
+    def _account(
+        self, out_nd: torch.Tensor, routing: Routing, B: int, T: int, token_mask_bt: torch.Tensor | None
+    ) -> torch.Tensor:
         E = self.router.num_experts
+        real_n = None if token_mask_bt is None else token_mask_bt.reshape(-1)
         # The losses' graph only when they are trained; their values are logged either way.
         with torch.set_grad_enabled(self.balance_coef > 0 or self.z_loss_coef > 0):
             row_group = getattr(self.rows, "row_group", None)
-            balance = balance_loss_sum(routing.scores_ne.view(B, T, E), routing.experts_nk.view(B, T, -1), row_group)
-            z_loss = z_loss_sum(routing.logits_ne)
+            balance = balance_loss_sum(
+                routing.scores_ne.view(B, T, E), routing.experts_nk.view(B, T, -1), row_group, token_mask_bt
+            )
+            z_loss = z_loss_sum(routing.logits_ne, real_n)
             router_loss = self.balance_coef * balance + self.z_loss_coef * z_loss
-        counts = torch.bincount(routing.experts_nk.reshape(-1), minlength=E).float()
-        tokens = counts.new_tensor(float(B * T))
+        experts_nk = routing.experts_nk
+        if real_n is None:
+            counts = torch.bincount(experts_nk.reshape(-1), minlength=E).float()
+            tokens = counts.new_tensor(float(B * T))
+        else:
+            weights = real_n[:, None].expand_as(experts_nk).reshape(-1).float()
+            counts = torch.bincount(experts_nk.reshape(-1), weights, minlength=E).float()
+            tokens = real_n.sum().float()
         stats = torch.cat([counts, torch.stack([balance.detach(), z_loss.detach(), tokens])])
         return _RouterAccounting.apply(out_nd, router_loss, stats, self)
 

@@ -95,11 +95,17 @@ def limit_to_groups(select_ne: torch.Tensor, n_group: int, topk_group: int) -> t
 
 
 def balance_loss_sum(
-    scores_bte: torch.Tensor, experts_btk: torch.Tensor, row_group: dist.ProcessGroup | None = None
+    scores_bte: torch.Tensor,
+    experts_btk: torch.Tensor,
+    row_group: dist.ProcessGroup | None = None,
+    token_mask_bt: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """DeepSeek-V3's sequence-wise balance loss, summed over tokens: ``sum_b T * L_b`` with
-    ``L_b = sum_i f_bi P_bi``, ``f_bi = E / (K T) * (tokens of row b routed to i)`` (no gradient)
-    and ``P_bi`` the mean over row b of the scores normalised to sum to 1 per token.
+    """DeepSeek-V3's sequence-wise balance loss, summed over tokens: ``sum_b T_b * L_b`` with
+    ``L_b = sum_i f_bi P_bi``, ``f_bi = E / (K T_b) * (tokens of row b routed to i)`` (no gradient)
+    and ``P_bi`` the mean over row b of the scores normalised to sum to 1 per token. ``T_b``: the
+    row's real tokens, those ``token_mask_bt`` (bool ``[B, T]``) holds True (None: all ``T``);
+    padding counts in neither ``f`` nor ``P`` (as transformers' ``load_balancing_loss_func`` leaves
+    out what its attention mask leaves out), and a row of padding alone adds 0.
 
     Per row, so the loss does not depend on how rows are split into micro-batches or ranks. It is
     1 when routing is uniform and grows to E / K when every token of a row picks the same experts.
@@ -112,20 +118,24 @@ def balance_loss_sum(
     """
     B, T, E = scores_bte.shape
     K = experts_btk.shape[-1]
-    ones = torch.ones(B, T * K, device=scores_bte.device)
+    real_bt = torch.ones(B, T, device=scores_bte.device) if token_mask_bt is None else token_mask_bt.float()
+    ones = real_bt[:, :, None].expand(B, T, K).reshape(B, -1)
     counts_be = torch.zeros(B, E, device=scores_bte.device).scatter_add_(1, experts_btk.reshape(B, -1), ones)
-    row_len = T
+    # [B, E + 1]: the counts and the row's real tokens, reduced together over the row's ranks.
+    counts_be1 = torch.cat([counts_be, real_bt.sum(1, keepdim=True)], 1)
     if row_group is not None:
-        counts_be = funcol.all_reduce(counts_be, "sum", row_group)
-        row_len = T * dist.get_world_size(row_group)
-    f_be = counts_be * (E / (K * row_len))
+        counts_be1 = funcol.all_reduce(counts_be1, "sum", row_group)
+    counts_be, row_len_b1 = counts_be1[:, :E], counts_be1[:, E:].clamp(min=1.0)
+    f_be = counts_be * (E / (K * row_len_b1))
     normed_bte = scores_bte / scores_bte.sum(-1, keepdim=True)
-    return (f_be[:, None, :] * normed_bte).sum()
+    return (f_be[:, None, :] * normed_bte * real_bt[:, :, None]).sum()
 
 
-def z_loss_sum(logits_ne: torch.Tensor) -> torch.Tensor:
-    """ST-MoE's router z-loss summed over tokens: ``sum_n logsumexp(logits_n)^2`` (float32)."""
-    return torch.logsumexp(logits_ne.float(), dim=-1).square().sum()
+def z_loss_sum(logits_ne: torch.Tensor, token_mask_n: torch.Tensor | None = None) -> torch.Tensor:
+    """ST-MoE's router z-loss summed over tokens: ``sum_n logsumexp(logits_n)^2`` (float32), over
+    the tokens ``token_mask_n`` (bool ``[N]``) holds True when given."""
+    z_n = torch.logsumexp(logits_ne.float(), dim=-1).square()
+    return z_n.sum() if token_mask_n is None else (z_n * token_mask_n).sum()
 
 
 class TopKRouter(nn.Module):

@@ -224,6 +224,32 @@ class MoETransformer(Llama):
                 )
         return self
 
+    @override
+    def forward(
+        self,
+        input_ids_bt: torch.Tensor,
+        *,
+        position_ids_bt: torch.Tensor | None = None,
+        document_ids_bt: torch.Tensor | None = None,
+        token_mask_bt: torch.Tensor | None = None,
+        return_hidden: bool = False,
+    ) -> torch.Tensor:
+        """`Llama.forward`, and ``token_mask_bt``: bool ``[B, T]`` (this rank's tokens under context
+        parallelism), False on padding, which the routers leave out of their loads and losses
+        (`MoE.forward`); None: no padding. The objectives pass it from the batch
+        (`strategies.core.model_contract.model_inputs`).
+
+        Raises:
+            ValueError: as `Llama.forward`; ``token_mask_bt`` not of shape ``[B, T]``.
+        """
+        return self._run(
+            input_ids_bt,
+            position_ids_bt=position_ids_bt,
+            document_ids_bt=document_ids_bt,
+            return_hidden=return_hidden,
+            token_mask_bt=token_mask_bt,
+        )
+
     def moe_layers(self) -> dict[str, MoE]:
         """``{block name: its MoE}`` of the blocks this module holds (a pipeline stage holds some)."""
         return {name: layer.feed_forward for name, layer in self.layers.items() if isinstance(layer.feed_forward, MoE)}
@@ -327,9 +353,9 @@ class MoETransformer(Llama):
             )
         for name, layer in self.layers.items():
             if isinstance(layer.feed_forward, MoE):
-                plan[f"layers.{name}.feed_forward"] = PrepareModuleInputOutput(
-                    input_layouts=(seq,),
-                    desired_input_layouts=(Replicate(),),
+                plan[f"layers.{name}.feed_forward"] = PrepareModuleInputOutput(  # (x_btd, token_mask_bt)
+                    input_layouts=(seq, None),
+                    desired_input_layouts=(Replicate(), None),
                     use_local_input=True,
                     output_layouts=(Replicate(),),
                     desired_output_layouts=(seq,),

@@ -38,6 +38,7 @@ import lightning as L
 import torch
 from torch import nn
 
+from strategies.core.model_contract import model_inputs
 from strategies.core.resolved import ResolvedRun
 from strategies.transforms.lora import adapters_off
 from trainer.catalog import say
@@ -282,7 +283,7 @@ class GRPO(Objective):
 
     def loss_sum(self, model: nn.Module, batch: Batch) -> torch.Tensor:
         """The summed policy loss of rollout rows; for held-out answer rows (evaluation), their NLL."""
-        logits = model(batch["input_ids"])
+        logits = model(batch["input_ids"], **model_inputs(model, batch))
         if "advantages" not in batch:
             return token_loss_sum(logits, batch["labels"])
         labels = batch["labels"]

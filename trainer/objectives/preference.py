@@ -30,8 +30,10 @@ import torch
 from torch import nn
 from typing_extensions import override
 
+from strategies.core.model_contract import model_inputs
 from strategies.core.ranges import NON_NEGATIVE, POSITIVE
 from strategies.core.resolved import ResolvedRun
+from trainer.data.encode import PAIR_KEYS
 from trainer.objectives.pair_losses import IGNORE_INDEX, dpo_loss, ipo_loss, orpo_loss, sequence_logps, simpo_loss
 from trainer.protocols import Objective
 
@@ -188,8 +190,8 @@ class PreferenceObjective(Objective):
         """``(logps [P, 2], tokens [P, 2])``: summed response log-probs of the chosen and rejected
         rows under ``model`` (one forward of all 2P rows) and their response lengths."""
         pairs, _, length = batch["input_ids"].shape
-        rows = {k: batch[k].reshape(2 * pairs, length) for k in ("input_ids", "labels", "position_ids", "document_ids")}
-        logits = model(rows["input_ids"], position_ids_bt=rows["position_ids"], document_ids_bt=rows["document_ids"])
+        rows = {k: batch[k].reshape(2 * pairs, length) for k in PAIR_KEYS if k in batch}
+        logits = model(rows["input_ids"], **model_inputs(model, rows))
         logps, tokens = sequence_logps(logits, rows["labels"])
         return logps.view(pairs, 2), tokens.view(pairs, 2)
 

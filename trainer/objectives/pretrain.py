@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from strategies.core.model_contract import optional
+from strategies.core.model_contract import model_inputs, optional
 from strategies.core.ranges import NON_NEGATIVE
 from strategies.core.resolved import ResolvedRun
 from strategies.transforms.lora import linear_operands
@@ -82,7 +82,7 @@ class CausalLM(Objective):
 
     def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Summed token loss of ``batch`` under ``model`` (0-dim fp32)."""
-        ids = {"position_ids_bt": batch.get("position_ids"), "document_ids_bt": batch.get("document_ids")}
+        ids = model_inputs(model, batch)
         chunk = self.chunk_tokens(model, batch)
         if chunk:
             hidden = model(batch["input_ids"], **ids, return_hidden=True)

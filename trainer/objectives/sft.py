@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from strategies.core.model_contract import model_inputs
 from trainer.objectives.pretrain import IGNORE_INDEX, CausalLM
 
 
@@ -35,9 +36,7 @@ class SFT(CausalLM):
 
     def loss_sum(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Summed token loss of ``batch`` (0-dim fp32); adds per-source sums when it has ``source_ids``."""
-        logits = model(
-            batch["input_ids"], position_ids_bt=batch.get("position_ids"), document_ids_bt=batch.get("document_ids")
-        )
+        logits = model(batch["input_ids"], **model_inputs(model, batch))
         labels = batch["labels"].flatten()
         token_loss = F.cross_entropy(logits.flatten(0, 1).float(), labels, ignore_index=IGNORE_INDEX, reduction="none")
         if isinstance(token_loss, DTensor):  # vocabulary-sharded logits (tensor parallelism's loss parallel)

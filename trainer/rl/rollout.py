@@ -4,7 +4,9 @@ A rollout row is ``prompt + completion + padding`` (``width`` tokens, right padd
 is plain causal attention from position 0, so the padding after a row's last token changes
 nothing before it, and every row computes what it computes alone. ``labels[t]`` is the completion
 token at t + 1 (its EOS included), -100 elsewhere (pre-shifted, as every plait label is): the
-policy loss covers exactly the completion's tokens.
+policy loss covers exactly the completion's tokens. ``source_ids`` is 0 on the prompt and completion
+and -1 on the padding, the packer's mark (`trainer.data.packing`): a routed model leaves the padding
+out of its routers' loads and losses (`strategies.core.model_contract.model_inputs`).
 """
 
 from __future__ import annotations
@@ -44,21 +46,23 @@ def before_stop(text: str, stop: Sequence[str]) -> str:
 def rollout_rows(
     prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], *, width: int, pad_id: int
 ) -> dict[str, torch.Tensor]:
-    """``{"input_ids", "labels"}`` ``[R, width]`` of the rollout rows (module docstring).
+    """``{"input_ids", "labels", "source_ids"}`` ``[R, width]`` of the rollout rows (module docstring).
 
     Raises:
         ValueError: a prompt + completion longer than ``width``.
     """
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     labels = torch.full((len(prompts), width), IGNORE_INDEX, dtype=torch.long)
+    source_ids = torch.full((len(prompts), width), -1, dtype=torch.long)
     for row, (prompt, completion) in enumerate(zip(prompts, completions)):
         ids = list(prompt) + list(completion)
         if len(ids) > width:
             raise ValueError(f"a prompt of {len(prompt)} + completion of {len(completion)} tokens exceeds {width}")
         input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        source_ids[row, : len(ids)] = 0
         if completion:
             labels[row, len(prompt) - 1 : len(ids) - 1] = torch.tensor(list(completion), dtype=torch.long)
-    return {"input_ids": input_ids, "labels": labels}
+    return {"input_ids": input_ids, "labels": labels, "source_ids": source_ids}
 
 
 def token_logps(logits_btv: torch.Tensor, labels_bt: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
