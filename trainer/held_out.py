@@ -38,7 +38,7 @@ def evaluate(task: Any) -> float | None:
             batch = strategy.shard_batch({k: v.to(task.device) for k, v in batch.items()})
             totals[0] += strategy.eval_loss_sum(task.model, batch, task.objective.loss_sum)
             totals[1] += task.objective.num_tokens(batch)
-        extra = read_means(task._pop_sums("val"))
+        extra = read_means(task.pop_means("val"))
         # The data's evaluators score the model beyond the loss (held-out exact match per SFT source).
         for evaluator in task.trainer.datamodule.evaluators():
             extra.update(evaluator.evaluate(task.model, task.device))

@@ -157,9 +157,10 @@ class Task(L.LightningModule):
             names += [name for name in getattr(evaluator, "headline_metrics", ()) if name not in names]
         return names
 
-    def _pop_sums(self, prefix: str) -> list[NamedMeans]:
-        """``{prefix}/<name>``: `_reduced_sums` each divided by its count on the device
-        (`NamedMeans`; names whose count is 0 are left out when read)."""
+    def pop_means(self, prefix: str) -> list[NamedMeans]:
+        """``{prefix}/<name>``: `_reduced_sums` each divided by its count on the device (`NamedMeans`;
+        names whose count is 0 are left out when read); the held-out evaluation reads them
+        (`trainer.held_out.evaluate`)."""
         return [NamedMeans.of_sums(prefix, names, sums) for names, sums in self._reduced_sums()]
 
     def _reduced_sums(self) -> list[tuple[list[str], torch.Tensor]]:

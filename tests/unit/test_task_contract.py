@@ -44,10 +44,10 @@ def _task(objective: Objective, calls: list[str]) -> Task:
     return task
 
 
-def test_pop_sums_are_reduced_once_and_divided_by_their_counts() -> None:
+def test_pop_means_are_reduced_once_and_divided_by_their_counts() -> None:
     calls: list[str] = []
     task = _task(_Sums(torch.tensor([[3.0, 5.0, 1.0], [2.0, 0.0, 4.0]])), calls)
-    assert read_means(task._pop_sums("val")) == {
+    assert read_means(task.pop_means("val")) == {
         "val/loss/a": 1.5,
         "val/rewards/margin": 0.25,
     }  # a count of 0 logs nothing
@@ -56,7 +56,7 @@ def test_pop_sums_are_reduced_once_and_divided_by_their_counts() -> None:
 
 def test_an_objective_without_sums_logs_nothing() -> None:
     calls: list[str] = []
-    assert _task(CausalLM(), calls)._pop_sums("train") == [] and calls == []
+    assert _task(CausalLM(), calls).pop_means("train") == [] and calls == []
 
 
 def test_configure_model_parallelizes_once() -> None:
