@@ -121,6 +121,8 @@ class Objective(Component, Protocol):
     # What `num_tokens` counts: "tokens" (the loss is a mean negative log-likelihood per token, so
     # exp of the validation loss is a perplexity, logged as val/ppl) or "pairs" (a preference loss).
     count_unit: str = "tokens"
+    # What `num_tokens` counts on a training step (the step's loss divisor), logged as ``train/<name>``.
+    step_count_name: str = "supervised_tokens"
     # Names of `pop_sums` whose held-out means (``val/<name>``) measure whether the recipe learns,
     # beyond the loss (a preference objective's reward accuracy and margin): ``summary.json``'s
     # ``first_val_metrics`` / ``final_val_metrics`` and ``plait compare`` show them.

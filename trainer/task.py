@@ -284,7 +284,7 @@ class Task(L.LightningModule):
                 "_skip_on_device": on_device,
                 "_verdict": verdict,
                 "_tokens_seen": self.tokens_seen,
-                "train/supervised_tokens": num_tokens,
+                f"train/{getattr(self.objective, 'step_count_name', 'supervised_tokens')}": num_tokens,
                 **strategy_metrics,
                 **data_metrics,
             },

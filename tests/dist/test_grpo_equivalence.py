@@ -103,7 +103,7 @@ def _reference(objective) -> dict:
     sampler = iter(
         GlobalBatchSampler(len(items), global_batch_size=prompts_per_step, dp_size=1, shuffle=True, seed=cfg.data.seed)
     )
-    out = {"loss": [], "advantages": []}
+    out = {"loss": [], "advantages": [], "units": []}
     for step in range(STEPS):
         if step % obj.num_iterations == 0:  # a new rollout: sampled, scored, its log-probs kept
             rows = _rollout(cfg, engine, items, tokenizer, next(sampler), step // obj.num_iterations)
@@ -125,6 +125,7 @@ def _reference(objective) -> dict:
         loss.backward()
         optimizer.step()
         out["loss"].append(loss.item())
+        out["units"].append(float(mask.sum() if obj.loss_type == "dapo" else len(mask)))  # the loss's divisor
     out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return out
 
@@ -144,6 +145,9 @@ def test_grpo_layout_matches_plain_loop(objective, layout, references, tmp_path)
     steps = [h for h in task.history if "loss" in h]
     assert max(h["train/clip_ratio/region"] for h in steps) > 0.1  # the clip acts on the reused rollouts
     assert all(h["train/clip_ratio/region"] < 0.9 for h in steps)  # and leaves tokens with a gradient
+    # the step's divisor, logged under what it counts: completions (grpo, dr_grpo) or their tokens (dapo)
+    unit = "train/completion_tokens" if objective == "dapo" else "train/completions"
+    assert [h.get(unit) for h in steps] == reference["units"]
     params = next(h["params"] for h in task.history if "params" in h)
     for name, value in reference["params"].items():
         torch.testing.assert_close(params[name], value, **TOL, msg=f"{objective} {layout}: {name}")

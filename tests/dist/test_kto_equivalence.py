@@ -23,13 +23,30 @@ from trainer.data.sampler import GlobalBatchSampler
 STEPS = 3
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 COMMON = (
-    "model=nano", "+model.vocab_size=288", "data=preference_synthetic", "data.seq_len=24", "data.max_prompt_len=12",
-    "data.sources.copy.limit=24", "data.sources.copy.val_size=4", "train.global_batch_size=8",
-    "train.eval_every=0", "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false",
-    "strategy.timeout_s=120", "logger=none", "~callbacks.plots", "~callbacks.checkpoint",
-    "optim=sgd", "optim.lr=1.0", "scheduler=constant", "scheduler.warmup_steps=0", "train.max_grad_norm=0",
-    f"trainer.max_steps={STEPS}", "+callbacks.params._target_=harness.ParamRecorder",
-    "objective.beta=0.5", "objective.undesirable_weight=0.2",  # KL estimates > 0 at steps 2 and 3
+    "model=nano",
+    "+model.vocab_size=288",
+    "data=preference_synthetic",
+    "data.seq_len=24",
+    "data.max_prompt_len=12",
+    "data.sources.copy.limit=24",
+    "data.sources.copy.val_size=4",
+    "train.global_batch_size=8",
+    "train.eval_every=0",
+    "trainer.log_every_n_steps=1",
+    "trainer.enable_progress_bar=false",
+    "strategy.timeout_s=120",
+    "logger=none",
+    "~callbacks.plots",
+    "~callbacks.checkpoint",
+    "optim=sgd",
+    "optim.lr=1.0",
+    "scheduler=constant",
+    "scheduler.warmup_steps=0",
+    "train.max_grad_norm=0",
+    f"trainer.max_steps={STEPS}",
+    "+callbacks.params._target_=harness.ParamRecorder",
+    "objective.beta=0.5",
+    "objective.undesirable_weight=0.2",  # KL estimates > 0 at steps 2 and 3
 )
 LAYOUTS = {
     "one_process": ["train.micro_batch_size=8"],
@@ -62,14 +79,21 @@ def reference() -> dict:
         ref = _logps(model, rows)
     beta, dw, uw = cfg.objective.beta, cfg.objective.desirable_weight, cfg.objective.undesirable_weight
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.optim.lr, momentum=cfg.optim.momentum)
-    sampler = GlobalBatchSampler(len(rows["input_ids"]), global_batch_size=8, dp_size=1, shuffle=True, seed=cfg.data.seed)
+    sampler = GlobalBatchSampler(
+        len(rows["input_ids"]), global_batch_size=8, dp_size=1, shuffle=True, seed=cfg.data.seed
+    )
     out = {"loss": []}
     for _, index in zip(range(STEPS), sampler):
         batch = {k: v[index] for k, v in rows.items()}
         ratio = _logps(model, batch) - ref[index]
         kl = ratio[:, 1].mean().detach().clamp(min=0)
         good = batch["desirable"] > 0.5
-        per_row = torch.cat([dw * (1 - torch.sigmoid(beta * (ratio[good, 0] - kl))), uw * (1 - torch.sigmoid(beta * (kl - ratio[~good, 0])))])
+        per_row = torch.cat(
+            [
+                dw * (1 - torch.sigmoid(beta * (ratio[good, 0] - kl))),
+                uw * (1 - torch.sigmoid(beta * (kl - ratio[~good, 0]))),
+            ]
+        )
         loss = per_row.mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -86,6 +110,8 @@ def test_kto_layout_matches_plain_loop(layout, reference, tmp_path):
     torch.testing.assert_close(torch.tensor(got), torch.tensor(reference["loss"]), **TOL)
     assert reference["loss"][-1] < reference["loss"][0] - 1e-3  # it trains
     assert all(h["train/kl"] > 0.1 for h in task.history if "loss" in h and h["step"] > 1)  # the KL estimate is in play
+    # the loss divisor, named for what it counts: the step's 8 completions (not "supervised_tokens")
+    assert [h.get("train/completions") for h in task.history if "loss" in h] == [8.0] * STEPS
     params = [h["params"] for h in task.history if "params" in h][0]
     for name, value in reference["params"].items():
         torch.testing.assert_close(params[name], value, **TOL, msg=f"{layout}: {name}")

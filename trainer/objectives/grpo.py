@@ -83,6 +83,11 @@ class GRPO(Objective):
     row_kind: RowKind = "prompts"
     count_unit = "tokens"  # of the evaluation rows: val/loss is the held-out answers' NLL per token
 
+    @property
+    def step_count_name(self) -> str:
+        """The training step's divisor (`count_units`): completions for grpo and dr_grpo, their tokens for dapo."""
+        return "completion_tokens" if self.loss_type == "dapo" else "completions"
+
     def __init__(
         self,
         *,

@@ -96,6 +96,7 @@ class KTO(PreferenceObjective):
     """
 
     row_kind = "unpaired"
+    step_count_name = "completions"  # each with its KL row
     # Unpaired rows have no pairwise accuracy: the held-out rewards of the desirable rows rise
     # above those of the undesirable ones as the policy learns the labels.
     headline_metrics = ("rewards/chosen", "rewards/rejected")

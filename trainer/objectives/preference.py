@@ -95,6 +95,7 @@ class PreferenceObjective(Objective):
 
     needs_reference = True
     count_unit = "pairs"
+    step_count_name = "pairs"
     # Held-out reward accuracy (chance 0.5) and margin show whether the policy learns the preferences.
     headline_metrics = ("rewards/accuracy", "rewards/margin")
     row_kind = "pairs"  # "unpaired" for KTO (data.unpaired=true; trainer.objectives.kto)
