@@ -130,8 +130,9 @@ def test_pack_errors_and_empty():
 def test_packed_rows_indexing():
     rows = pack([([1, 2, 3], [2, 3, IGNORE_INDEX])], seq_len=2, pad_id=0)
     assert len(rows) == 2
-    assert set(rows[1]) == {"input_ids", "labels", "position_ids", "document_ids"}
+    assert set(rows[1]) == {"input_ids", "labels", "position_ids", "document_ids", "source_ids"}
     assert rows[1]["input_ids"].tolist() == [3, 0] and rows[1]["labels"].tolist() == [IGNORE_INDEX] * 2
+    assert rows[1]["source_ids"].tolist() == [0, -1]  # the pad tail marked
     assert rows.num_supervised_tokens() == 2
 
 

@@ -1,7 +1,8 @@
 """Every objective gives a mixture of experts the padding of its rows, which its routers leave out.
 
 A tiny `MoETransformer` (two MoE blocks) runs each objective's ``loss_sum`` and backward on rows
-with pad tails: packed pretraining/SFT rows (the packer's ``source_ids`` -1), preference pairs
+with pad tails: packed pretraining (`trainer.data.packing.pack`, the text corpus's rows) and SFT rows
+(the packer's ``source_ids`` -1), preference pairs
 (`trainer.data.encode.pair_rows`) and GRPO rollout rows (`trainer.rl.rollout.rollout_rows`). The
 routers' token count (the last statistic of each MoE layer) must be the rows' real tokens, counted
 here from the rows' lengths, not from any mask plait builds. The layers' arithmetic with a mask is
@@ -13,10 +14,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from strategies.core.model_contract import declares, model_inputs
 from trainer.data.encode import pair_rows, stack_rows
-from trainer.data.packing import rows_to_tensors
+from trainer.data.packing import pack, rows_to_tensors
 from trainer.models.llama import Llama
 from trainer.models.moe_transformer import MoETransformer
 from trainer.objectives.grpo import GRPO
@@ -56,6 +58,18 @@ def _pairs() -> tuple[dict[str, torch.Tensor], int]:
     return stack_rows([a, b], SEQ), (3 + 4) + (3 + 2) + (5 + 6) + (5 + 1)
 
 
+def test_pretraining_rows_mark_their_pad_tail():
+    """`pack` (the text corpus's rows): documents of 10 and 12 tokens fill one row of 16 and 6 tokens
+    of the next, whose 10-token pad tail the routers leave out."""
+    rows = pack(
+        [(list(range(1, 11)), list(range(2, 12))), (list(range(1, 13)), list(range(2, 14)))], seq_len=SEQ, pad_id=PAD
+    )
+    batch = rows[0:2]  # [2, 16] each
+    model = _model()
+    CausalLM().loss_sum(model, batch).backward()
+    assert _routed_tokens(model) == [22, 22]
+
+
 def test_packed_rows_sft_and_pretraining():
     batch, real = _packed()
     for objective in (SFT(groups=["a"]), CausalLM()):
@@ -88,3 +102,25 @@ def test_a_dense_model_is_not_given_a_token_mask():
     batch, _ = _packed()
     assert not declares(dense, "token_mask_bt") and "token_mask_bt" not in model_inputs(dense, batch)
     assert model_inputs(_model(), batch)["token_mask_bt"].sum().item() == 21
+
+
+def test_a_models_own_dense_feed_forward_is_not_given_the_mask():
+    """A model's own [B, T, D] feed-forward (`Llama.make_feed_forward`) whose forward takes x alone runs
+    as before; only one that declares ``token_mask_bt`` routes tokens."""
+
+    class Linear(nn.Module):
+        def __init__(self, dim: int) -> None:
+            super().__init__()
+            self.proj = nn.Linear(dim, dim)
+
+        def forward(self, x_btd: torch.Tensor) -> torch.Tensor:
+            return self.proj(x_btd)
+
+    class Own(Llama):
+        def make_feed_forward(self, layer: int) -> nn.Module:
+            return Linear(self.dim)
+
+    model = Own(vocab_size=32, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=SEQ)
+    assert model(torch.randint(0, 32, (2, 8))).shape == (2, 8, 32)
+    assert not any(layer.routes_tokens for layer in model.layers.values())
+    assert all(layer.routes_tokens for layer in _model().layers.values())

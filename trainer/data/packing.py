@@ -231,18 +231,27 @@ def rows_to_tensors(rows: list[list[Piece]], *, num_rows: int, seq_len: int, pad
 
 @dataclass
 class PackedRows:
-    """``N`` packed rows of length ``S``; all fields are ``[N, S]`` int64 tensors."""
+    """``N`` packed rows of length ``S``; all fields are ``[N, S]`` int64 tensors (`ROW_KEYS`).
+
+    ``source_ids`` marks the pad tails with -1 (a routed model leaves them out of its routers:
+    `strategies.core.model_contract.model_inputs`); rows given without it have no mark: 0 everywhere.
+    """
 
     input_ids: Tensor
     labels: Tensor
     position_ids: Tensor
     document_ids: Tensor
+    source_ids: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.source_ids is None:
+            self.source_ids = torch.zeros_like(self.input_ids)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
     def __getitem__(self, i: int) -> dict[str, Tensor]:
-        """Row ``i`` as ``{"input_ids", "labels", "position_ids", "document_ids"}``, each ``[S]``."""
+        """Row ``i`` as ``{"input_ids", "labels", "position_ids", "document_ids", "source_ids"}``, each ``[S]``."""
         return {k: v[i] for k, v in vars(self).items()}
 
     def num_supervised_tokens(self) -> int:
@@ -284,7 +293,7 @@ def pack(
     while (row := packer.next_row()) is not None:
         rows.append(row)
     tensors = rows_to_tensors(rows, num_rows=len(rows), seq_len=seq_len, pad_id=pad_id)
-    return PackedRows(**{k: tensors[k] for k in ("input_ids", "labels", "position_ids", "document_ids")})
+    return PackedRows(**tensors)
 
 
 LONG_SAMPLES = ("split", "truncate", "drop", "error")

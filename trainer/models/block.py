@@ -12,6 +12,7 @@ Shape suffixes on variable names: B batch, T sequence length, D model dim, F ffn
 """
 
 import functools
+import inspect
 import math
 from typing import Any
 
@@ -102,10 +103,10 @@ class TransformerBlock(nn.Module):
         self.attention = attention_layer
         self.post_attention_norm = norm() if post else None
         self.ffn_norm = norm() if pre else None
-        # A gated MLP, unless the model gives another [B, T, D] -> [B, T, D] module (a routed MoE),
-        # which also takes the token mask: ffn(x_btd, token_mask_bt) (`trainer.models.moe.MoE`).
+        # A gated MLP, unless the model gives another [B, T, D] -> [B, T, D] module (a routed MoE);
+        # one whose forward declares token_mask_bt gets it: ffn(x_btd, token_mask_bt) (`trainer.models.moe.MoE`).
         self.feed_forward = FeedForward(dim, ffn_dim, activation) if feed_forward is None else feed_forward
-        self.routes_tokens = feed_forward is not None
+        self.routes_tokens = "token_mask_bt" in inspect.signature(self.feed_forward.forward).parameters
         self.post_ffn_norm = norm() if post else None
 
     def forward(
