@@ -241,7 +241,7 @@ def test_layout_equals_the_reference(layout, ref, tmp_path):
 # step's normalisation, on ranks that hold different numbers of real tokens.
 PADDED = {
     "one_process": ["train.micro_batch_size=4"],
-    **{k: LAYOUTS[k] for k in ("ep2", "cp2", "ep2_x_tp2", "ep2_x_pp2", "ep2_compile_block")},
+    **{k: LAYOUTS[k] for k in ("ep2", "ep2_x_fsdp2", "llep2", "cp2", "ep2_x_tp2", "ep2_x_pp2", "ep2_compile_block")},
     # the recomputed forward of every block must be given the same mask
     "ep2_checkpointed": [*LAYOUTS["ep2"], "strategy.activation_checkpoint.mode=full"],
 }
